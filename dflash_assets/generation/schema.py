@@ -1,0 +1,76 @@
+"""Arrow schemas of every table the pipeline writes. One name per concept, the same in code, columns and docs.
+
+Layout under the data dir (`DFLASH_DATA_DIR`, default `data/`), hive-style so DuckDB's
+`read_parquet('<dir>/completions/**/*.parquet', hive_partitioning = false)` reads every completion:
+
+    prompt_shards/shard=<key>/prompts.parquet          PROMPT_SCHEMA, one file per shard
+    rejects/shard=<key>/stage=<stage>/<part>.parquet   REJECT_SCHEMA (source, preflight, server)
+    completions/shard=<key>/<part>.parquet             COMPLETION_SCHEMA, committed parts (the only "done" ledger)
+    failures/shard=<key>/<part>.parquet                FAILURE_SCHEMA (retries exhausted; retried next run)
+"""
+
+import pyarrow as pa
+
+PROMPT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),  # the source's id, else sha256 of the canonical messages JSON (16 hex)
+        ("shard", pa.string()),
+        ("line", pa.int64()),  # 1-based line (JSONL) or row (Parquet) number in the source
+        ("source", pa.string()),  # dataset name: the source's `source` field, else the file stem
+        ("messages_json", pa.string()),  # canonical JSON of [{"role", "content"}, ...]
+        ("prompt_tokens", pa.int32()),  # exact chat-template token count from the fleet's /v1/tokenize
+        ("template_kwargs_json", pa.string()),  # chat_template_kwargs prompt_tokens was counted with
+    ]
+)
+
+REJECT_SCHEMA = pa.schema(
+    [
+        ("shard", pa.string()),
+        ("stage", pa.string()),  # "source" | "preflight" | "server"
+        ("line", pa.int64()),
+        ("prompt_id", pa.string()),  # null when the line could not be parsed
+        ("config_hash", pa.string()),  # null at stage "source"
+        ("reason", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("max_output_tokens", pa.int32()),
+        ("server_context_length", pa.int32()),
+        ("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+COMPLETION_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("shard", pa.string()),
+        ("source", pa.string()),
+        ("config_hash", pa.string()),
+        ("finish_reason", pa.string()),  # "stop" | "length"
+        ("prompt_tokens", pa.int32()),  # as the server counted them (usage.prompt_tokens)
+        ("completion_tokens", pa.int32()),
+        ("reasoning_tokens", pa.int32()),
+        ("max_output_tokens", pa.int32()),
+        ("server_context_length", pa.int32()),
+        ("server_url", pa.string()),
+        ("model", pa.string()),
+        ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("top_k", pa.int32()),
+        ("enable_thinking", pa.bool_()),
+        ("content", pa.string()),
+        ("reasoning_content", pa.string()),  # null when the server did not separate reasoning
+        ("latency_s", pa.float64()),
+        ("attempt", pa.int16()),  # 1 for a first try; >1 after retries
+        ("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+FAILURE_SCHEMA = pa.schema(
+    [
+        ("shard", pa.string()),
+        ("prompt_id", pa.string()),
+        ("config_hash", pa.string()),
+        ("error", pa.string()),
+        ("attempts", pa.int16()),
+        ("created_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
