@@ -1,0 +1,94 @@
+"""completions: one row per prompt and generation config, generated on the fleet, committed as Parquet."""
+
+import dagster as dg
+from pydantic import Field
+
+from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.prompts.assets import prompt_shards
+from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
+from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.preflight import PreflightError
+
+
+class CompletionsConfig(dg.Config):
+    """Generation settings, editable in the launchpad. Every row records them; a change is a new config."""
+
+    max_output_tokens: int = Field(4096, description="The cap: max_completion_tokens of every request.")
+    temperature: float = Field(0.6, description="Sampling temperature (>= 0).")
+    top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
+    top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
+    enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
+    max_in_flight_per_server: int = Field(
+        0, description="Requests in flight per server; 0 = the server's own max_running_requests + a margin.")
+    max_attempts: int = Field(4, description="Attempts per request on retryable errors (5xx, timeouts).")
+    preflight_policy: str = Field(
+        "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
+                              "'fail': the run fails before any request.")
+    commit_rows: int = Field(512, description="Commit a Parquet part every this many rows ...")
+    commit_seconds: float = Field(10.0, description="... or every this many seconds.")
+    progress_seconds: float = Field(30.0, description="A progress line in the run log every this many seconds.")
+    no_server_timeout_s: float = Field(
+        120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
+
+    def generation(self) -> GenerationConfig:
+        return GenerationConfig(max_output_tokens=self.max_output_tokens, temperature=self.temperature,
+                                top_p=self.top_p, top_k=self.top_k, enable_thinking=self.enable_thinking)
+
+    def dispatch(self) -> DispatchSettings:
+        return DispatchSettings(max_in_flight_per_server=self.max_in_flight_per_server,
+                                max_attempts=self.max_attempts, commit_rows=self.commit_rows,
+                                commit_seconds=self.commit_seconds, progress_seconds=self.progress_seconds,
+                                no_server_timeout_s=self.no_server_timeout_s)
+
+
+@dg.asset(
+    deps=[prompt_shards],
+    partitions_def=shard_partitions,
+    group_name="generation",
+    kinds={"sglang", "parquet"},
+    owners=["team:dflash"],
+    pool="sglang_fleet",
+    description="A completion per prompt of the shard, generated on the SGLang fleet, with full provenance "
+                "(config_hash, cap, sampling, server, context length, finish_reason, token counts). A re-run "
+                "resumes: prompts already committed for this config are skipped.",
+)
+def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fleet: FleetResource,
+                data_dir: DataDir) -> dg.MaterializeResult:
+    generation, dispatch = config.generation(), config.dispatch()
+    try:
+        generation.validate()
+        dispatch.validate()
+    except ConfigError as e:
+        raise dg.Failure(str(e)) from None
+    try:
+        run = run_on_fleet(fleet, lambda f: generate_shard(
+            data_dir.resolved(), context.partition_key, f, generation, dispatch,
+            preflight_policy=config.preflight_policy, log=context.log.info))
+    except PreflightError as e:
+        raise dg.Failure(f"preflight: {e}") from None
+    for note in run.notes:
+        context.log.warning(note)
+    accounted = run.completed + run.rejected + run.failed
+    if run.failed:
+        context.log.warning(f"{run.failed} prompts failed after {dispatch.max_attempts} attempts; "
+                            f"they are in the failures table and will be retried on the next run")
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": run.completed,
+        "config_hash": run.config_hash,
+        "model": run.model,
+        "max_output_tokens": generation.max_output_tokens,
+        "prompts": run.prompts,
+        "completed": run.completed,
+        "already_done": run.already_done,
+        "rejected_preflight": run.rejected_preflight,
+        "rejected_server": run.rejected_server,
+        "failed": run.failed,
+        "accounting": f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
+                      f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
+        "new_rows_truncated": run.length,
+        "output_tokens": run.output_tokens,
+        "elapsed_s": round(run.elapsed_s, 2),
+        "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
+        "servers": dg.MetadataValue.json(run.servers),
+    })

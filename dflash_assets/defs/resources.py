@@ -1,0 +1,141 @@
+"""Resources: the SGLang fleet, the prompt source and the data dir. Settings come from the environment."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import dagster as dg
+from pydantic import PrivateAttr
+
+from dflash_assets.fleet.fleet import Fleet, connect
+
+DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "demo" / "prompts.jsonl"
+FLEET_MODES = ("emulated", "attach")
+
+
+class FleetResource(dg.ConfigurableResource):
+    """The SGLang servers completions are generated on.
+
+    `emulated` starts `num_servers` local SGLang emulators for the run and stops them after it;
+    `attach` uses servers someone else runs (or an SGLang router / gateway URL in front of many).
+    The API key is read from the environment variable named by `api_key_env`, never from config,
+    so it never shows in the launchpad, the run config or the logs.
+    """
+
+    mode: str = "emulated"
+    urls: str = ""  # attach: comma-separated base URLs, e.g. http://10.0.0.5:30000,http://10.0.0.6:30000
+    num_servers: int = 2
+    emulator_args: str = ""  # emulated: extra emulator flags, e.g. "--decode-tokens-per-s 4000"
+    api_key_env: str = "DFLASH_API_KEY"
+    health_timeout_s: float = 120.0
+    request_timeout_s: float = 3600.0
+
+    _urls: list[str] = PrivateAttr(default_factory=list)
+
+    def validate_settings(self) -> None:
+        if self.mode not in FLEET_MODES:
+            raise dg.DagsterInvalidConfigError(
+                f"unknown fleet mode {self.mode!r}: expected one of {', '.join(FLEET_MODES)}", [], None)
+        if self.mode == "attach" and not self.url_list():
+            raise dg.DagsterInvalidConfigError(
+                "fleet mode 'attach' needs at least one server URL (set DFLASH_FLEET_URLS)", [], None)
+        if self.mode == "emulated" and self.num_servers < 1:
+            raise dg.DagsterInvalidConfigError(f"num_servers must be >= 1, got {self.num_servers}", [], None)
+
+    def url_list(self) -> list[str]:
+        return [u.strip() for u in self.urls.split(",") if u.strip()]
+
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) or None
+
+    @contextmanager
+    def yield_for_execution(self, context: dg.InitResourceContext):
+        self.validate_settings()
+        with ExitStack() as stack:
+            if self.mode == "emulated":
+                from dflash_assets.fleet.emulator.process import start_emulator
+
+                args = self.emulator_args.split()
+                if self.api_key():
+                    args += ["--api-key", self.api_key()]
+                servers = [stack.enter_context(start_emulator(args)) for _ in range(self.num_servers)]
+                self._urls = [s.url for s in servers]
+                context.log.info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
+            else:
+                self._urls = self.url_list()
+            yield self
+
+    async def connect(self) -> Fleet:
+        """Connect (inside the caller's event loop) and probe every server."""
+        return await connect(self._urls, self.api_key(), health_timeout_s=self.health_timeout_s,
+                             request_timeout_s=self.request_timeout_s)
+
+
+class PromptSource(dg.ConfigurableResource):
+    """The prompt set (JSONL or Parquet), cut into shards of `shard_size` lines."""
+
+    path: str = str(DEMO_PROMPTS)
+    shard_size: int = 100
+
+    def resolved(self) -> Path:
+        if self.shard_size <= 0:
+            raise dg.DagsterInvalidConfigError(f"shard_size must be a positive integer, got {self.shard_size}",
+                                               [], None)
+        return Path(self.path)
+
+
+class DataDir(dg.ConfigurableResource):
+    """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`)."""
+
+    path: str = "data"
+
+    def resolved(self) -> Path:
+        return Path(self.path).resolve()
+
+
+def from_env() -> dict:
+    """The resource map, with every setting taken from the environment where it is set there."""
+
+    def env(name: str, default):
+        return dg.EnvVar(name) if name in os.environ else default
+
+    def env_int(name: str, default: int):
+        return dg.EnvVar.int(name) if name in os.environ else default
+
+    return {
+        "fleet": FleetResource(mode=env("DFLASH_FLEET_MODE", "emulated"), urls=env("DFLASH_FLEET_URLS", ""),
+                               num_servers=env_int("DFLASH_NUM_SERVERS", 2),
+                               emulator_args=env("DFLASH_EMULATOR_ARGS", "")),
+        "prompt_source": PromptSource(path=env("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
+                                      shard_size=env_int("DFLASH_SHARD_SIZE", 100)),
+        "data_dir": DataDir(path=env("DFLASH_DATA_DIR", "data")),
+        "quality": QualityThresholds(),
+    }
+
+
+def run_on_fleet(fleet: FleetResource, work):
+    """Run `work(fleet)` (a coroutine function) on a freshly connected fleet, closing the session after."""
+
+    async def go():
+        connected = await fleet.connect()
+        try:
+            return await work(connected)
+        finally:
+            await connected.session.close()
+
+    return asyncio.run(go())
+
+
+class QualityThresholds(dg.ConfigurableResource):
+    """The limits the quality checks judge by (shares of rows, in [0, 1])."""
+
+    truncation_rate_max: float = 0.05
+    training_max_length: int = 4096
+
+    def thresholds(self):
+        from dflash_assets.quality import Thresholds
+
+        return Thresholds(truncation_rate_max=self.truncation_rate_max, training_max_length=self.training_max_length)

@@ -1,0 +1,52 @@
+"""A connected fleet: one aiohttp session, a client and the probed facts for every server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
+
+
+@dataclass
+class Fleet:
+    clients: list[ServerClient]
+    infos: list[ServerInfo]
+    session: aiohttp.ClientSession
+
+    @property
+    def model(self) -> str:
+        return self.infos[0].model
+
+
+def open_session(total_connections: int = 0) -> aiohttp.ClientSession:
+    # limit=0 would mean unlimited; the dispatcher bounds requests, so size the pool to match it
+    connector = aiohttp.TCPConnector(limit=total_connections or 1024, limit_per_host=0, ttl_dns_cache=300)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+
+
+async def wait_healthy(client: ServerClient, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await client.healthy():
+        if time.monotonic() > deadline:
+            raise ServerError(client.url, f"not healthy after {timeout_s:.0f}s (GET /health)", retryable=False)
+        await asyncio.sleep(0.2)
+
+
+async def connect(urls: list[str], api_key: str | None = None, *, health_timeout_s: float = 60.0,
+                  request_timeout_s: float = 3600.0) -> Fleet:
+    """Connect to every server, wait until each is healthy and read what it says about itself."""
+    if not urls:
+        raise ValueError("the fleet has no servers")
+    session = open_session()
+    try:
+        clients = [ServerClient(session, u, api_key, request_timeout_s) for u in urls]
+        await asyncio.gather(*(wait_healthy(c, health_timeout_s) for c in clients))
+        infos = list(await asyncio.gather(*(c.info() for c in clients)))
+    except BaseException:
+        await session.close()
+        raise
+    return Fleet(clients, infos, session)

@@ -1,0 +1,112 @@
+"""Spread requests over the fleet: least-loaded server first, per-server slots, eject and re-admit.
+
+Each server gets as many requests in flight as it runs at once (its effective max_running_requests)
+plus a small waiting margin, so its slots never idle between two requests; servers of different
+capacity get proportional load. A server that fails repeatedly is ejected, probed with /health, and
+re-admitted when it answers. When no server has been healthy for `no_server_timeout_s`, `acquire`
+raises FleetDown: the circuit breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from dflash_assets.fleet.client import ServerClient, ServerInfo
+
+
+class FleetDown(RuntimeError):
+    """No server of the fleet has been healthy for longer than the configured time."""
+
+
+@dataclass
+class Slot:
+    client: ServerClient
+    info: ServerInfo
+    limit: int
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    ejected_at: float | None = None
+    completed: int = 0
+    output_tokens: int = 0
+    busy_since: float | None = None
+    stats: dict = field(default_factory=lambda: {"ok": 0, "retried": 0})
+
+    @property
+    def url(self) -> str:
+        return self.info.url
+
+
+class Dispatcher:
+    def __init__(self, clients: list[ServerClient], infos: list[ServerInfo], *, max_in_flight_per_server: int = 0,
+                 waiting_margin: int = 2, eject_after: int = 3, probe_interval_s: float = 2.0,
+                 no_server_timeout_s: float = 120.0):
+        self.slots = [
+            Slot(c, i, max_in_flight_per_server or (i.max_running_requests + waiting_margin))
+            for c, i in zip(clients, infos)
+        ]
+        self.eject_after = eject_after
+        self.probe_interval_s = probe_interval_s
+        self.no_server_timeout_s = no_server_timeout_s
+        self._changed = asyncio.Condition()
+        self._probes: dict[str, asyncio.Task] = {}
+        self._all_down_since: float | None = None
+
+    @property
+    def capacity(self) -> int:
+        return sum(s.limit for s in self.slots)
+
+    def healthy(self) -> list[Slot]:
+        return [s for s in self.slots if s.ejected_at is None]
+
+    def _pick(self) -> Slot | None:
+        free = [s for s in self.healthy() if s.in_flight < s.limit]
+        return min(free, key=lambda s: (s.in_flight / s.limit, s.in_flight)) if free else None
+
+    async def acquire(self) -> Slot:
+        async with self._changed:
+            while (slot := self._pick()) is None:
+                if not self.healthy():
+                    self._all_down_since = self._all_down_since or time.monotonic()
+                    waited = time.monotonic() - self._all_down_since
+                    if waited >= self.no_server_timeout_s:
+                        raise FleetDown(f"no healthy server for {waited:.0f}s (of {len(self.slots)}: "
+                                        + ", ".join(s.url for s in self.slots) + ")")
+                    timeout = self.no_server_timeout_s - waited
+                else:
+                    timeout = None
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            self._all_down_since = None
+            slot.in_flight += 1
+            return slot
+
+    async def release(self, slot: Slot, *, ok: bool) -> None:
+        async with self._changed:
+            slot.in_flight -= 1
+            if ok:
+                slot.consecutive_failures = 0
+            else:
+                slot.consecutive_failures += 1
+                if slot.ejected_at is None and slot.consecutive_failures >= self.eject_after:
+                    slot.ejected_at = time.monotonic()
+                    self._probes[slot.url] = asyncio.create_task(self._probe_until_back(slot))
+            self._changed.notify_all()
+
+    async def _probe_until_back(self, slot: Slot) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            if await slot.client.healthy(timeout=max(1.0, self.probe_interval_s)):
+                async with self._changed:
+                    slot.ejected_at = None
+                    slot.consecutive_failures = 0
+                    self._changed.notify_all()
+                return
+
+    async def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)

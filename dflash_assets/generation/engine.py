@@ -1,0 +1,251 @@
+"""Generate the completions of one shard: resume from committed parts, preflight, dispatch, commit.
+
+Restart-safe by construction: the remaining work is recomputed from the committed Parquet parts on
+every start (prompts of the shard minus rows of this config minus rejects of this config), so a
+`kill -9` loses at most the requests in flight and the rows not yet committed, and never duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from dflash_assets.fleet.client import ServerError
+from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.dispatch import Dispatcher, Slot
+from dflash_assets.generation.preflight import Budget, check_fleet, overflow_error
+from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA
+from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.generation.store import PartStore
+
+OVERFLOW_FAIL_SHARE = 0.9  # when this share of a shard overflows, the config is wrong, not the prompts
+
+
+@dataclass
+class ShardRun:
+    """What a run of one shard did; `prompts == completed + rejected + failed` once it has finished."""
+
+    shard: str
+    config_hash: str
+    model: str
+    prompts: int = 0
+    already_done: int = 0
+    completed: int = 0  # rows of this config in committed parts, this run's and earlier ones
+    length: int = 0  # of this run's new rows, finish_reason == "length"
+    rejected_preflight: int = 0
+    rejected_server: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+    elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    servers: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def rejected(self) -> int:
+        return self.rejected_preflight + self.rejected_server
+
+
+def completion_store(data_dir: Path, shard: str) -> PartStore:
+    return PartStore(data_dir, "completions", shard, COMPLETION_SCHEMA)
+
+
+def failure_store(data_dir: Path, shard: str) -> PartStore:
+    return PartStore(data_dir, "failures", shard, FAILURE_SCHEMA)
+
+
+def _ids(store: PartStore, config_hash: str) -> set[str]:
+    table = store.read(["prompt_id", "config_hash"])
+    return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
+
+
+def _row(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, config_hash: str, shard: str,
+         attempt: int, latency: float) -> dict:
+    choice, usage = resp["choices"][0], resp.get("usage") or {}
+    reasoning_tokens = usage.get("reasoning_tokens")
+    if reasoning_tokens is None:
+        reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    return {
+        "prompt_id": prompt["prompt_id"], "shard": shard, "source": prompt["source"], "config_hash": config_hash,
+        "finish_reason": choice["finish_reason"], "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": reasoning_tokens or 0,
+        "max_output_tokens": config.max_output_tokens, "server_context_length": slot.info.context_length,
+        "server_url": slot.url, "model": slot.info.model, "temperature": config.temperature, "top_p": config.top_p,
+        "top_k": config.top_k, "enable_thinking": config.enable_thinking,
+        "content": choice["message"].get("content") or "", "reasoning_content": choice["message"].get("reasoning_content"),
+        "latency_s": latency, "attempt": attempt, "created_at": datetime.now(timezone.utc),
+    }
+
+
+def _reject(prompt: dict, stage: str, reason: str, config: GenerationConfig, config_hash: str, shard: str,
+            context: int) -> dict:
+    return {"shard": shard, "stage": stage, "line": prompt["line"], "prompt_id": prompt["prompt_id"],
+            "config_hash": config_hash, "reason": reason, "prompt_tokens": prompt["prompt_tokens"],
+            "max_output_tokens": config.max_output_tokens, "server_context_length": context,
+            "created_at": datetime.now(timezone.utc)}
+
+
+async def _exact_prompt_tokens(fleet: Fleet, prompts: list[dict], config: GenerationConfig) -> None:
+    """Re-count prompt tokens when this config renders the chat template differently from the shard's count."""
+    kwargs = config.template_kwargs()
+    stale = [p for p in prompts if json.loads(p["template_kwargs_json"]) != kwargs]
+    gate = asyncio.Semaphore(64)
+
+    async def count(i: int, p: dict) -> None:
+        async with gate:
+            client = fleet.clients[i % len(fleet.clients)]
+            p["prompt_tokens"] = await client.count_prompt_tokens(json.loads(p["messages_json"]), kwargs)
+
+    await asyncio.gather(*(count(i, p) for i, p in enumerate(stale)))
+
+
+async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: GenerationConfig,
+                         settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
+                         log: Callable[[str], None] = print) -> ShardRun:
+    config.validate()
+    settings.validate()
+    if preflight_policy not in ("reject", "fail"):
+        raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
+    notes = check_fleet(fleet.infos)
+    config_hash = config.config_hash(fleet.model)
+    run = ShardRun(shard, config_hash, fleet.model, notes=notes)
+    started = time.monotonic()
+    store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
+    server_rejects = reject_store(data_dir, shard, "server")
+    with store.lock():
+        store.recover()
+        server_rejects.recover()
+        prompts = prompt_store(data_dir, shard).read().to_pylist()
+        if not prompts and not prompt_store(data_dir, shard).parts():
+            raise FileNotFoundError(f"shard {shard} has no prompt_shards file under {data_dir}; materialise "
+                                    f"prompt_shards for it first")
+        run.prompts = len(prompts)
+        done = _ids(store, config_hash)
+        refused = _ids(server_rejects, config_hash)
+        run.already_done, run.rejected_server = len(done), len(refused)
+        todo = [p for p in prompts if p["prompt_id"] not in done and p["prompt_id"] not in refused]
+
+        await _exact_prompt_tokens(fleet, todo, config)
+        budget = Budget.of(fleet.infos, settings.context_margin)
+        cap = config.max_output_tokens
+        problems = {p["prompt_id"]: budget.problem(p["prompt_tokens"], cap) for p in todo}
+        over = [p for p in todo if problems[p["prompt_id"]]]
+        if over and (preflight_policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(todo)):
+            raise overflow_error(budget, cap, len(over), len(todo), max(p["prompt_tokens"] for p in over))
+        reject_store(data_dir, shard, "preflight").replace(
+            [_reject(p, "preflight", problems[p["prompt_id"]], config, config_hash, shard, budget.context_length)
+             for p in over], f"{config_hash}.parquet")
+        run.rejected_preflight = len(over)
+        todo = [p for p in todo if not problems[p["prompt_id"]]]
+        log(f"shard {shard} config {config_hash} (cap {cap}): {run.prompts} prompts, {len(done)} already done, "
+            f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
+            f"{len(todo)} to generate on {len(fleet.clients)} servers")
+
+        failed = await _dispatch(todo, fleet, config, config_hash, settings, shard, store, server_rejects, run, log,
+                                 started)
+        failures.replace(failed, f"{config_hash}.parquet")
+        run.failed = len(failed)
+        store.compact()
+        run.completed = len(_ids(store, config_hash))
+    run.elapsed_s = time.monotonic() - started
+    return run
+
+
+async def _dispatch(todo: list[dict], fleet: Fleet, config: GenerationConfig, config_hash: str,
+                    settings: DispatchSettings, shard: str, store: PartStore, server_rejects: PartStore,
+                    run: ShardRun, log: Callable[[str], None], started: float) -> list[dict]:
+    dispatcher = Dispatcher(fleet.clients, fleet.infos, max_in_flight_per_server=settings.max_in_flight_per_server,
+                            waiting_margin=settings.waiting_margin, eject_after=settings.eject_after,
+                            no_server_timeout_s=settings.no_server_timeout_s)
+    rows: list[dict] = []
+    refused: list[dict] = []
+    failed: list[dict] = []
+    last_commit = last_progress = time.monotonic()
+    total = len(todo)
+
+    async def one(prompt: dict) -> None:
+        body = config.chat_body(fleet.model, json.loads(prompt["messages_json"]))
+        error: ServerError | None = None
+        for attempt in range(1, settings.max_attempts + 1):
+            slot = await dispatcher.acquire()
+            t0 = time.monotonic()
+            try:
+                resp = await slot.client.chat(body)
+            except ServerError as e:
+                await dispatcher.release(slot, ok=not e.retryable)
+                if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
+                    refused.append(_reject(prompt, "server", f"HTTP {e.status}: {e.message}", config, config_hash,
+                                           shard, slot.info.context_length))
+                    return
+                error = e
+                delay = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                continue
+            await dispatcher.release(slot, ok=True)
+            row = _row(prompt, resp, slot, config, config_hash, shard, attempt, time.monotonic() - t0)
+            slot.completed += 1
+            slot.output_tokens += row["completion_tokens"] or 0
+            rows.append(row)
+            return
+        failed.append({"shard": shard, "prompt_id": prompt["prompt_id"], "config_hash": config_hash,
+                       "error": str(error), "attempts": settings.max_attempts,
+                       "created_at": datetime.now(timezone.utc)})
+
+    async def commit() -> None:
+        nonlocal rows, refused, last_commit
+        batch, rej = rows, refused
+        rows, refused = [], []
+        # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
+        # never a rejected prompt twice
+        await asyncio.to_thread(server_rejects.commit, rej)
+        await asyncio.to_thread(store.commit, batch)
+        run.length += sum(r["finish_reason"] == "length" for r in batch)
+        run.output_tokens += sum(r["completion_tokens"] or 0 for r in batch)
+        run.rejected_server += len(rej)
+        last_commit = time.monotonic()
+
+    def progress() -> None:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        sent = total - len(pending_prompts) - len(tasks)
+        tokens = sum(s.output_tokens for s in dispatcher.slots)
+        per_server = ", ".join(f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
+                               + (" EJECTED" if s.ejected_at else "") for s in dispatcher.slots)
+        eta = f", ETA {(total - sent) * elapsed / sent:.0f}s" if sent else ""
+        log(f"shard {shard}: {sent}/{total} answered, {run.length} length, {len(failed)} failed, "
+            f"{run.rejected_server} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} [{per_server}]")
+
+    pending_prompts = list(reversed(todo))
+    tasks: set[asyncio.Task] = set()
+    try:
+        while pending_prompts or tasks:
+            while pending_prompts and len(tasks) < dispatcher.capacity:
+                tasks.add(asyncio.create_task(one(pending_prompts.pop())))
+            finished, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for t in finished:
+                t.result()  # FleetDown propagates; everything committed stays committed
+            now = time.monotonic()
+            if len(rows) + len(refused) >= settings.commit_rows or (
+                    (rows or refused) and now - last_commit >= settings.commit_seconds):
+                await commit()
+            if now - last_progress >= settings.progress_seconds:
+                progress()
+                last_progress = now
+        await commit()
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await commit()
+        raise
+    finally:
+        await dispatcher.close()
+        run.servers = {s.url: {"completed": s.completed, "output_tokens": s.output_tokens} for s in dispatcher.slots}
+    return failed

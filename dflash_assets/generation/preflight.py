@@ -1,0 +1,68 @@
+"""Before the first request: does every prompt plus the cap fit the servers' real context length?
+
+SGLang 0.5.23 answers a request whose prompt + max_new_tokens exceeds the context with a 400, and
+clamps silently within about two tokens of it; the scheduler also refuses prompts within ~6 tokens
+of the context (max_req_input_len). Offenders are found here, with the numbers, instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_assets.fleet.client import ServerInfo
+
+
+class PreflightError(RuntimeError):
+    """The run cannot go ahead: nothing has been sent."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The token budget every server of the fleet can honour."""
+
+    context_length: int
+    max_req_input_len: int
+    margin: int
+
+    @classmethod
+    def of(cls, infos: list[ServerInfo], margin: int) -> Budget:
+        context = min(i.context_length for i in infos)
+        input_limit = min((i.max_req_input_len or i.context_length) for i in infos)
+        return cls(context, input_limit, margin)
+
+    def problem(self, prompt_tokens: int, cap: int) -> str | None:
+        """Why this prompt cannot be sent with this cap, naming the numbers; None if it fits."""
+        if prompt_tokens >= self.max_req_input_len:
+            return (f"prompt of {prompt_tokens} tokens is at or over the server's input limit of "
+                    f"{self.max_req_input_len} tokens (context length {self.context_length})")
+        if prompt_tokens + cap > self.context_length - self.margin:
+            return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
+                    f"exceeds the server context length {self.context_length} minus a safety margin of "
+                    f"{self.margin} tokens")
+        return None
+
+    def context_needed(self, largest_prompt: int, cap: int) -> int:
+        return largest_prompt + cap + self.margin
+
+
+def check_fleet(infos: list[ServerInfo]) -> list[str]:
+    """Refuse a fleet that serves more than one model; return notes on context lengths that differ."""
+    models = sorted({i.model for i in infos})
+    if len(models) > 1:
+        detail = ", ".join(f"{i.url} serves {i.model!r}" for i in infos)
+        raise PreflightError(f"the fleet serves {len(models)} different models, refusing to mix them: {detail}")
+    contexts = {i.context_length for i in infos}
+    if len(contexts) > 1:
+        detail = ", ".join(f"{i.url}: {i.context_length}" for i in infos)
+        return [f"servers disagree on context length ({detail}); using the smallest, {min(contexts)}"]
+    return []
+
+
+def overflow_error(budget: Budget, cap: int, overflowing: int, total: int, largest_prompt: int) -> PreflightError:
+    return PreflightError(
+        f"{overflowing} of {total} prompts do not fit: the servers' context length is {budget.context_length} "
+        f"tokens and max_output_tokens is {cap}, so a prompt may have at most "
+        f"{budget.context_length - budget.margin - cap} tokens; the largest prompt has {largest_prompt}. "
+        f"Nothing was sent. Lower max_output_tokens or restart the servers with "
+        f"--context-length {budget.context_needed(largest_prompt, cap)} or more."
+    )

@@ -1,0 +1,100 @@
+"""Build one prompt shard: validated prompts with stable ids and exact chat-template token counts."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from dflash_assets.fleet.client import ServerError
+from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.generation.prompts import Prompt, SourceReject, canonical_json, read_shard
+from dflash_assets.generation.schema import PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.generation.store import PartStore
+
+
+@dataclass(frozen=True)
+class ShardBuild:
+    shard: str
+    lines: int
+    prompts: int
+    rejected: int
+    max_prompt_tokens: int
+    reasons: dict[str, int]  # reject reason kind -> count
+
+
+def prompt_store(data_dir: Path, shard: str) -> PartStore:
+    return PartStore(data_dir, "prompt_shards", shard, PROMPT_SCHEMA)
+
+
+def reject_store(data_dir: Path, shard: str, stage: str) -> PartStore:
+    return PartStore(data_dir, "rejects", f"{shard}/stage={stage}", REJECT_SCHEMA)
+
+
+def ids_in_other_shards(data_dir: Path, shard: str) -> dict[str, str]:
+    """prompt_id -> shard for every materialised shard but this one (only the two id columns are read)."""
+    root = Path(data_dir) / "prompt_shards"
+    if not root.exists():
+        return {}
+    table = ds.dataset(root, format="parquet", partitioning=None).to_table(columns=["prompt_id", "shard"])
+    table = table.filter(pc.not_equal(table["shard"], shard))
+    return dict(zip(table["prompt_id"].to_pylist(), table["shard"].to_pylist()))
+
+
+def reason_kind(reason: str) -> str:
+    """'line 7: invalid JSON (...)' -> 'invalid JSON': the part that counts alike across lines."""
+    text = reason.split(": ", 1)[-1]
+    return text.split(" (", 1)[0].split(" '", 1)[0].split(" got", 1)[0].rstrip(",")
+
+
+async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: int, data_dir: Path, fleet: Fleet,
+                             template_kwargs: dict, concurrency: int = 64) -> ShardBuild:
+    items = list(read_shard(source, index, shard_size))
+    elsewhere = ids_in_other_shards(data_dir, shard)
+    context = min(i.context_length for i in fleet.infos)
+    clients = itertools.cycle(fleet.clients)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def admit(item: Prompt | SourceReject) -> tuple[Prompt, int] | SourceReject:
+        if isinstance(item, SourceReject):
+            return item
+        if item.prompt_id in elsewhere:
+            return SourceReject(item.line, f"line {item.line}: duplicate id {item.prompt_id!r} "
+                                           f"(already in shard {elsewhere[item.prompt_id]})", item.prompt_id)
+        async with gate:
+            try:
+                n = await next(clients).count_prompt_tokens(item.messages, template_kwargs)
+            except ServerError as e:
+                return SourceReject(item.line, f"line {item.line}: tokenize failed: {e.message}", item.prompt_id)
+        if n >= context:
+            return SourceReject(item.line, f"line {item.line}: prompt of {n} tokens is longer than the model's "
+                                           f"context length ({context} tokens)", item.prompt_id)
+        return item, n
+
+    results = await asyncio.gather(*(admit(i) for i in items))
+    kwargs_json = canonical_json(template_kwargs)
+    prompts = [
+        {"prompt_id": p.prompt_id, "shard": shard, "line": p.line, "source": p.source,
+         "messages_json": p.messages_json, "prompt_tokens": n, "template_kwargs_json": kwargs_json}
+        for r in results if not isinstance(r, SourceReject) for p, n in [r]
+    ]
+    now = datetime.now(timezone.utc)
+    rejects = [
+        {"shard": shard, "stage": "source", "line": r.line, "prompt_id": r.prompt_id, "config_hash": None,
+         "reason": r.reason, "prompt_tokens": None, "max_output_tokens": None, "server_context_length": context,
+         "created_at": now}
+        for r in results if isinstance(r, SourceReject)
+    ]
+    prompt_store(data_dir, shard).replace(prompts, "prompts.parquet")
+    reject_store(data_dir, shard, "source").replace(rejects, "rejects.parquet")
+    reasons: dict[str, int] = {}
+    for r in rejects:
+        kind = reason_kind(r["reason"])
+        reasons[kind] = reasons.get(kind, 0) + 1
+    return ShardBuild(shard, len(items), len(prompts), len(rejects),
+                      max((p["prompt_tokens"] for p in prompts), default=0), reasons)

@@ -1,0 +1,92 @@
+"""Context overflow: prompt_tokens + max_output_tokens > server_context_length, in completions and in rejects.
+
+SGLang answers such a request with a 400 (or, with --allow-auto-truncate, clamps it silently). So a completion
+row that overflows was generated under a budget it did not get, and a config whose prompts are mostly
+rejected before sending (context 8192 with max_output_tokens 8192: every prompt) leaves a hole in the data.
+"""
+
+import duckdb
+
+from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, num, pct, share
+
+OVER = "prompt_tokens + max_output_tokens > server_context_length"
+
+PER_CONFIG = f"""
+WITH attempted AS (
+    SELECT config_hash, shard, prompt_id FROM completions
+    UNION SELECT config_hash, shard, prompt_id FROM rejects WHERE stage <> 'source'
+    UNION SELECT config_hash, shard, prompt_id FROM failures
+), a AS (
+    SELECT config_hash, count(*) AS attempted FROM attempted GROUP BY ALL
+), c AS (
+    SELECT config_hash, count(*) AS rows, count(*) FILTER (WHERE {OVER}) AS over_rows,
+           max(server_context_length) FILTER (WHERE {OVER}) AS over_context
+    FROM completions GROUP BY ALL
+), r AS (
+    SELECT config_hash, count(*) AS over_prompts, max(server_context_length) AS over_context
+    FROM (SELECT DISTINCT config_hash, shard, prompt_id, server_context_length
+          FROM rejects WHERE stage <> 'source' AND {OVER})
+    GROUP BY ALL
+), caps AS (
+    SELECT config_hash, list(DISTINCT max_output_tokens ORDER BY max_output_tokens) AS caps FROM (
+        SELECT config_hash, max_output_tokens FROM completions
+        UNION ALL SELECT config_hash, max_output_tokens FROM rejects WHERE stage <> 'source'
+    ) GROUP BY ALL
+)
+SELECT a.config_hash, coalesce(caps.caps, []), a.attempted, coalesce(c.rows, 0), coalesce(c.over_rows, 0),
+       c.over_context, coalesce(r.over_prompts, 0), r.over_context
+FROM a LEFT JOIN c USING (config_hash) LEFT JOIN r USING (config_hash) LEFT JOIN caps USING (config_hash)
+ORDER BY a.config_hash
+"""
+
+
+def context_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+    """Fails when any config has completion rows over the context (share > context_overflow_rate_max) or
+    rejects more of its attempted prompts for overflow than overflow_reject_rate_max.
+
+    Attempted prompts of a config: distinct (shard, prompt_id) with a completion, a preflight/server reject or
+    a failure under it. A reject counts as an overflow by its recorded numbers, whatever its reason text says.
+    """
+    result = con.execute(PER_CONFIG).fetchall()
+    lines: list[str] = []
+    failing = 0
+    sums = {"attempted": 0, "rows": 0, "over_rows": 0, "over_prompts": 0}
+    for config_hash, caps, attempted, rows, over_rows, over_ctx, over_prompts, rej_ctx in result:
+        label = f"config `{config_hash}` (max_output_tokens {'/'.join(str(c) for c in caps)})"
+        for k, v in (("attempted", attempted), ("rows", rows), ("over_rows", over_rows), ("over_prompts", over_prompts)):
+            sums[k] += v
+        bad_rows = share(over_rows, rows) > t.context_overflow_rate_max
+        bad_rejects = share(over_prompts, attempted) > t.overflow_reject_rate_max
+        failing += bad_rows or bad_rejects
+        if over_prompts:
+            lines.append(
+                f"{label}: {num(over_prompts)} of {num(attempted)} attempted prompts "
+                f"({pct(share(over_prompts, attempted))}) rejected because prompt_tokens + max_output_tokens > "
+                f"server_context_length (up to {num(rej_ctx)}); lower max_output_tokens or raise the server's "
+                "--context-length."
+            )
+        if over_rows:
+            lines.append(
+                f"{label}: {num(over_rows)} of {num(rows)} completion rows ({pct(share(over_rows, rows))}) were "
+                f"generated with prompt_tokens + max_output_tokens > server_context_length (up to {num(over_ctx)}): "
+                "the server clamped them silently (--allow-auto-truncate) or preflight did not run."
+            )
+    head = (
+        f"{num(sums['over_rows'])} completion rows and {num(sums['over_prompts'])} rejected prompts have "
+        f"prompt_tokens + max_output_tokens > server_context_length; {failing} of {len(result)} configs fail "
+        f"(limits: {pct(t.context_overflow_rate_max)} of completion rows, "
+        f"{pct(t.overflow_reject_rate_max)} of attempted prompts rejected)."
+    )
+    metadata: dict[str, MetadataValue] = {
+        "configs": len(result),
+        "failing_configs": failing,
+        "attempted_prompts": sums["attempted"],
+        "rows": sums["rows"],
+        "completion_overflow_rows": sums["over_rows"],
+        "completion_overflow_rate": share(sums["over_rows"], sums["rows"]),
+        "rejected_overflow_prompts": sums["over_prompts"],
+        "rejected_overflow_rate": share(sums["over_prompts"], sums["attempted"]),
+        "threshold_completion_rows": t.context_overflow_rate_max,
+        "threshold_rejected_prompts": t.overflow_reject_rate_max,
+    }
+    return Finding(failing == 0, head + ("\n\n" + bullets(lines) if lines else ""), metadata)

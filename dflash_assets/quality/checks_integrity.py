@@ -1,0 +1,74 @@
+"""Checks on the shape of the data set: one config per scope, one row per (prompt_id, config_hash)."""
+
+from collections import defaultdict
+
+import duckdb
+
+from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, config_label, num
+from dflash_assets.quality.rates import GroupCount, rate_finding
+
+
+def config_consistency(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+    """Fails when the scope holds more than one config (config_hash, max_output_tokens), naming the shards
+    that mix configs inside themselves and the row counts of each config: old 4096 rows beside new 8192 rows.
+    """
+    result = con.execute(
+        "SELECT shard, config_hash, max_output_tokens, count(*) FROM completions "
+        "GROUP BY ALL ORDER BY shard, config_hash, max_output_tokens"
+    ).fetchall()
+    per_shard: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
+    per_config: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])  # rows, shards
+    for shard, config_hash, cap, rows in result:
+        per_shard[shard].append((config_hash, cap, rows))
+        per_config[(config_hash, cap)][0] += rows
+        per_config[(config_hash, cap)][1] += 1
+    mixed = {s: cs for s, cs in per_shard.items() if len(cs) > 1}
+    configs = sorted(per_config.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0))
+    mix = "; ".join(f"{h}/{cap}: {rows} rows in {shards} shards" for (h, cap), (rows, shards) in configs)
+    config_lines = [
+        f"{config_label(h, cap)}: {num(rows)} rows in {num(shards)} shards" for (h, cap), (rows, shards) in configs
+    ]
+    if len(configs) <= 1:
+        head = f"One config in scope: {config_lines[0]}." if configs else "No completion rows in scope."
+        lines = [head]
+    else:
+        lines = [f"The data mixes **{len(configs)} configs** across {num(len(per_shard))} shards:", bullets(config_lines)]
+    if mixed:
+        shard_lines = [
+            f"shard `{s}`: " + ", ".join(f"`{h}` (max_output_tokens {cap}) {num(rows)} rows" for h, cap, rows in cs)
+            for s, cs in mixed.items()
+        ]
+        lines.append(f"{num(len(mixed))} shards mix configs inside themselves:\n" + bullets(shard_lines))
+    metadata: dict[str, MetadataValue] = {
+        "configs": len(configs),
+        "shards": len(per_shard),
+        "mixed_shards": len(mixed),
+        "config_mix": mix,
+    }
+    return Finding(len(configs) <= 1, "\n\n".join(lines), metadata)
+
+
+def duplicates(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+    """Extra rows on (prompt_id, config_hash): rows beyond the first per key, as a share of rows, per config_hash.
+    A committed part is the only ledger, so a duplicate means a part was committed twice or a resume re-ran it.
+    """
+    result = con.execute(
+        "SELECT config_hash, count(*), count(*) - count(DISTINCT prompt_id) FROM completions "
+        "GROUP BY ALL ORDER BY config_hash"
+    ).fetchall()
+    groups = [GroupCount(f"config `{h}`", str(h), rows, extra) for h, rows, extra in result]
+    keys, examples = con.execute(
+        "SELECT count(*), list(prompt_id || ' x' || n ORDER BY n DESC, prompt_id)[:5] FROM ("
+        "  SELECT prompt_id, config_hash, count(*) AS n FROM completions GROUP BY ALL HAVING count(*) > 1)"
+    ).fetchone()
+    finding = rate_finding(
+        "duplicate",
+        "are extra copies of a (prompt_id, config_hash) already present",
+        groups,
+        t.duplicate_rate_max,
+        why="A part was committed twice or a resume regenerated done prompts; the export keeps the first copy.",
+    )
+    summary = finding.summary_md
+    if keys:
+        summary += f"\n\n{num(keys)} keys are duplicated, e.g. " + ", ".join(f"`{e}`" for e in examples or []) + "."
+    return Finding(finding.passed, summary, finding.metadata | {"duplicated_keys": keys})

@@ -1,0 +1,85 @@
+"""What a check returns, the knobs it is judged by, and how its figures are written for people."""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+Severity = Literal["ERROR", "WARN"]
+MetadataValue = int | float | str
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What one check function found: the verdict, a Markdown summary naming what is wrong, and its figures."""
+
+    passed: bool
+    summary_md: str
+    metadata: dict[str, MetadataValue]
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """A finding stamped with the check's name and severity: the shape Dagster's AssetCheckResult wants."""
+
+    name: str
+    passed: bool
+    severity: Severity
+    summary_md: str
+    metadata: dict[str, MetadataValue]
+    blocking: bool = False
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Every limit the checks judge by. Rates are shares of rows in [0, 1]; a check passes when rate <= limit.
+
+    Defects that mean the pipeline itself is wrong (duplicates, leaked think markers, empty answers, rows made
+    with a budget that did not fit the context) default to zero tolerance: the export drops such rows anyway,
+    so a non-zero count says "a stage is broken", not "the data is a bit noisy".
+    """
+
+    truncation_rate_max: float = 0.05  # share of rows with finish_reason = 'length', per shard and per config
+    cap_saturation_percentile: float = 0.99  # fails when this percentile of completion_tokens reaches the cap
+    cap_mismatch_rate_max: float = 0.0  # rows where "at the cap" and finish_reason 'length' disagree
+    context_overflow_rate_max: float = 0.0  # completion rows generated with prompt + cap > context
+    overflow_reject_rate_max: float = 0.01  # prompts of a config rejected because prompt + cap > context
+    missing_rate_max: float = 0.0  # accounting: prompts with no completion, reject or failure row
+    duplicate_rate_max: float = 0.0  # extra rows on (prompt_id, config_hash)
+    empty_content_rate_max: float = 0.0
+    think_marker_rate_max: float = 0.0
+    reasoning_misrouted_rate_max: float = 0.0  # among enable_thinking rows
+    truncated_thinking_rate_max: float = 0.01
+    training_max_length: int = 4096  # the drafter trainer's max_length (SpecForge data.max_length)
+    max_length_overflow_rate_max: float = 0.05
+    severity: Mapping[str, Severity] = field(default_factory=dict)  # check name -> severity override
+
+
+def pct(rate: float) -> str:
+    """A share as a percentage with two decimals: 0.18312 -> '18.31%'."""
+    return f"{rate * 100:.2f}%"
+
+
+def num(n: int) -> str:
+    """A count with thousands separators: 1000 -> '1,000'."""
+    return f"{n:,}"
+
+
+def share(part: int, whole: int) -> float:
+    """part / whole, 0.0 for an empty whole (an empty scope has nothing wrong in it)."""
+    return part / whole if whole else 0.0
+
+
+def config_label(config_hash: str | None, max_output_tokens: int | None) -> str:
+    return f"config `{config_hash}` (max_output_tokens {max_output_tokens})"
+
+
+def verdict(rate: float, limit: float) -> str:
+    return f"over the {pct(limit)} threshold" if rate > limit else f"within the {pct(limit)} threshold"
+
+
+def bullets(lines: list[str], limit: int = 10) -> str:
+    """A Markdown list of the first `limit` lines, saying how many more were left out."""
+    shown = [f"- {line}" for line in lines[:limit]]
+    if len(lines) > limit:
+        shown.append(f"- ... and {num(len(lines) - limit)} more")
+    return "\n".join(shown)

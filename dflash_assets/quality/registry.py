@@ -1,0 +1,77 @@
+"""The check registry the Dagster layer iterates over, and the one entry point that runs them all."""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+from dflash_assets.quality.accounting import accounting
+from dflash_assets.quality.checks_content import empty_content, reasoning_misrouted, think_markers, truncated_thinking
+from dflash_assets.quality.checks_context import context_overflow
+from dflash_assets.quality.checks_integrity import config_consistency, duplicates
+from dflash_assets.quality.checks_lengths import cap_hit_agreement, cap_saturation, max_length_overflow, truncation_rate
+from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
+from dflash_assets.quality.tables import open_quality_db
+
+CheckFn = Callable[[duckdb.DuckDBPyConnection, Thresholds], Finding]
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """One check. `blocking` marks the training gate: drafter training waits until every blocking check passes."""
+
+    name: str
+    fn: CheckFn
+    description: str
+    blocking: bool
+    default_severity: Severity
+
+    def run(self, con: duckdb.DuckDBPyConnection, thresholds: Thresholds = Thresholds()) -> CheckOutcome:
+        """Run over a connection from open_quality_db; the severity is the thresholds' override or the default."""
+        found = self.fn(con, thresholds)
+        severity = thresholds.severity.get(self.name, self.default_severity)
+        return CheckOutcome(self.name, found.passed, severity, found.summary_md, found.metadata, self.blocking)
+
+
+def _spec(fn: CheckFn, blocking: bool, severity: Severity | None = None) -> CheckSpec:
+    description = " ".join((fn.__doc__ or "").split("\n\n")[0].split())
+    return CheckSpec(fn.__name__, fn, description, blocking, severity or ("ERROR" if blocking else "WARN"))
+
+
+CHECKS: list[CheckSpec] = [
+    _spec(truncation_rate, blocking=True),
+    _spec(cap_saturation, blocking=False),
+    _spec(cap_hit_agreement, blocking=False),
+    _spec(context_overflow, blocking=True),
+    _spec(config_consistency, blocking=False),
+    _spec(accounting, blocking=True),
+    _spec(duplicates, blocking=True),
+    _spec(empty_content, blocking=True),
+    _spec(think_markers, blocking=True),
+    _spec(reasoning_misrouted, blocking=False),
+    _spec(truncated_thinking, blocking=False),
+    _spec(max_length_overflow, blocking=False),
+]
+CHECKS_BY_NAME = {spec.name: spec for spec in CHECKS}
+
+
+def run_checks(
+    data_dir: str | Path,
+    shard: str | None = None,
+    config_hash: str | None = None,
+    thresholds: Thresholds = Thresholds(),
+    names: Iterable[str] | None = None,
+) -> list[CheckOutcome]:
+    """Run every check (or those in `names`, in registry order) over one scan of the data dir."""
+    wanted = set(CHECKS_BY_NAME) if names is None else set(names)
+    unknown = (wanted | set(thresholds.severity)) - set(CHECKS_BY_NAME)
+    if unknown:
+        raise ValueError(f"unknown check names {sorted(unknown)}; the checks are {list(CHECKS_BY_NAME)}")
+    with open_quality_db(data_dir, shard, config_hash) as con:
+        return [spec.run(con, thresholds) for spec in CHECKS if spec.name in wanted]
+
+
+def gate_passed(outcomes: Iterable[CheckOutcome]) -> bool:
+    """True when every blocking check passed: the rows may go on to drafter training."""
+    return all(o.passed for o in outcomes if o.blocking)

@@ -1,0 +1,95 @@
+"""The data dir as four small temp tables in one in-memory DuckDB: what every check and report reads.
+
+The Parquet files are scanned once. `completions` keeps the numeric and key columns plus three row flags
+computed from the text (empty content, think markers, empty reasoning), so a dozen checks run over a compact
+in-memory table instead of re-reading megabytes of completion text each. The Parquet files are only read:
+DuckDB is single-writer, and a check must never hold a lock the writer needs.
+
+Tables (every one exists, empty when its directory has no files yet):
+    completions  COMPLETION_SCHEMA minus text, plus content_empty, think_marker, reasoning_empty
+    rejects      REJECT_SCHEMA minus created_at
+    failures     FAILURE_SCHEMA minus created_at
+    prompts      PROMPT_SCHEMA minus messages_json and template_kwargs_json
+
+Scope: `shard` reads only `<table>/shard=<key>/`; `config_hash` keeps that config's rows (and every
+source-stage reject, which comes before any config).
+"""
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+
+# "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
+# on real text, where trim() would copy the whole (often 30 kB) string first.
+BLANK = "[^ \\t\\r\\n]"
+
+COMPLETION_COLUMNS = """
+    prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens,
+    max_output_tokens, server_context_length, enable_thinking"""
+
+COMPLETION_FLAGS = f"""
+    content IS NULL OR NOT regexp_matches(content, '{BLANK}') AS content_empty,
+    coalesce(contains(content, '<think>') OR contains(content, '</think>'), false) AS think_marker,
+    reasoning_content IS NULL OR NOT regexp_matches(reasoning_content, '{BLANK}') AS reasoning_empty"""
+
+
+def parquet_files(data_dir: str | Path, table: str, shard: str | None = None) -> list[str]:
+    """Committed Parquet parts of one table, in a stable order (temp parts do not end in .parquet)."""
+    root = Path(data_dir) / table
+    if shard is not None:
+        root = root / f"shard={shard}"
+    return sorted(str(p) for p in root.rglob("*.parquet"))
+
+
+def parquet_source(con: duckdb.DuckDBPyConnection, data_dir, table: str, schema: pa.Schema, shard) -> str:
+    """A FROM clause over the table's files, or over an empty table of its schema when there are none yet."""
+    files = parquet_files(data_dir, table, shard)
+    if files:
+        name = f"_files_{table}"
+        con.execute(f"SET VARIABLE {name} = $files", {"files": files})
+        return f"read_parquet(getvariable('{name}'), hive_partitioning = false)"
+    con.register(f"_empty_{table}", schema.empty_table())
+    return f"_empty_{table}"
+
+
+def open_quality_db(
+    data_dir: str | Path, shard: str | None = None, config_hash: str | None = None
+) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB holding the scoped `completions`, `rejects`, `failures` and `prompts` temp tables."""
+    con = duckdb.connect(":memory:")
+    params = {"shard": shard, "config": config_hash}
+    # the scope itself, for checks whose meaning depends on it (accounting: which configs a shard owes)
+    con.execute("SET VARIABLE scope_shard = $shard::VARCHAR", {"shard": shard})
+    con.execute("SET VARIABLE scope_config = $config::VARCHAR", {"config": config_hash})
+    shard_ok = "($shard IS NULL OR shard = $shard)"
+    config_ok = "($config IS NULL OR config_hash = $config)"
+
+    src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
+    con.execute(
+        f"CREATE TEMP TABLE completions AS SELECT {COMPLETION_COLUMNS}, {COMPLETION_FLAGS} "
+        f"FROM {src} WHERE {shard_ok} AND {config_ok}",
+        params,
+    )
+    src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA, shard)
+    con.execute(
+        "CREATE TEMP TABLE rejects AS SELECT shard, stage, line, prompt_id, config_hash, reason, prompt_tokens, "
+        f"max_output_tokens, server_context_length FROM {src} "
+        f"WHERE {shard_ok} AND ({config_ok} OR stage = 'source')",
+        params,
+    )
+    src = parquet_source(con, data_dir, "failures", FAILURE_SCHEMA, shard)
+    con.execute(
+        f"CREATE TEMP TABLE failures AS SELECT shard, prompt_id, config_hash, error, attempts FROM {src} "
+        f"WHERE {shard_ok} AND {config_ok}",
+        params,
+    )
+    src = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA, shard)
+    con.execute(
+        f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard, line, source, prompt_tokens FROM {src} "
+        f"WHERE {shard_ok}",
+        params,
+    )
+    return con

@@ -1,0 +1,134 @@
+"""Bad input never stops a shard and never goes unexplained: every line is a prompt or a reason."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_assets.generation.config import ConfigError, GenerationConfig
+from dflash_assets.generation.prompts import Prompt, SourceError, SourceReject, count_rows, read_shard, shard_keys
+
+GOOD = {"messages": [{"role": "user", "content": "hello"}]}
+
+BAD_LINES = [
+    ('{"messages": [', "invalid JSON"),
+    ('"just a string"', "expected a JSON object, got str"),
+    ('{"text": "x"}', "neither 'messages' nor 'prompt' is present"),
+    ('{"messages": []}', "'messages' is empty"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', "unknown role 'wizard'"),
+    ('{"messages": [{"role": "user", "content": 7}]}', "content must be a string, got int"),
+    ('{"messages": [{"role": "user", "content": "  "}]}', "content is empty"),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+     "the last message must be from the user, got 'assistant'"),
+    ('{"prompt": "nul \\u0000 inside"}', "contains a NUL byte"),
+    ('{"prompt": 5}', "'prompt' must be a string, got int"),
+]
+
+
+def write_jsonl(path, lines: list[str | bytes]) -> None:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+
+
+@pytest.mark.parametrize("line,reason", BAD_LINES, ids=[r for _, r in BAD_LINES])
+def test_bad_line_is_rejected_with_its_reason_and_the_rest_goes_on(tmp_path, line, reason):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps(GOOD | {"id": "a"}), line, json.dumps(GOOD | {"id": "b"})])
+    items = list(read_shard(src, 0, 10))
+    assert [type(i) for i in items] == [Prompt, SourceReject, Prompt]
+    assert items[1].line == 2
+    assert reason in items[1].reason and items[1].reason.startswith("line 2: ")
+
+
+def test_invalid_utf8_is_rejected_naming_the_byte(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [b'{"prompt": "caf\xe9"}', json.dumps(GOOD).encode()])
+    items = list(read_shard(src, 0, 10))
+    assert items[0].reason == "line 1: invalid UTF-8 at byte 15"
+    assert isinstance(items[1], Prompt)
+
+
+def test_duplicate_id_within_the_source_is_rejected_naming_the_first_line(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps(GOOD | {"id": "x"}), json.dumps(GOOD | {"id": "y"}), json.dumps(GOOD | {"id": "x"})])
+    items = list(read_shard(src, 0, 10))
+    assert items[2].reason == "line 3: duplicate id 'x' (first seen on line 1)"
+
+
+def test_prompt_id_is_the_given_id_else_a_stable_content_hash(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps({"id": 42, "prompt": "a"}), json.dumps({"prompt": "b"})])
+    first, second = read_shard(src, 0, 10)
+    again = list(read_shard(src, 0, 10))[1]
+    assert first.prompt_id == "42"
+    assert len(second.prompt_id) == 16 and second.prompt_id == again.prompt_id
+    assert second.messages == [{"role": "user", "content": "b"}]
+
+
+def test_shards_are_fixed_line_ranges_and_lines_add_up(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps({"id": i, "prompt": f"p{i}"}) for i in range(23)] + ["{bad"])
+    assert count_rows(src) == 24 and shard_keys(src, 10) == ["00000", "00001", "00002"]
+    shards = [list(read_shard(src, i, 10)) for i in range(3)]
+    assert [len(s) for s in shards] == [10, 10, 4]
+    assert [p.prompt_id for p in shards[1]] == [str(i) for i in range(10, 20)]
+    assert isinstance(shards[2][-1], SourceReject) and shards[2][-1].line == 24
+
+
+def test_parquet_source_with_messages_and_prompt_columns(tmp_path):
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({
+        "id": ["a", "b", None],
+        "prompt": [None, "plain prompt", None],
+        "messages": [[{"role": "user", "content": "hi"}], None, None],
+    }), src)
+    items = list(read_shard(src, 0, 10))
+    assert [type(i) for i in items] == [Prompt, Prompt, SourceReject]
+    assert items[1].messages == [{"role": "user", "content": "plain prompt"}]
+    assert "neither 'messages' nor 'prompt'" in items[2].reason
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: d / "missing.jsonl", "does not exist"),
+    (lambda d: (d / "empty.jsonl").write_bytes(b"") or d / "empty.jsonl", "is empty"),
+    (lambda d: (d / "dir.jsonl").mkdir() or d / "dir.jsonl", "is not a file"),
+    (lambda d: (d / "broken.parquet").write_bytes(b"PAR1 not really") and d / "broken.parquet",
+     "is not a readable Parquet file"),
+    (lambda d: pq.write_table(pa.table({"text": ["x"]}), d / "cols.parquet") or d / "cols.parquet",
+     "has neither a 'messages' nor a 'prompt' column (columns: ['text'])"),
+    (lambda d: (d / "p.csv").write_text("a,b") and d / "p.csv", "unsupported format '.csv'"),
+])
+def test_a_bad_source_file_is_a_clear_error_naming_the_file(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(SourceError, match="prompt source") as err:
+        list(read_shard(path, 0, 10))
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_shard_size_must_be_positive(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps(GOOD)])
+    with pytest.raises(SourceError, match="shard size must be a positive integer, got 0"):
+        shard_keys(src, 0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
+    ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+])
+def test_bad_generation_config_is_refused_before_any_work(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        GenerationConfig(**kwargs).validate()
+    assert message in str(err.value)
+
+
+def test_config_hash_covers_what_changes_the_output():
+    base = GenerationConfig()
+    assert base.config_hash("m") == GenerationConfig().config_hash("m")
+    assert base.config_hash("m") != GenerationConfig(max_output_tokens=8192).config_hash("m")
+    assert base.config_hash("m") != GenerationConfig(enable_thinking=False).config_hash("m")
+    assert base.config_hash("m") != base.config_hash("other-model")
