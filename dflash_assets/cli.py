@@ -31,6 +31,40 @@ def _emulator(argv: list[str]) -> int:
     return main(argv)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """One shard's completions without Dagster: the same engine the `completions` asset adapts."""
+    import asyncio
+
+    from dflash_assets.fleet.fleet import connect
+    from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
+    from dflash_assets.generation.engine import generate_shard
+
+    config = GenerationConfig(max_output_tokens=args.max_output_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, enable_thinking=not args.no_thinking)
+    settings = DispatchSettings(commit_rows=args.commit_rows, commit_seconds=args.commit_seconds,
+                                progress_seconds=args.progress_seconds)
+    try:
+        config.validate()
+        settings.validate()
+    except ConfigError as e:
+        print(f"dflash generate: {e}", file=sys.stderr)
+        return 2
+    urls = [u for u in args.urls.split(",") if u]
+
+    async def go():
+        fleet = await connect(urls, os.environ.get(args.api_key_env) or None)
+        try:
+            return await generate_shard(Path(args.data_dir), args.shard, fleet, config, settings,
+                                        log=lambda m: print(m, flush=True))
+        finally:
+            await fleet.session.close()
+
+    run = asyncio.run(go())
+    print(f"shard {run.shard} config {run.config_hash}: {run.prompts} prompts = {run.completed} completed + "
+          f"{run.rejected} rejected + {run.failed} failed ({run.elapsed_s:.1f}s)")
+    return 0 if run.failed == 0 else 1
+
+
 def _report(args: argparse.Namespace) -> int:
     from dflash_assets.quality.report import print_report
 
@@ -56,6 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shard-size", type=int, help="prompts per shard (default 100, or DFLASH_SHARD_SIZE)")
     demo.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
 
+    gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
+                         description="Needs the shard's prompt_shards file; resumes from committed parts.")
+    gen.add_argument("--shard", required=True, help="shard key, e.g. 00003")
+    gen.add_argument("--urls", required=True, help="comma-separated server base URLs")
+    gen.add_argument("--data-dir", default=os.environ.get("DFLASH_DATA_DIR", "data"))
+    gen.add_argument("--max-output-tokens", type=int, default=4096)
+    gen.add_argument("--temperature", type=float, default=0.6)
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--top-k", type=int, default=20)
+    gen.add_argument("--no-thinking", action="store_true", help="chat_template_kwargs.enable_thinking = false")
+    gen.add_argument("--commit-rows", type=int, default=512)
+    gen.add_argument("--commit-seconds", type=float, default=10.0)
+    gen.add_argument("--progress-seconds", type=float, default=30.0)
+    gen.add_argument("--api-key-env", default="DFLASH_API_KEY", help="environment variable holding the API key")
+
     sub.add_parser("emulator", help="run one SGLang 0.5.23 emulator server (SGLang's flag names)", add_help=False)
 
     report = sub.add_parser("report", help="print the length-quality summary of a data dir",
@@ -73,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_output_tokens <= 0:
             build_parser().error(f"--max-output-tokens must be a positive integer, got {args.max_output_tokens}")
         return _demo(args)
+    if args.command == "generate":
+        return _generate(args)
     return _report(args)
 
 

@@ -2,11 +2,8 @@
 
 import dagster as dg
 
-from dflash_assets.defs.partitions import shard_partitions
-
 shard_pipeline_job = dg.define_asset_job(
     "shard_pipeline",
     selection=dg.AssetSelection.groups("generation", "quality"),
-    partitions_def=shard_partitions,
     description="prompt_shards -> completions -> length_quality_report with the checks, for one shard.",
 )

@@ -28,7 +28,7 @@ class FleetResource(dg.ConfigurableResource):
     mode: str = "emulated"
     urls: str = ""  # attach: comma-separated base URLs, e.g. http://10.0.0.5:30000,http://10.0.0.6:30000
     num_servers: int = 2
-    emulator_args: str = ""  # emulated: extra emulator flags, e.g. "--decode-tokens-per-s 4000"
+    emulator_args: str = "--reasoning-parser qwen3"  # emulated: emulator flags, e.g. add "--decode-tokens-per-s 4000"
     api_key_env: str = "DFLASH_API_KEY"
     health_timeout_s: float = 120.0
     request_timeout_s: float = 3600.0
@@ -37,13 +37,11 @@ class FleetResource(dg.ConfigurableResource):
 
     def validate_settings(self) -> None:
         if self.mode not in FLEET_MODES:
-            raise dg.DagsterInvalidConfigError(
-                f"unknown fleet mode {self.mode!r}: expected one of {', '.join(FLEET_MODES)}", [], None)
+            raise ValueError(f"unknown fleet mode {self.mode!r}: expected one of {', '.join(FLEET_MODES)}")
         if self.mode == "attach" and not self.url_list():
-            raise dg.DagsterInvalidConfigError(
-                "fleet mode 'attach' needs at least one server URL (set DFLASH_FLEET_URLS)", [], None)
+            raise ValueError("fleet mode 'attach' needs at least one server URL (set DFLASH_FLEET_URLS)")
         if self.mode == "emulated" and self.num_servers < 1:
-            raise dg.DagsterInvalidConfigError(f"num_servers must be >= 1, got {self.num_servers}", [], None)
+            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
 
     def url_list(self) -> list[str]:
         return [u.strip() for u in self.urls.split(",") if u.strip()]
@@ -82,8 +80,7 @@ class PromptSource(dg.ConfigurableResource):
 
     def resolved(self) -> Path:
         if self.shard_size <= 0:
-            raise dg.DagsterInvalidConfigError(f"shard_size must be a positive integer, got {self.shard_size}",
-                                               [], None)
+            raise ValueError(f"shard_size must be a positive integer, got {self.shard_size}")
         return Path(self.path)
 
 
@@ -108,7 +105,7 @@ def from_env() -> dict:
     return {
         "fleet": FleetResource(mode=env("DFLASH_FLEET_MODE", "emulated"), urls=env("DFLASH_FLEET_URLS", ""),
                                num_servers=env_int("DFLASH_NUM_SERVERS", 2),
-                               emulator_args=env("DFLASH_EMULATOR_ARGS", "")),
+                               emulator_args=env("DFLASH_EMULATOR_ARGS", "--reasoning-parser qwen3")),
         "prompt_source": PromptSource(path=env("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
                                       shard_size=env_int("DFLASH_SHARD_SIZE", 100)),
         "data_dir": DataDir(path=env("DFLASH_DATA_DIR", "data")),

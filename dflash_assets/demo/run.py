@@ -27,7 +27,7 @@ def run_demo(max_output_tokens: int, console: Console | None = None) -> int:
     if new:
         instance.add_dynamic_partitions(shard_partitions.name, new)
     shards = instance.get_dynamic_partitions(shard_partitions.name)
-    job = defs.get_job_def("shard_pipeline")
+    job = defs.resolve_job_def("shard_pipeline")
     run_config = {"ops": {"completions": {"config": {"max_output_tokens": max_output_tokens}}}}
     console.print(f"dflash demo: {len(shards)} shards of {source.path} (cap {max_output_tokens} tokens), "
                   f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/")

@@ -34,6 +34,7 @@ class ServerInfo:
     max_running_requests: int  # /server_info internal_states[0].effective_max_running_requests_per_dp
     max_req_input_len: int | None  # the scheduler's own input limit (context_length - ~6)
     max_total_num_tokens: int | None  # KV pool size in tokens
+    reasoning_parser: str | None = None  # without one, thinking stays inside `content`
 
 
 def error_message(body: Any) -> str:
@@ -103,6 +104,7 @@ class ServerClient:
             max_running_requests=int(max_running),
             max_req_input_len=server.get("max_req_input_len"),
             max_total_num_tokens=server.get("max_total_num_tokens"),
+            reasoning_parser=server.get("reasoning_parser"),
         )
 
     async def loads(self) -> dict:

@@ -11,17 +11,19 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.dispatch import Dispatcher, Slot
+from dflash_assets.generation.prompts import canonical_json
 from dflash_assets.generation.preflight import Budget, check_fleet, overflow_error
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA
 from dflash_assets.generation.shards import prompt_store, reject_store
@@ -93,18 +95,28 @@ def _reject(prompt: dict, stage: str, reason: str, config: GenerationConfig, con
             "created_at": datetime.now(timezone.utc)}
 
 
-async def _exact_prompt_tokens(fleet: Fleet, prompts: list[dict], config: GenerationConfig) -> None:
-    """Re-count prompt tokens when this config renders the chat template differently from the shard's count."""
-    kwargs = config.template_kwargs()
-    stale = [p for p in prompts if json.loads(p["template_kwargs_json"]) != kwargs]
+PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
+
+
+def _batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
+    """The shard's prompts a batch at a time, so a large shard is never all in memory."""
+    for part in store.parts():
+        for batch in pq.ParquetFile(part).iter_batches(batch_size=size, columns=columns):
+            yield batch.to_pylist()
+
+
+async def _recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwargs: dict) -> None:
+    """Exact token counts for prompts whose shard count was made with other chat_template_kwargs."""
     gate = asyncio.Semaphore(64)
 
-    async def count(i: int, p: dict) -> None:
+    async def count(i: int, row: dict) -> None:
         async with gate:
             client = fleet.clients[i % len(fleet.clients)]
-            p["prompt_tokens"] = await client.count_prompt_tokens(json.loads(p["messages_json"]), kwargs)
+            n = await client.count_prompt_tokens(json.loads(row["messages_json"]), kwargs)
+            stale[row["prompt_id"]]["prompt_tokens"] = n
 
-    await asyncio.gather(*(count(i, p) for i, p in enumerate(stale)))
+    for batch in _batches(prompts, ["prompt_id", "messages_json"]):
+        await asyncio.gather(*(count(i, r) for i, r in enumerate(batch) if r["prompt_id"] in stale))
 
 
 async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: GenerationConfig,
@@ -114,43 +126,57 @@ async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: Gener
     settings.validate()
     if preflight_policy not in ("reject", "fail"):
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
-    notes = check_fleet(fleet.infos)
+    notes = check_fleet(fleet.infos, config.enable_thinking)
     config_hash = config.config_hash(fleet.model)
     run = ShardRun(shard, config_hash, fleet.model, notes=notes)
     started = time.monotonic()
+    prompts = prompt_store(data_dir, shard)
     store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
     server_rejects = reject_store(data_dir, shard, "server")
+    if not prompts.parts():
+        raise FileNotFoundError(f"shard {shard} has no prompt_shards file under {data_dir}; materialise "
+                                f"prompt_shards for it first")
     with store.lock():
         store.recover()
         server_rejects.recover()
-        prompts = prompt_store(data_dir, shard).read().to_pylist()
-        if not prompts and not prompt_store(data_dir, shard).parts():
-            raise FileNotFoundError(f"shard {shard} has no prompt_shards file under {data_dir}; materialise "
-                                    f"prompt_shards for it first")
-        run.prompts = len(prompts)
         done = _ids(store, config_hash)
         refused = _ids(server_rejects, config_hash)
         run.already_done, run.rejected_server = len(done), len(refused)
-        todo = [p for p in prompts if p["prompt_id"] not in done and p["prompt_id"] not in refused]
 
-        await _exact_prompt_tokens(fleet, todo, config)
+        # Plan from the small columns only: what is left, and does it fit the context?
+        kwargs_json = canonical_json(config.template_kwargs())
+        todo: dict[str, dict] = {}
+        for batch in _batches(prompts, PLAN_COLUMNS):
+            run.prompts += len(batch)
+            todo.update((r["prompt_id"], r) for r in batch
+                        if r["prompt_id"] not in done and r["prompt_id"] not in refused)
+        stale = {i: r for i, r in todo.items() if r["template_kwargs_json"] != kwargs_json}
+        if stale:
+            await _recount(fleet, prompts, stale, config.template_kwargs())
         budget = Budget.of(fleet.infos, settings.context_margin)
         cap = config.max_output_tokens
-        problems = {p["prompt_id"]: budget.problem(p["prompt_tokens"], cap) for p in todo}
-        over = [p for p in todo if problems[p["prompt_id"]]]
+        over = [(r, problem) for r in todo.values() if (problem := budget.problem(r["prompt_tokens"], cap))]
         if over and (preflight_policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(todo)):
-            raise overflow_error(budget, cap, len(over), len(todo), max(p["prompt_tokens"] for p in over))
+            raise overflow_error(budget, cap, len(over), len(todo), max(r["prompt_tokens"] for r, _ in over))
         reject_store(data_dir, shard, "preflight").replace(
-            [_reject(p, "preflight", problems[p["prompt_id"]], config, config_hash, shard, budget.context_length)
-             for p in over], f"{config_hash}.parquet")
+            [_reject(r, "preflight", problem, config, config_hash, shard, budget.context_length) for r, problem in over],
+            f"{config_hash}.parquet")
         run.rejected_preflight = len(over)
-        todo = [p for p in todo if not problems[p["prompt_id"]]]
+        for r, _ in over:
+            del todo[r["prompt_id"]]
         log(f"shard {shard} config {config_hash} (cap {cap}): {run.prompts} prompts, {len(done)} already done, "
             f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
             f"{len(todo)} to generate on {len(fleet.clients)} servers")
 
-        failed = await _dispatch(todo, fleet, config, config_hash, settings, shard, store, server_rejects, run, log,
-                                 started)
+        def to_send() -> Iterator[dict]:
+            for batch in _batches(prompts):
+                for row in batch:
+                    if (plan := todo.get(row["prompt_id"])) is not None:
+                        row["prompt_tokens"] = plan["prompt_tokens"]
+                        yield row
+
+        failed = await _dispatch(to_send(), len(todo), fleet, config, config_hash, settings, shard, store,
+                                 server_rejects, run, log, started)
         failures.replace(failed, f"{config_hash}.parquet")
         run.failed = len(failed)
         store.compact()
@@ -159,7 +185,7 @@ async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: Gener
     return run
 
 
-async def _dispatch(todo: list[dict], fleet: Fleet, config: GenerationConfig, config_hash: str,
+async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: GenerationConfig, config_hash: str,
                     settings: DispatchSettings, shard: str, store: PartStore, server_rejects: PartStore,
                     run: ShardRun, log: Callable[[str], None], started: float) -> list[dict]:
     dispatcher = Dispatcher(fleet.clients, fleet.infos, max_in_flight_per_server=settings.max_in_flight_per_server,
@@ -169,9 +195,16 @@ async def _dispatch(todo: list[dict], fleet: Fleet, config: GenerationConfig, co
     refused: list[dict] = []
     failed: list[dict] = []
     last_commit = last_progress = time.monotonic()
-    total = len(todo)
+    answered = 0
 
     async def one(prompt: dict) -> None:
+        nonlocal answered
+        try:
+            await attempts(prompt)
+        finally:
+            answered += 1
+
+    async def attempts(prompt: dict) -> None:
         body = config.chat_body(fleet.model, json.loads(prompt["messages_json"]))
         error: ServerError | None = None
         for attempt in range(1, settings.max_attempts + 1):
@@ -214,7 +247,7 @@ async def _dispatch(todo: list[dict], fleet: Fleet, config: GenerationConfig, co
 
     def progress() -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
-        sent = total - len(pending_prompts) - len(tasks)
+        sent = answered
         tokens = sum(s.output_tokens for s in dispatcher.slots)
         per_server = ", ".join(f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
                                + (" EJECTED" if s.ejected_at else "") for s in dispatcher.slots)
@@ -222,12 +255,17 @@ async def _dispatch(todo: list[dict], fleet: Fleet, config: GenerationConfig, co
         log(f"shard {shard}: {sent}/{total} answered, {run.length} length, {len(failed)} failed, "
             f"{run.rejected_server} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} [{per_server}]")
 
-    pending_prompts = list(reversed(todo))
     tasks: set[asyncio.Task] = set()
+    exhausted = False
     try:
-        while pending_prompts or tasks:
-            while pending_prompts and len(tasks) < dispatcher.capacity:
-                tasks.add(asyncio.create_task(one(pending_prompts.pop())))
+        while not exhausted or tasks:
+            while not exhausted and len(tasks) < dispatcher.capacity:
+                if (prompt := next(todo, None)) is None:
+                    exhausted = True
+                else:
+                    tasks.add(asyncio.create_task(one(prompt)))
+            if not tasks:
+                break
             finished, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             for t in finished:
                 t.result()  # FleetDown propagates; everything committed stays committed

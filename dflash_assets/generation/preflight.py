@@ -45,17 +45,23 @@ class Budget:
         return largest_prompt + cap + self.margin
 
 
-def check_fleet(infos: list[ServerInfo]) -> list[str]:
-    """Refuse a fleet that serves more than one model; return notes on context lengths that differ."""
+def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[str]:
+    """Refuse a fleet that serves more than one model; return notes on what else looks wrong."""
     models = sorted({i.model for i in infos})
     if len(models) > 1:
         detail = ", ".join(f"{i.url} serves {i.model!r}" for i in infos)
         raise PreflightError(f"the fleet serves {len(models)} different models, refusing to mix them: {detail}")
+    notes = []
     contexts = {i.context_length for i in infos}
     if len(contexts) > 1:
         detail = ", ".join(f"{i.url}: {i.context_length}" for i in infos)
-        return [f"servers disagree on context length ({detail}); using the smallest, {min(contexts)}"]
-    return []
+        notes.append(f"servers disagree on context length ({detail}); using the smallest, {min(contexts)}")
+    unparsed = [i.url for i in infos if not i.reasoning_parser]
+    if enable_thinking and unparsed:
+        notes.append(f"enable_thinking is on but {', '.join(unparsed)} run without --reasoning-parser: the "
+                     f"thinking will stay inside `content` (reasoning_content empty); start them with "
+                     f"--reasoning-parser qwen3")
+    return notes
 
 
 def overflow_error(budget: Budget, cap: int, overflowing: int, total: int, largest_prompt: int) -> PreflightError:

@@ -156,9 +156,9 @@ def _jsonl_records(path: Path, start: int, stop: int) -> Iterator[tuple[int, obj
                     yield line_no, SourceReject(line_no, f"line {line_no}: contains a NUL byte")
                     continue
                 try:
-                    yield line_no, json.loads(text)
+                    yield line_no, json.loads(text.rstrip("\r\n"))
                 except json.JSONDecodeError as e:
-                    yield line_no, SourceReject(line_no, f"line {line_no}: invalid JSON ({e.msg} at column {e.colno})")
+                    yield line_no, SourceReject(line_no, f"line {line_no}: invalid JSON: {e.msg} (column {e.colno})")
     except OSError as e:
         raise SourceError(f"prompt source {path} is unreadable: {e}") from None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import itertools
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -47,9 +48,10 @@ def ids_in_other_shards(data_dir: Path, shard: str) -> dict[str, str]:
 
 
 def reason_kind(reason: str) -> str:
-    """'line 7: invalid JSON (...)' -> 'invalid JSON': the part that counts alike across lines."""
-    text = reason.split(": ", 1)[-1]
-    return text.split(" (", 1)[0].split(" '", 1)[0].split(" got", 1)[0].rstrip(",")
+    """'line 7: message 0 has unknown role 'x'' -> "message N has unknown role '…'": what counts alike."""
+    text = re.sub(r" \(.*\)$", "", reason.split(": ", 1)[-1])
+    text = re.sub(r"'[^']*'", "'…'", text)
+    return re.sub(r"(?<![-\w])\d+", "N", text.split(": ", 1)[0] if text.startswith("invalid JSON") else text)
 
 
 async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: int, data_dir: Path, fleet: Fleet,

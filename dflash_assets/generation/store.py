@@ -104,9 +104,19 @@ class PartStore:
         parts = self.parts()
         if len(parts) <= 1:
             return None
-        table = read_table(parts, None, self.schema)
         name = f"compact-{time.time_ns():020d}-{os.getpid()}.parquet"
-        out = write_atomic(table, self.dir / name, {COVERS_KEY: json.dumps([p.name for p in parts]).encode()})
+        out = self.dir / name
+        tmp = out.with_name(f".{name}.tmp")
+        schema = self.schema.with_metadata({COVERS_KEY: json.dumps([p.name for p in parts]).encode()})
+        # streamed part by part, so memory stays at one part however large the shard
+        with open(tmp, "wb") as f:
+            with pq.ParquetWriter(f, schema, compression="zstd") as writer:
+                for p in parts:
+                    writer.write_table(pq.read_table(p).cast(schema))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        fsync_dir(self.dir)
         for p in parts:
             p.unlink(missing_ok=True)
         fsync_dir(self.dir)

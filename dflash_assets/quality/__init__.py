@@ -1,0 +1,46 @@
+"""The quality gate: DuckDB checks, length reports and the training export over the data dir's Parquet tables.
+
+A plain library (no Dagster import): the Dagster layer turns CHECKS into asset checks and shows the reports
+as metadata; `dflash report` calls print_report.
+"""
+
+from dflash_assets.quality.export import EXCLUSION_REASONS, TrainingExport, export_training_set
+from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
+from dflash_assets.quality.registry import CHECKS, CHECKS_BY_NAME, CheckSpec, gate_passed, run_checks
+from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
+from dflash_assets.quality.tables import open_quality_db
+
+__all__ = [
+    "CHECKS",
+    "CHECKS_BY_NAME",
+    "EXCLUSION_REASONS",
+    "PERCENTILE_DEFINITION",
+    "CheckOutcome",
+    "CheckSpec",
+    "Finding",
+    "Severity",
+    "Thresholds",
+    "TrainingExport",
+    "completion_histogram_markdown",
+    "completion_histogram_png",
+    "export_training_set",
+    "gate_passed",
+    "length_quality",
+    "open_quality_db",
+    "print_report",
+    "run_checks",
+]
+
+
+def __getattr__(name: str):
+    # matplotlib and rich are only needed by the picture and the terminal report: imported on first use, so
+    # loading the Dagster code location (which imports this package) stays fast
+    if name == "print_report":
+        from dflash_assets.quality import console
+
+        return console.print_report
+    if name in {"completion_histogram_png", "completion_histogram_markdown"}:
+        from dflash_assets.quality import histogram
+
+        return getattr(histogram, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

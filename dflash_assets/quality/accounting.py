@@ -2,7 +2,7 @@
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, num, pct, share
+from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, num, pct, plural, share
 
 PER_PAIR = """
 WITH source_rejects AS (
@@ -10,42 +10,33 @@ WITH source_rejects AS (
 ), prompt_rows AS (
     SELECT shard, count(*) AS n FROM prompts GROUP BY ALL
 ), shards AS (
-    SELECT shard FROM prompt_rows UNION SELECT shard FROM rejects
-    UNION SELECT shard FROM completions UNION SELECT shard FROM failures
-), seen AS (
-    SELECT shard, config_hash FROM completions
-    UNION SELECT shard, config_hash FROM rejects WHERE stage <> 'source'
-    UNION SELECT shard, config_hash FROM failures
+    SELECT shard FROM prompt_rows UNION SELECT shard FROM rejects UNION SELECT shard FROM outcomes
 ), pairs AS (
-    SELECT DISTINCT s.shard, coalesce(getvariable('scope_config'), seen.config_hash) AS config_hash
-    FROM shards s LEFT JOIN seen ON seen.shard = s.shard AND getvariable('scope_config') IS NULL
-), done AS (SELECT DISTINCT shard, config_hash, prompt_id FROM completions
-), rej AS (SELECT DISTINCT shard, config_hash, prompt_id FROM rejects WHERE stage <> 'source'
-), fail AS (SELECT DISTINCT shard, config_hash, prompt_id FROM failures
+    SELECT DISTINCT s.shard, coalesce(getvariable('scope_config'), o.config_hash) AS config_hash
+    FROM shards s LEFT JOIN (SELECT DISTINCT shard, config_hash FROM outcomes) o
+        ON o.shard = s.shard AND getvariable('scope_config') IS NULL
 ), classified AS (
-    SELECT pr.shard, pr.config_hash,
-        count(*) FILTER (WHERE d.prompt_id IS NOT NULL) AS completed,
-        count(*) FILTER (WHERE d.prompt_id IS NULL AND r.prompt_id IS NOT NULL) AS rejected,
-        count(*) FILTER (WHERE d.prompt_id IS NULL AND r.prompt_id IS NULL AND f.prompt_id IS NOT NULL) AS failed,
-        count(*) FILTER (WHERE d.prompt_id IS NULL AND r.prompt_id IS NULL AND f.prompt_id IS NULL) AS missing
-    FROM pairs pr JOIN prompts p ON p.shard = pr.shard
-    LEFT JOIN done d ON d.shard = p.shard AND d.config_hash = pr.config_hash AND d.prompt_id = p.prompt_id
-    LEFT JOIN rej r ON r.shard = p.shard AND r.config_hash = pr.config_hash AND r.prompt_id = p.prompt_id
-    LEFT JOIN fail f ON f.shard = p.shard AND f.config_hash = pr.config_hash AND f.prompt_id = p.prompt_id
-    GROUP BY ALL
-), orphans AS (
-    SELECT d.shard, d.config_hash, count(*) AS n FROM done d
-    ANTI JOIN prompts p ON p.shard = d.shard AND p.prompt_id = d.prompt_id GROUP BY ALL
+    SELECT shard, config_hash,
+        count(*) FILTER (WHERE known AND outcome = 1) AS completed,
+        count(*) FILTER (WHERE known AND outcome = 2) AS rejected,
+        count(*) FILTER (WHERE known AND outcome = 3) AS failed,
+        count(*) FILTER (WHERE NOT known AND outcome = 1) AS orphans
+    FROM (
+        SELECT o.*, EXISTS (SELECT 1 FROM prompts p WHERE p.shard = o.shard AND p.prompt_id = o.prompt_id) AS known
+        FROM outcomes o
+    ) GROUP BY ALL
 )
 SELECT pr.shard, pr.config_hash,
     coalesce(pw.n, 0) + coalesce(sr.n, 0) AS prompts,
-    coalesce(c.completed, 0), coalesce(c.rejected, 0) + coalesce(sr.n, 0), coalesce(c.failed, 0),
-    coalesce(c.missing, 0), coalesce(o.n, 0)
+    coalesce(c.completed, 0),
+    coalesce(c.rejected, 0) + coalesce(sr.n, 0),
+    coalesce(c.failed, 0),
+    coalesce(pw.n, 0) - coalesce(c.completed, 0) - coalesce(c.rejected, 0) - coalesce(c.failed, 0),
+    coalesce(c.orphans, 0)
 FROM pairs pr
 LEFT JOIN prompt_rows pw ON pw.shard = pr.shard
 LEFT JOIN source_rejects sr ON sr.shard = pr.shard
 LEFT JOIN classified c ON c.shard = pr.shard AND c.config_hash IS NOT DISTINCT FROM pr.config_hash
-LEFT JOIN orphans o ON o.shard = pr.shard AND o.config_hash IS NOT DISTINCT FROM pr.config_hash
 ORDER BY pr.shard, pr.config_hash NULLS FIRST
 """
 
@@ -60,9 +51,11 @@ def accounting(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     - configs of a shard: the scope's `config_hash` (open_quality_db), else every config_hash with a completion, a
       preflight/server reject or a failure row in that shard. A shard with none of those is accounted once
       with config "(none)": all its prompts are missing.
-    - each prompt row counts once per config, in the first class that applies: completed (a completion row
+    - each prompt counts once per config, in the first class that applies: completed (a completion row
       for the (shard, prompt_id, config_hash), duplicates counted once), rejected (a preflight or server
       reject row), failed (a failure row), else missing. Source-stage rejects count as rejected.
+      missing = prompt rows - completed - rejected - failed: prompt_id is unique within a shard (the
+      prompt_shards invariant), and a repeated prompt row would show up here as missing.
     - orphan completions: distinct (shard, prompt_id, config_hash) completion keys with no prompt row in
       that shard; they cannot be traced to a prompt (nor exported), so they fail the check too.
     The check fails when any pair's missing share exceeds missing_rate_max (default 0: any missing fails).
@@ -85,15 +78,15 @@ def accounting(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
                 f"{num(failed)} failed + **{num(missing)} missing** ({pct(share(missing, prompts))})"
             )
             if orphans:
-                line += f"; {num(orphans)} completions have no prompt row"
+                line += f"; {plural(orphans, 'completion')} without a prompt row"
             bad.append(line)
     lines = [
-        f"Over {num(len(result))} (shard, config) pairs: {num(sums['prompts'])} prompts = "
+        f"Over {plural(len(result), '(shard, config) pair')}: {num(sums['prompts'])} prompts = "
         f"{num(sums['completed'])} completed + {num(sums['rejected'])} rejected + {num(sums['failed'])} failed + "
-        f"**{num(sums['missing'])} missing**; {num(sums['orphan_completions'])} orphan completions.",
+        f"**{num(sums['missing'])} missing**; {plural(sums['orphan_completions'], 'orphan completion')}.",
         bullets(
             [
-                f"config `{cfg}` over {num(n)} shards: {num(p)} prompts, {num(c)} completed, {num(r)} rejected, "
+                f"config `{cfg}` over {plural(n, 'shard')}: {num(p)} prompts, {num(c)} completed, {num(r)} rejected, "
                 f"{num(f)} failed, {num(m)} missing"
                 for cfg, (p, c, r, f, m, _o, n) in sorted(per_config.items())
             ]
@@ -101,7 +94,8 @@ def accounting(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     ]
     if bad:
         lines.append(
-            f"{num(len(bad))} pairs do not add up (missing over {pct(t.missing_rate_max)} or orphans):\n" + bullets(bad)
+            f"{plural(len(bad), 'pair')} do not add up (missing over {pct(t.missing_rate_max)} or orphans):\n"
+            + bullets(bad)
         )
     metadata: dict[str, MetadataValue] = {"pairs": len(result), **sums, "failing_pairs": len(bad)}
     return Finding(not bad, "\n\n".join(lines), metadata)

@@ -1,6 +1,7 @@
 """Checks on the text: empty answers, leaked think markers, and how the reasoning parser split truncated rows.
 
-"Empty" means null or only ASCII whitespace (space, tab, CR, LF); the flags are computed once in tables.py.
+"Empty" means null or only ASCII whitespace (space, tab, CR, LF); the flags are computed once in tables.py
+and the row predicates (empty_content, misrouted, ...) are defined in rates.ROW_PREDICATES.
 With a reasoning parser, SGLang puts everything before `</think>` in reasoning_content and the rest in content;
 when the cap cuts the thinking, everything lands in reasoning_content and content is "" (truncated thinking).
 """
@@ -10,9 +11,6 @@ import duckdb
 from dflash_assets.quality.outcome import Finding, Thresholds
 from dflash_assets.quality.rates import group_counts, rate_finding
 
-TRUNCATED_THINKING = "finish_reason = 'length' AND NOT reasoning_empty AND content_empty"
-MISROUTED = "finish_reason = 'length' AND reasoning_empty AND NOT content_empty"
-
 
 def empty_content(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     """Rows with empty content, except truncated thinking (reported by truncated_thinking and truncation_rate):
@@ -20,7 +18,7 @@ def empty_content(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     return rate_finding(
         "empty_content",
         "have empty content (truncated thinking not counted)",
-        group_counts(con, f"content_empty AND NOT ({TRUNCATED_THINKING})"),
+        group_counts(con, "empty_content"),
         t.empty_content_rate_max,
         why="A finished completion with no answer: check the reasoning parser split and the server logs.",
     )
@@ -41,7 +39,7 @@ def think_markers(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
 def reasoning_misrouted(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     """Among enable_thinking rows: finish 'length' with no reasoning_content but non-empty content, i.e. the
     truncated thinking was routed into content (a known parser failure on truncation)."""
-    groups = group_counts(con, MISROUTED, among_sql="enable_thinking")
+    groups = group_counts(con, "misrouted", rows="thinking")
     if not groups:
         return Finding(True, "Not applicable: no rows with enable_thinking in scope.", {"rows": 0})
     return rate_finding(
@@ -56,11 +54,10 @@ def reasoning_misrouted(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Findin
 
 def truncated_thinking(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     """Share of rows cut by the cap inside the thinking: finish 'length', reasoning present, content empty."""
-    finding = rate_finding(
+    return rate_finding(
         "truncated_thinking",
         "were cut inside the thinking (finish 'length', reasoning present, content empty): `</think>` never came",
-        group_counts(con, TRUNCATED_THINKING),
+        group_counts(con, "truncated_thinking"),
         t.truncated_thinking_rate_max,
         why="These prompts think longer than the cap allows: raise max_output_tokens for them.",
     )
-    return finding

@@ -12,20 +12,16 @@ from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bu
 OVER = "prompt_tokens + max_output_tokens > server_context_length"
 
 PER_CONFIG = f"""
-WITH attempted AS (
-    SELECT config_hash, shard, prompt_id FROM completions
-    UNION SELECT config_hash, shard, prompt_id FROM rejects WHERE stage <> 'source'
-    UNION SELECT config_hash, shard, prompt_id FROM failures
-), a AS (
-    SELECT config_hash, count(*) AS attempted FROM attempted GROUP BY ALL
+WITH a AS (
+    SELECT config_hash, count(*) AS attempted FROM outcomes GROUP BY ALL
 ), c AS (
     SELECT config_hash, count(*) AS rows, count(*) FILTER (WHERE {OVER}) AS over_rows,
            max(server_context_length) FILTER (WHERE {OVER}) AS over_context
     FROM completions GROUP BY ALL
 ), r AS (
-    SELECT config_hash, count(*) AS over_prompts, max(server_context_length) AS over_context
-    FROM (SELECT DISTINCT config_hash, shard, prompt_id, server_context_length
-          FROM rejects WHERE stage <> 'source' AND {OVER})
+    SELECT config_hash, count(*) AS over_prompts, max(context) AS over_context
+    FROM (SELECT config_hash, shard, prompt_id, max(server_context_length) AS context
+          FROM rejects WHERE stage <> 'source' AND {OVER} GROUP BY ALL)
     GROUP BY ALL
 ), caps AS (
     SELECT config_hash, list(DISTINCT max_output_tokens ORDER BY max_output_tokens) AS caps FROM (
@@ -53,8 +49,8 @@ def context_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     sums = {"attempted": 0, "rows": 0, "over_rows": 0, "over_prompts": 0}
     for config_hash, caps, attempted, rows, over_rows, over_ctx, over_prompts, rej_ctx in result:
         label = f"config `{config_hash}` (max_output_tokens {'/'.join(str(c) for c in caps)})"
-        for k, v in (("attempted", attempted), ("rows", rows), ("over_rows", over_rows), ("over_prompts", over_prompts)):
-            sums[k] += v
+        for key, value in zip(sums, (attempted, rows, over_rows, over_prompts)):
+            sums[key] += value
         bad_rows = share(over_rows, rows) > t.context_overflow_rate_max
         bad_rejects = share(over_prompts, attempted) > t.overflow_reject_rate_max
         failing += bad_rows or bad_rejects

@@ -4,7 +4,7 @@ from collections import defaultdict
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, config_label, num
+from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, config_label, num, plural
 from dflash_assets.quality.rates import GroupCount, rate_finding
 
 
@@ -24,21 +24,25 @@ def config_consistency(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding
         per_config[(config_hash, cap)][1] += 1
     mixed = {s: cs for s, cs in per_shard.items() if len(cs) > 1}
     configs = sorted(per_config.items(), key=lambda kv: (str(kv[0][0]), kv[0][1] or 0))
-    mix = "; ".join(f"{h}/{cap}: {rows} rows in {shards} shards" for (h, cap), (rows, shards) in configs)
-    config_lines = [
-        f"{config_label(h, cap)}: {num(rows)} rows in {num(shards)} shards" for (h, cap), (rows, shards) in configs
-    ]
+    spread = [(h, cap, f"{plural(rows, 'row')} in {plural(shards, 'shard')}") for (h, cap), (rows, shards) in configs]
+    mix = "; ".join(f"{h}/{cap}: {where}" for h, cap, where in spread)
+    config_lines = [f"{config_label(h, cap)}: {where}" for h, cap, where in spread]
     if len(configs) <= 1:
-        head = f"One config in scope: {config_lines[0]}." if configs else "No completion rows in scope."
-        lines = [head]
+        lines = [f"One config in scope: {config_lines[0]}." if configs else "No completion rows in scope."]
     else:
-        lines = [f"The data mixes **{len(configs)} configs** across {num(len(per_shard))} shards:", bullets(config_lines)]
+        verb = "mixes" if len(mixed) == 1 else "mix"
+        inside = f"; {plural(len(mixed), 'shard')} {verb} configs inside" if mixed else ""
+        lines = [
+            f"The data mixes **{len(configs)} configs** across {plural(len(per_shard), 'shard')}{inside}.",
+            bullets(config_lines),
+        ]
     if mixed:
         shard_lines = [
-            f"shard `{s}`: " + ", ".join(f"`{h}` (max_output_tokens {cap}) {num(rows)} rows" for h, cap, rows in cs)
+            f"shard `{s}`: "
+            + ", ".join(f"`{h}` (max_output_tokens {cap}) {plural(rows, 'row')}" for h, cap, rows in cs)
             for s, cs in mixed.items()
         ]
-        lines.append(f"{num(len(mixed))} shards mix configs inside themselves:\n" + bullets(shard_lines))
+        lines.append("Shards mixing configs:\n" + bullets(shard_lines))
     metadata: dict[str, MetadataValue] = {
         "configs": len(configs),
         "shards": len(per_shard),
@@ -53,14 +57,14 @@ def duplicates(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     A committed part is the only ledger, so a duplicate means a part was committed twice or a resume re-ran it.
     """
     result = con.execute(
-        "SELECT config_hash, count(*), count(*) - count(DISTINCT prompt_id) FROM completions "
+        "SELECT config_hash, sum(n)::BIGINT, (sum(n) - count(*))::BIGINT, count(*) FILTER (WHERE n > 1), "
+        "list(prompt_id || ' x' || n ORDER BY n DESC, prompt_id) FILTER (WHERE n > 1)[:5] "
+        "FROM (SELECT config_hash, prompt_id, count(*) AS n FROM completions GROUP BY ALL) "
         "GROUP BY ALL ORDER BY config_hash"
     ).fetchall()
-    groups = [GroupCount(f"config `{h}`", str(h), rows, extra) for h, rows, extra in result]
-    keys, examples = con.execute(
-        "SELECT count(*), list(prompt_id || ' x' || n ORDER BY n DESC, prompt_id)[:5] FROM ("
-        "  SELECT prompt_id, config_hash, count(*) AS n FROM completions GROUP BY ALL HAVING count(*) > 1)"
-    ).fetchone()
+    groups = [GroupCount(f"config `{h}`", str(h), rows, extra) for h, rows, extra, _, _ in result]
+    keys = sum(k for *_, k, _ in result)
+    examples = [f"{e} ({h})" for h, *_, ex in result for e in ex or []][:5]
     finding = rate_finding(
         "duplicate",
         "are extra copies of a (prompt_id, config_hash) already present",
@@ -70,5 +74,5 @@ def duplicates(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     )
     summary = finding.summary_md
     if keys:
-        summary += f"\n\n{num(keys)} keys are duplicated, e.g. " + ", ".join(f"`{e}`" for e in examples or []) + "."
+        summary += f"\n\n{plural(keys, 'key')} duplicated, e.g. " + ", ".join(f"`{e}`" for e in examples) + "."
     return Finding(finding.passed, summary, finding.metadata | {"duplicated_keys": keys})

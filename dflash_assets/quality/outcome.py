@@ -64,6 +64,11 @@ def num(n: int) -> str:
     return f"{n:,}"
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 row', '1,000 rows': a count with its noun, plural unless one."""
+    return f"{num(n)} {noun}" if n == 1 else f"{num(n)} {noun}s"
+
+
 def share(part: int, whole: int) -> float:
     """part / whole, 0.0 for an empty whole (an empty scope has nothing wrong in it)."""
     return part / whole if whole else 0.0

@@ -1,4 +1,9 @@
-"""The common shape of most checks: count the rows that match a defect, per config or per shard, judge the share."""
+"""The common shape of most checks: count the rows that match a defect, per config or per shard, judge the share.
+
+Every per-row predicate a rate check counts is defined once, in ROW_PREDICATES. The first count builds a
+`facts` temp table holding each predicate's count per (shard, config_hash, max_output_tokens) in one pass
+over `completions`; every later count is a roll-up of that small table instead of another full scan.
+"""
 
 from dataclasses import dataclass
 
@@ -6,10 +11,28 @@ import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, config_label, num, pct, share, verdict
 
+_TRUNCATED_THINKING = "finish_reason = 'length' AND NOT reasoning_empty AND content_empty"
+_AT_CAP_NOT_LENGTH = "completion_tokens >= max_output_tokens AND finish_reason IS DISTINCT FROM 'length'"
+_LENGTH_UNDER_CAP = "finish_reason = 'length' AND completion_tokens < max_output_tokens"
+ROW_PREDICATES = {
+    "rows": "TRUE",
+    "truncated": "finish_reason = 'length'",
+    # the cap and the finish reason must agree: at the cap but not 'length', or 'length' below the cap
+    "at_cap_not_length": _AT_CAP_NOT_LENGTH,
+    "length_under_cap": _LENGTH_UNDER_CAP,
+    "cap_mismatch": f"({_AT_CAP_NOT_LENGTH}) OR ({_LENGTH_UNDER_CAP})",
+    # the cap cut the thinking: everything went to reasoning_content, content is "" (SGLang's split on `length`)
+    "truncated_thinking": _TRUNCATED_THINKING,
+    "empty_content": f"content_empty AND NOT ({_TRUNCATED_THINKING})",
+    "think_marker": "think_marker",
+    "thinking": "enable_thinking",
+    # truncated thinking routed into content: no reasoning_content, content non-empty (a parser failure)
+    "misrouted": "enable_thinking AND finish_reason = 'length' AND reasoning_empty AND NOT content_empty",
+}
 GROUPINGS = {
     # a config is a (config_hash, max_output_tokens) pair: a hash that maps to two caps shows up as two configs
-    "config": ("config_hash, max_output_tokens", "config_hash, max_output_tokens"),
-    "shard": ("shard", "shard"),
+    "config": "config_hash, max_output_tokens",
+    "shard": "shard",
 }
 
 
@@ -25,18 +48,28 @@ class GroupCount:
         return share(self.hits, self.rows)
 
 
-def group_counts(
-    con: duckdb.DuckDBPyConnection, hit_sql: str, among_sql: str = "TRUE", by: str = "config"
-) -> list[GroupCount]:
-    """Per group: rows satisfying `among_sql`, and how many of them satisfy `hit_sql`; groups in name order."""
-    cols, order = GROUPINGS[by]
+def _ensure_facts(con: duckdb.DuckDBPyConnection) -> None:
+    counts = ", ".join(f"count(*) FILTER (WHERE {sql}) AS {name}" for name, sql in ROW_PREDICATES.items())
+    con.execute(
+        f"CREATE TEMP TABLE IF NOT EXISTS facts AS SELECT shard, config_hash, max_output_tokens, {counts} "
+        "FROM completions GROUP BY ALL"
+    )
+
+
+def group_counts(con: duckdb.DuckDBPyConnection, hits: str, rows: str = "rows", by: str = "config") -> list[GroupCount]:
+    """Per group (in name order): rows matching predicate `rows` and how many of them match `hits`.
+
+    `hits` must imply `rows` (misrouted implies thinking); groups with no `rows` are left out.
+    """
+    _ensure_facts(con)
+    cols = GROUPINGS[by]
     result = con.execute(
-        f"SELECT {cols}, count(*), count(*) FILTER (WHERE {hit_sql}) FROM completions "
-        f"WHERE {among_sql} GROUP BY {cols} ORDER BY {order}"
+        f"SELECT {cols}, sum({rows})::BIGINT, sum({hits})::BIGINT FROM facts "
+        f"GROUP BY {cols} HAVING sum({rows}) > 0 ORDER BY {cols}"
     ).fetchall()
     if by == "config":
-        return [GroupCount(config_label(h, cap), f"{h}/{cap}", rows, hits) for h, cap, rows, hits in result]
-    return [GroupCount(f"shard `{s}`", str(s), rows, hits) for s, rows, hits in result]
+        return [GroupCount(config_label(h, cap), f"{h}/{cap}", n, k) for h, cap, n, k in result]
+    return [GroupCount(f"shard `{s}`", str(s), n, k) for s, n, k in result]
 
 
 def totals(groups: list[GroupCount]) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The data dir as four small temp tables in one in-memory DuckDB: what every check and report reads.
+"""The data dir as a few small temp tables in one in-memory DuckDB: what every check and report reads.
 
 The Parquet files are scanned once. `completions` keeps the numeric and key columns plus three row flags
 computed from the text (empty content, think markers, empty reasoning), so a dozen checks run over a compact
@@ -9,7 +9,9 @@ Tables (every one exists, empty when its directory has no files yet):
     completions  COMPLETION_SCHEMA minus text, plus content_empty, think_marker, reasoning_empty
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
-    prompts      PROMPT_SCHEMA minus messages_json and template_kwargs_json
+    prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
+    outcomes     one row per (shard, config_hash, prompt_id) with any row in completions, preflight/server
+                 rejects or failures: `outcome` 1 completed, 2 rejected, 3 failed (the first that applies)
 
 Scope: `shard` reads only `<table>/shard=<key>/`; `config_hash` keeps that config's rows (and every
 source-stage reject, which comes before any config).
@@ -27,13 +29,24 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, P
 BLANK = "[^ \\t\\r\\n]"
 
 COMPLETION_COLUMNS = """
-    prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens,
-    max_output_tokens, server_context_length, enable_thinking"""
+    prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
+    server_context_length, enable_thinking"""
 
 COMPLETION_FLAGS = f"""
     content IS NULL OR NOT regexp_matches(content, '{BLANK}') AS content_empty,
     coalesce(contains(content, '<think>') OR contains(content, '</think>'), false) AS think_marker,
     reasoning_content IS NULL OR NOT regexp_matches(reasoning_content, '{BLANK}') AS reasoning_empty"""
+
+
+# Built once because accounting and context_overflow both need "what happened to each prompt under each config".
+OUTCOMES = """
+CREATE TEMP TABLE outcomes AS
+SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
+    SELECT shard, config_hash, prompt_id, 1 AS outcome FROM completions
+    UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM rejects WHERE stage <> 'source'
+    UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM failures
+) GROUP BY ALL
+"""
 
 
 def parquet_files(data_dir: str | Path, table: str, shard: str | None = None) -> list[str]:
@@ -44,13 +57,26 @@ def parquet_files(data_dir: str | Path, table: str, shard: str | None = None) ->
     return sorted(str(p) for p in root.rglob("*.parquet"))
 
 
-def parquet_source(con: duckdb.DuckDBPyConnection, data_dir, table: str, schema: pa.Schema, shard) -> str:
-    """A FROM clause over the table's files, or over an empty table of its schema when there are none yet."""
+def parquet_source(
+    con: duckdb.DuckDBPyConnection,
+    data_dir: str | Path,
+    table: str,
+    schema: pa.Schema,
+    shard: str | None = None,
+    row_position: bool = False,
+) -> str:
+    """A FROM clause over the table's files, or over an empty table of its schema when there are none yet.
+
+    `row_position` adds `filename` and `file_row_number`: a row's stable identity across queries.
+    """
     files = parquet_files(data_dir, table, shard)
     if files:
         name = f"_files_{table}"
         con.execute(f"SET VARIABLE {name} = $files", {"files": files})
-        return f"read_parquet(getvariable('{name}'), hive_partitioning = false)"
+        position = ", filename = true, file_row_number = true" if row_position else ""
+        return f"read_parquet(getvariable('{name}'), hive_partitioning = false{position})"
+    if row_position:
+        schema = schema.append(pa.field("filename", pa.string())).append(pa.field("file_row_number", pa.int64()))
     con.register(f"_empty_{table}", schema.empty_table())
     return f"_empty_{table}"
 
@@ -58,11 +84,10 @@ def parquet_source(con: duckdb.DuckDBPyConnection, data_dir, table: str, schema:
 def open_quality_db(
     data_dir: str | Path, shard: str | None = None, config_hash: str | None = None
 ) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB holding the scoped `completions`, `rejects`, `failures` and `prompts` temp tables."""
+    """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager)."""
     con = duckdb.connect(":memory:")
     params = {"shard": shard, "config": config_hash}
     # the scope itself, for checks whose meaning depends on it (accounting: which configs a shard owes)
-    con.execute("SET VARIABLE scope_shard = $shard::VARCHAR", {"shard": shard})
     con.execute("SET VARIABLE scope_config = $config::VARCHAR", {"config": config_hash})
     shard_ok = "($shard IS NULL OR shard = $shard)"
     config_ok = "($config IS NULL OR config_hash = $config)"
@@ -88,8 +113,9 @@ def open_quality_db(
     )
     src = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA, shard)
     con.execute(
-        f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard, line, source, prompt_tokens FROM {src} "
+        f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard FROM {src} "
         f"WHERE {shard_ok}",
-        params,
+        {"shard": shard},
     )
+    con.execute(OUTCOMES)
     return con

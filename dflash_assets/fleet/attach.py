@@ -1,0 +1,51 @@
+"""`attach` mode: servers someone else runs (or one SGLang router / gateway URL in front of many).
+
+Nothing is started or stopped here; the URLs are checked for shape, then probed through the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from dflash_assets.fleet.fleet import Fleet, connect
+
+
+class AttachError(ValueError):
+    pass
+
+
+def parse_urls(urls: str | Sequence[str]) -> list[str]:
+    """Base URLs from a comma/space separated string or a list, checked and normalised (no trailing '/')."""
+    items = urls.replace(",", " ").split() if isinstance(urls, str) else [u.strip() for u in urls if u.strip()]
+    if not items:
+        raise AttachError("attach needs at least one server URL, e.g. http://10.0.0.5:30000")
+    out: list[str] = []
+    for i, raw in enumerate(items, 1):
+        try:
+            parts = urlsplit(raw)
+            parts.port  # noqa: B018 -- raises on a port that is not a number or out of range
+        except ValueError as e:
+            raise AttachError(f"server URL #{i} is not a valid URL: {e}") from None
+        if parts.username or parts.password:
+            # Not echoed: it holds a credential.
+            raise AttachError(f"server URL #{i} carries credentials; put the API key in the environment "
+                              f"variable (DFLASH_API_KEY by default), it is sent as a Bearer token")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise AttachError(f"server URL {raw!r} must look like http://host:port (got scheme "
+                              f"{parts.scheme or 'none'!r}, host {parts.hostname or 'none'!r})")
+        if parts.query or parts.fragment:
+            raise AttachError(f"server URL {raw!r} must be a base URL, without ?query or #fragment")
+        url = raw.rstrip("/")
+        if url in out:
+            # The same server twice would be counted twice when the dispatcher sizes concurrency.
+            raise AttachError(f"server URL {url} is listed twice")
+        out.append(url)
+    return out
+
+
+async def attach(urls: str | Sequence[str], api_key: str | None = None, *, health_timeout_s: float = 60.0,
+                 request_timeout_s: float = 3600.0) -> Fleet:
+    """Check the URLs, wait until each answers /health and read its context length and capacity."""
+    return await connect(parse_urls(urls), api_key, health_timeout_s=health_timeout_s,
+                         request_timeout_s=request_timeout_s)

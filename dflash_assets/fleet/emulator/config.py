@@ -1,0 +1,264 @@
+"""Command line and resolved configuration of the emulated server.
+
+The parser is `sglang serve`'s: all 0.5.23 flags are registered (sglang_flags.py),
+so a launcher's command line parses, abbreviates and fails (exit 2) as it would
+against the real server. The handful that shape behaviour are typed here; the
+rest are accepted and reported in /server_info. The emulator's own knobs (the
+stand-in model, its speed, faults) are added beside them.
+
+Capacity is resolved with 0.5.23's rules (configs/model_config.py,
+kv_cache_configurator.py, tp_worker.py): effective context length, KV pool,
+max_running_requests (capped by the hybrid model's mamba state slots),
+max_req_len = min(context_len - 1, kv_pool - 1) and max_req_input_len = max_req_len - 5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from .model import LengthModel
+from .sglang_flags import FLAGS
+
+VERSION = "0.5.23"
+REASONING_PARSERS = ["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "gpt-oss"]
+# A hybrid (Gated-DeltaNet) model holds 3 mamba state slots per running request
+# with the radix cache on (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO), 1 without.
+MAMBA_SLOTS_PER_REQUEST = 3
+
+
+def human_readable_int(value: str) -> int:
+    """SGLang's int parser for --context-length: '32768', '32k', '32Ki'."""
+    value = value.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)", value)
+    if m:
+        number, suffix = m.groups()
+        if suffix.endswith("i"):
+            if "." in number:
+                raise argparse.ArgumentTypeError(f"Decimals are not allowed with IEC suffixes like '{suffix}'.")
+            return int(number) * 2 ** (10 * "KMGT".index(suffix[0]) + 10)
+        return int(Decimal(number) * 10 ** (3 * "kMGT".index(suffix) + 3))
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"Invalid integer value: {value!r}") from None
+
+
+# Flags whose values the emulator uses: dest -> argparse kwargs (replacing the generic entry).
+_TYPED = {
+    "model_path": {"required": True},
+    "host": {"default": "127.0.0.1"},
+    "port": {"type": int, "default": 30000},
+    "context_length": {"type": human_readable_int},
+    "tp_size": {"type": int, "default": 1},
+    "dp_size": {"type": int, "default": 1},
+    "max_running_requests": {"type": int},
+    "max_queued_requests": {"type": int},
+    "max_total_tokens": {"type": int},
+    "max_mamba_cache_size": {"type": int},
+    "chunked_prefill_size": {"type": int},
+    "mem_fraction_static": {"type": float},
+    "stream_interval": {"type": int, "default": 1},
+    "reasoning_parser": {"choices": ["auto"] + REASONING_PARSERS},
+    "default_chat_template_kwargs": {"type": json.loads},
+    "preferred_sampling_params": {"type": json.loads},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sglang serve",
+        description="Emulator of an SGLang 0.5.23 server (no GPU): same flags, routes, shapes and errors.",
+    )
+    for names, nargs, dest in FLAGS:
+        if dest in _TYPED:
+            parser.add_argument(*names, dest=dest, **_TYPED[dest])
+        elif nargs == 0:
+            parser.add_argument(*names, dest=dest, action="store_true", default=None)
+        else:
+            parser.add_argument(*names, dest=dest, nargs=nargs)
+    emu = parser.add_argument_group("emulator", "Knobs of the emulator itself (not SGLang flags).")
+    emu.add_argument("--startup-delay", type=float, default=0.0, help="Seconds /health answers 503 (warmup).")
+    emu.add_argument(
+        "--decode-tokens-per-s", type=float, default=0.0, help="Decode rate per running request; 0 = instant."
+    )
+    emu.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="Prefill rate per request; 0 = instant.")
+    emu.add_argument("--length-median", type=float, default=LengthModel.median, help="Median output tokens.")
+    emu.add_argument("--length-sigma", type=float, default=LengthModel.sigma, help="Lognormal sigma of output length.")
+    emu.add_argument("--length-min", type=int, default=LengthModel.minimum)
+    emu.add_argument("--length-max", type=int, default=LengthModel.maximum)
+    emu.add_argument(
+        "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
+    )
+    emu.add_argument("--kv-capacity", type=int, default=400_000, help="KV pool tokens the emulated GPU profiles to.")
+    emu.add_argument(
+        "--auto-mamba-cache-size", type=int, default=144, help="Mamba slots when --max-mamba-cache-size is unset."
+    )
+    emu.add_argument("--dense-model", action="store_true", help="Emulate a dense model (no mamba cap on requests).")
+    emu.add_argument("--fault-crash-after", type=int, help="Exit hard when generation request N+1 arrives.")
+    emu.add_argument("--fault-503-next", type=int, help="Answer the next N generation requests with 503.")
+    emu.add_argument("--fault-503-rate", type=float, help="Answer this share of generation requests with 503.")
+    emu.add_argument("--fault-stall-seconds", type=float, help="Hold generation requests this long before serving.")
+    emu.add_argument("--fault-stall-next", type=int, help="Stall only the next N requests (default: all).")
+    emu.add_argument("--fault-slow-factor", type=float, help="Multiply decode time by this factor.")
+    return parser
+
+
+@dataclass
+class EmulatorConfig:
+    """What the server runs with: the parsed flags and the capacity they resolve to."""
+
+    args: argparse.Namespace
+    argv: list[str]
+    context_len: int
+    max_total_num_tokens: int
+    max_running_requests: int  # effective, per DP rank
+    max_mamba_cache_size: int | None
+    max_req_len: int
+    max_req_input_len: int
+    lengths: LengthModel
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.args.served_model_name or self.args.model_path
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        p = self.args.reasoning_parser
+        return "qwen3" if p == "auto" else p  # auto detects the Qwen template
+
+    @property
+    def allow_auto_truncate(self) -> bool:
+        return bool(self.args.allow_auto_truncate)
+
+    @property
+    def enable_metrics(self) -> bool:
+        return bool(self.args.enable_metrics)
+
+
+class ConfigError(SystemExit):
+    """A configuration SGLang refuses at startup (it raises; the launch fails)."""
+
+
+def resolve(argv: list[str]) -> EmulatorConfig:
+    args = build_parser().parse_args(argv)
+    warnings: list[str] = []
+    if args.config:
+        raise ConfigError("emulator: --config (YAML) is not supported; pass the flags instead")
+    if args.served_model_name and ":" in args.served_model_name:
+        raise ConfigError(f"served_model_name must not contain ':', got {args.served_model_name!r}.")
+    native = args.native_context_length
+    context_len = native
+    if args.context_length is not None:
+        if args.context_length > native and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") != "1":
+            raise ConfigError(
+                f"Warning: User-specified context_length ({args.context_length}) is greater than the derived "
+                f"context_length ({native}). This may lead to incorrect model outputs or CUDA errors. Note that "
+                "the derived context_length may differ from max_position_embeddings in the model's config. "
+                "To allow overriding this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"
+            )
+        context_len = args.context_length
+    kv = args.kv_capacity
+    if args.max_total_tokens is not None:
+        if args.max_total_tokens > kv:
+            warnings.append(
+                f"max_total_tokens={args.max_total_tokens} is larger than the profiled value {kv}. "
+                "Use the profiled value instead."
+            )
+        kv = min(kv, args.max_total_tokens)
+    if kv < context_len:
+        warnings.append(f"KV pool holds {kv} tokens, fewer than --context-length {context_len}.")
+    running, mamba = _max_running_requests(args, kv, context_len)
+    max_req_len = min(context_len - 1, kv - 1)
+    lengths = LengthModel(
+        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max
+    )
+    return EmulatorConfig(
+        args=args,
+        argv=list(argv),
+        context_len=context_len,
+        max_total_num_tokens=kv,
+        max_running_requests=running,
+        max_mamba_cache_size=mamba,
+        max_req_len=max_req_len,
+        max_req_input_len=max_req_len - 5,
+        lengths=lengths,
+        warnings=warnings,
+    )
+
+
+def _max_running_requests(args: argparse.Namespace, kv: int, context_len: int) -> tuple[int, int | None]:
+    """kv_cache_configurator.resolve_max_num_reqs, per DP rank (plain --dp-size
+    replicas each get the full value)."""
+    estimated = max(min(int(kv / context_len * 512), 4096), 2048)
+    if args.max_running_requests is not None:
+        running = min(max(1, args.max_running_requests), kv // 2)
+    else:
+        running = min(estimated, kv // 2)
+    if args.dense_model:
+        return running, None
+    mamba = args.max_mamba_cache_size if args.max_mamba_cache_size is not None else args.auto_mamba_cache_size
+    ratio = 1 if args.disable_radix_cache else MAMBA_SLOTS_PER_REQUEST
+    cap = mamba // ratio
+    if cap <= 0:
+        raise ConfigError(
+            "Hybrid (mamba/linear-attention) state cache is too small to serve any requests. "
+            f"max_mamba_cache_size={mamba}, mamba_ratio={ratio}, resulting max_num_reqs={cap}."
+        )
+    return min(running, cap), mamba
+
+
+def server_args_dict(cfg: EmulatorConfig) -> dict:
+    """`server_args.resolved_dict()` as /server_info reports it: the configured
+    values (context_length / max_running_requests stay null unless passed), the
+    auto-resolved ones, and every flag given on the command line. As in 0.5.23
+    this includes `api_key` and `launch_command` verbatim; clients must redact."""
+    a = cfg.args
+    given = {k: v for k, v in vars(a).items() if v is not None and k in _FLAG_DESTS}
+    resolved = {
+        "model_path": a.model_path,
+        "tokenizer_path": a.tokenizer_path or a.model_path,
+        "served_model_name": cfg.served_model_name,
+        "host": a.host,
+        "port": a.port,
+        "context_length": a.context_length,
+        "tp_size": a.tp_size,
+        "dp_size": a.dp_size,
+        "pp_size": 1,
+        "max_running_requests": a.max_running_requests,
+        "max_queued_requests": a.max_queued_requests,
+        "max_total_tokens": a.max_total_tokens,
+        "max_mamba_cache_size": cfg.max_mamba_cache_size,
+        "chunked_prefill_size": a.chunked_prefill_size if a.chunked_prefill_size is not None else 8192,
+        "max_prefill_tokens": 16384,
+        "mem_fraction_static": a.mem_fraction_static if a.mem_fraction_static is not None else 0.871,
+        "schedule_policy": "fcfs",
+        "disable_radix_cache": bool(a.disable_radix_cache),
+        "page_size": 1,
+        "dtype": "auto",
+        "kv_cache_dtype": "auto",
+        "device": "cuda",
+        "reasoning_parser": a.reasoning_parser,
+        "tool_call_parser": a.tool_call_parser,
+        "enable_metrics": bool(a.enable_metrics),
+        "enable_cache_report": bool(a.enable_cache_report),
+        "api_key": a.api_key,
+        "allow_auto_truncate": bool(a.allow_auto_truncate),
+        "default_chat_template_kwargs": a.default_chat_template_kwargs,
+        "stream_interval": a.stream_interval,
+        "incremental_streaming_output": bool(a.incremental_streaming_output),
+        "skip_tokenizer_init": bool(a.skip_tokenizer_init),
+        "sampling_defaults": a.sampling_defaults or "model",
+        "weight_version": a.weight_version or "default",
+        "watchdog_timeout": 300.0,
+        "enable_dp_attention": False,
+    }
+    return {**given, **resolved, "launch_command": " ".join(cfg.argv)}
+
+
+_FLAG_DESTS = frozenset(dest for _, _, dest in FLAGS)

@@ -1,0 +1,366 @@
+"""The `/generate` JSON contract gate of SGLang 0.5.23, re-implemented.
+
+0.5.23 checks every `/generate` body with the generated decoder
+`GenerateRequest.from_json_value` (sglang/api/v1/api_types.py, called from
+srt/entrypoints/api_contract.py) and answers a violation with HTTP 400
+`{"error": "<the decoder's text>"}`. The wheel is not a runtime dependency, so
+this is a port of that decoder: same accepted shapes, same serde-style messages
+("unknown field `max_tokens`, expected one of ...", "invalid type: string \"8\",
+expected i64"). tests/test_contract_sglang_schema.py runs a corpus through both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Decoder = Callable[[Any], None]
+
+
+class ContractError(ValueError):
+    """The body violates the contract: SGLang's 400 with this text."""
+
+
+def _unexpected(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"boolean `{'true' if v else 'false'}`"
+    if isinstance(v, int):
+        return f"integer `{v}`"
+    if isinstance(v, float):
+        return f"floating point `{v}`"
+    if isinstance(v, str):
+        return f'string "{v}"'
+    if isinstance(v, list):
+        return "sequence"
+    if isinstance(v, dict):
+        return "map"
+    return type(v).__name__
+
+
+def _invalid(v: Any, expected: str) -> ContractError:
+    return ContractError(f"invalid type: {_unexpected(v)}, expected {expected}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ---- scalar and combinator decoders (each raises ContractError or returns None) ----
+
+
+def boolean(expected: str = "a boolean") -> Decoder:
+    def d(v):
+        if not isinstance(v, bool):
+            raise _invalid(v, expected)
+
+    return d
+
+
+def integer(expected: str = "i64") -> Decoder:
+    def d(v):
+        if not _is_int(v):
+            raise _invalid(v, expected)
+
+    return d
+
+
+def unsigned(expected: str) -> Decoder:
+    def d(v):
+        if not _is_int(v):
+            raise _invalid(v, expected)
+        if v < 0:
+            raise ContractError(f"invalid value: integer `{v}`, expected {expected}")
+
+    return d
+
+
+def number(expected: str = "f64") -> Decoder:
+    def d(v):
+        if not ((isinstance(v, (int, float))) and not isinstance(v, bool)):
+            raise _invalid(v, expected)
+
+    return d
+
+
+def string(expected: str = "a string") -> Decoder:
+    def d(v):
+        if not isinstance(v, str):
+            raise _invalid(v, expected)
+
+    return d
+
+
+def anything(v: Any) -> None:
+    return None
+
+
+def nullable(inner: Decoder) -> Decoder:
+    """`None if x is None else decode(x)`: the generated code's Optional arm."""
+
+    def d(v):
+        if v is not None:
+            inner(v)
+
+    return d
+
+
+def seq(elem: Decoder, expected: str = "a sequence") -> Decoder:
+    def d(v):
+        if not isinstance(v, list):
+            raise _invalid(v, expected)
+        for e in v:
+            elem(e)
+
+    return d
+
+
+def mapping(value: Decoder, expected: str = "a map") -> Decoder:
+    def d(v):
+        if not isinstance(v, dict):
+            raise _invalid(v, expected)
+        for e in v.values():
+            value(e)
+
+    return d
+
+
+def scalar_or_list(name: str, scalar: Callable[[str], Decoder], list_dec: Decoder) -> Decoder:
+    """`XOrList`: a list goes to the list decoder, anything else must be the scalar."""
+    one = scalar(f"a value or an array of values for {name}")
+
+    def d(v):
+        if isinstance(v, list):
+            list_dec(v)
+        else:
+            one(v)
+
+    return d
+
+
+def flat_or_batch(name: str, first_is_flat: Callable[[Any], bool], flat: Decoder, batch: Decoder) -> Decoder:
+    """`TokenIdsOrList` / `StringListOrList`: [] and [scalar, ...] are one list, else a batch."""
+
+    def d(v):
+        if not isinstance(v, list):
+            raise _invalid(v, f"a value or an array of values for {name}")
+        (flat if not v or first_is_flat(v[0]) else batch)(v)
+
+    return d
+
+
+def struct(name: str, fields: dict[str, Decoder], deny_unknown: bool) -> Decoder:
+    names = tuple(fields)
+
+    def d(v):
+        if not isinstance(v, dict):
+            raise _invalid(v, f"struct {name}")
+        for key, x in v.items():
+            dec = fields.get(key)
+            if dec is not None:
+                dec(x)
+            elif deny_unknown:
+                raise _unknown_field(key, names)
+
+    return d
+
+
+def _unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
+    if not fields:
+        return ContractError(f"unknown field `{key}`, there are no fields")
+    if len(fields) == 1:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}`")
+    if len(fields) == 2:
+        return ContractError(f"unknown field `{key}`, expected `{fields[0]}` or `{fields[1]}`")
+    listed = ", ".join(f"`{f}`" for f in fields)
+    return ContractError(f"unknown field `{key}`, expected one of {listed}")
+
+
+# ---- the 0.5.23 shapes ------------------------------------------------------------
+
+_is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+
+TOKEN_IDS = seq(integer())
+STRING_LIST = seq(string())
+STRING_OR_LIST = scalar_or_list("StringOrList", string, STRING_LIST)
+BOOL_OR_LIST = scalar_or_list("BoolOrList", boolean, seq(boolean()))
+INT64_OR_LIST = scalar_or_list("Int64OrList", integer, seq(integer()))
+TOKEN_IDS_OR_LIST = flat_or_batch("TokenIdsOrList", _is_number, TOKEN_IDS, seq(TOKEN_IDS))
+OPTIONAL_STRING_LIST = seq(nullable(string()))
+OPTIONAL_STRING_OR_LIST = scalar_or_list("OptionalStringOrList", string, OPTIONAL_STRING_LIST)
+OPTIONAL_INT64_OR_LIST = scalar_or_list("OptionalInt64OrList", integer, seq(nullable(integer())))
+STRING_LIST_OR_LIST = flat_or_batch("StringListOrList", lambda e: isinstance(e, str), STRING_LIST, seq(STRING_LIST))
+
+WATERMARK = struct(
+    "WatermarkRequestConfig",
+    {"enabled": nullable(boolean()), "key": nullable(string()), "context_window": nullable(integer())},
+    deny_unknown=True,
+)
+
+# Every key of SamplingParams, in the schema's order (the order the unknown-field message lists).
+SAMPLING_PARAMS_FIELDS: dict[str, Decoder] = {
+    "max_new_tokens": nullable(integer()),
+    "stop": nullable(STRING_OR_LIST),
+    "stop_token_ids": nullable(seq(integer())),
+    "stop_regex": nullable(STRING_OR_LIST),
+    "temperature": nullable(number()),
+    "top_p": nullable(number()),
+    "top_k": nullable(integer()),
+    "min_p": nullable(number()),
+    "frequency_penalty": nullable(number()),
+    "presence_penalty": nullable(number()),
+    "repetition_penalty": nullable(number()),
+    "min_new_tokens": nullable(integer()),
+    "n": nullable(integer()),
+    "json_schema": nullable(string()),
+    "regex": nullable(string()),
+    "ebnf": nullable(string()),
+    "structural_tag": nullable(string()),
+    "ignore_eos": nullable(boolean()),
+    "skip_special_tokens": nullable(boolean()),
+    "spaces_between_special_tokens": nullable(boolean()),
+    "no_stop_trim": nullable(boolean()),
+    "stream_interval": nullable(integer()),
+    "logit_bias": nullable(mapping(number())),
+    "sampling_seed": nullable(integer()),
+    "custom_params": anything,
+    "beam_width": nullable(integer()),
+    "watermark": nullable(WATERMARK),
+    "choice": nullable(seq(string())),
+}
+SAMPLING_PARAMS = struct("SamplingParams", SAMPLING_PARAMS_FIELDS, deny_unknown=True)
+
+
+def _sampling_params_or_list(v: Any) -> None:
+    if isinstance(v, list):
+        seq(SAMPLING_PARAMS)(v)
+    elif not isinstance(v, dict):
+        raise _invalid(v, "a value or an array of values for SamplingParamsOrList")
+    else:
+        SAMPLING_PARAMS(v)
+
+
+_MEDIA_REF = struct(
+    "MediaRef",
+    {
+        "url": string(),
+        "detail": nullable(string()),
+        "max_dynamic_patch": nullable(integer()),
+        "content_hash": nullable(string()),
+        "min_pixels": nullable(integer()),
+        "max_pixels": nullable(integer()),
+        "total_max_pixels": nullable(integer()),
+        "fps": nullable(number()),
+        "num_frames": nullable(integer()),
+        "min_frames": nullable(integer()),
+        "max_frames": nullable(integer()),
+        "max_tokens_per_frame": nullable(integer()),
+        "max_image_tokens": nullable(integer()),
+        "use_audio": nullable(boolean()),
+        "image_grid_thw": nullable(seq(seq(integer()))),
+    },
+    deny_unknown=True,
+)
+
+
+def _media_item(v: Any) -> None:
+    if isinstance(v, str):
+        return
+    if isinstance(v, dict):
+        _MEDIA_REF(v)
+        return
+    raise _invalid(v, "one of the MediaItem shapes")
+
+
+_MEDIA_ITEMS = seq(nullable(_media_item))
+
+
+def _media_input(v: Any) -> None:
+    if isinstance(v, (str, dict)):
+        _media_item(v)
+    elif isinstance(v, list):
+        (seq(nullable(_MEDIA_ITEMS)) if v and isinstance(v[0], list) else _MEDIA_ITEMS)(v)
+    else:
+        raise _invalid(v, "one of the MediaInput shapes")
+
+
+_KV_HINT_ACTION = struct(
+    "KvHintAction",
+    {"action_id": string(), "action_type": string(), "action_version": string(), "payload": anything},
+    deny_unknown=False,
+)
+_KV_HINTS = struct(
+    "KvHintsEnvelope",
+    {"protocol_version": string(), "message_id": string(), "actions": nullable(seq(_KV_HINT_ACTION))},
+    deny_unknown=False,
+)
+
+
+def _kv_hints_or_list(v: Any) -> None:
+    if isinstance(v, list):
+        seq(nullable(_KV_HINTS))(v)
+    elif not isinstance(v, dict):
+        raise _invalid(v, "a value or an array of values for KvHintsEnvelopeOrList")
+    else:
+        _KV_HINTS(v)
+
+
+# Unknown top-level keys are ignored (the schema says so); only known ones are typed.
+# `return_prompt_token_ids` and `routed_experts_start_len` are not nullable there.
+GENERATE_REQUEST = struct(
+    "GenerateRequest",
+    {
+        "rid": nullable(STRING_OR_LIST),
+        "text": nullable(STRING_OR_LIST),
+        "input_ids": nullable(TOKEN_IDS_OR_LIST),
+        "stream": nullable(boolean()),
+        "sampling_params": nullable(_sampling_params_or_list),
+        "return_logprob": nullable(BOOL_OR_LIST),
+        "logprob_start_len": nullable(INT64_OR_LIST),
+        "top_logprobs_num": nullable(INT64_OR_LIST),
+        "token_ids_logprob": nullable(TOKEN_IDS_OR_LIST),
+        "return_hidden_states": nullable(BOOL_OR_LIST),
+        "return_text_in_logprobs": nullable(boolean()),
+        "bootstrap_host": nullable(OPTIONAL_STRING_OR_LIST),
+        "bootstrap_port": nullable(OPTIONAL_INT64_OR_LIST),
+        "bootstrap_room": nullable(OPTIONAL_INT64_OR_LIST),
+        "bootstrap_pair_key": nullable(OPTIONAL_STRING_OR_LIST),
+        "decode_tp_size": nullable(OPTIONAL_INT64_OR_LIST),
+        "routed_dp_rank": nullable(integer()),
+        "disagg_prefill_dp_rank": nullable(integer()),
+        "image_data": nullable(_media_input),
+        "mm_hashes": nullable(STRING_LIST_OR_LIST),
+        "video_data": nullable(_media_input),
+        "audio_data": nullable(_media_input),
+        "extra_key": nullable(STRING_OR_LIST),
+        "priority": nullable(integer()),
+        "cache_salt": nullable(STRING_OR_LIST),
+        "require_reasoning": nullable(boolean()),
+        "lora_path": nullable(OPTIONAL_STRING_OR_LIST),
+        "session_params": anything,
+        "kv_hints": nullable(_kv_hints_or_list),
+        "routing_key": nullable(string()),
+        "max_thinking_tokens": nullable(unsigned("u64")),
+        "session_id": nullable(string()),
+        "custom_logit_processor": nullable(OPTIONAL_STRING_OR_LIST),
+        "custom_labels": nullable(mapping(string())),
+        "images_config": nullable(
+            struct("ImagesConfig", {"image_mode": nullable(string()), "prefix": string()}, deny_unknown=False)
+        ),
+        "return_prompt_token_ids": boolean(),
+        "routed_experts_start_len": integer(),
+        "return_sampling_mask": nullable(BOOL_OR_LIST),
+        "modalities": nullable(OPTIONAL_STRING_LIST),
+    },
+    deny_unknown=False,
+)
+
+
+def generate_contract_error(body: Any) -> str | None:
+    """The contract violation in a parsed `/generate` JSON body, or None."""
+    try:
+        GENERATE_REQUEST(body)
+    except ContractError as e:
+        return str(e)
+    return None

@@ -1,0 +1,270 @@
+"""The request path below the HTTP routes: SGLang's tokenizer manager checks,
+the scheduler's clamp and admission, and the timed stream of outputs.
+
+Order, as in 0.5.23:
+1. tokenizer side (`_validate_one_request`): prompt >= context_len -> 400 "The
+   input (N tokens) is longer than the model's context length (C tokens).";
+   prompt + max_new_tokens > context_len -> 400 "Requested token count exceeds
+   ..."; with --allow-auto-truncate the prompt keeps its head and max_new_tokens
+   is cut instead. Then the sampling-parameter checks (`SamplingParams.verify`).
+2. scheduler side: max_new_tokens is SILENTLY clamped to max_req_len - input - 1
+   (max_req_len = min(context_len - 1, kv_pool - 1)); a prompt of at least
+   max_req_input_len = max_req_len - 5 tokens is aborted with status 400 "Input
+   length ... exceeds the maximum allowed length"; a full waiting queue aborts
+   with 503. These come back as finish_reason {"type": "abort", ...} outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from . import model
+from .config import EmulatorConfig
+from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
+from .scheduler import QueueFull, Scheduler
+
+# Streaming granularity: the first token on its own (time to first token), then
+# chunks of this many tokens (or stream_interval if larger), so a long reply is
+# ~100 SSE events, not thousands; SGLang's default stream_interval is 1.
+STREAM_CHUNK_TOKENS = 32
+
+
+class TokenizerError(ValueError):
+    """A tokenizer-manager ValueError: HTTP 400 before the request is scheduled."""
+
+
+@dataclass
+class Request:
+    input_ids: list[int]
+    sampling: dict  # SGLang sampling_params keys (max_new_tokens, stop, ignore_eos, ...)
+    stream: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    require_reasoning: bool = False
+    sample_index: int = 0  # n > 1: the i-th sample of one prompt
+    # SamplingParams' default when the key is absent: 128 on /generate; chat passes
+    # None explicitly (no max_tokens = run to the end of the context).
+    default_max_new_tokens: int | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Output:
+    """One step's state of a request, cumulative (what the detokenizer hands up)."""
+
+    output_ids: list[int]
+    text: str
+    finish: dict | None  # SGLang finish_reason JSON; None while running
+    prompt_tokens: int
+    reasoning_tokens: int = 0
+    e2e_latency: float | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self.finish and self.finish.get("type") == "abort")
+
+
+def abort_finish(message: str, status_code: int) -> dict:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+def verify_sampling(sp: dict) -> None:
+    """SamplingParams.verify's checks and messages (ValueError -> HTTP 400)."""
+    t = sp.get("temperature", 1.0)
+    t = 1.0 if t is None else t
+    if not math.isfinite(t) or t < 0.0:
+        raise TokenizerError(f"temperature must be a non-negative finite number, got {t}.")
+    top_p = 1.0 if sp.get("top_p") is None else sp["top_p"]
+    if not 0.0 < top_p <= 1.0:
+        raise TokenizerError(f"top_p must be in (0, 1], got {top_p}.")
+    min_p = 0.0 if sp.get("min_p") is None else sp["min_p"]
+    if not 0.0 <= min_p <= 1.0:
+        raise TokenizerError(f"min_p must be in [0, 1], got {min_p}.")
+    top_k = 1 << 30 if sp.get("top_k") is None else sp["top_k"]
+    if top_k != -1 and top_k < 1:  # -1 means the whole vocabulary
+        raise TokenizerError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = sp.get(name) or 0.0
+        if not -2.0 <= v <= 2.0:
+            raise TokenizerError(f"{name} must be in [-2, 2], got {v}.")
+    rp = 1.0 if sp.get("repetition_penalty") is None else sp["repetition_penalty"]
+    if not 0.0 < rp <= 2.0:
+        raise TokenizerError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {rp}.")
+    min_new = sp.get("min_new_tokens") or 0
+    if min_new < 0:
+        raise TokenizerError(f"min_new_tokens must be in [0, max_new_tokens], got {min_new}.")
+    max_new = sp.get("max_new_tokens")
+    if max_new is not None:
+        if max_new < 0:
+            raise TokenizerError(f"max_new_tokens must be at least 0, got {max_new}.")
+        if min_new > max_new:
+            raise TokenizerError(f"min_new_tokens must be in [0, max_new_tokens({max_new})], got {min_new}.")
+    seed = sp.get("sampling_seed")
+    if seed is not None and not -(2**63) <= seed <= 2**63 - 1:
+        raise TokenizerError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
+
+
+class Engine:
+    def __init__(self, cfg: EmulatorConfig, faults: Faults):
+        self.cfg = cfg
+        self.faults = faults
+        a = cfg.args
+        self.schedulers = [
+            Scheduler(
+                dp_rank=rank,
+                max_running_requests=cfg.max_running_requests,
+                max_total_num_tokens=cfg.max_total_num_tokens,
+                max_queued_requests=a.max_queued_requests,
+                decode_tokens_per_s=a.decode_tokens_per_s,
+                prefill_tokens_per_s=a.prefill_tokens_per_s,
+            )
+            for rank in range(max(1, a.dp_size))
+        ]
+        self._round_robin = itertools.cycle(self.schedulers)
+        self.stream_interval = max(1, a.stream_interval or 1)
+        # tokenizer-side counters for /metrics: (is_streaming) -> value
+        self.counters = {"prompt_tokens": {}, "generation_tokens": {}, "requests": {}}
+        self.num_aborted = 0
+        self.e2e_sum = 0.0
+        self.e2e_count = 0
+
+    # ---- 1. tokenizer manager ----
+
+    def validate(self, req: Request) -> None:
+        """`_validate_one_request` then `SamplingParams.verify`; raises TokenizerError."""
+        ctx = self.cfg.context_len
+        n = len(req.input_ids)
+        if n >= ctx:
+            if not self.cfg.allow_auto_truncate:
+                raise TokenizerError(
+                    f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+                )
+            del req.input_ids[ctx:]
+            n = len(req.input_ids)
+        max_new = req.sampling.get("max_new_tokens")
+        if max_new is not None and max_new + n > ctx:
+            if not self.cfg.allow_auto_truncate:
+                raise TokenizerError(
+                    f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
+                    f"You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
+                    f"{max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                    "messages or the completion to fit within the limit."
+                )
+            req.sampling["max_new_tokens"] = max(0, ctx - n)
+        req.sampling.setdefault("max_new_tokens", req.default_max_new_tokens)
+        verify_sampling(req.sampling)
+
+    # ---- 2. scheduler and model ----
+
+    async def run(self, req: Request, verdict: Verdict = NO_FAULT) -> AsyncIterator[Output]:
+        """Outputs of one validated request: progress chunks when streaming, then
+        the final one (finished, or an abort)."""
+        ids = req.input_ids
+        sp = req.sampling
+        max_new = sp.get("max_new_tokens")
+        max_new = max(0, min(1 << 30 if max_new is None else max_new, self.cfg.max_req_len - len(ids) - 1))
+        if len(ids) >= self.cfg.max_req_input_len:
+            if not self.cfg.allow_auto_truncate:
+                yield self._abort(
+                    req,
+                    f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+                    f"({self.cfg.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.",
+                    400,
+                )
+                return
+            ids = req.input_ids = ids[: self.cfg.max_req_input_len]
+        if verdict.stall:
+            await asyncio.sleep(verdict.stall)
+        if verdict.fail:
+            yield self._abort(req, verdict.fail, 503)
+            return
+        gen = self._generate(req, max_new)
+        sched = next(self._round_robin)
+        try:
+            ticket = sched.submit(len(ids), len(gen.output_ids), self.faults.slow_factor)
+        except QueueFull:
+            yield self._abort(req, QUEUE_FULL, 503)
+            return
+        try:
+            await sched.wait_admitted(ticket)
+            n = len(gen.output_ids)
+            if req.stream and n > 1:
+                step = max(STREAM_CHUNK_TOKENS, self.stream_interval)
+                skip, text, done = sp_skip(sp), "", 0
+                for k in [1, *range(1 + step, n, step)]:
+                    await _sleep_until(ticket.time_of_token(k))
+                    text += model.tok.decode(gen.output_ids[done:k], skip_special_tokens=skip)  # O(n) overall
+                    done = k
+                    yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
+            await _sleep_until(ticket.time_of_token(n))
+            yield self._final(req, gen)
+        finally:
+            sched.release(ticket)
+
+    def _generate(self, req: Request, max_new: int) -> model.Generation:
+        sp = req.sampling
+        plan = model.plan_completion(req.input_ids, self.cfg.lengths, sp.get("sampling_seed"), req.sample_index)
+        stop = sp.get("stop")
+        return model.generate(
+            plan,
+            max_new,
+            ignore_eos=bool(sp.get("ignore_eos")),
+            stop=[stop] if isinstance(stop, str) else stop,
+            stop_token_ids=sp.get("stop_token_ids"),
+            no_stop_trim=bool(sp.get("no_stop_trim")),
+        )
+
+    def _reasoning(self, req: Request, gen: model.Generation, k: int) -> int:
+        """Reasoning tokens among the first k outputs, when the request requires reasoning."""
+        if not req.require_reasoning:
+            return 0
+        return min(k, model.count_reasoning_tokens(gen.output_ids))
+
+    def _final(self, req: Request, gen: model.Generation) -> Output:
+        latency = time.perf_counter() - req.arrival
+        key = str(req.stream).lower()
+        for name, value in (
+            ("prompt_tokens", len(req.input_ids)),
+            ("generation_tokens", len(gen.output_ids)),
+            ("requests", 1),
+        ):
+            self.counters[name][key] = self.counters[name].get(key, 0) + value
+        self.e2e_sum += latency
+        self.e2e_count += 1
+        return Output(
+            gen.output_ids,
+            gen.text,
+            gen.finish,
+            len(req.input_ids),
+            self._reasoning(req, gen, len(gen.output_ids)),
+            e2e_latency=latency,
+        )
+
+    def _abort(self, req: Request, message: str, status: int) -> Output:
+        self.num_aborted += 1
+        return Output(
+            [], "", abort_finish(message, status), len(req.input_ids), e2e_latency=time.perf_counter() - req.arrival
+        )
+
+    def loads(self) -> list[dict]:
+        return [s.load() for s in self.schedulers]
+
+
+def sp_skip(sp: dict) -> bool:
+    v = sp.get("skip_special_tokens")
+    return True if v is None else bool(v)
+
+
+async def _sleep_until(deadline: float) -> None:
+    delay = deadline - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)

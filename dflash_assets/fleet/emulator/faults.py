@@ -1,0 +1,125 @@
+"""Fault injection: what a flaky GPU server does to a client.
+
+Set at start-up with --fault-* flags, and at run time through the emulator-only
+route (not part of SGLang; authenticated like every non-health route):
+
+    GET    /_emulator/faults          current settings and counters
+    POST   /_emulator/faults  {json}  merge settings; a null value clears one
+    DELETE /_emulator/faults          clear all
+
+Settings (all optional):
+    crash_after: N     the process exits hard (os._exit) when generation request
+                       N+1 arrives, dropping every connection in flight (as a
+                       CUDA fault or the watchdog would). Counts from when set.
+    fail_next: N       the next N generation requests get 503 "The request queue is full."
+    fail_rate: p       each generation request gets that 503 with probability p
+    fail_message: str  message of those 503s
+    stall_seconds: S   a generation request is accepted, then held S seconds
+                       before it is served (a hung scheduler, as seen by a client)
+    stall_next: N      stall only the next N requests (default: every request)
+    slow_factor: F     decode takes F times longer (a throttled or noisy GPU)
+    unhealthy: bool    /health and /health_generate answer 503 (a stuck detokenizer)
+
+"Generation requests" are POST /generate and /v1/chat/completions.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+
+QUEUE_FULL = "The request queue is full."
+
+
+@dataclass
+class FaultSettings:
+    crash_after: int | None = None
+    fail_next: int | None = None
+    fail_rate: float | None = None
+    fail_message: str | None = None
+    stall_seconds: float | None = None
+    stall_next: int | None = None
+    slow_factor: float | None = None
+    unhealthy: bool | None = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do to one generation request before serving it."""
+
+    crash: bool = False
+    fail: str | None = None  # a 503 with this message
+    stall: float = 0.0
+
+
+NO_FAULT = Verdict()
+
+
+class Faults:
+    def __init__(self, settings: FaultSettings | None = None, seed: int = 0):
+        self.settings = settings or FaultSettings()
+        self.requests_seen = 0  # generation requests since crash_after was set
+        self.injected = {"crash": 0, "fail": 0, "stall": 0}
+        self._rng = random.Random(seed)
+
+    @property
+    def slow_factor(self) -> float:
+        return self.settings.slow_factor or 1.0
+
+    @property
+    def unhealthy(self) -> bool:
+        return bool(self.settings.unhealthy)
+
+    def update(self, changes: dict) -> None:
+        known = {f.name for f in fields(FaultSettings)}
+        unknown = set(changes) - known
+        if unknown:
+            raise ValueError(f"unknown fault settings: {sorted(unknown)}; known: {sorted(known)}")
+        for key, value in changes.items():
+            setattr(self.settings, key, value)
+        if "crash_after" in changes:
+            self.requests_seen = 0
+
+    def clear(self) -> None:
+        self.settings = FaultSettings()
+
+    def to_dict(self) -> dict:
+        return {
+            "settings": {f.name: getattr(self.settings, f.name) for f in fields(FaultSettings)},
+            "requests_seen": self.requests_seen,
+            "injected": dict(self.injected),
+        }
+
+    def judge(self) -> Verdict:
+        """Called once per arriving generation request."""
+        s = self.settings
+        self.requests_seen += 1
+        if s.crash_after is not None and self.requests_seen > s.crash_after:
+            self.injected["crash"] += 1
+            return Verdict(crash=True)
+        if s.fail_next:
+            s.fail_next -= 1
+            self.injected["fail"] += 1
+            return Verdict(fail=s.fail_message or QUEUE_FULL)
+        if s.fail_rate and self._rng.random() < s.fail_rate:
+            self.injected["fail"] += 1
+            return Verdict(fail=s.fail_message or QUEUE_FULL)
+        if s.stall_seconds and (s.stall_next is None or s.stall_next > 0):
+            if s.stall_next is not None:
+                s.stall_next -= 1
+            self.injected["stall"] += 1
+            return Verdict(stall=s.stall_seconds)
+        return NO_FAULT
+
+
+def from_args(args) -> Faults:
+    return Faults(
+        FaultSettings(
+            crash_after=args.fault_crash_after,
+            fail_next=args.fault_503_next,
+            fail_rate=args.fault_503_rate,
+            stall_seconds=args.fault_stall_seconds,
+            stall_next=args.fault_stall_next,
+            slow_factor=args.fault_slow_factor,
+        )
+    )

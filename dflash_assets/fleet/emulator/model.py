@@ -1,0 +1,295 @@
+"""The stand-in model: a deterministic, autoregressive-consistent completion.
+
+The whole (uncapped) completion of a prompt is a pure function of the prompt
+tokens up to and including the LAST generation prompt (`<|im_start|>assistant\\n`
+plus the think opener that follows it) and of `sampling_seed`. Tokens after that
+marker are taken as output already generated, so a continuation request
+(prompt + first k output ids, cap m) returns exactly tokens k..k+m of the
+uncapped completion: continuing a truncated row equals a from-scratch
+generation at the larger cap, which is what the resume feature relies on.
+
+Its shape, for a thinking prompt: `reasoning </think> \\n\\n answer <|im_end|>`;
+without thinking: `answer <|im_end|>`. The length is lognormal (heavy tail),
+seeded by the prompt. Text comes from one precomputed token stream, sliced at
+word starts, so a 16 KB reply costs two slices, not a loop per token, and every
+output re-tokenises to the same ids (no two whitespace tokens ever touch).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import struct
+from array import array
+from dataclasses import dataclass
+
+from . import tokenizer as tok
+
+_NN_ID = tok.VOCAB["\n\n"]
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    """Output lengths in tokens (including the final `<|im_end|>`).
+
+    Defaults: median 1640, sigma 1.0 puts P(L > 4096) at 1 - Phi(0.915) = 18%,
+    the truncation share the story saw at a 4096 cap (5.4% at 8192).
+    """
+
+    median: float = 1640.0
+    sigma: float = 1.0
+    minimum: int = 16
+    maximum: int = 32768
+    reasoning_min: float = 0.50  # share of the body that is reasoning, when thinking
+    reasoning_max: float = 0.85
+
+    def sample(self, u1: float, u2: float) -> int:
+        z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)  # Box-Muller
+        length = round(self.median * math.exp(self.sigma * z))
+        return max(self.minimum, min(self.maximum, length))
+
+
+# ---- the token stream all outputs are sliced from --------------------------------
+
+_STREAM_LEN = 1 << 16
+
+
+@functools.cache
+def _stream() -> tuple[array, str, array, array]:
+    """(ids, text, char offset of each id, positions that start with a word).
+
+    Prose-like: sentences of 6-18 words, commas, paragraphs of 3-6 sentences.
+    Stored twice over so any slice shorter than the stream needs no wrap logic.
+    """
+    common = tok.WORDS[: tok.N_COMMON_WORDS]
+    words = list(tok.WORDS)
+    state = 0x9E3779B97F4A7C15
+    ids = array("i")
+
+    def rnd(n: int) -> int:
+        nonlocal state
+        state = (state * 6364136223846793005 + 1442695040888963407) & (2**64 - 1)
+        return (state >> 33) % n
+
+    comma, period = tok.VOCAB[","], tok.VOCAB["."]
+    sentence_in_para, para_len = 0, 3 + rnd(4)
+    while len(ids) < _STREAM_LEN:
+        n_words = 6 + rnd(13)
+        for j in range(n_words):
+            w = common[rnd(len(common))] if rnd(5) < 2 else words[rnd(len(words))]
+            ids.append(tok.VOCAB[" " + (w[:1].upper() + w[1:] if j == 0 else w)])
+            if 0 < j < n_words - 1 and rnd(9) == 0:
+                ids.append(comma)
+        ids.append(period)
+        sentence_in_para += 1
+        if sentence_in_para == para_len:
+            ids.append(_NN_ID)
+            sentence_in_para, para_len = 0, 3 + rnd(4)
+    del ids[_STREAM_LEN:]
+    while tok.TOKEN_STR[ids[-1]].isspace():  # the wrap must not join two whitespace tokens
+        ids[-1] = period
+    pieces = [tok.TOKEN_STR[i] for i in ids]
+    text = "".join(pieces)
+    offsets = array("q", [0])
+    for p in pieces:
+        offsets.append(offsets[-1] + len(p))
+    starts = array("i", [i for i, t in enumerate(ids) if tok.TOKEN_STR[t][1:2].isalpha()])
+    total = offsets[-1]
+    doubled_offsets = offsets[:-1] + array("q", [o + total for o in offsets])
+    return ids + ids, text + text, doubled_offsets, starts
+
+
+def _stream_piece(offset: int, n: int) -> tuple[list[int], str]:
+    """`n` stream tokens from `offset` (any n; wraps around the stream)."""
+    ids, text, offs, _ = _stream()
+    out_ids: list[int] = []
+    out_text: list[str] = []
+    offset %= _STREAM_LEN
+    while n > 0:
+        take = min(n, _STREAM_LEN)
+        out_ids += ids[offset : offset + take]
+        out_text.append(text[offs[offset] : offs[offset + take]])
+        n -= take
+        offset = (offset + take) % _STREAM_LEN
+    return out_ids, "".join(out_text)
+
+
+# ---- prompt analysis and the completion plan --------------------------------------
+
+
+def _find_last(ids: list[int], pattern: tuple[int, ...]) -> int:
+    """Index just past the last occurrence of `pattern` in `ids`, or -1."""
+    rev = ids[::-1]
+    j = -1
+    while True:
+        try:
+            j = rev.index(pattern[0], j + 1)
+        except ValueError:
+            return -1
+        pos = len(ids) - 1 - j
+        if tuple(ids[pos : pos + len(pattern)]) == pattern:
+            return pos + len(pattern)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The uncapped completion of one prompt, and where this request resumes it."""
+
+    thinking: bool
+    total: int  # tokens in the uncapped completion, final <|im_end|> included
+    reasoning: int  # reasoning tokens before </think> (0 without thinking)
+    reasoning_offset: int
+    answer_offset: int
+    resume_at: int  # output tokens the prompt already carries after the marker
+
+
+def plan_completion(
+    prompt_ids: list[int], lengths: LengthModel, sampling_seed: int | None = None, sample: int = 0
+) -> Plan:
+    """The completion of `prompt_ids`; `sample` > 0 draws the n-th parallel sample (n > 1)."""
+    marker_end = _find_last(prompt_ids, tok.GENERATION_PROMPT_IDS)
+    thinking = False
+    if marker_end < 0:
+        marker_end = len(prompt_ids)  # a raw prompt: all of it conditions, nothing resumed
+    else:
+        after = tuple(prompt_ids[marker_end : marker_end + len(tok.THINK_SKIPPED_IDS)])
+        if after == tok.THINK_SKIPPED_IDS:
+            marker_end += len(tok.THINK_SKIPPED_IDS)
+        elif after[: len(tok.THINK_OPEN_IDS)] == tok.THINK_OPEN_IDS:
+            marker_end += len(tok.THINK_OPEN_IDS)
+            thinking = True
+    digest = hashlib.blake2b(array("q", prompt_ids[:marker_end]).tobytes(), digest_size=40)
+    if sampling_seed is not None:
+        digest.update(struct.pack("<q", sampling_seed))
+    if sample:
+        digest.update(b"sample" + struct.pack("<q", sample))
+    h = digest.digest()
+    u = [(int.from_bytes(h[i : i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24, 32)]
+    total = lengths.sample(u[0], u[1])
+    _, _, _, starts = _stream()
+    reasoning = 0
+    if thinking:
+        total = max(total, 4)  # room for one reasoning word, </think>, \n\n, <|im_end|>
+        share = lengths.reasoning_min + (lengths.reasoning_max - lengths.reasoning_min) * u[2]
+        body = total - 3
+        reasoning = min(body - 1, max(1, round(share * body)))
+    else:
+        total = max(total, 2)
+    return Plan(
+        thinking=thinking,
+        total=total,
+        reasoning=reasoning,
+        reasoning_offset=starts[int(u[3] * len(starts))],
+        answer_offset=starts[int(u[4] * len(starts))],
+        resume_at=len(prompt_ids) - marker_end,
+    )
+
+
+def _segments(plan: Plan) -> list[tuple[int, int, object]]:
+    """(start, stop, source) pieces of the completion: a stream offset or a special id."""
+    if plan.thinking:
+        r = plan.reasoning
+        return [
+            (0, r, plan.reasoning_offset),
+            (r, r + 1, ("special", tok.THINK_END_ID, tok.THINK_END)),
+            (r + 1, r + 2, ("special", _NN_ID, "\n\n")),
+            (r + 2, plan.total - 1, plan.answer_offset),
+            (plan.total - 1, plan.total, ("special", tok.IM_END_ID, "")),
+        ]
+    return [
+        (0, plan.total - 1, plan.answer_offset),
+        (plan.total - 1, plan.total, ("special", tok.IM_END_ID, "")),
+    ]
+
+
+def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str]:
+    """Tokens [start, stop) of the completion and their text (`<|im_end|>` decodes
+    to "" as with skip_special_tokens). Positions past the end (ignore_eos) keep
+    drawing from the answer stream."""
+    ids: list[int] = []
+    text: list[str] = []
+    segments = _segments(plan)
+    last_answer_start = segments[-2][0]
+    segments.append((plan.total, max(stop, plan.total), plan.answer_offset + plan.total - 1 - last_answer_start))
+    for seg_start, seg_stop, source in segments:
+        lo, hi = max(start, seg_start), min(stop, seg_stop)
+        if lo >= hi:
+            continue
+        if isinstance(source, tuple):
+            ids.append(source[1])
+            text.append(source[2])
+        else:
+            piece_ids, piece_text = _stream_piece(source + lo - seg_start, hi - lo)
+            ids += piece_ids
+            text.append(piece_text)
+    return ids, "".join(text)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What one request produces: ids, their text, and how it finished."""
+
+    output_ids: list[int]
+    text: str
+    finish: dict  # SGLang's finish_reason JSON: {"type": "stop", "matched": id|str} | {"type": "length", "length": n}
+
+
+def generate(
+    plan: Plan,
+    max_new_tokens: int,
+    *,
+    ignore_eos: bool = False,
+    stop: list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    no_stop_trim: bool = False,
+) -> Generation:
+    """Continue `plan` from its resume point for at most `max_new_tokens` tokens."""
+    start = plan.resume_at
+    if ignore_eos:
+        end, natural_end = start + max_new_tokens, False
+    else:
+        natural = max(plan.total, start + 1)  # a prompt past the end gets <|im_end|> at once
+        end = min(natural, start + max_new_tokens)
+        natural_end = end == natural
+    if natural_end and start >= plan.total:
+        ids, text = [tok.IM_END_ID], ""
+    else:
+        ids, text = completion_tokens(plan, start, end)
+    finish: dict = (
+        {"type": "stop", "matched": tok.IM_END_ID} if natural_end else {"type": "length", "length": max_new_tokens}
+    )
+    if stop_token_ids:
+        wanted = set(stop_token_ids)
+        hit = next((i for i, t in enumerate(ids) if t in wanted), None)
+        if hit is not None:
+            ids = ids[: hit + 1]
+            text = tok.decode(ids[: hit + (1 if no_stop_trim else 0)], skip_special_tokens=True)
+            finish = {"type": "stop", "matched": ids[hit]}
+    if stop:
+        ids, text, finish = _apply_stop_strings(ids, text, finish, stop, no_stop_trim)
+    return Generation(ids, text, finish)
+
+
+def count_reasoning_tokens(output_ids: list[int]) -> int:
+    """As SGLang's scheduler counts them for a request that requires reasoning:
+    generated tokens up to and including the first `</think>`, else all of them."""
+    try:
+        return output_ids.index(tok.THINK_END_ID) + 1
+    except ValueError:
+        return len(output_ids)
+
+
+def _apply_stop_strings(ids, text, finish, stops, no_stop_trim):
+    """Cut at the earliest stop string, as the detokenizer does: the output ids
+    end with the token completing the match, the text before the match."""
+    hits = [(text.find(s), s) for s in stops if s and s in text]
+    if not hits:
+        return ids, text, finish
+    pos, s = min(hits)
+    end_char, acc = pos + len(s), 0
+    for n, t in enumerate(ids, 1):
+        acc += len(tok.TOKEN_STR[t]) if t != tok.IM_END_ID else 0
+        if acc >= end_char:
+            break
+    return ids[:n], text[: end_char if no_stop_trim else pos], {"type": "stop", "matched": s}

@@ -1,0 +1,159 @@
+"""`POST|PUT /generate`, SGLang's native API (http_server.generate_request and
+tokenizer_manager): contract gate, then the request, then `{text, output_ids,
+meta_info}` (a list for a batch or n > 1). Streaming sends cumulative text and
+ids per chunk and has no kick-start: even a context-length error arrives as
+HTTP 200 with an SSE error chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from . import tokenizer as tok
+from .contract import generate_contract_error
+from .engine import Engine, Output, Request, TokenizerError
+from .faults import Verdict
+from .responses import SSE_DONE, contract_error, generate_error, http_exception, json_response, read_json, sse
+from .state import STATE
+
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams default; /generate has no generation_config defaults
+
+
+def meta_info(req: Request, out: Output, *, stamp: bool) -> dict:
+    m = {
+        "id": req.rid,
+        "finish_reason": out.finish,
+        "prompt_tokens": out.prompt_tokens,
+        "weight_version": "default",
+        "num_retractions": 0,
+        "reasoning_tokens": out.reasoning_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": 0,
+    }
+    if out.finish is not None:
+        m["e2e_latency"] = out.e2e_latency
+    if stamp:  # set once: on the first streamed chunk, or on the finished reply
+        m["response_sent_to_client_ts"] = time.time()
+    return m
+
+
+def out_dict(req: Request, out: Output, *, stamp: bool, prompt_ids: list[int] | None) -> dict:
+    d = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(req, out, stamp=stamp)}
+    if prompt_ids is not None:
+        d["prompt_token_ids"] = prompt_ids
+    return d
+
+
+def build_requests(body: dict, preferred: dict | None) -> tuple[list[Request], bool]:
+    """GenerateReqInput.normalize_batch_and_arguments, for text or input_ids;
+    also says whether the reply is a single object (not a list)."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is None:
+        raise TokenizerError("Either text, input_ids or input_embeds should be provided.")
+    if text is not None:  # text wins over input_ids, as in _determine_batch_size
+        prompts = [tok.encode(text)] if isinstance(text, str) else [tok.encode(t) for t in text]
+        single = isinstance(text, str)
+    else:
+        if len(input_ids) == 0:
+            raise TokenizerError("input_ids cannot be empty.")
+        single = isinstance(input_ids[0], int)
+        prompts = [list(input_ids)] if single else [list(x) for x in input_ids]
+    sps = body.get("sampling_params") or {}
+    sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+    n = (sps[0].get("n") or 1) if sps else 1
+    if any((sp.get("n") or 1) != n for sp in sps):
+        raise TokenizerError("The parallel_sample_num should be the same for all samples in sample params.")
+    rid = body.get("rid")
+    reqs = []
+    for i in range(len(prompts) * n):  # parallel samples repeat the batch: [p0, p1, p0, p1, ...]
+        p = i % len(prompts)
+        sp = {**(preferred or {}), **sps[p]}
+        r = Request(
+            input_ids=list(prompts[p]),
+            sampling=sp,
+            stream=bool(body.get("stream")),
+            require_reasoning=bool(body.get("require_reasoning")),
+            sample_index=i // len(prompts),
+            default_max_new_tokens=GENERATE_DEFAULT_MAX_NEW_TOKENS,
+        )
+        if isinstance(rid, str) and single and n == 1:
+            r.rid = rid
+        elif isinstance(rid, list) and i < len(rid):
+            r.rid = rid[i]
+        reqs.append(r)
+    return reqs, single and n == 1
+
+
+async def _final(engine: Engine, req: Request, verdict: Verdict) -> Output:
+    last = None
+    async for out in engine.run(req, verdict):
+        last = out
+    return last
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    engine = st.engine
+    body = await read_json(request, require_json_content_type=False)
+    if isinstance(body, web.Response):
+        return body
+    err = generate_contract_error(body)
+    if err is not None:
+        return contract_error(err)
+    verdict = st.judge()
+    if body.get("stream"):
+        return await _stream(request, engine, body, verdict)
+    try:
+        reqs, single = build_requests(body, st.cfg.args.preferred_sampling_params)
+        for r in reqs:
+            engine.validate(r)
+    except TokenizerError as e:
+        return generate_error(str(e))
+    outs = await asyncio.gather(*(_final(engine, r, verdict) for r in reqs))
+    for out in outs:
+        if out.aborted:  # tokenizer_manager._handle_abort_finish_reason
+            status, message = out.finish["status_code"], out.finish["message"]
+            return generate_error(message) if status == 400 else http_exception(message, status)
+    results = [
+        out_dict(r, o, stamp=True, prompt_ids=r.input_ids if body.get("return_prompt_token_ids") else None)
+        for r, o in zip(reqs, outs)
+    ]
+    return json_response(results[0] if single else results)
+
+
+async def _stream(request: web.Request, engine: Engine, body: dict, verdict: Verdict) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await resp.prepare(request)
+    cfg = request.app[STATE].cfg
+    incremental = bool(cfg.args.incremental_streaming_output)
+    try:
+        reqs, single = build_requests(body, cfg.args.preferred_sampling_params)
+        if not single:
+            raise TokenizerError("emulator: streaming a batch or n > 1 on /generate is not emulated")
+        req = reqs[0]
+        engine.validate(req)
+    except TokenizerError as e:
+        await resp.write(
+            sse({"error": {"message": str(e), "type": "invalid_request_error", "code": 400, "retryable": False}})
+        )
+        await resp.write(SSE_DONE)
+        return resp
+    prompt_ids = req.input_ids if body.get("return_prompt_token_ids") else None
+    outputs = engine.run(req, verdict)
+    try:
+        sent_ids = sent_chars = 0
+        first = True
+        async for out in outputs:
+            d = out_dict(req, out, stamp=first, prompt_ids=prompt_ids)
+            if incremental:
+                d["text"], d["output_ids"] = out.text[sent_chars:], out.output_ids[sent_ids:]
+                sent_chars, sent_ids = len(out.text), len(out.output_ids)
+            first = False
+            await resp.write(sse(d))
+    finally:
+        await outputs.aclose()  # a client gone mid-stream frees its slot
+    await resp.write(SSE_DONE)
+    return resp

@@ -1,0 +1,456 @@
+"""OpenAI-compatible routes: `/v1/chat/completions` (serving_chat.py) and
+`/v1/tokenize`, `/v1/detokenize` (serving_tokenize.py), with 0.5.23's order of
+checks, reasoning split and error types.
+
+Reasoning (Qwen3.5 template, which pre-opens `<think>\\n` unless
+chat_template_kwargs.enable_thinking is false): with --reasoning-parser qwen3 and
+separate_reasoning (default true), text before `</think>` is reasoning_content
+and the rest content; cut off before `</think>`, everything is reasoning and
+content is "". Without a parser the raw `...</think>` stays in content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from aiohttp import web
+
+from . import tokenizer as tok
+from .engine import Engine, Output, Request, TokenizerError
+from .native import meta_info
+from .responses import (
+    HTTP_STATUS_NAMES,
+    SSE_DONE,
+    dumps,
+    http_exception,
+    json_response,
+    openai_error,
+    openai_error_body,
+    read_json,
+    sse,
+    validation_error,
+)
+from .state import STATE
+
+_INT = ("max_tokens", "max_completion_tokens", "n", "top_k", "seed", "min_tokens", "top_logprobs", "priority")
+_FLOAT = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL = (
+    "stream",
+    "separate_reasoning",
+    "stream_reasoning",
+    "return_token_ids",
+    "return_prompt_token_ids",
+    "return_meta_info",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "continue_final_message",
+    "logprobs",
+)
+
+
+def _field_errors(body: dict) -> list[dict]:
+    """The pydantic checks on ChatCompletionRequest that matter here (strict-ish)."""
+    errs = []
+
+    def bad(name, kind, msg):
+        errs.append({"type": kind, "loc": ("body", name), "msg": msg, "input": body.get(name)})
+
+    for name in _INT:
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            bad(name, "int_type", "Input should be a valid integer")
+    for name in _FLOAT:
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            bad(name, "float_type", "Input should be a valid number")
+    for name in _BOOL:
+        v = body.get(name)
+        if v is not None and not isinstance(v, bool):
+            bad(name, "bool_type", "Input should be a valid boolean")
+    for name in ("chat_template_kwargs", "stream_options"):
+        v = body.get(name)
+        if v is not None and not isinstance(v, dict):
+            bad(name, "dict_type", "Input should be a valid dictionary")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        bad("stop", "string_type", "Input should be a valid string")
+    ids = body.get("input_ids")
+    if ids is not None and not (
+        isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
+        bad("input_ids", "list_type", "Input should be a valid list of integers")
+    return errs
+
+
+def _messages_errors(body) -> list[dict]:
+    if not isinstance(body, dict):
+        return [
+            {
+                "type": "model_attributes_type",
+                "loc": ("body",),
+                "msg": "Input should be a valid dictionary",
+                "input": body,
+            }
+        ]
+    if "messages" not in body:
+        return [{"type": "missing", "loc": ("body", "messages"), "msg": "Field required", "input": body}]
+    msgs = body["messages"]
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+        return [
+            {
+                "type": "list_type",
+                "loc": ("body", "messages"),
+                "msg": "Input should be a valid list of messages",
+                "input": msgs,
+            }
+        ]
+    return []
+
+
+class ChatContext:
+    """What serving_chat derives from a request before generating."""
+
+    def __init__(self, cfg, body: dict):
+        self.cfg, self.body = cfg, body
+        ctk = dict(body.get("chat_template_kwargs") or {})
+        if body.get("reasoning_effort") is not None:  # normalize_reasoning_inputs: 'none' turns thinking off
+            thinking = body["reasoning_effort"] != "none"
+            ctk.setdefault("thinking", thinking)
+            ctk.setdefault("enable_thinking", thinking)
+        ctk.pop("reasoning_effort", None)
+        for k, v in (cfg.args.default_chat_template_kwargs or {}).items():
+            ctk.setdefault(k, v)
+        self.chat_template_kwargs = ctk
+        self.enable_thinking = ctk.get("enable_thinking", True) is not False  # the template's default
+        parser = cfg.reasoning_parser
+        # _get_reasoning_from_request: qwen3 follows the template's enable_thinking
+        # toggle (default true); qwen3-thinking always reasons.
+        self.reasoning = parser == "qwen3-thinking" or (parser is not None and self.enable_thinking)
+        self.separate = parser is not None and body.get("separate_reasoning", True) is not False
+
+    def prompt_ids(self, add_generation_prompt: bool = True) -> list[int]:
+        if self.body.get("input_ids") is not None:
+            return list(self.body["input_ids"])
+        text = tok.apply_chat_template(
+            self.body["messages"], add_generation_prompt=add_generation_prompt, enable_thinking=self.enable_thinking
+        )
+        return tok.encode(text)
+
+    def validate(self) -> str | None:
+        """serving_chat._validate_request (type BadRequestError)."""
+        if not self.body["messages"]:
+            return "Messages cannot be empty."
+        max_out = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
+        configured = self.cfg.args.context_length  # get_model().context_length: null unless passed
+        if max_out and configured and max_out > configured and not self.cfg.allow_auto_truncate:
+            return (
+                f"max_completion_tokens is too large: {max_out}."
+                f"This model supports at most {configured} completion tokens."
+            )
+        return None
+
+    def sampling(self) -> dict:
+        b = self.body
+        stop = b.get("stop")
+        return {
+            "temperature": b.get("temperature"),
+            "max_new_tokens": b.get("max_completion_tokens") or b.get("max_tokens"),
+            "min_new_tokens": b.get("min_tokens", 0),
+            "stop": [stop] if isinstance(stop, str) else (stop or []),
+            "stop_token_ids": b.get("stop_token_ids"),
+            "top_p": b.get("top_p"),
+            "top_k": b.get("top_k"),
+            "min_p": b.get("min_p"),
+            "presence_penalty": b.get("presence_penalty", 0.0),
+            "frequency_penalty": b.get("frequency_penalty", 0.0),
+            "repetition_penalty": b.get("repetition_penalty"),
+            "n": b.get("n", 1),
+            "no_stop_trim": b.get("no_stop_trim", False),
+            "ignore_eos": b.get("ignore_eos", False),
+            "skip_special_tokens": b.get("skip_special_tokens", True),
+            "sampling_seed": b.get("seed"),
+        }
+
+
+def split_reasoning(text: str, force: bool) -> tuple[str | None, str]:
+    """BaseReasoningFormatDetector.detect_and_parse for Qwen3 (no stripping)."""
+    if not (force or tok.THINK in text):
+        return None, text
+    while text.startswith(tok.THINK):
+        text = text[len(tok.THINK) :]
+    if tok.THINK_END not in text:
+        cut = text.find("<tool_call>")  # Qwen3.5 may open a tool call without </think>
+        return (text[:cut], text[cut:]) if cut != -1 else (text, "")
+    reasoning, _, content = text.partition(tok.THINK_END)
+    return reasoning, content
+
+
+class StreamSplitter:
+    """The streaming side of the same parser: deltas in, (reasoning, content) out."""
+
+    def __init__(self, force: bool):
+        self.in_reasoning = force
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        if not self.in_reasoning and tok.THINK in delta:
+            self.in_reasoning = True
+        if self.in_reasoning:
+            delta = delta.replace(tok.THINK, "", 1)
+            if tok.THINK_END in delta:
+                reasoning, _, content = delta.partition(tok.THINK_END)
+                self.in_reasoning = False
+                return reasoning, content
+            return delta, ""
+        return "", delta
+
+
+def usage(outs: list[Output], cache_report: bool) -> dict:
+    prompt = outs[0].prompt_tokens
+    completion = sum(o.completion_tokens for o in outs)
+    reasoning = sum(o.reasoning_tokens for o in outs)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": {"cached_tokens": 0} if cache_report else None,
+        "reasoning_tokens": reasoning,
+        "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
+    }
+
+
+def _abort_response(out: Output) -> web.Response:
+    status, message = out.finish["status_code"], out.finish["message"]
+    return openai_error(message) if status == 400 else http_exception(message, status)
+
+
+_STREAM_REFUSALS = {
+    "return_prompt_token_ids": "return_prompt_token_ids is not supported with streaming. "
+    "Please set stream=false when using return_prompt_token_ids=true.",
+    "return_token_ids": "return_token_ids is not supported with streaming on /v1/chat/completions. "
+    "Please set stream=false when using return_token_ids=true.",
+    "return_meta_info": "return_meta_info is not supported with streaming. "
+    "Please set stream=false when using return_meta_info=true.",
+}
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    cfg, engine = st.cfg, st.engine
+    body = await read_json(request, require_json_content_type=True)
+    if isinstance(body, web.Response):
+        return body
+    errs = _messages_errors(body) or _field_errors(body)
+    if errs:
+        return validation_error(errs)
+    verdict = st.judge()
+    chat = ChatContext(cfg, body)
+    problem = chat.validate()
+    if problem:
+        return openai_error(problem)
+    stream = bool(body.get("stream"))
+    try:  # _convert_to_internal_request: its ValueErrors are type "BadRequest"
+        if stream:
+            for flag, refusal in _STREAM_REFUSALS.items():
+                if body.get(flag):
+                    raise ValueError(refusal)
+        prompt = chat.prompt_ids()
+    except ValueError as e:
+        return openai_error(str(e), "BadRequest")
+    n = body.get("n") or 1
+    reqs = [
+        Request(
+            input_ids=list(prompt),
+            sampling=chat.sampling(),
+            stream=stream,
+            require_reasoning=chat.reasoning,
+            sample_index=i,
+            rid=body["rid"] if isinstance(body.get("rid"), str) and n == 1 else uuid.uuid4().hex,
+        )
+        for i in range(n)
+    ]
+    try:  # generate_request: its ValueErrors are type "BadRequestError"
+        for r in reqs:
+            engine.validate(r)
+    except TokenizerError as e:
+        return openai_error(str(e))
+    if stream:
+        if n != 1:
+            return openai_error("emulator: streaming with n > 1 is not emulated", "BadRequest")
+        return await _stream(request, chat, reqs[0], verdict)
+    outs = await asyncio.gather(*(_last(engine, r, verdict) for r in reqs))
+    for out in outs:
+        if out.aborted:
+            return _abort_response(out)
+    return json_response(_response(cfg, chat, reqs, outs))
+
+
+async def _last(engine: Engine, req: Request, verdict) -> Output:
+    out = None
+    async for out in engine.run(req, verdict):
+        pass
+    return out
+
+
+def _response(cfg, chat: ChatContext, reqs: list[Request], outs: list[Output]) -> dict:
+    body = chat.body
+    choices = []
+    for i, (req, out) in enumerate(zip(reqs, outs)):
+        reasoning, text = split_reasoning(out.text, chat.reasoning) if chat.separate else (None, out.text)
+        choice = {
+            "index": i,
+            "message": {"role": "assistant", "content": text or "", "reasoning_content": reasoning or None},
+            "logprobs": None,
+            "finish_reason": out.finish["type"],
+            "matched_stop": out.finish.get("matched"),
+        }
+        if body.get("return_prompt_token_ids") or body.get("return_token_ids"):
+            choice["prompt_token_ids"] = req.input_ids
+        if body.get("return_token_ids"):
+            choice["response_token_ids"] = out.output_ids
+        if body.get("return_meta_info"):
+            choice["meta_info"] = meta_info(req, out, stamp=True)
+        choices.append(choice)
+    return {
+        "id": reqs[0].rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model", "default"),
+        "choices": choices,
+        "usage": usage(outs, bool(cfg.args.enable_cache_report)),
+        "metadata": {"weight_version": "default"},
+    }
+
+
+def _chunk(req: Request, model: str, created: int, delta: dict, finish=None, matched=None, usage_=None) -> bytes:
+    c = {
+        "id": req.rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}],
+    }
+    if usage_ is not None:
+        c["usage"] = usage_
+    return sse(c)
+
+
+async def _stream(request: web.Request, chat: ChatContext, req: Request, verdict) -> web.StreamResponse:
+    """SSE chunks as _generate_chat_stream builds them. The first output is awaited
+    before the 200 goes out (the kick-start), so the status reflects the first token."""
+    outputs = request.app[STATE].engine.run(req, verdict)
+    try:
+        return await _write_stream(request, chat, req, outputs)
+    finally:
+        await outputs.aclose()  # a client gone mid-stream frees its slot
+
+
+async def _write_stream(request: web.Request, chat: ChatContext, req: Request, outputs) -> web.StreamResponse:
+    cfg = request.app[STATE].cfg
+    body = chat.body
+    model, created = body.get("model", "default"), int(time.time())
+    opts = body.get("stream_options") or {}
+    include_usage = bool(opts.get("include_usage")) or bool(cfg.args.stream_response_default_include_usage)
+    continuous = bool(opts.get("continuous_usage_stats"))
+    first = await outputs.__anext__()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await resp.prepare(request)
+    if first.aborted:  # a scheduler abort with a status becomes an error chunk
+        code = first.finish["status_code"]
+        err = openai_error_body(first.finish["message"], HTTP_STATUS_NAMES.get(code, str(code)), code)
+        await resp.write(b"data: " + dumps({"error": err}).encode() + b"\n\n")
+        await resp.write(SSE_DONE)
+        return resp
+    await resp.write(_chunk(req, model, created, {"reasoning_content": None, "role": "assistant", "content": ""}))
+    splitter = StreamSplitter(chat.reasoning) if chat.separate else None
+    sent, last = 0, first
+    out = first
+    while True:
+        delta, sent = out.text[sent:], len(out.text)
+        u = usage([out], False) if continuous else None
+        reasoning, content = splitter.feed(delta) if splitter else ("", delta)
+        if reasoning:
+            await resp.write(_chunk(req, model, created, {"reasoning_content": reasoning}, usage_=u))
+        if content:
+            await resp.write(_chunk(req, model, created, {"reasoning_content": None, "content": content}, usage_=u))
+        last = out
+        try:
+            out = await outputs.__anext__()
+        except StopAsyncIteration:
+            break
+    fin = last.finish
+    await resp.write(_chunk(req, model, created, {"reasoning_content": None}, fin["type"], fin.get("matched")))
+    if include_usage:
+        final_usage = usage([last], bool(cfg.args.enable_cache_report))
+        chunk = {"id": req.rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        await resp.write(sse({**chunk, "choices": [], "usage": final_usage}))
+    await resp.write(SSE_DONE)
+    return resp
+
+
+# ---- /v1/tokenize and /v1/detokenize ----
+
+
+async def handle_tokenize(request: web.Request) -> web.Response:
+    cfg = request.app[STATE].cfg
+    body = await read_json(request, require_json_content_type=True)
+    if isinstance(body, web.Response):
+        return body
+    if not isinstance(body, dict) or (body.get("prompt") is None) == (body.get("messages") is None):
+        return validation_error(
+            [
+                {
+                    "type": "value_error",
+                    "loc": ("body",),
+                    "msg": "Value error, Exactly one of 'prompt' or 'messages' must be provided.",
+                    "input": body,
+                }
+            ]
+        )
+    # The tokenizer's model_max_length (tokenizer_config.json), NOT the served
+    # context length: read that from /v1/models.
+    max_model_len = cfg.args.native_context_length
+    prompt = body.get("prompt")
+    if body.get("messages") is not None:
+        errs = _messages_errors(body) or _field_errors(body)
+        if errs:
+            return validation_error(errs)
+        chat = ChatContext(cfg, body)
+        problem = chat.validate()
+        if problem:
+            return openai_error(problem)
+        agp = body.get("add_generation_prompt")
+        ids = chat.prompt_ids(add_generation_prompt=True if agp is None else bool(agp))
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt)
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        lists = [tok.encode(p) for p in prompt]
+        return json_response({"tokens": lists, "count": [len(x) for x in lists], "max_model_len": max_model_len})
+    return validation_error(
+        [{"type": "string_type", "loc": ("body", "prompt"), "msg": "Input should be a valid string", "input": prompt}]
+    )
+
+
+async def handle_detokenize(request: web.Request) -> web.Response:
+    body = await read_json(request, require_json_content_type=True)
+    if isinstance(body, web.Response):
+        return body
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    skip = body.get("skip_special_tokens", True) if isinstance(body, dict) else True
+    if not isinstance(tokens, list):
+        return validation_error(
+            [{"type": "missing", "loc": ("body", "tokens"), "msg": "Field required", "input": body}]
+        )
+    if not tokens:
+        return json_response({"text": ""})
+    if isinstance(tokens[0], list):
+        return json_response({"text": [tok.decode(t, skip_special_tokens=skip) for t in tokens]})
+    if not all(isinstance(t, int) for t in tokens):
+        return openai_error("Invalid input: 'tokens' must be a list of integers.")
+    return json_response({"text": tok.decode(tokens, skip_special_tokens=skip)})

@@ -1,0 +1,188 @@
+"""Starting emulators: as a subprocess (the real thing, as the fleet runs them) or
+on a thread of this process (fast tests; a crash fault then closes the server
+instead of killing the test process)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Self
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class EmulatorProcess:
+    """A running emulator subprocess (own session, so it survives its parent's
+    signals as a fleet server would). Stop it with .stop() or a `with` block."""
+
+    def __init__(self, popen: subprocess.Popen, host: str, port: int, log_path: Path):
+        self.popen = popen
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout)
+        return self.popen.returncode
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_emulator(
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    env: dict | None = None,
+    startup_timeout: float = 30.0,
+    log_path: str | os.PathLike | None = None,
+) -> EmulatorProcess:
+    """Start `python -m dflash_assets.fleet.emulator` and wait for /health 200.
+    `args` are server flags; --model-path defaults to emulated/qwen3-27b."""
+    args = list(args)
+    if not any(a == "--model-path" or a.startswith("--model-path=") or a == "--model" for a in args):
+        args = ["--model-path", "emulated/qwen3-27b", *args]
+    port = port or free_port(host)
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"emulator-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    cmd = [sys.executable, "-m", "dflash_assets.fleet.emulator", *args, "--host", host, "--port", str(port)]
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    proc = EmulatorProcess(popen, host, port, log_path)
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"emulator exited with {popen.returncode} before it was healthy:\n{proc.log()[-2000:]}")
+        if _healthy(proc.url):
+            return proc
+        time.sleep(0.05)
+    proc.stop()
+    raise TimeoutError(f"emulator not healthy within {startup_timeout}s:\n{proc.log()[-2000:]}")
+
+
+class EmulatorThread:
+    """An emulator served from a daemon thread of this process."""
+
+    def __init__(self, args: list[str]):
+        from .config import resolve
+
+        self.cfg = resolve(args)
+        self.port: int | None = None
+        self.crashed = False
+        self._bound = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="emulator", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.args.host}:{self.port}"
+
+    def _run(self) -> None:
+        from .server import serve
+
+        async def main():
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            await serve(self.cfg, stop=self._stop, on_crash=self._crash, on_bound=self._on_bound)
+
+        try:
+            asyncio.run(main())
+        except Exception as e:  # surfaced by start()
+            self._error = e
+            self._bound.set()
+
+    def _on_bound(self, port: int) -> None:
+        self.port = port
+        self._bound.set()
+
+    def _crash(self) -> None:
+        # Stop serving at once; the request that tripped it gets its connection dropped.
+        from .server import InjectedCrash
+
+        self.crashed = True
+        self._stop.set()
+        raise InjectedCrash()
+
+    def start(self, timeout: float = 10.0) -> EmulatorThread:
+        self._thread.start()
+        if not self._bound.wait(timeout) or self._error is not None:
+            raise RuntimeError(f"emulator thread failed to start: {self._error!r}")
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_emulator_in_thread(args: list[str] | tuple[str, ...] = (), *, port: int = 0) -> EmulatorThread:
+    """Start an in-process emulator on a free port (default); returns once listening."""
+    args = list(args)
+    if not any(a == "--model-path" or a.startswith("--model-path=") for a in args):
+        args = ["--model-path", "emulated/qwen3-27b", *args]
+    return EmulatorThread([*args, "--port", str(port)]).start()

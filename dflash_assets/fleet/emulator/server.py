@@ -1,0 +1,151 @@
+"""The HTTP server: the route table, auth, fault route, and serving.
+
+Auth is 0.5.23's (srt/utils/auth.py): with --api-key every route needs
+`Authorization: Bearer <key>` except paths starting with /health, /ready or
+/metrics; otherwise 401 {"error": "Unauthorized"}. The key is never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import sys
+
+from aiohttp import web
+
+from . import model
+from . import tokenizer as tok
+from .config import VERSION, EmulatorConfig
+from .engine import Engine
+from .faults import Faults, from_args
+from .info import health, loads, metrics, model_card, model_info, models, ready, server_info
+from .native import handle_generate
+from .openai import handle_chat, handle_detokenize, handle_tokenize
+from .responses import json_response
+from .state import STATE, ServerState
+
+log = logging.getLogger("dflash_assets.fleet.emulator")
+READY_LINE = "The server is fired up and ready to roll!"
+_OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+
+
+class InjectedCrash(Exception):
+    """Raised by an in-process crash fault: the connection is dropped, not answered."""
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    key = request.app[STATE].cfg.args.api_key
+    if key and request.method != "OPTIONS" and not request.path.startswith(_OPEN_PREFIXES):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
+            return json_response({"error": "Unauthorized"}, 401)
+    try:
+        return await handler(request)
+    except InjectedCrash:
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError() from None
+
+
+def crash_process() -> None:
+    """A GPU server dying mid-flight: no cleanup, connections drop."""
+    sys.stderr.write("emulator: injected crash, exiting\n")
+    sys.stderr.flush()
+    os._exit(70)
+
+
+def create_app(cfg: EmulatorConfig, *, faults: Faults | None = None, on_crash=crash_process) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware], client_max_size=256 * 1024**2)
+    faults = faults or from_args(cfg.args)
+
+    def judge():
+        verdict = faults.judge()
+        if verdict.crash:
+            on_crash()
+        return verdict
+
+    app[STATE] = ServerState(cfg, Engine(cfg, faults), faults, judge, ready=cfg.args.startup_delay <= 0)
+    model._stream()  # build the text stream now, not on the first request
+    r = app.router
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health)
+    r.add_get("/ready", ready)
+    r.add_get("/model_info", model_info)
+    r.add_get("/get_model_info", model_info)
+    r.add_get("/server_info", server_info)
+    r.add_get("/get_server_info", server_info)
+    r.add_get("/v1/models", models)
+    r.add_get("/v1/models/{model:.+}", model_card)
+    r.add_get("/v1/loads", loads)
+    r.add_post("/generate", handle_generate)
+    r.add_put("/generate", handle_generate)
+    r.add_post("/v1/chat/completions", handle_chat)
+    for path in ("/v1/tokenize", "/tokenize"):
+        r.add_post(path, handle_tokenize)
+    for path in ("/v1/detokenize", "/detokenize"):
+        r.add_post(path, handle_detokenize)
+    if cfg.enable_metrics:  # without --enable-metrics there is no /metrics route (404)
+        r.add_get("/metrics", metrics)
+    r.add_route("*", "/_emulator/faults", fault_route)
+    return app
+
+
+async def _announce_when_ready(app: web.Application) -> None:
+    """Warmup: /health answers 503 for --startup-delay seconds, then the ready line."""
+    await asyncio.sleep(app[STATE].cfg.args.startup_delay)
+    app[STATE].ready = True
+    log.info(READY_LINE)
+
+
+async def fault_route(request: web.Request) -> web.Response:
+    """Emulator-only (not SGLang): see faults.py for the settings."""
+    faults = request.app[STATE].faults
+    if request.method == "POST":
+        try:
+            faults.update(await request.json())
+        except (ValueError, TypeError, AttributeError) as e:
+            return json_response({"error": str(e)}, 400)
+    elif request.method == "DELETE":
+        faults.clear()
+    elif request.method != "GET":
+        return web.Response(status=405)
+    return json_response(faults.to_dict())
+
+
+# ---- serving ----
+
+
+async def serve(
+    cfg: EmulatorConfig, *, stop: asyncio.Event | None = None, on_crash=crash_process, on_bound=None
+) -> None:
+    """Run until `stop` is set (or forever). `on_bound(port)` fires once listening."""
+    app = create_app(cfg, on_crash=on_crash)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.args.host, cfg.args.port, backlog=1024, reuse_address=True)
+    await site.start()
+    port = runner.addresses[0][1]  # the real port when --port 0
+    for w in cfg.warnings:
+        log.warning(w)
+    log.info(
+        "emulated SGLang %s serving %s on http://%s:%d (context %d, max_running_requests %d, KV %d tokens, vocab %d)",
+        VERSION,
+        cfg.served_model_name,
+        cfg.args.host,
+        port,
+        cfg.context_len,
+        cfg.max_running_requests,
+        cfg.max_total_num_tokens,
+        tok.VOCAB_SIZE,
+    )
+    ready_task = asyncio.get_running_loop().create_task(_announce_when_ready(app))
+    if on_bound:
+        on_bound(port)
+    try:
+        await (stop.wait() if stop else asyncio.Event().wait())
+    finally:
+        ready_task.cancel()
+        await runner.cleanup()

@@ -1,0 +1,27 @@
+"""What the route handlers share: one server's config, engine and faults."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from .config import EmulatorConfig
+from .engine import Engine
+from .faults import Faults, Verdict
+
+
+@dataclass
+class ServerState:
+    cfg: EmulatorConfig
+    engine: Engine
+    faults: Faults
+    judge: Callable[[], Verdict]  # the fault verdict for an arriving generation request
+    ready: bool = False
+    started: float = field(default_factory=time.monotonic)
+    startup_time: float = field(default_factory=time.time)
+
+
+STATE = web.AppKey("emulator_state", ServerState)

@@ -1,0 +1,192 @@
+"""The stand-in model's tokenizer and Qwen3.5-style chat template.
+
+A word-level vocabulary (common English words plus a few thousand syllable
+words, each with and without a leading space and capitalised) with byte
+fallback, so `decode(encode(s)) == s` for every string. Special tokens are split
+out before pre-tokenisation, as Hugging Face tokenizers do with added tokens.
+Everything is built deterministically in code: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable, Sequence
+
+IM_START, IM_END, THINK, THINK_END, ENDOFTEXT = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<|endoftext|>",
+)
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK, THINK_END)
+# Qwen marks these special (dropped by skip_special_tokens); <think> and </think>
+# are plain added tokens there, so they stay in decoded text, as in SGLang output.
+_SKIPPED_SPECIALS = (ENDOFTEXT, IM_START, IM_END)
+
+_COMMON_WORDS = """
+the of and to in is that it for was on are as with be at by this have from or one had
+not but what all were when we there can an your which their said if do will each about
+how up out them then she many some so these would other into has more her two like him
+see time could no make than first been its who now people my made over did down only way
+find use may water long little very after words called just where most know get through
+back much before go good new write our used me man too any day same right look think
+also around another came come work three word must because does part even place well
+such here take why things help put years different away again off went old number great
+tell men say small every found still between name should home big give air line set own
+under read last never us left end along while might next sound below saw something
+thought both few those always looked show large often together asked house world going
+want school important until form food keep children feet land side without boy once
+animals life enough took sometimes four head above kind began almost live page got earth
+need far hand high year mother light parts country father let night following picture
+being study second eyes soon times story boys since white days paper hard near sentence
+better best across during today others however sure means knew try told young miles sun
+ways thing whole hear example heard several change answer room sea against top turned
+learn point city play toward five using himself usually question answer model data
+problem solution step first therefore result value function code test check true false
+number list given user system assistant i you he it is let consider compute total case
+order because since answer final explain write prompt reason hello hi please thanks yes
+ok okay sorry
+""".split()  # noqa: SIM905
+
+_ONSETS = "b c d f g h j k l m n p r s t v w z br ch cl dr fl gr pl pr sh st th tr".split()  # noqa: SIM905
+_VOWELS = "a e i o u ai ea io ou".split()  # noqa: SIM905
+_CODAS = ["", "", "n", "r", "s", "l", "m", "nd", "st", "th"]
+
+
+def _syllable_words(count: int) -> list[str]:
+    """`count` distinct pseudo-words from a fixed LCG: deterministic, no data."""
+    words: list[str] = []
+    seen = set(_COMMON_WORDS)
+    state = 0x2545F491
+    while len(words) < count:
+        parts = []
+        for _ in range(1 + ((state >> 7) % 10 < 7)):  # 30% one syllable, 70% two
+            state = (state * 6364136223846793005 + 1442695040888963407) & (2**64 - 1)
+            parts.append(
+                _ONSETS[(state >> 33) % len(_ONSETS)]
+                + _VOWELS[(state >> 41) % len(_VOWELS)]
+                + _CODAS[(state >> 49) % len(_CODAS)]
+            )
+        word = "".join(parts)
+        if word not in seen:
+            seen.add(word)
+            words.append(word)
+    return words
+
+
+_COMMON = tuple(dict.fromkeys(_COMMON_WORDS))
+N_COMMON_WORDS = len(_COMMON)
+WORDS: tuple[str, ...] = _COMMON + tuple(_syllable_words(3600))
+_PUNCT = [".", ",", "?", "!", ":", ";", "'", '"', "(", ")", "-", "...", "*", "#", "`", "/"]
+_SPACES = ["\n", "\n\n", " ", "  ", "\t", "\n\n\n"]
+_DIGITS = [str(d) for d in range(10)]
+
+
+def _regular_tokens() -> list[str]:
+    toks: list[str] = []
+    for w in WORDS:
+        cap = w[:1].upper() + w[1:]
+        toks += [" " + w, w, " " + cap, cap]
+    toks += _PUNCT + [" " + p for p in _PUNCT] + _DIGITS + [" " + d for d in _DIGITS] + _SPACES
+    return list(dict.fromkeys(toks))
+
+
+# Ids: 0..255 are the byte tokens, then the regular vocabulary, then specials
+# (as in Qwen, where the specials sit at the top of the id space).
+_REGULAR = _regular_tokens()
+VOCAB: dict[str, int] = {t: 256 + i for i, t in enumerate(_REGULAR)}
+SPECIAL_IDS: dict[str, int] = {t: 256 + len(_REGULAR) + i for i, t in enumerate(SPECIAL_TOKENS)}
+VOCAB_SIZE = 256 + len(_REGULAR) + len(SPECIAL_TOKENS)
+IM_START_ID, IM_END_ID = SPECIAL_IDS[IM_START], SPECIAL_IDS[IM_END]
+THINK_ID, THINK_END_ID, ENDOFTEXT_ID = SPECIAL_IDS[THINK], SPECIAL_IDS[THINK_END], SPECIAL_IDS[ENDOFTEXT]
+SKIPPED_SPECIAL_IDS = frozenset(SPECIAL_IDS[t] for t in _SKIPPED_SPECIALS)
+
+# Token id -> its UTF-8 bytes (byte tokens are single raw bytes).
+TOKEN_BYTES: list[bytes] = (
+    [bytes([b]) for b in range(256)] + [t.encode() for t in _REGULAR] + [t.encode() for t in SPECIAL_TOKENS]
+)
+# Token id -> str, for tokens that are whole strings (not lone bytes >= 0x80).
+TOKEN_STR: list[str] = [b.decode("latin-1") if i < 256 else b.decode() for i, b in enumerate(TOKEN_BYTES)]
+
+_SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
+# GPT-2-like pre-tokeniser: words with an optional leading space, single digits,
+# runs of punctuation, and whitespace that leaves one space for the next word.
+_PRETOKEN = re.compile(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")
+_vocab_get = VOCAB.get
+
+
+def _encode_plain(segment: str, out: list[int]) -> None:
+    pieces = _PRETOKEN.findall(segment)
+    ids = list(map(_vocab_get, pieces))
+    if None not in ids:
+        out += ids
+        return
+    for piece, tid in zip(pieces, ids):
+        if tid is None:
+            out += piece.encode("utf-8", "surrogatepass")  # byte ids are the bytes
+        else:
+            out.append(tid)
+
+
+@functools.lru_cache(maxsize=256)  # /v1/tokenize then chat render the same prompt
+def _encode_cached(text: str) -> tuple[int, ...]:
+    out: list[int] = []
+    for i, seg in enumerate(_SPECIAL_SPLIT.split(text)):
+        if i % 2:
+            out.append(SPECIAL_IDS[seg])
+        elif seg:
+            _encode_plain(seg, out)
+    return tuple(out)
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of `text` (no BOS: Qwen adds none)."""
+    return list(_encode_cached(text))
+
+
+def decode(ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    if skip_special_tokens:
+        ids = [i for i in ids if i not in SKIPPED_SPECIAL_IDS]
+    n = len(TOKEN_BYTES)
+    raw = b"".join([TOKEN_BYTES[i] if 0 <= i < n else b"" for i in ids])
+    try:
+        return raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:  # arbitrary byte ids need not form valid UTF-8
+        return raw.decode("utf-8", "replace")
+
+
+# ---- chat template (Qwen3.5 style) -------------------------------------------------
+
+GENERATION_PROMPT = f"{IM_START}assistant\n"
+THINK_OPEN = f"{THINK}\n"
+THINK_SKIPPED = f"{THINK}\n\n{THINK_END}\n\n"
+# The same markers as token ids, for the model to find them in a prompt.
+GENERATION_PROMPT_IDS = tuple(encode(GENERATION_PROMPT))
+THINK_OPEN_IDS = tuple(encode(THINK_OPEN))
+THINK_SKIPPED_IDS = tuple(encode(THINK_SKIPPED))
+
+
+def message_text(content) -> str:
+    """A message's text: a string, or the text parts of an OpenAI content list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+
+
+def apply_chat_template(
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool = True,
+) -> str:
+    """Render messages as Qwen3.5 does: `<|im_start|>{role}\\n{content}<|im_end|>\\n`
+    per message, then the assistant header, pre-opening `<think>\\n` when thinking
+    or an empty think block when not."""
+    parts = [f"{IM_START}{m.get('role', '')}\n{message_text(m.get('content'))}{IM_END}\n" for m in messages]
+    if add_generation_prompt:
+        parts.append(GENERATION_PROMPT + (THINK_OPEN if enable_thinking else THINK_SKIPPED))
+    return "".join(parts)

@@ -1,0 +1,214 @@
+"""`launch` mode: one `sglang serve` per GPU, detached, recorded in the registry, reused while healthy.
+
+The servers outlive runs and clients: loading a 27B model takes minutes, so `up` never restarts a server
+that is ours, alive and launched with the same args; it relaunches a dead one; it replaces one whose args
+differ only when asked (`replace=True`), and otherwise says what differs and how to replace it.
+
+The API key trade-off: SGLang 0.5.23 takes its key only as `--api-key`, so the key read from
+`$<api_key_env>` at launch ends up on the child's command line, visible in /proc/<pid>/cmdline to users
+of the host, exactly as with `sglang serve --api-key` typed by hand. It is never written to the registry,
+never hashed, never returned in status and masked in log tails; the child's environment does not carry it.
+SGLang itself prints its resolved args (key included) at startup, so logs are created 0600 in a 0700 dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace as with_fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dflash_assets.fleet import processes, registry
+from dflash_assets.fleet.client import ServerClient, ServerError
+from dflash_assets.fleet.fleet import open_session
+from dflash_assets.fleet.registry import ServerRecord
+from dflash_assets.fleet.server_args import SGLANG_SERVE, ServerArgs, args_hash, diff
+
+Events = Callable[[str], None] | None
+DONE = {"launch": "launched", "relaunch": "relaunched (it was not running)", "replace": "replaced (args changed)",
+        "reuse": "reused (running with the same args)"}
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class FleetSpec:
+    """The fleet asked for: the args every server shares, the GPUs, and how servers are started."""
+
+    server: ServerArgs  # port and gpus are set per server
+    gpus: tuple[int, ...] = (0,)
+    base_port: int = 30000  # server on GPU g listens on base_port + g: its port does not move when GPUs change
+    command: tuple[str, ...] = SGLANG_SERVE
+    api_key_env: str = "DFLASH_API_KEY"
+    health_timeout_s: float = 1200.0  # loading real weights and capturing cuda graphs takes minutes
+    stop_timeout_s: float = 30.0
+
+    def servers(self) -> dict[str, ServerArgs]:
+        tp = self.server.tp_size
+        if not self.gpus:
+            raise FleetError("the fleet has no GPUs: give at least one GPU id")
+        if len(set(self.gpus)) != len(self.gpus):
+            raise FleetError(f"GPU ids repeat: {list(self.gpus)}")
+        if len(self.gpus) % tp:
+            raise FleetError(f"{len(self.gpus)} GPUs cannot be split into servers of tp_size {tp}")
+        groups = [tuple(self.gpus[i:i + tp]) for i in range(0, len(self.gpus), tp)]
+        return {"gpu" + "-".join(map(str, g)): with_fields(self.server, gpus=g, port=self.base_port + g[0])
+                for g in groups}
+
+
+def default_fleet_dir(dagster_home: str | Path | None = None) -> Path:
+    """`<dagster_home>/fleet`, where the registry and the server logs live."""
+    home = dagster_home or os.environ.get("DAGSTER_HOME") or "dagster_home"
+    return Path(home).resolve() / "fleet"
+
+
+def urls(records: list[ServerRecord]) -> list[str]:
+    return [r.url for r in records]
+
+
+def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events = None) -> list[ServerRecord]:
+    """Bring the fleet to `spec` and return its servers once every one answers GET /health with 200."""
+    say = on_event or (lambda _msg: None)
+    key = os.environ.get(spec.api_key_env) or None
+    wanted = spec.servers()
+    with registry.locked(fleet_dir):
+        records = registry.load(fleet_dir)
+        plan, refusals = {}, []
+        for name, args in wanted.items():
+            plan[name] = _decide(name, args, records.get(name), spec, key, replace, refusals)
+        if refusals:  # all or nothing: refuse before touching any server
+            raise FleetError("\n".join(refusals))
+        for name in sorted(set(records) - set(wanted)):
+            say(f"{name}: in the registry but not asked for; left as it is (`down` stops it)")
+        for name, action in plan.items():
+            if action in ("relaunch", "replace"):  # also ends orphaned children still holding the GPU
+                old = records.pop(name)
+                processes.stop_group(old.pid, old.proc_start, spec.stop_timeout_s)
+                registry.save(fleet_dir, records)
+        for name, action in plan.items():  # every port before any launch: all or nothing again
+            if action != "reuse":
+                _check_port(wanted[name], records)
+        for name, action in plan.items():
+            if action != "reuse":
+                records[name] = _launch(name, wanted[name], spec, Path(fleet_dir), key)
+                registry.save(fleet_dir, records)  # recorded at once: a crash now still leaves it findable
+            rec = records[name]
+            say(f"{name}: {DONE[action]}: pid {rec.pid}, {rec.url}, GPU {','.join(map(str, rec.gpus)) or '-'}")
+    # Waited for outside the lock, so `down` can still stop a server that never gets healthy.
+    ours = [records[n] for n in wanted]
+    asyncio.run(_wait_healthy(ours, key, spec.health_timeout_s))
+    return ours
+
+
+def _decide(name: str, args: ServerArgs, rec: ServerRecord | None, spec: FleetSpec, key: str | None,
+            replace: bool, refusals: list[str]) -> str:
+    if rec is None:
+        return "launch"
+    if not processes.is_ours(rec.pid, rec.proc_start):
+        return "relaunch"
+    changes = diff(rec.args, args.canonical())
+    if not changes and rec.args_hash != args_hash(args, spec.command):
+        old_command = rec.command[:len(rec.command) - len(ServerArgs.from_dict(rec.args).flags())]
+        changes = [f"launch command: {' '.join(old_command)} -> {' '.join(spec.command)}"]
+    if bool(rec.api_key_env) != bool(key):
+        changes.append(f"API key: {'set' if rec.api_key_env else 'none'} -> {'set' if key else 'none'}")
+    elif key and asyncio.run(_rejects_key(rec.url, key)):
+        changes.append(f"API key: the server rejects the key in ${spec.api_key_env} (launched with another)")
+    if not changes:
+        return "reuse"
+    if replace:
+        return "replace"
+    refusals.append(f"server {name} (pid {rec.pid}, {rec.url}) is running with other args than asked:\n    "
+                    + "\n    ".join(changes)
+                    + "\n  It was not restarted. To restart it with the new args: `dflash fleet up --replace` "
+                      "(up(..., replace=True)); or `dflash fleet down` first.")
+    return "refuse"
+
+
+def _check_port(args: ServerArgs, records: dict[str, ServerRecord]) -> None:
+    if not processes.port_in_use(args.host, args.port):
+        return
+    holder = next((r for r in records.values() if r.port == args.port and processes.is_ours(r.pid, r.proc_start)),
+                  None)
+    who = (f"fleet server {holder.name} (pid {holder.pid})" if holder
+           else "a process that is not in the fleet registry")
+    raise FleetError(f"port {args.port} on {args.host} is already in use by {who}; stop it or choose another "
+                     f"base port (servers listen on base_port + GPU id)")
+
+
+def _launch(name: str, args: ServerArgs, spec: FleetSpec, fleet_dir: Path, key: str | None) -> ServerRecord:
+    log = fleet_dir / "logs" / f"{name}.log"
+    if log.exists():  # keep the previous run's log: after a crash it is the one worth reading
+        log.replace(log.with_suffix(".log.1"))
+    argv = args.argv(spec.command)
+    env = {k: v for k, v in os.environ.items() if k != spec.api_key_env}
+    if args.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, args.gpus))
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w") as f:
+        f.write(f"# dflash fleet: {name} launched {started_at}, CUDA_VISIBLE_DEVICES="
+                f"{env.get('CUDA_VISIBLE_DEVICES', '(inherited)')}: {' '.join(argv)}"
+                f"{' --api-key (from $' + spec.api_key_env + ')' if key else ''}\n")
+    proc = processes.spawn(argv + (["--api-key", key] if key else []), env, log)
+    return ServerRecord(name=name, pid=proc.pid, proc_start=processes.start_ticks(proc.pid), host=args.host,
+                        port=args.port, gpus=list(args.gpus), args_hash=args_hash(args, spec.command),
+                        args=args.canonical(), command=argv, api_key_env=spec.api_key_env if key else None,
+                        started_at=started_at, log=str(log))
+
+
+async def _rejects_key(url: str, key: str) -> bool:
+    async with open_session() as session:
+        try:
+            await ServerClient(session, url, key, request_timeout_s=10).info()
+        except ServerError as e:
+            return e.status == 401
+    return False
+
+
+async def _wait_healthy(records: list[ServerRecord], key: str | None, timeout_s: float) -> None:
+    async with open_session() as session:
+        results = await asyncio.gather(*(_wait_one(ServerClient(session, r.url, key), r, key, timeout_s)
+                                         for r in records), return_exceptions=True)
+    errors = [str(e) for e in results if isinstance(e, BaseException)]
+    if errors:
+        raise FleetError("\n\n".join(errors))
+
+
+async def _wait_one(client: ServerClient, rec: ServerRecord, key: str | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await client.healthy(timeout=30):
+        if not processes.is_ours(rec.pid, rec.proc_start):
+            code = processes.exit_code(rec.pid)
+            raise FleetError(f"server {rec.name} (pid {rec.pid}, {rec.url}) exited"
+                             f"{f' with code {code}' if code is not None else ''} before it was healthy. "
+                             f"Last lines of {rec.log}:\n{processes.tail(Path(rec.log), secrets=(key,) if key else ())}")
+        if time.monotonic() > deadline:
+            raise FleetError(f"server {rec.name} (pid {rec.pid}, {rec.url}) is not healthy after {timeout_s:.0f}s "
+                             f"(GET /health); it is left running (`dflash fleet down` stops it). Last lines of "
+                             f"{rec.log}:\n{processes.tail(Path(rec.log), secrets=(key,) if key else ())}")
+        await asyncio.sleep(0.5)
+
+
+def down(fleet_dir: Path, names: list[str] | None = None, timeout_s: float = 30.0,
+         on_event: Events = None) -> list[ServerRecord]:
+    """SIGTERM each server's process group, SIGKILL it after `timeout_s`, and drop it from the registry."""
+    say = on_event or (lambda _msg: None)
+    with registry.locked(fleet_dir):
+        records = registry.load(fleet_dir)
+        unknown = sorted(set(names or ()) - set(records))
+        if unknown:
+            raise FleetError(f"not in the fleet registry: {', '.join(unknown)} (known: {', '.join(records) or 'none'})")
+        stopped = []
+        for name in names or sorted(records):
+            rec = records.pop(name)
+            processes.stop_group(rec.pid, rec.proc_start, timeout_s)
+            registry.save(fleet_dir, records)
+            stopped.append(rec)
+            say(f"{name}: stopped (pid {rec.pid}, {rec.url})")
+    return stopped

@@ -1,0 +1,117 @@
+"""What each server says now: health, effective context length and capacity, load; pid/GPU/uptime if ours.
+
+The figures come from the servers, never from the args they were launched with: SGLang resolves
+`None` to values of its own (context length from config.json, max running requests capped by KV memory
+and mamba slots). The API key is used to ask and never appears in what is returned or rendered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.table import Table
+
+from dflash_assets.fleet import processes, registry
+from dflash_assets.fleet.attach import parse_urls
+from dflash_assets.fleet.client import ServerClient, ServerError
+from dflash_assets.fleet.fleet import open_session
+from dflash_assets.fleet.registry import ServerRecord
+
+
+@dataclass
+class ServerStatus:
+    name: str
+    url: str
+    healthy: bool
+    context_length: int | None = None  # /v1/models max_model_len
+    max_running_requests: int | None = None  # /server_info internal_states[0].effective_max_running_requests_per_dp
+    running: int | None = None  # /v1/loads, summed over DP ranks
+    waiting: int | None = None
+    token_usage: float | None = None  # KV tokens in use / KV pool
+    pid: int | None = None  # launched servers only
+    gpus: list[int] | None = None
+    uptime_s: float | None = None
+    process: str | None = None  # "running" / "not running" for launched servers; None when attached
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def fleet_status(fleet_dir: Path | None = None, attach_urls: str | Sequence[str] = (),
+                 api_key_env: str = "DFLASH_API_KEY") -> list[ServerStatus]:
+    """Status of the launched servers in `fleet_dir`'s registry and of any attached URLs."""
+    records = list(registry.load(fleet_dir).values()) if fleet_dir else []
+    urls = parse_urls(attach_urls) if attach_urls else []
+    return asyncio.run(probe(records, urls, os.environ.get(api_key_env) or None))
+
+
+async def probe(records: list[ServerRecord], urls: list[str], api_key: str | None) -> list[ServerStatus]:
+    async with open_session() as session:
+        jobs = [_probe_launched(ServerClient(session, r.url, api_key), r) for r in records]
+        jobs += [_probe_url(ServerClient(session, u, api_key), ServerStatus(name=u, url=u, healthy=False))
+                 for u in urls]
+        return list(await asyncio.gather(*jobs))
+
+
+async def _probe_launched(client: ServerClient, rec: ServerRecord) -> ServerStatus:
+    status = ServerStatus(name=rec.name, url=rec.url, healthy=False, pid=rec.pid, gpus=rec.gpus)
+    if not processes.is_ours(rec.pid, rec.proc_start):
+        status.process, status.error = "not running", "process not running (`dflash fleet up` relaunches it)"
+        return status
+    status.process = "running"
+    started = datetime.fromisoformat(rec.started_at)
+    status.uptime_s = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
+    return await _probe_url(client, status)
+
+
+async def _probe_url(client: ServerClient, status: ServerStatus) -> ServerStatus:
+    status.healthy = await client.healthy(timeout=30)
+    if not status.healthy:
+        status.error = "GET /health did not answer 200 (still loading, or down)"
+        return status
+    try:
+        info = await client.info()
+        status.context_length, status.max_running_requests = info.context_length, info.max_running_requests
+        loads = (await client.loads()).get("loads") or []
+    except (ServerError, KeyError, IndexError, TypeError, ValueError) as e:
+        status.error = e.message if isinstance(e, ServerError) else f"unexpected answer: {type(e).__name__}: {e}"
+        return status
+    if loads:
+        status.running = sum(int(x.get("num_running_reqs", 0)) for x in loads)
+        status.waiting = sum(int(x.get("num_waiting_reqs", 0)) for x in loads)
+        pool = sum(int(x.get("max_total_num_tokens") or 0) for x in loads)
+        used = sum(int(x.get("num_used_tokens") or 0) for x in loads)
+        status.token_usage = round(used / pool, 4) if pool else max(float(x.get("token_usage", 0)) for x in loads)
+    return status
+
+
+def _uptime(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def status_table(statuses: list[ServerStatus]) -> Table:
+    table = Table(title="SGLang fleet")
+    for col in ("server", "url", "health", "context length", "max running", "running", "waiting", "KV usage",
+                "pid", "GPU", "uptime", "note"):
+        table.add_column(col, justify="right" if col in ("context length", "max running", "running", "waiting",
+                                                          "KV usage", "pid") else "left")
+
+    def num(v) -> str:
+        return "-" if v is None else f"{v:,}"
+
+    for s in statuses:
+        table.add_row(s.name, s.url, "[green]healthy[/]" if s.healthy else "[red]unhealthy[/]",
+                      num(s.context_length), num(s.max_running_requests), num(s.running), num(s.waiting),
+                      "-" if s.token_usage is None else f"{s.token_usage:.1%}", "-" if s.pid is None else str(s.pid),
+                      ",".join(map(str, s.gpus)) if s.gpus else "-", _uptime(s.uptime_s), s.error or "")
+    return table

@@ -1,0 +1,207 @@
+"""The drafter training set: only rows that pass the row-level gates, in the format SpecForge reads.
+
+Output in `out_dir` (each file written to a temp name, fsynced, then renamed; the manifest last, so a
+manifest means a complete export):
+    training_set.jsonl     {"id", "conversations": [prompt messages..., {"role": "assistant", "content",
+                           "reasoning_content"?}]}, one line per row
+    training_set.parquet   the same rows with provenance columns, `conversations` as list<struct>
+    manifest.json          row counts by config and source, excluded counts by reason, config hashes, sha256s
+Rows come in (shard, prompt_id, config_hash) order and nothing time-dependent is written, so the same inputs
+give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported.
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
+from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
+
+# A row is excluded for the first reason that applies, in this order.
+EXCLUSION_REASONS = (
+    "truncated",  # finish_reason 'length'
+    "not_stop",  # any other finish_reason than 'stop' (abort, null)
+    "empty_content",
+    "think_marker",  # <think> or </think> in content
+    "context_overflow",  # prompt_tokens + max_output_tokens > server_context_length: generated under a clamp
+    "over_max_length",  # prompt_tokens + completion_tokens > max_length: the trainer would cut it
+    "no_prompt",  # no prompt_shards row to take the messages from
+    "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
+)
+ROW_GROUP = 8192
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+EXPORT_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("shard", pa.string()),
+        ("source", pa.string()),
+        ("config_hash", pa.string()),
+        ("max_output_tokens", pa.int32()),
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),
+        ("conversations", pa.list_(MESSAGE)),
+    ]
+)
+
+GRADE = """
+CREATE TEMP TABLE graded AS
+WITH c AS (
+    SELECT filename, file_row_number, shard, prompt_id, config_hash, source, max_output_tokens, prompt_tokens,
+        completion_tokens, created_at, CASE
+            WHEN finish_reason = 'length' THEN 'truncated'
+            WHEN finish_reason IS DISTINCT FROM 'stop' THEN 'not_stop'
+            WHEN content_empty THEN 'empty_content'
+            WHEN think_marker THEN 'think_marker'
+            WHEN prompt_tokens + max_output_tokens > server_context_length THEN 'context_overflow'
+            WHEN prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
+            WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
+                THEN 'no_prompt'
+        END AS reason
+    FROM (SELECT *, {flags} FROM {completions}) c0
+    WHERE $config IS NULL OR config_hash = $config
+)
+SELECT * EXCLUDE (reason), CASE
+    WHEN reason IS NULL AND row_number() OVER (
+        PARTITION BY prompt_id, config_hash, reason IS NULL ORDER BY created_at, filename, file_row_number) > 1
+    THEN 'duplicate' ELSE reason END AS reason
+FROM c
+"""
+
+KEPT = """
+SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
+    g.max_output_tokens, g.prompt_tokens, g.completion_tokens, p.messages_json, c.content, c.reasoning_content,
+    c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
+FROM graded g
+JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
+JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM prompts GROUP BY ALL) p
+    ON p.shard = g.shard AND p.prompt_id = g.prompt_id
+WHERE g.reason IS NULL
+ORDER BY g.shard, g.prompt_id, g.config_hash
+"""
+
+
+@dataclass(frozen=True)
+class TrainingExport:
+    jsonl_path: Path
+    parquet_path: Path
+    manifest_path: Path
+    manifest: dict[str, Any]
+
+
+def _conversation(row: dict[str, Any]) -> list[dict[str, str]]:
+    messages = [{"role": m["role"], "content": m["content"]} for m in json.loads(row["messages_json"])]
+    answer = {"role": "assistant", "content": row["content"]}
+    if not row["reasoning_empty"]:
+        answer["reasoning_content"] = row["reasoning_content"]
+    return [*messages, answer]
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path) -> int:
+    """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes."""
+    written, pending = 0, []
+    reader = con.sql(query).to_arrow_reader(ROW_GROUP)
+    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, EXPORT_SCHEMA) as parquet:
+
+        def flush(rows: list[dict[str, Any]]) -> None:
+            parquet.write_table(pa.Table.from_pylist(rows, schema=EXPORT_SCHEMA), row_group_size=ROW_GROUP)
+
+        for batch in reader:
+            for row in batch.to_pylist():
+                conversations = _conversation(row)
+                line = json.dumps({"id": row["id"], "conversations": conversations}, ensure_ascii=False)
+                jsonl.write(line.encode("utf-8") + b"\n")
+                pending.append({k: row[k] for k in EXPORT_SCHEMA.names if k != "conversations"})
+                pending[-1]["conversations"] = conversations
+                written += 1
+                if len(pending) == ROW_GROUP:
+                    flush(pending)
+                    pending = []
+        if pending:
+            flush(pending)
+    return written
+
+
+def export_training_set(
+    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None, max_length: int | None = 4096
+) -> TrainingExport:
+    """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
+
+    `max_length` is the trainer's max_length (None: no limit); rows longer than it are excluded, not cut.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
+    tmps = {name: out / f".{name}.tmp" for name in paths}
+    params = {"config": config_hash, "max_length": max_length}
+    try:
+        with duckdb.connect(":memory:") as con:
+            prompts = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA)
+            con.execute(f"CREATE TEMP TABLE prompts AS SELECT shard, prompt_id, line, messages_json FROM {prompts}")
+            # a row's file and position identify it between grading and writing, and order duplicates
+            completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
+            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions), params)
+            query = KEPT.format(completions=completions)
+            rows = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"])
+            manifest = _manifest(con, config_hash, max_length, rows)
+        for name in ("training_set.jsonl", "training_set.parquet"):
+            _commit(tmps[name], paths[name])
+            manifest["files"][name] = {"sha256": _sha256(paths[name])}
+        tmps["manifest.json"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _commit(tmps["manifest.json"], paths["manifest.json"])
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+    return TrainingExport(paths["training_set.jsonl"], paths["training_set.parquet"], paths["manifest.json"], manifest)
+
+
+def _manifest(con: duckdb.DuckDBPyConnection, config_hash: str | None, max_length: int | None, rows: int) -> dict:
+    def counts(group: str, where: str) -> list[tuple]:
+        return con.execute(f"SELECT {group}, count(*) FROM graded WHERE {where} GROUP BY ALL ORDER BY ALL").fetchall()
+
+    kept = counts("config_hash, max_output_tokens", "reason IS NULL")
+    if sum(n for *_, n in kept) != rows:  # every kept row has a prompt (no_prompt), so this cannot drift silently
+        raise RuntimeError(f"export wrote {rows} rows but graded {sum(n for *_, n in kept)} as kept")
+    excluded = dict.fromkeys(EXCLUSION_REASONS, 0) | dict(counts("reason", "reason IS NOT NULL"))
+    by_config: dict[str, dict[str, int]] = {}
+    for h, reason, n in counts("config_hash, reason", "reason IS NOT NULL"):
+        by_config.setdefault(str(h), dict.fromkeys(EXCLUSION_REASONS, 0))[reason] = n
+    by_config_rows: dict[str, dict[str, Any]] = {}
+    for h, cap, n in kept:  # one cap per hash unless the hash misses it (config_consistency reports that)
+        entry = by_config_rows.setdefault(str(h), {"max_output_tokens": [], "rows": 0})
+        entry["max_output_tokens"].append(cap)
+        entry["rows"] += n
+    return {
+        "config_hash": config_hash,
+        "config_hashes": sorted({str(h) for h, _, _ in kept}),
+        "max_length": max_length,
+        "id_format": "<prompt_id>@<config_hash>",
+        "input_rows": con.execute("SELECT count(*) FROM graded").fetchone()[0],
+        "rows": rows,
+        "rows_by_config": by_config_rows,
+        "rows_by_source": {str(s): n for s, n in counts("source", "reason IS NULL")},
+        "excluded": excluded,
+        "excluded_by_config": by_config,
+        "files": {},
+    }

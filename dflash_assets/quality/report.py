@@ -1,0 +1,97 @@
+"""The length-quality report: how long completions are, how many the cap cut, broken down every useful way.
+
+Percentiles are nearest-rank, DuckDB's `quantile_disc`: Pq is the value at 1-based rank ceil(q * n) of the
+sorted completion_tokens. It is always an observed token count, never an interpolation, so when more than
+10% of rows stop at a 4096 cap the report says P90 = P99 = 4096, which is exactly the signal to act on.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from dflash_assets.quality.outcome import share
+from dflash_assets.quality.tables import open_quality_db
+
+PERCENTILE_DEFINITION = "nearest-rank (DuckDB quantile_disc): Pq = value at 1-based rank ceil(q*n) of sorted values"
+PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
+CONFIG = "config_hash, max_output_tokens"
+
+STATS = """count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
+    quantile_disc(completion_tokens, [0.5, 0.9, 0.95, 0.99]) AS q, max(completion_tokens) AS max"""
+
+
+def _stats(row: dict[str, Any]) -> dict[str, Any]:
+    """Flatten one STATS row: rates next to counts, percentiles by name."""
+    q = row.pop("q") or [None] * 4
+    out = {k: v for k, v in row.items() if k != "max"}
+    out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
+    out.update(p50=q[0], p90=q[1], p95=q[2], p99=q[3], max=row["max"])
+    return out
+
+
+def _grouped(con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "") -> list[dict[str, Any]]:
+    cur = con.execute(f"SELECT {select}, {STATS}{extra} FROM completions GROUP BY {group} ORDER BY {group}")
+    names = [d[0] for d in cur.description]
+    return [_stats(dict(zip(names, values))) for values in cur.fetchall()]
+
+
+def _bucket_sql(edges: tuple[int, ...]) -> tuple[str, list[str]]:
+    """A CASE giving each prompt_tokens its bucket index, and the bucket labels: 0-511, 512-1023, ..., 8192+."""
+    whens = " ".join(f"WHEN prompt_tokens < {e} THEN {i}" for i, e in enumerate(edges))
+    lows = (0, *edges)
+    labels = [f"{lo}-{hi - 1}" for lo, hi in zip(lows, edges)] + [f"{edges[-1]}+"]
+    return f"CASE {whens} ELSE {len(edges)} END", labels
+
+
+def length_quality(
+    data_dir: str | Path,
+    shard: str | None = None,
+    max_length: int = 4096,
+    prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS,
+) -> dict[str, Any]:
+    """Rows, truncation rate and completion-token P50/P90/P95/P99/max, overall and by config, shard, prompt
+    length bucket (server-counted prompt_tokens) and source dataset, plus overflow counts.
+
+    With `shard=None` it is the summary over all shards (`by_shard` lists each one).
+    """
+    with open_quality_db(data_dir, shard) as con:
+        overall = [{k: v for k, v in g.items() if k != "whole"} for g in _grouped(con, "1 AS whole", "whole")]
+        bucket_case, labels = _bucket_sql(prompt_buckets)
+        buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")
+        for b in buckets:
+            b["bucket"] = labels[b["bucket"]]
+        over = "prompt_tokens + max_output_tokens > server_context_length"
+        completion_over, over_max_length = con.execute(
+            f"SELECT count(*) FILTER (WHERE {over}), "
+            "count(*) FILTER (WHERE prompt_tokens + completion_tokens > $m) FROM completions",
+            {"m": max_length},
+        ).fetchone()
+        rejects_over = con.execute(
+            f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "
+            f"WHERE stage <> 'source' AND {over})"
+        ).fetchone()[0]
+        return {
+            "scope": {"shard": shard},
+            "percentile_definition": PERCENTILE_DEFINITION,
+            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "q": None, "max": None})),
+            "by_config": _grouped(con, CONFIG, CONFIG, ", count(DISTINCT shard) AS shards"),
+            "by_shard": _grouped(
+                con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
+            ),
+            "by_prompt_length": buckets,
+            "by_source": _grouped(con, "source", "source"),
+            "overflow": {
+                "completion_rows_over_context": completion_over,
+                "rejected_prompts_over_context": rejects_over,
+                "rows_over_max_length": over_max_length,
+                "max_length": max_length,
+            },
+        }
+
+
+def print_report(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Alias of `console.print_report` (the terminal report), imported on use: rich stays out of this module."""
+    from dflash_assets.quality.console import print_report as print_tables
+
+    return print_tables(*args, **kwargs)

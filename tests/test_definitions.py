@@ -1,0 +1,112 @@
+"""The asset graph as the UI shows it: keys, wiring, checks, partitions, jobs, sensors; and the webserver loads it."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from dagster_graphql import DagsterGraphQLClient
+
+from dflash_assets.definitions import defs
+from dflash_assets.quality import CHECKS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_asset_graph_is_prompt_shards_then_completions_then_the_report():
+    graph = defs.resolve_asset_graph()
+    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+    assert keys == {"prompt_shards", "completions", "length_quality_report"}
+    parents = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys}
+               for k in graph.get_all_asset_keys()}
+    assert parents == {"prompt_shards": set(), "completions": {"prompt_shards"},
+                       "length_quality_report": {"completions"}}
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        assert node.partitions_def.name == "shards"
+        assert node.description and node.group_name in {"generation", "quality"} and node.owners
+
+
+def test_every_quality_check_is_an_asset_check_on_completions_and_blocking_ones_block():
+    graph = defs.resolve_asset_graph()
+    checks = {k.name: graph.get_check_spec(k) for k in graph.asset_check_keys}
+    assert set(checks) == {c.name for c in CHECKS}
+    assert {k.asset_key.to_user_string() for k in graph.asset_check_keys} == {"completions"}
+    assert {n for n, s in checks.items() if s.blocking} == {c.name for c in CHECKS if c.blocking}
+    assert {"truncation_rate", "context_overflow"} <= {n for n, s in checks.items() if s.blocking}
+
+
+def test_jobs_and_sensors():
+    assert defs.resolve_job_def("shard_pipeline").partitions_def.name == "shards"
+    assert defs.resolve_sensor_def("shard_partitions_sensor")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def webserver(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dagster_webserver", "-w", str(ROOT / "workspace.yaml"), "-h", "127.0.0.1",
+         "-p", str(port)],
+        cwd=ROOT, env={**os.environ, "DAGSTER_HOME": str(tmp_path)}, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        client = DagsterGraphQLClient("127.0.0.1", port_number=port)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                status = client._execute(
+                    "{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus "
+                    "locationOrLoadError { __typename ... on PythonError { message } } } } } }")
+                entries = status["workspaceOrError"]["locationEntries"]
+                if entries and entries[0]["loadStatus"] == "LOADED":
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "webserver did not come up"
+            time.sleep(0.5)
+        yield client, entries
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_webserver_loads_the_code_location_and_lists_the_graph(webserver):
+    client, entries = webserver
+    assert [(e["name"], e["locationOrLoadError"]["__typename"]) for e in entries] == [
+        ("dflash_assets", "RepositoryLocation")]
+    nodes = client._execute("{ assetNodes { assetKey { path } partitionDefinition { type } "
+                            "assetChecksOrError { ... on AssetChecks { checks { name blocking } } } } }")["assetNodes"]
+    by_key = {n["assetKey"]["path"][0]: n for n in nodes}
+    assert set(by_key) == {"prompt_shards", "completions", "length_quality_report"}
+    assert {n["partitionDefinition"]["type"] for n in nodes} == {"DYNAMIC"}
+    checks = {c["name"]: c["blocking"] for c in by_key["completions"]["assetChecksOrError"]["checks"]}
+    assert checks["truncation_rate"] is True and checks["context_overflow"] is True
+
+
+def test_definitions_import_no_dagster_in_the_plain_libraries():
+    for package in ("fleet", "generation", "quality"):
+        for path in (ROOT / "dflash_assets" / package).rglob("*.py"):
+            text = path.read_text()
+            assert "import dagster" not in text and "from dagster" not in text, path
+
+
+def test_materialize_reads_a_real_instance():
+    # the definitions carry every resource the assets need; nothing is left for the caller to supply
+    assert {"fleet", "prompt_source", "data_dir", "quality"} <= set(defs.resources)
+    assert isinstance(defs.resources["fleet"], dg.ConfigurableResource)

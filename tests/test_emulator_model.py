@@ -1,0 +1,176 @@
+"""The emulator's stand-in model: tokenizer, chat template, deterministic and
+autoregressive-consistent completions, output length distribution."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import pytest
+
+from dflash_assets.fleet.emulator import model
+from dflash_assets.fleet.emulator import tokenizer as tok
+
+LENGTHS = model.LengthModel()
+
+
+def chat_ids(text: str, thinking: bool = True) -> list[int]:
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], enable_thinking=thinking))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "plain words here",
+        "Héllo wörld, 你好 🙂!",
+        "tabs\tand\n\n\nnewlines  two spaces",
+        "<|im_start|>user\nhi<|im_end|>\n<think>x</think>",
+        "lone \ud800 surrogate",
+        "1234 (x+y)=z; ok?",
+    ],
+)
+def test_decode_inverts_encode_for_any_string(text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_are_single_ids():
+    ids = tok.encode("<|im_start|><|im_end|><think></think><|endoftext|>")
+    assert ids == [tok.IM_START_ID, tok.IM_END_ID, tok.THINK_ID, tok.THINK_END_ID, tok.ENDOFTEXT_ID]
+
+
+def test_unknown_words_fall_back_to_bytes():
+    assert tok.encode("zzqx") == list(b"zzqx")
+
+
+def test_encoding_a_4k_token_prompt_takes_about_a_millisecond():
+    rng = random.Random(0)
+    text = " ".join(rng.choice(tok.WORDS) for _ in range(4000))
+    encode = tok._encode_cached.__wrapped__  # bypass the cache
+    assert len(encode(text)) == 4000
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        encode(text)
+        times.append(time.perf_counter() - t)
+    assert statistics.median(times) < 0.003
+
+
+def test_chat_template_is_qwen35_style():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(msgs) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    assert tok.apply_chat_template(msgs, enable_thinking=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
+
+
+def test_completion_is_a_function_of_the_prompt():
+    a = model.generate(model.plan_completion(chat_ids("alpha"), LENGTHS), 1 << 20)
+    b = model.generate(model.plan_completion(chat_ids("alpha"), LENGTHS), 1 << 20)
+    c = model.generate(model.plan_completion(chat_ids("beta"), LENGTHS), 1 << 20)
+    assert a == b
+    assert a.output_ids != c.output_ids
+
+
+def test_sampling_seed_changes_the_completion():
+    ids = chat_ids("alpha")
+    assert model.plan_completion(ids, LENGTHS, 1) != model.plan_completion(ids, LENGTHS, 2)
+    assert model.plan_completion(ids, LENGTHS, 1) == model.plan_completion(ids, LENGTHS, 1)
+
+
+def test_thinking_completion_is_reasoning_then_answer_then_im_end():
+    plan = model.plan_completion(chat_ids("question"), LENGTHS)
+    g = model.generate(plan, 1 << 20)
+    assert plan.thinking and g.finish == {"type": "stop", "matched": tok.IM_END_ID}
+    assert len(g.output_ids) == plan.total and g.output_ids[-1] == tok.IM_END_ID
+    assert g.output_ids[plan.reasoning] == tok.THINK_END_ID
+    reasoning, _, answer = g.text.partition("</think>")
+    assert reasoning.strip() and answer.startswith("\n\n") and answer.strip()
+    assert model.count_reasoning_tokens(g.output_ids) == plan.reasoning + 1
+
+
+def test_non_thinking_completion_has_no_reasoning():
+    plan = model.plan_completion(chat_ids("question", thinking=False), LENGTHS)
+    g = model.generate(plan, 1 << 20)
+    assert not plan.thinking and tok.THINK_END_ID not in g.output_ids and "</think>" not in g.text
+
+
+def test_a_cap_truncates_with_finish_reason_length():
+    plan = model.plan_completion(chat_ids("question"), LENGTHS)
+    g = model.generate(plan, 10)
+    assert len(g.output_ids) == 10 and g.finish == {"type": "length", "length": 10}
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("k,m", [(1, 5), (37, 100), (500, 4000), (2000, 1 << 20)])
+def test_continuing_a_truncated_output_equals_generating_with_a_larger_cap(thinking, k, m):
+    prompt = chat_ids(f"continue me {k}", thinking)
+    full = model.generate(model.plan_completion(prompt, LENGTHS), 1 << 20)
+    first = model.generate(model.plan_completion(prompt, LENGTHS), k)
+    rest = model.generate(model.plan_completion(prompt + first.output_ids, LENGTHS), m)
+    assert first.output_ids + rest.output_ids == full.output_ids[: k + m] or (
+        k >= len(full.output_ids)  # nothing left to continue
+    )
+    if k + m >= len(full.output_ids) > k:
+        assert rest.finish == full.finish
+
+
+def test_continuing_from_text_equals_continuing_from_ids():
+    """Outputs re-tokenise to their own ids, so prompt text + output text works too."""
+    text = tok.apply_chat_template([{"role": "user", "content": "text path"}])
+    prompt = tok.encode(text)
+    first = model.generate(model.plan_completion(prompt, LENGTHS), 300)
+    assert tok.encode(text + first.text) == prompt + first.output_ids
+    again = model.generate(model.plan_completion(tok.encode(text + first.text), LENGTHS), 50)
+    assert again.output_ids == model.generate(model.plan_completion(prompt, LENGTHS), 350).output_ids[300:]
+
+
+def test_last_generation_prompt_marks_where_output_starts():
+    history = [
+        {"role": "user", "content": "first"},
+        {"role": "assistant", "content": "earlier answer"},
+        {"role": "user", "content": "second"},
+    ]
+    plan = model.plan_completion(tok.encode(tok.apply_chat_template(history)), LENGTHS)
+    assert plan.resume_at == 0 and plan.thinking
+
+
+def test_truncation_share_at_4096_with_defaults_is_15_to_20_percent():
+    rng = random.Random(7)
+    n, cut = 3000, 0
+    for i in range(n):
+        words = " ".join(rng.choice(tok.WORDS) for _ in range(rng.randint(5, 80)))
+        cut += model.generate(model.plan_completion(chat_ids(f"{words} {i}"), LENGTHS), 4096).finish["type"] == "length"
+    assert 0.15 <= cut / n <= 0.20
+
+
+def test_building_a_16kb_reply_costs_well_under_a_millisecond():
+    plan = model.plan_completion(chat_ids("long"), model.LengthModel(median=2800, sigma=0.01))
+    g = model.generate(plan, 1 << 20)
+    assert len(g.text.encode()) > 15_000
+    t = time.perf_counter()
+    for _ in range(200):
+        model.generate(model.plan_completion(chat_ids("long"), model.LengthModel(median=2800, sigma=0.01)), 1 << 20)
+    assert (time.perf_counter() - t) / 200 < 0.001
+
+
+def test_stop_token_ids_and_stop_strings_cut_the_output():
+    plan = model.plan_completion(chat_ids("stops", thinking=False), LENGTHS)
+    full = model.generate(plan, 200)
+    target = full.output_ids[20]
+    cut = model.generate(plan, 200, stop_token_ids=[target])
+    assert cut.output_ids == full.output_ids[: full.output_ids.index(target) + 1]
+    assert cut.finish == {"type": "stop", "matched": target}
+    word = tok.TOKEN_STR[full.output_ids[30]]
+    cut = model.generate(plan, 200, stop=[word])
+    assert cut.finish == {"type": "stop", "matched": word} and word not in cut.text
+
+
+def test_ignore_eos_runs_to_the_cap():
+    plan = model.plan_completion(chat_ids("eos", thinking=False), model.LengthModel(median=20, sigma=0.01))
+    g = model.generate(plan, 100, ignore_eos=True)
+    assert len(g.output_ids) == 100 and g.finish["type"] == "length" and tok.IM_END_ID in g.output_ids

@@ -1,0 +1,192 @@
+"""The walking skeleton end to end: real emulator servers over HTTP, real Parquet, DuckDB, Dagster execution."""
+
+import json
+
+import dagster as dg
+import duckdb
+import pytest
+
+from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.completions.checks import completions_quality_checks
+from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.prompts.assets import prompt_shards
+from dflash_assets.defs.quality.assets import length_quality_report
+from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
+from dflash_assets.fleet.emulator.process import start_emulator
+
+ASSETS = [prompt_shards, completions, length_quality_report, completions_quality_checks]
+FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def fleet_urls():
+    with start_emulator(FAST) as a, start_emulator(FAST) as b:
+        yield f"{a.url},{b.url}"
+
+
+def write_prompts(path, n: int, extra_lines: dict[int, str] | None = None) -> None:
+    lines = [json.dumps({"id": f"p{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 13} in detail."})
+             for i in range(n)]
+    for at, line in sorted((extra_lines or {}).items()):
+        lines.insert(at, line)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def resources(tmp_path, urls: str, shard_size: int, **fleet):
+    return {
+        "fleet": FleetResource(mode="attach", urls=urls, **fleet),
+        "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=shard_size),
+        "data_dir": DataDir(path=str(tmp_path / "data")),
+        "quality": QualityThresholds(),
+    }
+
+
+def run_shard(instance, res, shard: str, cap: int, **config):
+    return dg.materialize(
+        ASSETS, partition_key=shard, instance=instance, resources=res, raise_on_error=False,
+        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap, **config}}}})
+
+
+def completion_rows(tmp_path, where: str = "true") -> list[tuple]:
+    return duckdb.sql(f"select prompt_id, config_hash, finish_reason from read_parquet("
+                      f"'{tmp_path}/data/completions/**/*.parquet') where {where} order by all").fetchall()
+
+
+def checks_of(result) -> dict[str, bool]:
+    return {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+
+
+def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
+    write_prompts(tmp_path / "prompts.jsonl", 30)
+    res = resources(tmp_path, fleet_urls, shard_size=15)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001"])
+        results = [run_shard(instance, res, s, cap=32000) for s in ("00000", "00001")]
+    assert all(r.success for r in results)
+    rows = completion_rows(tmp_path)
+    assert len(rows) == 30 and len({r[0] for r in rows}) == 30
+    meta = results[1].asset_materializations_for_node("completions")[0].metadata
+    assert meta["prompts"].value == 15 and meta["completed"].value == 15
+    assert meta["accounting"].value == "15 prompts = 15 completed + 0 rejected + 0 failed"
+    servers = json.loads(json.dumps(meta["servers"].value))
+    assert set(servers) == set(fleet_urls.split(",")), "work was spread over both servers"
+    report = results[0].asset_materializations_for_node("length_quality_report")[0]
+    assert report.partition == "00000"
+    # every completion row records the config that made it
+    cols = duckdb.sql(f"select distinct max_output_tokens, server_context_length, model, enable_thinking, "
+                      f"temperature, top_p, top_k from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
+                      ).fetchall()
+    assert cols == [(32000, 32768, cols[0][2], True, 0.6, 0.95, 20)]
+
+
+def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, fleet_urls):
+    write_prompts(tmp_path / "prompts.jsonl", 200)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        low = run_shard(instance, resources(tmp_path / "low", fleet_urls, 200) | {
+            "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=4096)
+        high = run_shard(instance, resources(tmp_path / "high", fleet_urls, 200) | {
+            "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=32000)
+    assert checks_of(low)["truncation_rate"] is False
+    assert not low.success, "a failing blocking check stops the run"
+    truncated = duckdb.sql(f"select avg((finish_reason = 'length')::int) from read_parquet("
+                           f"'{tmp_path}/low/data/completions/**/*.parquet')").fetchall()[0][0]
+    assert 0.12 <= truncated <= 0.25, truncated
+    evaluation = [e for e in low.get_asset_check_evaluations() if e.check_name == "truncation_rate"][0]
+    assert f"{truncated * 100:.2f}%" in evaluation.metadata["summary"].value
+    assert checks_of(high)["truncation_rate"] is True and high.success
+
+
+def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 40)
+    with start_emulator(FAST + ["--fault-crash-after", "12"]) as crashing:
+        res = resources(tmp_path, crashing.url, shard_size=40)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+            first = run_shard(instance, res, "00000", cap=32000, commit_rows=1, max_in_flight_per_server=2,
+                              no_server_timeout_s=3, max_attempts=2)
+            assert not first.success
+            partial = completion_rows(tmp_path)
+            assert 0 < len(partial) < 40
+            with start_emulator(FAST) as healthy:
+                second = run_shard(instance, resources(tmp_path, healthy.url, 40), "00000", cap=32000)
+    assert second.success
+    rows = completion_rows(tmp_path)
+    assert len(rows) == 40 and len({r[0] for r in rows}) == 40
+    meta = second.asset_materializations_for_node("completions")[0].metadata
+    assert meta["already_done"].value == len(partial)
+    assert set(partial) <= set(rows), "committed rows are kept, not regenerated"
+
+
+def test_malformed_line_is_rejected_with_its_reason_while_the_rest_completes(tmp_path, fleet_urls):
+    write_prompts(tmp_path / "prompts.jsonl", 10, {3: '{"messages": [{"role": "user", "content": "cut'})
+    res = resources(tmp_path, fleet_urls, shard_size=11)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        result = run_shard(instance, res, "00000", cap=32000)
+    assert result.success
+    assert len(completion_rows(tmp_path)) == 10
+    rejects = duckdb.sql(f"select line, stage, reason from read_parquet('{tmp_path}/data/rejects/**/*.parquet')"
+                         ).fetchall()
+    assert len(rejects) == 1 and rejects[0][:2] == (4, "source")
+    assert rejects[0][2] == "line 4: invalid JSON: Unterminated string starting at (column 43)"
+    meta = result.asset_materializations_for_node("prompt_shards")[0].metadata
+    assert (meta["lines"].value, meta["prompts"].value, meta["rejected"].value) == (11, 10, 1)
+
+
+def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
+    long = json.dumps({"id": "long", "prompt": "word " * 600})
+    write_prompts(tmp_path / "prompts.jsonl", 5, {2: long})
+    short = ["--context-length", "512", "--length-median", "40", "--length-sigma", "0.2"]
+    with start_emulator(FAST + short) as small:
+        res = resources(tmp_path, small.url, shard_size=6)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+            result = run_shard(instance, res, "00000", cap=400)
+    assert result.success
+    [(reason,)] = duckdb.sql(f"select reason from read_parquet('{tmp_path}/data/rejects/**/*.parquet')").fetchall()
+    assert reason.startswith("line 3: prompt of ") and "longer than the model's context length (512 tokens)" in reason
+    assert len(completion_rows(tmp_path)) == 5
+
+
+@pytest.mark.parametrize("fleet,message", [
+    ({"mode": "kubernetes"}, "unknown fleet mode 'kubernetes': expected one of emulated, attach"),
+    ({"mode": "attach", "urls": ""}, "fleet mode 'attach' needs at least one server URL"),
+])
+def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    res = resources(tmp_path, "", 3) | {"fleet": FleetResource(**fleet)}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        result = run_shard(instance, res, "00000", cap=100)
+    assert not result.success
+    errors = " ".join(str(e.event_specific_data.error) for e in result.all_events if e.is_failure)
+    assert message in errors
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
+    ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+])
+def test_bad_generation_settings_fail_before_any_request(tmp_path, fleet_urls, config, message):
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        result = run_shard(instance, resources(tmp_path, fleet_urls, 3), "00000", cap=100, **config)
+    assert not result.success
+    errors = " ".join(str(e.event_specific_data.error) for e in result.all_events if e.is_failure)
+    assert message in errors
+    assert not (tmp_path / "data" / "completions").exists() or completion_rows(tmp_path) == []
+
+
+def test_a_shard_size_of_zero_is_refused(tmp_path, fleet_urls):
+    write_prompts(tmp_path / "prompts.jsonl", 3)
+    res = resources(tmp_path, fleet_urls, 0)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        result = run_shard(instance, res, "00000", cap=100)
+    assert not result.success
+    errors = " ".join(str(e.event_specific_data.error) for e in result.all_events if e.is_failure)
+    assert "shard_size must be a positive integer, got 0" in errors
