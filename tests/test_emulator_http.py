@@ -413,15 +413,15 @@ def test_chat_stream_refuses_return_token_ids(emulator):
 
 def test_generate_stream_is_cumulative(emulator):
     status, events = emulator().sse(
-        "/generate", {"text": "go", "stream": True, "sampling_params": {"max_new_tokens": 100}}
+        "/generate", {"text": "go", "stream": True, "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
     )
     assert status == 200 and events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len(chunks) > 2
     for a, b in zip(chunks, chunks[1:]):
         assert b["text"].startswith(a["text"]) and b["output_ids"][: len(a["output_ids"])] == a["output_ids"]
-    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
-    assert len(chunks[-1]["output_ids"]) == 100
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 600}
+    assert len(chunks[-1]["output_ids"]) == 600
 
 
 def test_chat_validation_errors_are_fastapi_400s(emulator):
@@ -472,3 +472,17 @@ def test_metrics_route_exists_only_with_enable_metrics(emulator):
         'sglang:generation_tokens_total{model_name="emulated/qwen3-27b",engine_type="unified",is_streaming="false"} 3.0'
         in text
     )
+
+
+def test_sglext_carries_input_and_output_ids_when_asked(emulator):
+    http = emulator()
+    body = chat(http, max_tokens=20, return_input_ids_in_sglext=True, return_output_ids_in_sglext=True)[1]
+    prompt = http.post("/v1/tokenize", {"messages": MSGS})[1]["tokens"]
+    assert body["sglext"]["input_ids"] == prompt and len(body["sglext"]["output_ids"][0]) == 20
+    status, events = http.sse(
+        "/v1/chat/completions",
+        {"messages": MSGS, "max_tokens": 20, "stream": True},
+        headers={"x-sglext-return-output-ids": "1"},
+    )
+    ext = [e for e in events[:-1] if "sglext" in e]
+    assert status == 200 and ext[0]["sglext"] == {"output_ids": body["sglext"]["output_ids"]}

@@ -5,7 +5,9 @@ from collections import Counter, defaultdict
 import pytest
 from test_quality_fixtures import CONFIG_A, clean_dir, completion, defects_dir, load, prompt, write  # noqa: F401
 
-from dflash_assets.quality import CHECKS, Thresholds, gate_passed, run_checks
+from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.generation.store import PartStore
+from dflash_assets.quality import CHECKS, Thresholds, export_training_set, gate_passed, run_checks
 
 
 def expected_accounting(data_dir, config=None):
@@ -132,3 +134,19 @@ def test_missing_rejects_and_failures_tables_are_read_as_empty(tmp_path):
     outcome = check(tmp_path, "accounting")
     assert not outcome.passed
     assert (outcome.metadata["completed"], outcome.metadata["missing"]) == (7, 3)
+
+
+def test_parts_a_compaction_already_holds_are_read_once(tmp_path):
+    ps = [prompt("x0", i, 100, "gsm8k") for i in range(10)]
+    write(tmp_path, "prompt_shards", "x0", ps)
+    store = PartStore(tmp_path, "completions", "x0", COMPLETION_SCHEMA)
+    store.commit([completion(p, CONFIG_A, 50) for p in ps[:5]])
+    store.commit([completion(p, CONFIG_A, 50) for p in ps[5:]])
+    parts = {p: p.read_bytes() for p in store.parts()}
+    store.compact()
+    for path, data in parts.items():  # the crash window: compacted file renamed in, its parts not yet deleted
+        path.write_bytes(data)
+    outcomes = {o.name: o for o in run_checks(tmp_path)}
+    assert outcomes["duplicates"].passed
+    assert outcomes["truncation_rate"].metadata["rows"] == 10
+    assert export_training_set(tmp_path, tmp_path / "out").manifest["rows"] == 10

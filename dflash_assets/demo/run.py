@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import dagster as dg
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -20,7 +22,8 @@ def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict:
 
 
 def run_demo(max_output_tokens: int, console: Console | None = None) -> int:
-    console = console or Console()
+    # piped output (CI, logs) would otherwise be cut to 80 columns
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
     instance = dg.DagsterInstance.get()
     source = defs.resources["prompt_source"]
     new = missing_shards(instance, source)
@@ -32,33 +35,42 @@ def run_demo(max_output_tokens: int, console: Console | None = None) -> int:
     console.print(f"dflash demo: {len(shards)} shards of {source.path} (cap {max_output_tokens} tokens), "
                   f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/")
 
-    table = Table(title="dflash demo")
-    for col in ("shard", "prompts", "completed", "rejected", "failed", "truncated", "P50", "P90", "P99",
-                "checks", "run"):
-        table.add_column(col, justify="right" if col not in ("checks", "run") else "left")
-    failures = 0
+    table = Table(title="completions by shard (cut: finish_reason = length; P: completion tokens)", box=box.SIMPLE_HEAD)
+    for col in ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "P50", "P90", "P99", "checks"):
+        table.add_column(col, justify="left" if col in ("shard", "run") else "right", no_wrap=True)
+    failed_checks: dict[str, list[str]] = {}
+    failed_runs: list[str] = []
+    quiet = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("materialising shards", total=len(shards))
         for shard in shards:
-            result = job.execute_in_process(partition_key=shard, instance=instance, run_config=run_config,
-                                            raise_on_error=False)
+            result = job.execute_in_process(partition_key=shard, instance=instance,
+                                            run_config={**run_config, **quiet}, raise_on_error=False)
+            source = _meta(result, "prompt_shards")
             comp, report = _meta(result, "completions"), _meta(result, "length_quality_report")
+            rejected = source.get("rejected", 0) + comp.get("rejected_preflight", 0) + comp.get("rejected_server", 0)
             checks = result.get_asset_check_evaluations()
-            failed_checks = [c.check_name for c in checks if not c.passed]
-            failures += (not result.success)
+            for c in checks:
+                if not c.passed:
+                    failed_checks.setdefault(f"{c.check_name} ({c.severity.value})", []).append(shard)
             table.add_row(
-                shard, str(comp.get("prompts", "-")), str(comp.get("completed", "-")),
-                str(comp.get("rejected_preflight", 0) + comp.get("rejected_server", 0)) if comp else "-",
-                str(comp.get("failed", "-")), report.get("truncation_rate", "-"),
+                shard, str(source.get("lines", "-")), str(rejected),
+                *(str(comp.get(k, "-")) for k in ("prompts", "completed")),
+                str(comp["completed"] - comp["already_done"]) if comp else "-", str(comp.get("failed", "-")), str(report.get("truncation_rate", "-")),
                 *(str(report.get(k, "-")) for k in ("p50", "p90", "p99")),
-                f"{len(checks) - len(failed_checks)}/{len(checks)} passed"
-                + (f" (failed: {', '.join(failed_checks)})" if failed_checks else ""),
-                "[green]success[/]" if result.success else f"[red]failed[/] {result.run_id[:8]}",
+                f"{sum(c.passed for c in checks)}/{len(checks)}",
             )
+            if not result.success:
+                failed_runs.append(f"{shard} (run {result.run_id})")
             progress.advance(task)
     console.print(table)
+    for name, where in sorted(failed_checks.items()):
+        console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}")
+    console.print("  (a blocking check that fails with ERROR stops its shard's run; WARN asks you to look)")
+    for run in failed_runs:
+        console.print(f"[red]run failed[/] for shard {run}: see it in the UI")
     console.print("Open the UI:  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
                   " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000")
     console.print("Re-running `dflash demo` resumes: committed completions are not generated again.")
-    return 1 if failures else 0
+    return 1 if failed_runs else 0

@@ -83,15 +83,18 @@ def accounting(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     lines = [
         f"Over {plural(len(result), '(shard, config) pair')}: {num(sums['prompts'])} prompts = "
         f"{num(sums['completed'])} completed + {num(sums['rejected'])} rejected + {num(sums['failed'])} failed + "
-        f"**{num(sums['missing'])} missing**; {plural(sums['orphan_completions'], 'orphan completion')}.",
-        bullets(
-            [
-                f"config `{cfg}` over {plural(n, 'shard')}: {num(p)} prompts, {num(c)} completed, {num(r)} rejected, "
-                f"{num(f)} failed, {num(m)} missing"
-                for cfg, (p, c, r, f, m, _o, n) in sorted(per_config.items())
-            ]
-        ),
+        f"**{num(sums['missing'])} missing**; {plural(sums['orphan_completions'], 'orphan completion')}."
     ]
+    if per_config:
+        lines.append(
+            bullets(
+                [
+                    f"config `{cfg}` over {plural(n, 'shard')}: {num(p)} prompts, {num(c)} completed, "
+                    f"{num(r)} rejected, {num(f)} failed, {num(m)} missing"
+                    for cfg, (p, c, r, f, m, _o, n) in sorted(per_config.items())
+                ]
+            )
+        )
     if bad:
         lines.append(
             f"{plural(len(bad), 'pair')} do not add up (missing over {pct(t.missing_rate_max)} or orphans):\n"

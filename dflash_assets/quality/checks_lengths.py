@@ -109,7 +109,7 @@ def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
         f"{plural(n_b, 'row')} finished 'length' below the cap (the server cut them short: a silent clamp?)."
     )
     metadata = finding.metadata | {"at_cap_not_length_rows": n_a, "length_under_cap_rows": n_b}
-    return Finding(finding.passed, finding.summary_md + "\n\n" + detail, metadata)
+    return Finding(finding.passed, finding.summary_md + ("\n\n" + detail if n_a or n_b else ""), metadata)
 
 
 def max_length_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:

@@ -1,12 +1,15 @@
 """The data dir as a few small temp tables in one in-memory DuckDB: what every check and report reads.
 
-The Parquet files are scanned once. `completions` keeps the numeric and key columns plus three row flags
-computed from the text (empty content, think markers, empty reasoning), so a dozen checks run over a compact
-in-memory table instead of re-reading megabytes of completion text each. The Parquet files are only read:
-DuckDB is single-writer, and a check must never hold a lock the writer needs.
+The Parquet files (committed parts only, see parquet_files) are scanned once. `completions` keeps the key
+and token columns plus three row flags computed from the text (empty content, think markers, empty
+reasoning), so a dozen checks run over a compact in-memory table instead of re-reading megabytes of
+completion text each. The Parquet files are only read: DuckDB is single-writer, and a check must never hold
+a lock the writer needs.
 
 Tables (every one exists, empty when its directory has no files yet):
-    completions  COMPLETION_SCHEMA minus text, plus content_empty, think_marker, reasoning_empty
+    completions  prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens,
+                 max_output_tokens, server_context_length, enable_thinking, plus the flags content_empty,
+                 think_marker, reasoning_empty
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
     prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
@@ -23,6 +26,7 @@ import duckdb
 import pyarrow as pa
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.generation.store import PartStore
 
 # "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
 # on real text, where trim() would copy the whole (often 30 kB) string first.
@@ -50,11 +54,21 @@ SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
 
 
 def parquet_files(data_dir: str | Path, table: str, shard: str | None = None) -> list[str]:
-    """Committed Parquet parts of one table, in a stable order (temp parts do not end in .parquet)."""
+    """The committed Parquet parts of one table (or one shard of it), in a stable order.
+
+    "Committed" is the generation store's own rule (PartStore.parts), folder by folder: no temp files, and
+    no part a compacted file already holds, so a crash between a compaction's rename and its deletes is
+    never read as duplicated rows.
+    """
     root = Path(data_dir) / table
-    if shard is not None:
-        root = root / f"shard={shard}"
-    return sorted(str(p) for p in root.rglob("*.parquet"))
+    base = root if shard is None else root / f"shard={shard}"
+    folders = sorted({p.parent for p in base.rglob("*.parquet")} if base.exists() else set())
+    files: list[str] = []
+    for folder in folders:
+        key = folder.relative_to(root).as_posix()  # shard=<key> or shard=<key>/stage=<stage>
+        if key.startswith("shard="):
+            files += (str(p) for p in PartStore(Path(data_dir), table, key.removeprefix("shard="), None).parts())
+    return sorted(files)
 
 
 def parquet_source(

@@ -25,14 +25,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from . import model
+from . import tokenizer as tok
 from .config import EmulatorConfig
 from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
 from .scheduler import QueueFull, Scheduler
 
 # Streaming granularity: the first token on its own (time to first token), then
 # chunks of this many tokens (or stream_interval if larger), so a long reply is
-# ~100 SSE events, not thousands; SGLang's default stream_interval is 1.
+# ~100 SSE events, not thousands (SGLang's default stream_interval is 1); with
+# instant decode, where timing says nothing, bigger chunks keep the CPU cost low.
 STREAM_CHUNK_TOKENS = 32
+INSTANT_STREAM_CHUNK_TOKENS = 256
 
 
 class TokenizerError(ValueError):
@@ -198,11 +201,12 @@ class Engine:
             await sched.wait_admitted(ticket)
             n = len(gen.output_ids)
             if req.stream and n > 1:
-                step = max(STREAM_CHUNK_TOKENS, self.stream_interval)
+                chunk = STREAM_CHUNK_TOKENS if ticket.per_token_s > 0 else INSTANT_STREAM_CHUNK_TOKENS
+                step = max(chunk, self.stream_interval)
                 skip, text, done = sp_skip(sp), "", 0
                 for k in [1, *range(1 + step, n, step)]:
                     await _sleep_until(ticket.time_of_token(k))
-                    text += model.tok.decode(gen.output_ids[done:k], skip_special_tokens=skip)  # O(n) overall
+                    text += tok.decode(gen.output_ids[done:k], skip_special_tokens=skip)  # O(n) overall
                     done = k
                     yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
             await _sleep_until(ticket.time_of_token(n))

@@ -56,7 +56,7 @@ _STREAM_LEN = 1 << 16
 
 
 @functools.cache
-def _stream() -> tuple[array, str, array, array]:
+def _stream() -> tuple[list[int], str, array, array]:
     """(ids, text, char offset of each id, positions that start with a word).
 
     Prose-like: sentences of 6-18 words, commas, paragraphs of 3-6 sentences.
@@ -97,7 +97,8 @@ def _stream() -> tuple[array, str, array, array]:
     starts = array("i", [i for i, t in enumerate(ids) if tok.TOKEN_STR[t][1:2].isalpha()])
     total = offsets[-1]
     doubled_offsets = offsets[:-1] + array("q", [o + total for o in offsets])
-    return ids + ids, text + text, doubled_offsets, starts
+    # A list, not an array: slicing it shares the int objects instead of boxing new ones.
+    return list(ids) * 2, text + text, doubled_offsets, starts
 
 
 def _stream_piece(offset: int, n: int) -> tuple[list[int], str]:

@@ -16,7 +16,17 @@ from . import tokenizer as tok
 from .contract import generate_contract_error
 from .engine import Engine, Output, Request, TokenizerError
 from .faults import Verdict
-from .responses import SSE_DONE, contract_error, generate_error, http_exception, json_response, read_json, sse
+from .responses import (
+    SSE_DONE,
+    contract_error,
+    dumps,
+    generate_error,
+    http_exception,
+    raw_json_response,
+    read_json,
+    sse,
+    validation_error,
+)
 from .state import STATE
 
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams default; /generate has no generation_config defaults
@@ -40,11 +50,15 @@ def meta_info(req: Request, out: Output, *, stamp: bool) -> dict:
     return m
 
 
-def out_dict(req: Request, out: Output, *, stamp: bool, prompt_ids: list[int] | None) -> dict:
-    d = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta_info(req, out, stamp=stamp)}
+def out_json(text: str, output_ids: list[int], meta: dict, prompt_ids: list[int] | None) -> str:
+    """One `{text, output_ids, meta_info[, prompt_token_ids]}` object as JSON. Written
+    by hand because the output ids (generated, so in-vocabulary) join from cached
+    strings several times faster than the json module encodes a list of ints."""
+    parts = ['{"text":', dumps(text), ',"output_ids":[', tok.ids_csv(output_ids), '],"meta_info":', dumps(meta)]
     if prompt_ids is not None:
-        d["prompt_token_ids"] = prompt_ids
-    return d
+        parts += [',"prompt_token_ids":', dumps(prompt_ids)]
+    parts.append("}")
+    return "".join(parts)
 
 
 def build_requests(body: dict, preferred: dict | None) -> tuple[list[Request], bool]:
@@ -94,12 +108,25 @@ async def _final(engine: Engine, req: Request, verdict: Verdict) -> Output:
     return last
 
 
+def _ids_outside_i64(body) -> bool:
+    ids = body.get("input_ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not ids:
+        return False
+    rows = ids if isinstance(ids[0], list) else [ids]
+    ints = [i for row in rows if isinstance(row, list) for i in row if isinstance(i, int)]
+    return bool(ints) and (min(ints) < -(2**63) or max(ints) > 2**63 - 1)
+
+
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     engine = st.engine
     body = await read_json(request, require_json_content_type=False)
     if isinstance(body, web.Response):
         return body
+    if _ids_outside_i64(body):  # FastAPI's dataclass parse runs before the contract gate
+        return validation_error(
+            [{"type": "value_error", "loc": ("body", "input_ids"), "msg": "token ids must fit in int64"}]
+        )
     err = generate_contract_error(body)
     if err is not None:
         return contract_error(err)
@@ -118,10 +145,15 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             status, message = out.finish["status_code"], out.finish["message"]
             return generate_error(message) if status == 400 else http_exception(message, status)
     results = [
-        out_dict(r, o, stamp=True, prompt_ids=r.input_ids if body.get("return_prompt_token_ids") else None)
+        out_json(
+            o.text,
+            o.output_ids,
+            meta_info(r, o, stamp=True),
+            r.input_ids if body.get("return_prompt_token_ids") else None,
+        )
         for r, o in zip(reqs, outs)
     ]
-    return json_response(results[0] if single else results)
+    return raw_json_response(results[0] if single else "[" + ",".join(results) + "]")
 
 
 async def _stream(request: web.Request, engine: Engine, body: dict, verdict: Verdict) -> web.StreamResponse:
@@ -147,12 +179,13 @@ async def _stream(request: web.Request, engine: Engine, body: dict, verdict: Ver
         sent_ids = sent_chars = 0
         first = True
         async for out in outputs:
-            d = out_dict(req, out, stamp=first, prompt_ids=prompt_ids)
+            text, ids = out.text, out.output_ids
             if incremental:
-                d["text"], d["output_ids"] = out.text[sent_chars:], out.output_ids[sent_ids:]
+                text, ids = text[sent_chars:], ids[sent_ids:]
                 sent_chars, sent_ids = len(out.text), len(out.output_ids)
+            payload = out_json(text, ids, meta_info(req, out, stamp=first), prompt_ids)
             first = False
-            await resp.write(sse(d))
+            await resp.write(b"data: " + payload.encode() + b"\n\n")
     finally:
         await outputs.aclose()  # a client gone mid-stream frees its slot
     await resp.write(SSE_DONE)

@@ -48,6 +48,8 @@ _BOOL = (
     "no_stop_trim",
     "continue_final_message",
     "logprobs",
+    "return_input_ids_in_sglext",
+    "return_output_ids_in_sglext",
 )
 
 
@@ -223,6 +225,25 @@ def usage(outs: list[Output], cache_report: bool) -> dict:
     }
 
 
+def sglext_ids(headers, cfg, body: dict, reqs: list[Request], outs: list[Output]) -> dict:
+    """`sglext.input_ids` / `sglext.output_ids` (response level), asked for by the
+    request, the x-sglext-return-*-ids headers or --return-input-ids/--return-output-ids."""
+    ext = {}
+    if (
+        body.get("return_input_ids_in_sglext")
+        or headers.get("x-sglext-return-input-ids") == "1"
+        or cfg.args.return_input_ids
+    ):
+        ext["input_ids"] = reqs[0].input_ids
+    if (
+        body.get("return_output_ids_in_sglext")
+        or headers.get("x-sglext-return-output-ids") == "1"
+        or cfg.args.return_output_ids
+    ):
+        ext["output_ids"] = [o.output_ids for o in outs]
+    return ext
+
+
 def _abort_response(out: Output) -> web.Response:
     status, message = out.finish["status_code"], out.finish["message"]
     return openai_error(message) if status == 400 else http_exception(message, status)
@@ -286,7 +307,11 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     for out in outs:
         if out.aborted:
             return _abort_response(out)
-    return json_response(_response(cfg, chat, reqs, outs))
+    reply = _response(cfg, chat, reqs, outs)
+    ext = sglext_ids(request.headers, cfg, body, reqs, outs)
+    if ext:
+        reply["sglext"] = ext
+    return json_response(reply)
 
 
 async def _last(engine: Engine, req: Request, verdict) -> Output:
@@ -384,10 +409,13 @@ async def _write_stream(request: web.Request, chat: ChatContext, req: Request, o
             break
     fin = last.finish
     await resp.write(_chunk(req, model, created, {"reasoning_content": None}, fin["type"], fin.get("matched")))
+    head = {"id": req.rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    ext = sglext_ids(request.headers, cfg, body, [req], [last])
+    if ext:
+        await resp.write(sse({**head, "choices": [], "usage": None, "sglext": ext}))
     if include_usage:
         final_usage = usage([last], bool(cfg.args.enable_cache_report))
-        chunk = {"id": req.rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        await resp.write(sse({**chunk, "choices": [], "usage": final_usage}))
+        await resp.write(sse({**head, "choices": [], "usage": final_usage}))
     await resp.write(SSE_DONE)
     return resp
 

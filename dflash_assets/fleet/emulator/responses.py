@@ -27,6 +27,10 @@ def json_response(obj, status: int = 200) -> web.Response:
     return web.Response(body=_dumps(obj).encode(), status=status, content_type="application/json")
 
 
+def raw_json_response(text: str, status: int = 200) -> web.Response:
+    return web.Response(body=text.encode(), status=status, content_type="application/json")
+
+
 def contract_error(message: str) -> web.Response:
     return json_response({"error": message}, 400)
 

@@ -146,6 +146,15 @@ def encode(text: str) -> list[int]:
     return list(_encode_cached(text))
 
 
+_ID_STR = [str(i) for i in range(VOCAB_SIZE)]
+
+
+def ids_csv(ids: list[int]) -> str:
+    """Comma-joined ids for hand-written JSON. Only for ids this model generated
+    (in-vocabulary, non-negative), which join from cached strings."""
+    return ",".join(map(_ID_STR.__getitem__, ids))
+
+
 def decode(ids: Iterable[int], skip_special_tokens: bool = False) -> str:
     if skip_special_tokens:
         ids = [i for i in ids if i not in SKIPPED_SPECIAL_IDS]
