@@ -37,11 +37,13 @@ class EmulatorProcess:
     """A running emulator subprocess (own session, so it survives its parent's
     signals as a fleet server would). Stop it with .stop() or a `with` block."""
 
-    def __init__(self, popen: subprocess.Popen, host: str, port: int, log_path: Path):
+    def __init__(self, popen: subprocess.Popen, host: str, port: int, log_path: Path, own_log: bool = False):
         self.popen = popen
         self.host = host
         self.port = port
         self.log_path = log_path
+        self._own_log = own_log  # a temp file we made: read into memory and removed on stop
+        self._log_text: str | None = None
 
     @property
     def url(self) -> str:
@@ -55,6 +57,9 @@ class EmulatorProcess:
         return self.popen.poll() is None
 
     def log(self) -> str:
+        """The server's stdout and stderr so far (still available after stop)."""
+        if self._log_text is not None:
+            return self._log_text
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, timeout: float = 5.0) -> int | None:
@@ -66,6 +71,9 @@ class EmulatorProcess:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(timeout)
+        if self._own_log and self._log_text is None:
+            self._log_text = self.log()
+            self.log_path.unlink(missing_ok=True)
         return self.popen.returncode
 
     def __enter__(self) -> Self:
@@ -85,15 +93,38 @@ def start_emulator(
     log_path: str | os.PathLike | None = None,
 ) -> EmulatorProcess:
     """Start `python -m dflash_assets.fleet.emulator` and wait for /health 200.
-    `args` are server flags; --model-path defaults to emulated/qwen3-27b."""
+    `args` are server flags; --model-path defaults to emulated/qwen3-27b. Without
+    `port`, a free loopback port is picked (and picked again if someone else
+    takes it before the server binds). Without `log_path`, output goes to a temp
+    file that .stop() reads into .log() and removes."""
     args = list(args)
     if not any(a == "--model-path" or a.startswith("--model-path=") or a == "--model" for a in args):
         args = ["--model-path", "emulated/qwen3-27b", *args]
-    port = port or free_port(host)
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"emulator-{port}-", suffix=".log")
+    for attempt in range(3 if port is None else 1):
+        proc = _spawn(args, host, port or free_port(host), env, log_path)
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                proc.stop()
+                if "address already in use" in proc.log().lower() and attempt < 2 and port is None:
+                    break  # lost the race for the port: try another
+                raise RuntimeError(
+                    f"emulator exited with {proc.popen.returncode} before it was healthy:\n{proc.log()[-2000:]}"
+                )
+            if _healthy(proc.url):
+                return proc
+            time.sleep(0.05)
+        else:
+            proc.stop()
+            raise TimeoutError(f"emulator not healthy within {startup_timeout}s:\n{proc.log()[-2000:]}")
+    raise RuntimeError("emulator: no free port after 3 attempts")
+
+
+def _spawn(args: list[str], host: str, port: int, env: dict | None, log_path) -> EmulatorProcess:
+    own_log = log_path is None
+    if own_log:
+        fd, log_path = tempfile.mkstemp(prefix=f"emulator-{port}-", suffix=".log")
         os.close(fd)
-        log_path = name
     log_path = Path(log_path)
     cmd = [sys.executable, "-m", "dflash_assets.fleet.emulator", *args, "--host", host, "--port", str(port)]
     with open(log_path, "ab") as log:
@@ -105,16 +136,7 @@ def start_emulator(
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
-    proc = EmulatorProcess(popen, host, port, log_path)
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"emulator exited with {popen.returncode} before it was healthy:\n{proc.log()[-2000:]}")
-        if _healthy(proc.url):
-            return proc
-        time.sleep(0.05)
-    proc.stop()
-    raise TimeoutError(f"emulator not healthy within {startup_timeout}s:\n{proc.log()[-2000:]}")
+    return EmulatorProcess(popen, host, port, log_path, own_log)
 
 
 class EmulatorThread:
