@@ -1,11 +1,11 @@
 """How long the whole quality suite takes over 1,000,000 completion rows (target: <= 2 s on 2 cores).
 
 Writes synthetic shards with the real schemas via pyarrow into a temp dir (prompts, completions with text,
-a few rejects and failures), then times `run_checks` over all shards several times and prints the median,
-plus a per-check breakdown of one run. Text sizes are flags: scan time grows with the bytes of content and
-reasoning_content, which the text checks must read.
+a few rejects and failures; zstd like generation.store), then times `run_checks` over all shards several
+times and prints the median, plus a per-check breakdown of one run. Text sizes are flags: most of the time
+is decoding content and reasoning_content, which the text checks must read, so it grows with their bytes.
 
-    uv run python benchmarks/bench_quality.py [--rows 1000000] [--shards 50] [--runs 5]
+    uv run python benchmarks/bench_quality.py [--rows 1000000] [--shards 50] [--runs 7] [--compression zstd]
 """
 
 import argparse
@@ -59,23 +59,23 @@ def write_shard(out: Path, shard: str, n: int, offset: int, rng: np.random.Gener
         "reasoning_content": reasoning, "latency_s": rng.exponential(30, n), "attempt": np.ones(n, np.int16),
         "created_at": [now] * n,
     }
-    write(out, "completions", shard, pa.table(completions, schema=COMPLETION_SCHEMA))
+    write(out, "completions", shard, pa.table(completions, schema=COMPLETION_SCHEMA), args.compression)
     messages = [json.dumps([{"role": "user", "content": f"question {i}"}]) for i in idx]
     prompts = {
         "prompt_id": ids, "shard": [shard] * n, "line": idx + 1, "source": completions["source"],
         "messages_json": messages, "prompt_tokens": prompt_tokens, "template_kwargs_json": ["{}"] * n,
     }
-    write(out, "prompt_shards", shard, pa.table(prompts, schema=PROMPT_SCHEMA), "prompts")
+    write(out, "prompt_shards", shard, pa.table(prompts, schema=PROMPT_SCHEMA), args.compression, "prompts")
     reject = dict(shard=shard, stage="source", line=0, reason="malformed JSON", created_at=now)
     failure = dict(shard=shard, prompt_id=ids[0], config_hash="old4096", error="503", attempts=3, created_at=now)
-    write(out, "rejects", shard, pa.Table.from_pylist([reject], schema=REJECT_SCHEMA))
-    write(out, "failures", shard, pa.Table.from_pylist([failure], schema=FAILURE_SCHEMA))
+    write(out, "rejects", shard, pa.Table.from_pylist([reject], schema=REJECT_SCHEMA), args.compression)
+    write(out, "failures", shard, pa.Table.from_pylist([failure], schema=FAILURE_SCHEMA), args.compression)
 
 
-def write(out: Path, table: str, shard: str, data: pa.Table, name: str = "part-0000") -> None:
+def write(out: Path, table: str, shard: str, data: pa.Table, compression: str, name: str = "part-0000") -> None:
     folder = out / table / f"shard={shard}"
     folder.mkdir(parents=True, exist_ok=True)
-    pq.write_table(data, folder / f"{name}.parquet")
+    pq.write_table(data, folder / f"{name}.parquet", compression=compression)
 
 
 def main() -> None:
@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--content-bytes", type=int, default=400, help="mean bytes of content per row")
     parser.add_argument("--reasoning-bytes", type=int, default=1200, help="mean bytes of reasoning_content per row")
+    parser.add_argument("--compression", default="zstd", help="Parquet codec (the generation store writes zstd)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="bench_quality_") as tmp:

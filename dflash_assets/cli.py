@@ -65,6 +65,44 @@ def _generate(args: argparse.Namespace) -> int:
     return 0 if run.failed == 0 else 1
 
 
+def _fleet(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dflash_assets.fleet import launcher, status
+    from dflash_assets.fleet.launch_config import build_spec
+
+    fleet_dir = Path(args.fleet_dir) if args.fleet_dir else launcher.default_fleet_dir()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # piped output is not cut to 80 columns
+    try:
+        if args.fleet_command == "up":
+            spec = build_spec(
+                model_path=args.model_path, gpus=args.gpus, command=args.server_command, base_port=args.base_port,
+                api_key_env=args.api_key_env, health_timeout_s=args.health_timeout, extra_args=args.extra_args,
+                served_model_name=args.served_model_name, host=args.host, tp_size=args.tp_size,
+                context_length=args.context_length, max_running_requests=args.max_running_requests,
+                max_mamba_cache_size=args.max_mamba_cache_size, mem_fraction_static=args.mem_fraction_static,
+                chunked_prefill_size=args.chunked_prefill_size, reasoning_parser=args.reasoning_parser,
+                enable_metrics=args.enable_metrics, max_queued_requests=args.max_queued_requests)
+            with console.status(f"bringing up {len(spec.servers())} server(s); waiting for /health"):
+                records = launcher.up(spec, fleet_dir, replace=args.replace, on_event=console.print)
+            console.print("fleet up: " + ",".join(r.url for r in records))
+            console.print(f"attach with DFLASH_FLEET_MODE=attach DFLASH_FLEET_URLS={','.join(r.url for r in records)}")
+        elif args.fleet_command == "status":
+            statuses = status.fleet_status(fleet_dir, args.urls or (), api_key_env=args.api_key_env)
+            if not statuses:
+                console.print(f"no servers: nothing in {fleet_dir / 'registry.json'} and no --urls")
+                return 1
+            console.print(status.status_table(statuses))
+            return 0 if all(s.healthy for s in statuses) else 1
+        else:
+            stopped = launcher.down(fleet_dir, args.names or None, on_event=console.print)
+            console.print(f"fleet down: {len(stopped)} server(s) stopped")
+    except (launcher.FleetError, ValueError) as e:
+        console.print(f"[red]dflash fleet {args.fleet_command}:[/] {e}")
+        return 2
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from dflash_assets.quality.report import print_report
 
@@ -105,6 +143,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--progress-seconds", type=float, default=30.0)
     gen.add_argument("--api-key-env", default="DFLASH_API_KEY", help="environment variable holding the API key")
 
+    fleet = sub.add_parser("fleet", help="launch, inspect and stop SGLang servers (launch mode)",
+                           description="Servers started by `fleet up` are detached: they outlive this command and "
+                                       "every run, and later `up`s reuse them while healthy with the same args.")
+    fleet.add_argument("--fleet-dir", help="registry and logs (default: $DAGSTER_HOME/fleet)")
+    fleet.add_argument("--api-key-env", default="DFLASH_API_KEY", help="environment variable holding the API key")
+    fsub = fleet.add_subparsers(dest="fleet_command", required=True)
+    fup = fsub.add_parser("up", help="start (or reuse) one server per GPU and wait until healthy")
+    fup.add_argument("--model-path", required=True)
+    fup.add_argument("--gpus", default="0", help="comma-separated GPU ids (default 0)")
+    fup.add_argument("--command", dest="server_command", default="sglang",
+                     help="'sglang' (sglang serve), 'launch_server' (python -m sglang.launch_server), 'emulator', "
+                          "or a full command line such as '/opt/sgl/bin/sglang serve'")
+    fup.add_argument("--base-port", type=int, default=30000, help="the server on GPU g listens on base+g")
+    fup.add_argument("--host", default="127.0.0.1")
+    fup.add_argument("--replace", action="store_true", help="replace servers whose args differ")
+    fup.add_argument("--health-timeout", type=float, default=1200.0, help="seconds to wait for /health")
+    fup.add_argument("--served-model-name")
+    fup.add_argument("--tp-size", type=int, default=1)
+    fup.add_argument("--context-length", type=int)
+    fup.add_argument("--max-running-requests", type=int)
+    fup.add_argument("--max-mamba-cache-size", type=int)
+    fup.add_argument("--mem-fraction-static", type=float)
+    fup.add_argument("--chunked-prefill-size", type=int)
+    fup.add_argument("--reasoning-parser", default="qwen3")
+    fup.add_argument("--enable-metrics", action="store_true")
+    fup.add_argument("--max-queued-requests", type=int)
+    fup.add_argument("--extra-args", default="", help="more sglang serve flags, quoted as one string")
+    fstatus = fsub.add_parser("status", help="health, context length, max running requests, load of each server")
+    fstatus.add_argument("--urls", help="also (or only) these attached servers, comma-separated")
+    fdown = fsub.add_parser("down", help="stop servers started by `fleet up`")
+    fdown.add_argument("names", nargs="*", help="server names (default: all), e.g. gpu0")
+
     sub.add_parser("emulator", help="run one SGLang 0.5.23 emulator server (SGLang's flag names)", add_help=False)
 
     report = sub.add_parser("report", help="print the length-quality summary of a data dir",
@@ -124,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "fleet":
+        return _fleet(args)
     return _report(args)
 
 

@@ -6,6 +6,7 @@ import asyncio
 import os
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Optional
 
 import dagster as dg
 from pydantic import PrivateAttr
@@ -13,14 +14,40 @@ from pydantic import PrivateAttr
 from dflash_assets.fleet.fleet import Fleet, connect
 
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "demo" / "prompts.jsonl"
-FLEET_MODES = ("emulated", "attach")
+FLEET_MODES = ("emulated", "attach", "launch")
+
+
+class LaunchSettings(dg.Config):
+    """`launch` mode: the `sglang serve` every server runs (one per GPU, or per tp_size GPUs)."""
+
+    model_path: str = ""
+    served_model_name: Optional[str] = None
+    gpus: str = "0"  # comma-separated GPU ids
+    base_port: int = 30000  # the server on GPU g listens on base_port + g
+    host: str = "127.0.0.1"
+    tp_size: int = 1
+    context_length: Optional[int] = None
+    max_running_requests: Optional[int] = None
+    max_mamba_cache_size: Optional[int] = None
+    mem_fraction_static: Optional[float] = None
+    chunked_prefill_size: Optional[int] = None
+    cuda_graph_max_bs_decode: Optional[int] = None
+    reasoning_parser: Optional[str] = "qwen3"
+    enable_metrics: bool = True
+    max_queued_requests: Optional[int] = None
+    extra_args: str = ""
+    command: str = "sglang"  # 'sglang' (sglang serve), 'launch_server', 'emulator', or a full command line
+    health_timeout_s: float = 1200.0
 
 
 class FleetResource(dg.ConfigurableResource):
     """The SGLang servers completions are generated on.
 
     `emulated` starts `num_servers` local SGLang emulators for the run and stops them after it;
-    `attach` uses servers someone else runs (or an SGLang router / gateway URL in front of many).
+    `attach` uses servers someone else runs (or an SGLang router / gateway URL in front of many);
+    `launch` starts one `sglang serve` per GPU, detached so it outlives the run, recorded in
+    `$DAGSTER_HOME/fleet/registry.json`, and reuses it in later runs while it is healthy and launched
+    with the same args (`dflash fleet down` stops them).
     The API key is read from the environment variable named by `api_key_env`, never from config,
     so it never shows in the launchpad, the run config or the logs.
     """
@@ -32,6 +59,7 @@ class FleetResource(dg.ConfigurableResource):
     api_key_env: str = "DFLASH_API_KEY"
     health_timeout_s: float = 120.0
     request_timeout_s: float = 3600.0
+    launch: LaunchSettings = LaunchSettings()
 
     _urls: list[str] = PrivateAttr(default_factory=list)
 
@@ -62,6 +90,13 @@ class FleetResource(dg.ConfigurableResource):
                 servers = [stack.enter_context(start_emulator(args)) for _ in range(self.num_servers)]
                 self._urls = [s.url for s in servers]
                 context.log.info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
+            elif self.mode == "launch":
+                from dflash_assets.fleet.launch_config import build_spec
+                from dflash_assets.fleet.launcher import default_fleet_dir, up
+
+                settings = self.launch.model_dump()
+                spec = build_spec(api_key_env=self.api_key_env, **settings)
+                self._urls = [r.url for r in up(spec, default_fleet_dir(), on_event=context.log.info)]
             else:
                 self._urls = self.url_list()
             yield self
@@ -105,7 +140,10 @@ def from_env() -> dict:
     return {
         "fleet": FleetResource(mode=env("DFLASH_FLEET_MODE", "emulated"), urls=env("DFLASH_FLEET_URLS", ""),
                                num_servers=env_int("DFLASH_NUM_SERVERS", 2),
-                               emulator_args=env("DFLASH_EMULATOR_ARGS", "--reasoning-parser qwen3")),
+                               emulator_args=env("DFLASH_EMULATOR_ARGS", "--reasoning-parser qwen3"),
+                               launch=LaunchSettings(model_path=env("DFLASH_MODEL_PATH", ""), gpus=env("DFLASH_GPUS", "0"),
+                                                     base_port=env_int("DFLASH_BASE_PORT", 30000),
+                                                     command=env("DFLASH_SGLANG_COMMAND", "sglang"))),
         "prompt_source": PromptSource(path=env("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
                                       shard_size=env_int("DFLASH_SHARD_SIZE", 100)),
         "data_dir": DataDir(path=env("DFLASH_DATA_DIR", "data")),

@@ -49,7 +49,7 @@ class Dispatcher:
         self.eject_after = eject_after
         self.probe_interval_s = probe_interval_s
         self.no_server_timeout_s = no_server_timeout_s
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
         self._all_down_since: float | None = None
 
@@ -65,45 +65,44 @@ class Dispatcher:
         return min(free, key=lambda s: (s.in_flight / s.limit, s.in_flight)) if free else None
 
     async def acquire(self) -> Slot:
-        async with self._changed:
-            while (slot := self._pick()) is None:
-                if not self.healthy():
-                    self._all_down_since = self._all_down_since or time.monotonic()
-                    waited = time.monotonic() - self._all_down_since
-                    if waited >= self.no_server_timeout_s:
-                        raise FleetDown(f"no healthy server for {waited:.0f}s (of {len(self.slots)}: "
-                                        + ", ".join(s.url for s in self.slots) + ")")
-                    timeout = self.no_server_timeout_s - waited
-                else:
-                    timeout = None
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
-            self._all_down_since = None
-            slot.in_flight += 1
-            return slot
+        # Single-threaded asyncio: picking a slot and taking it happen with no await in between, so no lock;
+        # waiters sleep on an Event that every release and re-admission sets, then look again.
+        while (slot := self._pick()) is None:
+            timeout = 1.0
+            if not self.healthy():
+                self._all_down_since = self._all_down_since or time.monotonic()
+                waited = time.monotonic() - self._all_down_since
+                if waited >= self.no_server_timeout_s:
+                    raise FleetDown(f"no healthy server for {waited:.0f}s (of {len(self.slots)}: "
+                                    + ", ".join(s.url for s in self.slots) + ")")
+                timeout = min(timeout, self.no_server_timeout_s - waited)
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        self._all_down_since = None
+        slot.in_flight += 1
+        return slot
 
-    async def release(self, slot: Slot, *, ok: bool) -> None:
-        async with self._changed:
-            slot.in_flight -= 1
-            if ok:
-                slot.consecutive_failures = 0
-            else:
-                slot.consecutive_failures += 1
-                if slot.ejected_at is None and slot.consecutive_failures >= self.eject_after:
-                    slot.ejected_at = time.monotonic()
-                    self._probes[slot.url] = asyncio.create_task(self._probe_until_back(slot))
-            self._changed.notify_all()
+    def release(self, slot: Slot, *, ok: bool) -> None:
+        slot.in_flight -= 1
+        if ok:
+            slot.consecutive_failures = 0
+        else:
+            slot.consecutive_failures += 1
+            if slot.ejected_at is None and slot.consecutive_failures >= self.eject_after:
+                slot.ejected_at = time.monotonic()
+                self._probes[slot.url] = asyncio.create_task(self._probe_until_back(slot))
+        self._changed.set()
 
     async def _probe_until_back(self, slot: Slot) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
             if await slot.client.healthy(timeout=max(1.0, self.probe_interval_s)):
-                async with self._changed:
-                    slot.ejected_at = None
-                    slot.consecutive_failures = 0
-                    self._changed.notify_all()
+                slot.ejected_at = None
+                slot.consecutive_failures = 0
+                self._changed.set()
                 return
 
     async def close(self) -> None:

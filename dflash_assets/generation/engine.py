@@ -213,7 +213,7 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
             try:
                 resp = await slot.client.chat(body)
             except ServerError as e:
-                await dispatcher.release(slot, ok=not e.retryable)
+                dispatcher.release(slot, ok=not e.retryable)
                 if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
                     refused.append(_reject(prompt, "server", f"HTTP {e.status}: {e.message}", config, config_hash,
                                            shard, slot.info.context_length))
@@ -222,7 +222,7 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
                 delay = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
-            await dispatcher.release(slot, ok=True)
+            dispatcher.release(slot, ok=True)
             row = _row(prompt, resp, slot, config, config_hash, shard, attempt, time.monotonic() - t0)
             slot.completed += 1
             slot.output_tokens += row["completion_tokens"] or 0

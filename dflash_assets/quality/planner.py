@@ -1,0 +1,435 @@
+"""Which cap to run with: truncation, output tokens, time and context length for candidate caps, measured.
+
+The rows of one config are lengths right-censored at its cap: a `finish_reason = 'length'` row says only
+that the true length is above the cap. Below the cap the answer is the empirical distribution itself (no
+model). Above it, the share of rows cut at the cap (empirical) is spread over larger caps by a lognormal
+tail fitted by censored maximum likelihood: uncensored lengths contribute the log-density, cut ones the
+log-survival at the cap (optionally only rows above a quantile `fit_from`, a left-truncated fit, for when
+the body of the distribution is not lognormal). So for a cap c above the current cap c0:
+
+    P(L > c)        = share cut at c0 * S(c) / S(c0)
+    E[min(L, c)]    = uncut rows as they are, cut rows at E[min(L, c) | L > c0] under the fit
+
+95% intervals come from a bootstrap over rows (a multinomial resample of the distinct lengths, so its cost
+does not grow with the row count), refitting the tail each time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import duckdb
+import numpy as np
+
+from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.quality.outcome import num, pct
+from dflash_assets.quality.tables import parquet_source
+
+DEFAULT_CANDIDATES = (4096, 5120, 6144, 8192, 12288, 16384)
+CONTEXT_MARGIN = 2  # preflight's rule: prompt + cap must fit context_length - 2 (SGLang's silent clamp margin)
+GAP_WARN = 0.02  # below the cap, a fitted survival this far from the observed one makes the tail suspect
+
+
+class PlanError(ValueError):
+    """The rows cannot support a plan (none, or none below the cap); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    value: float
+    low: float  # 95% bootstrap interval
+    high: float
+
+
+@dataclass(frozen=True)
+class TailFit:
+    """Lognormal of log-mean `mu`, log-sd `sigma`, fitted to rows above `fit_from_tokens` (0: all rows)."""
+
+    mu: float
+    sigma: float
+    fit_from_tokens: int
+    rows: int  # rows in the fit window, cut ones included
+    max_gap: float  # largest |fitted - observed| P(L > x) below the cap: the fit where it can be checked
+    anchor_share: float  # observed P(L > fit_from_tokens)
+
+    def survival(self, x: float | np.ndarray) -> np.ndarray:
+        """The model's P(L > x), scaled to the observed share above the fit window's start."""
+        start = _sf(math.log(self.fit_from_tokens), self.mu, self.sigma) if self.fit_from_tokens else 1.0
+        return self.anchor_share * _sf(np.log(x), self.mu, self.sigma) / start
+
+
+@dataclass(frozen=True)
+class CapEstimate:
+    cap: int
+    measured: bool  # at or below the current cap: read from the rows, no model
+    truncation_rate: Estimate
+    output_tokens: Estimate  # total over `CapPlan.prompts` prompts
+    hours: Estimate | None  # output_tokens / tokens_per_s, when a rate was given
+    context_needed_max: int | None  # largest prompt_tokens + cap (None without prompt_tokens)
+    context_needed_p99: int | None  # P99 (nearest rank) of prompt_tokens + cap
+    fits_context: bool | None  # every prompt + cap fits context_length - 2; None without a context length
+    prompts_over_context: int | None  # rows whose prompt + cap would not fit
+
+
+@dataclass(frozen=True)
+class CapPlan:
+    config_hash: str | None
+    shard: str | None
+    cap: int  # the current cap (max_output_tokens of the rows)
+    rows: int
+    truncated: int
+    prompts: int  # the prompt count totals are for (default: the rows)
+    tokens_per_s: float | None
+    context_length: int | None
+    fit: TailFit | None  # None when no row was cut: nothing to extrapolate
+    estimates: list[CapEstimate]
+    empirical: list[tuple[int, float]]  # (x, observed P(L > x)) at the distinct uncut lengths
+    tail: list[tuple[float, float, float, float]]  # (x, P(L > x), low, high) above the cap, for the picture
+    bootstrap: int
+    notes: list[str] = field(default_factory=list)
+
+    def at(self, cap: int) -> CapEstimate:
+        return next(e for e in self.estimates if e.cap == cap)
+
+
+# ---- the lognormal tail -----------------------------------------------------------------------------------
+
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def _q(z) -> np.ndarray:
+    """Standard normal survival."""
+    return np.asarray(0.5 * _erfc(np.asarray(z, dtype=float) / math.sqrt(2)), dtype=float)
+
+
+def _sf(logx, mu: float, sigma: float) -> np.ndarray:
+    return _q((np.asarray(logx, dtype=float) - mu) / sigma)
+
+
+def _loglik(mu: float, sigma: float, st: dict) -> tuple[float, np.ndarray, np.ndarray]:
+    """Log-likelihood, gradient and Hessian in (mu, sigma) of the censored, optionally left-truncated lognormal.
+
+    Sufficient statistics only: k uncut rows with sum s1 and s2 of log lengths, cut rows `ck` at log caps `cl`,
+    and `n` rows conditioned on L > exp(`tl`) when the window is truncated.
+    """
+    k, s1, s2 = st["k"], st["s1"], st["s2"]
+    a = s2 - 2 * mu * s1 + mu * mu * k
+    ll = -k * math.log(sigma) - a / (2 * sigma**2)
+    g = np.array([(s1 - mu * k) / sigma**2, -k / sigma + a / sigma**3])
+    h = np.array([[-k / sigma**2, -2 * (s1 - mu * k) / sigma**3], [0.0, k / sigma**2 - 3 * a / sigma**4]])
+    terms = [(st["cl"], st["ck"])]
+    if st["tl"] is not None:
+        terms.append((np.array([st["tl"]]), np.array([-st["n"]])))  # minus log P(L > window start)
+    for logc, m in terms:
+        w = (logc - mu) / sigma
+        q = _q(w)
+        lam = np.exp(-w * w / 2) / math.sqrt(2 * math.pi) / q  # inverse Mills ratio
+        d = lam * (lam - w)
+        ll += float(np.sum(m * np.log(q)))
+        g += [np.sum(m * lam) / sigma, np.sum(m * lam * w) / sigma]
+        h[0, 0] -= np.sum(m * d) / sigma**2
+        h[0, 1] -= np.sum(m * (d * w + lam)) / sigma**2
+        h[1, 1] -= np.sum(m * w * (d * w + 2 * lam)) / sigma**2
+    h[1, 0] = h[0, 1]
+    return ll, g, h
+
+
+def _fit(st: dict, start: tuple[float, float]) -> tuple[float, float]:
+    """Newton's method with step halving; a gradient step wherever the Hessian is not negative definite."""
+    mu, sigma = start
+    ll, g, h = _loglik(mu, sigma, st)
+    for _ in range(100):
+        try:
+            step = -np.linalg.solve(h, g)
+        except np.linalg.LinAlgError:
+            step = g
+        if g @ step <= 0:
+            step = g / max(1.0, float(np.abs(g).max()))
+        step *= min(1.0, 0.5 / float(np.abs(step).max() or 1.0))  # never jump more than 0.5 in log space
+        t = 1.0
+        while t > 1e-8:
+            m2, s2 = mu + t * step[0], sigma + t * step[1]
+            if s2 > 1e-3:
+                new = _loglik(m2, s2, st)
+                if np.isfinite(new[0]) and new[0] >= ll - 1e-12:
+                    break
+            t /= 2
+        else:
+            break
+        mu, sigma, (ll, g, h) = m2, s2, new
+        if abs(t * step).max() < 1e-9:
+            break
+    return mu, sigma
+
+
+def _stats(values: np.ndarray, cut: np.ndarray, counts: np.ndarray, lo: int) -> dict:
+    """Sufficient statistics of the rows above `lo` tokens (all rows when lo = 0)."""
+    inside = values > lo
+    unc, cen = inside & ~cut, inside & cut
+    y = np.log(np.maximum(values[unc], 1))  # a 0-token row (rare, aborted) counts as 1 on the log scale
+    k = counts[unc]
+    return {"k": float(k.sum()), "s1": float(k @ y), "s2": float(k @ (y * y)), "cl": np.log(values[cen]),
+            "ck": counts[cen].astype(float), "tl": math.log(lo) if lo > 0 else None,
+            "n": float(counts[inside].sum())}
+
+
+# ---- predictions -----------------------------------------------------------------------------------------
+
+
+def _predict(values, cut, counts, caps: np.ndarray, fit: tuple[float, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows above each cap (expected) and output tokens at each cap: exact for uncut rows and for cut rows
+    below their cut point, the fitted conditional tail for cut rows above it."""
+    unc = ~cut
+    over = (counts[unc][None, :] * (values[unc][None, :] > caps[:, None])).sum(1).astype(float)
+    tokens = (counts[unc][None, :] * np.minimum(values[unc][None, :], caps[:, None])).sum(1).astype(float)
+    for v, k in zip(values[cut], counts[cut]):
+        beyond = caps > v
+        over += k * ~beyond
+        tokens += k * np.where(beyond, 0.0, caps)
+        if beyond.any():
+            mu, sigma = fit
+            lc, lv = np.log(caps[beyond]), math.log(v)
+            qv, qc = _sf(lv, mu, sigma), _sf(lc, mu, sigma)
+            # E[min(L, c) | L > v] = (E[L; v < L <= c] + c P(L > c)) / P(L > v), lognormal partial expectation
+            partial = math.exp(mu + sigma**2 / 2) * (_sf(lv, mu + sigma**2, sigma) - _sf(lc, mu + sigma**2, sigma))
+            over[beyond] += k * qc / qv
+            tokens[beyond] += k * (partial + caps[beyond] * qc) / qv
+    return over, tokens
+
+
+def _nearest_rank(values: np.ndarray, q: float) -> int:
+    s = np.sort(values)
+    return int(s[max(0, math.ceil(q * len(s)) - 1)])
+
+
+def _fit_tail(values, cut, counts, fit_from: float, notes: list[str]) -> TailFit:
+    n = int(counts.sum())
+    lengths = np.repeat(values, counts)
+    lo = int(np.quantile(lengths, fit_from, method="inverted_cdf")) if fit_from > 0 else 0
+    st = _stats(values, cut, counts, lo)
+    if st["k"] < 10:
+        raise PlanError(f"only {num(int(st['k']))} uncut rows above {num(lo)} tokens to fit the tail to: "
+                        f"lower fit_from or plan from more rows")
+    y = np.log(np.maximum(lengths[lengths > lo], 1))
+    mu, sigma = _fit(st, (float(y.mean()), float(max(y.std(), 0.1))))
+    rows = int(counts[values > lo].sum())
+    fit = TailFit(float(mu), float(sigma), lo, rows, max_gap=0.0, anchor_share=rows / n)
+    # How far the model is from what was seen, over the uncut lengths it was fitted to
+    seen = ~cut & (values > lo) & (values < values[cut].min())
+    above = (n - np.cumsum(counts)) / n
+    gap = float(np.abs(above[seen] - fit.survival(values[seen].astype(float))).max()) if seen.any() else 0.0
+    if gap > max(GAP_WARN, 1.36 / math.sqrt(rows)):  # beyond a Kolmogorov-Smirnov 95% band, or 2 points
+        notes.append(f"the lognormal misses the observed P(length > x) below the cap by up to {pct(gap)}: the "
+                     f"predictions above the cap are less sure than their intervals say; try fit_from=0.5 (the "
+                     f"upper half only) or a sample at a larger cap")
+    return replace(fit, max_gap=gap)
+
+
+def _bootstrap(values, cut, counts, caps, fit: TailFit | None, grid, replicates: int, seed: int):
+    """Per replicate: rows over each cap (share), output tokens at each cap, and the tail's P(L > x) on `grid`.
+
+    Resampling rows is a multinomial draw over the distinct (length, cut) pairs: the same as drawing n rows
+    with replacement, at a cost set by the number of distinct lengths, not of rows.
+    """
+    rng = np.random.default_rng(seed)
+    n = int(counts.sum())
+    cap = int(values[cut].min()) if cut.any() else 0
+    shares, tokens, tails = [], [], []
+    for _ in range(replicates):
+        c = rng.multinomial(n, counts / n)
+        keep = c > 0
+        bv, bc, bk = values[keep], cut[keep], c[keep]
+        bfit = None
+        if fit and bc.any():  # (a resample without cut rows has nothing above the cap: no fit needed)
+            bst = _stats(bv, bc, bk, fit.fit_from_tokens)
+            if bst["k"] < 2:
+                continue  # too few uncut rows in the window for this replicate to mean anything
+            bfit = _fit(bst, (fit.mu, fit.sigma))
+        if fit:
+            tail = _sf(np.log(grid), *bfit) / _sf(math.log(cap), *bfit) if bfit else np.zeros(len(grid))
+            tails.append(bk[bc].sum() / n * tail)
+        o, t = _predict(bv, bc, bk, caps, bfit)
+        shares.append(o / n)
+        tokens.append(t)
+    shape = (-1, len(caps))
+    tails = np.array(tails).reshape(len(tails), len(grid))
+    return np.array(shares).reshape(shape), np.array(tokens).reshape(shape), tails
+
+
+def _interval(point: float, samples: np.ndarray, scale: float = 1.0) -> Estimate:
+    if len(samples) < 2:
+        return Estimate(point * scale, point * scale, point * scale)
+    low, high = np.quantile(samples, [0.025, 0.975])
+    return Estimate(point * scale, float(low) * scale, float(high) * scale)
+
+
+def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None, *,
+                      candidates=DEFAULT_CANDIDATES, tokens_per_s: float | None = None,
+                      context_length: int | None = None, prompts: int | None = None, fit_from: float = 0.0,
+                      bootstrap: int = 200, seed: int = 0, config_hash: str | None = None,
+                      shard: str | None = None, notes: list[str] | None = None) -> CapPlan:
+    """The plan from one config's rows: completion_tokens, whether each was cut (finish_reason 'length'),
+    the cap they were made with and (for the context columns) their prompt_tokens.
+
+    `fit_from` is a quantile of the observed lengths: the tail is fitted to the rows above it only.
+    `prompts` scales the totals from these rows to a whole run. `bootstrap` replicates give the intervals.
+    """
+    lengths = np.asarray(completion_tokens, dtype=np.int64)
+    cut = np.asarray(truncated, dtype=bool)
+    notes = list(notes or [])
+    n, n_cut = len(lengths), int(cut.sum())
+    if n == 0:
+        raise PlanError("no completion rows to plan from: generate a sample at the current cap first")
+    if n_cut == n:
+        raise PlanError(f"all {num(n)} rows were cut at the cap of {num(cap)} tokens: nothing is known about the "
+                        f"lengths below it, so no tail can be fitted. Run a sample at a larger cap first "
+                        f"(e.g. {num(4 * cap)}) and plan from that")
+    key, counts = np.unique(lengths * 2 + cut, return_counts=True)  # distinct (length, cut) pairs
+    values, vcut = key // 2, (key % 2).astype(bool)
+    caps = np.array(sorted({int(c) for c in candidates} | {int(cap)}), dtype=np.int64)
+    fit, grid = None, np.array([])
+    if n_cut:
+        fit = _fit_tail(values, vcut, counts, fit_from, notes)
+        grid = np.geomspace(cap, caps.max() * 1.25, 48)
+    else:
+        notes.append(f"no row was cut at the cap of {num(cap)} tokens: every length is observed, no tail model "
+                     f"is needed (larger caps change nothing)")
+    over, tokens = _predict(values, vcut, counts, caps, (fit.mu, fit.sigma) if fit else None)
+    boot_shares, boot_tokens, boot_tails = _bootstrap(values, vcut, counts, caps, fit, grid, bootstrap, seed)
+
+    prompts = prompts or n
+    pt = None if prompt_tokens is None else np.ma.asarray(prompt_tokens).compressed().astype(np.int64)
+    if pt is not None and not len(pt):
+        pt = None
+    estimates = []
+    for i, c in enumerate(caps.tolist()):
+        tok = _interval(float(tokens[i]), boot_tokens[:, i], prompts / n)
+        hours = Estimate(*(v / tokens_per_s / 3600 for v in (tok.value, tok.low, tok.high))) if tokens_per_s else None
+        over_ctx = None
+        if context_length is not None and pt is not None:
+            over_ctx = int((pt + c > context_length - CONTEXT_MARGIN).sum())
+        estimates.append(CapEstimate(
+            cap=c, measured=c <= cap or not n_cut, truncation_rate=_interval(float(over[i] / n), boot_shares[:, i]),
+            output_tokens=tok, hours=hours,
+            context_needed_max=None if pt is None else int(pt.max()) + c,
+            context_needed_p99=None if pt is None else _nearest_rank(pt, 0.99) + c,
+            fits_context=None if over_ctx is None else over_ctx == 0, prompts_over_context=over_ctx))
+    tail = []
+    if fit:
+        point = n_cut / n * _sf(np.log(grid), fit.mu, fit.sigma) / _sf(math.log(cap), fit.mu, fit.sigma)
+        band = boot_tails if len(boot_tails) >= 2 else point[None, :]
+        lows, highs = np.quantile(band, 0.025, axis=0), np.quantile(band, 0.975, axis=0)
+        tail = [(float(x), float(s), float(a), float(b)) for x, s, a, b in zip(grid, point, lows, highs)]
+    above = n - np.cumsum(counts)  # rows above each distinct (length, cut) pair, in sorted order
+    empirical = [(int(v), float(a / n)) for v, a, c in zip(values, above, vcut) if not c]
+    return CapPlan(config_hash=config_hash, shard=shard, cap=int(cap), rows=n, truncated=n_cut, prompts=prompts,
+                   tokens_per_s=tokens_per_s, context_length=context_length, fit=fit, estimates=estimates,
+                   empirical=empirical, tail=tail, bootstrap=len(boot_tokens), notes=notes)
+
+
+# ---- from the data dir -----------------------------------------------------------------------------------
+
+
+def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str | None = None,
+              candidates=DEFAULT_CANDIDATES, tokens_per_s: float | None = None, context_length: int | None = None,
+              **kwargs) -> CapPlan:
+    """The cap plan of one config's committed completion rows (all shards, or one).
+
+    `config_hash=None` plans the config with the most rows and says so in the notes. `context_length=None`
+    uses the smallest server context length the rows were made on. Other keyword arguments go to
+    `plan_from_lengths` (prompts, fit_from, bootstrap, seed).
+    """
+    with duckdb.connect(":memory:") as con:
+        src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
+        scope = "($shard IS NULL OR shard = $shard)"
+        configs = con.execute(f"SELECT config_hash, count(*) FROM {src} WHERE {scope} GROUP BY 1 "
+                              "ORDER BY 2 DESC, 1", {"shard": shard}).fetchall()
+        if not configs:
+            where = f"shard {shard}" if shard else "any shard"
+            raise PlanError(f"no completion rows under {data_dir} for {where}: generate a sample first")
+        notes = []
+        if config_hash is None:
+            config_hash = configs[0][0]
+            others = f"; the others: {', '.join(f'`{h}` ({num(c)})' for h, c in configs[1:])}" if configs[1:] else ""
+            notes.append(f"config `{config_hash}` chosen by default: it has the most rows "
+                         f"({num(configs[0][1])}){others}")
+        elif config_hash not in {h for h, _ in configs}:
+            raise PlanError(f"no rows of config `{config_hash}`; configs present: "
+                            f"{', '.join(f'`{h}`' for h, _ in configs)}")
+        rows = con.execute(
+            f"SELECT completion_tokens, finish_reason = 'length' AS truncated, prompt_tokens, max_output_tokens, "
+            f"server_context_length FROM {src} WHERE {scope} AND config_hash = $config "
+            "AND finish_reason IN ('stop', 'length') AND completion_tokens IS NOT NULL",
+            {"shard": shard, "config": config_hash}).fetchnumpy()
+        skipped = dict(configs)[config_hash] - len(rows["completion_tokens"])
+    if skipped:
+        notes.append(f"{num(skipped)} rows without a 'stop' or 'length' finish left out")
+    caps = np.unique(rows["max_output_tokens"])
+    if len(caps) > 1:
+        notes.append(f"the rows carry several caps ({', '.join(map(num, caps))}); planning at the largest")
+    if context_length is None and len(rows["server_context_length"]):
+        context_length = int(np.min(rows["server_context_length"]))
+        notes.append(f"context length {num(context_length)}: the smallest the rows' servers had")
+    return plan_from_lengths(rows["completion_tokens"], rows["truncated"], int(caps.max()), rows["prompt_tokens"],
+                             candidates=candidates, tokens_per_s=tokens_per_s, context_length=context_length,
+                             config_hash=config_hash, shard=shard, notes=notes, **kwargs)
+
+
+# ---- for people ------------------------------------------------------------------------------------------
+
+
+def _tokens(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def _hours(h: float) -> str:
+    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.0f} min"
+
+
+def _span(e: Estimate, fmt) -> str:
+    if e.low == e.high:
+        return fmt(e.value)
+    return f"{fmt(e.value)} ({fmt(e.low)}–{fmt(e.high)})"
+
+
+def _needed(e: CapEstimate) -> str:
+    return "-" if e.context_needed_max is None else f"{num(e.context_needed_max)} / {num(e.context_needed_p99)}"
+
+
+def plan_markdown(plan: CapPlan) -> str:
+    """The plan as a Markdown paragraph, a table with one row per candidate cap, and its notes."""
+    scope = f" for config `{plan.config_hash}`" if plan.config_hash else ""
+    scope += f" (shard {plan.shard})" if plan.shard else ""
+    head = (f"**Cap plan**{scope}: {num(plan.rows)} rows at cap {num(plan.cap)}, {num(plan.truncated)} cut "
+            f"({pct(plan.truncated / plan.rows)}). Totals are for {num(plan.prompts)} prompts.")
+    if plan.fit:
+        window = f"rows above {num(plan.fit.fit_from_tokens)} tokens" if plan.fit.fit_from_tokens else "all rows"
+        head += (f" Above the cap: a lognormal tail (median {num(round(math.exp(plan.fit.mu)))}, sigma "
+                 f"{plan.fit.sigma:.2f}) fitted by censored maximum likelihood to {window}.")
+    if plan.bootstrap:
+        head += f" Intervals are 95%, from {plan.bootstrap} bootstrap resamples of the rows."
+    ctx = f"fits {num(plan.context_length)}" if plan.context_length else "fits context"
+    timed = f"time at {num(round(plan.tokens_per_s))} tok/s | " if plan.tokens_per_s else ""
+    lines = [head, "", f"| cap | cut at the cap | output tokens | {timed}vs now | context needed (max / P99) "
+                       f"| {ctx} |", f"|---:|---|---|{'---|' if timed else ''}---:|---|---|"]
+    now = plan.at(plan.cap).output_tokens.value
+    for e in plan.estimates:
+        label = f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}"
+        cut = _span(e.truncation_rate, pct) + (" measured" if e.measured else "")
+        time_ = f"{_span(e.hours, _hours)} | " if e.hours else ""
+        fits = "-" if e.fits_context is None else "yes" if e.fits_context else \
+            f"no: {num(e.prompts_over_context)} rows over"
+        lines.append(f"| {label} | {cut} | {_span(e.output_tokens, _tokens)} | {time_}"
+                     f"{e.output_tokens.value / now:.2f}× | {_needed(e)} | {fits} |")
+    notes = list(plan.notes)
+    if plan.tokens_per_s:
+        notes.append("times assume the fleet keeps its token rate; longer outputs hold KV longer, so check "
+                     "capacity (fleet tuning report) before trusting them at a larger cap")
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines)

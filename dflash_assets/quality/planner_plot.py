@@ -1,0 +1,58 @@
+"""The cap plan as a picture: P(length > x) on log axes, observed below the cap, fitted beyond it.
+
+A reader should see at a glance where the data stop (the current cap), how the fitted tail carries on with
+its 95% band, and what each candidate cap would still cut. matplotlib's object API on the Agg canvas, as in
+histogram.py: no pyplot state inside a long-running process.
+"""
+
+import io
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from dflash_assets.quality.outcome import pct
+from dflash_assets.quality.planner import CapPlan
+
+
+def cap_plan_png(plan: CapPlan) -> bytes:
+    fig = Figure(figsize=(8, 4.8), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    floor = 0.5 / plan.rows  # below one row in the sample a probability is invisible, not zero
+    if plan.empirical:
+        x, s = np.array(plan.empirical, dtype=float).T
+        x, s = x[x >= 1], s[x >= 1]  # a log axis has no 0-token rows
+        # start the steps at the smallest length, and end them at the cap with the share that was cut there
+        x, s = np.r_[x[0], x, plan.cap], np.r_[1.0, s, plan.truncated / plan.rows]
+        ax.step(x, np.maximum(s, floor), where="post", color="black", linewidth=1.5,
+                label=f"observed ({plan.rows:,} rows)")
+    if plan.fit:
+        start = max(plan.fit.fit_from_tokens, plan.empirical[0][0] if plan.empirical else 1, 1)
+        below = np.geomspace(start, plan.cap, 64)
+        ax.plot(below, plan.fit.survival(below), color="tab:blue", linestyle=":", linewidth=1,
+                label=f"lognormal fit (median {np.exp(plan.fit.mu):,.0f}, sigma {plan.fit.sigma:.2f})")
+        tx, ts, lo, hi = np.array(plan.tail).T
+        ax.plot(tx, ts, color="tab:blue", linewidth=1.8, label="predicted beyond the cap")
+        ax.fill_between(tx, np.maximum(lo, floor / 10), np.maximum(hi, floor / 10), color="tab:blue", alpha=0.2,
+                        linewidth=0, label=f"95% band ({plan.bootstrap} bootstrap resamples)")
+    ax.axvline(plan.cap, color="black", linestyle="--", linewidth=1)
+    for e in plan.estimates:
+        color = "black" if e.cap == plan.cap else "tab:red"
+        if e.cap != plan.cap:
+            ax.axvline(e.cap, color=color, linestyle=":", linewidth=1)
+        ax.text(e.cap, 0.02, f" {e.cap:,}: {pct(e.truncation_rate.value)} cut", transform=ax.get_xaxis_transform(),
+                rotation=90, ha="right", va="bottom", fontsize="x-small", color=color)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    lowest = min([t[2] for t in plan.tail] + [e.truncation_rate.value or 1.0 for e in plan.estimates] + [floor])
+    ax.set_ylim(max(lowest / 2, floor / 10), 1.05)
+    ax.set_xlabel("completion tokens x (the cap, dashed; candidate caps, dotted)")
+    ax.set_ylabel("P(length > x) = share cut at cap x")
+    ax.set_title(f"Cap plan{', config ' + plan.config_hash if plan.config_hash else ''}: current cap {plan.cap:,}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(loc="center left", fontsize="small")  # the curves hug the top: the middle left is free
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", metadata={"Software": None})  # no version stamp: same plan, same bytes
+    return buf.getvalue()

@@ -1,0 +1,74 @@
+"""The `dflash` command as a person types it: fleet up/status/down through the launch path, errors, help."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def dflash(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_assets.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def free_base_port() -> int:
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two free adjacent ports")
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["generate"], ["fleet"], ["fleet", "up"], ["fleet", "status"],
+                                     ["fleet", "down"], ["report"], ["emulator"]])
+def test_every_command_has_help(command):
+    result = dflash(*command, "--help")
+    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr
+
+
+def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
+    base = str(free_base_port())
+    up = ["fleet", "--fleet-dir", str(tmp_path), "up", "--model-path", "emulated/qwen3-27b", "--gpus", "0,1",
+          "--command", "emulator", "--base-port", base, "--context-length", "16384", "--health-timeout", "60"]
+    try:
+        first = dflash(*up)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "gpu0: launched" in first.stdout and "gpu1: launched" in first.stdout
+        status = dflash("fleet", "--fleet-dir", str(tmp_path), "status")
+        assert status.returncode == 0, status.stdout
+        assert status.stdout.count("healthy") == 2 and "16,384" in status.stdout
+        again = dflash(*up)
+        assert "gpu0: reused" in again.stdout and "gpu1: reused" in again.stdout
+        changed = dflash(*[a if a != "16384" else "8192" for a in up])
+        assert changed.returncode == 2
+        assert "context_length: 16384 -> 8192" in changed.stdout and "--replace" in changed.stdout
+    finally:
+        down = dflash("fleet", "--fleet-dir", str(tmp_path), "down")
+    assert down.returncode == 0 and "2 server(s) stopped" in down.stdout
+    after = dflash("fleet", "--fleet-dir", str(tmp_path), "status")
+    assert after.returncode == 1 and "no servers" in after.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["fleet", "up", "--model-path", "m", "--gpus", "a,b"], "gpus must be comma-separated GPU ids"),
+    (["fleet", "up", "--model-path", "m", "--extra-args", "--cuda-graph-max-bs 8"], "--cuda-graph-max-bs"),
+    (["demo", "--max-output-tokens", "0"], "--max-output-tokens must be a positive integer, got 0"),
+    (["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1", "--top-p", "2"], "top_p must be in (0, 1]"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+])
+def test_bad_arguments_give_a_clear_error(tmp_path, args, message):
+    result = dflash(*args, env={"DAGSTER_HOME": str(tmp_path)})
+    assert result.returncode == 2
+    assert message in result.stdout + result.stderr
+
+
+def test_report_without_data_says_where_it_looked(tmp_path):
+    result = dflash("report", "--data-dir", str(tmp_path / "nothing"))
+    assert result.returncode == 2 and f"no completions under {tmp_path / 'nothing'}" in result.stderr
