@@ -8,12 +8,15 @@ from dflash_assets.defs.completions import checks as completion_checks
 from dflash_assets.defs.prompts import assets as prompt_assets
 from dflash_assets.defs.quality import assets as quality_assets
 from dflash_assets.defs.resources import from_env
-from dflash_assets.defs.sensors import shard_partitions_sensor
+from dflash_assets.defs.schedules import quality_checks_schedule
+from dflash_assets.defs.sensors import completions_landed_sensor, shard_partitions_sensor
+from dflash_assets.defs.training import assets as training_assets
 
 defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([prompt_assets, completion_assets, quality_assets]),
+    assets=dg.load_assets_from_modules([prompt_assets, completion_assets, quality_assets, training_assets]),
     asset_checks=dg.load_asset_checks_from_modules([completion_checks]),
-    jobs=[jobs.shard_pipeline_job],
-    sensors=[shard_partitions_sensor],
+    jobs=[jobs.shard_pipeline_job, jobs.quality_checks_job, jobs.training_job],
+    schedules=[quality_checks_schedule],
+    sensors=[shard_partitions_sensor, completions_landed_sensor],
     resources=from_env(),
 )

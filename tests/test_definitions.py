@@ -21,15 +21,20 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_asset_graph_is_prompt_shards_then_completions_then_the_report():
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
-    assert keys == {"prompt_shards", "completions", "length_quality_report"}
+    assert keys == {"prompt_shards", "completions", "length_quality_report", "length_quality_summary",
+                    "drafter_training_set"}
     parents = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys}
                for k in graph.get_all_asset_keys()}
     assert parents == {"prompt_shards": set(), "completions": {"prompt_shards"},
-                       "length_quality_report": {"completions"}}
+                       "length_quality_report": {"completions"}, "length_quality_summary": {"completions"},
+                       "drafter_training_set": {"completions"}}
+    partitioned = {k.to_user_string() for k in graph.get_all_asset_keys() if graph.get(k).partitions_def}
+    assert partitioned == {"prompt_shards", "completions", "length_quality_report"}
     for key in graph.get_all_asset_keys():
         node = graph.get(key)
-        assert node.partitions_def.name == "shards"
-        assert node.description and node.group_name in {"generation", "quality"} and node.owners
+        assert node.partitions_def is None or node.partitions_def.name == "shards"
+        assert node.description and node.group_name in {"generation", "quality", "training"} and node.owners
+        assert node.kinds and node.kinds <= {"sglang", "parquet", "duckdb"}
 
 
 def test_every_quality_check_is_an_asset_check_on_completions_and_blocking_ones_block():
@@ -41,8 +46,14 @@ def test_every_quality_check_is_an_asset_check_on_completions_and_blocking_ones_
     assert {"truncation_rate", "context_overflow"} <= {n for n, s in checks.items() if s.blocking}
 
 
-def test_jobs_and_sensors():
+def test_jobs_schedules_and_sensors():
     assert defs.resolve_job_def("shard_pipeline").partitions_def.name == "shards"
+    checks_job = defs.resolve_job_def("quality_checks")
+    assert checks_job.partitions_def is None
+    assert {k.name for k in checks_job.asset_layer.asset_graph.asset_check_keys} >= {c.name for c in CHECKS}
+    schedule = defs.resolve_schedule_def("quality_checks_schedule")
+    assert schedule.cron_schedule == "0 * * * *" and schedule.job_name == "quality_checks"
+    assert defs.resolve_sensor_def("completions_landed_sensor").job_name == "quality_checks"
     assert defs.resolve_sensor_def("shard_partitions_sensor")
 
 
@@ -93,8 +104,9 @@ def test_webserver_loads_the_code_location_and_lists_the_graph(webserver):
     nodes = client._execute("{ assetNodes { assetKey { path } partitionDefinition { type } "
                             "assetChecksOrError { ... on AssetChecks { checks { name blocking } } } } }")["assetNodes"]
     by_key = {n["assetKey"]["path"][0]: n for n in nodes}
-    assert set(by_key) == {"prompt_shards", "completions", "length_quality_report"}
-    assert {n["partitionDefinition"]["type"] for n in nodes} == {"DYNAMIC"}
+    assert set(by_key) == {"prompt_shards", "completions", "length_quality_report", "length_quality_summary",
+                           "drafter_training_set"}
+    assert {by_key[k]["partitionDefinition"]["type"] for k in ("prompt_shards", "completions")} == {"DYNAMIC"}
     checks = {c["name"]: c["blocking"] for c in by_key["completions"]["assetChecksOrError"]["checks"]}
     assert checks["truncation_rate"] is True and checks["context_overflow"] is True
 

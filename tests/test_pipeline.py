@@ -190,3 +190,53 @@ def test_a_shard_size_of_zero_is_refused(tmp_path, fleet_urls):
     assert not result.success
     errors = " ".join(str(e.event_specific_data.error) for e in result.all_events if e.is_failure)
     assert "shard_size must be a positive integer, got 0" in errors
+
+
+def test_training_set_is_refused_while_a_blocking_check_fails_and_written_once_clean(tmp_path, fleet_urls):
+    from dflash_assets.defs.training.assets import drafter_training_set
+
+    write_prompts(tmp_path / "prompts.jsonl", 80)
+    res = resources(tmp_path, fleet_urls, shard_size=80)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        low = run_shard(instance, res, "00000", cap=4096)
+        low_hash = low.asset_materializations_for_node("completions")[0].metadata["config_hash"].value
+        export = lambda h: dg.materialize(  # noqa: E731
+            [drafter_training_set], instance=instance, resources=res, raise_on_error=False,
+            run_config={"ops": {"drafter_training_set": {"config": {"config_hash": h}}}})
+        refused = export(low_hash)
+        assert not refused.success
+        failure = [e for e in refused.all_events if e.is_step_failure][0].event_specific_data.error.message
+        assert f"not exporting config {low_hash}: 1 blocking check(s) fail over all shards: truncation_rate" in failure
+        high = run_shard(instance, res, "00000", cap=32000)
+        high_hash = high.asset_materializations_for_node("completions")[0].metadata["config_hash"].value
+        written = export(high_hash)
+    assert written.success
+    meta = written.asset_materializations_for_node("drafter_training_set")[0].metadata
+    lines = [json.loads(line) for line in open(meta["jsonl"].value)]
+    assert len(lines) == meta["dagster/row_count"].value > 0
+    first = lines[0]
+    assert first["id"].endswith(f"@{high_hash}")
+    assert [m["role"] for m in first["conversations"]] == ["user", "assistant"]
+    assert first["conversations"][-1]["reasoning_content"] and "</think>" not in first["conversations"][-1]["content"]
+    manifest = meta["manifest"].value
+    assert manifest["rows"] + sum(manifest["excluded"].values()) == 80, manifest
+
+
+def test_the_check_job_runs_over_every_shard_without_materialising(tmp_path, fleet_urls):
+    from dflash_assets.definitions import defs
+
+    write_prompts(tmp_path / "prompts.jsonl", 20)
+    res = resources(tmp_path, fleet_urls, shard_size=10)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001"])
+        for shard in ("00000", "00001"):
+            assert run_shard(instance, res, shard, cap=32000).success
+        job = defs.get_repository_def().get_job("quality_checks")
+        result = job.execute_in_process(instance=instance, resources=res)
+    evaluations = result.get_asset_check_evaluations()
+    assert {e.metadata["scope"].text for e in evaluations} == {"all shards"}
+    accounting = [e for e in evaluations if e.check_name == "accounting"][0]
+    assert accounting.passed
+    assert result.asset_materializations_for_node("length_quality_summary")
+    assert not result.asset_materializations_for_node("completions")

@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from dflash_assets.defs.jobs import quality_checks_job
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import PromptSource
 from dflash_assets.generation.prompts import SourceError, shard_keys
@@ -24,3 +25,13 @@ def shard_partitions_sensor(context: dg.SensorEvaluationContext, prompt_source: 
     if not new:
         return dg.SensorResult(skip_reason="every shard of the prompt source has a partition")
     return dg.SensorResult(dynamic_partitions_requests=[shard_partitions.build_add_request(new)])
+
+
+@dg.asset_sensor(asset_key=dg.AssetKey("completions"), job=quality_checks_job, minimum_interval_seconds=60,
+                 default_status=dg.DefaultSensorStatus.RUNNING,
+                 description="When new completions land, runs the check suite over all shards and refreshes the "
+                             "summary report, so a bad shard shows on the dashboard without waiting for the hour.")
+def completions_landed_sensor(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
+    materialization = asset_event.asset_materialization
+    yield dg.RunRequest(run_key=str(asset_event.storage_id),
+                        tags={"dflash/trigger": f"completions {materialization.partition or ''}".strip()})

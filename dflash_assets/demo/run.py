@@ -65,6 +65,14 @@ def run_demo(max_output_tokens: int, console: Console | None = None) -> int:
                 failed_runs.append(f"{shard} (run {result.run_id})")
             progress.advance(task)
     console.print(table)
+    export = defs.resolve_job_def("training_export").execute_in_process(instance=instance, run_config={
+        **quiet, "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, raise_on_error=False)
+    if export.success:
+        meta = _meta(export, "drafter_training_set")
+        console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} in "
+                      f"{meta['jsonl']} (manifest beside it)")
+    else:
+        failed_runs.append(f"training export (run {export.run_id})")
     for name, where in sorted(failed_checks.items()):
         console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}")
     console.print("  (a blocking check that fails with ERROR stops its shard's run; WARN asks you to look)")

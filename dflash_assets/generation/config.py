@@ -46,8 +46,9 @@ class GenerationConfig:
         payload = json.dumps({"model": model, **asdict(self)}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
-    def chat_body(self, model: str, messages: list[dict]) -> dict:
-        return {
+    def chat_body(self, model: str, messages: list[dict], token_ids: bool = False) -> dict:
+        extra = {"return_token_ids": True} if token_ids else {}
+        return {**extra,
             "model": model,
             "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
@@ -73,6 +74,7 @@ class DispatchSettings:
     commit_seconds: float = 10.0
     progress_seconds: float = 30.0
     context_margin: int = 2  # SGLang's scheduler clamps silently within ~2 tokens of the context length
+    store_token_ids: bool = False  # record prompt_token_ids and output_ids (needed to continue truncated rows)
     eject_after: int = 3  # consecutive retryable failures before a server is ejected and probed
     no_server_timeout_s: float = 120.0  # circuit breaker: stop when no server has been healthy this long
 

@@ -84,6 +84,7 @@ def _row(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, config_
         "top_k": config.top_k, "enable_thinking": config.enable_thinking,
         "content": choice["message"].get("content") or "", "reasoning_content": choice["message"].get("reasoning_content"),
         "latency_s": latency, "attempt": attempt, "created_at": datetime.now(timezone.utc),
+        "prompt_token_ids": choice.get("prompt_token_ids"), "output_ids": choice.get("response_token_ids"),
     }
 
 
@@ -205,7 +206,7 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
             answered += 1
 
     async def attempts(prompt: dict) -> None:
-        body = config.chat_body(fleet.model, json.loads(prompt["messages_json"]))
+        body = config.chat_body(fleet.model, json.loads(prompt["messages_json"]), settings.store_token_ids)
         error: ServerError | None = None
         for attempt in range(1, settings.max_attempts + 1):
             slot = await dispatcher.acquire()
@@ -267,8 +268,9 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
             if not tasks:
                 break
             finished, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            for t in finished:
-                t.result()  # FleetDown propagates; everything committed stays committed
+            errors = [e for t in finished if (e := t.exception()) is not None]  # retrieves every one
+            if errors:
+                raise errors[0]  # FleetDown propagates; everything committed stays committed
             now = time.monotonic()
             if len(rows) + len(refused) >= settings.commit_rows or (
                     (rows or refused) and now - last_commit >= settings.commit_seconds):

@@ -61,6 +61,12 @@ COMPLETION_SCHEMA = pa.schema(
         ("latency_s", pa.float64()),
         ("attempt", pa.int16()),  # 1 for a first try; >1 after retries
         ("created_at", pa.timestamp("us", tz="UTC")),
+        # exact token ids, when the run asked for them (store_token_ids): no re-tokenisation drift downstream
+        ("prompt_token_ids", pa.list_(pa.int32())),
+        ("output_ids", pa.list_(pa.int32())),
+        # lineage of a continued row (a truncated row of parent_config_hash, continued to this config's cap)
+        ("parent_config_hash", pa.string()),
+        ("tokens_reused", pa.int32()),
     ]
 )
 

@@ -28,6 +28,9 @@ class CompletionsConfig(dg.Config):
     commit_rows: int = Field(512, description="Commit a Parquet part every this many rows ...")
     commit_seconds: float = Field(10.0, description="... or every this many seconds.")
     progress_seconds: float = Field(30.0, description="A progress line in the run log every this many seconds.")
+    store_token_ids: bool = Field(
+        False, description="Record prompt_token_ids and output_ids (return_token_ids): exact ids for training, "
+                           "and what continuing truncated rows at a larger cap needs.")
     no_server_timeout_s: float = Field(
         120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
 
@@ -39,7 +42,7 @@ class CompletionsConfig(dg.Config):
         return DispatchSettings(max_in_flight_per_server=self.max_in_flight_per_server,
                                 max_attempts=self.max_attempts, commit_rows=self.commit_rows,
                                 commit_seconds=self.commit_seconds, progress_seconds=self.progress_seconds,
-                                no_server_timeout_s=self.no_server_timeout_s)
+                                no_server_timeout_s=self.no_server_timeout_s, store_token_ids=self.store_token_ids)
 
 
 @dg.asset(

@@ -56,3 +56,37 @@ def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir,
     png = completion_histogram_png(root, root / "reports" / f"shard={shard}" / "completion_lengths.png", shard=shard)
     return dg.MaterializeResult(metadata={**report_metadata(report, png.read_bytes()),
                                           "histogram_path": dg.MetadataValue.path(str(png))})
+
+
+@dg.asset(
+    deps=[completions],
+    group_name="quality",
+    kinds={"duckdb", "parquet"},
+    owners=["team:dflash"],
+    description="Length quality over every materialised shard: the same figures as length_quality_report, by "
+                "shard and config, the histogram, and the cap plan: for candidate caps, the predicted truncation "
+                "rate, output tokens and context length needed (censored lognormal tail fit with 95% intervals).",
+)
+def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
+                           quality: QualityThresholds) -> dg.MaterializeResult:
+    from dflash_assets.quality import completion_histogram_png
+    from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown
+    from dflash_assets.quality.planner_plot import cap_plan_png
+
+    root = data_dir.resolved()
+    report = length_quality(root, max_length=quality.training_max_length)
+    png = completion_histogram_png(root, root / "reports" / "completion_lengths.png")
+    metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
+                "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
+                                                                          "truncation_rate", "p50", "p90", "p99"]))}
+    try:
+        plan = plan_caps(root)
+    except PlanError as e:
+        metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
+    else:
+        picture = root / "reports" / "cap_plan.png"
+        picture.write_bytes(cap_plan_png(plan))
+        metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan))
+        metadata["cap_plan_picture"] = dg.MetadataValue.md(
+            f"![cap plan](data:image/png;base64,{base64.b64encode(picture.read_bytes()).decode()})")
+    return dg.MaterializeResult(metadata=metadata)

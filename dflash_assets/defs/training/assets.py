@@ -1,0 +1,59 @@
+"""drafter_training_set: only rows that pass, in the format drafter trainers read. Nothing else goes on."""
+
+import dagster as dg
+from pydantic import Field
+
+from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.resources import DataDir, QualityThresholds
+from dflash_assets.quality import export_training_set, gate_passed, run_checks
+from dflash_assets.quality.tables import open_quality_db
+
+
+class TrainingSetConfig(dg.Config):
+    config_hash: str = Field(
+        "", description="The generation config to export: a config_hash, '' for the config with the most rows, "
+                        "or 'all' for every config (ids are <prompt_id>@<config_hash>).")
+
+
+def most_rows_config(data_dir) -> str | None:
+    with open_quality_db(data_dir) as con:
+        row = con.execute("SELECT config_hash FROM completions GROUP BY ALL ORDER BY count(*) DESC, config_hash "
+                          "LIMIT 1").fetchone()
+    return row[0] if row else None
+
+
+@dg.asset(
+    deps=[completions],
+    group_name="training",
+    kinds={"duckdb", "parquet"},
+    owners=["team:dflash"],
+    description="The drafter training set: rows of one config that pass every row-level gate, as SpecForge-"
+                "compatible JSONL ({id, conversations: [..., {role: assistant, content, reasoning_content}]}) "
+                "plus a Parquet copy and a manifest (counts by config and source, exclusions by reason). It is not "
+                "written while a blocking check fails on that config over all shards. Deterministic: the same "
+                "inputs give byte-identical files.",
+)
+def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetConfig, data_dir: DataDir,
+                         quality: QualityThresholds) -> dg.MaterializeResult:
+    root = data_dir.resolved()
+    chosen = {"": most_rows_config(root), "all": None}.get(config.config_hash, config.config_hash)
+    if config.config_hash == "" and chosen is None:
+        raise dg.Failure("there are no completions to export")
+    outcomes = run_checks(root, config_hash=chosen, thresholds=quality.thresholds())
+    if not gate_passed(outcomes):
+        failing = [o for o in outcomes if o.blocking and not o.passed]
+        raise dg.Failure(
+            f"not exporting config {chosen or 'all'}: {len(failing)} blocking check(s) fail over all shards: "
+            + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
+            metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
+    export = export_training_set(root, root / "training" / (chosen or "all"), config_hash=chosen,
+                                 max_length=quality.training_max_length)
+    manifest = export.manifest
+    context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": manifest["rows"],
+        "config_hash": chosen or "all",
+        "jsonl": dg.MetadataValue.path(str(export.jsonl_path)),
+        "parquet": dg.MetadataValue.path(str(export.parquet_path)),
+        "manifest": dg.MetadataValue.json(manifest),
+    })
