@@ -93,6 +93,8 @@ def _fleet(args: argparse.Namespace) -> int:
                 console.print(f"no servers: nothing in {fleet_dir / 'registry.json'} and no --urls")
                 return 1
             console.print(status.status_table(statuses))
+            if args.watch:
+                console.print(_tuning(statuses, args.watch, args.api_key_env, console))
             return 0 if all(s.healthy for s in statuses) else 1
         else:
             stopped = launcher.down(fleet_dir, args.names or None, on_event=console.print)
@@ -101,6 +103,34 @@ def _fleet(args: argparse.Namespace) -> int:
         console.print(f"[red]dflash fleet {args.fleet_command}:[/] {e}")
         return 2
     return 0
+
+
+def _tuning(statuses, seconds: float, api_key_env: str, console):
+    """Sample every server's /v1/loads for `seconds` and turn what it shows into advice."""
+    import asyncio
+    import time
+
+    from rich.progress import Progress
+
+    from dflash_assets.fleet.client import ServerClient
+    from dflash_assets.fleet.fleet import open_session
+    from dflash_assets.fleet.tuning import LoadSampler, advise, summarize, tuning_table
+
+    async def sample():
+        async with open_session() as session:
+            clients = [ServerClient(session, s.url, os.environ.get(api_key_env) or None) for s in statuses]
+            sampler = await LoadSampler(clients, interval_s=1.0).start()
+            with Progress(console=console, transient=True) as progress:
+                task = progress.add_task(f"sampling /v1/loads for {seconds:.0f}s", total=seconds)
+                start = time.monotonic()
+                while (elapsed := time.monotonic() - start) < seconds:
+                    progress.update(task, completed=elapsed)
+                    await asyncio.sleep(0.5)
+            infos = [await c.info() for c in clients]
+            return await sampler.stop(), infos
+
+    samples, infos = asyncio.run(sample())
+    return tuning_table(summarize(samples, infos), advise(samples, infos))
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -172,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     fup.add_argument("--extra-args", default="", help="more sglang serve flags, quoted as one string")
     fstatus = fsub.add_parser("status", help="health, context length, max running requests, load of each server")
     fstatus.add_argument("--urls", help="also (or only) these attached servers, comma-separated")
+    fstatus.add_argument("--watch", type=float, metavar="SECONDS",
+                         help="sample /v1/loads for this long and print tuning advice (slots, KV, queue)")
     fdown = fsub.add_parser("down", help="stop servers started by `fleet up`")
     fdown.add_argument("names", nargs="*", help="server names (default: all), e.g. gpu0")
 

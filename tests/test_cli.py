@@ -44,6 +44,8 @@ def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
         status = dflash("fleet", "--fleet-dir", str(tmp_path), "status")
         assert status.returncode == 0, status.stdout
         assert status.stdout.count("healthy") == 2 and "16,384" in status.stdout
+        watched = dflash("fleet", "--fleet-dir", str(tmp_path), "status", "--watch", "2")
+        assert "Fleet tuning" in watched.stdout and watched.stdout.count("idle") == 2, watched.stdout
         again = dflash(*up)
         assert "gpu0: reused" in again.stdout and "gpu1: reused" in again.stdout
         changed = dflash(*[a if a != "16384" else "8192" for a in up])

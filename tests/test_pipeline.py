@@ -240,3 +240,17 @@ def test_the_check_job_runs_over_every_shard_without_materialising(tmp_path, fle
     assert accounting.passed
     assert result.asset_materializations_for_node("length_quality_summary")
     assert not result.asset_materializations_for_node("completions")
+
+
+def test_completions_carry_fleet_tuning_advice_from_the_servers_load(tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 40)
+    pinned = FAST[:0] + ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "3000", "--max-running-requests",
+                         "4", "--length-median", "300", "--length-sigma", "0.2"]
+    with start_emulator(pinned) as server:
+        res = resources(tmp_path, server.url, shard_size=40)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+            result = run_shard(instance, res, "00000", cap=2048, max_in_flight_per_server=16, load_sample_s=0.2)
+    assert result.success
+    tuning = result.asset_materializations_for_node("completions")[0].metadata["fleet_tuning"].value
+    assert "slots_pinned" in tuning and "--max-running-requests" in tuning, tuning

@@ -11,7 +11,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.dispatch import Dispatcher, Slot
 from dflash_assets.generation.prompts import canonical_json
@@ -50,6 +51,8 @@ class ShardRun:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     servers: dict[str, dict] = field(default_factory=dict)
+    infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
+    load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
 
     @property
     def rejected(self) -> int:
@@ -129,7 +132,7 @@ async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: Gener
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
     notes = check_fleet(fleet.infos, config.enable_thinking)
     config_hash = config.config_hash(fleet.model)
-    run = ShardRun(shard, config_hash, fleet.model, notes=notes)
+    run = ShardRun(shard, config_hash, fleet.model, notes=notes, infos=list(fleet.infos))
     started = time.monotonic()
     prompts = prompt_store(data_dir, shard)
     store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
@@ -176,8 +179,17 @@ async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: Gener
                         row["prompt_tokens"] = plan["prompt_tokens"]
                         yield row
 
-        failed = await _dispatch(to_send(), len(todo), fleet, config, config_hash, settings, shard, store,
-                                 server_rejects, run, log, started)
+        async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
+            body = config.chat_body(fleet.model, json.loads(prompt["messages_json"]), settings.store_token_ids)
+            t0 = time.monotonic()
+            resp = await slot.client.chat(body)
+            return _row(prompt, resp, slot, config, config_hash, shard, attempt, time.monotonic() - t0)
+
+        def refuse(prompt: dict, reason: str, context: int) -> dict:
+            return _reject(prompt, "server", reason, config, config_hash, shard, context)
+
+        failed = await dispatch(to_send(), len(todo), fleet, settings, shard, config_hash, store, server_rejects,
+                                run, log, started, send, refuse)
         failures.replace(failed, f"{config_hash}.parquet")
         run.failed = len(failed)
         store.compact()
@@ -186,9 +198,24 @@ async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: Gener
     return run
 
 
-async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: GenerationConfig, config_hash: str,
-                    settings: DispatchSettings, shard: str, store: PartStore, server_rejects: PartStore,
-                    run: ShardRun, log: Callable[[str], None], started: float) -> list[dict]:
+Send = Callable[[dict, Slot, int], Awaitable[dict]]  # (item, slot, attempt) -> the row; raises ServerError
+Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context length) -> the server-stage reject row
+
+
+def generated_tokens(row: dict) -> int:
+    """Tokens a server generated for this row: a continued row reuses its parent's first tokens_reused."""
+    return (row["completion_tokens"] or 0) - (row.get("tokens_reused") or 0)
+
+
+async def dispatch(todo: Iterator[dict], total: int, fleet: Fleet, settings: DispatchSettings, shard: str,
+                   config_hash: str, store: PartStore, server_rejects: PartStore, run: ShardRun,
+                   log: Callable[[str], None], started: float, send: Send, refuse: Refuse) -> list[dict]:
+    """Send every item of `todo` through `send` on the fleet and commit the rows; return the failures.
+
+    The one dispatch loop of the package (fresh generation and continuation): slots and ejection by the
+    Dispatcher, retries with backoff on retryable errors, a 400 refused (never resent at the same budget),
+    rows and rejects committed every `commit_rows` rows or `commit_seconds`, and on the way out.
+    """
     dispatcher = Dispatcher(fleet.clients, fleet.infos, max_in_flight_per_server=settings.max_in_flight_per_server,
                             waiting_margin=settings.waiting_margin, eject_after=settings.eject_after,
                             no_server_timeout_s=settings.no_server_timeout_s)
@@ -206,27 +233,23 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
             answered += 1
 
     async def attempts(prompt: dict) -> None:
-        body = config.chat_body(fleet.model, json.loads(prompt["messages_json"]), settings.store_token_ids)
         error: ServerError | None = None
         for attempt in range(1, settings.max_attempts + 1):
             slot = await dispatcher.acquire()
-            t0 = time.monotonic()
             try:
-                resp = await slot.client.chat(body)
+                row = await send(prompt, slot, attempt)
             except ServerError as e:
                 dispatcher.release(slot, ok=not e.retryable)
                 if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
-                    refused.append(_reject(prompt, "server", f"HTTP {e.status}: {e.message}", config, config_hash,
-                                           shard, slot.info.context_length))
+                    refused.append(refuse(prompt, f"HTTP {e.status}: {e.message}", slot.info.context_length))
                     return
                 error = e
                 delay = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
             dispatcher.release(slot, ok=True)
-            row = _row(prompt, resp, slot, config, config_hash, shard, attempt, time.monotonic() - t0)
             slot.completed += 1
-            slot.output_tokens += row["completion_tokens"] or 0
+            slot.output_tokens += generated_tokens(row)
             rows.append(row)
             return
         failed.append({"shard": shard, "prompt_id": prompt["prompt_id"], "config_hash": config_hash,
@@ -242,7 +265,7 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
         await asyncio.to_thread(server_rejects.commit, rej)
         await asyncio.to_thread(store.commit, batch)
         run.length += sum(r["finish_reason"] == "length" for r in batch)
-        run.output_tokens += sum(r["completion_tokens"] or 0 for r in batch)
+        run.output_tokens += sum(generated_tokens(r) for r in batch)
         run.rejected_server += len(rej)
         last_commit = time.monotonic()
 
@@ -258,6 +281,9 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
 
     tasks: set[asyncio.Task] = set()
     exhausted = False
+    sampler = LoadSampler(fleet.clients, settings.load_sample_s) if settings.load_sample_s > 0 else None
+    if sampler:
+        await sampler.start()
     try:
         while not exhausted or tasks:
             while not exhausted and len(tasks) < dispatcher.capacity:
@@ -287,5 +313,8 @@ async def _dispatch(todo: Iterator[dict], total: int, fleet: Fleet, config: Gene
         raise
     finally:
         await dispatcher.close()
-        run.servers = {s.url: {"completed": s.completed, "output_tokens": s.output_tokens} for s in dispatcher.slots}
+        if sampler:
+            run.load_samples = await sampler.stop()
+        run.servers = {s.url: {"completed": s.completed, "output_tokens": s.output_tokens, "in_flight_limit": s.limit}
+                       for s in dispatcher.slots}
     return failed

@@ -6,6 +6,7 @@ from pydantic import Field
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.preflight import PreflightError
@@ -31,6 +32,8 @@ class CompletionsConfig(dg.Config):
     store_token_ids: bool = Field(
         False, description="Record prompt_token_ids and output_ids (return_token_ids): exact ids for training, "
                            "and what continuing truncated rows at a larger cap needs.")
+    load_sample_s: float = Field(5.0, description="Poll each server's /v1/loads this often for the fleet tuning "
+                                                   "report (0: off).")
     no_server_timeout_s: float = Field(
         120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
 
@@ -42,7 +45,8 @@ class CompletionsConfig(dg.Config):
         return DispatchSettings(max_in_flight_per_server=self.max_in_flight_per_server,
                                 max_attempts=self.max_attempts, commit_rows=self.commit_rows,
                                 commit_seconds=self.commit_seconds, progress_seconds=self.progress_seconds,
-                                no_server_timeout_s=self.no_server_timeout_s, store_token_ids=self.store_token_ids)
+                                no_server_timeout_s=self.no_server_timeout_s, store_token_ids=self.store_token_ids,
+                                load_sample_s=self.load_sample_s)
 
 
 @dg.asset(
@@ -76,6 +80,11 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
     if run.failed:
         context.log.warning(f"{run.failed} prompts failed after {dispatch.max_attempts} attempts; "
                             f"they are in the failures table and will be retried on the next run")
+    loads = summarize(run.load_samples, run.infos)
+    advice = advise(run.load_samples, run.infos, client_in_flight={u: s["in_flight_limit"] for u, s in run.servers.items()})
+    for item in advice:
+        if item.rule != "fine":
+            context.log.info(f"fleet tuning, {item.server}: {item.message}")
     return dg.MaterializeResult(metadata={
         "dagster/row_count": run.completed,
         "config_hash": run.config_hash,
@@ -94,4 +103,6 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         "elapsed_s": round(run.elapsed_s, 2),
         "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
         "servers": dg.MetadataValue.json(run.servers),
+        "fleet_tuning": dg.MetadataValue.md(tuning_markdown(loads, advice) if run.load_samples
+                                            else "no /v1/loads samples (the run was shorter than one interval)"),
     })

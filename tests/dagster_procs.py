@@ -1,0 +1,211 @@
+"""Real Dagster processes for tests: `dagster-webserver` and `dagster-daemon` on a temporary DAGSTER_HOME.
+
+Each process runs in its own session (process group) with SIGINT reset to SIG_DFL: Dagster maps SIGTERM to
+its SIGINT handler, and a process started from a non-interactive shell inherits SIGINT as SIG_IGN, so without
+the reset it would ignore both. Stopping = SIGTERM to the whole group (the webserver's and the daemon's code
+servers, the run workers, their step processes), then SIGKILL after a grace period.
+
+The temporary instance gets a copy of the project's dagster_home/dagster.yaml, so the run queue and the
+`sglang_fleet` concurrency pool under test are the ones a person gets from `dagster dev`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+from dagster_graphql import DagsterGraphQLClient
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKSPACE = ROOT / "workspace.yaml"
+PROJECT_DAGSTER_YAML = ROOT / "dagster_home" / "dagster.yaml"
+ARTIFACTS = ROOT / "test-artifacts"
+LOCATION = "dflash_assets"
+
+LOCATION_STATUS = """{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus
+  locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def project_pool_limit() -> int:
+    """concurrency.pools.default_limit of the project's dagster.yaml: the limit of the `sglang_fleet` pool."""
+    return int(yaml.safe_load(PROJECT_DAGSTER_YAML.read_text())["concurrency"]["pools"]["default_limit"])
+
+
+def make_home(path: Path) -> Path:
+    """A fresh DAGSTER_HOME with the project's dagster.yaml (run queue, concurrency pools, run monitoring)."""
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(PROJECT_DAGSTER_YAML, path / "dagster.yaml")
+    return path
+
+
+def dflash_env(home: Path, **settings: str | int) -> dict[str, str]:
+    """The environment of a Dagster process: this one's, less any DFLASH_* setting of the caller's shell, plus
+    DAGSTER_HOME and the given settings (`data_dir="..."` -> DFLASH_DATA_DIR=...)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env["DAGSTER_HOME"] = str(home)
+    env.update({f"DFLASH_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+def start_group(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the process group, SIGKILL to it after `grace_s`; also reaps what was left in the group."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; make sure no child of the group (code server, run worker) outlives it
+        deadline = time.monotonic() + wait_s
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(proc.pid):
+            break
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+
+@dataclass
+class Webserver:
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def client(self) -> DagsterGraphQLClient:
+        return DagsterGraphQLClient("127.0.0.1", port_number=self.port, timeout=60)
+
+    def gql(self, query: str, variables: dict | None = None) -> dict:
+        return self.client._execute(query, variables)
+
+
+@contextmanager
+def webserver(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None,
+              timeout_s: float = 120.0) -> Iterator[Webserver]:
+    """`dagster-webserver -w workspace.yaml` on a free loopback port, up once the code location is LOADED."""
+    port = free_port()
+    log_path = (log_dir or home) / "webserver.log"
+    proc = start_group([sys.executable, "-m", "dagster_webserver", "-w", str(WORKSPACE), "-h", "127.0.0.1",
+                        "-p", str(port)], env or dflash_env(home), log_path)
+    server = Webserver(port, proc, log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                entries = server.gql(LOCATION_STATUS)["workspaceOrError"]["locationEntries"]
+                if entries and all(e["loadStatus"] == "LOADED" for e in entries):
+                    break
+            except Exception:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dagster-webserver did not load {WORKSPACE.name} within {timeout_s:.0f}s "
+                                   f"(exit {proc.poll()}):\n{log_tail(log_path)}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        stop_group(proc)
+
+
+# The backfill daemon sleeps DEFAULT_DAEMON_INTERVAL_SECONDS (30 s, not configurable in dagster.yaml) between
+# iterations, and a backfill needs two of them (submit, then see it finished). Tests shorten that sleep so a
+# backfill takes seconds, not minutes; everything else is the stock `dagster-daemon run`.
+_DAEMON_MAIN = """
+import sys
+import dagster._daemon.controller as controller
+controller.DEFAULT_DAEMON_INTERVAL_SECONDS = float(sys.argv.pop(1))
+from dagster._daemon.cli import main
+sys.argv[0] = "dagster-daemon"
+main()
+"""
+
+
+@contextmanager
+def daemon(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None,
+           backfill_interval_s: float | None = 1.0) -> Iterator[subprocess.Popen]:
+    """`dagster-daemon run -w workspace.yaml` on `home` (schedules, sensors, run queue, backfills, monitoring)."""
+    args = ["run", "-w", str(WORKSPACE)]
+    if backfill_interval_s is None:
+        cmd = [sys.executable, "-m", "dagster._daemon", *args]
+    else:
+        cmd = [sys.executable, "-c", _DAEMON_MAIN, str(backfill_interval_s), *args]
+    log_path = (log_dir or home) / "daemon.log"
+    proc = start_group(cmd, env or dflash_env(home), log_path)
+    try:
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+DAEMON_HEALTH = """{ instance { daemonHealth { allDaemonStatuses { daemonType healthy required } } } }"""
+
+
+def wait_daemon_healthy(server: Webserver, daemon_proc: subprocess.Popen, timeout_s: float = 120.0,
+                        needed=("BACKFILL", "QUEUED_RUN_COORDINATOR", "SENSOR")) -> None:
+    """Until the daemon's heartbeats say the backfill, run-queue and sensor daemons are up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = server.gql(DAEMON_HEALTH)["instance"]["daemonHealth"]["allDaemonStatuses"]
+        healthy = {s["daemonType"] for s in statuses if s["healthy"]}
+        if set(needed) <= healthy:
+            return
+        if daemon_proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"dagster-daemon not healthy within {timeout_s:.0f}s (exit {daemon_proc.poll()}; "
+                               f"healthy: {sorted(healthy)})")
+        time.sleep(0.5)
+
+
+def add_shard_partitions(server: Webserver, keys: list[str]) -> None:
+    """Add dynamic `shards` partitions the way the UI's "add partition" does (GraphQL addDynamicPartition)."""
+    mutation = """mutation($selector: RepositorySelector!, $key: String!) {
+      addDynamicPartition(repositorySelector: $selector, partitionsDefName: "shards", partitionKey: $key) {
+        __typename ... on PythonError { message } ... on DuplicateDynamicPartitionError { partitionName } } }"""
+    for key in keys:
+        result = server.gql(mutation, {"selector": {"repositoryLocationName": LOCATION,
+                                                    "repositoryName": "__repository__"}, "key": key})
+        kind = result["addDynamicPartition"]["__typename"]
+        assert kind in ("AddDynamicPartitionSuccess", "DuplicateDynamicPartitionError"), result
