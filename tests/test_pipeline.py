@@ -254,3 +254,27 @@ def test_completions_carry_fleet_tuning_advice_from_the_servers_load(tmp_path):
     assert result.success
     tuning = result.asset_materializations_for_node("completions")[0].metadata["fleet_tuning"].value
     assert "slots_pinned" in tuning and "--max-running-requests" in tuning, tuning
+
+
+def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard(tmp_path, fleet_urls):
+    from dflash_assets.definitions import defs
+
+    write_prompts(tmp_path / "prompts.jsonl", 30)
+    res = resources(tmp_path, fleet_urls, shard_size=10)
+    job = defs.get_repository_def().get_job("shard_pipeline")
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001", "00002"])
+        result = job.execute_in_process(
+            instance=instance, resources=res,
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 32000}}}},
+            tags={"dagster/asset_partition_range_start": "00000", "dagster/asset_partition_range_end": "00002"})
+    assert result.success
+    mats = result.asset_materializations_for_node("completions")
+    assert sorted(m.partition for m in mats) == ["00000", "00001", "00002"]
+    assert {m.partition: m.metadata["prompts"].value for m in mats} == {"00000": 10, "00001": 10, "00002": 10}
+    assert len({m.metadata["output_tokens"].value for m in mats}) == 3, "each shard carries its own figures"
+    reports = result.asset_materializations_for_node("length_quality_report")
+    assert sorted(m.partition for m in reports) == ["00000", "00001", "00002"]
+    evaluation = [e for e in result.get_asset_check_evaluations() if e.check_name == "accounting"][0]
+    assert evaluation.passed and evaluation.metadata["scope"].text == "shard 00000, shard 00001, shard 00002"
+    assert len(completion_rows(tmp_path)) == 30

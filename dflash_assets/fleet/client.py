@@ -115,6 +115,11 @@ class ServerClient:
         body = {"messages": messages, "chat_template_kwargs": chat_template_kwargs}
         return int((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["count"])
 
+    async def tokenize(self, text: str) -> list[int]:
+        """The ids of a plain string (no chat template, no special tokens added)."""
+        body = {"prompt": text, "add_special_tokens": False}
+        return list((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["tokens"])
+
     async def chat(self, body: dict) -> dict:
         return await self._request("POST", "/v1/chat/completions", json=body)
 

@@ -1,4 +1,4 @@
-"""Generate the completions of one shard: resume from committed parts, preflight, dispatch, commit.
+"""Generate the completions of shards: resume from committed parts, preflight, dispatch, commit.
 
 Restart-safe by construction: the remaining work is recomputed from the committed Parquet parts on
 every start (prompts of the shard minus rows of this config minus rejects of this config), so a
@@ -8,10 +8,12 @@ every start (prompts of the shard minus rows of this config minus rejects of thi
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,6 +53,7 @@ class ShardRun:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     servers: dict[str, dict] = field(default_factory=dict)
+    last_sent_at: float | None = None  # monotonic time the last prompt was handed to the dispatcher
     infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
     load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
 
@@ -67,7 +70,7 @@ def failure_store(data_dir: Path, shard: str) -> PartStore:
     return PartStore(data_dir, "failures", shard, FAILURE_SCHEMA)
 
 
-def _ids(store: PartStore, config_hash: str) -> set[str]:
+def committed_ids(store: PartStore, config_hash: str) -> set[str]:
     table = store.read(["prompt_id", "config_hash"])
     return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
 
@@ -109,6 +112,15 @@ def _batches(store: PartStore, columns: list[str] | None = None, size: int = 204
             yield batch.to_pylist()
 
 
+def plan_remaining(prompts: PartStore, finished: set[str]) -> tuple[int, dict[str, dict]]:
+    """(prompts in the shard, {prompt_id: plan row} of those not finished), from the small columns only."""
+    total, todo = 0, {}
+    for batch in _batches(prompts, PLAN_COLUMNS):
+        total += len(batch)
+        todo.update((r["prompt_id"], r) for r in batch if r["prompt_id"] not in finished)
+    return total, todo
+
+
 async def _recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwargs: dict) -> None:
     """Exact token counts for prompts whose shard count was made with other chat_template_kwargs."""
     gate = asyncio.Semaphore(64)
@@ -123,78 +135,111 @@ async def _recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwa
         await asyncio.gather(*(count(i, r) for i, r in enumerate(batch) if r["prompt_id"] in stale))
 
 
-async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: GenerationConfig,
-                         settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
-                         log: Callable[[str], None] = print) -> ShardRun:
+@dataclass
+class _Plan:
+    """One shard, prepared under its lock: what is left to send, and where its results go."""
+
+    target: "Target"
+    prompts: PartStore
+    todo: dict[str, dict]
+
+    def to_send(self) -> Iterator[dict]:
+        for batch in _batches(self.prompts):
+            for row in batch:
+                if (plan := self.todo.get(row["prompt_id"])) is not None:
+                    row["prompt_tokens"] = plan["prompt_tokens"]
+                    yield row
+
+
+async def _prepare(data_dir: Path, shard: str, fleet: Fleet, config: GenerationConfig, settings: DispatchSettings,
+                   preflight_policy: str, notes: list[str], log: Callable[[str], None]) -> _Plan:
+    """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
+    config_hash = config.config_hash(fleet.model)
+    run = ShardRun(shard, config_hash, fleet.model, notes=notes, infos=list(fleet.infos))
+    prompts = prompt_store(data_dir, shard)
+    store, server_rejects = completion_store(data_dir, shard), reject_store(data_dir, shard, "server")
+    store.recover()
+    server_rejects.recover()
+    done = committed_ids(store, config_hash)
+    refused = committed_ids(server_rejects, config_hash)
+    run.already_done, run.rejected_server = len(done), len(refused)
+    run.prompts, todo = plan_remaining(prompts, done | refused)
+    kwargs_json = canonical_json(config.template_kwargs())
+    stale = {i: r for i, r in todo.items() if r["template_kwargs_json"] != kwargs_json}
+    if stale:
+        await _recount(fleet, prompts, stale, config.template_kwargs())
+    budget = Budget.of(fleet.infos, settings.context_margin)
+    cap = config.max_output_tokens
+    over = [(r, problem) for r in todo.values() if (problem := budget.problem(r["prompt_tokens"], cap))]
+    if over and (preflight_policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(todo)):
+        raise overflow_error(budget, cap, len(over), len(todo), max(r["prompt_tokens"] for r, _ in over))
+    reject_store(data_dir, shard, "preflight").replace(
+        [_reject(r, "preflight", problem, config, config_hash, shard, budget.context_length) for r, problem in over],
+        f"{config_hash}.parquet")
+    run.rejected_preflight = len(over)
+    for r, _ in over:
+        del todo[r["prompt_id"]]
+    log(f"shard {shard} config {config_hash} (cap {cap}): {run.prompts} prompts, {len(done)} already done, "
+        f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
+        f"{len(todo)} to generate on {len(fleet.clients)} servers")
+    return _Plan(Target(run, store, server_rejects), prompts, todo)
+
+
+async def generate_shards(data_dir: Path, shards: list[str], fleet: Fleet, config: GenerationConfig,
+                          settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
+                          log: Callable[[str], None] = print) -> list[ShardRun]:
+    """Generate several shards (a backfill's range) through ONE dispatcher, in order.
+
+    The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
+    servers' slots do not drain at shard boundaries; each shard still has its own lock, parts, rejects,
+    failures, compaction and figures.
+    """
     config.validate()
     settings.validate()
     if preflight_policy not in ("reject", "fail"):
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
     notes = check_fleet(fleet.infos, config.enable_thinking)
-    config_hash = config.config_hash(fleet.model)
-    run = ShardRun(shard, config_hash, fleet.model, notes=notes, infos=list(fleet.infos))
     started = time.monotonic()
-    prompts = prompt_store(data_dir, shard)
-    store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
-    server_rejects = reject_store(data_dir, shard, "server")
-    if not prompts.parts():
-        raise FileNotFoundError(f"shard {shard} has no prompt_shards file under {data_dir}; materialise "
-                                f"prompt_shards for it first")
-    with store.lock():
-        store.recover()
-        server_rejects.recover()
-        done = _ids(store, config_hash)
-        refused = _ids(server_rejects, config_hash)
-        run.already_done, run.rejected_server = len(done), len(refused)
-
-        # Plan from the small columns only: what is left, and does it fit the context?
-        kwargs_json = canonical_json(config.template_kwargs())
-        todo: dict[str, dict] = {}
-        for batch in _batches(prompts, PLAN_COLUMNS):
-            run.prompts += len(batch)
-            todo.update((r["prompt_id"], r) for r in batch
-                        if r["prompt_id"] not in done and r["prompt_id"] not in refused)
-        stale = {i: r for i, r in todo.items() if r["template_kwargs_json"] != kwargs_json}
-        if stale:
-            await _recount(fleet, prompts, stale, config.template_kwargs())
-        budget = Budget.of(fleet.infos, settings.context_margin)
-        cap = config.max_output_tokens
-        over = [(r, problem) for r in todo.values() if (problem := budget.problem(r["prompt_tokens"], cap))]
-        if over and (preflight_policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(todo)):
-            raise overflow_error(budget, cap, len(over), len(todo), max(r["prompt_tokens"] for r, _ in over))
-        reject_store(data_dir, shard, "preflight").replace(
-            [_reject(r, "preflight", problem, config, config_hash, shard, budget.context_length) for r, problem in over],
-            f"{config_hash}.parquet")
-        run.rejected_preflight = len(over)
-        for r, _ in over:
-            del todo[r["prompt_id"]]
-        log(f"shard {shard} config {config_hash} (cap {cap}): {run.prompts} prompts, {len(done)} already done, "
-            f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
-            f"{len(todo)} to generate on {len(fleet.clients)} servers")
-
-        def to_send() -> Iterator[dict]:
-            for batch in _batches(prompts):
-                for row in batch:
-                    if (plan := todo.get(row["prompt_id"])) is not None:
-                        row["prompt_tokens"] = plan["prompt_tokens"]
-                        yield row
+    missing = [s for s in shards if not prompt_store(data_dir, s).parts()]
+    if missing:
+        raise FileNotFoundError(f"shard(s) {', '.join(missing)} have no prompt_shards file under {data_dir}; "
+                                f"materialise prompt_shards for them first")
+    with ExitStack() as locks:
+        plans = []
+        for shard in shards:  # every shard is planned (and preflighted) before anything is sent
+            locks.enter_context(completion_store(data_dir, shard).lock())
+            plans.append(await _prepare(data_dir, shard, fleet, config, settings, preflight_policy, notes, log))
+        model = fleet.model
 
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
-            body = config.chat_body(fleet.model, json.loads(prompt["messages_json"]), settings.store_token_ids)
+            body = config.chat_body(model, json.loads(prompt["messages_json"]), settings.store_token_ids)
             t0 = time.monotonic()
             resp = await slot.client.chat(body)
-            return _row(prompt, resp, slot, config, config_hash, shard, attempt, time.monotonic() - t0)
+            run = plans[0].target.run
+            return _row(prompt, resp, slot, config, run.config_hash, prompt["shard"], attempt, time.monotonic() - t0)
 
         def refuse(prompt: dict, reason: str, context: int) -> dict:
-            return _reject(prompt, "server", reason, config, config_hash, shard, context)
+            return _reject(prompt, "server", reason, config, plans[0].target.run.config_hash, prompt["shard"], context)
 
-        failed = await dispatch(to_send(), len(todo), fleet, settings, shard, config_hash, store, server_rejects,
-                                run, log, started, send, refuse)
-        failures.replace(failed, f"{config_hash}.parquet")
-        run.failed = len(failed)
-        store.compact()
-        run.completed = len(_ids(store, config_hash))
-    run.elapsed_s = time.monotonic() - started
+        items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
+        await dispatch_many(items, sum(len(p.todo) for p in plans), fleet, settings,
+                            {p.target.run.shard: p.target for p in plans}, log, started, send, refuse)
+        for plan in plans:
+            target, run = plan.target, plan.target.run
+            failure_store(data_dir, run.shard).replace(target.failed, f"{run.config_hash}.parquet")
+            run.failed = len(target.failed)
+            target.store.compact()
+            run.completed = len(committed_ids(target.store, run.config_hash))
+            run.elapsed_s = (target.finished_at or time.monotonic()) - started
+    return [p.target.run for p in plans]
+
+
+async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: GenerationConfig,
+                         settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
+                         log: Callable[[str], None] = print) -> ShardRun:
+    """Generate the completions of one shard (see generate_shards)."""
+    [run] = await generate_shards(data_dir, [shard], fleet, config, settings, preflight_policy=preflight_policy,
+                                  log=log)
     return run
 
 
@@ -207,41 +252,77 @@ def generated_tokens(row: dict) -> int:
     return (row["completion_tokens"] or 0) - (row.get("tokens_reused") or 0)
 
 
+@dataclass
+class Target:
+    """Where one shard's results go, and what has not been committed yet."""
+
+    run: ShardRun
+    store: PartStore
+    server_rejects: PartStore
+    rows: list[dict] = field(default_factory=list)
+    refused: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+    finished_at: float | None = None
+
+    async def commit(self) -> None:
+        batch, rej = self.rows, self.refused
+        self.rows, self.refused = [], []
+        # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
+        # never a rejected prompt twice
+        await asyncio.to_thread(self.server_rejects.commit, rej)
+        await asyncio.to_thread(self.store.commit, batch)
+        self.run.length += sum(r["finish_reason"] == "length" for r in batch)
+        self.run.output_tokens += sum(generated_tokens(r) for r in batch)
+        self.run.rejected_server += len(rej)
+
+
 async def dispatch(todo: Iterator[dict], total: int, fleet: Fleet, settings: DispatchSettings, shard: str,
                    config_hash: str, store: PartStore, server_rejects: PartStore, run: ShardRun,
                    log: Callable[[str], None], started: float, send: Send, refuse: Refuse) -> list[dict]:
-    """Send every item of `todo` through `send` on the fleet and commit the rows; return the failures.
+    """dispatch_many for one shard; returns its failures."""
+    target = Target(run, store, server_rejects)
+    items = ({**item, "shard": shard} for item in todo)
+    await dispatch_many(items, total, fleet, settings, {shard: target}, log, started, send, refuse)
+    return target.failed
 
-    The one dispatch loop of the package (fresh generation and continuation): slots and ejection by the
-    Dispatcher, retries with backoff on retryable errors, a 400 refused (never resent at the same budget),
-    rows and rejects committed every `commit_rows` rows or `commit_seconds`, and on the way out.
+
+async def dispatch_many(todo: Iterator[dict], total: int, fleet: Fleet, settings: DispatchSettings,
+                        targets: dict[str, Target], log: Callable[[str], None], started: float, send: Send,
+                        refuse: Refuse) -> None:
+    """Send every item of `todo` (each names its `shard`) through `send` on the fleet and commit the rows.
+
+    The one dispatch loop of the package (fresh generation and continuation, one shard or many): slots and
+    ejection by the Dispatcher, retries with backoff on retryable errors, a 400 refused (never resent at the
+    same budget), rows and rejects committed every `commit_rows` rows or `commit_seconds`, and on the way out.
     """
     dispatcher = Dispatcher(fleet.clients, fleet.infos, max_in_flight_per_server=settings.max_in_flight_per_server,
                             waiting_margin=settings.waiting_margin, eject_after=settings.eject_after,
                             no_server_timeout_s=settings.no_server_timeout_s)
-    rows: list[dict] = []
-    refused: list[dict] = []
-    failed: list[dict] = []
     last_commit = last_progress = time.monotonic()
     answered = 0
+    left = {shard: 0 for shard in targets}
 
-    async def one(prompt: dict) -> None:
+    async def one(item: dict) -> None:
         nonlocal answered
+        target = targets[item["shard"]]
         try:
-            await attempts(prompt)
+            await attempts(item, target)
         finally:
             answered += 1
+            left[item["shard"]] -= 1
+            if left[item["shard"]] == 0 and target.run.last_sent_at is not None:
+                target.finished_at = time.monotonic()
 
-    async def attempts(prompt: dict) -> None:
+    async def attempts(item: dict, target: Target) -> None:
         error: ServerError | None = None
         for attempt in range(1, settings.max_attempts + 1):
             slot = await dispatcher.acquire()
             try:
-                row = await send(prompt, slot, attempt)
+                row = await send(item, slot, attempt)
             except ServerError as e:
                 dispatcher.release(slot, ok=not e.retryable)
                 if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
-                    refused.append(refuse(prompt, f"HTTP {e.status}: {e.message}", slot.info.context_length))
+                    target.refused.append(refuse(item, f"HTTP {e.status}: {e.message}", slot.info.context_length))
                     return
                 error = e
                 delay = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
@@ -250,34 +331,33 @@ async def dispatch(todo: Iterator[dict], total: int, fleet: Fleet, settings: Dis
             dispatcher.release(slot, ok=True)
             slot.completed += 1
             slot.output_tokens += generated_tokens(row)
-            rows.append(row)
+            target.rows.append(row)
             return
-        failed.append({"shard": shard, "prompt_id": prompt["prompt_id"], "config_hash": config_hash,
-                       "error": str(error), "attempts": settings.max_attempts,
-                       "created_at": datetime.now(timezone.utc)})
+        target.failed.append({"shard": item["shard"], "prompt_id": item["prompt_id"],
+                              "config_hash": target.run.config_hash, "error": str(error),
+                              "attempts": settings.max_attempts, "created_at": datetime.now(timezone.utc)})
 
     async def commit() -> None:
-        nonlocal rows, refused, last_commit
-        batch, rej = rows, refused
-        rows, refused = [], []
-        # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
-        # never a rejected prompt twice
-        await asyncio.to_thread(server_rejects.commit, rej)
-        await asyncio.to_thread(store.commit, batch)
-        run.length += sum(r["finish_reason"] == "length" for r in batch)
-        run.output_tokens += sum(generated_tokens(r) for r in batch)
-        run.rejected_server += len(rej)
+        nonlocal last_commit
+        for target in targets.values():
+            if target.rows or target.refused:
+                await target.commit()
         last_commit = time.monotonic()
+
+    def pending() -> int:
+        return sum(len(t.rows) + len(t.refused) for t in targets.values())
 
     def progress() -> None:
         elapsed = max(time.monotonic() - started, 1e-9)
-        sent = answered
         tokens = sum(s.output_tokens for s in dispatcher.slots)
+        failed = sum(len(t.failed) for t in targets.values())
+        length = sum(t.run.length for t in targets.values())
+        refused = sum(t.run.rejected_server for t in targets.values())
         per_server = ", ".join(f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
                                + (" EJECTED" if s.ejected_at else "") for s in dispatcher.slots)
-        eta = f", ETA {(total - sent) * elapsed / sent:.0f}s" if sent else ""
-        log(f"shard {shard}: {sent}/{total} answered, {run.length} length, {len(failed)} failed, "
-            f"{run.rejected_server} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} [{per_server}]")
+        eta = f", ETA {(total - answered) * elapsed / answered:.0f}s" if answered else ""
+        log(f"shards {', '.join(targets)}: {answered}/{total} answered, {length} length, {failed} failed, "
+            f"{refused} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} [{per_server}]")
 
     tasks: set[asyncio.Task] = set()
     exhausted = False
@@ -287,10 +367,19 @@ async def dispatch(todo: Iterator[dict], total: int, fleet: Fleet, settings: Dis
     try:
         while not exhausted or tasks:
             while not exhausted and len(tasks) < dispatcher.capacity:
-                if (prompt := next(todo, None)) is None:
+                if (item := next(todo, None)) is None:
                     exhausted = True
+                    for shard, target in targets.items():
+                        target.run.last_sent_at = target.run.last_sent_at or time.monotonic()
+                        if left[shard] == 0:
+                            target.finished_at = target.finished_at or time.monotonic()
                 else:
-                    tasks.add(asyncio.create_task(one(prompt)))
+                    previous = [t for s, t in targets.items() if s != item["shard"] and t.run.last_sent_at is None
+                                and left[s] > 0]
+                    for t in previous:  # the stream moved past those shards: all their prompts are sent
+                        t.run.last_sent_at = time.monotonic()
+                    left[item["shard"]] += 1
+                    tasks.add(asyncio.create_task(one(item)))
             if not tasks:
                 break
             finished, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -298,8 +387,7 @@ async def dispatch(todo: Iterator[dict], total: int, fleet: Fleet, settings: Dis
             if errors:
                 raise errors[0]  # FleetDown propagates; everything committed stays committed
             now = time.monotonic()
-            if len(rows) + len(refused) >= settings.commit_rows or (
-                    (rows or refused) and now - last_commit >= settings.commit_seconds):
+            if pending() >= settings.commit_rows or (pending() and now - last_commit >= settings.commit_seconds):
                 await commit()
             if now - last_progress >= settings.progress_seconds:
                 progress()
@@ -313,8 +401,8 @@ async def dispatch(todo: Iterator[dict], total: int, fleet: Fleet, settings: Dis
         raise
     finally:
         await dispatcher.close()
-        if sampler:
-            run.load_samples = await sampler.stop()
-        run.servers = {s.url: {"completed": s.completed, "output_tokens": s.output_tokens, "in_flight_limit": s.limit}
-                       for s in dispatcher.slots}
-    return failed
+        samples = await sampler.stop() if sampler else []
+        servers = {s.url: {"completed": s.completed, "output_tokens": s.output_tokens, "in_flight_limit": s.limit}
+                   for s in dispatcher.slots}
+        for target in targets.values():
+            target.run.load_samples, target.run.servers = samples, servers

@@ -3,12 +3,12 @@
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
-from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
 
 
@@ -52,6 +52,7 @@ class CompletionsConfig(dg.Config):
 @dg.asset(
     deps=[prompt_shards],
     partitions_def=shard_partitions,
+    backfill_policy=shard_backfill_policy,
     group_name="generation",
     kinds={"sglang", "parquet"},
     owners=["team:dflash"],
@@ -61,7 +62,7 @@ class CompletionsConfig(dg.Config):
                 "resumes: prompts already committed for this config are skipped.",
 )
 def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fleet: FleetResource,
-                data_dir: DataDir) -> dg.MaterializeResult:
+                data_dir: DataDir) -> None:
     generation, dispatch = config.generation(), config.dispatch()
     try:
         generation.validate()
@@ -69,27 +70,36 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
     except ConfigError as e:
         raise dg.Failure(str(e)) from None
     try:
-        run = run_on_fleet(fleet, lambda f: generate_shard(
-            data_dir.resolved(), context.partition_key, f, generation, dispatch,
+        runs = run_on_fleet(fleet, lambda f: generate_shards(
+            data_dir.resolved(), context.partition_keys, f, generation, dispatch,
             preflight_policy=config.preflight_policy, log=context.log.info))
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}") from None
-    for note in run.notes:
-        context.log.warning(note)
-    accounted = run.completed + run.rejected + run.failed
-    if run.failed:
-        context.log.warning(f"{run.failed} prompts failed after {dispatch.max_attempts} attempts; "
-                            f"they are in the failures table and will be retried on the next run")
-    loads = summarize(run.load_samples, run.infos)
-    advice = advise(run.load_samples, run.infos, client_in_flight={u: s["in_flight_limit"] for u, s in run.servers.items()})
+    for run in runs:
+        for note in run.notes:
+            context.log.warning(note)
+        if run.failed:
+            context.log.warning(f"shard {run.shard}: {run.failed} prompts failed after {dispatch.max_attempts} "
+                                f"attempts; they are in the failures table and will be retried on the next run")
+        context.add_asset_metadata(shard_metadata(run, generation.max_output_tokens), partition_key=run.shard)
+    loads = summarize(runs[0].load_samples, runs[0].infos)
+    advice = advise(runs[0].load_samples, runs[0].infos,
+                    client_in_flight={u: s["in_flight_limit"] for u, s in runs[0].servers.items()})
     for item in advice:
         if item.rule != "fine":
             context.log.info(f"fleet tuning, {item.server}: {item.message}")
-    return dg.MaterializeResult(metadata={
+    context.add_asset_metadata({"fleet_tuning": dg.MetadataValue.md(
+        tuning_markdown(loads, advice) if runs[0].load_samples
+        else "no /v1/loads samples (the run was shorter than one interval)")})
+
+
+def shard_metadata(run, cap: int) -> dict:
+    accounted = run.completed + run.rejected + run.failed
+    return {
         "dagster/row_count": run.completed,
         "config_hash": run.config_hash,
         "model": run.model,
-        "max_output_tokens": generation.max_output_tokens,
+        "max_output_tokens": cap,
         "prompts": run.prompts,
         "completed": run.completed,
         "already_done": run.already_done,
@@ -103,6 +113,4 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         "elapsed_s": round(run.elapsed_s, 2),
         "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
         "servers": dg.MetadataValue.json(run.servers),
-        "fleet_tuning": dg.MetadataValue.md(tuning_markdown(loads, advice) if run.load_samples
-                                            else "no /v1/loads samples (the run was shorter than one interval)"),
-    })
+    }

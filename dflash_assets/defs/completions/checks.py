@@ -19,17 +19,28 @@ from dflash_assets.quality import CHECKS, run_checks
 )
 def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir: DataDir,
                                quality: QualityThresholds):
-    shard = context.partition_key if context.has_partition_key else None
+    # a shard's run checks that shard, a backfill's range run each of its shards, a checks-only run all shards
+    if context.has_partition_key or context.has_partition_key_range:
+        scopes = list(context.partition_keys)
+    else:
+        scopes = [None]
     selected = {key.name for key in context.selected_asset_check_keys}
-    scope = f"shard {shard}" if shard else "all shards"
-    for outcome in run_checks(data_dir.resolved(), shard=shard, thresholds=quality.thresholds()):
-        if outcome.name not in selected:
-            continue
+    by_name: dict[str, list[tuple[str, object]]] = {}
+    for shard in scopes:
+        for outcome in run_checks(data_dir.resolved(), shard=shard, thresholds=quality.thresholds(),
+                                  names=selected):
+            by_name.setdefault(outcome.name, []).append((f"shard {shard}" if shard else "all shards", outcome))
+    for name, results in by_name.items():
+        failing = [(scope, o) for scope, o in results if not o.passed]
+        scope, worst = failing[0] if failing else results[0]
+        label = ", ".join(s for s, _ in results) if len(results) <= 3 else f"{len(results)} shards"
         yield dg.AssetCheckResult(
-            check_name=outcome.name,
+            check_name=name,
             asset_key=completions.key,
-            passed=outcome.passed,
-            severity=dg.AssetCheckSeverity(outcome.severity),
-            description=f"{scope}: " + outcome.summary_md.split("\n", 1)[0],
-            metadata={"scope": scope, "summary": dg.MetadataValue.md(outcome.summary_md), **outcome.metadata},
+            passed=not failing,
+            severity=dg.AssetCheckSeverity(worst.severity),
+            description=f"{scope}: " + worst.summary_md.split("\n", 1)[0],
+            metadata={"scope": label, "failing": ", ".join(s for s, _ in failing) or "none",
+                      "summary": dg.MetadataValue.md("\n\n".join(f"**{s}**: {o.summary_md}" for s, o in results)),
+                      **worst.metadata},
         )

@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
 from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, run_on_fleet
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.generation.config import GenerationConfig
@@ -10,6 +10,7 @@ from dflash_assets.generation.config import GenerationConfig
 
 @dg.asset(
     partitions_def=shard_partitions,
+    backfill_policy=shard_backfill_policy,
     group_name="generation",
     kinds={"parquet", "sglang"},
     owners=["team:dflash"],
@@ -18,23 +19,24 @@ from dflash_assets.generation.config import GenerationConfig
                 "to the rejects table with a reason; lines = prompts + rejects.",
 )
 def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, prompt_source: PromptSource,
-                  data_dir: DataDir) -> dg.MaterializeResult:
-    shard = context.partition_key
-    if not shard.isdigit():
-        raise dg.Failure(f"shard key {shard!r} is not a shard number such as '00003'")
+                  data_dir: DataDir) -> None:
     template_kwargs = GenerationConfig().template_kwargs()
-    build = run_on_fleet(fleet, lambda f: build_prompt_shard(
-        prompt_source.resolved(), int(shard), shard, prompt_source.shard_size, data_dir.resolved(), f, template_kwargs))
-    if build.lines == 0:
-        raise dg.Failure(f"shard {shard} is past the end of {prompt_source.path}: it has no lines")
-    reasons = "\n".join(f"| {k} | {v} |" for k, v in sorted(build.reasons.items(), key=lambda kv: -kv[1]))
-    context.log.info(f"shard {shard}: {build.lines} lines -> {build.prompts} prompts, {build.rejected} rejected")
-    return dg.MaterializeResult(metadata={
-        "dagster/row_count": build.prompts,
-        "lines": build.lines,
-        "prompts": build.prompts,
-        "rejected": build.rejected,
-        "max_prompt_tokens": build.max_prompt_tokens,
-        "rejects_by_reason": dg.MetadataValue.md(
-            "| reason | lines |\n|---|---|\n" + reasons if reasons else "no rejects"),
-    })
+    for shard in context.partition_keys:  # one shard, or a backfill's range of them in one run
+        if not shard.isdigit():
+            raise dg.Failure(f"shard key {shard!r} is not a shard number such as '00003'")
+        build = run_on_fleet(fleet, lambda f: build_prompt_shard(
+            prompt_source.resolved(), int(shard), shard, prompt_source.shard_size, data_dir.resolved(), f,
+            template_kwargs))
+        if build.lines == 0:
+            raise dg.Failure(f"shard {shard} is past the end of {prompt_source.path}: it has no lines")
+        reasons = "\n".join(f"| {k} | {v} |" for k, v in sorted(build.reasons.items(), key=lambda kv: -kv[1]))
+        context.log.info(f"shard {shard}: {build.lines} lines -> {build.prompts} prompts, {build.rejected} rejected")
+        context.add_asset_metadata(partition_key=shard, metadata={
+            "dagster/row_count": build.prompts,
+            "lines": build.lines,
+            "prompts": build.prompts,
+            "rejected": build.rejected,
+            "max_prompt_tokens": build.max_prompt_tokens,
+            "rejects_by_reason": dg.MetadataValue.md(
+                "| reason | lines |\n|---|---|\n" + reasons if reasons else "no rejects"),
+        })

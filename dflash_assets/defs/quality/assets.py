@@ -5,7 +5,7 @@ import base64
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import length_quality
 from dflash_assets.quality.outcome import pct
@@ -39,6 +39,7 @@ def report_metadata(report: dict, png: bytes) -> dict:
 @dg.asset(
     deps=[completions],
     partitions_def=shard_partitions,
+    backfill_policy=shard_backfill_policy,
     group_name="quality",
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
@@ -46,16 +47,16 @@ def report_metadata(report: dict, png: bytes) -> dict:
                 "(finish_reason = 'length'), P50/P90/P95/P99/max completion tokens by config, prompt length and "
                 "source, context overflows, and a histogram of completion lengths with the cap marked.",
 )
-def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir,
-                          quality: QualityThresholds) -> dg.MaterializeResult:
+def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, quality: QualityThresholds) -> None:
     from dflash_assets.quality import completion_histogram_png
 
-    shard = context.partition_key
     root = data_dir.resolved()
-    report = length_quality(root, shard=shard, max_length=quality.training_max_length)
-    png = completion_histogram_png(root, root / "reports" / f"shard={shard}" / "completion_lengths.png", shard=shard)
-    return dg.MaterializeResult(metadata={**report_metadata(report, png.read_bytes()),
-                                          "histogram_path": dg.MetadataValue.path(str(png))})
+    for shard in context.partition_keys:
+        report = length_quality(root, shard=shard, max_length=quality.training_max_length)
+        png = completion_histogram_png(root, root / "reports" / f"shard={shard}" / "completion_lengths.png",
+                                       shard=shard)
+        context.add_asset_metadata(partition_key=shard, metadata={
+            **report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))})
 
 
 @dg.asset(

@@ -73,6 +73,8 @@ class Scheduler:
         # cumulative, for /v1/loads
         self.total_prefill_tokens = 0
         self.total_prefill_busy_s = 0.0
+        # exact slot occupancy, for benchmarks (GET /_emulator/stats): every change of the running count
+        self.timeline: deque[tuple[float, int]] = deque([(time.monotonic(), 0)], maxlen=1_000_000)
 
     def submit(self, input_len: int, output_len: int, slow_factor: float = 1.0) -> Ticket:
         if self.max_queued_requests is not None and len(self.waiting) + 1 > self.max_queued_requests:
@@ -91,11 +93,18 @@ class Scheduler:
         if not t.admitted.done():
             await t.admitted
 
+    def _mark(self) -> None:
+        now = time.monotonic()
+        if self.timeline[-1][0] == now:
+            self.timeline.pop()
+        self.timeline.append((now, len(self.running)))
+
     def release(self, t: Ticket) -> None:
         """The request finished or its client went away: free its slot and KV."""
         if t in self.running:
             self.running.discard(t)
             self._kv_reserved -= t.kv_tokens
+            self._mark()
         else:
             try:
                 self.waiting.remove(t)
@@ -112,6 +121,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self.running.add(head)
+            self._mark()
             self._kv_reserved += head.kv_tokens
             head.start = time.monotonic()
             self.total_prefill_tokens += head.input_len

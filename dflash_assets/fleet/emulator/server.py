@@ -8,6 +8,7 @@ Auth is 0.5.23's (srt/utils/auth.py): with --api-key every route needs
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 import os
 import secrets
@@ -90,7 +91,16 @@ def create_app(cfg: EmulatorConfig, *, faults: Faults | None = None, on_crash=cr
     if cfg.enable_metrics:  # without --enable-metrics there is no /metrics route (404)
         r.add_get("/metrics", metrics)
     r.add_route("*", "/_emulator/faults", fault_route)
+    r.add_get("/_emulator/stats", stats_route)
     return app
+
+
+async def stats_route(request: web.Request) -> web.Response:
+    """Emulator-only: each DP rank's running-request count at every change, as (monotonic seconds, running)
+    pairs, and max_running_requests — the exact slot occupancy benchmarks integrate (not an SGLang route)."""
+    engine = request.app[STATE].engine
+    return web.json_response({"now": time.monotonic(), "ranks": [
+        {"max_running_requests": s.max_running_requests, "timeline": list(s.timeline)} for s in engine.schedulers]})
 
 
 async def _announce_when_ready(app: web.Application) -> None:

@@ -1,0 +1,88 @@
+"""continued_completions: truncated rows of a shard continued to a larger cap instead of generated again."""
+
+import dagster as dg
+from pydantic import Field
+
+from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.generation.config import ConfigError, DispatchSettings
+from dflash_assets.generation.continuation import continue_shard, latest_parent
+from dflash_assets.generation.preflight import PreflightError
+
+
+class ContinuationConfig(dg.Config):
+    """Which config to continue, to which cap. The rows land under the new cap's own config hash."""
+
+    parent_config_hash: str = Field(
+        description="The config whose truncated rows are continued, or 'latest': the config with the most rows "
+                    "in the shard among those capped below the new cap (ties: the larger cap).")
+    new_max_output_tokens: int = Field(8192, description="The new cap; larger than the parent's.")
+    max_in_flight_per_server: int = Field(
+        0, description="Requests in flight per server; 0 = the server's own max_running_requests + a margin.")
+    max_attempts: int = Field(4, description="Attempts per request on retryable errors (5xx, timeouts).")
+    commit_rows: int = Field(512, description="Commit a Parquet part every this many rows ...")
+    commit_seconds: float = Field(10.0, description="... or every this many seconds.")
+    no_server_timeout_s: float = Field(
+        120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
+
+    def dispatch(self) -> DispatchSettings:
+        return DispatchSettings(max_in_flight_per_server=self.max_in_flight_per_server,
+                                max_attempts=self.max_attempts, commit_rows=self.commit_rows,
+                                commit_seconds=self.commit_seconds, no_server_timeout_s=self.no_server_timeout_s)
+
+
+@dg.asset(
+    deps=[completions],
+    partitions_def=shard_partitions,
+    group_name="generation",
+    kinds={"sglang", "parquet"},
+    owners=["team:dflash"],
+    pool="sglang_fleet",
+    description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
+                "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
+                "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token "
+                "ids are left to a completions run at the new cap, which then generates only those.",
+)
+def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
+                          data_dir: DataDir) -> dg.MaterializeResult:
+    shard, cap = context.partition_key, config.new_max_output_tokens
+    parent = config.parent_config_hash
+    if parent == "latest":
+        parent = latest_parent(data_dir.resolved(), shard, cap)
+        if parent is None:
+            raise dg.Failure(f"shard {shard} has no completions capped below {cap} to continue")
+    try:
+        run = run_on_fleet(fleet, lambda f: continue_shard(data_dir.resolved(), shard, f, parent, cap,
+                                                           config.dispatch(), log=context.log.info))
+    except ConfigError as e:
+        raise dg.Failure(str(e)) from None
+    except PreflightError as e:
+        raise dg.Failure(f"preflight: {e}") from None
+    for note in run.notes:
+        context.log.warning(note)
+    if run.left:
+        context.log.warning(f"{run.left} prompts have no row of config {run.config_hash} yet ({run.without_ids} of "
+                            f"them truncated without token ids): materialise completions for this shard with "
+                            f"max_output_tokens {cap} (same sampling) to generate exactly those")
+    accounted = run.completed + run.rejected + run.failed + run.left
+    generated = run.new_config_tokens - run.tokens_reused
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": run.completed,
+        "config_hash": run.config_hash,
+        "parent_config_hash": run.parent_config_hash,
+        "max_output_tokens": cap,
+        "parent_max_output_tokens": run.parent_cap,
+        "rows_continued": run.continued,
+        "rows_copied": run.copied,
+        "rows_without_ids": run.without_ids,
+        "still_truncated": run.length,
+        "tokens_reused": run.tokens_reused,
+        "tokens_generated": generated,
+        "saved_share": round(run.tokens_reused / run.new_config_tokens, 4) if run.new_config_tokens else 0.0,
+        "accounting": f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
+                      f"{run.failed} failed + {run.left} left"
+                      + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
+        "elapsed_s": round(run.elapsed_s, 2),
+        "servers": dg.MetadataValue.json(run.servers),
+    })

@@ -1,0 +1,248 @@
+"""Continue truncated completions at a larger cap instead of generating them again.
+
+A row cut at the cap (finish_reason "length") already holds thousands of valid tokens. Its prompt and
+partial output go back to SGLang's native /generate BY TOKEN IDS (`input_ids = prompt_token_ids +
+output_ids`, nothing re-tokenised) with the rest of the new cap and the same sampling; the server generates
+only the missing tokens, and the row lands as a completion of the larger-cap config (the config hash a
+fresh run at that cap would have) with its lineage: `parent_config_hash`, `tokens_reused`.
+
+Rows of the parent that stopped on their own are complete at any larger cap: they are copied into the new
+config (tokens_reused = completion_tokens, nothing generated), so the new config is complete for the shard
+and its accounting adds up without sending anything. Truncated rows without token ids (a run without
+store_token_ids) cannot be continued exactly: they are counted (`without_ids`) and left, like every other
+prompt the new config lacks, to a normal generation run at the new cap, which generates exactly those.
+
+Exactly-once like the engine, with the engine's pieces: the committed parts of `completions/shard=K/` are
+the only ledger (the new config's done set is read from them on every start), the shard lock, recovery,
+compaction and the engine's dispatch loop (retries with backoff, ejection, a 400 never resent, failures).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from dflash_assets.fleet.client import ServerError
+from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
+from dflash_assets.generation.dispatch import Slot
+from dflash_assets.generation.engine import (
+    OVERFLOW_FAIL_SHARE, ShardRun, _batches, _reject, committed_ids, completion_store, dispatch, failure_store,
+)
+from dflash_assets.generation.preflight import Budget, check_fleet, overflow_error
+from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
+from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.generation.store import PartStore
+
+PLAN_COLUMNS = {
+    name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
+                                      "max_output_tokens", "temperature", "top_p", "top_k", "enable_thinking")
+} | {"n_prompt_ids": pc.list_value_length(pc.field("prompt_token_ids")),  # null when the run stored no ids
+     "n_output_ids": pc.list_value_length(pc.field("output_ids"))}
+
+
+@dataclass
+class ContinuationRun(ShardRun):
+    """What continuing one shard did; `prompts == completed + rejected + failed + left` for the new config."""
+
+    parent_config_hash: str = ""
+    parent_cap: int = 0
+    new_cap: int = 0
+    continued: int = 0  # rows continued by this run
+    copied: int = 0  # stopped rows copied by this run
+    without_ids: int = 0  # truncated parent rows without token ids: left to a generation run at the new cap
+    left: int = 0  # prompts the new config has no row, reject or failure for: a generation run's work
+    tokens_reused: int = 0  # over every row of the new config (this run's and earlier ones)
+    new_config_tokens: int = 0  # completion tokens of every row of the new config
+
+
+def rows_of(store: PartStore, config_hash: str, columns=None, wanted: set[str] | None = None,
+            batch_size: int = 256) -> Iterator[list[dict]]:
+    """Committed rows of one config, a batch at a time; parts written before a column existed read it as null."""
+    parts = store.parts()
+    if not parts or wanted == set():
+        return
+    where = pc.field("config_hash") == config_hash
+    if wanted is not None:
+        where = where & pc.field("prompt_id").isin(sorted(wanted))
+    dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=COMPLETION_SCHEMA)
+    for batch in dataset.to_batches(columns=columns, filter=where, batch_size=batch_size):
+        if batch.num_rows:
+            yield batch.to_pylist()
+
+
+def configs_in_shard(data_dir: Path, shard: str) -> list[tuple[str, int, int]]:
+    """(config_hash, rows, max_output_tokens) of every config with rows in the shard, most rows first."""
+    table = completion_store(data_dir, shard).read(["config_hash", "max_output_tokens"])
+    if not table.num_rows:
+        return []
+    counts = table.group_by("config_hash").aggregate([("config_hash", "count"), ("max_output_tokens", "max")])
+    found = zip(counts["config_hash"].to_pylist(), counts["config_hash_count"].to_pylist(),
+                counts["max_output_tokens_max"].to_pylist())
+    return sorted(found, key=lambda c: (-c[1], -c[2], c[0]))
+
+
+def latest_parent(data_dir: Path, shard: str, new_cap: int) -> str | None:
+    """The config with the most rows in the shard among those below `new_cap` (ties: the larger cap, so the
+    most tokens are reused). Below the cap, so a finished continuation is never its own parent."""
+    return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
+
+
+def _parent_config(plan: list[dict], parent: str) -> GenerationConfig:
+    """The parent's GenerationConfig, rebuilt from what its rows record and checked against its hash."""
+    first = plan[0]
+    config = GenerationConfig(max_output_tokens=first["max_output_tokens"], temperature=first["temperature"],
+                              top_p=first["top_p"], top_k=first["top_k"], enable_thinking=first["enable_thinking"])
+    if config.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
+        raise ConfigError(f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
+                          f"hash to {config.config_hash(first['model'])}); it cannot be continued")
+    return config
+
+
+def _copied(row: dict, config_hash: str, new_cap: int) -> dict:
+    """A stopped row is complete at any larger cap: the same completion, recorded under the new config.
+
+    It keeps the parent's provenance (server, latency, attempt, created_at): it is the same generation."""
+    return {**row, "config_hash": config_hash, "max_output_tokens": new_cap,
+            "parent_config_hash": row["config_hash"], "tokens_reused": row["completion_tokens"]}
+
+
+def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, new_cap: int,
+               attempt: int, latency: float) -> dict:
+    new_ids = list(resp["output_ids"])
+    finish = resp["meta_info"]["finish_reason"] or {}
+    if finish.get("type") not in ("stop", "length"):  # an abort without an HTTP error status: try again
+        raise ServerError(slot.url, f"/generate finished with {finish!r}", retryable=True)
+    ids = row["output_ids"] + new_ids
+    # /generate returns the text of the new tokens only; the whole output is the parent's raw text plus it
+    thought, content = reasoning.split(reasoning.raw_text(row) + resp["text"])
+    return {**row, "config_hash": config_hash, "finish_reason": finish["type"], "max_output_tokens": new_cap,
+            "completion_tokens": len(ids), "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
+            "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
+            "content": content, "reasoning_content": thought, "latency_s": latency, "attempt": attempt,
+            "created_at": datetime.now(timezone.utc), "output_ids": ids,
+            "parent_config_hash": row["config_hash"], "tokens_reused": len(row["output_ids"])}
+
+
+async def continue_shard(data_dir: Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
+                         settings: DispatchSettings = DispatchSettings(), *,
+                         log: Callable[[str], None] = print) -> ContinuationRun:
+    """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows."""
+    settings.validate()
+    started = time.monotonic()
+    prompts = prompt_store(data_dir, shard)
+    store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
+    server_rejects = reject_store(data_dir, shard, "server")
+    preflight_rejects = reject_store(data_dir, shard, "preflight")
+    if not prompts.parts():
+        raise FileNotFoundError(f"shard {shard} has no prompt_shards file under {data_dir}")
+    with store.lock():
+        store.recover()
+        server_rejects.recover()
+        plan = [r for batch in rows_of(store, parent_config_hash, PLAN_COLUMNS) for r in batch]
+        if not plan:
+            raise ConfigError(f"shard {shard} has no rows of config {parent_config_hash} to continue")
+        parent = _parent_config(plan, parent_config_hash)
+        if new_cap <= parent.max_output_tokens:
+            raise ConfigError(f"new cap {new_cap} must be larger than the parent's cap {parent.max_output_tokens}")
+        if fleet.model != plan[0]["model"]:
+            raise ConfigError(f"config {parent_config_hash} was generated by {plan[0]['model']!r} but the fleet "
+                              f"serves {fleet.model!r}; a continuation must come from the same model")
+        if odd := sorted({str(i.reasoning_parser) for i in fleet.infos if i.reasoning_parser not in PARSERS}):
+            raise ConfigError(f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
+                              f"the way {', '.join(str(p) for p in PARSERS)} split it")
+        config = replace(parent, max_output_tokens=new_cap)
+        config_hash = config.config_hash(fleet.model)
+        # a file name of our own, so a generation run's rejects and failures of the same config are never replaced
+        own_file = f"{config_hash}-from-{parent_config_hash}.parquet"
+        run = ContinuationRun(shard, config_hash, fleet.model, notes=check_fleet(fleet.infos, config.enable_thinking),
+                              parent_config_hash=parent_config_hash, parent_cap=parent.max_output_tokens,
+                              new_cap=new_cap)
+        done, refused = committed_ids(store, config_hash), committed_ids(server_rejects, config_hash)
+        run.already_done = len(done)
+        lines = {r["prompt_id"]: r["line"] for b in _batches(prompts, ["prompt_id", "line"]) for r in b}
+        run.prompts = len(lines)
+
+        todo = [r for r in plan if r["prompt_id"] not in done and r["prompt_id"] not in refused]
+        exact = [r for r in todo if r["finish_reason"] == "stop"
+                 or (r["finish_reason"] == "length" and r["n_prompt_ids"] is not None
+                     and r["n_output_ids"] is not None)]
+        run.without_ids = sum(r["finish_reason"] == "length" and r["n_output_ids"] is None for r in todo)
+        # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
+        # hold a row its own requests could not have produced (and the context-overflow check would flag it)
+        budget = Budget.of(fleet.infos, settings.context_margin)
+        over = {}
+        for r in exact:
+            r["line"] = lines.get(r["prompt_id"])
+            r["prompt_tokens"] = r["n_prompt_ids"] or r["prompt_tokens"]  # exact when the ids are there
+            if problem := budget.problem(r["prompt_tokens"], new_cap):
+                over[r["prompt_id"]] = _reject(r, "preflight", problem, config, config_hash, shard,
+                                               budget.context_length)
+        if over and len(over) >= OVERFLOW_FAIL_SHARE * len(exact):
+            raise overflow_error(budget, new_cap, len(over), len(exact), max(r["prompt_tokens"] for r in over.values()))
+        preflight_rejects.replace(list(over.values()), own_file)
+        copies = {r["prompt_id"] for r in exact if r["finish_reason"] == "stop" and r["prompt_id"] not in over}
+        to_continue = {r["prompt_id"] for r in exact if r["finish_reason"] == "length" and r["prompt_id"] not in over}
+        log(f"shard {shard}: continuing config {parent_config_hash} (cap {parent.max_output_tokens}) as {config_hash} "
+            f"(cap {new_cap}): {len(plan)} parent rows, {len(done)} already done, {len(copies)} stopped rows to copy, "
+            f"{len(to_continue)} truncated rows to continue, {run.without_ids} truncated without token ids (left to "
+            f"a generation run), {len(over)} rejected in preflight")
+
+        for batch in rows_of(store, parent_config_hash, wanted=copies, batch_size=settings.commit_rows):
+            store.commit([_copied(r, config_hash, new_cap) for r in batch])
+            run.copied += len(batch)
+
+        # whether a parent's output closed its thought is read from its ids: </think> as the server tokenizes it
+        end_ids = await fleet.clients[0].tokenize(THINK_END) if to_continue else []
+
+        def to_send() -> Iterator[dict]:
+            for batch in rows_of(store, parent_config_hash, wanted=to_continue):
+                for row in batch:
+                    row["line"] = lines.get(row["prompt_id"])  # for a reject row; not a completion column
+                    yield row
+
+        async def send(row: dict, slot: Slot, attempt: int) -> dict:
+            # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
+            # short of its cap still ends where a fresh run at the new cap would
+            sampling = {"max_new_tokens": new_cap - len(row["output_ids"]), "temperature": config.temperature,
+                        "top_p": config.top_p, "top_k": config.top_k}
+            t0 = time.monotonic()
+            resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
+                                               "sampling_params": sampling})
+            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids)
+            return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0)
+
+        def refuse(row: dict, reason: str, context: int) -> dict:
+            return _reject(row, "server", reason, config, config_hash, shard, context)
+
+        failed = await dispatch(to_send(), len(to_continue), fleet, settings, shard, config_hash, store,
+                                server_rejects, run, log, started, send, refuse)
+        failures.replace(failed, own_file)
+        run.continued = sum(s["completed"] for s in run.servers.values())
+        store.compact()
+        _account(run, data_dir, shard, store, set(lines), failed)
+    run.elapsed_s = time.monotonic() - started
+    return run
+
+
+def _account(run: ContinuationRun, data_dir: Path, shard: str, store: PartStore, prompt_ids: set[str],
+             failed: list[dict]) -> None:
+    """The new config's figures from what is committed, each prompt in the first class that applies."""
+    h = run.config_hash
+    completed = committed_ids(store, h) & prompt_ids
+    # a generation run's rejects of the new config count too: the accounting is the config's, not this run's
+    preflight = (committed_ids(reject_store(data_dir, shard, "preflight"), h) & prompt_ids) - completed
+    server = (committed_ids(reject_store(data_dir, shard, "server"), h) & prompt_ids) - completed - preflight
+    run.completed, run.rejected_preflight, run.rejected_server = len(completed), len(preflight), len(server)
+    run.failed = len({f["prompt_id"] for f in failed} - completed - preflight - server)
+    run.left = run.prompts - run.completed - run.rejected - run.failed
+    for batch in rows_of(store, h, ["completion_tokens", "tokens_reused"]):
+        run.new_config_tokens += sum(r["completion_tokens"] or 0 for r in batch)
+        run.tokens_reused += sum(r["tokens_reused"] or 0 for r in batch)

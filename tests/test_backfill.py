@@ -1,0 +1,320 @@
+"""Backfills through Dagster's own API, as the UI launches them, on a fleet that must not be oversubscribed.
+
+A real `dagster-webserver` and `dagster-daemon run` share a temporary DAGSTER_HOME whose dagster.yaml is the
+project's (run queue, `concurrency.pools.default_limit` for the `sglang_fleet` pool, run monitoring). The fleet
+is one SGLang emulator attached by URL (DFLASH_FLEET_MODE=attach, DFLASH_FLEET_URLS), instant decode; each
+generation request is held a moment (--fault-stall-seconds) so that a shard's completions step lasts long
+enough for runs to overlap. Backfills are launched with GraphQL `launchPartitionBackfill` and re-executed with
+`reexecutePartitionBackfill`, the mutations behind the UI's "Launch backfill" and "Re-execute from failure".
+
+1. A backfill over more shards than the pool limit: every partition materialised, every check evaluated, and
+   the event log shows never more `completions` steps running at once than the limit.
+2. A shard whose fleet goes down mid-run (the server crashes after a few requests) fails; the rows committed
+   before the crash stay; once the server is back on the same URL, re-executing the backfill from failure
+   skips what was materialised (prompt_shards) and completions resumes where it stopped: only the missing
+   prompts are generated, no row twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dagster as dg
+import duckdb
+import pytest
+from dagster._core.events import DagsterEventType
+
+from dagster_procs import (ARTIFACTS, Webserver, add_shard_partitions, daemon, dflash_env, free_port, make_home,
+                           project_pool_limit, wait_daemon_healthy, webserver)
+from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.quality import CHECKS
+
+pytestmark = pytest.mark.timeout(420)
+
+POOL = "sglang_fleet"
+SHARD_ASSETS = ["prompt_shards", "completions", "length_quality_report"]
+SHARD_SIZE = 6
+POOL_SHARDS = [f"{i:05d}" for i in range(5)]
+RESUME_SHARD = "00005"
+# instant decode; outputs under the default 4096 cap, so the truncation check passes with the default config
+FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
+STALL_S = 2.0
+TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
+OUT = ARTIFACTS / "backfill"
+
+
+class Fleet:
+    """One emulator on a fixed port, so the URL the daemon was given stays the same across restarts."""
+
+    def __init__(self, log_dir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_dir = log_dir
+        self.proc = None
+        self.starts = 0
+
+    def start(self, *flags: str) -> None:
+        self.stop()
+        self.starts += 1
+        self.proc = start_emulator(list(flags), port=self.port, log_path=self.log_dir / f"emulator-{self.starts}.log")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+
+
+@dataclass
+class Stack:
+    server: Webserver
+    instance: dg.DagsterInstance
+    fleet: Fleet
+    data_dir: Path
+    samples: list[dict] = field(default_factory=list)
+
+
+def write_prompts(path: Path, n: int) -> None:
+    path.write_text("".join(json.dumps({"id": f"p{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 13}."})
+                            + "\n" for i in range(n)))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    base = tmp_path_factory.mktemp("backfill")
+    home = make_home(base / "dagster_home")
+    write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 1))
+    fleet = Fleet(base)
+    # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
+    env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
+                     fleet_mode="attach", fleet_urls=fleet.url, shards_per_run=1)
+    fleet.start(*FAST, "--fault-stall-seconds", str(STALL_S))
+    try:
+        with webserver(home, env, log_dir=base) as server, daemon(home, env, log_dir=base) as daemon_proc:
+            wait_daemon_healthy(server, daemon_proc)
+            add_shard_partitions(server, [*POOL_SHARDS, RESUME_SHARD])
+            with dg.DagsterInstance.from_config(str(home)) as instance:
+                yield Stack(server, instance, fleet, base / "data")
+    finally:
+        fleet.stop()
+
+
+# --- GraphQL ----------------------------------------------------------------------------------------------
+
+LAUNCH = """mutation($params: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $params) {
+  __typename ... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }"""
+
+REEXECUTE = """mutation($params: ReexecutionParams!) { reexecutePartitionBackfill(reexecutionParams: $params) {
+  __typename ... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }"""
+
+STATUS = """query($id: String!) { partitionBackfillOrError(backfillId: $id) { __typename
+  ... on PartitionBackfill { id status numPartitions timestamp endTimestamp error { message }
+    assetBackfillData { assetBackfillStatuses { ... on AssetPartitionsStatusCounts { assetKey { path }
+      numPartitionsTargeted numPartitionsInProgress numPartitionsMaterialized numPartitionsFailed } } } }
+  ... on Error { message } } }"""
+
+POOL_USAGE = """query($pool: String!) { instance { concurrencyLimit(concurrencyKey: $pool) {
+  slotCount limit activeSlotCount pendingStepCount claimedSlots { runId stepKey } } } }"""
+
+
+def launch_backfill(server: Webserver, shards: list[str], title: str, run_config: dict | None = None) -> str:
+    params = {"title": title, "partitionsByAssets": [
+        {"assetKey": {"path": [asset]}, "partitions": {"range": {"start": shards[0], "end": shards[-1]}}}
+        for asset in SHARD_ASSETS]}
+    if run_config:
+        params["runConfigData"] = run_config
+    result = server.gql(LAUNCH, {"params": params})["launchPartitionBackfill"]
+    assert result["__typename"] == "LaunchBackfillSuccess", result
+    return result["backfillId"]
+
+
+def wait_backfill(stack: Stack, backfill_id: str, timeout_s: float = 240.0) -> dict:
+    """Poll the backfill until it ends, sampling the pool's slot usage meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        backfill = stack.server.gql(STATUS, {"id": backfill_id})["partitionBackfillOrError"]
+        assert backfill["__typename"] == "PartitionBackfill", backfill
+        usage = stack.server.gql(POOL_USAGE, {"pool": POOL})["instance"]["concurrencyLimit"]
+        stack.samples.append({"t": time.time(), "backfill": backfill_id, **usage})
+        if backfill["status"] in TERMINAL:
+            return backfill
+        assert time.monotonic() < deadline, f"backfill {backfill_id} still {backfill['status']} after {timeout_s}s"
+        time.sleep(0.5)
+
+
+def counts_by_asset(backfill: dict) -> dict[str, dict]:
+    return {s["assetKey"]["path"][-1]: s for s in backfill["assetBackfillData"]["assetBackfillStatuses"]}
+
+
+# --- the event log --------------------------------------------------------------------------------------
+
+def backfill_runs(instance: dg.DagsterInstance, backfill_id: str) -> list:
+    return list(instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id})))
+
+
+def step_intervals(instance: dg.DagsterInstance, run_ids: list[str], step_key: str) -> list[tuple[float, float]]:
+    """(start, end) of every execution of `step_key` in the runs, from STEP_START to STEP_SUCCESS/FAILURE."""
+    kinds = {DagsterEventType.STEP_START, DagsterEventType.STEP_SUCCESS, DagsterEventType.STEP_FAILURE}
+    intervals = []
+    for run_id in run_ids:
+        start = None
+        for entry in instance.all_logs(run_id, of_type=kinds):
+            if entry.step_key != step_key:
+                continue
+            if entry.dagster_event.event_type == DagsterEventType.STEP_START:
+                start = entry.timestamp
+            elif start is not None:
+                intervals.append((start, entry.timestamp))
+                start = None
+        assert start is None, f"run {run_id}: {step_key} started and never ended"
+    return intervals
+
+
+def max_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (an end at t comes before a start at t)."""
+    edges = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals], key=lambda x: (x[0], x[1]))
+    running = peak = 0
+    for _, delta in edges:
+        running += delta
+        peak = max(peak, running)
+    return peak
+
+
+def pool_blocked_events(instance: dg.DagsterInstance, run_ids: list[str]) -> int:
+    return sum(f"blocked by limit for pool {POOL}" in (entry.message or "")
+               for run_id in run_ids for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT))
+
+
+def check_evaluations(instance: dg.DagsterInstance, run_id: str) -> dict[str, bool]:
+    return {e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data.passed
+            for e in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION)}
+
+
+def completion_rows(data_dir: Path, shard: str) -> list[str]:
+    files = sorted((data_dir / "completions" / f"shard={shard}").glob("*.parquet"))
+    if not files:
+        return []
+    return [r[0] for r in duckdb.sql(f"select prompt_id from read_parquet({[str(f) for f in files]})").fetchall()]
+
+
+def latest_completions_metadata(instance: dg.DagsterInstance, shard: str) -> dict:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard]), limit=1).records
+    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+
+def save(name: str, payload: dict) -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / name).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+# --- the tests ------------------------------------------------------------------------------------------
+
+def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_the_limit(stack):
+    limit = project_pool_limit()
+    assert len(POOL_SHARDS) > limit, "the backfill must be wider than the pool to test it"
+    backfill_id = launch_backfill(stack.server, POOL_SHARDS, "pool: shards 0-4")
+    backfill = wait_backfill(stack, backfill_id)
+
+    counts = counts_by_asset(backfill)
+    assert backfill["status"] == "COMPLETED_SUCCESS", (backfill, counts)
+    for asset in SHARD_ASSETS:
+        assert counts[asset]["numPartitionsTargeted"] == len(POOL_SHARDS), counts[asset]
+        assert counts[asset]["numPartitionsMaterialized"] == len(POOL_SHARDS), counts[asset]
+        assert counts[asset]["numPartitionsFailed"] == 0, counts[asset]
+
+    runs = backfill_runs(stack.instance, backfill_id)
+    run_ids = [r.run_id for r in runs]
+    assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs)
+    # every run evaluated every check, and the blocking ones passed
+    for run_id in run_ids:
+        evaluations = check_evaluations(stack.instance, run_id)
+        assert set(evaluations) == {c.name for c in CHECKS}, run_id
+        assert all(evaluations[c.name] for c in CHECKS if c.blocking), (run_id, evaluations)
+    # rows: every prompt of every shard once
+    for shard in POOL_SHARDS:
+        rows = completion_rows(stack.data_dir, shard)
+        assert len(rows) == len(set(rows)) == SHARD_SIZE, shard
+
+    # the pool: never more completions steps at once than the limit, though more runs than that were live
+    intervals = step_intervals(stack.instance, run_ids, "completions")
+    assert len(intervals) == len(POOL_SHARDS) and len(run_ids) > limit
+    peak = max_overlap(intervals)
+    runs_overlap = max_overlap([(r.start_time, r.end_time) for r in stack.instance.get_run_records(
+        filters=dg.RunsFilter(run_ids=run_ids))])
+    blocked = pool_blocked_events(stack.instance, run_ids)
+    sampled = [s for s in stack.samples if s["backfill"] == backfill_id]
+    summary = {
+        "pool": POOL, "limit": limit, "shards": len(POOL_SHARDS), "runs": len(run_ids),
+        "max_concurrent_completions_steps": peak, "max_concurrent_runs": runs_overlap,
+        "steps_blocked_by_pool_events": blocked,
+        "max_sampled_active_slots": max(s["activeSlotCount"] for s in sampled),
+        "max_sampled_pending_steps": max(s["pendingStepCount"] for s in sampled),
+        "backfill_seconds": round(backfill["endTimestamp"] - backfill["timestamp"], 1),
+        "completions_steps": sorted((round(s - intervals[0][0], 2), round(e - s, 2)) for s, e in intervals),
+    }
+    save("pool.json", summary)
+    print("\npool behaviour:", json.dumps({k: v for k, v in summary.items() if k != "completions_steps"}))
+    assert peak <= limit, summary
+    assert max(s["activeSlotCount"] for s in sampled) <= limit, summary
+    assert sampled[-1]["slotCount"] == limit and sampled[-1]["claimedSlots"] == [], "slots freed after the backfill"
+    # not vacuous: runs did overlap, and the pool made steps wait or ran them side by side up to the limit
+    assert runs_overlap > limit or blocked > 0, summary
+    assert blocked > 0 or peak == limit, summary
+
+
+RESUME_CONFIG = {"ops": {"completions": {"config": {
+    "commit_rows": 1,  # commit every row, so the crash leaves committed rows behind
+    "max_in_flight_per_server": 2, "max_attempts": 2, "no_server_timeout_s": 3}}}}
+
+
+def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack):
+    # the server crashes when generation request 3 arrives: two rows done, the run fails
+    stack.fleet.start(*FAST, "--fault-crash-after", "2")
+    first_id = launch_backfill(stack.server, [RESUME_SHARD], "resume: fleet goes down", RESUME_CONFIG)
+    first = wait_backfill(stack, first_id)
+    counts = counts_by_asset(first)
+    assert first["status"] in {"COMPLETED_FAILED", "FAILED"}, (first, counts)
+    assert counts["prompt_shards"]["numPartitionsMaterialized"] == 1
+    assert counts["completions"]["numPartitionsFailed"] == 1
+    assert counts["completions"]["numPartitionsMaterialized"] == 0
+    assert not stack.fleet.alive(), "the emulator was to crash"
+    committed = completion_rows(stack.data_dir, RESUME_SHARD)
+    assert 0 < len(committed) < SHARD_SIZE, committed
+    [failed_run] = backfill_runs(stack.instance, first_id)
+    assert failed_run.status == dg.DagsterRunStatus.FAILURE
+
+    # the server is back on the same URL; re-execute the backfill from failure (the UI's button)
+    stack.fleet.start(*FAST)
+    result = stack.server.gql(REEXECUTE, {"params": {"parentRunId": first_id, "strategy": "FROM_FAILURE"}})
+    result = result["reexecutePartitionBackfill"]
+    assert result["__typename"] == "LaunchBackfillSuccess", result
+    second = wait_backfill(stack, result["backfillId"])
+    counts = counts_by_asset(second)
+    assert second["status"] == "COMPLETED_SUCCESS", (second, counts)
+    assert counts["completions"]["numPartitionsMaterialized"] == 1
+    assert counts["length_quality_report"]["numPartitionsMaterialized"] == 1
+    # what had been materialised is not redone: the re-execution does not target prompt_shards
+    assert counts.get("prompt_shards", {}).get("numPartitionsTargeted", 0) == 0, counts
+    [retry_run] = backfill_runs(stack.instance, result["backfillId"])
+    assert retry_run.status == dg.DagsterRunStatus.SUCCESS
+    assert {i for i in ("prompt_shards",) if step_intervals(stack.instance, [retry_run.run_id], i)} == set()
+
+    # completions resumed: the committed rows were kept, only the rest generated, no prompt twice
+    rows = completion_rows(stack.data_dir, RESUME_SHARD)
+    assert len(rows) == len(set(rows)) == SHARD_SIZE
+    assert set(committed) <= set(rows)
+    meta = latest_completions_metadata(stack.instance, RESUME_SHARD)
+    assert meta["already_done"] == len(committed), meta
+    assert meta["completed"] == SHARD_SIZE and meta["failed"] == 0, meta
+    evaluations = check_evaluations(stack.instance, retry_run.run_id)
+    assert all(evaluations[c.name] for c in CHECKS if c.blocking), evaluations
+    save("resume.json", {"committed_before_crash": len(committed), "already_done_on_retry": meta["already_done"],
+                         "rows_after_retry": len(rows), "failed_backfill": first_id,
+                         "retry_backfill": result["backfillId"],
+                         "retry_seconds": round(second["endTimestamp"] - second["timestamp"], 1)})

@@ -1,0 +1,220 @@
+"""Truncation recovery: rows cut at the old cap are continued by token ids to the new cap, not generated again.
+
+The emulator's stand-in model is autoregressive-consistent (a completion is a function of the prompt), so a
+continued row must equal, column for column, the row a fresh run at the new cap generates.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import dagster as dg
+import duckdb
+import pytest
+
+from dflash_assets.defs.continuation.assets import continued_completions
+from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.resources import DataDir, FleetResource
+from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.fleet.fleet import connect
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.continuation import continue_shard
+from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.generation.reasoning import Reasoning
+from dflash_assets.generation.shards import build_prompt_shard
+
+FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]
+N = 40
+SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
+COLUMNS = ("prompt_id, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, "
+           "max_output_tokens, content, reasoning_content, prompt_token_ids, output_ids")
+
+
+@pytest.fixture(scope="module")
+def fleet_urls():
+    with start_emulator(FAST) as a, start_emulator(FAST) as b:
+        yield [a.url, b.url]
+
+
+def on_fleet(urls, work):
+    async def go():
+        fleet = await connect(urls)
+        try:
+            return await work(fleet)
+        finally:
+            await fleet.session.close()
+
+    return asyncio.run(go())
+
+
+def make_shard(data_dir, urls) -> None:
+    src = data_dir.parent / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"c{i:03d}", "prompt": f"Explain idea {i} step by step."}) + "\n"
+                           for i in range(N)))
+    on_fleet(urls, lambda f: build_prompt_shard(src, 0, "00000", N, data_dir, f, {"enable_thinking": True}))
+
+
+def generate(data_dir, urls, cap, settings=SETTINGS):
+    return on_fleet(urls, lambda f: generate_shard(data_dir, "00000", f, GenerationConfig(max_output_tokens=cap),
+                                                   settings, log=lambda m: None))
+
+
+def cont(data_dir, urls, parent, cap, settings=SETTINGS):
+    return on_fleet(urls, lambda f: continue_shard(data_dir, "00000", f, parent, cap, settings, log=lambda m: None))
+
+
+def rows(data_dir, config_hash, columns=COLUMNS) -> list[tuple]:
+    return duckdb.sql(f"select {columns} from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = "
+                      f"true) where config_hash = '{config_hash}' order by prompt_id").fetchall()
+
+
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory, fleet_urls):
+    """A shard generated at 4096 with token ids and continued to 8192; the same shard generated at 8192."""
+    a, b = tmp_path_factory.mktemp("continued") / "data", tmp_path_factory.mktemp("scratch") / "data"
+    make_shard(a, fleet_urls)
+    make_shard(b, fleet_urls)
+    parent = generate(a, fleet_urls, 4096)
+    run = cont(a, fleet_urls, parent.config_hash, 8192)
+    scratch = generate(b, fleet_urls, 8192)
+    return a, b, parent, run, scratch
+
+
+def test_continued_rows_equal_a_fresh_generation_at_the_new_cap(continued):
+    a, b, parent, run, scratch = continued
+    assert run.config_hash == scratch.config_hash, "the continued config is the new cap's config"
+    truncated = [r for r in rows(a, parent.config_hash, "prompt_id, finish_reason, content")
+                 if r[1] == "length"]
+    assert run.continued == len(truncated) > 0 and run.copied == N - len(truncated)
+    # both kinds of cut are covered: inside the thought (content "") and in the answer after </think>
+    assert {bool(r[2]) for r in truncated} == {True, False}
+    mine, theirs = rows(a, run.config_hash), rows(b, scratch.config_hash)
+    assert len(mine) == N
+    for m, t in zip(mine, theirs):
+        assert m == t, f"continued row {m[0]} differs from the fresh one"
+    assert {r[2] for r in mine} == {"stop", "length"}, "some rows run past 8192 too, and stay truncated"
+
+
+def test_tokens_reused_add_up_to_the_parents_tokens(continued):
+    a, _, parent, run, _ = continued
+    lineage = duckdb.sql(f"select count(*), sum(tokens_reused), sum(completion_tokens - tokens_reused), "
+                         f"count(*) filter (where parent_config_hash = '{parent.config_hash}') from read_parquet("
+                         f"'{a}/completions/**/*.parquet') where config_hash = '{run.config_hash}'").fetchall()[0]
+    parents = duckdb.sql(f"select sum(completion_tokens) from read_parquet('{a}/completions/**/*.parquet') "
+                         f"where config_hash = '{parent.config_hash}'").fetchall()[0][0]
+    rows_, reused, generated, with_lineage = lineage
+    print(f"\ntokens saved: {reused} reused, {generated} generated ({reused / (reused + generated):.0%} saved)")
+    assert reused > 0 and reused == parents == run.tokens_reused
+    assert generated == run.output_tokens and rows_ == with_lineage == N
+    assert run.new_config_tokens == reused + generated
+
+
+def test_accounting_of_the_new_config_adds_up(continued):
+    _, _, _, run, _ = continued
+    assert (run.prompts, run.completed, run.rejected, run.failed, run.left) == (N, N, 0, 0, 0)
+
+
+def test_a_rerun_of_a_finished_continuation_sends_nothing(continued, fleet_urls):
+    a, _, parent, run, _ = continued
+    again = cont(a, fleet_urls, parent.config_hash, 8192)
+    assert (again.already_done, again.continued, again.copied, again.completed) == (N, 0, 0, N)
+    assert len(rows(a, run.config_hash)) == N
+
+
+KILLED = '''
+import asyncio, sys
+from dflash_assets.fleet.fleet import connect
+from dflash_assets.generation.config import DispatchSettings
+from dflash_assets.generation.continuation import continue_shard
+
+async def go(data, url, parent):
+    fleet = await connect([url])
+    settings = DispatchSettings(commit_rows=1, commit_seconds=0.05, load_sample_s=0)
+    await continue_shard(data, "00000", fleet, parent, 8192, settings, log=lambda m: None)
+
+asyncio.run(go(*sys.argv[1:]))
+'''
+
+
+def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_path, fleet_urls, continued):
+    _, b, _, _, scratch = continued
+    data = tmp_path / "data"
+    make_shard(data, fleet_urls)
+    parent = generate(data, fleet_urls, 4096)
+    copies = N - parent.length
+    # slow decoding, so the kill lands while continuations are in flight
+    with start_emulator(["--decode-tokens-per-s", "3000", "--max-running-requests", "2", *FAST[2:]]) as slow:
+        proc = subprocess.Popen([sys.executable, "-c", KILLED, str(data), slow.url, parent.config_hash])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(rows(data, scratch.config_hash, "prompt_id")) <= copies:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    partial = [r[0] for r in rows(data, scratch.config_hash, "prompt_id")]
+    assert copies < len(partial) < N, "the kill should land after the copies, mid-continuation"
+    assert len(partial) == len(set(partial)), "a kill -9 left duplicate rows"
+    run = cont(data, fleet_urls, parent.config_hash, 8192)
+    assert (run.already_done, run.continued) == (len(partial), N - len(partial))
+    assert rows(data, run.config_hash) == rows(b, scratch.config_hash), "nothing lost, nothing changed"
+
+
+def test_truncated_rows_without_token_ids_are_counted_and_left_to_a_generation_run(tmp_path, fleet_urls):
+    data = tmp_path / "data"
+    make_shard(data, fleet_urls)
+    parent = generate(data, fleet_urls, 4096, DispatchSettings(load_sample_s=0))
+    run = cont(data, fleet_urls, parent.config_hash, 8192)
+    assert run.parent_cap == 4096 and run.parent_config_hash == parent.config_hash
+    assert (run.continued, run.without_ids, run.copied) == (0, parent.length, N - parent.length)
+    assert run.left == parent.length and run.prompts == run.completed + run.left
+    rest = generate(data, fleet_urls, 8192, DispatchSettings(load_sample_s=0))
+    assert (rest.config_hash, rest.already_done, rest.completed) == (run.config_hash, N - parent.length, N)
+
+
+def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(tmp_path, emulator):
+    server = emulator(*FAST, "--context-length", "6000")
+    data = tmp_path / "data"
+    make_shard(data, [server.emu.url])
+    parent = generate(data, [server.emu.url], 4096)
+    with pytest.raises(PreflightError, match=r"context length is 6000 tokens and max_output_tokens is 8192"):
+        cont(data, [server.emu.url], parent.config_hash, 8192)
+    assert len(rows(data, GenerationConfig(max_output_tokens=8192).config_hash(parent.model))) == 0
+
+
+def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path, fleet_urls):
+    data = tmp_path / "data"
+    make_shard(data, fleet_urls)
+    parent = generate(data, fleet_urls, 4096)
+    res = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)), "data_dir": DataDir(path=str(data))}
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        result = dg.materialize([continued_completions], partition_key="00000", instance=instance, resources=res,
+                                run_config={"ops": {"continued_completions": {"config": {
+                                    "parent_config_hash": "latest", "new_max_output_tokens": 8192}}}})
+    meta = result.asset_materializations_for_node("continued_completions")[0].metadata
+    assert meta["parent_config_hash"].value == parent.config_hash
+    assert meta["rows_continued"].value == parent.length and meta["rows_copied"].value == N - parent.length
+    assert meta["tokens_reused"].value > 0 and 0 < meta["saved_share"].value < 1
+    assert meta["accounting"].value == f"{N} prompts = {N} completed + 0 rejected + 0 failed + 0 left"
+    assert meta["config_hash"].value == GenerationConfig(max_output_tokens=8192).config_hash(parent.model)
+
+
+@pytest.mark.parametrize("parser, thinking, text, ids", [
+    ("qwen3", True, "cut in the thought", [1, 2]),
+    ("qwen3", True, "cut right after it</think>", [1, 7]),  # content "" as when the thought was cut
+    ("qwen3", True, "thought</think>\n\nanswer so far", [1, 7, 3]),
+    ("qwen3", True, "</think>answer", [7, 3]),  # an empty thought comes back null
+    ("qwen3", True, "thought\n<tool_call>{", [1, 4]),  # Qwen3.5 opens a tool call without closing the thought
+    ("qwen3", False, "no thinking at all", [3]),
+    (None, True, "no parser: <think>raw</think> stays in content", [3, 7]),
+])
+def test_the_reasoning_split_is_undone_exactly_wherever_the_cut_fell(parser, thinking, text, ids):
+    reasoning = Reasoning.of(parser, thinking, [7])
+    thought, content = reasoning.split(text)
+    row = {"reasoning_content": thought, "content": content, "output_ids": ids}
+    assert reasoning.raw_text(row) == text
+    assert reasoning.split(reasoning.raw_text(row) + " more</think>end") == reasoning.split(text + " more</think>end")
