@@ -37,11 +37,13 @@ pytestmark = pytest.mark.timeout(420)
 POOL = "sglang_fleet"
 SHARD_ASSETS = ["prompt_shards", "completions", "length_quality_report"]
 SHARD_SIZE = 6
-POOL_SHARDS = [f"{i:05d}" for i in range(5)]
+POOL_SHARDS = [f"{i:05d}" for i in range(int(__import__("os").environ.get("T_N", "5")))]
 RESUME_SHARD = "00005"
 # instant decode; outputs under the default 4096 cap, so the truncation check passes with the default config
 FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
-STALL_S = 2.0
+import os
+STALL_S = float(os.environ.get("T_STALL", "2.0"))
+POOL_RUN_CONFIG = json.loads(os.environ.get("T_RC", "null"))
 TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 OUT = ARTIFACTS / "backfill"
 
@@ -218,7 +220,7 @@ def save(name: str, payload: dict) -> None:
 def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_the_limit(stack):
     limit = project_pool_limit()
     assert len(POOL_SHARDS) > limit, "the backfill must be wider than the pool to test it"
-    backfill_id = launch_backfill(stack.server, POOL_SHARDS, "pool: shards 0-4")
+    backfill_id = launch_backfill(stack.server, POOL_SHARDS, "pool: shards 0-4", POOL_RUN_CONFIG)
     backfill = wait_backfill(stack, backfill_id)
 
     counts = counts_by_asset(backfill)

@@ -4,7 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.generation.config import ConfigError, DispatchSettings
 from dflash_assets.generation.continuation import continue_shard, latest_parent
@@ -35,6 +35,7 @@ class ContinuationConfig(dg.Config):
 @dg.asset(
     deps=[completions],
     partitions_def=shard_partitions,
+    backfill_policy=shard_backfill_policy,
     group_name="generation",
     kinds={"sglang", "parquet"},
     owners=["team:dflash"],
@@ -45,8 +46,14 @@ class ContinuationConfig(dg.Config):
                 "ids are left to a completions run at the new cap, which then generates only those.",
 )
 def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
-                          data_dir: DataDir) -> dg.MaterializeResult:
-    shard, cap = context.partition_key, config.new_max_output_tokens
+                          data_dir: DataDir) -> None:
+    for shard in context.partition_keys:  # one shard, or a backfill's range of them, one after the other
+        context.add_asset_metadata(_continue(context, shard, config, fleet, data_dir), partition_key=shard)
+
+
+def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: FleetResource,
+              data_dir: DataDir) -> dict:
+    cap = config.new_max_output_tokens
     parent = config.parent_config_hash
     if parent == "latest":
         parent = latest_parent(data_dir.resolved(), shard, cap)
@@ -67,7 +74,7 @@ def continued_completions(context: dg.AssetExecutionContext, config: Continuatio
                             f"max_output_tokens {cap} (same sampling) to generate exactly those")
     accounted = run.completed + run.rejected + run.failed + run.left
     generated = run.new_config_tokens - run.tokens_reused
-    return dg.MaterializeResult(metadata={
+    return {
         "dagster/row_count": run.completed,
         "config_hash": run.config_hash,
         "parent_config_hash": run.parent_config_hash,
@@ -85,4 +92,4 @@ def continued_completions(context: dg.AssetExecutionContext, config: Continuatio
                       + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
         "elapsed_s": round(run.elapsed_s, 2),
         "servers": dg.MetadataValue.json(run.servers),
-    })
+    }
