@@ -120,12 +120,28 @@ class PromptSource(dg.ConfigurableResource):
 
 
 class DataDir(dg.ConfigurableResource):
-    """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`)."""
+    """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`): a local path or `s3://bucket/prefix`.
+
+    On an object store the tables (prompt shards, completions, rejects, failures) live there; the files made
+    for people and trainers (report pictures, the exported training set) are written to `local_path`
+    (`DFLASH_LOCAL_DIR`, default `data/`), a local directory. S3 endpoint and credentials come from the
+    environment (DFLASH_S3_ENDPOINT or AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), never from config.
+    """
 
     path: str = "data"
+    local_path: str = "data"
 
-    def resolved(self) -> Path:
-        return Path(self.path).resolve()
+    def resolved(self) -> Path | str:
+        """The data dir for the generation and quality libraries: an absolute Path, or the URI as given."""
+        from dflash_assets.generation.storage import is_uri
+
+        return self.path.rstrip("/") if is_uri(self.path) else Path(self.path).resolve()
+
+    def local_dir(self) -> Path:
+        """Where local files (reports, training set) go: the data dir itself when it is local."""
+        from dflash_assets.generation.storage import is_uri
+
+        return Path(self.local_path if is_uri(self.path) else self.path).resolve()
 
 
 def from_env() -> dict:
@@ -146,7 +162,7 @@ def from_env() -> dict:
                                                      command=env("DFLASH_SGLANG_COMMAND", "sglang"))),
         "prompt_source": PromptSource(path=env("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
                                       shard_size=env_int("DFLASH_SHARD_SIZE", 100)),
-        "data_dir": DataDir(path=env("DFLASH_DATA_DIR", "data")),
+        "data_dir": DataDir(path=env("DFLASH_DATA_DIR", "data"), local_path=env("DFLASH_LOCAL_DIR", "data")),
         "quality": QualityThresholds(),
     }
 

@@ -13,6 +13,9 @@ from typing import Any
 import aiohttp
 
 
+UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
+
+
 class ServerError(Exception):
     """A request the server did not complete. `retryable` tells the dispatcher what to do with it."""
 
@@ -93,10 +96,16 @@ class ServerClient:
 
     async def info(self) -> ServerInfo:
         models = await self._request("GET", "/v1/models", timeout=30)
-        server = await self._request("GET", "/server_info", timeout=30)
+        try:
+            server = await self._request("GET", "/server_info", timeout=30)
+        except ServerError as e:
+            if e.status != 404:
+                raise
+            server = {}  # a router / gateway in front of many servers has no /server_info of its own
         card = models["data"][0]
         states = server.get("internal_states") or [{}]
-        max_running = states[0].get("effective_max_running_requests_per_dp") or server.get("max_running_requests")
+        max_running = (states[0].get("effective_max_running_requests_per_dp") or server.get("max_running_requests")
+                       or UNKNOWN_MAX_RUNNING)
         return ServerInfo(
             url=self.url,
             model=card["id"],

@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
@@ -39,6 +38,7 @@ from dflash_assets.generation.preflight import Budget, check_fleet, overflow_err
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.generation.store import PartStore
 
 PLAN_COLUMNS = {
@@ -72,13 +72,13 @@ def rows_of(store: PartStore, config_hash: str, columns=None, wanted: set[str] |
     where = pc.field("config_hash") == config_hash
     if wanted is not None:
         where = where & pc.field("prompt_id").isin(sorted(wanted))
-    dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=COMPLETION_SCHEMA)
+    dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)
     for batch in dataset.to_batches(columns=columns, filter=where, batch_size=batch_size):
         if batch.num_rows:
             yield batch.to_pylist()
 
 
-def configs_in_shard(data_dir: Path, shard: str) -> list[tuple[str, int, int]]:
+def configs_in_shard(data_dir: str | Path | Storage, shard: str) -> list[tuple[str, int, int]]:
     """(config_hash, rows, max_output_tokens) of every config with rows in the shard, most rows first."""
     table = completion_store(data_dir, shard).read(["config_hash", "max_output_tokens"])
     if not table.num_rows:
@@ -89,7 +89,7 @@ def configs_in_shard(data_dir: Path, shard: str) -> list[tuple[str, int, int]]:
     return sorted(found, key=lambda c: (-c[1], -c[2], c[0]))
 
 
-def latest_parent(data_dir: Path, shard: str, new_cap: int) -> str | None:
+def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int) -> str | None:
     """The config with the most rows in the shard among those below `new_cap` (ties: the larger cap, so the
     most tokens are reused). Below the cap, so a finished continuation is never its own parent."""
     return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
@@ -131,10 +131,11 @@ def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_h
             "parent_config_hash": row["config_hash"], "tokens_reused": len(row["output_ids"])}
 
 
-async def continue_shard(data_dir: Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
+async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
                          settings: DispatchSettings = DispatchSettings(), *,
                          log: Callable[[str], None] = print) -> ContinuationRun:
     """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows."""
+    data_dir = open_storage(data_dir)
     settings.validate()
     started = time.monotonic()
     prompts = prompt_store(data_dir, shard)
@@ -232,7 +233,7 @@ async def continue_shard(data_dir: Path, shard: str, fleet: Fleet, parent_config
     return run
 
 
-def _account(run: ContinuationRun, data_dir: Path, shard: str, store: PartStore, prompt_ids: set[str],
+def _account(run: ContinuationRun, data_dir: Storage, shard: str, store: PartStore, prompt_ids: set[str],
              failed: list[dict]) -> None:
     """The new config's figures from what is committed, each prompt in the first class that applies."""
     h = run.config_hash

@@ -19,7 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
@@ -30,6 +29,7 @@ from dflash_assets.generation.prompts import canonical_json
 from dflash_assets.generation.preflight import Budget, check_fleet, overflow_error
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA
 from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.generation.store import PartStore
 
 OVERFLOW_FAIL_SHARE = 0.9  # when this share of a shard overflows, the config is wrong, not the prompts
@@ -62,11 +62,11 @@ class ShardRun:
         return self.rejected_preflight + self.rejected_server
 
 
-def completion_store(data_dir: Path, shard: str) -> PartStore:
+def completion_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
     return PartStore(data_dir, "completions", shard, COMPLETION_SCHEMA)
 
 
-def failure_store(data_dir: Path, shard: str) -> PartStore:
+def failure_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
     return PartStore(data_dir, "failures", shard, FAILURE_SCHEMA)
 
 
@@ -108,7 +108,7 @@ PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
 def _batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
     """The shard's prompts a batch at a time, so a large shard is never all in memory."""
     for part in store.parts():
-        for batch in pq.ParquetFile(part).iter_batches(batch_size=size, columns=columns):
+        for batch in store.storage.parquet_file(part).iter_batches(batch_size=size, columns=columns):
             yield batch.to_pylist()
 
 
@@ -151,7 +151,7 @@ class _Plan:
                     yield row
 
 
-async def _prepare(data_dir: Path, shard: str, fleet: Fleet, config: GenerationConfig, settings: DispatchSettings,
+async def _prepare(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationConfig, settings: DispatchSettings,
                    preflight_policy: str, notes: list[str], log: Callable[[str], None]) -> _Plan:
     """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
     config_hash = config.config_hash(fleet.model)
@@ -185,15 +185,16 @@ async def _prepare(data_dir: Path, shard: str, fleet: Fleet, config: GenerationC
     return _Plan(Target(run, store, server_rejects), prompts, todo)
 
 
-async def generate_shards(data_dir: Path, shards: list[str], fleet: Fleet, config: GenerationConfig,
+async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationConfig,
                           settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
                           log: Callable[[str], None] = print) -> list[ShardRun]:
     """Generate several shards (a backfill's range) through ONE dispatcher, in order.
 
     The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
     servers' slots do not drain at shard boundaries; each shard still has its own lock, parts, rejects,
-    failures, compaction and figures.
+    failures, compaction and figures. `data_dir` is a local path or an `s3://bucket/prefix` URI.
     """
+    data_dir = open_storage(data_dir)
     config.validate()
     settings.validate()
     if preflight_policy not in ("reject", "fail"):
@@ -234,7 +235,7 @@ async def generate_shards(data_dir: Path, shards: list[str], fleet: Fleet, confi
     return [p.target.run for p in plans]
 
 
-async def generate_shard(data_dir: Path, shard: str, fleet: Fleet, config: GenerationConfig,
+async def generate_shard(data_dir: str | Path, shard: str, fleet: Fleet, config: GenerationConfig,
                          settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
                          log: Callable[[str], None] = print) -> ShardRun:
     """Generate the completions of one shard (see generate_shards)."""

@@ -10,12 +10,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.prompts import Prompt, SourceReject, canonical_json, read_shard
 from dflash_assets.generation.schema import PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.generation.store import PartStore
 
 
@@ -29,20 +29,21 @@ class ShardBuild:
     reasons: dict[str, int]  # reject reason kind -> count
 
 
-def prompt_store(data_dir: Path, shard: str) -> PartStore:
+def prompt_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
     return PartStore(data_dir, "prompt_shards", shard, PROMPT_SCHEMA)
 
 
-def reject_store(data_dir: Path, shard: str, stage: str) -> PartStore:
+def reject_store(data_dir: str | Path | Storage, shard: str, stage: str) -> PartStore:
     return PartStore(data_dir, "rejects", f"{shard}/stage={stage}", REJECT_SCHEMA)
 
 
-def ids_in_other_shards(data_dir: Path, shard: str) -> dict[str, str]:
+def ids_in_other_shards(data_dir: str | Path | Storage, shard: str) -> dict[str, str]:
     """prompt_id -> shard for every materialised shard but this one (only the two id columns are read)."""
-    root = Path(data_dir) / "prompt_shards"
-    if not root.exists():
+    storage = open_storage(data_dir)
+    root = storage.root / "prompt_shards"
+    if not storage.exists(root):
         return {}
-    table = ds.dataset(root, format="parquet", partitioning=None).to_table(columns=["prompt_id", "shard"])
+    table = storage.dataset(root, partitioning=None).to_table(columns=["prompt_id", "shard"])
     table = table.filter(pc.not_equal(table["shard"], shard))
     return dict(zip(table["prompt_id"].to_pylist(), table["shard"].to_pylist()))
 
@@ -54,7 +55,7 @@ def reason_kind(reason: str) -> str:
     return re.sub(r"(?<![-\w])\d+", "N", text.split(": ", 1)[0] if text.startswith("invalid JSON") else text)
 
 
-async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: int, data_dir: Path, fleet: Fleet,
+async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: int, data_dir: str | Path, fleet: Fleet,
                              template_kwargs: dict, concurrency: int = 64) -> ShardBuild:
     items = list(read_shard(source, index, shard_size))
     elsewhere = ids_in_other_shards(data_dir, shard)

@@ -1,155 +1,117 @@
 """Parquet tables under the data dir, written so that a crash at any moment leaves them consistent.
 
-The one ledger of "done": a completion exists iff its row is in a committed Parquet part. A part is
-written to a temporary name, fsynced, renamed into place and the directory fsynced; a torn temporary
-file from a crash is ignored and removed. Compaction writes one file that names, in its Parquet
-metadata, the parts it replaces; those parts are deleted after the rename, and on the next start any
-part a compacted file covers is deleted (the crash window between the two steps).
+The one ledger of "done": a completion exists iff its row is in a committed Parquet part. Locally a part is
+written to a temporary name, fsynced, renamed into place and the directory fsynced; on an object store
+(`s3://bucket/prefix`) it is uploaded whole under its final name, which only becomes visible when complete
+(see storage.py). A torn temporary file from a crash is ignored and removed. Compaction writes one file that
+names, in its Parquet metadata, the parts it replaces; those parts are deleted after it is committed, and on
+the next start any part a compacted file covers is deleted (the crash window between the two steps).
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
 import uuid
 from collections.abc import Iterable
-from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from dflash_assets.generation.storage import Storage, fsync_dir, open_storage, write_atomic
+
+__all__ = ["COVERS_KEY", "PartStore", "fsync_dir", "read_table", "write_atomic"]
 
 COVERS_KEY = b"dflash.covers"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(table: pa.Table, path: Path, metadata: dict[bytes, bytes] | None = None) -> Path:
-    """Write `table` to `path` so that readers see either nothing or the whole file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if metadata:
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return path
-
-
-def read_table(paths: Iterable[Path], columns: list[str] | None, schema: pa.Schema) -> pa.Table:
-    tables = [pq.read_table(p, columns=columns) for p in paths]
+def read_table(paths: Iterable[PurePath], columns: list[str] | None, schema: pa.Schema,
+               storage: Storage | None = None) -> pa.Table:
+    storage = storage or open_storage(".")
+    tables = [storage.read_table(p, columns=columns) for p in paths]
     if not tables:
         return (schema if columns is None else pa.schema([schema.field(c) for c in columns])).empty_table()
     return pa.concat_tables(tables)
 
 
 class PartStore:
-    """Committed parts of one table for one shard: `<root>/<table>/shard=<key>/*.parquet`."""
+    """Committed parts of one table for one shard: `<root>/<table>/shard=<key>/*.parquet`.
 
-    def __init__(self, data_dir: Path, table: str, shard: str, schema: pa.Schema):
-        self.dir = Path(data_dir) / table / f"shard={shard}"
+    `data_dir` is a local path or an `s3://bucket/prefix` URI (or an open Storage)."""
+
+    def __init__(self, data_dir: str | Path | Storage, table: str, shard: str, schema: pa.Schema):
+        self.storage = open_storage(data_dir)
+        self.dir = self.storage.root / table / f"shard={shard}"
         self.schema = schema
 
-    def _files(self) -> list[Path]:
-        if not self.dir.exists():
-            return []
-        return sorted(p for p in self.dir.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
+    def _files(self) -> list[PurePath]:
+        return [p for p in self.storage.files(self.dir) if p.suffix == ".parquet" and not p.name.startswith(".")]
 
     def recover(self) -> None:
         """Remove torn temporary files and parts that a compacted file already holds."""
-        if not self.dir.exists():
-            return
-        for p in self.dir.iterdir():
-            if p.name.startswith(".") and p.name.endswith(".tmp"):
-                p.unlink(missing_ok=True)
+        for p in self.storage.files(self.dir):
+            if self.storage.is_temporary(p):
+                self.storage.delete(p)
         for covered in self._covered():
-            (self.dir / covered).unlink(missing_ok=True)
+            self.storage.delete(self.dir / covered)
 
     def _covered(self) -> set[str]:
         covered: set[str] = set()
         for p in self._files():
             if p.name.startswith("compact-"):
-                meta = pq.read_schema(p).metadata or {}
+                meta = self.storage.read_schema(p).metadata or {}
                 covered.update(json.loads(meta.get(COVERS_KEY, b"[]")))
         return covered
 
-    def parts(self) -> list[Path]:
+    def parts(self) -> list[PurePath]:
         """The committed files, each row in exactly one of them."""
         covered = self._covered()
         return [p for p in self._files() if p.name not in covered]
 
     def read(self, columns: list[str] | None = None) -> pa.Table:
-        return read_table(self.parts(), columns, self.schema)
+        return read_table(self.parts(), columns, self.schema, self.storage)
 
-    def commit(self, rows: list[dict]) -> Path | None:
+    def commit(self, rows: list[dict]) -> PurePath | None:
         if not rows:
             return None
         table = pa.Table.from_pylist(rows, schema=self.schema)
         name = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:6]}.parquet"
-        return write_atomic(table, self.dir / name)
+        return self.storage.write_table(table, self.dir / name)
 
-    def compact(self) -> Path | None:
+    def compact(self) -> PurePath | None:
         """Merge all parts into one file, atomically. Returns the new file, or None if nothing to merge."""
         parts = self.parts()
         if len(parts) <= 1:
             return None
+        limit = self.storage.max_streamed_bytes
+        if limit is not None and sum(self.storage.size(p) for p in parts) > limit:
+            return None  # too large to commit in one atomic step there: the parts stay, each row in one of them
         name = f"compact-{time.time_ns():020d}-{os.getpid()}.parquet"
-        out = self.dir / name
-        tmp = out.with_name(f".{name}.tmp")
         schema = self.schema.with_metadata({COVERS_KEY: json.dumps([p.name for p in parts]).encode()})
         # streamed part by part, so memory stays at one part however large the shard
-        with open(tmp, "wb") as f:
-            with pq.ParquetWriter(f, schema, compression="zstd") as writer:
-                for p in parts:
-                    writer.write_table(pq.read_table(p).cast(schema))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-        fsync_dir(self.dir)
+        out = self.storage.write_streamed(self.dir / name, schema,
+                                          (self.storage.read_table(p).cast(schema) for p in parts))
         for p in parts:
-            p.unlink(missing_ok=True)
-        fsync_dir(self.dir)
+            self.storage.delete(p)
+        self.storage.sync(self.dir)
         return out
 
     def replace(self, rows: list[dict], name: str) -> None:
         """A whole-file table (rejects, failures): replace `name` atomically, or remove it when empty."""
         path = self.dir / name
         if rows:
-            write_atomic(pa.Table.from_pylist(rows, schema=self.schema), path)
-        elif path.exists():
-            path.unlink()
-            fsync_dir(self.dir)
+            self.storage.write_table(pa.Table.from_pylist(rows, schema=self.schema), path)
+        elif self.storage.exists(path):
+            self.storage.delete(path)
+            self.storage.sync(self.dir)
 
-    @contextmanager
     def lock(self):
         """One writer per shard: a second run of the same shard fails fast instead of duplicating rows.
 
-        flock is released by the kernel when the process dies, so kill -9 never leaves a stale lock.
+        Locally an flock the kernel releases when the process dies, so kill -9 never leaves a stale lock; on an
+        object store a local flock keyed by the shard's URI (one writer host per shard, see storage.py).
         """
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / ".lock", "a+") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "another process"
-                raise RuntimeError(f"{self.dir} is being written by {holder}; wait for it or stop it") from None
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()}")
-            f.flush()
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        if isinstance(self.dir, Path):
+            self.dir.mkdir(parents=True, exist_ok=True)
+        return self.storage.lock(self.dir)

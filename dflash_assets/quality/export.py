@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
+from dflash_assets.generation.storage import is_uri, open_storage
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
 
 # A row is excluded for the first reason that applies, in this order.
@@ -149,7 +150,12 @@ def export_training_set(
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
     `max_length` is the trainer's max_length (None: no limit); rows longer than it are excluded, not cut.
+    `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
     """
+    if is_uri(os.fspath(out_dir)):
+        raise ValueError(f"out_dir {out_dir!s} must be a local directory (the training set is written, fsynced and "
+                         f"renamed there; copy it to an object store afterwards if the trainer reads from one)")
+    data_dir = open_storage(data_dir)  # one filesystem for both tables
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}

@@ -26,6 +26,7 @@ import duckdb
 import pyarrow as pa
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.generation.store import PartStore
 
 # "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
@@ -53,27 +54,29 @@ SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
 """
 
 
-def parquet_files(data_dir: str | Path, table: str, shard: str | None = None) -> list[str]:
-    """The committed Parquet parts of one table (or one shard of it), in a stable order.
+def parquet_files(data_dir: str | Path | Storage, table: str, shard: str | None = None) -> list[str]:
+    """The committed Parquet parts of one table (or one shard of it), in a stable order, as DuckDB names them.
 
     "Committed" is the generation store's own rule (PartStore.parts), folder by folder: no temp files, and
     no part a compacted file already holds, so a crash between a compaction's rename and its deletes is
-    never read as duplicated rows.
+    never read as duplicated rows. On an object store the names are `s3://` URIs (see `parquet_source`).
     """
-    root = Path(data_dir) / table
+    storage = open_storage(data_dir)
+    root = storage.root / table
     base = root if shard is None else root / f"shard={shard}"
-    folders = sorted({p.parent for p in base.rglob("*.parquet")} if base.exists() else set())
+    folders = sorted({p.parent for p in storage.walk(base) if p.suffix == ".parquet"})
     files: list[str] = []
     for folder in folders:
         key = folder.relative_to(root).as_posix()  # shard=<key> or shard=<key>/stage=<stage>
         if key.startswith("shard="):
-            files += (str(p) for p in PartStore(Path(data_dir), table, key.removeprefix("shard="), None).parts())
+            store = PartStore(storage, table, key.removeprefix("shard="), None)
+            files += (storage.duckdb_path(p) for p in store.parts())
     return sorted(files)
 
 
 def parquet_source(
     con: duckdb.DuckDBPyConnection,
-    data_dir: str | Path,
+    data_dir: str | Path | Storage,
     table: str,
     schema: pa.Schema,
     shard: str | None = None,
@@ -81,10 +84,13 @@ def parquet_source(
 ) -> str:
     """A FROM clause over the table's files, or over an empty table of its schema when there are none yet.
 
-    `row_position` adds `filename` and `file_row_number`: a row's stable identity across queries.
+    `row_position` adds `filename` and `file_row_number`: a row's stable identity across queries. On an object
+    store the files are read by `read_parquet` too: the data dir's own filesystem is registered with `con`.
     """
-    files = parquet_files(data_dir, table, shard)
+    storage = open_storage(data_dir)
+    files = parquet_files(storage, table, shard)
     if files:
+        storage.attach(con)
         name = f"_files_{table}"
         con.execute(f"SET VARIABLE {name} = $files", {"files": files})
         position = ", filename = true, file_row_number = true" if row_position else ""
@@ -100,6 +106,7 @@ def open_quality_db(
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager)."""
     con = duckdb.connect(":memory:")
+    data_dir = open_storage(data_dir)  # one filesystem for the four tables
     params = {"shard": shard, "config": config_hash}
     # the scope itself, for checks whose meaning depends on it (accounting: which configs a shard owes)
     con.execute("SET VARIABLE scope_config = $config::VARCHAR", {"config": config_hash})

@@ -5,14 +5,15 @@ from pydantic import Field
 
 from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
 from dflash_assets.defs.prompts.assets import prompt_shards
+from dflash_assets.defs.run_config import DispatchConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
-from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
+from dflash_assets.generation.config import ConfigError, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
 
 
-class CompletionsConfig(dg.Config):
+class CompletionsConfig(DispatchConfig):
     """Generation settings, editable in the launchpad. Every row records them; a change is a new config."""
 
     max_output_tokens: int = Field(4096, description="The cap: max_completion_tokens of every request.")
@@ -20,33 +21,13 @@ class CompletionsConfig(dg.Config):
     top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
     top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
     enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
-    max_in_flight_per_server: int = Field(
-        0, description="Requests in flight per server; 0 = the server's own max_running_requests + a margin.")
-    max_attempts: int = Field(4, description="Attempts per request on retryable errors (5xx, timeouts).")
     preflight_policy: str = Field(
         "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
                               "'fail': the run fails before any request.")
-    commit_rows: int = Field(512, description="Commit a Parquet part every this many rows ...")
-    commit_seconds: float = Field(10.0, description="... or every this many seconds.")
-    progress_seconds: float = Field(30.0, description="A progress line in the run log every this many seconds.")
-    store_token_ids: bool = Field(
-        False, description="Record prompt_token_ids and output_ids (return_token_ids): exact ids for training, "
-                           "and what continuing truncated rows at a larger cap needs.")
-    load_sample_s: float = Field(5.0, description="Poll each server's /v1/loads this often for the fleet tuning "
-                                                   "report (0: off).")
-    no_server_timeout_s: float = Field(
-        120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
 
     def generation(self) -> GenerationConfig:
         return GenerationConfig(max_output_tokens=self.max_output_tokens, temperature=self.temperature,
                                 top_p=self.top_p, top_k=self.top_k, enable_thinking=self.enable_thinking)
-
-    def dispatch(self) -> DispatchSettings:
-        return DispatchSettings(max_in_flight_per_server=self.max_in_flight_per_server,
-                                max_attempts=self.max_attempts, commit_rows=self.commit_rows,
-                                commit_seconds=self.commit_seconds, progress_seconds=self.progress_seconds,
-                                no_server_timeout_s=self.no_server_timeout_s, store_token_ids=self.store_token_ids,
-                                load_sample_s=self.load_sample_s)
 
 
 @dg.asset(

@@ -5,31 +5,20 @@ from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
+from dflash_assets.defs.run_config import DispatchConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
-from dflash_assets.generation.config import ConfigError, DispatchSettings
+from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
 
 
-class ContinuationConfig(dg.Config):
+class ContinuationConfig(DispatchConfig):
     """Which config to continue, to which cap. The rows land under the new cap's own config hash."""
 
     parent_config_hash: str = Field(
         description="The config whose truncated rows are continued, or 'latest': the config with the most rows "
                     "in the shard among those capped below the new cap (ties: the larger cap).")
     new_max_output_tokens: int = Field(8192, description="The new cap; larger than the parent's.")
-    max_in_flight_per_server: int = Field(
-        0, description="Requests in flight per server; 0 = the server's own max_running_requests + a margin.")
-    max_attempts: int = Field(4, description="Attempts per request on retryable errors (5xx, timeouts).")
-    commit_rows: int = Field(512, description="Commit a Parquet part every this many rows ...")
-    commit_seconds: float = Field(10.0, description="... or every this many seconds.")
-    no_server_timeout_s: float = Field(
-        120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
-
-    def dispatch(self) -> DispatchSettings:
-        return DispatchSettings(max_in_flight_per_server=self.max_in_flight_per_server,
-                                max_attempts=self.max_attempts, commit_rows=self.commit_rows,
-                                commit_seconds=self.commit_seconds, no_server_timeout_s=self.no_server_timeout_s)
 
 
 @dg.asset(

@@ -50,10 +50,10 @@ def report_metadata(report: dict, png: bytes) -> dict:
 def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, quality: QualityThresholds) -> None:
     from dflash_assets.quality import completion_histogram_png
 
-    root = data_dir.resolved()
+    root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     for shard in context.partition_keys:
         report = length_quality(root, shard=shard, max_length=quality.training_max_length)
-        png = completion_histogram_png(root, root / "reports" / f"shard={shard}" / "completion_lengths.png",
+        png = completion_histogram_png(root, reports / f"shard={shard}" / "completion_lengths.png",
                                        shard=shard)
         context.add_asset_metadata(partition_key=shard, metadata={
             **report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))})
@@ -76,7 +76,7 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
 
     root = data_dir.resolved()
     report = length_quality(root, max_length=quality.training_max_length)
-    png = completion_histogram_png(root, root / "reports" / "completion_lengths.png")
+    png = completion_histogram_png(root, data_dir.local_dir() / "reports" / "completion_lengths.png")
     metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
                 "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
                                                                           "truncation_rate", "p50", "p90", "p99"]))}
@@ -85,7 +85,7 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:
-        picture = root / "reports" / "cap_plan.png"
+        picture = data_dir.local_dir() / "reports" / "cap_plan.png"
         picture.write_bytes(cap_plan_png(plan))
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan))
         metadata["cap_plan_picture"] = dg.MetadataValue.md(

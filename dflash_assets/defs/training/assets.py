@@ -46,7 +46,7 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
             f"not exporting config {chosen or 'all'}: {len(failing)} blocking check(s) fail over all shards: "
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
-    export = export_training_set(root, root / "training" / (chosen or "all"), config_hash=chosen,
+    export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
                                  max_length=quality.training_max_length)
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")

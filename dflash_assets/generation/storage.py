@@ -1,0 +1,342 @@
+"""Where the tables live: a local directory or an S3-compatible object-store prefix, behind one small interface.
+
+`open_storage(data_dir)` takes the data-dir string (`DFLASH_DATA_DIR`) and returns a Storage: a
+`pyarrow.fs.FileSystem` plus the root path in it, with the few operations the Parquet tables need. Reads go
+through `storage.fs` on both (pyarrow reads, and DuckDB through `storage.attach(con)` + `storage.duckdb_path`);
+only commits, deletes and the writer lock differ:
+
+local path (`data`, `/srv/data`)         pyarrow LocalFileSystem; a file is committed as it always was: written
+                                         to a temporary name, fsynced, renamed into place, directory fsynced.
+                                         The per-shard writer lock is an flock on `<shard dir>/.lock`.
+`s3://bucket/prefix`                     pyarrow S3FileSystem (endpoint from DFLASH_S3_ENDPOINT, else
+                                         AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; region and credentials from the
+                                         standard AWS environment / config chain, read by the AWS SDK itself: they
+                                         never pass through this code, are never logged and never stored).
+
+Commit on S3. There is no rename, but an object only becomes visible when its upload completes, whole: a single
+PUT, or a multipart upload's CompleteMultipartUpload. A process killed mid-upload leaves at most an incomplete
+multipart upload, which no listing or read ever shows (an S3 lifecycle rule `AbortIncompleteMultipartUpload`
+reclaims its storage; pyarrow has no call to list or abort them). One trap: a pyarrow output stream that is
+*closed* (explicitly, by `with`, or by the garbage collector) completes the upload with whatever was written
+so far, so a Python exception in the middle of a streamed write would publish a torn object. Hence:
+- a part (and a whole-file table: prompts, rejects, failures) is serialised to memory first, then written under
+  its final name with ONE write and a close: the stream only ever holds a complete Parquet file;
+- a compacted file is streamed (memory stays at one part) to a temporary name (`.<name>.<rand>.tmp`, never read:
+  readers skip names starting with "."), and only after that upload completed is it copied server-side to its
+  final name (CopyObject is atomic; at most 5 GB, so compaction is skipped above COPY_LIMIT), then the temporary
+  object is deleted. A crash leaves a temporary object, which `PartStore.recover` deletes.
+
+Lock on S3. flock cannot reach an object store, and pyarrow cannot send conditional writes (If-None-Match), so
+the writer lock of a shard on S3 is an flock on a LOCAL file (under `$DAGSTER_HOME/locks`, else the temp dir)
+keyed by the shard's URI. It stops two processes on one host; it does NOT stop two hosts. S3 mode therefore
+assumes ONE WRITER HOST PER SHARD at a time, which is what the deployment gives: a shard is written by the one
+run that materialises its partition, and Dagster's run queue / the `sglang_fleet` pool keep a second run of the
+same partition from starting beside it. Readers never need the lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import socket
+import tempfile
+import uuid
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path, PurePath, PurePosixPath
+from urllib.parse import urlsplit
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+COPY_LIMIT = 4 * 1024**3  # S3 CopyObject copies at most 5 GiB in one atomic request; keep a margin
+ENDPOINT_VARS = ("DFLASH_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def is_uri(data_dir: str | os.PathLike) -> bool:
+    return isinstance(data_dir, str) and URI.match(data_dir) is not None
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(table: pa.Table, path: Path, metadata: dict[bytes, bytes] | None = None) -> Path:
+    """Write `table` to the local `path` so that readers see either nothing or the whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f, compression="zstd")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
+@contextmanager
+def flock(lock_file: Path, what: str):
+    """An exclusive, non-blocking flock on `lock_file`; the kernel releases it when the process dies."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise RuntimeError(f"{what} is being written by {holder}; wait for it or stop it") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Storage:
+    """A filesystem and the root of the tables in it. Paths are PurePaths under `root` (Path when local)."""
+
+    fs: pafs.FileSystem
+    root: PurePath
+    uri: str  # the data dir as the user gave it, for messages
+    max_streamed_bytes: int | None = None  # the largest file write_streamed can commit (None: no limit)
+
+    def __str__(self) -> str:
+        return self.uri
+
+    # ---- listing -------------------------------------------------------------------------------------------
+    def files(self, folder: PurePath) -> list[PurePath]:
+        """The files directly in `folder`, sorted by name; [] when it does not exist."""
+        infos = self.fs.get_file_info(pafs.FileSelector(str(folder), allow_not_found=True))
+        return sorted((folder / PurePosixPath(i.path).name for i in infos if i.type == pafs.FileType.File),
+                      key=lambda p: p.name)
+
+    def walk(self, folder: PurePath) -> list[PurePath]:
+        """Every file below `folder`, at any depth."""
+        infos = self.fs.get_file_info(pafs.FileSelector(str(folder), allow_not_found=True, recursive=True))
+        return [folder / PurePosixPath(i.path).relative_to(str(folder)) for i in infos
+                if i.type == pafs.FileType.File]
+
+    def exists(self, path: PurePath) -> bool:
+        return self.fs.get_file_info(str(path)).type != pafs.FileType.NotFound
+
+    def size(self, path: PurePath) -> int:
+        return self.fs.get_file_info(str(path)).size or 0
+
+    # ---- reading (one code path for every backend) ---------------------------------------------------------
+    def read_table(self, path: PurePath, columns: list[str] | None = None) -> pa.Table:
+        return pq.read_table(str(path), columns=columns, filesystem=self.fs)
+
+    def read_schema(self, path: PurePath) -> pa.Schema:
+        return pq.read_schema(str(path), filesystem=self.fs)
+
+    def parquet_file(self, path: PurePath) -> pq.ParquetFile:
+        return pq.ParquetFile(str(path), filesystem=self.fs)
+
+    def dataset(self, source: PurePath | Iterable[PurePath], **kwargs) -> ds.Dataset:
+        paths = str(source) if isinstance(source, PurePath) else [str(p) for p in source]
+        return ds.dataset(paths, filesystem=self.fs, format="parquet", **kwargs)
+
+    def duckdb_path(self, path: PurePath) -> str:
+        """The name DuckDB reads `path` by (after `attach`)."""
+        return str(path)
+
+    def attach(self, con) -> None:
+        """Make the files readable by DuckDB connection `con` (nothing to do for local files)."""
+
+    # ---- writing (backend-specific) ------------------------------------------------------------------------
+    def write_table(self, table: pa.Table, path: PurePath) -> PurePath:
+        """Commit `table` as the Parquet file `path`: readers see either nothing (or the old file) or all of it."""
+        raise NotImplementedError
+
+    def write_streamed(self, path: PurePath, schema: pa.Schema, tables: Iterable[pa.Table]) -> PurePath:
+        """Commit one Parquet file made of `tables`, one at a time in memory, atomically."""
+        raise NotImplementedError
+
+    def delete(self, path: PurePath) -> None:
+        """Remove `path` if it exists."""
+        raise NotImplementedError
+
+    def sync(self, folder: PurePath) -> None:
+        """Make the deletes/renames in `folder` durable."""
+
+    def is_temporary(self, path: PurePath) -> bool:
+        return path.name.startswith(".") and path.name.endswith(".tmp")
+
+    def lock(self, folder: PurePath):
+        """One writer per shard folder (a context manager)."""
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """A local directory: temp file + fsync + rename + directory fsync, flock in the shard folder."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.uri = str(root)
+        self.fs = pafs.LocalFileSystem()
+
+    def files(self, folder: Path) -> list[Path]:
+        if not folder.is_dir():
+            return []
+        return sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.name)
+
+    def walk(self, folder: Path) -> list[Path]:
+        return [p for p in folder.rglob("*") if p.is_file()] if folder.exists() else []
+
+    def exists(self, path: Path) -> bool:
+        return path.exists()
+
+    def write_table(self, table: pa.Table, path: Path) -> Path:
+        return write_atomic(table, path)
+
+    def write_streamed(self, path: Path, schema: pa.Schema, tables: Iterable[pa.Table]) -> Path:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            with pq.ParquetWriter(f, schema, compression="zstd") as writer:
+                for table in tables:
+                    writer.write_table(table)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+        return path
+
+    def delete(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+
+    def sync(self, folder: Path) -> None:
+        if folder.is_dir():
+            fsync_dir(folder)
+
+    def lock(self, folder: Path):
+        """flock is released by the kernel when the process dies, so kill -9 never leaves a stale lock."""
+        return flock(folder / ".lock", str(folder))
+
+
+def s3_filesystem() -> pafs.S3FileSystem:
+    """An S3FileSystem for the endpoint in the environment (AWS itself when none is set)."""
+    kwargs = {}
+    endpoint = next((os.environ[v] for v in ENDPOINT_VARS if os.environ.get(v)), None)
+    if endpoint:
+        parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        kwargs.update(endpoint_override=parts.netloc, scheme=parts.scheme)
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    # no credentials here: the AWS SDK reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN,
+    # AWS_PROFILE and instance roles itself
+    return pafs.S3FileSystem(**kwargs)
+
+
+def lock_dir() -> Path:
+    home = os.environ.get("DAGSTER_HOME")
+    return Path(home) / "locks" if home else Path(tempfile.gettempdir()) / "dflash-locks"
+
+
+class S3Storage(Storage):
+    """An S3-compatible prefix: whole-object writes under the final name, local flock (one writer host)."""
+
+    def __init__(self, uri: str):
+        bucket_and_prefix = URI.match(uri).group(2).strip("/")
+        if not bucket_and_prefix:
+            raise ValueError(f"data dir {uri!r} names no bucket: expected s3://bucket[/prefix]")
+        self.uri = f"s3://{bucket_and_prefix}"
+        self.root = PurePosixPath(bucket_and_prefix)
+        self.fs = s3_filesystem()
+        self.max_streamed_bytes = COPY_LIMIT
+
+    def duckdb_path(self, path: PurePath) -> str:
+        return f"s3://{path}"
+
+    def attach(self, con) -> None:
+        """DuckDB reads s3:// through this storage's own pyarrow S3FileSystem, wrapped as an fsspec filesystem.
+
+        (DuckDB's httpfs extension is not needed, nor a second copy of the endpoint and credentials.)"""
+        fs = duckdb_filesystem(self.fs)
+        if fs.protocol not in con.list_filesystems():
+            con.register_filesystem(fs)
+
+    def write_table(self, table: pa.Table, path: PurePath) -> PurePath:
+        buffer = pa.BufferOutputStream()
+        pq.write_table(table, buffer, compression="zstd")
+        data = buffer.getvalue()  # the whole file, before anything is sent
+        with self.fs.open_output_stream(str(path)) as out:
+            out.write(data)  # one write: whatever closes the stream, it holds the complete file
+        return path
+
+    def write_streamed(self, path: PurePath, schema: pa.Schema, tables: Iterable[pa.Table]) -> PurePath:
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with self.fs.open_output_stream(str(tmp)) as out:
+                with pq.ParquetWriter(out, schema, compression="zstd") as writer:
+                    for table in tables:
+                        writer.write_table(table)
+            self.fs.copy_file(str(tmp), str(path))  # server-side CopyObject: atomic, the final name appears whole
+        finally:
+            self.delete(tmp)
+        return path
+
+    def delete(self, path: PurePath) -> None:
+        try:
+            self.fs.delete_file(str(path))
+        except FileNotFoundError:
+            pass
+
+    def lock(self, folder: PurePath):
+        uri = self.duckdb_path(folder)
+        key = hashlib.sha256(uri.encode()).hexdigest()[:16]
+        readable = re.sub(r"[^A-Za-z0-9=._-]+", "_", uri.removeprefix("s3://"))[-80:]
+        return flock(lock_dir() / f"{readable}-{key}.lock", uri)
+
+
+def duckdb_filesystem(fs: pafs.FileSystem):
+    """`fs` as the fsspec filesystem `duckdb.register_filesystem` takes, claiming s3:// (fsspec is what DuckDB's
+    Python package itself uses for registered filesystems; it is imported only here, on the S3 path)."""
+    from fsspec.implementations.arrow import ArrowFSWrapper
+
+    class DuckDBFileSystem(ArrowFSWrapper):
+        """s3://bucket/key -> bucket/key on a pyarrow S3FileSystem."""
+
+        protocol = "s3"
+        cachable = False  # fsspec's instance cache could otherwise hand back one made for another endpoint
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            path = path[0] if isinstance(path, list) else path
+            return path.removeprefix("s3://").rstrip("/")
+
+    return DuckDBFileSystem(fs)
+
+
+def open_storage(data_dir: str | os.PathLike | Storage) -> Storage:
+    """The Storage of a data dir: a local path, or `s3://bucket/prefix`."""
+    if isinstance(data_dir, Storage):
+        return data_dir
+    text = os.fspath(data_dir)
+    match = URI.match(text)
+    if match:
+        scheme = match.group(1).lower()
+        if scheme in ("s3", "s3a"):
+            return S3Storage(text)
+        if scheme == "file":
+            return LocalStorage(urlsplit(text).path)
+        raise ValueError(f"data dir {text!r}: unsupported scheme {scheme}:// (a local path or s3://bucket/prefix)")
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/[^/]", text) and not Path(text).exists():
+        # Path("s3://b/x") is "s3:/b/x": a URI that went through pathlib; never create a local dir "s3:" for it
+        raise ValueError(f"data dir {text!r} looks like a URI mangled by pathlib (one '/' after the scheme); "
+                         f"pass the URI as a string")
+    return LocalStorage(text)
