@@ -132,15 +132,17 @@ def ceiling(quick: bool) -> None:
         data = Path(tmp) / "data"
         write_source(Path(tmp) / "p.jsonl", n)
         asyncio.run(build(Path(tmp) / "p.jsonl", n, 1, data, [a.url]))
-        runs = []
+        rates, overall = [], []
         for cap in (4096, 4097, 4098):  # three configs: three full runs over the same shard
             run = asyncio.run(generate(data, "00000", [a.url], cap, max_in_flight_per_server=64, commit_rows=1024))
-            runs.append(run.completed / run.elapsed_s)  # planning, dispatch, commits and compaction included
+            rates.append(run.completed / (run.answered_at - run.first_sent_at))  # sending to last answer
+            overall.append(run.completed / run.elapsed_s)  # plus planning, the final commit and compaction
         table = completion_store(data, "00000").read(["content", "reasoning_content"])
         size = (pa.compute.sum(pa.compute.utf8_length(table["content"])).as_py()
                 + pa.compute.sum(pa.compute.utf8_length(table["reasoning_content"])).as_py()) / table.num_rows
-        report("client ceiling (completions/s, median of 3)", f"{statistics.median(runs):,.0f} (reply ~{size / 1024:.1f} "
-               f"KB of content + reasoning)", ">= 2,000/s")
+        report("client ceiling (completions/s while dispatching, median of 3)",
+               f"{statistics.median(rates):,.0f} (reply ~{size / 1024:.1f} KB of content + reasoning; "
+               f"{statistics.median(overall):,.0f}/s counting planning, commits and compaction)", ">= 2,000/s")
 
 
 # ---- 3. resume scan with 1,000,000 committed rows ------------------------------------------------------------

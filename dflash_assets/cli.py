@@ -51,15 +51,22 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     urls = [u for u in args.urls.split(",") if u]
 
-    async def go():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    async def go(progress: Progress):
+        task = progress.add_task(f"shard {args.shard}", total=None)
         fleet = await connect(urls, os.environ.get(args.api_key_env) or None)
         try:
             return await generate_shard(Path(args.data_dir), args.shard, fleet, config, settings,
-                                        log=lambda m: print(m, flush=True))
+                                        log=progress.console.print,
+                                        on_answer=lambda done, total: progress.update(task, completed=done,
+                                                                                      total=total))
         finally:
             await fleet.session.close()
 
-    run = asyncio.run(go())
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  transient=True, disable=not sys.stdout.isatty()) as progress:
+        run = asyncio.run(go(progress))
     print(f"shard {run.shard} config {run.config_hash}: {run.prompts} prompts = {run.completed} completed + "
           f"{run.rejected} rejected + {run.failed} failed ({run.elapsed_s:.1f}s)")
     return 0 if run.failed == 0 else 1

@@ -53,7 +53,9 @@ class ShardRun:
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     servers: dict[str, dict] = field(default_factory=dict)
+    first_sent_at: float | None = None  # monotonic time the first prompt was handed to the dispatcher
     last_sent_at: float | None = None  # monotonic time the last prompt was handed to the dispatcher
+    answered_at: float | None = None  # monotonic time the last answer of this shard arrived
     infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
     load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
 
@@ -187,7 +189,8 @@ async def _prepare(data_dir: Storage, shard: str, fleet: Fleet, config: Generati
 
 async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationConfig,
                           settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
-                          log: Callable[[str], None] = print) -> list[ShardRun]:
+                          log: Callable[[str], None] = print,
+                          on_answer: Callable[[int, int], None] | None = None) -> list[ShardRun]:
     """Generate several shards (a backfill's range) through ONE dispatcher, in order.
 
     The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
@@ -224,7 +227,7 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
         await dispatch_many(items, sum(len(p.todo) for p in plans), fleet, settings,
-                            {p.target.run.shard: p.target for p in plans}, log, started, send, refuse)
+                            {p.target.run.shard: p.target for p in plans}, log, started, send, refuse, on_answer)
         for plan in plans:
             target, run = plan.target, plan.target.run
             failure_store(data_dir, run.shard).replace(target.failed, f"{run.config_hash}.parquet")
@@ -237,10 +240,11 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
 
 async def generate_shard(data_dir: str | Path, shard: str, fleet: Fleet, config: GenerationConfig,
                          settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
-                         log: Callable[[str], None] = print) -> ShardRun:
+                         log: Callable[[str], None] = print,
+                         on_answer: Callable[[int, int], None] | None = None) -> ShardRun:
     """Generate the completions of one shard (see generate_shards)."""
     [run] = await generate_shards(data_dir, [shard], fleet, config, settings, preflight_policy=preflight_policy,
-                                  log=log)
+                                  log=log, on_answer=on_answer)
     return run
 
 
@@ -289,7 +293,7 @@ async def dispatch(todo: Iterator[dict], total: int, fleet: Fleet, settings: Dis
 
 async def dispatch_many(todo: Iterator[dict], total: int, fleet: Fleet, settings: DispatchSettings,
                         targets: dict[str, Target], log: Callable[[str], None], started: float, send: Send,
-                        refuse: Refuse) -> None:
+                        refuse: Refuse, on_answer: Callable[[int, int], None] | None = None) -> None:
     """Send every item of `todo` (each names its `shard`) through `send` on the fleet and commit the rows.
 
     The one dispatch loop of the package (fresh generation and continuation, one shard or many): slots and
@@ -310,7 +314,10 @@ async def dispatch_many(todo: Iterator[dict], total: int, fleet: Fleet, settings
             await attempts(item, target)
         finally:
             answered += 1
+            if on_answer:
+                on_answer(answered, total)  # (answered, total): a terminal's progress bar
             left[item["shard"]] -= 1
+            target.run.answered_at = time.monotonic()
             if left[item["shard"]] == 0 and target.run.last_sent_at is not None:
                 target.finished_at = time.monotonic()
 
@@ -380,6 +387,8 @@ async def dispatch_many(todo: Iterator[dict], total: int, fleet: Fleet, settings
                     for t in previous:  # the stream moved past those shards: all their prompts are sent
                         t.run.last_sent_at = time.monotonic()
                     left[item["shard"]] += 1
+                    run = targets[item["shard"]].run
+                    run.first_sent_at = run.first_sent_at or time.monotonic()
                     tasks.add(asyncio.create_task(one(item)))
             if not tasks:
                 break
