@@ -166,7 +166,7 @@ main()
 
 @contextmanager
 def daemon(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None,
-           backfill_interval_s: float | None = 1.0) -> Iterator[subprocess.Popen]:
+           backfill_interval_s: float | None = 2.0) -> Iterator[subprocess.Popen]:
     """`dagster-daemon run -w workspace.yaml` on `home` (schedules, sensors, run queue, backfills, monitoring)."""
     args = ["run", "-w", str(WORKSPACE)]
     if backfill_interval_s is None:

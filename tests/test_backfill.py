@@ -37,13 +37,19 @@ pytestmark = pytest.mark.timeout(420)
 POOL = "sglang_fleet"
 SHARD_ASSETS = ["prompt_shards", "completions", "length_quality_report"]
 SHARD_SIZE = 6
-POOL_SHARDS = [f"{i:05d}" for i in range(int(__import__("os").environ.get("T_N", "5")))]
-RESUME_SHARD = "00005"
+POOL_SHARDS = [f"{i:05d}" for i in range(4)]  # twice the pool limit
+RESUME_SHARD = "00004"
 # instant decode; outputs under the default 4096 cap, so the truncation check passes with the default config
 FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
-import os
-STALL_S = float(os.environ.get("T_STALL", "2.0"))
-POOL_RUN_CONFIG = json.loads(os.environ.get("T_RC", "null"))
+# A generation step holds the fleet this long (each request is held, all are in flight at once): longer than
+# runs take to start one after another here, so later runs reach the pool while it is full, as a backfill's
+# runs do in production where a shard takes minutes to hours of generation.
+STALL_S = 12.0
+# Steps run in the run's process (`in_process` executor, run config). With the default multiprocess executor
+# every step is a new Python process that imports Dagster and the definitions: ~10 s each on a 2-core machine,
+# which would dwarf the generation step. The pool is enforced the same way by either executor: a step claims
+# a slot of its pool from the instance before it starts and frees it when it ends.
+IN_PROCESS = {"execution": {"config": {"in_process": {}}}}
 TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 OUT = ARTIFACTS / "backfill"
 
@@ -146,7 +152,7 @@ def wait_backfill(stack: Stack, backfill_id: str, timeout_s: float = 240.0) -> d
         if backfill["status"] in TERMINAL:
             return backfill
         assert time.monotonic() < deadline, f"backfill {backfill_id} still {backfill['status']} after {timeout_s}s"
-        time.sleep(0.5)
+        time.sleep(1.0)
 
 
 def counts_by_asset(backfill: dict) -> dict[str, dict]:
@@ -220,7 +226,8 @@ def save(name: str, payload: dict) -> None:
 def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_the_limit(stack):
     limit = project_pool_limit()
     assert len(POOL_SHARDS) > limit, "the backfill must be wider than the pool to test it"
-    backfill_id = launch_backfill(stack.server, POOL_SHARDS, "pool: shards 0-4", POOL_RUN_CONFIG)
+    backfill_id = launch_backfill(stack.server, POOL_SHARDS, f"pool: shards {POOL_SHARDS[0]}-{POOL_SHARDS[-1]}",
+                                  IN_PROCESS)
     backfill = wait_backfill(stack, backfill_id)
 
     counts = counts_by_asset(backfill)
@@ -265,12 +272,11 @@ def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_th
     assert peak <= limit, summary
     assert max(s["activeSlotCount"] for s in sampled) <= limit, summary
     assert sampled[-1]["slotCount"] == limit and sampled[-1]["claimedSlots"] == [], "slots freed after the backfill"
-    # not vacuous: runs did overlap, and the pool made steps wait or ran them side by side up to the limit
-    assert runs_overlap > limit or blocked > 0, summary
-    assert blocked > 0 or peak == limit, summary
+    # not vacuous: the fleet was used up to the limit, and steps of the other runs waited for the pool
+    assert peak == limit and blocked > 0, summary
 
 
-RESUME_CONFIG = {"ops": {"completions": {"config": {
+RESUME_CONFIG = {**IN_PROCESS, "ops": {"completions": {"config": {
     "commit_rows": 1,  # commit every row, so the crash leaves committed rows behind
     "max_in_flight_per_server": 2, "max_attempts": 2, "no_server_timeout_s": 3}}}}
 

@@ -239,7 +239,7 @@ def s3_filesystem() -> pafs.S3FileSystem:
         kwargs["region"] = region
     # no credentials here: the AWS SDK reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN,
     # AWS_PROFILE and instance roles itself
-    return pafs.S3FileSystem(**kwargs)
+    return pafs.S3FileSystem(allow_delayed_open=True, **kwargs)
 
 
 def lock_dir() -> Path:
@@ -309,15 +309,34 @@ def duckdb_filesystem(fs: pafs.FileSystem):
     from fsspec.implementations.arrow import ArrowFSWrapper
 
     class DuckDBFileSystem(ArrowFSWrapper):
-        """s3://bucket/key -> bucket/key on a pyarrow S3FileSystem."""
+        """s3://bucket/key -> bucket/key on a pyarrow S3FileSystem.
+
+        DuckDB asks for a file's size and kind several times per file, each answer a HEAD request: they are
+        kept for the life of the connection (a committed part never changes under its name)."""
 
         protocol = "s3"
         cachable = False  # fsspec's instance cache could otherwise hand back one made for another endpoint
+
+        def __init__(self, fs, **kwargs):
+            super().__init__(fs, **kwargs)
+            self._infos: dict[str, dict] = {}
 
         @classmethod
         def _strip_protocol(cls, path):
             path = path[0] if isinstance(path, list) else path
             return path.removeprefix("s3://").rstrip("/")
+
+        def info(self, path, **kwargs):
+            path = self._strip_protocol(path)
+            if path not in self._infos:
+                found = super().info(path, **kwargs)
+                if found["type"] != "file":
+                    return found
+                self._infos[path] = found
+            return self._infos[path]
+
+        def modified(self, path):
+            return self.info(path)["mtime"]
 
     return DuckDBFileSystem(fs)
 
