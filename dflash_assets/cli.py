@@ -57,7 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
         task = progress.add_task(f"shard {args.shard}", total=None)
         fleet = await connect(urls, os.environ.get(args.api_key_env) or None)
         try:
-            return await generate_shard(Path(args.data_dir), args.shard, fleet, config, settings,
+            return await generate_shard(args.data_dir, args.shard, fleet, config, settings,
                                         log=progress.console.print,
                                         on_answer=lambda done, total: progress.update(task, completed=done,
                                                                                       total=total))
@@ -141,10 +141,11 @@ def _tuning(statuses, seconds: float, api_key_env: str, console):
 
 
 def _report(args: argparse.Namespace) -> int:
-    from dflash_assets.quality.report import print_report
+    from dflash_assets.quality import print_report
+    from dflash_assets.quality.tables import parquet_files
 
-    data_dir = Path(args.data_dir or os.environ.get("DFLASH_DATA_DIR", "data"))
-    if not (data_dir / "completions").exists():
+    data_dir = args.data_dir or os.environ.get("DFLASH_DATA_DIR", "data")  # a path or an s3:// URI
+    if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
     print_report(data_dir)

@@ -18,10 +18,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import yaml
 from dagster_graphql import DagsterGraphQLClient
@@ -47,6 +47,13 @@ def project_pool_limit() -> int:
     return int(yaml.safe_load(PROJECT_DAGSTER_YAML.read_text())["concurrency"]["pools"]["default_limit"])
 
 
+def fresh_dir(path: Path) -> Path:
+    """An empty directory at `path` (what a previous test session left there is removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
 def make_home(path: Path) -> Path:
     """A fresh DAGSTER_HOME with the project's dagster.yaml (run queue, concurrency pools, run monitoring)."""
     path.mkdir(parents=True, exist_ok=True)
@@ -63,12 +70,16 @@ def dflash_env(home: Path, **settings: str | int) -> dict[str, str]:
     return env
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_group(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            start_new_session=True, preexec_fn=_default_sigint)  # noqa: PLW1509 - one signal() call in the child
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
@@ -140,7 +151,7 @@ def webserver(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | 
                 entries = server.gql(LOCATION_STATUS)["workspaceOrError"]["locationEntries"]
                 if entries and all(e["loadStatus"] == "LOADED" for e in entries):
                     break
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - not listening yet, or the location is still loading
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"dagster-webserver did not load {WORKSPACE.name} within {timeout_s:.0f}s "
@@ -240,7 +251,7 @@ def materialize_shards(env: dict[str, str], plan: dict[str, int | None], log_pat
     import json
 
     done = subprocess.run([sys.executable, "-c", _SEED, json.dumps(plan)], cwd=ROOT, env=env, timeout=timeout_s,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(done.stdout + done.stderr)
     if done.returncode != 0:

@@ -2,17 +2,21 @@
 
 A real `dagster-webserver` and `dagster-daemon run` share a temporary DAGSTER_HOME whose dagster.yaml is the
 project's (run queue, `concurrency.pools.default_limit` for the `sglang_fleet` pool, run monitoring). The fleet
-is one SGLang emulator attached by URL (DFLASH_FLEET_MODE=attach, DFLASH_FLEET_URLS), instant decode; each
-generation request is held a moment (--fault-stall-seconds) so that a shard's completions step lasts long
-enough for runs to overlap. Backfills are launched with GraphQL `launchPartitionBackfill` and re-executed with
-`reexecutePartitionBackfill`, the mutations behind the UI's "Launch backfill" and "Re-execute from failure".
+is one SGLang emulator attached by URL (DFLASH_FLEET_MODE=attach, DFLASH_FLEET_URLS) with instant decode.
+Backfills are launched with GraphQL `launchPartitionBackfill` and re-executed with `reexecutePartitionBackfill`,
+the mutations behind the UI's "Launch backfill" and "Re-execute from failure"; the daemon runs them.
 
-1. A backfill over more shards than the pool limit: every partition materialised, every check evaluated, and
-   the event log shows never more `completions` steps running at once than the limit.
-2. A shard whose fleet goes down mid-run (the server crashes after a few requests) fails; the rows committed
+1. A backfill over twice as many shards as the pool limit, one run per shard: every partition materialised,
+   every check evaluated; the event log shows never more `completions` steps running at once than the limit,
+   and steps of the other runs waiting ("Step blocked by limit for pool sglang_fleet"). Each generation
+   request is held STALL_S seconds, so that a completions step is the long part of a run, as in production.
+2. A shard whose fleet goes down mid-run (the server crashes after two requests) fails; the rows committed
    before the crash stay; once the server is back on the same URL, re-executing the backfill from failure
    skips what was materialised (prompt_shards) and completions resumes where it stopped: only the missing
    prompts are generated, no row twice.
+
+What was measured is written to test-artifacts/backfill/ (pool.json, resume.json); the webserver, daemon and
+emulator logs to test-artifacts/logs/backfill/.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import duckdb
 import pytest
 from dagster._core.events import DagsterEventType
 
-from dagster_procs import (ARTIFACTS, Webserver, add_shard_partitions, daemon, dflash_env, free_port, make_home,
-                           project_pool_limit, wait_daemon_healthy, webserver)
+from dagster_procs import (ARTIFACTS, Webserver, add_shard_partitions, daemon, dflash_env, free_port, fresh_dir,
+                           make_home, project_pool_limit, wait_daemon_healthy, webserver)
 from dflash_assets.fleet.emulator.process import start_emulator
 from dflash_assets.quality import CHECKS
 
@@ -95,15 +99,16 @@ def write_prompts(path: Path, n: int) -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     base = tmp_path_factory.mktemp("backfill")
+    logs = fresh_dir(ARTIFACTS / "logs" / "backfill")  # webserver, daemon and emulator logs, kept for CI
     home = make_home(base / "dagster_home")
     write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 1))
-    fleet = Fleet(base)
+    fleet = Fleet(logs)
     # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
     env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
                      fleet_mode="attach", fleet_urls=fleet.url, shards_per_run=1)
     fleet.start(*FAST, "--fault-stall-seconds", str(STALL_S))
     try:
-        with webserver(home, env, log_dir=base) as server, daemon(home, env, log_dir=base) as daemon_proc:
+        with webserver(home, env, log_dir=logs) as server, daemon(home, env, log_dir=logs) as daemon_proc:
             wait_daemon_healthy(server, daemon_proc)
             add_shard_partitions(server, [*POOL_SHARDS, RESUME_SHARD])
             with dg.DagsterInstance.from_config(str(home)) as instance:
@@ -198,6 +203,16 @@ def pool_blocked_events(instance: dg.DagsterInstance, run_ids: list[str]) -> int
                for run_id in run_ids for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT))
 
 
+def failures(instance: dg.DagsterInstance, backfill_id: str) -> list[str]:
+    """The step failures of a backfill's runs, for assertion messages."""
+    found = []
+    for run in backfill_runs(instance, backfill_id):
+        for entry in instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE):
+            error = entry.dagster_event.event_specific_data.error
+            found.append(f"{run.run_id[:8]} {entry.step_key}: {error.to_string()[-1500:] if error else entry.message}")
+    return found
+
+
 def check_evaluations(instance: dg.DagsterInstance, run_id: str) -> dict[str, bool]:
     return {e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data.passed
             for e in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION)}
@@ -231,7 +246,7 @@ def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_th
     backfill = wait_backfill(stack, backfill_id)
 
     counts = counts_by_asset(backfill)
-    assert backfill["status"] == "COMPLETED_SUCCESS", (backfill, counts)
+    assert backfill["status"] == "COMPLETED_SUCCESS", (backfill, failures(stack.instance, backfill_id))
     for asset in SHARD_ASSETS:
         assert counts[asset]["numPartitionsTargeted"] == len(POOL_SHARDS), counts[asset]
         assert counts[asset]["numPartitionsMaterialized"] == len(POOL_SHARDS), counts[asset]
@@ -304,7 +319,7 @@ def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack
     assert result["__typename"] == "LaunchBackfillSuccess", result
     second = wait_backfill(stack, result["backfillId"])
     counts = counts_by_asset(second)
-    assert second["status"] == "COMPLETED_SUCCESS", (second, counts)
+    assert second["status"] == "COMPLETED_SUCCESS", (second, failures(stack.instance, second["id"]))
     assert counts["completions"]["numPartitionsMaterialized"] == 1
     assert counts["length_quality_report"]["numPartitionsMaterialized"] == 1
     # what had been materialised is not redone: the re-execution does not target prompt_shards

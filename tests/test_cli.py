@@ -74,3 +74,35 @@ def test_bad_arguments_give_a_clear_error(tmp_path, args, message):
 def test_report_without_data_says_where_it_looked(tmp_path):
     result = dflash("report", "--data-dir", str(tmp_path / "nothing"))
     assert result.returncode == 2 and f"no completions under {tmp_path / 'nothing'}" in result.stderr
+
+
+def test_report_prints_the_figures_of_a_data_dir_as_tables(tmp_path, emulator):
+    import asyncio
+    import json
+
+    import duckdb
+
+    from dflash_assets.fleet.fleet import connect
+    from dflash_assets.generation.shards import build_prompt_shard
+
+    server = emulator("--reasoning-parser", "qwen3")
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"report test {i}"}) + "\n" for i in range(40)))
+
+    async def build():
+        fleet = await connect([server.emu.url])
+        try:
+            await build_prompt_shard(src, 0, "00000", 40, tmp_path / "data", fleet, {"enable_thinking": True})
+        finally:
+            await fleet.session.close()
+
+    asyncio.run(build())
+    gen = dflash("generate", "--shard", "00000", "--urls", server.emu.url, "--data-dir", str(tmp_path / "data"),
+                 "--max-output-tokens", "4096")
+    assert "40 prompts = 40 completed + 0 rejected + 0 failed" in gen.stdout, gen.stdout + gen.stderr
+    truncated = duckdb.sql(f"select count(*) filter (where finish_reason = 'length') from read_parquet("
+                           f"'{tmp_path}/data/completions/**/*.parquet')").fetchall()[0][0]
+    result = dflash("report", "--data-dir", str(tmp_path / "data"))
+    assert result.returncode == 0, result.stderr
+    assert f"{truncated / 40 * 100:.2f}%" in result.stdout, result.stdout
+    assert "truncation_rate" in result.stdout and ("4,096" in result.stdout or "4096" in result.stdout)

@@ -28,10 +28,11 @@ from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.generation.storage import S3Storage, lock_dir, open_storage
 from dflash_assets.generation.store import COVERS_KEY
 from dflash_assets.quality import export_training_set, length_quality, run_checks
+from dflash_assets.quality.planner import plan_caps
 from dflash_assets.quality.tables import parquet_files, parquet_source
 
-moto_server = pytest.importorskip("moto.server", reason="needs the dev dependency moto[server]")
-boto3 = pytest.importorskip("boto3", reason="needs the dev dependency moto[server] (it brings boto3)")
+import boto3  # noqa: E402 - the dev dependency moto[server] brings it; these tests must run, not skip
+import moto.server as moto_server  # noqa: E402
 
 BUCKET = "dflash-test"
 FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]
@@ -160,6 +161,9 @@ def test_duckdb_reads_the_object_store_like_the_local_dir(runs):
                                "ORDER BY prompt_id").fetchall()
 
     assert rows(uri) == rows(local) and len(rows(uri)) == N
+    plan, local_plan = plan_caps(uri, bootstrap=0), plan_caps(local, bootstrap=0)
+    assert (plan.rows, plan.truncated, plan.cap) == (local_plan.rows, local_plan.truncated, local_plan.cap)
+    assert plan.empirical == local_plan.empirical
 
     # the training export reads the object store and writes a local directory, byte for byte as from local data
     a = export_training_set(uri, runs["tmp"] / "export_s3", max_length=None)
@@ -230,6 +234,18 @@ def test_continuation_on_the_object_store_equals_local(runs, fleet_urls):
     assert cont[0].copied == cont[1].copied == N - runs["s3_run"].length
     assert run_checks(uri, config_hash=cont[0].config_hash) == run_checks(local, config_hash=cont[1].config_hash)
     assert length_quality(uri) == length_quality(local)
+
+
+def test_compaction_too_large_for_one_copy_keeps_the_parts(s3, runs):
+    rows = completion_store(runs["uri"], SHARD).read().to_pylist()
+    store = completion_store(f"s3://{BUCKET}/big", "big")
+    for row in rows[:3]:
+        store.commit([{**row, "shard": "big"}])
+    parts = store.parts()
+    store.storage.max_streamed_bytes = 1  # as if the parts held more than one CopyObject can commit
+    assert store.compact() is None and store.parts() == parts
+    store.storage.max_streamed_bytes = None
+    assert store.compact() is not None and len(store.parts()) == 1 and store.read().num_rows == 3
 
 
 def test_writer_lock_is_local_and_exclusive(s3, runs):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from dagster_procs import (ARTIFACTS, LOCATION, LOCATION_STATUS, dflash_env, make_home, materialize_shards,
-                           project_pool_limit, webserver)
+from dagster_procs import (ARTIFACTS, LOCATION, LOCATION_STATUS, dflash_env, fresh_dir, make_home,
+                           materialize_shards, project_pool_limit, webserver)
 from dflash_assets.definitions import defs
 from dflash_assets.quality import CHECKS
 
@@ -43,16 +43,17 @@ PLAN = {"00000": 16384, "00001": 1024, "00002": None}
 def seeded(tmp_path_factory):
     """A webserver over an instance where shards 00000 and 00001 were materialised (see the module doc)."""
     base = tmp_path_factory.mktemp("ui")
+    logs = fresh_dir(ARTIFACTS / "logs" / "ui")  # the seeding run's and the webserver's logs, kept for CI
     home = make_home(base / "dagster_home")
     prompts = base / "prompts.jsonl"
     prompts.write_text("".join(DEMO_PROMPTS.read_text().splitlines(keepends=True)[:12]))  # 3 shards of 4
     env = dflash_env(home, data_dir=base / "data", prompts=prompts, shard_size=4, fleet_mode="emulated",
                      num_servers=1, emulator_args="--reasoning-parser qwen3 --decode-tokens-per-s 0")
-    runs = materialize_shards(env, PLAN, base / "seed.log")
+    runs = materialize_shards(env, PLAN, logs / "seed.log")
     blocking = {c.name for c in CHECKS if c.blocking}
     assert runs["00000"]["success"] and all(runs["00000"]["checks"][c] for c in blocking), runs["00000"]
     assert not runs["00001"]["success"] and runs["00001"]["checks"]["truncation_rate"] is False, runs["00001"]
-    with webserver(home, env, log_dir=base) as server:
+    with webserver(home, env, log_dir=logs) as server:
         server.gql("mutation { setNuxSeen }")  # no "join the community" dialog over the pages
         yield server
 
@@ -77,9 +78,11 @@ def test_every_asset_and_check_is_listed_with_a_description_a_group_and_kinds(se
     for name, node in nodes.items():
         assert node["description"] and node["groupName"], name
         assert node["kinds"] and set(node["kinds"]) <= KINDS, (name, node["kinds"])
-    assert {n for n, node in nodes.items() if node["isPartitioned"]} == PARTITIONED
-    for name in PARTITIONED:
-        assert nodes[name]["partitionDefinition"] == {"type": "DYNAMIC", "name": "shards"}
+    graph = defs.resolve_asset_graph()
+    partitioned = {k.to_user_string() for k in graph.get_all_asset_keys() if graph.get(k).partitions_def}
+    assert {n for n, node in nodes.items() if node["isPartitioned"]} == partitioned and PARTITIONED <= partitioned
+    for name in partitioned:  # every partitioned asset is partitioned by shard
+        assert nodes[name]["partitionDefinition"] == {"type": "DYNAMIC", "name": "shards"}, name
     assert nodes["completions"]["pools"] == ["sglang_fleet"]
     assert {"sglang", "parquet"} <= set(nodes["completions"]["kinds"])
     assert "duckdb" in nodes["length_quality_report"]["kinds"]
@@ -175,9 +178,7 @@ def page():
 
 @pytest.fixture(scope="module")
 def shots():
-    shutil.rmtree(SHOTS, ignore_errors=True)
-    SHOTS.mkdir(parents=True)
-    return SHOTS
+    return fresh_dir(SHOTS)
 
 
 def look(page, shot: Path, *texts: str | re.Pattern) -> str:

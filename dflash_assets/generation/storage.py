@@ -14,7 +14,8 @@ local path (`data`, `/srv/data`)         pyarrow LocalFileSystem; a file is comm
                                          never pass through this code, are never logged and never stored).
 
 Commit on S3. There is no rename, but an object only becomes visible when its upload completes, whole: a single
-PUT, or a multipart upload's CompleteMultipartUpload. A process killed mid-upload leaves at most an incomplete
+PUT (a part below the multipart threshold is one PutObject: `allow_delayed_open`), or a multipart upload's
+CompleteMultipartUpload (larger files). A process killed mid-upload leaves at most an incomplete
 multipart upload, which no listing or read ever shows (an S3 lifecycle rule `AbortIncompleteMultipartUpload`
 reclaims its storage; pyarrow has no call to list or abort them). One trap: a pyarrow output stream that is
 *closed* (explicitly, by `with`, or by the garbage collector) completes the upload with whatever was written
@@ -28,10 +29,13 @@ so far, so a Python exception in the middle of a streamed write would publish a 
 
 Lock on S3. flock cannot reach an object store, and pyarrow cannot send conditional writes (If-None-Match), so
 the writer lock of a shard on S3 is an flock on a LOCAL file (under `$DAGSTER_HOME/locks`, else the temp dir)
-keyed by the shard's URI. It stops two processes on one host; it does NOT stop two hosts. S3 mode therefore
-assumes ONE WRITER HOST PER SHARD at a time, which is what the deployment gives: a shard is written by the one
-run that materialises its partition, and Dagster's run queue / the `sglang_fleet` pool keep a second run of the
-same partition from starting beside it. Readers never need the lock.
+keyed by the shard's URI. It stops two processes on one host (kill -9 still frees it); it does NOT stop two
+hosts. S3 mode therefore ASSUMES ONE WRITER HOST PER SHARD at a time. It holds when generation runs on one host
+(the default run launcher and multiprocess executor: every step of every run shares the lock directory); with
+runs spread over hosts (k8s / celery launchers) the deployment must not start two runs of the same shard at
+once, e.g. the `sglang_fleet` pool at limit 1 (the instance enforces pools across hosts), or backfills over
+disjoint shard ranges. Two writers of one shard would not corrupt a file (every object is whole), but could
+both generate the same prompts: duplicate rows, which the `duplicates` check reports. Readers never lock.
 """
 
 from __future__ import annotations

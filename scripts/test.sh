@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Run the test suite on a fresh machine: uv (with pip, if missing), the locked environment, SGLang's wheel
+# without its dependencies (the contract tests read its schema file; importing it would pull a CUDA torch),
+# Debian's Chromium for the browser tests (when missing and we are root), then pytest with this script's
+# arguments, e.g. `bash scripts/test.sh tests/test_ui_browser.py -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$HOME/.local/bin:$PATH"
+
+command -v uv >/dev/null 2>&1 || python3 -m pip install uv
+uv sync --locked
+uv pip install --no-deps sglang==0.5.23
+
+if [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "+ installing Debian's chromium for the browser tests" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq chromium >/dev/null
+  else
+    echo "scripts/test.sh: /usr/bin/chromium is missing and this is not root; install Debian's chromium" \
+         "(apt-get install chromium) or the browser tests fail under CI=true and are skipped elsewhere" >&2
+  fi
+fi
+
+exec uv run --locked pytest "$@"
