@@ -278,3 +278,39 @@ def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard
     evaluation = [e for e in result.get_asset_check_evaluations() if e.check_name == "accounting"][0]
     assert evaluation.passed and evaluation.metadata["scope"].text == "shard 00000, shard 00001, shard 00002"
     assert len(completion_rows(tmp_path)) == 30
+
+
+def test_raising_the_cap_keeps_the_old_rows_tagged_and_adds_the_new_configs_beside_them(tmp_path, fleet_urls):
+    write_prompts(tmp_path / "prompts.jsonl", 30)
+    res = resources(tmp_path, fleet_urls, shard_size=30)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        run_shard(instance, res, "00000", cap=4096)
+        before = completion_rows(tmp_path)
+        second = run_shard(instance, res, "00000", cap=8192)
+    after = completion_rows(tmp_path)
+    by_config = duckdb.sql(f"select max_output_tokens, count(*), count(distinct prompt_id) from read_parquet("
+                           f"'{tmp_path}/data/completions/**/*.parquet') group by all order by 1").fetchall()
+    assert by_config == [(4096, 30, 30), (8192, 30, 30)]
+    assert set(before) <= set(after), "the 4096 rows are kept as they were"
+    meta = second.asset_materializations_for_node("completions")[0].metadata
+    assert meta["already_done"].value == 0 and meta["completed"].value == 30
+    mix = [e for e in second.get_asset_check_evaluations() if e.check_name == "config_consistency"][0]
+    assert not mix.passed and mix.severity == dg.AssetCheckSeverity.WARN
+
+
+def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path, monkeypatch):
+    secret = "sk-dflash-test-3c1f9a"
+    monkeypatch.setenv("DFLASH_API_KEY", secret)
+    write_prompts(tmp_path / "prompts.jsonl", 6)
+    with start_emulator(FAST + ["--api-key", secret]) as server:
+        res = resources(tmp_path, server.url, shard_size=6)
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+            result = run_shard(instance, res, "00000", cap=32000)
+            records = instance.get_records_for_run(result.run_id).records
+            run = instance.get_run_by_id(result.run_id)
+    assert result.success, "the key reached the servers (they answer 401 without it)"
+    logged = "\n".join(str(r.event_log_entry) for r in records)
+    assert secret not in logged and secret not in json.dumps(run.run_config, default=str)
+    assert secret not in "".join(p.read_bytes().decode("latin-1") for p in (tmp_path / "data").rglob("*.parquet"))
