@@ -55,9 +55,17 @@ def fresh_dir(path: Path) -> Path:
 
 
 def make_home(path: Path) -> Path:
-    """A fresh DAGSTER_HOME with the project's dagster.yaml (run queue, concurrency pools, run monitoring)."""
+    """A fresh DAGSTER_HOME with the project's dagster.yaml (run queue, concurrency pools, run monitoring), its
+    SQLite storages created here, so processes started side by side on it don't race to create the tables."""
+    from dagster import DagsterInstance
+
     path.mkdir(parents=True, exist_ok=True)
     shutil.copy(PROJECT_DAGSTER_YAML, path / "dagster.yaml")
+    with DagsterInstance.from_config(str(path)) as instance:
+        instance.get_runs(limit=1)
+        instance.get_dynamic_partitions("shards")
+        instance.all_instigator_state()
+        instance.event_log_storage.get_concurrency_keys()
     return path
 
 

@@ -49,11 +49,10 @@ FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-m
 # runs take to start one after another here, so later runs reach the pool while it is full, as a backfill's
 # runs do in production where a shard takes minutes to hours of generation.
 STALL_S = 12.0
-# Steps run in the run's process (`in_process` executor, run config). With the default multiprocess executor
-# every step is a new Python process that imports Dagster and the definitions: ~10 s each on a 2-core machine,
-# which would dwarf the generation step. The pool is enforced the same way by either executor: a step claims
-# a slot of its pool from the instance before it starts and frees it when it ends.
-IN_PROCESS = {"execution": {"config": {"in_process": {}}}}
+# Steps run in the run's process: the definitions' executor is `in_process` (a multiprocess step would start a
+# new Python process importing Dagster, ~10 s each on a 2-core machine). The pool is enforced the same way by
+# either executor: a step claims a slot of its pool from the instance before it starts and frees it at its end.
+IN_PROCESS: dict = {}
 TERMINAL = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 OUT = ARTIFACTS / "backfill"
 
@@ -108,7 +107,8 @@ def stack(tmp_path_factory):
                      fleet_mode="attach", fleet_urls=fleet.url, shards_per_run=1)
     fleet.start(*FAST, "--fault-stall-seconds", str(STALL_S))
     try:
-        with webserver(home, env, log_dir=logs) as server, daemon(home, env, log_dir=logs) as daemon_proc:
+        # the daemon boots while the webserver loads the code location
+        with daemon(home, env, log_dir=logs) as daemon_proc, webserver(home, env, log_dir=logs) as server:
             wait_daemon_healthy(server, daemon_proc)
             add_shard_partitions(server, [*POOL_SHARDS, RESUME_SHARD])
             with dg.DagsterInstance.from_config(str(home)) as instance:
@@ -297,7 +297,7 @@ RESUME_CONFIG = {**IN_PROCESS, "ops": {"completions": {"config": {
 
 
 def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack):
-    # the server crashes when generation request 3 arrives: two rows done, the run fails
+    # the server crashes when generation request 3 arrives: a row or two committed, then no server; the run fails
     stack.fleet.start(*FAST, "--fault-crash-after", "2")
     first_id = launch_backfill(stack.server, [RESUME_SHARD], "resume: fleet goes down", RESUME_CONFIG)
     first = wait_backfill(stack, first_id)
@@ -311,6 +311,8 @@ def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack
     assert 0 < len(committed) < SHARD_SIZE, committed
     [failed_run] = backfill_runs(stack.instance, first_id)
     assert failed_run.status == dg.DagsterRunStatus.FAILURE
+    [failure] = failures(stack.instance, first_id)
+    assert " completions: " in failure and "no healthy server" in failure, failure  # the fleet was down
 
     # the server is back on the same URL; re-execute the backfill from failure (the UI's button)
     stack.fleet.start(*FAST)
@@ -326,7 +328,7 @@ def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack
     assert counts.get("prompt_shards", {}).get("numPartitionsTargeted", 0) == 0, counts
     [retry_run] = backfill_runs(stack.instance, result["backfillId"])
     assert retry_run.status == dg.DagsterRunStatus.SUCCESS
-    assert {i for i in ("prompt_shards",) if step_intervals(stack.instance, [retry_run.run_id], i)} == set()
+    assert step_intervals(stack.instance, [retry_run.run_id], "prompt_shards") == []
 
     # completions resumed: the committed rows were kept, only the rest generated, no prompt twice
     rows = completion_rows(stack.data_dir, RESUME_SHARD)
@@ -337,7 +339,8 @@ def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack
     assert meta["completed"] == SHARD_SIZE and meta["failed"] == 0, meta
     evaluations = check_evaluations(stack.instance, retry_run.run_id)
     assert all(evaluations[c.name] for c in CHECKS if c.blocking), evaluations
-    save("resume.json", {"committed_before_crash": len(committed), "already_done_on_retry": meta["already_done"],
+    save("resume.json", {"failure": [line for line in failure.splitlines() if "no healthy server" in line][-1],
+                         "committed_before_crash": len(committed), "already_done_on_retry": meta["already_done"],
                          "rows_after_retry": len(rows), "failed_backfill": first_id,
                          "retry_backfill": result["backfillId"],
                          "retry_seconds": round(second["endTimestamp"] - second["timestamp"], 1)})

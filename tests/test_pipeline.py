@@ -314,3 +314,21 @@ def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path
     logged = "\n".join(str(r.event_log_entry) for r in records)
     assert secret not in logged and secret not in json.dumps(run.run_config, default=str)
     assert secret not in "".join(p.read_bytes().decode("latin-1") for p in (tmp_path / "data").rglob("*.parquet"))
+
+
+def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
+    from dflash_assets.definitions import defs
+    from dflash_assets.defs.sensors import completions_landed_sensor
+
+    write_prompts(tmp_path / "prompts.jsonl", 5)
+    res = resources(tmp_path, fleet_urls, shard_size=5)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        assert run_shard(instance, res, "00000", cap=32000).success
+        context = dg.build_sensor_context(instance=instance, definitions=defs)
+        first = completions_landed_sensor.evaluate_tick(context)
+        again = completions_landed_sensor.evaluate_tick(
+            dg.build_sensor_context(instance=instance, definitions=defs, cursor=first.cursor))
+    assert [r.job_name or "quality_checks" for r in first.run_requests] == ["quality_checks"]
+    assert first.run_requests[0].tags["dflash/trigger"] == "completions 00000"
+    assert again.run_requests == [], "the same materialisation does not trigger twice"

@@ -33,5 +33,5 @@ def shard_partitions_sensor(context: dg.SensorEvaluationContext, prompt_source: 
                              "summary report, so a bad shard shows on the dashboard without waiting for the hour.")
 def completions_landed_sensor(context: dg.SensorEvaluationContext, asset_event: dg.EventLogEntry):
     materialization = asset_event.asset_materialization
-    yield dg.RunRequest(run_key=str(asset_event.storage_id),
+    yield dg.RunRequest(run_key=f"{asset_event.run_id}:{asset_event.timestamp}",
                         tags={"dflash/trigger": f"completions {materialization.partition or ''}".strip()})

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dflash_assets.defs.resources import DEMO_PROMPTS, PromptSource
 from dflash_assets.defs.sensors import missing_shards
 from dflash_assets.definitions import defs
 from dflash_assets.defs.partitions import shard_partitions
@@ -25,7 +26,9 @@ def run_demo(max_output_tokens: int, console: Console | None = None) -> int:
     # piped output (CI, logs) would otherwise be cut to 80 columns
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     instance = dg.DagsterInstance.get()
-    source = defs.resources["prompt_source"]
+    # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
+    source = PromptSource(path=os.environ.get("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
+                          shard_size=int(os.environ.get("DFLASH_SHARD_SIZE", "100")))
     new = missing_shards(instance, source)
     if new:
         instance.add_dynamic_partitions(shard_partitions.name, new)
