@@ -59,6 +59,8 @@ def write_shard(out: Path, shard: str, n: int, offset: int, rng: np.random.Gener
         "reasoning_content": reasoning, "latency_s": rng.exponential(30, n), "attempt": np.ones(n, np.int16),
         "created_at": [now] * n,
     }
+    for name in ("prompt_token_ids", "output_ids", "parent_config_hash", "tokens_reused"):  # not recorded here
+        completions[name] = pa.nulls(n, COMPLETION_SCHEMA.field(name).type)
     write(out, "completions", shard, pa.table(completions, schema=COMPLETION_SCHEMA), args.compression)
     messages = [json.dumps([{"role": "user", "content": f"question {i}"}]) for i in idx]
     prompts = {

@@ -20,7 +20,7 @@ from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDir, FleetResource
 from dflash_assets.fleet.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connect, on_fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
@@ -41,15 +41,6 @@ def fleet_urls():
         yield [a.url, b.url]
 
 
-def on_fleet(urls, work):
-    async def go():
-        fleet = await connect(urls)
-        try:
-            return await work(fleet)
-        finally:
-            await fleet.session.close()
-
-    return asyncio.run(go())
 
 
 def make_shard(data_dir, urls) -> None:
@@ -128,7 +119,7 @@ def test_a_rerun_of_a_finished_continuation_sends_nothing(continued, fleet_urls)
 
 KILLED = '''
 import asyncio, sys
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connect, on_fleet
 from dflash_assets.generation.config import DispatchSettings
 from dflash_assets.generation.continuation import continue_shard
 

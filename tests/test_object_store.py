@@ -19,7 +19,7 @@ import duckdb
 import pytest
 
 from dflash_assets.fleet.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connect, on_fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import completion_store, generate_shard
@@ -72,15 +72,6 @@ def fleet_urls():
         yield [a.url]
 
 
-def on_fleet(urls, work):
-    async def go():
-        fleet = await connect(urls)
-        try:
-            return await work(fleet)
-        finally:
-            await fleet.session.close()
-
-    return asyncio.run(go())
 
 
 def write_prompts(path: Path) -> Path:

@@ -171,11 +171,8 @@ def run_on_fleet(fleet: FleetResource, work):
     """Run `work(fleet)` (a coroutine function) on a freshly connected fleet, closing the session after."""
 
     async def go():
-        connected = await fleet.connect()
-        try:
+        async with await fleet.connect() as connected:
             return await work(connected)
-        finally:
-            await connected.session.close()
 
     return asyncio.run(go())
 

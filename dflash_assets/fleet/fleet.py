@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 
 from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -20,6 +24,12 @@ class Fleet:
     @property
     def model(self) -> str:
         return self.infos[0].model
+
+    async def __aenter__(self) -> Fleet:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
 
 
 def open_session(total_connections: int = 0) -> aiohttp.ClientSession:
@@ -50,3 +60,13 @@ async def connect(urls: list[str], api_key: str | None = None, *, health_timeout
         await session.close()
         raise
     return Fleet(clients, infos, session)
+
+
+def on_fleet(urls: list[str], work: Callable[[Fleet], Awaitable[T]], api_key: str | None = None, **kw) -> T:
+    """Connect, run `work(fleet)`, close: for scripts and tests, outside any event loop."""
+
+    async def go() -> T:
+        async with await connect(urls, api_key, **kw) as fleet:
+            return await work(fleet)
+
+    return asyncio.run(go())
