@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 
-def _demo(args: argparse.Namespace) -> int:
-    # Settings go to the environment before Dagster is imported: definitions read them at load.
+def _instance_environment(args: argparse.Namespace) -> None:
+    """Settings go to the environment before Dagster is imported: definitions read them at load."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DFLASH_DATA_DIR", "data")
@@ -20,15 +20,19 @@ def _demo(args: argparse.Namespace) -> int:
     if args.servers:
         os.environ["DFLASH_NUM_SERVERS"] = str(args.servers)
 
+
+def _demo(args: argparse.Namespace) -> int:
+    _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
     return run_demo(max_output_tokens=args.max_output_tokens)
 
 
-def _emulator(argv: list[str]) -> int:
-    from dflash_assets.fleet.emulator import main
+def _backfill(args: argparse.Namespace) -> int:
+    _instance_environment(args)
+    from dflash_assets.demo.run import run_backfill
 
-    return main(argv)
+    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -160,11 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Materialise every shard of the bundled demo prompts (or --prompts) through "
                                       "Dagster on emulated SGLang servers, run the checks and print a summary. "
                                       "Re-running resumes: committed completions are not generated again.")
-    demo.add_argument("--max-output-tokens", type=int, default=16384,
-                      help="the cap (default 16384; try 4096 to watch the truncation check fail)")
-    demo.add_argument("--prompts", help="a JSONL or Parquet prompt source (default: the bundled demo prompts)")
-    demo.add_argument("--shard-size", type=int, help="prompts per shard (default 100, or DFLASH_SHARD_SIZE)")
-    demo.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
+    backfill = sub.add_parser("backfill", help="materialise a range of shards through Dagster, as a UI backfill does",
+                              description="Runs of up to DFLASH_SHARDS_PER_RUN shards (each streaming its shards "
+                                          "through one dispatcher), executed here one after the other on the "
+                                          "instance in DAGSTER_HOME with the fleet of DFLASH_FLEET_MODE. A failed "
+                                          "run is resumed by running the same range again.")
+    backfill.add_argument("--from", dest="first", help="first shard key (default: the first)")
+    backfill.add_argument("--to", dest="last", help="last shard key (default: the last)")
+    backfill.add_argument("--max-output-tokens", type=int, default=4096, help="the cap (default 4096)")
+    for p in (demo, backfill):
+        if p is demo:
+            p.add_argument("--max-output-tokens", type=int, default=16384,
+                           help="the cap (default 16384; try 4096 to watch the truncation check fail)")
+        p.add_argument("--prompts", help="a JSONL or Parquet prompt source (default: DFLASH_PROMPTS, else the "
+                                         "bundled demo prompts)")
+        p.add_argument("--shard-size", type=int, help="prompts per shard (default 100, or DFLASH_SHARD_SIZE)")
+        p.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
 
     gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
                          description="Needs the shard's prompt_shards file; resumes from committed parts.")
@@ -228,10 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["emulator"]:
         return _emulator(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
+    if args.command in ("demo", "backfill"):
         if args.max_output_tokens <= 0:
             build_parser().error(f"--max-output-tokens must be a positive integer, got {args.max_output_tokens}")
-        return _demo(args)
+        return _demo(args) if args.command == "demo" else _backfill(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "fleet":

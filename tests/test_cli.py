@@ -106,3 +106,25 @@ def test_report_prints_the_figures_of_a_data_dir_as_tables(tmp_path, emulator):
     assert result.returncode == 0, result.stderr
     assert f"{truncated / 40 * 100:.2f}%" in result.stdout, result.stdout
     assert "truncation_rate" in result.stdout and ("4,096" in result.stdout or "4096" in result.stdout)
+
+
+def test_backfill_materialises_a_range_through_dagster_and_resumes_on_a_second_run(tmp_path, emulator):
+    import json
+
+    server = emulator("--reasoning-parser", "qwen3")
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"b{i}", "prompt": f"backfill test {i}"}) + "\n" for i in range(15)))
+    env = {"DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_DATA_DIR": str(tmp_path / "data"),
+           "DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": server.emu.url, "DFLASH_SHARDS_PER_RUN": "2"}
+    args = ["backfill", "--from", "00000", "--to", "00001", "--prompts", str(src), "--shard-size", "5",
+            "--max-output-tokens", "32000"]
+    first = dflash(*args, env=env, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "shards 00000..00001 (2), cap 32000, up to 2 shards per run" in first.stdout
+    rows = [line.split() for line in first.stdout.splitlines() if line.strip().startswith("0000")]
+    assert [(r[0], r[3], r[4], r[5]) for r in rows] == [("00000", "5", "5", "5"), ("00001", "5", "5", "5")]
+    again = dflash(*args, env=env, timeout=300)
+    rows = [line.split() for line in again.stdout.splitlines() if line.strip().startswith("0000")]
+    assert [(r[0], r[4], r[5]) for r in rows] == [("00000", "5", "0"), ("00001", "5", "0")], again.stdout
+    bad = dflash("backfill", "--from", "00009", "--prompts", str(src), "--shard-size", "5", env=env)
+    assert bad.returncode == 2 and "no shard 00009; the shards are 00000..00002" in bad.stdout

@@ -15,6 +15,7 @@ from dflash_assets.quality import CHECKS, run_checks
     specs=[dg.AssetCheckSpec(spec.name, asset=completions, blocking=spec.blocking, description=spec.description)
            for spec in CHECKS],
     description="The length-quality and data-contract checks on completions, computed in one DuckDB scan.",
+    compute_kind="duckdb",
     can_subset=True,
 )
 def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir: DataDir,
