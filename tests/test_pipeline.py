@@ -152,6 +152,7 @@ def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
 @pytest.mark.parametrize("fleet,message", [
     ({"mode": "kubernetes"}, "unknown fleet mode 'kubernetes': expected one of emulated, attach, launch"),
     ({"mode": "attach", "urls": ""}, "fleet mode 'attach' needs at least one server URL"),
+    ({"mode": "attach", "urls": "10.0.0.5:30000"}, "server URL '10.0.0.5:30000' must look like http://host:port"),
 ])
 def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
     write_prompts(tmp_path / "prompts.jsonl", 3)

@@ -11,6 +11,7 @@ from typing import Optional
 import dagster as dg
 from pydantic import PrivateAttr
 
+from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, connect
 
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "demo" / "prompts.jsonl"
@@ -66,13 +67,15 @@ class FleetResource(dg.ConfigurableResource):
     def validate_settings(self) -> None:
         if self.mode not in FLEET_MODES:
             raise ValueError(f"unknown fleet mode {self.mode!r}: expected one of {', '.join(FLEET_MODES)}")
-        if self.mode == "attach" and not self.url_list():
+        if self.mode == "attach" and not self.urls.strip():
             raise ValueError("fleet mode 'attach' needs at least one server URL (set DFLASH_FLEET_URLS)")
+        if self.mode == "attach":
+            self.url_list()  # a malformed URL is refused here, naming it, before any work
         if self.mode == "emulated" and self.num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
 
     def url_list(self) -> list[str]:
-        return [u.strip() for u in self.urls.split(",") if u.strip()]
+        return parse_urls(self.urls)
 
     def api_key(self) -> str | None:
         return os.environ.get(self.api_key_env) or None
