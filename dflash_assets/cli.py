@@ -35,6 +35,12 @@ def _backfill(args: argparse.Namespace) -> int:
     return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens)
 
 
+def _emulator(argv: list[str]) -> int:
+    from dflash_assets.fleet.emulator import main
+
+    return main(argv)
+
+
 def _generate(args: argparse.Namespace) -> int:
     """One shard's completions without Dagster: the same engine the `completions` asset adapts."""
     import asyncio
