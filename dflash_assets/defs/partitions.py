@@ -1,5 +1,6 @@
 """Partitions, defined once. A shard is a fixed range of source lines; its keys live in the instance."""
 
+import functools
 import os
 import warnings
 
@@ -15,3 +16,8 @@ shard_backfill_policy = dg.BackfillPolicy.multi_run(max_partitions_per_run=SHARD
 # `@asset(backfill_policy=...)` is marked beta in 1.13 yet is the documented way to shape backfill runs;
 # silence exactly that notice so loading the code location stays free of warnings.
 warnings.filterwarnings("ignore", message="Parameter `backfill_policy` of function `asset`", category=dg.BetaWarning)
+
+
+# Every shard-partitioned asset is declared the same way; the fleet's pool is added by the ones that use it.
+shard_asset = functools.partial(dg.asset, partitions_def=shard_partitions, backfill_policy=shard_backfill_policy,
+                                owners=["team:dflash"])

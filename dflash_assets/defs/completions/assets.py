@@ -3,7 +3,7 @@
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
+from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.run_config import DispatchConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
@@ -30,13 +30,10 @@ class CompletionsConfig(DispatchConfig):
                                 top_p=self.top_p, top_k=self.top_k, enable_thinking=self.enable_thinking)
 
 
-@dg.asset(
+@shard_asset(
     deps=[prompt_shards],
-    partitions_def=shard_partitions,
-    backfill_policy=shard_backfill_policy,
     group_name="generation",
     kinds={"sglang", "parquet"},
-    owners=["team:dflash"],
     pool="sglang_fleet",
     description="A completion per prompt of the shard, generated on the SGLang fleet, with full provenance "
                 "(config_hash, cap, sampling, server, context length, finish_reason, token counts). A re-run "

@@ -4,7 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
+from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.run_config import DispatchConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.generation.config import ConfigError
@@ -21,13 +21,10 @@ class ContinuationConfig(DispatchConfig):
     new_max_output_tokens: int = Field(8192, description="The new cap; larger than the parent's.")
 
 
-@dg.asset(
+@shard_asset(
     deps=[completions],
-    partitions_def=shard_partitions,
-    backfill_policy=shard_backfill_policy,
     group_name="generation",
     kinds={"sglang", "parquet"},
-    owners=["team:dflash"],
     pool="sglang_fleet",
     description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
                 "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "

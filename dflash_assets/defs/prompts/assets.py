@@ -2,18 +2,15 @@
 
 import dagster as dg
 
-from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
+from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, run_on_fleet
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.generation.config import GenerationConfig
 
 
-@dg.asset(
-    partitions_def=shard_partitions,
-    backfill_policy=shard_backfill_policy,
+@shard_asset(
     group_name="generation",
     kinds={"parquet", "sglang"},
-    owners=["team:dflash"],
     description="One shard of the prompt source: validated prompts with a stable prompt_id and the exact "
                 "chat-template prompt_tokens counted by the fleet's /v1/tokenize. Lines that cannot be used go "
                 "to the rejects table with a reason; lines = prompts + rejects.",

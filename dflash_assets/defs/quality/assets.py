@@ -5,7 +5,7 @@ import base64
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.partitions import shard_backfill_policy, shard_partitions
+from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import length_quality
 from dflash_assets.quality.outcome import pct
@@ -36,13 +36,10 @@ def report_metadata(report: dict, png: bytes) -> dict:
     }
 
 
-@dg.asset(
+@shard_asset(
     deps=[completions],
-    partitions_def=shard_partitions,
-    backfill_policy=shard_backfill_policy,
     group_name="quality",
     kinds={"duckdb", "parquet"},
-    owners=["team:dflash"],
     description="Length quality of a shard's completions (DuckDB over its Parquet): rows, truncation rate "
                 "(finish_reason = 'length'), P50/P90/P95/P99/max completion tokens by config, prompt length and "
                 "source, context overflows, and a histogram of completion lengths with the cap marked.",
