@@ -213,17 +213,16 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
         for shard in shards:  # every shard is planned (and preflighted) before anything is sent
             locks.enter_context(completion_store(data_dir, shard).lock())
             plans.append(await _prepare(data_dir, shard, fleet, config, settings, preflight_policy, notes, log))
-        model = fleet.model
+        model, config_hash = fleet.model, config.config_hash(fleet.model)
 
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
             body = config.chat_body(model, json.loads(prompt["messages_json"]), settings.store_token_ids)
             t0 = time.monotonic()
             resp = await slot.client.chat(body)
-            run = plans[0].target.run
-            return _row(prompt, resp, slot, config, run.config_hash, prompt["shard"], attempt, time.monotonic() - t0)
+            return _row(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, time.monotonic() - t0)
 
         def refuse(prompt: dict, reason: str, context: int) -> dict:
-            return _reject(prompt, "server", reason, config, plans[0].target.run.config_hash, prompt["shard"], context)
+            return _reject(prompt, "server", reason, config, config_hash, prompt["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
         await dispatch_many(items, sum(len(p.todo) for p in plans), fleet, settings,
