@@ -8,8 +8,10 @@ the mutations behind the UI's "Launch backfill" and "Re-execute from failure"; t
 
 1. A backfill over twice as many shards as the pool limit, one run per shard: every partition materialised,
    every check evaluated; the event log shows never more `completions` steps running at once than the limit,
-   and steps of the other runs waiting ("Step blocked by limit for pool sglang_fleet"). Each generation
-   request is held STALL_S seconds, so that a completions step is the long part of a run, as in production.
+   and steps of the other runs waiting ("Step blocked by limit for pool sglang_fleet"). The contention is
+   forced, not hoped for: the emulator holds every generation request (its `hold` fault) until the event log
+   shows a step blocked by the pool, and only then lets the held steps finish, so however slowly runs start on
+   the machine, the first steps are certainly still running when a later one reaches the pool.
 2. A shard whose fleet goes down mid-run (the server crashes after two requests) fails; the rows committed
    before the crash stay; once the server is back on the same URL, re-executing the backfill from failure
    skips what was materialised (prompt_shards) and completions resumes where it stopped: only the missing
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,10 +48,9 @@ POOL_SHARDS = [f"{i:05d}" for i in range(4)]  # twice the pool limit
 RESUME_SHARD = "00004"
 # instant decode; outputs under the default 4096 cap, so the truncation check passes with the default config
 FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
-# A generation step holds the fleet this long (each request is held, all are in flight at once): longer than
-# runs take to start one after another here, so later runs reach the pool while it is full, as a backfill's
-# runs do in production where a shard takes minutes to hours of generation.
-STALL_S = 12.0
+# How long the held generation steps may wait for a later run to reach the full pool: a bound on a slow
+# machine, never a timing the test relies on (the hold ends as soon as a step is seen blocked).
+BLOCKED_WITHIN_S = 240.0
 # Steps run in the run's process: the definitions' executor is `in_process` (a multiprocess step would start a
 # new Python process importing Dagster, ~10 s each on a 2-core machine). The pool is enforced the same way by
 # either executor: a step claims a slot of its pool from the instance before it starts and frees it at its end.
@@ -71,6 +73,13 @@ class Fleet:
         self.stop()
         self.starts += 1
         self.proc = start_emulator(list(flags), port=self.port, log_path=self.log_dir / f"emulator-{self.starts}.log")
+
+    def release_hold(self) -> None:
+        """Let the held generation requests go (the emulator's fault route)."""
+        request = urllib.request.Request(f"{self.url}/_emulator/faults", data=json.dumps({"hold": None}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
@@ -105,7 +114,7 @@ def stack(tmp_path_factory):
     # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
     env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
                      fleet_mode="attach", fleet_urls=fleet.url, shards_per_run=1)
-    fleet.start(*FAST, "--fault-stall-seconds", str(STALL_S))
+    fleet.start(*FAST, "--fault-hold")
     try:
         # the daemon boots while the webserver loads the code location
         with daemon(home, env, log_dir=logs) as daemon_proc, webserver(home, env, log_dir=logs) as server:
@@ -243,6 +252,13 @@ def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_th
     assert len(POOL_SHARDS) > limit, "the backfill must be wider than the pool to test it"
     backfill_id = launch_backfill(stack.server, POOL_SHARDS, f"pool: shards {POOL_SHARDS[0]}-{POOL_SHARDS[-1]}",
                                   IN_PROCESS)
+    # the first steps to claim the pool hold the fleet (their requests are held) until a later run's
+    # completions step is blocked by the full pool; then they are let go
+    deadline = time.monotonic() + BLOCKED_WITHIN_S
+    while not pool_blocked_events(stack.instance, [r.run_id for r in backfill_runs(stack.instance, backfill_id)]):
+        assert time.monotonic() < deadline, f"no step was blocked by the pool within {BLOCKED_WITHIN_S}s"
+        time.sleep(0.5)
+    stack.fleet.release_hold()
     backfill = wait_backfill(stack, backfill_id)
 
     counts = counts_by_asset(backfill)

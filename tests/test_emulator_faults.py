@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import urllib.error
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -50,6 +51,18 @@ def test_a_stall_holds_accepted_requests(emulator):
     t = time.monotonic()
     assert gen(http)[0] == 200
     assert time.monotonic() - t < 0.4
+
+
+def test_a_hold_keeps_requests_in_flight_until_it_is_cleared(emulator):
+    http = emulator("--fault-hold")
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(gen, http)
+        while http.get("/_emulator/faults")[1]["injected"]["hold"] < 1:
+            time.sleep(0.02)
+        assert not held.done()  # arrived and held: no answer while the hold is set
+        assert http.post("/_emulator/faults", {"hold": None})[0] == 200
+        assert held.result(timeout=30)[0] == 200
+    assert gen(http)[0] == 200  # cleared: later requests are not held
 
 
 def test_a_slow_factor_stretches_decode(emulator):

@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--fault-503-rate", type=float, help="Answer this share of generation requests with 503.")
     emu.add_argument("--fault-stall-seconds", type=float, help="Hold generation requests this long before serving.")
     emu.add_argument("--fault-stall-next", type=int, help="Stall only the next N requests (default: all).")
+    emu.add_argument("--fault-hold", action="store_true",
+                     help="Hold generation requests until the hold is cleared (POST /_emulator/faults {\"hold\": null}).")
     emu.add_argument("--fault-slow-factor", type=float, help="Multiply decode time by this factor.")
     return parser
 

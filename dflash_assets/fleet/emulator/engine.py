@@ -36,6 +36,7 @@ from .scheduler import QueueFull, Scheduler
 # instant decode, where timing says nothing, bigger chunks keep the CPU cost low.
 STREAM_CHUNK_TOKENS = 32
 INSTANT_STREAM_CHUNK_TOKENS = 256
+HOLD_POLL_S = 0.05  # how often a held request looks whether the hold was cleared
 
 
 class TokenizerError(ValueError):
@@ -187,6 +188,8 @@ class Engine:
             ids = req.input_ids = ids[: self.cfg.max_req_input_len]
         if verdict.stall:
             await asyncio.sleep(verdict.stall)
+        while verdict.hold and self.faults.held:
+            await asyncio.sleep(HOLD_POLL_S)
         if verdict.fail:
             yield self._abort(req, verdict.fail, 503)
             return

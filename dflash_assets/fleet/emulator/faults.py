@@ -18,6 +18,8 @@ Settings (all optional):
                        before it is served (a hung scheduler, as seen by a client)
     stall_next: N      stall only the next N requests (default: every request)
     slow_factor: F     decode takes F times longer (a throttled or noisy GPU)
+    hold: bool         a generation request is accepted, then held until hold is cleared (a test
+                       that needs work to be certainly in flight at some moment releases it then)
     unhealthy: bool    /health and /health_generate answer 503 (a stuck detokenizer)
 
 "Generation requests" are POST /generate and /v1/chat/completions.
@@ -41,6 +43,7 @@ class FaultSettings:
     stall_next: int | None = None
     slow_factor: float | None = None
     unhealthy: bool | None = None
+    hold: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Verdict:
     crash: bool = False
     fail: str | None = None  # a 503 with this message
     stall: float = 0.0
+    hold: bool = False  # wait until the hold setting is cleared
 
 
 NO_FAULT = Verdict()
@@ -59,7 +63,7 @@ class Faults:
     def __init__(self, settings: FaultSettings | None = None, seed: int = 0):
         self.settings = settings or FaultSettings()
         self.requests_seen = 0  # generation requests since crash_after was set
-        self.injected = {"crash": 0, "fail": 0, "stall": 0}
+        self.injected = {"crash": 0, "fail": 0, "stall": 0, "hold": 0}
         self._rng = random.Random(seed)
 
     @property
@@ -69,6 +73,10 @@ class Faults:
     @property
     def unhealthy(self) -> bool:
         return bool(self.settings.unhealthy)
+
+    @property
+    def held(self) -> bool:
+        return bool(self.settings.hold)
 
     def update(self, changes: dict) -> None:
         known = {f.name for f in fields(FaultSettings)}
@@ -104,6 +112,9 @@ class Faults:
         if s.fail_rate and self._rng.random() < s.fail_rate:
             self.injected["fail"] += 1
             return Verdict(fail=s.fail_message or QUEUE_FULL)
+        if s.hold:
+            self.injected["hold"] += 1
+            return Verdict(hold=True)
         if s.stall_seconds and (s.stall_next is None or s.stall_next > 0):
             if s.stall_next is not None:
                 s.stall_next -= 1
@@ -121,5 +132,6 @@ def from_args(args) -> Faults:
             stall_seconds=args.fault_stall_seconds,
             stall_next=args.fault_stall_next,
             slow_factor=args.fault_slow_factor,
+            hold=args.fault_hold or None,
         )
     )
