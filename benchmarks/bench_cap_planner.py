@@ -19,7 +19,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.engine import generate_shard

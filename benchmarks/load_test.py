@@ -45,7 +45,7 @@ def main() -> None:
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
     from dflash_assets.definitions import defs
-    from dflash_assets.fleet.emulator.process import start_emulator
+    from dflash_assets.emulator.process import start_emulator
 
     flags = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", str(args.decode_tokens_per_s),
              "--max-running-requests", "32", "--length-median", "200", "--length-sigma", "0.8", "--length-max", "2000"]

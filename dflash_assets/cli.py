@@ -36,7 +36,7 @@ def _backfill(args: argparse.Namespace) -> int:
 
 
 def _emulator(argv: list[str]) -> int:
-    from dflash_assets.fleet.emulator import main
+    from dflash_assets.emulator import main
 
     return main(argv)
 

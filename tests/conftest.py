@@ -52,7 +52,7 @@ class Http:
 @pytest.fixture
 def emulator():
     """Start in-process SGLang emulators: `emulator(*flags, key=None) -> Http` (stopped after the test)."""
-    from dflash_assets.fleet.emulator.process import run_emulator_in_thread
+    from dflash_assets.emulator.process import run_emulator_in_thread
 
     started = []
 

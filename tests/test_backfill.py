@@ -36,7 +36,7 @@ from dagster._core.events import DagsterEventType
 
 from dagster_procs import (ARTIFACTS, Webserver, add_shard_partitions, daemon, dflash_env, free_port, fresh_dir,
                            make_home, project_pool_limit, wait_daemon_healthy, webserver)
-from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.emulator.process import start_emulator
 from dflash_assets.quality import CHECKS
 
 pytestmark = pytest.mark.timeout(420)

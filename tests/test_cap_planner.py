@@ -9,7 +9,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.engine import completion_store, generate_shard

@@ -19,7 +19,7 @@ import pytest
 from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDir, FleetResource
-from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect, on_fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard

@@ -5,7 +5,7 @@
 `sglang` would pull torch). These tests FAIL, not skip, without the wheel: the
 README's test command installs it with `uv pip install --no-deps sglang==0.5.23`.
 
-Run as a script, this prints the flag table for dflash_assets/fleet/emulator/sglang_flags.py.
+Run as a script, this prints the flag table for dflash_assets/emulator/sglang_flags.py.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_assets.fleet.emulator import contract
-from dflash_assets.fleet.emulator import tokenizer as tok
-from dflash_assets.fleet.emulator.sglang_flags import FLAGS
+from dflash_assets.emulator import contract
+from dflash_assets.emulator import tokenizer as tok
+from dflash_assets.emulator.sglang_flags import FLAGS
 
 pytestmark = pytest.mark.timeout(60)
 INSTALL = "uv pip install --no-deps sglang==0.5.23"

@@ -1,5 +1,6 @@
 """The asset graph as the UI shows it: keys, wiring, checks, partitions, jobs, sensors; and the webserver loads it."""
 
+import ast
 import os
 import signal
 import socket
@@ -117,6 +118,31 @@ def test_definitions_import_no_dagster_in_the_plain_libraries():
         for path in (ROOT / "dflash_assets" / package).rglob("*.py"):
             text = path.read_text()
             assert "import dagster" not in text and "from dagster" not in text, path
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of every module a file imports (relative imports resolved against its package)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            names |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_emulator_is_its_own_package():
+    # nothing that talks to servers, generates or checks imports the emulator; the emulator imports none of them
+    for package in ("fleet", "generation", "quality"):
+        for path in (ROOT / "dflash_assets" / package).rglob("*.py"):
+            assert not any(m.startswith("dflash_assets.emulator") for m in imported_modules(path)), path
+    for path in (ROOT / "dflash_assets" / "emulator").rglob("*.py"):
+        outside = {m for m in imported_modules(path)
+                   if m.startswith("dflash_assets.") and not m.startswith("dflash_assets.emulator")}
+        assert not outside, (path, outside)
 
 
 def test_materialize_reads_a_real_instance():

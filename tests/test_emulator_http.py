@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_assets.fleet.emulator import tokenizer as tok
+from dflash_assets.emulator import tokenizer as tok
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dflash_assets.fleet.emulator import model
-from dflash_assets.fleet.emulator import tokenizer as tok
+from dflash_assets.emulator import model
+from dflash_assets.emulator import tokenizer as tok
 
 LENGTHS = model.LengthModel()
 

@@ -9,10 +9,10 @@ import time
 import pytest
 from conftest import Http
 
-from dflash_assets.fleet.emulator import main
-from dflash_assets.fleet.emulator.config import resolve
-from dflash_assets.fleet.emulator.process import start_emulator
-from dflash_assets.fleet.emulator.sglang_flags import FLAGS
+from dflash_assets.emulator import main
+from dflash_assets.emulator.config import resolve
+from dflash_assets.emulator.process import start_emulator
+from dflash_assets.emulator.sglang_flags import FLAGS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ import itertools
 from rich.console import Console
 
 from dflash_assets.fleet.client import ServerClient
-from dflash_assets.fleet.emulator.process import free_port
+from dflash_assets.emulator.process import free_port
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.tuning import (LoadSample, LoadSampler, advise, parse_loads, sparkline, summarize,
                                         tuning_markdown, tuning_table)

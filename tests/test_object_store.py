@@ -18,7 +18,7 @@ import dagster as dg
 import duckdb
 import pytest
 
-from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect, on_fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard

@@ -12,7 +12,7 @@ from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
-from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.emulator.process import start_emulator
 
 ASSETS = [prompt_shards, completions, length_quality_report, completions_quality_checks]
 FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]

@@ -12,7 +12,7 @@ import time
 import duckdb
 import pytest
 
-from dflash_assets.fleet.emulator.process import start_emulator
+from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.generation.shards import build_prompt_shard
 

@@ -85,7 +85,7 @@ class FleetResource(dg.ConfigurableResource):
         self.validate_settings()
         with ExitStack() as stack:
             if self.mode == "emulated":
-                from dflash_assets.fleet.emulator.process import start_emulator
+                from dflash_assets.emulator.process import start_emulator
 
                 args = self.emulator_args.split()
                 if self.api_key():

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 # Ways to start a server; any of them takes the same flags.
 SGLANG_SERVE = ("sglang", "serve")
 SGLANG_LAUNCH_SERVER = (sys.executable, "-m", "sglang.launch_server")
-EMULATOR = (sys.executable, "-m", "dflash_assets.fleet.emulator")
+EMULATOR = (sys.executable, "-m", "dflash_assets.emulator")
 
 # Flags gone in 0.5.23, with what to write instead.
 REMOVED_FLAGS = {

@@ -92,7 +92,7 @@ def start_emulator(
     startup_timeout: float = 30.0,
     log_path: str | os.PathLike | None = None,
 ) -> EmulatorProcess:
-    """Start `python -m dflash_assets.fleet.emulator` and wait for /health 200.
+    """Start `python -m dflash_assets.emulator` and wait for /health 200.
     `args` are server flags; --model-path defaults to emulated/qwen3-27b. Without
     `port`, a free loopback port is picked (and picked again if someone else
     takes it before the server binds). Without `log_path`, output goes to a temp
@@ -126,7 +126,7 @@ def _spawn(args: list[str], host: str, port: int, env: dict | None, log_path) ->
         fd, log_path = tempfile.mkstemp(prefix=f"emulator-{port}-", suffix=".log")
         os.close(fd)
     log_path = Path(log_path)
-    cmd = [sys.executable, "-m", "dflash_assets.fleet.emulator", *args, "--host", host, "--port", str(port)]
+    cmd = [sys.executable, "-m", "dflash_assets.emulator", *args, "--host", host, "--port", str(port)]
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(
             cmd,

@@ -3,7 +3,7 @@
 Same launch flags, routes, JSON shapes, status codes, error bodies, context-length
 rules, reasoning split and overload behaviour as the subset of SGLang the
 pipeline uses, over a deterministic stand-in model (see model.py). Start it with
-`python -m dflash_assets.fleet.emulator --model-path emulated/qwen3-27b [flags]`,
+`python -m dflash_assets.emulator --model-path emulated/qwen3-27b [flags]`,
 `main(argv)`, or `process.start_emulator(...)` from Python.
 """
 

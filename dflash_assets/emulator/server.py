@@ -27,7 +27,7 @@ from .openai import handle_chat, handle_detokenize, handle_tokenize
 from .responses import json_response
 from .state import STATE, ServerState
 
-log = logging.getLogger("dflash_assets.fleet.emulator")
+log = logging.getLogger("dflash_assets.emulator")
 READY_LINE = "The server is fired up and ready to roll!"
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
