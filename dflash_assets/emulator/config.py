@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--length-sigma", type=float, default=LengthModel.sigma, help="Lognormal sigma of output length.")
     emu.add_argument("--length-min", type=int, default=LengthModel.minimum)
     emu.add_argument("--length-max", type=int, default=LengthModel.maximum)
+    emu.add_argument("--loop-share", type=float, default=LengthModel.loop_share,
+                     help="Share of prompts (fixed per prompt and seed) whose generation repeats one line until "
+                          "--length-max: runaway generations.")
     emu.add_argument(
         "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
     )
@@ -178,7 +181,8 @@ def resolve(argv: list[str]) -> EmulatorConfig:
     running, mamba = _max_running_requests(args, kv, context_len)
     max_req_len = min(context_len - 1, kv - 1)
     lengths = LengthModel(
-        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max
+        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max,
+        loop_share=args.loop_share,
     )
     return EmulatorConfig(
         args=args,

@@ -4,6 +4,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_assets.quality.runaway import RunawayRules
+
 Severity = Literal["ERROR", "WARN"]
 MetadataValue = int | float | str
 
@@ -51,6 +53,8 @@ class Thresholds:
     truncated_thinking_rate_max: float = 0.01
     training_max_length: int = 4096  # the drafter trainer's max_length (SpecForge data.max_length)
     max_length_overflow_rate_max: float = 0.05
+    runaway_rate_max: float = 0.0  # rows cut while looping (WARN): any is worth a look at the sampling settings
+    runaway: RunawayRules = RunawayRules()  # what counts as a loop
     severity: Mapping[str, Severity] = field(default_factory=dict)  # check name -> severity override
 
 

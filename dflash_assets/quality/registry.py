@@ -11,6 +11,7 @@ from dflash_assets.quality.checks_content import empty_content, reasoning_misrou
 from dflash_assets.quality.checks_context import context_overflow
 from dflash_assets.quality.checks_integrity import config_consistency, duplicates
 from dflash_assets.quality.checks_lengths import cap_hit_agreement, cap_saturation, max_length_overflow, truncation_rate
+from dflash_assets.quality.checks_runaway import runaway_rate
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
 from dflash_assets.quality.tables import open_quality_db
 
@@ -52,6 +53,7 @@ CHECKS: list[CheckSpec] = [
     _spec(reasoning_misrouted, blocking=False),
     _spec(truncated_thinking, blocking=False),
     _spec(max_length_overflow, blocking=False),
+    _spec(runaway_rate, blocking=False),
 ]
 CHECKS_BY_NAME = {spec.name: spec for spec in CHECKS}
 
@@ -68,7 +70,7 @@ def run_checks(
     unknown = (wanted | set(thresholds.severity)) - set(CHECKS_BY_NAME)
     if unknown:
         raise ValueError(f"unknown check names {sorted(unknown)}; the checks are {list(CHECKS_BY_NAME)}")
-    with open_quality_db(data_dir, shard, config_hash) as con:
+    with open_quality_db(data_dir, shard, config_hash, thresholds.runaway) as con:
         return [spec.run(con, thresholds) for spec in CHECKS if spec.name in wanted]
 
 

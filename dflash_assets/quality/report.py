@@ -18,6 +18,7 @@ PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
 CONFIG = "config_hash, max_output_tokens"
 
 STATS = """count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
+    count(*) FILTER (WHERE runaway) AS runaway_rows,
     quantile_disc(completion_tokens, [0.5, 0.9, 0.95, 0.99]) AS q, max(completion_tokens) AS max"""
 
 
@@ -26,6 +27,7 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     q = row.pop("q") or [None] * 4
     out = {k: v for k, v in row.items() if k != "max"}
     out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
+    out["runaway_rate"] = share(row["runaway_rows"], row["rows"])  # cut while looping: part of truncated_rows
     out.update(p50=q[0], p90=q[1], p95=q[2], p99=q[3], max=row["max"])
     return out
 
@@ -74,7 +76,7 @@ def length_quality(
         return {
             "scope": {"shard": shard},
             "percentile_definition": PERCENTILE_DEFINITION,
-            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "q": None, "max": None})),
+            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0, "q": None, "max": None})),
             "by_config": _grouped(con, CONFIG, CONFIG, ", count(DISTINCT shard) AS shards"),
             "by_shard": _grouped(
                 con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"

@@ -19,12 +19,13 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def report_metadata(report: dict, png: bytes) -> dict:
     """The figures a person reads first, then the breakdowns, then the picture."""
-    stats = ["rows", "truncated_rows", "truncation_rate", "p50", "p90", "p95", "p99", "max"]
+    stats = ["rows", "truncated_rows", "runaway_rows", "truncation_rate", "p50", "p90", "p95", "p99", "max"]
     return {
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
         "truncated_rows": report["truncated_rows"],
         "truncation_rate": pct(report["truncation_rate"]),
+        "runaway_rows": report["runaway_rows"],  # of the truncated rows, those cut while looping
         **{k: report[k] for k in ("p50", "p90", "p95", "p99", "max") if report[k] is not None},
         **{k: v for k, v in report["overflow"].items()},
         "by_config": dg.MetadataValue.md(_table(report["by_config"], ["config_hash", "max_output_tokens", *stats])),
