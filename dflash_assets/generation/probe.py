@@ -21,7 +21,7 @@ from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import ShardRun, generate_shard
 from dflash_assets.generation.schema import PROMPT_SCHEMA
 from dflash_assets.generation.shards import prompt_store
-from dflash_assets.generation.storage import is_uri
+from dflash_assets.generation.storage import is_uri, open_storage
 
 PROBE_SHARD = "probe"
 PROBE_DIR = "length_probe"
@@ -57,6 +57,13 @@ def sample_prompts(rows: list[dict], size: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     chosen = [r for k in sorted(strata) for r in rng.sample(strata[k], take[k])]
     return sorted(chosen, key=lambda r: (r["shard"], r["line"], r["prompt_id"]))
+
+
+def prompt_shard_keys(data_dir: str | Path) -> list[str]:
+    """The shards with a prompt_shards file under `data_dir`, in key order."""
+    storage = open_storage(data_dir)
+    folders = {p.parent.name for p in storage.walk(storage.root / "prompt_shards") if p.suffix == ".parquet"}
+    return sorted(f.removeprefix("shard=") for f in folders if f.startswith("shard="))
 
 
 def read_prompts(data_dir: str | Path, shards: list[str]) -> list[dict]:
