@@ -91,3 +91,13 @@ def test_a_probe_with_almost_nothing_above_the_cap_is_not_used():
     p = plan_from_lengths(tokens, cut, CAP, probe=probe, candidates=CAPS, bootstrap=0)
     assert p.at(8192).basis == "model" and p.probe is None
     assert any("fewer than 10 rows above the current cap 4,096" in note for note in p.notes)
+
+
+def test_the_picture_shows_the_probe_and_the_runaway_floor_beside_the_fit():
+    from dflash_assets.quality.planner_plot import cap_plan_png
+
+    with_probe = plan(BY_NAME["lognormal+8% runaways"], 0, with_probe=True, bootstrap=10)
+    without = plan(BY_NAME["lognormal+8% runaways"], 0, with_probe=False, bootstrap=10)
+    assert len(with_probe.probe_survival) > 100 and without.probe_survival == []
+    png, bare = cap_plan_png(with_probe), cap_plan_png(without)
+    assert png[:8] == bare[:8] == b"\x89PNG\r\n\x1a\n" and png != bare

@@ -57,8 +57,8 @@ class Measured:
     boot_tokens: np.ndarray
     rows_above: int  # probe rows above the current cap: what the conditionals rest on
     probe_runaways: int  # runaway rows in the probe
-    score_low: np.ndarray  # the rate with the probe's share q(c) at its Wilson bounds: where q(c) has few or no
-    score_high: np.ndarray  # hits the bootstrap collapses to a point, the score interval does not
+    score_low: np.ndarray  # the rate with every share at its Wilson bounds (the run's and the probe's): where
+    score_high: np.ndarray  # q(c) has few or no hits the bootstrap collapses to a point, the score interval does not
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -108,7 +108,9 @@ def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, co
     drop = int(runaway_above.sum())
     base = int(above.sum()) - drop
     score = np.array([wilson(int(h) - drop, base) for h in passes.sum(1)])
-    score_low, score_high = (loop_share[0] + honest_p0[0] * score[:, i] for i in (0, 1))
+    cut_n, loop_n = int(counts[cut & ~loop].sum()), int(counts[loop].sum())
+    (p0_low, p0_high), (r_low, r_high) = wilson(cut_n, n), wilson(loop_n, n)
+    score_low, score_high = r_low + p0_low * score[:, 0], r_high + p0_high * score[:, 1]
     rng = np.random.default_rng(seed)
     if replicates:
         draws = rng.multinomial(n, counts / n, size=replicates)  # the run's rows, resampled
