@@ -22,11 +22,14 @@ class RunawayRules:
     repeated_line_share: float = 0.5  # share of the tail's non-blank lines equal to its most common line
     min_line_repeats: int = 4  # ... and that line seen at least this often
     min_ngrams: int = 32  # a tail shorter than this many n-grams is never judged a loop (too little to tell)
+    end_chars: int = 32  # a loop reaches the cap: unless the tail's last characters occur earlier in it, the
+    #                      n-grams are not counted at all (a C-speed find; this runs on every cut row)
 
 
 def is_runaway(text: str | None, rules: RunawayRules = RunawayRules()) -> bool:
     """True when the end of `text` repeats itself by either rule. The tail's first line and word may be cut
     mid-way by the window, so they are left out of the counts."""
+    # (a loop of a phrase with no newline, or of a paragraph, is caught by the n-grams; of a short line, by both)
     if not text:
         return False
     tail = text[-rules.tail_chars:]
@@ -35,11 +38,14 @@ def is_runaway(text: str | None, rules: RunawayRules = RunawayRules()) -> bool:
         top = Counter(lines).most_common(1)[0][1]
         if top >= rules.min_line_repeats and top / len(lines) >= rules.repeated_line_share:
             return True
+    end = tail[-rules.end_chars:]
+    if tail.find(end) >= len(tail) - len(end):
+        return False
     words, n = tail.split()[1:], rules.ngram_words
     grams = len(words) - n + 1
     if grams < rules.min_ngrams:
         return False
-    distinct = len({tuple(words[i:i + n]) for i in range(grams)})
+    distinct = len(set(zip(*(words[i:] for i in range(n)))))
     return 1 - distinct / grams >= rules.repeated_ngram_share
 
 
