@@ -77,6 +77,9 @@ def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_co
     assert "**No length probe yet**" in md and "Materialise `length_probe`" in md
     assert f"{probe_size(360)} of {len(SHARDS) * PER_SHARD} prompts" in md
     assert "Predicted output: about" in md and "GPU-hours on 1 servers" in md
+    # the emulator's looping generations are told apart, in the report and in the plan
+    assert 0 < meta["runaway_rows"] < meta["truncated_rows"]
+    assert f"Of the cut rows {meta['runaway_rows']} are runaways (looping)" in md
     assert meta["cap_plan_picture"].startswith("![cap plan](data:image/png;base64,")
 
 
@@ -109,3 +112,48 @@ def test_the_probe_materialises_alone_and_the_plan_then_measures_with_it(project
     assert "measured (probe of 90)" in md and "**measured** by a length probe (90 random prompts" in md
     assert "No length probe yet" not in md
     assert "| 4,096 | " in md and "**model**" not in md.split("| 4,096 | ")[1].split("\n")[0]
+
+
+def write_completions(data_dir, shard: str, config_hash: str, lengths, cap: int, temperature: float = 0.6):
+    from datetime import datetime, timezone
+
+    from dflash_assets.generation.engine import completion_store
+
+    now = datetime.now(timezone.utc)
+    completion_store(data_dir, shard).commit([
+        {"prompt_id": f"p{i}", "shard": shard, "source": "t", "config_hash": config_hash,
+         "finish_reason": "length" if n > cap else "stop", "prompt_tokens": 50, "completion_tokens": min(n, cap),
+         "reasoning_tokens": 0, "max_output_tokens": cap, "server_context_length": 32768, "server_url": "u",
+         "model": "m", "temperature": temperature, "top_p": 0.95, "top_k": 20, "enable_thinking": True,
+         "content": "x", "reasoning_content": None, "latency_s": 1.0, "attempt": 1, "created_at": now}
+        for i, n in enumerate(lengths)])
+
+
+def write_probe(data_dir, config_hash: str, lengths, sample: int, temperature: float = 0.6):
+    from dflash_assets.generation.probe import PROBE_SHARD, probe_root
+    from dflash_assets.generation.shards import prompt_store
+
+    root = probe_root(data_dir)
+    write_completions(root, PROBE_SHARD, config_hash, lengths, 32000, temperature)
+    prompt_store(root, PROBE_SHARD).replace([
+        {"prompt_id": f"p{i}", "shard": PROBE_SHARD, "line": i + 1, "source": "t", "messages_json": "[]",
+         "prompt_tokens": 50, "template_kwargs_json": "{}"} for i in range(sample)], "prompts.parquet")
+
+
+def test_a_probe_is_used_only_for_its_current_sample_and_the_same_model_and_sampling(tmp_path):
+    import numpy as np
+
+    from dflash_assets.quality.planner import plan_caps
+
+    lengths = np.round(1640 * np.exp(np.random.default_rng(0).standard_normal(3000))).astype(int)
+    for name, temperature in (("same", 0.6), ("hot", 1.0)):
+        write_completions(tmp_path / name, "00000", "run", lengths, 4096)
+        write_probe(tmp_path / name, f"probe-{name}", lengths[:600], sample=500, temperature=temperature)
+    plan = plan_caps(tmp_path / "same", bootstrap=10)
+    assert plan.probe.rows == 500 and plan.probe.config_hash == "probe-same"  # rows of earlier samples left out
+    assert plan.at(8192).basis == "probe"
+    assert plan_caps(tmp_path / "same", bootstrap=10, use_probe=False).at(8192).basis == "model"
+    plan = plan_caps(tmp_path / "hot", bootstrap=10)
+    assert plan.probe is None and plan.at(8192).basis == "model"
+    assert "a length probe exists (configs `probe-hot`) but none was made with the planned rows' model and " \
+           "sampling: it is not used" in plan.notes
