@@ -56,7 +56,8 @@ def test_without_a_probe_the_figures_say_model_and_the_range_the_rows_support_co
         assert e.basis == "model" and not e.measured
         assert e.bounds.low <= truths[name][cap] <= e.bounds.high
         assert e.bounds.high == pytest.approx(p.truncated / p.rows, abs=0.01)  # no more than the cap cut now
-    assert p.at(8192).truncation_rate.value - truths[name][8192] > 0.01  # the lognormal overshoots: why it must say "model"
+    # the lognormal overshoots: why it must say "model"
+    assert p.at(8192).truncation_rate.value - truths[name][8192] > 0.01
     md = plan_markdown(p)
     assert "| **model**; the rows support 0.00%–" in md
     assert any("come from a model (a lognormal tail), not a measurement" in note for note in p.notes)

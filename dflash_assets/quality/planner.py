@@ -357,7 +357,8 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
                     notes.append(f"the probe has {pct(measured.probe_runaways / probe.rows)} runaways, the rows at "
                                  f"the cap {pct(n_loop / n)}: loops that start after the cap; the probe's figures "
                                  f"count them with the honest tail")
-    bounds = Estimate(n_cut / n, wilson(n_loop, n)[0], wilson(n_cut, n)[1])  # no fewer than loop, no more than now
+    # what the rows support beyond what is measured: no fewer than the runaways, no more than cut now
+    bounds = Estimate(n_cut / n, wilson(n_loop, n)[0], wilson(n_cut, n)[1])
 
     prompts = prompts or n
     pt = None if prompt_tokens is None else np.ma.asarray(prompt_tokens).compressed().astype(np.int64)
@@ -374,6 +375,8 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
             loops = _interval(float(measured.runaway[k]), measured.boot_runaway[:, k])
             tok = _interval(float(measured.tokens_per_prompt[k] * n), measured.boot_tokens[:, k] * n)
             basis, k = "probe", k + 1
+            # a larger cap cuts no more than this one: beyond the probe, the rows and probe support at most this
+            bounds = replace(bounds, value=rate.value, high=rate.high)
         tok = Estimate(*(v * prompts / n for v in (tok.value, tok.low, tok.high)))
         hours = Estimate(*(v / tokens_per_s / 3600 for v in (tok.value, tok.low, tok.high))) if tokens_per_s else None
         over_ctx = None
@@ -559,7 +562,8 @@ def plan_markdown(plan: CapPlan) -> str:
     now = plan.at(plan.cap).output_tokens.value
     for e in plan.estimates:
         label = f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}"
-        basis = {"rows": "measured (the rows)", "probe": f"measured (probe of {num(plan.probe.rows) if plan.probe else 0})",
+        probed = num(plan.probe.rows) if plan.probe else 0
+        basis = {"rows": "measured (the rows)", "probe": f"measured (probe of {probed})",
                  "model": f"**model**; the rows support {pct(e.bounds.low)}–{pct(e.bounds.high)}"
                  if e.bounds else "**model**"}[e.basis]
         time_ = f"{_span(e.hours, _hours)} | " if e.hours else ""

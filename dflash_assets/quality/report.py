@@ -76,7 +76,8 @@ def length_quality(
         return {
             "scope": {"shard": shard},
             "percentile_definition": PERCENTILE_DEFINITION,
-            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0, "q": None, "max": None})),
+            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0, "q": None,
+                                                  "max": None})),
             "by_config": _grouped(con, CONFIG, CONFIG, ", count(DISTINCT shard) AS shards"),
             "by_shard": _grouped(
                 con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
