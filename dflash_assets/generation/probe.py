@@ -19,6 +19,7 @@ from pathlib import Path
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import ShardRun, generate_shard
+from dflash_assets.generation.preflight import Budget
 from dflash_assets.generation.schema import PROMPT_SCHEMA
 from dflash_assets.generation.shards import prompt_store
 from dflash_assets.generation.storage import is_uri, open_storage
@@ -27,7 +28,6 @@ PROBE_SHARD = "probe"
 PROBE_DIR = "length_probe"
 MIN_PROMPTS = 500
 SHARE = 0.01
-CONTEXT_MARGIN = 2  # preflight's rule (SGLang's silent clamp margin): prompt + cap <= context_length - 2
 
 
 def probe_root(data_dir: str | Path) -> str | Path:
@@ -77,9 +77,9 @@ def read_prompts(data_dir: str | Path, shards: list[str]) -> list[dict]:
     return rows
 
 
-def high_cap(prompt_tokens: list[int], context_length: int) -> int:
-    """The largest cap every sampled prompt fits under the fleet's context: context - 2 - the longest prompt."""
-    return context_length - CONTEXT_MARGIN - max(prompt_tokens, default=0)
+def high_cap(prompt_tokens: list[int], budget: Budget) -> int:
+    """The largest cap every sampled prompt fits under the fleet's context, by preflight's own rule."""
+    return budget.context_length - budget.margin - max(prompt_tokens, default=0)
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,10 @@ async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, confi
     sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
     cap = config.max_output_tokens
     if not cap:
-        context = min(info.context_length for info in fleet.infos)
-        cap = high_cap([r["prompt_tokens"] for r in sample], context)
-        log(f"length probe: cap {cap} = context length {context} - {CONTEXT_MARGIN} - the longest sampled prompt "
-            f"({max(r['prompt_tokens'] for r in sample)} tokens)")
+        budget = Budget.of(fleet.infos, settings.context_margin)
+        cap = high_cap([r["prompt_tokens"] for r in sample], budget)
+        log(f"length probe: cap {cap} = context length {budget.context_length} - {budget.margin} - the longest "
+            f"sampled prompt ({max(r['prompt_tokens'] for r in sample)} tokens)")
         config = replace(config, max_output_tokens=cap)
     write_probe_shard(data_dir, sample)
     log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {seed}) at cap {cap}")

@@ -7,10 +7,10 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from dflash_assets.generation.probe import CONTEXT_MARGIN, probe_size
+from dflash_assets.generation.probe import probe_size
 from dflash_assets.generation.schema import PROMPT_SCHEMA
 from dflash_assets.quality.outcome import num
-from dflash_assets.quality.planner import CapPlan, _hours, _predict, _tokens
+from dflash_assets.quality.planner import CONTEXT_MARGIN, CapPlan, _hours, _predict, _tokens
 from dflash_assets.quality.tables import parquet_source
 
 
