@@ -77,7 +77,7 @@ class Output:
         return bool(self.finish and self.finish.get("type") == "abort")
 
 
-def abort_finish(message: str, status_code: int) -> dict:
+def abort_finish(message: str, status_code: int | None) -> dict:
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
 
 
@@ -193,6 +193,9 @@ class Engine:
         if verdict.fail:
             yield self._abort(req, verdict.fail, 503)
             return
+        if verdict.abort:  # FINISH_ABORT() with no status_code: the client sees HTTP 200, finish_reason "abort"
+            yield self._abort(req, "Aborted", None)
+            return
         gen = self._generate(req, max_new)
         sched = next(self._round_robin)
         try:
@@ -256,7 +259,7 @@ class Engine:
             e2e_latency=latency,
         )
 
-    def _abort(self, req: Request, message: str, status: int) -> Output:
+    def _abort(self, req: Request, message: str, status: int | None) -> Output:
         self.num_aborted += 1
         return Output(
             [], "", abort_finish(message, status), len(req.input_ids), e2e_latency=time.perf_counter() - req.arrival

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from . import tokenizer as tok
 from .engine import Engine, Output, Request, TokenizerError
+from .faults import QUEUE_FULL
 from .native import meta_info
 from .responses import (
     HTTP_STATUS_NAMES,
@@ -305,7 +306,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         return await _stream(request, chat, reqs[0], verdict)
     outs = await asyncio.gather(*(_last(engine, r, verdict) for r in reqs))
     for out in outs:
-        if out.aborted:
+        if out.aborted and out.finish["status_code"] is not None:  # a status-less abort is an HTTP 200
             return _abort_response(out)
     reply = _response(cfg, chat, reqs, outs)
     ext = sglext_ids(request.headers, cfg, body, reqs, outs)
@@ -384,7 +385,7 @@ async def _write_stream(request: web.Request, chat: ChatContext, req: Request, o
     first = await outputs.__anext__()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await resp.prepare(request)
-    if first.aborted:  # a scheduler abort with a status becomes an error chunk
+    if first.aborted and first.finish["status_code"] is not None:  # a scheduler abort with a status: error chunk
         code = first.finish["status_code"]
         err = openai_error_body(first.finish["message"], HTTP_STATUS_NAMES.get(code, str(code)), code)
         await resp.write(b"data: " + dumps({"error": err}).encode() + b"\n\n")
@@ -439,6 +440,8 @@ async def handle_tokenize(request: web.Request) -> web.Response:
                 }
             ]
         )
+    if request.app[STATE].faults.tokenize_fails():
+        return http_exception(QUEUE_FULL, 503)
     # The tokenizer's model_max_length (tokenizer_config.json), NOT the served
     # context length: read that from /v1/models.
     max_model_len = cfg.args.native_context_length

@@ -1,7 +1,11 @@
 """HTTP client for one SGLang 0.5.23 server: what the pipeline reads from it and sends to it.
 
-Errors are classified once, here: a 400 is the caller's (never retried at the same budget), a 5xx,
-a 503 abort, a timeout or a dropped connection is the server's (retried elsewhere).
+Errors are classified once, here, so every caller's retry loop does the right thing:
+- 400/413/422: the prompt's fault (ServerError, not retryable: never resent at the same budget);
+- 401/403/404: the API key or the URL is wrong, not the prompt (ServerAccessError: not a ServerError, so no
+  retry loop swallows it and the run stops, saying so);
+- anything else, a timeout, a dropped connection, or an HTTP 200 whose finish_reason is "abort" (0.5.23 sends
+  status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError, retryable).
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import aiohttp
 
 
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
+PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
+ACCESS_FAULT = (401, 403, 404)  # the key or the URL is wrong: no prompt will ever get through
+TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is retried, never made a reject
 
 
 class ServerError(Exception):
@@ -25,6 +32,16 @@ class ServerError(Exception):
         self.status = status
         self.message = message
         self.retryable = retryable
+
+
+class ServerAccessError(RuntimeError):
+    """401/403/404: the server refuses us (API key) or the route is not there (URL). Stops the run."""
+
+    def __init__(self, url: str, method: str, path: str, status: int, message: str):
+        what = "the API key is missing or wrong" if status in (401, 403) else "the URL does not point at SGLang"
+        super().__init__(f"{url}: HTTP {status} on {method} {path} ({message}): {what}; nothing more is sent to "
+                         f"this fleet until it is fixed (check the server URL and the API key's environment variable)")
+        self.url, self.path, self.status, self.message = url, path, status, message
 
 
 @dataclass(frozen=True)
@@ -78,9 +95,11 @@ class ServerClient:
                     body = await resp.text()
                 if resp.status == 200:
                     return body
-                retryable = resp.status >= 500 or resp.status in (408, 429)
-                raise ServerError(self.url, error_message(body), status=resp.status, retryable=retryable)
-        except ServerError:
+                if resp.status in ACCESS_FAULT:
+                    raise ServerAccessError(self.url, method, path, resp.status, error_message(body))
+                raise ServerError(self.url, error_message(body), status=resp.status,
+                                  retryable=resp.status not in PROMPT_FAULT)
+        except (ServerError, ServerAccessError):
             raise
         except asyncio.TimeoutError:
             raise ServerError(self.url, f"{method} {path} timed out", retryable=True) from None
@@ -91,14 +110,14 @@ class ServerClient:
         try:
             await self._request("GET", "/health", timeout=timeout)
             return True
-        except ServerError:
+        except (ServerError, ServerAccessError):
             return False
 
     async def info(self) -> ServerInfo:
         models = await self._request("GET", "/v1/models", timeout=30)
         try:
             server = await self._request("GET", "/server_info", timeout=30)
-        except ServerError as e:
+        except ServerAccessError as e:
             if e.status != 404:
                 raise
             server = {}  # a router / gateway in front of many servers has no /server_info of its own
@@ -122,7 +141,15 @@ class ServerClient:
     async def count_prompt_tokens(self, messages: list[dict], chat_template_kwargs: dict) -> int:
         """Exact chat-template token count, rendered by the server the way a chat completion is."""
         body = {"messages": messages, "chat_template_kwargs": chat_template_kwargs}
-        return int((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["count"])
+        attempt = 1
+        while True:
+            try:
+                return int((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["count"])
+            except ServerError as e:
+                if not e.retryable or attempt >= TOKENIZE_ATTEMPTS:
+                    raise
+            await asyncio.sleep(0.2 * 2 ** (attempt - 1))
+            attempt += 1
 
     async def tokenize(self, text: str) -> list[int]:
         """The ids of a plain string (no chat template, no special tokens added)."""
@@ -130,7 +157,12 @@ class ServerClient:
         return list((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["tokens"])
 
     async def chat(self, body: dict) -> dict:
-        return await self._request("POST", "/v1/chat/completions", json=body)
+        resp = await self._request("POST", "/v1/chat/completions", json=body)
+        aborted = [c.get("index") for c in resp.get("choices") or [] if c.get("finish_reason") == "abort"]
+        if aborted:  # a status-less abort (FINISH_ABORT without status_code) arrives as an HTTP 200
+            raise ServerError(self.url, f"/v1/chat/completions answered 200 with finish_reason 'abort' "
+                                        f"(choice {aborted[0]}): aborted by the server, not finished", retryable=True)
+        return resp
 
     async def generate(self, body: dict) -> Any:
         return await self._request("POST", "/generate", json=body)

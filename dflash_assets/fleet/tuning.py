@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
+from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError, ServerInfo
 
 # Mamba state slots a hybrid model holds per running request with the radix cache on
 # (SGLang 0.5.23 MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO; 1 with --disable-radix-cache)
@@ -83,7 +83,7 @@ class LoadSampler:
         try:
             body = await asyncio.wait_for(client.loads(), timeout=max(2.0, self.interval_s))
             sample = parse_loads(client.url, t, body)
-        except (ServerError, asyncio.TimeoutError, TypeError, ValueError, KeyError) as e:
+        except (ServerError, ServerAccessError, asyncio.TimeoutError, TypeError, ValueError, KeyError) as e:
             sample = LoadSample(t, client.url, error=getattr(e, "message", None) or f"{type(e).__name__}: {e}")
         self._samples[client.url].append(sample)
 
