@@ -20,6 +20,7 @@ import aiohttp
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
 PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
 ACCESS_FAULT = (401, 403, 404)  # the key or the URL is wrong: no prompt will ever get through
+INPUT_LEN_RESERVE = 5  # tp_worker.py: max_req_input_len = max_req_len - 5
 TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is retried, never made a reject
 
 
@@ -52,9 +53,23 @@ class ServerInfo:
     model: str
     context_length: int  # /v1/models data[0].max_model_len: the effective context length
     max_running_requests: int  # /server_info internal_states[0].effective_max_running_requests_per_dp
-    max_req_input_len: int | None  # the scheduler's own input limit (context_length - ~6)
-    max_total_num_tokens: int | None  # KV pool size in tokens
+    max_req_input_len: int | None  # /server_info: the scheduler's input limit, max_req_len - 5
+    max_total_num_tokens: int | None  # /server_info: KV pool size in tokens
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
+
+    @property
+    def max_req_len(self) -> int:
+        """What one request (prompt + output) may hold before the scheduler cuts its output silently.
+
+        0.5.23 (managers/tp_worker.py get_worker_info): max_req_len = min(context_len - 1, KV pool - 1) and
+        max_req_input_len = max_req_len - 5; the scheduler (init_req_max_new_tokens) lowers max_new_tokens to
+        max_req_len - prompt - 1 without an error, so a KV pool smaller than the context is a cap of its own.
+        """
+        if self.max_req_input_len is not None:
+            return self.max_req_input_len + INPUT_LEN_RESERVE
+        if self.max_total_num_tokens is not None:
+            return min(self.context_length, self.max_total_num_tokens) - 1
+        return self.context_length - 1
 
 
 def error_message(body: Any) -> str:
