@@ -41,7 +41,8 @@ async def model_info(request: web.Request) -> web.Response:
             "preferred_sampling_params": a.preferred_sampling_params,
             "weight_version": a.weight_version or "default",
             "load_format": a.load_format or "auto",
-            "reasoning_parser": a.reasoning_parser,
+            # config_value("reasoning_parser"): `auto` already resolved by template detection (entrypoints/engine.py)
+            "reasoning_parser": cfg.reasoning_parser,
             "tool_call_parser": a.tool_call_parser,
             "disaggregation_mode": "null",
             "has_image_understanding": False,

@@ -52,7 +52,7 @@ class ServerInfo:
     url: str
     model: str
     context_length: int  # /v1/models data[0].max_model_len: the effective context length
-    max_running_requests: int  # /server_info internal_states[0].effective_max_running_requests_per_dp
+    max_running_requests: int  # /server_info internal_states[*].effective_max_running_requests_per_dp, summed over DP ranks
     max_req_input_len: int | None  # /server_info: the scheduler's input limit, max_req_len - 5
     max_total_num_tokens: int | None  # /server_info: KV pool size in tokens
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
@@ -128,26 +128,36 @@ class ServerClient:
         except (ServerError, ServerAccessError):
             return False
 
-    async def info(self) -> ServerInfo:
-        models = await self._request("GET", "/v1/models", timeout=30)
+    async def _optional(self, path: str) -> dict:
+        """A route a router / gateway in front of many servers does not have: {} when it answers 404."""
         try:
-            server = await self._request("GET", "/server_info", timeout=30)
+            return await self._request("GET", path, timeout=30)
         except ServerAccessError as e:
             if e.status != 404:
                 raise
-            server = {}  # a router / gateway in front of many servers has no /server_info of its own
+            return {}
+
+    async def info(self) -> ServerInfo:
+        models = await self._request("GET", "/v1/models", timeout=30)
+        server = await self._optional("/server_info")
         card = models["data"][0]
-        states = server.get("internal_states") or [{}]
-        max_running = (states[0].get("effective_max_running_requests_per_dp") or server.get("max_running_requests")
-                       or UNKNOWN_MAX_RUNNING)
+        # one entry per DP rank (http_server.server_info: "Returns internal states per DP"): a --dp-size 4
+        # server runs four schedulers, each with its own slots
+        per_rank = [s.get("effective_max_running_requests_per_dp") for s in server.get("internal_states") or []]
+        max_running = (sum(per_rank) if per_rank and all(per_rank) else None) or server.get("max_running_requests")
+        parser = server.get("reasoning_parser")
+        if parser == "auto" or "reasoning_parser" not in server:
+            # `--reasoning-parser auto` stays "auto" in /server_info; the parser the chat template was matched
+            # to (or None: none detected, reasoning off) is only in /model_info (entrypoints/engine.py)
+            parser = (await self._optional("/model_info")).get("reasoning_parser", parser)
         return ServerInfo(
             url=self.url,
             model=card["id"],
             context_length=int(card["max_model_len"]),
-            max_running_requests=int(max_running),
+            max_running_requests=int(max_running or UNKNOWN_MAX_RUNNING),
             max_req_input_len=server.get("max_req_input_len"),
             max_total_num_tokens=server.get("max_total_num_tokens"),
-            reasoning_parser=server.get("reasoning_parser"),
+            reasoning_parser=parser,
         )
 
     async def loads(self) -> dict:

@@ -29,7 +29,7 @@ class ServerStatus:
     url: str
     healthy: bool
     context_length: int | None = None  # /v1/models max_model_len
-    max_running_requests: int | None = None  # /server_info internal_states[0].effective_max_running_requests_per_dp
+    max_running_requests: int | None = None  # /server_info internal_states, summed over DP ranks
     running: int | None = None  # /v1/loads, summed over DP ranks
     waiting: int | None = None
     token_usage: float | None = None  # KV tokens in use / KV pool
