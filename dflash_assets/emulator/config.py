@@ -205,7 +205,7 @@ def _max_running_requests(args: argparse.Namespace, kv: int, context_len: int) -
     if args.dense_model:
         return running, None
     mamba = args.max_mamba_cache_size if args.max_mamba_cache_size is not None else args.auto_mamba_cache_size
-    ratio = 1 if args.disable_radix_cache else MAMBA_SLOTS_PER_REQUEST
+    ratio = mamba_ratio(args)
     cap = mamba // ratio
     if cap <= 0:
         raise ConfigError(
@@ -213,6 +213,18 @@ def _max_running_requests(args: argparse.Namespace, kv: int, context_len: int) -
             f"max_mamba_cache_size={mamba}, mamba_ratio={ratio}, resulting max_num_reqs={cap}."
         )
     return min(running, cap), mamba
+
+
+def mamba_ratio(args: argparse.Namespace) -> int:
+    """kv_cache_configurator._calculate_mamba_ratio: state slots per running request."""
+    if args.disable_radix_cache:
+        return 1
+    strategy = args.mamba_radix_cache_strategy or "no_buffer"
+    if strategy == "extra_buffer_lazy":
+        return MAMBA_SLOTS_PER_REQUEST + 1
+    if strategy == "extra_buffer":  # get_mamba_tracking_slots: 2 with the overlap scheduler, 1 without
+        return MAMBA_SLOTS_PER_REQUEST + (1 if args.disable_overlap_schedule else 2)
+    return MAMBA_SLOTS_PER_REQUEST
 
 
 def server_args_dict(cfg: EmulatorConfig) -> dict:
@@ -241,6 +253,8 @@ def server_args_dict(cfg: EmulatorConfig) -> dict:
         "mem_fraction_static": a.mem_fraction_static if a.mem_fraction_static is not None else 0.871,
         "schedule_policy": "fcfs",
         "disable_radix_cache": bool(a.disable_radix_cache),
+        "disable_overlap_schedule": bool(a.disable_overlap_schedule),
+        "mamba_radix_cache_strategy": a.mamba_radix_cache_strategy or "no_buffer",
         "page_size": 1,
         "dtype": "auto",
         "kv_cache_dtype": "auto",

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-from .config import VERSION, EmulatorConfig, server_args_dict
+from .config import VERSION, EmulatorConfig, mamba_ratio, server_args_dict
 from .engine import Engine
 from .responses import http_exception, json_response
 from .state import STATE
@@ -229,6 +229,10 @@ async def metrics(request: web.Request) -> web.Response:
         ),
         ("sglang:context_len", "The context length of the model.", lambda s: cfg.context_len),
     ]
+    if cfg.max_mamba_cache_size:  # a hybrid model: its state slots, held per running request (no prefix reuse)
+        slots = mamba_ratio(cfg.args)
+        gauges.append(("sglang:mamba_usage", "The token usage for Mamba layers.",
+                       lambda s: round(min(1.0, len(s.running) * slots / cfg.max_mamba_cache_size), 4)))
     for name, doc, fn in gauges:
         family(name, "gauge", doc, [(labels, fn(s)) for labels, s in ranks])
     for key, name, doc in (

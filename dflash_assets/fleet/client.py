@@ -56,6 +56,7 @@ class ServerInfo:
     max_req_input_len: int | None  # /server_info: the scheduler's input limit, max_req_len - 5
     max_total_num_tokens: int | None  # /server_info: KV pool size in tokens
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
+    mamba_slots_per_request: int | None = None  # hybrid models only: see mamba_slots_per_request()
 
     @property
     def max_req_len(self) -> int:
@@ -70,6 +71,26 @@ class ServerInfo:
         if self.max_total_num_tokens is not None:
             return min(self.context_length, self.max_total_num_tokens) - 1
         return self.context_length - 1
+
+
+def mamba_slots_per_request(server: dict) -> int | None:
+    """Mamba state slots one running request holds, as the server resolved them; None for a dense model.
+
+    0.5.23 kv_cache_configurator._calculate_mamba_ratio: 1 without the radix cache, else
+    MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3, plus the tracking slots of an extra-buffer strategy
+    (allocation_sizing.get_mamba_tracking_slots: 1 lazy or without overlap scheduling, else 2). /server_info
+    reports the resolved fields; `max_mamba_cache_size` is set only for a hybrid model.
+    """
+    if server.get("max_mamba_cache_size") is None:
+        return None
+    if server.get("disable_radix_cache"):
+        return 1
+    strategy = server.get("mamba_radix_cache_strategy")
+    if strategy == "extra_buffer_lazy":
+        return 3 + 1
+    if strategy == "extra_buffer":
+        return 3 + (1 if server.get("disable_overlap_schedule") else 2)
+    return 3
 
 
 def error_message(body: Any) -> str:
@@ -158,7 +179,17 @@ class ServerClient:
             max_req_input_len=server.get("max_req_input_len"),
             max_total_num_tokens=server.get("max_total_num_tokens"),
             reasoning_parser=parser,
+            mamba_slots_per_request=mamba_slots_per_request(server),
         )
+
+    async def metrics(self) -> str | None:
+        """The Prometheus text of /metrics; None when the server runs without --enable-metrics (404)."""
+        try:
+            return await self._request("GET", "/metrics", timeout=10)
+        except ServerAccessError as e:
+            if e.status != 404:
+                raise
+            return None
 
     async def loads(self) -> dict:
         return await self._request("GET", "/v1/loads", timeout=10)
