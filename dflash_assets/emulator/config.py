@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu = parser.add_argument_group("emulator", "Knobs of the emulator itself (not SGLang flags).")
     emu.add_argument("--startup-delay", type=float, default=0.0, help="Seconds /health answers 503 (warmup).")
     emu.add_argument(
+        "--health-delay", type=float, default=None,
+        help="Seconds a healthy /health takes. Default: 1, as 0.5.23's one-token health generation polls after "
+        "asyncio.sleep(1); 0 when SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (then /health answers at once).",
+    )
+    emu.add_argument(
         "--decode-tokens-per-s", type=float, default=0.0, help="Decode rate per running request; 0 = instant."
     )
     emu.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="Prefill rate per request; 0 = instant.")
@@ -133,6 +138,14 @@ class EmulatorConfig:
     def reasoning_parser(self) -> str | None:
         p = self.args.reasoning_parser
         return "qwen3" if p == "auto" else p  # auto detects the Qwen template
+
+    @property
+    def health_delay(self) -> float:
+        """http_server.health_generate: a generation, then `await asyncio.sleep(1)` before the first check."""
+        if self.args.health_delay is not None:
+            return self.args.health_delay
+        generation = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").strip().lower()
+        return 0.0 if generation in ("0", "false", "no", "off") else 1.0
 
     @property
     def allow_auto_truncate(self) -> bool:

@@ -8,6 +8,7 @@ Figures about the GPU (weights GB, graph memory) are plausible constants for a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 
@@ -21,8 +22,14 @@ from .state import STATE
 
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    ok = st.ready and not st.faults.unhealthy
-    return web.Response(status=200 if ok else 503)
+    if not st.ready or st.faults.unhealthy:
+        return web.Response(status=503)  # ServerStatus.Starting answers at once
+    # a healthy answer waits for the one-token health generation: at least the first asyncio.sleep(1)
+    # (/health_generate runs it whatever SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION says)
+    delay = st.cfg.health_delay if request.path == "/health" else max(1.0, st.cfg.health_delay)
+    if delay:
+        await asyncio.sleep(delay)
+    return web.Response(status=200)
 
 
 async def ready(request: web.Request) -> web.Response:

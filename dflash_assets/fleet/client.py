@@ -21,6 +21,10 @@ UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): t
 PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
 ACCESS_FAULT = (401, 403, 404)  # the key or the URL is wrong: no prompt will ever get through
 INPUT_LEN_RESERVE = 5  # tp_worker.py: max_req_input_len = max_req_len - 5
+# /health is a one-token generation in 0.5.23 (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, on by default): it polls
+# after asyncio.sleep(1), answers 200 once the scheduler answers, and 503 itself after SGLANG_HEALTH_CHECK_TIMEOUT
+# (20 s). A probe must outwait that, or a busy healthy server looks dead.
+HEALTH_PROBE_TIMEOUT_S = 25.0
 TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is retried, never made a reject
 
 
@@ -142,7 +146,7 @@ class ServerClient:
         except (aiohttp.ClientError, OSError) as e:
             raise ServerError(self.url, f"{method} {path} failed: {type(e).__name__}: {e}", retryable=True) from None
 
-    async def healthy(self, timeout: float = 5.0) -> bool:
+    async def healthy(self, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
         try:
             await self._request("GET", "/health", timeout=timeout)
             return True
