@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument(
         "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
     )
+    emu.add_argument(
+        "--generation-config", type=json.loads, default={"temperature": 0.6, "top_k": 20, "top_p": 0.95},
+        help="The stand-in model's generation_config.json (Qwen3's by default): the chat route's sampling "
+        "defaults for what a request leaves out, with --sampling-defaults model.",
+    )
     emu.add_argument("--kv-capacity", type=int, default=400_000, help="KV pool tokens the emulated GPU profiles to.")
     emu.add_argument(
         "--auto-mamba-cache-size", type=int, default=144, help="Mamba slots when --max-mamba-cache-size is unset."
@@ -138,6 +143,15 @@ class EmulatorConfig:
     def reasoning_parser(self) -> str | None:
         p = self.args.reasoning_parser
         return "qwen3" if p == "auto" else p  # auto detects the Qwen template
+
+    @property
+    def model_sampling_defaults(self) -> dict:
+        """ModelConfig.get_default_sampling_params: five keys of generation_config.json, with sampling_defaults
+        'model' (the default); {} with 'openai'."""
+        if (self.args.sampling_defaults or "model") != "model":
+            return {}
+        keys = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+        return {k: self.args.generation_config[k] for k in keys if self.args.generation_config.get(k) is not None}
 
     @property
     def health_delay(self) -> float:

@@ -115,6 +115,11 @@ def _messages_errors(body) -> list[dict]:
     return []
 
 
+# ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS: what the chat route uses when neither the request nor the
+# model's generation_config.json says
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class ChatContext:
     """What serving_chat derives from a request before generating."""
 
@@ -160,18 +165,23 @@ class ChatContext:
     def sampling(self) -> dict:
         b = self.body
         stop = b.get("stop")
+        model = self.cfg.model_sampling_defaults
+
+        def get_param(name: str):  # to_sampling_params: user value > generation_config > OpenAI default
+            return b[name] if b.get(name) is not None else model.get(name, OPENAI_SAMPLING_DEFAULTS[name])
+
         return {
-            "temperature": b.get("temperature"),
+            "temperature": get_param("temperature"),
             "max_new_tokens": b.get("max_completion_tokens") or b.get("max_tokens"),
             "min_new_tokens": b.get("min_tokens", 0),
             "stop": [stop] if isinstance(stop, str) else (stop or []),
             "stop_token_ids": b.get("stop_token_ids"),
-            "top_p": b.get("top_p"),
-            "top_k": b.get("top_k"),
-            "min_p": b.get("min_p"),
+            "top_p": get_param("top_p"),
+            "top_k": get_param("top_k"),
+            "min_p": get_param("min_p"),
             "presence_penalty": b.get("presence_penalty", 0.0),
             "frequency_penalty": b.get("frequency_penalty", 0.0),
-            "repetition_penalty": b.get("repetition_penalty"),
+            "repetition_penalty": get_param("repetition_penalty"),
             "n": b.get("n", 1),
             "no_stop_trim": b.get("no_stop_trim", False),
             "ignore_eos": b.get("ignore_eos", False),

@@ -216,6 +216,12 @@ class ServerClient:
         body = {"prompt": text, "add_special_tokens": False}
         return list((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["tokens"])
 
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids decoded in one piece, as the server's detokenizer decodes an output (special
+        tokens skipped): joining two decoded halves instead can split a multi-byte character at the cut."""
+        body = {"tokens": list(ids), "skip_special_tokens": True}
+        return (await self._request("POST", "/v1/detokenize", json=body, timeout=60))["text"]
+
     async def chat(self, body: dict) -> dict:
         resp = await self._request("POST", "/v1/chat/completions", json=body)
         aborted = [c.get("index") for c in resp.get("choices") or [] if c.get("finish_reason") == "abort"]
