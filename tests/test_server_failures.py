@@ -101,6 +101,6 @@ def test_a_401_during_generation_stops_the_run_with_a_clear_error_and_rejects_no
     assert "HTTP 401 on POST /v1/chat/completions" in message and "the API key is missing or wrong" in message
     assert "stale-key" not in message
     server_rejects = list((tmp_path / "data" / "rejects").rglob("stage=server/*.parquet"))
-    assert sum(duckdb.sql(f"select count(*) from '{p}'").fetchone()[0] for p in server_rejects) == 0, \
+    assert sum(duckdb.sql(f"select count(*) from '{p}'").fetchall()[0][0] for p in server_rejects) == 0, \
         "a wrong key is not the prompts' fault"
     assert not list((tmp_path / "data" / "completions").rglob("*.parquet")), "and nothing is stored"

@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument(
         "--auto-mamba-cache-size", type=int, default=144, help="Mamba slots when --max-mamba-cache-size is unset."
     )
+    emu.add_argument(
+        "--always-think", action="store_true",
+        help="The stand-in model's chat template opens <think> whatever enable_thinking says (as templates that "
+        "match template_detection's force_reasoning_pattern do): the server then always reasons.",
+    )
     emu.add_argument("--dense-model", action="store_true", help="Emulate a dense model (no mamba cap on requests).")
     emu.add_argument("--fault-crash-after", type=int, help="Exit hard when generation request N+1 arrives.")
     emu.add_argument("--fault-503-next", type=int, help="Answer the next N generation requests with 503.")

@@ -134,10 +134,12 @@ class ChatContext:
         for k, v in (cfg.args.default_chat_template_kwargs or {}).items():
             ctk.setdefault(k, v)
         self.chat_template_kwargs = ctk
-        self.enable_thinking = ctk.get("enable_thinking", True) is not False  # the template's default
+        # the template's default is on; an always-think template has no toggle and opens <think> regardless
+        self.enable_thinking = cfg.args.always_think or ctk.get("enable_thinking", True) is not False
         parser = cfg.reasoning_parser
         # _get_reasoning_from_request: qwen3 follows the template's enable_thinking
-        # toggle (default true); qwen3-thinking always reasons.
+        # toggle (default true); qwen3-thinking always reasons; template_manager.force_reasoning (the template
+        # always opens <think>) forces it for any parser.
         self.reasoning = parser == "qwen3-thinking" or (parser is not None and self.enable_thinking)
         self.separate = parser is not None and body.get("separate_reasoning", True) is not False
 

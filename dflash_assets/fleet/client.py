@@ -61,6 +61,7 @@ class ServerInfo:
     max_total_num_tokens: int | None  # /server_info: KV pool size in tokens
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
     mamba_slots_per_request: int | None = None  # hybrid models only: see mamba_slots_per_request()
+    always_thinks: bool = False  # its chat template opens <think> even with enable_thinking false
 
     @property
     def max_req_len(self) -> int:
@@ -176,6 +177,7 @@ class ServerClient:
             # to (or None: none detected, reasoning off) is only in /model_info (entrypoints/engine.py)
             parser = (await self._optional("/model_info")).get("reasoning_parser", parser)
         return ServerInfo(
+            always_thinks=await self._always_thinks(),
             url=self.url,
             model=card["id"],
             context_length=int(card["max_model_len"]),
@@ -185,6 +187,21 @@ class ServerClient:
             reasoning_parser=parser,
             mamba_slots_per_request=mamba_slots_per_request(server),
         )
+
+    async def _always_thinks(self) -> bool:
+        """Whether the chat template opens `<think>` with enable_thinking false: read from what the server renders.
+
+        0.5.23 (parser/template_detection.py force_reasoning_pattern) then forces reasoning for every request,
+        so the output is reasoning until `</think>` whatever the request asked. A server without /v1/tokenize
+        (a gateway) is taken not to.
+        """
+        probe = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
+        try:
+            rendered = (await self._request("POST", "/v1/tokenize", json=probe, timeout=30))["tokens"]
+            opener = await self.tokenize("<think>\n")
+        except (ServerError, ServerAccessError):
+            return False
+        return bool(opener) and rendered[-len(opener):] == opener
 
     async def metrics(self) -> str | None:
         """The Prometheus text of /metrics; None when the server runs without --enable-metrics (404)."""

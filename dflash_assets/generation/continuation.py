@@ -218,7 +218,8 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
             t0 = time.monotonic()
             resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
                                                "sampling_params": sampling})
-            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids)
+            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids,
+                                     slot.info.always_thinks)
             text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
             return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0,
                               text)

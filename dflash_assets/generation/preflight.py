@@ -82,6 +82,10 @@ def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[
         limit = min(i.max_req_len for i in infos) - 1
         notes.append(f"KV pool smaller than the context length ({detail}): SGLang clamps a request's output to "
                      f"the pool silently; preflight holds prompt + max_output_tokens to {limit}")
+    thinking = [i.url for i in infos if i.always_thinks]
+    if thinking and not enable_thinking:
+        notes.append(f"enable_thinking is off but the chat template of {', '.join(thinking)} opens <think> "
+                     f"whatever it is told (SGLang then forces reasoning): those rows will reason anyway")
     unparsed = [i.url for i in infos if not i.reasoning_parser]
     if enable_thinking and unparsed:
         notes.append(f"enable_thinking is on but {', '.join(unparsed)} run without --reasoning-parser: the "
