@@ -154,18 +154,18 @@ class ServerClient:
         except (ServerError, ServerAccessError):
             return False
 
-    async def _optional(self, path: str) -> dict:
-        """A route a router / gateway in front of many servers does not have: {} when it answers 404."""
+    async def _optional(self, path: str, timeout: float = 30) -> Any:
+        """A route a router / gateway (or a server without --enable-metrics) does not have: None on a 404."""
         try:
-            return await self._request("GET", path, timeout=30)
+            return await self._request("GET", path, timeout=timeout)
         except ServerAccessError as e:
             if e.status != 404:
                 raise
-            return {}
+            return None
 
     async def info(self) -> ServerInfo:
         models = await self._request("GET", "/v1/models", timeout=30)
-        server = await self._optional("/server_info")
+        server = await self._optional("/server_info") or {}
         card = models["data"][0]
         # one entry per DP rank (http_server.server_info: "Returns internal states per DP"): a --dp-size 4
         # server runs four schedulers, each with its own slots
@@ -175,9 +175,8 @@ class ServerClient:
         if parser == "auto" or "reasoning_parser" not in server:
             # `--reasoning-parser auto` stays "auto" in /server_info; the parser the chat template was matched
             # to (or None: none detected, reasoning off) is only in /model_info (entrypoints/engine.py)
-            parser = (await self._optional("/model_info")).get("reasoning_parser", parser)
+            parser = (await self._optional("/model_info") or {}).get("reasoning_parser", parser)
         return ServerInfo(
-            always_thinks=await self._always_thinks(),
             url=self.url,
             model=card["id"],
             context_length=int(card["max_model_len"]),
@@ -186,6 +185,7 @@ class ServerClient:
             max_total_num_tokens=server.get("max_total_num_tokens"),
             reasoning_parser=parser,
             mamba_slots_per_request=mamba_slots_per_request(server),
+            always_thinks=await self._always_thinks(),
         )
 
     async def _always_thinks(self) -> bool:
@@ -205,12 +205,7 @@ class ServerClient:
 
     async def metrics(self) -> str | None:
         """The Prometheus text of /metrics; None when the server runs without --enable-metrics (404)."""
-        try:
-            return await self._request("GET", "/metrics", timeout=10)
-        except ServerAccessError as e:
-            if e.status != 404:
-                raise
-            return None
+        return await self._optional("/metrics", timeout=10)
 
     async def loads(self) -> dict:
         return await self._request("GET", "/v1/loads", timeout=10)
