@@ -202,9 +202,10 @@ def recorded(data: Path, fresh: str, cont: str) -> dict:
         "models": [r[0] for r in q(f"select distinct model from {comp}")],
         "clamped": q(f"select count(*) from {comp} where finish_reason = 'length' and completion_tokens < "
                      f"max_output_tokens")[0][0],
-        "preflight": [r[0] for r in q(f"select prompt_id from {rej} where stage = 'preflight' order by 1")],
-        "server": [r[0] for r in q(f"select prompt_id from {rej} where stage = 'server' and reason like "
-                                   f"'HTTP 400:%' order by 1")],
+        "preflight": [r[0] for r in q(f"select prompt_id from {rej} where stage = 'preflight' and config_hash = "
+                                      f"'{fresh}' order by 1")],
+        "server": [r[0] for r in q(f"select prompt_id from {rej} where stage = 'server' and config_hash = '{fresh}' "
+                                   f"and reason like 'HTTP 400:%' order by 1")],
         "new_config_rows": q(f"select count(*) from {comp} where config_hash = '{cont}'")[0][0],
     }
 
