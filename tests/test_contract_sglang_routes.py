@@ -47,6 +47,7 @@ CLIENT_READS = {
         "internal_states[*]": {"effective_max_running_requests_per_dp"},
     },
     "/model_info": {"top": {"reasoning_parser"}},
+    "/generate": {"GenerateResponse": {"output_ids", "meta_info"}, "GenerateMetaInfo": {"finish_reason"}},
     "/metrics": {"names": {MAMBA_USAGE_METRIC, "sglang:num_requests_total", "sglang:prompt_tokens_total",
                            "sglang:generation_tokens_total", "sglang:num_aborted_requests_total"}},
 }
@@ -178,6 +179,14 @@ def test_the_continuation_body_passes_0_5_23s_generate_contract(api):  # noqa: F
     config = GenerationConfig()
     body = {"input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 100, **config.sampling()}}
     assert sglang_verdict(api, body) is None
+
+
+def test_every_field_the_client_reads_from_generate_is_in_0_5_23s_generated_schema(api):  # noqa: F811
+    for struct, fields in CLIENT_READS["/generate"].items():
+        assert fields <= set(getattr(api, struct).__struct_fields__), struct
+    # finish_reason is read by its "type": stop / length / abort, the tags 0.5.23's decoder switches on
+    decoded = [api.decode_FinishReason({"type": t}) for t in ("stop", "length", "abort")]
+    assert [type(d).__name__ for d in decoded] == ["FinishStop", "FinishLength", "FinishAbort"]
 
 
 def test_the_error_bodies_the_client_reads_are_0_5_23s():
