@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import functools
-from pathlib import Path
 
 import pytest
 from test_contract_sglang_schema import api, sglang_dir, sglang_verdict  # noqa: F401  (api is a fixture)
