@@ -86,7 +86,8 @@ def test_accounting_passes_when_every_prompt_is_accounted_for(clean_dir):
 
 def test_training_gate_is_marked_in_the_registry(tmp_path):
     blocking = {spec.name for spec in CHECKS if spec.blocking}
-    gate = {"truncation_rate", "context_overflow", "duplicates", "accounting", "think_markers", "empty_content"}
+    gate = {"truncation_rate", "context_overflow", "duplicates", "accounting", "think_markers", "empty_content",
+            "silent_clamp"}
     assert blocking == gate
     assert all(spec.default_severity == ("ERROR" if spec.blocking else "WARN") for spec in CHECKS)
     assert all(spec.description for spec in CHECKS)

@@ -21,6 +21,7 @@ import itertools
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -77,8 +78,13 @@ class Output:
         return bool(self.finish and self.finish.get("type") == "abort")
 
 
-def abort_finish(message: str, status_code: int) -> dict:
+def abort_finish(message: str, status_code: int | None) -> dict:
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+# sampling/sampling_params.py SamplingParams.__init__ defaults: what /generate samples with when nothing is sent
+SAMPLING_PARAM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                           "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def verify_sampling(sp: dict) -> None:
@@ -138,10 +144,18 @@ class Engine:
         # tokenizer-side counters for /metrics: (is_streaming) -> value
         self.counters = {"prompt_tokens": {}, "generation_tokens": {}, "requests": {}}
         self.num_aborted = 0
+        self.sampled: deque = deque(maxlen=1000)  # the last requests' resolved sampling parameters
         self.e2e_sum = 0.0
         self.e2e_count = 0
 
     # ---- 1. tokenizer manager ----
+
+    def record_sampling(self, req: Request) -> None:
+        """What a request is sampled with once both routes have filled in their defaults (SamplingParams'
+        own for what is still unset), kept for the emulator-only /_emulator/stats."""
+        sp = req.sampling
+        self.sampled.append({"rid": req.rid, **{k: v if (v := sp.get(k)) is not None else default
+                                                for k, default in SAMPLING_PARAM_DEFAULTS.items()}})
 
     def validate(self, req: Request) -> None:
         """`_validate_one_request` then `SamplingParams.verify`; raises TokenizerError."""
@@ -166,6 +180,7 @@ class Engine:
             req.sampling["max_new_tokens"] = max(0, ctx - n)
         req.sampling.setdefault("max_new_tokens", req.default_max_new_tokens)
         verify_sampling(req.sampling)
+        self.record_sampling(req)
 
     # ---- 2. scheduler and model ----
 
@@ -192,6 +207,9 @@ class Engine:
             await asyncio.sleep(HOLD_POLL_S)
         if verdict.fail:
             yield self._abort(req, verdict.fail, 503)
+            return
+        if verdict.abort:  # FINISH_ABORT() with no status_code: the client sees HTTP 200, finish_reason "abort"
+            yield self._abort(req, "Aborted", None)
             return
         gen = self._generate(req, max_new)
         sched = next(self._round_robin)
@@ -256,7 +274,7 @@ class Engine:
             e2e_latency=latency,
         )
 
-    def _abort(self, req: Request, message: str, status: int) -> Output:
+    def _abort(self, req: Request, message: str, status: int | None) -> Output:
         self.num_aborted += 1
         return Output(
             [], "", abort_finish(message, status), len(req.input_ids), e2e_latency=time.perf_counter() - req.arrival

@@ -141,7 +141,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return generate_error(str(e))
     outs = await asyncio.gather(*(_final(engine, r, verdict) for r in reqs))
     for out in outs:
-        if out.aborted:  # tokenizer_manager._handle_abort_finish_reason
+        if out.aborted and out.finish["status_code"] is not None:  # tokenizer_manager._handle_abort_finish_reason
             status, message = out.finish["status_code"], out.finish["message"]
             return generate_error(message) if status == 400 else http_exception(message, status)
     results = [

@@ -11,6 +11,10 @@ class ConfigError(ValueError):
     """Bad settings, found before any work starts."""
 
 
+SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")  # recorded per row, under these names
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """The settings that decide what a completion is; rows record all of them."""
@@ -19,6 +23,13 @@ class GenerationConfig:
     temperature: float = 0.6
     top_p: float = 0.95
     top_k: int = 20
+    # sent explicitly too: left out, the chat route takes them from the model's generation_config.json
+    # (protocol.py to_sampling_params) while /generate uses SamplingParams' defaults, and a continued row
+    # would be sampled unlike its parent
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     enable_thinking: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)  # extra kwargs beside enable_thinking
 
@@ -32,6 +43,13 @@ class GenerationConfig:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k == 0 or self.top_k < -1:
             problems.append(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            problems.append(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if "enable_thinking" in self.chat_template_kwargs:
             problems.append("set enable_thinking with its own setting, not inside chat_template_kwargs")
         if problems:
@@ -46,15 +64,17 @@ class GenerationConfig:
         payload = json.dumps({"model": model, **asdict(self)}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
+    def sampling(self) -> dict:
+        """Every sampling parameter, as both routes take them (chat body fields, /generate sampling_params)."""
+        return {name: getattr(self, name) for name in SAMPLING_PARAMS}
+
     def chat_body(self, model: str, messages: list[dict], token_ids: bool = False) -> dict:
         extra = {"return_token_ids": True} if token_ids else {}
         return {**extra,
             "model": model,
             "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
+            **self.sampling(),
             "chat_template_kwargs": self.template_kwargs(),
             "separate_reasoning": True,
         }

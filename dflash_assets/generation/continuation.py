@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
+from dflash_assets.generation.config import SAMPLING_PARAMS, ConfigError, DispatchSettings, GenerationConfig
 from dflash_assets.generation.dispatch import Slot
 from dflash_assets.generation.engine import (
     OVERFLOW_FAIL_SHARE, ShardRun, _batches, _reject, committed_ids, completion_store, dispatch, failure_store,
@@ -43,7 +43,7 @@ from dflash_assets.generation.store import PartStore
 
 PLAN_COLUMNS = {
     name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
-                                      "max_output_tokens", "temperature", "top_p", "top_k", "enable_thinking")
+                                      "max_output_tokens", "enable_thinking", *SAMPLING_PARAMS)
 } | {"n_prompt_ids": pc.list_value_length(pc.field("prompt_token_ids")),  # null when the run stored no ids
      "n_output_ids": pc.list_value_length(pc.field("output_ids"))}
 
@@ -98,8 +98,9 @@ def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int) -> s
 def _parent_config(plan: list[dict], parent: str) -> GenerationConfig:
     """The parent's GenerationConfig, rebuilt from what its rows record and checked against its hash."""
     first = plan[0]
-    config = GenerationConfig(max_output_tokens=first["max_output_tokens"], temperature=first["temperature"],
-                              top_p=first["top_p"], top_k=first["top_k"], enable_thinking=first["enable_thinking"])
+    recorded = {k: first[k] for k in SAMPLING_PARAMS if first.get(k) is not None}
+    config = GenerationConfig(max_output_tokens=first["max_output_tokens"], enable_thinking=first["enable_thinking"],
+                              **recorded)
     if config.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
         raise ConfigError(f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
                           f"hash to {config.config_hash(first['model'])}); it cannot be continued")
@@ -115,14 +116,15 @@ def _copied(row: dict, config_hash: str, new_cap: int) -> dict:
 
 
 def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, new_cap: int,
-               attempt: int, latency: float) -> dict:
+               attempt: int, latency: float, text: str) -> dict:
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
     if finish.get("type") not in ("stop", "length"):  # an abort without an HTTP error status: try again
         raise ServerError(slot.url, f"/generate finished with {finish!r}", retryable=True)
     ids = row["output_ids"] + new_ids
-    # /generate returns the text of the new tokens only; the whole output is the parent's raw text plus it
-    thought, content = reasoning.split(reasoning.raw_text(row) + resp["text"])
+    # `text` is the whole output (parent's ids + new ids) decoded in one piece by the server, then split as the
+    # chat route splits a fresh answer
+    thought, content = reasoning.split(text)
     return {**row, "config_hash": config_hash, "finish_reason": finish["type"], "max_output_tokens": new_cap,
             "completion_tokens": len(ids), "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
             "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
@@ -212,13 +214,15 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         async def send(row: dict, slot: Slot, attempt: int) -> dict:
             # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
             # short of its cap still ends where a fresh run at the new cap would
-            sampling = {"max_new_tokens": new_cap - len(row["output_ids"]), "temperature": config.temperature,
-                        "top_p": config.top_p, "top_k": config.top_k}
+            sampling = {"max_new_tokens": new_cap - len(row["output_ids"]), **config.sampling()}
             t0 = time.monotonic()
             resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
                                                "sampling_params": sampling})
-            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids)
-            return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0)
+            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids,
+                                     slot.info.always_thinks)
+            text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
+            return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0,
+                              text)
 
         def refuse(row: dict, reason: str, context: int) -> dict:
             return _reject(row, "server", reason, config, config_hash, shard, context)

@@ -99,7 +99,7 @@ class Dispatcher:
     async def _probe_until_back(self, slot: Slot) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            if await slot.client.healthy(timeout=max(1.0, self.probe_interval_s)):
+            if await slot.client.healthy():  # the client's timeout: /health takes a second or more
                 slot.ejected_at = None
                 slot.consecutive_failures = 0
                 self._changed.set()

@@ -55,6 +55,10 @@ COMPLETION_SCHEMA = pa.schema(
         ("temperature", pa.float64()),
         ("top_p", pa.float64()),
         ("top_k", pa.int32()),
+        ("min_p", pa.float64()),
+        ("repetition_penalty", pa.float64()),
+        ("presence_penalty", pa.float64()),
+        ("frequency_penalty", pa.float64()),
         ("enable_thinking", pa.bool_()),
         ("content", pa.string()),
         ("reasoning_content", pa.string()),  # null when the server did not separate reasoning

@@ -73,6 +73,8 @@ async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: i
             try:
                 n = await next(clients).count_prompt_tokens(item.messages, template_kwargs)
             except ServerError as e:
+                if e.retryable:  # the server's trouble, retried already: fail the build, never a permanent reject
+                    raise
                 return SourceReject(item.line, f"line {item.line}: tokenize failed: {e.message}", item.prompt_id)
         if n >= context:
             return SourceReject(item.line, f"line {item.line}: prompt of {n} tokens is longer than the model's "

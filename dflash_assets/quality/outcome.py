@@ -43,6 +43,7 @@ class Thresholds:
     truncation_rate_max: float = 0.05  # share of rows with finish_reason = 'length', per shard and per config
     cap_saturation_percentile: float = 0.99  # fails when this percentile of completion_tokens reaches the cap
     cap_mismatch_rate_max: float = 0.0  # rows where "at the cap" and finish_reason 'length' disagree
+    silent_clamp_rate_max: float = 0.0  # rows that finished 'length' below their own max_output_tokens
     context_overflow_rate_max: float = 0.0  # completion rows generated with prompt + cap > context
     overflow_reject_rate_max: float = 0.01  # prompts of a config rejected because prompt + cap > context
     missing_rate_max: float = 0.0  # accounting: prompts with no completion, reject or failure row

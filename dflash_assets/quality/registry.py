@@ -10,7 +10,13 @@ from dflash_assets.quality.accounting import accounting
 from dflash_assets.quality.checks_content import empty_content, reasoning_misrouted, think_markers, truncated_thinking
 from dflash_assets.quality.checks_context import context_overflow
 from dflash_assets.quality.checks_integrity import config_consistency, duplicates
-from dflash_assets.quality.checks_lengths import cap_hit_agreement, cap_saturation, max_length_overflow, truncation_rate
+from dflash_assets.quality.checks_lengths import (
+    cap_hit_agreement,
+    cap_saturation,
+    max_length_overflow,
+    silent_clamp,
+    truncation_rate,
+)
 from dflash_assets.quality.checks_runaway import runaway_rate
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
 from dflash_assets.quality.tables import open_quality_db
@@ -44,6 +50,7 @@ CHECKS: list[CheckSpec] = [
     _spec(truncation_rate, blocking=True),
     _spec(cap_saturation, blocking=False),
     _spec(cap_hit_agreement, blocking=False),
+    _spec(silent_clamp, blocking=True),
     _spec(context_overflow, blocking=True),
     _spec(config_consistency, blocking=False),
     _spec(accounting, blocking=True),
