@@ -1,15 +1,15 @@
 """Templates that always open <think>: 0.5.23 forces reasoning even with enable_thinking false; so do we."""
 
-from pathlib import Path
 
 import duckdb
+from sglang_wheel import sglang_srt
 from test_continuation import cont, make_shard
 
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 
-SGLANG = next(Path(__file__).resolve().parents[1].glob(".venv/lib/python3.*/site-packages/sglang/srt"))
+SGLANG = sglang_srt()
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--always-think"]
 SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
 OFF = GenerationConfig(max_output_tokens=64, enable_thinking=False)

@@ -14,7 +14,8 @@ import asyncio
 import functools
 
 import pytest
-from test_contract_sglang_schema import api, sglang_dir, sglang_verdict  # noqa: F401  (api is a fixture)
+from sglang_wheel import sglang_dir
+from test_contract_sglang_schema import api, sglang_verdict  # noqa: F401  (api is a fixture)
 
 from dflash_assets.fleet.client import ServerClient, error_message
 from dflash_assets.fleet.fleet import open_session

@@ -2,8 +2,8 @@
 
 import asyncio
 import re
-from pathlib import Path
 
+from sglang_wheel import sglang_srt
 from test_server_failures import FLAGS, build, completions
 
 from dflash_assets.fleet.client import HEALTH_PROBE_TIMEOUT_S, ServerClient
@@ -11,7 +11,7 @@ from dflash_assets.fleet.fleet import connect, open_session
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 
-SGLANG = next(Path(__file__).resolve().parents[1].glob(".venv/lib/python3.*/site-packages/sglang/srt"))
+SGLANG = sglang_srt()
 
 
 def test_health_generates_a_token_by_default_and_polls_after_a_second_in_0_5_23():

@@ -6,10 +6,10 @@ managers/scheduler.py init_req_max_new_tokens: max_new_tokens = min(max_new_toke
 
 import ast
 import re
-from pathlib import Path
 
 import duckdb
 import pytest
+from sglang_wheel import sglang_srt
 from test_preflight import SHORT, generate, make_shard, requests_served
 from test_quality_checks import check
 from test_quality_fixtures import defects_dir, load  # noqa: F401  (fixtures)
@@ -19,7 +19,7 @@ from dflash_assets.generation.shards import prompt_store
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.registry import CHECKS_BY_NAME, gate_passed
 
-SGLANG = next(Path(__file__).resolve().parents[1].glob(".venv/lib/python3.*/site-packages/sglang/srt"))
+SGLANG = sglang_srt()
 SMALL_POOL = ["--context-length", "4096", "--max-total-tokens", "1024", *SHORT[:3], "--length-median", "3000",
               "--length-sigma", "0.1"]
 

@@ -1,14 +1,14 @@
 """Mamba state usage comes from /metrics (it is not in 0.5.23's /v1/loads); slots per request as resolved."""
 
 import re
-from pathlib import Path
 
+from sglang_wheel import sglang_srt
 from test_fleet_tuning import SLOW, load_server
 
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.fleet.tuning import MAMBA_SLOTS_PER_REQUEST, MAMBA_USAGE_METRIC, advise
 
-SGLANG = next(Path(__file__).resolve().parents[1].glob(".venv/lib/python3.*/site-packages/sglang/srt"))
+SGLANG = sglang_srt()
 
 
 def info_of(url):

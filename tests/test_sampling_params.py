@@ -6,16 +6,16 @@ when a request leaves them out (protocol.py to_sampling_params); /generate uses 
 
 import ast
 import json
-from pathlib import Path
 
 import duckdb
+from sglang_wheel import sglang_srt
 from test_continuation import cont, make_shard
 
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.config import SAMPLING_PARAMS, DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 
-SGLANG = next(Path(__file__).resolve().parents[1].glob(".venv/lib/python3.*/site-packages/sglang/srt"))
+SGLANG = sglang_srt()
 # a model whose generation_config.json asks for a repetition penalty and min_p, as several do
 MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.05}
 SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
