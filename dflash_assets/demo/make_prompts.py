@@ -27,7 +27,7 @@ BROKEN = [
     '{"messages": []}',
     '{"messages": [{"role": "wizard", "content": "unknown role"}]}',
     '{"messages": [{"role": "user", "content": ""}]}',
-    '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}',
+    '{"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]}',
 ]
 
 

@@ -25,7 +25,7 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.dispatch import Dispatcher, Slot
-from dflash_assets.generation.prompts import canonical_json
+from dflash_assets.generation.prompts import canonical_json, last_turn_request
 from dflash_assets.generation.preflight import Budget, check_fleet, overflow_error
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA
 from dflash_assets.generation.shards import prompt_store, reject_store
@@ -130,7 +130,7 @@ async def _recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwa
     async def count(i: int, row: dict) -> None:
         async with gate:
             client = fleet.clients[i % len(fleet.clients)]
-            n = await client.count_prompt_tokens(json.loads(row["messages_json"]), kwargs)
+            n = await client.count_prompt_tokens(last_turn_request(json.loads(row["messages_json"])), kwargs)
             stale[row["prompt_id"]]["prompt_tokens"] = n
 
     for batch in _batches(prompts, ["prompt_id", "messages_json"]):
@@ -216,7 +216,7 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
         model, config_hash = fleet.model, config.config_hash(fleet.model)
 
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
-            body = config.chat_body(model, json.loads(prompt["messages_json"]), settings.store_token_ids)
+            body = config.chat_body(model, last_turn_request(json.loads(prompt["messages_json"])), settings.store_token_ids)
             t0 = time.monotonic()
             resp = await slot.client.chat(body)
             return _row(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, time.monotonic() - t0)

@@ -17,8 +17,10 @@ PROMPT_SCHEMA = pa.schema(
         ("shard", pa.string()),
         ("line", pa.int64()),  # 1-based line (JSONL) or row (Parquet) number in the source
         ("source", pa.string()),  # dataset name: the source's `source` field, else the file stem
-        ("messages_json", pa.string()),  # canonical JSON of [{"role", "content"}, ...]
-        ("prompt_tokens", pa.int32()),  # exact chat-template token count from the fleet's /v1/tokenize
+        ("messages_json", pa.string()),  # canonical JSON of the whole conversation [{"role", "content"}, ...]
+        # exact chat-template token count (the fleet's /v1/tokenize) of the last-turn request: the conversation
+        # up to its last user turn
+        ("prompt_tokens", pa.int32()),
         ("template_kwargs_json", pa.string()),  # chat_template_kwargs prompt_tokens was counted with
     ]
 )

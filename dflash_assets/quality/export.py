@@ -21,6 +21,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
@@ -98,7 +99,8 @@ class TrainingExport:
 
 
 def _conversation(row: dict[str, Any]) -> list[dict[str, str]]:
-    messages = [{"role": m["role"], "content": m["content"]} for m in json.loads(row["messages_json"])]
+    messages = [{"role": m["role"], "content": m["content"]}
+                for m in last_turn_request(json.loads(row["messages_json"]))]
     answer = {"role": "assistant", "content": row["content"]}
     if not row["reasoning_empty"]:
         answer["reasoning_content"] = row["reasoning_content"]
