@@ -30,7 +30,7 @@ from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import committed_ids, completion_store, generate_shards, plan_remaining
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.shards import build_prompt_shard, prompt_store
-from dflash_assets.generation.store import write_atomic
+from dflash_assets.generation.parts import write_atomic
 
 RESULTS: list[tuple[str, str, str]] = []
 

@@ -18,7 +18,7 @@ from dflash_assets.generation.prompts import (
 )
 from dflash_assets.generation.schema import PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.store import PartStore
+from dflash_assets.generation.parts import PartStore
 
 
 @dataclass(frozen=True)

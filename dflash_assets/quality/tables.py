@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.store import PartStore
+from dflash_assets.generation.parts import PartStore
 
 # "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
 # on real text, where trim() would copy the whole (often 30 kB) string first.

@@ -53,8 +53,10 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
             preflight_policy=config.preflight_policy, log=context.log.info))
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}") from None
+    for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
+        context.log.warning(note)
     for run in runs:
-        for note in run.notes:
+        for note in run.notes:  # the shard's own
             context.log.warning(note)
         if run.failed:
             context.log.warning(f"shard {run.shard}: {run.failed} prompts failed after {dispatch.max_attempts} "

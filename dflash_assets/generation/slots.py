@@ -1,4 +1,5 @@
-"""Spread requests over the fleet: least-loaded server first, per-server slots, eject and re-admit.
+"""The slot picker: which server the next request goes to. Least-loaded first, per-server slots, eject and
+re-admit.
 
 Each server gets as many requests in flight as it runs at once (its effective max_running_requests)
 plus a small waiting margin, so its slots never idle between two requests; servers of different
@@ -38,7 +39,7 @@ class Slot:
         return self.info.url
 
 
-class Dispatcher:
+class SlotPicker:
     def __init__(self, clients: list[ServerClient], infos: list[ServerInfo], *, max_in_flight_per_server: int = 0,
                  waiting_margin: int = 2, eject_after: int = 3, probe_interval_s: float = 2.0,
                  no_server_timeout_s: float = 120.0):
