@@ -2,9 +2,11 @@
 
 Output in `out_dir` (each file written to a temp name, fsynced, then renamed; the manifest last, so a
 manifest means a complete export):
-    training_set.jsonl     {"id", "conversations": [prompt messages..., {"role": "assistant", "content",
-                           "reasoning_content"?}]}, one line per row
-    training_set.parquet   the same rows with provenance columns, `conversations` as list<struct>
+    training_set.jsonl     {"id", "status": "success", "conversations": [prompt messages..., {"role": "assistant",
+                           "content", "reasoning_content"?}]}, one line per row: the form SpecForge's
+                           validate_regenerated_data.py accepts (quality/trainer_format.py has its rules); with
+                           form="messages", {"id", "messages": [...]}: the OpenAI messages form
+    training_set.parquet   the same rows with provenance columns, the conversation as list<struct>
     manifest.json          row counts by config and source, excluded counts by reason, config hashes, sha256s
 Rows come in (shard, prompt_id, config_hash) order and nothing time-dependent is written, so the same inputs
 give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported.
@@ -25,6 +27,7 @@ from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
+from dflash_assets.quality.trainer_format import FORMS, STATUS
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -42,6 +45,7 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasonin
 EXPORT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
+        ("status", pa.string()),
         ("prompt_id", pa.string()),
         ("shard", pa.string()),
         ("source", pa.string()),
@@ -49,9 +53,16 @@ EXPORT_SCHEMA = pa.schema(
         ("max_output_tokens", pa.int32()),
         ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()),
-        ("conversations", pa.list_(MESSAGE)),
+        ("conversations", pa.list_(MESSAGE)),  # named `messages` in the messages form
     ]
 )
+
+
+def export_schema(form: str) -> pa.Schema:
+    if form not in FORMS:
+        raise ValueError(f"export form must be one of {', '.join(FORMS)}, got {form!r}")
+    return EXPORT_SCHEMA if form == "conversations" else EXPORT_SCHEMA.set(
+        EXPORT_SCHEMA.get_field_index("conversations"), pa.field("messages", pa.list_(MESSAGE)))
 
 GRADE = """
 CREATE TEMP TABLE graded AS
@@ -121,22 +132,22 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path) -> int:
+def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path, form: str) -> int:
     """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes."""
-    written, pending = 0, []
+    written, pending, schema = 0, [], export_schema(form)
     reader = con.sql(query).to_arrow_reader(ROW_GROUP)
-    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, EXPORT_SCHEMA) as parquet:
+    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, schema) as parquet:
 
         def flush(rows: list[dict[str, Any]]) -> None:
-            parquet.write_table(pa.Table.from_pylist(rows, schema=EXPORT_SCHEMA), row_group_size=ROW_GROUP)
+            parquet.write_table(pa.Table.from_pylist(rows, schema=schema), row_group_size=ROW_GROUP)
 
         for batch in reader:
             for row in batch.to_pylist():
-                conversations = _conversation(row)
-                line = json.dumps({"id": row["id"], "conversations": conversations}, ensure_ascii=False)
-                jsonl.write(line.encode("utf-8") + b"\n")
-                pending.append({k: row[k] for k in EXPORT_SCHEMA.names if k != "conversations"})
-                pending[-1]["conversations"] = conversations
+                conversation = _conversation(row)
+                line = ({"id": row["id"], "status": STATUS, "conversations": conversation} if form == "conversations"
+                        else {"id": row["id"], "messages": conversation})
+                jsonl.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+                pending.append({k: row.get(k) for k in schema.names} | {"status": STATUS, form: conversation})
                 written += 1
                 if len(pending) == ROW_GROUP:
                     flush(pending)
@@ -147,9 +158,12 @@ def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, par
 
 
 def export_training_set(
-    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None, max_length: int | None = 4096
+    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None, max_length: int | None = 4096,
+    form: str = "conversations",
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
+
+    `form` is "conversations" (SpecForge's {id, status, conversations}) or "messages" (OpenAI's {id, messages}).
 
     `max_length` is the trainer's max_length (None: no limit); rows longer than it are excluded, not cut.
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
@@ -162,6 +176,7 @@ def export_training_set(
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
     tmps = {name: out / f".{name}.tmp" for name in paths}
+    export_schema(form)  # refuses an unknown form before anything is written
     params = {"config": config_hash, "max_length": max_length}
     try:
         with duckdb.connect(":memory:") as con:
@@ -171,8 +186,8 @@ def export_training_set(
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
             con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions), params)
             query = KEPT.format(completions=completions)
-            rows = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"])
-            manifest = _manifest(con, config_hash, max_length, rows)
+            rows = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], form)
+            manifest = _manifest(con, config_hash, max_length, rows) | {"form": form}
         for name in ("training_set.jsonl", "training_set.parquet"):
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
