@@ -28,6 +28,7 @@ class ShardOutput:
     run: ShardRun
     store: PartStore
     server_rejects: PartStore
+    turn_rejects: PartStore | None = None  # a later turn's preflight rejects (all_turns), committed as parts
     rows: list[dict] = field(default_factory=list)
     refused: list[dict] = field(default_factory=list)
     failed: list[dict] = field(default_factory=list)
@@ -65,13 +66,18 @@ class ShardOutput:
     async def commit(self) -> None:
         batch, rej = self.rows, self.refused
         self.rows, self.refused = [], []
+        server = [r for r in rej if r["stage"] == "server"]
+        before_sending = [r for r in rej if r["stage"] != "server"]
         # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
         # never a rejected prompt twice
-        await asyncio.to_thread(self.server_rejects.commit, rej)
+        await asyncio.to_thread(self.server_rejects.commit, server)
+        if before_sending:
+            await asyncio.to_thread(self.turn_rejects.commit, before_sending)
         await asyncio.to_thread(self.store.commit, batch)
         self.run.length += sum(r["finish_reason"] == "length" for r in batch)
         self.run.output_tokens += sum(generated_tokens(r) for r in batch)
-        self.run.rejected_server += len(rej)
+        self.run.rejected_server += len(server)
+        self.run.rejected_preflight += len(before_sending)
 
     def close(self, failures: PartStore, failure_file: str) -> None:
         """The shard's run is over: its failures replace the config's failure file, its parts are compacted."""

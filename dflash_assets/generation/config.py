@@ -7,6 +7,9 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
+REGENERATE = ("last_turn", "all_turns")
+
+
 class ConfigError(ValueError):
     """Bad settings, found before any work starts."""
 
@@ -21,6 +24,9 @@ class GenerationConfig:
     top_k: int = 20
     enable_thinking: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)  # extra kwargs beside enable_thinking
+    # which assistant turns of a conversation are generated: "last_turn" (the final one, or a new answer to a
+    # final user turn) or "all_turns" (every one, in order, each conditioned on the regenerated ones before it)
+    regenerate: str = "last_turn"
 
     def validate(self) -> None:
         problems = []
@@ -32,6 +38,8 @@ class GenerationConfig:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k == 0 or self.top_k < -1:
             problems.append(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if self.regenerate not in REGENERATE:
+            problems.append(f"regenerate must be one of {', '.join(REGENERATE)}, got {self.regenerate!r}")
         if "enable_thinking" in self.chat_template_kwargs:
             problems.append("set enable_thinking with its own setting, not inside chat_template_kwargs")
         if problems:
@@ -43,7 +51,10 @@ class GenerationConfig:
 
     def config_hash(self, model: str) -> str:
         """12 hex chars over the model and every setting that changes the output (not concurrency)."""
-        payload = json.dumps({"model": model, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        settings = asdict(self)
+        if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
+            del settings["regenerate"]
+        payload = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
     def chat_body(self, model: str, messages: list[dict], token_ids: bool = False) -> dict:

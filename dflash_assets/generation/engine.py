@@ -31,6 +31,7 @@ from dflash_assets.generation.send import Dispatch
 from dflash_assets.generation.shards import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import open_storage
+from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
 
 # the engine's public names, wherever they are defined
 __all__ = ["OVERFLOW_FAIL_SHARE", "ShardRun", "committed_ids", "completion_store", "failure_store", "generate_shard",
@@ -54,6 +55,8 @@ def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, confi
         "content": choice["message"].get("content") or "", "reasoning_content": choice["message"].get("reasoning_content"),
         "latency_s": latency, "attempt": attempt, "created_at": datetime.now(timezone.utc),
         "prompt_token_ids": choice.get("prompt_token_ids"), "output_ids": choice.get("response_token_ids"),
+        # reported by a server started with --enable-cache-report
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
     }
 
 
@@ -78,31 +81,42 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
         raise FileNotFoundError(f"shard(s) {', '.join(missing)} have no prompt_shards file under {data_dir}; "
                                 f"materialise prompt_shards for them first")
     model, config_hash = fleet.model, config.config_hash(fleet.model)
+    all_turns = config.regenerate == "all_turns"
     with ExitStack() as locks:
         plans = []
         for shard in shards:  # every shard is planned (and preflighted) before anything is sent
             locks.enter_context(completion_store(data_dir, shard).lock())
-            plans.append(await plan_shard(data_dir, shard, fleet, config, settings, preflight_policy, log))
+            plans.append(plan_conversations(data_dir, shard, fleet, config, log) if all_turns else
+                         await plan_shard(data_dir, shard, fleet, config, settings, preflight_policy, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
         outputs = {p.run.shard: ShardOutput(p.run, completion_store(data_dir, p.run.shard),
-                                            reject_store(data_dir, p.run.shard, "server")) for p in plans}
+                                            reject_store(data_dir, p.run.shard, "server"),
+                                            reject_store(data_dir, p.run.shard, "preflight")) for p in plans}
+
+        def make_row(prompt: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> dict:
+            return row_of(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, latency)
 
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
             messages = last_turn_request(json.loads(prompt["messages_json"]))
             body = config.chat_body(model, messages, settings.store_token_ids)
             t0 = time.monotonic()
             resp = await slot.client.chat(body)
-            return row_of(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, time.monotonic() - t0)
+            return make_row(prompt, resp, slot, attempt, time.monotonic() - t0)
 
         def refuse(prompt: dict, reason: str, context: int) -> dict:
             return reject_row(prompt, "server", reason, config, config_hash, prompt["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        await Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer).run(
-            items, sum(len(p.todo) for p in plans))
+        dispatch = (Dispatch(fleet, settings, outputs, turn_sender(fleet, config, settings, make_row), refuse, log,
+                             follow_up=next_turn, on_answer=on_answer) if all_turns
+                    else Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer))
+        await dispatch.run(items, sum(len(p.todo) for p in plans))
         for output in outputs.values():
             output.close(failure_store(data_dir, output.run.shard), f"{config_hash}.parquet")
-            output.run.completed = len(committed_ids(output.store, config_hash))
+            if all_turns:
+                account(output.run, data_dir, output)
+            else:
+                output.run.completed = len(committed_ids(output.store, config_hash))
     return [p.run for p in plans]
 
 

@@ -55,6 +55,8 @@ class ShardRun:
     last_sent_at: float | None = None  # monotonic time the last prompt was handed to the dispatcher
     answered_at: float | None = None  # monotonic time the last answer of this shard arrived
     finished_at: float | None = None  # monotonic time the shard had nothing left in flight or to send
+    by_turn: dict[int, dict] = field(default_factory=dict)  # all_turns: turn -> rows, truncated, rejected
+    truncated_at: dict[str, int] = field(default_factory=dict)  # all_turns: prompt_id -> the turn cut short
     infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
     load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
 
@@ -82,7 +84,7 @@ def reject_row(prompt: dict, stage: str, reason: str, config: GenerationConfig, 
     return {"shard": shard, "stage": stage, "line": prompt["line"], "prompt_id": prompt["prompt_id"],
             "config_hash": config_hash, "reason": reason, "prompt_tokens": prompt["prompt_tokens"],
             "max_output_tokens": config.max_output_tokens, "server_context_length": context,
-            "created_at": datetime.now(timezone.utc)}
+            "created_at": datetime.now(timezone.utc), "turn": prompt.get("turn")}
 
 
 def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:

@@ -37,6 +37,7 @@ REJECT_SCHEMA = pa.schema(
         ("max_output_tokens", pa.int32()),
         ("server_context_length", pa.int32()),
         ("created_at", pa.timestamp("us", tz="UTC")),
+        ("turn", pa.int16()),  # the assistant turn refused (all_turns), else null
     ]
 )
 
@@ -69,6 +70,10 @@ COMPLETION_SCHEMA = pa.schema(
         # lineage of a continued row (a truncated row of parent_config_hash, continued to this config's cap)
         ("parent_config_hash", pa.string()),
         ("tokens_reused", pa.int32()),
+        # regenerate: all_turns: a row per assistant turn, 1..turns (null for one row per prompt, last_turn)
+        ("turn", pa.int16()),
+        ("turns", pa.int16()),
+        ("cached_tokens", pa.int32()),  # prompt tokens the server's prefix cache held (usage.prompt_tokens_details)
     ]
 )
 
@@ -80,5 +85,6 @@ FAILURE_SCHEMA = pa.schema(
         ("error", pa.string()),
         ("attempts", pa.int16()),
         ("created_at", pa.timestamp("us", tz="UTC")),
+        ("turn", pa.int16()),  # the assistant turn that failed (all_turns), else null
     ]
 )

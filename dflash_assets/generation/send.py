@@ -27,6 +27,14 @@ Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context lengt
 FollowUp = Callable[[dict, dict], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
 
 
+class Rejected(Exception):
+    """Raised by a Send that refuses its item before sending it; `row` is the reject row to commit."""
+
+    def __init__(self, row: dict):
+        super().__init__(row["reason"])
+        self.row = row
+
+
 class Dispatch:
     """Send items on the fleet until none is left; each item names its `shard`, a key of `outputs`.
 
@@ -116,6 +124,10 @@ class Dispatch:
             slot = await self.slots.acquire()
             try:
                 row = await self.send(item, slot, attempt)
+            except Rejected as e:  # refused before it was sent (a later turn's own preflight)
+                self.slots.release(slot, ok=True)
+                output.refused.append(e.row)
+                return None
             except ServerError as e:
                 self.slots.release(slot, ok=not e.retryable)
                 if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
@@ -132,7 +144,8 @@ class Dispatch:
             return row
         output.failed.append({"shard": item["shard"], "prompt_id": item["prompt_id"],
                               "config_hash": output.run.config_hash, "error": str(error),
-                              "attempts": settings.max_attempts, "created_at": datetime.now(timezone.utc)})
+                              "attempts": settings.max_attempts, "created_at": datetime.now(timezone.utc),
+                              "turn": item.get("turn")})
         return None
 
     async def commit(self) -> None:

@@ -35,7 +35,7 @@ BLANK = "[^ \\t\\r\\n]"
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
-    server_context_length, enable_thinking"""
+    server_context_length, enable_thinking, turn"""
 
 COMPLETION_FLAGS = f"""
     content IS NULL OR NOT regexp_matches(content, '{BLANK}') AS content_empty,
@@ -94,7 +94,8 @@ def parquet_source(
         name = f"_files_{table}"
         con.execute(f"SET VARIABLE {name} = $files", {"files": files})
         position = ", filename = true, file_row_number = true" if row_position else ""
-        return f"read_parquet(getvariable('{name}'), hive_partitioning = false{position})"
+        # union_by_name: parts written before a column existed (turn, turns, ...) read it as null
+        return f"read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true{position})"
     if row_position:
         schema = schema.append(pa.field("filename", pa.string())).append(pa.field("file_row_number", pa.int64()))
     con.register(f"_empty_{table}", schema.empty_table())
