@@ -21,7 +21,7 @@ from dflash_assets.generation.shards import build_prompt_shard
 
 CONVERSATIONS = 60
 ARGS = ["--decode-tokens-per-s", "3000", "--max-running-requests", "6", "--reasoning-parser", "qwen3",
-        "--length-median", "300", "--length-sigma", "0.8"]
+        "--length-median", "300", "--length-sigma", "0.8", "--enable-cache-report"]
 CAP = 1200
 RUN = """
 import asyncio, sys
@@ -138,6 +138,14 @@ def test_every_turn_is_regenerated_in_order_on_the_regenerated_history(clean, fl
     counted = asyncio.run(recount())
     assert [expected for expected, _ in counted] == [served for _, served in counted]
     assert run.by_turn[1]["rows"] == CONVERSATIONS and run.by_turn[3]["rows"] == CONVERSATIONS - len(cut)
+    # a follow-up turn on the server of the turn before finds that turn's prompt in the prefix cache
+    served = duckdb.sql(f"select prompt_id, turn, server_url, prompt_tokens, cached_tokens from read_parquet("
+                        f"'{data}/completions/**/*.parquet') order by all").fetchall()
+    previous = {(pid, turn): (url, tokens) for pid, turn, url, tokens, _ in served}
+    same = [(cached, previous[(pid, turn - 1)][1]) for pid, turn, url, _, cached in served
+            if turn > 1 and previous[(pid, turn - 1)][0] == url]
+    assert len(same) > len(served) // 2, "most follow-ups should stay on their server"
+    assert all(cached >= before - 5 for cached, before in same)
     assert sum(v["truncated"] for v in run.by_turn.values()) == len(cut)
 
 

@@ -89,6 +89,10 @@ class DispatchSettings:
     store_token_ids: bool = False  # record prompt_token_ids and output_ids (needed to continue truncated rows)
     eject_after: int = 3  # consecutive retryable failures before a server is ejected and probed
     no_server_timeout_s: float = 120.0  # circuit breaker: stop when no server has been healthy this long
+    # all_turns: a conversation's next turn goes to the server of its previous turn (whose prefix cache holds the
+    # history) unless that server's share of busy slots exceeds the least-loaded server's by more than this
+    # (negative: always the least-loaded server)
+    same_server_max_imbalance: float = 0.25
 
     def validate(self) -> None:
         if self.max_in_flight_per_server < 0:

@@ -48,7 +48,8 @@ class Dispatch:
         self.send, self.refuse, self.follow_up, self.log, self.on_answer = send, refuse, follow_up, log, on_answer
         self.slots = SlotPicker(fleet.clients, fleet.infos, max_in_flight_per_server=settings.max_in_flight_per_server,
                                 waiting_margin=settings.waiting_margin, eject_after=settings.eject_after,
-                                no_server_timeout_s=settings.no_server_timeout_s)
+                                no_server_timeout_s=settings.no_server_timeout_s,
+                                max_imbalance=settings.same_server_max_imbalance)
         self.ready: deque[dict] = deque()  # follow-up items, sent first
         self.answered = self.total = 0
         self.started = self.last_commit = self.last_progress = time.monotonic()
@@ -121,7 +122,7 @@ class Dispatch:
     async def _attempts(self, item: dict, output: ShardOutput) -> dict | None:
         settings, error = self.settings, None
         for attempt in range(1, settings.max_attempts + 1):
-            slot = await self.slots.acquire()
+            slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None)
             try:
                 row = await self.send(item, slot, attempt)
             except Rejected as e:  # refused before it was sent (a later turn's own preflight)

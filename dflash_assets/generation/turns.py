@@ -182,7 +182,7 @@ def next_turn(item: dict, row: dict) -> dict | None:
     if row["finish_reason"] != "stop" or item["turn"] >= item["turns"]:
         return None
     return {**item, "turn": item["turn"] + 1, "answers": item["answers"] + [row["content"]], "prompt_tokens": None,
-            "server_url": row["server_url"]}  # the server whose prefix cache holds this history
+            "prefer_server": row["server_url"]}  # the server whose prefix cache holds this history
 
 
 def account(run: ShardRun, data_dir: Storage, output: ShardOutput) -> None:
