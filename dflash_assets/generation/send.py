@@ -68,6 +68,7 @@ class Dispatch:
                     now = time.monotonic()
                     if self.ready:  # a follow-up: its shard counted it in flight when it was queued
                         item = self.ready.popleft()
+                        self.outputs[item["shard"]].run.follow_up_sent_at = now
                     elif (item := next(items, None)) is None:
                         exhausted = True
                         for output in self.outputs.values():
