@@ -201,6 +201,11 @@ def test_a_turn_that_cannot_fit_the_context_is_rejected_with_its_numbers_and_end
     assert reason.startswith("turn 3 of 3: prompt of ") and "+ max_output_tokens 256 = " in reason
     assert "exceeds the server context length 1024" in reason or "input limit" in reason
     assert run.by_turn[3] == {"rows": 0, "truncated": 0, "rejected": 1}
+    from dflash_assets.quality import run_checks
+
+    overflow = next(o for o in run_checks(tmp_path / "data") if o.name == "context_overflow")
+    assert overflow.metadata["rejected_overflow_by_turn"] == "turn 3: 1"
+    assert "overflow rejects by turn: turn 3: 1" in overflow.summary_md
 
 
 def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_per_turn(clean, tmp_path):

@@ -123,7 +123,7 @@ def open_quality_db(
     src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA, shard)
     con.execute(
         "CREATE TEMP TABLE rejects AS SELECT shard, stage, line, prompt_id, config_hash, reason, prompt_tokens, "
-        f"max_output_tokens, server_context_length FROM {src} "
+        f"max_output_tokens, server_context_length, turn FROM {src} "
         f"WHERE {shard_ok} AND ({config_ok} OR stage = 'source')",
         params,
     )
