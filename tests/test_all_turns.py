@@ -233,6 +233,12 @@ def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_pe
     back = list(read_shard(export.jsonl_path, 0, 1000))
     assert [(p.prompt_id, p.messages) for p in back] == [
         (line["id"], [{"role": m["role"], "content": m["content"]} for m in line["conversations"]]) for line in lines]
+    from dflash_assets.quality import length_quality
+
+    report = length_quality(data)
+    assert [(t["turn"], t["rows"], t["truncated_rows"]) for t in report["by_turn"]] == [
+        (k, run.by_turn[k]["rows"], run.by_turn[k]["truncated"]) for k in (1, 2, 3)]
+    assert all(t["p50"] <= t["p90"] <= t["p99"] <= t["max"] for t in report["by_turn"])
     outcomes = {o.name: o for o in run_checks(data)}
     assert outcomes["duplicates"].passed and outcomes["accounting"].passed, (
         outcomes["duplicates"].summary_md, outcomes["accounting"].summary_md)
