@@ -242,3 +242,32 @@ def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_pe
     outcomes = {o.name: o for o in run_checks(data)}
     assert outcomes["duplicates"].passed and outcomes["accounting"].passed, (
         outcomes["duplicates"].summary_md, outcomes["accounting"].summary_md)
+
+
+def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_figures(tmp_path):
+    """The Dagster layer: the detected format in prompt_shards' metadata, a lone-surrogate line rejected while
+    the shard goes on, `regenerate: all_turns` from run config, by_turn in completions' and the report's metadata."""
+    import dagster as dg
+    from test_pipeline import ASSETS, FAST, resources, run_shard
+
+    from dflash_assets.defs.partitions import shard_partitions
+
+    lines = [json.dumps(conversation(i)) for i in range(6)]
+    lines.insert(2, '{"id": "broken", "conversations": [{"from": "human", "value": "emoji \\ud83d"}]}')
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    with start_emulator(FAST) as emu, dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        result = run_shard(instance, resources(tmp_path, emu.url, shard_size=7), "00000", cap=16000,
+                           regenerate="all_turns")
+    assert result.success
+    shard_meta = result.asset_materializations_for_node("prompt_shards")[0].metadata
+    assert (shard_meta["lines"].value, shard_meta["prompts"].value, shard_meta["rejected"].value) == (7, 6, 1)
+    assert shard_meta["format"].value == "sharegpt" and shard_meta["prompts_by_format"].value == {"sharegpt": 6}
+    meta = result.asset_materializations_for_node("completions")[0].metadata
+    assert meta["accounting"].value == "6 prompts = 6 completed + 0 rejected + 0 failed"
+    assert meta["by_turn"].value == {str(k): {"rows": 6, "truncated": 0, "rejected": 0} for k in (1, 2, 3)}
+    assert len(turn_rows(tmp_path / "data")) == 18
+    report = result.asset_materializations_for_node("length_quality_report")[0].metadata
+    assert "| 3 |" in report["by_turn"].value
+    checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+    assert checks["duplicates"] and checks["accounting"] and checks["context_overflow"], checks
