@@ -265,6 +265,7 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
     assert shard_meta["format"].value == "sharegpt" and shard_meta["prompts_by_format"].value == {"sharegpt": 6}
     meta = result.asset_materializations_for_node("completions")[0].metadata
     assert meta["accounting"].value == "6 prompts = 6 completed + 0 rejected + 0 failed"
+    assert meta["dagster/row_count"].value == 18
     assert meta["by_turn"].value == {str(k): {"rows": 6, "truncated": 0, "rejected": 0} for k in (1, 2, 3)}
     assert len(turn_rows(tmp_path / "data")) == 18
     report = result.asset_materializations_for_node("length_quality_report")[0].metadata

@@ -80,7 +80,8 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
 def shard_metadata(run, cap: int) -> dict:
     accounted = run.completed + run.rejected + run.failed
     return {
-        "dagster/row_count": run.completed,
+        # all_turns: a row per turn; completed counts conversations
+        "dagster/row_count": sum(t["rows"] for t in run.by_turn.values()) if run.by_turn else run.completed,
         "config_hash": run.config_hash,
         "model": run.model,
         "max_output_tokens": cap,
