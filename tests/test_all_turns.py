@@ -272,3 +272,18 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
     assert "| 3 |" in report["by_turn"].value
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["duplicates"] and checks["accounting"] and checks["context_overflow"], checks
+
+
+def test_when_first_turns_do_not_fit_the_run_fails_before_anything_is_sent(tmp_path):
+    from dflash_assets.generation.preflight import PreflightError
+
+    args = ["--context-length", "1024", "--reasoning-parser", "qwen3", "--decode-tokens-per-s", "50000"]
+    with start_emulator(args) as emu:
+        build(tmp_path / "data", [emu.url], [conversation(i) for i in range(5)])
+        with pytest.raises(PreflightError, match=r"5 of 5 prompts do not fit: the servers' context length is 1024 "
+                                                 r"tokens and max_output_tokens is 1000") as err:
+            generate(tmp_path / "data", [emu.url], cap=1000)
+        assert "Nothing was sent." in str(err.value)
+        served = duckdb.sql(f"select count(*) from read_parquet('{tmp_path}/data/prompt_shards/**/*.parquet')"
+                            ).fetchall()[0][0]
+    assert served == 5 and not list((tmp_path / "data" / "completions").glob("**/*.parquet"))

@@ -86,8 +86,8 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
         plans = []
         for shard in shards:  # every shard is planned (and preflighted) before anything is sent
             locks.enter_context(completion_store(data_dir, shard).lock())
-            plans.append(plan_conversations(data_dir, shard, fleet, config, log) if all_turns else
-                         await plan_shard(data_dir, shard, fleet, config, settings, preflight_policy, log))
+            plan = plan_conversations if all_turns else plan_shard
+            plans.append(await plan(data_dir, shard, fleet, config, settings, preflight_policy, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
         outputs = {p.run.shard: ShardOutput(p.run, completion_store(data_dir, p.run.shard),
                                             reject_store(data_dir, p.run.shard, "server"),

@@ -16,10 +16,11 @@ turn would condition on a cut answer); a turn whose retries ran out is retried b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 
@@ -27,7 +28,7 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.parts import PartStore
-from dflash_assets.generation.plan import ShardRun, completion_store, prompt_batches, reject_row
+from dflash_assets.generation.plan import ShardRun, completion_store, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.send import Rejected
@@ -113,6 +114,7 @@ class ConversationPlan:
     run: ShardRun
     prompts: PartStore
     todo: dict[str, Conversation]
+    prompt_tokens: dict[str, int] = field(default_factory=dict)  # the next turn's request, counted at planning
 
     def to_send(self) -> Iterator[dict]:
         for batch in prompt_batches(self.prompts, ["prompt_id", "line", "source", "messages_json"]):
@@ -121,7 +123,8 @@ class ConversationPlan:
                     system, users = split_turns(json.loads(row["messages_json"]))
                     yield {"prompt_id": row["prompt_id"], "shard": self.run.shard, "line": row["line"],
                            "source": row["source"], "turn": state.next_turn, "turns": state.turns,
-                           "system": system, "users": users, "answers": list(state.answers), "prompt_tokens": None}
+                           "system": system, "users": users, "answers": list(state.answers),
+                           "prompt_tokens": self.prompt_tokens.get(row["prompt_id"])}
 
 
 def conversations(data_dir: Storage, shard: str, config_hash: str) -> dict[str, Conversation]:
@@ -137,24 +140,44 @@ def conversations(data_dir: Storage, shard: str, config_hash: str) -> dict[str, 
     return states
 
 
-def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationConfig,
-                       log: Callable[[str], None]) -> ConversationPlan:
-    """Resume one shard under all_turns (its lock is held): each conversation goes on from its last committed turn."""
+async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationConfig,
+                             settings: DispatchSettings, preflight_policy: str,
+                             log: Callable[[str], None]) -> ConversationPlan:
+    """Resume and preflight one shard under all_turns (its lock is held): each conversation goes on from its last
+    committed turn. That next turn is preflighted now (its history is known); later turns when they are sent."""
     config_hash = config.config_hash(fleet.model)
     run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos))
-    for store in (completion_store(data_dir, shard), reject_store(data_dir, shard, "server"),
-                  reject_store(data_dir, shard, "preflight")):
+    preflight_rejects = reject_store(data_dir, shard, "preflight")
+    for store in (completion_store(data_dir, shard), reject_store(data_dir, shard, "server"), preflight_rejects):
         store.recover()
     states = conversations(data_dir, shard, config_hash)
     run.prompts = len(states)
     todo = {pid: c for pid, c in states.items() if c.over is None}
     run.already_done = len(states) - len(todo)
+    plan = ConversationPlan(run, prompt_store(data_dir, shard), todo)
+    gate, kwargs = asyncio.Semaphore(64), config.template_kwargs()
+
+    async def count(i: int, item: dict) -> dict:
+        async with gate:
+            item["prompt_tokens"] = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(history(item),
+                                                                                                    kwargs)
+        return {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
+
+    next_turns = await asyncio.gather(*(count(i, item) for i, item in enumerate(plan.to_send())))
+    budget = Budget.of(fleet.infos, settings.context_margin)
+    over = preflight(next_turns, budget, config.max_output_tokens, preflight_policy)
+    preflight_rejects.commit([
+        reject_row(r, "preflight", f"turn {r['turn']} of {r['turns']}: {problem}", config, config_hash, shard,
+                   budget.context_length) for r, problem in over])
+    for r, _ in over:
+        del todo[r["prompt_id"]]
+    plan.prompt_tokens = {r["prompt_id"]: r["prompt_tokens"] for r in next_turns}
     turns_done = sum(len(c.answers) for c in states.values())
     log(f"shard {shard} config {config_hash} (cap {config.max_output_tokens}, all turns): {run.prompts} "
-        f"conversations, {run.already_done} already over, {turns_done} turns already committed, {len(todo)} to "
-        f"go on with ({sum(c.turns - len(c.answers) for c in todo.values())} turns at most) on "
-        f"{len(fleet.clients)} servers")
-    return ConversationPlan(run, prompt_store(data_dir, shard), todo)
+        f"conversations, {run.already_done} already over, {turns_done} turns already committed, {len(over)} "
+        f"rejected in preflight, {len(todo)} to go on with ({sum(c.turns - len(c.answers) for c in todo.values())} "
+        f"turns at most) on {len(fleet.clients)} servers")
+    return plan
 
 
 def turn_sender(fleet: Fleet, config: GenerationConfig, settings: DispatchSettings, make_row: TURN_ROW):
@@ -164,7 +187,8 @@ def turn_sender(fleet: Fleet, config: GenerationConfig, settings: DispatchSettin
 
     async def send(item: dict, slot: Slot, attempt: int) -> dict:
         messages = history(item)
-        item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, config.template_kwargs())
+        if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
+            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, config.template_kwargs())
         if problem := budget.problem(item["prompt_tokens"], cap):
             raise Rejected(reject_row(item, "preflight", f"turn {item['turn']} of {item['turns']}: {problem}",
                                       config, config_hash, item["shard"], budget.context_length))
