@@ -168,7 +168,8 @@ def test_kill_9_mid_conversation_keeps_every_turn_exactly_once_with_the_same_his
         turns_of: dict[str, list[int]] = {}
         for pid, turn in keys:
             turns_of.setdefault(pid, []).append(turn)
-        assert all(ts == list(range(1, len(ts) + 1)) for ts in turns_of.values()), "a turn committed before its predecessor"
+        assert all(ts == list(range(1, len(ts) + 1)) for ts in turns_of.values()), \
+            "a turn committed before its predecessor"
         mid_conversation += sum(0 < len(ts) < 3 for ts in turns_of.values())
         committed.append(len(now))
     assert committed == sorted(committed) and committed[-1] < len(clean[2]), "the kills should interrupt the work"
@@ -221,7 +222,8 @@ def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_pe
     # a conversation cut at turn k > 1 has kept turns before k: left out as not whole; one cut at turn 1 has none
     assert export.manifest["conversations_not_whole"] == sum(k > 1 for k in run.truncated_at.values())
     assert export.manifest["excluded"]["truncated"] == len(run.truncated_at)
-    assert [row_problem(line, expect_reasoning=True, strict_think_markers=True) for line in lines] == [None] * len(whole)
+    problems = [row_problem(line, expect_reasoning=True, strict_think_markers=True) for line in lines]
+    assert problems == [None] * len(whole)
     answers = {(r[0], r[1]): r[5] for r in rows}
     for line in lines:
         pid = line["id"].split("@")[0]
@@ -248,7 +250,7 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
     """The Dagster layer: the detected format in prompt_shards' metadata, a lone-surrogate line rejected while
     the shard goes on, `regenerate: all_turns` from run config, by_turn in completions' and the report's metadata."""
     import dagster as dg
-    from test_pipeline import ASSETS, FAST, resources, run_shard
+    from test_pipeline import FAST, resources, run_shard
 
     from dflash_assets.defs.partitions import shard_partitions
 

@@ -59,7 +59,8 @@ class Dispatch:
         self.total = total
         tasks: set[asyncio.Task] = set()
         exhausted = False
-        sampler = LoadSampler(self.fleet.clients, self.settings.load_sample_s) if self.settings.load_sample_s > 0 else None
+        every = self.settings.load_sample_s
+        sampler = LoadSampler(self.fleet.clients, every) if every > 0 else None
         if sampler:
             await sampler.start()
         try:
