@@ -20,7 +20,7 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 
 CONVERSATIONS = 60
-ARGS = ["--decode-tokens-per-s", "3000", "--max-running-requests", "6", "--reasoning-parser", "qwen3",
+ARGS = ["--decode-tokens-per-s", "1500", "--max-running-requests", "6", "--reasoning-parser", "qwen3",
         "--length-median", "300", "--length-sigma", "0.8", "--enable-cache-report"]
 CAP = 1200
 RUN = """
