@@ -13,6 +13,7 @@ import time
 import duckdb
 import pytest
 
+from dflash_assets.emulator.prefix_cache import BLOCK
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
@@ -145,7 +146,7 @@ def test_every_turn_is_regenerated_in_order_on_the_regenerated_history(clean, fl
     same = [(cached, previous[(pid, turn - 1)][1]) for pid, turn, url, _, cached in served
             if turn > 1 and previous[(pid, turn - 1)][0] == url]
     assert len(same) > len(served) // 2, "most follow-ups should stay on their server"
-    assert all(cached >= before - 5 for cached, before in same)
+    assert all(cached > before - 5 - BLOCK for cached, before in same)  # the emulator matches whole blocks
     assert sum(v["truncated"] for v in run.by_turn.values()) == len(cut)
 
 

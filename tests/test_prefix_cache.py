@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
+from dflash_assets.emulator.prefix_cache import BLOCK
 from dflash_assets.fleet.client import ServerInfo
 from dflash_assets.generation.slots import SlotPicker
 
@@ -43,8 +44,9 @@ def test_the_emulator_serves_a_repeated_prefix_from_its_cache_and_prefills_only_
     second = chat(http, turn2)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     # turn 1's prompt, up to its generation prompt, is a prefix of turn 2's (the template drops turn 1's thinking,
-    # so its output is not)
-    assert first["usage"]["prompt_tokens"] - 5 <= cached <= first["usage"]["prompt_tokens"]
+    # so its output is not), matched in whole blocks
+    assert first["usage"]["prompt_tokens"] - 5 - BLOCK < cached <= first["usage"]["prompt_tokens"]
+    assert cached % BLOCK == 0
     after = http.get("/v1/loads")[1]["loads"][0]["total_prefill_uncached_tokens"]
     assert after - prefilled == second["usage"]["prompt_tokens"] - cached
 

@@ -2,36 +2,41 @@
 
 A finished request leaves its prompt and output in the cache (SGLang's `cache_finished_req`); a new request's
 longest cached prefix is not prefilled again and is reported as `cached_tokens` (meta_info, and the OpenAI
-usage's `prompt_tokens_details` with --enable-cache-report). Token-level, like SGLang's default page size of 1.
-A prefix is kept as a chain of per-token keys; the oldest are evicted first when the cache holds more than
-`capacity` tokens (SGLang evicts LRU leaves; the difference only matters under memory pressure). Off with
---disable-radix-cache.
+usage's `prompt_tokens_details` with --enable-cache-report). Off with --disable-radix-cache.
+
+Matched in blocks of BLOCK tokens (SGLang's default page size is 1 token): per-token keys cost the emulator
+~1 ms per 2,700-token request, blocks of 16 ~0.16 ms. So `cached_tokens` here is the true cached prefix rounded
+down to a multiple of BLOCK. A prefix is a chain of
+per-block keys; the oldest are evicted first when the cache holds more than `capacity` tokens (SGLang evicts LRU
+leaves; the difference only matters under memory pressure).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+BLOCK = 16
+
 
 class PrefixCache:
     def __init__(self, capacity: int):
-        self.capacity = capacity
+        self.capacity_blocks = max(1, capacity // BLOCK)
         self._keys: OrderedDict[int, None] = OrderedDict()
 
     def match(self, ids: list[int]) -> int:
-        """How many leading tokens of `ids` are cached (at most all but the last: SGLang always prefills one)."""
+        """Leading tokens of `ids` in the cache, in whole blocks (never all: SGLang always prefills one)."""
         key, n = 0, 0
-        for token in ids[: len(ids) - 1]:
-            key = hash((key, token))
+        for start in range(0, len(ids) - BLOCK, BLOCK):
+            key = hash((key, tuple(ids[start:start + BLOCK])))
             if key not in self._keys:
                 break
-            n += 1
+            n += BLOCK
         return n
 
     def insert(self, ids: list[int]) -> None:
         key = 0
-        for token in ids:
-            key = hash((key, token))
+        for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+            key = hash((key, tuple(ids[start:start + BLOCK])))
             self._keys[key] = None
-        while len(self._keys) > self.capacity:
+        while len(self._keys) > self.capacity_blocks:
             self._keys.popitem(last=False)
