@@ -6,7 +6,7 @@ import pytest
 from test_quality_fixtures import CONFIG_A, clean_dir, completion, defects_dir, load, prompt, write  # noqa: F401
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
-from dflash_assets.generation.store import PartStore
+from dflash_assets.generation.parts import PartStore
 from dflash_assets.quality import CHECKS, Thresholds, export_training_set, gate_passed, run_checks
 
 

@@ -23,12 +23,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import model
 from . import tokenizer as tok
 from .config import EmulatorConfig
 from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
+from .prefix_cache import PrefixCache
 from .scheduler import QueueFull, Scheduler
 
 # Streaming granularity: the first token on its own (time to first token), then
@@ -68,6 +69,7 @@ class Output:
     prompt_tokens: int
     reasoning_tokens: int = 0
     e2e_latency: float | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled again)
 
     @property
     def completion_tokens(self) -> int:
@@ -136,6 +138,7 @@ class Engine:
                 max_queued_requests=a.max_queued_requests,
                 decode_tokens_per_s=a.decode_tokens_per_s,
                 prefill_tokens_per_s=a.prefill_tokens_per_s,
+                prefix_cache=None if a.disable_radix_cache else PrefixCache(cfg.max_total_num_tokens),
             )
             for rank in range(max(1, a.dp_size))
         ]
@@ -213,8 +216,9 @@ class Engine:
             return
         gen = self._generate(req, max_new)
         sched = next(self._round_robin)
+        cached = sched.prefix_cache.match(ids) if sched.prefix_cache else 0
         try:
-            ticket = sched.submit(len(ids), len(gen.output_ids), self.faults.slow_factor)
+            ticket = sched.submit(len(ids), len(gen.output_ids), self.faults.slow_factor, cached=cached)
         except QueueFull:
             yield self._abort(req, QUEUE_FULL, 503)
             return
@@ -231,7 +235,9 @@ class Engine:
                     done = k
                     yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
             await _sleep_until(ticket.time_of_token(n))
-            yield self._final(req, gen)
+            if sched.prefix_cache:
+                sched.prefix_cache.insert(ids + gen.output_ids)
+            yield replace(self._final(req, gen), cached_tokens=cached)
         finally:
             sched.release(ticket)
 

@@ -41,7 +41,7 @@ def meta_info(req: Request, out: Output, *, stamp: bool) -> dict:
         "num_retractions": 0,
         "reasoning_tokens": out.reasoning_tokens,
         "completion_tokens": out.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
     }
     if out.finish is not None:
         m["e2e_latency"] = out.e2e_latency

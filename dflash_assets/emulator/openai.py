@@ -232,7 +232,7 @@ def usage(outs: list[Output], cache_report: bool) -> dict:
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": 0} if cache_report else None,
+        "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens} if cache_report else None,
         "reasoning_tokens": reasoning,
         "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }

@@ -7,6 +7,9 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
+REGENERATE = ("last_turn", "all_turns")
+
+
 class ConfigError(ValueError):
     """Bad settings, found before any work starts."""
 
@@ -32,6 +35,9 @@ class GenerationConfig:
     frequency_penalty: float = 0.0
     enable_thinking: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)  # extra kwargs beside enable_thinking
+    # which assistant turns of a conversation are generated: "last_turn" (the final one, or a new answer to a
+    # final user turn) or "all_turns" (every one, in order, each conditioned on the regenerated ones before it)
+    regenerate: str = "last_turn"
 
     def validate(self) -> None:
         problems = []
@@ -50,6 +56,8 @@ class GenerationConfig:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.regenerate not in REGENERATE:
+            problems.append(f"regenerate must be one of {', '.join(REGENERATE)}, got {self.regenerate!r}")
         if "enable_thinking" in self.chat_template_kwargs:
             problems.append("set enable_thinking with its own setting, not inside chat_template_kwargs")
         if problems:
@@ -61,7 +69,10 @@ class GenerationConfig:
 
     def config_hash(self, model: str) -> str:
         """12 hex chars over the model and every setting that changes the output (not concurrency)."""
-        payload = json.dumps({"model": model, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        settings = asdict(self)
+        if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
+            del settings["regenerate"]
+        payload = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
     def sampling(self) -> dict:
@@ -98,6 +109,10 @@ class DispatchSettings:
     store_token_ids: bool = False  # record prompt_token_ids and output_ids (needed to continue truncated rows)
     eject_after: int = 3  # consecutive retryable failures before a server is ejected and probed
     no_server_timeout_s: float = 120.0  # circuit breaker: stop when no server has been healthy this long
+    # all_turns: a conversation's next turn goes to the server of its previous turn (whose prefix cache holds the
+    # history) unless that server's share of busy slots exceeds the least-loaded server's by more than this
+    # (negative: always the least-loaded server)
+    same_server_max_imbalance: float = 0.25
 
     def validate(self) -> None:
         if self.max_in_flight_per_server < 0:

@@ -30,16 +30,18 @@ import pyarrow.compute as pc
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.config import SAMPLING_PARAMS, ConfigError, DispatchSettings, GenerationConfig
-from dflash_assets.generation.dispatch import Slot
-from dflash_assets.generation.engine import (
-    OVERFLOW_FAIL_SHARE, ShardRun, _batches, _reject, committed_ids, completion_store, dispatch, failure_store,
+from dflash_assets.generation.commit import ShardOutput
+from dflash_assets.generation.parts import PartStore
+from dflash_assets.generation.plan import (
+    ShardRun, committed_ids, completion_store, failure_store, preflight, prompt_batches, reject_row,
 )
-from dflash_assets.generation.preflight import Budget, check_fleet, overflow_error
+from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.generation.send import Dispatch
 from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.store import PartStore
 
 PLAN_COLUMNS = {
     name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
@@ -170,7 +172,7 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                               new_cap=new_cap)
         done, refused = committed_ids(store, config_hash), committed_ids(server_rejects, config_hash)
         run.already_done = len(done)
-        lines = {r["prompt_id"]: r["line"] for b in _batches(prompts, ["prompt_id", "line"]) for r in b}
+        lines = {r["prompt_id"]: r["line"] for b in prompt_batches(prompts, ["prompt_id", "line"]) for r in b}
         run.prompts = len(lines)
 
         todo = [r for r in plan if r["prompt_id"] not in done and r["prompt_id"] not in refused]
@@ -181,15 +183,11 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
         # hold a row its own requests could not have produced (and the context-overflow check would flag it)
         budget = Budget.of(fleet.infos, settings.context_margin)
-        over = {}
         for r in exact:
             r["line"] = lines.get(r["prompt_id"])
             r["prompt_tokens"] = r["n_prompt_ids"] or r["prompt_tokens"]  # exact when the ids are there
-            if problem := budget.problem(r["prompt_tokens"], new_cap):
-                over[r["prompt_id"]] = _reject(r, "preflight", problem, config, config_hash, shard,
-                                               budget.context_length)
-        if over and len(over) >= OVERFLOW_FAIL_SHARE * len(exact):
-            raise overflow_error(budget, new_cap, len(over), len(exact), max(r["prompt_tokens"] for r in over.values()))
+        over = {r["prompt_id"]: reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length)
+                for r, problem in preflight(exact, budget, new_cap)}
         preflight_rejects.replace(list(over.values()), own_file)
         copies = {r["prompt_id"] for r in exact if r["finish_reason"] == "stop" and r["prompt_id"] not in over}
         to_continue = {r["prompt_id"] for r in exact if r["finish_reason"] == "length" and r["prompt_id"] not in over}
@@ -225,14 +223,13 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                               text)
 
         def refuse(row: dict, reason: str, context: int) -> dict:
-            return _reject(row, "server", reason, config, config_hash, shard, context)
+            return reject_row(row, "server", reason, config, config_hash, shard, context)
 
-        failed = await dispatch(to_send(), len(to_continue), fleet, settings, shard, config_hash, store,
-                                server_rejects, run, log, started, send, refuse)
-        failures.replace(failed, own_file)
+        output = ShardOutput(run, store, server_rejects)
+        await Dispatch(fleet, settings, {shard: output}, send, refuse, log).run(to_send(), len(to_continue))
+        output.close(failures, own_file)
         run.continued = sum(s["completed"] for s in run.servers.values())
-        store.compact()
-        _account(run, data_dir, shard, store, set(lines), failed)
+        _account(run, data_dir, shard, store, set(lines), output.failed)
     run.elapsed_s = time.monotonic() - started
     return run
 

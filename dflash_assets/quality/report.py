@@ -32,8 +32,10 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _grouped(con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "") -> list[dict[str, Any]]:
-    cur = con.execute(f"SELECT {select}, {STATS}{extra} FROM completions GROUP BY {group} ORDER BY {group}")
+def _grouped(con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "",
+             where: str = "true") -> list[dict[str, Any]]:
+    cur = con.execute(f"SELECT {select}, {STATS}{extra} FROM completions WHERE {where} GROUP BY {group} "
+                      f"ORDER BY {group}")
     names = [d[0] for d in cur.description]
     return [_stats(dict(zip(names, values))) for values in cur.fetchall()]
 
@@ -53,7 +55,7 @@ def length_quality(
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS,
 ) -> dict[str, Any]:
     """Rows, truncation rate and completion-token P50/P90/P95/P99/max, overall and by config, shard, prompt
-    length bucket (server-counted prompt_tokens) and source dataset, plus overflow counts.
+    length bucket (server-counted prompt_tokens), source dataset and turn (all_turns), plus overflow counts.
 
     With `shard=None` it is the summary over all shards (`by_shard` lists each one).
     """
@@ -84,6 +86,8 @@ def length_quality(
             ),
             "by_prompt_length": buckets,
             "by_source": _grouped(con, "source", "source"),
+            # regenerate: all_turns: turn k of every conversation (empty when every row is one per prompt)
+            "by_turn": _grouped(con, "turn", "turn", where="turn IS NOT NULL"),
             "overflow": {
                 "completion_rows_over_context": completion_over,
                 "rejected_prompts_over_context": rejects_over,

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.store import PartStore
+from dflash_assets.generation.parts import PartStore
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 
 # "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
@@ -36,7 +36,7 @@ BLANK = "[^ \\t\\r\\n]"
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
-    server_context_length, enable_thinking"""
+    server_context_length, enable_thinking, turn"""
 
 COMPLETION_FLAGS = f"""
     content IS NULL OR NOT regexp_matches(content, '{BLANK}') AS content_empty,
@@ -103,7 +103,8 @@ def parquet_source(
         name = f"_files_{table}"
         con.execute(f"SET VARIABLE {name} = $files", {"files": files})
         position = ", filename = true, file_row_number = true" if row_position else ""
-        return f"read_parquet(getvariable('{name}'), hive_partitioning = false{position})"
+        # union_by_name: parts written before a column existed (turn, turns, ...) read it as null
+        return f"read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true{position})"
     if row_position:
         schema = schema.append(pa.field("filename", pa.string())).append(pa.field("file_row_number", pa.int64()))
     con.register(f"_empty_{table}", schema.empty_table())
@@ -134,7 +135,7 @@ def open_quality_db(
     src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA, shard)
     con.execute(
         "CREATE TEMP TABLE rejects AS SELECT shard, stage, line, prompt_id, config_hash, reason, prompt_tokens, "
-        f"max_output_tokens, server_context_length FROM {src} "
+        f"max_output_tokens, server_context_length, turn FROM {src} "
         f"WHERE {shard_ok} AND ({config_ok} OR stage = 'source')",
         params,
     )

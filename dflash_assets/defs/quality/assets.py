@@ -32,6 +32,7 @@ def report_metadata(report: dict, png: bytes) -> dict:
         "by_config": dg.MetadataValue.md(_table(report["by_config"], ["config_hash", "max_output_tokens", *stats])),
         "by_prompt_length": dg.MetadataValue.md(_table(report["by_prompt_length"], ["bucket", *stats])),
         "by_source": dg.MetadataValue.md(_table(report["by_source"], ["source", *stats])),
+        **({"by_turn": dg.MetadataValue.md(_table(report["by_turn"], ["turn", *stats]))} if report["by_turn"] else {}),
         "completion_lengths": dg.MetadataValue.md(
             f"![completion lengths](data:image/png;base64,{base64.b64encode(png).decode()})"),
         "percentiles": report["percentile_definition"],

@@ -13,6 +13,9 @@ class TrainingSetConfig(dg.Config):
     config_hash: str = Field(
         "", description="The generation config to export: a config_hash, '' for the config with the most rows, "
                         "or 'all' for every config (ids are <prompt_id>@<config_hash>).")
+    form: str = Field(
+        "conversations", description="'conversations': SpecForge's {id, status, conversations} (what its "
+                                     "validate_regenerated_data.py accepts); 'messages': the OpenAI {id, messages}.")
 
 
 def most_rows_config(data_dir) -> str | None:
@@ -47,7 +50,7 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
     export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
-                                 max_length=quality.training_max_length)
+                                 max_length=quality.training_max_length, form=config.form)
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
     return dg.MaterializeResult(metadata={
