@@ -41,7 +41,7 @@ def test_with_thinking_off_rows_still_reason_and_the_run_says_so(tmp_path, emula
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
     run = on_fleet([server.emu.url], lambda f: generate_shard(data, "00000", f, OFF, SETTINGS, log=lambda m: None))
-    assert run.notes == [f"enable_thinking is off but the chat template of {server.emu.url} opens <think> whatever "
+    assert run.fleet_notes == [f"enable_thinking is off but the chat template of {server.emu.url} opens <think> whatever "
                          f"it is told (SGLang then forces reasoning): those rows will reason anyway"]
     reasoned = duckdb.sql(f"select count(*) filter (where reasoning_content is not null), count(*) from "
                           f"read_parquet('{data}/completions/**/*.parquet')").fetchall()[0]

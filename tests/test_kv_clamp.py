@@ -58,7 +58,7 @@ def test_within_the_pool_every_length_row_stops_exactly_at_its_cap(tmp_path, emu
     make_shard(tmp_path, [server.emu.url], ["short one", "another short", "a third short"])
     logs = []
     run = generate(tmp_path, [server.emu.url], cap=900, log=logs.append)
-    assert run.completed == 3 and run.notes == [
+    assert run.completed == 3 and run.fleet_notes == [
         f"KV pool smaller than the context length ({server.emu.url}: 1024 < 4096): SGLang clamps a request's "
         f"output to the pool silently; preflight holds prompt + max_output_tokens to 1022"]
     rows = duckdb.sql(f"select finish_reason, completion_tokens from read_parquet("
