@@ -4,6 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
 from dflash_assets.quality.tables import open_quality_db
@@ -23,7 +24,9 @@ def most_rows_config(data_dir) -> str | None:
 
 
 @dg.asset(
-    deps=[completions],
+    # downstream of the report, whose blocking checks are the gate: in a run that holds both, a failing one
+    # stops this asset (and only this one); across runs the asset runs the same checks over all shards itself
+    deps=[completions, length_quality_report],
     group_name="training",
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
