@@ -25,14 +25,14 @@ def _demo(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
-    return run_demo(max_output_tokens=args.max_output_tokens)
+    return run_demo(max_output_tokens=args.max_output_tokens, verbose=args.verbose)
 
 
 def _backfill(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
-    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens)
+    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens, verbose=args.verbose)
 
 
 def _emulator(argv: list[str]) -> int:
@@ -158,7 +158,14 @@ def _report(args: argparse.Namespace) -> int:
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    print_report(data_dir)
+    from rich.console import Console
+
+    from dflash_assets.quality.console import print_answers
+
+    console = Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
+    print_answers(data_dir, console)
+    console.print()
+    print_report(data_dir, console)
     return 0
 
 
@@ -186,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                                          "bundled demo prompts)")
         p.add_argument("--shard-size", type=int, help="prompts per shard (default 100, or DFLASH_SHARD_SIZE)")
         p.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
+        p.add_argument("--verbose", action="store_true",
+                       help="also print Dagster's event stream here (it always goes to the run's event log)")
 
     gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
                          description="Needs the shard's prompt_shards file; resumes from committed parts.")

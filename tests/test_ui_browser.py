@@ -215,7 +215,7 @@ def test_the_asset_graph_shows_the_assets_their_kinds_and_check_results(seeded, 
     page.keyboard.press("Alt+KeyE")  # the graph's "Expand all groups" (remembered by the browser)
     names = sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys())
     page.get_by_text(names[0], exact=True).first.wait_for()
-    page.set_viewport_size({"width": 1600, "height": 1500})  # tall enough for the whole expanded graph
+    page.set_viewport_size({"width": 2200, "height": 1500})  # wide and tall enough for the whole expanded graph
     try:
         page.reload()  # laid out and zoomed to fit afresh
         look(page, shots / "02-lineage-expanded.png", *names, "sglang", "Parquet", "DuckDB",

@@ -1,0 +1,153 @@
+"""What `dflash demo`, `dflash backfill` and `dflash report` print when the gate stops a run, read as a person would:
+the figures, the plan and the next command on the terminal; the event stream and stack traces in the run's log."""
+
+import contextlib
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import duckdb
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NO_TRACE = ("Traceback", "Stack Trace", "DagsterAssetCheckFailedError", " - ERROR - ")
+
+
+def dflash(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_assets.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env}, cwd=env.get("CWD"))
+
+
+def home(tmp_path: Path, name: str) -> dict:
+    """A fresh instance (the repo's dagster.yaml) and data dir."""
+    (tmp_path / name).mkdir()
+    shutil.copy(REPO / "dagster_home" / "dagster.yaml", tmp_path / name / "dagster.yaml")
+    return {"DAGSTER_HOME": str(tmp_path / name), "DFLASH_DATA_DIR": str(tmp_path / f"{name}-data"),
+            "CWD": str(tmp_path)}
+
+
+@pytest.fixture(scope="module")
+def demo_at_4096(tmp_path_factory):
+    """The README's way to reproduce the story: the bundled prompts at a 4096-token cap."""
+    tmp = tmp_path_factory.mktemp("demo4096")
+    env = home(tmp, "home")
+    return env, dflash("demo", "--max-output-tokens", "4096", env=env)
+
+
+def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_and_the_next_command(demo_at_4096):
+    env, result = demo_at_4096
+    out = result.stdout
+    assert result.returncode == 3, out + result.stderr  # stopped by a blocking check
+    rows, cut = duckdb.sql(f"select count(*), count(*) filter (where finish_reason = 'length') from read_parquet("
+                           f"'{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')").fetchall()[0]
+    share = f"{cut / rows * 100:.2f}%"
+    assert 0.15 <= cut / rows <= 0.25, share
+    flat = re.sub(r"\s+", " ", out)
+    assert f"Stopped by the blocking check truncation_rate (shards 00000, 00001, 00002, 00003): {share} of {rows} " \
+           f"rows hit the cap" in flat, out
+    assert "P90 4,096 P99 4,096" in flat and "P90 and P99 equal the cap" in flat
+    recommended = re.search(r"recommended cap: ([\d,]+) \(predicted ([\d.]+)% cut", flat)
+    assert recommended and float(recommended.group(2)) <= 5.0, out
+    cap = int(recommended.group(1).replace(",", ""))
+    assert cap > 4096 and f"{recommended.group(1)} " in out  # the plan's row for it
+    assert f"dflash continue --to {cap}" in out and f"dflash demo --max-output-tokens {cap}" in out
+    assert "training set: not written while a blocking check fails" in out
+    # the per-shard table has its figures: cut, P90 and P99 of every shard
+    for shard in ("00000", "00001", "00002", "00003"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(shard))
+        assert re.search(r"\d+\.\d\d%\s+\d+\s+4096\s+4096\s", line), line
+    for trace in NO_TRACE:
+        assert trace not in out + result.stderr
+
+
+def test_the_stack_trace_stays_in_the_runs_event_log(demo_at_4096):
+    env, _ = demo_at_4096
+    script = ("import dagster as dg; i = dg.DagsterInstance.get(); r = [x for x in i.get_runs() "
+              "if x.job_name == 'shard_pipeline'][0]; print(r.status.value); "
+              "print([e.dagster_event.step_failure_data.error.cls_name for e in i.all_logs(r.run_id) "
+              "if e.dagster_event and e.dagster_event.is_step_failure])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=env["CWD"],
+                         env={**os.environ, "DAGSTER_HOME": env["DAGSTER_HOME"]}, timeout=120).stdout
+    assert out.splitlines() == ["FAILURE", "['DagsterAssetCheckFailedError']"], out
+
+
+def test_report_leads_with_the_answer_per_config(demo_at_4096):
+    env, _ = demo_at_4096
+    result = dflash("report", "--data-dir", env["DFLASH_DATA_DIR"], env=env)
+    assert result.returncode == 0, result.stderr
+    head = result.stdout.split("Length quality, all shards")[0]
+    flat = re.sub(r"\s+", " ", head)
+    assert re.search(r"config \w+: \d+\.\d\d% of \d+ rows cut at the cap of 4,096", flat), head
+    assert "P90 4,096 P99 4,096 max 4,096: P90 and P99 equal the cap" in flat
+    assert "<- recommended" in head and "recommended cap:" in head
+
+
+def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_path):
+    env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192"}
+    result = dflash("demo", "--max-output-tokens", "8192", env=env)
+    assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
+    out = result.stdout
+    assert "Stopped before any request was sent: the preflight refused the run." in out
+    assert "the servers' context length is 8192 tokens and max_output_tokens is 8192" in re.sub(r"\s+", " ", out)
+    needed = re.search(r"--context-length (\d+) or more", re.sub(r"\s+", " ", out)).group(1)
+    assert out.strip().splitlines()[-1] == \
+        f"Next: restart the servers with --context-length {needed} (or lower --max-output-tokens)."
+    for trace in NO_TRACE:
+        assert trace not in out + result.stderr
+
+
+@contextlib.contextmanager
+def not_sglang():
+    """A loopback HTTP server that answers 200 and an empty object to every GET and POST."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_exit_status_is_0_when_done_and_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"exit status test {i}"}) + "\n" for i in range(6)))
+    args = ["--prompts", str(src), "--shard-size", "3"]
+    done = dflash("backfill", *args, "--max-output-tokens", "32000",
+                  env=home(tmp_path, "ok") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Stopped" not in done.stdout and "Failed" not in done.stdout
+    # attach to a server that says it is healthy but is no SGLang server: the run fails (1), said in a line
+    with not_sglang() as url:
+        failed = dflash("backfill", *args, "--max-output-tokens", "32000",
+                        env=home(tmp_path, "dead") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    flat = re.sub(r"\s+", " ", failed.stdout)
+    assert re.search(r"Failed: shards 00000\.\.00001, step prompt_shards: \w+: .+ \(run [0-9a-f-]{36}\)", flat), flat
+    assert "The stack trace is in the run's event log" in flat
+    for trace in NO_TRACE:
+        assert trace not in failed.stdout + failed.stderr
+
+
+def test_a_bad_range_is_bad_input(tmp_path):
+    result = dflash("backfill", "--from", "99999", env=home(tmp_path, "home"))
+    assert result.returncode == 2 and "no shard 99999" in result.stdout
