@@ -128,14 +128,33 @@ def not_sglang():
         server.server_close()
 
 
-def test_exit_status_is_0_when_done_and_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
+def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_exclusion(tmp_path):
+    env = home(tmp_path, "home")
+    done = dflash("demo", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "Stopped" not in out and "Failed" not in out
+    manifest = json.loads(next((tmp_path / "home-data" / "training").glob("*/manifest.json")).read_text())
+    rows, long = duckdb.sql(f"select count(*), count(*) filter (where prompt_tokens + completion_tokens > 4096) "
+                            f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')").fetchall()[0]
+    exported = next((tmp_path / "home-data" / "training").glob("*/training_set.parquet"))
+    kept_long = duckdb.sql(f"select count(*) from read_parquet('{exported}') "
+                           f"where prompt_tokens + completion_tokens > 4096").fetchall()[0][0]
+    # the longest answers stay in the training set (but for the few left out for another reason, e.g. cut)
+    assert manifest["excluded"]["over_max_length"] == 0 and manifest["over_max_length_kept"] == kept_long
+    assert long > 100 and kept_long >= long - sum(e["rows"] for e in manifest["exclusions"])
+    assert manifest["rows"] == rows - sum(e["rows"] for e in manifest["exclusions"])
+    flat = re.sub(r"\s+", " ", out)
+    assert f"drafter training set: {manifest['rows']} rows of config" in flat and "left out, by reason:" in flat
+    for e in manifest["exclusions"]:
+        assert f"{e['reason']}: {e['rows']} rows" in flat
+    assert f"kept {kept_long} rows longer than max_length 4,096" in flat
+
+
+def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"exit status test {i}"}) + "\n" for i in range(6)))
     args = ["--prompts", str(src), "--shard-size", "3"]
-    done = dflash("backfill", *args, "--max-output-tokens", "32000",
-                  env=home(tmp_path, "ok") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3"})
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "Stopped" not in done.stdout and "Failed" not in done.stdout
     # attach to a server that says it is healthy but is no SGLang server: the run fails (1), said in a line
     with not_sglang() as url:
         failed = dflash("backfill", *args, "--max-output-tokens", "32000",

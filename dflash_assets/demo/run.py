@@ -28,6 +28,7 @@ from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
 from dflash_assets.defs.resources import DEMO_PROMPTS, DataDir, PromptSource
 from dflash_assets.defs.sensors import missing_shards
 from dflash_assets.definitions import defs
+from dflash_assets.quality.export import exclusion_lines
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
 
@@ -209,7 +210,9 @@ def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bo
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
             console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} "
-                          f"in {meta['jsonl']} (manifest beside it)", highlight=False)
+                          f"in {meta['jsonl']} (manifest beside it); left out, by reason:", highlight=False)
+            for line in exclusion_lines(meta["manifest"]) or ["nothing"]:
+                console.print(f"  {line}", highlight=False)
         elif stops.checks:
             console.print("drafter training set: not written while a blocking check fails")
         else:
