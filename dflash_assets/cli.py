@@ -163,10 +163,35 @@ def _report(args: argparse.Namespace) -> int:
     from dflash_assets.quality.console import print_answers
 
     console = Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
-    print_answers(data_dir, console)
+    answers = print_answers(data_dir, console)
+    pictures = _report_pictures(data_dir, answers)
+    for picture in pictures:
+        console.print(f"picture: {picture}", highlight=False)
+    if args.open:
+        import webbrowser
+
+        for picture in pictures:
+            webbrowser.open(picture.resolve().as_uri())
     console.print()
     print_report(data_dir, console)
     return 0
+
+
+def _report_pictures(data_dir: str, answers) -> list[Path]:
+    """The histogram of completion lengths and each config's cap plan (survival curve), written beside the report:
+    under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
+    from dflash_assets.generation.storage import is_uri
+    from dflash_assets.quality import completion_histogram_png
+    from dflash_assets.quality.planner_plot import cap_plan_png
+
+    reports = Path(os.environ.get("DFLASH_LOCAL_DIR", "data") if is_uri(data_dir) else data_dir) / "reports"
+    pictures = [completion_histogram_png(data_dir, reports / "completion_lengths.png")]
+    for answer in answers:
+        if answer.plan is not None:
+            path = reports / f"cap_plan-{answer.config_hash}.png"
+            path.write_bytes(cap_plan_png(answer.plan))
+            pictures.append(path)
+    return pictures
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the length-quality summary of a data dir",
                             description="Reads the Parquet files directly; works without the webserver.")
     report.add_argument("--data-dir", help="default: DFLASH_DATA_DIR, else data/")
+    report.add_argument("--open", action="store_true",
+                        help="open the pictures (length histogram, cap plan survival curve) in a browser")
     return parser
 
 

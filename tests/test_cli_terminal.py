@@ -86,6 +86,12 @@ def test_report_leads_with_the_answer_per_config(demo_at_4096):
     assert re.search(r"config \w+: \d+\.\d\d% of \d+ rows cut at the cap of 4,096", flat), head
     assert "P90 4,096 P99 4,096 max 4,096: P90 and P99 equal the cap" in flat
     assert "<- recommended" in head and "recommended cap:" in head
+    # the pictures are written beside the report and their paths printed
+    pictures = [Path(p) for p in re.findall(r"picture: (\S+)", head)]
+    assert [p.name for p in pictures][0] == "completion_lengths.png" and pictures[1].name.startswith("cap_plan-")
+    for picture in pictures:
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.parent == \
+            Path(env["DFLASH_DATA_DIR"]) / "reports"
 
 
 def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_path):
