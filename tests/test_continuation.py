@@ -21,14 +21,16 @@ from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDir, FleetResource
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect, on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
 from dflash_assets.generation.shards import build_prompt_shard
 
-FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]
+# per-prompt sampling: continued rows are compared token for token with a fresh run's (tests/test_bump.py
+# checks the per-request case, where only the length distribution can match)
+FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-prompt"]
 N = 40
 SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
 COLUMNS = ("prompt_id, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, "
@@ -154,16 +156,18 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
     assert rows(data, run.config_hash) == rows(b, scratch.config_hash), "nothing lost, nothing changed"
 
 
-def test_truncated_rows_without_token_ids_are_counted_and_left_to_a_generation_run(tmp_path, fleet_urls):
+def test_truncated_rows_without_token_ids_are_refused_rather_than_mixed_with_fresh_draws(tmp_path, fleet_urls):
     data = tmp_path / "data"
     make_shard(data, fleet_urls)
     parent = generate(data, fleet_urls, 4096, DispatchSettings(load_sample_s=0))
-    run = cont(data, fleet_urls, parent.config_hash, 8192)
-    assert run.parent_cap == 4096 and run.parent_config_hash == parent.config_hash
-    assert (run.continued, run.without_ids, run.copied) == (0, parent.length, N - parent.length)
-    assert run.left == parent.length and run.prompts == run.completed + run.left
-    rest = generate(data, fleet_urls, 8192, DispatchSettings(load_sample_s=0))
-    assert (rest.config_hash, rest.already_done, rest.completed) == (run.config_hash, N - parent.length, N)
+    assert parent.length > 0
+    with pytest.raises(ConfigError, match=rf"{parent.length} truncated rows of config {parent.config_hash} have no "
+                                          r"token ids .* would skew the set short. Generate every prompt again"):
+        cont(data, fleet_urls, parent.config_hash, 8192)
+    new_hash = GenerationConfig(max_output_tokens=8192).config_hash(parent.model)
+    assert len(rows(data, new_hash)) == 0, "nothing copied: a fresh run at the new cap generates every prompt"
+    fresh = generate(data, fleet_urls, 8192, DispatchSettings(load_sample_s=0))
+    assert (fresh.config_hash, fresh.already_done, fresh.completed) == (new_hash, 0, N)
 
 
 def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(tmp_path, emulator):

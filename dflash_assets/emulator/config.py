@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--length-sigma", type=float, default=LengthModel.sigma, help="Lognormal sigma of output length.")
     emu.add_argument("--length-min", type=int, default=LengthModel.minimum)
     emu.add_argument("--length-max", type=int, default=LengthModel.maximum)
+    emu.add_argument("--length-prompt-share", type=float, default=LengthModel.prompt_share,
+                     help="Share of the log-length variance set by the prompt when requests draw anew.")
+    emu.add_argument("--sampling", choices=("per-request", "per-prompt"), default="per-request",
+                     help="per-request (a server): temperature > 0 without a seed draws anew each request; "
+                          "per-prompt: every request for a prompt gets the same completion, whatever the temperature.")
     emu.add_argument(
         "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
     )
@@ -124,6 +129,10 @@ class EmulatorConfig:
     max_req_input_len: int
     lengths: LengthModel
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def per_request_sampling(self) -> bool:
+        return self.args.sampling == "per-request"
 
     @property
     def served_model_name(self) -> str:
@@ -178,7 +187,8 @@ def resolve(argv: list[str]) -> EmulatorConfig:
     running, mamba = _max_running_requests(args, kv, context_len)
     max_req_len = min(context_len - 1, kv - 1)
     lengths = LengthModel(
-        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max
+        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max,
+        prompt_share=args.length_prompt_share,
     )
     return EmulatorConfig(
         args=args,

@@ -8,9 +8,12 @@ fresh run at that cap would have) with its lineage: `parent_config_hash`, `token
 
 Rows of the parent that stopped on their own are complete at any larger cap: they are copied into the new
 config (tokens_reused = completion_tokens, nothing generated), so the new config is complete for the shard
-and its accounting adds up without sending anything. Truncated rows without token ids (a run without
-store_token_ids) cannot be continued exactly: they are counted (`without_ids`) and left, like every other
-prompt the new config lacks, to a normal generation run at the new cap, which generates exactly those.
+and its accounting adds up without sending anything. That is unbiased only because every cut row is
+continued from where it stopped: a model continuing an answer already k tokens long ends past k, as the
+first draw would have. Truncated rows without token ids (a run without store_token_ids) cannot be
+continued exactly, and leaving them to a fresh generation at the new cap would mix kept short rows with
+new, shorter-on-average draws for the long ones (the set would skew short). So a shard with any such row
+is refused before anything is copied: regenerate every prompt at the new cap instead.
 
 Exactly-once like the engine, with the engine's pieces: the committed parts of `completions/shard=K/` are
 the only ledger (the new config's done set is read from them on every start), the shard lock, recovery,
@@ -176,6 +179,13 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                  or (r["finish_reason"] == "length" and r["n_prompt_ids"] is not None
                      and r["n_output_ids"] is not None)]
         run.without_ids = sum(r["finish_reason"] == "length" and r["n_output_ids"] is None for r in todo)
+        if run.without_ids:
+            raise ConfigError(
+                f"shard {shard}: {run.without_ids} truncated rows of config {parent_config_hash} have no token ids "
+                f"(generated without store_token_ids), so they cannot be continued from where they stopped; "
+                f"copying the other rows and generating these afresh would skew the set short. Generate every "
+                f"prompt again at cap {new_cap} instead (a fresh completions run at that cap), and store token "
+                f"ids next time to continue")
         # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
         # hold a row its own requests could not have produced (and the context-overflow check would flag it)
         budget = Budget.of(fleet.infos, settings.context_margin)
