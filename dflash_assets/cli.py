@@ -35,6 +35,13 @@ def _backfill(args: argparse.Namespace) -> int:
     return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens, verbose=args.verbose)
 
 
+def _continue(args: argparse.Namespace) -> int:
+    _instance_environment(args)
+    from dflash_assets.demo.run import run_continue
+
+    return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose)
+
+
 def _emulator(argv: list[str]) -> int:
     from dflash_assets.emulator import main
 
@@ -221,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--verbose", action="store_true",
                        help="also print Dagster's event stream here (it always goes to the run's event log)")
 
+    cont = sub.add_parser("continue", help="raise the cap without bias: continue cut rows from where they stopped",
+                          description="Runs continued_completions over the shards through Dagster: every row cut at "
+                                      "the smaller cap is taken on from its token ids to --to, every row that "
+                                      "stopped is copied, so the new config's lengths are those of a clean run at "
+                                      "the larger cap. Needs the token ids (dflash demo/backfill store them).")
+    cont.add_argument("--to", dest="to_cap", type=int, required=True, help="the new cap, e.g. 8192")
+    cont.add_argument("--from-shard", dest="first", help="first shard key (default: the first)")
+    cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")
+    cont.add_argument("--prompts", help=argparse.SUPPRESS)
+    cont.add_argument("--shard-size", type=int, help=argparse.SUPPRESS)
+    cont.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
+    cont.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
+
     gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
                          description="Needs the shard's prompt_shards file; resumes from committed parts.")
     gen.add_argument("--shard", required=True, help="shard key, e.g. 00003")
@@ -289,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_output_tokens <= 0:
             build_parser().error(f"--max-output-tokens must be a positive integer, got {args.max_output_tokens}")
         return _demo(args) if args.command == "demo" else _backfill(args)
+    if args.command == "continue":
+        return _continue(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "fleet":

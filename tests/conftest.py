@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
 
 import pytest
+
+# The emulator draws anew per request, as a server does. Most tests compare runs row for row or assert that a
+# generous cap cuts nothing, so they get each prompt's one completion; a test about sampling asks for
+# `--sampling per-request` (tests/test_bump.py, the demo's story in tests/test_cli_terminal.py).
+os.environ.setdefault("DFLASH_EMULATOR_SAMPLING", "per-prompt")
 
 
 class Http:

@@ -18,7 +18,7 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 
 N = 600
-SERVER = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]  # per-request sampling: the default
+SERVER = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-request"]
 SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=200, commit_seconds=5, load_sample_s=0)
 
 
@@ -121,7 +121,7 @@ def test_the_emulator_draws_anew_per_request_with_lengths_correlated_with_the_pr
 
 
 def test_temperature_zero_or_a_seed_gives_the_same_completion_every_time(emulator):
-    server = emulator("--reasoning-parser", "qwen3")
+    server = emulator("--reasoning-parser", "qwen3", "--sampling", "per-request")
     prompt = {"text": "<|im_start|>user\nHow long?<|im_end|>\n<|im_start|>assistant\n",
               "sampling_params": {"max_new_tokens": 32000}}
 

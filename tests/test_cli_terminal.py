@@ -36,7 +36,7 @@ def home(tmp_path: Path, name: str) -> dict:
 def demo_at_4096(tmp_path_factory):
     """The README's way to reproduce the story: the bundled prompts at a 4096-token cap."""
     tmp = tmp_path_factory.mktemp("demo4096")
-    env = home(tmp, "home")
+    env = home(tmp, "home") | {"DFLASH_EMULATOR_SAMPLING": "per-request"}  # a server's draws, as in the story
     return env, dflash("demo", "--max-output-tokens", "4096", env=env)
 
 
@@ -176,3 +176,30 @@ def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
 def test_a_bad_range_is_bad_input(tmp_path):
     result = dflash("backfill", "--from", "99999", env=home(tmp_path, "home"))
     assert result.returncode == 2 and "no shard 99999" in result.stdout
+
+
+def rows_before(env) -> int:
+    return duckdb.sql(f"select count(*) from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', "
+                      f"union_by_name = true) where max_output_tokens = 4096").fetchall()[0][0]
+
+
+def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many_tokens_it_reused(demo_at_4096):
+    env, demo = demo_at_4096
+    cap = re.search(r"dflash continue --to (\d+)", demo.stdout).group(1)
+    result = dflash("continue", "--to", cap, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = duckdb.sql(f"select count(*) filter (where max_output_tokens = 4096 and finish_reason = 'length'), "
+                      f"count(*) filter (where max_output_tokens = {cap}), "
+                      f"sum(tokens_reused) filter (where max_output_tokens = {cap}), "
+                      f"sum(completion_tokens) filter (where max_output_tokens = {cap}) "
+                      f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', union_by_name = true)"
+                      ).fetchall()[0]
+    cut, new_rows, reused, total = rows
+    flat = re.sub(r"\s+", " ", result.stdout)
+    assert f"tokens reused: {reused:,} of {total:,} ({reused / total * 100:.2f}%)" in flat, result.stdout
+    assert new_rows == rows_before(env)
+    continued = sum(int(m.group(1)) for m in re.finditer(r"^\s+0000\d\s+(\d+)\s", result.stdout, re.M))
+    assert continued == cut, result.stdout  # every cut row taken on
+    assert re.search(rf"of \d+ rows cut at the cap of {int(cap):,}", flat)
+    for trace in NO_TRACE:
+        assert trace not in result.stdout + result.stderr

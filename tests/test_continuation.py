@@ -28,9 +28,7 @@ from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
 from dflash_assets.generation.shards import build_prompt_shard
 
-# per-prompt sampling: continued rows are compared token for token with a fresh run's (tests/test_bump.py
-# checks the per-request case, where only the length distribution can match)
-FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-prompt"]
+FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]
 N = 40
 SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
 COLUMNS = ("prompt_id, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, "

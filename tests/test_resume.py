@@ -22,10 +22,7 @@ PROMPTS = 240
 @pytest.fixture(scope="module")
 def fleet_urls():
     # slow enough that a run lasts a few seconds, so kills land mid-run
-    # per-prompt sampling: the resumed set is compared row for row with a clean run's, which needs each prompt's
-    # one completion (a server would draw anew per request)
-    args = ["--decode-tokens-per-s", "4000", "--max-running-requests", "8", "--reasoning-parser", "qwen3",
-            "--sampling", "per-prompt"]
+    args = ["--decode-tokens-per-s", "4000", "--max-running-requests", "8", "--reasoning-parser", "qwen3"]
     with start_emulator(args) as a, start_emulator(args) as b:
         yield [a.url, b.url]
 

@@ -22,3 +22,10 @@ training_job = dg.define_asset_job(
     selection=dg.AssetSelection.assets("length_quality_summary", "drafter_training_set"),
     description="The summary report and the drafter training set (refused while a blocking check fails).",
 )
+
+continue_job = dg.define_asset_job(
+    "continue_shards",
+    selection=dg.AssetSelection.assets("continued_completions"),
+    description="Truncated rows continued to a larger cap from where they stopped (token ids), stopped rows copied: "
+                "the unbiased way to raise the cap (`dflash continue --to C`).",
+)

@@ -43,7 +43,7 @@ class Stops:
     """What stopped the runs of a command, sorted by kind: blocking checks, the preflight, anything else."""
 
     checks: dict[str, list[str]] = field(default_factory=dict)  # blocking check -> shards it failed on
-    preflight: list[str] = field(default_factory=list)  # the preflight's messages (with its numbers)
+    preflight: list[str] = field(default_factory=list)  # the preflight's or the config's refusals (with numbers)
     errors: list[str] = field(default_factory=list)  # "<where>: <first line of the error>"
     config_hashes: set[str] = field(default_factory=set)
 
@@ -64,7 +64,8 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             error = error.cause  # Dagster's wrapper: the user code's own error says what went wrong
         text = error.message.split(": ", 1)[-1] if error.cls_name in error.message.split(":")[0] else error.message
         message = (user.description if user and user.description else f"{error.cls_name}: {text}").strip()
-        if message.startswith("preflight: "):
+        if message.startswith("preflight: ") or (user and user.metadata.get("cause") and
+                                                 user.metadata["cause"].value == "config"):
             stops.preflight.append(message.removeprefix("preflight: "))
         else:
             stops.errors.append(f"{where}, step {event.step_key}: {message.splitlines()[0]} (run {result.run_id})")
@@ -96,7 +97,9 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_token
                verbose: bool = False) -> Stops:
     """Materialise `shards` in runs of SHARDS_PER_RUN; print a table; return what stopped runs."""
     job = defs.resolve_job_def("shard_pipeline")
-    run_config = {**quiet(verbose), "ops": {"completions": {"config": {"max_output_tokens": max_output_tokens}}}}
+    # token ids stored, so that `dflash continue` can take cut rows on from where they stopped
+    run_config = {**quiet(verbose), "ops": {"completions": {"config": {"max_output_tokens": max_output_tokens,
+                                                                       "store_token_ids": True}}}}
     stops = Stops()
     table = Table(title="completions by shard (cut: finish_reason = length; P: completion tokens)",
                   box=box.SIMPLE_HEAD)
@@ -238,3 +241,68 @@ def run_backfill(first: str | None, last: str | None, max_output_tokens: int, co
                   f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
     stops = run_shards(instance, chosen, max_output_tokens, console, verbose)
     return print_stop(stops, console, lambda cap: f"dflash backfill --from {first} --to {last} --max-output-tokens {cap}")
+
+
+CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
+
+
+def run_continue(new_cap: int, first: str | None, last: str | None, console: Console | None = None,
+                 verbose: bool = False) -> int:
+    """Continue every shard's cut rows to `new_cap` from where they stopped; print the reuse and the new answer."""
+    from dflash_assets.quality import Thresholds
+    from dflash_assets.quality.answer import cap_answers
+    from dflash_assets.quality.console import print_answer
+    from dflash_assets.quality.outcome import num, pct
+
+    console = console or console_for_output()
+    instance = dg.DagsterInstance.get()
+    shards = known_shards(instance)
+    first, last = first or shards[0], last or shards[-1]
+    if unknown := [k for k in (first, last) if k not in shards]:
+        console.print(f"[red]dflash continue:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}")
+        return BAD_CONFIG
+    chosen = shards[shards.index(first):shards.index(last) + 1]
+    console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to cap {new_cap}, cut rows taken on from "
+                  f"where they stopped", highlight=False)
+    job = defs.resolve_job_def("continue_shards")
+    run_config = {**quiet(verbose), "ops": {"continued_completions": {"config": {
+        "parent_config_hash": "latest", "new_max_output_tokens": new_cap}}}}
+    stops, table = Stops(), Table(box=box.SIMPLE_HEAD, title="continued by shard (tokens reused: taken over from "
+                                                            "the smaller cap, not generated again)")
+    for col in CONTINUE_COLUMNS:
+        table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
+    reused = total = 0
+    for chunk in [chosen[i:i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
+        result = job.execute_in_process(instance=instance, run_config=run_config, raise_on_error=False, tags={
+            "dagster/asset_partition_range_start": chunk[0], "dagster/asset_partition_range_end": chunk[-1]})
+        meta = _meta(result, "continued_completions")
+        for shard in chunk:
+            m = meta.get(shard)
+            if not m:
+                table.add_row(shard, *"------")
+                continue
+            stops.config_hashes.add(m["config_hash"])
+            reused += m["tokens_reused"]
+            total += m["tokens_reused"] + m["tokens_generated"]
+            table.add_row(shard, num(m["rows_continued"]), num(m["rows_copied"]), num(m["still_truncated"]),
+                          num(m["tokens_reused"]), num(m["tokens_generated"]), pct(m["saved_share"]))
+        if not result.success:
+            record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
+    console.print(table)
+    if total:
+        console.print(f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
+                      f"completion tokens were not generated again", highlight=False)
+    for config_hash in sorted(stops.config_hashes):
+        for answer in cap_answers(data_dir().resolved(), Thresholds(), config_hash):
+            print_answer(answer, console)
+    if stops.preflight:
+        console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
+        if "token ids" in " ".join(stops.preflight):
+            console.print(f"Next: generate every prompt at the new cap: dflash backfill --max-output-tokens {new_cap} "
+                          f"(or dflash demo --max-output-tokens {new_cap})", highlight=False)
+        return BAD_CONFIG if not stops.errors else FAILED
+    if stops.errors:
+        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}")
+    console.print("Next: `dflash report` for the checks over the new config; the training export takes the config "
+                  "with the most rows, or name it (drafter_training_set config_hash).", highlight=False)
+    return DONE

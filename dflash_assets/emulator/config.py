@@ -93,9 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--length-max", type=int, default=LengthModel.maximum)
     emu.add_argument("--length-prompt-share", type=float, default=LengthModel.prompt_share,
                      help="Share of the log-length variance set by the prompt when requests draw anew.")
-    emu.add_argument("--sampling", choices=("per-request", "per-prompt"), default="per-request",
-                     help="per-request (a server): temperature > 0 without a seed draws anew each request; "
-                          "per-prompt: every request for a prompt gets the same completion, whatever the temperature.")
+    emu.add_argument("--sampling", choices=("per-request", "per-prompt"),
+                     default=os.environ.get("DFLASH_EMULATOR_SAMPLING", "per-request"),
+                     help="per-request (a server, the default): temperature > 0 without a seed draws anew each "
+                          "request; per-prompt: every request for a prompt gets the same completion, whatever the "
+                          "temperature (env DFLASH_EMULATOR_SAMPLING; the test suite sets it for row-for-row checks).")
     emu.add_argument(
         "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
     )

@@ -49,7 +49,7 @@ def _continue(context: dg.AssetExecutionContext, shard: str, config: Continuatio
         run = run_on_fleet(fleet, lambda f: continue_shard(data_dir.resolved(), shard, f, parent, cap,
                                                            config.dispatch(), log=context.log.info))
     except ConfigError as e:
-        raise dg.Failure(str(e)) from None
+        raise dg.Failure(str(e), metadata={"cause": "config"}) from None
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}") from None
     for note in run.notes:
