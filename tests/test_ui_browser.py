@@ -241,7 +241,7 @@ def test_a_completions_partition_page_shows_keys_status_and_provenance(seeded, p
 
 
 def test_the_checks_tab_shows_every_check_and_its_result(seeded, page, shots):
-    text = visit(page, seeded, "/assets/completions?view=checks", shots / "07-completions-checks.png",
+    text = visit(page, seeded, "/assets/length_quality_report?view=checks", shots / "07-report-checks.png",
                  f"Checks ({len(CHECKS)})", *(c.name for c in CHECKS), "Succeeded", "Failed", "blocking")
     # the latest evaluations come from shard 00001 (cap 1024): truncation_rate failed there
     assert re.search(r"truncation_rate\s+(truncation_rate\s+)?Failed", text), text
