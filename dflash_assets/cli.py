@@ -230,9 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cont = sub.add_parser("continue", help="raise the cap without bias: continue cut rows from where they stopped",
                           description="Runs continued_completions over the shards through Dagster: every row cut at "
-                                      "the smaller cap is taken on from its token ids to --to, every row that "
+                                      "the smaller cap is taken on to --to from where it stopped, every row that "
                                       "stopped is copied, so the new config's lengths are those of a clean run at "
-                                      "the larger cap. Needs the token ids (dflash demo/backfill store them).")
+                                      "the larger cap. Rows without token ids are continued by their text (the "
+                                      "chat route's continue_final_message).")
     cont.add_argument("--to", dest="to_cap", type=int, required=True, help="the new cap, e.g. 8192")
     cont.add_argument("--from-shard", dest="first", help="first shard key (default: the first)")
     cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")

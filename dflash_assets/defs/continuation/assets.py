@@ -28,8 +28,8 @@ class ContinuationConfig(DispatchConfig):
     pool="sglang_fleet",
     description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
                 "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
-                "copied; every row records parent_config_hash and tokens_reused. A shard whose truncated rows "
-                "have no token ids is refused: continuing only some would mix kept short rows with fresh draws.",
+                "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token ids "
+                "are continued by their text (chat route, continue_final_message), never drawn afresh.",
 )
 def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
                           data_dir: DataDir) -> None:
