@@ -297,9 +297,6 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
             print_answer(answer, console)
     if stops.preflight:
         console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
-        if "token ids" in " ".join(stops.preflight):
-            console.print(f"Next: generate every prompt at the new cap: dflash backfill --max-output-tokens {new_cap} "
-                          f"(or dflash demo --max-output-tokens {new_cap})", highlight=False)
         return BAD_CONFIG if not stops.errors else FAILED
     if stops.errors:
         return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}")
