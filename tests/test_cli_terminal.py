@@ -171,6 +171,12 @@ def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
     assert "The stack trace is in the run's event log" in flat
     for trace in NO_TRACE:
         assert trace not in failed.stdout + failed.stderr
+    # --verbose prints Dagster's event stream here as well, the stack trace with it
+    with not_sglang() as url:
+        verbose = dflash("backfill", *args, "--max-output-tokens", "32000", "--verbose",
+                         env=home(tmp_path, "verbose") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
+    assert verbose.returncode == 1
+    assert "STEP_FAILURE" in verbose.stderr and "Stack Trace" in verbose.stderr and "RUN_START" in verbose.stderr
 
 
 def test_a_bad_range_is_bad_input(tmp_path):
