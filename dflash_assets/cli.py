@@ -57,7 +57,8 @@ def _generate(args: argparse.Namespace) -> int:
     from dflash_assets.generation.engine import generate_shard
 
     config = GenerationConfig(max_output_tokens=args.max_output_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, enable_thinking=not args.no_thinking)
+                              top_p=args.top_p, top_k=args.top_k, enable_thinking=not args.no_thinking,
+                              regenerate=args.regenerate)
     settings = DispatchSettings(commit_rows=args.commit_rows, commit_seconds=args.commit_seconds,
                                 progress_seconds=args.progress_seconds)
     try:
@@ -252,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--top-k", type=int, default=20)
     gen.add_argument("--no-thinking", action="store_true", help="chat_template_kwargs.enable_thinking = false")
+    gen.add_argument("--regenerate", choices=("last_turn", "all_turns"), default="last_turn",
+                     help="the final assistant turn of each conversation, or every one in order")
     gen.add_argument("--commit-rows", type=int, default=512)
     gen.add_argument("--commit-seconds", type=float, default=10.0)
     gen.add_argument("--progress-seconds", type=float, default=30.0)

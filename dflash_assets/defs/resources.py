@@ -13,6 +13,7 @@ from pydantic import PrivateAttr
 
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, connect
+from dflash_assets.generation.prompts import FieldMapping
 
 DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "demo" / "prompts.jsonl"
 FLEET_MODES = ("emulated", "attach", "launch")
@@ -115,6 +116,14 @@ class PromptSource(dg.ConfigurableResource):
 
     path: str = str(DEMO_PROMPTS)
     shard_size: int = 100
+    # for a source in none of the known formats (generation/prompts.py): the columns holding the id and the turns
+    id_field: Optional[str] = None
+    messages_field: Optional[str] = None
+
+    def mapping(self) -> FieldMapping | None:
+        if not (self.id_field or self.messages_field):
+            return None
+        return FieldMapping(self.id_field, self.messages_field)
 
     def resolved(self) -> Path:
         if self.shard_size <= 0:

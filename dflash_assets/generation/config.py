@@ -7,8 +7,15 @@ import json
 from dataclasses import asdict, dataclass, field
 
 
+REGENERATE = ("last_turn", "all_turns")
+
+
 class ConfigError(ValueError):
     """Bad settings, found before any work starts."""
+
+
+SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")  # recorded per row, under these names
 
 
 @dataclass(frozen=True)
@@ -19,8 +26,18 @@ class GenerationConfig:
     temperature: float = 0.6
     top_p: float = 0.95
     top_k: int = 20
+    # sent explicitly too: left out, the chat route takes them from the model's generation_config.json
+    # (protocol.py to_sampling_params) while /generate uses SamplingParams' defaults, and a continued row
+    # would be sampled unlike its parent
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     enable_thinking: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)  # extra kwargs beside enable_thinking
+    # which assistant turns of a conversation are generated: "last_turn" (the final one, or a new answer to a
+    # final user turn) or "all_turns" (every one, in order, each conditioned on the regenerated ones before it)
+    regenerate: str = "last_turn"
 
     def validate(self) -> None:
         problems = []
@@ -32,6 +49,15 @@ class GenerationConfig:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k == 0 or self.top_k < -1:
             problems.append(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            problems.append(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.regenerate not in REGENERATE:
+            problems.append(f"regenerate must be one of {', '.join(REGENERATE)}, got {self.regenerate!r}")
         if "enable_thinking" in self.chat_template_kwargs:
             problems.append("set enable_thinking with its own setting, not inside chat_template_kwargs")
         if problems:
@@ -43,8 +69,15 @@ class GenerationConfig:
 
     def config_hash(self, model: str) -> str:
         """12 hex chars over the model and every setting that changes the output (not concurrency)."""
-        payload = json.dumps({"model": model, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        settings = asdict(self)
+        if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
+            del settings["regenerate"]
+        payload = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+    def sampling(self) -> dict:
+        """Every sampling parameter, as both routes take them (chat body fields, /generate sampling_params)."""
+        return {name: getattr(self, name) for name in SAMPLING_PARAMS}
 
     def chat_body(self, model: str, messages: list[dict], token_ids: bool = False) -> dict:
         extra = {"return_token_ids": True} if token_ids else {}
@@ -52,9 +85,7 @@ class GenerationConfig:
             "model": model,
             "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
+            **self.sampling(),
             "chat_template_kwargs": self.template_kwargs(),
             "separate_reasoning": True,
         }
@@ -78,6 +109,10 @@ class DispatchSettings:
     store_token_ids: bool = False  # record prompt_token_ids and output_ids (needed to continue truncated rows)
     eject_after: int = 3  # consecutive retryable failures before a server is ejected and probed
     no_server_timeout_s: float = 120.0  # circuit breaker: stop when no server has been healthy this long
+    # all_turns: a conversation's next turn goes to the server of its previous turn (whose prefix cache holds the
+    # history) unless that server's share of busy slots exceeds the least-loaded server's by more than this
+    # (negative: always the least-loaded server)
+    same_server_max_imbalance: float = 0.25
 
     def validate(self) -> None:
         if self.max_in_flight_per_server < 0:

@@ -21,13 +21,17 @@ class CompletionsConfig(DispatchConfig):
     top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
     top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
     enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
+    regenerate: str = Field(
+        "last_turn", description="'last_turn': the final assistant turn (or a new answer to a final user turn); "
+                                 "'all_turns': every assistant turn, in order, each conditioned on the ones before.")
     preflight_policy: str = Field(
         "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
                               "'fail': the run fails before any request.")
 
     def generation(self) -> GenerationConfig:
         return GenerationConfig(max_output_tokens=self.max_output_tokens, temperature=self.temperature,
-                                top_p=self.top_p, top_k=self.top_k, enable_thinking=self.enable_thinking)
+                                top_p=self.top_p, top_k=self.top_k, enable_thinking=self.enable_thinking,
+                                regenerate=self.regenerate)
 
 
 @shard_asset(
@@ -53,8 +57,10 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
             preflight_policy=config.preflight_policy, log=context.log.info))
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}") from None
+    for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
+        context.log.warning(note)
     for run in runs:
-        for note in run.notes:
+        for note in run.notes:  # the shard's own
             context.log.warning(note)
         if run.failed:
             context.log.warning(f"shard {run.shard}: {run.failed} prompts failed after {dispatch.max_attempts} "
@@ -74,7 +80,8 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
 def shard_metadata(run, cap: int) -> dict:
     accounted = run.completed + run.rejected + run.failed
     return {
-        "dagster/row_count": run.completed,
+        # all_turns: a row per turn; completed counts conversations
+        "dagster/row_count": sum(t["rows"] for t in run.by_turn.values()) if run.by_turn else run.completed,
         "config_hash": run.config_hash,
         "model": run.model,
         "max_output_tokens": cap,
@@ -91,4 +98,5 @@ def shard_metadata(run, cap: int) -> dict:
         "elapsed_s": round(run.elapsed_s, 2),
         "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
         "servers": dg.MetadataValue.json(run.servers),
+        **({"by_turn": dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})} if run.by_turn else {}),
     }

@@ -19,6 +19,9 @@ class TrainingSetConfig(dg.Config):
         False, description="Leave out rows longer than the trainer's max_length. Off by default: they are the "
                            "longest answers, trainers cut them at training time, and the max_length_overflow "
                            "check (WARN) counts them.")
+    form: str = Field(
+        "conversations", description="'conversations': SpecForge's {id, status, conversations} (what its "
+                                     "validate_regenerated_data.py accepts); 'messages': the OpenAI {id, messages}.")
 
 
 def most_rows_config(data_dir) -> str | None:
@@ -55,7 +58,7 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
     export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
-                                 max_length=quality.training_max_length,
+                                 max_length=quality.training_max_length, form=config.form,
                                  drop_over_max_length=config.drop_over_max_length)
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
