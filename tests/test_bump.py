@@ -59,7 +59,8 @@ def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(fa - fb).max())
 
 
-def ks_critical(n: int, m: int, alpha: float = 0.01) -> float:
+def ks_critical(n: int, m: int, alpha: float = 0.001) -> float:
+    """The asymptotic critical D at level alpha (0.001: a same-distribution pair fails one run in a thousand)."""
     return math.sqrt(-0.5 * math.log(alpha / 2)) * math.sqrt((n + m) / (n * m))
 
 

@@ -223,7 +223,7 @@ def test_sglang_0_5_23_has_the_assistant_prefill_the_text_route_uses():
     final assistant message out and appends its text as token ids: what the emulator and `_by_text` rely on."""
     import ast
 
-    from test_contract_sglang_schema import sglang_dir
+    from sglang_wheel import sglang_dir
 
     openai = sglang_dir() / "srt" / "entrypoints" / "openai"
     tree = ast.parse((openai / "protocol.py").read_text())
