@@ -25,14 +25,21 @@ def _demo(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
-    return run_demo(max_output_tokens=args.max_output_tokens)
+    return run_demo(max_output_tokens=args.max_output_tokens, verbose=args.verbose)
 
 
 def _backfill(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
-    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens)
+    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens, verbose=args.verbose)
+
+
+def _continue(args: argparse.Namespace) -> int:
+    _instance_environment(args)
+    from dflash_assets.demo.run import run_continue
+
+    return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose)
 
 
 def _emulator(argv: list[str]) -> int:
@@ -159,8 +166,40 @@ def _report(args: argparse.Namespace) -> int:
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    print_report(data_dir)
+    from rich.console import Console
+
+    from dflash_assets.quality.console import print_answers
+
+    console = Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
+    answers = print_answers(data_dir, console)
+    pictures = _report_pictures(data_dir, answers)
+    for picture in pictures:
+        console.print(f"picture: {picture}", highlight=False)
+    if args.open:
+        import webbrowser
+
+        for picture in pictures:
+            webbrowser.open(picture.resolve().as_uri())
+    console.print()
+    print_report(data_dir, console)
     return 0
+
+
+def _report_pictures(data_dir: str, answers) -> list[Path]:
+    """The histogram of completion lengths and each config's cap plan (survival curve), written beside the report:
+    under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
+    from dflash_assets.generation.storage import is_uri
+    from dflash_assets.quality import completion_histogram_png
+    from dflash_assets.quality.planner_plot import cap_plan_png
+
+    reports = Path(os.environ.get("DFLASH_LOCAL_DIR", "data") if is_uri(data_dir) else data_dir) / "reports"
+    pictures = [completion_histogram_png(data_dir, reports / "completion_lengths.png")]
+    for answer in answers:
+        if answer.plan is not None:
+            path = reports / f"cap_plan-{answer.config_hash}.png"
+            path.write_bytes(cap_plan_png(answer.plan))
+            pictures.append(path)
+    return pictures
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +226,22 @@ def build_parser() -> argparse.ArgumentParser:
                                          "bundled demo prompts)")
         p.add_argument("--shard-size", type=int, help="prompts per shard (default 100, or DFLASH_SHARD_SIZE)")
         p.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
+        p.add_argument("--verbose", action="store_true",
+                       help="also print Dagster's event stream here (it always goes to the run's event log)")
+
+    cont = sub.add_parser("continue", help="raise the cap without bias: continue cut rows from where they stopped",
+                          description="Runs continued_completions over the shards through Dagster: every row cut at "
+                                      "the smaller cap is taken on to --to from where it stopped, every row that "
+                                      "stopped is copied, so the new config's lengths are those of a clean run at "
+                                      "the larger cap. Rows without token ids are continued by their text (the "
+                                      "chat route's continue_final_message).")
+    cont.add_argument("--to", dest="to_cap", type=int, required=True, help="the new cap, e.g. 8192")
+    cont.add_argument("--from-shard", dest="first", help="first shard key (default: the first)")
+    cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")
+    cont.add_argument("--prompts", help=argparse.SUPPRESS)
+    cont.add_argument("--shard-size", type=int, help=argparse.SUPPRESS)
+    cont.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
+    cont.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
 
     gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
                          description="Needs the shard's prompt_shards file; resumes from committed parts.")
@@ -244,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the length-quality summary of a data dir",
                             description="Reads the Parquet files directly; works without the webserver.")
     report.add_argument("--data-dir", help="default: DFLASH_DATA_DIR, else data/")
+    report.add_argument("--open", action="store_true",
+                        help="open the pictures (length histogram, cap plan survival curve) in a browser")
     return parser
 
 
@@ -256,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_output_tokens <= 0:
             build_parser().error(f"--max-output-tokens must be a positive integer, got {args.max_output_tokens}")
         return _demo(args) if args.command == "demo" else _backfill(args)
+    if args.command == "continue":
+        return _continue(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "fleet":

@@ -18,7 +18,7 @@ defs = dg.Definitions(
     assets=dg.load_assets_from_modules([prompt_assets, completion_assets, continuation_assets, quality_assets,
                                              training_assets, probe_assets]),
     asset_checks=dg.load_asset_checks_from_modules([completion_checks]),
-    jobs=[jobs.shard_pipeline_job, jobs.quality_checks_job, jobs.training_job],
+    jobs=[jobs.shard_pipeline_job, jobs.quality_checks_job, jobs.training_job, jobs.continue_job],
     schedules=[quality_checks_schedule],
     sensors=[shard_partitions_sensor, completions_landed_sensor],
     resources=from_env(),

@@ -12,6 +12,10 @@ import pytest
 # 0.5.23's /health runs a one-token generation and answers after >= 1 s; SGLang's own switch turns that off.
 # The tests that are about the delay ask for it explicitly (--health-delay); the rest do not pay it per connect.
 os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+# The emulator draws anew per request, as a server does. Most tests compare runs row for row or assert that a
+# generous cap cuts nothing, so they get each prompt's one completion; a test about sampling asks for
+# `--sampling per-request` (tests/test_bump.py, the demo's story in tests/test_cli_terminal.py).
+os.environ.setdefault("DFLASH_EMULATOR_SAMPLING", "per-prompt")
 
 
 class Http:

@@ -21,7 +21,7 @@ from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDir, FleetResource
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect, on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.preflight import PreflightError
@@ -154,16 +154,23 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
     assert rows(data, run.config_hash) == rows(b, scratch.config_hash), "nothing lost, nothing changed"
 
 
-def test_truncated_rows_without_token_ids_are_counted_and_left_to_a_generation_run(tmp_path, fleet_urls):
-    data = tmp_path / "data"
+def test_truncated_rows_without_token_ids_are_continued_by_their_text_and_equal_a_fresh_run(tmp_path, fleet_urls):
+    data, scratch = tmp_path / "data", tmp_path / "scratch" / "data"
+    scratch.parent.mkdir()
     make_shard(data, fleet_urls)
+    make_shard(scratch, fleet_urls)
     parent = generate(data, fleet_urls, 4096, DispatchSettings(load_sample_s=0))
-    run = cont(data, fleet_urls, parent.config_hash, 8192)
-    assert run.parent_cap == 4096 and run.parent_config_hash == parent.config_hash
-    assert (run.continued, run.without_ids, run.copied) == (0, parent.length, N - parent.length)
-    assert run.left == parent.length and run.prompts == run.completed + run.left
-    rest = generate(data, fleet_urls, 8192, DispatchSettings(load_sample_s=0))
-    assert (rest.config_hash, rest.already_done, rest.completed) == (run.config_hash, N - parent.length, N)
+    assert parent.length > 0
+    run = cont(data, fleet_urls, parent.config_hash, 8192, DispatchSettings(load_sample_s=0))
+    assert (run.continued, run.without_ids, run.copied, run.left) == (parent.length, parent.length,
+                                                                       N - parent.length, 0)
+    assert any(f"{parent.length} rows continued by text" in n and "differed from the generated token count in 0 "
+               in n for n in run.notes), run.notes  # the emulator re-tokenises its text exactly
+    fresh = generate(scratch, fleet_urls, 8192, DispatchSettings(load_sample_s=0))
+    assert fresh.config_hash == run.config_hash
+    columns = "prompt_id, finish_reason, completion_tokens, reasoning_tokens, content, reasoning_content"
+    assert rows(data, run.config_hash, columns) == rows(scratch, fresh.config_hash, columns), \
+        "continued by text, the rows are those a fresh run at the larger cap makes"
 
 
 def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(tmp_path, emulator):
@@ -209,3 +216,21 @@ def test_the_reasoning_split_is_undone_exactly_wherever_the_cut_fell(parser, thi
     row = {"reasoning_content": thought, "content": content, "output_ids": ids}
     assert reasoning.raw_text(row) == text
     assert reasoning.split(reasoning.raw_text(row) + " more</think>end") == reasoning.split(text + " more</think>end")
+
+
+def test_sglang_0_5_23_has_the_assistant_prefill_the_text_route_uses():
+    """continue_final_message is a ChatCompletionRequest field in the wheel's protocol.py, and serving_chat takes the
+    final assistant message out and appends its text as token ids: what the emulator and `_by_text` rely on."""
+    import ast
+
+    from sglang_wheel import sglang_dir
+
+    openai = sglang_dir() / "srt" / "entrypoints" / "openai"
+    tree = ast.parse((openai / "protocol.py").read_text())
+    request = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ChatCompletionRequest")
+    fields = {n.target.id: n for n in request.body if isinstance(n, ast.AnnAssign)}
+    assert ast.unparse(fields["continue_final_message"].annotation) == "bool"
+    assert ast.literal_eval(fields["continue_final_message"].value) is False
+    serving = (openai / "serving_chat.py").read_text()
+    assert "assistant_prefix = last_content\n                    messages = messages[:-1]" in serving
+    assert "return prompt_ids + encoded" in serving

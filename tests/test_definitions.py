@@ -30,7 +30,7 @@ def test_asset_graph_is_prompt_shards_then_completions_then_the_report():
                        "continued_completions": {"completions"},
                        "length_quality_report": {"completions"},
                        "length_quality_summary": {"completions", "length_probe"},
-                       "drafter_training_set": {"completions"}, "length_probe": {"prompt_shards"}}
+                       "drafter_training_set": {"completions", "length_quality_report"}, "length_probe": {"prompt_shards"}}
     partitioned = {k.to_user_string() for k in graph.get_all_asset_keys() if graph.get(k).partitions_def}
     assert partitioned == {"prompt_shards", "completions", "continued_completions", "length_quality_report"}
     for key in graph.get_all_asset_keys():
@@ -40,11 +40,14 @@ def test_asset_graph_is_prompt_shards_then_completions_then_the_report():
         assert node.kinds and node.kinds <= {"sglang", "parquet", "duckdb"}
 
 
-def test_every_quality_check_is_an_asset_check_on_completions_and_blocking_ones_block():
+def test_every_quality_check_is_an_asset_check_on_the_report_and_blocking_ones_block():
     graph = defs.resolve_asset_graph()
     checks = {k.name: graph.get_check_spec(k) for k in graph.asset_check_keys}
     assert set(checks) == {c.name for c in CHECKS}
-    assert {k.asset_key.to_user_string() for k in graph.asset_check_keys} == {"completions"}
+    # on the report, so a failing blocking check never stops the report itself, only what is downstream of it
+    assert {k.asset_key.to_user_string() for k in graph.asset_check_keys} == {"length_quality_report"}
+    downstream = {k.to_user_string() for k in graph.get(dg.AssetKey("length_quality_report")).child_keys}
+    assert downstream == {"drafter_training_set"}
     assert {n for n, s in checks.items() if s.blocking} == {c.name for c in CHECKS if c.blocking}
     assert {"truncation_rate", "context_overflow"} <= {n for n, s in checks.items() if s.blocking}
 
@@ -110,7 +113,7 @@ def test_webserver_loads_the_code_location_and_lists_the_graph(webserver):
     assert set(by_key) == {"prompt_shards", "completions", "continued_completions", "length_quality_report",
                            "length_quality_summary", "drafter_training_set", "length_probe"}
     assert {by_key[k]["partitionDefinition"]["type"] for k in ("prompt_shards", "completions")} == {"DYNAMIC"}
-    checks = {c["name"]: c["blocking"] for c in by_key["completions"]["assetChecksOrError"]["checks"]}
+    checks = {c["name"]: c["blocking"] for c in by_key["length_quality_report"]["assetChecksOrError"]["checks"]}
     assert checks["truncation_rate"] is True and checks["context_overflow"] is True
 
 

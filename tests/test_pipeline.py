@@ -10,7 +10,8 @@ from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.completions.checks import completions_quality_checks
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.quality.assets import length_quality_report
+from dflash_assets.defs.quality.assets import length_quality_report, length_quality_summary
+from dflash_assets.defs.training.assets import drafter_training_set
 from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
 from dflash_assets.emulator.process import start_emulator
 
@@ -95,6 +96,30 @@ def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, 
     evaluation = [e for e in low.get_asset_check_evaluations() if e.check_name == "truncation_rate"][0]
     assert f"{truncated * 100:.2f}%" in evaluation.metadata["summary"].value
     assert checks_of(high)["truncation_rate"] is True and high.success
+
+
+def test_a_shard_past_the_truncation_limit_gets_its_report_and_histogram_in_the_run_whose_gate_fails(
+        tmp_path, fleet_urls):
+    write_prompts(tmp_path / "prompts.jsonl", 200)
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        run = dg.materialize(ASSETS + [length_quality_summary, drafter_training_set], instance=instance,
+                             partition_key="00000", resources=resources(tmp_path, fleet_urls, 200),
+                             raise_on_error=False,
+                             run_config={"ops": {"completions": {"config": {"max_output_tokens": 4096}}}})
+    truncated = duckdb.sql(f"select avg((finish_reason = 'length')::int) from read_parquet("
+                           f"'{tmp_path}/data/completions/**/*.parquet')").fetchall()[0][0]
+    assert 0.12 <= truncated <= 0.25, truncated
+    assert checks_of(run)["truncation_rate"] is False and not run.success
+    report = run.asset_materializations_for_node("length_quality_report")
+    assert [m.partition for m in report] == ["00000"], "the report materialises while its check fails"
+    meta = report[0].metadata
+    assert meta["truncation_rate"].value == f"{truncated * 100:.2f}%" and meta["p90"].value == 4096
+    assert meta["completion_lengths"].value.startswith("![completion lengths](data:image/png;base64,")
+    assert (tmp_path / "data" / "reports" / "shard=00000" / "completion_lengths.png").stat().st_size > 1000
+    # the summary (a diagnostic too) materialises; the blocking check stops the training set, never started
+    assert run.asset_materializations_for_node("length_quality_summary")
+    assert not [e for e in run.all_events if e.step_key == "drafter_training_set"]
 
 
 def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):

@@ -10,7 +10,7 @@ from test_quality_fixtures import blank, defects_dir, load  # noqa: F401
 from dflash_assets.quality import EXCLUSION_REASONS, export_training_set
 
 
-def graded(data_dir, config=None, max_length=4096):
+def graded(data_dir, config=None, max_length=None):
     """[(row, reason or None)] by the export's rules, in plain Python (file order = (path, row) order)."""
     prompts = {(p["shard"], p["prompt_id"]) for p in load(data_dir, "prompt_shards")}
     rows = [(i, r) for i, r in enumerate(load(data_dir, "completions")) if config is None or r["config_hash"] == config]
@@ -60,7 +60,8 @@ def test_export_counts_exclusions_by_reason(defects_dir, export):
     grades = graded(defects_dir)
     reasons = Counter(reason for _, reason in grades if reason)
     assert export.manifest["excluded"] == {reason: reasons[reason] for reason in EXCLUSION_REASONS}
-    assert all(reasons[r] > 0 for r in EXCLUSION_REASONS)  # the data exercises every reason
+    # the data exercises every reason (over_max_length only when dropping long rows is chosen)
+    assert all(reasons[r] > 0 for r in EXCLUSION_REASONS if r != "over_max_length")
     by_config = {}
     for row, reason in grades:
         if reason:
@@ -125,10 +126,37 @@ def test_export_of_one_config(defects_dir, tmp_path):
     assert result.manifest["config_hashes"] == ["b8192"] and result.manifest["config_hash"] == "b8192"
 
 
-def test_export_without_max_length_keeps_long_rows(defects_dir, tmp_path):
-    result = export_training_set(defects_dir, tmp_path, config_hash=None, max_length=None)
-    assert result.manifest["excluded"]["over_max_length"] == 0
-    assert result.manifest["rows"] == len(kept(defects_dir, max_length=None))
+def test_export_keeps_rows_over_max_length_by_default_and_counts_them(defects_dir, export):
+    long = [r for r, reason in graded(defects_dir) if reason is None and r["prompt_tokens"] + r["completion_tokens"] > 4096]
+    assert long, "the fixture has kept rows longer than max_length"
+    assert export.manifest["excluded"]["over_max_length"] == 0
+    assert export.manifest["over_max_length_kept"] == len(long) and export.manifest["drop_over_max_length"] is False
+
+
+def test_dropping_rows_over_max_length_is_a_choice_and_is_named_with_its_shares(defects_dir, tmp_path):
+    result = export_training_set(defects_dir, tmp_path, config_hash=None, max_length=4096, drop_over_max_length=True)
+    grades = graded(defects_dir, max_length=4096)
+    assert result.manifest["rows"] == len(kept(defects_dir, max_length=4096))
+    dropped = [r for r, reason in grades if reason == "over_max_length"]
+    entry = next(e for e in result.manifest["exclusions"] if e["reason"] == "over_max_length")
+    tokens = sum(r["completion_tokens"] or 0 for r, _ in grades)
+    assert entry["rows"] == len(dropped) and entry["share_of_rows"] == round(len(dropped) / len(grades), 4)
+    assert entry["share_of_tokens"] == round(sum(r["completion_tokens"] for r in dropped) / tokens, 4)
+    by_source = Counter(r["source"] or "?" for r in dropped)
+    assert entry["sources"][0]["source"] == sorted(by_source, key=lambda s: (-by_source[s], s))[0]
+
+
+def test_every_exclusion_is_named_with_its_share_of_rows_and_tokens_and_sources(defects_dir, export):
+    from dflash_assets.quality.export import exclusion_lines
+
+    grades = graded(defects_dir)
+    reasons = Counter(reason for _, reason in grades if reason)
+    assert {e["reason"]: e["rows"] for e in export.manifest["exclusions"]} == dict(reasons)
+    lines = exclusion_lines(export.manifest)
+    for reason, n in reasons.items():
+        line = next(line for line in lines if line.startswith(f"{reason}: "))
+        assert f"{reason}: {n} rows ({n / len(grades) * 100:.2f}%)" in line and "most from " in line
+    assert lines[-1].startswith(f"kept {export.manifest['over_max_length_kept']} rows longer than max_length 4,096")
 
 
 def test_export_of_an_empty_data_dir_writes_an_empty_set(tmp_path):

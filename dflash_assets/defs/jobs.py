@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.quality.assets import length_quality_report
 
 shard_pipeline_job = dg.define_asset_job(
     "shard_pipeline",
@@ -12,7 +12,7 @@ shard_pipeline_job = dg.define_asset_job(
 
 quality_checks_job = dg.define_asset_job(
     "quality_checks",
-    selection=dg.AssetSelection.checks_for_assets(completions) | dg.AssetSelection.assets("length_quality_summary"),
+    selection=dg.AssetSelection.checks_for_assets(length_quality_report) | dg.AssetSelection.assets("length_quality_summary"),
     description="The check suite over every materialised shard (a run with no partition checks them all) and "
                 "the summary report. Materialises no completions.",
 )
@@ -21,4 +21,11 @@ training_job = dg.define_asset_job(
     "training_export",
     selection=dg.AssetSelection.assets("length_quality_summary", "drafter_training_set"),
     description="The summary report and the drafter training set (refused while a blocking check fails).",
+)
+
+continue_job = dg.define_asset_job(
+    "continue_shards",
+    selection=dg.AssetSelection.assets("continued_completions"),
+    description="Truncated rows continued to a larger cap from where they stopped (token ids), stopped rows copied: "
+                "the unbiased way to raise the cap (`dflash continue --to C`).",
 )

@@ -3,12 +3,20 @@
 Both run a range of shards the way a backfill launched from the UI does: runs of up to
 DFLASH_SHARDS_PER_RUN shards (`BackfillPolicy.multi_run`), each run streaming its shards' prompts
 through one dispatcher, here executed in this process one run after the other (no daemon needed).
+
+The terminal gets the per-shard table and, when something stops a run, one short block: what stopped it,
+the cap plan and the next command. Dagster's event stream (and every stack trace) goes to the run's event
+log in DAGSTER_HOME, which the UI shows; `--verbose` prints it here as well. The exit status says which:
+0 done, 1 failed, 2 bad input or config (the preflight refused the run), 3 stopped by a blocking check.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import dagster as dg
 from rich import box
@@ -17,11 +25,50 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
-from dflash_assets.defs.resources import DEMO_PROMPTS, PromptSource
+from dflash_assets.defs.resources import DEMO_PROMPTS, DataDir, PromptSource
 from dflash_assets.defs.sensors import missing_shards
 from dflash_assets.definitions import defs
+from dflash_assets.quality.export import exclusion_lines
 
-QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
+
+
+def quiet(verbose: bool) -> dict:
+    """Run config for the console logger: silent unless --verbose; the event log keeps everything either way."""
+    return {"loggers": {"console": {"config": {"log_level": "DEBUG" if verbose else "CRITICAL"}}}}
+
+
+@dataclass
+class Stops:
+    """What stopped the runs of a command, sorted by kind: blocking checks, the preflight, anything else."""
+
+    checks: dict[str, list[str]] = field(default_factory=dict)  # blocking check -> shards it failed on
+    preflight: list[str] = field(default_factory=list)  # the preflight's or the config's refusals (with numbers)
+    errors: list[str] = field(default_factory=list)  # "<where>: <first line of the error>"
+    config_hashes: set[str] = field(default_factory=set)
+
+    def exit_status(self) -> int:
+        return FAILED if self.errors else BAD_CONFIG if self.preflight else STOPPED_BY_CHECK if self.checks else DONE
+
+
+def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops) -> None:
+    """Sort a run's failed steps: a blocking check, the preflight, or an error (first line, no stack trace)."""
+    for event in result.all_events:
+        if not event.is_step_failure:
+            continue
+        error = event.step_failure_data.error
+        user = event.step_failure_data.user_failure_data
+        if error.cls_name == "DagsterAssetCheckFailedError":
+            continue  # the evaluations say which checks and where
+        while error.cause and error.cls_name == "DagsterExecutionStepExecutionError":
+            error = error.cause  # Dagster's wrapper: the user code's own error says what went wrong
+        text = error.message.split(": ", 1)[-1] if error.cls_name in error.message.split(":")[0] else error.message
+        message = (user.description if user and user.description else f"{error.cls_name}: {text}").strip()
+        if message.startswith("preflight: ") or (user and user.metadata.get("cause") and
+                                                 user.metadata["cause"].value == "config"):
+            stops.preflight.append(message.removeprefix("preflight: "))
+        else:
+            stops.errors.append(f"{where}, step {event.step_key}: {message.splitlines()[0]} (run {result.run_id})")
 COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "P50", "P90", "P99", "checks")
 
 
@@ -46,16 +93,19 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
     return instance.get_dynamic_partitions(shard_partitions.name)
 
 
-def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_tokens: int, console: Console) -> list[str]:
-    """Materialise `shards` in runs of SHARDS_PER_RUN; print a table; return the failed runs."""
+def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_tokens: int, console: Console,
+               verbose: bool = False) -> Stops:
+    """Materialise `shards` in runs of SHARDS_PER_RUN; print a table; return what stopped runs."""
     job = defs.resolve_job_def("shard_pipeline")
-    run_config = {**QUIET, "ops": {"completions": {"config": {"max_output_tokens": max_output_tokens}}}}
+    # token ids stored, so that `dflash continue` can take cut rows on from where they stopped
+    run_config = {**quiet(verbose), "ops": {"completions": {"config": {"max_output_tokens": max_output_tokens,
+                                                                       "store_token_ids": True}}}}
+    stops = Stops()
     table = Table(title="completions by shard (cut: finish_reason = length; P: completion tokens)",
                   box=box.SIMPLE_HEAD)
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     failed_checks: dict[str, list[str]] = {}
-    failed_runs: list[str] = []
     runs = [shards[i:i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
@@ -72,6 +122,10 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_token
                 failing = [e for e in checks if not e.passed and f"shard {shard}" in e.metadata["failing"].text]
                 for e in failing:
                     failed_checks.setdefault(f"{e.check_name} ({e.severity.value})", []).append(shard)
+                    if e.blocking and e.severity == dg.AssetCheckSeverity.ERROR:
+                        stops.checks.setdefault(e.check_name, []).append(shard)
+                if c.get("config_hash"):
+                    stops.config_hashes.add(c["config_hash"])
                 rejected = s.get("rejected", 0) + c.get("rejected_preflight", 0) + c.get("rejected_server", 0)
                 table.add_row(
                     shard, str(s.get("lines", "-")), str(rejected), str(c.get("prompts", "-")),
@@ -80,40 +134,99 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_token
                     *(str(r.get(k, "-")) for k in ("p50", "p90", "p99")),
                     f"{len(checks) - len(failing)}/{len(checks)}")
             if not result.success:
-                failed_runs.append(f"shards {chunk[0]}..{chunk[-1]} (run {result.run_id})")
+                record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
             progress.advance(task, len(chunk))
     console.print(table)
     for name, where in sorted(failed_checks.items()):
-        console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}")
+        console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
     if failed_checks:
-        console.print("  (a blocking check that fails with ERROR stops what comes after it; WARN asks you to look)")
-    return failed_runs
+        console.print("  (a blocking check that fails with ERROR stops the training set; WARN asks you to look)")
+    return stops
 
 
-def run_demo(max_output_tokens: int, console: Console | None = None) -> int:
+def data_dir() -> DataDir:
+    # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
+    return DataDir(path=os.environ.get("DFLASH_DATA_DIR", "data"), local_path=os.environ.get("DFLASH_LOCAL_DIR", "data"))
+
+
+def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> int:
+    """One short block: what stopped the run, the cap plan, and the exact next command. Returns the exit status."""
+    from dflash_assets.quality import Thresholds, run_checks
+    from dflash_assets.quality.answer import cap_answers
+    from dflash_assets.quality.console import print_answer
+
+    say = lambda text="": console.print(text, highlight=False)  # noqa: E731 - figures, not syntax, to colour
+    for error in stops.errors:
+        say(f"[red]Failed[/]: {error}")
+    if stops.errors:
+        say("The stack trace is in the run's event log (the UI shows it). If the cause was passing (a server "
+            "down, a timeout), run the same command again: committed completions are kept, only the rest runs.")
+    if stops.preflight:
+        say("[red]Stopped before any request was sent[/]: the preflight refused the run.")
+        for message in dict.fromkeys(stops.preflight):
+            say(f"  {message}")
+        needed = max(int(n) for m in stops.preflight for n in re.findall(r"--context-length (\d+)", m) or [0])
+        if needed:
+            say(f"Next: restart the servers with --context-length {needed} (or lower --max-output-tokens).")
+        return stops.exit_status()
+    if not stops.checks or stops.errors:
+        return stops.exit_status()
+    root = data_dir().resolved()
+    thresholds = Thresholds()
+    for config_hash in sorted(stops.config_hashes):
+        outcomes = [o for o in run_checks(root, config_hash=config_hash, thresholds=thresholds, names=stops.checks)
+                    if not o.passed]
+        for o in outcomes:
+            headline = re.sub(r"[*`]", "", o.summary_md.split("\n\n")[0])
+            say(f"[red]Stopped by the blocking check {o.name}[/] (shards {', '.join(stops.checks[o.name])}): "
+                f"{headline}")
+        answers = cap_answers(root, thresholds, config_hash)
+        if not answers or "truncation_rate" not in stops.checks:
+            say("Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
+                "set stays unwritten until every blocking check passes.")
+            continue
+        answer = answers[0]
+        print_answer(answer, console)
+        best = answer.recommended
+        if best is None:
+            continue
+        first = ""
+        if best.fits_context is False:
+            first = f"restart the servers with --context-length {best.context_needed_max}, then "
+        say(f"Next: {first}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
+        say(f"  dflash continue --to {best.cap}")
+        say(f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
+    return stops.exit_status()
+
+
+def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bool = False) -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
     console.print(f"dflash demo: {len(shards)} shards (cap {max_output_tokens} tokens), "
-                  f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/")
-    failed_runs = run_shards(instance, shards, max_output_tokens, console)
-    export = defs.resolve_job_def("training_export").execute_in_process(instance=instance, run_config={
-        **QUIET, "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, raise_on_error=False)
-    if export.success:
-        meta = next(iter(_meta(export, "drafter_training_set").values()))
-        console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} in "
-                      f"{meta['jsonl']} (manifest beside it)")
-    else:
-        failed_runs.append(f"training export (run {export.run_id})")
-    for run in failed_runs:
-        console.print(f"[red]run failed[/]: {run}: see it in the UI")
-    console.print("Open the UI:  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
-                  " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000")
-    console.print("Re-running `dflash demo` resumes: committed completions are not generated again.")
-    return 1 if failed_runs else 0
+                  f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/",
+                  highlight=False)
+    stops = run_shards(instance, shards, max_output_tokens, console, verbose)
+    if not stops.preflight:
+        export = defs.resolve_job_def("training_export").execute_in_process(instance=instance, run_config={
+            **quiet(verbose), "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, raise_on_error=False)
+        if export.success:
+            meta = next(iter(_meta(export, "drafter_training_set").values()))
+            console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} "
+                          f"in {meta['jsonl']} (manifest beside it); left out, by reason:", highlight=False)
+            for line in exclusion_lines(meta["manifest"]) or ["nothing"]:
+                console.print(f"  {line}", highlight=False)
+        elif stops.checks:
+            console.print("drafter training set: not written while a blocking check fails")
+        else:
+            record_failures(export, "training export", stops)
+    console.print("The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
+                  " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000", highlight=False)
+    return print_stop(stops, console, lambda cap: f"dflash demo --max-output-tokens {cap}")
 
 
-def run_backfill(first: str | None, last: str | None, max_output_tokens: int, console: Console | None = None) -> int:
+def run_backfill(first: str | None, last: str | None, max_output_tokens: int, console: Console | None = None,
+                 verbose: bool = False) -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
@@ -122,11 +235,71 @@ def run_backfill(first: str | None, last: str | None, max_output_tokens: int, co
     if unknown:
         console.print(f"[red]dflash backfill:[/] no shard {', '.join(unknown)}; the shards are "
                       f"{shards[0]}..{shards[-1]}")
-        return 2
+        return BAD_CONFIG
     chosen = shards[shards.index(first):shards.index(last) + 1]
     console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {max_output_tokens}, "
-                  f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}")
-    failed_runs = run_shards(instance, chosen, max_output_tokens, console)
-    for run in failed_runs:
-        console.print(f"[red]run failed[/]: {run}: re-run the same range to resume where it stopped")
-    return 1 if failed_runs else 0
+                  f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
+    stops = run_shards(instance, chosen, max_output_tokens, console, verbose)
+    return print_stop(stops, console, lambda cap: f"dflash backfill --from {first} --to {last} --max-output-tokens {cap}")
+
+
+CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
+
+
+def run_continue(new_cap: int, first: str | None, last: str | None, console: Console | None = None,
+                 verbose: bool = False) -> int:
+    """Continue every shard's cut rows to `new_cap` from where they stopped; print the reuse and the new answer."""
+    from dflash_assets.quality import Thresholds
+    from dflash_assets.quality.answer import cap_answers
+    from dflash_assets.quality.console import print_answer
+    from dflash_assets.quality.outcome import num, pct
+
+    console = console or console_for_output()
+    instance = dg.DagsterInstance.get()
+    shards = known_shards(instance)
+    first, last = first or shards[0], last or shards[-1]
+    if unknown := [k for k in (first, last) if k not in shards]:
+        console.print(f"[red]dflash continue:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}")
+        return BAD_CONFIG
+    chosen = shards[shards.index(first):shards.index(last) + 1]
+    console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to cap {new_cap}, cut rows taken on from "
+                  f"where they stopped", highlight=False)
+    job = defs.resolve_job_def("continue_shards")
+    run_config = {**quiet(verbose), "ops": {"continued_completions": {"config": {
+        "parent_config_hash": "latest", "new_max_output_tokens": new_cap}}}}
+    stops, table = Stops(), Table(box=box.SIMPLE_HEAD, title="continued by shard (tokens reused: taken over from "
+                                                            "the smaller cap, not generated again)")
+    for col in CONTINUE_COLUMNS:
+        table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
+    reused = total = 0
+    for chunk in [chosen[i:i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
+        result = job.execute_in_process(instance=instance, run_config=run_config, raise_on_error=False, tags={
+            "dagster/asset_partition_range_start": chunk[0], "dagster/asset_partition_range_end": chunk[-1]})
+        meta = _meta(result, "continued_completions")
+        for shard in chunk:
+            m = meta.get(shard)
+            if not m:
+                table.add_row(shard, *"------")
+                continue
+            stops.config_hashes.add(m["config_hash"])
+            reused += m["tokens_reused"]
+            total += m["tokens_reused"] + m["tokens_generated"]
+            table.add_row(shard, num(m["rows_continued"]), num(m["rows_copied"]), num(m["still_truncated"]),
+                          num(m["tokens_reused"]), num(m["tokens_generated"]), pct(m["saved_share"]))
+        if not result.success:
+            record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
+    console.print(table)
+    if total:
+        console.print(f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
+                      f"completion tokens were not generated again", highlight=False)
+    for config_hash in sorted(stops.config_hashes):
+        for answer in cap_answers(data_dir().resolved(), Thresholds(), config_hash):
+            print_answer(answer, console)
+    if stops.preflight:
+        console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
+        return BAD_CONFIG if not stops.errors else FAILED
+    if stops.errors:
+        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}")
+    console.print("Next: `dflash report` for the checks over the new config; the training export takes the config "
+                  "with the most rows, or name it (drafter_training_set config_hash).", highlight=False)
+    return DONE

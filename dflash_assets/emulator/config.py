@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--length-sigma", type=float, default=LengthModel.sigma, help="Lognormal sigma of output length.")
     emu.add_argument("--length-min", type=int, default=LengthModel.minimum)
     emu.add_argument("--length-max", type=int, default=LengthModel.maximum)
+    emu.add_argument("--length-prompt-share", type=float, default=LengthModel.prompt_share,
+                     help="Share of the log-length variance set by the prompt when requests draw anew.")
+    emu.add_argument("--sampling", choices=("per-request", "per-prompt"),
+                     default=os.environ.get("DFLASH_EMULATOR_SAMPLING", "per-request"),
+                     help="per-request (a server, the default): temperature > 0 without a seed draws anew each "
+                          "request; per-prompt: every request for a prompt gets the same completion, whatever the "
+                          "temperature (env DFLASH_EMULATOR_SAMPLING; the test suite sets it for row-for-row checks).")
     emu.add_argument("--loop-share", type=float, default=LengthModel.loop_share,
                      help="Share of prompts (fixed per prompt and seed) whose generation repeats one line until "
                           "--length-max: runaway generations.")
@@ -142,6 +149,10 @@ class EmulatorConfig:
     max_req_input_len: int
     lengths: LengthModel
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def per_request_sampling(self) -> bool:
+        return self.args.sampling == "per-request"
 
     @property
     def served_model_name(self) -> str:
@@ -214,6 +225,7 @@ def resolve(argv: list[str]) -> EmulatorConfig:
     max_req_len = min(context_len - 1, kv - 1)
     lengths = LengthModel(
         median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max,
+        prompt_share=args.length_prompt_share,
         loop_share=args.loop_share,
     )
     return EmulatorConfig(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import random
 import time
 import uuid
 from collections import deque
@@ -129,6 +130,7 @@ class Engine:
     def __init__(self, cfg: EmulatorConfig, faults: Faults):
         self.cfg = cfg
         self.faults = faults
+        self._random = random.Random()  # seeded by the OS: every server, every request draws its own
         a = cfg.args
         self.schedulers = [
             Scheduler(
@@ -243,7 +245,12 @@ class Engine:
 
     def _generate(self, req: Request, max_new: int) -> model.Generation:
         sp = req.sampling
-        plan = model.plan_completion(req.input_ids, self.cfg.lengths, sp.get("sampling_seed"), req.sample_index)
+        # like a server: temperature > 0 without a seed is a new draw per request (SGLang's default temperature
+        # is 1.0); temperature 0 or a seed gives the prompt's one completion
+        temperature = 1.0 if sp.get("temperature") is None else sp["temperature"]
+        seed = sp.get("sampling_seed")
+        draw = self._random.random() if temperature > 0 and seed is None and self.cfg.per_request_sampling else None
+        plan = model.plan_completion(req.input_ids, self.cfg.lengths, seed, req.sample_index, draw=draw)
         stop = sp.get("stop")
         return model.generate(
             plan,

@@ -10,7 +10,12 @@ generation at the larger cap, which is what the resume feature relies on.
 
 Its shape, for a thinking prompt: `reasoning </think> \\n\\n answer <|im_end|>`;
 without thinking: `answer <|im_end|>`. The length is lognormal (heavy tail),
-seeded by the prompt. Text comes from one precomputed token stream, sliced at
+seeded by the prompt. Like a server, a request with temperature > 0 and no seed
+draws anew (`draw`): the log-length is a per-prompt part (from the prompt hash)
+plus per-sample noise, so lengths still correlate with the prompt; a continuation
+(the prompt carries k output tokens) draws from the lengths above k, which is
+what a model conditioned on k tokens of an unfinished answer does. Temperature 0
+or a seed stays a pure function of the prompt. Text comes from one precomputed token stream, sliced at
 word starts, so a 16 KB reply costs two slices, not a loop per token, and every
 output re-tokenises to the same ids (no two whitespace tokens ever touch).
 """
@@ -23,8 +28,11 @@ import math
 import struct
 from array import array
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from . import tokenizer as tok
+
+_NORMAL = NormalDist()
 
 _NN_ID = tok.VOCAB["\n\n"]
 
@@ -43,12 +51,29 @@ class LengthModel:
     maximum: int = 32768
     reasoning_min: float = 0.50  # share of the body that is reasoning, when thinking
     reasoning_max: float = 0.85
+    prompt_share: float = 0.5  # share of the log-length variance the prompt sets when sampling per request
     loop_share: float = 0.0  # share of prompts whose generation loops: one line repeated up to `maximum`
 
     def sample(self, u1: float, u2: float) -> int:
         z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)  # Box-Muller
-        length = round(self.median * math.exp(self.sigma * z))
-        return max(self.minimum, min(self.maximum, length))
+        return self.length(z)
+
+    def length(self, z: float) -> int:
+        return max(self.minimum, min(self.maximum, round(self.median * math.exp(self.sigma * z))))
+
+    def sample_drawn(self, u1: float, u2: float, draw: float, above: int = 0) -> int:
+        """A new draw for a request: z = a * z_prompt + b * z_sample (a^2 + b^2 = 1, so the marginal is the
+        same lognormal); with `above` > 0 the sample is drawn from the lengths above it (inverse CDF of the
+        normal cut below), as a model continuing an answer already `above` tokens long would."""
+        z_prompt = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+        a = math.sqrt(self.prompt_share)
+        b = math.sqrt(1.0 - self.prompt_share)
+        low = 0.0
+        if above > 0 and b > 0:
+            z_above = math.log((above + 0.5) / self.median) / self.sigma
+            low = _NORMAL.cdf((z_above - a * z_prompt) / b)
+        u = min(max(low + draw * (1.0 - low), 1e-12), 1.0 - 1e-12)
+        return self.length(a * z_prompt + b * _NORMAL.inv_cdf(u))
 
 
 # ---- the token stream all outputs are sliced from --------------------------------
@@ -148,9 +173,11 @@ class Plan:
 
 
 def plan_completion(
-    prompt_ids: list[int], lengths: LengthModel, sampling_seed: int | None = None, sample: int = 0
+    prompt_ids: list[int], lengths: LengthModel, sampling_seed: int | None = None, sample: int = 0,
+    draw: float | None = None,
 ) -> Plan:
-    """The completion of `prompt_ids`; `sample` > 0 draws the n-th parallel sample (n > 1)."""
+    """The completion of `prompt_ids`; `sample` > 0 draws the n-th parallel sample (n > 1); `draw` in (0, 1) is
+    a request's own randomness (temperature > 0 without a seed), None for the prompt's fixed completion."""
     marker_end = _find_last(prompt_ids, tok.GENERATION_PROMPT_IDS)
     thinking = False
     if marker_end < 0:
@@ -173,7 +200,13 @@ def plan_completion(
     looping = (int.from_bytes(loop_digest.digest()[:8], "little") + 0.5) / 2.0**64 < lengths.loop_share
     h = digest.digest()
     u = [(int.from_bytes(h[i : i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24, 32)]
-    total = lengths.maximum if looping else lengths.sample(u[0], u[1])
+    carried = prompt_ids[marker_end:]  # output a continuation request already holds
+    if looping:
+        total = lengths.maximum
+    elif draw is None:
+        total = lengths.sample(u[0], u[1])
+    else:
+        total = lengths.sample_drawn(u[0], u[1], draw, above=len(carried) + (3 if thinking else 0))
     _, _, _, starts = _stream()
     reasoning = 0
     if thinking:
@@ -181,6 +214,11 @@ def plan_completion(
         share = lengths.reasoning_min + (lengths.reasoning_max - lengths.reasoning_min) * u[2]
         body = total - 3
         reasoning = total - 1 if looping else min(body - 1, max(1, round(share * body)))
+        if draw is not None and carried and not looping:
+            # a new draw must agree with the output carried: the thought closed where it did, or is still open
+            closed = carried.index(tok.THINK_END_ID) if tok.THINK_END_ID in carried else None
+            reasoning = closed if closed is not None else min(body - 1, max(reasoning, len(carried)))
+            total = max(total, reasoning + 3)
     else:
         total = max(total, 2)
     return Plan(

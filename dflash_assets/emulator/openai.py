@@ -146,10 +146,17 @@ class ChatContext:
     def prompt_ids(self, add_generation_prompt: bool = True) -> list[int]:
         if self.body.get("input_ids") is not None:
             return list(self.body["input_ids"])
+        messages, prefix = self.body["messages"], None
+        last = messages[-1] if messages else {}
+        if self.body.get("continue_final_message") and last.get("role") == "assistant" \
+                and isinstance(last.get("content"), str):
+            # serving_chat._handle_last_assistant_message: the final assistant message is taken out, the rest
+            # rendered with the generation prompt, and its text appended as token ids (re-tokenised)
+            messages, prefix = messages[:-1], last["content"]
         text = tok.apply_chat_template(
-            self.body["messages"], add_generation_prompt=add_generation_prompt, enable_thinking=self.enable_thinking
+            messages, add_generation_prompt=add_generation_prompt, enable_thinking=self.enable_thinking
         )
-        return tok.encode(text)
+        return tok.encode(text) + (tok.encode(prefix) if prefix else [])
 
     def validate(self) -> str | None:
         """serving_chat._validate_request (type BadRequestError)."""

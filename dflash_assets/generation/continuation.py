@@ -8,9 +8,16 @@ fresh run at that cap would have) with its lineage: `parent_config_hash`, `token
 
 Rows of the parent that stopped on their own are complete at any larger cap: they are copied into the new
 config (tokens_reused = completion_tokens, nothing generated), so the new config is complete for the shard
-and its accounting adds up without sending anything. Truncated rows without token ids (a run without
-store_token_ids) cannot be continued exactly: they are counted (`without_ids`) and left, like every other
-prompt the new config lacks, to a normal generation run at the new cap, which generates exactly those.
+and its accounting adds up without sending anything. That is unbiased only because every cut row is
+continued from where it stopped: a model continuing an answer already k tokens long ends past k, as the
+first draw would have. Truncated rows without token ids (a run without store_token_ids) are continued by
+their text instead, through the chat route's assistant prefill (`continue_final_message`, SGLang 0.5.23's
+protocol.py): the prompt's messages plus the row's raw output as an unfinished assistant message, the server
+re-tokenising that text. Leaving them to a fresh generation at the new cap would mix kept short rows with new,
+shorter-on-average draws for the long ones (the set would skew short), so that is never done. The
+re-tokenisation is the caveat of the text route: the server's count of the prefill (usage.prompt_tokens minus
+the prompt) may differ from the tokens the row was generated as; each continued-by-text run measures it and
+says so in its notes.
 
 Exactly-once like the engine, with the engine's pieces: the committed parts of `completions/shard=K/` are
 the only ledger (the new config's done set is read from them on every start), the shard lock, recovery,
@@ -135,6 +142,43 @@ def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_h
             "parent_config_hash": row["config_hash"], "tokens_reused": len(row["output_ids"])}
 
 
+def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
+    """The row's output text before the reasoning split, read from its text: without ids, the thought closed
+    when content followed it (Qwen3 writes "\n\n" after </think>, so a closed thought leaves content)."""
+    if row["output_ids"] is not None:
+        return reasoning.raw_text(row)
+    return reasoning.raw_text({**row, "output_ids": list(reasoning.end_ids) if row["content"] else []})
+
+
+async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, messages_json: str,
+                   config: GenerationConfig, config_hash: str, new_cap: int, drift: list[int]) -> dict:
+    """Continue a row without token ids by its text: SGLang's chat route with the raw output as the final,
+    unfinished assistant message (`continue_final_message`); the raw continuation comes back unsplit."""
+    import json
+
+    raw = _raw_text_without_ids(row, reasoning)
+    body = config.chat_body(slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
+    body |= {"max_completion_tokens": new_cap - row["completion_tokens"], "continue_final_message": True,
+             "separate_reasoning": False}
+    t0 = time.monotonic()
+    resp = await slot.client.chat(body)
+    choice, usage = resp["choices"][0], resp.get("usage") or {}
+    if choice.get("finish_reason") not in ("stop", "length"):
+        raise ServerError(slot.url, f"chat finished with {choice.get('finish_reason')!r}", retryable=True)
+    new = usage.get("completion_tokens") or 0
+    drift.append((usage.get("prompt_tokens") or 0) - row["prompt_tokens"] - row["completion_tokens"])
+    thought, content = reasoning.split(raw + (choice["message"].get("content") or ""))
+    closed_before = THINK_END in raw
+    new_reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    return {**row, "config_hash": config_hash, "finish_reason": choice["finish_reason"], "max_output_tokens": new_cap,
+            "completion_tokens": row["completion_tokens"] + new,
+            "reasoning_tokens": (row["reasoning_tokens"] or 0) + (0 if closed_before else new_reasoning),
+            "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
+            "content": content, "reasoning_content": thought, "latency_s": time.monotonic() - t0,
+            "attempt": attempt, "created_at": datetime.now(timezone.utc),
+            "parent_config_hash": row["config_hash"], "tokens_reused": row["completion_tokens"]}
+
+
 async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
                          settings: DispatchSettings = DispatchSettings(), *,
                          log: Callable[[str], None] = print) -> ContinuationRun:
@@ -172,7 +216,11 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                               new_cap=new_cap)
         done, refused = committed_ids(store, config_hash), committed_ids(server_rejects, config_hash)
         run.already_done = len(done)
-        lines = {r["prompt_id"]: r["line"] for b in prompt_batches(prompts, ["prompt_id", "line"]) for r in b}
+        lines, messages = {}, {}
+        for b in prompt_batches(prompts, ["prompt_id", "line", "messages_json"]):
+            for r in b:
+                lines[r["prompt_id"]] = r["line"]
+                messages[r["prompt_id"]] = r["messages_json"]
         run.prompts = len(lines)
 
         todo = [r for r in plan if r["prompt_id"] not in done and r["prompt_id"] not in refused]
@@ -180,6 +228,7 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                  or (r["finish_reason"] == "length" and r["n_prompt_ids"] is not None
                      and r["n_output_ids"] is not None)]
         run.without_ids = sum(r["finish_reason"] == "length" and r["n_output_ids"] is None for r in todo)
+        exact += [r for r in todo if r["finish_reason"] == "length" and r["n_output_ids"] is None]  # by text
         # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
         # hold a row its own requests could not have produced (and the context-overflow check would flag it)
         budget = Budget.of(fleet.infos, settings.context_margin)
@@ -209,15 +258,20 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                     row["line"] = lines.get(row["prompt_id"])  # for a reject row; not a completion column
                     yield row
 
+        drift: list[int] = []  # re-tokenisation drift of each row continued by text, in tokens
+
         async def send(row: dict, slot: Slot, attempt: int) -> dict:
+            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids,
+                                     slot.info.always_thinks)
+            if row["output_ids"] is None:
+                return await _by_text(row, slot, attempt, reasoning, messages[row["prompt_id"]], config, config_hash,
+                                      new_cap, drift)
             # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
             # short of its cap still ends where a fresh run at the new cap would
             sampling = {"max_new_tokens": new_cap - len(row["output_ids"]), **config.sampling()}
             t0 = time.monotonic()
             resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
                                                "sampling_params": sampling})
-            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids,
-                                     slot.info.always_thinks)
             text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
             return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0,
                               text)
@@ -229,6 +283,11 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         await Dispatch(fleet, settings, {shard: output}, send, refuse, log).run(to_send(), len(to_continue))
         output.close(failures, own_file)
         run.continued = sum(s["completed"] for s in run.servers.values())
+        if drift:
+            off = [d for d in drift if d]
+            run.notes.append(f"{len(drift)} rows continued by text (no token ids): the server's re-tokenisation of "
+                             f"their output differed from the generated token count in {len(off)} of them"
+                             + (f" (by {min(off)} to {max(off)} tokens)" if off else ""))
         _account(run, data_dir, shard, store, set(lines), output.failed)
     run.elapsed_s = time.monotonic() - started
     return run

@@ -7,6 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from dflash_assets.quality.answer import CapAnswer, cap_answers
 from dflash_assets.quality.outcome import Thresholds, num, pct
 from dflash_assets.quality.registry import run_checks
 from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
@@ -42,6 +43,57 @@ def _table(title: str, keys: tuple[str, ...], rows: list[list[str]]) -> Table:
 def _headline(summary_md: str) -> str:
     """The first paragraph of a check summary without Markdown emphasis."""
     return re.sub(r"[*`]", "", summary_md.split("\n\n")[0])
+
+
+def plan_table(answer: CapAnswer) -> Table:
+    """The cap plan at the current cap and the larger candidates: share cut, output tokens, context needed."""
+    plan = answer.plan
+    fits = f"fits {num(plan.context_length)}" if plan.context_length else "fits context"
+    table = Table(box=None, pad_edge=False, padding=(0, 2), title_justify="left")
+    for key in ("cap", "cut at the cap", "output tokens vs now", "context needed", fits):
+        table.add_column(key, justify="right" if key != fits else "left", no_wrap=True)
+    now = plan.at(plan.cap).output_tokens.value
+    for e in plan.estimates:
+        if e.cap < plan.cap:
+            continue
+        r = e.truncation_rate
+        cut = pct(r.value) + (" measured" if e.measured else f" ({pct(r.low)}-{pct(r.high)})")
+        mark = " <- recommended" if answer.recommended and e.cap == answer.recommended.cap else ""
+        table.add_row(f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}", cut,
+                      f"{e.output_tokens.value / now:.2f}x", _n(e.context_needed_max),
+                      ("-" if e.fits_context is None else "yes" if e.fits_context else
+                       f"no: {num(e.prompts_over_context)} prompts over") + mark)
+    return table
+
+
+def print_answer(answer: CapAnswer, console: Console) -> None:
+    """The story's answer for one config: share cut, percentiles, whether they sit at the cap, and the plan."""
+    for line in answer.headline():
+        console.print(line, highlight=False)
+    if answer.plan is None:
+        console.print(f"  no cap plan: {answer.plan_error}", highlight=False)
+        return
+    if not answer.truncated:
+        console.print("  nothing was cut: the cap is large enough for these prompts", highlight=False)
+        return
+    console.print(plan_table(answer))
+    if answer.recommended:
+        e = answer.recommended
+        console.print(f"  recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut, "
+                      f"{e.output_tokens.value / answer.plan.at(answer.cap).output_tokens.value:.2f}x the output "
+                      f"tokens; above {num(answer.cap)} the tail is a model)", highlight=False)
+
+
+def print_answers(data_dir: str | Path, console: Console | None = None,
+                  thresholds: Thresholds = Thresholds()) -> list[CapAnswer]:
+    """`dflash report`'s first screen: per config, the answer to "are we maxing out, what should the cap be?"."""
+    console = console or Console()
+    answers = cap_answers(data_dir, thresholds)
+    console.print(f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, "
+                  f"truncation limit {pct(thresholds.truncation_rate_max)})")
+    for answer in answers:
+        print_answer(answer, console)
+    return answers
 
 
 def print_report(

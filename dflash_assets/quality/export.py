@@ -38,7 +38,7 @@ EXCLUSION_REASONS = (
     "empty_content",
     "think_marker",  # <think> or </think> in content
     "context_overflow",  # prompt_tokens + max_output_tokens > server_context_length: generated under a clamp
-    "over_max_length",  # prompt_tokens + completion_tokens > max_length: the trainer would cut it
+    "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
 )
@@ -76,7 +76,7 @@ WITH c AS (
             WHEN content_empty THEN 'empty_content'
             WHEN think_marker THEN 'think_marker'
             WHEN prompt_tokens + max_output_tokens > server_context_length THEN 'context_overflow'
-            WHEN prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
+            WHEN $drop_long AND prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
                 THEN 'no_prompt'
         END AS reason
@@ -189,12 +189,17 @@ def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, par
 def export_training_set(
     data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None, max_length: int | None = 4096,
     form: str = "conversations",
+    drop_over_max_length: bool = False,
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
     `form` is "conversations" (SpecForge's {id, status, conversations}) or "messages" (OpenAI's {id, messages}).
 
-    `max_length` is the trainer's max_length (None: no limit); rows longer than it are excluded, not cut.
+    `max_length` is the trainer's max_length (None: no limit). Rows longer than it are kept by default: they
+    are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic work needs most,
+    and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
+    The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
+    sources it takes most from, so that what is left out is a visible decision.
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
     """
     if is_uri(os.fspath(out_dir)):
@@ -206,7 +211,7 @@ def export_training_set(
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
     tmps = {name: out / f".{name}.tmp" for name in paths}
     export_schema(form)  # refuses an unknown form before anything is written
-    params = {"config": config_hash, "max_length": max_length}
+    params = {"config": config_hash, "max_length": max_length, "drop_long": drop_over_max_length and max_length is not None}
     try:
         with duckdb.connect(":memory:") as con:
             prompts = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA)
@@ -219,6 +224,11 @@ def export_training_set(
                                                      tmps["training_set.parquet"], form)
             manifest = _manifest(con, config_hash, max_length, consumed) | {
                 "form": form, "rows": rows, "conversations_not_whole": incomplete}
+            manifest["drop_over_max_length"] = params["drop_long"]
+            manifest["over_max_length_kept"] = con.execute(
+                "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > $m",
+                {"m": max_length}).fetchone()[0] if max_length is not None else 0
+            manifest["exclusions"] = _exclusions(con)
         for name in ("training_set.jsonl", "training_set.parquet"):
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
@@ -228,6 +238,41 @@ def export_training_set(
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
     return TrainingExport(paths["training_set.jsonl"], paths["training_set.parquet"], paths["manifest.json"], manifest)
+
+
+def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, Any]]:
+    """Each reason that removed rows: rows and completion tokens removed (and their shares of all graded rows),
+    and the sources it removed the most rows from, with the share of that source's rows it took."""
+    total_rows, total_tokens = con.execute("SELECT count(*), coalesce(sum(completion_tokens), 0) FROM graded").fetchone()
+    out = []
+    for reason, rows, tokens in con.execute(
+            "SELECT reason, count(*), coalesce(sum(completion_tokens), 0) FROM graded WHERE reason IS NOT NULL "
+            "GROUP BY ALL ORDER BY 2 DESC, 1").fetchall():
+        sources = con.execute(
+            "SELECT coalesce(source, '?') AS source, count(*) FILTER (WHERE reason = $r) AS n, count(*) AS of "
+            "FROM graded GROUP BY ALL HAVING n > 0 ORDER BY n DESC, source LIMIT $top", {"r": reason, "top": top}
+        ).fetchall()
+        out.append({"reason": reason, "rows": rows, "share_of_rows": round(rows / total_rows, 4),
+                    "completion_tokens": int(tokens),
+                    "share_of_tokens": round(tokens / total_tokens, 4) if total_tokens else 0.0,
+                    "sources": [{"source": s, "rows": n, "share_of_source": round(n / of, 4)} for s, n, of in sources]})
+    return out
+
+
+def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
+    """The exclusions for people: one line per reason, then the long rows that were kept."""
+    from dflash_assets.quality.outcome import num, pct
+
+    lines = []
+    for e in manifest.get("exclusions", []):
+        worst = ", ".join(f"{s['source']} {num(s['rows'])} ({pct(s['share_of_source'])} of its rows)"
+                          for s in e["sources"])
+        lines.append(f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
+                     f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}")
+    if manifest.get("over_max_length_kept"):
+        lines.append(f"kept {num(manifest['over_max_length_kept'])} rows longer than max_length "
+                     f"{num(manifest['max_length'])} (the trainer cuts them; drop_over_max_length excludes them)")
+    return lines
 
 
 def _manifest(con: duckdb.DuckDBPyConnection, config_hash: str | None, max_length: int | None, rows: int) -> dict:

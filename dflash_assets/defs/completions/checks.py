@@ -1,18 +1,22 @@
 """The quality gate on completions: every check of `quality.CHECKS` from one DuckDB pass.
 
 In a shard's run the checks look at that shard; in a checks-only run (the schedule) at every shard.
-The ones marked blocking stop what is downstream (the training set) while they fail with ERROR.
+They sit on length_quality_report, the shard's measured figures they judge, not on completions: a blocking
+check stops only the assets downstream of the asset it checks (Dagster wires the failed check step in front
+of them), so on completions it stopped the report itself, on exactly the shards whose figures a person needs.
+Placed here the report always materialises, the check fails beside it, and the ones marked blocking stop
+the training set, which is downstream of the report.
 """
 
 import dagster as dg
 
-from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import CHECKS, run_checks
 
 
 @dg.multi_asset_check(
-    specs=[dg.AssetCheckSpec(spec.name, asset=completions, blocking=spec.blocking, description=spec.description)
+    specs=[dg.AssetCheckSpec(spec.name, asset=length_quality_report, blocking=spec.blocking, description=spec.description)
            for spec in CHECKS],
     description="The length-quality and data-contract checks on completions, computed in one DuckDB scan.",
     compute_kind="duckdb",
@@ -37,7 +41,7 @@ def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir:
         label = ", ".join(s for s, _ in results) if len(results) <= 3 else f"{len(results)} shards"
         yield dg.AssetCheckResult(
             check_name=name,
-            asset_key=completions.key,
+            asset_key=length_quality_report.key,
             passed=not failing,
             severity=dg.AssetCheckSeverity(worst.severity),
             description=f"{scope}: " + worst.summary_md.split("\n", 1)[0],

@@ -28,8 +28,8 @@ class ContinuationConfig(DispatchConfig):
     pool="sglang_fleet",
     description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
                 "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
-                "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token "
-                "ids are left to a completions run at the new cap, which then generates only those.",
+                "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token ids "
+                "are continued by their text (chat route, continue_final_message), never drawn afresh.",
 )
 def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
                           data_dir: DataDir) -> None:
@@ -49,7 +49,7 @@ def _continue(context: dg.AssetExecutionContext, shard: str, config: Continuatio
         run = run_on_fleet(fleet, lambda f: continue_shard(data_dir.resolved(), shard, f, parent, cap,
                                                            config.dispatch(), log=context.log.info))
     except ConfigError as e:
-        raise dg.Failure(str(e)) from None
+        raise dg.Failure(str(e), metadata={"cause": "config"}) from None
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}") from None
     for note in run.notes:

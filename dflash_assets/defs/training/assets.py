@@ -4,8 +4,10 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
+from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.quality.tables import open_quality_db
 
 
@@ -13,6 +15,10 @@ class TrainingSetConfig(dg.Config):
     config_hash: str = Field(
         "", description="The generation config to export: a config_hash, '' for the config with the most rows, "
                         "or 'all' for every config (ids are <prompt_id>@<config_hash>).")
+    drop_over_max_length: bool = Field(
+        False, description="Leave out rows longer than the trainer's max_length. Off by default: they are the "
+                           "longest answers, trainers cut them at training time, and the max_length_overflow "
+                           "check (WARN) counts them.")
     form: str = Field(
         "conversations", description="'conversations': SpecForge's {id, status, conversations} (what its "
                                      "validate_regenerated_data.py accepts); 'messages': the OpenAI {id, messages}.")
@@ -26,7 +32,9 @@ def most_rows_config(data_dir) -> str | None:
 
 
 @dg.asset(
-    deps=[completions],
+    # downstream of the report, whose blocking checks are the gate: in a run that holds both, a failing one
+    # stops this asset (and only this one); across runs the asset runs the same checks over all shards itself
+    deps=[completions, length_quality_report],
     group_name="training",
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
@@ -50,13 +58,18 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
     export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
-                                 max_length=quality.training_max_length, form=config.form)
+                                 max_length=quality.training_max_length, form=config.form,
+                                 drop_over_max_length=config.drop_over_max_length)
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
+    excluded = "\n".join(f"- {line}" for line in exclusion_lines(manifest)) or "nothing was left out"
     return dg.MaterializeResult(metadata={
         "dagster/row_count": manifest["rows"],
         "config_hash": chosen or "all",
         "jsonl": dg.MetadataValue.path(str(export.jsonl_path)),
         "parquet": dg.MetadataValue.path(str(export.parquet_path)),
+        "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),
+        "over_max_length_kept": manifest["over_max_length_kept"],
+        "exclusions": dg.MetadataValue.md(excluded),
         "manifest": dg.MetadataValue.json(manifest),
     })

@@ -1,0 +1,135 @@
+"""The story's bump, 4096 -> 8192, on an emulator that samples like a server (a new draw per request, lengths
+correlated with the prompt): continuing the cut rows gives the length distribution of a clean 8192 run, while
+keeping the short rows and drawing the long ones afresh skews the set short."""
+
+import asyncio
+import json
+import math
+
+import duckdb
+import numpy as np
+import pytest
+
+from dflash_assets.emulator.process import start_emulator
+from dflash_assets.fleet.fleet import connect
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.continuation import continue_shard
+from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.shards import build_prompt_shard
+
+N = 600
+SERVER = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-request"]
+SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=200, commit_seconds=5, load_sample_s=0)
+
+
+def on_fleet(url, work):
+    async def go():
+        fleet = await connect([url])
+        try:
+            return await work(fleet)
+        finally:
+            await fleet.session.close()
+
+    return asyncio.run(go())
+
+
+def shard(data_dir, url) -> None:
+    src = data_dir.parent / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"b{i:04d}", "prompt": f"Work through problem {i} in detail."}) + "\n"
+                           for i in range(N)))
+    on_fleet(url, lambda f: build_prompt_shard(src, 0, "00000", N, data_dir, f, {"enable_thinking": True}))
+
+
+def generate(data_dir, url, cap):
+    return on_fleet(url, lambda f: generate_shard(data_dir, "00000", f, GenerationConfig(max_output_tokens=cap),
+                                                  SETTINGS, log=lambda m: None))
+
+
+def lengths(data_dir, config_hash, where="true") -> np.ndarray:
+    return np.array([r[0] for r in duckdb.sql(
+        f"select completion_tokens from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = true) "
+        f"where config_hash = '{config_hash}' and {where} order by prompt_id").fetchall()])
+
+
+def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov D: the largest gap between the two empirical CDFs."""
+    grid = np.union1d(a, b)
+    fa = np.searchsorted(np.sort(a), grid, side="right") / len(a)
+    fb = np.searchsorted(np.sort(b), grid, side="right") / len(b)
+    return float(np.abs(fa - fb).max())
+
+
+def ks_critical(n: int, m: int, alpha: float = 0.001) -> float:
+    """The asymptotic critical D at level alpha (0.001: a same-distribution pair fails one run in a thousand)."""
+    return math.sqrt(-0.5 * math.log(alpha / 2)) * math.sqrt((n + m) / (n * m))
+
+
+@pytest.fixture(scope="module")
+def bump(tmp_path_factory):
+    """Three data dirs over the same prompts: generated at 4096 (token ids stored) and continued to 8192;
+    generated clean at 8192; generated again at 8192 (a second, independent draw per prompt)."""
+    dirs = [tmp_path_factory.mktemp(name) / "data" for name in ("bumped", "clean", "again")]
+    with start_emulator(SERVER) as server:
+        for d in dirs:
+            shard(d, server.url)
+        parent = generate(dirs[0], server.url, 4096)
+        run = on_fleet(server.url, lambda f: continue_shard(dirs[0], "00000", f, parent.config_hash, 8192, SETTINGS,
+                                                            log=lambda m: None))
+        clean, again = generate(dirs[1], server.url, 8192), generate(dirs[2], server.url, 8192)
+    return dirs, parent, run, clean, again
+
+
+def test_lengths_after_a_4096_to_8192_bump_match_a_clean_8192_run(bump):
+    (a, b, _), parent, run, clean, _ = bump
+    assert 0.12 <= parent.length / N <= 0.25, parent.length  # the story's share cut at 4096
+    assert run.continued == parent.length and run.copied == N - parent.length and run.left == 0
+    bumped, fresh = lengths(a, run.config_hash), lengths(b, clean.config_hash)
+    assert len(bumped) == len(fresh) == N
+    d, critical = ks_statistic(bumped, fresh), ks_critical(N, N)
+    assert d < critical, (d, critical)
+    over = (bumped > 4096).mean(), (fresh > 4096).mean()
+    assert abs(over[0] - over[1]) < 3 * math.sqrt(over[1] * (1 - over[1]) * 2 / N), over
+    # every continued row ends past the 4096 tokens it carried, as its first draw did
+    continued = lengths(a, run.config_hash, "tokens_reused = 4096 and parent_config_hash is not null")
+    assert len(continued) == parent.length and (continued > 4096).all()
+    # tokens reused: every stopped row whole, and the 4096 of each continued one
+    stopped = lengths(a, parent.config_hash, "finish_reason = 'stop'")
+    assert run.tokens_reused == int(stopped.sum()) + 4096 * parent.length
+
+
+def test_keeping_short_rows_and_redrawing_only_the_cut_ones_skews_the_set_short(bump):
+    """The mix the bump must never make, measured: the test above has the power to see it."""
+    (a, b, c), parent, _, clean, again = bump
+    kept = lengths(a, parent.config_hash, "finish_reason = 'stop'")
+    cut_ids = {r[0] for r in duckdb.sql(f"select prompt_id from read_parquet('{a}/completions/**/*.parquet', "
+                                        f"union_by_name = true) where config_hash = '{parent.config_hash}' and "
+                                        f"finish_reason = 'length'").fetchall()}
+    redrawn = np.array([r[1] for r in duckdb.sql(
+        f"select prompt_id, completion_tokens from read_parquet('{c}/completions/**/*.parquet')").fetchall()
+        if r[0] in cut_ids])
+    mixed, fresh = np.concatenate([kept, redrawn]), lengths(b, clean.config_hash)
+    assert len(mixed) == N
+    assert (mixed > 4096).mean() < (fresh > 4096).mean() - 0.04, ((mixed > 4096).mean(), (fresh > 4096).mean())
+    assert ks_statistic(mixed, fresh) > ks_statistic(lengths(a, clean.config_hash), fresh)
+
+
+def test_the_emulator_draws_anew_per_request_with_lengths_correlated_with_the_prompt(bump):
+    (_, b, c), _, _, clean, again = bump
+    first, second = lengths(b, clean.config_hash), lengths(c, again.config_hash)
+    assert (first != second).mean() > 0.9, "a server draws anew for each request at temperature > 0"
+    correlation = np.corrcoef(np.log(first), np.log(second))[0, 1]
+    assert 0.3 < correlation < 0.7, correlation  # the prompt sets half the log-length variance (prompt_share 0.5)
+
+
+def test_temperature_zero_or_a_seed_gives_the_same_completion_every_time(emulator):
+    server = emulator("--reasoning-parser", "qwen3", "--sampling", "per-request")
+    prompt = {"text": "<|im_start|>user\nHow long?<|im_end|>\n<|im_start|>assistant\n",
+              "sampling_params": {"max_new_tokens": 32000}}
+
+    def lengths_of(sampling):
+        body = {**prompt, "sampling_params": {**prompt["sampling_params"], **sampling}}
+        return [server.post("/generate", body)[1]["meta_info"]["completion_tokens"] for _ in range(6)]
+
+    assert len(set(lengths_of({"temperature": 0.0}))) == 1
+    assert len(set(lengths_of({"temperature": 0.6, "sampling_seed": 7}))) == 1
+    assert len(set(lengths_of({"temperature": 0.6}))) > 1
