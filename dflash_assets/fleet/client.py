@@ -38,6 +38,7 @@ class ServerInfo:
     max_req_input_len: int | None  # the scheduler's own input limit (context_length - ~6)
     max_total_num_tokens: int | None  # KV pool size in tokens
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
+    servers: int = 1  # SGLang servers answering at this URL: a gateway's workers (fleet/gateway.py)
 
 
 def error_message(body: Any) -> str:
