@@ -66,3 +66,35 @@ def emulator():
     yield start
     for emu in started:
         emu.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway Postgres for the session (tests/services.py); its DAGSTER_PG_* settings, which
+    deploy/dagster.yaml reads, are in this process's environment (and so in every Dagster process it starts)."""
+    import os
+
+    from dagster_procs import ARTIFACTS
+    from services import postgres_server
+
+    with postgres_server(ARTIFACTS / "logs" / "postgres.log") as server:
+        saved = {k: os.environ.get(k) for k in server.env()}
+        os.environ.update(server.env())
+        try:
+            yield server
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def redis_broker():
+    """A throwaway redis-server for the session (tests/services.py), the Celery broker and result backend."""
+    from dagster_procs import ARTIFACTS
+    from services import redis_server
+
+    with redis_server(ARTIFACTS / "logs" / "redis.log") as server:
+        yield server
