@@ -70,24 +70,12 @@ def emulator():
 
 @pytest.fixture(scope="session")
 def postgres():
-    """A throwaway Postgres for the session (tests/services.py); its DAGSTER_PG_* settings, which
-    deploy/dagster.yaml reads, are in this process's environment (and so in every Dagster process it starts)."""
-    import os
-
+    """A throwaway Postgres for the session (tests/services.py); each test module makes its own database."""
     from dagster_procs import ARTIFACTS
     from services import postgres_server
 
     with postgres_server(ARTIFACTS / "logs" / "postgres.log") as server:
-        saved = {k: os.environ.get(k) for k in server.env()}
-        os.environ.update(server.env())
-        try:
-            yield server
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        yield server
 
 
 @pytest.fixture(scope="session")

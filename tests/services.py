@@ -29,12 +29,38 @@ class Postgres:
     port: int
     user: str
     password: str
-    db: str
+    db: str  # the maintenance database initdb creates
 
-    def env(self) -> dict[str, str]:
-        """What deploy/dagster.yaml reads its storage settings from."""
+    def connect(self, db: str):
+        import psycopg2
+
+        return psycopg2.connect(host=self.host, port=self.port, user=self.user, password=self.password, dbname=db)
+
+    def database(self, db: str) -> dict[str, str]:
+        """A new, empty database (one per test module: instances never share runs), and the DAGSTER_PG_* settings
+        deploy/dagster.yaml reads to use it."""
+        conn = self.connect(self.db)
+        conn.autocommit = True
+        with conn.cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE {db}")
+        conn.close()
         return {"DAGSTER_PG_HOST": self.host, "DAGSTER_PG_PORT": str(self.port), "DAGSTER_PG_USER": self.user,
-                "DAGSTER_PG_PASSWORD": self.password, "DAGSTER_PG_DB": self.db}
+                "DAGSTER_PG_PASSWORD": self.password, "DAGSTER_PG_DB": db}
+
+
+@contextmanager
+def environ(settings: dict[str, str]) -> Iterator[None]:
+    """`settings` in this process's environment (and so in every process it starts), restored after."""
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _pg_bin(name: str) -> str:
@@ -51,12 +77,10 @@ def _as_owner(cmd: list[str]) -> list[str]:
 
 @contextmanager
 def postgres_server(log_path: Path) -> Iterator[Postgres]:
-    """initdb into a temporary directory, start on a free loopback port with password auth, create the database."""
-    import psycopg2
-
+    """initdb into a temporary directory, start on a free loopback port with password auth."""
     base = Path(tempfile.mkdtemp(prefix="dflash-pg-"))
     data, pwfile = base / "data", base / "pwfile"
-    server = Postgres("127.0.0.1", free_port(), "dagster", secrets.token_hex(12), "dagster")
+    server = Postgres("127.0.0.1", free_port(), "dagster", secrets.token_hex(12), "postgres")
     pwfile.write_text(server.password + "\n")
     if os.geteuid() == 0:
         shutil.chown(base, "postgres", "postgres")
@@ -70,12 +94,6 @@ def postgres_server(log_path: Path) -> Iterator[Postgres]:
         options = f"-c listen_addresses={server.host} -p {server.port} -k {base} -c fsync=off"
         subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-o", options, "-l", str(pg_log), "-w",
                                   "-t", "60", "start"]), check=True, capture_output=True, text=True)
-        conn = psycopg2.connect(host=server.host, port=server.port, user=server.user, password=server.password,
-                                dbname="postgres")
-        conn.autocommit = True
-        with conn.cursor() as cursor:
-            cursor.execute(f"CREATE DATABASE {server.db}")
-        conn.close()
         yield server
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"{' '.join(e.cmd)} failed:\n{e.stdout}\n{e.stderr}") from None

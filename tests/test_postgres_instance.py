@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psycopg2
 import pytest
 import yaml
 
 import test_backfill as backfill
 from dagster_procs import ARTIFACTS, PROJECT_DAGSTER_YAML, ROOT
+from services import environ
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -32,21 +32,28 @@ def test_the_postgres_instance_has_the_run_queue_and_pool_of_the_local_one():
 
 
 @pytest.fixture(scope="module")
-def stack(postgres, tmp_path_factory):
+def database(postgres):
+    settings = postgres.database("backfill")
+    with environ(settings):
+        yield settings["DAGSTER_PG_DB"]
+
+
+@pytest.fixture(scope="module")
+def stack(database, tmp_path_factory):
     with backfill.open_stack(tmp_path_factory.mktemp("backfill-postgres"), DEPLOY_DAGSTER_YAML,
                              ARTIFACTS / "logs" / "backfill-postgres") as opened:
         yield opened
 
 
-def test_a_backfill_on_the_postgres_instance_checks_what_the_sqlite_one_does(stack, postgres, monkeypatch):
+def test_a_backfill_on_the_postgres_instance_checks_what_the_sqlite_one_does(stack, postgres, database,
+                                                                           monkeypatch):
     assert type(stack.instance.run_storage).__name__ == "PostgresRunStorage"
     assert type(stack.instance.event_log_storage).__name__ == "PostgresEventLogStorage"
     monkeypatch.setattr(backfill, "OUT", ARTIFACTS / "backfill-postgres")  # pool.json beside the SQLite one
     backfill.test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_the_limit(stack)
 
     # what the webserver and the daemon wrote is in the database itself, not in files under DAGSTER_HOME
-    with psycopg2.connect(host=postgres.host, port=postgres.port, user=postgres.user, password=postgres.password,
-                          dbname=postgres.db) as conn, conn.cursor() as cursor:
+    with postgres.connect(database) as conn, conn.cursor() as cursor:
         cursor.execute("select count(*) from runs where status = 'SUCCESS'")
         runs = cursor.fetchone()[0]
         cursor.execute("select count(*) from event_logs where dagster_event_type = 'ASSET_MATERIALIZATION'")
