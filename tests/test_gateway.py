@@ -125,7 +125,8 @@ def sglang_routes() -> set[str]:
         pytest.fail("the sglang 0.5.23 wheel is not installed: `uv pip install --no-deps sglang==0.5.23`")
     entrypoints = Path(next(iter(spec.submodule_search_locations))) / "srt" / "entrypoints"
     routes = set()
-    decorator = re.compile(r'@(?:app|router)\.(get|post|put|delete|api_route)\(\s*"([^"]+)"(?:,\s*methods=\[([^\]]*)\])?')
+    decorator = re.compile(
+        r'@(?:app|router)\.(get|post|put|delete|api_route)\(\s*"([^"]+)"(?:,\s*methods=\[([^\]]*)\])?')
     for path in (entrypoints / "http_server.py", entrypoints / "v1_loads.py"):
         for verb, route, methods in decorator.findall(path.read_text()):
             for method in (re.findall(r'"(\w+)"', methods) if verb == "api_route" else [verb.upper()]):
