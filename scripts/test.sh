@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the test suite on a fresh machine: uv (with pip, if missing), the locked environment, SGLang's wheel
 # without its dependencies (the contract tests read its schema file; importing it would pull a CUDA torch),
-# Debian's Chromium for the browser tests (when missing and we are root), then pytest with this script's
-# arguments, e.g. `bash scripts/test.sh tests/test_ui_browser.py -x`.
+# Debian's Chromium for the browser tests and postgresql + redis-server for the multi-machine tests (when
+# missing and we are root), then pytest with this script's arguments, e.g.
+# `bash scripts/test.sh tests/test_ui_browser.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.local/bin:$PATH"
@@ -20,6 +21,23 @@ if [ ! -x /usr/bin/chromium ]; then
   else
     echo "scripts/test.sh: /usr/bin/chromium is missing and this is not root; install Debian's chromium" \
          "(apt-get install chromium) or the browser tests fail under CI=true and are skipped elsewhere" >&2
+  fi
+fi
+
+# Debian's postgresql and redis-server for the multi-machine tests (a throwaway Postgres instance, the Celery
+# broker); each test session starts its own on loopback ports and stops it.
+missing=()
+compgen -G "/usr/lib/postgresql/*/bin/pg_ctl" >/dev/null || command -v pg_ctl >/dev/null 2>&1 || missing+=(postgresql)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -eq 0 ]; then
+    echo "+ installing Debian's ${missing[*]} for the Postgres, Celery and Redis tests" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "scripts/test.sh: ${missing[*]} missing and this is not root; install them (apt-get install" \
+         "${missing[*]}) or tests/test_postgres_instance.py and tests/test_celery.py fail" >&2
   fi
 fi
 

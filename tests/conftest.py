@@ -75,3 +75,23 @@ def emulator():
     yield start
     for emu in started:
         emu.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway Postgres for the session (tests/services.py); each test module makes its own database."""
+    from dagster_procs import ARTIFACTS
+    from services import postgres_server
+
+    with postgres_server(ARTIFACTS / "logs" / "postgres.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_broker():
+    """A throwaway redis-server for the session (tests/services.py), the Celery broker and result backend."""
+    from dagster_procs import ARTIFACTS
+    from services import redis_server
+
+    with redis_server(ARTIFACTS / "logs" / "redis.log") as server:
+        yield server

@@ -54,13 +54,14 @@ def fresh_dir(path: Path) -> Path:
     return path
 
 
-def make_home(path: Path) -> Path:
-    """A fresh DAGSTER_HOME with the project's dagster.yaml (run queue, concurrency pools, run monitoring), its
-    SQLite storages created here, so processes started side by side on it don't race to create the tables."""
+def make_home(path: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML) -> Path:
+    """A fresh DAGSTER_HOME with the project's dagster.yaml (run queue, concurrency pools, run monitoring), or
+    another (deploy/dagster.yaml: Postgres, its DAGSTER_PG_* settings in this process's environment), its
+    storages created here, so processes started side by side on it don't race to create the tables."""
     from dagster import DagsterInstance
 
     path.mkdir(parents=True, exist_ok=True)
-    shutil.copy(PROJECT_DAGSTER_YAML, path / "dagster.yaml")
+    shutil.copy(dagster_yaml, path / "dagster.yaml")
     with DagsterInstance.from_config(str(path)) as instance:
         instance.get_runs(limit=1)
         instance.get_dynamic_partitions("shards")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +35,8 @@ import duckdb
 import pytest
 from dagster._core.events import DagsterEventType
 
-from dagster_procs import (ARTIFACTS, Webserver, add_shard_partitions, daemon, dflash_env, free_port, fresh_dir,
-                           make_home, project_pool_limit, wait_daemon_healthy, webserver)
+from dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, Webserver, add_shard_partitions, daemon, dflash_env,
+                           free_port, fresh_dir, make_home, project_pool_limit, wait_daemon_healthy, webserver)
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.quality import CHECKS
 
@@ -104,11 +105,11 @@ def write_prompts(path: Path, n: int) -> None:
                             + "\n" for i in range(n)))
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    base = tmp_path_factory.mktemp("backfill")
-    logs = fresh_dir(ARTIFACTS / "logs" / "backfill")  # webserver, daemon and emulator logs, kept for CI
-    home = make_home(base / "dagster_home")
+@contextmanager
+def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path = ARTIFACTS / "logs" / "backfill"):
+    """The webserver, the daemon and the held emulator on an instance made from `dagster_yaml`."""
+    logs = fresh_dir(logs)  # webserver, daemon and emulator logs, kept for CI
+    home = make_home(base / "dagster_home", dagster_yaml)
     write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 1))
     fleet = Fleet(logs)
     # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
@@ -124,6 +125,12 @@ def stack(tmp_path_factory):
                 yield Stack(server, instance, fleet, base / "data")
     finally:
         fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with open_stack(tmp_path_factory.mktemp("backfill")) as opened:
+        yield opened
 
 
 # --- GraphQL ----------------------------------------------------------------------------------------------

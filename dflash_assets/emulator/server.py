@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 import logging
+from collections import Counter
 import os
 import secrets
 import sys
@@ -51,6 +52,26 @@ async def auth_middleware(request: web.Request, handler):
         raise asyncio.CancelledError() from None
 
 
+ROUTES = web.AppKey("emulator_routes", Counter)
+
+
+@web.middleware
+async def route_log(request: web.Request, handler):
+    """Counts every request as "METHOD /path STATUS" (unknown routes too): what a client, say a gateway
+    registering this server, really called. Read with GET /_emulator/routes (emulator-only)."""
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as e:
+        status = e.status
+        raise
+    finally:
+        if not request.path.startswith("/_emulator/"):
+            request.app[ROUTES][f"{request.method} {request.path} {status}"] += 1
+
+
 def crash_process() -> None:
     """A GPU server dying mid-flight: no cleanup, connections drop."""
     sys.stderr.write("emulator: injected crash, exiting\n")
@@ -59,7 +80,8 @@ def crash_process() -> None:
 
 
 def create_app(cfg: EmulatorConfig, *, faults: Faults | None = None, on_crash=crash_process) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware], client_max_size=256 * 1024**2)
+    app = web.Application(middlewares=[route_log, auth_middleware], client_max_size=256 * 1024**2)
+    app[ROUTES] = Counter()
     faults = faults or from_args(cfg.args)
 
     def judge():
@@ -92,7 +114,13 @@ def create_app(cfg: EmulatorConfig, *, faults: Faults | None = None, on_crash=cr
         r.add_get("/metrics", metrics)
     r.add_route("*", "/_emulator/faults", fault_route)
     r.add_get("/_emulator/stats", stats_route)
+    r.add_get("/_emulator/routes", routes_route)
     return app
+
+
+async def routes_route(request: web.Request) -> web.Response:
+    """Emulator-only: {"METHOD /path STATUS": count} of every request served so far (see route_log)."""
+    return web.json_response(dict(request.app[ROUTES]))
 
 
 async def stats_route(request: web.Request) -> web.Response:

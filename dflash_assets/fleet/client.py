@@ -62,6 +62,7 @@ class ServerInfo:
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
     mamba_slots_per_request: int | None = None  # hybrid models only: see mamba_slots_per_request()
     always_thinks: bool = False  # its chat template opens <think> even with enable_thinking false
+    servers: int = 1  # SGLang servers answering at this URL: a gateway's workers (fleet/gateway.py)
 
     @property
     def max_req_len(self) -> int:

@@ -11,6 +11,7 @@ from typing import TypeVar
 import aiohttp
 
 from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
+from dflash_assets.fleet.gateway import gateway_workers, open_gateway
 
 T = TypeVar("T")
 
@@ -55,11 +56,20 @@ async def connect(urls: list[str], api_key: str | None = None, *, health_timeout
     try:
         clients = [ServerClient(session, u, api_key, request_timeout_s) for u in urls]
         await asyncio.gather(*(wait_healthy(c, health_timeout_s) for c in clients))
+        clients = list(await asyncio.gather(*(_behind_gateway(c, api_key, request_timeout_s) for c in clients)))
         infos = list(await asyncio.gather(*(c.info() for c in clients)))
     except BaseException:
         await session.close()
         raise
     return Fleet(clients, infos, session)
+
+
+async def _behind_gateway(client: ServerClient, api_key: str | None, request_timeout_s: float) -> ServerClient:
+    """The client itself for an SGLang server; for an SGLang model gateway, one that reads its workers."""
+    workers = await gateway_workers(client)
+    if workers is None:
+        return client
+    return await open_gateway(client.session, client.url, workers, api_key, request_timeout_s)
 
 
 def on_fleet(urls: list[str], work: Callable[[Fleet], Awaitable[T]], api_key: str | None = None, **kw) -> T:

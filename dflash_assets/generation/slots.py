@@ -44,7 +44,8 @@ class SlotPicker:
                  waiting_margin: int = 2, eject_after: int = 3, probe_interval_s: float = 2.0,
                  no_server_timeout_s: float = 120.0, max_imbalance: float = 0.25):
         self.slots = [
-            Slot(c, i, max_in_flight_per_server or (i.max_running_requests + waiting_margin))
+            # a gateway URL stands for i.servers servers: each gets its slots and its waiting margin
+            Slot(c, i, max_in_flight_per_server * i.servers or (i.max_running_requests + waiting_margin * i.servers))
             for c, i in zip(clients, infos)
         ]
         self.eject_after = eject_after

@@ -1,0 +1,131 @@
+"""An SGLang model gateway (`smg`) in front of many servers: attached by its one URL, sized by its workers.
+
+The gateway answers the generation routes for the whole fleet, but the facts preflight and the dispatcher
+need belong to each server behind it, and only the servers have them exactly: the context length and input
+limit (`/v1/models` max_model_len, `/server_info` max_req_input_len), the effective max_running_requests
+(what the scheduler really runs, after the KV and mamba caps), and the chat template that counts a prompt's
+tokens. The gateway's own `/v1/tokenize` renders with a tokenizer of its own (when it loaded one), its
+`/v1/models` has no max_model_len, and its worker labels carry the `--max-running-requests` flag, not the
+effective figure.
+
+So a gateway URL is recognised by smg's worker list (`GET /workers`), every healthy worker on it is probed
+directly with the same `ServerClient.info()` as an attached server, prompts are counted on the workers, and
+generation requests go to the gateway with as many in flight as its workers run together (plus the waiting
+margin for each). The workers must therefore be reachable from the orchestrator at the URLs the gateway
+lists (read-only GETs and `/v1/tokenize`); generation itself only ever goes through the gateway.
+
+Retries are ours, not the gateway's (`deploy/sglang-router.sh` starts it with `--disable-retries`): the
+dispatcher already retries a failed request with backoff, records the attempt on the row, counts failures
+and stops when the fleet is down; a second layer inside the gateway would multiply the attempts unseen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, replace
+
+import aiohttp
+
+from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
+
+WORKERS_ROUTE = "/workers"  # smg's worker list: {"workers": [{"url", "model_id", "is_healthy", ...}], "total"}
+LOADS_ROUTE = "/get_loads"  # smg's per-worker, per-DP-rank /v1/loads of every worker
+
+
+class GatewayError(ValueError):
+    """The gateway cannot be used as a fleet: no healthy worker, several models, or workers out of reach."""
+
+
+@dataclass(frozen=True)
+class GatewayWorker:
+    url: str
+    model: str | None
+    healthy: bool
+    status: str | None
+
+
+def parse_workers(body) -> list[GatewayWorker] | None:
+    """The workers of an smg `/workers` answer, or None when the body is not one."""
+    if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
+        return None
+    return [GatewayWorker(url=str(w["url"]).rstrip("/"), model=w.get("model_id"), healthy=bool(w.get("is_healthy")),
+                          status=w.get("status"))
+            for w in body["workers"] if isinstance(w, dict) and w.get("url")]
+
+
+class GatewayClient(ServerClient):
+    """One gateway URL: generation through it, facts and token counts from the servers behind it."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, workers: list[ServerClient],
+                 api_key: str | None = None, request_timeout_s: float = 3600.0):
+        super().__init__(session, url, api_key, request_timeout_s)
+        self.workers = workers
+        self._next_worker = itertools.cycle(workers)
+
+    def __repr__(self) -> str:
+        return f"GatewayClient({self.url}, {len(self.workers)} workers)"
+
+    async def info(self) -> ServerInfo:
+        infos = list(await asyncio.gather(*(w.info() for w in self.workers)))
+        return combine(self.url, infos)
+
+    async def loads(self) -> dict:
+        return await self._request("GET", LOADS_ROUTE, timeout=10)
+
+    async def count_prompt_tokens(self, messages: list[dict], chat_template_kwargs: dict) -> int:
+        return await next(self._next_worker).count_prompt_tokens(messages, chat_template_kwargs)
+
+    async def tokenize(self, text: str) -> list[int]:
+        return await self.workers[0].tokenize(text)
+
+
+def combine(url: str, infos: list[ServerInfo]) -> ServerInfo:
+    """What the fleet behind one gateway can honour: one model, the smallest context and input limit, the sum
+    of the servers' effective max_running_requests; a reasoning parser only if every server runs one."""
+    models = sorted({i.model for i in infos})
+    if len(models) > 1:
+        detail = ", ".join(f"{i.url} serves {i.model!r}" for i in infos)
+        raise GatewayError(f"the gateway {url} routes to {len(models)} different models, refusing to mix them: "
+                           f"{detail}")
+    parsers = {i.reasoning_parser for i in infos}
+    input_limits = [i.max_req_input_len for i in infos if i.max_req_input_len is not None]
+    kv_pools = [i.max_total_num_tokens for i in infos if i.max_total_num_tokens is not None]
+    return replace(
+        infos[0], url=url,
+        context_length=min(i.context_length for i in infos),
+        max_running_requests=sum(i.max_running_requests for i in infos),
+        max_req_input_len=min(input_limits) if input_limits else None,
+        max_total_num_tokens=sum(kv_pools) if len(kv_pools) == len(infos) else None,
+        reasoning_parser=parsers.pop() if len(parsers) == 1 else None,
+        servers=len(infos))
+
+
+async def gateway_workers(client: ServerClient) -> list[GatewayWorker] | None:
+    """The workers an smg gateway at `client.url` routes to, or None when the URL is not a gateway (an SGLang
+    server has no `/workers` route: 404)."""
+    try:
+        body = await client._request("GET", WORKERS_ROUTE, timeout=30)
+    except ServerError as e:
+        if e.status in (404, 405):
+            return None
+        raise
+    return parse_workers(body)
+
+
+async def open_gateway(session: aiohttp.ClientSession, url: str, workers: list[GatewayWorker],
+                       api_key: str | None = None, request_timeout_s: float = 3600.0) -> GatewayClient:
+    """A GatewayClient over the gateway's healthy workers, each checked to answer this host directly."""
+    healthy = [w for w in workers if w.healthy]
+    if not healthy:
+        listed = ", ".join(f"{w.url} ({w.status})" for w in workers) or "none"
+        raise GatewayError(f"the gateway {url} has no healthy worker (workers: {listed})")
+    servers = [ServerClient(session, w.url, api_key, request_timeout_s) for w in healthy]
+    reachable = await asyncio.gather(*(s.healthy(timeout=10) for s in servers))
+    if not all(reachable):
+        lost = ", ".join(s.url for s, ok in zip(servers, reachable) if not ok)
+        raise GatewayError(
+            f"the gateway {url} routes to {lost}, which this host cannot reach (GET /health): preflight reads "
+            f"each server's context length, input limit and capacity, and counts prompt tokens, on the servers "
+            f"themselves; register the workers with the gateway at addresses this host can reach too")
+    return GatewayClient(session, url, servers, api_key, request_timeout_s)
