@@ -5,9 +5,10 @@ from collections import Counter
 
 import pyarrow.parquet as pq
 import pytest
-from test_quality_fixtures import blank, defects_dir, load  # noqa: F401
+from test_quality_fixtures import CONFIG_A, blank, completion, defects_dir, load, prompt, write  # noqa: F401
 
 from dflash_assets.quality import EXCLUSION_REASONS, export_training_set
+from dflash_assets.quality.trainer_format import has_think_marker, row_problem
 
 
 def graded(data_dir, config=None, max_length=None):
@@ -21,7 +22,7 @@ def graded(data_dir, config=None, max_length=None):
             ("truncated", r["finish_reason"] == "length"),
             ("not_stop", r["finish_reason"] != "stop"),
             ("empty_content", blank(r["content"])),
-            ("think_marker", "<think>" in text or "</think>" in text),
+            ("think_marker", has_think_marker(text) or has_think_marker(r["reasoning_content"] or "")),
             ("context_overflow", r["prompt_tokens"] + r["max_output_tokens"] > r["server_context_length"]),
             ("over_max_length", max_length is not None and r["prompt_tokens"] + r["completion_tokens"] > max_length),
             ("no_prompt", (r["shard"], r["prompt_id"]) not in prompts),
@@ -164,3 +165,25 @@ def test_export_of_an_empty_data_dir_writes_an_empty_set(tmp_path):
     assert result.jsonl_path.read_bytes() == b""
     assert pq.read_table(result.parquet_path).num_rows == 0
     assert result.manifest["rows"] == 0 and set(result.manifest["excluded"].values()) == {0}
+
+
+def test_export_excludes_what_the_trainers_strict_think_markers_refuses_any_case_in_reasoning_too(tmp_path):
+    """SpecForge's validate_regenerated_data.py --strict-think-markers refuses a marker in either text, any case."""
+    prompts = [prompt("00000", i, 100, "gsm8k") for i in range(5)]
+    rows = [completion(p, CONFIG_A, 200) for p in prompts]
+    rows[0].update(content="Answer <THINK>loud</THINK>")  # upper case, in content
+    rows[1].update(reasoning_content="thought </think> twice")  # only in reasoning_content
+    rows[2].update(content="Fine.", reasoning_content="<Think>mixed")
+    rows[3].update(content="A <thinking> tag is not a marker.")  # kept: neither marker
+    write(tmp_path / "data", "prompt_shards", "00000", prompts)
+    write(tmp_path / "data", "completions", "00000", rows)
+    export = export_training_set(tmp_path / "data", tmp_path / "out", max_length=None)
+    lines = read_jsonl(export.jsonl_path)
+    assert [line["id"] for line in lines] == ["00000-p0003@a4096", "00000-p0004@a4096"]
+    assert [(line["id"], row_problem(line, expect_reasoning=True, strict_think_markers=True)) for line in lines] == [
+        (line["id"], None) for line in lines]
+    assert [(e["reason"], e["rows"], e["share_of_rows"]) for e in export.manifest["exclusions"]] == [
+        ("think_marker", 3, 0.6)]
+    # the exported rows, with a marker put back in reasoning, are what the trainer would refuse
+    assert row_problem(lines[0] | {"conversations": lines[0]["conversations"][:-1] + [
+        lines[0]["conversations"][-1] | {"reasoning_content": "</THINK>"}]}) == "assistant message 2 contains a thinking marker"

@@ -25,11 +25,12 @@ def empty_content(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
 
 
 def think_markers(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
-    """Rows whose content contains `<think>` or `</think>`: the reasoning was not split off (no
-    --reasoning-parser, or separate_reasoning off), so the drafter would learn the raw markers."""
+    """Rows whose content or reasoning_content holds `<think>` or `</think>` (any case, the trainer's rule): the
+    reasoning was not split off (no --reasoning-parser, or separate_reasoning off), so the drafter would learn
+    the raw markers; the trainer's validator refuses them and the export excludes them."""
     return rate_finding(
         "think_marker",
-        "leak `<think>` or `</think>` into content",
+        "leak `<think>` or `</think>` (any case) into content or reasoning_content",
         group_counts(con, "think_marker"),
         t.think_marker_rate_max,
         why="Start the servers with --reasoning-parser (qwen3) and keep separate_reasoning on.",

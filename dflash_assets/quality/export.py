@@ -36,7 +36,7 @@ EXCLUSION_REASONS = (
     "truncated",  # finish_reason 'length'
     "not_stop",  # any other finish_reason than 'stop' (abort, null)
     "empty_content",
-    "think_marker",  # <think> or </think> in content
+    "think_marker",  # <think> or </think>, any case, in content or reasoning_content (trainer_format.py)
     "context_overflow",  # prompt_tokens + max_output_tokens > server_context_length: generated under a clamp
     "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from

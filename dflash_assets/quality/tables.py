@@ -9,7 +9,8 @@ a lock the writer needs.
 Tables (every one exists, empty when its directory has no files yet):
     completions  prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens,
                  max_output_tokens, server_context_length, enable_thinking, plus the flags content_empty,
-                 think_marker, reasoning_empty and runaway (a cut row whose output ends in a loop, runaway.py)
+                 think_marker (content or reasoning, any case: trainer_format.py), reasoning_empty and runaway
+                 (a cut row whose output ends in a loop, runaway.py)
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
     prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
@@ -29,6 +30,7 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, P
 from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.generation.parts import PartStore
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
+from dflash_assets.quality.trainer_format import think_marker_sql
 
 # "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
 # on real text, where trim() would copy the whole (often 30 kB) string first.
@@ -40,7 +42,7 @@ COMPLETION_COLUMNS = """
 
 COMPLETION_FLAGS = f"""
     content IS NULL OR NOT regexp_matches(content, '{BLANK}') AS content_empty,
-    coalesce(contains(content, '<think>') OR contains(content, '</think>'), false) AS think_marker,
+    {think_marker_sql("content", "reasoning_content")} AS think_marker,
     reasoning_content IS NULL OR NOT regexp_matches(reasoning_content, '{BLANK}') AS reasoning_empty"""
 
 

@@ -26,6 +26,13 @@ def has_think_marker(text: str) -> bool:
     return any(marker in lowered for marker in THINK_MARKERS)
 
 
+def think_marker_sql(*columns: str) -> str:
+    """has_think_marker over text columns as one DuckDB boolean (a null column holds no marker): the flag the
+    think_marker check and the export's exclusion read, so they refuse exactly what --strict-think-markers does."""
+    hits = [f"contains(lower({c}), '{m}')" for c in columns for m in THINK_MARKERS]
+    return "coalesce(" + " OR ".join(f"coalesce({h}, false)" for h in hits) + ", false)"
+
+
 def conversation_problem(messages: Any) -> str | None:
     """Why `messages` is not a trainable conversation (system*, then user/assistant alternating), or None."""
     if not isinstance(messages, list) or not messages:
