@@ -255,6 +255,32 @@ def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_pe
         outcomes["duplicates"].summary_md, outcomes["accounting"].summary_md)
 
 
+def test_the_cap_plan_shows_each_turn_index_with_its_share_cut_and_percentiles(clean):
+    from dflash_assets.quality.planner import plan_caps, plan_markdown
+
+    data, run, _ = clean
+    plan = plan_caps(data, bootstrap=0)
+    tokens = duckdb.sql(f"select turn, completion_tokens, finish_reason from read_parquet("
+                        f"'{data}/completions/**/*.parquet') where finish_reason in ('stop', 'length')").fetchall()
+
+    def rank(values, q):  # nearest rank: the value at 1-based rank ceil(q * n)
+        return sorted(values)[-(-len(values) * int(q * 100) // 100) - 1]
+
+    expected = []
+    for k in (1, 2, 3):
+        values = [t for turn, t, _ in tokens if turn == k]
+        cut = sum(f == "length" for turn, _, f in tokens if turn == k)
+        assert (len(values), cut) == (run.by_turn[k]["rows"], run.by_turn[k]["truncated"])
+        expected.append((k, len(values), cut, cut / len(values), rank(values, 0.5), rank(values, 0.9),
+                         rank(values, 0.99)))
+    assert [(t.turn, t.rows, t.truncated, t.truncation_rate, t.p50, t.p90, t.p99) for t in plan.by_turn] == expected
+    assert sum(t.truncated for t in plan.by_turn) == plan.truncated > 0  # the cap cuts some turns at CAP
+    md = plan_markdown(plan)
+    assert f"By turn (all_turns), at cap {CAP:,}:" in md
+    t1 = plan.by_turn[0]
+    assert f"| 1 | {t1.rows} | {t1.truncation_rate * 100:.2f}% | {t1.p50:,} | {t1.p90:,} | {t1.p99:,} |" in md
+
+
 def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_figures(tmp_path):
     """The Dagster layer: the detected format in prompt_shards' metadata, a lone-surrogate line rejected while
     the shard goes on, `regenerate: all_turns` from run config, by_turn in completions' and the report's metadata."""
@@ -262,14 +288,17 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
     from test_pipeline import FAST, resources, run_shard
 
     from dflash_assets.defs.partitions import shard_partitions
+    from dflash_assets.defs.quality.assets import length_quality_summary
 
     lines = [json.dumps(conversation(i)) for i in range(6)]
     lines.insert(2, '{"id": "broken", "conversations": [{"from": "human", "value": "emoji \\ud83d"}]}')
     (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     with start_emulator(FAST) as emu, dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
-        result = run_shard(instance, resources(tmp_path, emu.url, shard_size=7), "00000", cap=16000,
-                           regenerate="all_turns")
+        res = resources(tmp_path, emu.url, shard_size=7)
+        result = run_shard(instance, res, "00000", cap=16000, regenerate="all_turns")
+        summary = dg.materialize([length_quality_summary], instance=instance, resources=res, selection=[
+            length_quality_summary]).asset_materializations_for_node("length_quality_summary")[0].metadata
     assert result.success
     shard_meta = result.asset_materializations_for_node("prompt_shards")[0].metadata
     assert (shard_meta["lines"].value, shard_meta["prompts"].value, shard_meta["rejected"].value) == (7, 6, 1)
@@ -281,6 +310,10 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
     assert len(turn_rows(tmp_path / "data")) == 18
     report = result.asset_materializations_for_node("length_quality_report")[0].metadata
     assert "| 3 |" in report["by_turn"].value
+    by_turn = summary["cap_plan_by_turn"].value  # the cap plan's by-turn view: 6 rows a turn, none cut at 16000
+    assert [line[:17] for line in by_turn.splitlines() if line[:2] == "| " and line[2].isdigit()] == [
+        f"| {k} | 6 | 0.00% |" for k in (1, 2, 3)]
+    assert "By turn (all_turns), at cap 16,000:" in summary["cap_plan"].value
     checks = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
     assert checks["duplicates"] and checks["accounting"] and checks["context_overflow"], checks
 

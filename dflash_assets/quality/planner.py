@@ -87,6 +87,32 @@ class CapEstimate:
 
 
 @dataclass(frozen=True)
+class TurnView:
+    """The rows of one turn index (all_turns): how many, the share the current cap cut, nearest-rank P50/P90/P99.
+    Later turns carry longer histories and often longer answers: one cap for all turns is judged turn by turn."""
+    turn: int
+    rows: int
+    truncated: int
+    truncation_rate: float
+    p50: int
+    p90: int
+    p99: int
+
+
+def turn_views(turn, completion_tokens, truncated) -> list[TurnView]:
+    """The by-turn view of a config's rows; empty when no row has a turn index (regenerate: last_turn)."""
+    turn = np.ma.asarray(turn)
+    known = ~np.ma.getmaskarray(turn)
+    out = []
+    for k in np.unique(turn.data[known]):
+        at = known & (turn.data == k)
+        values, cut = np.asarray(completion_tokens)[at], int(np.asarray(truncated)[at].sum())
+        out.append(TurnView(int(k), int(at.sum()), cut, cut / int(at.sum()),
+                            *(_nearest_rank(values, q) for q in (0.5, 0.9, 0.99))))
+    return out
+
+
+@dataclass(frozen=True)
 class CapPlan:
     config_hash: str | None
     shard: str | None
@@ -105,6 +131,7 @@ class CapPlan:
     runaways: int = 0  # rows cut while looping (in `truncated`), left out of the tail fit
     probe: ProbeSample | None = None  # the length probe the "probe" figures come from
     probe_survival: list[tuple[int, float]] = field(default_factory=list)  # (x, P(L > x)) the probe measured
+    by_turn: list[TurnView] = field(default_factory=list)  # regenerate: all_turns: the rows of each turn index
 
     def at(self, cap: int) -> CapEstimate:
         return next(e for e in self.estimates if e.cap == cap)
@@ -417,7 +444,7 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
 
 
 ROW_QUERY = ("SELECT completion_tokens, finish_reason = 'length' AS truncated, {runaway} AS runaway, prompt_tokens, "
-             "max_output_tokens, server_context_length, model, temperature, top_p, top_k, enable_thinking "
+             "max_output_tokens, server_context_length, model, temperature, top_p, top_k, enable_thinking, turn "
              "FROM {src} WHERE {where} AND finish_reason IN ('stop', 'length') AND completion_tokens IS NOT NULL")
 SAMPLING = ("model", "temperature", "top_p", "top_k", "enable_thinking")  # what must match for a probe to apply
 
@@ -503,10 +530,11 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
     probe = None
     if use_probe and len(rows["completion_tokens"]):
         probe = read_probe(data_dir, {k: rows[k][0] for k in SAMPLING}, runaway, notes)
-    return plan_from_lengths(rows["completion_tokens"], rows["truncated"], int(caps.max()), rows["prompt_tokens"],
+    plan = plan_from_lengths(rows["completion_tokens"], rows["truncated"], int(caps.max()), rows["prompt_tokens"],
                              runaway=rows["runaway"], probe=probe, candidates=candidates, tokens_per_s=tokens_per_s,
                              context_length=context_length, config_hash=config_hash, shard=shard, notes=notes,
                              **kwargs)
+    return replace(plan, by_turn=turn_views(rows["turn"], rows["completion_tokens"], rows["truncated"]))
 
 
 # ---- for people ------------------------------------------------------------------------------------------
@@ -531,6 +559,16 @@ def _span(e: Estimate, fmt) -> str:
 
 def _needed(e: CapEstimate) -> str:
     return "-" if e.context_needed_max is None else f"{num(e.context_needed_max)} / {num(e.context_needed_p99)}"
+
+
+def turn_markdown(plan: CapPlan) -> list[str]:
+    """The by-turn view as Markdown lines (none for last_turn rows)."""
+    if not plan.by_turn:
+        return []
+    return ["", f"By turn (all_turns), at cap {num(plan.cap)}:", "",
+            "| turn | rows | cut now | P50 | P90 | P99 |", "|---:|---:|---:|---:|---:|---:|",
+            *(f"| {t.turn} | {num(t.rows)} | {pct(t.truncation_rate)} | {num(t.p50)} | {num(t.p90)} | {num(t.p99)} |"
+              for t in plan.by_turn)]
 
 
 def plan_markdown(plan: CapPlan) -> str:
@@ -572,6 +610,7 @@ def plan_markdown(plan: CapPlan) -> str:
         lines.append(f"| {label} | {_span(e.truncation_rate, pct)} | {_span(e.runaway_rate, pct)} | {basis} | "
                      f"{_span(e.output_tokens, _tokens)} | {time_}{e.output_tokens.value / now:.2f}× | {_needed(e)} "
                      f"| {fits} |")
+    lines += turn_markdown(plan)
     notes = list(plan.notes)
     if plan.tokens_per_s:
         notes.append("times assume the fleet keeps its token rate; longer outputs hold KV longer, so check "

@@ -87,7 +87,7 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
 def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
                            quality: QualityThresholds) -> dg.MaterializeResult:
     from dflash_assets.quality import completion_histogram_png
-    from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown
+    from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown, turn_markdown
     from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.planner_plot import cap_plan_png
 
@@ -107,6 +107,8 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
         picture.write_bytes(cap_plan_png(plan))
         advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
+        if plan.by_turn:  # all_turns: the same view on its own, for the run page's metadata list
+            metadata["cap_plan_by_turn"] = dg.MetadataValue.md("\n".join(turn_markdown(plan)).strip())
         metadata["cap_plan_source"] = "measured by the length probe" if plan.probe else \
             "model (censored lognormal tail) beyond the cap" if any(e.basis == "model" for e in plan.estimates) \
             else "measured (the rows)"
