@@ -143,7 +143,8 @@ def _tuning(statuses, seconds: float, api_key_env: str, console):
 
     async def sample():
         async with open_session() as session:
-            clients = [ServerClient(session, s.url, os.environ.get(api_key_env) or None) for s in statuses]
+            clients = [ServerClient(session, s.url, os.environ.get(api_key_env) or None) for s in statuses
+                       if s.workers is None]  # a gateway has no loads of its own: its workers' rows are sampled
             sampler = await LoadSampler(clients, interval_s=1.0).start()
             with Progress(console=console, transient=True) as progress:
                 task = progress.add_task(f"sampling /v1/loads for {seconds:.0f}s", total=seconds)

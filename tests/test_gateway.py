@@ -43,7 +43,7 @@ from dflash_assets.emulator.process import EmulatorProcess, free_port, start_emu
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.config import DispatchSettings
-from dflash_assets.generation.dispatch import Dispatcher
+from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.generation.preflight import Budget
 
 pytestmark = pytest.mark.timeout(300)
@@ -164,8 +164,8 @@ def test_capacity_behind_the_gateway_is_the_servers_effective_max_running_reques
     async def go():
         fleet = await connect([gateway.url])
         try:
-            dispatcher = Dispatcher(fleet.clients, fleet.infos)
-            return fleet.clients, fleet.infos, dispatcher.capacity
+            slots = SlotPicker(fleet.clients, fleet.infos, waiting_margin=DispatchSettings().waiting_margin)
+            return fleet.clients, fleet.infos, slots.capacity
         finally:
             await fleet.session.close()
 
@@ -209,6 +209,29 @@ def test_preflight_through_the_gateway_uses_the_servers_own_limits_and_token_cou
     assert budget.problem(direct["count"], fits + 1) == (
         f"prompt of {direct['count']} tokens + max_output_tokens {fits + 1} = {CONTEXT - 1} exceeds the server "
         f"context length {CONTEXT} minus a safety margin of 2 tokens")
+
+
+def test_fleet_status_on_the_gateway_url_shows_the_workers_behind_it(gateway):
+    from dflash_assets.fleet.status import fleet_status
+
+    [head, *rows] = fleet_status(attach_urls=[gateway.url])
+    direct = fleet_status(attach_urls=[w.url for w in gateway.workers])  # each server asked on its own URL
+    effective = [effective_max_running(w.url) for w in gateway.workers]
+    assert (head.url, head.healthy, head.workers) == (gateway.url, True, 3)
+    assert (head.name, head.error) == ("smg gateway", "3 workers, 3 healthy")
+    assert (head.context_length, head.max_running_requests) == (CONTEXT, sum(effective))  # what the pipeline sizes by
+    assert sorted((r.url, r.healthy, r.gateway, r.context_length, r.max_running_requests) for r in rows) == sorted(
+        (d.url, True, gateway.url, CONTEXT, e) for d, e in zip(direct, effective))
+    assert [d.max_running_requests for d in direct] == effective
+    # the command a user runs: the gateway's row, then its workers indented, and exit 0 (all healthy)
+    done = subprocess.run([sys.executable, "-m", "dflash_assets.cli", "fleet", "status", "--urls", gateway.url],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 2}
+    assert gateway.url in lines["smg gateway"] and "3 workers, 3 healthy" in lines["smg gateway"], done.stdout
+    assert sorted(next(u for u in (w.url for w in gateway.workers) if u in lines[f"worker {i}"])
+                  for i in (1, 2, 3)) == sorted(w.url for w in gateway.workers), done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
 
 
 SHARD = "00000"

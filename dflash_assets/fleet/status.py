@@ -3,6 +3,11 @@
 The figures come from the servers, never from the args they were launched with: SGLang resolves
 `None` to values of its own (context length from config.json, max running requests capped by KV memory
 and mamba slots). The API key is used to ask and never appears in what is returned or rendered.
+
+An attached URL that is an SGLang model gateway (smg: it answers `GET /workers`, gateway.py) has none of
+these figures itself, so it gets a row of its own (its health, its workers' count, the capacity the pipeline
+would size by: the smallest context, the summed max running requests) followed by one row per worker it
+lists, each probed directly like an attached server: the same reads the pipeline makes behind a gateway.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dflash_assets.fleet import processes, registry
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
 from dflash_assets.fleet.fleet import open_session
+from dflash_assets.fleet.gateway import gateway_workers
 from dflash_assets.fleet.registry import ServerRecord
 
 
@@ -38,6 +44,8 @@ class ServerStatus:
     uptime_s: float | None = None
     process: str | None = None  # "running" / "not running" for launched servers; None when attached
     error: str | None = None
+    workers: int | None = None  # a gateway's row: the workers it lists (its worker rows follow it)
+    gateway: str | None = None  # a worker's row: the gateway URL that lists it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -54,9 +62,40 @@ def fleet_status(fleet_dir: Path | None = None, attach_urls: str | Sequence[str]
 async def probe(records: list[ServerRecord], urls: list[str], api_key: str | None) -> list[ServerStatus]:
     async with open_session() as session:
         jobs = [_probe_launched(ServerClient(session, r.url, api_key), r) for r in records]
-        jobs += [_probe_url(ServerClient(session, u, api_key), ServerStatus(name=u, url=u, healthy=False))
-                 for u in urls]
-        return list(await asyncio.gather(*jobs))
+        jobs += [_probe_attached(ServerClient(session, u, api_key), api_key) for u in urls]
+        rows = await asyncio.gather(*jobs)
+        return [s for row in rows for s in (row if isinstance(row, list) else [row])]
+
+
+async def _probe_attached(client: ServerClient, api_key: str | None) -> list[ServerStatus]:
+    """An attached URL: one server's row, or a gateway's row followed by its workers' rows."""
+    status = ServerStatus(name=client.url, url=client.url, healthy=False)
+    if not await client.healthy(timeout=30):
+        status.error = "GET /health did not answer 200 (still loading, or down)"
+        return [status]
+    try:
+        listed = await gateway_workers(client)
+    except (ServerError, ServerAccessError) as e:
+        status.error = e.message
+        return [status]
+    if listed is None:
+        return [await _probe_url(client, status)]
+    status.name, status.workers = "smg gateway", len(listed)
+    workers = list(await asyncio.gather(*(_probe_url(
+        ServerClient(client.session, w.url, api_key), ServerStatus(
+            name=f"worker {i}", url=w.url, healthy=False, gateway=client.url)) for i, w in enumerate(listed, 1))))
+    for w, row in zip(listed, workers):
+        if not w.healthy:  # the gateway's own view, next to what this host sees
+            row.error = "; ".join(filter(None, [f"the gateway marks it unhealthy ({w.status})", row.error]))
+    answered = [w for w in workers if w.healthy and w.max_running_requests is not None]
+    if answered:
+        status.context_length = min(w.context_length for w in answered)
+        status.max_running_requests = sum(w.max_running_requests for w in answered)
+    healthy = sum(w.healthy for w in listed)
+    status.error = (f"{len(listed)} workers, {healthy} healthy" if listed else "it lists no worker") + (
+        f"; {len(answered)} answer this host" if len(answered) != healthy else "")
+    status.healthy = bool(listed)
+    return [status, *workers]
 
 
 async def _probe_launched(client: ServerClient, rec: ServerRecord) -> ServerStatus:
@@ -104,13 +143,15 @@ def status_table(statuses: list[ServerStatus]) -> Table:
     for col in ("server", "url", "health", "context length", "max running", "running", "waiting", "KV usage",
                 "pid", "GPU", "uptime", "note"):
         table.add_column(col, justify="right" if col in ("context length", "max running", "running", "waiting",
-                                                          "KV usage", "pid") else "left")
+                                                          "KV usage", "pid") else "left",
+                         # a URL is what a person copies: never cut it
+                         min_width=max((len(s.url) for s in statuses), default=0) if col == "url" else None)
 
     def num(v) -> str:
         return "-" if v is None else f"{v:,}"
 
     for s in statuses:
-        table.add_row(s.name, s.url, "[green]healthy[/]" if s.healthy else "[red]unhealthy[/]",
+        table.add_row(f"  {s.name}" if s.gateway else s.name, s.url, "[green]healthy[/]" if s.healthy else "[red]unhealthy[/]",
                       num(s.context_length), num(s.max_running_requests), num(s.running), num(s.waiting),
                       "-" if s.token_usage is None else f"{s.token_usage:.1%}", "-" if s.pid is None else str(s.pid),
                       ",".join(map(str, s.gpus)) if s.gpus else "-", _uptime(s.uptime_s), s.error or "")
