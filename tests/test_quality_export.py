@@ -175,15 +175,24 @@ def test_export_excludes_what_the_trainers_strict_think_markers_refuses_any_case
     rows[1].update(reasoning_content="thought </think> twice")  # only in reasoning_content
     rows[2].update(content="Fine.", reasoning_content="<Think>mixed")
     rows[3].update(content="A <thinking> tag is not a marker.")  # kept: neither marker
+    # a multi-turn source under last_turn: the earlier answer it keeps is an assistant message the trainer reads
+    history = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1 </Think>"},
+               {"role": "user", "content": "q2"}, {"role": "assistant", "content": "<think>the one regenerated"}]
+    prompts.append(prompt("00000", 5, 100, "gsm8k") | {"messages_json": json.dumps(history)})
+    rows.append(completion(prompts[5], CONFIG_A, 200))
+    prompts.append(prompt("00000", 6, 100, "gsm8k") | {"messages_json": json.dumps(history[:1] + [
+        {"role": "assistant", "content": "a1"}] + history[2:])})  # only the regenerated (dropped) turn had one
+    rows.append(completion(prompts[6], CONFIG_A, 200))
     write(tmp_path / "data", "prompt_shards", "00000", prompts)
     write(tmp_path / "data", "completions", "00000", rows)
     export = export_training_set(tmp_path / "data", tmp_path / "out", max_length=None)
     lines = read_jsonl(export.jsonl_path)
-    assert [line["id"] for line in lines] == ["00000-p0003@a4096", "00000-p0004@a4096"]
-    assert [(line["id"], row_problem(line, expect_reasoning=True, strict_think_markers=True)) for line in lines] == [
+    assert [line["id"] for line in lines] == ["00000-p0003@a4096", "00000-p0004@a4096", "00000-p0006@a4096"]
+    # (the kept multi-turn row's history answer has no reasoning: it passes without --expect-reasoning only)
+    assert [(line["id"], row_problem(line, expect_reasoning=False, strict_think_markers=True)) for line in lines] == [
         (line["id"], None) for line in lines]
     assert [(e["reason"], e["rows"], e["share_of_rows"]) for e in export.manifest["exclusions"]] == [
-        ("think_marker", 3, 0.6)]
+        ("think_marker", 4, round(4 / 7, 4))]
     # the exported rows, with a marker put back in reasoning, are what the trainer would refuse
     assert row_problem(lines[0] | {"conversations": lines[0]["conversations"][:-1] + [
         lines[0]["conversations"][-1] | {"reasoning_content": "</THINK>"}]}) == "assistant message 2 contains a thinking marker"

@@ -29,14 +29,15 @@ from dflash_assets.generation.turns import split_turns
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
-from dflash_assets.quality.trainer_format import FORMS, STATUS
+from dflash_assets.quality.trainer_format import FORMS, STATUS, has_think_marker
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
     "truncated",  # finish_reason 'length'
     "not_stop",  # any other finish_reason than 'stop' (abort, null)
     "empty_content",
-    "think_marker",  # <think> or </think>, any case, in content or reasoning_content (trainer_format.py)
+    "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content
+    # (trainer_format.py): the answer, or under last_turn an earlier answer the source's history carries
     "context_overflow",  # prompt_tokens + max_output_tokens > server_context_length: generated under a clamp
     "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from
@@ -74,7 +75,9 @@ WITH c AS (
             WHEN finish_reason = 'length' THEN 'truncated'
             WHEN finish_reason IS DISTINCT FROM 'stop' THEN 'not_stop'
             WHEN content_empty THEN 'empty_content'
-            WHEN think_marker THEN 'think_marker'
+            WHEN think_marker OR turn IS NULL AND EXISTS (
+                SELECT 1 FROM history_markers h WHERE h.shard = c0.shard AND h.prompt_id = c0.prompt_id)
+                THEN 'think_marker'
             WHEN prompt_tokens + max_output_tokens > server_context_length THEN 'context_overflow'
             WHEN $drop_long AND prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
@@ -88,6 +91,13 @@ SELECT * EXCLUDE (reason), CASE
         PARTITION BY prompt_id, config_hash, turn, reason IS NULL ORDER BY created_at, filename, file_row_number) > 1
     THEN 'duplicate' ELSE reason END AS reason
 FROM c
+"""
+
+# last_turn rows keep the source's earlier assistant answers (last_turn_request): the trainer reads those too
+HISTORY_MARKERS = """
+CREATE TEMP TABLE history_markers AS SELECT shard, prompt_id FROM (
+    SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM prompts GROUP BY ALL)
+WHERE history_think_marker(messages_json)
 """
 
 KEPT = """
@@ -110,6 +120,12 @@ class TrainingExport:
     parquet_path: Path
     manifest_path: Path
     manifest: dict[str, Any]
+
+
+def _history_think_marker(messages_json: str) -> bool:
+    """Whether an assistant message a last_turn row keeps from the source holds a think marker."""
+    return any(m["role"] == "assistant" and has_think_marker(m["content"] or "")
+               for m in last_turn_request(json.loads(messages_json)))
 
 
 def _answer(row: dict[str, Any]) -> dict[str, str]:
@@ -216,6 +232,8 @@ def export_training_set(
         with duckdb.connect(":memory:") as con:
             prompts = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA)
             con.execute(f"CREATE TEMP TABLE prompts AS SELECT shard, prompt_id, line, messages_json FROM {prompts}")
+            con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
+            con.execute(HISTORY_MARKERS)
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
             con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions), params)
