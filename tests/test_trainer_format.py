@@ -12,7 +12,7 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.prompts import Prompt, read_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import export_training_set
-from dflash_assets.quality.trainer_format import row_problem
+from dflash_assets.quality.trainer_format import has_think_marker, row_problem, think_marker_sql
 
 GOOD = {"id": "x@h", "status": "success", "conversations": [
     {"role": "system", "content": "s"}, {"role": "user", "content": "q"},
@@ -66,6 +66,19 @@ SOURCE = [
                                       {"from": "human", "value": "And RAID 6?"},
                                       {"from": "gpt", "value": "An old answer, regenerated."}]},
 ] + [{"id": f"p{i}", "prompt": f"Round trip prompt {i}."} for i in range(12)]
+
+
+def test_the_sql_marker_flag_is_the_validators_python_rule_on_tricky_text():
+    """The check and the export read a DuckDB flag; the validator runs `marker in text.lower()` in Python."""
+    import duckdb
+
+    texts = ["<THINK>", "x</Think>y", "<thin\u212a>", "<th\u0130nk>", "<th\u0131nk>", "< think>", "<thinking>",
+             "</think", "plain", ""]
+    sql = duckdb.execute(f"SELECT {think_marker_sql('t')} FROM unnest($texts) AS u(t)", {"texts": texts}).fetchall()
+    assert [hit for (hit,) in sql] == [has_think_marker(t) for t in texts] == [
+        True, True, True, False, False, False, False, False, False, False]
+    assert duckdb.execute(f"SELECT {think_marker_sql('a', 'b')} FROM (SELECT NULL::VARCHAR a, NULL::VARCHAR b)"
+                          ).fetchone() == (False,)
 
 
 @pytest.fixture(scope="module")
