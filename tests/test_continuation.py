@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import dagster as dg
 import duckdb
@@ -144,6 +145,10 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(rows(data, scratch.config_hash, "prompt_id")) <= copies:
             time.sleep(0.05)
+        # hold every request still to come, so the kill certainly lands mid-continuation, whatever the speed
+        urllib.request.urlopen(urllib.request.Request(f"{slow.url}/_emulator/faults", method="POST",
+                                                      data=json.dumps({"hold": True}).encode(),
+                                                      headers={"Content-Type": "application/json"}), timeout=10)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     partial = [r[0] for r in rows(data, scratch.config_hash, "prompt_id")]
