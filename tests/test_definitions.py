@@ -145,7 +145,7 @@ def test_the_emulator_is_its_own_package():
         assert not outside, (path, outside)
 
 
-def test_materialize_reads_a_real_instance():
+def test_the_definitions_carry_every_resource_the_assets_need():
     # the definitions carry every resource the assets need; nothing is left for the caller to supply
     assert {"fleet", "prompt_source", "data_dir", "quality"} <= set(defs.resources)
     assert isinstance(defs.resources["fleet"], dg.ConfigurableResource)
