@@ -73,7 +73,6 @@ class DispatchSettings:
     commit_rows: int = 512
     commit_seconds: float = 10.0
     progress_seconds: float = 30.0
-    context_margin: int = 2  # SGLang's scheduler clamps silently within ~2 tokens of the context length
     load_sample_s: float = 5.0  # poll each server's /v1/loads this often for the tuning report (0: off)
     store_token_ids: bool = False  # record prompt_token_ids and output_ids (needed to continue truncated rows)
     eject_after: int = 3  # consecutive retryable failures before a server is ejected and probed

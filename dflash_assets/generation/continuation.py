@@ -40,6 +40,7 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.shards import prompt_store, reject_store
 from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.generation.store import PartStore
+from dflash_assets.quality.rules import most_rows_first
 
 PLAN_COLUMNS = {
     name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
@@ -86,12 +87,12 @@ def configs_in_shard(data_dir: str | Path | Storage, shard: str) -> list[tuple[s
     counts = table.group_by("config_hash").aggregate([("config_hash", "count"), ("max_output_tokens", "max")])
     found = zip(counts["config_hash"].to_pylist(), counts["config_hash_count"].to_pylist(),
                 counts["max_output_tokens_max"].to_pylist())
-    return sorted(found, key=lambda c: (-c[1], -c[2], c[0]))
+    return most_rows_first(found)
 
 
 def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int) -> str | None:
-    """The config with the most rows in the shard among those below `new_cap` (ties: the larger cap, so the
-    most tokens are reused). Below the cap, so a finished continuation is never its own parent."""
+    """The config with the most rows in the shard among those below `new_cap` (ties as rules.most_rows_first
+    breaks them). Below the cap, so a finished continuation is never its own parent."""
     return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
 
 
@@ -178,7 +179,7 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         run.without_ids = sum(r["finish_reason"] == "length" and r["n_output_ids"] is None for r in todo)
         # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
         # hold a row its own requests could not have produced (and the context-overflow check would flag it)
-        budget = Budget.of(fleet.infos, settings.context_margin)
+        budget = Budget.of(fleet.infos)
         over = {}
         for r in exact:
             r["line"] = lines.get(r["prompt_id"])

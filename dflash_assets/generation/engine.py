@@ -170,7 +170,7 @@ async def _prepare(data_dir: Storage, shard: str, fleet: Fleet, config: Generati
     stale = {i: r for i, r in todo.items() if r["template_kwargs_json"] != kwargs_json}
     if stale:
         await _recount(fleet, prompts, stale, config.template_kwargs())
-    budget = Budget.of(fleet.infos, settings.context_margin)
+    budget = Budget.of(fleet.infos)
     cap = config.max_output_tokens
     over = [(r, problem) for r in todo.values() if (problem := budget.problem(r["prompt_tokens"], cap))]
     if over and (preflight_policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(todo)):

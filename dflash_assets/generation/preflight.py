@@ -1,8 +1,9 @@
 """Before the first request: does every prompt plus the cap fit the servers' real context length?
 
 SGLang 0.5.23 answers a request whose prompt + max_new_tokens exceeds the context with a 400, and
-clamps silently within about two tokens of it; the scheduler also refuses prompts within ~6 tokens
-of the context (max_req_input_len). Offenders are found here, with the numbers, instead.
+clamps silently within two tokens of it (the rule and its margin: quality/rules.py); the scheduler also
+refuses prompts within ~6 tokens of the context (max_req_input_len). Offenders are found here, with the
+numbers, instead.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_assets.fleet.client import ServerInfo
+from dflash_assets.quality.rules import CONTEXT_MARGIN, context_needed, overflows
 
 
 class PreflightError(RuntimeError):
@@ -22,27 +24,23 @@ class Budget:
 
     context_length: int
     max_req_input_len: int
-    margin: int
 
     @classmethod
-    def of(cls, infos: list[ServerInfo], margin: int) -> Budget:
+    def of(cls, infos: list[ServerInfo]) -> Budget:
         context = min(i.context_length for i in infos)
         input_limit = min((i.max_req_input_len or i.context_length) for i in infos)
-        return cls(context, input_limit, margin)
+        return cls(context, input_limit)
 
     def problem(self, prompt_tokens: int, cap: int) -> str | None:
         """Why this prompt cannot be sent with this cap, naming the numbers; None if it fits."""
         if prompt_tokens >= self.max_req_input_len:
             return (f"prompt of {prompt_tokens} tokens is at or over the server's input limit of "
                     f"{self.max_req_input_len} tokens (context length {self.context_length})")
-        if prompt_tokens + cap > self.context_length - self.margin:
+        if overflows(prompt_tokens, cap, self.context_length):
             return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
                     f"exceeds the server context length {self.context_length} minus a safety margin of "
-                    f"{self.margin} tokens")
+                    f"{CONTEXT_MARGIN} tokens")
         return None
-
-    def context_needed(self, largest_prompt: int, cap: int) -> int:
-        return largest_prompt + cap + self.margin
 
 
 def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[str]:
@@ -68,7 +66,7 @@ def overflow_error(budget: Budget, cap: int, overflowing: int, total: int, large
     return PreflightError(
         f"{overflowing} of {total} prompts do not fit: the servers' context length is {budget.context_length} "
         f"tokens and max_output_tokens is {cap}, so a prompt may have at most "
-        f"{budget.context_length - budget.margin - cap} tokens; the largest prompt has {largest_prompt}. "
+        f"{budget.context_length - CONTEXT_MARGIN - cap} tokens; the largest prompt has {largest_prompt}. "
         f"Nothing was sent. Lower max_output_tokens or restart the servers with "
-        f"--context-length {budget.context_needed(largest_prompt, cap)} or more."
+        f"--context-length {context_needed(largest_prompt, cap)} or more."
     )

@@ -28,19 +28,17 @@ import pyarrow as pa
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.generation.store import PartStore
+from dflash_assets.quality.rules import blank_sql
 
-# "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
-# on real text, where trim() would copy the whole (often 30 kB) string first.
-BLANK = "[^ \\t\\r\\n]"
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
     server_context_length, enable_thinking"""
 
 COMPLETION_FLAGS = f"""
-    content IS NULL OR NOT regexp_matches(content, '{BLANK}') AS content_empty,
+    {blank_sql('content')} AS content_empty,
     coalesce(contains(content, '<think>') OR contains(content, '</think>'), false) AS think_marker,
-    reasoning_content IS NULL OR NOT regexp_matches(reasoning_content, '{BLANK}') AS reasoning_empty"""
+    {blank_sql('reasoning_content')} AS reasoning_empty"""
 
 
 # Built once because accounting and context_overflow both need "what happened to each prompt under each config".
