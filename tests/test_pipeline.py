@@ -306,7 +306,7 @@ def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path
     monkeypatch.setenv("DFLASH_API_KEY", secret)
     write_prompts(tmp_path / "prompts.jsonl", 6)
     with start_emulator(FAST + ["--api-key", secret]) as server:
-        res = resources(tmp_path, server.url, shard_size=6)
+        res = resources(tmp_path, server.url, shard_size=6, api_key=dg.EnvVar("DFLASH_API_KEY"))
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
             result = run_shard(instance, res, "00000", cap=32000)

@@ -17,9 +17,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
-from dflash_assets.defs.resources import DEMO_PROMPTS, PromptSource
+from dflash_assets.defs.resources import PromptSource
 from dflash_assets.defs.sensors import missing_shards
 from dflash_assets.definitions import defs
+from dflash_assets.settings import Deployment
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
 COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "P50", "P90", "P99", "checks")
@@ -38,8 +39,7 @@ def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
 def known_shards(instance: dg.DagsterInstance) -> list[str]:
     """Add a partition for every shard of the prompt source, and return all of them."""
     # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
-    source = PromptSource(path=os.environ.get("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
-                          shard_size=int(os.environ.get("DFLASH_SHARD_SIZE", "100")))
+    source = PromptSource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
     new = missing_shards(instance, source)
     if new:
         instance.add_dynamic_partitions(shard_partitions.name, new)

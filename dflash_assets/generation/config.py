@@ -1,26 +1,25 @@
-"""What a completion is generated with. Everything that changes the output is in the config hash."""
+"""What a completion is generated with. Everything that changes the output is in the config hash.
+
+The settings themselves (names, defaults, descriptions) are dflash_assets/settings.py; this module adds what a
+generation config does: validate, hash, build the request body.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+
+from pydantic import Field
+
+from dflash_assets.settings import ConfigError, DispatchSettings, GenerationSettings
+
+__all__ = ["ConfigError", "DispatchSettings", "GenerationConfig"]
 
 
-class ConfigError(ValueError):
-    """Bad settings, found before any work starts."""
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
+class GenerationConfig(GenerationSettings):
     """The settings that decide what a completion is; rows record all of them."""
 
-    max_output_tokens: int = 4096  # the cap: max_completion_tokens sent to the server
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
-    enable_thinking: bool = True
-    chat_template_kwargs: dict = field(default_factory=dict)  # extra kwargs beside enable_thinking
+    chat_template_kwargs: dict = Field(default_factory=dict)  # extra kwargs beside enable_thinking
 
     def validate(self) -> None:
         problems = []
@@ -43,7 +42,7 @@ class GenerationConfig:
 
     def config_hash(self, model: str) -> str:
         """12 hex chars over the model and every setting that changes the output (not concurrency)."""
-        payload = json.dumps({"model": model, **asdict(self)}, sort_keys=True, separators=(",", ":"))
+        payload = json.dumps({"model": model, **self.model_dump()}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
     def chat_body(self, model: str, messages: list[dict], token_ids: bool = False) -> dict:
@@ -58,30 +57,3 @@ class GenerationConfig:
             "chat_template_kwargs": self.template_kwargs(),
             "separate_reasoning": True,
         }
-
-
-@dataclass(frozen=True)
-class DispatchSettings:
-    """How hard to drive the fleet. None of this changes a completion, so none of it is hashed."""
-
-    max_in_flight_per_server: int = 0  # 0: the server's own effective max_running_requests + waiting_margin
-    waiting_margin: int = 2  # requests queued at each server beyond its running slots, so slots never idle
-    max_attempts: int = 4
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 30.0
-    request_timeout_s: float = 3600.0
-    commit_rows: int = 512
-    commit_seconds: float = 10.0
-    progress_seconds: float = 30.0
-    load_sample_s: float = 5.0  # poll each server's /v1/loads this often for the tuning report (0: off)
-    store_token_ids: bool = False  # record prompt_token_ids and output_ids (needed to continue truncated rows)
-    eject_after: int = 3  # consecutive retryable failures before a server is ejected and probed
-    no_server_timeout_s: float = 120.0  # circuit breaker: stop when no server has been healthy this long
-
-    def validate(self) -> None:
-        if self.max_in_flight_per_server < 0:
-            raise ConfigError(f"max_in_flight_per_server must be >= 0, got {self.max_in_flight_per_server}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.commit_rows < 1 or self.commit_seconds <= 0:
-            raise ConfigError("commit_rows must be >= 1 and commit_seconds > 0")

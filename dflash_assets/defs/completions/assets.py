@@ -5,29 +5,25 @@ from pydantic import Field
 
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.run_config import DispatchConfig
+from dflash_assets.defs.run_config import DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.settings import GenerationSettings
 
 
-class CompletionsConfig(DispatchConfig):
-    """Generation settings, editable in the launchpad. Every row records them; a change is a new config."""
+class CompletionsConfig(DispatchRunConfig, GenerationSettings):
+    """Generation settings (settings.GenerationSettings) and how hard to drive the fleet, editable in the
+    launchpad. Every row records the generation settings; a change is a new config."""
 
-    max_output_tokens: int = Field(4096, description="The cap: max_completion_tokens of every request.")
-    temperature: float = Field(0.6, description="Sampling temperature (>= 0).")
-    top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
-    top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
-    enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
     preflight_policy: str = Field(
         "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
                               "'fail': the run fails before any request.")
 
     def generation(self) -> GenerationConfig:
-        return GenerationConfig(max_output_tokens=self.max_output_tokens, temperature=self.temperature,
-                                top_p=self.top_p, top_k=self.top_k, enable_thinking=self.enable_thinking)
+        return GenerationConfig.taken_from(self)
 
 
 @shard_asset(

@@ -5,14 +5,14 @@ from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.partitions import shard_asset
-from dflash_assets.defs.run_config import DispatchConfig
+from dflash_assets.defs.run_config import DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
 
 
-class ContinuationConfig(DispatchConfig):
+class ContinuationConfig(DispatchRunConfig):
     """Which config to continue, to which cap. The rows land under the new cap's own config hash."""
 
     parent_config_hash: str = Field(
