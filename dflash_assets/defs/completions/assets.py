@@ -5,12 +5,14 @@ from pydantic import Field
 
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.run_config import DispatchRunConfig
+from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.defs.shard_concurrency import one_run_per_shard
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.settings import GenerationSettings
 
 
@@ -31,6 +33,9 @@ class CompletionsConfig(DispatchRunConfig, GenerationSettings):
     group_name="generation",
     kinds={"sglang", "parquet"},
     pool="sglang_fleet",
+    retry_policy=FLEET_RETRY,
+    metadata={"dagster/column_schema": dg.TableSchema(
+        columns=[dg.TableColumn(f.name, str(f.type)) for f in COMPLETION_SCHEMA])},
     description="A completion per prompt of the shard, generated on the SGLang fleet, with full provenance "
                 "(config_hash, cap, sampling, server, context length, finish_reason, token counts). A re-run "
                 "resumes: prompts already committed for this config are skipped.",
@@ -42,13 +47,14 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         generation.validate()
         dispatch.validate()
     except ConfigError as e:
-        raise dg.Failure(str(e)) from None
+        raise dg.Failure(str(e), allow_retries=False) from None
     try:
-        runs = run_on_fleet(fleet, lambda f: generate_shards(
-            data_dir.resolved(), context.partition_keys, f, generation, dispatch,
-            preflight_policy=config.preflight_policy, log=context.log.info))
+        with one_run_per_shard(context, context.partition_keys):
+            runs = run_on_fleet(fleet, lambda f: generate_shards(
+                data_dir.resolved(), context.partition_keys, f, generation, dispatch,
+                preflight_policy=config.preflight_policy, log=context.log.info))
     except PreflightError as e:
-        raise dg.Failure(f"preflight: {e}") from None
+        raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for run in runs:
         for note in run.notes:
             context.log.warning(note)
