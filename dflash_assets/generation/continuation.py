@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -160,7 +160,7 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         if odd := sorted({str(i.reasoning_parser) for i in fleet.infos if i.reasoning_parser not in PARSERS}):
             raise ConfigError(f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
                               f"the way {', '.join(str(p) for p in PARSERS)} split it")
-        config = replace(parent, max_output_tokens=new_cap)
+        config = parent.model_copy(update={"max_output_tokens": new_cap})
         config_hash = config.config_hash(fleet.model)
         # a file name of our own, so a generation run's rejects and failures of the same config are never replaced
         own_file = f"{config_hash}-from-{parent_config_hash}.parquet"
