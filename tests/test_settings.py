@@ -2,6 +2,8 @@
 config are built from it, so their defaults cannot drift apart."""
 
 import dataclasses
+import subprocess
+import sys
 
 import dagster as dg
 from test_cli import dflash, free_base_port
@@ -65,3 +67,10 @@ def test_a_fleet_up_from_the_cli_is_reused_by_a_launch_mode_run_with_the_same_mo
     finally:
         down = dflash("fleet", "down", env={"DAGSTER_HOME": str(tmp_path)})
     assert down.returncode == 0 and "1 server(s) stopped" in down.stdout
+
+
+def test_the_settings_and_the_plain_libraries_load_without_dagster():
+    code = ("import sys, dflash_assets.settings, dflash_assets.generation.engine, dflash_assets.fleet.launch_config, "
+            "dflash_assets.quality; print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
