@@ -6,6 +6,7 @@ from dflash_assets.defs import jobs
 from dflash_assets.defs.completions import assets as completion_assets
 from dflash_assets.defs.completions import checks as completion_checks
 from dflash_assets.defs.continuation import assets as continuation_assets
+from dflash_assets.defs.probe import assets as probe_assets
 from dflash_assets.defs.prompts import assets as prompt_assets
 from dflash_assets.defs.quality import assets as quality_assets
 from dflash_assets.defs.resources import from_env
@@ -15,7 +16,7 @@ from dflash_assets.defs.training import assets as training_assets
 
 defs = dg.Definitions(
     assets=dg.load_assets_from_modules([prompt_assets, completion_assets, continuation_assets, quality_assets,
-                                             training_assets]),
+                                             training_assets, probe_assets]),
     asset_checks=dg.load_asset_checks_from_modules([completion_checks]),
     jobs=[jobs.shard_pipeline_job, jobs.quality_checks_job, jobs.training_job],
     schedules=[quality_checks_schedule],

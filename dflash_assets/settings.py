@@ -47,7 +47,18 @@ class GenerationSettings(Settings):
     temperature: float = Field(0.6, description="Sampling temperature (>= 0).")
     top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
     top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
+    # sent explicitly too: left out, the chat route takes them from the model's generation_config.json
+    # (protocol.py to_sampling_params) while /generate uses SamplingParams' defaults, and a continued row
+    # would be sampled unlike its parent
+    min_p: float = Field(0.0, description="Min-p sampling, in [0, 1].")
+    repetition_penalty: float = Field(1.0, description="Repetition penalty, in (0, 2] (1 = off).")
+    presence_penalty: float = Field(0.0, description="Presence penalty, in [-2, 2].")
+    frequency_penalty: float = Field(0.0, description="Frequency penalty, in [-2, 2].")
     enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
+    regenerate: str = Field(
+        "last_turn", description="Which assistant turns are generated: 'last_turn' (the final one, or a new answer "
+                                 "to a final user turn) or 'all_turns' (every one, in order, each conditioned on "
+                                 "the regenerated ones before it).")
 
 
 class DispatchSettings(Settings):
@@ -71,6 +82,10 @@ class DispatchSettings(Settings):
         5.0, description="Poll each server's /v1/loads this often for the fleet tuning report (0: off).")
     no_server_timeout_s: float = Field(
         120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
+    same_server_max_imbalance: float = Field(
+        0.25, description="all_turns: a conversation's next turn goes to the server of its previous turn (whose "
+                          "prefix cache holds the history) unless that server's share of busy slots exceeds the "
+                          "least-loaded server's by more than this (negative: always the least-loaded server).")
 
     def validate(self) -> None:  # noqa: D102  (pydantic v2 has no instance validate: ours checks the values)
         if self.max_in_flight_per_server < 0:

@@ -17,22 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from sglang_wheel import sglang_dir
 from dflash_assets.emulator import contract
 from dflash_assets.emulator import tokenizer as tok
 from dflash_assets.emulator.sglang_flags import FLAGS
 
 pytestmark = pytest.mark.timeout(60)
-INSTALL = "uv pip install --no-deps sglang==0.5.23"
 
 
-def sglang_dir() -> Path:
-    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail(f"the sglang 0.5.23 wheel is not installed; install it with `{INSTALL}`", pytrace=False)
-    version = importlib.metadata.version("sglang")  # the dist-info, no import either
-    if version != "0.5.23":
-        pytest.fail(f"sglang {version} is installed, the emulator targets 0.5.23: `{INSTALL}`", pytrace=False)
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 @pytest.fixture(scope="module")

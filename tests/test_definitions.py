@@ -23,13 +23,14 @@ def test_asset_graph_is_prompt_shards_then_completions_then_the_report():
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
     assert keys == {"prompt_shards", "completions", "continued_completions", "length_quality_report",
-                    "length_quality_summary", "drafter_training_set"}
+                    "length_quality_summary", "drafter_training_set", "length_probe"}
     parents = {k.to_user_string(): {p.to_user_string() for p in graph.get(k).parent_keys}
                for k in graph.get_all_asset_keys()}
     assert parents == {"prompt_shards": set(), "completions": {"prompt_shards"},
                        "continued_completions": {"completions"},
-                       "length_quality_report": {"completions"}, "length_quality_summary": {"completions"},
-                       "drafter_training_set": {"completions"}}
+                       "length_quality_report": {"completions"},
+                       "length_quality_summary": {"completions", "length_probe"},
+                       "drafter_training_set": {"completions"}, "length_probe": {"prompt_shards"}}
     partitioned = {k.to_user_string() for k in graph.get_all_asset_keys() if graph.get(k).partitions_def}
     assert partitioned == {"prompt_shards", "completions", "continued_completions", "length_quality_report"}
     for key in graph.get_all_asset_keys():
@@ -118,7 +119,7 @@ def test_webserver_loads_the_code_location_and_lists_the_graph(webserver):
                             "assetChecksOrError { ... on AssetChecks { checks { name blocking } } } } }")["assetNodes"]
     by_key = {n["assetKey"]["path"][0]: n for n in nodes}
     assert set(by_key) == {"prompt_shards", "completions", "continued_completions", "length_quality_report",
-                           "length_quality_summary", "drafter_training_set"}
+                           "length_quality_summary", "drafter_training_set", "length_probe"}
     assert {by_key[k]["partitionDefinition"]["type"] for k in ("prompt_shards", "completions")} == {"DYNAMIC"}
     checks = {c["name"]: c["blocking"] for c in by_key["completions"]["assetChecksOrError"]["checks"]}
     assert checks["truncation_rate"] is True and checks["context_overflow"] is True

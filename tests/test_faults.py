@@ -8,7 +8,7 @@ import pytest
 
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
-from dflash_assets.generation.dispatch import FleetDown
+from dflash_assets.generation.slots import FleetDown
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 

@@ -26,7 +26,7 @@ from dflash_assets.generation.engine import completion_store, generate_shard
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.generation.storage import S3Storage, lock_dir, open_storage
-from dflash_assets.generation.store import COVERS_KEY
+from dflash_assets.generation.parts import COVERS_KEY
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.quality.tables import parquet_files, parquet_source

@@ -103,7 +103,7 @@ def test_servers_that_disagree_on_context_length_are_reported_and_the_smallest_i
     make_shard(tmp_path, urls, ["short one", "another"])
     logs: list[str] = []
     run = generate(tmp_path, urls, cap=1500, log=logs.append)
-    assert run.notes == [f"servers disagree on context length ({a.emu.url}: 4096, {b.emu.url}: 2048); "
+    assert run.fleet_notes == [f"servers disagree on context length ({a.emu.url}: 4096, {b.emu.url}: 2048); "
                          f"using the smallest, 2048"]
     assert run.completed == 2
 

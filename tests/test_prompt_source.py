@@ -14,13 +14,13 @@ GOOD = {"messages": [{"role": "user", "content": "hello"}]}
 BAD_LINES = [
     ('{"messages": [', "invalid JSON"),
     ('"just a string"', "expected a JSON object, got str"),
-    ('{"text": "x"}', "neither 'messages' nor 'prompt' is present"),
+    ('{"text": "x"}', "none of 'messages', 'conversations', 'prompt' or 'custom_id' + 'body' is present"),
     ('{"messages": []}', "'messages' is empty"),
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "unknown role 'wizard'"),
     ('{"messages": [{"role": "user", "content": 7}]}', "content must be a string, got int"),
     ('{"messages": [{"role": "user", "content": "  "}]}', "content is empty"),
-    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}',
-     "the last message must be from the user, got 'assistant'"),
+    ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}',
+     "the conversation starts with the assistant (message 0)"),
     ('{"prompt": "nul \\u0000 inside"}', "contains a NUL byte"),
     ('{"prompt": 5}', "'prompt' must be a string, got int"),
 ]
@@ -87,7 +87,7 @@ def test_parquet_source_with_messages_and_prompt_columns(tmp_path):
     items = list(read_shard(src, 0, 10))
     assert [type(i) for i in items] == [Prompt, Prompt, SourceReject]
     assert items[1].messages == [{"role": "user", "content": "plain prompt"}]
-    assert "neither 'messages' nor 'prompt'" in items[2].reason
+    assert "none of 'messages', 'conversations', 'prompt'" in items[2].reason
 
 
 @pytest.mark.parametrize("make,message", [
@@ -97,7 +97,7 @@ def test_parquet_source_with_messages_and_prompt_columns(tmp_path):
     (lambda d: (d / "broken.parquet").write_bytes(b"PAR1 not really") and d / "broken.parquet",
      "is not a readable Parquet file"),
     (lambda d: pq.write_table(pa.table({"text": ["x"]}), d / "cols.parquet") or d / "cols.parquet",
-     "has neither a 'messages' nor a 'prompt' column (columns: ['text'])"),
+     "has none of the columns 'messages', 'conversations', 'prompt' or 'body' (columns: ['text'])"),
     (lambda d: (d / "p.csv").write_text("a,b") and d / "p.csv", "unsupported format '.csv'"),
 ])
 def test_a_bad_source_file_is_a_clear_error_naming_the_file(tmp_path, make, message):

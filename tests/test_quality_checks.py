@@ -14,7 +14,7 @@ from test_quality_fixtures import (  # noqa: F401  (fixtures)
 )
 
 from dflash_assets.quality import Thresholds, run_checks
-from dflash_assets.quality.rules import overflows
+from dflash_assets.rules import overflows
 
 
 def check(data_dir, name, **kwargs):

@@ -79,7 +79,7 @@ def test_export_writes_specforge_conversations(defects_dir, export):
     prompts = load(defects_dir, "prompt_shards")
     messages = {(p["shard"], p["prompt_id"]): json.loads(p["messages_json"]) for p in prompts}
     for record, row in zip(read_jsonl(export.jsonl_path), kept(defects_dir), strict=True):
-        assert set(record) == {"id", "conversations"}
+        assert set(record) == {"id", "status", "conversations"} and record["status"] == "success"
         *prompt, answer = record["conversations"]
         assert prompt == messages[(row["shard"], row["prompt_id"])]
         assert answer["role"] == "assistant" and answer["content"] == row["content"]

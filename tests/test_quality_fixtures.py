@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.quality import rules
+from dflash_assets import rules
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 CONFIG_A = dict(config_hash="a4096", max_output_tokens=4096, server_context_length=16384, enable_thinking=True)
@@ -173,7 +173,7 @@ def story_dir(tmp_path_factory) -> Path:
     return build_story(tmp_path_factory.mktemp("story"))
 
 
-# The expected figures are computed with the rules' Python predicates (quality/rules.py), never with the SQL
+# The expected figures are computed with the rules' Python predicates (dflash_assets/rules.py), never with the SQL
 # under test: a check agreeing with them is the SQL fragment agreeing with its Python twin.
 blank = rules.is_blank
 nearest_rank = rules.percentile

@@ -6,7 +6,7 @@ import pytest
 from test_quality_fixtures import CONFIG_A, clean_dir, completion, defects_dir, load, prompt, write  # noqa: F401
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
-from dflash_assets.generation.store import PartStore
+from dflash_assets.generation.parts import PartStore
 from dflash_assets.quality import CHECKS, Thresholds, export_training_set, gate_passed, run_checks
 
 
@@ -86,7 +86,8 @@ def test_accounting_passes_when_every_prompt_is_accounted_for(clean_dir):
 
 def test_training_gate_is_marked_in_the_registry(tmp_path):
     blocking = {spec.name for spec in CHECKS if spec.blocking}
-    gate = {"truncation_rate", "context_overflow", "duplicates", "accounting", "think_markers", "empty_content"}
+    gate = {"truncation_rate", "context_overflow", "duplicates", "accounting", "think_markers", "empty_content",
+            "silent_clamp"}
     assert blocking == gate
     assert all(spec.default_severity == ("ERROR" if spec.blocking else "WARN") for spec in CHECKS)
     assert all(spec.description for spec in CHECKS)

@@ -11,7 +11,7 @@ from dflash_assets.generation.continuation import latest_parent
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.planner import plan_caps
-from dflash_assets.quality.rules import (CONTEXT_MARGIN, most_rows_first, overflows, percentile,
+from dflash_assets.rules import (CONTEXT_MARGIN, most_rows_first, overflows, percentile,
                                          percentile_sql)
 
 CONTEXT = 16384

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
-from pathlib import Path
 
 import pytest
 
+from sglang_wheel import sglang_dir
 from dflash_assets.fleet.server_args import (EMULATOR, REMOVED_FLAGS, SGLANG_LAUNCH_SERVER, SGLANG_SERVE,
                                              ServerArgs, ServerArgsError)
 
@@ -27,13 +26,6 @@ EVERY_FIELD = ServerArgs(
     max_queued_requests=512, gpus=(1,))
 
 
-def sglang_dir() -> Path:
-    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        pytest.fail("the sglang 0.5.23 wheel is not installed in this environment, so the flags the launcher "
-                    "emits cannot be checked against it. Install it without its dependencies: "
-                    "`uv pip install --no-deps sglang==0.5.23`", pytrace=False)
-    return Path(spec.submodule_search_locations[0])
 
 
 def _arg_call(node: ast.expr) -> dict[str, ast.expr] | None:

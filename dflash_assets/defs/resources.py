@@ -14,6 +14,7 @@ from pydantic import Field, PrivateAttr
 
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, connect
+from dflash_assets.generation.prompts import FieldMapping
 from dflash_assets.settings import FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings
 
 
@@ -84,6 +85,14 @@ class PromptSource(dg.ConfigurableResource):
 
     path: str = Deployment.PROMPTS.default
     shard_size: int = int(Deployment.SHARD_SIZE.default)
+    # for a source in none of the known formats (generation/prompts.py): the columns holding the id and the turns
+    id_field: Optional[str] = None
+    messages_field: Optional[str] = None
+
+    def mapping(self) -> FieldMapping | None:
+        if not (self.id_field or self.messages_field):
+            return None
+        return FieldMapping(self.id_field, self.messages_field)
 
     def resolved(self) -> Path:
         if self.shard_size <= 0:

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     emu = parser.add_argument_group("emulator", "Knobs of the emulator itself (not SGLang flags).")
     emu.add_argument("--startup-delay", type=float, default=0.0, help="Seconds /health answers 503 (warmup).")
     emu.add_argument(
+        "--health-delay", type=float, default=None,
+        help="Seconds a healthy /health takes. Default: 1, as 0.5.23's one-token health generation polls after "
+        "asyncio.sleep(1); 0 when SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (then /health answers at once).",
+    )
+    emu.add_argument(
         "--decode-tokens-per-s", type=float, default=0.0, help="Decode rate per running request; 0 = instant."
     )
     emu.add_argument("--prefill-tokens-per-s", type=float, default=0.0, help="Prefill rate per request; 0 = instant.")
@@ -91,12 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--length-sigma", type=float, default=LengthModel.sigma, help="Lognormal sigma of output length.")
     emu.add_argument("--length-min", type=int, default=LengthModel.minimum)
     emu.add_argument("--length-max", type=int, default=LengthModel.maximum)
+    emu.add_argument("--loop-share", type=float, default=LengthModel.loop_share,
+                     help="Share of prompts (fixed per prompt and seed) whose generation repeats one line until "
+                          "--length-max: runaway generations.")
     emu.add_argument(
         "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
+    )
+    emu.add_argument(
+        "--generation-config", type=json.loads, default={"temperature": 0.6, "top_k": 20, "top_p": 0.95},
+        help="The stand-in model's generation_config.json (Qwen3's by default): the chat route's sampling "
+        "defaults for what a request leaves out, with --sampling-defaults model.",
     )
     emu.add_argument("--kv-capacity", type=int, default=400_000, help="KV pool tokens the emulated GPU profiles to.")
     emu.add_argument(
         "--auto-mamba-cache-size", type=int, default=144, help="Mamba slots when --max-mamba-cache-size is unset."
+    )
+    emu.add_argument(
+        "--always-think", action="store_true",
+        help="The stand-in model's chat template opens <think> whatever enable_thinking says (as templates that "
+        "match template_detection's force_reasoning_pattern do): the server then always reasons.",
     )
     emu.add_argument("--dense-model", action="store_true", help="Emulate a dense model (no mamba cap on requests).")
     emu.add_argument("--fault-crash-after", type=int, help="Exit hard when generation request N+1 arrives.")
@@ -133,6 +151,23 @@ class EmulatorConfig:
     def reasoning_parser(self) -> str | None:
         p = self.args.reasoning_parser
         return "qwen3" if p == "auto" else p  # auto detects the Qwen template
+
+    @property
+    def model_sampling_defaults(self) -> dict:
+        """ModelConfig.get_default_sampling_params: five keys of generation_config.json, with sampling_defaults
+        'model' (the default); {} with 'openai'."""
+        if (self.args.sampling_defaults or "model") != "model":
+            return {}
+        keys = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+        return {k: self.args.generation_config[k] for k in keys if self.args.generation_config.get(k) is not None}
+
+    @property
+    def health_delay(self) -> float:
+        """http_server.health_generate: a generation, then `await asyncio.sleep(1)` before the first check."""
+        if self.args.health_delay is not None:
+            return self.args.health_delay
+        generation = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").strip().lower()
+        return 0.0 if generation in ("0", "false", "no", "off") else 1.0
 
     @property
     def allow_auto_truncate(self) -> bool:
@@ -178,7 +213,8 @@ def resolve(argv: list[str]) -> EmulatorConfig:
     running, mamba = _max_running_requests(args, kv, context_len)
     max_req_len = min(context_len - 1, kv - 1)
     lengths = LengthModel(
-        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max
+        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max,
+        loop_share=args.loop_share,
     )
     return EmulatorConfig(
         args=args,
@@ -205,7 +241,7 @@ def _max_running_requests(args: argparse.Namespace, kv: int, context_len: int) -
     if args.dense_model:
         return running, None
     mamba = args.max_mamba_cache_size if args.max_mamba_cache_size is not None else args.auto_mamba_cache_size
-    ratio = 1 if args.disable_radix_cache else MAMBA_SLOTS_PER_REQUEST
+    ratio = mamba_ratio(args)
     cap = mamba // ratio
     if cap <= 0:
         raise ConfigError(
@@ -213,6 +249,18 @@ def _max_running_requests(args: argparse.Namespace, kv: int, context_len: int) -
             f"max_mamba_cache_size={mamba}, mamba_ratio={ratio}, resulting max_num_reqs={cap}."
         )
     return min(running, cap), mamba
+
+
+def mamba_ratio(args: argparse.Namespace) -> int:
+    """kv_cache_configurator._calculate_mamba_ratio: state slots per running request."""
+    if args.disable_radix_cache:
+        return 1
+    strategy = args.mamba_radix_cache_strategy or "no_buffer"
+    if strategy == "extra_buffer_lazy":
+        return MAMBA_SLOTS_PER_REQUEST + 1
+    if strategy == "extra_buffer":  # get_mamba_tracking_slots: 2 with the overlap scheduler, 1 without
+        return MAMBA_SLOTS_PER_REQUEST + (1 if args.disable_overlap_schedule else 2)
+    return MAMBA_SLOTS_PER_REQUEST
 
 
 def server_args_dict(cfg: EmulatorConfig) -> dict:
@@ -241,6 +289,8 @@ def server_args_dict(cfg: EmulatorConfig) -> dict:
         "mem_fraction_static": a.mem_fraction_static if a.mem_fraction_static is not None else 0.871,
         "schedule_policy": "fcfs",
         "disable_radix_cache": bool(a.disable_radix_cache),
+        "disable_overlap_schedule": bool(a.disable_overlap_schedule),
+        "mamba_radix_cache_strategy": a.mamba_radix_cache_strategy or "no_buffer",
         "page_size": 1,
         "dtype": "auto",
         "kv_cache_dtype": "auto",

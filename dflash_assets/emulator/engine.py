@@ -21,13 +21,15 @@ import itertools
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import model
 from . import tokenizer as tok
 from .config import EmulatorConfig
 from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
+from .prefix_cache import PrefixCache
 from .scheduler import QueueFull, Scheduler
 
 # Streaming granularity: the first token on its own (time to first token), then
@@ -67,6 +69,7 @@ class Output:
     prompt_tokens: int
     reasoning_tokens: int = 0
     e2e_latency: float | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled again)
 
     @property
     def completion_tokens(self) -> int:
@@ -77,8 +80,13 @@ class Output:
         return bool(self.finish and self.finish.get("type") == "abort")
 
 
-def abort_finish(message: str, status_code: int) -> dict:
+def abort_finish(message: str, status_code: int | None) -> dict:
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
+
+
+# sampling/sampling_params.py SamplingParams.__init__ defaults: what /generate samples with when nothing is sent
+SAMPLING_PARAM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                           "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 def verify_sampling(sp: dict) -> None:
@@ -130,6 +138,7 @@ class Engine:
                 max_queued_requests=a.max_queued_requests,
                 decode_tokens_per_s=a.decode_tokens_per_s,
                 prefill_tokens_per_s=a.prefill_tokens_per_s,
+                prefix_cache=None if a.disable_radix_cache else PrefixCache(cfg.max_total_num_tokens),
             )
             for rank in range(max(1, a.dp_size))
         ]
@@ -138,10 +147,18 @@ class Engine:
         # tokenizer-side counters for /metrics: (is_streaming) -> value
         self.counters = {"prompt_tokens": {}, "generation_tokens": {}, "requests": {}}
         self.num_aborted = 0
+        self.sampled: deque = deque(maxlen=1000)  # the last requests' resolved sampling parameters
         self.e2e_sum = 0.0
         self.e2e_count = 0
 
     # ---- 1. tokenizer manager ----
+
+    def record_sampling(self, req: Request) -> None:
+        """What a request is sampled with once both routes have filled in their defaults (SamplingParams'
+        own for what is still unset), kept for the emulator-only /_emulator/stats."""
+        sp = req.sampling
+        self.sampled.append({"rid": req.rid, **{k: v if (v := sp.get(k)) is not None else default
+                                                for k, default in SAMPLING_PARAM_DEFAULTS.items()}})
 
     def validate(self, req: Request) -> None:
         """`_validate_one_request` then `SamplingParams.verify`; raises TokenizerError."""
@@ -166,6 +183,7 @@ class Engine:
             req.sampling["max_new_tokens"] = max(0, ctx - n)
         req.sampling.setdefault("max_new_tokens", req.default_max_new_tokens)
         verify_sampling(req.sampling)
+        self.record_sampling(req)
 
     # ---- 2. scheduler and model ----
 
@@ -193,10 +211,14 @@ class Engine:
         if verdict.fail:
             yield self._abort(req, verdict.fail, 503)
             return
+        if verdict.abort:  # FINISH_ABORT() with no status_code: the client sees HTTP 200, finish_reason "abort"
+            yield self._abort(req, "Aborted", None)
+            return
         gen = self._generate(req, max_new)
         sched = next(self._round_robin)
+        cached = sched.prefix_cache.match(ids) if sched.prefix_cache else 0
         try:
-            ticket = sched.submit(len(ids), len(gen.output_ids), self.faults.slow_factor)
+            ticket = sched.submit(len(ids), len(gen.output_ids), self.faults.slow_factor, cached=cached)
         except QueueFull:
             yield self._abort(req, QUEUE_FULL, 503)
             return
@@ -213,7 +235,9 @@ class Engine:
                     done = k
                     yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
             await _sleep_until(ticket.time_of_token(n))
-            yield self._final(req, gen)
+            if sched.prefix_cache:
+                sched.prefix_cache.insert(ids + gen.output_ids)
+            yield replace(self._final(req, gen), cached_tokens=cached)
         finally:
             sched.release(ticket)
 
@@ -256,7 +280,7 @@ class Engine:
             e2e_latency=latency,
         )
 
-    def _abort(self, req: Request, message: str, status: int) -> Output:
+    def _abort(self, req: Request, message: str, status: int | None) -> Output:
         self.num_aborted += 1
         return Output(
             [], "", abort_finish(message, status), len(req.input_ids), e2e_latency=time.perf_counter() - req.arrival

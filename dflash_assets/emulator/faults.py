@@ -21,6 +21,10 @@ Settings (all optional):
     hold: bool         a generation request is accepted, then held until hold is cleared (a test
                        that needs work to be certainly in flight at some moment releases it then)
     unhealthy: bool    /health and /health_generate answer 503 (a stuck detokenizer)
+    abort_next: N      the next N generation requests end in a status-less abort: HTTP 200 with
+                       finish_reason "abort" (as /abort_request or a session cleanup does in 0.5.23:
+                       tokenizer_manager._handle_abort_finish_reason lets it through without a status)
+    tokenize_fail_next: N  the next N /v1/tokenize requests get 503 (a server still warming up, overloaded)
 
 "Generation requests" are POST /generate and /v1/chat/completions.
 """
@@ -44,6 +48,8 @@ class FaultSettings:
     slow_factor: float | None = None
     unhealthy: bool | None = None
     hold: bool | None = None
+    abort_next: int | None = None
+    tokenize_fail_next: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Verdict:
     fail: str | None = None  # a 503 with this message
     stall: float = 0.0
     hold: bool = False  # wait until the hold setting is cleared
+    abort: bool = False  # finish with a status-less abort (HTTP 200, finish_reason "abort")
 
 
 NO_FAULT = Verdict()
@@ -63,7 +70,7 @@ class Faults:
     def __init__(self, settings: FaultSettings | None = None, seed: int = 0):
         self.settings = settings or FaultSettings()
         self.requests_seen = 0  # generation requests since crash_after was set
-        self.injected = {"crash": 0, "fail": 0, "stall": 0, "hold": 0}
+        self.injected = {"crash": 0, "fail": 0, "stall": 0, "hold": 0, "abort": 0, "tokenize_fail": 0}
         self._rng = random.Random(seed)
 
     @property
@@ -109,6 +116,10 @@ class Faults:
             s.fail_next -= 1
             self.injected["fail"] += 1
             return Verdict(fail=s.fail_message or QUEUE_FULL)
+        if s.abort_next:
+            s.abort_next -= 1
+            self.injected["abort"] += 1
+            return Verdict(abort=True)
         if s.fail_rate and self._rng.random() < s.fail_rate:
             self.injected["fail"] += 1
             return Verdict(fail=s.fail_message or QUEUE_FULL)
@@ -121,6 +132,15 @@ class Faults:
             self.injected["stall"] += 1
             return Verdict(stall=s.stall_seconds)
         return NO_FAULT
+
+
+    def tokenize_fails(self) -> bool:
+        """Called once per /v1/tokenize request: True when it is to be answered 503."""
+        if self.settings.tokenize_fail_next:
+            self.settings.tokenize_fail_next -= 1
+            self.injected["tokenize_fail"] += 1
+            return True
+        return False
 
 
 def from_args(args) -> Faults:

@@ -8,12 +8,13 @@ Figures about the GPU (weights GB, graph memory) are plausible constants for a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from datetime import UTC, datetime
 
 from aiohttp import web
 
-from .config import VERSION, EmulatorConfig, server_args_dict
+from .config import VERSION, EmulatorConfig, mamba_ratio, server_args_dict
 from .engine import Engine
 from .responses import http_exception, json_response
 from .state import STATE
@@ -21,8 +22,14 @@ from .state import STATE
 
 async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    ok = st.ready and not st.faults.unhealthy
-    return web.Response(status=200 if ok else 503)
+    if not st.ready or st.faults.unhealthy:
+        return web.Response(status=503)  # ServerStatus.Starting answers at once
+    # a healthy answer waits for the one-token health generation: at least the first asyncio.sleep(1)
+    # (/health_generate runs it whatever SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION says)
+    delay = st.cfg.health_delay if request.path == "/health" else max(1.0, st.cfg.health_delay)
+    if delay:
+        await asyncio.sleep(delay)
+    return web.Response(status=200)
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -41,7 +48,8 @@ async def model_info(request: web.Request) -> web.Response:
             "preferred_sampling_params": a.preferred_sampling_params,
             "weight_version": a.weight_version or "default",
             "load_format": a.load_format or "auto",
-            "reasoning_parser": a.reasoning_parser,
+            # config_value("reasoning_parser"): `auto` already resolved by template detection (entrypoints/engine.py)
+            "reasoning_parser": cfg.reasoning_parser,
             "tool_call_parser": a.tool_call_parser,
             "disaggregation_mode": "null",
             "has_image_understanding": False,
@@ -228,6 +236,10 @@ async def metrics(request: web.Request) -> web.Response:
         ),
         ("sglang:context_len", "The context length of the model.", lambda s: cfg.context_len),
     ]
+    if cfg.max_mamba_cache_size:  # a hybrid model: its state slots, held per running request (no prefix reuse)
+        slots = mamba_ratio(cfg.args)
+        gauges.append(("sglang:mamba_usage", "The token usage for Mamba layers.",
+                       lambda s: round(min(1.0, len(s.running) * slots / cfg.max_mamba_cache_size), 4)))
     for name, doc, fn in gauges:
         family(name, "gauge", doc, [(labels, fn(s)) for labels, s in ranks])
     for key, name, doc in (

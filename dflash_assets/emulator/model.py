@@ -43,6 +43,7 @@ class LengthModel:
     maximum: int = 32768
     reasoning_min: float = 0.50  # share of the body that is reasoning, when thinking
     reasoning_max: float = 0.85
+    loop_share: float = 0.0  # share of prompts whose generation loops: one line repeated up to `maximum`
 
     def sample(self, u1: float, u2: float) -> int:
         z = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)  # Box-Muller
@@ -143,6 +144,7 @@ class Plan:
     reasoning_offset: int
     answer_offset: int
     resume_at: int  # output tokens the prompt already carries after the marker
+    looping: bool = False  # a runaway: the same line over and over until `maximum` (a thinking model that loops)
 
 
 def plan_completion(
@@ -165,16 +167,20 @@ def plan_completion(
         digest.update(struct.pack("<q", sampling_seed))
     if sample:
         digest.update(b"sample" + struct.pack("<q", sample))
+    # whether it loops is its own draw (a copy of the digest), so the lengths of the other prompts stay as they were
+    loop_digest = digest.copy()
+    loop_digest.update(b"loop")
+    looping = (int.from_bytes(loop_digest.digest()[:8], "little") + 0.5) / 2.0**64 < lengths.loop_share
     h = digest.digest()
     u = [(int.from_bytes(h[i : i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24, 32)]
-    total = lengths.sample(u[0], u[1])
+    total = lengths.maximum if looping else lengths.sample(u[0], u[1])
     _, _, _, starts = _stream()
     reasoning = 0
     if thinking:
         total = max(total, 4)  # room for one reasoning word, </think>, \n\n, <|im_end|>
         share = lengths.reasoning_min + (lengths.reasoning_max - lengths.reasoning_min) * u[2]
         body = total - 3
-        reasoning = min(body - 1, max(1, round(share * body)))
+        reasoning = total - 1 if looping else min(body - 1, max(1, round(share * body)))
     else:
         total = max(total, 2)
     return Plan(
@@ -184,11 +190,33 @@ def plan_completion(
         reasoning_offset=starts[int(u[3] * len(starts))],
         answer_offset=starts[int(u[4] * len(starts))],
         resume_at=len(prompt_ids) - marker_end,
+        looping=looping,
     )
 
 
+@functools.cache
+def _loop_line() -> tuple[list[int], list[str]]:
+    """The line a looping generation repeats: the stream's first whole sentence, then a blank line (as a
+    paragraph ends in the stream, so the repeats re-tokenise to the same ids)."""
+    ids, _, _, _ = _stream()
+    start = ids.index(tok.VOCAB["."]) + 1
+    end = ids.index(tok.VOCAB["."], start) + 1
+    line = list(ids[start:end]) + [_NN_ID]
+    return line, [tok.TOKEN_STR[i] for i in line]
+
+
+def _loop_piece(phase: int, n: int) -> tuple[list[int], str]:
+    """`n` tokens of the repeated line, from position `phase` of the repetition."""
+    line, pieces = _loop_line()
+    reps = (phase % len(line) + n) // len(line) + 1
+    lo = phase % len(line)
+    return (line * reps)[lo : lo + n], "".join((pieces * reps)[lo : lo + n])
+
+
 def _segments(plan: Plan) -> list[tuple[int, int, object]]:
-    """(start, stop, source) pieces of the completion: a stream offset or a special id."""
+    """(start, stop, source) pieces of the completion: a stream offset, a special id, or the loop."""
+    if plan.looping:  # reasoning (when thinking) that never closes: the line repeats to the end
+        return [(0, plan.total - 1, ("loop",)), (plan.total - 1, plan.total, ("special", tok.IM_END_ID, ""))]
     if plan.thinking:
         r = plan.reasoning
         return [
@@ -212,12 +240,17 @@ def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str
     text: list[str] = []
     segments = _segments(plan)
     last_answer_start = segments[-2][0]
-    segments.append((plan.total, max(stop, plan.total), plan.answer_offset + plan.total - 1 - last_answer_start))
+    beyond = ("loop",) if plan.looping else plan.answer_offset + plan.total - 1 - last_answer_start
+    segments.append((plan.total, max(stop, plan.total), beyond))
     for seg_start, seg_stop, source in segments:
         lo, hi = max(start, seg_start), min(stop, seg_stop)
         if lo >= hi:
             continue
-        if isinstance(source, tuple):
+        if source == ("loop",):
+            piece_ids, piece_text = _loop_piece(lo, hi - lo)
+            ids += piece_ids
+            text.append(piece_text)
+        elif isinstance(source, tuple):
             ids.append(source[1])
             text.append(source[2])
         else:

@@ -41,7 +41,7 @@ def meta_info(req: Request, out: Output, *, stamp: bool) -> dict:
         "num_retractions": 0,
         "reasoning_tokens": out.reasoning_tokens,
         "completion_tokens": out.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
     }
     if out.finish is not None:
         m["e2e_latency"] = out.e2e_latency
@@ -141,7 +141,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return generate_error(str(e))
     outs = await asyncio.gather(*(_final(engine, r, verdict) for r in reqs))
     for out in outs:
-        if out.aborted:  # tokenizer_manager._handle_abort_finish_reason
+        if out.aborted and out.finish["status_code"] is not None:  # tokenizer_manager._handle_abort_finish_reason
             status, message = out.finish["status_code"], out.finish["message"]
             return generate_error(message) if status == 400 else http_exception(message, status)
     results = [

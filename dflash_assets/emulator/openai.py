@@ -19,6 +19,7 @@ from aiohttp import web
 
 from . import tokenizer as tok
 from .engine import Engine, Output, Request, TokenizerError
+from .faults import QUEUE_FULL
 from .native import meta_info
 from .responses import (
     HTTP_STATUS_NAMES,
@@ -114,6 +115,11 @@ def _messages_errors(body) -> list[dict]:
     return []
 
 
+# ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS: what the chat route uses when neither the request nor the
+# model's generation_config.json says
+OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 class ChatContext:
     """What serving_chat derives from a request before generating."""
 
@@ -128,10 +134,12 @@ class ChatContext:
         for k, v in (cfg.args.default_chat_template_kwargs or {}).items():
             ctk.setdefault(k, v)
         self.chat_template_kwargs = ctk
-        self.enable_thinking = ctk.get("enable_thinking", True) is not False  # the template's default
+        # the template's default is on; an always-think template has no toggle and opens <think> regardless
+        self.enable_thinking = cfg.args.always_think or ctk.get("enable_thinking", True) is not False
         parser = cfg.reasoning_parser
         # _get_reasoning_from_request: qwen3 follows the template's enable_thinking
-        # toggle (default true); qwen3-thinking always reasons.
+        # toggle (default true); qwen3-thinking always reasons; template_manager.force_reasoning (the template
+        # always opens <think>) forces it for any parser.
         self.reasoning = parser == "qwen3-thinking" or (parser is not None and self.enable_thinking)
         self.separate = parser is not None and body.get("separate_reasoning", True) is not False
 
@@ -159,18 +167,23 @@ class ChatContext:
     def sampling(self) -> dict:
         b = self.body
         stop = b.get("stop")
+        model = self.cfg.model_sampling_defaults
+
+        def get_param(name: str):  # to_sampling_params: user value > generation_config > OpenAI default
+            return b[name] if b.get(name) is not None else model.get(name, OPENAI_SAMPLING_DEFAULTS[name])
+
         return {
-            "temperature": b.get("temperature"),
+            "temperature": get_param("temperature"),
             "max_new_tokens": b.get("max_completion_tokens") or b.get("max_tokens"),
             "min_new_tokens": b.get("min_tokens", 0),
             "stop": [stop] if isinstance(stop, str) else (stop or []),
             "stop_token_ids": b.get("stop_token_ids"),
-            "top_p": b.get("top_p"),
-            "top_k": b.get("top_k"),
-            "min_p": b.get("min_p"),
+            "top_p": get_param("top_p"),
+            "top_k": get_param("top_k"),
+            "min_p": get_param("min_p"),
             "presence_penalty": b.get("presence_penalty", 0.0),
             "frequency_penalty": b.get("frequency_penalty", 0.0),
-            "repetition_penalty": b.get("repetition_penalty"),
+            "repetition_penalty": get_param("repetition_penalty"),
             "n": b.get("n", 1),
             "no_stop_trim": b.get("no_stop_trim", False),
             "ignore_eos": b.get("ignore_eos", False),
@@ -219,7 +232,7 @@ def usage(outs: list[Output], cache_report: bool) -> dict:
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": 0} if cache_report else None,
+        "prompt_tokens_details": {"cached_tokens": outs[0].cached_tokens} if cache_report else None,
         "reasoning_tokens": reasoning,
         "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }
@@ -305,7 +318,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         return await _stream(request, chat, reqs[0], verdict)
     outs = await asyncio.gather(*(_last(engine, r, verdict) for r in reqs))
     for out in outs:
-        if out.aborted:
+        if out.aborted and out.finish["status_code"] is not None:  # a status-less abort is an HTTP 200
             return _abort_response(out)
     reply = _response(cfg, chat, reqs, outs)
     ext = sglext_ids(request.headers, cfg, body, reqs, outs)
@@ -384,7 +397,7 @@ async def _write_stream(request: web.Request, chat: ChatContext, req: Request, o
     first = await outputs.__anext__()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await resp.prepare(request)
-    if first.aborted:  # a scheduler abort with a status becomes an error chunk
+    if first.aborted and first.finish["status_code"] is not None:  # a scheduler abort with a status: error chunk
         code = first.finish["status_code"]
         err = openai_error_body(first.finish["message"], HTTP_STATUS_NAMES.get(code, str(code)), code)
         await resp.write(b"data: " + dumps({"error": err}).encode() + b"\n\n")
@@ -439,6 +452,8 @@ async def handle_tokenize(request: web.Request) -> web.Response:
                 }
             ]
         )
+    if request.app[STATE].faults.tokenize_fails():
+        return http_exception(QUEUE_FULL, 503)
     # The tokenizer's model_max_length (tokenizer_config.json), NOT the served
     # context length: read that from /v1/models.
     max_model_len = cfg.args.native_context_length

@@ -32,6 +32,7 @@ class Ticket:
     admitted: asyncio.Future | None = None
     start: float = 0.0  # when admitted (monotonic)
     prefill_s: float = 0.0
+    cached: int = 0  # prompt tokens served from the prefix cache
     per_token_s: float = 0.0
 
     @property
@@ -60,8 +61,10 @@ class Scheduler:
         max_queued_requests: int | None,
         decode_tokens_per_s: float,
         prefill_tokens_per_s: float,
+        prefix_cache=None,
     ):
         self.dp_rank = dp_rank
+        self.prefix_cache = prefix_cache  # a PrefixCache, or None with --disable-radix-cache
         self.max_running_requests = max_running_requests
         self.max_total_num_tokens = max_total_num_tokens
         self.max_queued_requests = max_queued_requests
@@ -76,11 +79,13 @@ class Scheduler:
         # exact slot occupancy, for benchmarks (GET /_emulator/stats): every change of the running count
         self.timeline: deque[tuple[float, int]] = deque([(time.monotonic(), 0)], maxlen=1_000_000)
 
-    def submit(self, input_len: int, output_len: int, slow_factor: float = 1.0) -> Ticket:
+    def submit(self, input_len: int, output_len: int, slow_factor: float = 1.0, cached: int = 0) -> Ticket:
+        """`cached`: leading prompt tokens the prefix cache holds; only the rest is prefilled."""
         if self.max_queued_requests is not None and len(self.waiting) + 1 > self.max_queued_requests:
             raise QueueFull()
         t = Ticket(input_len, output_len)
-        t.prefill_s = input_len / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else 0.0
+        t.cached = cached
+        t.prefill_s = (input_len - cached) / self.prefill_tokens_per_s if self.prefill_tokens_per_s > 0 else 0.0
         t.per_token_s = slow_factor / self.decode_tokens_per_s if self.decode_tokens_per_s > 0 else 0.0
         self.waiting.append(t)
         self._pump()
@@ -124,7 +129,7 @@ class Scheduler:
             self._mark()
             self._kv_reserved += head.kv_tokens
             head.start = time.monotonic()
-            self.total_prefill_tokens += head.input_len
+            self.total_prefill_tokens += head.input_len - head.cached
             self.total_prefill_busy_s += head.prefill_s
             if head.admitted is None:
                 head.admitted = _DONE

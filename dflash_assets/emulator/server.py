@@ -97,10 +97,12 @@ def create_app(cfg: EmulatorConfig, *, faults: Faults | None = None, on_crash=cr
 
 async def stats_route(request: web.Request) -> web.Response:
     """Emulator-only: each DP rank's running-request count at every change, as (monotonic seconds, running)
-    pairs, and max_running_requests — the exact slot occupancy benchmarks integrate (not an SGLang route)."""
+    pairs, and max_running_requests — the exact slot occupancy benchmarks integrate (not an SGLang route);
+    and the sampling parameters the last requests were resolved to, on either route."""
     engine = request.app[STATE].engine
     return web.json_response({"now": time.monotonic(), "ranks": [
-        {"max_running_requests": s.max_running_requests, "timeline": list(s.timeline)} for s in engine.schedulers]})
+        {"max_running_requests": s.max_running_requests, "timeline": list(s.timeline)} for s in engine.schedulers],
+        "sampled": list(engine.sampled)})
 
 
 async def _announce_when_ready(app: web.Application) -> None:

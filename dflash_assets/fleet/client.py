@@ -1,7 +1,11 @@
 """HTTP client for one SGLang 0.5.23 server: what the pipeline reads from it and sends to it.
 
-Errors are classified once, here: a 400 is the caller's (never retried at the same budget), a 5xx,
-a 503 abort, a timeout or a dropped connection is the server's (retried elsewhere).
+Errors are classified once, here, so every caller's retry loop does the right thing:
+- 400/413/422: the prompt's fault (ServerError, not retryable: never resent at the same budget);
+- 401/403/404: the API key or the URL is wrong, not the prompt (ServerAccessError: not a ServerError, so no
+  retry loop swallows it and the run stops, saying so);
+- anything else, a timeout, a dropped connection, or an HTTP 200 whose finish_reason is "abort" (0.5.23 sends
+  status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError, retryable).
 """
 
 from __future__ import annotations
@@ -14,6 +18,14 @@ import aiohttp
 
 
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
+PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
+ACCESS_FAULT = (401, 403, 404)  # the key or the URL is wrong: no prompt will ever get through
+INPUT_LEN_RESERVE = 5  # tp_worker.py: max_req_input_len = max_req_len - 5
+# /health is a one-token generation in 0.5.23 (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, on by default): it polls
+# after asyncio.sleep(1), answers 200 once the scheduler answers, and 503 itself after SGLANG_HEALTH_CHECK_TIMEOUT
+# (20 s). A probe must outwait that, or a busy healthy server looks dead.
+HEALTH_PROBE_TIMEOUT_S = 25.0
+TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is retried, never made a reject
 
 
 class ServerError(Exception):
@@ -27,6 +39,16 @@ class ServerError(Exception):
         self.retryable = retryable
 
 
+class ServerAccessError(RuntimeError):
+    """401/403/404: the server refuses us (API key) or the route is not there (URL). Stops the run."""
+
+    def __init__(self, url: str, method: str, path: str, status: int, message: str):
+        what = "the API key is missing or wrong" if status in (401, 403) else "the URL does not point at SGLang"
+        super().__init__(f"{url}: HTTP {status} on {method} {path} ({message}): {what}; nothing more is sent to "
+                         f"this fleet until it is fixed (check the server URL and the API key's environment variable)")
+        self.url, self.path, self.status, self.message = url, path, status, message
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     """What a server says about itself; the numbers preflight and the dispatcher size work by."""
@@ -34,10 +56,46 @@ class ServerInfo:
     url: str
     model: str
     context_length: int  # /v1/models data[0].max_model_len: the effective context length
-    max_running_requests: int  # /server_info internal_states[0].effective_max_running_requests_per_dp
-    max_req_input_len: int | None  # the scheduler's own input limit (context_length - ~6)
-    max_total_num_tokens: int | None  # KV pool size in tokens
+    max_running_requests: int  # /server_info internal_states[*].effective_max_running_requests_per_dp, summed over DP ranks
+    max_req_input_len: int | None  # /server_info: the scheduler's input limit, max_req_len - 5
+    max_total_num_tokens: int | None  # /server_info: KV pool size in tokens
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
+    mamba_slots_per_request: int | None = None  # hybrid models only: see mamba_slots_per_request()
+    always_thinks: bool = False  # its chat template opens <think> even with enable_thinking false
+
+    @property
+    def max_req_len(self) -> int:
+        """What one request (prompt + output) may hold before the scheduler cuts its output silently.
+
+        0.5.23 (managers/tp_worker.py get_worker_info): max_req_len = min(context_len - 1, KV pool - 1) and
+        max_req_input_len = max_req_len - 5; the scheduler (init_req_max_new_tokens) lowers max_new_tokens to
+        max_req_len - prompt - 1 without an error, so a KV pool smaller than the context is a cap of its own.
+        """
+        if self.max_req_input_len is not None:
+            return self.max_req_input_len + INPUT_LEN_RESERVE
+        if self.max_total_num_tokens is not None:
+            return min(self.context_length, self.max_total_num_tokens) - 1
+        return self.context_length - 1
+
+
+def mamba_slots_per_request(server: dict) -> int | None:
+    """Mamba state slots one running request holds, as the server resolved them; None for a dense model.
+
+    0.5.23 kv_cache_configurator._calculate_mamba_ratio: 1 without the radix cache, else
+    MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3, plus the tracking slots of an extra-buffer strategy
+    (allocation_sizing.get_mamba_tracking_slots: 1 lazy or without overlap scheduling, else 2). /server_info
+    reports the resolved fields; `max_mamba_cache_size` is set only for a hybrid model.
+    """
+    if server.get("max_mamba_cache_size") is None:
+        return None
+    if server.get("disable_radix_cache"):
+        return 1
+    strategy = server.get("mamba_radix_cache_strategy")
+    if strategy == "extra_buffer_lazy":
+        return 3 + 1
+    if strategy == "extra_buffer":
+        return 3 + (1 if server.get("disable_overlap_schedule") else 2)
+    return 3
 
 
 def error_message(body: Any) -> str:
@@ -78,43 +136,76 @@ class ServerClient:
                     body = await resp.text()
                 if resp.status == 200:
                     return body
-                retryable = resp.status >= 500 or resp.status in (408, 429)
-                raise ServerError(self.url, error_message(body), status=resp.status, retryable=retryable)
-        except ServerError:
+                if resp.status in ACCESS_FAULT:
+                    raise ServerAccessError(self.url, method, path, resp.status, error_message(body))
+                raise ServerError(self.url, error_message(body), status=resp.status,
+                                  retryable=resp.status not in PROMPT_FAULT)
+        except (ServerError, ServerAccessError):
             raise
         except asyncio.TimeoutError:
             raise ServerError(self.url, f"{method} {path} timed out", retryable=True) from None
         except (aiohttp.ClientError, OSError) as e:
             raise ServerError(self.url, f"{method} {path} failed: {type(e).__name__}: {e}", retryable=True) from None
 
-    async def healthy(self, timeout: float = 5.0) -> bool:
+    async def healthy(self, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
         try:
             await self._request("GET", "/health", timeout=timeout)
             return True
-        except ServerError:
+        except (ServerError, ServerAccessError):
             return False
+
+    async def _optional(self, path: str, timeout: float = 30) -> Any:
+        """A route a router / gateway (or a server without --enable-metrics) does not have: None on a 404."""
+        try:
+            return await self._request("GET", path, timeout=timeout)
+        except ServerAccessError as e:
+            if e.status != 404:
+                raise
+            return None
 
     async def info(self) -> ServerInfo:
         models = await self._request("GET", "/v1/models", timeout=30)
-        try:
-            server = await self._request("GET", "/server_info", timeout=30)
-        except ServerError as e:
-            if e.status != 404:
-                raise
-            server = {}  # a router / gateway in front of many servers has no /server_info of its own
+        server = await self._optional("/server_info") or {}
         card = models["data"][0]
-        states = server.get("internal_states") or [{}]
-        max_running = (states[0].get("effective_max_running_requests_per_dp") or server.get("max_running_requests")
-                       or UNKNOWN_MAX_RUNNING)
+        # one entry per DP rank (http_server.server_info: "Returns internal states per DP"): a --dp-size 4
+        # server runs four schedulers, each with its own slots
+        per_rank = [s.get("effective_max_running_requests_per_dp") for s in server.get("internal_states") or []]
+        max_running = (sum(per_rank) if per_rank and all(per_rank) else None) or server.get("max_running_requests")
+        parser = server.get("reasoning_parser")
+        if parser == "auto" or "reasoning_parser" not in server:
+            # `--reasoning-parser auto` stays "auto" in /server_info; the parser the chat template was matched
+            # to (or None: none detected, reasoning off) is only in /model_info (entrypoints/engine.py)
+            parser = (await self._optional("/model_info") or {}).get("reasoning_parser", parser)
         return ServerInfo(
             url=self.url,
             model=card["id"],
             context_length=int(card["max_model_len"]),
-            max_running_requests=int(max_running),
+            max_running_requests=int(max_running or UNKNOWN_MAX_RUNNING),
             max_req_input_len=server.get("max_req_input_len"),
             max_total_num_tokens=server.get("max_total_num_tokens"),
-            reasoning_parser=server.get("reasoning_parser"),
+            reasoning_parser=parser,
+            mamba_slots_per_request=mamba_slots_per_request(server),
+            always_thinks=await self._always_thinks(),
         )
+
+    async def _always_thinks(self) -> bool:
+        """Whether the chat template opens `<think>` with enable_thinking false: read from what the server renders.
+
+        0.5.23 (parser/template_detection.py force_reasoning_pattern) then forces reasoning for every request,
+        so the output is reasoning until `</think>` whatever the request asked. A server without /v1/tokenize
+        (a gateway) is taken not to.
+        """
+        probe = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
+        try:
+            rendered = (await self._request("POST", "/v1/tokenize", json=probe, timeout=30))["tokens"]
+            opener = await self.tokenize("<think>\n")
+        except (ServerError, ServerAccessError):
+            return False
+        return bool(opener) and rendered[-len(opener):] == opener
+
+    async def metrics(self) -> str | None:
+        """The Prometheus text of /metrics; None when the server runs without --enable-metrics (404)."""
+        return await self._optional("/metrics", timeout=10)
 
     async def loads(self) -> dict:
         return await self._request("GET", "/v1/loads", timeout=10)
@@ -122,15 +213,34 @@ class ServerClient:
     async def count_prompt_tokens(self, messages: list[dict], chat_template_kwargs: dict) -> int:
         """Exact chat-template token count, rendered by the server the way a chat completion is."""
         body = {"messages": messages, "chat_template_kwargs": chat_template_kwargs}
-        return int((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["count"])
+        attempt = 1
+        while True:
+            try:
+                return int((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["count"])
+            except ServerError as e:
+                if not e.retryable or attempt >= TOKENIZE_ATTEMPTS:
+                    raise
+            await asyncio.sleep(0.2 * 2 ** (attempt - 1))
+            attempt += 1
 
     async def tokenize(self, text: str) -> list[int]:
         """The ids of a plain string (no chat template, no special tokens added)."""
         body = {"prompt": text, "add_special_tokens": False}
         return list((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["tokens"])
 
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids decoded in one piece, as the server's detokenizer decodes an output (special
+        tokens skipped): joining two decoded halves instead can split a multi-byte character at the cut."""
+        body = {"tokens": list(ids), "skip_special_tokens": True}
+        return (await self._request("POST", "/v1/detokenize", json=body, timeout=60))["text"]
+
     async def chat(self, body: dict) -> dict:
-        return await self._request("POST", "/v1/chat/completions", json=body)
+        resp = await self._request("POST", "/v1/chat/completions", json=body)
+        aborted = [c.get("index") for c in resp.get("choices") or [] if c.get("finish_reason") == "abort"]
+        if aborted:  # a status-less abort (FINISH_ABORT without status_code) arrives as an HTTP 200
+            raise ServerError(self.url, f"/v1/chat/completions answered 200 with finish_reason 'abort' "
+                                        f"(choice {aborted[0]}): aborted by the server, not finished", retryable=True)
+        return resp
 
     async def generate(self, body: dict) -> Any:
         return await self._request("POST", "/generate", json=body)

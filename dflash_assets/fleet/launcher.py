@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflash_assets.fleet import processes, registry
-from dflash_assets.fleet.client import ServerClient, ServerError
+from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.registry import ServerRecord
 from dflash_assets.fleet.server_args import SGLANG_SERVE, ServerArgs, args_hash, diff
@@ -167,8 +167,10 @@ async def _rejects_key(url: str, key: str) -> bool:
     async with open_session() as session:
         try:
             await ServerClient(session, url, key, request_timeout_s=10).info()
-        except ServerError as e:
+        except ServerAccessError as e:
             return e.status == 401
+        except ServerError:
+            return False
     return False
 
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from dflash_assets.fleet import processes, registry
 from dflash_assets.fleet.attach import parse_urls
-from dflash_assets.fleet.client import ServerClient, ServerError
+from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.registry import ServerRecord
 
@@ -29,7 +29,7 @@ class ServerStatus:
     url: str
     healthy: bool
     context_length: int | None = None  # /v1/models max_model_len
-    max_running_requests: int | None = None  # /server_info internal_states[0].effective_max_running_requests_per_dp
+    max_running_requests: int | None = None  # /server_info internal_states, summed over DP ranks
     running: int | None = None  # /v1/loads, summed over DP ranks
     waiting: int | None = None
     token_usage: float | None = None  # KV tokens in use / KV pool
@@ -79,8 +79,8 @@ async def _probe_url(client: ServerClient, status: ServerStatus) -> ServerStatus
         info = await client.info()
         status.context_length, status.max_running_requests = info.context_length, info.max_running_requests
         loads = (await client.loads()).get("loads") or []
-    except (ServerError, KeyError, IndexError, TypeError, ValueError) as e:
-        status.error = e.message if isinstance(e, ServerError) else f"unexpected answer: {type(e).__name__}: {e}"
+    except (ServerError, ServerAccessError, KeyError, IndexError, TypeError, ValueError) as e:
+        status.error = e.message if isinstance(e, (ServerError, ServerAccessError)) else f"unexpected answer: {type(e).__name__}: {e}"
         return status
     if loads:
         status.running = sum(int(x.get("num_running_reqs", 0)) for x in loads)

@@ -14,15 +14,20 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.table import Table
 
-from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
+from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError, ServerInfo
 
-# Mamba state slots a hybrid model holds per running request with the radix cache on
-# (SGLang 0.5.23 MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO; 1 with --disable-radix-cache)
+# Mamba state slots a hybrid model holds per running request with the radix cache on, at least (SGLang 0.5.23
+# MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO): used only for a server whose /server_info was not read; otherwise
+# ServerInfo.mamba_slots_per_request, as the server resolved it (more with an extra-buffer strategy, 1 without
+# the radix cache).
 MAMBA_SLOTS_PER_REQUEST = 3
+# /v1/loads has no mamba figure in 0.5.23 (load_snapshot.py; pool_stats_observer.py leaves the mamba pool out):
+# it is only this Prometheus gauge, on servers started with --enable-metrics
+MAMBA_USAGE_METRIC = "sglang:mamba_usage"
 
 
 @dataclass(frozen=True)
@@ -35,8 +40,9 @@ class LoadSample:
     waiting: int = 0
     max_running: int | None = None
     token_usage: float | None = None  # KV tokens in use / KV pool
-    mamba_usage: float | None = None  # only where the server reports it
+    mamba_usage: float | None = None  # /metrics sglang:mamba_usage, the fullest DP rank
     gen_throughput: float | None = None  # tokens/s decoded
+    metrics: bool | None = None  # /metrics was read (True), answered 404: no --enable-metrics (False), not asked
     error: str | None = None  # the poll failed; the other fields are empty
 
 
@@ -51,13 +57,17 @@ def parse_loads(server: str, t: float, body: dict) -> LoadSample:
 
     pool, used = total("max_total_num_tokens"), total("num_used_tokens")
     usage = used / pool if pool and used is not None else max((r.get("token_usage") or 0.0) for r in rows)
-    mamba = [r.get("mamba_usage", (r.get("memory") or {}).get("mamba_usage")) for r in rows]
-    mamba = [m for m in mamba if m is not None]
     throughput = [r["gen_throughput"] for r in rows if r.get("gen_throughput") is not None]
     return LoadSample(t, server, running=total("num_running_reqs") or 0, waiting=total("num_waiting_reqs") or 0,
                       max_running=total("max_running_requests"), token_usage=usage,
-                      mamba_usage=max(mamba) if mamba else None,
                       gen_throughput=sum(throughput) if throughput else None)
+
+
+def parse_mamba_usage(text: str) -> float | None:
+    """The fullest DP rank's `sglang:mamba_usage` in a Prometheus text; None when absent (a dense model)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith((MAMBA_USAGE_METRIC + "{", MAMBA_USAGE_METRIC + " "))]
+    return max(values) if values else None
 
 
 class LoadSampler:
@@ -71,6 +81,7 @@ class LoadSampler:
         self.clients = list(clients)
         self.interval_s = interval_s
         self._samples = {c.url: deque(maxlen=max_samples) for c in self.clients}
+        self._metrics: dict[str, bool] = {}  # url -> whether its /metrics answered
         self._task: asyncio.Task | None = None
         self._t0 = time.monotonic()
 
@@ -83,7 +94,14 @@ class LoadSampler:
         try:
             body = await asyncio.wait_for(client.loads(), timeout=max(2.0, self.interval_s))
             sample = parse_loads(client.url, t, body)
-        except (ServerError, asyncio.TimeoutError, TypeError, ValueError, KeyError) as e:
+            if self._metrics.get(client.url) is not False:  # a 404 once means no --enable-metrics: not asked again
+                text = await asyncio.wait_for(client.metrics(), timeout=max(2.0, self.interval_s))
+                self._metrics[client.url] = text is not None
+                sample = replace(sample, metrics=text is not None,
+                                 mamba_usage=parse_mamba_usage(text) if text is not None else None)
+            else:
+                sample = replace(sample, metrics=False)
+        except (ServerError, ServerAccessError, asyncio.TimeoutError, TypeError, ValueError, KeyError) as e:
             sample = LoadSample(t, client.url, error=getattr(e, "message", None) or f"{type(e).__name__}: {e}")
         self._samples[client.url].append(sample)
 
@@ -145,6 +163,7 @@ class ServerLoad:
     throughput_mean: float | None
     occupancy_line: str  # running / max_running over time, as a sparkline
     waiting_line: str
+    metrics_off: bool = False  # every answered sample found /metrics off (404): mamba usage cannot be known
 
 
 _BARS = "▁▂▃▄▅▆▇█"
@@ -194,6 +213,7 @@ def summarize(samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mappi
             busy_share=sum(s.running + s.waiting > 0 for s in ok) / n,
             peak_demand=max((s.running + s.waiting for s in ok), default=0),
             token_usage_mean=_mean(usage), token_usage_p95=_p95(usage), mamba_usage_p95=_p95(mamba),
+            metrics_off=bool(ok) and all(s.metrics is False for s in ok),
             throughput_mean=_mean(rate), occupancy_line=sparkline(running, limit or max(running, default=1)),
             waiting_line=sparkline(waiting, max(max(waiting, default=0), 1))))
     return out
@@ -224,7 +244,8 @@ class TuningThresholds:
 @dataclass(frozen=True)
 class Advice:
     server: str
-    rule: str  # unreachable | too_few_samples | idle | kv_full | mamba_full | slots_pinned | under_used | fine
+    rule: str  # unreachable | too_few_samples | idle | kv_full | mamba_full | mamba_unavailable | slots_pinned
+    #            | under_used | fine
     message: str
     evidence: dict[str, int | float | str]
 
@@ -243,7 +264,8 @@ def _evidence(load: ServerLoad, **extra) -> dict[str, int | float | str]:
     return {k: v for k, v in figures.items() if v is not None}
 
 
-def _server_rules(load: ServerLoad, th: TuningThresholds, in_flight: int | None) -> list[Advice]:
+def _server_rules(load: ServerLoad, th: TuningThresholds, in_flight: int | None,
+                  slots_per_request: int | None = MAMBA_SLOTS_PER_REQUEST) -> list[Advice]:
     def advice(rule: str, message: str, **extra) -> Advice:
         return Advice(load.server, rule, message, _evidence(load, **extra))
 
@@ -271,11 +293,16 @@ def _server_rules(load: ServerLoad, th: TuningThresholds, in_flight: int | None)
             f"(max_output_tokens), or give the KV pool more memory (--mem-fraction-static; on a hybrid model a "
             f"smaller --max-mamba-cache-size leaves more for KV)")))
     mamba = load.mamba_usage_p95 is not None and load.mamba_usage_p95 >= th.mamba_full
+    hybrid = slots_per_request is not None
     if queue and mamba:
         found.append(advice("mamba_full", (
             f"mamba state usage {_pct(load.mamba_usage_p95)} (P95) and {seen}: the hybrid model's state slots are "
-            f"the limit. Raise --max-mamba-cache-size (about {MAMBA_SLOTS_PER_REQUEST} slots per running request "
-            f"with the radix cache); the slots come out of the KV pool")))
+            f"the limit. Raise --max-mamba-cache-size ({slots_per_request or MAMBA_SLOTS_PER_REQUEST} slots per "
+            f"running request on this server); the slots come out of the KV pool")))
+    if queue and hybrid and load.metrics_off:
+        found.append(advice("mamba_unavailable", (
+            f"{seen} on a hybrid model, but the mamba_full rule cannot be judged: mamba state usage is only in "
+            f"/metrics (sglang:mamba_usage), and this server runs without --enable-metrics")))
     if queue and r and load.pinned_share >= th.pinned_share and not mamba and (kv is None or kv < th.kv_headroom):
         room = math.floor(r * th.kv_target / max(kv, 1e-3)) if kv is not None else None
         target = max(r + 1, min(room or 10**9, int(r * th.max_raise_factor)))
@@ -283,10 +310,12 @@ def _server_rules(load: ServerLoad, th: TuningThresholds, in_flight: int | None)
         found.append(advice("slots_pinned", (
             f"running requests pinned at max_running_requests={r} in {_pct(load.pinned_share)} of samples, "
             f"{seen}, while KV usage peaked at {_pct(kv)}: the slots are the limit. Raise --max-running-requests "
-            f"to about {target} ({kv_note}) and, for a hybrid model, --max-mamba-cache-size to at least "
-            f"{MAMBA_SLOTS_PER_REQUEST * target} (about {MAMBA_SLOTS_PER_REQUEST} slots per request with the radix "
-            f"cache); the client's default in-flight (max_running_requests + 2) follows"),
-            suggested_max_running_requests=target, suggested_max_mamba_cache_size=MAMBA_SLOTS_PER_REQUEST * target))
+            f"to about {target} ({kv_note})"
+            + (f" and --max-mamba-cache-size to at least {slots_per_request * target} ({slots_per_request} state "
+               f"slots per running request on this server)" if hybrid else "")
+            + "; the client's default in-flight (max_running_requests + 2) follows"),
+            suggested_max_running_requests=target,
+            **({"suggested_max_mamba_cache_size": slots_per_request * target} if hybrid else {})))
     if (r and load.occupancy < th.under_used_occupancy and load.waiting_share < th.quiet_queue_share
             and load.busy_share >= th.under_used_busy_share):
         sent = f" (it sends {in_flight})" if in_flight else ""
@@ -305,10 +334,12 @@ def advise(samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mapping[
            thresholds: TuningThresholds = TuningThresholds(),
            client_in_flight: int | Mapping[str, int] | None = None) -> list[Advice]:
     """Advice per server (at least one each: "fine" when nothing else applies), in server order."""
+    info = infos if isinstance(infos, Mapping) else {i.url: i for i in infos}
     out = []
-    for load in summarize(samples, infos):
+    for load in summarize(samples, info):
         sent = client_in_flight.get(load.server) if isinstance(client_in_flight, Mapping) else client_in_flight
-        out += _server_rules(load, thresholds, sent)
+        slots = info[load.server].mamba_slots_per_request if load.server in info else MAMBA_SLOTS_PER_REQUEST
+        out += _server_rules(load, thresholds, sent, slots)
     return out
 
 

@@ -29,22 +29,24 @@ import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
-from dflash_assets.generation.dispatch import Slot
-from dflash_assets.generation.engine import (
-    OVERFLOW_FAIL_SHARE, ShardRun, _batches, _reject, committed_ids, completion_store, dispatch, failure_store,
+from dflash_assets.generation.config import SAMPLING_PARAMS, ConfigError, DispatchSettings, GenerationConfig
+from dflash_assets.generation.commit import ShardOutput
+from dflash_assets.generation.parts import PartStore
+from dflash_assets.generation.plan import (
+    ShardRun, committed_ids, completion_store, failure_store, preflight, prompt_batches, reject_row,
 )
-from dflash_assets.generation.preflight import Budget, check_fleet, overflow_error
+from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.generation.send import Dispatch
 from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.store import PartStore
-from dflash_assets.quality.rules import most_rows_first
+from dflash_assets.rules import most_rows_first
 
 PLAN_COLUMNS = {
     name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
-                                      "max_output_tokens", "temperature", "top_p", "top_k", "enable_thinking")
+                                      "max_output_tokens", "enable_thinking", *SAMPLING_PARAMS)
 } | {"n_prompt_ids": pc.list_value_length(pc.field("prompt_token_ids")),  # null when the run stored no ids
      "n_output_ids": pc.list_value_length(pc.field("output_ids"))}
 
@@ -99,8 +101,9 @@ def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int) -> s
 def _parent_config(plan: list[dict], parent: str) -> GenerationConfig:
     """The parent's GenerationConfig, rebuilt from what its rows record and checked against its hash."""
     first = plan[0]
-    config = GenerationConfig(max_output_tokens=first["max_output_tokens"], temperature=first["temperature"],
-                              top_p=first["top_p"], top_k=first["top_k"], enable_thinking=first["enable_thinking"])
+    recorded = {k: first[k] for k in SAMPLING_PARAMS if first.get(k) is not None}
+    config = GenerationConfig(max_output_tokens=first["max_output_tokens"], enable_thinking=first["enable_thinking"],
+                              **recorded)
     if config.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
         raise ConfigError(f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
                           f"hash to {config.config_hash(first['model'])}); it cannot be continued")
@@ -116,14 +119,15 @@ def _copied(row: dict, config_hash: str, new_cap: int) -> dict:
 
 
 def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, new_cap: int,
-               attempt: int, latency: float) -> dict:
+               attempt: int, latency: float, text: str) -> dict:
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
     if finish.get("type") not in ("stop", "length"):  # an abort without an HTTP error status: try again
         raise ServerError(slot.url, f"/generate finished with {finish!r}", retryable=True)
     ids = row["output_ids"] + new_ids
-    # /generate returns the text of the new tokens only; the whole output is the parent's raw text plus it
-    thought, content = reasoning.split(reasoning.raw_text(row) + resp["text"])
+    # `text` is the whole output (parent's ids + new ids) decoded in one piece by the server, then split as the
+    # chat route splits a fresh answer
+    thought, content = reasoning.split(text)
     return {**row, "config_hash": config_hash, "finish_reason": finish["type"], "max_output_tokens": new_cap,
             "completion_tokens": len(ids), "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
             "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
@@ -169,7 +173,7 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                               new_cap=new_cap)
         done, refused = committed_ids(store, config_hash), committed_ids(server_rejects, config_hash)
         run.already_done = len(done)
-        lines = {r["prompt_id"]: r["line"] for b in _batches(prompts, ["prompt_id", "line"]) for r in b}
+        lines = {r["prompt_id"]: r["line"] for b in prompt_batches(prompts, ["prompt_id", "line"]) for r in b}
         run.prompts = len(lines)
 
         todo = [r for r in plan if r["prompt_id"] not in done and r["prompt_id"] not in refused]
@@ -180,15 +184,11 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
         # hold a row its own requests could not have produced (and the context-overflow check would flag it)
         budget = Budget.of(fleet.infos)
-        over = {}
         for r in exact:
             r["line"] = lines.get(r["prompt_id"])
             r["prompt_tokens"] = r["n_prompt_ids"] or r["prompt_tokens"]  # exact when the ids are there
-            if problem := budget.problem(r["prompt_tokens"], new_cap):
-                over[r["prompt_id"]] = _reject(r, "preflight", problem, config, config_hash, shard,
-                                               budget.context_length)
-        if over and len(over) >= OVERFLOW_FAIL_SHARE * len(exact):
-            raise overflow_error(budget, new_cap, len(over), len(exact), max(r["prompt_tokens"] for r in over.values()))
+        over = {r["prompt_id"]: reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length)
+                for r, problem in preflight(exact, budget, new_cap)}
         preflight_rejects.replace(list(over.values()), own_file)
         copies = {r["prompt_id"] for r in exact if r["finish_reason"] == "stop" and r["prompt_id"] not in over}
         to_continue = {r["prompt_id"] for r in exact if r["finish_reason"] == "length" and r["prompt_id"] not in over}
@@ -213,23 +213,24 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         async def send(row: dict, slot: Slot, attempt: int) -> dict:
             # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
             # short of its cap still ends where a fresh run at the new cap would
-            sampling = {"max_new_tokens": new_cap - len(row["output_ids"]), "temperature": config.temperature,
-                        "top_p": config.top_p, "top_k": config.top_k}
+            sampling = {"max_new_tokens": new_cap - len(row["output_ids"]), **config.sampling()}
             t0 = time.monotonic()
             resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
                                                "sampling_params": sampling})
-            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids)
-            return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0)
+            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids,
+                                     slot.info.always_thinks)
+            text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
+            return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0,
+                              text)
 
         def refuse(row: dict, reason: str, context: int) -> dict:
-            return _reject(row, "server", reason, config, config_hash, shard, context)
+            return reject_row(row, "server", reason, config, config_hash, shard, context)
 
-        failed = await dispatch(to_send(), len(to_continue), fleet, settings, shard, config_hash, store,
-                                server_rejects, run, log, started, send, refuse)
-        failures.replace(failed, own_file)
+        output = ShardOutput(run, store, server_rejects)
+        await Dispatch(fleet, settings, {shard: output}, send, refuse, log).run(to_send(), len(to_continue))
+        output.close(failures, own_file)
         run.continued = sum(s["completed"] for s in run.servers.values())
-        store.compact()
-        _account(run, data_dir, shard, store, set(lines), failed)
+        _account(run, data_dir, shard, store, set(lines), output.failed)
     run.elapsed_s = time.monotonic() - started
     return run
 

@@ -1,9 +1,10 @@
-"""Before the first request: does every prompt plus the cap fit the servers' real context length?
+"""Before the first request: does every prompt plus the cap fit what the servers will really grant?
 
-SGLang 0.5.23 answers a request whose prompt + max_new_tokens exceeds the context with a 400, and
-clamps silently within two tokens of it (the rule and its margin: quality/rules.py); the scheduler also
-refuses prompts within ~6 tokens of the context (max_req_input_len). Offenders are found here, with the
-numbers, instead.
+SGLang 0.5.23 answers a request whose prompt + max_new_tokens exceeds the context with a 400. Below that,
+its scheduler lowers max_new_tokens to max_req_len - prompt - 1 without a word, where max_req_len =
+min(context - 1, KV pool - 1) (/server_info `max_req_input_len` + 5): within two tokens of the context (the
+rule and its margin: dflash_assets/rules.py), and far below it when the KV pool is smaller than the context. It
+also refuses prompts of max_req_input_len tokens or more. Offenders are found here, with the numbers, instead.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_assets.fleet.client import ServerInfo
-from dflash_assets.quality.rules import CONTEXT_MARGIN, context_needed, overflows
+from dflash_assets.rules import CONTEXT_MARGIN, context_needed, overflows
 
 
 class PreflightError(RuntimeError):
@@ -22,25 +23,46 @@ class PreflightError(RuntimeError):
 class Budget:
     """The token budget every server of the fleet can honour."""
 
-    context_length: int
-    max_req_input_len: int
+    context_length: int  # /v1/models max_model_len
+    max_req_input_len: int  # /server_info
+    max_req_len: int | None = None  # /server_info max_req_input_len + 5: min(context, KV pool) - 1
+    kv_pool: int | None = None  # /server_info max_total_num_tokens of the server with the smallest max_req_len
+    margin = CONTEXT_MARGIN  # dflash_assets/rules.py: SGLang's silent clamp within two tokens of the context
 
     @classmethod
     def of(cls, infos: list[ServerInfo]) -> Budget:
         context = min(i.context_length for i in infos)
         input_limit = min((i.max_req_input_len or i.context_length) for i in infos)
-        return cls(context, input_limit)
+        tightest = min(infos, key=lambda i: i.max_req_len)
+        return cls(context, input_limit, tightest.max_req_len, tightest.max_total_num_tokens)
+
+    @property
+    def kv_bound(self) -> bool:
+        """The KV pool, not the context, limits a request: SGLang would clamp below the context silently."""
+        return self.max_req_len is not None and self.max_req_len - 1 < self.context_length - CONTEXT_MARGIN
+
+    @property
+    def total_limit(self) -> int:
+        """The largest prompt + max_output_tokens the servers grant in full."""
+        return self.max_req_len - 1 if self.kv_bound else self.context_length - CONTEXT_MARGIN
 
     def problem(self, prompt_tokens: int, cap: int) -> str | None:
         """Why this prompt cannot be sent with this cap, naming the numbers; None if it fits."""
         if prompt_tokens >= self.max_req_input_len:
             return (f"prompt of {prompt_tokens} tokens is at or over the server's input limit of "
                     f"{self.max_req_input_len} tokens (context length {self.context_length})")
-        if overflows(prompt_tokens, cap, self.context_length):
+        if self.kv_bound:
+            if prompt_tokens + cap <= self.total_limit:
+                return None
             return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
-                    f"exceeds the server context length {self.context_length} minus a safety margin of "
-                    f"{CONTEXT_MARGIN} tokens")
-        return None
+                    f"exceeds the {self.total_limit} tokens the server grants a request: its KV pool holds "
+                    f"{self.kv_pool} tokens, fewer than its context length {self.context_length}, and SGLang "
+                    f"would cut the output below the cap silently")
+        if not overflows(prompt_tokens, cap, self.context_length):
+            return None
+        return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
+                f"exceeds the server context length {self.context_length} minus a safety margin of "
+                f"{CONTEXT_MARGIN} tokens")
 
 
 def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[str]:
@@ -54,6 +76,16 @@ def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[
     if len(contexts) > 1:
         detail = ", ".join(f"{i.url}: {i.context_length}" for i in infos)
         notes.append(f"servers disagree on context length ({detail}); using the smallest, {min(contexts)}")
+    small_pool = [i for i in infos if i.max_total_num_tokens is not None and i.max_total_num_tokens < i.context_length]
+    if small_pool:
+        detail = ", ".join(f"{i.url}: {i.max_total_num_tokens} < {i.context_length}" for i in small_pool)
+        limit = min(i.max_req_len for i in infos) - 1
+        notes.append(f"KV pool smaller than the context length ({detail}): SGLang clamps a request's output to "
+                     f"the pool silently; preflight holds prompt + max_output_tokens to {limit}")
+    thinking = [i.url for i in infos if i.always_thinks]
+    if thinking and not enable_thinking:
+        notes.append(f"enable_thinking is off but the chat template of {', '.join(thinking)} opens <think> "
+                     f"whatever it is told (SGLang then forces reasoning): those rows will reason anyway")
     unparsed = [i.url for i in infos if not i.reasoning_parser]
     if enable_thinking and unparsed:
         notes.append(f"enable_thinking is on but {', '.join(unparsed)} run without --reasoning-parser: the "
@@ -63,6 +95,16 @@ def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[
 
 
 def overflow_error(budget: Budget, cap: int, overflowing: int, total: int, largest_prompt: int) -> PreflightError:
+    if budget.kv_bound:
+        return PreflightError(
+            f"{overflowing} of {total} prompts do not fit: the servers grant a request at most "
+            f"{budget.total_limit} tokens (prompt + output) because their KV pool holds {budget.kv_pool} tokens, "
+            f"fewer than the context length {budget.context_length}; max_output_tokens is {cap}, so a prompt may "
+            f"have at most {budget.total_limit - cap} tokens; the largest prompt has {largest_prompt}. Nothing was "
+            f"sent. Lower max_output_tokens or give the servers a KV pool of at least "
+            f"{context_needed(largest_prompt, cap)} tokens (a higher --mem-fraction-static, or "
+            f"--max-total-tokens unset)."
+        )
     return PreflightError(
         f"{overflowing} of {total} prompts do not fit: the servers' context length is {budget.context_length} "
         f"tokens and max_output_tokens is {cap}, so a prompt may have at most "

@@ -3,6 +3,17 @@
 A shard is a fixed range of source lines/rows: shard k holds lines [k*size, (k+1)*size). Each line
 becomes either a `Prompt` or a `SourceReject` with a reason, so counts always add up:
 lines in the shard = prompts + rejects. Nothing loads the whole source into memory.
+
+Formats, recognised per record by its keys (the counts per format are the shard's metadata):
+    messages        {"id"?, "messages": [{"role", "content"}, ...]}            (OpenAI roles)
+    conversations   {"id"?, "conversations": [{"role", "content"}, ...]}       (SpecForge; our own export)
+    sharegpt        {"id"?, "conversations": [{"from", "value"}, ...]}         (speakers mapped by SPEAKERS)
+    prompt          {"id"?, "prompt": "..."}
+    openai_batch    {"custom_id", "body": {"messages": [...]}}                 (the OpenAI batch input file)
+    mapped          any other columns, named by a FieldMapping (id_field, messages_field)
+A Parquet file (a Hugging Face datasets export: list<struct> columns) reads the same way. A conversation is
+optional system turns, then user and assistant alternating from the user; it may end with either (a final
+assistant turn is the one regenerated).
 """
 
 from __future__ import annotations
@@ -16,7 +27,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-ROLES = {"system", "user", "assistant", "tool"}
+# ShareGPT speakers (`from`) and the OpenAI role each one is; anything else is rejected, naming the speaker
+SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+            "bing": "assistant", "system": "system"}
+ROLES = ("system", "user", "assistant")
+# What a record's format is, from the keys it has (the first that applies); a mapping in config overrides it
+FORMATS = ("openai_batch", "messages", "conversations", "sharegpt", "prompt", "mapped")
+SOURCE_COLUMNS = ("id", "messages", "conversations", "prompt", "custom_id", "body", "source")
 
 
 class SourceError(Exception):
@@ -24,15 +41,33 @@ class SourceError(Exception):
 
 
 @dataclass(frozen=True)
+class FieldMapping:
+    """Column names for a source that fits none of the known formats (config: `id_field`, `messages_field`).
+
+    The messages field holds a list of {role, content} or ShareGPT {from, value} turns."""
+
+    id_field: str | None = None
+    messages_field: str | None = None
+
+    def columns(self) -> list[str]:
+        return [c for c in (self.id_field, self.messages_field) if c]
+
+
+@dataclass(frozen=True)
 class Prompt:
     line: int  # 1-based line (JSONL) or row (Parquet) number in the source
     prompt_id: str
     source: str
-    messages: list[dict]
+    messages: list[dict]  # the whole conversation: system?, then user/assistant alternating, from the user
+    format: str = "messages"  # one of FORMATS: how the line was written
 
     @property
     def messages_json(self) -> str:
         return canonical_json(self.messages)
+
+    @property
+    def request(self) -> list[dict]:
+        return last_turn_request(self.messages)
 
 
 @dataclass(frozen=True)
@@ -48,6 +83,15 @@ def canonical_json(value) -> str:
 
 def content_id(messages: list[dict]) -> str:
     return hashlib.sha256(canonical_json(messages).encode()).hexdigest()[:16]
+
+
+def last_turn_request(messages: list[dict]) -> list[dict]:
+    """What `regenerate: last_turn` sends: the conversation up to its last user turn (a final assistant turn is
+    the one regenerated, conditioned on everything before it)."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]
 
 
 def shard_key(index: int) -> str:
@@ -89,48 +133,139 @@ def shard_keys(path: Path, shard_size: int) -> list[str]:
     return [shard_key(i) for i in range(-(-rows // shard_size))]
 
 
-def parse_record(record, line: int, default_source: str) -> Prompt | SourceReject:
-    """Turn one source record (a decoded JSON value or a Parquet row) into a Prompt or a reason."""
+def unwritable(text: str) -> str | None:
+    """Why a decoded string cannot be written back as UTF-8 (Parquet, JSON lines), or None.
+
+    JSON may escape a lone UTF-16 surrogate (`"\\ud800"`, a broken emoji in a scraped dump): it decodes to a
+    Python str that no UTF-8 encoder accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate {text[e.start]!r} at character {e.start} (not valid Unicode)"
+    return None
+
+
+def _text(value, what: str) -> tuple[str | None, str | None]:
+    """(the string, None) or (None, why it is not a usable non-empty string)."""
+    if not isinstance(value, str):
+        return None, f"{what} must be a string, got {type(value).__name__}"
+    if not value.strip():
+        return None, f"{what} is empty"
+    if "\x00" in value:
+        return None, f"{what} contains a NUL byte"
+    if bad := unwritable(value):
+        return None, f"{what} holds {bad}"
+    return value, None
+
+
+def _record_format(record: dict, mapping: FieldMapping | None) -> tuple[str | None, object]:
+    """(format, the raw messages or prompt) of one record, by the keys it has; (None, None) when none fits."""
+    if mapping and mapping.messages_field:
+        return "mapped", record.get(mapping.messages_field)
+    if "custom_id" in record and "body" in record:
+        body = record["body"]
+        return "openai_batch", body.get("messages") if isinstance(body, dict) else body
+    for key in ("messages", "conversations", "prompt"):
+        if key in record:
+            return key, record[key]
+    return None, None
+
+
+def _turns(raw, field_name: str) -> tuple[list[dict] | None, str, str | None]:
+    """(messages as {role, content}, "role" or "from" keys, None) or (None, _, the reason)."""
+    if not isinstance(raw, list):
+        return None, "", f"{field_name!r} must be a list, got {type(raw).__name__}"
+    if not raw:
+        return None, "", f"{field_name!r} is empty"
+    clean, style = [], None
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            return None, "", f"message {i} is not an object"
+        m = {k: v for k, v in m.items() if v is not None}  # a Parquet struct holds every key, unused ones null
+        keys = "from" if "from" in m or "value" in m else "role"
+        if "from" in m and "role" in m:
+            return None, "", f"message {i} has both 'role' and 'from'"
+        if style is None:
+            style = keys
+        elif keys != style:
+            return None, "", (f"message {i} uses {_style(keys)} but message 0 uses {_style(style)}: mixed keys in "
+                              f"one conversation")
+        if keys == "from":
+            speaker = m.get("from")
+            if speaker not in SPEAKERS:
+                return None, "", (f"message {i} has unknown speaker {speaker!r} (expected one of "
+                                  f"{sorted(SPEAKERS)})")
+            role, content = SPEAKERS[speaker], m.get("value")
+        else:
+            role, content = m.get("role"), m.get("content")
+            if role not in ROLES:
+                return None, "", f"message {i} has unknown role {role!r} (expected one of {list(ROLES)})"
+        content, why = _text(content, f"message {i} content")
+        if why:
+            return None, "", why
+        clean.append({"role": role, "content": content})
+    return clean, style, _shape_problem(clean)
+
+
+def _style(keys: str) -> str:
+    return "'from'/'value'" if keys == "from" else "'role'/'content'"
+
+
+def _shape_problem(messages: list[dict]) -> str | None:
+    """Optional system turns, then user and assistant alternating from the user (the trainers' rule)."""
+    first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
+    if first is None:
+        return "the conversation has only system messages, no user turn"
+    if messages[first]["role"] == "assistant":
+        return f"the conversation starts with the assistant (message {first})"
+    for i in range(first + 1, len(messages)):
+        role, before = messages[i]["role"], messages[i - 1]["role"]
+        if role == "system":
+            return f"message {i} is a system message after the conversation started"
+        if role == before:
+            return f"alternation broken: message {i} is from the {role} again (message {i - 1} was too)"
+    return None
+
+
+def parse_record(record, line: int, default_source: str,
+                 mapping: FieldMapping | None = None) -> Prompt | SourceReject:
+    """Turn one source record (a decoded JSON value or a Parquet row) into a Prompt or a reason naming its line."""
     if not isinstance(record, dict):
         return SourceReject(line, f"line {line}: expected a JSON object, got {type(record).__name__}")
-    given_id = record.get("id")
-    if given_id is not None and not isinstance(given_id, (str, int)):
-        return SourceReject(line, f"line {line}: id must be a string or integer, got {type(given_id).__name__}")
-    given_id = None if given_id is None else str(given_id)
+    fmt, raw = _record_format(record, mapping)
+    id_key = (mapping.id_field if mapping and mapping.id_field else "custom_id" if fmt == "openai_batch" else "id")
+    given_id = record.get(id_key)
+    if given_id is not None:
+        if isinstance(given_id, bool) or not isinstance(given_id, (str, int)):
+            return SourceReject(line, f"line {line}: {id_key} must be a string or integer, "
+                                      f"got {type(given_id).__name__}")
+        given_id = str(given_id)
+        if not given_id.strip() or (bad := unwritable(given_id)):
+            why = "is empty" if not given_id.strip() else f"holds {bad}"
+            return SourceReject(line, f"line {line}: {id_key} {why}")
 
     def reject(reason: str) -> SourceReject:
         return SourceReject(line, f"line {line}: {reason}", given_id)
 
-    messages, prompt = record.get("messages"), record.get("prompt")
-    if messages is None and prompt is None:
-        return reject("neither 'messages' nor 'prompt' is present")
-    if messages is None:
-        if not isinstance(prompt, str):
-            return reject(f"'prompt' must be a string, got {type(prompt).__name__}")
-        messages = [{"role": "user", "content": prompt}]
-    if not isinstance(messages, list):
-        return reject(f"'messages' must be a list, got {type(messages).__name__}")
-    if not messages:
-        return reject("'messages' is empty")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            return reject(f"message {i} is not an object")
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            return reject(f"message {i} has unknown role {role!r} (expected one of {sorted(ROLES)})")
-        if not isinstance(content, str):
-            return reject(f"message {i} content must be a string, got {type(content).__name__}")
-        if not content.strip():
-            return reject(f"message {i} content is empty")
-        if "\x00" in content:
-            return reject(f"message {i} content contains a NUL byte")
-        clean.append({"role": role, "content": content})
-    if clean[-1]["role"] != "user":
-        return reject(f"the last message must be from the user, got {clean[-1]['role']!r}")
+    if fmt is None:
+        return reject("none of 'messages', 'conversations', 'prompt' or 'custom_id' + 'body' is present")
+    name = {"openai_batch": "body.messages", "mapped": mapping.messages_field if mapping else ""}.get(fmt, fmt)
+    if raw is None:
+        return reject(f"{name!r} is missing or null")
+    if fmt == "prompt":
+        text, why = _text(raw, "'prompt'")
+        if why:
+            return reject(why)
+        messages, style = [{"role": "user", "content": text}], "role"
+    else:
+        messages, style, why = _turns(raw, name)
+        if why:
+            return reject(why)
+        if fmt == "conversations" and style == "from":
+            fmt = "sharegpt"
     source = record.get("source")
-    source = source if isinstance(source, str) and source else default_source
-    return Prompt(line, given_id or content_id(clean), source, clean)
+    source = source if isinstance(source, str) and source and not unwritable(source) else default_source
+    return Prompt(line, given_id or content_id(messages), source, messages, fmt)
 
 
 def _parquet_file(path: Path) -> pq.ParquetFile:
@@ -144,32 +279,44 @@ def _jsonl_records(path: Path, start: int, stop: int) -> Iterator[tuple[int, obj
     try:
         with path.open("rb") as f:
             for line_no, raw in enumerate(itertools.islice(f, start, stop), start=start + 1):
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    yield line_no, SourceReject(line_no, f"line {line_no}: invalid UTF-8 at byte {e.start}")
-                    continue
-                if not text.strip():
-                    yield line_no, SourceReject(line_no, f"line {line_no}: blank line")
-                    continue
-                if "\x00" in text:
-                    yield line_no, SourceReject(line_no, f"line {line_no}: contains a NUL byte")
-                    continue
-                try:
-                    yield line_no, json.loads(text.rstrip("\r\n"))
-                except json.JSONDecodeError as e:
-                    yield line_no, SourceReject(line_no, f"line {line_no}: invalid JSON: {e.msg} (column {e.colno})")
+                yield line_no, _decode_line(raw, line_no)
     except OSError as e:
         raise SourceError(f"prompt source {path} is unreadable: {e}") from None
 
 
-def _parquet_records(path: Path, start: int, stop: int) -> Iterator[tuple[int, object]]:
+def _decode_line(raw: bytes, line_no: int) -> object:
+    """One JSONL line as a JSON value, or a SourceReject naming why it is not one (never an exception)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return SourceReject(line_no, f"line {line_no}: invalid UTF-8 at byte {e.start}")
+    if not text.strip():
+        return SourceReject(line_no, f"line {line_no}: blank line")
+    if "\x00" in text:
+        return SourceReject(line_no, f"line {line_no}: contains a NUL byte")
+    try:
+        return json.loads(text.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        return SourceReject(line_no, f"line {line_no}: invalid JSON: {e.msg} (column {e.colno})")
+    except ValueError as e:  # valid JSON Python will not decode: an integer of more than 4300 digits
+        return SourceReject(line_no, f"line {line_no}: undecodable JSON: {str(e).split(';')[0]}")
+    except RecursionError:  # valid JSON nested deeper than the interpreter's recursion limit
+        return SourceReject(line_no, f"line {line_no}: undecodable JSON: nested too deeply")
+
+
+def _parquet_records(path: Path, start: int, stop: int,
+                     mapping: FieldMapping | None) -> Iterator[tuple[int, object]]:
     pf = _parquet_file(path)
     names = set(pf.schema_arrow.names)
-    if not names & {"messages", "prompt"}:
-        raise SourceError(f"prompt source {path}: Parquet file has neither a 'messages' nor a 'prompt' column "
+    wanted = list(dict.fromkeys([*SOURCE_COLUMNS, *(mapping.columns() if mapping else [])]))
+    if mapping and (missing := [c for c in mapping.columns() if c not in names]):
+        raise SourceError(f"prompt source {path}: the mapped column(s) {missing} are not in the Parquet file "
                           f"(columns: {sorted(names)})")
-    columns = [c for c in ("id", "messages", "prompt", "source") if c in names]
+    if not (mapping and mapping.messages_field) and not names & {"messages", "conversations", "prompt", "body"}:
+        raise SourceError(f"prompt source {path}: Parquet file has none of the columns 'messages', 'conversations', "
+                          f"'prompt' or 'body' (columns: {sorted(names)}); name the messages column with "
+                          f"messages_field")
+    columns = [c for c in wanted if c in names]
     row = 0
     for batch in pf.iter_batches(batch_size=4096, columns=columns):
         if row + batch.num_rows <= start:
@@ -183,15 +330,17 @@ def _parquet_records(path: Path, start: int, stop: int) -> Iterator[tuple[int, o
             return
 
 
-def read_shard(path: Path, index: int, shard_size: int) -> Iterator[Prompt | SourceReject]:
+def read_shard(path: Path, index: int, shard_size: int,
+               mapping: FieldMapping | None = None) -> Iterator[Prompt | SourceReject]:
     """Prompts and rejects of shard `index`, in source order. Duplicate ids within the shard are rejected."""
     path = Path(path)
     _check_file(path)
     start, stop = index * shard_size, (index + 1) * shard_size
-    records = _parquet_records(path, start, stop) if path.suffix == ".parquet" else _jsonl_records(path, start, stop)
+    records = (_parquet_records(path, start, stop, mapping) if path.suffix == ".parquet"
+               else _jsonl_records(path, start, stop))
     seen: dict[str, int] = {}
     for line, record in records:
-        item = record if isinstance(record, SourceReject) else parse_record(record, line, path.stem)
+        item = record if isinstance(record, SourceReject) else parse_record(record, line, path.stem, mapping)
         if isinstance(item, Prompt):
             if item.prompt_id in seen:
                 item = SourceReject(line, f"line {line}: duplicate id {item.prompt_id!r} "
@@ -199,3 +348,12 @@ def read_shard(path: Path, index: int, shard_size: int) -> Iterator[Prompt | Sou
             else:
                 seen[item.prompt_id] = line
         yield item
+
+
+def format_counts(items: list[Prompt | SourceReject]) -> dict[str, int]:
+    """How many prompts of each format a shard held (the detected format, shown in prompt_shards metadata)."""
+    counts: dict[str, int] = {}
+    for item in items:
+        if isinstance(item, Prompt):
+            counts[item.format] = counts.get(item.format, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

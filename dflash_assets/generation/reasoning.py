@@ -38,11 +38,13 @@ class Reasoning:
     end_ids: tuple[int, ...]  # </think> as token ids
 
     @classmethod
-    def of(cls, parser: str | None, enable_thinking: bool, end_ids: list[int]) -> Reasoning:
+    def of(cls, parser: str | None, enable_thinking: bool, end_ids: list[int], always_thinks: bool = False
+           ) -> Reasoning:
+        """`always_thinks`: the template opens <think> whatever enable_thinking says (ServerInfo.always_thinks)."""
         if parser not in PARSERS:
             raise ValueError(f"continuing rows split by reasoning parser {parser!r} is not supported "
                              f"(only {', '.join(str(p) for p in PARSERS)})")
-        force = parser == "qwen3-thinking" or (parser == "qwen3" and enable_thinking)
+        force = parser == "qwen3-thinking" or (parser == "qwen3" and (enable_thinking or always_thinks))
         return cls(parser is not None, force, tuple(end_ids))
 
     def split(self, text: str) -> tuple[str | None, str]:

@@ -17,8 +17,10 @@ PROMPT_SCHEMA = pa.schema(
         ("shard", pa.string()),
         ("line", pa.int64()),  # 1-based line (JSONL) or row (Parquet) number in the source
         ("source", pa.string()),  # dataset name: the source's `source` field, else the file stem
-        ("messages_json", pa.string()),  # canonical JSON of [{"role", "content"}, ...]
-        ("prompt_tokens", pa.int32()),  # exact chat-template token count from the fleet's /v1/tokenize
+        ("messages_json", pa.string()),  # canonical JSON of the whole conversation [{"role", "content"}, ...]
+        # exact chat-template token count (the fleet's /v1/tokenize) of the last-turn request: the conversation
+        # up to its last user turn
+        ("prompt_tokens", pa.int32()),
         ("template_kwargs_json", pa.string()),  # chat_template_kwargs prompt_tokens was counted with
     ]
 )
@@ -35,6 +37,7 @@ REJECT_SCHEMA = pa.schema(
         ("max_output_tokens", pa.int32()),
         ("server_context_length", pa.int32()),
         ("created_at", pa.timestamp("us", tz="UTC")),
+        ("turn", pa.int16()),  # the assistant turn refused (all_turns), else null
     ]
 )
 
@@ -55,6 +58,10 @@ COMPLETION_SCHEMA = pa.schema(
         ("temperature", pa.float64()),
         ("top_p", pa.float64()),
         ("top_k", pa.int32()),
+        ("min_p", pa.float64()),
+        ("repetition_penalty", pa.float64()),
+        ("presence_penalty", pa.float64()),
+        ("frequency_penalty", pa.float64()),
         ("enable_thinking", pa.bool_()),
         ("content", pa.string()),
         ("reasoning_content", pa.string()),  # null when the server did not separate reasoning
@@ -67,6 +74,10 @@ COMPLETION_SCHEMA = pa.schema(
         # lineage of a continued row (a truncated row of parent_config_hash, continued to this config's cap)
         ("parent_config_hash", pa.string()),
         ("tokens_reused", pa.int32()),
+        # regenerate: all_turns: a row per assistant turn, 1..turns (null for one row per prompt, last_turn)
+        ("turn", pa.int16()),
+        ("turns", pa.int16()),
+        ("cached_tokens", pa.int32()),  # prompt tokens the server's prefix cache held (usage.prompt_tokens_details)
     ]
 )
 
@@ -78,5 +89,6 @@ FAILURE_SCHEMA = pa.schema(
         ("error", pa.string()),
         ("attempts", pa.int16()),
         ("created_at", pa.timestamp("us", tz="UTC")),
+        ("turn", pa.int16()),  # the assistant turn that failed (all_turns), else null
     ]
 )

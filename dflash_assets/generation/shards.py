@@ -13,10 +13,12 @@ import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.prompts import Prompt, SourceReject, canonical_json, read_shard
+from dflash_assets.generation.prompts import (
+    FieldMapping, Prompt, SourceReject, canonical_json, format_counts, read_shard,
+)
 from dflash_assets.generation.schema import PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.store import PartStore
+from dflash_assets.generation.parts import PartStore
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class ShardBuild:
     rejected: int
     max_prompt_tokens: int
     reasons: dict[str, int]  # reject reason kind -> count
+    formats: dict[str, int]  # prompts of each source format (prompts.FORMATS), most first
 
 
 def prompt_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
@@ -56,8 +59,9 @@ def reason_kind(reason: str) -> str:
 
 
 async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: int, data_dir: str | Path, fleet: Fleet,
-                             template_kwargs: dict, concurrency: int = 64) -> ShardBuild:
-    items = list(read_shard(source, index, shard_size))
+                             template_kwargs: dict, concurrency: int = 64,
+                             mapping: FieldMapping | None = None) -> ShardBuild:
+    items = list(read_shard(source, index, shard_size, mapping))
     elsewhere = ids_in_other_shards(data_dir, shard)
     context = min(i.context_length for i in fleet.infos)
     clients = itertools.cycle(fleet.clients)
@@ -71,8 +75,10 @@ async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: i
                                            f"(already in shard {elsewhere[item.prompt_id]})", item.prompt_id)
         async with gate:
             try:
-                n = await next(clients).count_prompt_tokens(item.messages, template_kwargs)
+                n = await next(clients).count_prompt_tokens(item.request, template_kwargs)
             except ServerError as e:
+                if e.retryable:  # the server's trouble, retried already: fail the build, never a permanent reject
+                    raise
                 return SourceReject(item.line, f"line {item.line}: tokenize failed: {e.message}", item.prompt_id)
         if n >= context:
             return SourceReject(item.line, f"line {item.line}: prompt of {n} tokens is longer than the model's "
@@ -100,4 +106,5 @@ async def build_prompt_shard(source: Path, index: int, shard: str, shard_size: i
         kind = reason_kind(r["reason"])
         reasons[kind] = reasons.get(kind, 0) + 1
     return ShardBuild(shard, len(items), len(prompts), len(rejects),
-                      max((p["prompt_tokens"] for p in prompts), default=0), reasons)
+                      max((p["prompt_tokens"] for p in prompts), default=0), reasons,
+                      format_counts([r[0] for r in results if not isinstance(r, SourceReject)]))

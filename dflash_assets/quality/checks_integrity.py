@@ -4,7 +4,7 @@ from collections import defaultdict
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, config_label, num, plural
+from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, config_label, plural
 from dflash_assets.quality.rates import GroupCount, rate_finding
 
 
@@ -53,13 +53,15 @@ def config_consistency(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding
 
 
 def duplicates(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
-    """Extra rows on (prompt_id, config_hash): rows beyond the first per key, as a share of rows, per config_hash.
-    A committed part is the only ledger, so a duplicate means a part was committed twice or a resume re-ran it.
+    """Extra rows on (prompt_id, turn, config_hash): rows beyond the first per key, as a share of rows, per
+    config_hash (turn is null for one row per prompt; all_turns has a row per turn). A committed part is the only
+    ledger, so a duplicate means a part was committed twice or a resume re-ran it.
     """
     result = con.execute(
         "SELECT config_hash, sum(n)::BIGINT, (sum(n) - count(*))::BIGINT, count(*) FILTER (WHERE n > 1), "
-        "list(prompt_id || ' x' || n ORDER BY n DESC, prompt_id) FILTER (WHERE n > 1)[:5] "
-        "FROM (SELECT config_hash, prompt_id, count(*) AS n FROM completions GROUP BY ALL) "
+        "list(prompt_id || coalesce(' turn ' || turn, '') || ' x' || n ORDER BY n DESC, prompt_id) "
+        "FILTER (WHERE n > 1)[:5] "
+        "FROM (SELECT config_hash, prompt_id, turn, count(*) AS n FROM completions GROUP BY ALL) "
         "GROUP BY ALL ORDER BY config_hash"
     ).fetchall()
     groups = [GroupCount(f"config `{h}`", str(h), rows, extra) for h, rows, extra, _, _ in result]

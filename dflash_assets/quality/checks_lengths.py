@@ -15,7 +15,7 @@ from dflash_assets.quality.outcome import (
     verdict,
 )
 from dflash_assets.quality.rates import GroupCount, group_counts, group_line, rate_finding, totals, worst_first
-from dflash_assets.quality.rules import percentile_sql
+from dflash_assets.rules import percentile_sql
 
 
 def truncation_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
@@ -111,6 +111,23 @@ def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     )
     metadata = finding.metadata | {"at_cap_not_length_rows": n_a, "length_under_cap_rows": n_b}
     return Finding(finding.passed, finding.summary_md + ("\n\n" + detail if n_a or n_b else ""), metadata)
+
+
+def silent_clamp(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+    """Rows that finished 'length' below their own max_output_tokens: a cap nobody asked for.
+
+    SGLang 0.5.23's scheduler lowers max_new_tokens to max_req_len - prompt - 1 without an error
+    (max_req_len = min(context, KV pool) - 1), so such a row was cut by the server, not by the cap it records.
+    """
+    return rate_finding(
+        "clamped",
+        "finished 'length' below their max_output_tokens (the server cut them short)",
+        group_counts(con, "length_under_cap"),
+        t.silent_clamp_rate_max,
+        why="These rows record a cap they did not get: the server's KV pool (/server_info max_total_num_tokens) "
+        "or context length was smaller than prompt + max_output_tokens. Regenerate them on servers whose "
+        "max_req_input_len + 5 covers prompt + max_output_tokens + 1.",
+    )
 
 
 def max_length_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:

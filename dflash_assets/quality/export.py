@@ -2,15 +2,18 @@
 
 Output in `out_dir` (each file written to a temp name, fsynced, then renamed; the manifest last, so a
 manifest means a complete export):
-    training_set.jsonl     {"id", "conversations": [prompt messages..., {"role": "assistant", "content",
-                           "reasoning_content"?}]}, one line per row
-    training_set.parquet   the same rows with provenance columns, `conversations` as list<struct>
+    training_set.jsonl     {"id", "status": "success", "conversations": [prompt messages..., {"role": "assistant",
+                           "content", "reasoning_content"?}]}, one line per row: the form SpecForge's
+                           validate_regenerated_data.py accepts (quality/trainer_format.py has its rules); with
+                           form="messages", {"id", "messages": [...]}: the OpenAI messages form
+    training_set.parquet   the same rows with provenance columns, the conversation as list<struct>
     manifest.json          row counts by config and source, excluded counts by reason, config hashes, sha256s
 Rows come in (shard, prompt_id, config_hash) order and nothing time-dependent is written, so the same inputs
 give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported.
 """
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -21,10 +24,13 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_assets.generation.prompts import last_turn_request
+from dflash_assets.generation.turns import split_turns
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
-from dflash_assets.quality.rules import OVERFLOW_SQL
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
+from dflash_assets.quality.trainer_format import FORMS, STATUS
+from dflash_assets.rules import OVERFLOW_SQL
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -42,6 +48,7 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasonin
 EXPORT_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
+        ("status", pa.string()),
         ("prompt_id", pa.string()),
         ("shard", pa.string()),
         ("source", pa.string()),
@@ -49,14 +56,21 @@ EXPORT_SCHEMA = pa.schema(
         ("max_output_tokens", pa.int32()),
         ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()),
-        ("conversations", pa.list_(MESSAGE)),
+        ("conversations", pa.list_(MESSAGE)),  # named `messages` in the messages form
     ]
 )
+
+
+def export_schema(form: str) -> pa.Schema:
+    if form not in FORMS:
+        raise ValueError(f"export form must be one of {', '.join(FORMS)}, got {form!r}")
+    return EXPORT_SCHEMA if form == "conversations" else EXPORT_SCHEMA.set(
+        EXPORT_SCHEMA.get_field_index("conversations"), pa.field("messages", pa.list_(MESSAGE)))
 
 GRADE = """
 CREATE TEMP TABLE graded AS
 WITH c AS (
-    SELECT filename, file_row_number, shard, prompt_id, config_hash, source, max_output_tokens, prompt_tokens,
+    SELECT filename, file_row_number, shard, prompt_id, config_hash, turn, source, max_output_tokens, prompt_tokens,
         completion_tokens, created_at, CASE
             WHEN finish_reason = 'length' THEN 'truncated'
             WHEN finish_reason IS DISTINCT FROM 'stop' THEN 'not_stop'
@@ -72,21 +86,22 @@ WITH c AS (
 )
 SELECT * EXCLUDE (reason), CASE
     WHEN reason IS NULL AND row_number() OVER (
-        PARTITION BY prompt_id, config_hash, reason IS NULL ORDER BY created_at, filename, file_row_number) > 1
+        PARTITION BY prompt_id, config_hash, turn, reason IS NULL ORDER BY created_at, filename, file_row_number) > 1
     THEN 'duplicate' ELSE reason END AS reason
 FROM c
 """
 
 KEPT = """
 SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
-    g.max_output_tokens, g.prompt_tokens, g.completion_tokens, p.messages_json, c.content, c.reasoning_content,
+    g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
+    c.reasoning_content,
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
 JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
 JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM prompts GROUP BY ALL) p
     ON p.shard = g.shard AND p.prompt_id = g.prompt_id
 WHERE g.reason IS NULL
-ORDER BY g.shard, g.prompt_id, g.config_hash
+ORDER BY g.shard, g.prompt_id, g.config_hash, g.turn
 """
 
 
@@ -98,12 +113,24 @@ class TrainingExport:
     manifest: dict[str, Any]
 
 
-def _conversation(row: dict[str, Any]) -> list[dict[str, str]]:
-    messages = [{"role": m["role"], "content": m["content"]} for m in json.loads(row["messages_json"])]
+def _answer(row: dict[str, Any]) -> dict[str, str]:
     answer = {"role": "assistant", "content": row["content"]}
     if not row["reasoning_empty"]:
         answer["reasoning_content"] = row["reasoning_content"]
-    return [*messages, answer]
+    return answer
+
+
+def _conversation(rows: list[dict[str, Any]]) -> list[dict[str, str]] | None:
+    """The conversation of one exported id: the prompt and its regenerated answer (last_turn), or under all_turns
+    every user turn followed by its regenerated answer; None when a turn of it did not pass (not whole)."""
+    first = rows[0]
+    messages = [{"role": m["role"], "content": m["content"]} for m in json.loads(first["messages_json"])]
+    if first["turn"] is None:
+        return [*last_turn_request(messages), _answer(first)]
+    if [r["turn"] for r in rows] != list(range(1, (first["turns"] or 0) + 1)):
+        return None
+    system, users = split_turns(messages)
+    return system + [m for user, row in zip(users, rows) for m in (user, _answer(row))]
 
 
 def _commit(tmp: Path, final: Path) -> None:
@@ -120,35 +147,53 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path) -> int:
-    """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes."""
-    written, pending = 0, []
-    reader = con.sql(query).to_arrow_reader(ROW_GROUP)
-    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, EXPORT_SCHEMA) as parquet:
+def _kept_groups(con: duckdb.DuckDBPyConnection, query: str):
+    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config)."""
+    rows = (row for batch in con.sql(query).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
+    yield from (list(group) for _, group in itertools.groupby(
+        rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)))
+
+
+def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path,
+                form: str) -> tuple[int, int, int]:
+    """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes.
+
+    Returns (lines written, kept rows they hold, conversations left out because a turn of theirs did not pass)."""
+    written = consumed = incomplete = 0
+    pending, schema = [], export_schema(form)
+    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, schema) as parquet:
 
         def flush(rows: list[dict[str, Any]]) -> None:
-            parquet.write_table(pa.Table.from_pylist(rows, schema=EXPORT_SCHEMA), row_group_size=ROW_GROUP)
+            parquet.write_table(pa.Table.from_pylist(rows, schema=schema), row_group_size=ROW_GROUP)
 
-        for batch in reader:
-            for row in batch.to_pylist():
-                conversations = _conversation(row)
-                line = json.dumps({"id": row["id"], "conversations": conversations}, ensure_ascii=False)
-                jsonl.write(line.encode("utf-8") + b"\n")
-                pending.append({k: row[k] for k in EXPORT_SCHEMA.names if k != "conversations"})
-                pending[-1]["conversations"] = conversations
+        for group in _kept_groups(con, query):
+            for rows in ([group] if group[0]["turn"] is not None else [[r] for r in group]):
+                consumed += len(rows)
+                conversation = _conversation(rows)
+                if conversation is None:
+                    incomplete += 1
+                    continue
+                row = rows[-1] | {"completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
+                line = ({"id": row["id"], "status": STATUS, "conversations": conversation} if form == "conversations"
+                        else {"id": row["id"], "messages": conversation})
+                jsonl.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
+                pending.append({k: row.get(k) for k in schema.names} | {"status": STATUS, form: conversation})
                 written += 1
                 if len(pending) == ROW_GROUP:
                     flush(pending)
                     pending = []
         if pending:
             flush(pending)
-    return written
+    return written, consumed, incomplete
 
 
 def export_training_set(
-    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None, max_length: int | None = 4096
+    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None, max_length: int | None = 4096,
+    form: str = "conversations",
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
+
+    `form` is "conversations" (SpecForge's {id, status, conversations}) or "messages" (OpenAI's {id, messages}).
 
     `max_length` is the trainer's max_length (None: no limit); rows longer than it are excluded, not cut.
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
@@ -161,6 +206,7 @@ def export_training_set(
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
     tmps = {name: out / f".{name}.tmp" for name in paths}
+    export_schema(form)  # refuses an unknown form before anything is written
     params = {"config": config_hash, "max_length": max_length}
     try:
         with duckdb.connect(":memory:") as con:
@@ -170,8 +216,10 @@ def export_training_set(
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
             con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL), params)
             query = KEPT.format(completions=completions)
-            rows = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"])
-            manifest = _manifest(con, config_hash, max_length, rows)
+            rows, consumed, incomplete = _write_rows(con, query, tmps["training_set.jsonl"],
+                                                     tmps["training_set.parquet"], form)
+            manifest = _manifest(con, config_hash, max_length, consumed) | {
+                "form": form, "rows": rows, "conversations_not_whole": incomplete}
         for name in ("training_set.jsonl", "training_set.parquet"):
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}

@@ -4,6 +4,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_assets.quality.runaway import RunawayRules
+
 Severity = Literal["ERROR", "WARN"]
 MetadataValue = int | float | str
 
@@ -41,6 +43,7 @@ class Thresholds:
     truncation_rate_max: float = 0.05  # share of rows with finish_reason = 'length', per shard and per config
     cap_saturation_percentile: float = 0.99  # fails when this percentile of completion_tokens reaches the cap
     cap_mismatch_rate_max: float = 0.0  # rows where "at the cap" and finish_reason 'length' disagree
+    silent_clamp_rate_max: float = 0.0  # rows that finished 'length' below their own max_output_tokens
     context_overflow_rate_max: float = 0.0  # completion rows generated with prompt + cap > context
     overflow_reject_rate_max: float = 0.01  # prompts of a config rejected because prompt + cap > context
     missing_rate_max: float = 0.0  # accounting: prompts with no completion, reject or failure row
@@ -51,6 +54,8 @@ class Thresholds:
     truncated_thinking_rate_max: float = 0.01
     training_max_length: int = 4096  # the drafter trainer's max_length (SpecForge data.max_length)
     max_length_overflow_rate_max: float = 0.05
+    runaway_rate_max: float = 0.0  # rows cut while looping (WARN): any is worth a look at the sampling settings
+    runaway: RunawayRules = RunawayRules()  # what counts as a loop
     severity: Mapping[str, Severity] = field(default_factory=dict)  # check name -> severity override
 
 

@@ -1,4 +1,12 @@
-"""Which cap to run with: truncation, output tokens, time and context length for candidate caps, measured.
+"""Which cap to run with: truncation, output tokens, time and context length for candidate caps.
+
+Where each figure comes from is part of it (`CapEstimate.basis`): at or below the current cap it is read from
+the rows ("rows"); between the current cap and a length probe's cap it is measured by the probe ("probe",
+probe_estimates.py); beyond both it comes from a model ("model"), described next, and says so, with the range
+the rows alone support (`bounds`: no fewer than the runaways, no more than what the current cap cut).
+
+Runaway rows (cut while looping, runaway.py) are kept out of the tail: they would loop to any cap, so they are
+counted as cut at every cap and cost the whole cap in tokens, apart from the honest tail below.
 
 The rows of one config are lengths right-censored at its cap: a `finish_reason = 'length'` row says only
 that the true length is above the cap. Below the cap the answer is the empirical distribution itself (no
@@ -25,8 +33,10 @@ import numpy as np
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.rules import MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
-from dflash_assets.quality.tables import parquet_source
+from dflash_assets.quality.probe_estimates import ProbeSample, measure_with_probe, wilson
+from dflash_assets.quality.runaway import RunawayRules, register_runaway
+from dflash_assets.quality.tables import parquet_source, runaway_sql
+from dflash_assets.rules import MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
 
 DEFAULT_CANDIDATES = (4096, 5120, 6144, 8192, 12288, 16384)
 GAP_WARN = 0.02  # below the cap, a fitted survival this far from the observed one makes the tail suspect
@@ -63,14 +73,17 @@ class TailFit:
 @dataclass(frozen=True)
 class CapEstimate:
     cap: int
-    measured: bool  # at or below the current cap: read from the rows, no model
-    truncation_rate: Estimate
+    measured: bool  # read from the rows or measured by a probe: no model
+    truncation_rate: Estimate  # every row still cut at this cap, runaways included
     output_tokens: Estimate  # total over `CapPlan.prompts` prompts
     hours: Estimate | None  # output_tokens / tokens_per_s, when a rate was given
     context_needed_max: int | None  # the context the largest prompt + cap needs (rules.context_needed)
     context_needed_p99: int | None  # the same for the P99 (nearest rank) prompt
     fits_context: bool | None  # every prompt + cap fits context_length - 2; None without a context length
     prompts_over_context: int | None  # rows whose prompt + cap would not fit
+    basis: str = "rows"  # "rows" (at or below the current cap), "probe" (measured by it), "model" (the fit)
+    runaway_rate: Estimate = Estimate(0.0, 0.0, 0.0)  # of truncation_rate, the rows that loop: no cap ends them
+    bounds: Estimate | None = None  # for a model figure: the range the rows themselves support, whatever the shape
 
 
 @dataclass(frozen=True)
@@ -89,6 +102,9 @@ class CapPlan:
     tail: list[tuple[float, float, float, float]]  # (x, P(L > x), low, high) above the cap, for the picture
     bootstrap: int
     notes: list[str] = field(default_factory=list)
+    runaways: int = 0  # rows cut while looping (in `truncated`), left out of the tail fit
+    probe: ProbeSample | None = None  # the length probe the "probe" figures come from
+    probe_survival: list[tuple[int, float]] = field(default_factory=list)  # (x, P(L > x)) the probe measured
 
     def at(self, cap: int) -> CapEstimate:
         return next(e for e in self.estimates if e.cap == cap)
@@ -178,13 +194,19 @@ def _stats(values: np.ndarray, cut: np.ndarray, counts: np.ndarray, lo: int) -> 
 # ---- predictions -----------------------------------------------------------------------------------------
 
 
-def _predict(values, cut, counts, caps: np.ndarray, fit: tuple[float, float] | None) -> tuple[np.ndarray, np.ndarray]:
+def _predict(values, cut, counts, caps: np.ndarray, fit: tuple[float, float] | None,
+             loop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows above each cap (expected) and output tokens at each cap: exact for uncut rows and for cut rows
-    below their cut point, the fitted conditional tail for cut rows above it."""
+    below their cut point, the fitted conditional tail for cut rows above it; runaway (`loop`) rows run past
+    every cap and cost all of it."""
     unc = ~cut
     over = (counts[unc][None, :] * (values[unc][None, :] > caps[:, None])).sum(1).astype(float)
     tokens = (counts[unc][None, :] * np.minimum(values[unc][None, :], caps[:, None])).sum(1).astype(float)
-    for v, k in zip(values[cut], counts[cut]):
+    looping = int(counts[loop].sum())
+    over += looping
+    tokens += looping * caps.astype(float)
+    honest = cut & ~loop
+    for v, k in zip(values[honest], counts[honest]):
         beyond = caps > v
         over += k * ~beyond
         tokens += k * np.where(beyond, 0.0, caps)
@@ -222,7 +244,7 @@ def _fit_tail(values, cut, counts, fit_from: float, notes: list[str]) -> TailFit
     return replace(fit, max_gap=gap)
 
 
-def _bootstrap(values, cut, counts, caps, fit: TailFit | None, grid, replicates: int, seed: int):
+def _bootstrap(values, cut, counts, loop, caps, fit: TailFit | None, grid, replicates: int, seed: int):
     """Per replicate: rows over each cap (share), output tokens at each cap, and the tail's P(L > x) on `grid`.
 
     Resampling rows is a multinomial draw over the distinct (length, cut) pairs: the same as drawing n rows
@@ -231,26 +253,27 @@ def _bootstrap(values, cut, counts, caps, fit: TailFit | None, grid, replicates:
     rng = np.random.default_rng(seed)
     n = int(counts.sum())
     cap = int(values[cut].min()) if cut.any() else 0
-    shares, tokens, tails = [], [], []
+    shares, tokens, tails, loops = [], [], [], []
     for _ in range(replicates):
         c = rng.multinomial(n, counts / n)
         keep = c > 0
-        bv, bc, bk = values[keep], cut[keep], c[keep]
+        bv, bc, bk, bl = values[keep], cut[keep], c[keep], loop[keep]
         bfit = None
-        if fit and bc.any():  # (a resample without cut rows has nothing above the cap: no fit needed)
-            bst = _stats(bv, bc, bk, fit.fit_from_tokens)
+        if fit and (bc & ~bl).any():  # (a resample without honest cut rows has no tail: no fit needed)
+            bst = _stats(bv[~bl], bc[~bl], bk[~bl], fit.fit_from_tokens)
             if bst["k"] < 2:
                 continue  # too few uncut rows in the window for this replicate to mean anything
             bfit = _fit(bst, (fit.mu, fit.sigma))
         if fit:
             tail = _sf(np.log(grid), *bfit) / _sf(math.log(cap), *bfit) if bfit else np.zeros(len(grid))
-            tails.append(bk[bc].sum() / n * tail)
-        o, t = _predict(bv, bc, bk, caps, bfit)
+            tails.append((bk[bc & ~bl].sum() * tail + bk[bl].sum()) / n)
+        o, t = _predict(bv, bc, bk, caps, bfit, bl)
         shares.append(o / n)
         tokens.append(t)
+        loops.append(bk[bl].sum() / n)
     shape = (-1, len(caps))
     tails = np.array(tails).reshape(len(tails), len(grid))
-    return np.array(shares).reshape(shape), np.array(tokens).reshape(shape), tails
+    return np.array(shares).reshape(shape), np.array(tokens).reshape(shape), tails, np.array(loops)
 
 
 def _interval(point: float, samples: np.ndarray, scale: float = 1.0) -> Estimate:
@@ -260,91 +283,198 @@ def _interval(point: float, samples: np.ndarray, scale: float = 1.0) -> Estimate
     return Estimate(point * scale, float(low) * scale, float(high) * scale)
 
 
-def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None, *,
-                      candidates=DEFAULT_CANDIDATES, tokens_per_s: float | None = None,
-                      context_length: int | None = None, prompts: int | None = None, fit_from: float = 0.0,
-                      bootstrap: int = 200, seed: int = 0, config_hash: str | None = None,
-                      shard: str | None = None, notes: list[str] | None = None) -> CapPlan:
+def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None, *, runaway=None,
+                      probe: ProbeSample | None = None, candidates=DEFAULT_CANDIDATES,
+                      tokens_per_s: float | None = None, context_length: int | None = None,
+                      prompts: int | None = None, fit_from: float = 0.0, bootstrap: int = 200, seed: int = 0,
+                      config_hash: str | None = None, shard: str | None = None,
+                      notes: list[str] | None = None) -> CapPlan:
     """The plan from one config's rows: completion_tokens, whether each was cut (finish_reason 'length'),
     the cap they were made with and (for the context columns) their prompt_tokens.
 
-    `fit_from` is a quantile of the observed lengths: the tail is fitted to the rows above it only.
-    `prompts` scales the totals from these rows to a whole run. `bootstrap` replicates give the intervals.
+    `runaway` flags the cut rows that loop (runaway.py): they are kept out of the tail. `probe` (rows at a
+    larger cap) measures the caps up to its own. `fit_from` is a quantile of the observed lengths: the tail is
+    fitted to the rows above it only. `prompts` scales the totals from these rows to a whole run. `bootstrap`
+    replicates give the intervals.
     """
     lengths = np.asarray(completion_tokens, dtype=np.int64)
     cut = np.asarray(truncated, dtype=bool)
+    loop = cut & (np.zeros(len(lengths), bool) if runaway is None else np.asarray(runaway, dtype=bool))
     notes = list(notes or [])
-    n, n_cut = len(lengths), int(cut.sum())
+    n, n_cut, n_loop = len(lengths), int(cut.sum()), int(loop.sum())
     if n == 0:
         raise PlanError("no completion rows to plan from: generate a sample at the current cap first")
-    if n_cut == n:
+    if n_cut == n and n_loop < n:
         raise PlanError(f"all {num(n)} rows were cut at the cap of {num(cap)} tokens: nothing is known about the "
                         f"lengths below it, so no tail can be fitted. Run a sample at a larger cap first "
                         f"(e.g. {num(4 * cap)}) and plan from that")
-    key, counts = np.unique(lengths * 2 + cut, return_counts=True)  # distinct (length, cut) pairs
-    values, vcut = key // 2, (key % 2).astype(bool)
+    key, counts = np.unique(lengths * 4 + cut * 2 + loop, return_counts=True)  # distinct (length, cut, loop)
+    values, vcut, vloop = key // 4, (key // 2 % 2).astype(bool), (key % 2).astype(bool)
     caps = np.array(sorted({int(c) for c in candidates} | {int(cap)}), dtype=np.int64)
+    honest_cut = n_cut - n_loop
     fit, grid = None, np.array([])
-    if n_cut:
-        fit = _fit_tail(values, vcut, counts, fit_from, notes)
+    if honest_cut:
+        h = ~vloop
+        fit = _fit_tail(values[h], vcut[h], counts[h], fit_from, notes)
         grid = np.geomspace(cap, caps.max() * 1.25, 48)
+    elif n_loop:
+        notes.append(f"no row was cut at the cap of {num(cap)} tokens but runaways: every other length is observed, "
+                     f"no tail model is needed (larger caps change nothing but what the runaways cost)")
     else:
         notes.append(f"no row was cut at the cap of {num(cap)} tokens: every length is observed, no tail model "
                      f"is needed (larger caps change nothing)")
-    over, tokens = _predict(values, vcut, counts, caps, (fit.mu, fit.sigma) if fit else None)
-    boot_shares, boot_tokens, boot_tails = _bootstrap(values, vcut, counts, caps, fit, grid, bootstrap, seed)
+    if n_loop:
+        notes.append(f"{num(n_loop)} of the {num(n_cut)} cut rows ({pct(n_loop / n)} of all rows) are runaways "
+                     f"(cut while repeating themselves): they are counted as cut at every cap and cost all of it, "
+                     f"and are left out of the tail")
+    over, tokens = _predict(values, vcut, counts, caps, (fit.mu, fit.sigma) if fit else None, vloop)
+    boot_shares, boot_tokens, boot_tails, boot_loops = _bootstrap(values, vcut, counts, vloop, caps, fit, grid,
+                                                                  bootstrap, seed)
+    loop_share = _interval(n_loop / n, boot_loops)
+    beyond = caps > cap
+    model_rows = beyond & bool(honest_cut)
+    measured = None
+    if probe is not None and honest_cut:
+        in_probe = beyond & (caps <= probe.cap)
+        if probe.cap <= cap:
+            notes.append(f"the length probe's cap {num(probe.cap)} is not above the current cap {num(cap)}: it "
+                         f"measures nothing the rows do not")
+        elif in_probe.any():
+            measured = measure_with_probe(values, vcut, vloop, counts, cap, probe, caps[in_probe], bootstrap,
+                                          seed)
+            if measured is None:
+                notes.append(f"the length probe has fewer than 10 rows above the current cap {num(cap)}: too few "
+                             f"to measure the tail; the figures beyond the cap stay model-based")
+            else:
+                model_rows &= ~in_probe
+                seen, run_high = wilson(measured.probe_runaways, probe.rows), wilson(n_loop, n)[1]
+                if seen[0] > run_high:
+                    notes.append(f"the probe has {pct(measured.probe_runaways / probe.rows)} runaways, the rows at "
+                                 f"the cap {pct(n_loop / n)}: loops that start after the cap; the probe's figures "
+                                 f"count them with the honest tail")
+    # what the rows support beyond what is measured: no fewer than the runaways, no more than cut now
+    bounds = Estimate(n_cut / n, wilson(n_loop, n)[0], wilson(n_cut, n)[1])
 
     prompts = prompts or n
     pt = None if prompt_tokens is None else np.ma.asarray(prompt_tokens).compressed().astype(np.int64)
     if pt is not None and not len(pt):
         pt = None
-    estimates = []
+    estimates, k = [], 0
     for i, c in enumerate(caps.tolist()):
-        tok = _interval(float(tokens[i]), boot_tokens[:, i], prompts / n)
+        rate, tok = _interval(float(over[i] / n), boot_shares[:, i]), _interval(float(tokens[i]), boot_tokens[:, i])
+        loops, basis = loop_share, "rows" if c <= cap or not honest_cut else "model"
+        if measured is not None and c > cap and not model_rows[i] and c <= probe.cap:
+            rate = _interval(float(measured.rate[k]), measured.boot_rate[:, k])
+            rate = replace(rate, low=min(rate.low, float(measured.score_low[k])),
+                           high=max(rate.high, float(measured.score_high[k])))
+            loops = _interval(float(measured.runaway[k]), measured.boot_runaway[:, k])
+            tok = _interval(float(measured.tokens_per_prompt[k] * n), measured.boot_tokens[:, k] * n)
+            basis, k = "probe", k + 1
+            # a larger cap cuts no more than this one: beyond the probe, the rows and probe support at most this
+            bounds = replace(bounds, value=rate.value, high=rate.high)
+        tok = Estimate(*(v * prompts / n for v in (tok.value, tok.low, tok.high)))
         hours = Estimate(*(v / tokens_per_s / 3600 for v in (tok.value, tok.low, tok.high))) if tokens_per_s else None
         over_ctx = None
         if context_length is not None and pt is not None:
             over_ctx = int(overflows(pt, c, context_length).sum())
         estimates.append(CapEstimate(
-            cap=c, measured=c <= cap or not n_cut, truncation_rate=_interval(float(over[i] / n), boot_shares[:, i]),
-            output_tokens=tok, hours=hours,
+            cap=c, measured=basis != "model", truncation_rate=rate, output_tokens=tok, hours=hours,
             context_needed_max=None if pt is None else context_needed(int(pt.max()), c),
             context_needed_p99=None if pt is None else context_needed(percentile(pt, 0.99), c),
-            fits_context=None if over_ctx is None else over_ctx == 0, prompts_over_context=over_ctx))
+            fits_context=None if over_ctx is None else over_ctx == 0, prompts_over_context=over_ctx,
+            basis=basis, runaway_rate=loops, bounds=bounds if basis == "model" else None))
+    if any(e.basis == "model" for e in estimates):
+        first = next(e.cap for e in estimates if e.basis == "model")
+        notes.append(f"from {num(first)} tokens on the figures come from a model (a lognormal tail), not a "
+                     f"measurement: its 95% band holds only if the lengths are lognormal. The rows alone say only "
+                     f"that between {pct(bounds.low)} and {pct(bounds.high)} would still be cut at any larger cap. "
+                     f"A length probe measures it instead")
     tail = []
     if fit:
-        point = n_cut / n * _sf(np.log(grid), fit.mu, fit.sigma) / _sf(math.log(cap), fit.mu, fit.sigma)
+        point = (honest_cut * _sf(np.log(grid), fit.mu, fit.sigma) / _sf(math.log(cap), fit.mu, fit.sigma)
+                 + n_loop) / n
         band = boot_tails if len(boot_tails) >= 2 else point[None, :]
         lows, highs = np.quantile(band, 0.025, axis=0), np.quantile(band, 0.975, axis=0)
         tail = [(float(x), float(s), float(a), float(b)) for x, s, a, b in zip(grid, point, lows, highs)]
     above = n - np.cumsum(counts)  # rows above each distinct (length, cut) pair, in sorted order
     empirical = [(int(v), float(a / n)) for v, a, c in zip(values, above, vcut) if not c]
+    probe_survival = []
+    if probe is not None and probe.rows:
+        pv, pc = np.unique(probe.completion_tokens, return_counts=True)
+        probe_survival = [(int(v), float(a / probe.rows)) for v, a in zip(pv, probe.rows - np.cumsum(pc))]
     return CapPlan(config_hash=config_hash, shard=shard, cap=int(cap), rows=n, truncated=n_cut, prompts=prompts,
                    tokens_per_s=tokens_per_s, context_length=context_length, fit=fit, estimates=estimates,
-                   empirical=empirical, tail=tail, bootstrap=len(boot_tokens), notes=notes)
+                   empirical=empirical, tail=tail, bootstrap=len(boot_tokens), notes=notes, runaways=n_loop,
+                   probe=probe if measured is not None else None, probe_survival=probe_survival)
 
 
 # ---- from the data dir -----------------------------------------------------------------------------------
 
 
+ROW_QUERY = ("SELECT completion_tokens, finish_reason = 'length' AS truncated, {runaway} AS runaway, prompt_tokens, "
+             "max_output_tokens, server_context_length, model, temperature, top_p, top_k, enable_thinking "
+             "FROM {src} WHERE {where} AND finish_reason IN ('stop', 'length') AND completion_tokens IS NOT NULL")
+SAMPLING = ("model", "temperature", "top_p", "top_k", "enable_thinking")  # what must match for a probe to apply
+
+
+def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRules = RunawayRules(),
+               notes: list[str] | None = None) -> ProbeSample | None:
+    """The length probe's rows (generation/probe.py) of the config with the largest cap whose sampling matches
+    `like` (model, temperature, top_p, top_k, enable_thinking), only for prompts in the probe's current sample.
+    None when there is no probe (or none that matches)."""
+    from dflash_assets.generation.probe import PROBE_SHARD, probe_root
+    from dflash_assets.generation.schema import PROMPT_SCHEMA
+
+    root = probe_root(data_dir)
+    with duckdb.connect(":memory:") as con:
+        register_runaway(con, rules)
+        src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, PROBE_SHARD)
+        sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, PROBE_SHARD)
+        configs = con.execute(f"SELECT config_hash, max(max_output_tokens), any_value(model), any_value(temperature), "
+                              f"any_value(top_p), any_value(top_k), any_value(enable_thinking) FROM {src} "
+                              f"GROUP BY 1 ORDER BY 2 DESC, 1").fetchall()
+        matching = [c for c in configs if like is None or tuple(c[2:]) == tuple(like[k] for k in SAMPLING)]
+        if not matching:
+            if configs and notes is not None:
+                notes.append(f"a length probe exists (configs {', '.join(f'`{c[0]}`' for c in configs)}) but none was "
+                             f"made with the planned rows' model and sampling: it is not used")
+            return None
+        config_hash, cap = matching[0][:2]
+        rows = con.execute(ROW_QUERY.format(runaway=runaway_sql(rules), src=src,
+                                            where=f"config_hash = $config AND prompt_id IN (SELECT prompt_id FROM "
+                                                  f"{sample})"), {"config": config_hash}).fetchnumpy()
+    if not len(rows["completion_tokens"]):
+        return None
+    return ProbeSample.of(rows["completion_tokens"], rows["truncated"], int(cap), rows["runaway"], config_hash)
+
+
 def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str | None = None,
               candidates=DEFAULT_CANDIDATES, tokens_per_s: float | None = None, context_length: int | None = None,
-              **kwargs) -> CapPlan:
-    """The cap plan of one config's committed completion rows (all shards, or one).
+              use_probe: bool = True, runaway: RunawayRules = RunawayRules(), **kwargs) -> CapPlan:
+    """The cap plan of one config's committed completion rows (all shards, or one), with the length probe's
+    rows when there is a probe of the same model and sampling (`use_probe=False` plans without it).
 
-    `config_hash=None` plans the config with the most rows and says so in the notes. `context_length=None`
-    uses the smallest server context length the rows were made on. Other keyword arguments go to
-    `plan_from_lengths` (prompts, fit_from, bootstrap, seed).
+    `config_hash=None` plans the config with the most rows and says so in the notes. Without any completion
+    rows the probe's own rows are planned. `context_length=None` uses the smallest server context length the
+    rows were made on. Other keyword arguments go to `plan_from_lengths` (prompts, fit_from, bootstrap, seed).
     """
+    notes: list[str] = []
     with duckdb.connect(":memory:") as con:
+        register_runaway(con, runaway)
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
         scope = "($shard IS NULL OR shard = $shard)"
         configs = con.execute(f"SELECT config_hash, count(*) FROM {src} WHERE {scope} GROUP BY 1 "
                               f"ORDER BY {MOST_ROWS_ORDER_SQL}", {"shard": shard}).fetchall()
         if not configs:
-            where = f"shard {shard}" if shard else "any shard"
-            raise PlanError(f"no completion rows under {data_dir} for {where}: generate a sample first")
-        notes = []
+            probe = read_probe(data_dir, None, runaway) if use_probe and config_hash is None else None
+            if probe is None:
+                where = f"shard {shard}" if shard else "any shard"
+                raise PlanError(f"no completion rows under {data_dir} for {where}: generate a sample first")
+            notes.append(f"no completion rows yet: planned from the length probe alone ({num(probe.rows)} rows at "
+                         f"cap {num(probe.cap)}, config `{probe.config_hash}`)")
+            return plan_from_lengths(probe.completion_tokens, probe.truncated, probe.cap, runaway=probe.runaway,
+                                     candidates=candidates, tokens_per_s=tokens_per_s, context_length=context_length,
+                                     config_hash=probe.config_hash, notes=notes, **kwargs)
         if config_hash is None:
             config_hash = configs[0][0]
             others = f"; the others: {', '.join(f'`{h}` ({num(c)})' for h, c in configs[1:])}" if configs[1:] else ""
@@ -353,11 +483,9 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
         elif config_hash not in {h for h, _ in configs}:
             raise PlanError(f"no rows of config `{config_hash}`; configs present: "
                             f"{', '.join(f'`{h}`' for h, _ in configs)}")
-        rows = con.execute(
-            f"SELECT completion_tokens, finish_reason = 'length' AS truncated, prompt_tokens, max_output_tokens, "
-            f"server_context_length FROM {src} WHERE {scope} AND config_hash = $config "
-            "AND finish_reason IN ('stop', 'length') AND completion_tokens IS NOT NULL",
-            {"shard": shard, "config": config_hash}).fetchnumpy()
+        rows = con.execute(ROW_QUERY.format(runaway=runaway_sql(runaway), src=src,
+                                            where=f"{scope} AND config_hash = $config"),
+                           {"shard": shard, "config": config_hash}).fetchnumpy()
         skipped = dict(configs)[config_hash] - len(rows["completion_tokens"])
     if skipped:
         notes.append(f"{num(skipped)} rows without a 'stop' or 'length' finish left out")
@@ -367,9 +495,13 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
     if context_length is None and len(rows["server_context_length"]):
         context_length = int(np.min(rows["server_context_length"]))
         notes.append(f"context length {num(context_length)}: the smallest the rows' servers had")
+    probe = None
+    if use_probe and len(rows["completion_tokens"]):
+        probe = read_probe(data_dir, {k: rows[k][0] for k in SAMPLING}, runaway, notes)
     return plan_from_lengths(rows["completion_tokens"], rows["truncated"], int(caps.max()), rows["prompt_tokens"],
-                             candidates=candidates, tokens_per_s=tokens_per_s, context_length=context_length,
-                             config_hash=config_hash, shard=shard, notes=notes, **kwargs)
+                             runaway=rows["runaway"], probe=probe, candidates=candidates, tokens_per_s=tokens_per_s,
+                             context_length=context_length, config_hash=config_hash, shard=shard, notes=notes,
+                             **kwargs)
 
 
 # ---- for people ------------------------------------------------------------------------------------------
@@ -402,25 +534,39 @@ def plan_markdown(plan: CapPlan) -> str:
     scope += f" (shard {plan.shard})" if plan.shard else ""
     head = (f"**Cap plan**{scope}: {num(plan.rows)} rows at cap {num(plan.cap)}, {num(plan.truncated)} cut "
             f"({pct(plan.truncated / plan.rows)}). Totals are for {num(plan.prompts)} prompts.")
-    if plan.fit:
+    if plan.runaways:
+        head += (f" Of the cut rows {num(plan.runaways)} are runaways (looping): no cap ends them, so they count as "
+                 f"cut at every cap and stay out of the tail.")
+    if plan.probe:
+        head += (f" Between the cap and {num(plan.probe.cap)} the figures are **measured** by a length probe "
+                 f"({num(plan.probe.rows)} random prompts at cap {num(plan.probe.cap)}, config "
+                 f"`{plan.probe.config_hash}`), no model.")
+    if plan.fit and any(e.basis == "model" for e in plan.estimates):
         window = f"rows above {num(plan.fit.fit_from_tokens)} tokens" if plan.fit.fit_from_tokens else "all rows"
-        head += (f" Above the cap: a lognormal tail (median {num(round(math.exp(plan.fit.mu)))}, sigma "
-                 f"{plan.fit.sigma:.2f}) fitted by censored maximum likelihood to {window}.")
+        head += (f" Where a figure says **model**, it comes from a lognormal tail (median "
+                 f"{num(round(math.exp(plan.fit.mu)))}, sigma {plan.fit.sigma:.2f}) fitted by censored maximum "
+                 f"likelihood to {window}: its interval holds only if the lengths are lognormal; the range the "
+                 f"rows themselves support is given beside it.")
     if plan.bootstrap:
         head += f" Intervals are 95%, from {plan.bootstrap} bootstrap resamples of the rows."
     ctx = f"fits {num(plan.context_length)}" if plan.context_length else "fits context"
     timed = f"time at {num(round(plan.tokens_per_s))} tok/s | " if plan.tokens_per_s else ""
-    lines = [head, "", f"| cap | cut at the cap | output tokens | {timed}vs now | context needed (max / P99) "
-                       f"| {ctx} |", f"|---:|---|---|{'---|' if timed else ''}---:|---|---|"]
+    lines = [head, "", f"| cap | cut at the cap | of which runaways | from | output tokens | {timed}vs now "
+                       f"| context needed (max / P99) | {ctx} |",
+             f"|---:|---|---|---|---|{'---|' if timed else ''}---:|---|---|"]
     now = plan.at(plan.cap).output_tokens.value
     for e in plan.estimates:
         label = f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}"
-        cut = _span(e.truncation_rate, pct) + (" measured" if e.measured else "")
+        probed = num(plan.probe.rows) if plan.probe else 0
+        basis = {"rows": "measured (the rows)", "probe": f"measured (probe of {probed})",
+                 "model": f"**model**; the rows support {pct(e.bounds.low)}–{pct(e.bounds.high)}"
+                 if e.bounds else "**model**"}[e.basis]
         time_ = f"{_span(e.hours, _hours)} | " if e.hours else ""
         fits = "-" if e.fits_context is None else "yes" if e.fits_context else \
             f"no: {num(e.prompts_over_context)} rows over"
-        lines.append(f"| {label} | {cut} | {_span(e.output_tokens, _tokens)} | {time_}"
-                     f"{e.output_tokens.value / now:.2f}× | {_needed(e)} | {fits} |")
+        lines.append(f"| {label} | {_span(e.truncation_rate, pct)} | {_span(e.runaway_rate, pct)} | {basis} | "
+                     f"{_span(e.output_tokens, _tokens)} | {time_}{e.output_tokens.value / now:.2f}× | {_needed(e)} "
+                     f"| {fits} |")
     notes = list(plan.notes)
     if plan.tokens_per_s:
         notes.append("times assume the fleet keeps its token rate; longer outputs hold KV longer, so check "

@@ -17,6 +17,7 @@ _LENGTH_UNDER_CAP = "finish_reason = 'length' AND completion_tokens < max_output
 ROW_PREDICATES = {
     "rows": "TRUE",
     "truncated": "finish_reason = 'length'",
+    "runaway": "runaway",  # cut while repeating itself (a subset of truncated; runaway.py)
     # the cap and the finish reason must agree: at the cap but not 'length', or 'length' below the cap
     "at_cap_not_length": _AT_CAP_NOT_LENGTH,
     "length_under_cap": _LENGTH_UNDER_CAP,

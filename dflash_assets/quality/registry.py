@@ -10,7 +10,14 @@ from dflash_assets.quality.accounting import accounting
 from dflash_assets.quality.checks_content import empty_content, reasoning_misrouted, think_markers, truncated_thinking
 from dflash_assets.quality.checks_context import context_overflow
 from dflash_assets.quality.checks_integrity import config_consistency, duplicates
-from dflash_assets.quality.checks_lengths import cap_hit_agreement, cap_saturation, max_length_overflow, truncation_rate
+from dflash_assets.quality.checks_lengths import (
+    cap_hit_agreement,
+    cap_saturation,
+    max_length_overflow,
+    silent_clamp,
+    truncation_rate,
+)
+from dflash_assets.quality.checks_runaway import runaway_rate
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
 from dflash_assets.quality.tables import open_quality_db
 
@@ -43,6 +50,7 @@ CHECKS: list[CheckSpec] = [
     _spec(truncation_rate, blocking=True),
     _spec(cap_saturation, blocking=False),
     _spec(cap_hit_agreement, blocking=False),
+    _spec(silent_clamp, blocking=True),
     _spec(context_overflow, blocking=True),
     _spec(config_consistency, blocking=False),
     _spec(accounting, blocking=True),
@@ -52,6 +60,7 @@ CHECKS: list[CheckSpec] = [
     _spec(reasoning_misrouted, blocking=False),
     _spec(truncated_thinking, blocking=False),
     _spec(max_length_overflow, blocking=False),
+    _spec(runaway_rate, blocking=False),
 ]
 CHECKS_BY_NAME = {spec.name: spec for spec in CHECKS}
 
@@ -68,7 +77,7 @@ def run_checks(
     unknown = (wanted | set(thresholds.severity)) - set(CHECKS_BY_NAME)
     if unknown:
         raise ValueError(f"unknown check names {sorted(unknown)}; the checks are {list(CHECKS_BY_NAME)}")
-    with open_quality_db(data_dir, shard, config_hash) as con:
+    with open_quality_db(data_dir, shard, config_hash, thresholds.runaway) as con:
         return [spec.run(con, thresholds) for spec in CHECKS if spec.name in wanted]
 
 

@@ -11,13 +11,14 @@ from typing import Any
 import duckdb
 
 from dflash_assets.quality.outcome import share
-from dflash_assets.quality.rules import OVERFLOW_SQL, PERCENTILE_DEFINITION, percentile_sql
 from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.rules import OVERFLOW_SQL, PERCENTILE_DEFINITION, percentile_sql
 
 PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
 CONFIG = "config_hash, max_output_tokens"
 
 STATS = f"""count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
+    count(*) FILTER (WHERE runaway) AS runaway_rows,
     {percentile_sql('completion_tokens', (0.5, 0.9, 0.95, 0.99))} AS q, max(completion_tokens) AS max"""
 
 
@@ -26,12 +27,15 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     q = row.pop("q") or [None] * 4
     out = {k: v for k, v in row.items() if k != "max"}
     out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
+    out["runaway_rate"] = share(row["runaway_rows"], row["rows"])  # cut while looping: part of truncated_rows
     out.update(p50=q[0], p90=q[1], p95=q[2], p99=q[3], max=row["max"])
     return out
 
 
-def _grouped(con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "") -> list[dict[str, Any]]:
-    cur = con.execute(f"SELECT {select}, {STATS}{extra} FROM completions GROUP BY {group} ORDER BY {group}")
+def _grouped(con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "",
+             where: str = "true") -> list[dict[str, Any]]:
+    cur = con.execute(f"SELECT {select}, {STATS}{extra} FROM completions WHERE {where} GROUP BY {group} "
+                      f"ORDER BY {group}")
     names = [d[0] for d in cur.description]
     return [_stats(dict(zip(names, values))) for values in cur.fetchall()]
 
@@ -51,7 +55,7 @@ def length_quality(
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS,
 ) -> dict[str, Any]:
     """Rows, truncation rate and completion-token P50/P90/P95/P99/max, overall and by config, shard, prompt
-    length bucket (server-counted prompt_tokens) and source dataset, plus overflow counts.
+    length bucket (server-counted prompt_tokens), source dataset and turn (all_turns), plus overflow counts.
 
     With `shard=None` it is the summary over all shards (`by_shard` lists each one).
     """
@@ -73,13 +77,16 @@ def length_quality(
         return {
             "scope": {"shard": shard},
             "percentile_definition": PERCENTILE_DEFINITION,
-            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "q": None, "max": None})),
+            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0, "q": None,
+                                                  "max": None})),
             "by_config": _grouped(con, CONFIG, CONFIG, ", count(DISTINCT shard) AS shards"),
             "by_shard": _grouped(
                 con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
             ),
             "by_prompt_length": buckets,
             "by_source": _grouped(con, "source", "source"),
+            # regenerate: all_turns: turn k of every conversation (empty when every row is one per prompt)
+            "by_turn": _grouped(con, "turn", "turn", where="turn IS NOT NULL"),
             "overflow": {
                 "completion_rows_over_context": completion_over,
                 "rejected_prompts_over_context": rejects_over,

@@ -9,7 +9,7 @@ a lock the writer needs.
 Tables (every one exists, empty when its directory has no files yet):
     completions  prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens,
                  max_output_tokens, server_context_length, enable_thinking, plus the flags content_empty,
-                 think_marker, reasoning_empty
+                 think_marker, reasoning_empty and runaway (a cut row whose output ends in a loop, runaway.py)
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
     prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
@@ -25,20 +25,28 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from dflash_assets.generation.parts import PartStore
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.store import PartStore
-from dflash_assets.quality.rules import blank_sql
-
+from dflash_assets.quality.runaway import RunawayRules, register_runaway
+from dflash_assets.rules import blank_sql
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
-    server_context_length, enable_thinking"""
+    server_context_length, enable_thinking, turn"""
 
 COMPLETION_FLAGS = f"""
     {blank_sql('content')} AS content_empty,
     coalesce(contains(content, '<think>') OR contains(content, '</think>'), false) AS think_marker,
     {blank_sql('reasoning_content')} AS reasoning_empty"""
+
+
+def runaway_sql(rules: RunawayRules) -> str:
+    """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
+    judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking."""
+    tail = (f"CASE WHEN {blank_sql('content')} "
+            f"THEN right(reasoning_content, {rules.tail_chars}) ELSE right(content, {rules.tail_chars}) END")
+    return f"CASE WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END"
 
 
 # Built once because accounting and context_overflow both need "what happened to each prompt under each config".
@@ -92,7 +100,8 @@ def parquet_source(
         name = f"_files_{table}"
         con.execute(f"SET VARIABLE {name} = $files", {"files": files})
         position = ", filename = true, file_row_number = true" if row_position else ""
-        return f"read_parquet(getvariable('{name}'), hive_partitioning = false{position})"
+        # union_by_name: parts written before a column existed (turn, turns, ...) read it as null
+        return f"read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true{position})"
     if row_position:
         schema = schema.append(pa.field("filename", pa.string())).append(pa.field("file_row_number", pa.int64()))
     con.register(f"_empty_{table}", schema.empty_table())
@@ -100,10 +109,12 @@ def parquet_source(
 
 
 def open_quality_db(
-    data_dir: str | Path, shard: str | None = None, config_hash: str | None = None
+    data_dir: str | Path, shard: str | None = None, config_hash: str | None = None,
+    runaway: RunawayRules = RunawayRules(),
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager)."""
     con = duckdb.connect(":memory:")
+    register_runaway(con, runaway)
     data_dir = open_storage(data_dir)  # one filesystem for the four tables
     params = {"shard": shard, "config": config_hash}
     # the scope itself, for checks whose meaning depends on it (accounting: which configs a shard owes)
@@ -113,14 +124,15 @@ def open_quality_db(
 
     src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
     con.execute(
-        f"CREATE TEMP TABLE completions AS SELECT {COMPLETION_COLUMNS}, {COMPLETION_FLAGS} "
+        f"CREATE TEMP TABLE completions AS SELECT {COMPLETION_COLUMNS}, {COMPLETION_FLAGS}, "
+        f"{runaway_sql(runaway)} AS runaway "
         f"FROM {src} WHERE {shard_ok} AND {config_ok}",
         params,
     )
     src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA, shard)
     con.execute(
         "CREATE TEMP TABLE rejects AS SELECT shard, stage, line, prompt_id, config_hash, reason, prompt_tokens, "
-        f"max_output_tokens, server_context_length FROM {src} "
+        f"max_output_tokens, server_context_length, turn FROM {src} "
         f"WHERE {shard_ok} AND ({config_ok} OR stage = 'source')",
         params,
     )

@@ -55,8 +55,10 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
                 preflight_policy=config.preflight_policy, log=context.log.info))
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
+    for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
+        context.log.warning(note)
     for run in runs:
-        for note in run.notes:
+        for note in run.notes:  # the shard's own
             context.log.warning(note)
         if run.failed:
             context.log.warning(f"shard {run.shard}: {run.failed} prompts failed after {dispatch.max_attempts} "
@@ -76,7 +78,8 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
 def shard_metadata(run, cap: int) -> dict:
     accounted = run.completed + run.rejected + run.failed
     return {
-        "dagster/row_count": run.completed,
+        # all_turns: a row per turn; completed counts conversations
+        "dagster/row_count": sum(t["rows"] for t in run.by_turn.values()) if run.by_turn else run.completed,
         "config_hash": run.config_hash,
         "model": run.model,
         "max_output_tokens": cap,
@@ -93,4 +96,5 @@ def shard_metadata(run, cap: int) -> dict:
         "elapsed_s": round(run.elapsed_s, 2),
         "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
         "servers": dg.MetadataValue.json(run.servers),
+        **({"by_turn": dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})} if run.by_turn else {}),
     }

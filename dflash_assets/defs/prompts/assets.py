@@ -23,7 +23,7 @@ def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, promp
             raise dg.Failure(f"shard key {shard!r} is not a shard number such as '00003'")
         build = run_on_fleet(fleet, lambda f: build_prompt_shard(
             prompt_source.resolved(), int(shard), shard, prompt_source.shard_size, data_dir.resolved(), f,
-            template_kwargs))
+            template_kwargs, mapping=prompt_source.mapping()))
         if build.lines == 0:
             raise dg.Failure(f"shard {shard} is past the end of {prompt_source.path}: it has no lines")
         reasons = "\n".join(f"| {k} | {v} |" for k, v in sorted(build.reasons.items(), key=lambda kv: -kv[1]))
@@ -34,6 +34,9 @@ def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, promp
             "prompts": build.prompts,
             "rejected": build.rejected,
             "max_prompt_tokens": build.max_prompt_tokens,
+            # the source format detected from the lines' keys (prompts.FORMATS), and how many prompts had each
+            "format": next(iter(build.formats), "none"),
+            "prompts_by_format": dg.MetadataValue.json(build.formats),
             "rejects_by_reason": dg.MetadataValue.md(
                 "| reason | lines |\n|---|---|\n" + reasons if reasons else "no rejects"),
         })

@@ -6,6 +6,7 @@ import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.partitions import shard_asset
+from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import length_quality
 from dflash_assets.quality.outcome import pct
@@ -19,17 +20,19 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def report_metadata(report: dict, png: bytes) -> dict:
     """The figures a person reads first, then the breakdowns, then the picture."""
-    stats = ["rows", "truncated_rows", "truncation_rate", "p50", "p90", "p95", "p99", "max"]
+    stats = ["rows", "truncated_rows", "runaway_rows", "truncation_rate", "p50", "p90", "p95", "p99", "max"]
     return {
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
         "truncated_rows": report["truncated_rows"],
         "truncation_rate": pct(report["truncation_rate"]),
+        "runaway_rows": report["runaway_rows"],  # of the truncated rows, those cut while looping
         **{k: report[k] for k in ("p50", "p90", "p95", "p99", "max") if report[k] is not None},
         **{k: v for k, v in report["overflow"].items()},
         "by_config": dg.MetadataValue.md(_table(report["by_config"], ["config_hash", "max_output_tokens", *stats])),
         "by_prompt_length": dg.MetadataValue.md(_table(report["by_prompt_length"], ["bucket", *stats])),
         "by_source": dg.MetadataValue.md(_table(report["by_source"], ["source", *stats])),
+        **({"by_turn": dg.MetadataValue.md(_table(report["by_turn"], ["turn", *stats]))} if report["by_turn"] else {}),
         "completion_lengths": dg.MetadataValue.md(
             f"![completion lengths](data:image/png;base64,{base64.b64encode(png).decode()})"),
         "percentiles": report["percentile_definition"],
@@ -56,19 +59,36 @@ def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, 
             **report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))})
 
 
+def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | None]:
+    """(output tokens/s, servers) the fleet measured in its latest completions runs (their metadata), or Nones."""
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=completions.key), limit=20).records
+    rates, servers = [], []
+    for r in records:
+        meta = r.asset_materialization.metadata
+        if meta.get("tokens_per_s") and meta["tokens_per_s"].value > 0:
+            rates.append(meta["tokens_per_s"].value)
+            servers.append(len(meta["servers"].value) if "servers" in meta else 1)
+    if not rates:
+        return None, None
+    return sorted(rates)[len(rates) // 2], max(servers)
+
+
 @dg.asset(
-    deps=[completions],
+    deps=[completions, length_probe],
     group_name="quality",
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
     description="Length quality over every materialised shard: the same figures as length_quality_report, by "
-                "shard and config, the histogram, and the cap plan: for candidate caps, the predicted truncation "
-                "rate, output tokens and context length needed (censored lognormal tail fit with 95% intervals).",
+                "shard and config, the histogram, and the cap plan: for candidate caps, the truncation rate "
+                "(runaways apart), output tokens, time and context length needed, measured by the length probe "
+                "where there is one, else from a censored lognormal tail marked as a model, with 95% intervals "
+                "and a picture of the observed, probed and fitted survival.",
 )
 def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
                            quality: QualityThresholds) -> dg.MaterializeResult:
     from dflash_assets.quality import completion_histogram_png
     from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown
+    from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.planner_plot import cap_plan_png
 
     root = data_dir.resolved()
@@ -77,14 +97,19 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
     metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
                 "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
                                                                           "truncation_rate", "p50", "p90", "p99"]))}
+    tokens_per_s, servers = fleet_throughput(context.instance)
     try:
-        plan = plan_caps(root)
+        plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=quality.thresholds().runaway)
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:
         picture = data_dir.local_dir() / "reports" / "cap_plan.png"
         picture.write_bytes(cap_plan_png(plan))
-        metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan))
+        advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
+        metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
+        metadata["cap_plan_source"] = "measured by the length probe" if plan.probe else \
+            "model (censored lognormal tail) beyond the cap" if any(e.basis == "model" for e in plan.estimates) \
+            else "measured (the rows)"
         metadata["cap_plan_picture"] = dg.MetadataValue.md(
             f"![cap plan](data:image/png;base64,{base64.b64encode(picture.read_bytes()).decode()})")
     return dg.MaterializeResult(metadata=metadata)

@@ -6,14 +6,17 @@ from pydantic import Field
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
-from dflash_assets.quality.rules import MOST_ROWS_ORDER_SQL
 from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.rules import MOST_ROWS_ORDER_SQL
 
 
 class TrainingSetConfig(dg.Config):
     config_hash: str = Field(
         "", description="The generation config to export: a config_hash, '' for the config with the most rows, "
                         "or 'all' for every config (ids are <prompt_id>@<config_hash>).")
+    form: str = Field(
+        "conversations", description="'conversations': SpecForge's {id, status, conversations} (what its "
+                                     "validate_regenerated_data.py accepts); 'messages': the OpenAI {id, messages}.")
 
 
 def most_rows_config(data_dir) -> str | None:
@@ -48,7 +51,7 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
     export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
-                                 max_length=quality.training_max_length)
+                                 max_length=quality.training_max_length, form=config.form)
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
     return dg.MaterializeResult(metadata={

@@ -1,4 +1,5 @@
-"""Spread requests over the fleet: least-loaded server first, per-server slots, eject and re-admit.
+"""The slot picker: which server the next request goes to. Least-loaded first, per-server slots, eject and
+re-admit.
 
 Each server gets as many requests in flight as it runs at once (its effective max_running_requests)
 plus a small waiting margin, so its slots never idle between two requests; servers of different
@@ -38,10 +39,10 @@ class Slot:
         return self.info.url
 
 
-class Dispatcher:
+class SlotPicker:
     def __init__(self, clients: list[ServerClient], infos: list[ServerInfo], *, max_in_flight_per_server: int = 0,
                  waiting_margin: int = 2, eject_after: int = 3, probe_interval_s: float = 2.0,
-                 no_server_timeout_s: float = 120.0):
+                 no_server_timeout_s: float = 120.0, max_imbalance: float = 0.25):
         self.slots = [
             Slot(c, i, max_in_flight_per_server or (i.max_running_requests + waiting_margin))
             for c, i in zip(clients, infos)
@@ -49,6 +50,7 @@ class Dispatcher:
         self.eject_after = eject_after
         self.probe_interval_s = probe_interval_s
         self.no_server_timeout_s = no_server_timeout_s
+        self.max_imbalance = max_imbalance  # load share a preferred server may exceed the least loaded one's by
         self._changed = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
         self._all_down_since: float | None = None
@@ -60,14 +62,24 @@ class Dispatcher:
     def healthy(self) -> list[Slot]:
         return [s for s in self.slots if s.ejected_at is None]
 
-    def _pick(self) -> Slot | None:
+    def _pick(self, prefer: str | None = None) -> Slot | None:
         free = [s for s in self.healthy() if s.in_flight < s.limit]
-        return min(free, key=lambda s: (s.in_flight / s.limit, s.in_flight)) if free else None
+        if not free:
+            return None
+        best = min(free, key=lambda s: (s.in_flight / s.limit, s.in_flight))
+        if prefer is not None and prefer != best.url:
+            mine = next((s for s in free if s.url == prefer), None)
+            # the server that served a conversation's previous turn holds its history in its prefix cache: keep
+            # the conversation there unless that server is clearly busier than the least loaded one
+            if mine is not None and mine.in_flight / mine.limit - best.in_flight / best.limit <= self.max_imbalance:
+                return mine
+        return best
 
-    async def acquire(self) -> Slot:
+    async def acquire(self, prefer: str | None = None) -> Slot:
+        """A slot on the least-loaded healthy server, or on `prefer` within the allowed imbalance."""
         # Single-threaded asyncio: picking a slot and taking it happen with no await in between, so no lock;
         # waiters sleep on an Event that every release and re-admission sets, then look again.
-        while (slot := self._pick()) is None:
+        while (slot := self._pick(prefer)) is None:
             timeout = 1.0
             if not self.healthy():
                 self._all_down_since = self._all_down_since or time.monotonic()
@@ -99,7 +111,7 @@ class Dispatcher:
     async def _probe_until_back(self, slot: Slot) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
-            if await slot.client.healthy(timeout=max(1.0, self.probe_interval_s)):
+            if await slot.client.healthy():  # the client's timeout: /health takes a second or more
                 slot.ejected_at = None
                 slot.consecutive_failures = 0
                 self._changed.set()

@@ -35,6 +35,12 @@ def read_table(paths: Iterable[PurePath], columns: list[str] | None, schema: pa.
     return pa.concat_tables(tables)
 
 
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` in `schema`: a part written before a column existed gets it as nulls."""
+    columns = [table[f.name] if f.name in table.column_names else pa.nulls(table.num_rows, f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
 class PartStore:
     """Committed parts of one table for one shard: `<root>/<table>/shard=<key>/*.parquet`.
 
@@ -91,7 +97,7 @@ class PartStore:
         schema = self.schema.with_metadata({COVERS_KEY: json.dumps([p.name for p in parts]).encode()})
         # streamed part by part, so memory stays at one part however large the shard
         out = self.storage.write_streamed(self.dir / name, schema,
-                                          (self.storage.read_table(p).cast(schema) for p in parts))
+                                          (conform(self.storage.read_table(p), schema) for p in parts))
         for p in parts:
             self.storage.delete(p)
         self.storage.sync(self.dir)

@@ -1,0 +1,71 @@
+"""length_probe: a seeded random sample of the prompts generated at a high cap, the measurement the cap plan uses."""
+
+import dagster as dg
+from pydantic import Field
+
+from dflash_assets.defs.completions.assets import CompletionsConfig
+from dflash_assets.defs.prompts.assets import prompt_shards
+from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.generation.config import ConfigError
+from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.generation.probe import MIN_PROMPTS, SHARE, probe_root, prompt_shard_keys, run_probe
+
+
+class LengthProbeConfig(CompletionsConfig):
+    """The sample and its cap. Sampling settings must match the run the plan is for (same defaults)."""
+
+    max_output_tokens: int = Field(
+        0, description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts.")
+    size: int = Field(0, description=f"Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.")
+    share: float = Field(SHARE, description="Share of the prompts to sample when size is 0.")
+    min_prompts: int = Field(MIN_PROMPTS, description="At least this many prompts when size is 0.")
+    seed: int = Field(0, description="Seed of the random sample: the same prompts and seed give the same sample.")
+
+
+@dg.asset(
+    deps=[prompt_shards],
+    group_name="quality",
+    kinds={"sglang", "parquet"},
+    owners=["team:dflash"],
+    pool="sglang_fleet",
+    description="A seeded random sample of the prompts (by default the larger of 500 and 1%, stratified across "
+                "shards and sources) generated at a high cap (by default the largest the fleet's context allows): "
+                "real completions with their own config hash, kept under <data_dir>/length_probe/, never training "
+                "data. The cap plan in length_quality_summary reads it to measure truncation at larger caps "
+                "instead of extrapolating a model.",
+)
+def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, fleet: FleetResource,
+                 data_dir: DataDir) -> dg.MaterializeResult:
+    root = data_dir.resolved()
+    shards = prompt_shard_keys(root)
+    if not shards:
+        raise dg.Failure("no prompt shards to sample: materialise prompt_shards first")
+    generation = config.generation()
+    try:
+        config.dispatch().validate()
+        probe = run_on_fleet(fleet, lambda f: run_probe(
+            root, shards, f, generation, size=config.size, share=config.share, minimum=config.min_prompts,
+            seed=config.seed, settings=config.dispatch(), log=context.log.info))
+    except ConfigError as e:
+        raise dg.Failure(str(e)) from None
+    except PreflightError as e:
+        raise dg.Failure(f"preflight: {e}") from None
+    run = probe.run
+    for note in run.notes:
+        context.log.warning(note)
+    return dg.MaterializeResult(metadata={
+        "dagster/row_count": run.completed,
+        "prompts_sampled": probe.sampled,
+        "prompts_total": probe.prompts_total,
+        "shards": len(shards),
+        "seed": config.seed,
+        "max_output_tokens": probe.cap,
+        "config_hash": run.config_hash,
+        "completed": run.completed,
+        "rejected": run.rejected,
+        "failed": run.failed,
+        "truncated_at_probe_cap": run.length,
+        "output_tokens": run.output_tokens,
+        "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
+        "path": dg.MetadataValue.path(str(probe_root(root))),
+    })

@@ -1,0 +1,42 @@
+"""SGLang's radix (prefix) cache, as far as what it saves: the prompt tokens a request finds already cached.
+
+A finished request leaves its prompt and output in the cache (SGLang's `cache_finished_req`); a new request's
+longest cached prefix is not prefilled again and is reported as `cached_tokens` (meta_info, and the OpenAI
+usage's `prompt_tokens_details` with --enable-cache-report). Off with --disable-radix-cache.
+
+Matched in blocks of BLOCK tokens (SGLang's default page size is 1 token): per-token keys cost the emulator
+~1 ms per 2,700-token request, blocks of 16 ~0.16 ms. So `cached_tokens` here is the true cached prefix rounded
+down to a multiple of BLOCK. A prefix is a chain of
+per-block keys; the oldest are evicted first when the cache holds more than `capacity` tokens (SGLang evicts LRU
+leaves; the difference only matters under memory pressure).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+BLOCK = 16
+
+
+class PrefixCache:
+    def __init__(self, capacity: int):
+        self.capacity_blocks = max(1, capacity // BLOCK)
+        self._keys: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, ids: list[int]) -> int:
+        """Leading tokens of `ids` in the cache, in whole blocks (never all: SGLang always prefills one)."""
+        key, n = 0, 0
+        for start in range(0, len(ids) - BLOCK, BLOCK):
+            key = hash((key, tuple(ids[start:start + BLOCK])))
+            if key not in self._keys:
+                break
+            n += BLOCK
+        return n
+
+    def insert(self, ids: list[int]) -> None:
+        key = 0
+        for start in range(0, len(ids) - BLOCK + 1, BLOCK):
+            key = hash((key, tuple(ids[start:start + BLOCK])))
+            self._keys[key] = None
+        while len(self._keys) > self.capacity_blocks:
+            self._keys.popitem(last=False)

@@ -1,0 +1,89 @@
+"""Step 3 of generating a shard: commit what came back, and close the shard.
+
+A shard's results are held here until committed: completion rows, the server's refusals (a 400, never resent
+at the same budget) and the prompts whose retries ran out. Rows and refusals are committed as Parquet parts
+(the one ledger of "done"); failures are a whole file per config, rewritten when the shard closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from dflash_assets.generation.parts import PartStore
+from dflash_assets.generation.plan import ShardRun
+from dflash_assets.generation.slots import Slot
+
+
+def generated_tokens(row: dict) -> int:
+    """Tokens a server generated for this row: a continued row reuses its parent's first tokens_reused."""
+    return (row["completion_tokens"] or 0) - (row.get("tokens_reused") or 0)
+
+
+@dataclass
+class ShardOutput:
+    """Where one shard's results go, what has not been committed yet, and the shard's own figures."""
+
+    run: ShardRun
+    store: PartStore
+    server_rejects: PartStore
+    turn_rejects: PartStore | None = None  # a later turn's preflight rejects (all_turns), committed as parts
+    rows: list[dict] = field(default_factory=list)
+    refused: list[dict] = field(default_factory=list)
+    failed: list[dict] = field(default_factory=list)
+    in_flight: int = 0  # items of this shard handed to the dispatcher and not answered yet
+
+    @property
+    def pending(self) -> int:
+        return len(self.rows) + len(self.refused)
+
+    def answered(self, slot: Slot, row: dict) -> None:
+        """A completion of this shard came back from `slot`'s server: count it for this shard."""
+        self.rows.append(row)
+        mine = self.run.servers.setdefault(slot.url, {"completed": 0, "output_tokens": 0})
+        mine["completed"] += 1
+        mine["output_tokens"] += generated_tokens(row)
+
+    def sent(self, now: float) -> None:
+        self.in_flight += 1
+        self.run.first_sent_at = self.run.first_sent_at or now
+
+    def done(self, now: float, all_sent: bool) -> None:
+        """One item of this shard is answered (a row, a refusal or a failure)."""
+        self.in_flight -= 1
+        self.run.answered_at = now
+        if all_sent:
+            self.close_sending(now)
+
+    def close_sending(self, now: float) -> None:
+        """Nothing more of this shard will be sent; it is finished when its last item is answered."""
+        self.run.last_sent_at = self.run.last_sent_at or now
+        if self.in_flight == 0 and self.run.finished_at is None:
+            self.run.finished_at = now
+            self.run.elapsed_s = now - self.run.first_sent_at if self.run.first_sent_at is not None else 0.0
+
+    async def commit(self) -> None:
+        batch, rej = self.rows, self.refused
+        self.rows, self.refused = [], []
+        server = [r for r in rej if r["stage"] == "server"]
+        before_sending = [r for r in rej if r["stage"] != "server"]
+        # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
+        # never a rejected prompt twice
+        await asyncio.to_thread(self.server_rejects.commit, server)
+        if before_sending:
+            await asyncio.to_thread(self.turn_rejects.commit, before_sending)
+        await asyncio.to_thread(self.store.commit, batch)
+        self.run.length += sum(r["finish_reason"] == "length" for r in batch)
+        self.run.output_tokens += sum(generated_tokens(r) for r in batch)
+        self.run.rejected_server += len(server)
+        self.run.rejected_preflight += len(before_sending)
+
+    def close(self, failures: PartStore, failure_file: str) -> None:
+        """The shard's run is over: its failures replace the config's failure file, its parts are compacted."""
+        failures.replace(self.failed, failure_file)
+        self.run.failed = len(self.failed)
+        self.store.compact()
+        if self.run.finished_at is None:  # stopped early (an error): the figures up to now
+            self.in_flight = 0
+            self.close_sending(time.monotonic())

@@ -1,0 +1,179 @@
+"""Step 1 of generating a shard: what is left to do, and does it fit (preflight).
+
+Restart-safe by construction: the remaining work is recomputed from the committed Parquet parts on every
+start (prompts of the shard minus rows of this config minus rejects of this config), so a `kill -9` loses at
+most the requests in flight and the rows not yet committed, and never duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.parts import PartStore
+from dflash_assets.generation.preflight import Budget, overflow_error
+from dflash_assets.generation.prompts import canonical_json, last_turn_request
+from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA
+from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.generation.storage import Storage
+
+OVERFLOW_FAIL_SHARE = 0.9  # when this share of a shard overflows, the config is wrong, not the prompts
+PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
+
+
+@dataclass
+class ShardRun:
+    """What a run of one shard did; `prompts == completed + rejected + failed` once it has finished.
+
+    Every figure is this shard's own: its notes, its servers' share of its rows, its time from its first
+    request to its last answer (a backfill run streams several shards through one dispatcher)."""
+
+    shard: str
+    config_hash: str
+    model: str
+    prompts: int = 0
+    already_done: int = 0
+    completed: int = 0  # rows of this config in committed parts, this run's and earlier ones
+    length: int = 0  # of this run's new rows, finish_reason == "length"
+    rejected_preflight: int = 0
+    rejected_server: int = 0
+    failed: int = 0
+    output_tokens: int = 0
+    elapsed_s: float = 0.0  # first request of this shard sent -> its last answer (0 when nothing was sent)
+    notes: list[str] = field(default_factory=list)  # about this shard
+    fleet_notes: list[str] = field(default_factory=list)  # about the fleet: the same for every shard of the run
+    servers: dict[str, dict] = field(default_factory=dict)  # url -> this shard's completed, output_tokens; limit
+    first_sent_at: float | None = None  # monotonic time the first prompt was handed to the dispatcher
+    last_sent_at: float | None = None  # monotonic time the last prompt was handed to the dispatcher
+    follow_up_sent_at: float | None = None  # all_turns: monotonic time the last follow-up turn was sent
+    answered_at: float | None = None  # monotonic time the last answer of this shard arrived
+    finished_at: float | None = None  # monotonic time the shard had nothing left in flight or to send
+    by_turn: dict[int, dict] = field(default_factory=dict)  # all_turns: turn -> rows, truncated, rejected
+    truncated_at: dict[str, int] = field(default_factory=dict)  # all_turns: prompt_id -> the turn cut short
+    infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
+    load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
+
+    @property
+    def rejected(self) -> int:
+        return self.rejected_preflight + self.rejected_server
+
+
+def completion_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
+    return PartStore(data_dir, "completions", shard, COMPLETION_SCHEMA)
+
+
+def failure_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
+    return PartStore(data_dir, "failures", shard, FAILURE_SCHEMA)
+
+
+def committed_ids(store: PartStore, config_hash: str) -> set[str]:
+    table = store.read(["prompt_id", "config_hash"])
+    return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
+
+
+def reject_row(prompt: dict, stage: str, reason: str, config: GenerationConfig, config_hash: str, shard: str,
+               context: int) -> dict:
+    """A row of the rejects table for one prompt of this config (stage "preflight" or "server")."""
+    return {"shard": shard, "stage": stage, "line": prompt["line"], "prompt_id": prompt["prompt_id"],
+            "config_hash": config_hash, "reason": reason, "prompt_tokens": prompt["prompt_tokens"],
+            "max_output_tokens": config.max_output_tokens, "server_context_length": context,
+            "created_at": datetime.now(timezone.utc), "turn": prompt.get("turn")}
+
+
+def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
+    """The shard's prompts a batch at a time, so a large shard is never all in memory."""
+    for part in store.parts():
+        for batch in store.storage.parquet_file(part).iter_batches(batch_size=size, columns=columns):
+            yield batch.to_pylist()
+
+
+def plan_remaining(prompts: PartStore, finished: set[str]) -> tuple[int, dict[str, dict]]:
+    """(prompts in the shard, {prompt_id: plan row} of those not finished), from the small columns only."""
+    total, todo = 0, {}
+    for batch in prompt_batches(prompts, PLAN_COLUMNS):
+        total += len(batch)
+        todo.update((r["prompt_id"], r) for r in batch if r["prompt_id"] not in finished)
+    return total, todo
+
+
+async def recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwargs: dict) -> None:
+    """Exact token counts for prompts whose shard count was made with other chat_template_kwargs."""
+    gate = asyncio.Semaphore(64)
+
+    async def count(i: int, row: dict) -> None:
+        async with gate:
+            client = fleet.clients[i % len(fleet.clients)]
+            n = await client.count_prompt_tokens(last_turn_request(json.loads(row["messages_json"])), kwargs)
+            stale[row["prompt_id"]]["prompt_tokens"] = n
+
+    for batch in prompt_batches(prompts, ["prompt_id", "messages_json"]):
+        await asyncio.gather(*(count(i, r) for i, r in enumerate(batch) if r["prompt_id"] in stale))
+
+
+def preflight(rows: list[dict], budget: Budget, cap: int, policy: str = "reject") -> list[tuple[dict, str]]:
+    """(row, why) for every row whose prompt_tokens + cap the fleet cannot honour.
+
+    Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow:
+    then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts."""
+    over = [(r, problem) for r in rows if (problem := budget.problem(r["prompt_tokens"], cap))]
+    if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
+        raise overflow_error(budget, cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
+    return over
+
+
+@dataclass
+class ShardPlan:
+    """One shard, planned under its lock: its figures so far, and what is left to send."""
+
+    run: ShardRun
+    prompts: PartStore
+    todo: dict[str, dict]
+
+    def to_send(self) -> Iterator[dict]:
+        """The full prompt rows still to generate, in shard order, each with its (re)counted prompt_tokens."""
+        for batch in prompt_batches(self.prompts):
+            for row in batch:
+                if (plan := self.todo.get(row["prompt_id"])) is not None:
+                    row["prompt_tokens"] = plan["prompt_tokens"]
+                    yield row
+
+
+async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationConfig,
+                     settings: DispatchSettings, preflight_policy: str, log: Callable[[str], None]) -> ShardPlan:
+    """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
+    config_hash = config.config_hash(fleet.model)
+    run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos))
+    prompts = prompt_store(data_dir, shard)
+    store, server_rejects = completion_store(data_dir, shard), reject_store(data_dir, shard, "server")
+    store.recover()
+    server_rejects.recover()
+    done = committed_ids(store, config_hash)
+    refused = committed_ids(server_rejects, config_hash)
+    run.already_done, run.rejected_server = len(done), len(refused)
+    run.prompts, todo = plan_remaining(prompts, done | refused)
+    kwargs_json = canonical_json(config.template_kwargs())
+    stale = {i: r for i, r in todo.items() if r["template_kwargs_json"] != kwargs_json}
+    if stale:
+        await recount(fleet, prompts, stale, config.template_kwargs())
+        log(f"shard {shard}: {len(stale)} prompts were counted with other chat_template_kwargs; recounted")
+    budget = Budget.of(fleet.infos)
+    cap = config.max_output_tokens
+    over = preflight(list(todo.values()), budget, cap, preflight_policy)
+    reject_store(data_dir, shard, "preflight").replace(
+        [reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length) for r, problem in over],
+        f"{config_hash}.parquet")
+    run.rejected_preflight = len(over)
+    for r, _ in over:
+        del todo[r["prompt_id"]]
+    log(f"shard {shard} config {config_hash} (cap {cap}): {run.prompts} prompts, {len(done)} already done, "
+        f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
+        f"{len(todo)} to generate on {len(fleet.clients)} servers")
+    return ShardPlan(run, prompts, todo)

@@ -1,0 +1,179 @@
+"""Step 2 of generating: dispatch with retries. Every item goes to a server, and its answer to its shard.
+
+The one dispatch loop of the package (fresh generation, follow-up turns of a conversation, continuation; one
+shard or many): the slot picker chooses the server (least loaded, ejection, re-admission), retryable errors
+are retried with exponential backoff and jitter, a 400 is refused and never resent at the same budget, and
+rows are committed every `commit_rows` rows or `commit_seconds`, and on the way out whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
+from datetime import datetime, timezone
+
+from dflash_assets.fleet.client import ServerError
+from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.fleet.tuning import LoadSampler
+from dflash_assets.generation.commit import ShardOutput, generated_tokens
+from dflash_assets.generation.config import DispatchSettings
+from dflash_assets.generation.slots import Slot, SlotPicker
+
+Send = Callable[[dict, Slot, int], Awaitable[dict]]  # (item, slot, attempt) -> the row; raises ServerError
+Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context length) -> the server-stage reject row
+FollowUp = Callable[[dict, dict], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
+
+
+class Rejected(Exception):
+    """Raised by a Send that refuses its item before sending it; `row` is the reject row to commit."""
+
+    def __init__(self, row: dict):
+        super().__init__(row["reason"])
+        self.row = row
+
+
+class Dispatch:
+    """Send items on the fleet until none is left; each item names its `shard`, a key of `outputs`.
+
+    A `follow_up` item (the next turn of a conversation) is sent before any new item, so a conversation in
+    progress is never starved by the stream behind it, while the stream keeps the slots full meanwhile."""
+
+    def __init__(self, fleet: Fleet, settings: DispatchSettings, outputs: dict[str, ShardOutput], send: Send,
+                 refuse: Refuse, log: Callable[[str], None], *, follow_up: FollowUp | None = None,
+                 on_answer: Callable[[int, int], None] | None = None):
+        self.fleet, self.settings, self.outputs = fleet, settings, outputs
+        self.send, self.refuse, self.follow_up, self.log, self.on_answer = send, refuse, follow_up, log, on_answer
+        self.slots = SlotPicker(fleet.clients, fleet.infos, max_in_flight_per_server=settings.max_in_flight_per_server,
+                                waiting_margin=settings.waiting_margin, eject_after=settings.eject_after,
+                                no_server_timeout_s=settings.no_server_timeout_s,
+                                max_imbalance=settings.same_server_max_imbalance)
+        self.ready: deque[dict] = deque()  # follow-up items, sent first
+        self.answered = self.total = 0
+        self.started = self.last_commit = self.last_progress = time.monotonic()
+
+    async def run(self, items: Iterator[dict], total: int) -> None:
+        """Send `items` (and their follow-ups); `total` is for progress (follow-ups add to it)."""
+        self.total = total
+        tasks: set[asyncio.Task] = set()
+        exhausted = False
+        every = self.settings.load_sample_s
+        sampler = LoadSampler(self.fleet.clients, every) if every > 0 else None
+        if sampler:
+            await sampler.start()
+        try:
+            while not exhausted or tasks or self.ready:
+                while len(tasks) < self.slots.capacity and (self.ready or not exhausted):
+                    now = time.monotonic()
+                    if self.ready:  # a follow-up: its shard counted it in flight when it was queued
+                        item = self.ready.popleft()
+                        self.outputs[item["shard"]].run.follow_up_sent_at = now
+                    elif (item := next(items, None)) is None:
+                        exhausted = True
+                        for output in self.outputs.values():
+                            output.close_sending(now)
+                        continue
+                    else:
+                        self._moved_to(item["shard"], now)
+                        self.outputs[item["shard"]].sent(now)
+                    tasks.add(asyncio.create_task(self._one(item)))
+                if not tasks:
+                    continue
+                finished, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                errors = [e for t in finished if (e := t.exception()) is not None]  # retrieves every one
+                if errors:
+                    raise errors[0]  # FleetDown propagates; everything committed stays committed
+                await self._maybe_commit()
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            await self.commit()
+            await self.slots.close()
+            samples = await sampler.stop() if sampler else []
+            for output in self.outputs.values():
+                output.run.load_samples = samples
+                for slot in self.slots.slots:  # the server's limit is the fleet's; the counts stay the shard's
+                    output.run.servers.setdefault(slot.url, {"completed": 0, "output_tokens": 0})
+                    output.run.servers[slot.url]["in_flight_limit"] = slot.limit
+
+    def _moved_to(self, shard: str, now: float) -> None:
+        """The stream reached `shard`: no new item of an earlier shard will come (follow-ups still may)."""
+        for name, output in self.outputs.items():
+            if name != shard and output.run.first_sent_at is not None and output.run.last_sent_at is None:
+                output.close_sending(now)
+
+    async def _one(self, item: dict) -> None:
+        output = self.outputs[item["shard"]]
+        try:
+            row = await self._attempts(item, output)
+            if row is not None and self.follow_up and (follow := self.follow_up(item, row)) is not None:
+                output.in_flight += 1  # the conversation goes on: its shard is not finished
+                self.ready.append(follow)
+                self.total += 1
+        finally:
+            self.answered += 1
+            if self.on_answer:
+                self.on_answer(self.answered, self.total)  # (answered, total): a terminal's progress bar
+            output.done(time.monotonic(), output.run.last_sent_at is not None)
+
+    async def _attempts(self, item: dict, output: ShardOutput) -> dict | None:
+        settings, error = self.settings, None
+        for attempt in range(1, settings.max_attempts + 1):
+            slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None)
+            try:
+                row = await self.send(item, slot, attempt)
+            except Rejected as e:  # refused before it was sent (a later turn's own preflight)
+                self.slots.release(slot, ok=True)
+                output.refused.append(e.row)
+                return None
+            except ServerError as e:
+                self.slots.release(slot, ok=not e.retryable)
+                if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
+                    output.refused.append(self.refuse(item, f"HTTP {e.status}: {e.message}", slot.info.context_length))
+                    return None
+                error = e
+                delay = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                continue
+            self.slots.release(slot, ok=True)
+            slot.completed += 1
+            slot.output_tokens += generated_tokens(row)
+            output.answered(slot, row)
+            return row
+        output.failed.append({"shard": item["shard"], "prompt_id": item["prompt_id"],
+                              "config_hash": output.run.config_hash, "error": str(error),
+                              "attempts": settings.max_attempts, "created_at": datetime.now(timezone.utc),
+                              "turn": item.get("turn")})
+        return None
+
+    async def commit(self) -> None:
+        for output in self.outputs.values():
+            if output.pending:
+                await output.commit()
+        self.last_commit = time.monotonic()
+
+    async def _maybe_commit(self) -> None:
+        now, pending = time.monotonic(), sum(o.pending for o in self.outputs.values())
+        if pending >= self.settings.commit_rows or (pending and now - self.last_commit >= self.settings.commit_seconds):
+            await self.commit()
+        if now - self.last_progress >= self.settings.progress_seconds:
+            self.progress()
+            self.last_progress = now
+
+    def progress(self) -> None:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        tokens = sum(s.output_tokens for s in self.slots.slots)
+        runs = [o.run for o in self.outputs.values()]
+        failed = sum(len(o.failed) for o in self.outputs.values())
+        per_server = ", ".join(f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
+                               + (" EJECTED" if s.ejected_at else "") for s in self.slots.slots)
+        eta = f", ETA {(self.total - self.answered) * elapsed / self.answered:.0f}s" if self.answered else ""
+        self.log(f"shards {', '.join(self.outputs)}: {self.answered}/{self.total} answered, "
+                 f"{sum(r.length for r in runs)} length, {failed} failed, "
+                 f"{sum(r.rejected_server for r in runs)} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} "
+                 f"[{per_server}]")

@@ -1,0 +1,126 @@
+"""The cap plan from a length probe: measured, not modelled.
+
+A probe is a random sample of the prompts generated at a high cap P. For a candidate cap c between the current
+cap c0 and P nothing needs a model: of the rows the current run cut at c0 (a share p0, known from all its rows),
+the probe says which share q(c) still runs past c, and how many more tokens they take up to c:
+
+    P(L > c)         = p0 * q(c)                          q(c) = share of the probe's rows above c0 that pass c
+    E[min(L, c)]     = E[min(L, c0)] + p0 * E[min(L, c) - c0 | L > c0]
+
+Both factors are measured: p0 and E[min(L, c0)] on every row of the run, the conditionals on the probe. That
+uses the run's many rows for the part they know and the probe only for what they cannot say, which is
+tighter than reading P(L > c) off the probe alone. The 95% intervals come from a bootstrap of both samples
+(rows of the run, rows of the probe), which assumes nothing about the shape of the lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_PROBE_ROWS_ABOVE = 10  # fewer probe rows above the current cap than this: too few to measure the tail
+
+
+@dataclass(frozen=True)
+class ProbeSample:
+    """The rows of a length probe: completion tokens at the probe's cap, cut or not, runaway or not."""
+
+    completion_tokens: np.ndarray
+    truncated: np.ndarray
+    runaway: np.ndarray
+    cap: int
+    config_hash: str | None = None
+
+    @classmethod
+    def of(cls, completion_tokens, truncated, cap: int, runaway=None, config_hash: str | None = None) -> ProbeSample:
+        lengths = np.asarray(completion_tokens, dtype=np.int64)
+        cut = np.asarray(truncated, dtype=bool)
+        loop = cut & (np.zeros(len(lengths), bool) if runaway is None else np.asarray(runaway, dtype=bool))
+        return cls(lengths, cut, loop, int(cap), config_hash)
+
+    @property
+    def rows(self) -> int:
+        return len(self.completion_tokens)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Per candidate cap: bootstrap replicates of the cut share, the runaway share and output tokens per prompt."""
+
+    rate: np.ndarray  # point estimate per cap
+    runaway: np.ndarray
+    tokens_per_prompt: np.ndarray
+    boot_rate: np.ndarray  # (replicates, caps)
+    boot_runaway: np.ndarray
+    boot_tokens: np.ndarray
+    rows_above: int  # probe rows above the current cap: what the conditionals rest on
+    probe_runaways: int  # runaway rows in the probe
+    score_low: np.ndarray  # the rate with every share at its Wilson bounds (the run's and the probe's): where
+    score_high: np.ndarray  # q(c) has few or no hits the bootstrap collapses to a point, the score interval does not
+
+
+def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial share: sound at 0 or 1 hits, where the normal one collapses."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, (mid - half) / (1 + z * z / n)), min(1.0, (mid + half) / (1 + z * z / n))
+
+
+def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, counts: np.ndarray, cap: int,
+                       probe: ProbeSample, caps: np.ndarray, replicates: int, seed: int) -> Measured | None:
+    """Estimates at `caps` (all in (cap, probe.cap]) from the run's rows (distinct `values`, `cut`, `loop`,
+    `counts`, cut at `cap`) and the probe. None when the probe has too few rows above `cap` to say anything.
+
+    Runaways the run detected (a share R) run past every cap: they are counted as such, and the probe's own
+    runaways are taken out of its conditionals, so that only the honest tail rests on the probe. (That assumes
+    a loop has begun by the current cap, where the run's check sees it; the planner notes when the probe sees
+    clearly more runaways than the run, i.e. loops that start later.)
+    """
+    lengths, pcut, ploop = probe.completion_tokens, probe.truncated, probe.runaway
+    above = (lengths > cap) | (pcut & (lengths >= cap))
+    if above.sum() < MIN_PROBE_ROWS_ABOVE:
+        return None
+    n = int(counts.sum())
+    # a probe row passes cap c when it is longer than c, or was cut at the probe's cap (and c is that cap)
+    passes = ((lengths[None, :] > caps[:, None]) | (pcut[None, :] & (lengths[None, :] >= caps[:, None]))) & above
+    extra = np.where(above, np.minimum(lengths[None, :], caps[:, None]) - cap, 0)  # tokens past the cap, up to c
+    runaway_above = above & ploop
+
+    def estimate(honest_p0, loop_share, mean0, w):
+        """Run-side shares and mean (R,), probe resample weights (R, probe rows): rate, runaway, tokens (R, caps)."""
+        drop = (w * runaway_above).sum(1)
+        base = (w * above).sum(1) - drop
+        q = (w @ passes.T - drop[:, None]) / base[:, None]
+        e = (w @ extra.T - drop[:, None] * (caps - cap)) / base[:, None]
+        beyond = caps[None, :] - cap
+        return (loop_share[:, None] + honest_p0[:, None] * q, loop_share[:, None] * np.ones(len(caps)),
+                mean0[:, None] + loop_share[:, None] * beyond + honest_p0[:, None] * e)
+
+    def run_side(c):
+        return c[..., cut & ~loop].sum(-1) / n, c[..., loop].sum(-1) / n, c @ values / n
+
+    honest_p0, loop_share, mean0 = (np.atleast_1d(x) for x in run_side(counts))
+    rate, runaway, tokens = (a[0] for a in estimate(honest_p0, loop_share, mean0, np.ones((1, probe.rows))))
+    drop = int(runaway_above.sum())
+    base = int(above.sum()) - drop
+    score = np.array([wilson(int(h) - drop, base) for h in passes.sum(1)])
+    cut_n, loop_n = int(counts[cut & ~loop].sum()), int(counts[loop].sum())
+    (p0_low, p0_high), (r_low, r_high) = wilson(cut_n, n), wilson(loop_n, n)
+    score_low, score_high = r_low + p0_low * score[:, 0], r_high + p0_high * score[:, 1]
+    rng = np.random.default_rng(seed)
+    if replicates:
+        draws = rng.multinomial(n, counts / n, size=replicates)  # the run's rows, resampled
+        w = np.stack([np.bincount(rng.integers(0, probe.rows, probe.rows), minlength=probe.rows)
+                      for _ in range(replicates)])  # the probe's rows, resampled
+        p0, r, mean0 = run_side(draws)
+        ok = (w * (above & ~ploop)).sum(1) > 0
+        boot = estimate(p0[ok], r[ok], mean0[ok], w[ok])
+    else:
+        boot = tuple(np.empty((0, len(caps))) for _ in range(3))
+    return Measured(rate, runaway, tokens, *boot, rows_above=int(above.sum()),
+                    probe_runaways=int(runaway_above.sum()), score_low=score_low,
+                    score_high=score_high)

@@ -1,0 +1,61 @@
+"""Runaway generations: a row cut at its cap while repeating itself is not a long answer, it is a loop.
+
+A thinking model that loops repeats a line (or a phrase) until the cap stops it; raising the cap buys nothing
+for such a row, it only makes it longer. It is told apart from an honest long answer by the end of its output:
+either most of the tail's word n-grams repeat an earlier one, or one line makes up most of the tail's lines.
+`is_runaway` is a pure function on the text; the DuckDB layer (tables.py) calls it on the cut rows only.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+
+import duckdb
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class RunawayRules:
+    """What counts as a runaway. Prose repeats almost no 8-word sequence within a few kB; a loop repeats nearly all."""
+
+    tail_chars: int = 4000  # the end of the output that is judged
+    ngram_words: int = 8
+    repeated_ngram_share: float = 0.5  # share of the tail's n-grams that repeat an earlier n-gram of the tail
+    repeated_line_share: float = 0.5  # share of the tail's non-blank lines equal to its most common line
+    min_line_repeats: int = 4  # ... and that line seen at least this often
+    min_ngrams: int = 32  # a tail shorter than this many n-grams is never judged a loop (too little to tell)
+    end_chars: int = 32  # the end that must recur for either rule to be counted: the last line, or its last chars
+
+
+def is_runaway(text: str | None, rules: RunawayRules = RunawayRules()) -> bool:
+    """True when the end of `text` repeats itself by either rule. The tail's first line and word may be cut
+    mid-way by the window, so they are left out of the counts."""
+    # (a loop of a phrase with no newline, or of a paragraph, is caught by the n-grams; of a short line, by both)
+    if not text:
+        return False
+    tail = text[-rules.tail_chars:].rstrip()
+    # A loop reaches the cap, so the end of the text recurs earlier in its tail: the last line (or its last
+    # characters) found once more. Checked first, at C speed: prose stops here, and this runs on every cut row.
+    end = tail[tail.rfind("\n") + 1:].strip()[-rules.end_chars:]
+    if not end or tail.find(end) >= len(tail) - len(end):
+        return False
+    lines = [line.strip() for line in tail.splitlines() if line.strip()][1:]
+    if len(lines) >= rules.min_line_repeats:
+        top = Counter(lines).most_common(1)[0][1]
+        if top >= rules.min_line_repeats and top / len(lines) >= rules.repeated_line_share:
+            return True
+    words, n = tail.split()[1:], rules.ngram_words
+    grams = len(words) - n + 1
+    if grams < rules.min_ngrams:
+        return False
+    distinct = len(set(zip(*(words[i:] for i in range(n)))))
+    return 1 - distinct / grams >= rules.repeated_ngram_share
+
+
+def register_runaway(con: duckdb.DuckDBPyConnection, rules: RunawayRules = RunawayRules()) -> None:
+    """`is_runaway(tail VARCHAR) -> BOOLEAN` on `con`, judged by `rules`. Vectorised (a batch of rows per call
+    through Arrow): a call per row would cost more than the test itself."""
+
+    def batch(tails: pa.Array) -> pa.Array:
+        return pa.array([is_runaway(t, rules) for t in tails.to_pylist()], pa.bool_())
+
+    con.create_function("is_runaway", batch, ["VARCHAR"], "BOOLEAN", type="arrow", null_handling="special")

@@ -1,0 +1,31 @@
+"""Where the SGLang 0.5.23 wheel's source is: found without importing it (`import sglang` pulls a CUDA torch).
+
+`scripts/test.sh` installs the wheel without its dependencies; the contract tests read its files by path.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+VERSION = "0.5.23"
+INSTALL = f"uv pip install --no-deps sglang=={VERSION}"
+
+
+def sglang_dir() -> Path:
+    """The installed `sglang` package folder; a clear failure when it is missing or another version."""
+    spec = importlib.util.find_spec("sglang")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail(f"the sglang {VERSION} wheel is not installed; install it with `{INSTALL}`", pytrace=False)
+    version = importlib.metadata.version("sglang")  # the dist-info, no import either
+    if version != VERSION:
+        pytest.fail(f"sglang {version} is installed, the emulator targets {VERSION}: `{INSTALL}`", pytrace=False)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def sglang_srt() -> Path:
+    """`sglang/srt`, where the server's source lives (the paths the reference names are inside it)."""
+    return sglang_dir() / "srt"

@@ -1,0 +1,105 @@
+"""Runaway generations: told from honest long answers by their text, counted apart, warned about per shard/config."""
+
+import asyncio
+import json
+
+import duckdb
+import pytest
+
+from dflash_assets.emulator import model, tokenizer
+from dflash_assets.emulator.process import start_emulator
+from dflash_assets.fleet.fleet import connect
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.quality import Thresholds, length_quality, run_checks
+from dflash_assets.quality.runaway import RunawayRules, is_runaway
+
+PROSE = model.completion_tokens(model.plan_completion(tokenizer.encode("q"), model.LengthModel()), 0, 3000)[1]
+
+
+def test_a_line_repeated_to_the_cap_is_a_runaway_and_prose_is_not():
+    assert is_runaway("Let me think again about the sum.\n" * 200)
+    assert is_runaway("Wait, so the answer is 12 or maybe 13, let me check that again. " * 60)  # no newlines
+    assert not is_runaway(PROSE)  # 3,000 tokens of the emulator's honest text
+    assert not is_runaway("short\n" * 3) and not is_runaway(None) and not is_runaway("")
+
+
+def test_the_thresholds_decide_what_counts_as_a_loop():
+    half = PROSE[:2000] + "The same line again and again here.\n" * 20
+    assert is_runaway(half[-4000:])
+    strict = RunawayRules(repeated_line_share=0.9, repeated_ngram_share=0.95)
+    assert not is_runaway(PROSE[:3000] + "The same line again and again here.\n" * 20, strict)
+
+
+def test_the_emulator_loops_a_fixed_share_of_prompts_the_same_way_every_time():
+    lengths = model.LengthModel(loop_share=0.25)
+    prompts = [tokenizer.encode(f"<|im_start|>user\nq{i}<|im_end|>\n<|im_start|>assistant\n") for i in range(800)]
+    plans = [model.plan_completion(p, lengths) for p in prompts]
+    looping = [p.looping for p in plans]
+    assert 0.20 < sum(looping) / len(looping) < 0.30
+    assert looping == [model.plan_completion(p, lengths).looping for p in prompts]  # deterministic per prompt
+    assert all(p.total == lengths.maximum for p in plans if p.looping)
+    # the other prompts keep the lengths they had without the knob
+    assert [p.total for p, lp in zip(plans, looping) if not lp] == [
+        model.plan_completion(p, model.LengthModel()).total for p, lp in zip(prompts, looping) if not lp]
+    loop = model.generate(next(p for p in plans if p.looping), 500)
+    assert loop.finish == {"type": "length", "length": 500} and is_runaway(loop.text)
+    assert tokenizer.encode(loop.text) == loop.output_ids  # the repeats re-tokenise to the same ids
+
+
+N = 240
+
+
+@pytest.fixture(scope="module")
+def looping_run(tmp_path_factory):
+    """240 prompts at cap 1024 on an emulator where 15% of generations loop and some honest ones run long."""
+    tmp = tmp_path_factory.mktemp("runaway")
+    src, data = tmp / "prompts.jsonl", tmp / "data"
+    src.write_text("".join(json.dumps({"id": f"r{i:03d}", "prompt": f"Question {i}: count to {i}."}) + "\n"
+                           for i in range(N)))
+    flags = ["--reasoning-parser", "qwen3", "--length-median", "500", "--length-sigma", "0.6", "--length-max", "8192",
+             "--loop-share", "0.15"]
+
+    async def run(url):
+        fleet = await connect([url])
+        try:
+            await build_prompt_shard(src, 0, "00000", N, data, fleet, {"enable_thinking": True})
+            return await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=1024),
+                                        DispatchSettings(store_token_ids=True), log=lambda m: None)
+        finally:
+            await fleet.session.close()
+
+    with start_emulator(flags) as emu:
+        run = asyncio.run(run(emu.url))
+    rows = duckdb.sql(f"SELECT prompt_token_ids, finish_reason FROM read_parquet('{data}/completions/**/*.parquet')"
+                      ).fetchall()
+    truth = model.LengthModel(median=500, sigma=0.6, maximum=8192, loop_share=0.15)
+    loops = sum(model.plan_completion(list(ids), truth).looping for ids, _ in rows)
+    return data, run, loops, sum(f == "length" for _, f in rows)
+
+
+def test_runaways_on_the_emulator_are_counted_apart_from_honest_truncation(looping_run):
+    data, run, loops, truncated = looping_run
+    assert run.completed == N and 20 <= loops <= 55 and truncated > loops  # some honest rows were cut too
+    report = length_quality(data)
+    assert (report["runaway_rows"], report["truncated_rows"]) == (loops, truncated)
+    assert report["runaway_rate"] == loops / N
+    (outcome,) = run_checks(data, names=["runaway_rate"])
+    assert not outcome.passed and outcome.severity == "WARN" and not outcome.blocking
+    m = outcome.metadata
+    assert (m["runaway_rows"], m["honest_truncated_rows"], m["worst_shard"]) == (loops, truncated - loops, "00000")
+    assert outcome.summary_md.startswith(f"**{loops / N * 100:.2f}%** of {N} rows ({loops}) were cut at the cap "
+                                         f"while repeating themselves (runaways), over the 0.00% threshold; "
+                                         f"{truncated - loops} other rows were cut honestly.")
+    assert "shard `00000`" in outcome.summary_md
+    assert "raising max_output_tokens only makes it longer" in outcome.summary_md
+
+
+def test_the_runaway_threshold_and_rules_come_from_the_thresholds(looping_run):
+    data, _, loops, _ = looping_run
+    (lenient,) = run_checks(data, names=["runaway_rate"], thresholds=Thresholds(runaway_rate_max=0.5))
+    assert lenient.passed and "within the 50.00% threshold" in lenient.summary_md
+    never = Thresholds(runaway=RunawayRules(min_line_repeats=10_000, repeated_ngram_share=1.1))
+    (blind,) = run_checks(data, names=["runaway_rate"], thresholds=never)
+    assert blind.passed and blind.metadata["runaway_rows"] == 0
