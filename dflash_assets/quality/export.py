@@ -30,6 +30,7 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
 from dflash_assets.quality.trainer_format import FORMS, STATUS
+from dflash_assets.rules import OVERFLOW_SQL
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -37,7 +38,7 @@ EXCLUSION_REASONS = (
     "not_stop",  # any other finish_reason than 'stop' (abort, null)
     "empty_content",
     "think_marker",  # <think> or </think> in content
-    "context_overflow",  # prompt_tokens + max_output_tokens > server_context_length: generated under a clamp
+    "context_overflow",  # rules.OVERFLOW_SQL: generated under a clamp
     "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
@@ -75,8 +76,8 @@ WITH c AS (
             WHEN finish_reason IS DISTINCT FROM 'stop' THEN 'not_stop'
             WHEN content_empty THEN 'empty_content'
             WHEN think_marker THEN 'think_marker'
-            WHEN prompt_tokens + max_output_tokens > server_context_length THEN 'context_overflow'
-            WHEN $drop_long AND prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
+    "context_overflow",  # rules.OVERFLOW_SQL: generated under a clamp
+    "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
                 THEN 'no_prompt'
         END AS reason
@@ -218,7 +219,7 @@ def export_training_set(
             con.execute(f"CREATE TEMP TABLE prompts AS SELECT shard, prompt_id, line, messages_json FROM {prompts}")
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
-            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions), params)
+            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL), params)
             query = KEPT.format(completions=completions)
             rows, consumed, incomplete = _write_rows(con, query, tmps["training_set.jsonl"],
                                                      tmps["training_set.parquet"], form)
