@@ -43,7 +43,7 @@ from dflash_assets.emulator.process import EmulatorProcess, free_port, start_emu
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.config import DispatchSettings
-from dflash_assets.generation.dispatch import Dispatcher
+from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.generation.preflight import Budget
 
 pytestmark = pytest.mark.timeout(300)
@@ -164,7 +164,7 @@ def test_capacity_behind_the_gateway_is_the_servers_effective_max_running_reques
     async def go():
         fleet = await connect([gateway.url])
         try:
-            dispatcher = Dispatcher(fleet.clients, fleet.infos)
+            dispatcher = SlotPicker(fleet.clients, fleet.infos)
             return fleet.clients, fleet.infos, dispatcher.capacity
         finally:
             await fleet.session.close()

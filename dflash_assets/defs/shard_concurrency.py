@@ -6,9 +6,10 @@ so two runs that hold the same shard, whether single-shard runs or overlapping b
 at once; the second waits, and says so in its log. Run-queue tag limits cannot do this: a backfill run carries
 only the first and last key of its range (`dagster/asset_partition_range_start/_end`), not the shards in it.
 Slots are claimed in sorted order (no two runs can each hold what the other waits for) and freed when the step
-ends; a run that dies holding them is freed by the daemon's run monitoring
-(`run_monitoring.free_slots_after_run_end_seconds` in dagster_home/dagster.yaml) or by
-`dagster instance concurrency set shard:<key> 1` after clearing it in the UI's Concurrency page.
+ends. A run that died holding them (its worker SIGKILLed) has ended in the instance's eyes once run monitoring
+failed it: the next run of the shard frees what that ended run still holds and goes on, instead of waiting for
+`run_monitoring.free_slots_after_run_end_seconds` (dagster_home/dagster.yaml), so a re-execution from failure
+starts at once.
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ def one_run_per_shard(context: dg.AssetExecutionContext, shards: list[str]) -> I
                 storage.set_concurrency_slots(pool, 1)
             said = False
             while not storage.claim_concurrency_slot(pool, run_id, holder).is_claimed:
+                owners = {s.run_id for s in storage.get_concurrency_info(pool).claimed_slots}
+                ended = {o for o in owners if (run := context.instance.get_run_by_id(o)) is None or run.is_finished}
+                for owner in ended:  # a dead run's slots: nobody will free them sooner
+                    context.log.info(f"shard {shard}: run {owner} has ended but still held it; freeing its slots")
+                    storage.free_concurrency_slots_for_run(owner)
+                if ended:
+                    continue
                 if not said:
-                    owners = {s.run_id for s in storage.get_concurrency_info(pool).claimed_slots}
                     context.log.info(f"waiting for shard {shard}: run {', '.join(sorted(owners)) or '?'} is "
                                      f"writing it (one run per shard at a time, pool {pool})")
                     said = True
