@@ -87,7 +87,7 @@ def main() -> None:
                 for (t, running), (t_next, _) in zip(timeline, timeline[1:] + [[t1, 0]]):
                     busy += running * (t_next - t)
                 avail += rank["max_running_requests"] * (t1 - t0)
-    print(f"\n| figure | value |\n|---|---|")
+    print("\n| figure | value |\n|---|---|")
     print(f"| run | {'success' if result.success else 'FAILED'}; {len(mats)} shard materialisations |")
     print(f"| completions | {completed:,} of {args.prompts:,} |")
     print(f"| wall time (prompt_shards + completions + reports + checks) | {wall:.0f} s |")

@@ -5,20 +5,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from pathlib import Path
+
+from dflash_assets.settings import Deployment, DispatchSettings, GenerationSettings, LaunchSettings, Settings
 
 
 def _instance_environment(args: argparse.Namespace) -> None:
     """Settings go to the environment before Dagster is imported: definitions read them at load."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("DFLASH_DATA_DIR", "data")
+    os.environ.setdefault(Deployment.DATA_DIR.name, Deployment.DATA_DIR.default)
     if args.prompts:
-        os.environ["DFLASH_PROMPTS"] = str(Path(args.prompts).resolve())
+        os.environ[Deployment.PROMPTS.name] = str(Path(args.prompts).resolve())
     if args.shard_size:
-        os.environ["DFLASH_SHARD_SIZE"] = str(args.shard_size)
+        os.environ[Deployment.SHARD_SIZE.name] = str(args.shard_size)
     if args.servers:
-        os.environ["DFLASH_NUM_SERVERS"] = str(args.servers)
+        os.environ[Deployment.NUM_SERVERS.name] = str(args.servers)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -56,11 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
     from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
     from dflash_assets.generation.engine import generate_shard
 
-    config = GenerationConfig(max_output_tokens=args.max_output_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, enable_thinking=not args.no_thinking,
-                              regenerate=args.regenerate)
-    settings = DispatchSettings(commit_rows=args.commit_rows, commit_seconds=args.commit_seconds,
-                                progress_seconds=args.progress_seconds)
+    config, settings = GenerationConfig.taken_from(args), DispatchSettings.taken_from(args)
     try:
         config.validate()
         settings.validate()
@@ -73,7 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     async def go(progress: Progress):
         task = progress.add_task(f"shard {args.shard}", total=None)
-        fleet = await connect(urls, os.environ.get(args.api_key_env) or None)
+        fleet = await connect(urls, Deployment.API_KEY.value() or None)
         try:
             return await generate_shard(args.data_dir, args.shard, fleet, config, settings,
                                         log=progress.console.print,
@@ -100,26 +99,19 @@ def _fleet(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 160)  # piped output is not cut to 80 columns
     try:
         if args.fleet_command == "up":
-            spec = build_spec(
-                model_path=args.model_path, gpus=args.gpus, command=args.server_command, base_port=args.base_port,
-                api_key_env=args.api_key_env, health_timeout_s=args.health_timeout, extra_args=args.extra_args,
-                served_model_name=args.served_model_name, host=args.host, tp_size=args.tp_size,
-                context_length=args.context_length, max_running_requests=args.max_running_requests,
-                max_mamba_cache_size=args.max_mamba_cache_size, mem_fraction_static=args.mem_fraction_static,
-                chunked_prefill_size=args.chunked_prefill_size, reasoning_parser=args.reasoning_parser,
-                enable_metrics=args.enable_metrics, max_queued_requests=args.max_queued_requests)
+            spec = build_spec(LaunchSettings.taken_from(args))
             with console.status(f"bringing up {len(spec.servers())} server(s); waiting for /health"):
                 records = launcher.up(spec, fleet_dir, replace=args.replace, on_event=console.print)
             console.print("fleet up: " + ",".join(r.url for r in records))
             console.print(f"attach with DFLASH_FLEET_MODE=attach DFLASH_FLEET_URLS={','.join(r.url for r in records)}")
         elif args.fleet_command == "status":
-            statuses = status.fleet_status(fleet_dir, args.urls or (), api_key_env=args.api_key_env)
+            statuses = status.fleet_status(fleet_dir, args.urls or (), api_key_env=Deployment.API_KEY.name)
             if not statuses:
                 console.print(f"no servers: nothing in {fleet_dir / 'registry.json'} and no --urls")
                 return 1
             console.print(status.status_table(statuses))
             if args.watch:
-                console.print(_tuning(statuses, args.watch, args.api_key_env, console))
+                console.print(_tuning(statuses, args.watch, console))
             return 0 if all(s.healthy for s in statuses) else 1
         else:
             stopped = launcher.down(fleet_dir, args.names or None, on_event=console.print)
@@ -130,7 +122,7 @@ def _fleet(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tuning(statuses, seconds: float, api_key_env: str, console):
+def _tuning(statuses, seconds: float, console):
     """Sample every server's /v1/loads for `seconds` and turn what it shows into advice."""
     import asyncio
     import time
@@ -143,7 +135,7 @@ def _tuning(statuses, seconds: float, api_key_env: str, console):
 
     async def sample():
         async with open_session() as session:
-            clients = [ServerClient(session, s.url, os.environ.get(api_key_env) or None) for s in statuses
+            clients = [ServerClient(session, s.url, Deployment.API_KEY.value() or None) for s in statuses
                        if s.workers is None]  # a gateway has no loads of its own: its workers' rows are sampled
             sampler = await LoadSampler(clients, interval_s=1.0).start()
             with Progress(console=console, transient=True) as progress:
@@ -163,7 +155,7 @@ def _report(args: argparse.Namespace) -> int:
     from dflash_assets.quality import print_report
     from dflash_assets.quality.tables import parquet_files
 
-    data_dir = args.data_dir or os.environ.get("DFLASH_DATA_DIR", "data")  # a path or an s3:// URI
+    data_dir = args.data_dir or Deployment.DATA_DIR.value()  # a path or an s3:// URI
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
@@ -193,7 +185,7 @@ def _report_pictures(data_dir: str, answers) -> list[Path]:
     from dflash_assets.quality import completion_histogram_png
     from dflash_assets.quality.planner_plot import cap_plan_png
 
-    reports = Path(os.environ.get("DFLASH_LOCAL_DIR", "data") if is_uri(data_dir) else data_dir) / "reports"
+    reports = Path(Deployment.LOCAL_DIR.value() if is_uri(data_dir) else data_dir) / "reports"
     pictures = [completion_histogram_png(data_dir, reports / "completion_lengths.png")]
     for answer in answers:
         if answer.plan is not None:
@@ -203,9 +195,24 @@ def _report_pictures(data_dir: str, answers) -> list[Path]:
     return pictures
 
 
+def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], required: tuple[str, ...] = ()) -> None:
+    """One flag per field of a settings model (`max_output_tokens` -> `--max-output-tokens`), with the model's
+    default and description: the defaults are settings.py's, never written here."""
+    for name, field in model.model_fields.items():
+        flag, default = "--" + name.replace("_", "-"), field.default
+        kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
+        shown = "" if default in (None, "") else f" (default {default})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=(field.description or "") + shown)
+        else:
+            parser.add_argument(flag, type=kind, default=None if name in required else default,
+                                required=name in required, help=(field.description or "") + shown)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="subcommand", required=True)  # `--command` is a launch setting
 
     demo = sub.add_parser("demo", help="run the whole pipeline through Dagster on an emulated SGLang fleet",
                           description="Materialise every shard of the bundled demo prompts (or --prompts) through "
@@ -218,15 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
                                           "run is resumed by running the same range again.")
     backfill.add_argument("--from", dest="first", help="first shard key (default: the first)")
     backfill.add_argument("--to", dest="last", help="last shard key (default: the last)")
-    backfill.add_argument("--max-output-tokens", type=int, default=4096, help="the cap (default 4096)")
+    cap = GenerationSettings().max_output_tokens
+    backfill.add_argument("--max-output-tokens", type=int, default=cap, help=f"the cap (default {cap})")
     for p in (demo, backfill):
         if p is demo:
             p.add_argument("--max-output-tokens", type=int, default=16384,
                            help="the cap (default 16384; try 4096 to watch the truncation check fail)")
         p.add_argument("--prompts", help="a JSONL or Parquet prompt source (default: DFLASH_PROMPTS, else the "
                                          "bundled demo prompts)")
-        p.add_argument("--shard-size", type=int, help="prompts per shard (default 100, or DFLASH_SHARD_SIZE)")
-        p.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
+        p.add_argument("--shard-size", type=int, help=f"prompts per shard (default {Deployment.SHARD_SIZE.name}, "
+                                                      f"else {Deployment.SHARD_SIZE.default})")
+        p.add_argument("--servers", type=int, help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, "
+                                                   f"else {Deployment.NUM_SERVERS.default})")
         p.add_argument("--verbose", action="store_true",
                        help="also print Dagster's event stream here (it always goes to the run's event log)")
 
@@ -241,53 +251,26 @@ def build_parser() -> argparse.ArgumentParser:
     cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")
     cont.add_argument("--prompts", help=argparse.SUPPRESS)
     cont.add_argument("--shard-size", type=int, help=argparse.SUPPRESS)
-    cont.add_argument("--servers", type=int, help="emulated servers (default 2, or DFLASH_NUM_SERVERS)")
+    cont.add_argument("--servers", type=int, help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, "
+                                                    f"else {Deployment.NUM_SERVERS.default})")
     cont.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
 
     gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
                          description="Needs the shard's prompt_shards file; resumes from committed parts.")
     gen.add_argument("--shard", required=True, help="shard key, e.g. 00003")
     gen.add_argument("--urls", required=True, help="comma-separated server base URLs")
-    gen.add_argument("--data-dir", default=os.environ.get("DFLASH_DATA_DIR", "data"))
-    gen.add_argument("--max-output-tokens", type=int, default=4096)
-    gen.add_argument("--temperature", type=float, default=0.6)
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--top-k", type=int, default=20)
-    gen.add_argument("--no-thinking", action="store_true", help="chat_template_kwargs.enable_thinking = false")
-    gen.add_argument("--regenerate", choices=("last_turn", "all_turns"), default="last_turn",
-                     help="the final assistant turn of each conversation, or every one in order")
-    gen.add_argument("--commit-rows", type=int, default=512)
-    gen.add_argument("--commit-seconds", type=float, default=10.0)
-    gen.add_argument("--progress-seconds", type=float, default=30.0)
-    gen.add_argument("--api-key-env", default="DFLASH_API_KEY", help="environment variable holding the API key")
+    gen.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
+    settings_flags(gen, GenerationSettings)
+    settings_flags(gen, DispatchSettings)
 
     fleet = sub.add_parser("fleet", help="launch, inspect and stop SGLang servers (launch mode)",
                            description="Servers started by `fleet up` are detached: they outlive this command and "
                                        "every run, and later `up`s reuse them while healthy with the same args.")
     fleet.add_argument("--fleet-dir", help="registry and logs (default: $DAGSTER_HOME/fleet)")
-    fleet.add_argument("--api-key-env", default="DFLASH_API_KEY", help="environment variable holding the API key")
     fsub = fleet.add_subparsers(dest="fleet_command", required=True)
     fup = fsub.add_parser("up", help="start (or reuse) one server per GPU and wait until healthy")
-    fup.add_argument("--model-path", required=True)
-    fup.add_argument("--gpus", default="0", help="comma-separated GPU ids (default 0)")
-    fup.add_argument("--command", dest="server_command", default="sglang",
-                     help="'sglang' (sglang serve), 'launch_server' (python -m sglang.launch_server), 'emulator', "
-                          "or a full command line such as '/opt/sgl/bin/sglang serve'")
-    fup.add_argument("--base-port", type=int, default=30000, help="the server on GPU g listens on base+g")
-    fup.add_argument("--host", default="127.0.0.1")
     fup.add_argument("--replace", action="store_true", help="replace servers whose args differ")
-    fup.add_argument("--health-timeout", type=float, default=1200.0, help="seconds to wait for /health")
-    fup.add_argument("--served-model-name")
-    fup.add_argument("--tp-size", type=int, default=1)
-    fup.add_argument("--context-length", type=int)
-    fup.add_argument("--max-running-requests", type=int)
-    fup.add_argument("--max-mamba-cache-size", type=int)
-    fup.add_argument("--mem-fraction-static", type=float)
-    fup.add_argument("--chunked-prefill-size", type=int)
-    fup.add_argument("--reasoning-parser", default="qwen3")
-    fup.add_argument("--enable-metrics", action="store_true")
-    fup.add_argument("--max-queued-requests", type=int)
-    fup.add_argument("--extra-args", default="", help="more sglang serve flags, quoted as one string")
+    settings_flags(fup, LaunchSettings, required=("model_path",))
     fstatus = fsub.add_parser("status", help="health, context length, max running requests, load of each server")
     fstatus.add_argument("--urls", help="also (or only) these attached servers, comma-separated")
     fstatus.add_argument("--watch", type=float, metavar="SECONDS",
@@ -310,15 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["emulator"]:
         return _emulator(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.command in ("demo", "backfill"):
+    if args.subcommand in ("demo", "backfill"):
         if args.max_output_tokens <= 0:
             build_parser().error(f"--max-output-tokens must be a positive integer, got {args.max_output_tokens}")
-        return _demo(args) if args.command == "demo" else _backfill(args)
-    if args.command == "continue":
+        return _demo(args) if args.subcommand == "demo" else _backfill(args)
+    if args.subcommand == "continue":
         return _continue(args)
-    if args.command == "generate":
+    if args.subcommand == "generate":
         return _generate(args)
-    if args.command == "fleet":
+    if args.subcommand == "fleet":
         return _fleet(args)
     return _report(args)
 

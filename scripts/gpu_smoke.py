@@ -31,6 +31,7 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard, prompt_store
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.export import export_training_set
+from dflash_assets.settings import Deployment, LaunchSettings
 
 SHARD = "00000"
 COUNTERS = ("sglang:num_requests_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total")
@@ -99,10 +100,11 @@ def main(argv: list[str]) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     work = Path(args.work_dir).resolve()
     data, fleet_dir = work / "data", work / "fleet"
-    command = os.environ.get("DFLASH_SGLANG_COMMAND", "sglang")
-    spec = build_spec(model_path=args.model_path, gpus=args.gpu, command=command, base_port=args.port - int(
-        args.gpu.split(",")[0]), context_length=args.context_length, reasoning_parser=args.reasoning_parser,
-        enable_metrics=True, extra_args=args.extra_args)
+    command = Deployment.SGLANG_COMMAND.value()
+    spec = build_spec(LaunchSettings(
+        model_path=args.model_path, gpus=args.gpu, command=command, base_port=args.port - int(args.gpu.split(",")[0]),
+        context_length=args.context_length, reasoning_parser=args.reasoning_parser, enable_metrics=True,
+        extra_args=args.extra_args))
     key = os.environ.get(spec.api_key_env) or None
     console.print(f"launching {command} with {args.model_path} on GPU {args.gpu} (registry {fleet_dir})")
     [record] = launcher.up(spec, fleet_dir, on_event=console.print)

@@ -171,9 +171,11 @@ def webserver(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | 
         stop_group(proc)
 
 
-# The backfill daemon sleeps DEFAULT_DAEMON_INTERVAL_SECONDS (30 s, not configurable in dagster.yaml) between
-# iterations, and a backfill needs two of them (submit, then see it finished). Tests shorten that sleep so a
-# backfill takes seconds, not minutes; everything else is the stock `dagster-daemon run`.
+# The backfill daemon sleeps DEFAULT_DAEMON_INTERVAL_SECONDS (30 s) between iterations, and a backfill needs two
+# of them (submit, then see it finished). Tests shorten that sleep so a backfill takes seconds, not minutes;
+# everything else is the stock `dagster-daemon run`. This private patch is kept because no public setting exists
+# in 1.13: dagster.yaml's `backfills:` takes only use_threads / num_workers / num_submit_workers, and
+# `dagster._daemon.backfill.execute_backfill_iteration_loop` reads the module constant directly.
 _DAEMON_MAIN = """
 import sys
 import dagster._daemon.controller as controller

@@ -3,8 +3,8 @@
 A real `dagster-webserver` and `dagster-daemon run` share a temporary DAGSTER_HOME whose dagster.yaml is the
 project's (run queue, `concurrency.pools.default_limit` for the `sglang_fleet` pool, run monitoring). The fleet
 is one SGLang emulator attached by URL (DFLASH_FLEET_MODE=attach, DFLASH_FLEET_URLS) with instant decode.
-Backfills are launched with GraphQL `launchPartitionBackfill` and re-executed with `reexecutePartitionBackfill`,
-the mutations behind the UI's "Launch backfill" and "Re-execute from failure"; the daemon runs them.
+Backfills are launched with GraphQL `launchPartitionBackfill`, the mutation behind the UI's "Launch
+backfill"; the daemon runs them.
 
 1. A backfill over twice as many shards as the pool limit, one run per shard: every partition materialised,
    every check evaluated; the event log shows never more `completions` steps running at once than the limit,
@@ -12,10 +12,14 @@ the mutations behind the UI's "Launch backfill" and "Re-execute from failure"; t
    forced, not hoped for: the emulator holds every generation request (its `hold` fault) until the event log
    shows a step blocked by the pool, and only then lets the held steps finish, so however slowly runs start on
    the machine, the first steps are certainly still running when a later one reaches the pool.
-2. A shard whose fleet goes down mid-run (the server crashes after two requests) fails; the rows committed
-   before the crash stay; once the server is back on the same URL, re-executing the backfill from failure
-   skips what was materialised (prompt_shards) and completions resumes where it stopped: only the missing
-   prompts are generated, no row twice.
+2. A shard whose fleet goes down mid-run (the server crashes after two requests) fails its completions step;
+   the rows committed before the crash stay; the server is back on the same URL before Dagster retries the
+   step (the asset's RetryPolicy), and the retry resumes where it stopped: only the missing prompts are
+   generated, no row twice.
+3. Two runs of the same shard launched at once (through the run queue and the daemon, as two clicks on
+   "Materialize" would): one writes the shard, the other waits for it (one run per shard across the
+   deployment, held in the instance's concurrency slots), then finds every row committed and generates none.
+   The overlap is forced: the first run's requests are held until the second run says it waits.
 
 What was measured is written to test-artifacts/backfill/ (pool.json, resume.json); the webserver, daemon and
 emulator logs to test-artifacts/logs/backfill/.
@@ -47,6 +51,7 @@ SHARD_ASSETS = ["prompt_shards", "completions", "length_quality_report"]
 SHARD_SIZE = 6
 POOL_SHARDS = [f"{i:05d}" for i in range(4)]  # twice the pool limit
 RESUME_SHARD = "00004"
+SHARED_SHARD = "00005"  # two runs of it at once: one writes, the other waits for it
 # instant decode; outputs under the default 4096 cap, so the truncation check passes with the default config
 FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
 # How long the held generation steps may wait for a later run to reach the full pool: a bound on a slow
@@ -110,7 +115,7 @@ def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path
     """The webserver, the daemon and the held emulator on an instance made from `dagster_yaml`."""
     logs = fresh_dir(logs)  # webserver, daemon and emulator logs, kept for CI
     home = make_home(base / "dagster_home", dagster_yaml)
-    write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 1))
+    write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 2))
     fleet = Fleet(logs)
     # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
     env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
@@ -120,7 +125,7 @@ def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path
         # the daemon boots while the webserver loads the code location
         with daemon(home, env, log_dir=logs) as daemon_proc, webserver(home, env, log_dir=logs) as server:
             wait_daemon_healthy(server, daemon_proc)
-            add_shard_partitions(server, [*POOL_SHARDS, RESUME_SHARD])
+            add_shard_partitions(server, [*POOL_SHARDS, RESUME_SHARD, SHARED_SHARD])
             with dg.DagsterInstance.from_config(str(home)) as instance:
                 yield Stack(server, instance, fleet, base / "data")
     finally:
@@ -319,39 +324,31 @@ RESUME_CONFIG = {**IN_PROCESS, "ops": {"completions": {"config": {
     "max_in_flight_per_server": 2, "max_attempts": 2, "no_server_timeout_s": 3}}}}
 
 
-def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack):
-    # the server crashes when generation request 3 arrives: a row or two committed, then no server; the run fails
+def test_a_partition_whose_fleet_goes_down_is_retried_by_dagster_and_resumes(stack):
+    # the server crashes when generation request 3 arrives: a row or two committed, then no server; the step fails
     stack.fleet.start(*FAST, "--fault-crash-after", "2")
-    first_id = launch_backfill(stack.server, [RESUME_SHARD], "resume: fleet goes down", RESUME_CONFIG)
-    first = wait_backfill(stack, first_id)
-    counts = counts_by_asset(first)
-    assert first["status"] in {"COMPLETED_FAILED", "FAILED"}, (first, counts)
-    assert counts["prompt_shards"]["numPartitionsMaterialized"] == 1
-    assert counts["completions"]["numPartitionsFailed"] == 1
-    assert counts["completions"]["numPartitionsMaterialized"] == 0
+    backfill_id = launch_backfill(stack.server, [RESUME_SHARD], "resume: fleet goes down", RESUME_CONFIG)
+    deadline = time.monotonic() + BLOCKED_WITHIN_S
+    while not (retries := [e for r in backfill_runs(stack.instance, backfill_id)
+                           for e in stack.instance.all_logs(r.run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY)]):
+        assert time.monotonic() < deadline, f"the failed step was not put up for retry within {BLOCKED_WITHIN_S}s"
+        time.sleep(0.5)
+    [retry] = retries
+    error = retry.dagster_event.event_specific_data.error
+    assert retry.step_key == "completions" and "no healthy server" in error.to_string(), error.to_string()
     assert not stack.fleet.alive(), "the emulator was to crash"
     committed = completion_rows(stack.data_dir, RESUME_SHARD)
     assert 0 < len(committed) < SHARD_SIZE, committed
-    [failed_run] = backfill_runs(stack.instance, first_id)
-    assert failed_run.status == dg.DagsterRunStatus.FAILURE
-    [failure] = failures(stack.instance, first_id)
-    assert " completions: " in failure and "no healthy server" in failure, failure  # the fleet was down
 
-    # the server is back on the same URL; re-execute the backfill from failure (the UI's button)
+    # the server is back on the same URL before the retry (RetryPolicy delay): Dagster retries the step itself
     stack.fleet.start(*FAST)
-    result = stack.server.gql(REEXECUTE, {"params": {"parentRunId": first_id, "strategy": "FROM_FAILURE"}})
-    result = result["reexecutePartitionBackfill"]
-    assert result["__typename"] == "LaunchBackfillSuccess", result
-    second = wait_backfill(stack, result["backfillId"])
-    counts = counts_by_asset(second)
-    assert second["status"] == "COMPLETED_SUCCESS", (second, failures(stack.instance, second["id"]))
+    backfill = wait_backfill(stack, backfill_id)
+    counts = counts_by_asset(backfill)
+    assert backfill["status"] == "COMPLETED_SUCCESS", (backfill, failures(stack.instance, backfill_id))
     assert counts["completions"]["numPartitionsMaterialized"] == 1
     assert counts["length_quality_report"]["numPartitionsMaterialized"] == 1
-    # what had been materialised is not redone: the re-execution does not target prompt_shards
-    assert counts.get("prompt_shards", {}).get("numPartitionsTargeted", 0) == 0, counts
-    [retry_run] = backfill_runs(stack.instance, result["backfillId"])
-    assert retry_run.status == dg.DagsterRunStatus.SUCCESS
-    assert step_intervals(stack.instance, [retry_run.run_id], "prompt_shards") == []
+    [run] = backfill_runs(stack.instance, backfill_id)
+    assert run.status == dg.DagsterRunStatus.SUCCESS
 
     # completions resumed: the committed rows were kept, only the rest generated, no prompt twice
     rows = completion_rows(stack.data_dir, RESUME_SHARD)
@@ -360,10 +357,47 @@ def test_a_partition_whose_fleet_goes_down_reruns_from_failure_and_resumes(stack
     meta = latest_completions_metadata(stack.instance, RESUME_SHARD)
     assert meta["already_done"] == len(committed), meta
     assert meta["completed"] == SHARD_SIZE and meta["failed"] == 0, meta
-    evaluations = check_evaluations(stack.instance, retry_run.run_id)
+    evaluations = check_evaluations(stack.instance, run.run_id)
     assert all(evaluations[c.name] for c in CHECKS if c.blocking), evaluations
-    save("resume.json", {"failure": [line for line in failure.splitlines() if "no healthy server" in line][-1],
+    save("resume.json", {"retried_after": error.message.strip(),
                          "committed_before_crash": len(committed), "already_done_on_retry": meta["already_done"],
-                         "rows_after_retry": len(rows), "failed_backfill": first_id,
-                         "retry_backfill": result["backfillId"],
-                         "retry_seconds": round(second["endTimestamp"] - second["timestamp"], 1)})
+                         "rows_after_retry": len(rows), "backfill": backfill_id,
+                         "backfill_seconds": round(backfill["endTimestamp"] - backfill["timestamp"], 1)})
+
+
+def run_logs(instance: dg.DagsterInstance, run_id: str, text: str) -> list:
+    return [e for e in instance.all_logs(run_id) if text in (e.user_message or "")]
+
+
+def test_two_runs_of_the_same_shard_at_once_write_it_one_after_the_other(stack):
+    stack.fleet.start(*FAST, "--fault-hold")  # the writer's generation requests are held until released
+    run_ids = [stack.server.client.submit_job_execution("shard_pipeline", run_config=IN_PROCESS,
+                                                        tags={"dagster/partition": SHARED_SHARD})
+               for _ in range(2)]
+    waiting = f"waiting for shard {SHARED_SHARD}"
+    deadline = time.monotonic() + BLOCKED_WITHIN_S
+    while not any(run_logs(stack.instance, run_id, waiting) for run_id in run_ids):
+        assert time.monotonic() < deadline, f"no run waited for shard {SHARED_SHARD} within {BLOCKED_WITHIN_S}s"
+        time.sleep(0.5)
+    stack.fleet.release_hold()
+    deadline = time.monotonic() + BLOCKED_WITHIN_S
+    while not all(stack.instance.get_run_by_id(r).is_finished for r in run_ids):
+        assert time.monotonic() < deadline, "the two runs did not finish"
+        time.sleep(1.0)
+
+    assert [stack.instance.get_run_by_id(r).status for r in run_ids] == [dg.DagsterRunStatus.SUCCESS] * 2
+    [waiter] = [r for r in run_ids if run_logs(stack.instance, r, waiting)]
+    [writer] = [r for r in run_ids if r != waiter]
+    [said] = run_logs(stack.instance, waiter, waiting)
+    assert writer in said.user_message, said.user_message  # it names the run that holds the shard
+    [(waiter_start, _)] = step_intervals(stack.instance, [waiter], "completions")
+    assert waiter_start < said.timestamp, "it waited inside its completions step"
+    rows = completion_rows(stack.data_dir, SHARED_SHARD)
+    assert len(rows) == len(set(rows)) == SHARD_SIZE, "every prompt once: the two runs never wrote at once"
+    written = {m.event_log_entry.run_id: {k: v.value for k, v in m.asset_materialization.metadata.items()}
+               for m in stack.instance.fetch_materializations(dg.AssetRecordsFilter(
+                   asset_key=dg.AssetKey("completions"), asset_partitions=[SHARED_SHARD]), limit=2).records}
+    # the waiter found every row committed: it generated only after the writer had finished the shard
+    assert (written[writer]["completed"], written[waiter]["already_done"]) == (SHARD_SIZE, SHARD_SIZE), written
+    pool = stack.instance.event_log_storage.get_concurrency_info(f"shard:{SHARED_SHARD}")
+    assert pool.slot_count == 1 and pool.claimed_slots == [], "the shard's slot is freed after both runs"

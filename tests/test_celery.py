@@ -14,11 +14,10 @@ process that executed a step by the pid Dagster records on the step's events.
    (held by the emulator): Celery reports the task failed, run monitoring fails the run, a re-execution from
    failure (the UI's button) runs on a worker, the step runs again from the committed parts, and the shard's rows
    equal an uninterrupted run's, row for row.
-3. Two runs of one shard at once (a re-execution during a backfill), the first held mid-generation: the shard is
-   never written by both. With today's dagster.yaml the second run reaches `completions`, finds the shard's writer
-   lock held (the first run, on the other worker) and fails fast; once the instance keeps one run per shard (a
-   run tag concurrency limit on the partition, issue 10), the test checks instead that the second run started
-   only after the first had ended. Either way, the rows exactly once.
+3. Two runs of one shard at once (a re-execution during a backfill), the first held mid-generation on one
+   worker: the second, on the other worker, waits in its `completions` step for the shard's one-slot pool in the
+   shared Postgres instance (defs/shard_concurrency.py) and says so; once the first is released and done, the
+   second finds every row committed and generates nothing. The rows exactly once.
 
 Logs: test-artifacts/logs/celery/ (workers, webserver, daemon, emulator); figures: test-artifacts/celery/.
 """
@@ -200,41 +199,36 @@ def _set_hold(fleet: backfill.Fleet, hold: bool | None) -> None:
         assert response.status == 200
 
 
-def per_shard_run_limit() -> bool:
-    """Does the tested instance keep one run per shard itself (a run tag concurrency limit on the partition)?"""
-    runs = yaml.safe_load(DEPLOY_CELERY_YAML.read_text())["concurrency"]["runs"]
-    keys = {limit.get("key") for limit in runs.get("tag_concurrency_limits") or []}
-    return bool(keys & {"dagster/partition", "dagster/asset_partition_range_start"})
-
-
 def test_two_runs_of_one_shard_at_once_never_write_it_together(cluster):
     held_before = _faults(cluster.fleet)["injected"]["hold"]
     _set_hold(cluster.fleet, True)
     first = backfill.launch_backfill(cluster.server, [TWICE], "celery: a shard")
     wait_for("the first run generating", lambda: _faults(cluster.fleet)["injected"]["hold"] > held_before)
     second = backfill.launch_backfill(cluster.server, [TWICE], "celery: the same shard again")
-    if not per_shard_run_limit():
-        # nothing keeps the second run out while the first generates: its completions must meet the writer lock
-        wait_for("the second run failed", lambda: any(r.status == dg.DagsterRunStatus.FAILURE
-                                                      for r in runs_of(cluster, second)))
+    waiting = f"waiting for shard {TWICE}"
+    wait_for("the second run waiting for the shard", lambda: any(
+        backfill.run_logs(cluster.instance, r.run_id, waiting) for r in runs_of(cluster, second)))
     _set_hold(cluster.fleet, None)
     for backfill_id in (first, second):
         backfill.wait_backfill(cluster, backfill_id)
     [first_run], [second_run] = runs_of(cluster, first), runs_of(cluster, second)
-    records = {r.dagster_run.run_id: r for r in cluster.instance.get_run_records(
-        filters=dg.RunsFilter(run_ids=[first_run.run_id, second_run.run_id]))}
     ids = [r[0] for r in rows(cluster.data_dir, TWICE)]
-    lock_failures = [f for f in backfill.failures(cluster.instance, second) if "is being written by" in f]
-    save("same_shard.json", {"per_shard_run_limit": per_shard_run_limit(), "first": first_run.status,
-                             "second": second_run.status, "second_failed_on_the_writer_lock": bool(lock_failures),
-                             "rows": len(ids)})
-    assert first_run.status == dg.DagsterRunStatus.SUCCESS
+    [said] = backfill.run_logs(cluster.instance, second_run.run_id, waiting)
+    on = {name: [worker_of(cluster, pid) for pid in step_pids(cluster.instance, run.run_id, "completions")]
+          for name, run in (("first", first_run), ("second", second_run))}
+    written = {m.event_log_entry.run_id: {k: v.value for k, v in m.asset_materialization.metadata.items()}
+               for m in cluster.instance.fetch_materializations(dg.AssetRecordsFilter(
+                   asset_key=dg.AssetKey("completions"), asset_partitions=[TWICE]), limit=2).records}
+    save("same_shard.json", {"first": first_run.status, "second": second_run.status, "completions_on": on,
+                             "second_said": said.user_message, "rows": len(ids),
+                             "second_already_done": written[second_run.run_id]["already_done"]})
+    assert (first_run.status, second_run.status) == (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.SUCCESS)
+    assert on["first"] != on["second"], on  # one held a worker, so the other run went to the other worker
+    assert first_run.run_id in said.user_message, said.user_message  # it names the run writing the shard
     assert len(ids) == len(set(ids)) == SHARD_SIZE
-    if per_shard_run_limit():  # Dagster kept the second run queued until the first had ended
-        assert records[second_run.run_id].start_time >= records[first_run.run_id].end_time
-    else:  # the writer lock, across the two workers
-        assert second_run.status == dg.DagsterRunStatus.FAILURE and lock_failures, backfill.failures(
-            cluster.instance, second)
+    # the second found every row committed: it wrote nothing while the first was writing
+    assert (written[first_run.run_id]["completed"], written[second_run.run_id]["already_done"]) == (
+        SHARD_SIZE, SHARD_SIZE), written
 
 
 def test_a_worker_killed_mid_completions_is_re_executed_from_its_parts_to_rows_equal_to_an_uninterrupted_run(cluster):

@@ -4,13 +4,13 @@ The emulator's stand-in model is autoregressive-consistent (a completion is a fu
 continued row must equal, column for column, the row a fresh run at the new cap generates.
 """
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import dagster as dg
 import duckdb
@@ -20,8 +20,8 @@ from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDir, FleetResource
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect, on_fleet
-from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
+from dflash_assets.fleet.fleet import on_fleet
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.preflight import PreflightError
@@ -144,6 +144,10 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(rows(data, scratch.config_hash, "prompt_id")) <= copies:
             time.sleep(0.05)
+        # hold every request still to come, so the kill certainly lands mid-continuation, whatever the speed
+        urllib.request.urlopen(urllib.request.Request(f"{slow.url}/_emulator/faults", method="POST",
+                                                      data=json.dumps({"hold": True}).encode(),
+                                                      headers={"Content-Type": "application/json"}), timeout=10)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     partial = [r[0] for r in rows(data, scratch.config_hash, "prompt_id")]

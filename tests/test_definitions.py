@@ -52,6 +52,17 @@ def test_every_quality_check_is_an_asset_check_on_the_report_and_blocking_ones_b
     assert {"truncation_rate", "context_overflow"} <= {n for n, s in checks.items() if s.blocking}
 
 
+def test_the_generating_assets_retry_a_failed_step_and_completions_declare_their_columns():
+    from dflash_assets.generation.schema import COMPLETION_SCHEMA
+
+    for name in ("completions", "continued_completions"):
+        policy = defs.resolve_assets_def(name).op.retry_policy
+        assert policy is not None and policy.max_retries >= 1, name
+    schema = defs.resolve_assets_def("completions").specs_by_key[dg.AssetKey("completions")].metadata[
+        "dagster/column_schema"]
+    assert [(c.name, c.type) for c in schema.columns] == [(f.name, str(f.type)) for f in COMPLETION_SCHEMA]
+
+
 def test_jobs_schedules_and_sensors():
     assert defs.resolve_job_def("shard_pipeline").partitions_def.name == "shards"
     checks_job = defs.resolve_job_def("quality_checks")
@@ -149,7 +160,7 @@ def test_the_emulator_is_its_own_package():
         assert not outside, (path, outside)
 
 
-def test_materialize_reads_a_real_instance():
+def test_the_definitions_carry_every_resource_the_assets_need():
     # the definitions carry every resource the assets need; nothing is left for the caller to supply
     assert {"fleet", "prompt_source", "data_dir", "quality"} <= set(defs.resources)
     assert isinstance(defs.resources["fleet"], dg.ConfigurableResource)

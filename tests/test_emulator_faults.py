@@ -42,15 +42,17 @@ def test_fault_flags_apply_from_startup(emulator):
     assert gen(http)[0] == 503 and gen(http)[0] == 200
 
 
-def test_a_stall_holds_accepted_requests(emulator):
+def test_a_stall_holds_the_next_request_while_later_ones_are_answered(emulator):
     http = emulator()
-    http.post("/_emulator/faults", {"stall_seconds": 0.5, "stall_next": 1})
-    t = time.monotonic()
-    assert gen(http)[0] == 200
-    assert time.monotonic() - t >= 0.5
-    t = time.monotonic()
-    assert gen(http)[0] == 200
-    assert time.monotonic() - t < 0.4
+    http.post("/_emulator/faults", {"stall_seconds": 5, "stall_next": 1})
+    with ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(gen, http)
+        while http.get("/_emulator/faults")[1]["injected"]["stall"] < 1:
+            time.sleep(0.02)
+        assert gen(http)[0] == 200  # only the next request stalls: this one is answered ...
+        assert not stalled.done()  # ... while the stalled one is still held
+        status, body = stalled.result(timeout=30)
+    assert status == 200 and body["meta_info"]["e2e_latency"] >= 5  # held the whole stall, then answered
 
 
 def test_a_hold_keeps_requests_in_flight_until_it_is_cleared(emulator):

@@ -104,7 +104,9 @@ def test_decode_rate_sets_the_latency(emulator):
     t = time.monotonic()
     body = gen(http, 200)[1]
     elapsed = time.monotonic() - t
-    assert 0.38 <= body["meta_info"]["e2e_latency"] <= elapsed < 1.5
+    # 200 tokens at 500/s: never sooner than 0.4 s (a slow machine can only make it later), and the latency the
+    # server reports is the time the client waited, not more
+    assert 0.4 <= body["meta_info"]["e2e_latency"] <= elapsed
 
 
 def test_prefill_rate_adds_prompt_time(emulator):
@@ -115,11 +117,11 @@ def test_prefill_rate_adds_prompt_time(emulator):
 
 
 def test_zero_decode_rate_is_instant(emulator):
-    http = emulator()
-    t = time.monotonic()
-    for _ in range(20):
-        assert gen(http, 4000)[0] == 200
-    assert time.monotonic() - t < 2.0
+    paced = emulator("--decode-tokens-per-s", "2000")
+    one_paced = gen(paced, 4000)[1]["meta_info"]["e2e_latency"]  # 4000 tokens at 2000/s: at least 2 s
+    instant = emulator()
+    twenty_instant = sum(gen(instant, 4000)[1]["meta_info"]["e2e_latency"] for _ in range(20))
+    assert one_paced >= 2.0 and twenty_instant < one_paced / 2  # twenty replies cost less than one paced one
 
 
 def test_gen_throughput_counts_decoding_requests(emulator):

@@ -15,8 +15,9 @@ SLOW = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "100"]  # a 1,64
 _ids = itertools.count()
 
 
-def load_server(url: str, in_flight: int, seconds: float = 1.5, interval_s: float = 0.1) -> list[LoadSample]:
-    """Keep `in_flight` chat requests open against `url` while sampling its /v1/loads; then hang up."""
+def load_server(url: str, in_flight: int, samples: int = 15) -> list[LoadSample]:
+    """Keep `in_flight` chat requests open against `url`, take `samples` /v1/loads samples once all of them have
+    arrived (a count of samples, not a span of time: a slow machine takes longer, not fewer); then hang up."""
 
     async def go():
         async with open_session() as session:
@@ -28,9 +29,15 @@ def load_server(url: str, in_flight: int, seconds: float = 1.5, interval_s: floa
                                        "messages": [{"role": "user", "content": f"question {next(_ids)}"}]})
 
             senders = [asyncio.create_task(keep_one_open()) for _ in range(in_flight)]
-            await asyncio.sleep(0.2)  # let the requests arrive before judging
-            async with LoadSampler([client], interval_s=interval_s) as sampler:
-                await asyncio.sleep(seconds)
+            sampler = LoadSampler([client])
+            while True:  # judge only once every request is at the server, running or waiting
+                arrived = parse_loads(url, 0.0, await client.loads())
+                if arrived.running + arrived.waiting >= in_flight:
+                    break
+                await asyncio.sleep(0.05)
+            for _ in range(samples):
+                await sampler.sample_once()
+                await asyncio.sleep(0.05)
             for task in senders:
                 task.cancel()
             await asyncio.gather(*senders, return_exceptions=True)

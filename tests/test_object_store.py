@@ -6,7 +6,6 @@ an object store can hold (an upload killed mid-way, torn temporary objects, a pa
 holds) are shown to be invisible to every reader, and `recover` removes what can be listed.
 """
 
-import asyncio
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect, on_fleet
+from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import completion_store, generate_shard

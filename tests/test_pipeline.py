@@ -4,6 +4,7 @@ import json
 
 import dagster as dg
 import duckdb
+import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.defs.completions.assets import completions
@@ -270,8 +271,8 @@ def test_the_check_job_runs_over_every_shard_without_materialising(tmp_path, fle
 
 def test_completions_carry_fleet_tuning_advice_from_the_servers_load(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 40)
-    pinned = FAST[:0] + ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "3000", "--max-running-requests",
-                         "4", "--length-median", "300", "--length-sigma", "0.2"]
+    pinned = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "3000", "--max-running-requests",
+              "4", "--length-median", "300", "--length-sigma", "0.2"]
     with start_emulator(pinned) as server:
         res = resources(tmp_path, server.url, shard_size=40)
         with dg.instance_for_test() as instance:
@@ -330,7 +331,7 @@ def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path
     monkeypatch.setenv("DFLASH_API_KEY", secret)
     write_prompts(tmp_path / "prompts.jsonl", 6)
     with start_emulator(FAST + ["--api-key", secret]) as server:
-        res = resources(tmp_path, server.url, shard_size=6)
+        res = resources(tmp_path, server.url, shard_size=6, api_key=dg.EnvVar("DFLASH_API_KEY"))
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
             result = run_shard(instance, res, "00000", cap=32000)
@@ -339,7 +340,12 @@ def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path
     assert result.success, "the key reached the servers (they answer 401 without it)"
     logged = "\n".join(str(r.event_log_entry) for r in records)
     assert secret not in logged and secret not in json.dumps(run.run_config, default=str)
-    assert secret not in "".join(p.read_bytes().decode("latin-1") for p in (tmp_path / "data").rglob("*.parquet"))
+    tables = list((tmp_path / "data").rglob("*.parquet"))
+    assert tables, "the run wrote its tables"
+    for table in tables:  # every value of every column, and the file's own metadata, as text
+        parquet = pq.read_table(table)
+        assert secret not in json.dumps(parquet.to_pylist(), default=str), table
+        assert secret not in str(parquet.schema.metadata), table
 
 
 def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
@@ -355,6 +361,8 @@ def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
         first = completions_landed_sensor.evaluate_tick(context)
         again = completions_landed_sensor.evaluate_tick(
             dg.build_sensor_context(instance=instance, definitions=defs, cursor=first.cursor))
-    assert [r.job_name or "quality_checks" for r in first.run_requests] == ["quality_checks"]
+    # an asset sensor's run requests name no job of their own: they run the sensor's job, the check suite
+    assert completions_landed_sensor.job_name == "quality_checks"
+    assert [r.job_name for r in first.run_requests] == [None]
     assert first.run_requests[0].tags["dflash/trigger"] == "completions 00000"
     assert again.run_requests == [], "the same materialisation does not trigger twice"

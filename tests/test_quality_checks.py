@@ -14,6 +14,7 @@ from test_quality_fixtures import (  # noqa: F401  (fixtures)
 )
 
 from dflash_assets.quality import Thresholds, run_checks
+from dflash_assets.rules import overflows
 
 
 def check(data_dir, name, **kwargs):
@@ -107,7 +108,7 @@ def test_cap_hit_agreement_counts_disagreements_both_ways(defects_dir):
 def test_context_overflow_counts_completion_rows_and_rejected_prompts(defects_dir):
     rows, rejects = load(defects_dir, "completions"), load(defects_dir, "rejects")
     failures = load(defects_dir, "failures")
-    over = lambda r: r["prompt_tokens"] + r["max_output_tokens"] > r["server_context_length"]  # noqa: E731
+    over = lambda r: overflows(r["prompt_tokens"], r["max_output_tokens"], r["server_context_length"])  # noqa: E731
     attempted = defaultdict(set)
     for r in rows + [r for r in rejects if r["stage"] != "source"] + failures:
         attempted[r["config_hash"]].add((r["shard"], r["prompt_id"]))

@@ -2,7 +2,6 @@
 injected defects, plus a plain-Python reader so expected figures never come from the SQL under test."""
 
 import json
-import math
 import random
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -12,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets import rules
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 CONFIG_A = dict(config_hash="a4096", max_output_tokens=4096, server_context_length=16384, enable_thinking=True)
@@ -173,14 +173,10 @@ def story_dir(tmp_path_factory) -> Path:
     return build_story(tmp_path_factory.mktemp("story"))
 
 
-# Plain-Python definitions the expected figures are computed with (the spec, not the SQL).
-def blank(text: str | None) -> bool:
-    return text is None or text.strip(" \t\r\n") == ""
-
-
-def nearest_rank(values: list[int], q: float) -> int:
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(q * len(ordered))) - 1]
+# The expected figures are computed with the rules' Python predicates (dflash_assets/rules.py), never with the SQL
+# under test: a check agreeing with them is the SQL fragment agreeing with its Python twin.
+blank = rules.is_blank
+nearest_rank = rules.percentile
 
 
 def config_of(row: dict) -> tuple[str, int]:

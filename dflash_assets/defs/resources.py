@@ -1,4 +1,5 @@
-"""Resources: the SGLang fleet, the prompt source and the data dir. Settings come from the environment."""
+"""Resources: the SGLang fleet, the prompt source and the data dir. Their settings, defaults and environment
+variables are dflash_assets/settings.py."""
 
 from __future__ import annotations
 
@@ -9,59 +10,32 @@ from pathlib import Path
 from typing import Optional
 
 import dagster as dg
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr
 
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, connect
 from dflash_assets.generation.prompts import FieldMapping
-
-DEMO_PROMPTS = Path(__file__).resolve().parent.parent / "demo" / "prompts.jsonl"
-FLEET_MODES = ("emulated", "attach", "launch")
+from dflash_assets.settings import FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings
 
 
-class LaunchSettings(dg.Config):
-    """`launch` mode: the `sglang serve` every server runs (one per GPU, or per tp_size GPUs)."""
-
-    model_path: str = ""
-    served_model_name: Optional[str] = None
-    gpus: str = "0"  # comma-separated GPU ids
-    base_port: int = 30000  # the server on GPU g listens on base_port + g
-    host: str = "127.0.0.1"
-    tp_size: int = 1
-    context_length: Optional[int] = None
-    max_running_requests: Optional[int] = None
-    max_mamba_cache_size: Optional[int] = None
-    mem_fraction_static: Optional[float] = None
-    chunked_prefill_size: Optional[int] = None
-    cuda_graph_max_bs_decode: Optional[int] = None
-    reasoning_parser: Optional[str] = "qwen3"
-    enable_metrics: bool = True
-    max_queued_requests: Optional[int] = None
-    extra_args: str = ""
-    command: str = "sglang"  # 'sglang' (sglang serve), 'launch_server', 'emulator', or a full command line
-    health_timeout_s: float = 1200.0
+class LaunchConfig(dg.Config, LaunchSettings):
+    """`launch` mode: settings.LaunchSettings as the fleet resource's nested config."""
 
 
-class FleetResource(dg.ConfigurableResource):
-    """The SGLang servers completions are generated on.
+class FleetResource(dg.ConfigurableResource, FleetSettings):
+    """The SGLang servers completions are generated on (settings.FleetSettings).
 
     `emulated` starts `num_servers` local SGLang emulators for the run and stops them after it;
     `attach` uses servers someone else runs (or an SGLang router / gateway URL in front of many);
     `launch` starts one `sglang serve` per GPU, detached so it outlives the run, recorded in
     `$DAGSTER_HOME/fleet/registry.json`, and reuses it in later runs while it is healthy and launched
     with the same args (`dflash fleet down` stops them).
-    The API key is read from the environment variable named by `api_key_env`, never from config,
-    so it never shows in the launchpad, the run config or the logs.
+    `api_key` is a Dagster EnvVar (DFLASH_API_KEY), resolved at run launch and masked in the UI; it is never
+    run config, a log line or metadata.
     """
 
-    mode: str = "emulated"
-    urls: str = ""  # attach: comma-separated base URLs, e.g. http://10.0.0.5:30000,http://10.0.0.6:30000
-    num_servers: int = 2
-    emulator_args: str = "--reasoning-parser qwen3"  # emulated: emulator flags, e.g. add "--decode-tokens-per-s 4000"
-    api_key_env: str = "DFLASH_API_KEY"
-    health_timeout_s: float = 120.0
-    request_timeout_s: float = 3600.0
-    launch: LaunchSettings = LaunchSettings()
+    api_key: Optional[str] = Field(None, description="Set from the DFLASH_API_KEY environment variable only.")
+    launch: LaunchConfig = LaunchConfig()
 
     _urls: list[str] = PrivateAttr(default_factory=list)
 
@@ -78,9 +52,6 @@ class FleetResource(dg.ConfigurableResource):
     def url_list(self) -> list[str]:
         return parse_urls(self.urls)
 
-    def api_key(self) -> str | None:
-        return os.environ.get(self.api_key_env) or None
-
     @contextmanager
     def yield_for_execution(self, context: dg.InitResourceContext):
         self.validate_settings()
@@ -89,8 +60,8 @@ class FleetResource(dg.ConfigurableResource):
                 from dflash_assets.emulator.process import start_emulator
 
                 args = self.emulator_args.split()
-                if self.api_key():
-                    args += ["--api-key", self.api_key()]
+                if self.api_key:
+                    args += ["--api-key", self.api_key]
                 servers = [stack.enter_context(start_emulator(args)) for _ in range(self.num_servers)]
                 self._urls = [s.url for s in servers]
                 context.log.info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
@@ -98,8 +69,7 @@ class FleetResource(dg.ConfigurableResource):
                 from dflash_assets.fleet.launch_config import build_spec
                 from dflash_assets.fleet.launcher import default_fleet_dir, up
 
-                settings = self.launch.model_dump()
-                spec = build_spec(api_key_env=self.api_key_env, **settings)
+                spec = build_spec(LaunchSettings.taken_from(self.launch))
                 self._urls = [r.url for r in up(spec, default_fleet_dir(), on_event=context.log.info)]
             else:
                 self._urls = self.url_list()
@@ -107,15 +77,14 @@ class FleetResource(dg.ConfigurableResource):
 
     async def connect(self) -> Fleet:
         """Connect (inside the caller's event loop) and probe every server."""
-        return await connect(self._urls, self.api_key(), health_timeout_s=self.health_timeout_s,
+        return await connect(self._urls, self.api_key or None, health_timeout_s=self.health_timeout_s,
                              request_timeout_s=self.request_timeout_s)
-
 
 class PromptSource(dg.ConfigurableResource):
     """The prompt set (JSONL or Parquet), cut into shards of `shard_size` lines."""
 
-    path: str = str(DEMO_PROMPTS)
-    shard_size: int = 100
+    path: str = Deployment.PROMPTS.default
+    shard_size: int = int(Deployment.SHARD_SIZE.default)
     # for a source in none of the known formats (generation/prompts.py): the columns holding the id and the turns
     id_field: Optional[str] = None
     messages_field: Optional[str] = None
@@ -130,7 +99,6 @@ class PromptSource(dg.ConfigurableResource):
             raise ValueError(f"shard_size must be a positive integer, got {self.shard_size}")
         return Path(self.path)
 
-
 class DataDir(dg.ConfigurableResource):
     """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`): a local path or `s3://bucket/prefix`.
 
@@ -140,8 +108,8 @@ class DataDir(dg.ConfigurableResource):
     environment (DFLASH_S3_ENDPOINT or AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), never from config.
     """
 
-    path: str = "data"
-    local_path: str = "data"
+    path: str = Deployment.DATA_DIR.default
+    local_path: str = Deployment.LOCAL_DIR.default
 
     def resolved(self) -> Path | str:
         """The data dir for the generation and quality libraries: an absolute Path, or the URI as given."""
@@ -155,29 +123,26 @@ class DataDir(dg.ConfigurableResource):
 
         return Path(self.local_path if is_uri(self.path) else self.path).resolve()
 
-
 def from_env() -> dict:
-    """The resource map, with every setting taken from the environment where it is set there."""
+    """The resource map. A deployment setting set in the environment becomes a Dagster EnvVar (resolved at run
+    launch, masked in the UI); one that is unset keeps the settings' default (an EnvVar must be set)."""
 
-    def env(name: str, default):
-        return dg.EnvVar(name) if name in os.environ else default
+    def env(setting: EnvSetting, convert=str):
+        if setting.name not in os.environ:
+            return convert(setting.default)
+        return dg.EnvVar.int(setting.name) if convert is int else dg.EnvVar(setting.name)
 
-    def env_int(name: str, default: int):
-        return dg.EnvVar.int(name) if name in os.environ else default
-
+    d = Deployment
     return {
-        "fleet": FleetResource(mode=env("DFLASH_FLEET_MODE", "emulated"), urls=env("DFLASH_FLEET_URLS", ""),
-                               num_servers=env_int("DFLASH_NUM_SERVERS", 2),
-                               emulator_args=env("DFLASH_EMULATOR_ARGS", "--reasoning-parser qwen3"),
-                               launch=LaunchSettings(model_path=env("DFLASH_MODEL_PATH", ""), gpus=env("DFLASH_GPUS", "0"),
-                                                     base_port=env_int("DFLASH_BASE_PORT", 30000),
-                                                     command=env("DFLASH_SGLANG_COMMAND", "sglang"))),
-        "prompt_source": PromptSource(path=env("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
-                                      shard_size=env_int("DFLASH_SHARD_SIZE", 100)),
-        "data_dir": DataDir(path=env("DFLASH_DATA_DIR", "data"), local_path=env("DFLASH_LOCAL_DIR", "data")),
+        "fleet": FleetResource(mode=env(d.FLEET_MODE), urls=env(d.FLEET_URLS), num_servers=env(d.NUM_SERVERS, int),
+                               emulator_args=env(d.EMULATOR_ARGS),
+                               api_key=dg.EnvVar(d.API_KEY.name) if d.API_KEY.name in os.environ else None,
+                               launch=LaunchConfig(model_path=env(d.MODEL_PATH), gpus=env(d.GPUS),
+                                                   base_port=env(d.BASE_PORT, int), command=env(d.SGLANG_COMMAND))),
+        "prompt_source": PromptSource(path=env(d.PROMPTS), shard_size=env(d.SHARD_SIZE, int)),
+        "data_dir": DataDir(path=env(d.DATA_DIR), local_path=env(d.LOCAL_DIR)),
         "quality": QualityThresholds(),
     }
-
 
 def run_on_fleet(fleet: FleetResource, work):
     """Run `work(fleet)` (a coroutine function) on a freshly connected fleet, closing the session after."""
@@ -187,7 +152,6 @@ def run_on_fleet(fleet: FleetResource, work):
             return await work(connected)
 
     return asyncio.run(go())
-
 
 class QualityThresholds(dg.ConfigurableResource):
     """The limits the quality checks judge by (shares of rows, in [0, 1])."""

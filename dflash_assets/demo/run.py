@@ -25,10 +25,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
-from dflash_assets.defs.resources import DEMO_PROMPTS, DataDir, PromptSource
+from dflash_assets.defs.resources import DataDir, PromptSource
 from dflash_assets.defs.sensors import missing_shards
 from dflash_assets.definitions import defs
 from dflash_assets.quality.export import exclusion_lines
+from dflash_assets.settings import Deployment
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
 
@@ -85,8 +86,7 @@ def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
 def known_shards(instance: dg.DagsterInstance) -> list[str]:
     """Add a partition for every shard of the prompt source, and return all of them."""
     # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
-    source = PromptSource(path=os.environ.get("DFLASH_PROMPTS", str(DEMO_PROMPTS)),
-                          shard_size=int(os.environ.get("DFLASH_SHARD_SIZE", "100")))
+    source = PromptSource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
     new = missing_shards(instance, source)
     if new:
         instance.add_dynamic_partitions(shard_partitions.name, new)
@@ -146,7 +146,7 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_token
 
 def data_dir() -> DataDir:
     # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
-    return DataDir(path=os.environ.get("DFLASH_DATA_DIR", "data"), local_path=os.environ.get("DFLASH_LOCAL_DIR", "data"))
+    return DataDir(path=Deployment.DATA_DIR.value(), local_path=Deployment.LOCAL_DIR.value())
 
 
 def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
-from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError, ServerInfo
+from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
 
 WORKERS_ROUTE = "/workers"  # smg's worker list: {"workers": [{"url", "model_id", "is_healthy", ...}], "total"}
 LOADS_ROUTE = "/get_loads"  # smg's per-worker, per-DP-rank /v1/loads of every worker
@@ -103,14 +103,14 @@ def combine(url: str, infos: list[ServerInfo]) -> ServerInfo:
 
 async def gateway_workers(client: ServerClient) -> list[GatewayWorker] | None:
     """The workers an smg gateway at `client.url` routes to, or None when the URL is not a gateway (an SGLang
-    server has no `/workers` route: 404, which the client raises as an access fault)."""
+    server has no `/workers` route: 404)."""
     try:
-        body = await client._request("GET", WORKERS_ROUTE, timeout=30)
-    except (ServerError, ServerAccessError) as e:
-        if e.status in (404, 405):
+        body = await client._optional(WORKERS_ROUTE)  # None on a 404
+    except ServerError as e:
+        if e.status == 405:
             return None
         raise
-    return parse_workers(body)
+    return None if body is None else parse_workers(body)
 
 
 async def open_gateway(session: aiohttp.ClientSession, url: str, workers: list[GatewayWorker],

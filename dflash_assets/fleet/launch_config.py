@@ -1,4 +1,4 @@
-"""One way to turn settings (CLI flags or Dagster config, as plain strings and numbers) into a FleetSpec."""
+"""One way to turn launch settings (from CLI flags or Dagster config) into a FleetSpec."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from dflash_assets.fleet.launcher import FleetSpec
 from dflash_assets.fleet.server_args import EMULATOR, ServerArgs
+from dflash_assets.settings import Deployment, LaunchSettings, ServerFlags
 
 COMMANDS = {"sglang": ("sglang", "serve"), "launch_server": (sys.executable, "-m", "sglang.launch_server"),
             "emulator": EMULATOR}
@@ -24,12 +25,12 @@ def parse_gpus(gpus: str) -> tuple[int, ...]:
         raise ValueError(f"gpus must be comma-separated GPU ids such as '0,1,2,3', got {gpus!r}") from None
 
 
-def build_spec(*, model_path: str, gpus: str = "0", command: str = "sglang", base_port: int = 30000,
-               api_key_env: str = "DFLASH_API_KEY", health_timeout_s: float = 1200.0, extra_args: str = "",
-               **server: object) -> FleetSpec:
-    if not model_path:
+def build_spec(settings: LaunchSettings, api_key_env: str = Deployment.API_KEY.name) -> FleetSpec:
+    if not settings.model_path:
         raise ValueError("launch mode needs a model path (the model every server loads)")
-    args = ServerArgs(model_path=model_path, extra_args=tuple(shlex.split(extra_args)),
-                      **{k: v for k, v in server.items() if v is not None})
-    return FleetSpec(server=args, gpus=parse_gpus(gpus), base_port=base_port, command=parse_command(command),
-                     api_key_env=api_key_env, health_timeout_s=health_timeout_s)
+    # every flag passed as set, None included: None is "SGLang decides", not "take the default"
+    flags = {name: getattr(settings, name) for name in ServerFlags.model_fields}
+    args = ServerArgs(model_path=settings.model_path, extra_args=tuple(shlex.split(settings.extra_args)), **flags)
+    return FleetSpec(server=args, gpus=parse_gpus(settings.gpus), base_port=settings.base_port,
+                     command=parse_command(settings.command), api_key_env=api_key_env,
+                     health_timeout_s=settings.health_timeout_s)

@@ -26,6 +26,7 @@ from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerEr
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.registry import ServerRecord
 from dflash_assets.fleet.server_args import SGLANG_SERVE, ServerArgs, args_hash, diff
+from dflash_assets.settings import Deployment, LaunchSettings
 
 Events = Callable[[str], None] | None
 DONE = {"launch": "launched", "relaunch": "relaunched (it was not running)", "replace": "replaced (args changed)",
@@ -42,10 +43,10 @@ class FleetSpec:
 
     server: ServerArgs  # port and gpus are set per server
     gpus: tuple[int, ...] = (0,)
-    base_port: int = 30000  # server on GPU g listens on base_port + g: its port does not move when GPUs change
+    base_port: int = LaunchSettings().base_port  # GPU g's server listens on base_port + g: fixed when GPUs change
     command: tuple[str, ...] = SGLANG_SERVE
-    api_key_env: str = "DFLASH_API_KEY"
-    health_timeout_s: float = 1200.0  # loading real weights and capturing cuda graphs takes minutes
+    api_key_env: str = Deployment.API_KEY.name
+    health_timeout_s: float = LaunchSettings().health_timeout_s  # loading weights and cuda graphs takes minutes
     stop_timeout_s: float = 30.0
 
     def servers(self) -> dict[str, ServerArgs]:

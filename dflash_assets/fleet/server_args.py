@@ -16,6 +16,8 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, fields
 
+from dflash_assets.settings import LaunchSettings, ServerFlags
+
 # Ways to start a server; any of them takes the same flags.
 SGLANG_SERVE = ("sglang", "serve")
 SGLANG_LAUNCH_SERVER = (sys.executable, "-m", "sglang.launch_server")
@@ -34,24 +36,28 @@ class ServerArgsError(ValueError):
     pass
 
 
+# The defaults are settings.ServerFlags' (tests/test_settings.py checks the fields match): written once.
+_FLAGS = ServerFlags()
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """One server. `None` means "SGLang decides" (auto-sizing from the GPU and the model) and emits no flag."""
 
     model_path: str
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 30000
-    tp_size: int = 1
-    context_length: int | None = None
-    max_running_requests: int | None = None
-    max_mamba_cache_size: int | None = None
-    mem_fraction_static: float | None = None
-    chunked_prefill_size: int | None = None
-    cuda_graph_max_bs_decode: int | None = None
-    reasoning_parser: str | None = None
-    enable_metrics: bool = False
-    max_queued_requests: int | None = None
+    served_model_name: str | None = _FLAGS.served_model_name
+    host: str = _FLAGS.host
+    port: int = LaunchSettings().base_port
+    tp_size: int = _FLAGS.tp_size
+    context_length: int | None = _FLAGS.context_length
+    max_running_requests: int | None = _FLAGS.max_running_requests
+    max_mamba_cache_size: int | None = _FLAGS.max_mamba_cache_size
+    mem_fraction_static: float | None = _FLAGS.mem_fraction_static
+    chunked_prefill_size: int | None = _FLAGS.chunked_prefill_size
+    cuda_graph_max_bs_decode: int | None = _FLAGS.cuda_graph_max_bs_decode
+    reasoning_parser: str | None = _FLAGS.reasoning_parser
+    enable_metrics: bool = _FLAGS.enable_metrics
+    max_queued_requests: int | None = _FLAGS.max_queued_requests
     extra_args: tuple[str, ...] = field(default=())
     gpus: tuple[int, ...] = ()  # not a flag: CUDA_VISIBLE_DEVICES of the child (tp_size ids); () inherits it
 

@@ -1,43 +1,30 @@
-"""What a completion is generated with. Everything that changes the output is in the config hash."""
+"""What a completion is generated with. Everything that changes the output is in the config hash.
+
+The settings themselves (names, defaults, descriptions) are dflash_assets/settings.py; this module adds what a
+generation config does: validate, hash, build the request body.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+
+from pydantic import Field
+
+from dflash_assets.settings import ConfigError, DispatchSettings, GenerationSettings
+
+__all__ = ["ConfigError", "DispatchSettings", "GenerationConfig"]
 
 
 REGENERATE = ("last_turn", "all_turns")
-
-
-class ConfigError(ValueError):
-    """Bad settings, found before any work starts."""
-
-
 SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")  # recorded per row, under these names
 
 
-@dataclass(frozen=True)
-class GenerationConfig:
+class GenerationConfig(GenerationSettings):
     """The settings that decide what a completion is; rows record all of them."""
 
-    max_output_tokens: int = 4096  # the cap: max_completion_tokens sent to the server
-    temperature: float = 0.6
-    top_p: float = 0.95
-    top_k: int = 20
-    # sent explicitly too: left out, the chat route takes them from the model's generation_config.json
-    # (protocol.py to_sampling_params) while /generate uses SamplingParams' defaults, and a continued row
-    # would be sampled unlike its parent
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    enable_thinking: bool = True
-    chat_template_kwargs: dict = field(default_factory=dict)  # extra kwargs beside enable_thinking
-    # which assistant turns of a conversation are generated: "last_turn" (the final one, or a new answer to a
-    # final user turn) or "all_turns" (every one, in order, each conditioned on the regenerated ones before it)
-    regenerate: str = "last_turn"
+    chat_template_kwargs: dict = Field(default_factory=dict)  # extra kwargs beside enable_thinking
 
     def validate(self) -> None:
         problems = []
@@ -69,7 +56,7 @@ class GenerationConfig:
 
     def config_hash(self, model: str) -> str:
         """12 hex chars over the model and every setting that changes the output (not concurrency)."""
-        settings = asdict(self)
+        settings = self.model_dump()
         if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
             del settings["regenerate"]
         payload = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
@@ -89,35 +76,3 @@ class GenerationConfig:
             "chat_template_kwargs": self.template_kwargs(),
             "separate_reasoning": True,
         }
-
-
-@dataclass(frozen=True)
-class DispatchSettings:
-    """How hard to drive the fleet. None of this changes a completion, so none of it is hashed."""
-
-    max_in_flight_per_server: int = 0  # 0: the server's own effective max_running_requests + waiting_margin
-    waiting_margin: int = 2  # requests queued at each server beyond its running slots, so slots never idle
-    max_attempts: int = 4
-    backoff_base_s: float = 0.5
-    backoff_max_s: float = 30.0
-    request_timeout_s: float = 3600.0
-    commit_rows: int = 512
-    commit_seconds: float = 10.0
-    progress_seconds: float = 30.0
-    context_margin: int = 2  # SGLang's scheduler clamps silently within ~2 tokens of the context length
-    load_sample_s: float = 5.0  # poll each server's /v1/loads this often for the tuning report (0: off)
-    store_token_ids: bool = False  # record prompt_token_ids and output_ids (needed to continue truncated rows)
-    eject_after: int = 3  # consecutive retryable failures before a server is ejected and probed
-    no_server_timeout_s: float = 120.0  # circuit breaker: stop when no server has been healthy this long
-    # all_turns: a conversation's next turn goes to the server of its previous turn (whose prefix cache holds the
-    # history) unless that server's share of busy slots exceeds the least-loaded server's by more than this
-    # (negative: always the least-loaded server)
-    same_server_max_imbalance: float = 0.25
-
-    def validate(self) -> None:
-        if self.max_in_flight_per_server < 0:
-            raise ConfigError(f"max_in_flight_per_server must be >= 0, got {self.max_in_flight_per_server}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.commit_rows < 1 or self.commit_seconds <= 0:
-            raise ConfigError("commit_rows must be >= 1 and commit_seconds > 0")

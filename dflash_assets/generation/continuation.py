@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -49,6 +49,7 @@ from dflash_assets.generation.send import Dispatch
 from dflash_assets.generation.shards import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import Storage, open_storage
+from dflash_assets.rules import most_rows_first
 
 PLAN_COLUMNS = {
     name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
@@ -95,12 +96,12 @@ def configs_in_shard(data_dir: str | Path | Storage, shard: str) -> list[tuple[s
     counts = table.group_by("config_hash").aggregate([("config_hash", "count"), ("max_output_tokens", "max")])
     found = zip(counts["config_hash"].to_pylist(), counts["config_hash_count"].to_pylist(),
                 counts["max_output_tokens_max"].to_pylist())
-    return sorted(found, key=lambda c: (-c[1], -c[2], c[0]))
+    return most_rows_first(found)
 
 
 def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int) -> str | None:
-    """The config with the most rows in the shard among those below `new_cap` (ties: the larger cap, so the
-    most tokens are reused). Below the cap, so a finished continuation is never its own parent."""
+    """The config with the most rows in the shard among those below `new_cap` (ties as rules.most_rows_first
+    breaks them). Below the cap, so a finished continuation is never its own parent."""
     return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
 
 
@@ -207,7 +208,7 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         if odd := sorted({str(i.reasoning_parser) for i in fleet.infos if i.reasoning_parser not in PARSERS}):
             raise ConfigError(f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
                               f"the way {', '.join(str(p) for p in PARSERS)} split it")
-        config = replace(parent, max_output_tokens=new_cap)
+        config = parent.model_copy(update={"max_output_tokens": new_cap})
         config_hash = config.config_hash(fleet.model)
         # a file name of our own, so a generation run's rejects and failures of the same config are never replaced
         own_file = f"{config_hash}-from-{parent_config_hash}.parquet"
@@ -231,7 +232,7 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         exact += [r for r in todo if r["finish_reason"] == "length" and r["n_output_ids"] is None]  # by text
         # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
         # hold a row its own requests could not have produced (and the context-overflow check would flag it)
-        budget = Budget.of(fleet.infos, settings.context_margin)
+        budget = Budget.of(fleet.infos)
         for r in exact:
             r["line"] = lines.get(r["prompt_id"])
             r["prompt_tokens"] = r["n_prompt_ids"] or r["prompt_tokens"]  # exact when the ids are there

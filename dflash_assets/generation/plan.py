@@ -164,7 +164,7 @@ async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: Genera
     if stale:
         await recount(fleet, prompts, stale, config.template_kwargs())
         log(f"shard {shard}: {len(stale)} prompts were counted with other chat_template_kwargs; recounted")
-    budget = Budget.of(fleet.infos, settings.context_margin)
+    budget = Budget.of(fleet.infos)
     cap = config.max_output_tokens
     over = preflight(list(todo.values()), budget, cap, preflight_policy)
     reject_store(data_dir, shard, "preflight").replace(

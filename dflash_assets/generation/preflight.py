@@ -2,9 +2,9 @@
 
 SGLang 0.5.23 answers a request whose prompt + max_new_tokens exceeds the context with a 400. Below that,
 its scheduler lowers max_new_tokens to max_req_len - prompt - 1 without a word, where max_req_len =
-min(context - 1, KV pool - 1) (/server_info `max_req_input_len` + 5): within two tokens of the context, and
-far below it when the KV pool is smaller than the context. It also refuses prompts of max_req_input_len
-tokens or more. Offenders are found here, with the numbers, instead.
+min(context - 1, KV pool - 1) (/server_info `max_req_input_len` + 5): within two tokens of the context (the
+rule and its margin: dflash_assets/rules.py), and far below it when the KV pool is smaller than the context. It
+also refuses prompts of max_req_input_len tokens or more. Offenders are found here, with the numbers, instead.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_assets.fleet.client import ServerInfo
+from dflash_assets.rules import CONTEXT_MARGIN, context_needed, overflows
 
 
 class PreflightError(RuntimeError):
@@ -24,45 +25,44 @@ class Budget:
 
     context_length: int  # /v1/models max_model_len
     max_req_input_len: int  # /server_info
-    margin: int
     max_req_len: int | None = None  # /server_info max_req_input_len + 5: min(context, KV pool) - 1
     kv_pool: int | None = None  # /server_info max_total_num_tokens of the server with the smallest max_req_len
+    margin = CONTEXT_MARGIN  # dflash_assets/rules.py: SGLang's silent clamp within two tokens of the context
 
     @classmethod
-    def of(cls, infos: list[ServerInfo], margin: int) -> Budget:
+    def of(cls, infos: list[ServerInfo]) -> Budget:
         context = min(i.context_length for i in infos)
         input_limit = min((i.max_req_input_len or i.context_length) for i in infos)
         tightest = min(infos, key=lambda i: i.max_req_len)
-        return cls(context, input_limit, margin, tightest.max_req_len, tightest.max_total_num_tokens)
+        return cls(context, input_limit, tightest.max_req_len, tightest.max_total_num_tokens)
 
     @property
     def kv_bound(self) -> bool:
         """The KV pool, not the context, limits a request: SGLang would clamp below the context silently."""
-        return self.max_req_len is not None and self.max_req_len - 1 < self.context_length - self.margin
+        return self.max_req_len is not None and self.max_req_len - 1 < self.context_length - CONTEXT_MARGIN
 
     @property
     def total_limit(self) -> int:
         """The largest prompt + max_output_tokens the servers grant in full."""
-        return self.max_req_len - 1 if self.kv_bound else self.context_length - self.margin
+        return self.max_req_len - 1 if self.kv_bound else self.context_length - CONTEXT_MARGIN
 
     def problem(self, prompt_tokens: int, cap: int) -> str | None:
         """Why this prompt cannot be sent with this cap, naming the numbers; None if it fits."""
         if prompt_tokens >= self.max_req_input_len:
             return (f"prompt of {prompt_tokens} tokens is at or over the server's input limit of "
                     f"{self.max_req_input_len} tokens (context length {self.context_length})")
-        if prompt_tokens + cap <= self.total_limit:
-            return None
         if self.kv_bound:
+            if prompt_tokens + cap <= self.total_limit:
+                return None
             return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
                     f"exceeds the {self.total_limit} tokens the server grants a request: its KV pool holds "
                     f"{self.kv_pool} tokens, fewer than its context length {self.context_length}, and SGLang "
                     f"would cut the output below the cap silently")
+        if not overflows(prompt_tokens, cap, self.context_length):
+            return None
         return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
                 f"exceeds the server context length {self.context_length} minus a safety margin of "
-                f"{self.margin} tokens")
-
-    def context_needed(self, largest_prompt: int, cap: int) -> int:
-        return largest_prompt + cap + self.margin
+                f"{CONTEXT_MARGIN} tokens")
 
 
 def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[str]:
@@ -102,13 +102,13 @@ def overflow_error(budget: Budget, cap: int, overflowing: int, total: int, large
             f"fewer than the context length {budget.context_length}; max_output_tokens is {cap}, so a prompt may "
             f"have at most {budget.total_limit - cap} tokens; the largest prompt has {largest_prompt}. Nothing was "
             f"sent. Lower max_output_tokens or give the servers a KV pool of at least "
-            f"{budget.context_needed(largest_prompt, cap)} tokens (a higher --mem-fraction-static, or "
+            f"{context_needed(largest_prompt, cap)} tokens (a higher --mem-fraction-static, or "
             f"--max-total-tokens unset)."
         )
     return PreflightError(
         f"{overflowing} of {total} prompts do not fit: the servers' context length is {budget.context_length} "
         f"tokens and max_output_tokens is {cap}, so a prompt may have at most "
-        f"{budget.context_length - budget.margin - cap} tokens; the largest prompt has {largest_prompt}. "
+        f"{budget.context_length - CONTEXT_MARGIN - cap} tokens; the largest prompt has {largest_prompt}. "
         f"Nothing was sent. Lower max_output_tokens or restart the servers with "
-        f"--context-length {budget.context_needed(largest_prompt, cap)} or more."
+        f"--context-length {context_needed(largest_prompt, cap)} or more."
     )

@@ -13,7 +13,7 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
@@ -120,11 +120,11 @@ async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, confi
     sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
     cap = config.max_output_tokens
     if not cap:
-        budget = Budget.of(fleet.infos, settings.context_margin)
+        budget = Budget.of(fleet.infos)
         cap = high_cap([r["prompt_tokens"] for r in sample], budget)
         log(f"length probe: cap {cap} = context length {budget.context_length} - {budget.margin} - the longest "
             f"sampled prompt ({max(r['prompt_tokens'] for r in sample)} tokens)")
-        config = replace(config, max_output_tokens=cap)
+        config = config.model_copy(update={"max_output_tokens": cap})
     write_probe_shard(data_dir, sample)
     log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {seed}) at cap {cap}")
     run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, config, settings, log=log)

@@ -164,7 +164,7 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
         return {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
 
     next_turns = await asyncio.gather(*(count(i, item) for i, item in enumerate(plan.to_send())))
-    budget = Budget.of(fleet.infos, settings.context_margin)
+    budget = Budget.of(fleet.infos)
     over = preflight(next_turns, budget, config.max_output_tokens, preflight_policy)
     preflight_rejects.commit([
         reject_row(r, "preflight", f"turn {r['turn']} of {r['turns']}: {problem}", config, config_hash, shard,
@@ -182,7 +182,7 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
 
 def turn_sender(fleet: Fleet, config: GenerationConfig, settings: DispatchSettings, make_row: TURN_ROW):
     """The Send of all_turns: each turn preflighted when it is sent (its history is known only then)."""
-    budget = Budget.of(fleet.infos, settings.context_margin)
+    budget = Budget.of(fleet.infos)
     config_hash, cap = config.config_hash(fleet.model), config.max_output_tokens
 
     async def send(item: dict, slot: Slot, attempt: int) -> dict:

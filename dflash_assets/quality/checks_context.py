@@ -1,4 +1,5 @@
-"""Context overflow: prompt_tokens + max_output_tokens > server_context_length, in completions and in rejects.
+"""Context overflow (rules.OVERFLOW_SQL: prompt + cap over the context minus SGLang's clamp margin), in
+completions and in rejects.
 
 SGLang answers such a request with a 400 (or, with --allow-auto-truncate, clamps it silently). So a completion
 row that overflows was generated under a budget it did not get, and a config whose prompts are mostly
@@ -8,20 +9,19 @@ rejected before sending (context 8192 with max_output_tokens 8192: every prompt)
 import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, num, pct, share
-
-OVER = "prompt_tokens + max_output_tokens > server_context_length"
+from dflash_assets.rules import OVERFLOW_SQL
 
 PER_CONFIG = f"""
 WITH a AS (
     SELECT config_hash, count(*) AS attempted FROM outcomes GROUP BY ALL
 ), c AS (
-    SELECT config_hash, count(*) AS rows, count(*) FILTER (WHERE {OVER}) AS over_rows,
-           max(server_context_length) FILTER (WHERE {OVER}) AS over_context
+    SELECT config_hash, count(*) AS rows, count(*) FILTER (WHERE {OVERFLOW_SQL}) AS over_rows,
+           max(server_context_length) FILTER (WHERE {OVERFLOW_SQL}) AS over_context
     FROM completions GROUP BY ALL
 ), r AS (
     SELECT config_hash, count(*) AS over_prompts, max(context) AS over_context
     FROM (SELECT config_hash, shard, prompt_id, max(server_context_length) AS context
-          FROM rejects WHERE stage <> 'source' AND {OVER} GROUP BY ALL)
+          FROM rejects WHERE stage <> 'source' AND {OVERFLOW_SQL} GROUP BY ALL)
     GROUP BY ALL
 ), caps AS (
     SELECT config_hash, list(DISTINCT max_output_tokens ORDER BY max_output_tokens) AS caps FROM (
@@ -57,19 +57,19 @@ def context_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
         if over_prompts:
             lines.append(
                 f"{label}: {num(over_prompts)} of {num(attempted)} attempted prompts "
-                f"({pct(share(over_prompts, attempted))}) rejected because prompt_tokens + max_output_tokens > "
-                f"server_context_length (up to {num(rej_ctx)}); lower max_output_tokens or raise the server's "
+                f"({pct(share(over_prompts, attempted))}) rejected because {OVERFLOW_SQL} "
+                f"(context up to {num(rej_ctx)}); lower max_output_tokens or raise the server's "
                 "--context-length."
             )
         if over_rows:
             lines.append(
                 f"{label}: {num(over_rows)} of {num(rows)} completion rows ({pct(share(over_rows, rows))}) were "
-                f"generated with prompt_tokens + max_output_tokens > server_context_length (up to {num(over_ctx)}): "
-                "the server clamped them silently (--allow-auto-truncate) or preflight did not run."
+                f"generated with {OVERFLOW_SQL} (context up to {num(over_ctx)}): "
+                "the server clamped them silently or preflight did not run."
             )
     head = (
         f"{num(sums['over_rows'])} completion rows and {num(sums['over_prompts'])} rejected prompts have "
-        f"prompt_tokens + max_output_tokens > server_context_length; {failing} of {len(result)} configs fail "
+        f"{OVERFLOW_SQL}; {failing} of {len(result)} configs fail "
         f"(limits: {pct(t.context_overflow_rate_max)} of completion rows, "
         f"{pct(t.overflow_reject_rate_max)} of attempted prompts rejected)."
     )
@@ -87,7 +87,7 @@ def context_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     }
     # regenerate: all_turns preflights each turn when it is sent: which turn of a conversation did not fit
     by_turn = con.execute(f"SELECT turn, count(*) FROM rejects WHERE stage <> 'source' AND turn IS NOT NULL "
-                          f"AND {OVER} GROUP BY ALL ORDER BY turn").fetchall()
+                          f"AND {OVERFLOW_SQL} GROUP BY ALL ORDER BY turn").fetchall()
     if by_turn:
         metadata["rejected_overflow_by_turn"] = ", ".join(f"turn {k}: {num(n)}" for k, n in by_turn)
         lines.append(f"overflow rejects by turn: {metadata['rejected_overflow_by_turn']}")

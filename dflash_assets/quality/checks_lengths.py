@@ -15,6 +15,7 @@ from dflash_assets.quality.outcome import (
     verdict,
 )
 from dflash_assets.quality.rates import GroupCount, group_counts, group_line, rate_finding, totals, worst_first
+from dflash_assets.rules import percentile_sql
 
 
 def truncation_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
@@ -54,15 +55,15 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
 def cap_saturation(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     """A high percentile of completion_tokens equal to the cap is the tell-tale of a cap too low for the prompts.
 
-    Percentiles are nearest-rank (DuckDB quantile_disc): Pq is the value at 1-based rank ceil(q * n) of the
-    sorted completion_tokens, always an observed value, so when more than 10% of rows stop at the cap,
-    P90 = P99 = the cap exactly, as in the story. Pq reaching the cap means more than (1 - q) of rows did.
+    Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION), always an observed value, so when more than 10%
+    of rows stop at the cap, P90 = P99 = the cap exactly, as in the story. Pq reaching the cap means more than
+    (1 - q) of rows did.
     """
     q = t.cap_saturation_percentile
     result = con.execute(
         "SELECT config_hash, max_output_tokens, count(*), "
         "count(*) FILTER (WHERE completion_tokens >= max_output_tokens), "
-        "quantile_disc(completion_tokens, [0.5, 0.9, 0.99, $q]) "
+        f"{percentile_sql('completion_tokens', (0.5, 0.9, 0.99, '$q'))} "
         "FROM completions GROUP BY config_hash, max_output_tokens ORDER BY config_hash, max_output_tokens",
         {"q": q},
     ).fetchall()

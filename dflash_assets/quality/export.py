@@ -30,6 +30,7 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
 from dflash_assets.quality.trainer_format import FORMS, STATUS, has_think_marker
+from dflash_assets.rules import OVERFLOW_SQL
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -38,7 +39,7 @@ EXCLUSION_REASONS = (
     "empty_content",
     "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content
     # (trainer_format.py): the answer, or under last_turn an earlier answer the source's history carries
-    "context_overflow",  # prompt_tokens + max_output_tokens > server_context_length: generated under a clamp
+    "context_overflow",  # rules.OVERFLOW_SQL: generated under a clamp
     "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
@@ -78,7 +79,7 @@ WITH c AS (
             WHEN think_marker OR turn IS NULL AND EXISTS (
                 SELECT 1 FROM history_markers h WHERE h.shard = c0.shard AND h.prompt_id = c0.prompt_id)
                 THEN 'think_marker'
-            WHEN prompt_tokens + max_output_tokens > server_context_length THEN 'context_overflow'
+            WHEN {overflow} THEN 'context_overflow'
             WHEN $drop_long AND prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
                 THEN 'no_prompt'
@@ -236,7 +237,7 @@ def export_training_set(
             con.execute(HISTORY_MARKERS)
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
-            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions), params)
+            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL), params)
             query = KEPT.format(completions=completions)
             rows, consumed, incomplete = _write_rows(con, query, tmps["training_set.jsonl"],
                                                      tmps["training_set.parquet"], form)

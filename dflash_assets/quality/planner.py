@@ -36,9 +36,9 @@ from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.probe_estimates import ProbeSample, measure_with_probe, wilson
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.tables import parquet_source, runaway_sql
+from dflash_assets.rules import MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
 
 DEFAULT_CANDIDATES = (4096, 5120, 6144, 8192, 12288, 16384)
-CONTEXT_MARGIN = 2  # preflight's rule: prompt + cap must fit context_length - 2 (SGLang's silent clamp margin)
 GAP_WARN = 0.02  # below the cap, a fitted survival this far from the observed one makes the tail suspect
 
 
@@ -77,8 +77,8 @@ class CapEstimate:
     truncation_rate: Estimate  # every row still cut at this cap, runaways included
     output_tokens: Estimate  # total over `CapPlan.prompts` prompts
     hours: Estimate | None  # output_tokens / tokens_per_s, when a rate was given
-    context_needed_max: int | None  # largest prompt_tokens + cap (None without prompt_tokens)
-    context_needed_p99: int | None  # P99 (nearest rank) of prompt_tokens + cap
+    context_needed_max: int | None  # the context the largest prompt + cap needs (rules.context_needed)
+    context_needed_p99: int | None  # the same for the P99 (nearest rank) prompt
     fits_context: bool | None  # every prompt + cap fits context_length - 2; None without a context length
     prompts_over_context: int | None  # rows whose prompt + cap would not fit
     basis: str = "rows"  # "rows" (at or below the current cap), "probe" (measured by it), "model" (the fit)
@@ -108,7 +108,7 @@ def turn_views(turn, completion_tokens, truncated) -> list[TurnView]:
         at = known & (turn.data == k)
         values, cut = np.asarray(completion_tokens)[at], int(np.asarray(truncated)[at].sum())
         out.append(TurnView(int(k), int(at.sum()), cut, cut / int(at.sum()),
-                            *(_nearest_rank(values, q) for q in (0.5, 0.9, 0.99))))
+                            *(percentile(values, q) for q in (0.5, 0.9, 0.99))))
     return out
 
 
@@ -248,15 +248,10 @@ def _predict(values, cut, counts, caps: np.ndarray, fit: tuple[float, float] | N
     return over, tokens
 
 
-def _nearest_rank(values: np.ndarray, q: float) -> int:
-    s = np.sort(values)
-    return int(s[max(0, math.ceil(q * len(s)) - 1)])
-
-
 def _fit_tail(values, cut, counts, fit_from: float, notes: list[str]) -> TailFit:
     n = int(counts.sum())
     lengths = np.repeat(values, counts)
-    lo = int(np.quantile(lengths, fit_from, method="inverted_cdf")) if fit_from > 0 else 0
+    lo = percentile(lengths, fit_from) if fit_from > 0 else 0
     st = _stats(values, cut, counts, lo)
     if st["k"] < 10:
         raise PlanError(f"only {num(int(st['k']))} uncut rows above {num(lo)} tokens to fit the tail to: "
@@ -408,11 +403,11 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
         hours = Estimate(*(v / tokens_per_s / 3600 for v in (tok.value, tok.low, tok.high))) if tokens_per_s else None
         over_ctx = None
         if context_length is not None and pt is not None:
-            over_ctx = int((pt + c > context_length - CONTEXT_MARGIN).sum())
+            over_ctx = int(overflows(pt, c, context_length).sum())
         estimates.append(CapEstimate(
             cap=c, measured=basis != "model", truncation_rate=rate, output_tokens=tok, hours=hours,
-            context_needed_max=None if pt is None else int(pt.max()) + c,
-            context_needed_p99=None if pt is None else _nearest_rank(pt, 0.99) + c,
+            context_needed_max=None if pt is None else context_needed(int(pt.max()), c),
+            context_needed_p99=None if pt is None else context_needed(percentile(pt, 0.99), c),
             fits_context=None if over_ctx is None else over_ctx == 0, prompts_over_context=over_ctx,
             basis=basis, runaway_rate=loops, bounds=bounds if basis == "model" else None))
     if any(e.basis == "model" for e in estimates):
@@ -496,7 +491,7 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
         scope = "($shard IS NULL OR shard = $shard)"
         configs = con.execute(f"SELECT config_hash, count(*) FROM {src} WHERE {scope} GROUP BY 1 "
-                              "ORDER BY 2 DESC, 1", {"shard": shard}).fetchall()
+                              f"ORDER BY {MOST_ROWS_ORDER_SQL}", {"shard": shard}).fetchall()
         if not configs:
             probe = read_probe(data_dir, None, runaway) if use_probe and config_hash is None else None
             if probe is None:

@@ -10,8 +10,9 @@ import numpy as np
 from dflash_assets.generation.probe import probe_size
 from dflash_assets.generation.schema import PROMPT_SCHEMA
 from dflash_assets.quality.outcome import num
-from dflash_assets.quality.planner import CONTEXT_MARGIN, CapPlan, _hours, _predict, _tokens
+from dflash_assets.quality.planner import CapPlan, _hours, _predict, _tokens
 from dflash_assets.quality.tables import parquet_source
+from dflash_assets.rules import CONTEXT_MARGIN
 
 
 def prompt_count(data_dir: str | Path) -> int:
@@ -45,7 +46,7 @@ def probe_advice(plan: CapPlan, data_dir: str | Path, rows: int, tokens_per_s: f
     worst = max(plan.estimates, key=lambda e: e.cap)
     if plan.context_length is None or worst.context_needed_max is None:
         return head + ", at the largest cap the fleet's context allows."
-    cap = plan.context_length - CONTEXT_MARGIN - (worst.context_needed_max - worst.cap)
+    cap = plan.context_length - (worst.context_needed_max - worst.cap)  # context_needed includes the margin
     tokens = size * probe_tokens_per_prompt(plan, cap)
     text = (f", at cap {num(cap)} (context {num(plan.context_length)} - {CONTEXT_MARGIN} - the longest prompt). "
             f"Predicted output: about {_tokens(tokens)} tokens (model-based, at most {_tokens(size * cap)})")

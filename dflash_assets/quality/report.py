@@ -1,8 +1,8 @@
 """The length-quality report: how long completions are, how many the cap cut, broken down every useful way.
 
-Percentiles are nearest-rank, DuckDB's `quantile_disc`: Pq is the value at 1-based rank ceil(q * n) of the
-sorted completion_tokens. It is always an observed token count, never an interpolation, so when more than
-10% of rows stop at a 4096 cap the report says P90 = P99 = 4096, which is exactly the signal to act on.
+Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION): always an observed token count, never an
+interpolation, so when more than 10% of rows stop at a 4096 cap the report says P90 = P99 = 4096, which is
+exactly the signal to act on.
 """
 
 from pathlib import Path
@@ -12,14 +12,14 @@ import duckdb
 
 from dflash_assets.quality.outcome import share
 from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.rules import OVERFLOW_SQL, PERCENTILE_DEFINITION, percentile_sql
 
-PERCENTILE_DEFINITION = "nearest-rank (DuckDB quantile_disc): Pq = value at 1-based rank ceil(q*n) of sorted values"
 PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
 CONFIG = "config_hash, max_output_tokens"
 
-STATS = """count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
+STATS = f"""count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
     count(*) FILTER (WHERE runaway) AS runaway_rows,
-    quantile_disc(completion_tokens, [0.5, 0.9, 0.95, 0.99]) AS q, max(completion_tokens) AS max"""
+    {percentile_sql('completion_tokens', (0.5, 0.9, 0.95, 0.99))} AS q, max(completion_tokens) AS max"""
 
 
 def _stats(row: dict[str, Any]) -> dict[str, Any]:
@@ -65,15 +65,14 @@ def length_quality(
         buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")
         for b in buckets:
             b["bucket"] = labels[b["bucket"]]
-        over = "prompt_tokens + max_output_tokens > server_context_length"
         completion_over, over_max_length = con.execute(
-            f"SELECT count(*) FILTER (WHERE {over}), "
+            f"SELECT count(*) FILTER (WHERE {OVERFLOW_SQL}), "
             "count(*) FILTER (WHERE prompt_tokens + completion_tokens > $m) FROM completions",
             {"m": max_length},
         ).fetchone()
         rejects_over = con.execute(
             f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "
-            f"WHERE stage <> 'source' AND {over})"
+            f"WHERE stage <> 'source' AND {OVERFLOW_SQL})"
         ).fetchone()[0]
         return {
             "scope": {"shard": shard},

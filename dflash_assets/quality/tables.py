@@ -26,30 +26,27 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from dflash_assets.generation.parts import PartStore
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.parts import PartStore
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.trainer_format import think_marker_sql
-
-# "Empty" means null or only ASCII whitespace. A regex search for the first other character stops at once
-# on real text, where trim() would copy the whole (often 30 kB) string first.
-BLANK = "[^ \\t\\r\\n]"
+from dflash_assets.rules import blank_sql
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
     server_context_length, enable_thinking, turn"""
 
 COMPLETION_FLAGS = f"""
-    content IS NULL OR NOT regexp_matches(content, '{BLANK}') AS content_empty,
+    {blank_sql('content')} AS content_empty,
     {think_marker_sql("content", "reasoning_content")} AS think_marker,
-    reasoning_content IS NULL OR NOT regexp_matches(reasoning_content, '{BLANK}') AS reasoning_empty"""
+    {blank_sql('reasoning_content')} AS reasoning_empty"""
 
 
 def runaway_sql(rules: RunawayRules) -> str:
     """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
     judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking."""
-    tail = (f"CASE WHEN content IS NULL OR NOT regexp_matches(content, '{BLANK}') "
+    tail = (f"CASE WHEN {blank_sql('content')} "
             f"THEN right(reasoning_content, {rules.tail_chars}) ELSE right(content, {rules.tail_chars}) END")
     return f"CASE WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END"
 

@@ -5,33 +5,27 @@ from pydantic import Field
 
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.run_config import DispatchConfig
+from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.defs.shard_concurrency import one_run_per_shard
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.settings import GenerationSettings
 
 
-class CompletionsConfig(DispatchConfig):
-    """Generation settings, editable in the launchpad. Every row records them; a change is a new config."""
+class CompletionsConfig(DispatchRunConfig, GenerationSettings):
+    """Generation settings (settings.GenerationSettings) and how hard to drive the fleet, editable in the
+    launchpad. Every row records the generation settings; a change is a new config."""
 
-    max_output_tokens: int = Field(4096, description="The cap: max_completion_tokens of every request.")
-    temperature: float = Field(0.6, description="Sampling temperature (>= 0).")
-    top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
-    top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
-    enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
-    regenerate: str = Field(
-        "last_turn", description="'last_turn': the final assistant turn (or a new answer to a final user turn); "
-                                 "'all_turns': every assistant turn, in order, each conditioned on the ones before.")
     preflight_policy: str = Field(
         "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
                               "'fail': the run fails before any request.")
 
     def generation(self) -> GenerationConfig:
-        return GenerationConfig(max_output_tokens=self.max_output_tokens, temperature=self.temperature,
-                                top_p=self.top_p, top_k=self.top_k, enable_thinking=self.enable_thinking,
-                                regenerate=self.regenerate)
+        return GenerationConfig.taken_from(self)
 
 
 @shard_asset(
@@ -39,6 +33,9 @@ class CompletionsConfig(DispatchConfig):
     group_name="generation",
     kinds={"sglang", "parquet"},
     pool="sglang_fleet",
+    retry_policy=FLEET_RETRY,
+    metadata={"dagster/column_schema": dg.TableSchema(
+        columns=[dg.TableColumn(f.name, str(f.type)) for f in COMPLETION_SCHEMA])},
     description="A completion per prompt of the shard, generated on the SGLang fleet, with full provenance "
                 "(config_hash, cap, sampling, server, context length, finish_reason, token counts). A re-run "
                 "resumes: prompts already committed for this config are skipped.",
@@ -50,13 +47,14 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         generation.validate()
         dispatch.validate()
     except ConfigError as e:
-        raise dg.Failure(str(e)) from None
+        raise dg.Failure(str(e), allow_retries=False) from None
     try:
-        runs = run_on_fleet(fleet, lambda f: generate_shards(
-            data_dir.resolved(), context.partition_keys, f, generation, dispatch,
-            preflight_policy=config.preflight_policy, log=context.log.info))
+        with one_run_per_shard(context, context.partition_keys):
+            runs = run_on_fleet(fleet, lambda f: generate_shards(
+                data_dir.resolved(), context.partition_keys, f, generation, dispatch,
+                preflight_policy=config.preflight_policy, log=context.log.info))
     except PreflightError as e:
-        raise dg.Failure(f"preflight: {e}") from None
+        raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
         context.log.warning(note)
     for run in runs:

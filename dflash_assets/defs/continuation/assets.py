@@ -5,14 +5,15 @@ from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.partitions import shard_asset
-from dflash_assets.defs.run_config import DispatchConfig
+from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.defs.shard_concurrency import one_run_per_shard
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
 
 
-class ContinuationConfig(DispatchConfig):
+class ContinuationConfig(DispatchRunConfig):
     """Which config to continue, to which cap. The rows land under the new cap's own config hash."""
 
     parent_config_hash: str = Field(
@@ -26,6 +27,7 @@ class ContinuationConfig(DispatchConfig):
     group_name="generation",
     kinds={"sglang", "parquet"},
     pool="sglang_fleet",
+    retry_policy=FLEET_RETRY,
     description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
                 "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
                 "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token ids "
@@ -33,8 +35,9 @@ class ContinuationConfig(DispatchConfig):
 )
 def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
                           data_dir: DataDir) -> None:
-    for shard in context.partition_keys:  # one shard, or a backfill's range of them, one after the other
-        context.add_asset_metadata(_continue(context, shard, config, fleet, data_dir), partition_key=shard)
+    with one_run_per_shard(context, context.partition_keys):
+        for shard in context.partition_keys:  # one shard, or a backfill's range of them, one after the other
+            context.add_asset_metadata(_continue(context, shard, config, fleet, data_dir), partition_key=shard)
 
 
 def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: FleetResource,
@@ -44,14 +47,14 @@ def _continue(context: dg.AssetExecutionContext, shard: str, config: Continuatio
     if parent == "latest":
         parent = latest_parent(data_dir.resolved(), shard, cap)
         if parent is None:
-            raise dg.Failure(f"shard {shard} has no completions capped below {cap} to continue")
+            raise dg.Failure(f"shard {shard} has no completions capped below {cap} to continue", allow_retries=False)
     try:
         run = run_on_fleet(fleet, lambda f: continue_shard(data_dir.resolved(), shard, f, parent, cap,
                                                            config.dispatch(), log=context.log.info))
     except ConfigError as e:
-        raise dg.Failure(str(e), metadata={"cause": "config"}) from None
+        raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
     except PreflightError as e:
-        raise dg.Failure(f"preflight: {e}") from None
+        raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in run.notes:
         context.log.warning(note)
     if run.left:

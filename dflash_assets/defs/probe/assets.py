@@ -16,7 +16,7 @@ class LengthProbeConfig(CompletionsConfig):
 
     max_output_tokens: int = Field(
         0, description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts.")
-    size: int = Field(0, description=f"Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.")
+    size: int = Field(0, description="Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.")
     share: float = Field(SHARE, description="Share of the prompts to sample when size is 0.")
     min_prompts: int = Field(MIN_PROMPTS, description="At least this many prompts when size is 0.")
     seed: int = Field(0, description="Seed of the random sample: the same prompts and seed give the same sample.")

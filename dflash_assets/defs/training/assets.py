@@ -9,6 +9,7 @@ from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
 from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.rules import MOST_ROWS_ORDER_SQL
 
 
 class TrainingSetConfig(dg.Config):
@@ -26,7 +27,7 @@ class TrainingSetConfig(dg.Config):
 
 def most_rows_config(data_dir) -> str | None:
     with open_quality_db(data_dir) as con:
-        row = con.execute("SELECT config_hash FROM completions GROUP BY ALL ORDER BY count(*) DESC, config_hash "
+        row = con.execute(f"SELECT config_hash FROM completions GROUP BY config_hash ORDER BY {MOST_ROWS_ORDER_SQL} "
                           "LIMIT 1").fetchone()
     return row[0] if row else None
 

@@ -1,0 +1,70 @@
+"""The domain's rules, each written once: the SQL fragment DuckDB uses beside the Python predicate.
+
+Preflight, the checks, the reports, the cap planner, the export and continuation all judge by these, so a row
+the check flags is exactly a row preflight would have refused. No imports from the rest of the project: any
+layer may use this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+# ---- context overflow ------------------------------------------------------------------------------------------
+# SGLang 0.5.23 answers 400 when prompt + max_new_tokens > context_len (tokenizer_manager._validate_one_request),
+# and its scheduler then clamps max_new_tokens to max_req_len - prompt - 1 with max_req_len = context_len - 1
+# (scheduler.py, tp_worker.py): above context - 2 a request is cut short without a word. So the budget that is
+# really granted is context - CONTEXT_MARGIN.
+CONTEXT_MARGIN = 2
+
+OVERFLOW_SQL = f"prompt_tokens + max_output_tokens > server_context_length - {CONTEXT_MARGIN}"
+
+
+def overflows(prompt_tokens: int, max_output_tokens: int, context_length: int) -> bool:
+    """The prompt plus the cap does not fit what the server really grants."""
+    return prompt_tokens + max_output_tokens > context_length - CONTEXT_MARGIN
+
+
+def context_needed(prompt_tokens: int, max_output_tokens: int) -> int:
+    """The smallest --context-length under which this prompt and cap fit."""
+    return prompt_tokens + max_output_tokens + CONTEXT_MARGIN
+
+
+# ---- blank text ------------------------------------------------------------------------------------------------
+# "Blank" means null or only ASCII whitespace. In SQL a regex search for the first other character stops at once
+# on real text, where trim() would copy the whole (often 30 kB) string first.
+BLANK_CHARS = " \t\r\n"
+
+
+def blank_sql(column: str) -> str:
+    return f"({column} IS NULL OR NOT regexp_matches({column}, '[^ \\t\\r\\n]'))"
+
+
+def is_blank(text: str | None) -> bool:
+    return text is None or text.strip(BLANK_CHARS) == ""
+
+
+# ---- percentiles -----------------------------------------------------------------------------------------------
+# Nearest-rank: Pq is the value at 1-based rank ceil(q * n) of the sorted values, always an observed token count,
+# never an interpolation (so when more than 10% of rows stop at a 4096 cap, P90 = P99 = 4096).
+PERCENTILE_DEFINITION = "nearest-rank (DuckDB quantile_disc): Pq = value at 1-based rank ceil(q*n) of sorted values"
+
+
+def percentile_sql(column: str, qs: Sequence[float | str]) -> str:
+    return f"quantile_disc({column}, [{', '.join(str(q) for q in qs)}])"
+
+
+def percentile(values: Sequence[int] | np.ndarray, q: float) -> int:
+    return int(np.quantile(np.asarray(values), q, method="inverted_cdf"))
+
+
+# ---- the config with the most rows -----------------------------------------------------------------------------
+# Ties go to the larger cap (continuing from it reuses the most tokens), then to the smaller hash, so the choice
+# never depends on file order.
+MOST_ROWS_ORDER_SQL = "count(*) DESC, max(max_output_tokens) DESC, config_hash"
+
+
+def most_rows_first(configs: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """(config_hash, rows, max_output_tokens) tuples, the config with the most rows first."""
+    return sorted(configs, key=lambda c: (-c[1], -c[2], c[0]))

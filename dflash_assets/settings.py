@@ -1,0 +1,171 @@
+"""Every setting once: one typed model per group, with its default and its description.
+
+The Dagster run config (`defs/run_config.py`, `CompletionsConfig`), the `fleet` resource (`defs/resources.py`)
+and the `dflash` flags (`cli.py`) are derived from these models, so a default is written here and nowhere else
+(tests/test_settings.py builds all three and compares them). No Dagster import: the plain libraries and the CLI
+use these models directly.
+
+- GenerationSettings: what a completion is (every row records them; they are hashed into config_hash).
+- DispatchSettings: how hard to drive the fleet (never hashed).
+- ServerFlags / LaunchSettings: the `sglang serve` of `launch` mode and `dflash fleet up`.
+- FleetSettings: how the pipeline reaches its servers (`emulated`, `attach`, `launch`).
+- DEPLOYMENT: the environment variables a deployment sets, with their defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
+FLEET_MODES = ("emulated", "attach", "launch")
+
+
+class ConfigError(ValueError):
+    """Bad settings, found before any work starts."""
+
+
+class Settings(BaseModel):
+    # frozen: a settings object is a value (hashable, safe to share between shards and tasks)
+    model_config = ConfigDict(frozen=True)
+
+    @classmethod
+    def taken_from(cls, source: object):
+        """This group's fields, read off an object that carries them (a Dagster config, parsed CLI flags); a field
+        the object does not carry keeps its default."""
+        return cls(**{name: getattr(source, name) for name in cls.model_fields if hasattr(source, name)})
+
+
+class GenerationSettings(Settings):
+    """The settings that decide what a completion is; rows record all of them."""
+
+    max_output_tokens: int = Field(4096, description="The cap: max_completion_tokens of every request.")
+    temperature: float = Field(0.6, description="Sampling temperature (>= 0).")
+    top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
+    top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
+    # sent explicitly too: left out, the chat route takes them from the model's generation_config.json
+    # (protocol.py to_sampling_params) while /generate uses SamplingParams' defaults, and a continued row
+    # would be sampled unlike its parent
+    min_p: float = Field(0.0, description="Min-p sampling, in [0, 1].")
+    repetition_penalty: float = Field(1.0, description="Repetition penalty, in (0, 2] (1 = off).")
+    presence_penalty: float = Field(0.0, description="Presence penalty, in [-2, 2].")
+    frequency_penalty: float = Field(0.0, description="Frequency penalty, in [-2, 2].")
+    enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
+    regenerate: str = Field(
+        "last_turn", description="Which assistant turns are generated: 'last_turn' (the final one, or a new answer "
+                                 "to a final user turn) or 'all_turns' (every one, in order, each conditioned on "
+                                 "the regenerated ones before it).")
+
+
+class DispatchSettings(Settings):
+    """How hard to drive the fleet. None of this changes a completion, so none of it is hashed."""
+
+    max_in_flight_per_server: int = Field(
+        0, description="Requests in flight per server; 0 = the server's own max_running_requests + waiting_margin.")
+    waiting_margin: int = Field(
+        2, description="Requests queued at each server beyond its running slots, so its slots never idle.")
+    max_attempts: int = Field(4, description="Attempts per request on retryable errors (5xx, timeouts).")
+    backoff_base_s: float = Field(0.5, description="First retry delay; doubles each attempt (with jitter).")
+    backoff_max_s: float = Field(30.0, description="The longest retry delay.")
+    eject_after: int = Field(3, description="Consecutive retryable failures before a server is ejected and probed.")
+    commit_rows: int = Field(512, description="Commit a Parquet part every this many rows ...")
+    commit_seconds: float = Field(10.0, description="... or every this many seconds.")
+    progress_seconds: float = Field(30.0, description="A progress line in the run log every this many seconds.")
+    store_token_ids: bool = Field(
+        False, description="Record prompt_token_ids and output_ids (return_token_ids): exact ids for training, "
+                           "and what continuing truncated rows at a larger cap needs.")
+    load_sample_s: float = Field(
+        5.0, description="Poll each server's /v1/loads this often for the fleet tuning report (0: off).")
+    no_server_timeout_s: float = Field(
+        120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
+    same_server_max_imbalance: float = Field(
+        0.25, description="all_turns: a conversation's next turn goes to the server of its previous turn (whose "
+                          "prefix cache holds the history) unless that server's share of busy slots exceeds the "
+                          "least-loaded server's by more than this (negative: always the least-loaded server).")
+
+    def validate(self) -> None:  # noqa: D102  (pydantic v2 has no instance validate: ours checks the values)
+        if self.max_in_flight_per_server < 0:
+            raise ConfigError(f"max_in_flight_per_server must be >= 0, got {self.max_in_flight_per_server}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.commit_rows < 1 or self.commit_seconds <= 0:
+            raise ConfigError("commit_rows must be >= 1 and commit_seconds > 0")
+
+
+class ServerFlags(Settings):
+    """The typed `sglang serve` flags of one server. None means "SGLang decides" and emits no flag."""
+
+    served_model_name: Optional[str] = Field(None, description="The model name the server answers to.")
+    host: str = Field("127.0.0.1", description="Where the server listens (loopback unless told otherwise).")
+    tp_size: int = Field(1, description="Tensor-parallel GPUs per server.")
+    context_length: Optional[int] = Field(None, description="--context-length (default: the model's).")
+    max_running_requests: Optional[int] = Field(None, description="--max-running-requests.")
+    max_mamba_cache_size: Optional[int] = Field(None, description="--max-mamba-cache-size (hybrid models).")
+    mem_fraction_static: Optional[float] = Field(None, description="--mem-fraction-static, in (0, 1).")
+    chunked_prefill_size: Optional[int] = Field(None, description="--chunked-prefill-size.")
+    cuda_graph_max_bs_decode: Optional[int] = Field(None, description="--cuda-graph-max-bs-decode.")
+    reasoning_parser: Optional[str] = Field("qwen3", description="--reasoning-parser: thinking goes to "
+                                                                 "reasoning_content.")
+    enable_metrics: bool = Field(True, description="--enable-metrics: Prometheus /metrics.")
+    max_queued_requests: Optional[int] = Field(None, description="--max-queued-requests.")
+
+
+class LaunchSettings(ServerFlags):
+    """`launch` mode and `dflash fleet up`: one `sglang serve` per GPU (or per tp_size GPUs), detached."""
+
+    model_path: str = Field("", description="The model every server loads (a local directory or a HF repo id).")
+    gpus: str = Field("0", description="Comma-separated GPU ids.")
+    base_port: int = Field(30000, description="The server on GPU g listens on base_port + g.")
+    command: str = Field("sglang", description="'sglang' (sglang serve), 'launch_server' (python -m "
+                                               "sglang.launch_server), 'emulator', or a full command line.")
+    extra_args: str = Field("", description="More sglang serve flags, quoted as one string.")
+    health_timeout_s: float = Field(1200.0, description="Seconds to wait for a new server's /health.")
+
+
+class FleetSettings(Settings):
+    """How the pipeline reaches its servers. The API key is not here: it comes from DFLASH_API_KEY only."""
+
+    mode: str = Field("emulated", description="'emulated', 'attach' or 'launch'.")
+    urls: str = Field("", description="attach: comma-separated base URLs (or one router / gateway URL).")
+    num_servers: int = Field(2, description="emulated: how many emulator servers.")
+    emulator_args: str = Field("--reasoning-parser qwen3", description="emulated: emulator flags, e.g. add "
+                                                                       "'--decode-tokens-per-s 4000'.")
+    health_timeout_s: float = Field(120.0, description="Seconds to wait for every server's /health at connect.")
+    request_timeout_s: float = Field(3600.0, description="Seconds one request may take (a long generation).")
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    """A deployment setting: the environment variable that sets it and the default when it is unset."""
+
+    name: str
+    default: str
+
+    def value(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+
+class Deployment:
+    """The environment variables of a deployment (README, Settings). Resources read them as Dagster EnvVars at
+    run launch; the two that shape the definitions themselves (a schedule's cron, a backfill's runs) are read
+    when the code location loads, because Dagster fixes them there (see defs/partitions.py)."""
+
+    DATA_DIR = EnvSetting("DFLASH_DATA_DIR", "data")
+    LOCAL_DIR = EnvSetting("DFLASH_LOCAL_DIR", "data")
+    PROMPTS = EnvSetting("DFLASH_PROMPTS", str(DEMO_PROMPTS))
+    SHARD_SIZE = EnvSetting("DFLASH_SHARD_SIZE", "100")
+    SHARDS_PER_RUN = EnvSetting("DFLASH_SHARDS_PER_RUN", "8")
+    CHECKS_CRON = EnvSetting("DFLASH_CHECKS_CRON", "0 * * * *")
+    FLEET_MODE = EnvSetting("DFLASH_FLEET_MODE", FleetSettings().mode)
+    FLEET_URLS = EnvSetting("DFLASH_FLEET_URLS", FleetSettings().urls)
+    NUM_SERVERS = EnvSetting("DFLASH_NUM_SERVERS", str(FleetSettings().num_servers))
+    EMULATOR_ARGS = EnvSetting("DFLASH_EMULATOR_ARGS", FleetSettings().emulator_args)
+    MODEL_PATH = EnvSetting("DFLASH_MODEL_PATH", LaunchSettings().model_path)
+    GPUS = EnvSetting("DFLASH_GPUS", LaunchSettings().gpus)
+    BASE_PORT = EnvSetting("DFLASH_BASE_PORT", str(LaunchSettings().base_port))
+    SGLANG_COMMAND = EnvSetting("DFLASH_SGLANG_COMMAND", LaunchSettings().command)
+    API_KEY = EnvSetting("DFLASH_API_KEY", "")

@@ -1,0 +1,63 @@
+"""The domain's rules hold everywhere they are used: preflight, checks, reports, planner, export, continuation."""
+
+import duckdb
+import numpy as np
+import pytest
+from test_quality_fixtures import CONFIG_A, completion, prompt, write
+
+from dflash_assets.defs.training.assets import most_rows_config
+from dflash_assets.fleet.client import ServerInfo
+from dflash_assets.generation.continuation import latest_parent
+from dflash_assets.generation.preflight import Budget
+from dflash_assets.quality import export_training_set, length_quality, run_checks
+from dflash_assets.quality.planner import plan_caps
+from dflash_assets.rules import (CONTEXT_MARGIN, most_rows_first, overflows, percentile,
+                                         percentile_sql)
+
+CONTEXT = 16384
+CAP = CONFIG_A["max_output_tokens"]
+
+
+def test_a_row_at_context_minus_one_is_refused_by_preflight_and_flagged_by_check_report_and_export(tmp_path):
+    # SGLang 0.5.23 would have clamped this row's cap by a token without a word: every stage must agree
+    fits, clamped = prompt("s0", 0, CONTEXT - CONTEXT_MARGIN - CAP, "code"), prompt("s0", 1, CONTEXT - 1 - CAP, "code")
+    write(tmp_path, "prompt_shards", "s0", [fits, clamped])
+    write(tmp_path, "completions", "s0", [completion(p, CONFIG_A, 100) for p in (fits, clamped)])
+    budget = Budget.of([ServerInfo("http://s", "m", CONTEXT, 8, CONTEXT - 6, None)])
+    assert budget.problem(fits["prompt_tokens"], CAP) is None
+    assert "exceeds the server context length 16384 minus a safety margin of 2 tokens" in budget.problem(
+        clamped["prompt_tokens"], CAP)
+
+    (outcome,) = run_checks(tmp_path, names=["context_overflow"])
+    assert not outcome.passed and outcome.metadata["completion_overflow_rows"] == 1
+    assert length_quality(tmp_path)["overflow"]["completion_rows_over_context"] == 1
+    export = export_training_set(tmp_path, tmp_path / "out", config_hash=CONFIG_A["config_hash"], max_length=None)
+    assert export.manifest["rows"] == 1 and export.manifest["excluded"]["context_overflow"] == 1
+
+
+def test_the_overflow_rule_is_one_predicate_for_python_and_numpy():
+    assert not overflows(CONTEXT - 2 - CAP, CAP, CONTEXT) and overflows(CONTEXT - 1 - CAP, CAP, CONTEXT)
+    prompts = np.array([CONTEXT - 2 - CAP, CONTEXT - 1 - CAP, CONTEXT - CAP])
+    assert overflows(prompts, CAP, CONTEXT).tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize("q, rank", [(0.2, 1), (0.21, 2), (0.5, 3), (0.9, 5), (1.0, 5)])
+def test_percentiles_are_nearest_rank_in_python_and_in_sql(q, rank):
+    values = [50, 10, 40, 20, 30]  # Pq is the value at 1-based rank ceil(q * n) of the sorted values
+    assert percentile(values, q) == sorted(values)[rank - 1]
+    sql = duckdb.sql(f"SELECT {percentile_sql('v', [q])}[1] FROM (SELECT unnest({values}) AS v)").fetchall()[0][0]
+    assert sql == sorted(values)[rank - 1]
+
+
+def test_the_config_with_the_most_rows_is_the_same_choice_everywhere_ties_to_the_larger_cap(tmp_path):
+    ps = [prompt("s0", i, 100, "code") for i in range(4)]
+    small = dict(CONFIG_A, config_hash="a-small", max_output_tokens=2048)
+    large = dict(CONFIG_A, config_hash="z-large", max_output_tokens=3072)
+    write(tmp_path, "prompt_shards", "s0", ps)
+    write(tmp_path, "completions", "s0", [completion(p, small, 50) for p in ps[:2]], part="part-0000")
+    write(tmp_path, "completions", "s0", [completion(p, large, 50) for p in ps[2:]], part="part-0001")
+    # two rows each: the larger cap wins, although its hash sorts last
+    assert most_rows_first([("a-small", 2, 2048), ("z-large", 2, 3072)])[0][0] == "z-large"
+    assert most_rows_config(tmp_path) == "z-large"
+    assert latest_parent(tmp_path, "s0", 4096) == "z-large"
+    assert "config `z-large` chosen by default" in plan_caps(tmp_path, fit_from=0.0, bootstrap=0).notes[0]
