@@ -194,5 +194,5 @@ def test_export_excludes_what_the_trainers_strict_think_markers_refuses_any_case
     assert [(e["reason"], e["rows"], e["share_of_rows"]) for e in export.manifest["exclusions"]] == [
         ("think_marker", 4, round(4 / 7, 4))]
     # the exported rows, with a marker put back in reasoning, are what the trainer would refuse
-    assert row_problem(lines[0] | {"conversations": lines[0]["conversations"][:-1] + [
-        lines[0]["conversations"][-1] | {"reasoning_content": "</THINK>"}]}) == "assistant message 2 contains a thinking marker"
+    marked = lines[0]["conversations"][:-1] + [lines[0]["conversations"][-1] | {"reasoning_content": "</THINK>"}]
+    assert row_problem(lines[0] | {"conversations": marked}) == "assistant message 2 contains a thinking marker"

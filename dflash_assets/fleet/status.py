@@ -151,7 +151,8 @@ def status_table(statuses: list[ServerStatus]) -> Table:
         return "-" if v is None else f"{v:,}"
 
     for s in statuses:
-        table.add_row(f"  {s.name}" if s.gateway else s.name, s.url, "[green]healthy[/]" if s.healthy else "[red]unhealthy[/]",
+        name = f"  {s.name}" if s.gateway else s.name  # a gateway's workers, indented under it
+        table.add_row(name, s.url, "[green]healthy[/]" if s.healthy else "[red]unhealthy[/]",
                       num(s.context_length), num(s.max_running_requests), num(s.running), num(s.waiting),
                       "-" if s.token_usage is None else f"{s.token_usage:.1%}", "-" if s.pid is None else str(s.pid),
                       ",".join(map(str, s.gpus)) if s.gpus else "-", _uptime(s.uptime_s), s.error or "")
