@@ -45,6 +45,7 @@ from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.config import DispatchSettings
 from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.generation.preflight import Budget
+from dflash_assets.rules import CONTEXT_MARGIN
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -203,8 +204,8 @@ def test_preflight_through_the_gateway_uses_the_servers_own_limits_and_token_cou
     assert "max_model_len" not in get(f"{gateway.url}/v1/models")["data"][0], "the gateway's own card has no context"
     assert (info.context_length, {info.max_req_input_len}) == (CONTEXT, limits) and contexts == {CONTEXT}
     assert counts == [direct["count"]] * len(gateway.workers), "each server counts the chat template the same"
-    budget = Budget.of([info], DispatchSettings().context_margin)
-    fits = CONTEXT - DispatchSettings().context_margin - direct["count"]
+    budget = Budget.of([info])
+    fits = CONTEXT - CONTEXT_MARGIN - direct["count"]
     assert budget.problem(direct["count"], fits) is None
     assert budget.problem(direct["count"], fits + 1) == (
         f"prompt of {direct['count']} tokens + max_output_tokens {fits + 1} = {CONTEXT - 1} exceeds the server "

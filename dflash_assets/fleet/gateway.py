@@ -105,12 +105,12 @@ async def gateway_workers(client: ServerClient) -> list[GatewayWorker] | None:
     """The workers an smg gateway at `client.url` routes to, or None when the URL is not a gateway (an SGLang
     server has no `/workers` route: 404)."""
     try:
-        body = await client._request("GET", WORKERS_ROUTE, timeout=30)
+        body = await client._optional(WORKERS_ROUTE)  # None on a 404
     except ServerError as e:
-        if e.status in (404, 405):
+        if e.status == 405:
             return None
         raise
-    return parse_workers(body)
+    return None if body is None else parse_workers(body)
 
 
 async def open_gateway(session: aiohttp.ClientSession, url: str, workers: list[GatewayWorker],

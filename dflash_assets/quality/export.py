@@ -76,8 +76,8 @@ WITH c AS (
             WHEN finish_reason IS DISTINCT FROM 'stop' THEN 'not_stop'
             WHEN content_empty THEN 'empty_content'
             WHEN think_marker THEN 'think_marker'
-    "context_overflow",  # rules.OVERFLOW_SQL: generated under a clamp
-    "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
+            WHEN {overflow} THEN 'context_overflow'
+            WHEN $drop_long AND prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
                 THEN 'no_prompt'
         END AS reason
