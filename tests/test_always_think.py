@@ -5,7 +5,7 @@ import duckdb
 from sglang_wheel import sglang_srt
 from test_continuation import cont, make_shard
 
-from dflash_assets.fleet.fleet import on_fleet
+from dflash_assets.fleet.fleet import on_fleet, read_info
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 
@@ -14,12 +14,6 @@ FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--always-
 SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
 OFF = GenerationConfig(max_output_tokens=64, enable_thinking=False)
 
-
-def info_of(url):
-    async def read(fleet):
-        return fleet.infos[0]
-
-    return on_fleet([url], read)
 
 
 def test_0_5_23_forces_reasoning_for_a_template_that_opens_think_in_the_generation_prompt():
@@ -32,8 +26,8 @@ def test_0_5_23_forces_reasoning_for_a_template_that_opens_think_in_the_generati
 
 
 def test_the_client_reads_an_always_thinking_template_from_what_the_server_renders(emulator):
-    assert info_of(emulator(*FLAGS).emu.url).always_thinks is True
-    assert info_of(emulator(*FLAGS[:-1]).emu.url).always_thinks is False
+    assert read_info(emulator(*FLAGS).emu.url).always_thinks is True
+    assert read_info(emulator(*FLAGS[:-1]).emu.url).always_thinks is False
 
 
 def test_with_thinking_off_rows_still_reason_and_the_run_says_so(tmp_path, emulator):

@@ -5,25 +5,19 @@ import time
 
 from test_continuation import FAST, cont, generate, make_shard, rows
 
-from dflash_assets.fleet.fleet import on_fleet
+from dflash_assets.fleet.fleet import on_fleet, read_info
 from dflash_assets.fleet.status import fleet_status
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.preflight import check_fleet
 
 
-def info_of(url):
-    async def read(fleet):
-        return fleet.infos[0]
-
-    return on_fleet([url], read)
-
 
 def test_a_dp_size_4_server_reports_one_internal_state_per_rank_and_the_client_sums_them(emulator):
     server = emulator(*FAST, "--dp-size", "4", "--max-running-requests", "4")
     _, body = server.get("/server_info")
     assert [s["effective_max_running_requests_per_dp"] for s in body["internal_states"]] == [4, 4, 4, 4]
-    assert info_of(server.emu.url).max_running_requests == 16
+    assert read_info(server.emu.url).max_running_requests == 16
     [status] = fleet_status(attach_urls=[server.emu.url])
     assert status.max_running_requests == 16
 
@@ -54,7 +48,7 @@ def test_reasoning_parser_auto_is_read_as_the_parser_model_info_detected(emulato
     server = emulator("--decode-tokens-per-s", "0", "--reasoning-parser", "auto")
     assert server.get("/server_info")[1]["reasoning_parser"] == "auto"
     assert server.get("/model_info")[1]["reasoning_parser"] == "qwen3"
-    info = info_of(server.emu.url)
+    info = read_info(server.emu.url)
     assert info.reasoning_parser == "qwen3"
     assert check_fleet([info], enable_thinking=True) == []
 
