@@ -126,7 +126,7 @@ def test_a_shard_past_the_truncation_limit_gets_its_report_and_histogram_in_the_
 def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 40)
     with start_emulator(FAST + ["--fault-crash-after", "12"]) as crashing:
-        res = resources(tmp_path, crashing.url, shard_size=40)
+        res = resources(tmp_path, crashing.url, shard_size=40, health_timeout_s=3)  # each retry finds it gone
         with dg.instance_for_test() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
             first = run_shard(instance, res, "00000", cap=32000, commit_rows=1, max_in_flight_per_server=2,
