@@ -55,12 +55,15 @@ def write_shard(out: Path, shard: str, n: int, offset: int, rng: np.random.Gener
         "reasoning_tokens": (completion_tokens * 0.7).astype(np.int32), "max_output_tokens": cap,
         "server_context_length": np.full(n, 16384, np.int32), "server_url": ["http://127.0.0.1:30000"] * n,
         "model": ["qwen3-27b"] * n, "temperature": np.full(n, 0.6), "top_p": np.full(n, 0.95),
-        "top_k": np.full(n, 20, np.int32), "enable_thinking": np.ones(n, bool), "content": content,
+        "top_k": np.full(n, 20, np.int32), "min_p": np.zeros(n), "repetition_penalty": np.ones(n),
+        "presence_penalty": np.zeros(n), "frequency_penalty": np.zeros(n),
+        "enable_thinking": np.ones(n, bool), "content": content,
         "reasoning_content": reasoning, "latency_s": rng.exponential(30, n), "attempt": np.ones(n, np.int16),
         "created_at": [now] * n,
     }
-    for name in ("prompt_token_ids", "output_ids", "parent_config_hash", "tokens_reused"):  # not recorded here
-        completions[name] = pa.nulls(n, COMPLETION_SCHEMA.field(name).type)
+    for field in COMPLETION_SCHEMA:  # token ids, lineage, turns, cache figures: not recorded here
+        if field.name not in completions:
+            completions[field.name] = pa.nulls(n, field.type)
     write(out, "completions", shard, pa.table(completions, schema=COMPLETION_SCHEMA), args.compression)
     messages = [json.dumps([{"role": "user", "content": f"question {i}"}]) for i in idx]
     prompts = {
