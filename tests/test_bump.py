@@ -18,7 +18,9 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 
 N = 600
-SERVER = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-request"]
+# --random-seed: the draws are the seed's, not the run's, so the KS test below passes or fails by this seed
+SERVER = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-request",
+          "--random-seed", "7"]
 SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=200, commit_seconds=5, load_sample_s=0)
 
 
@@ -133,3 +135,22 @@ def test_temperature_zero_or_a_seed_gives_the_same_completion_every_time(emulato
     assert len(set(lengths_of({"temperature": 0.0}))) == 1
     assert len(set(lengths_of({"temperature": 0.6, "sampling_seed": 7}))) == 1
     assert len(set(lengths_of({"temperature": 0.6}))) > 1
+
+
+def test_with_a_random_seed_each_request_draws_anew_and_every_run_draws_the_same(emulator):
+    """`--random-seed`: the n-th request of a prompt draws the same on every server run, whatever order the
+    prompts arrive in, so a test comparing distributions fails by its seed, never by chance."""
+    prompts = [{"text": f"<|im_start|>user\nHow long is answer {k}?<|im_end|>\n<|im_start|>assistant\n",
+                "sampling_params": {"max_new_tokens": 32000, "temperature": 0.6}} for k in range(2)]
+
+    def run(order, seed):
+        server = emulator("--reasoning-parser", "qwen3", "--sampling", "per-request", "--random-seed", seed)
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        for k in order:
+            seen[k].append(server.post("/generate", prompts[k])[1]["meta_info"]["completion_tokens"])
+        return seen
+
+    first, reordered = run([0, 1, 0, 1, 0, 1], "7"), run([1, 1, 1, 0, 0, 0], "7")
+    assert first == reordered
+    assert len(set(first[0])) == 3 and len(set(first[1])) == 3  # each request of a prompt is a new draw
+    assert run([0, 1, 0, 1, 0, 1], "8") != first

@@ -17,11 +17,13 @@ Order, as in 0.5.23:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import math
 import random
 import time
 import uuid
+from array import array
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -131,6 +133,10 @@ class Engine:
         self.cfg = cfg
         self.faults = faults
         self._random = random.Random()  # seeded by the OS: every server, every request draws its own
+        # with --random-seed, the n-th request of the same input ids draws the same on every run, whatever order
+        # concurrent requests arrive in (tests that compare distributions then pass or fail by their seed, not
+        # by chance); each request of the same prompt still draws anew
+        self._seeded_draws: dict[bytes, int] | None = {} if cfg.args.random_seed is not None else None
         a = cfg.args
         self.schedulers = [
             Scheduler(
@@ -243,13 +249,20 @@ class Engine:
         finally:
             sched.release(ticket)
 
+    def _draw(self, input_ids: list[int]) -> float:
+        if self._seeded_draws is None:
+            return self._random.random()
+        key = hashlib.blake2b(array("q", input_ids).tobytes(), digest_size=16).digest()
+        nth = self._seeded_draws[key] = self._seeded_draws.get(key, 0) + 1
+        return random.Random(f"{self.cfg.args.random_seed}:{key.hex()}:{nth}").random()
+
     def _generate(self, req: Request, max_new: int) -> model.Generation:
         sp = req.sampling
         # like a server: temperature > 0 without a seed is a new draw per request (SGLang's default temperature
         # is 1.0); temperature 0 or a seed gives the prompt's one completion
         temperature = 1.0 if sp.get("temperature") is None else sp["temperature"]
         seed = sp.get("sampling_seed")
-        draw = self._random.random() if temperature > 0 and seed is None and self.cfg.per_request_sampling else None
+        draw = self._draw(req.input_ids) if temperature > 0 and seed is None and self.cfg.per_request_sampling else None
         plan = model.plan_completion(req.input_ids, self.cfg.lengths, seed, req.sample_index, draw=draw)
         stop = sp.get("stop")
         return model.generate(
