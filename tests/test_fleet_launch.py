@@ -84,7 +84,7 @@ def test_up_starts_one_server_per_gpu_and_a_second_up_reuses_them(fleet_dir):
         assert environ_of(rec.pid)["CUDA_VISIBLE_DEVICES"] == gpu
         assert os.getpgid(rec.pid) == rec.pid and os.getsid(rec.pid) == rec.pid  # own session: outlives us
     saved = json.loads(registry.registry_path(fleet_dir).read_text())
-    assert saved["version"] == 1 and set(saved["servers"]) == {"gpu0", "gpu1"}
+    assert saved["version"] == registry.REGISTRY_VERSION == 2 and set(saved["servers"]) == {"gpu0", "gpu1"}
     gpu1 = saved["servers"]["gpu1"]
     assert gpu1["pid"] == first[1].pid and gpu1["gpus"] == [1] and gpu1["host"] == "127.0.0.1"
     assert gpu1["args"]["context_length"] == 8192 and len(gpu1["args_hash"]) == 64
@@ -147,7 +147,7 @@ def test_down_stops_the_whole_process_group(fleet_dir):
     """sglang's scheduler and detokenizer are children of the server: they hold the GPU until they go."""
     log = fleet_dir / "logs" / "gpu0.log"
     leader = processes.spawn(["sh", "-c", "sleep 60 & sleep 60 & wait"], dict(os.environ), log)
-    start = processes.start_ticks(leader.pid)
+    start = processes.start_time(leader.pid)
     registry.save(fleet_dir, {"gpu0": registry.ServerRecord(
         name="gpu0", pid=leader.pid, proc_start=start, host="127.0.0.1", port=1, gpus=[0], args_hash="x",
         args={}, command=["sh"], api_key_env=None, started_at="2020-01-01T00:00:00+00:00", log=str(log))})
@@ -172,7 +172,7 @@ def test_a_reused_pid_is_not_mistaken_for_our_server(fleet_dir):
     spec = make_spec(free_base_port(1), gpus=(0,))
     args = spec.servers()["gpu0"]
     impostor = registry.ServerRecord(
-        name="gpu0", pid=os.getpid(), proc_start=processes.start_ticks(os.getpid()) + 1, host=args.host,
+        name="gpu0", pid=os.getpid(), proc_start=processes.start_time(os.getpid()) + 1, host=args.host,
         port=args.port, gpus=[0], args_hash="x", args=args.canonical(), command=[], api_key_env=None,
         started_at="2020-01-01T00:00:00+00:00", log=str(fleet_dir / "logs" / "gpu0.log"))
     registry.save(fleet_dir, {"gpu0": impostor})
@@ -271,3 +271,21 @@ def test_attach_urls_are_checked(urls, message):
 def test_attach_urls_are_normalised():
     assert parse_urls("http://a:30000/, https://router.internal:8080") == [
         "http://a:30000", "https://router.internal:8080"]
+
+
+def test_a_registry_of_the_previous_version_keeps_its_warm_servers(fleet_dir):
+    """Version 1 recorded the start time as /proc clock ticks; read back, the server it names is still ours."""
+    leader = processes.spawn(["sleep", "60"], dict(os.environ), fleet_dir / "logs" / "gpu0.log")
+    try:
+        raw = Path(f"/proc/{leader.pid}/stat").read_text()
+        ticks = int(raw[raw.rindex(")") + 2:].split()[19])  # starttime, field 22 of proc(5)
+        record = dict(name="gpu0", pid=leader.pid, proc_start=ticks, host="127.0.0.1", port=1, gpus=[0],
+                      args_hash="x", args={}, command=["sleep"], api_key_env=None,
+                      started_at="2020-01-01T00:00:00+00:00", log=str(fleet_dir / "logs" / "gpu0.log"))
+        registry.registry_path(fleet_dir).write_text(json.dumps({"version": 1, "servers": {"gpu0": record}}))
+        loaded = registry.load(fleet_dir)["gpu0"]
+        assert processes.is_ours(loaded.pid, loaded.proc_start)
+        assert not processes.is_ours(loaded.pid, loaded.proc_start + 1)
+    finally:
+        leader.kill()
+        leader.wait()

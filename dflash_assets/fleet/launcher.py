@@ -157,7 +157,7 @@ def _launch(name: str, args: ServerArgs, spec: FleetSpec, fleet_dir: Path, key: 
                 f"{env.get('CUDA_VISIBLE_DEVICES', '(inherited)')}: {' '.join(argv)}"
                 f"{' --api-key (from $' + spec.api_key_env + ')' if key else ''}\n")
     proc = processes.spawn(argv + (["--api-key", key] if key else []), env, log)
-    return ServerRecord(name=name, pid=proc.pid, proc_start=processes.start_ticks(proc.pid), host=args.host,
+    return ServerRecord(name=name, pid=proc.pid, proc_start=processes.start_time(proc.pid), host=args.host,
                         port=args.port, gpus=list(args.gpus), args_hash=args_hash(args, spec.command),
                         args=args.canonical(), command=argv, api_key_env=spec.api_key_env if key else None,
                         started_at=started_at, log=str(log))

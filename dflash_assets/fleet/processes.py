@@ -1,7 +1,7 @@
 """Detached server processes: start one in its own session, tell whether a pid is still it, stop its group.
 
 A pid alone proves nothing after a reboot or a long run: the kernel reuses pids. A process is "ours" only
-if /proc/<pid>/stat shows the start time recorded at launch. A zombie counts as dead.
+if its start time (psutil's create_time) is the one recorded at launch. A zombie counts as dead.
 """
 
 from __future__ import annotations
@@ -14,58 +14,39 @@ import subprocess
 import time
 from pathlib import Path
 
-PROC = Path("/proc")
+import psutil
 
 # Handles of the servers this process started, kept so a server that dies is reaped (not left a zombie
 # that looks alive) and so Popen does not warn about a child still running when it is collected.
 _children: dict[int, subprocess.Popen] = {}
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and parens)."""
-    try:
-        raw = (PROC / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return raw[raw.rindex(")") + 2:].split()
-
-
-def start_ticks(pid: int) -> int | None:
-    """The start time of a live process (clock ticks since boot); None if it is gone or a zombie."""
+def start_time(pid: int) -> float | None:
+    """When a live process started (seconds since the epoch); None if it is gone or a zombie."""
     if pid in _children:
         _children[pid].poll()  # reaps it if it has exited
-    stat = _stat(pid)
-    if stat is None or stat[0] in ("Z", "X"):
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() in _GONE else proc.create_time()
+    except psutil.Error:  # NoSuchProcess, AccessDenied
         return None
-    return int(stat[19])  # field 22 of stat(5), counted from state = field 3
 
 
-def is_ours(pid: int, proc_start: int | None) -> bool:
-    if not PROC.exists():  # no /proc (not Linux): existence is all we can check
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return False
-    ticks = start_ticks(pid)
-    return ticks is not None and ticks == proc_start
+def is_ours(pid: int, proc_start: float | None) -> bool:
+    started = start_time(pid)
+    # create_time is boot time + start ticks, the same float every time it is read
+    return started is not None and proc_start is not None and started == proc_start
 
 
 def group_alive(pgid: int) -> bool:
     """Any live (non-zombie) process left in the group? sglang's scheduler children hold the GPU."""
-    if not PROC.exists():
+    for proc in psutil.process_iter(["status"]):
         try:
-            os.killpg(pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            stat = _stat(int(entry.name))
-            if stat and int(stat[2]) == pgid and stat[0] not in ("Z", "X"):
+            if proc.info["status"] not in _GONE and os.getpgid(proc.pid) == pgid:
                 return True
+        except ProcessLookupError:
+            continue
     return False
 
 
@@ -86,13 +67,13 @@ def exit_code(pid: int) -> int | None:
     return proc.poll() if proc else None
 
 
-def stop_group(pid: int, proc_start: int | None, timeout_s: float = 30.0) -> None:
+def stop_group(pid: int, proc_start: float | None, timeout_s: float = 30.0) -> None:
     """SIGTERM the server's process group, wait for it to go, SIGKILL what is left after `timeout_s`.
 
     If a *different* process now holds the pid, our group is gone: a pid is not reused while a group of
     that id still has members, so there is nothing of ours to signal.
     """
-    if start_ticks(pid) is not None and not is_ours(pid, proc_start):
+    if start_time(pid) is not None and not is_ours(pid, proc_start):
         return
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
         try:
@@ -112,7 +93,7 @@ def stop_group(pid: int, proc_start: int | None, timeout_s: float = 30.0) -> Non
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        start_ticks(pgid)  # reaps the leader if it is our child
+        start_time(pgid)  # reaps the leader if it is our child
         if not group_alive(pgid):
             return True
         time.sleep(0.1)
