@@ -25,7 +25,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _healthy(url: str, timeout: float = 1.0) -> bool:
+def _healthy(url: str, timeout: float = 10.0) -> bool:
+    # /health answers after its one-token health generation, at least 1 s later (SGLang's asyncio.sleep(1),
+    # see emulator/info.py): a 1 s timeout failed every probe of a busy machine
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
             return r.status == 200
