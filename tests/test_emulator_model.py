@@ -162,3 +162,53 @@ def test_building_a_16kb_reply_costs_less_than_serialising_it():
     build = fastest(lambda: model.generate(model.plan_completion(chat_ids("long"), lengths), 1 << 20))
     serialise = fastest(lambda: json.dumps({"text": g.text, "output_ids": g.output_ids}))
     assert build < serialise, (build, serialise)  # the server JSON-encodes every reply anyway
+
+
+# ---- --non-ascii: em dashes as byte tokens, so a cap can cut a character ----------
+
+
+def test_the_default_stream_is_ascii_and_unchanged_by_the_non_ascii_mode():
+    """Other tests compare outputs row for row: the ASCII stream's ids are pinned (sha256 before the mode existed)."""
+    import hashlib
+    from array import array
+
+    ids, text, _, _ = model._stream()
+    assert hashlib.sha256(array("i", ids).tobytes()).hexdigest()[:16] == "96c51f223e04722d"
+    plain = model.generate(model.plan_completion(chat_ids("Explain idea 7 step by step."), LENGTHS), 1 << 20)
+    assert text.isascii() and plain.text.isascii() and len(plain.output_ids) == 372
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_non_ascii_text_is_the_same_words_with_em_dashes_for_some_commas(thinking):
+    prompt = chat_ids("Explain idea 7 step by step.", thinking)
+    plain = model.generate(model.plan_completion(prompt, LENGTHS), 1 << 20)
+    dashed = model.generate(model.plan_completion(prompt, LENGTHS, non_ascii=True), 1 << 20)
+    assert dashed.text.count(" \u2014 ") > 0 and dashed.text.replace("\u2014", "").isascii()
+    assert set(dashed.text) - set(plain.text) == {"\u2014"}
+    # part by part (thought, answer), the dashed text with its dashes written back as commas is the plain text,
+    # up to where the shorter ends (the same number of tokens covers fewer words: a dash is 4 tokens, a comma 1)
+    for p, d in zip(plain.text.split("</think>"), dashed.text.split("</think>")):
+        d = d.replace(" \u2014", ",")
+        n = min(len(p), len(d)) - 40  # the last word of the shorter part may be cut short by a dash's tokens
+        assert n > 0 and p[:n] == d[:n]
+
+
+@pytest.mark.parametrize("text", ["Explain idea 7 step by step.", "question", "alpha", "beta"])
+def test_non_ascii_output_re_tokenises_to_its_own_ids(text):
+    prompt = chat_ids(text)
+    g = model.generate(model.plan_completion(prompt, LENGTHS, non_ascii=True), 1 << 20)
+    assert tok.decode(tok.encode(g.text)) == g.text and "\ufffd" not in g.text
+    assert tok.encode(g.text + tok.IM_END) == g.output_ids, "thought and answer end on whole characters"
+    dash = g.output_ids.index(0xE2)
+    assert g.output_ids[dash - 1 : dash + 3] == list(" \u2014".encode())  # byte-fallback tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_non_ascii_continuation_from_inside_a_character_equals_generating_with_a_larger_cap(k):
+    prompt = chat_ids("Explain idea 7 step by step.")
+    full = model.generate(model.plan_completion(prompt, LENGTHS, non_ascii=True), 1 << 20)
+    cap = full.output_ids.index(0xE2) - 1 + k  # k tokens of " —": the space, then 1, 2 or 3 of its bytes
+    first = model.generate(model.plan_completion(prompt, LENGTHS, non_ascii=True), cap)
+    rest = model.generate(model.plan_completion(prompt + first.output_ids, LENGTHS, non_ascii=True), 1 << 20)
+    assert first.output_ids + rest.output_ids == full.output_ids
+    assert first.text.endswith("\ufffd") == (k in (2, 3))  # decoded alone, a cut character is U+FFFD

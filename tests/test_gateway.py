@@ -235,6 +235,49 @@ def test_fleet_status_on_the_gateway_url_shows_the_workers_behind_it(gateway):
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_a_worker_the_gateway_marks_unhealthy_is_left_out_and_with_none_healthy_the_fleet_refuses(gateway):
+    """smg keeps listing a worker whose /health fails, `is_healthy: false, status: "not_ready"`, and its own
+    /health still answers 200: the fleet reads and sizes by the healthy workers only, and with none healthy
+    refuses with the list, rather than send into a gateway that has nowhere to route."""
+    from dflash_assets.fleet.gateway import GatewayError
+    from dflash_assets.fleet.status import fleet_status
+
+    def unhealthy(n: int):
+        return lambda: sum(not w["is_healthy"] for w in get(f"{gateway.url}/workers")["workers"]) == n
+
+    async def fleet():
+        fleet = await connect([gateway.url], health_timeout_s=10)
+        await fleet.session.close()
+        return fleet
+
+    sick, rest = gateway.workers[0], gateway.workers[1:]
+    try:
+        post(f"{sick.url}/_emulator/faults", {"unhealthy": True})  # its /health answers 503
+        wait_for("smg marks the first server unhealthy", unhealthy(1), proc=gateway.proc)
+        listed = {w["url"].rstrip("/"): w for w in get(f"{gateway.url}/workers")["workers"]}
+        assert len(listed) == 3 and (listed[sick.url]["is_healthy"], listed[sick.url]["status"]) == (False, "not_ready")
+        connected = asyncio.run(fleet())
+        [client], [info] = connected.clients, connected.infos
+        assert sorted(s.url for s in client.workers) == sorted(w.url for w in rest)
+        assert (info.servers, info.max_running_requests) == (2, sum(effective_max_running(w.url) for w in rest))
+        [head, *rows] = fleet_status(attach_urls=[gateway.url])
+        assert head.error == "3 workers, 2 healthy" and head.max_running_requests == info.max_running_requests
+        [row] = [r for r in rows if r.url == sick.url]
+        assert not row.healthy and row.error.startswith("the gateway marks it unhealthy (not_ready)"), row
+
+        for w in rest:
+            post(f"{w.url}/_emulator/faults", {"unhealthy": True})
+        wait_for("smg marks every server unhealthy", unhealthy(3), proc=gateway.proc)
+        with pytest.raises(GatewayError) as refused:
+            asyncio.run(fleet())
+        listed = ", ".join(f"{w['url'].rstrip('/')} (not_ready)" for w in get(f"{gateway.url}/workers")["workers"])
+        assert str(refused.value) == f"the gateway {gateway.url} has no healthy worker (workers: {listed})"
+    finally:
+        for w in gateway.workers:
+            post(f"{w.url}/_emulator/faults", {"unhealthy": None})
+        wait_for("smg marks the three servers healthy again", unhealthy(0), proc=gateway.proc)
+
+
 SHARD = "00000"
 PROMPTS = 120  # one preflight reject stays under the context_overflow check's 1%
 LONG = "p0007"  # too long for the context with the cap: rejected in preflight, never sent

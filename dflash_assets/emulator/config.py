@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--loop-share", type=float, default=LengthModel.loop_share,
                      help="Share of prompts (fixed per prompt and seed) whose generation repeats one line until "
                           "--length-max: runaway generations.")
+    emu.add_argument("--non-ascii", action="store_true",
+                     help="Text with multi-byte characters: every other comma between two words becomes an em dash "
+                          "(' —', byte tokens), so a cap can cut a character in two, and reply texts are what "
+                          "SGLang's incremental detokenizer sends (U+FFFD for a cut character). Off: ASCII only.")
     emu.add_argument(
         "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
     )

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from . import model
+from . import detokenizer, model
 from . import tokenizer as tok
 from .config import EmulatorConfig
 from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
@@ -233,18 +233,26 @@ class Engine:
         try:
             await sched.wait_admitted(ticket)
             n = len(gen.output_ids)
+            steps = []
             if req.stream and n > 1:
                 chunk = STREAM_CHUNK_TOKENS if ticket.per_token_s > 0 else INSTANT_STREAM_CHUNK_TOKENS
                 step = max(chunk, self.stream_interval)
-                skip, text, done = sp_skip(sp), "", 0
-                for k in [1, *range(1 + step, n, step)]:
-                    await _sleep_until(ticket.time_of_token(k))
+                steps = [1, *range(1 + step, n, step)]
+            sent = self._sent_texts(req, gen, steps) if self.cfg.args.non_ascii else None
+            skip, text, done = sp_skip(sp), "", 0
+            for i, k in enumerate(steps):
+                await _sleep_until(ticket.time_of_token(k))
+                if sent is None:
                     text += tok.decode(gen.output_ids[done:k], skip_special_tokens=skip)  # O(n) overall
-                    done = k
-                    yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
+                else:
+                    text += sent[i]
+                done = k
+                yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
             await _sleep_until(ticket.time_of_token(n))
             if sched.prefix_cache:
                 sched.prefix_cache.insert(ids + gen.output_ids)
+            if sent is not None:  # the reply's text is every piece the detokenizer sent, joined
+                gen = replace(gen, text="".join(sent))
             yield replace(self._final(req, gen), cached_tokens=cached)
         finally:
             sched.release(ticket)
@@ -263,7 +271,8 @@ class Engine:
         temperature = 1.0 if sp.get("temperature") is None else sp["temperature"]
         seed = sp.get("sampling_seed")
         draw = self._draw(req.input_ids) if temperature > 0 and seed is None and self.cfg.per_request_sampling else None
-        plan = model.plan_completion(req.input_ids, self.cfg.lengths, seed, req.sample_index, draw=draw)
+        plan = model.plan_completion(req.input_ids, self.cfg.lengths, seed, req.sample_index, draw=draw,
+                                     non_ascii=self.cfg.args.non_ascii)
         stop = sp.get("stop")
         return model.generate(
             plan,
@@ -273,6 +282,14 @@ class Engine:
             stop_token_ids=sp.get("stop_token_ids"),
             no_stop_trim=bool(sp.get("no_stop_trim")),
         )
+
+    def _sent_texts(self, req: Request, gen: model.Generation, steps: list[int]) -> list[str]:
+        """--non-ascii: what SGLang's detokenizer sends at each streamed step, then at the finished one (a reply
+        not streamed still passes it every 50 tokens); the model's own text is its ids decoded alone."""
+        sp, n = req.sampling, len(gen.output_ids)
+        steps = [*steps, n] if steps else detokenizer.non_streamed_steps(n)
+        return detokenizer.output_strs(req.input_ids, gen.output_ids, steps, gen.finish, sp_skip(sp),
+                                       bool(sp.get("no_stop_trim")))
 
     def _reasoning(self, req: Request, gen: model.Generation, k: int) -> int:
         """Reasoning tokens among the first k outputs, when the request requires reasoning."""

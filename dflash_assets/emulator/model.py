@@ -18,6 +18,9 @@ what a model conditioned on k tokens of an unfinished answer does. Temperature 0
 or a seed stays a pure function of the prompt. Text comes from one precomputed token stream, sliced at
 word starts, so a 16 KB reply costs two slices, not a loop per token, and every
 output re-tokenises to the same ids (no two whitespace tokens ever touch).
+
+That stream is ASCII. With `non_ascii` (the emulator's --non-ascii) the text comes from a variant of it where
+some commas are em dashes, emitted as byte tokens, so a cap can cut a character in two (`_non_ascii_stream`).
 """
 
 from __future__ import annotations
@@ -127,6 +130,64 @@ def _stream() -> tuple[list[int], str, array, array]:
     return list(ids) * 2, text + text, doubled_offsets, starts
 
 
+# ---- the non-ASCII variant of the stream (--non-ascii) ----------------------------
+
+EM_DASH = " \u2014"  # " —": no token holds it, so it is 4 byte tokens (space, then the dash's 3 UTF-8 bytes)
+_EM_DASH_IDS = tuple(tok.encode(EM_DASH))
+
+
+@functools.cache
+def _non_ascii_stream() -> tuple[list[int], array, bytearray]:
+    """(ids stored twice, where each position of `_stream()` lands in them, steps forward out of a dash).
+
+    `_stream()` with every other comma between two words written " —" instead ("word, next" -> "word — next"):
+    the same words, and a character of 3 UTF-8 bytes the vocabulary has no token for, so it comes as byte
+    tokens and a cap can fall inside it. Derived from `_stream()`, whose ids and RNG stay as they are: with
+    --non-ascii off every output is byte-for-byte what it was. It re-tokenises to its own ids: " —" is one
+    pre-token (punctuation with its space) that falls back to its bytes. A completion must not END inside a dash
+    (a segment followed by `</think>` or `<|im_end|>` would then decode to U+FFFD and re-tokenise to other ids),
+    so `inside[p]` says how many tokens a boundary at position p moves forward to clear the dash it is in.
+    """
+    ids, _, _, _ = _stream()
+    comma = tok.VOCAB[","]
+    out: list[int] = []
+    at = array("i")
+    commas = 0
+    for t in ids[:_STREAM_LEN]:
+        at.append(len(out))
+        if t == comma:
+            commas += 1
+            if commas % 2 == 0:
+                out += _EM_DASH_IDS
+                continue
+        out.append(t)
+    inside = bytearray(len(out))
+    for g in (i for i, t in enumerate(out) if t == _EM_DASH_IDS[1]):
+        for k in range(1, len(_EM_DASH_IDS)):
+            inside[g - 1 + k] = len(_EM_DASH_IDS) - k  # a boundary after k tokens of the dash
+    return out * 2, at, inside
+
+
+def _non_ascii_piece(offset: int, n: int) -> list[int]:
+    """`n` tokens of the non-ASCII stream from `offset` (wraps around)."""
+    ids, _, _ = _non_ascii_stream()
+    length = len(ids) // 2
+    out: list[int] = []
+    offset %= length
+    while n > 0:
+        take = min(n, length)
+        out += ids[offset : offset + take]
+        n -= take
+        offset = (offset + take) % length
+    return out
+
+
+def _clear_of_dash(position: int) -> int:
+    """Tokens a completion boundary at this non-ASCII stream position moves forward so no dash is cut."""
+    _, _, inside = _non_ascii_stream()
+    return inside[position % len(inside)]
+
+
 def _stream_piece(offset: int, n: int) -> tuple[list[int], str]:
     """`n` stream tokens from `offset` (any n; wraps around the stream)."""
     ids, text, offs, _ = _stream()
@@ -170,14 +231,16 @@ class Plan:
     answer_offset: int
     resume_at: int  # output tokens the prompt already carries after the marker
     looping: bool = False  # a runaway: the same line over and over until `maximum` (a thinking model that loops)
+    non_ascii: bool = False  # text from the non-ASCII stream (offsets above are positions of the ASCII one)
 
 
 def plan_completion(
     prompt_ids: list[int], lengths: LengthModel, sampling_seed: int | None = None, sample: int = 0,
-    draw: float | None = None,
+    draw: float | None = None, non_ascii: bool = False,
 ) -> Plan:
     """The completion of `prompt_ids`; `sample` > 0 draws the n-th parallel sample (n > 1); `draw` in (0, 1) is
-    a request's own randomness (temperature > 0 without a seed), None for the prompt's fixed completion."""
+    a request's own randomness (temperature > 0 without a seed), None for the prompt's fixed completion;
+    `non_ascii`: text with em dashes (byte tokens), see `_non_ascii_stream`."""
     marker_end = _find_last(prompt_ids, tok.GENERATION_PROMPT_IDS)
     thinking = False
     if marker_end < 0:
@@ -221,14 +284,23 @@ def plan_completion(
             total = max(total, reasoning + 3)
     else:
         total = max(total, 2)
+    reasoning_offset, answer_offset = starts[int(u[3] * len(starts))], starts[int(u[4] * len(starts))]
+    if non_ascii and not looping:  # the thought and the answer end on whole characters (see _non_ascii_stream)
+        _, at, _ = _non_ascii_stream()
+        if thinking:
+            reasoning += _clear_of_dash(at[reasoning_offset] + reasoning)
+            total = max(total, reasoning + 3)
+        answer_start = reasoning + 2 if thinking else 0
+        total += _clear_of_dash(at[answer_offset] + total - 1 - answer_start)
     return Plan(
         thinking=thinking,
         total=total,
         reasoning=reasoning,
-        reasoning_offset=starts[int(u[3] * len(starts))],
-        answer_offset=starts[int(u[4] * len(starts))],
+        reasoning_offset=reasoning_offset,
+        answer_offset=answer_offset,
         resume_at=len(prompt_ids) - marker_end,
         looping=looping,
+        non_ascii=non_ascii,
     )
 
 
@@ -255,17 +327,21 @@ def _segments(plan: Plan) -> list[tuple[int, int, object]]:
     """(start, stop, source) pieces of the completion: a stream offset, a special id, or the loop."""
     if plan.looping:  # reasoning (when thinking) that never closes: the line repeats to the end
         return [(0, plan.total - 1, ("loop",)), (plan.total - 1, plan.total, ("special", tok.IM_END_ID, ""))]
+    reasoning_offset, answer_offset = plan.reasoning_offset, plan.answer_offset
+    if plan.non_ascii:  # the same words, at their positions in the non-ASCII stream
+        _, at, _ = _non_ascii_stream()
+        reasoning_offset, answer_offset = at[reasoning_offset], at[answer_offset]
     if plan.thinking:
         r = plan.reasoning
         return [
-            (0, r, plan.reasoning_offset),
+            (0, r, reasoning_offset),
             (r, r + 1, ("special", tok.THINK_END_ID, tok.THINK_END)),
             (r + 1, r + 2, ("special", _NN_ID, "\n\n")),
-            (r + 2, plan.total - 1, plan.answer_offset),
+            (r + 2, plan.total - 1, answer_offset),
             (plan.total - 1, plan.total, ("special", tok.IM_END_ID, "")),
         ]
     return [
-        (0, plan.total - 1, plan.answer_offset),
+        (0, plan.total - 1, answer_offset),
         (plan.total - 1, plan.total, ("special", tok.IM_END_ID, "")),
     ]
 
@@ -273,12 +349,13 @@ def _segments(plan: Plan) -> list[tuple[int, int, object]]:
 def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str]:
     """Tokens [start, stop) of the completion and their text (`<|im_end|>` decodes
     to "" as with skip_special_tokens). Positions past the end (ignore_eos) keep
-    drawing from the answer stream."""
+    drawing from the answer stream. In the non-ASCII mode the text is the ids decoded alone, a character cut
+    at either end decoding to U+FFFD."""
     ids: list[int] = []
     text: list[str] = []
     segments = _segments(plan)
     last_answer_start = segments[-2][0]
-    beyond = ("loop",) if plan.looping else plan.answer_offset + plan.total - 1 - last_answer_start
+    beyond = ("loop",) if plan.looping else segments[-2][2] + plan.total - 1 - last_answer_start
     segments.append((plan.total, max(stop, plan.total), beyond))
     for seg_start, seg_stop, source in segments:
         lo, hi = max(start, seg_start), min(stop, seg_stop)
@@ -291,10 +368,14 @@ def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str
         elif isinstance(source, tuple):
             ids.append(source[1])
             text.append(source[2])
+        elif plan.non_ascii:
+            ids += _non_ascii_piece(source + lo - seg_start, hi - lo)
         else:
             piece_ids, piece_text = _stream_piece(source + lo - seg_start, hi - lo)
             ids += piece_ids
             text.append(piece_text)
+    if plan.non_ascii:
+        return ids, tok.decode(ids, skip_special_tokens=True)
     return ids, "".join(text)
 
 
@@ -360,8 +441,9 @@ def _apply_stop_strings(ids, text, finish, stops, no_stop_trim):
         return ids, text, finish
     pos, s = min(hits)
     end_char, acc = pos + len(s), 0
+    end_byte = len(text[:end_char].encode())  # counted in bytes: a byte token is a part of a character
     for n, t in enumerate(ids, 1):
-        acc += len(tok.TOKEN_STR[t]) if t != tok.IM_END_ID else 0
-        if acc >= end_char:
+        acc += len(tok.TOKEN_BYTES[t]) if t != tok.IM_END_ID else 0
+        if acc >= end_byte:
             break
     return ids[:n], text[: end_char if no_stop_trim else pos], {"type": "stop", "matched": s}
