@@ -99,7 +99,8 @@ def gateway():
         for i, flags in enumerate(WORKERS):
             workers.append(start_emulator([*COMMON, *flags], log_path=LOGS / f"worker-{i}.log"))
         port = free_port()
-        env = {**os.environ, "SMG_PORT": str(port), "SMG_METRICS_PORT": str(free_port()),
+        # a health probe a second (the script says 5 s for a real fleet): a worker is marked down, or up, sooner
+        env = {**os.environ, "SMG_PORT": str(port), "SMG_METRICS_PORT": str(free_port()), "SMG_HEALTH_INTERVAL_S": "1",
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         proc = start_group(["bash", str(SCRIPT), *(w.url for w in workers)], env, LOGS / "smg.log")
         url = f"http://127.0.0.1:{port}"
