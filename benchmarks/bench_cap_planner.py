@@ -3,14 +3,15 @@
 1. On the emulator: for a few prompt sets (and length models), generate every prompt at cap 4096 through the
    project's own engine, plan, then generate the same prompts at 8192 and 16384 and compare.
 2. Synthetic lognormal samples: how often the 95% interval at 8192 covers the true rate and tokens.
-3. Off the lognormal (issue 12): bimodal, Weibull, gamma, lognormal and lognormal with 8% runaways, 20,000
-   lengths cut at 4096, planned for 8192 and 16384, without a probe (model) and with probes of 500 (the default
-   for 20,000 prompts: the larger of 500 and 1%) and 2,000 rows at cap 32,000: error in percentage points
+3. Off the lognormal (issue 12): bimodal, Weibull, gamma, lognormal and lognormal with 8% runaways, cut at 4096,
+   planned for 8192 and 16384, without a probe (model) and with probes at cap 32,000, at two scales: 20,000
+   prompts with probes of 500 (the default there: the larger of 500 and 1%) and 2,000 rows, and 1,000,000
+   prompts (the pipeline's scale) with the default probe of 1% = 10,000 rows: error in percentage points
    against the true rate and how often the 95% interval covers it, over repeated draws.
 4. Time of one plan (200 bootstrap resamples) over 1,000,000 rows.
 
     uv run python benchmarks/bench_cap_planner.py [--prompts 1000] [--sets 3] [--trials 200] [--draws 40]
-        [--only off-family]
+        [--draws-1m 40] [--only off-family]
 """
 
 import argparse
@@ -94,14 +95,16 @@ def coverage(trials: int, n: int = 1000) -> None:
           f"max {errors.max():.2%}")
 
 
-def off_family(draws: int, n: int = 20_000, cap: int = 4096, probe_cap: int = 32_000) -> None:
-    caps, probes = (8192, 16384), (probe_rows(n), 2000)
-    print(f"off-family: {draws} draws of {n:,} lengths cut at {cap:,}; probes of {' and '.join(map(str, probes))} "
-          f"rows at cap {probe_cap:,}; |err| = |predicted - true| in pp (mean / max over draws), "
-          f"'≤1pp' = share of draws within 1 pp, 'cover' = share of 95% intervals holding the truth")
+def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, probe_cap: int = 32_000) -> None:
+    caps = (8192, 16384)
+    print(f"off-family: {draws} draws of {n:,} lengths cut at {cap:,}; probes of "
+          f"{' and '.join(f'{p:,}' for p in probes)} rows at cap {probe_cap:,}; |err| = |predicted - true| in pp "
+          f"(mean / max over draws), '≤1pp' = share of draws within 1 pp, 'cover' = share of 95% intervals "
+          f"holding the truth")
     head = f"{'family':<22} {'cap':>6} {'true':>7} | {'model':>7} {'|err|':>11} {'cover':>5} {'rows say':>8} "
-    head += "".join(f"| {'probe ' + str(p):>10} {'|err|':>11} {'≤1pp':>5} {'cover':>5} " for p in probes)
+    head += "".join(f"| {'probe ' + format(p, ','):>12} {'|err|':>11} {'≤1pp':>5} {'cover':>5} " for p in probes)
     print(head)
+    started, plans = time.perf_counter(), 0
     for family in FAMILIES:
         truth = family.truth(caps)
         out: dict = {}
@@ -116,6 +119,7 @@ def off_family(draws: int, n: int = 20_000, cap: int = 4096, probe_cap: int = 32
                     p_tokens, p_cut, p_flagged = censor(probe_draw[0][:size], probe_draw[1][:size], probe_cap)
                     probe = ProbeSample.of(p_tokens, p_cut, probe_cap, p_flagged)
                 plan = plan_from_lengths(tokens, cut, cap, runaway=flagged, probe=probe, candidates=caps, seed=d)
+                plans += 1
                 for c in caps:
                     e = plan.at(c)
                     r = e.truncation_rate
@@ -129,12 +133,13 @@ def off_family(draws: int, n: int = 20_000, cap: int = 4096, probe_cap: int = 32
                 cover = np.mean([x[1] for x in out[size, c]])
                 span = f"{err.mean():.2f}/{err.max():.2f}"
                 if size:
-                    row += f"| {mean:>10.2%} {span:>11} {np.mean(err <= 1):>5.0%} {cover:>5.0%} "
+                    row += f"| {mean:>12.2%} {span:>11} {np.mean(err <= 1):>5.0%} {cover:>5.0%} "
                 else:
                     row += f"| {mean:>7.2%} {span:>11} {cover:>5.0%} {np.mean([x[2] for x in out[0, c]]):>8.0%} "
             print(row)
     print("'model' is the censored lognormal fit (runaways flagged and kept out of the tail); 'rows say' is how "
-          "often the model-free range the rows support (runaway share to the share cut now) holds the truth")
+          "often the model-free range the rows support (runaway share to the share cut now) holds the truth; "
+          f"{plans} plans (200 bootstrap resamples each) in {time.perf_counter() - started:.0f} s")
 
 
 def timing(rows: int = 1_000_000) -> None:
@@ -150,7 +155,8 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=1000)
     parser.add_argument("--sets", type=int, default=3)
     parser.add_argument("--trials", type=int, default=200)
-    parser.add_argument("--draws", type=int, default=40, help="Draws per off-family case.")
+    parser.add_argument("--draws", type=int, default=40, help="Draws per off-family case of 20,000 prompts.")
+    parser.add_argument("--draws-1m", type=int, default=40, help="Draws per off-family case of 1,000,000 prompts.")
     parser.add_argument("--only", choices=["emulator", "coverage", "off-family", "timing"])
     args = parser.parse_args()
     if args.only in (None, "emulator"):
@@ -158,6 +164,8 @@ if __name__ == "__main__":
     if args.only in (None, "coverage"):
         coverage(args.trials)
     if args.only in (None, "off-family"):
-        off_family(args.draws)
+        off_family(args.draws, 20_000, (probe_rows(20_000), 2000))  # the 500-row floor, and 2,000
+        print()
+        off_family(args.draws_1m, 1_000_000, (probe_rows(1_000_000),))  # the pipeline's scale: 1% = 10,000
     if args.only in (None, "timing"):
         timing()
