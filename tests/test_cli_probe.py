@@ -66,8 +66,17 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
         line = next(line for line in out.splitlines() if line.strip().startswith(c + " "))
         assert line.endswith("measured (probe)"), line
     assert "precision: probe of 100 rows (" in out and "(95%, binomial)" in out
-    assert f"next: dflash report --data-dir {data} (the whole cap plan); to raise the cap to " in out
-    assert f"DFLASH_DATA_DIR={data} dflash continue --to " in out
+    # the next command raises the cap to the one the report's answer recommends (answer.recommended_cap)
+    from dflash_assets.quality.answer import recommended_cap
+    from dflash_assets.quality.outcome import Thresholds
+    from dflash_assets.quality.planner import DEFAULT_CANDIDATES, plan_caps
+
+    plan = plan_caps(data, candidates=sorted({*DEFAULT_CANDIDATES, cap}))
+    rec = recommended_cap(plan, Thresholds().truncation_rate_max)
+    assert rec.basis == "probe" and rec.truncation_rate.value <= 0.05
+    assert (f"next: dflash report --data-dir {data} (the whole cap plan); to raise the cap to {rec.cap:,}, the "
+            f"smallest that cuts 5.00% or fewer ({rec.truncation_rate.value * 100:.2f}%, measured (probe)): "
+            f"DFLASH_DATA_DIR={data} dflash continue --to {rec.cap}") in out, out
     # a second run with the same sample and settings resumes: nothing new generated
     again = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100")
     assert "100 completed + 0 rejected + 0 failed; 0 output tokens this run" in again.stdout, again.stdout

@@ -7,15 +7,15 @@ from pathlib import Path
 
 from dflash_assets.generation.probe import ProbeRun, probe_root
 from dflash_assets.quality.outcome import Thresholds, num, pct
-from dflash_assets.quality.planner import DEFAULT_CANDIDATES, CapPlan, PlanError, plan_caps
+from dflash_assets.quality.answer import recommended_cap
+from dflash_assets.quality.planner import DEFAULT_CANDIDATES, CapEstimate, CapPlan, PlanError, plan_caps
 from dflash_assets.quality.probe_estimates import precision_text
 
 
-def next_cap(plan: CapPlan, limit: float = Thresholds().truncation_rate_max) -> int | None:
-    """The smallest measured cap above the current one at which no more than `limit` (the truncation check's
-    threshold) of the rows are still cut; None when no measured cap gets there."""
-    return next((e.cap for e in plan.estimates if e.basis != "model" and e.cap > plan.cap
-                 and e.truncation_rate.value <= limit), None)
+def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
+    """A plan from the probe's rows alone (no run yet): the smallest measured cap at which no more than `limit`
+    is cut, the cap to generate the run at (answer.recommended_cap's rule, over the caps the probe measured)."""
+    return next((e for e in plan.estimates if e.basis != "model" and e.truncation_rate.value <= limit), None)
 
 
 def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shards: list[str],
@@ -42,17 +42,27 @@ def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shard
     if plan.probe_precision:
         lines += ["", f"precision: {precision_text(plan.probe_precision, plan.cap)}"]
     lines += [f"- {note}" for note in plan.notes]
-    cap = next_cap(plan, limit)
-    if cap is None:
-        lines += ["", f"next: no measured cap cuts {pct(limit)} or fewer of the rows (runaways alone: "
-                      f"{pct(plan.runaways / plan.rows)}); look at the runaways and the sampling settings before "
-                      f"raising the cap: dflash report --data-dir {data_dir}"]
-    elif alone:
-        lines += ["", f"next: generate the run at cap {num(cap)}, the smallest measured cap that cuts {pct(limit)} or "
-                      f"fewer: " + " ; ".join(f"dflash generate --shard {s} --urls {','.join(urls)} --data-dir "
-                                              f"{data_dir} --max-output-tokens {cap}" for s in shards)]
-    else:
-        lines += ["", f"next: dflash report --data-dir {data_dir} (the whole cap plan); to raise the cap to "
-                      f"{num(cap)}, the smallest measured cap that cuts {pct(limit)} or fewer: DFLASH_DATA_DIR="
-                      f"{data_dir} dflash continue --to {cap}"]
-    return "\n".join(lines)
+    if alone:
+        first = first_cap_within(plan, limit)
+        if first is None:
+            return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
+        return "\n".join(lines + ["", f"next: generate the run at cap {num(first.cap)}, the smallest measured cap "
+                                       f"that cuts {pct(limit)} or fewer: " + " ; ".join(
+                                           f"dflash generate --shard {s} --urls {','.join(urls)} --data-dir "
+                                           f"{data_dir} --max-output-tokens {first.cap}" for s in shards)])
+    if plan.truncated / plan.rows <= limit:
+        return "\n".join(lines + ["", f"next: nothing to raise: the cap {num(plan.cap)} cuts {pct(limit)} or fewer "
+                                       f"already; dflash report --data-dir {data_dir}"])
+    rec = recommended_cap(plan, limit)
+    if rec is None or rec.truncation_rate.value > limit:
+        return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
+    return "\n".join(lines + ["", f"next: dflash report --data-dir {data_dir} (the whole cap plan); to raise the cap "
+                                   f"to {num(rec.cap)}, the smallest that cuts {pct(limit)} or fewer "
+                                   f"({pct(rec.truncation_rate.value)}, {label[rec.basis]}): DFLASH_DATA_DIR="
+                                   f"{data_dir} dflash continue --to {rec.cap}"])
+
+
+def _no_cap(plan: CapPlan, limit: float, data_dir) -> str:
+    return (f"next: no candidate cap cuts {pct(limit)} or fewer of the rows (runaways alone: "
+            f"{pct(plan.runaways / plan.rows)}); look at the runaways and the sampling settings before raising the "
+            f"cap: dflash report --data-dir {data_dir}")
