@@ -41,8 +41,8 @@ def expected_precision(plan: CapPlan, size: int) -> str:
     honest = (plan.truncated - plan.runaways) / plan.rows
     p = ProbePrecision.expected(plan.cap, honest, size)
     text = (f" It will measure the share cut at each larger cap to ±{p.half_width * 100:.2f} pp at worst (95%, "
-            f"binomial: about {num(p.rows_above)} of its rows will pass the cap {num(plan.cap)}, "
-            f"{pct(honest)} as in the rows)")
+            f"binomial: about {num(p.rows_above)} of its rows, {pct(honest)} as in the run, will run past the cap "
+            f"{num(plan.cap)} without looping)")
     if p.enough:
         return text + "."
     return text + f"; {num(p.rows_for_target)} prompts would give ±{p.target * 100:g} pp (set `size`)."
