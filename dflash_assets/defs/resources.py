@@ -165,8 +165,8 @@ class RunawayConfig(dg.Config, RunawayRules):
 class QualityThresholds(dg.ConfigurableResource):
     """The limits the quality checks judge by (shares of rows, in [0, 1]); defaults are quality.Thresholds'."""
 
-    truncation_rate_max: float = 0.05
-    training_max_length: int = 4096
+    truncation_rate_max: float = Thresholds().truncation_rate_max
+    training_max_length: int = Thresholds().training_max_length
     runaway_rate_max: float = Field(Thresholds().runaway_rate_max, description="The runaway_rate check warns above "
                                     "this share of rows cut while looping.")
     runaway: RunawayConfig = Field(default_factory=RunawayConfig, description="What counts as a runaway.")
