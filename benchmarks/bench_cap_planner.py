@@ -9,9 +9,13 @@
    prompts (the pipeline's scale) with the default probe of 1% = 10,000 rows: error in percentage points
    against the true rate and how often the 95% interval covers it, over repeated draws.
 4. Time of one plan (200 bootstrap resamples) over 1,000,000 rows.
+5. Probe designs at the same cost (point estimates, 20,000 prompts, a 500-row random probe): P(L > c) read off
+   the probe alone, the plan's ratio estimator (the run's share cut now times the probe's conditional tail), and
+   a probe that would continue a random sample of the run's cut rows from the cap (not built), given the same
+   decode tokens as the random probe.
 
     uv run python benchmarks/bench_cap_planner.py [--prompts 1000] [--sets 3] [--trials 200] [--draws 40]
-        [--draws-1m 40] [--only off-family]
+        [--draws-1m 40] [--only off-family|probe-design]
 """
 
 import argparse
@@ -142,6 +146,42 @@ def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, pro
           f"{plans} plans (200 bootstrap resamples each) in {time.perf_counter() - started:.0f} s")
 
 
+def probe_design(draws: int = 400, n: int = 20_000, size: int = 500, cap: int = 4096, probe_cap: int = 32_000):
+    caps = (8192, 16384)
+    print(f"probe designs: {draws} draws of {n:,} prompts cut at {cap:,}, a random probe of {size} at cap "
+          f"{probe_cap:,}; sd = standard deviation of predicted - true (pp), ≤1pp = share of draws within 1 pp")
+    print(f"{'family':<22} {'cap':>6} {'true':>7} | {'probe alone':>16} | {'ratio (the plan)':>16} | "
+          f"{'continue cut rows':>17} {'rows':>5}")
+    for family in FAMILIES:
+        truth = family.truth(caps)
+        err: dict = {}
+        continued = []
+        for d in range(draws):
+            rng = np.random.default_rng(d)
+            lengths, loop = family.draw(rng, n)
+            cut = lengths > cap
+            loops, honest = loop.mean(), (cut & ~loop).mean()
+            p_lengths, p_loop = family.draw(rng, size)
+            p_above = (p_lengths > cap) & ~p_loop
+            # continuing a cut row reveals its own length: a random sample of the honest cut rows, as many as the
+            # random probe's decode tokens pay for (the tokens past the cap, up to the probe's cap)
+            order = rng.permutation(np.flatnonzero(cut & ~loop))
+            m = int(np.searchsorted(np.cumsum(np.minimum(lengths[order], probe_cap) - cap),
+                                    np.minimum(p_lengths, probe_cap).sum()))
+            continued.append(m)
+            for c in caps:
+                err.setdefault(("alone", c), []).append((p_lengths > c).mean() - truth[c])
+                err.setdefault(("ratio", c), []).append(
+                    loops + honest * (p_above & (p_lengths > c)).sum() / p_above.sum() - truth[c])
+                err.setdefault(("continue", c), []).append(loops + honest * (lengths[order[:m]] > c).mean() - truth[c])
+        for c in caps:
+            cells = [f"{np.std(err[k, c]) * 100:5.2f} sd {np.mean(np.abs(err[k, c]) <= 0.01):4.0%}"
+                     for k in ("alone", "ratio", "continue")]
+            print(f"{family.name:<22} {c:>6,} {truth[c]:>7.2%} | {cells[0]:>16} | {cells[1]:>16} | {cells[2]:>17} "
+                  f"{np.mean(continued):>5.0f}")
+    print("'rows': continued rows the random probe's decode tokens pay for (their prefill not counted)")
+
+
 def timing(rows: int = 1_000_000) -> None:
     rng = np.random.default_rng(0)
     lengths = np.round(1640 * np.exp(rng.standard_normal(rows))).astype(np.int64)
@@ -157,7 +197,7 @@ if __name__ == "__main__":
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--draws", type=int, default=40, help="Draws per off-family case of 20,000 prompts.")
     parser.add_argument("--draws-1m", type=int, default=40, help="Draws per off-family case of 1,000,000 prompts.")
-    parser.add_argument("--only", choices=["emulator", "coverage", "off-family", "timing"])
+    parser.add_argument("--only", choices=["emulator", "coverage", "off-family", "probe-design", "timing"])
     args = parser.parse_args()
     if args.only in (None, "emulator"):
         emulator_runs(args.prompts, args.sets)
@@ -167,5 +207,7 @@ if __name__ == "__main__":
         off_family(args.draws, 20_000, (probe_rows(20_000), 2000))  # the 500-row floor, and 2,000
         print()
         off_family(args.draws_1m, 1_000_000, (probe_rows(1_000_000),))  # the pipeline's scale: 1% = 10,000
+    if args.only in (None, "probe-design"):
+        probe_design()
     if args.only in (None, "timing"):
         timing()
