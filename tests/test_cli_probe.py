@@ -9,6 +9,7 @@ from test_cli import dflash
 
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.rules import CONTEXT_MARGIN
 
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
          "--length-sigma", "0.9", "--loop-share", "0.02", "--context-length", "8192"]
@@ -45,15 +46,16 @@ def probe_rows(data) -> list[tuple]:
 def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(prompts):
     url, data = prompts
     for shard in ("00000", "00001"):
-        gen = dflash("generate", "--shard", shard, "--urls", url, "--data-dir", str(data), "--max-output-tokens", "1024")
+        gen = dflash("generate", "--shard", shard, "--urls", url, "--data-dir", str(data),
+                     "--max-output-tokens", "1024")
         assert gen.returncode == 0, gen.stdout + gen.stderr
     result = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     rows = probe_rows(data)
-    longest = duckdb.sql(f"SELECT max(prompt_tokens) FROM read_parquet('{data}/length_probe/prompt_shards/**/*.parquet')"
-                         ).fetchall()[0][0]
-    cap = 8192 - 2 - longest  # the largest cap the context allows for the sample (rules.CONTEXT_MARGIN = 2)
+    longest = duckdb.sql(f"SELECT max(prompt_tokens) FROM read_parquet("
+                         f"'{data}/length_probe/prompt_shards/**/*.parquet')").fetchall()[0][0]
+    cap = 8192 - CONTEXT_MARGIN - longest  # the largest cap the context allows for the sampled prompts
     # the files: 100 sampled prompts, generated at that cap under their own config, beside the run's rows
     assert len(rows) == 100 and {r[1] for r in rows} == {cap} and len({r[2] for r in rows}) == 1
     config = rows[0][2]

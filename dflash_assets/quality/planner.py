@@ -133,7 +133,7 @@ class CapPlan:
     probe: ProbeSample | None = None  # the length probe the "probe" figures come from
     probe_survival: list[tuple[int, float]] = field(default_factory=list)  # (x, P(L > x)) the probe measured
     by_turn: list[TurnView] = field(default_factory=list)  # regenerate: all_turns: the rows of each turn index
-    probe_precision: list[ProbePrecision] = field(default_factory=list)  # per probe-measured cap: ± and size for ±1 pp
+    probe_precision: list[ProbePrecision] = field(default_factory=list)  # per probe cap: ±, size for ±1 pp
 
     def at(self, cap: int) -> CapEstimate:
         return next(e for e in self.estimates if e.cap == cap)
