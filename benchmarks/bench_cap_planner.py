@@ -3,14 +3,19 @@
 1. On the emulator: for a few prompt sets (and length models), generate every prompt at cap 4096 through the
    project's own engine, plan, then generate the same prompts at 8192 and 16384 and compare.
 2. Synthetic lognormal samples: how often the 95% interval at 8192 covers the true rate and tokens.
-3. Off the lognormal (issue 12): bimodal, Weibull, gamma, lognormal and lognormal with 8% runaways, 20,000
-   lengths cut at 4096, planned for 8192 and 16384, without a probe (model) and with probes of 500 (the default
-   for 20,000 prompts: the larger of 500 and 1%) and 2,000 rows at cap 32,000: error in percentage points
+3. Off the lognormal (issue 12): bimodal, Weibull, gamma, lognormal and lognormal with 8% runaways, cut at 4096,
+   planned for 8192 and 16384, without a probe (model) and with probes at cap 32,000, at two scales: 20,000
+   prompts with probes of 500 (the default there: the larger of 500 and 1%) and 2,000 rows, and 1,000,000
+   prompts (the pipeline's scale) with the default probe of 1% = 10,000 rows: error in percentage points
    against the true rate and how often the 95% interval covers it, over repeated draws.
 4. Time of one plan (200 bootstrap resamples) over 1,000,000 rows.
+5. Probe designs at the same cost (point estimates, 20,000 prompts, a 500-row random probe): P(L > c) read off
+   the probe alone, the plan's ratio estimator (the run's share cut now times the probe's conditional tail), and
+   a probe that would continue a random sample of the run's cut rows from the cap (not built), given the same
+   decode tokens as the random probe.
 
     uv run python benchmarks/bench_cap_planner.py [--prompts 1000] [--sets 3] [--trials 200] [--draws 40]
-        [--only off-family]
+        [--draws-1m 40] [--only off-family|probe-design]
 """
 
 import argparse
@@ -94,14 +99,16 @@ def coverage(trials: int, n: int = 1000) -> None:
           f"max {errors.max():.2%}")
 
 
-def off_family(draws: int, n: int = 20_000, cap: int = 4096, probe_cap: int = 32_000) -> None:
-    caps, probes = (8192, 16384), (probe_rows(n), 2000)
-    print(f"off-family: {draws} draws of {n:,} lengths cut at {cap:,}; probes of {' and '.join(map(str, probes))} "
-          f"rows at cap {probe_cap:,}; |err| = |predicted - true| in pp (mean / max over draws), "
-          f"'≤1pp' = share of draws within 1 pp, 'cover' = share of 95% intervals holding the truth")
+def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, probe_cap: int = 32_000) -> None:
+    caps = (8192, 16384)
+    print(f"off-family: {draws} draws of {n:,} lengths cut at {cap:,}; probes of "
+          f"{' and '.join(f'{p:,}' for p in probes)} rows at cap {probe_cap:,}; |err| = |predicted - true| in pp "
+          f"(mean / max over draws), '≤1pp' = share of draws within 1 pp, 'cover' = share of 95% intervals "
+          f"holding the truth")
     head = f"{'family':<22} {'cap':>6} {'true':>7} | {'model':>7} {'|err|':>11} {'cover':>5} {'rows say':>8} "
-    head += "".join(f"| {'probe ' + str(p):>10} {'|err|':>11} {'≤1pp':>5} {'cover':>5} " for p in probes)
+    head += "".join(f"| {'probe ' + format(p, ','):>12} {'|err|':>11} {'≤1pp':>5} {'cover':>5} " for p in probes)
     print(head)
+    started, plans = time.perf_counter(), 0
     for family in FAMILIES:
         truth = family.truth(caps)
         out: dict = {}
@@ -116,6 +123,7 @@ def off_family(draws: int, n: int = 20_000, cap: int = 4096, probe_cap: int = 32
                     p_tokens, p_cut, p_flagged = censor(probe_draw[0][:size], probe_draw[1][:size], probe_cap)
                     probe = ProbeSample.of(p_tokens, p_cut, probe_cap, p_flagged)
                 plan = plan_from_lengths(tokens, cut, cap, runaway=flagged, probe=probe, candidates=caps, seed=d)
+                plans += 1
                 for c in caps:
                     e = plan.at(c)
                     r = e.truncation_rate
@@ -129,12 +137,49 @@ def off_family(draws: int, n: int = 20_000, cap: int = 4096, probe_cap: int = 32
                 cover = np.mean([x[1] for x in out[size, c]])
                 span = f"{err.mean():.2f}/{err.max():.2f}"
                 if size:
-                    row += f"| {mean:>10.2%} {span:>11} {np.mean(err <= 1):>5.0%} {cover:>5.0%} "
+                    row += f"| {mean:>12.2%} {span:>11} {np.mean(err <= 1):>5.0%} {cover:>5.0%} "
                 else:
                     row += f"| {mean:>7.2%} {span:>11} {cover:>5.0%} {np.mean([x[2] for x in out[0, c]]):>8.0%} "
             print(row)
     print("'model' is the censored lognormal fit (runaways flagged and kept out of the tail); 'rows say' is how "
-          "often the model-free range the rows support (runaway share to the share cut now) holds the truth")
+          "often the model-free range the rows support (runaway share to the share cut now) holds the truth; "
+          f"{plans} plans (200 bootstrap resamples each) in {time.perf_counter() - started:.0f} s")
+
+
+def probe_design(draws: int = 400, n: int = 20_000, size: int = 500, cap: int = 4096, probe_cap: int = 32_000):
+    caps = (8192, 16384)
+    print(f"probe designs: {draws} draws of {n:,} prompts cut at {cap:,}, a random probe of {size} at cap "
+          f"{probe_cap:,}; sd = standard deviation of predicted - true (pp), ≤1pp = share of draws within 1 pp")
+    print(f"{'family':<22} {'cap':>6} {'true':>7} | {'probe alone':>16} | {'ratio (the plan)':>16} | "
+          f"{'continue cut rows':>17} {'rows':>5}")
+    for family in FAMILIES:
+        truth = family.truth(caps)
+        err: dict = {}
+        continued = []
+        for d in range(draws):
+            rng = np.random.default_rng(d)
+            lengths, loop = family.draw(rng, n)
+            cut = lengths > cap
+            loops, honest = loop.mean(), (cut & ~loop).mean()
+            p_lengths, p_loop = family.draw(rng, size)
+            p_above = (p_lengths > cap) & ~p_loop
+            # continuing a cut row reveals its own length: a random sample of the honest cut rows, as many as the
+            # random probe's decode tokens pay for (the tokens past the cap, up to the probe's cap)
+            order = rng.permutation(np.flatnonzero(cut & ~loop))
+            m = int(np.searchsorted(np.cumsum(np.minimum(lengths[order], probe_cap) - cap),
+                                    np.minimum(p_lengths, probe_cap).sum()))
+            continued.append(m)
+            for c in caps:
+                err.setdefault(("alone", c), []).append((p_lengths > c).mean() - truth[c])
+                err.setdefault(("ratio", c), []).append(
+                    loops + honest * (p_above & (p_lengths > c)).sum() / p_above.sum() - truth[c])
+                err.setdefault(("continue", c), []).append(loops + honest * (lengths[order[:m]] > c).mean() - truth[c])
+        for c in caps:
+            cells = [f"{np.std(err[k, c]) * 100:5.2f} sd {np.mean(np.abs(err[k, c]) <= 0.01):4.0%}"
+                     for k in ("alone", "ratio", "continue")]
+            print(f"{family.name:<22} {c:>6,} {truth[c]:>7.2%} | {cells[0]:>16} | {cells[1]:>16} | {cells[2]:>17} "
+                  f"{np.mean(continued):>5.0f}")
+    print("'rows': continued rows the random probe's decode tokens pay for (their prefill not counted)")
 
 
 def timing(rows: int = 1_000_000) -> None:
@@ -150,14 +195,19 @@ if __name__ == "__main__":
     parser.add_argument("--prompts", type=int, default=1000)
     parser.add_argument("--sets", type=int, default=3)
     parser.add_argument("--trials", type=int, default=200)
-    parser.add_argument("--draws", type=int, default=40, help="Draws per off-family case.")
-    parser.add_argument("--only", choices=["emulator", "coverage", "off-family", "timing"])
+    parser.add_argument("--draws", type=int, default=40, help="Draws per off-family case of 20,000 prompts.")
+    parser.add_argument("--draws-1m", type=int, default=40, help="Draws per off-family case of 1,000,000 prompts.")
+    parser.add_argument("--only", choices=["emulator", "coverage", "off-family", "probe-design", "timing"])
     args = parser.parse_args()
     if args.only in (None, "emulator"):
         emulator_runs(args.prompts, args.sets)
     if args.only in (None, "coverage"):
         coverage(args.trials)
     if args.only in (None, "off-family"):
-        off_family(args.draws)
+        off_family(args.draws, 20_000, (probe_rows(20_000), 2000))  # the 500-row floor, and 2,000
+        print()
+        off_family(args.draws_1m, 1_000_000, (probe_rows(1_000_000),))  # the pipeline's scale: 1% = 10,000
+    if args.only in (None, "probe-design"):
+        probe_design()
     if args.only in (None, "timing"):
         timing()

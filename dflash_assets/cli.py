@@ -1,4 +1,4 @@
-"""`dflash`: the demo, the emulator, the quality report and the fleet, from a terminal."""
+"""`dflash`: the demo, the emulator, the quality report, the length probe and the fleet, from a terminal."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import sys
 import typing
 from pathlib import Path
 
-from dflash_assets.settings import Deployment, DispatchSettings, GenerationSettings, LaunchSettings, Settings
+from dflash_assets.settings import (Deployment, DispatchSettings, GenerationSettings, LaunchSettings, ProbeSettings,
+                                    Settings)
 
 
 def _instance_environment(args: argparse.Namespace) -> None:
@@ -87,6 +88,48 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"shard {run.shard} config {run.config_hash}: {run.prompts} prompts = {run.completed} completed + "
           f"{run.rejected} rejected + {run.failed} failed ({run.elapsed_s:.1f}s)")
     return 0 if run.failed == 0 else 1
+
+
+def _probe(args: argparse.Namespace) -> int:
+    """The length probe without Dagster: the same code path (generation/probe.py) the `length_probe` asset adapts."""
+    import asyncio
+
+    from dflash_assets.fleet.fleet import connect
+    from dflash_assets.generation.config import ConfigError, GenerationConfig
+    from dflash_assets.generation.preflight import PreflightError
+    from dflash_assets.generation.probe import prompt_shard_keys, run_probe
+    from dflash_assets.quality.probe_summary import probe_summary
+
+    probe, config = ProbeSettings.taken_from(args), GenerationConfig.taken_from(args)
+    settings = DispatchSettings.taken_from(args)
+    try:
+        probe.validate()
+        settings.validate()
+    except ConfigError as e:
+        print(f"dflash probe: {e}", file=sys.stderr)
+        return 2
+    shards = [s for s in (args.shards or "").split(",") if s] or prompt_shard_keys(args.data_dir)
+    if not shards:
+        print(f"dflash probe: no prompt shards under {args.data_dir}: build them first (dflash backfill, or the "
+              f"prompt_shards asset)", file=sys.stderr)
+        return 2
+    urls = [u for u in args.urls.split(",") if u]
+
+    async def go():
+        fleet = await connect(urls, Deployment.API_KEY.value() or None)
+        try:
+            return await run_probe(args.data_dir, shards, fleet, config, size=probe.size, share=probe.share,
+                                   minimum=probe.min_prompts, seed=probe.seed, settings=settings, log=print)
+        finally:
+            await fleet.session.close()
+
+    try:
+        result = asyncio.run(go())
+    except (ConfigError, PreflightError, FileNotFoundError) as e:
+        print(f"dflash probe: {e}", file=sys.stderr)
+        return 2
+    print(probe_summary(result, args.data_dir, urls, shards))
+    return 0 if result.run.failed == 0 else 1
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -195,10 +238,14 @@ def _report_pictures(data_dir: str, answers) -> list[Path]:
     return pictures
 
 
-def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], required: tuple[str, ...] = ()) -> None:
+def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], required: tuple[str, ...] = (),
+                   skip: tuple[str, ...] = ()) -> None:
     """One flag per field of a settings model (`max_output_tokens` -> `--max-output-tokens`), with the model's
-    default and description: the defaults are settings.py's, never written here."""
+    default and description: the defaults are settings.py's, never written here. `skip`: fields another model
+    already gave a flag."""
     for name, field in model.model_fields.items():
+        if name in skip:
+            continue
         flag, default = "--" + name.replace("_", "-"), field.default
         kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
         shown = "" if default in (None, "") else f" (default {default})"
@@ -263,6 +310,18 @@ def build_parser() -> argparse.ArgumentParser:
     settings_flags(gen, GenerationSettings)
     settings_flags(gen, DispatchSettings)
 
+    probe = sub.add_parser("probe", help="run the length probe without Dagster (the same code as length_probe)",
+                           description="Samples the prompts of a data dir (seeded, stratified by shard and source), "
+                                       "generates them at a high cap into <data-dir>/length_probe/, and prints the "
+                                       "share still cut at candidate caps, measured, and the next command. A re-run "
+                                       "with the same sample and settings resumes.")
+    probe.add_argument("--urls", required=True, help="comma-separated server base URLs")
+    probe.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
+    probe.add_argument("--shards", help="comma-separated shard keys to sample (default: every prompt shard)")
+    settings_flags(probe, ProbeSettings)
+    settings_flags(probe, GenerationSettings, skip=("max_output_tokens",))  # the probe's own cap, above
+    settings_flags(probe, DispatchSettings)
+
     fleet = sub.add_parser("fleet", help="launch, inspect and stop SGLang servers (launch mode)",
                            description="Servers started by `fleet up` are detached: they outlive this command and "
                                        "every run, and later `up`s reuse them while healthy with the same args.")
@@ -301,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         return _continue(args)
     if args.subcommand == "generate":
         return _generate(args)
+    if args.subcommand == "probe":
+        return _probe(args)
     if args.subcommand == "fleet":
         return _fleet(args)
     return _report(args)

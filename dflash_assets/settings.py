@@ -8,6 +8,7 @@ use these models directly.
 - GenerationSettings: what a completion is (every row records them; they are hashed into config_hash).
 - DispatchSettings: how hard to drive the fleet (never hashed).
 - ServerFlags / LaunchSettings: the `sglang serve` of `launch` mode and `dflash fleet up`.
+- ProbeSettings: the length probe's sample and cap (the `length_probe` asset and `dflash probe`).
 - FleetSettings: how the pipeline reaches its servers (`emulated`, `attach`, `launch`).
 - DEPLOYMENT: the environment variables a deployment sets, with their defaults.
 """
@@ -94,6 +95,32 @@ class DispatchSettings(Settings):
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.commit_rows < 1 or self.commit_seconds <= 0:
             raise ConfigError("commit_rows must be >= 1 and commit_seconds > 0")
+
+
+class ProbeSettings(Settings):
+    """The length probe: which prompts (a seeded random sample) and at which cap. Its sampling settings are the
+    GenerationSettings, which must match the run the plan is for."""
+
+    max_output_tokens: int = Field(
+        0, description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts.")
+    size: int = Field(0, description="Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.")
+    share: float = Field(0.01, description="Share of the prompts to sample when size is 0.")
+    min_prompts: int = Field(500, description="At least this many prompts when size is 0.")
+    seed: int = Field(0, description="Seed of the random sample: the same prompts and seed give the same sample.")
+
+    def validate(self) -> None:  # noqa: D102
+        problems = []
+        if self.max_output_tokens < 0:
+            problems.append(f"max_output_tokens must be >= 0 (0: the largest the context allows), got "
+                            f"{self.max_output_tokens}")
+        if self.size < 0:
+            problems.append(f"size must be >= 0 (0: from share and min_prompts), got {self.size}")
+        if not 0 < self.share <= 1:
+            problems.append(f"share must be in (0, 1], got {self.share}")
+        if self.min_prompts < 1:
+            problems.append(f"min_prompts must be >= 1, got {self.min_prompts}")
+        if problems:
+            raise ConfigError("; ".join(problems))
 
 
 class ServerFlags(Settings):

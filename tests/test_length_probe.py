@@ -77,6 +77,13 @@ def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_co
     assert "**No length probe yet**" in md and "Materialise `length_probe`" in md
     assert f"{probe_size(360)} of {len(SHARDS) * PER_SHARD} prompts" in md
     assert "Predicted output: about" in md and "GPU-hours on 1 servers" in md
+    # how precise that probe will be, at worst, from the binomial of its rows above the cap, and the size for ±1 pp
+    from dflash_assets.quality.probe_estimates import ProbePrecision
+
+    honest = (meta["truncated_rows"] - meta["runaway_rows"]) / meta["rows"]
+    expected = ProbePrecision.expected(1024, honest, probe_size(360))
+    assert f"It will measure the share cut at each larger cap to ±{expected.half_width * 100:.2f} pp at worst" in md
+    assert (f"{expected.rows_for_target:,} prompts would give ±1 pp" in md) == (not expected.enough)
     # the emulator's looping generations are told apart, in the report and in the plan
     assert 0 < meta["runaway_rows"] < meta["truncated_rows"]
     assert f"Of the cut rows {meta['runaway_rows']} are runaways (looping)" in md

@@ -103,3 +103,60 @@ def test_the_runaway_threshold_and_rules_come_from_the_thresholds(looping_run):
     never = Thresholds(runaway=RunawayRules(min_line_repeats=10_000, repeated_ngram_share=1.1))
     (blind,) = run_checks(data, names=["runaway_rate"], thresholds=never)
     assert blind.passed and blind.metadata["runaway_rows"] == 0
+
+
+def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagster_run(looping_run):
+    import dagster as dg
+
+    from dflash_assets.defs.completions.checks import completions_quality_checks
+    from dflash_assets.defs.partitions import shard_partitions
+    from dflash_assets.defs.quality.assets import length_quality_report
+    from dflash_assets.defs.resources import DataDir, QualityThresholds
+
+    data, _, loops, _ = looping_run
+
+    def runaway_check(quality_config: dict):
+        with dg.instance_for_test() as instance:  # a checks-only run, as the schedule's: every shard
+            result = dg.materialize(
+                [length_quality_report, completions_quality_checks], instance=instance,
+                resources={"data_dir": DataDir(path=str(data)), "quality": QualityThresholds()},
+                selection=dg.AssetSelection.checks(dg.AssetCheckKey(length_quality_report.key, "runaway_rate")),
+                run_config={"resources": {"quality": {"config": quality_config}}} if quality_config else None)
+        assert result.success  # (a WARN check: its failure does not fail the run)
+        [evaluation] = result.get_asset_check_evaluations()
+        assert evaluation.check_name == "runaway_rate"
+        return evaluation
+
+    default = runaway_check({})
+    assert not default.passed and default.metadata["runaway_rows"].value == loops
+    # rules changed in the run config: a loop must now repeat one line in 99% of the tail's lines or 99% of its
+    # 8-grams, which fewer of the emulator's loops do: fewer rows count
+    strict = runaway_check({"runaway": {"repeated_line_share": 0.99, "repeated_ngram_share": 0.99}})
+    assert strict.metadata["runaway_rows"].value < loops
+    never = runaway_check({"runaway": {"min_line_repeats": 10_000, "repeated_ngram_share": 1.1}})
+    assert never.passed and never.metadata["runaway_rows"].value == 0
+    # the report counts by the same rules
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        reports = {}
+        for name, rules in (("default", {}), ("never", {"min_line_repeats": 10_000, "repeated_ngram_share": 1.1})):
+            result = dg.materialize(
+                [length_quality_report], partition_key="00000", instance=instance,
+                resources={"data_dir": DataDir(path=str(data)), "quality": QualityThresholds()},
+                run_config={"resources": {"quality": {"config": {"runaway": rules}}}})
+            reports[name] = result.asset_materializations_for_node("length_quality_report")[0].metadata
+    assert (reports["default"]["runaway_rows"].value, reports["never"]["runaway_rows"].value) == (loops, 0)
+    # the threshold itself: the same loops, judged against 50%
+    lenient = runaway_check({"runaway_rate_max": 0.5})
+    assert lenient.passed and lenient.metadata["runaway_rows"].value == loops
+    assert lenient.metadata["threshold"].value == 0.5
+
+
+def test_the_quality_resource_defaults_are_the_thresholds_own():
+    from dflash_assets.defs.resources import QualityThresholds
+
+    assert QualityThresholds().thresholds() == Thresholds()
+    schema = QualityThresholds.to_config_schema().as_field().config_type.fields
+    assert schema["runaway_rate_max"].default_value == Thresholds().runaway_rate_max
+    assert schema["runaway"].config_type.fields["repeated_line_share"].default_value == \
+        RunawayRules().repeated_line_share

@@ -15,6 +15,8 @@ from pydantic import Field, PrivateAttr
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, connect
 from dflash_assets.generation.prompts import FieldMapping
+from dflash_assets.quality.outcome import Thresholds
+from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.settings import FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings
 
 
@@ -153,13 +155,22 @@ def run_on_fleet(fleet: FleetResource, work):
 
     return asyncio.run(go())
 
+class RunawayConfig(dg.Config, RunawayRules):
+    """quality.runaway.RunawayRules (what counts as a loop), editable in the launchpad."""
+
+    def rules(self) -> RunawayRules:
+        return RunawayRules(**{name: getattr(self, name) for name in RunawayRules.model_fields})
+
+
 class QualityThresholds(dg.ConfigurableResource):
-    """The limits the quality checks judge by (shares of rows, in [0, 1])."""
+    """The limits the quality checks judge by (shares of rows, in [0, 1]); defaults are quality.Thresholds'."""
 
-    truncation_rate_max: float = 0.05
-    training_max_length: int = 4096
+    truncation_rate_max: float = Thresholds().truncation_rate_max
+    training_max_length: int = Thresholds().training_max_length
+    runaway_rate_max: float = Field(Thresholds().runaway_rate_max, description="The runaway_rate check warns above "
+                                    "this share of rows cut while looping.")
+    runaway: RunawayConfig = Field(default_factory=RunawayConfig, description="What counts as a runaway.")
 
-    def thresholds(self):
-        from dflash_assets.quality import Thresholds
-
-        return Thresholds(truncation_rate_max=self.truncation_rate_max, training_max_length=self.training_max_length)
+    def thresholds(self) -> Thresholds:
+        return Thresholds(truncation_rate_max=self.truncation_rate_max, training_max_length=self.training_max_length,
+                          runaway_rate_max=self.runaway_rate_max, runaway=self.runaway.rules())

@@ -23,11 +23,11 @@ from dflash_assets.generation.preflight import Budget
 from dflash_assets.generation.schema import PROMPT_SCHEMA
 from dflash_assets.generation.shards import prompt_store
 from dflash_assets.generation.storage import is_uri, open_storage
+from dflash_assets.settings import ProbeSettings
 
 PROBE_SHARD = "probe"
 PROBE_DIR = "length_probe"
-MIN_PROMPTS = 500
-SHARE = 0.01
+MIN_PROMPTS, SHARE = ProbeSettings().min_prompts, ProbeSettings().share  # the defaults, from settings.py
 
 
 def probe_root(data_dir: str | Path) -> str | Path:

@@ -64,14 +64,14 @@ def recommended_cap(plan: CapPlan, limit: float) -> CapEstimate | None:
 def cap_answers(data_dir: str | Path, thresholds: Thresholds = Thresholds(),
                 config_hash: str | None = None) -> list[CapAnswer]:
     """One answer per config of the data dir (or the one asked for), the most rows first."""
-    report = length_quality(data_dir, max_length=thresholds.training_max_length)
+    report = length_quality(data_dir, max_length=thresholds.training_max_length, runaway=thresholds.runaway)
     answers = []
     for row in sorted(report["by_config"], key=lambda r: (-r["rows"], r["config_hash"])):
         if config_hash and row["config_hash"] != config_hash:
             continue
         plan, error = None, None
         try:
-            plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100)
+            plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100, runaway=thresholds.runaway)
         except PlanError as e:
             error = str(e)
         answers.append(CapAnswer(

@@ -105,7 +105,7 @@ def print_report(
 ) -> dict[str, Any]:
     """Print the length-quality summary (and the check results) as rich tables; return the report dict."""
     console = console or Console()
-    report = length_quality(data_dir, shard, max_length=thresholds.training_max_length)
+    report = length_quality(data_dir, shard, max_length=thresholds.training_max_length, runaway=thresholds.runaway)
     scope = f"shard {shard}" if shard else "all shards"
     console.print(_table(f"Length quality, {scope}", LENGTH_COLUMNS, [_length_cells(report)]))
     console.print(f"Percentiles: {PERCENTILE_DEFINITION}.")

@@ -33,7 +33,8 @@ import numpy as np
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.probe_estimates import ProbeSample, measure_with_probe, wilson
+from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, measure_with_probe,
+                                                     precision_text, wilson)
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.tables import parquet_source, runaway_sql
 from dflash_assets.rules import MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
@@ -132,6 +133,7 @@ class CapPlan:
     probe: ProbeSample | None = None  # the length probe the "probe" figures come from
     probe_survival: list[tuple[int, float]] = field(default_factory=list)  # (x, P(L > x)) the probe measured
     by_turn: list[TurnView] = field(default_factory=list)  # regenerate: all_turns: the rows of each turn index
+    probe_precision: list[ProbePrecision] = field(default_factory=list)  # per probe cap: ±, size for ±1 pp
 
     def at(self, cap: int) -> CapEstimate:
         return next(e for e in self.estimates if e.cap == cap)
@@ -386,7 +388,7 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
     pt = None if prompt_tokens is None else np.ma.asarray(prompt_tokens).compressed().astype(np.int64)
     if pt is not None and not len(pt):
         pt = None
-    estimates, k = [], 0
+    estimates, k, precision = [], 0, []
     for i, c in enumerate(caps.tolist()):
         rate, tok = _interval(float(over[i] / n), boot_shares[:, i]), _interval(float(tokens[i]), boot_tokens[:, i])
         loops, basis = loop_share, "rows" if c <= cap or not honest_cut else "model"
@@ -396,6 +398,8 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
                            high=max(rate.high, float(measured.score_high[k])))
             loops = _interval(float(measured.runaway[k]), measured.boot_runaway[:, k])
             tok = _interval(float(measured.tokens_per_prompt[k] * n), measured.boot_tokens[:, k] * n)
+            precision.append(ProbePrecision.of(c, honest_cut / n, int(measured.hits[k]), measured.honest_above,
+                                               probe.rows))
             basis, k = "probe", k + 1
             # a larger cap cuts no more than this one: beyond the probe, the rows and probe support at most this
             bounds = replace(bounds, value=rate.value, high=rate.high)
@@ -432,7 +436,8 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
     return CapPlan(config_hash=config_hash, shard=shard, cap=int(cap), rows=n, truncated=n_cut, prompts=prompts,
                    tokens_per_s=tokens_per_s, context_length=context_length, fit=fit, estimates=estimates,
                    empirical=empirical, tail=tail, bootstrap=len(boot_tokens), notes=notes, runaways=n_loop,
-                   probe=probe if measured is not None else None, probe_survival=probe_survival)
+                   probe=probe if measured is not None else None, probe_survival=probe_survival,
+                   probe_precision=precision)
 
 
 # ---- from the data dir -----------------------------------------------------------------------------------
@@ -605,6 +610,8 @@ def plan_markdown(plan: CapPlan) -> str:
         lines.append(f"| {label} | {_span(e.truncation_rate, pct)} | {_span(e.runaway_rate, pct)} | {basis} | "
                      f"{_span(e.output_tokens, _tokens)} | {time_}{e.output_tokens.value / now:.2f}× | {_needed(e)} "
                      f"| {fits} |")
+    if plan.probe_precision:
+        lines += ["", f"**Probe precision**: {precision_text(plan.probe_precision, plan.cap)}."]
     lines += turn_markdown(plan)
     notes = list(plan.notes)
     if plan.tokens_per_s:

@@ -9,8 +9,9 @@ import numpy as np
 
 from dflash_assets.generation.probe import probe_size
 from dflash_assets.generation.schema import PROMPT_SCHEMA
-from dflash_assets.quality.outcome import num
+from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import CapPlan, _hours, _predict, _tokens
+from dflash_assets.quality.probe_estimates import ProbePrecision
 from dflash_assets.quality.tables import parquet_source
 from dflash_assets.rules import CONTEXT_MARGIN
 
@@ -34,9 +35,23 @@ def probe_tokens_per_prompt(plan: CapPlan, probe_cap: int) -> float:
     return now + honest * beyond + loops * (probe_cap - plan.cap)
 
 
+def expected_precision(plan: CapPlan, size: int) -> str:
+    """The sentence on how precisely a random probe of `size` prompts will measure the share cut (at worst,
+    whatever the shape of the lengths), and the size that would give ±1 pp."""
+    honest = (plan.truncated - plan.runaways) / plan.rows
+    p = ProbePrecision.expected(plan.cap, honest, size)
+    text = (f" It will measure the share cut at each larger cap to ±{p.half_width * 100:.2f} pp at worst (95%, "
+            f"binomial: about {num(p.rows_above)} of its rows, {pct(honest)} as in the run, will run past the cap "
+            f"{num(plan.cap)} without looping)")
+    if p.enough:
+        return text + "."
+    return text + f"; {num(p.rows_for_target)} prompts would give ±{p.target * 100:g} pp (set `size`)."
+
+
 def probe_advice(plan: CapPlan, data_dir: str | Path, rows: int, tokens_per_s: float | None,
                  servers: int | None) -> str:
-    """A Markdown paragraph: no probe yet, how to run one, its size, cap, predicted tokens and GPU time."""
+    """A Markdown paragraph: no probe yet, how to run one, its size, cap, predicted tokens, GPU time and
+    precision."""
     prompts = prompt_count(data_dir) or rows
     size = probe_size(prompts)
     head = (f"**No length probe yet**: the figures beyond the cap {num(plan.cap)} are a model's. Materialise "
@@ -44,8 +59,9 @@ def probe_advice(plan: CapPlan, data_dir: str | Path, rows: int, tokens_per_s: f
             f"dflash_assets.definitions --select length_probe`) to measure them: {num(size)} of {num(prompts)} "
             f"prompts, seeded and stratified across shards and sources")
     worst = max(plan.estimates, key=lambda e: e.cap)
+    precision = expected_precision(plan, size) if plan.truncated > plan.runaways else ""
     if plan.context_length is None or worst.context_needed_max is None:
-        return head + ", at the largest cap the fleet's context allows."
+        return head + ", at the largest cap the fleet's context allows." + precision
     cap = plan.context_length - (worst.context_needed_max - worst.cap)  # context_needed includes the margin
     tokens = size * probe_tokens_per_prompt(plan, cap)
     text = (f", at cap {num(cap)} (context {num(plan.context_length)} - {CONTEXT_MARGIN} - the longest prompt). "
@@ -56,4 +72,4 @@ def probe_advice(plan: CapPlan, data_dir: str | Path, rows: int, tokens_per_s: f
                  + (f", {hours * servers:.2f} GPU-hours on {servers} servers" if servers else ""))
     else:
         text += "; no measured fleet throughput yet to turn that into hours"
-    return head + text + "."
+    return head + text + "." + precision

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_PROBE_ROWS_ABOVE = 10  # fewer probe rows above the current cap than this: too few to measure the tail
+TARGET_HALF_WIDTH = 0.01  # the precision a probe is sized for: ±1 pp of the share still cut
+Z95 = 1.96
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Measured:
     probe_runaways: int  # runaway rows in the probe
     score_low: np.ndarray  # the rate with every share at its Wilson bounds (the run's and the probe's): where
     score_high: np.ndarray  # q(c) has few or no hits the bootstrap collapses to a point, the score interval does not
+    hits: np.ndarray  # per cap: honest probe rows above the current cap that pass it (q's numerator)
+    honest_above: int  # honest probe rows above the current cap (q's denominator)
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -68,6 +72,65 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     p = hits / n
     mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
     return max(0.0, (mid - half) / (1 + z * z / n)), min(1.0, (mid + half) / (1 + z * z / n))
+
+
+@dataclass(frozen=True)
+class ProbePrecision:
+    """How precisely a probe measures the share cut at one cap, and the probe size that would give ±`target`.
+
+    The run's share cut now (p, honest: runaways apart) is known from all its rows; the probe measures only the
+    share q of its own honest rows above the current cap that pass c, a binomial share of m rows. So the share
+    still cut at c, p * q, is known to ±z * p * sqrt(q~ (1 - q~) / (m + z²)) (Agresti–Coull: q~ = (hits + z²/2)
+    / (m + z²), sound at 0 hits). A random probe of N prompts has about N * p rows above the cap, so ±target
+    needs m + z² = (z * p / target)² q~ (1 - q~), i.e. N = that / p prompts.
+    """
+
+    cap: int
+    rows: int  # probe rows (prompts sampled)
+    rows_above: int  # of them, honest rows above the current cap: what the measurement rests on
+    half_width: float  # ± of the share still cut, from the binomial
+    rows_for_target: int  # probe rows for ±target at this cap
+    target: float = TARGET_HALF_WIDTH
+
+    @classmethod
+    def of(cls, cap: int, honest_share: float, hits: int, rows_above: int, rows: int,
+           target: float = TARGET_HALF_WIDTH, z: float = Z95) -> ProbePrecision:
+        q = (hits + z * z / 2) / (rows_above + z * z)
+        half = z * honest_share * math.sqrt(q * (1 - q) / (rows_above + z * z))
+        above_needed = max(0.0, (z * honest_share / target) ** 2 * q * (1 - q) - z * z)
+        needed = math.ceil(above_needed / honest_share) if honest_share else 0
+        return cls(int(cap), int(rows), int(rows_above), half, needed, target)
+
+    @classmethod
+    def expected(cls, cap: int, honest_share: float, rows: int, target: float = TARGET_HALF_WIDTH,
+                 z: float = Z95) -> ProbePrecision:
+        """Before any probe: the precision a random probe of `rows` prompts will have at worst (q = 1/2, the widest
+        a binomial gets), whatever the shape of the lengths."""
+        above = rows * honest_share
+        return cls.of(cap, honest_share, round(above / 2), round(above), rows, target, z) if above else \
+            cls(int(cap), int(rows), 0, 0.0, 0, target)
+
+    @property
+    def enough(self) -> bool:
+        return self.half_width <= self.target
+
+
+def _pp(share: float) -> str:
+    return f"±{share * 100:.2f} pp"
+
+
+def precision_text(precisions: list[ProbePrecision], cap: int) -> str:
+    """'probe of 500 rows (83 above the cap 4,096): ±1.23 pp at 8,192, ±0.52 pp at 16,384; 760 rows would give
+    ±1 pp at every cap' (or 'within ±1 pp at every cap')."""
+    if not precisions:
+        return ""
+    first = precisions[0]
+    text = (f"probe of {first.rows:,} rows ({first.rows_above:,} honest rows above the cap {cap:,}): "
+            + ", ".join(f"{_pp(p.half_width)} at {p.cap:,}" for p in precisions))
+    need = max(precisions, key=lambda p: p.rows_for_target)
+    if all(p.enough for p in precisions):
+        return text + f" (95%, binomial): within ±{first.target * 100:g} pp at every cap"
+    return text + f" (95%, binomial); {need.rows_for_target:,} rows would give ±{need.target * 100:g} pp at every cap"
 
 
 def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, counts: np.ndarray, cap: int,
@@ -123,4 +186,4 @@ def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, co
         boot = tuple(np.empty((0, len(caps))) for _ in range(3))
     return Measured(rate, runaway, tokens, *boot, rows_above=int(above.sum()),
                     probe_runaways=int(runaway_above.sum()), score_low=score_low,
-                    score_high=score_high)
+                    score_high=score_high, hits=passes.sum(1) - drop, honest_above=base)

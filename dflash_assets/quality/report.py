@@ -11,6 +11,7 @@ from typing import Any
 import duckdb
 
 from dflash_assets.quality.outcome import share
+from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import OVERFLOW_SQL, PERCENTILE_DEFINITION, percentile_sql
 
@@ -53,13 +54,15 @@ def length_quality(
     shard: str | None = None,
     max_length: int = 4096,
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS,
+    runaway: RunawayRules = RunawayRules(),
 ) -> dict[str, Any]:
     """Rows, truncation rate and completion-token P50/P90/P95/P99/max, overall and by config, shard, prompt
     length bucket (server-counted prompt_tokens), source dataset and turn (all_turns), plus overflow counts.
 
-    With `shard=None` it is the summary over all shards (`by_shard` lists each one).
+    With `shard=None` it is the summary over all shards (`by_shard` lists each one). `runaway` says what counts
+    as a runaway row (the thresholds' rules).
     """
-    with open_quality_db(data_dir, shard) as con:
+    with open_quality_db(data_dir, shard, runaway=runaway) as con:
         overall = [{k: v for k, v in g.items() if k != "whole"} for g in _grouped(con, "1 AS whole", "whole")]
         bucket_case, labels = _bucket_sql(prompt_buckets)
         buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")

@@ -7,23 +7,28 @@ either most of the tail's word n-grams repeat an earlier one, or one line makes 
 """
 
 from collections import Counter
-from dataclasses import dataclass
 
 import duckdb
 import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass(frozen=True)
-class RunawayRules:
-    """What counts as a runaway. Prose repeats almost no 8-word sequence within a few kB; a loop repeats nearly all."""
+class RunawayRules(BaseModel):
+    """What counts as a runaway. Prose repeats almost no 8-word sequence within a few kB; a loop repeats nearly all.
+    (A typed model, so the `quality` resource's config is built from these fields and defaults.)"""
 
-    tail_chars: int = 4000  # the end of the output that is judged
-    ngram_words: int = 8
-    repeated_ngram_share: float = 0.5  # share of the tail's n-grams that repeat an earlier n-gram of the tail
-    repeated_line_share: float = 0.5  # share of the tail's non-blank lines equal to its most common line
-    min_line_repeats: int = 4  # ... and that line seen at least this often
-    min_ngrams: int = 32  # a tail shorter than this many n-grams is never judged a loop (too little to tell)
-    end_chars: int = 32  # the end that must recur for either rule to be counted: the last line, or its last chars
+    model_config = ConfigDict(frozen=True)  # a value: hashable, safe as a default argument
+
+    tail_chars: int = Field(4000, description="The end of the output that is judged, in characters.")
+    ngram_words: int = Field(8, description="Words per n-gram of the repeated n-gram rule.")
+    repeated_ngram_share: float = Field(
+        0.5, description="A loop: at least this share of the tail's n-grams repeat an earlier n-gram of the tail.")
+    repeated_line_share: float = Field(
+        0.5, description="A loop: at least this share of the tail's non-blank lines equal its most common line ...")
+    min_line_repeats: int = Field(4, description="... and that line is seen at least this often.")
+    min_ngrams: int = Field(32, description="A tail of fewer n-grams is never judged a loop (too little to tell).")
+    end_chars: int = Field(32, description="The end that must recur for either rule to count: the last line, or "
+                                           "its last this many characters.")
 
 
 def is_runaway(text: str | None, rules: RunawayRules = RunawayRules()) -> bool:

@@ -1,25 +1,22 @@
 """length_probe: a seeded random sample of the prompts generated at a high cap, the measurement the cap plan uses."""
 
 import dagster as dg
-from pydantic import Field
 
 from dflash_assets.defs.completions.assets import CompletionsConfig
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.generation.probe import MIN_PROMPTS, SHARE, probe_root, prompt_shard_keys, run_probe
+from dflash_assets.generation.probe import probe_root, prompt_shard_keys, run_probe
+from dflash_assets.settings import ProbeSettings
 
 
-class LengthProbeConfig(CompletionsConfig):
-    """The sample and its cap. Sampling settings must match the run the plan is for (same defaults)."""
+class LengthProbeConfig(ProbeSettings, CompletionsConfig):
+    """The sample and its cap (settings.ProbeSettings; its max_output_tokens, 0 = the largest the context allows,
+    takes the place of the run's cap). Sampling settings must match the run the plan is for (same defaults)."""
 
-    max_output_tokens: int = Field(
-        0, description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts.")
-    size: int = Field(0, description="Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.")
-    share: float = Field(SHARE, description="Share of the prompts to sample when size is 0.")
-    min_prompts: int = Field(MIN_PROMPTS, description="At least this many prompts when size is 0.")
-    seed: int = Field(0, description="Seed of the random sample: the same prompts and seed give the same sample.")
+    def probe(self) -> ProbeSettings:
+        return ProbeSettings.taken_from(self)
 
 
 @dg.asset(
@@ -43,6 +40,7 @@ def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, f
     generation = config.generation()
     try:
         config.dispatch().validate()
+        config.probe().validate()
         probe = run_on_fleet(fleet, lambda f: run_probe(
             root, shards, f, generation, size=config.size, share=config.share, minimum=config.min_prompts,
             seed=config.seed, settings=config.dispatch(), log=context.log.info))

@@ -52,7 +52,8 @@ def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, 
 
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     for shard in context.partition_keys:
-        report = length_quality(root, shard=shard, max_length=quality.training_max_length)
+        report = length_quality(root, shard=shard, max_length=quality.training_max_length,
+                                runaway=quality.thresholds().runaway)
         png = completion_histogram_png(root, reports / f"shard={shard}" / "completion_lengths.png",
                                        shard=shard)
         context.add_asset_metadata(partition_key=shard, metadata={
@@ -92,7 +93,7 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
     from dflash_assets.quality.planner_plot import cap_plan_png
 
     root = data_dir.resolved()
-    report = length_quality(root, max_length=quality.training_max_length)
+    report = length_quality(root, max_length=quality.training_max_length, runaway=quality.thresholds().runaway)
     png = completion_histogram_png(root, data_dir.local_dir() / "reports" / "completion_lengths.png")
     metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
                 "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",

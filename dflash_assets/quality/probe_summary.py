@@ -1,0 +1,68 @@
+"""What `dflash probe` prints when the probe is done: its rows, the share still cut at candidate caps, measured,
+how precisely, and the command to run next."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_assets.generation.probe import ProbeRun, probe_root
+from dflash_assets.quality.outcome import Thresholds, num, pct
+from dflash_assets.quality.answer import recommended_cap
+from dflash_assets.quality.planner import DEFAULT_CANDIDATES, CapEstimate, CapPlan, PlanError, plan_caps
+from dflash_assets.quality.probe_estimates import precision_text
+
+
+def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
+    """A plan from the probe's rows alone (no run yet): the smallest measured cap at which no more than `limit`
+    is cut, the cap to generate the run at (answer.recommended_cap's rule, over the caps the probe measured)."""
+    return next((e for e in plan.estimates if e.basis != "model" and e.truncation_rate.value <= limit), None)
+
+
+def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shards: list[str],
+                  limit: float = Thresholds().truncation_rate_max) -> str:
+    run = result.run
+    lines = [f"length probe: {num(result.sampled)} of {num(result.prompts_total)} prompts at cap {num(result.cap)}, "
+             f"config {run.config_hash}: {num(run.completed)} completed + {num(run.rejected)} rejected + "
+             f"{num(run.failed)} failed; {num(run.output_tokens)} output tokens this run "
+             f"({run.elapsed_s:.1f} s), rows in {probe_root(data_dir)}"]
+    try:  # the default candidates and the probe's own cap: what it measured at its largest
+        plan = plan_caps(data_dir, candidates=sorted({*DEFAULT_CANDIDATES, result.cap}))
+    except PlanError as e:
+        return "\n".join(lines + [f"no cap plan: {e}"])
+    alone = plan.probe is None and plan.config_hash == run.config_hash  # no run rows yet: the probe's rows only
+    source = "the probe's rows alone" if alone else \
+        f"{num(plan.rows)} rows at cap {num(plan.cap)}" + (" and the probe" if plan.probe else "")
+    lines += ["", f"share still cut, from {source} (95% intervals):",
+              f"{'cap':>8}  {'cut':<24} {'runaways':>9}  from"]
+    label = {"rows": "measured (the rows)", "probe": "measured (probe)", "model": "model (lognormal tail)"}
+    for e in plan.estimates:
+        r = e.truncation_rate
+        lines.append(f"{num(e.cap):>8}  {f'{pct(r.value)} ({pct(r.low)}–{pct(r.high)})':<24} "
+                     f"{pct(e.runaway_rate.value):>9}  {label[e.basis]}")
+    if plan.probe_precision:
+        lines += ["", f"precision: {precision_text(plan.probe_precision, plan.cap)}"]
+    lines += [f"- {note}" for note in plan.notes]
+    if alone:
+        first = first_cap_within(plan, limit)
+        if first is None:
+            return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
+        return "\n".join(lines + ["", f"next: generate the run at cap {num(first.cap)}, the smallest measured cap "
+                                       f"that cuts {pct(limit)} or fewer: " + " ; ".join(
+                                           f"dflash generate --shard {s} --urls {','.join(urls)} --data-dir "
+                                           f"{data_dir} --max-output-tokens {first.cap}" for s in shards)])
+    if plan.truncated / plan.rows <= limit:
+        return "\n".join(lines + ["", f"next: nothing to raise: the cap {num(plan.cap)} cuts {pct(limit)} or fewer "
+                                       f"already; dflash report --data-dir {data_dir}"])
+    rec = recommended_cap(plan, limit)
+    if rec is None or rec.truncation_rate.value > limit:
+        return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
+    return "\n".join(lines + ["", f"next: dflash report --data-dir {data_dir} (the whole cap plan); to raise the cap "
+                                   f"to {num(rec.cap)}, the smallest that cuts {pct(limit)} or fewer "
+                                   f"({pct(rec.truncation_rate.value)}, {label[rec.basis]}): DFLASH_DATA_DIR="
+                                   f"{data_dir} dflash continue --to {rec.cap}"])
+
+
+def _no_cap(plan: CapPlan, limit: float, data_dir) -> str:
+    return (f"next: no candidate cap cuts {pct(limit)} or fewer of the rows (runaways alone: "
+            f"{pct(plan.runaways / plan.rows)}); look at the runaways and the sampling settings before raising the "
+            f"cap: dflash report --data-dir {data_dir}")
