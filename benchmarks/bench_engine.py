@@ -109,6 +109,10 @@ def utilisation(quick: bool) -> None:
                 return start, time.monotonic(), [r for group in done for r in group]
 
             start, end, done = asyncio.run(runs())
+            # from the first prompt sent: before it, the first run only connects, and connecting waits for each
+            # server's /health, at least a second as on SGLang 0.5.23 (the later runs' connects stay counted:
+            # they are what one shard per run costs)
+            start = min(r.first_sent_at for r in done)
             pending_until = max(r.last_sent_at for r in done)  # work was waiting to be sent until then
             busy = avail = 0.0
             for url in urls:
