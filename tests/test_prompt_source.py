@@ -132,3 +132,40 @@ def test_config_hash_covers_what_changes_the_output():
     assert base.config_hash("m") != GenerationConfig(max_output_tokens=8192).config_hash("m")
     assert base.config_hash("m") != GenerationConfig(enable_thinking=False).config_hash("m")
     assert base.config_hash("m") != base.config_hash("other-model")
+
+
+def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_the_end_fails_naming_it(tmp_path):
+    """A backfill run of prompt_shards connects once (a connect waits for every server's /health, >= 1 s on
+    SGLang 0.5.23); the shards before one past the end of the source are built, then the run fails naming it."""
+    import dagster as dg
+    import duckdb
+
+    from dflash_assets.defs.partitions import shard_partitions
+    from dflash_assets.defs.prompts.assets import prompt_shards
+    from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource
+    from dflash_assets.emulator.process import start_emulator
+    from conftest import Http
+
+    def healths(url: str) -> dict[str, int]:
+        return {k: n for k, n in Http(url).get("/_emulator/routes")[1].items() if k.startswith("GET /health ")}
+
+    src = tmp_path / "prompts.jsonl"
+    write_jsonl(src, [json.dumps({"prompt": f"question {i}"}) for i in range(5)])  # shards of 2: 00000-00002
+    keys = ["00000", "00001", "00002", "00003"]
+    with start_emulator([]) as emu, dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, keys)
+        job = dg.Definitions(assets=[prompt_shards], resources={
+            "fleet": FleetResource(mode="attach", urls=emu.url), "data_dir": DataDir(path=str(tmp_path / "data")),
+            "prompt_source": PromptSource(path=str(src), shard_size=2)}).resolve_implicit_global_asset_job_def()
+        before = healths(emu.url)  # start_emulator's own readiness probes
+        result = job.execute_in_process(instance=instance, raise_on_error=False, tags={
+            "dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]})
+        health = {k: n - before.get(k, 0) for k, n in healths(emu.url).items()}
+    assert not result.success
+    failure = result.failure_data_for_node("prompt_shards").user_failure_data
+    assert failure.description == f"shard 00003 is past the end of {src}: it has no lines"
+    # a failed step records no materialisation, but the shards before the end are built (a re-run reuses them)
+    built = duckdb.sql(f"SELECT shard, count(*) FROM read_parquet('{tmp_path}/data/prompt_shards/**/*.parquet') "
+                       f"GROUP BY shard ORDER BY shard").fetchall()
+    assert built == [("00000", 2), ("00001", 2), ("00002", 1)]
+    assert sum(health.values()) == 1, health  # one connect for the four shards

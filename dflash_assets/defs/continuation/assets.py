@@ -7,6 +7,7 @@ from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.defs.shard_concurrency import one_run_per_shard
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
@@ -35,13 +36,17 @@ class ContinuationConfig(DispatchRunConfig):
 )
 def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
                           data_dir: DataDir) -> None:
-    with one_run_per_shard(context, context.partition_keys):
+    async def each(connected):  # one connection for the range: connecting waits >= 1 s for every /health
         for shard in context.partition_keys:  # one shard, or a backfill's range of them, one after the other
-            context.add_asset_metadata(_continue(context, shard, config, fleet, data_dir), partition_key=shard)
+            context.add_asset_metadata(await _continue(context, shard, config, connected, data_dir),
+                                       partition_key=shard)
+
+    with one_run_per_shard(context, context.partition_keys):
+        run_on_fleet(fleet, each)
 
 
-def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: FleetResource,
-              data_dir: DataDir) -> dict:
+async def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: Fleet,
+                    data_dir: DataDir) -> dict:
     cap = config.new_max_output_tokens
     parent = config.parent_config_hash
     if parent == "latest":
@@ -49,8 +54,8 @@ def _continue(context: dg.AssetExecutionContext, shard: str, config: Continuatio
         if parent is None:
             raise dg.Failure(f"shard {shard} has no completions capped below {cap} to continue", allow_retries=False)
     try:
-        run = run_on_fleet(fleet, lambda f: continue_shard(data_dir.resolved(), shard, f, parent, cap,
-                                                           config.dispatch(), log=context.log.info))
+        run = await continue_shard(data_dir.resolved(), shard, fleet, parent, cap, config.dispatch(),
+                                   log=context.log.info)
     except ConfigError as e:
         raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
     except PreflightError as e:
