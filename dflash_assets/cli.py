@@ -52,20 +52,29 @@ def _emulator(argv: list[str]) -> int:
     return main(argv)
 
 
+def _refused(command: str, *settings) -> bool:
+    """Validate settings before any work; a bad one is a one-line error naming it (exit 2)."""
+    from dflash_assets.generation.config import ConfigError
+
+    try:
+        for each in settings:
+            each.validate()
+    except ConfigError as e:
+        print(f"dflash {command}: {e}", file=sys.stderr)
+        return True
+    return False
+
+
 def _generate(args: argparse.Namespace) -> int:
     """One shard's completions without Dagster: the same engine the `completions` asset adapts."""
     import asyncio
 
     from dflash_assets.fleet.fleet import connect
-    from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
+    from dflash_assets.generation.config import DispatchSettings, GenerationConfig
     from dflash_assets.generation.engine import generate_shard
 
     config, settings = GenerationConfig.taken_from(args), DispatchSettings.taken_from(args)
-    try:
-        config.validate()
-        settings.validate()
-    except ConfigError as e:
-        print(f"dflash generate: {e}", file=sys.stderr)
+    if _refused("generate", config, settings):
         return 2
     urls = [u for u in args.urls.split(",") if u]
 
@@ -102,11 +111,7 @@ def _probe(args: argparse.Namespace) -> int:
 
     probe, config = ProbeSettings.taken_from(args), GenerationConfig.taken_from(args)
     settings = DispatchSettings.taken_from(args)
-    try:
-        probe.validate()
-        settings.validate()
-    except ConfigError as e:
-        print(f"dflash probe: {e}", file=sys.stderr)
+    if _refused("probe", probe, settings):  # config: validated by run_probe, once its cap is known
         return 2
     shards = [s for s in (args.shards or "").split(",") if s] or prompt_shard_keys(args.data_dir)
     if not shards:
