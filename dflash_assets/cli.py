@@ -106,8 +106,8 @@ def _probe(args: argparse.Namespace) -> int:
     from dflash_assets.fleet.fleet import connect
     from dflash_assets.generation.config import ConfigError, GenerationConfig
     from dflash_assets.generation.preflight import PreflightError
-    from dflash_assets.generation.probe import prompt_shard_keys, run_probe
-    from dflash_assets.quality.probe_summary import probe_summary
+    from dflash_assets.generation.probe import prompt_shard_keys
+    from dflash_assets.quality.probe_summary import probe_summary, run_length_probe
 
     probe, config = ProbeSettings.taken_from(args), GenerationConfig.taken_from(args)
     settings = DispatchSettings.taken_from(args)
@@ -123,8 +123,7 @@ def _probe(args: argparse.Namespace) -> int:
     async def go():
         fleet = await connect(urls, Deployment.API_KEY.value() or None)
         try:
-            return await run_probe(args.data_dir, shards, fleet, config, size=probe.size, share=probe.share,
-                                   minimum=probe.min_prompts, seed=probe.seed, settings=settings, log=print)
+            return await run_length_probe(args.data_dir, shards, fleet, config, probe, settings, log=print)
         finally:
             await fleet.session.close()
 

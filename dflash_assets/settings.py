@@ -97,6 +97,9 @@ class DispatchSettings(Settings):
             raise ConfigError("commit_rows must be >= 1 and commit_seconds > 0")
 
 
+PROBE_MODES = ("prompts", "cut_rows")  # ProbeSettings.mode
+
+
 class ProbeSettings(Settings):
     """The length probe: which prompts (a seeded random sample) and at which cap. Its sampling settings are the
     GenerationSettings, which must match the run the plan is for."""
@@ -107,9 +110,14 @@ class ProbeSettings(Settings):
     share: float = Field(0.01, description="Share of the prompts to sample when size is 0.")
     min_prompts: int = Field(500, description="At least this many prompts when size is 0.")
     seed: int = Field(0, description="Seed of the random sample: the same prompts and seed give the same sample.")
+    mode: str = Field("prompts", description="What the probe samples: 'prompts' (random prompts generated at the "
+                                             "probe's cap) or 'cut_rows' (the run's honest cut rows, continued to "
+                                             "it: every row informs the tail; needs a run at a smaller cap).")
 
     def validate(self) -> None:  # noqa: D102
         problems = []
+        if self.mode not in PROBE_MODES:
+            problems.append(f"mode must be one of {', '.join(PROBE_MODES)}, got {self.mode!r}")
         if self.max_output_tokens < 0:
             problems.append(f"max_output_tokens must be >= 0 (0: the largest the context allows), got "
                             f"{self.max_output_tokens}")

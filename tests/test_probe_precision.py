@@ -80,3 +80,40 @@ def test_before_a_probe_the_worst_case_width_of_a_random_probe_is_what_its_rows_
         assert all(p.half_width <= expected.half_width * 1.1 for p in measured)
     assert ProbePrecision.expected(CAP, honest_share, expected.rows_for_target).half_width == \
         pytest.approx(0.01, abs=0.0005)
+
+
+def continuation_probe_of(size: int, seed: int = 300) -> ProbeSample:
+    """`size` of the run's honest cut rows continued to PROBE_CAP: prompts of the same family drawn until that many
+    were cut at CAP without looping (a random sample of the honest cut rows), their lengths then cut at PROBE_CAP."""
+    rng, lengths = np.random.default_rng(seed), []
+    while len(lengths) < size:
+        drawn, loop = RUNAWAYS.draw(rng, 20_000)
+        lengths += drawn[(drawn > CAP) & ~loop].tolist()
+    tokens, cut, flagged = censor(np.array(lengths[:size]), np.zeros(size, bool), PROBE_CAP)
+    return ProbeSample.of(tokens, cut, PROBE_CAP, flagged, "continued", continued_from="run")
+
+
+def test_a_continuation_probe_rests_on_all_its_rows_and_says_so_in_the_precision_line():
+    probe = continuation_probe_of(500)
+    plan = plan_with(probe)
+    honest_share = (plan.truncated - plan.runaways) / plan.rows
+    for p in plan.probe_precision:
+        hits = int((probe.completion_tokens > p.cap).sum())
+        q = (hits + Z * Z / 2) / (500 + Z * Z)
+        assert p.rows == p.rows_above == 500 and p.continued
+        assert p.half_width == pytest.approx(Z * honest_share * math.sqrt(q * (1 - q) / (500 + Z * Z)))
+        # every row of this probe is above the cap: the rows for ±1 pp are the rows above it, not / the share cut
+        assert p.rows_for_target == math.ceil(max(0.0, (Z * honest_share / 0.01) ** 2 * q * (1 - q) - Z * Z))
+    # the same 500 rows of a random probe would rest on ~80: this one is far tighter
+    assert plan.probe_precision[0].half_width < plan_with(probe_of(500)).probe_precision[0].half_width / 2
+    md = plan_markdown(plan)
+    widths = ", ".join(f"±{p.half_width * 100:.2f} pp at {p.cap:,}" for p in plan.probe_precision)
+    assert (f"**Probe precision**: continuation probe of 500 cut rows (500 honest rows cut at 4,096, continued): "
+            f"{widths} (95%, binomial): within ±1 pp at every cap.") in md
+    assert "| measured (continuation probe of 500 cut rows) |" in md
+    assert "**measured** by a continuation probe (500 of the run's honest cut rows continued to cap 32,000" in md
+    # and it measures: the truth of the family (a large draw) is within 1 pp and inside the interval at both caps
+    truth_lengths, _ = RUNAWAYS.draw(np.random.default_rng(9), 400_000)
+    for c in CAPS:
+        truth, e = float((truth_lengths > c).mean()), plan.at(c).truncation_rate
+        assert plan.at(c).basis == "probe" and abs(e.value - truth) < 0.01 and e.low <= truth <= e.high

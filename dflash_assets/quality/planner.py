@@ -33,7 +33,7 @@ import numpy as np
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, measure_with_probe,
+from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, measure_with_probe, probe_label,
                                                      precision_text, wilson)
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.tables import parquet_source, runaway_sql
@@ -399,7 +399,7 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
             loops = _interval(float(measured.runaway[k]), measured.boot_runaway[:, k])
             tok = _interval(float(measured.tokens_per_prompt[k] * n), measured.boot_tokens[:, k] * n)
             precision.append(ProbePrecision.of(c, honest_cut / n, int(measured.hits[k]), measured.honest_above,
-                                               probe.rows))
+                                               probe.rows, continued=probe.continued_from is not None))
             basis, k = "probe", k + 1
             # a larger cap cuts no more than this one: beyond the probe, the rows and probe support at most this
             bounds = replace(bounds, value=rate.value, high=rate.high)
@@ -433,6 +433,8 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
     if probe is not None and probe.rows:
         pv, pc = np.unique(probe.completion_tokens, return_counts=True)
         probe_survival = [(int(v), float(a / probe.rows)) for v, a in zip(pv, probe.rows - np.cumsum(pc))]
+        if probe.continued_from:  # its shares are of the honest cut rows: P(L > x) = R + p0 * share, beyond the cap
+            probe_survival = [(v, (n_loop + honest_cut * a) / n) for v, a in probe_survival]
     return CapPlan(config_hash=config_hash, shard=shard, cap=int(cap), rows=n, truncated=n_cut, prompts=prompts,
                    tokens_per_s=tokens_per_s, context_length=context_length, fit=fit, estimates=estimates,
                    empirical=empirical, tail=tail, bootstrap=len(boot_tokens), notes=notes, runaways=n_loop,
@@ -450,16 +452,31 @@ SAMPLING = ("model", "temperature", "top_p", "top_k", "enable_thinking")  # what
 
 
 def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRules = RunawayRules(),
-               notes: list[str] | None = None) -> ProbeSample | None:
+               notes: list[str] | None = None, parent: str | None = None) -> ProbeSample | None:
     """The length probe's rows (generation/probe.py) of the config with the largest cap whose sampling matches
     `like` (model, temperature, top_p, top_k, enable_thinking), only for prompts in the probe's current sample.
-    None when there is no probe (or none that matches)."""
-    from dflash_assets.generation.probe import PROBE_SHARD, probe_root
+    A continuation probe of `parent`'s cut rows (the planned config's) comes first: it measures the tail of
+    that run only, and more precisely. None when there is no probe (or none that matches)."""
+    from dflash_assets.generation.probe import CUT_ROWS_SHARD, PROBE_SHARD, probe_root
     from dflash_assets.generation.schema import PROMPT_SCHEMA
 
     root = probe_root(data_dir)
     with duckdb.connect(":memory:") as con:
         register_runaway(con, rules)
+        if parent is not None:
+            src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, CUT_ROWS_SHARD)
+            sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, CUT_ROWS_SHARD)
+            found = con.execute(f"SELECT config_hash, max(max_output_tokens) FROM {src} WHERE parent_config_hash = "
+                                f"$parent GROUP BY 1 ORDER BY 2 DESC, 1", {"parent": parent}).fetchall()
+            if found:
+                config_hash, cap = found[0]
+                rows = con.execute(ROW_QUERY.format(
+                    runaway=runaway_sql(rules), src=src,
+                    where=f"config_hash = $config AND parent_config_hash = $parent AND prompt_id IN (SELECT prompt_id "
+                          f"FROM {sample})"), {"config": config_hash, "parent": parent}).fetchnumpy()
+                if len(rows["completion_tokens"]):
+                    return ProbeSample.of(rows["completion_tokens"], rows["truncated"], int(cap), rows["runaway"],
+                                          config_hash, continued_from=parent)
         src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, PROBE_SHARD)
         sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, PROBE_SHARD)
         configs = con.execute(f"SELECT config_hash, max(max_output_tokens), any_value(model), any_value(temperature), "
@@ -478,6 +495,30 @@ def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRul
     if not len(rows["completion_tokens"]):
         return None
     return ProbeSample.of(rows["completion_tokens"], rows["truncated"], int(cap), rows["runaway"], config_hash)
+
+
+def honest_cut_rows(data_dir: str | Path, config_hash: str | None = None,
+                    runaway: RunawayRules = RunawayRules()) -> tuple[str, int, list[dict]]:
+    """What a continuation probe samples: the config (by default the one with the most rows, as plan_caps
+    chooses), its cap and its honest cut rows ({shard, prompt_id}: finish_reason 'length', runaways left out,
+    as the plan leaves them out of the tail)."""
+    with duckdb.connect(":memory:") as con:
+        register_runaway(con, runaway)
+        src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA)
+        configs = con.execute(f"SELECT config_hash, count(*) FROM {src} GROUP BY 1 ORDER BY {MOST_ROWS_ORDER_SQL}"
+                              ).fetchall()
+        if not configs:
+            raise PlanError(f"no completion rows under {data_dir}: a continuation probe continues a run's cut rows; "
+                            f"generate the run first, or probe random prompts (mode prompts)")
+        config_hash = config_hash or configs[0][0]
+        if config_hash not in {h for h, _ in configs}:
+            raise PlanError(f"no rows of config `{config_hash}`; configs present: "
+                            f"{', '.join(f'`{h}`' for h, _ in configs)}")
+        cap = con.execute(f"SELECT max(max_output_tokens) FROM {src} WHERE config_hash = $config",
+                          {"config": config_hash}).fetchone()[0]
+        rows = con.execute(f"SELECT shard, prompt_id FROM {src} WHERE config_hash = $config AND finish_reason = "
+                           f"'length' AND NOT ({runaway_sql(runaway)})", {"config": config_hash}).fetchall()
+    return config_hash, int(cap), [{"shard": a, "prompt_id": b} for a, b in rows]
 
 
 def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str | None = None,
@@ -529,7 +570,7 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
         notes.append(f"context length {num(context_length)}: the smallest the rows' servers had")
     probe = None
     if use_probe and len(rows["completion_tokens"]):
-        probe = read_probe(data_dir, {k: rows[k][0] for k in SAMPLING}, runaway, notes)
+        probe = read_probe(data_dir, {k: rows[k][0] for k in SAMPLING}, runaway, notes, parent=config_hash)
     plan = plan_from_lengths(rows["completion_tokens"], rows["truncated"], int(caps.max()), rows["prompt_tokens"],
                              runaway=rows["runaway"], probe=probe, candidates=candidates, tokens_per_s=tokens_per_s,
                              context_length=context_length, config_hash=config_hash, shard=shard, notes=notes,
@@ -580,7 +621,12 @@ def plan_markdown(plan: CapPlan) -> str:
     if plan.runaways:
         head += (f" Of the cut rows {num(plan.runaways)} are runaways (looping): no cap ends them, so they count as "
                  f"cut at every cap and stay out of the tail.")
-    if plan.probe:
+    if plan.probe and plan.probe.continued_from:
+        head += (f" Between the cap and {num(plan.probe.cap)} the figures are **measured** by a continuation probe "
+                 f"({num(plan.probe.rows)} of the run's honest cut rows continued to cap {num(plan.probe.cap)}, "
+                 f"config `{plan.probe.config_hash}`): the share cut now, from every row, times the share of "
+                 f"them still cut, no model.")
+    elif plan.probe:
         head += (f" Between the cap and {num(plan.probe.cap)} the figures are **measured** by a length probe "
                  f"({num(plan.probe.rows)} random prompts at cap {num(plan.probe.cap)}, config "
                  f"`{plan.probe.config_hash}`), no model.")
@@ -600,8 +646,7 @@ def plan_markdown(plan: CapPlan) -> str:
     now = plan.at(plan.cap).output_tokens.value
     for e in plan.estimates:
         label = f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}"
-        probed = num(plan.probe.rows) if plan.probe else 0
-        basis = {"rows": "measured (the rows)", "probe": f"measured (probe of {probed})",
+        basis = {"rows": "measured (the rows)", "probe": f"measured ({probe_label(plan.probe)})",
                  "model": f"**model**; the rows support {pct(e.bounds.low)}–{pct(e.bounds.high)}"
                  if e.bounds else "**model**"}[e.basis]
         time_ = f"{_span(e.hours, _hours)} | " if e.hours else ""

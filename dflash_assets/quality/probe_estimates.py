@@ -11,6 +11,10 @@ Both factors are measured: p0 and E[min(L, c0)] on every row of the run, the con
 uses the run's many rows for the part they know and the probe only for what they cannot say, which is
 tighter than reading P(L > c) off the probe alone. The 95% intervals come from a bootstrap of both samples
 (rows of the run, rows of the probe), which assumes nothing about the shape of the lengths.
+
+A continuation probe (generation/probe.py, mode "cut_rows") is a random sample of the run's honest cut rows
+continued to P: the same estimator with every probe row "above c0", so q(c) rests on all of its rows instead of
+the ~20% of a random probe's that pass c0.
 """
 
 from __future__ import annotations
@@ -34,17 +38,26 @@ class ProbeSample:
     runaway: np.ndarray
     cap: int
     config_hash: str | None = None
+    continued_from: str | None = None  # a continuation probe: the config whose cut rows it continued; None: random
 
     @classmethod
-    def of(cls, completion_tokens, truncated, cap: int, runaway=None, config_hash: str | None = None) -> ProbeSample:
+    def of(cls, completion_tokens, truncated, cap: int, runaway=None, config_hash: str | None = None,
+           continued_from: str | None = None) -> ProbeSample:
         lengths = np.asarray(completion_tokens, dtype=np.int64)
         cut = np.asarray(truncated, dtype=bool)
         loop = cut & (np.zeros(len(lengths), bool) if runaway is None else np.asarray(runaway, dtype=bool))
-        return cls(lengths, cut, loop, int(cap), config_hash)
+        return cls(lengths, cut, loop, int(cap), config_hash, continued_from)
 
     @property
     def rows(self) -> int:
         return len(self.completion_tokens)
+
+
+def probe_label(probe: ProbeSample | None) -> str:
+    """'probe of 500' or 'continuation probe of 500 cut rows': the plan's `from` column."""
+    if probe is None:
+        return "probe"
+    return f"continuation probe of {probe.rows:,} cut rows" if probe.continued_from else f"probe of {probe.rows:,}"
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,8 @@ class ProbePrecision:
     share q of its own honest rows above the current cap that pass c, a binomial share of m rows. So the share
     still cut at c, p * q, is known to ±z * p * sqrt(q~ (1 - q~) / (m + z²)) (Agresti–Coull: q~ = (hits + z²/2)
     / (m + z²), sound at 0 hits). A random probe of N prompts has about N * p rows above the cap, so ±target
-    needs m + z² = (z * p / target)² q~ (1 - q~), i.e. N = that / p prompts.
+    needs m + z² = (z * p / target)² q~ (1 - q~), i.e. N = that / p prompts; a continuation probe (`continued`)
+    has all its N rows above the cap, so N = m.
     """
 
     cap: int
@@ -91,15 +105,16 @@ class ProbePrecision:
     half_width: float  # ± of the share still cut, from the binomial
     rows_for_target: int  # probe rows for ±target at this cap
     target: float = TARGET_HALF_WIDTH
+    continued: bool = False  # a continuation probe of the run's cut rows: every row is above the cap
 
     @classmethod
     def of(cls, cap: int, honest_share: float, hits: int, rows_above: int, rows: int,
-           target: float = TARGET_HALF_WIDTH, z: float = Z95) -> ProbePrecision:
+           target: float = TARGET_HALF_WIDTH, z: float = Z95, continued: bool = False) -> ProbePrecision:
         q = (hits + z * z / 2) / (rows_above + z * z)
         half = z * honest_share * math.sqrt(q * (1 - q) / (rows_above + z * z))
         above_needed = max(0.0, (z * honest_share / target) ** 2 * q * (1 - q) - z * z)
-        needed = math.ceil(above_needed / honest_share) if honest_share else 0
-        return cls(int(cap), int(rows), int(rows_above), half, needed, target)
+        needed = math.ceil(above_needed if continued else above_needed / honest_share) if honest_share else 0
+        return cls(int(cap), int(rows), int(rows_above), half, needed, target, continued)
 
     @classmethod
     def expected(cls, cap: int, honest_share: float, rows: int, target: float = TARGET_HALF_WIDTH,
@@ -125,12 +140,16 @@ def precision_text(precisions: list[ProbePrecision], cap: int) -> str:
     if not precisions:
         return ""
     first = precisions[0]
-    text = (f"probe of {first.rows:,} rows ({first.rows_above:,} honest rows above the cap {cap:,}): "
-            + ", ".join(f"{_pp(p.half_width)} at {p.cap:,}" for p in precisions))
+    kind = (f"continuation probe of {first.rows:,} cut rows ({first.rows_above:,} honest rows cut at {cap:,}, "
+            f"continued)" if first.continued else
+            f"probe of {first.rows:,} rows ({first.rows_above:,} honest rows above the cap {cap:,})")
+    text = kind + ": " + ", ".join(f"{_pp(p.half_width)} at {p.cap:,}" for p in precisions)
     need = max(precisions, key=lambda p: p.rows_for_target)
     if all(p.enough for p in precisions):
         return text + f" (95%, binomial): within ±{first.target * 100:g} pp at every cap"
-    return text + f" (95%, binomial); {need.rows_for_target:,} rows would give ±{need.target * 100:g} pp at every cap"
+    what = "cut rows" if first.continued else "rows"
+    return text + (f" (95%, binomial); {need.rows_for_target:,} {what} would give ±{need.target * 100:g} pp at every "
+                   f"cap")
 
 
 def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, counts: np.ndarray, cap: int,
@@ -144,7 +163,8 @@ def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, co
     clearly more runaways than the run, i.e. loops that start later.)
     """
     lengths, pcut, ploop = probe.completion_tokens, probe.truncated, probe.runaway
-    above = (lengths > cap) | (pcut & (lengths >= cap))
+    # a continuation probe's rows were all cut at `cap` (some stopped right there when continued)
+    above = np.ones(probe.rows, bool) if probe.continued_from else (lengths > cap) | (pcut & (lengths >= cap))
     if above.sum() < MIN_PROBE_ROWS_ABOVE:
         return None
     n = int(counts.sum())

@@ -5,11 +5,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_assets.generation.probe import ProbeRun, probe_root
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.probe import ProbeRun, probe_root, run_cut_rows_probe, run_probe
 from dflash_assets.quality.outcome import Thresholds, num, pct
 from dflash_assets.quality.answer import recommended_cap
-from dflash_assets.quality.planner import DEFAULT_CANDIDATES, CapEstimate, CapPlan, PlanError, plan_caps
-from dflash_assets.quality.probe_estimates import precision_text
+from dflash_assets.quality.planner import (DEFAULT_CANDIDATES, CapEstimate, CapPlan, PlanError, honest_cut_rows,
+                                           plan_caps)
+from dflash_assets.quality.runaway import RunawayRules
+from dflash_assets.settings import ProbeSettings
+from dflash_assets.quality.probe_estimates import precision_text, probe_label
+
+
+async def run_length_probe(data_dir: str | Path, shards: list[str], fleet, config: GenerationConfig,
+                           probe: ProbeSettings, settings: DispatchSettings = DispatchSettings(), log=print,
+                           runaway: RunawayRules = RunawayRules()) -> ProbeRun:
+    """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at
+    `config`'s cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config (the one the plan is
+    for: the most rows) continued to that cap, with the run's own sampling (its rows record it)."""
+    common = dict(size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, settings=settings,
+                  log=log)
+    if probe.mode == "prompts":
+        return await run_probe(data_dir, shards, fleet, config, **common)
+    try:
+        parent, cap, cut = honest_cut_rows(data_dir, runaway=runaway)
+    except PlanError as e:
+        raise FileNotFoundError(str(e)) from None
+    cut = [r for r in cut if r["shard"] in set(shards)]
+    log(f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) "
+        f"{', '.join(shards)}")
+    return await run_cut_rows_probe(data_dir, parent, cut, fleet, config.max_output_tokens, **common)
 
 
 def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
@@ -21,7 +45,8 @@ def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
 def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shards: list[str],
                   limit: float = Thresholds().truncation_rate_max) -> str:
     run = result.run
-    lines = [f"length probe: {num(result.sampled)} of {num(result.prompts_total)} prompts at cap {num(result.cap)}, "
+    what = "of the run's honest cut rows, continued to" if result.mode == "cut_rows" else "prompts at"
+    lines = [f"length probe: {num(result.sampled)} of {num(result.prompts_total)} {what} cap {num(result.cap)}, "
              f"config {run.config_hash}: {num(run.completed)} completed + {num(run.rejected)} rejected + "
              f"{num(run.failed)} failed; {num(run.output_tokens)} output tokens this run "
              f"({run.elapsed_s:.1f} s), rows in {probe_root(data_dir)}"]
@@ -34,7 +59,9 @@ def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shard
         f"{num(plan.rows)} rows at cap {num(plan.cap)}" + (" and the probe" if plan.probe else "")
     lines += ["", f"share still cut, from {source} (95% intervals):",
               f"{'cap':>8}  {'cut':<24} {'runaways':>9}  from"]
-    label = {"rows": "measured (the rows)", "probe": "measured (probe)", "model": "model (lognormal tail)"}
+    continued = plan.probe is not None and plan.probe.continued_from is not None
+    label = {"rows": "measured (the rows)", "probe": f"measured ({probe_label(plan.probe)})" if continued
+             else "measured (probe)", "model": "model (lognormal tail)"}
     for e in plan.estimates:
         r = e.truncation_rate
         lines.append(f"{num(e.cap):>8}  {f'{pct(r.value)} ({pct(r.low)}–{pct(r.high)})':<24} "

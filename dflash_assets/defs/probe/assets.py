@@ -7,7 +7,8 @@ from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.generation.probe import probe_root, prompt_shard_keys, run_probe
+from dflash_assets.generation.probe import probe_root, prompt_shard_keys
+from dflash_assets.quality.probe_summary import run_length_probe
 from dflash_assets.settings import ProbeSettings
 
 
@@ -29,7 +30,8 @@ class LengthProbeConfig(ProbeSettings, CompletionsConfig):
                 "shards and sources) generated at a high cap (by default the largest the fleet's context allows): "
                 "real completions with their own config hash, kept under <data_dir>/length_probe/, never training "
                 "data. The cap plan in length_quality_summary reads it to measure truncation at larger caps "
-                "instead of extrapolating a model.",
+                "instead of extrapolating a model. With mode cut_rows it continues a seeded sample of the run's "
+                "honest cut rows to its cap instead: every probe row then measures the tail.",
 )
 def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, fleet: FleetResource,
                  data_dir: DataDir) -> dg.MaterializeResult:
@@ -41,10 +43,9 @@ def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, f
     try:
         config.dispatch().validate()
         config.probe().validate()
-        probe = run_on_fleet(fleet, lambda f: run_probe(
-            root, shards, f, generation, size=config.size, share=config.share, minimum=config.min_prompts,
-            seed=config.seed, settings=config.dispatch(), log=context.log.info))
-    except ConfigError as e:
+        probe = run_on_fleet(fleet, lambda f: run_length_probe(
+            root, shards, f, generation, config.probe(), config.dispatch(), log=context.log.info))
+    except (ConfigError, FileNotFoundError) as e:
         raise dg.Failure(str(e)) from None
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}") from None
@@ -53,8 +54,9 @@ def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, f
         context.log.warning(note)
     return dg.MaterializeResult(metadata={
         "dagster/row_count": run.completed,
+        "mode": probe.mode,
         "prompts_sampled": probe.sampled,
-        "prompts_total": probe.prompts_total,
+        "prompts_total": probe.prompts_total,  # mode cut_rows: the run's honest cut rows
         "shards": len(shards),
         "seed": config.seed,
         "max_output_tokens": probe.cap,

@@ -1,0 +1,91 @@
+"""The continuation probe (ProbeSettings.mode "cut_rows"): a random sample of the run's honest cut rows continued
+to the probe's cap, through Dagster on the emulator; the plan measures with it and the truth, generated from
+scratch at the larger cap, lies in its interval. (conftest sets the emulator's per-prompt sampling, so a
+continued row is the row a fresh run at the larger cap makes.)"""
+
+import json
+
+import dagster as dg
+import duckdb
+import pytest
+
+from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.probe.assets import length_probe
+from dflash_assets.defs.prompts.assets import prompt_shards
+from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
+from dflash_assets.emulator.process import start_emulator
+from dflash_assets.quality import run_checks
+from dflash_assets.quality.planner import honest_cut_rows, plan_caps, plan_markdown
+
+SHARDS, PER_SHARD, RUN_CAP, PROBE_CAP, SAMPLE = ["00000", "00001"], 150, 512, 2048, 60
+FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
+         "--length-sigma", "0.9", "--loop-share", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cprobe")
+    (tmp / "prompts.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 31}.",
+                    "source": "math" if i % 3 == 0 else "chat"}) + "\n" for i in range(len(SHARDS) * PER_SHARD)))
+    with start_emulator(FLAGS) as emu, dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("shards", SHARDS)
+        res = {"fleet": FleetResource(mode="attach", urls=emu.url),
+               "prompt_source": PromptSource(path=str(tmp / "prompts.jsonl"), shard_size=PER_SHARD),
+               "data_dir": DataDir(path=str(tmp / "data")), "quality": QualityThresholds()}
+        for shard in SHARDS:
+            assert dg.materialize([prompt_shards], partition_key=shard, instance=instance, resources=res).success
+            assert dg.materialize([completions], partition_key=shard, instance=instance, resources=res, run_config={
+                "ops": {"completions": {"config": {"max_output_tokens": RUN_CAP}}}}).success
+        result = dg.materialize([length_probe], instance=instance, resources=res, selection=[length_probe],
+                                run_config={"ops": {"length_probe": {"config": {
+                                    "mode": "cut_rows", "min_prompts": SAMPLE, "max_output_tokens": PROBE_CAP}}}})
+        assert result.success
+        meta = {k: v.value for k, v in result.asset_materializations_for_node("length_probe")[0].metadata.items()}
+        yield tmp / "data", instance, res, meta
+
+
+def rows(where: str, path: str) -> list[tuple]:
+    return duckdb.sql(f"SELECT prompt_id, config_hash, finish_reason, completion_tokens, max_output_tokens, "
+                      f"parent_config_hash, tokens_reused FROM read_parquet('{path}/**/*.parquet') WHERE {where}"
+                      ).fetchall()
+
+
+def test_the_probe_continues_only_the_runs_honest_cut_rows_to_its_cap(project):
+    data, _, _, meta = project
+    run = rows("true", f"{data}/completions")
+    (run_hash,) = {r[1] for r in run}
+    parent, cap, honest = honest_cut_rows(data)
+    cut = {r[0] for r in run if r[2] == "length"}
+    assert parent == run_hash and cap == RUN_CAP and 0 < len(honest) < len(cut)  # the emulator's loops are left out
+    assert meta["mode"] == "cut_rows" and meta["prompts_total"] == len(honest)
+    assert meta["prompts_sampled"] == meta["completed"] == SAMPLE and meta["max_output_tokens"] == PROBE_CAP
+    continued = rows(f"config_hash = '{meta['config_hash']}'", f"{data}/length_probe/completions")
+    assert len(continued) == SAMPLE and {r[4] for r in continued} == {PROBE_CAP}
+    assert {r[0] for r in continued} <= {r["prompt_id"] for r in honest} and {r[5] for r in continued} == {run_hash}
+    # each continued from where the run cut it: 512 tokens reused, never a stopped row copied
+    assert {r[6] for r in continued} == {RUN_CAP} and all(r[3] > RUN_CAP for r in continued)
+    # its own directory and config: the run's (training) rows are untouched
+    assert meta["config_hash"] != run_hash and len(run) == len(SHARDS) * PER_SHARD
+    assert run_checks(data, names=["truncation_rate"])[0].metadata["rows"] == len(SHARDS) * PER_SHARD
+
+
+def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_larger_caps(project):
+    data, instance, res, meta = project
+    plan = plan_caps(data, candidates=(RUN_CAP, 1024, PROBE_CAP), bootstrap=200)
+    assert plan.probe is not None and plan.probe.continued_from == plan.config_hash and plan.probe.rows == SAMPLE
+    md = plan_markdown(plan)
+    assert f"| measured (continuation probe of {SAMPLE} cut rows) |" in md
+    assert f"**Probe precision**: continuation probe of {SAMPLE} cut rows ({SAMPLE} honest rows cut at 512" in md
+    # the truth: every prompt generated from scratch at each larger cap (a config of its own in the run's dir)
+    for cap in (1024, PROBE_CAP):
+        for shard in SHARDS:
+            assert dg.materialize([completions], partition_key=shard, instance=instance, resources=res, run_config={
+                "ops": {"completions": {"config": {"max_output_tokens": cap}}}}).success
+        at = rows(f"max_output_tokens = {cap}", f"{data}/completions")
+        truth = sum(r[2] == "length" for r in at) / len(at)
+        e = plan.at(cap)
+        assert e.basis == "probe" and len(at) == len(SHARDS) * PER_SHARD
+        assert e.truncation_rate.low <= truth <= e.truncation_rate.high, (cap, truth, e.truncation_rate)
+        # and it says something: the share cut at the larger cap is clearly below the share cut now
+        assert e.truncation_rate.high < plan.at(RUN_CAP).truncation_rate.low
