@@ -98,7 +98,34 @@ def test_probe_before_any_run_plans_from_its_own_rows_and_says_how_to_generate(p
     assert "dflash continue" not in result.stdout
 
 
+def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_rows(prompts):
+    from dflash_assets.quality.planner import honest_cut_rows
+
+    url, data = prompts
+    before = dflash("probe", "--urls", url, "--data-dir", str(data), "--mode", "cut_rows")
+    assert before.returncode == 2 and "a continuation probe continues a run's cut rows; generate the run first" \
+        in before.stderr, before.stdout + before.stderr
+    for shard in ("00000", "00001"):
+        gen = dflash("generate", "--shard", shard, "--urls", url, "--data-dir", str(data),
+                     "--max-output-tokens", "1024")
+        assert gen.returncode == 0, gen.stdout + gen.stderr
+    result = dflash("probe", "--urls", url, "--data-dir", str(data), "--mode", "cut_rows", "--min-prompts", "20")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out, honest = result.stdout, honest_cut_rows(data)[2]
+    rows = duckdb.sql(f"SELECT prompt_id, max_output_tokens, parent_config_hash FROM read_parquet("
+                      f"'{data}/length_probe/completions/shard=cut_rows/*.parquet') WHERE max_output_tokens > 1024"
+                      ).fetchall()
+    (cap,) = {r[1] for r in rows}
+    assert len(honest) > 20 and len(rows) == 20 and {r[0] for r in rows} <= {r["prompt_id"] for r in honest}
+    assert f"length probe: 20 of {len(honest)} of the run's honest cut rows, continued to cap {cap:,}" in out, out
+    for c in ("4,096", "6,144"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(c + " "))
+        assert line.endswith("measured (continuation probe of 20 cut rows)"), line
+    assert "precision: continuation probe of 20 cut rows (20 honest rows cut at 1,024, continued): " in out, out
+
+
 @pytest.mark.parametrize("args,message", [
+    (["--mode", "all"], "mode must be one of prompts, cut_rows, got 'all'"),
     (["--share", "2"], "share must be in (0, 1], got 2.0"),
     (["--max-output-tokens", "-1"], "max_output_tokens must be >= 0 (0: the largest the context allows), got -1"),
     (["--data-dir", "/nonexistent/nowhere"], "no prompt shards under /nonexistent/nowhere: build them first"),
