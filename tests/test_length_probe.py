@@ -84,6 +84,13 @@ def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_co
     expected = ProbePrecision.expected(1024, honest, probe_size(360))
     assert f"It will measure the share cut at each larger cap to ±{expected.half_width * 100:.2f} pp at worst" in md
     assert (f"{expected.rows_for_target:,} prompts would give ±1 pp" in md) == (not expected.enough)
+    # the continuation probe (mode cut_rows): every one of its rows is a cut row, so it is never wider (here, 360
+    # prompts, it takes all 46 honest cut rows: as many as a random probe of all 360 prompts would have above the cap)
+    cut_rows = meta["truncated_rows"] - meta["runaway_rows"]
+    continued = ProbePrecision.expected(1024, honest, cut_rows, continued=True)
+    assert (f"With `mode: cut_rows` it continues {cut_rows} of this run's honest cut rows to its cap instead (decode "
+            f"only past the cap): every row measures the tail, ±{continued.half_width * 100:.2f} pp at worst.") in md
+    assert continued.rows == continued.rows_above == cut_rows and continued.half_width <= expected.half_width
     # the emulator's looping generations are told apart, in the report and in the plan
     assert 0 < meta["runaway_rows"] < meta["truncated_rows"]
     assert f"Of the cut rows {meta['runaway_rows']} are runaways (looping)" in md

@@ -117,3 +117,13 @@ def test_a_continuation_probe_rests_on_all_its_rows_and_says_so_in_the_precision
     for c in CAPS:
         truth, e = float((truth_lengths > c).mean()), plan.at(c).truncation_rate
         assert plan.at(c).basis == "probe" and abs(e.value - truth) < 0.01 and e.low <= truth <= e.high
+
+
+def test_before_a_probe_the_worst_case_width_of_a_continuation_probe_rests_on_all_its_rows():
+    tokens, cut, flagged = run_rows()
+    honest_share = float((cut & ~flagged).mean())
+    continued = ProbePrecision.expected(CAP, honest_share, 500, continued=True)
+    assert continued.rows == continued.rows_above == 500
+    assert continued.half_width == pytest.approx(Z * honest_share * math.sqrt(0.25 / (500 + Z * Z)), rel=0.01)
+    # a random probe of 500 prompts has ~80 rows above the cap: its worst case is about sqrt(500 / 80) wider
+    assert ProbePrecision.expected(CAP, honest_share, 500).half_width > 2 * continued.half_width

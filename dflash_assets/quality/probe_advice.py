@@ -43,9 +43,12 @@ def expected_precision(plan: CapPlan, size: int) -> str:
     text = (f" It will measure the share cut at each larger cap to ±{p.half_width * 100:.2f} pp at worst (95%, "
             f"binomial: about {num(p.rows_above)} of its rows, {pct(honest)} as in the run, will run past the cap "
             f"{num(plan.cap)} without looping)")
-    if p.enough:
-        return text + "."
-    return text + f"; {num(p.rows_for_target)} prompts would give ±{p.target * 100:g} pp (set `size`)."
+    text += "." if p.enough else f"; {num(p.rows_for_target)} prompts would give ±{p.target * 100:g} pp (set `size`)."
+    cut_rows = probe_size(plan.truncated - plan.runaways)  # the continuation probe's default size: of the cut rows
+    c = ProbePrecision.expected(plan.cap, honest, cut_rows, continued=True)
+    return text + (f" With `mode: cut_rows` it continues {num(cut_rows)} of this run's honest cut rows to its cap "
+                   f"instead (decode only past the cap): every row measures the tail, ±{c.half_width * 100:.2f} pp "
+                   f"at worst.")
 
 
 def probe_advice(plan: CapPlan, data_dir: str | Path, rows: int, tokens_per_s: float | None,

@@ -118,12 +118,12 @@ class ProbePrecision:
 
     @classmethod
     def expected(cls, cap: int, honest_share: float, rows: int, target: float = TARGET_HALF_WIDTH,
-                 z: float = Z95) -> ProbePrecision:
-        """Before any probe: the precision a random probe of `rows` prompts will have at worst (q = 1/2, the widest
-        a binomial gets), whatever the shape of the lengths."""
-        above = rows * honest_share
-        return cls.of(cap, honest_share, round(above / 2), round(above), rows, target, z) if above else \
-            cls(int(cap), int(rows), 0, 0.0, 0, target)
+                 z: float = Z95, continued: bool = False) -> ProbePrecision:
+        """Before any probe: the precision a random probe of `rows` prompts (or a continuation probe of `rows` cut
+        rows) will have at worst (q = 1/2, the widest a binomial gets), whatever the shape of the lengths."""
+        above = rows if continued and honest_share else rows * honest_share
+        return cls.of(cap, honest_share, round(above / 2), round(above), rows, target, z, continued) if above else \
+            cls(int(cap), int(rows), 0, 0.0, 0, target, continued)
 
     @property
     def enough(self) -> bool:
