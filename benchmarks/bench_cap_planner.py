@@ -11,8 +11,8 @@
 4. Time of one plan (200 bootstrap resamples) over 1,000,000 rows.
 5. Probe designs at the same cost (point estimates, 20,000 prompts, a 500-row random probe): P(L > c) read off
    the probe alone, the plan's ratio estimator (the run's share cut now times the probe's conditional tail), and
-   a probe that would continue a random sample of the run's cut rows from the cap (not built), given the same
-   decode tokens as the random probe.
+   the continuation probe (ProbeSettings.mode "cut_rows": a random sample of the run's cut rows continued from
+   the cap), given the same decode tokens as the random probe. Section 3 plans with a 500-row one as well.
 
     uv run python benchmarks/bench_cap_planner.py [--prompts 1000] [--sets 3] [--trials 200] [--draws 40]
         [--draws-1m 100] [--only off-family|probe-design]
@@ -99,14 +99,20 @@ def coverage(trials: int, n: int = 1000) -> None:
           f"max {errors.max():.2%}")
 
 
-def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, probe_cap: int = 32_000) -> None:
+def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, probe_cap: int = 32_000,
+               continued: int = 0) -> None:
+    """`continued`: also a continuation probe (mode cut_rows) of that many of the run's honest cut rows."""
     caps = (8192, 16384)
+    designs = [(0, ""), *((p, "probe") for p in probes), *([(continued, "continued")] if continued else [])]
     print(f"off-family: {draws} draws of {n:,} lengths cut at {cap:,}; probes of "
-          f"{' and '.join(f'{p:,}' for p in probes)} rows at cap {probe_cap:,}; |err| = |predicted - true| in pp "
+          f"{' and '.join(f'{p:,}' for p in probes)} rows"
+          + (f" and a continuation probe of {continued} cut rows" if continued else "")
+          + f" at cap {probe_cap:,}; |err| = |predicted - true| in pp "
           f"(mean / max over draws), '≤1pp' = share of draws within 1 pp, 'cover' = share of 95% intervals "
           f"holding the truth")
     head = f"{'family':<22} {'cap':>6} {'true':>7} | {'model':>7} {'|err|':>11} {'cover':>5} {'rows say':>8} "
-    head += "".join(f"| {'probe ' + format(p, ','):>12} {'|err|':>11} {'≤1pp':>5} {'cover':>5} " for p in probes)
+    head += "".join(f"| {('continued ' if kind == 'continued' else 'probe ') + format(p, ','):>12} {'|err|':>11} "
+                    f"{'≤1pp':>5} {'cover':>5} " for p, kind in designs[1:])
     print(head)
     started, plans = time.perf_counter(), 0
     for family in FAMILIES:
@@ -117,29 +123,33 @@ def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, pro
             lengths, loop = family.draw(rng, n)
             tokens, cut, flagged = censor(lengths, loop, cap)
             probe_draw = family.draw(rng, max(probes))
-            for size in (0, *probes):
+            for size, kind in designs:
                 probe = None
-                if size:
+                if kind == "probe":
                     p_tokens, p_cut, p_flagged = censor(probe_draw[0][:size], probe_draw[1][:size], probe_cap)
                     probe = ProbeSample.of(p_tokens, p_cut, probe_cap, p_flagged)
+                elif kind == "continued":  # a random sample of this run's honest cut rows, continued to probe_cap
+                    chosen = rng.permutation(np.flatnonzero(cut & ~flagged))[:size]
+                    p_tokens, p_cut, p_flagged = censor(lengths[chosen], loop[chosen], probe_cap)
+                    probe = ProbeSample.of(p_tokens, p_cut, probe_cap, p_flagged, continued_from="run")
                 plan = plan_from_lengths(tokens, cut, cap, runaway=flagged, probe=probe, candidates=caps, seed=d)
                 plans += 1
                 for c in caps:
                     e = plan.at(c)
                     r = e.truncation_rate
                     bounds = e.bounds is not None and e.bounds.low <= truth[c] <= e.bounds.high
-                    out.setdefault((size, c), []).append((r.value - truth[c], r.low <= truth[c] <= r.high, bounds))
+                    out.setdefault((size, kind, c), []).append((r.value - truth[c], r.low <= truth[c] <= r.high, bounds))
         for c in caps:
             row = f"{family.name:<22} {c:>6,} {truth[c]:>7.2%} "
-            for size in (0, *probes):
-                err = np.abs([x[0] for x in out[size, c]]) * 100
-                mean = np.mean([x[0] for x in out[size, c]]) + truth[c]
-                cover = np.mean([x[1] for x in out[size, c]])
+            for size, kind in designs:
+                err = np.abs([x[0] for x in out[size, kind, c]]) * 100
+                mean = np.mean([x[0] for x in out[size, kind, c]]) + truth[c]
+                cover = np.mean([x[1] for x in out[size, kind, c]])
                 span = f"{err.mean():.2f}/{err.max():.2f}"
-                if size:
+                if kind:
                     row += f"| {mean:>12.2%} {span:>11} {np.mean(err <= 1):>5.0%} {cover:>5.0%} "
                 else:
-                    row += f"| {mean:>7.2%} {span:>11} {cover:>5.0%} {np.mean([x[2] for x in out[0, c]]):>8.0%} "
+                    row += f"| {mean:>7.2%} {span:>11} {cover:>5.0%} {np.mean([x[2] for x in out[0, '', c]]):>8.0%} "
             print(row)
     print("'model' is the censored lognormal fit (runaways flagged and kept out of the tail); 'rows say' is how "
           "often the model-free range the rows support (runaway share to the share cut now) holds the truth; "
@@ -205,7 +215,7 @@ if __name__ == "__main__":
     if args.only in (None, "coverage"):
         coverage(args.trials)
     if args.only in (None, "off-family"):
-        off_family(args.draws, 20_000, (probe_rows(20_000), 2000))  # the 500-row floor, and 2,000
+        off_family(args.draws, 20_000, (probe_rows(20_000), 2000), continued=500)  # the 500-row floor, and 2,000
         print()
         off_family(args.draws_1m, 1_000_000, (probe_rows(1_000_000),))  # the pipeline's scale: 1% = 10,000
     if args.only in (None, "probe-design"):
