@@ -12,12 +12,13 @@ import pytest
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.prompts.assets import prompt_shards
+from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.planner import honest_cut_rows, plan_caps, plan_markdown
 
-SHARDS, PER_SHARD, RUN_CAP, PROBE_CAP, SAMPLE = ["00000", "00001"], 150, 512, 2048, 60
+SHARDS, PER_SHARD, RUN_CAP, PROBE_CAP, SAMPLE = ["00000", "00001"], 150, 512, 4096, 60
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
          "--length-sigma", "0.9", "--loop-share", "0.05"]
 
@@ -68,6 +69,20 @@ def test_the_probe_continues_only_the_runs_honest_cut_rows_to_its_cap(project):
     # its own directory and config: the run's (training) rows are untouched
     assert meta["config_hash"] != run_hash and len(run) == len(SHARDS) * PER_SHARD
     assert run_checks(data, names=["truncation_rate"])[0].metadata["rows"] == len(SHARDS) * PER_SHARD
+
+
+def test_the_summary_plans_with_the_continuation_probe_and_says_so(project):
+    data, instance, res, meta = project
+    result = dg.materialize([length_quality_summary], instance=instance, resources=res,
+                            selection=[length_quality_summary])
+    assert result.success
+    summary = {k: v.value for k, v in result.asset_materializations_for_node("length_quality_summary")[0]
+               .metadata.items()}
+    md = summary["cap_plan"]
+    assert summary["cap_plan_source"] == "measured by the length probe" and "No length probe yet" not in md
+    assert f"measured (continuation probe of {SAMPLE} cut rows)" in md.split("| 4,096 | ")[1].split("\n")[0]
+    assert (f"**measured** by a continuation probe ({SAMPLE} of the run's honest cut rows continued to cap "
+            f"{PROBE_CAP:,}, config `{meta['config_hash']}`)") in md
 
 
 def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_larger_caps(project):

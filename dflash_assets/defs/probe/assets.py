@@ -4,7 +4,7 @@ import dagster as dg
 
 from dflash_assets.defs.completions.assets import CompletionsConfig
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.probe import probe_root, prompt_shard_keys
@@ -34,7 +34,7 @@ class LengthProbeConfig(ProbeSettings, CompletionsConfig):
                 "honest cut rows to its cap instead: every probe row then measures the tail.",
 )
 def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, fleet: FleetResource,
-                 data_dir: DataDir) -> dg.MaterializeResult:
+                 data_dir: DataDir, quality: QualityThresholds) -> dg.MaterializeResult:
     root = data_dir.resolved()
     shards = prompt_shard_keys(root)
     if not shards:
@@ -44,7 +44,8 @@ def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, f
         config.dispatch().validate()
         config.probe().validate()
         probe = run_on_fleet(fleet, lambda f: run_length_probe(
-            root, shards, f, generation, config.probe(), config.dispatch(), log=context.log.info))
+            root, shards, f, generation, config.probe(), config.dispatch(), log=context.log.info,
+            runaway=quality.thresholds().runaway))  # mode cut_rows: the same runaways the plan leaves out
     except (ConfigError, FileNotFoundError) as e:
         raise dg.Failure(str(e)) from None
     except PreflightError as e:
