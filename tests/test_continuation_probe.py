@@ -71,6 +71,20 @@ def test_the_probe_continues_only_the_runs_honest_cut_rows_to_its_cap(project):
     assert run_checks(data, names=["truncation_rate"])[0].metadata["rows"] == len(SHARDS) * PER_SHARD
 
 
+def test_a_second_continuation_probe_with_the_same_sample_resumes_and_sends_nothing(project):
+    data, instance, res, meta = project
+    again = dg.materialize([length_probe], instance=instance, resources=res, selection=[length_probe],
+                           run_config={"ops": {"length_probe": {"config": {
+                               "mode": "cut_rows", "min_prompts": SAMPLE, "max_output_tokens": PROBE_CAP}}}})
+    assert again.success
+    second = {k: v.value for k, v in again.asset_materializations_for_node("length_probe")[0].metadata.items()}
+    assert second["config_hash"] == meta["config_hash"] and second["completed"] == SAMPLE
+    assert meta["output_tokens"] > 0 and second["output_tokens"] == 0
+    probe_dir = f"{data}/length_probe/completions"
+    assert len(rows(f"config_hash = '{meta['config_hash']}'", probe_dir)) == SAMPLE  # no duplicates
+    assert len(rows(f"config_hash <> '{meta['config_hash']}'", probe_dir)) == SAMPLE  # the parents, copied once
+
+
 def test_the_summary_plans_with_the_continuation_probe_and_says_so(project):
     data, instance, res, meta = project
     result = dg.materialize([length_quality_summary], instance=instance, resources=res,
@@ -104,3 +118,42 @@ def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_large
         assert e.truncation_rate.low <= truth <= e.truncation_rate.high, (cap, truth, e.truncation_rate)
         # and it says something: the share cut at the larger cap is clearly below the share cut now
         assert e.truncation_rate.high < plan.at(RUN_CAP).truncation_rate.low
+
+
+def write_continued(data_dir, parent: str, lengths, cap: int = 32000):
+    """A continuation probe's rows as run_cut_rows_probe leaves them: shard cut_rows, `parent_config_hash` set."""
+    from datetime import datetime, timezone
+
+    from dflash_assets.generation.engine import completion_store
+    from dflash_assets.generation.probe import CUT_ROWS_SHARD, probe_root
+    from dflash_assets.generation.shards import prompt_store
+
+    root, now = probe_root(data_dir), datetime.now(timezone.utc)
+    completion_store(root, CUT_ROWS_SHARD).commit([
+        {"prompt_id": f"c{i}", "shard": CUT_ROWS_SHARD, "source": "t", "config_hash": "continued",
+         "finish_reason": "length" if n > cap else "stop", "prompt_tokens": 50, "completion_tokens": min(n, cap),
+         "reasoning_tokens": 0, "max_output_tokens": cap, "server_context_length": 32768, "server_url": "u",
+         "model": "m", "temperature": 0.6, "top_p": 0.95, "top_k": 20, "enable_thinking": True, "content": "x",
+         "reasoning_content": None, "latency_s": 1.0, "attempt": 1, "created_at": now, "parent_config_hash": parent,
+         "tokens_reused": 4096} for i, n in enumerate(lengths)])
+    prompt_store(root, CUT_ROWS_SHARD).replace([
+        {"prompt_id": f"c{i}", "shard": CUT_ROWS_SHARD, "line": i + 1, "source": "t", "messages_json": "[]",
+         "prompt_tokens": 50, "template_kwargs_json": "{}"} for i in range(len(lengths))], "prompts.parquet")
+
+
+def test_the_plan_reads_a_continuation_probe_only_for_the_config_it_continued(tmp_path):
+    import numpy as np
+    from test_length_probe import write_completions, write_probe
+
+    lengths = np.round(1640 * np.exp(np.random.default_rng(0).standard_normal(3000))).astype(int)
+    write_completions(tmp_path, "00000", "run", lengths, 4096)
+    write_completions(tmp_path, "00001", "other", lengths[:100], 4096)
+    write_probe(tmp_path, "random", lengths[:600], sample=600)
+    write_continued(tmp_path, "run", lengths[lengths > 4096][:200])
+    plan = plan_caps(tmp_path, config_hash="run", bootstrap=10)
+    assert plan.probe.continued_from == "run" and plan.probe.config_hash == "continued" and plan.probe.rows == 200
+    assert plan.probe_precision[0].continued and plan.probe_precision[0].rows_above == 200
+    # the random probe serves any config of the same sampling; the continuation probe only its parent's
+    other = plan_caps(tmp_path, config_hash="other", bootstrap=10)
+    assert other.probe.continued_from is None and other.probe.config_hash == "random" and other.probe.rows == 600
+    assert "measured (probe of 600)" in plan_markdown(other)
