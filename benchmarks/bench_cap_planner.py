@@ -138,7 +138,8 @@ def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, pro
                     e = plan.at(c)
                     r = e.truncation_rate
                     bounds = e.bounds is not None and e.bounds.low <= truth[c] <= e.bounds.high
-                    out.setdefault((size, kind, c), []).append((r.value - truth[c], r.low <= truth[c] <= r.high, bounds))
+                    out.setdefault((size, kind, c), []).append(
+                        (r.value - truth[c], r.low <= truth[c] <= r.high, bounds))
         for c in caps:
             row = f"{family.name:<22} {c:>6,} {truth[c]:>7.2%} "
             for size, kind in designs:
