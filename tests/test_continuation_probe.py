@@ -3,20 +3,16 @@ to the probe's cap, through Dagster on the emulator; the plan measures with it a
 scratch at the larger cap, lies in its interval. (conftest sets the emulator's per-prompt sampling, so a
 continued row is the row a fresh run at the larger cap makes.)"""
 
-import json
-
 import dagster as dg
 import duckdb
 import pytest
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.probe.assets import length_probe
-from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.quality.assets import length_quality_summary
-from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
-from dflash_assets.emulator.process import start_emulator
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.planner import honest_cut_rows, plan_caps, plan_markdown
+from probe_project import probe_project
 
 SHARDS, PER_SHARD, RUN_CAP, PROBE_CAP, SAMPLE = ["00000", "00001"], 150, 512, 4096, 60
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
@@ -26,16 +22,8 @@ FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cprobe")
-    (tmp / "prompts.jsonl").write_text("".join(
-        json.dumps({"id": f"q{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 31}.",
-                    "source": "math" if i % 3 == 0 else "chat"}) + "\n" for i in range(len(SHARDS) * PER_SHARD)))
-    with start_emulator(FLAGS) as emu, dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("shards", SHARDS)
-        res = {"fleet": FleetResource(mode="attach", urls=emu.url),
-               "prompt_source": PromptSource(path=str(tmp / "prompts.jsonl"), shard_size=PER_SHARD),
-               "data_dir": DataDir(path=str(tmp / "data")), "quality": QualityThresholds()}
+    with probe_project(tmp, FLAGS, SHARDS, PER_SHARD) as (instance, res):
         for shard in SHARDS:
-            assert dg.materialize([prompt_shards], partition_key=shard, instance=instance, resources=res).success
             assert dg.materialize([completions], partition_key=shard, instance=instance, resources=res, run_config={
                 "ops": {"completions": {"config": {"max_output_tokens": RUN_CAP}}}}).success
         result = dg.materialize([length_probe], instance=instance, resources=res, selection=[length_probe],

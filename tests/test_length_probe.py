@@ -1,6 +1,5 @@
 """The length probe: a seeded, stratified sample at a high cap, materialised alone, then read by the cap plan."""
 
-import json
 from collections import Counter
 
 import dagster as dg
@@ -9,12 +8,10 @@ import pytest
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.probe.assets import length_probe
-from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.quality.assets import length_quality_summary
-from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
-from dflash_assets.emulator.process import start_emulator
 from dflash_assets.generation.probe import probe_size, sample_prompts
 from dflash_assets.quality import run_checks
+from probe_project import probe_project
 
 SHARDS, PER_SHARD = ["00000", "00001", "00002"], 120
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
@@ -39,16 +36,7 @@ def test_the_sample_is_seeded_and_stratified_by_shard_and_source():
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("probe")
-    (tmp / "prompts.jsonl").write_text("".join(
-        json.dumps({"id": f"q{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 31}.",
-                    "source": "math" if i % 3 == 0 else "chat"}) + "\n" for i in range(len(SHARDS) * PER_SHARD)))
-    with start_emulator(FLAGS) as emu, dg.instance_for_test() as instance:
-        instance.add_dynamic_partitions("shards", SHARDS)
-        res = {"fleet": FleetResource(mode="attach", urls=emu.url),
-               "prompt_source": PromptSource(path=str(tmp / "prompts.jsonl"), shard_size=PER_SHARD),
-               "data_dir": DataDir(path=str(tmp / "data")), "quality": QualityThresholds()}
-        for shard in SHARDS:
-            assert dg.materialize([prompt_shards], partition_key=shard, instance=instance, resources=res).success
+    with probe_project(tmp, FLAGS, SHARDS, PER_SHARD) as (instance, res):
         yield tmp / "data", instance, res
 
 
