@@ -100,13 +100,18 @@ class ProbeRun:
     mode: str = "prompts"  # ProbeSettings.mode: "prompts" (prompts_total = prompts) or "cut_rows" (= cut rows)
 
 
-def write_probe_shard(data_dir: str | Path, sample: list[dict], shard: str = PROBE_SHARD) -> None:
-    """The sampled prompts, whole rows, as the probe data dir's single prompt shard (replacing an earlier one)."""
+def ids_by_shard(sample: list[dict]) -> dict[str, set[str]]:
+    """The sampled prompt_ids, grouped by the shard they come from."""
     wanted: dict[str, set[str]] = defaultdict(set)
     for r in sample:
         wanted[r["shard"]].add(r["prompt_id"])
+    return wanted
+
+
+def write_probe_shard(data_dir: str | Path, sample: list[dict], shard: str = PROBE_SHARD) -> None:
+    """The sampled prompts, whole rows, as the probe data dir's single prompt shard (replacing an earlier one)."""
     rows = []
-    for source, ids in sorted(wanted.items()):
+    for source, ids in sorted(ids_by_shard(sample).items()):
         store = prompt_store(data_dir, source)
         for part in store.parts():
             rows += [r for r in store.storage.read_table(part).to_pylist() if r["prompt_id"] in ids]
@@ -165,13 +170,10 @@ async def run_cut_rows_probe(data_dir: str | Path, parent_config_hash: str, cut_
             f"longest sampled prompt ({max(r['prompt_tokens'] for r in sample)} tokens)")
     write_probe_shard(data_dir, sample, CUT_ROWS_SHARD)
     store = completion_store(probe_root(data_dir), CUT_ROWS_SHARD)
-    wanted: dict[str, set[str]] = defaultdict(set)
-    for r in sample:
-        wanted[r["shard"]].add(r["prompt_id"])
     with store.lock():
         store.recover()
         have = committed_ids(store, parent_config_hash)
-        for shard, ids in sorted(wanted.items()):
+        for shard, ids in sorted(ids_by_shard(sample).items()):
             for batch in rows_of(completion_store(data_dir, shard), parent_config_hash, wanted=ids - have):
                 store.commit([{**r, "shard": CUT_ROWS_SHARD} for r in batch])
     log(f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent_config_hash} "
