@@ -8,7 +8,7 @@ backfill"; the daemon runs them.
 
 1. A backfill over twice as many shards as the pool limit, one run per shard: every partition materialised,
    every check evaluated; the event log shows never more `completions` steps running at once than the limit,
-   and steps of the other runs waiting ("Step blocked by limit for pool sglang_fleet"). The contention is
+   and steps of the other runs waiting ("waiting for pool sglang_fleet", defs/pools.py). The contention is
    forced, not hoped for: the emulator holds every generation request (its `hold` fault) until the event log
    shows a step blocked by the pool, and only then lets the held steps finish, so however slowly runs start on
    the machine, the first steps are certainly still running when a later one reaches the pool.
@@ -220,7 +220,7 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
 
 
 def pool_blocked_events(instance: dg.DagsterInstance, run_ids: list[str]) -> int:
-    return sum(f"blocked by limit for pool {POOL}" in (entry.message or "")
+    return sum(f"waiting for pool {POOL}" in (entry.message or "")
                for run_id in run_ids for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT))
 
 
@@ -374,7 +374,7 @@ def test_two_runs_of_the_same_shard_at_once_write_it_one_after_the_other(stack):
     run_ids = [stack.server.client.submit_job_execution("shard_pipeline", run_config=IN_PROCESS,
                                                         tags={"dagster/partition": SHARED_SHARD})
                for _ in range(2)]
-    waiting = f"waiting for shard {SHARED_SHARD}"
+    waiting = f"waiting for pool shard:{SHARED_SHARD}"
     deadline = time.monotonic() + BLOCKED_WITHIN_S
     while not any(run_logs(stack.instance, run_id, waiting) for run_id in run_ids):
         assert time.monotonic() < deadline, f"no run waited for shard {SHARED_SHARD} within {BLOCKED_WITHIN_S}s"

@@ -16,7 +16,7 @@ process that executed a step by the pid Dagster records on the step's events.
    equal an uninterrupted run's, row for row.
 3. Two runs of one shard at once (a re-execution during a backfill), the first held mid-generation on one
    worker: the second, on the other worker, waits in its `completions` step for the shard's one-slot pool in the
-   shared Postgres instance (defs/shard_concurrency.py) and says so; once the first is released and done, the
+   shared Postgres instance (defs/pools.py) and says so; once the first is released and done, the
    second finds every row committed and generates nothing. The rows exactly once.
 
 Logs: test-artifacts/logs/celery/ (workers, webserver, daemon, emulator); figures: test-artifacts/celery/.
@@ -205,7 +205,7 @@ def test_two_runs_of_one_shard_at_once_never_write_it_together(cluster):
     first = backfill.launch_backfill(cluster.server, [TWICE], "celery: a shard")
     wait_for("the first run generating", lambda: _faults(cluster.fleet)["injected"]["hold"] > held_before)
     second = backfill.launch_backfill(cluster.server, [TWICE], "celery: the same shard again")
-    waiting = f"waiting for shard {TWICE}"
+    waiting = f"waiting for pool shard:{TWICE}"
     wait_for("the second run waiting for the shard", lambda: any(
         backfill.run_logs(cluster.instance, r.run_id, waiting) for r in runs_of(cluster, second)))
     _set_hold(cluster.fleet, None)
