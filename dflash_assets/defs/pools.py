@@ -40,7 +40,8 @@ SHARD_POOL_PREFIX = "shard:"
 POLL_S = 1.0  # a waiting step asks again this often; a generating step lasts minutes
 # the run's worker: recorded in its tags when it launches (the CLI) or first claims a pool (any launcher)
 PID_TAG, START_TAG, HOST_TAG = "dflash/worker_pid", "dflash/worker_started", "dflash/worker_host"
-ACTIVE = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+# not finished; NOT_STARTED too: the CLI creates its run, then starts it (a kill can land in between)
+ACTIVE = [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
 
 # What a waiting step says goes to the run's event log and to this logger, which the CLI prints on the terminal.
 log = logging.getLogger(__name__)

@@ -185,8 +185,8 @@ async def serve(
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(_announce_when_ready(app))]
-    if os.environ.get(EXIT_WITH_PARENT) == "1":
-        tasks.append(loop.create_task(_stop_when_orphaned(stop)))
+    if parent := os.environ.get(EXIT_WITH_PARENT):
+        tasks.append(loop.create_task(_stop_when_orphaned(stop, int(parent))))
     if on_bound:
         on_bound(port)
     try:
@@ -197,8 +197,7 @@ async def serve(
         await runner.cleanup()
 
 
-async def _stop_when_orphaned(stop: asyncio.Event, every_s: float = 1.0) -> None:
-    parent = os.getppid()
+async def _stop_when_orphaned(stop: asyncio.Event, parent: int, every_s: float = 1.0) -> None:
     while os.getppid() == parent:  # a dead parent's children are handed to init (or a subreaper)
         await asyncio.sleep(every_s)
     log.warning("emulator: the process that started it (pid %d) is gone; stopping", parent)
