@@ -105,3 +105,10 @@ def test_the_settings_and_the_plain_libraries_load_without_dagster():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     modules = sum(len(list((ROOT / "dflash_assets" / p).glob("*.py"))) - 1 for p in ("fleet", "generation", "quality"))
     assert out.returncode == 0 and out.stdout.strip() == f"{modules} []", out.stdout + out.stderr
+
+
+def test_the_length_probes_launchpad_offers_only_settings_the_probe_reads():
+    # its sample and cap, the run's sampling, how hard to drive the fleet: nothing that the probe ignores
+    offered = set(LengthProbeConfig.to_fields_dict())
+    read = {name for settings in (ProbeSettings, GenerationSettings, DispatchSettings) for name in settings.model_fields}
+    assert offered == read, f"offered, not read: {offered - read}; read, not offered: {read - offered}"
