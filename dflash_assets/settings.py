@@ -185,7 +185,7 @@ class EnvSetting:
 
 
 class Deployment:
-    """The environment variables of a deployment (README, Settings). Resources read them as Dagster EnvVars at
+    """The environment variables of a deployment (docs/settings.md). Resources read them as Dagster EnvVars at
     run launch; the two that shape the definitions themselves (a schedule's cron, a backfill's runs) are read
     when the code location loads, because Dagster fixes them there (see defs/partitions.py)."""
 

@@ -18,6 +18,21 @@ os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
 os.environ.setdefault("DFLASH_EMULATOR_SAMPLING", "per-prompt")
 
 
+def cli_commands(parser=None, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command of `dflash` as a person types it, read from the parser: (), ("demo",), ("fleet", "up"), ..."""
+    import argparse
+
+    from dflash_assets.cli import build_parser
+
+    parser = parser or build_parser()
+    found = [path]
+    for action in parser._actions:  # argparse keeps its subcommands only in this action
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += cli_commands(sub, (*path, name))
+    return found
+
+
 class Http:
     """A tiny synchronous HTTP client for tests against local servers.
     Every call returns (status, body): JSON-decoded when possible, else text."""

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import cli_commands
 
 
 def dflash(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -26,8 +27,7 @@ def free_base_port() -> int:
     raise RuntimeError("no two free adjacent ports")
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["generate"], ["fleet"], ["fleet", "up"], ["fleet", "status"],
-                                     ["fleet", "down"], ["report"], ["emulator"]])
+@pytest.mark.parametrize("command", cli_commands(), ids=" ".join)
 def test_every_command_has_help(command):
     result = dflash(*command, "--help")
     assert result.returncode == 0 and "usage:" in result.stdout, result.stderr

@@ -9,6 +9,7 @@ import pytest
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.quality.assets import length_quality_summary
+from dflash_assets.generation.config import SAMPLING_PARAMS, GenerationConfig
 from dflash_assets.generation.probe import probe_size, sample_prompts
 from dflash_assets.quality import run_checks
 from probe_project import probe_project
@@ -116,7 +117,8 @@ def test_the_probe_materialises_alone_and_the_plan_then_measures_with_it(project
     assert "| 4,096 | " in md and "**model**" not in md.split("| 4,096 | ")[1].split("\n")[0]
 
 
-def write_completions(data_dir, shard: str, config_hash: str, lengths, cap: int, temperature: float = 0.6):
+def write_completions(data_dir, shard: str, config_hash: str, lengths, cap: int, temperature: float = 0.6,
+                      **sampling):
     from datetime import datetime, timezone
 
     from dflash_assets.generation.engine import completion_store
@@ -126,17 +128,17 @@ def write_completions(data_dir, shard: str, config_hash: str, lengths, cap: int,
         {"prompt_id": f"p{i}", "shard": shard, "source": "t", "config_hash": config_hash,
          "finish_reason": "length" if n > cap else "stop", "prompt_tokens": 50, "completion_tokens": min(n, cap),
          "reasoning_tokens": 0, "max_output_tokens": cap, "server_context_length": 32768, "server_url": "u",
-         "model": "m", "temperature": temperature, "top_p": 0.95, "top_k": 20, "enable_thinking": True,
+         "model": "m", "temperature": temperature, "top_p": 0.95, "top_k": 20, "enable_thinking": True, **sampling,
          "content": "x", "reasoning_content": None, "latency_s": 1.0, "attempt": 1, "created_at": now}
         for i, n in enumerate(lengths)])
 
 
-def write_probe(data_dir, config_hash: str, lengths, sample: int, temperature: float = 0.6):
+def write_probe(data_dir, config_hash: str, lengths, sample: int, temperature: float = 0.6, **sampling):
     from dflash_assets.generation.probe import PROBE_SHARD, probe_root
     from dflash_assets.generation.shards import prompt_store
 
     root = probe_root(data_dir)
-    write_completions(root, PROBE_SHARD, config_hash, lengths, 32000, temperature)
+    write_completions(root, PROBE_SHARD, config_hash, lengths, 32000, temperature, **sampling)
     prompt_store(root, PROBE_SHARD).replace([
         {"prompt_id": f"p{i}", "shard": PROBE_SHARD, "line": i + 1, "source": "t", "messages_json": "[]",
          "prompt_tokens": 50, "template_kwargs_json": "{}"} for i in range(sample)], "prompts.parquet")
@@ -159,3 +161,20 @@ def test_a_probe_is_used_only_for_its_current_sample_and_the_same_model_and_samp
     assert plan.probe is None and plan.at(8192).basis == "model"
     assert "a length probe exists (configs `probe-hot`) but none was made with the planned rows' model and " \
            "sampling: it is not used" in plan.notes
+
+
+@pytest.mark.parametrize("name", SAMPLING_PARAMS)
+def test_a_probe_made_with_another_value_of_any_sampling_parameter_is_not_used(tmp_path, name):
+    import numpy as np
+
+    from dflash_assets.quality.planner import plan_caps
+
+    run = GenerationConfig().sampling()
+    other = {**run, name: type(run[name])(run[name] / 2 if run[name] else 0.5)}
+    lengths = np.round(1640 * np.exp(np.random.default_rng(0).standard_normal(3000))).astype(int)
+    for sampled, probe in (("same", run), ("other", other)):
+        write_completions(tmp_path / sampled, "00000", "run", lengths, 4096, **run)
+        write_probe(tmp_path / sampled, f"probe-{sampled}", lengths[:600], sample=500, **probe)
+    assert plan_caps(tmp_path / "same", bootstrap=10).at(8192).basis == "probe"
+    plan = plan_caps(tmp_path / "other", bootstrap=10)
+    assert plan.probe is None and plan.at(8192).basis == "model", f"a probe with {name}={other[name]} was used"

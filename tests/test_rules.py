@@ -10,6 +10,7 @@ from dflash_assets.fleet.client import ServerInfo
 from dflash_assets.generation.continuation import latest_parent
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.quality import export_training_set, length_quality, run_checks
+from dflash_assets.quality.answer import cap_answers
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.rules import (CONTEXT_MARGIN, most_rows_first, overflows, percentile,
                                          percentile_sql)
@@ -61,3 +62,4 @@ def test_the_config_with_the_most_rows_is_the_same_choice_everywhere_ties_to_the
     assert most_rows_config(tmp_path) == "z-large"
     assert latest_parent(tmp_path, "s0", 4096) == "z-large"
     assert "config `z-large` chosen by default" in plan_caps(tmp_path, fit_from=0.0, bootstrap=0).notes[0]
+    assert [a.config_hash for a in cap_answers(tmp_path)] == ["z-large", "a-small"]  # `dflash report` leads with it

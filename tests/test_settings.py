@@ -2,8 +2,10 @@
 config are built from it, so their defaults cannot drift apart."""
 
 import dataclasses
+import inspect
 import subprocess
 import sys
+from pathlib import Path
 
 import dagster as dg
 from test_cli import dflash, free_base_port
@@ -11,12 +13,18 @@ from test_cli import dflash, free_base_port
 from dflash_assets.cli import build_parser
 from dflash_assets.defs.completions.assets import CompletionsConfig
 from dflash_assets.defs.continuation.assets import ContinuationConfig
+from dflash_assets.defs.probe.assets import LengthProbeConfig
 from dflash_assets.defs.resources import FleetResource, LaunchConfig
+from dflash_assets.fleet.client import ServerClient
+from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.gateway import GatewayClient, open_gateway
 from dflash_assets.fleet.launch_config import build_spec
 from dflash_assets.fleet.server_args import ServerArgs
-from dflash_assets.settings import DispatchSettings, FleetSettings, GenerationSettings, LaunchSettings, ServerFlags
+from dflash_assets.settings import (DispatchSettings, FleetSettings, GenerationSettings, LaunchSettings, ProbeSettings,
+                                    ServerFlags)
 
 MODEL = "emulated/qwen3-27b"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_cli_the_resource_and_the_dagster_config_have_the_same_defaults():
@@ -33,10 +41,27 @@ def test_the_cli_the_resource_and_the_dagster_config_have_the_same_defaults():
     assert LaunchSettings.taken_from(fleet_up) == LaunchSettings.taken_from(resource.launch).model_copy(
         update={"model_path": MODEL}) == LaunchSettings(model_path=MODEL)
     assert FleetSettings.taken_from(resource) == FleetSettings()
+    # the length probe: `dflash probe` and the length_probe asset's config
+    probe = build_parser().parse_args(["probe", "--urls", "http://x"])
+    length_probe = LengthProbeConfig()
+    assert ProbeSettings.taken_from(probe) == length_probe.probe() == ProbeSettings()
+    sampling = lambda source: source.model_dump(exclude={"max_output_tokens"})  # noqa: E731  (the probe's own cap)
+    assert sampling(GenerationSettings.taken_from(probe)) == sampling(GenerationSettings.taken_from(length_probe)) \
+        == sampling(GenerationSettings())
+    assert DispatchSettings.taken_from(probe) == length_probe.dispatch() == DispatchSettings()
+    # the fleet's timeouts, where the CLI and the libraries connect without the resource
+    fleet = FleetSettings()
+    for where, function, name in ((connect, connect, "health_timeout_s"), (connect, connect, "request_timeout_s"),
+                                  (ServerClient, ServerClient.__init__, "request_timeout_s"),
+                                  (GatewayClient, GatewayClient.__init__, "request_timeout_s"),
+                                  (open_gateway, open_gateway, "request_timeout_s")):
+        default = inspect.signature(function).parameters[name].default
+        assert default == getattr(fleet, name), f"{where.__qualname__}: {name} = {default}, settings say " \
+                                                f"{getattr(fleet, name)}"
     # the Dagster launchpad shows the same defaults: the config schema is built from the same fields
-    schema = CompletionsConfig.to_fields_dict()
-    assert {name: schema[name].default_value for name in GenerationSettings.model_fields} == \
-        GenerationSettings().model_dump()
+    for config, settings in ((CompletionsConfig, GenerationSettings), (LengthProbeConfig, ProbeSettings)):
+        schema = config.to_fields_dict()
+        assert {name: schema[name].default_value for name in settings.model_fields} == settings().model_dump()
 
 
 def test_a_servers_args_default_to_the_launch_settings():
@@ -70,7 +95,20 @@ def test_a_fleet_up_from_the_cli_is_reused_by_a_launch_mode_run_with_the_same_mo
 
 
 def test_the_settings_and_the_plain_libraries_load_without_dagster():
-    code = ("import sys, dflash_assets.settings, dflash_assets.generation.engine, dflash_assets.fleet.launch_config, "
-            "dflash_assets.quality; print(sorted(m for m in sys.modules if m.split('.')[0] == 'dagster'))")
+    # every module of fleet/, generation/ and quality/ imported in a fresh interpreter: a dagster import anywhere
+    # in what they pull in, directly or not, shows in sys.modules
+    code = ("import importlib, pkgutil, sys, dflash_assets.settings, dflash_assets.rules\n"
+            "names = [m.name for p in ('fleet', 'generation', 'quality') for m in pkgutil.walk_packages(\n"
+            "    importlib.import_module(f'dflash_assets.{p}').__path__, f'dflash_assets.{p}.')]\n"
+            "for name in names: importlib.import_module(name)\n"
+            "print(len(names), sorted(m for m in sys.modules if m.split('.')[0] == 'dagster')[:3])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    modules = sum(len(list((ROOT / "dflash_assets" / p).glob("*.py"))) - 1 for p in ("fleet", "generation", "quality"))
+    assert out.returncode == 0 and out.stdout.strip() == f"{modules} []", out.stdout + out.stderr
+
+
+def test_the_length_probes_launchpad_offers_only_settings_the_probe_reads():
+    # its sample and cap, the run's sampling, how hard to drive the fleet: nothing that the probe ignores
+    offered = set(LengthProbeConfig.to_fields_dict())
+    read = {name for settings in (ProbeSettings, GenerationSettings, DispatchSettings) for name in settings.model_fields}
+    assert offered == read, f"offered, not read: {offered - read}; read, not offered: {read - offered}"

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from dflash_assets.fleet.fleet import Fleet, connect
+from dflash_assets.settings import FleetSettings
 
 
 class AttachError(ValueError):
@@ -44,8 +45,9 @@ def parse_urls(urls: str | Sequence[str]) -> list[str]:
     return out
 
 
-async def attach(urls: str | Sequence[str], api_key: str | None = None, *, health_timeout_s: float = 60.0,
-                 request_timeout_s: float = 3600.0) -> Fleet:
+async def attach(urls: str | Sequence[str], api_key: str | None = None, *,
+                 health_timeout_s: float = FleetSettings().health_timeout_s,
+                 request_timeout_s: float = FleetSettings().request_timeout_s) -> Fleet:
     """Check the URLs, wait until each answers /health and read its context length and capacity."""
     return await connect(parse_urls(urls), api_key, health_timeout_s=health_timeout_s,
                          request_timeout_s=request_timeout_s)

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from dflash_assets.settings import FleetSettings
 
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
 PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
@@ -117,7 +118,7 @@ class ServerClient:
     """One server, spoken to through a shared aiohttp session (one connection pool for the fleet)."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, api_key: str | None = None,
-                 request_timeout_s: float = 3600.0):
+                 request_timeout_s: float = FleetSettings().request_timeout_s):
         self.session = session
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -12,6 +12,7 @@ import aiohttp
 
 from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
 from dflash_assets.fleet.gateway import gateway_workers, open_gateway
+from dflash_assets.settings import FleetSettings
 
 T = TypeVar("T")
 
@@ -47,8 +48,9 @@ async def wait_healthy(client: ServerClient, timeout_s: float) -> None:
         await asyncio.sleep(0.2)
 
 
-async def connect(urls: list[str], api_key: str | None = None, *, health_timeout_s: float = 60.0,
-                  request_timeout_s: float = 3600.0) -> Fleet:
+async def connect(urls: list[str], api_key: str | None = None, *,
+                  health_timeout_s: float = FleetSettings().health_timeout_s,
+                  request_timeout_s: float = FleetSettings().request_timeout_s) -> Fleet:
     """Connect to every server, wait until each is healthy and read what it says about itself."""
     if not urls:
         raise ValueError("the fleet has no servers")

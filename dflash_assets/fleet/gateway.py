@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 
 from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
+from dflash_assets.settings import FleetSettings
 
 WORKERS_ROUTE = "/workers"  # smg's worker list: {"workers": [{"url", "model_id", "is_healthy", ...}], "total"}
 LOADS_ROUTE = "/get_loads"  # smg's per-worker, per-DP-rank /v1/loads of every worker
@@ -58,7 +59,7 @@ class GatewayClient(ServerClient):
     """One gateway URL: generation through it, facts and token counts from the servers behind it."""
 
     def __init__(self, session: aiohttp.ClientSession, url: str, workers: list[ServerClient],
-                 api_key: str | None = None, request_timeout_s: float = 3600.0):
+                 api_key: str | None = None, request_timeout_s: float = FleetSettings().request_timeout_s):
         super().__init__(session, url, api_key, request_timeout_s)
         self.workers = workers
         self._next_worker = itertools.cycle(workers)
@@ -114,7 +115,8 @@ async def gateway_workers(client: ServerClient) -> list[GatewayWorker] | None:
 
 
 async def open_gateway(session: aiohttp.ClientSession, url: str, workers: list[GatewayWorker],
-                       api_key: str | None = None, request_timeout_s: float = 3600.0) -> GatewayClient:
+                       api_key: str | None = None,
+                       request_timeout_s: float = FleetSettings().request_timeout_s) -> GatewayClient:
     """A GatewayClient over the gateway's healthy workers, each checked to answer this host directly."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:

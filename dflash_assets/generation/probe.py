@@ -86,9 +86,15 @@ def read_prompts(data_dir: str | Path, shards: list[str]) -> list[dict]:
     return rows
 
 
-def high_cap(prompt_tokens: list[int], budget: Budget) -> int:
-    """The largest cap every sampled prompt fits under the fleet's context, by preflight's own rule."""
-    return budget.context_length - budget.margin - max(prompt_tokens, default=0)
+def high_cap(fleet: Fleet, sample: list[dict], log: Callable[[str], None], probe: str = "length probe") -> int:
+    """The largest cap every sampled prompt fits under the fleet's context, by preflight's own rule; said in the
+    log, since nobody asked for that number."""
+    budget = Budget.of(fleet.infos)
+    longest = max((r["prompt_tokens"] for r in sample), default=0)
+    cap = budget.context_length - budget.margin - longest
+    log(f"{probe}: cap {cap} = context length {budget.context_length} - {budget.margin} - the longest sampled "
+        f"prompt ({longest} tokens)")
+    return cap
 
 
 @dataclass(frozen=True)
@@ -133,13 +139,8 @@ async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, confi
         raise FileNotFoundError(f"no prompt_shards rows under {data_dir} for shard(s) {', '.join(shards) or '-'}: "
                                 f"materialise prompt_shards first")
     sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
-    cap = config.max_output_tokens
-    if not cap:
-        budget = Budget.of(fleet.infos)
-        cap = high_cap([r["prompt_tokens"] for r in sample], budget)
-        log(f"length probe: cap {cap} = context length {budget.context_length} - {budget.margin} - the longest "
-            f"sampled prompt ({max(r['prompt_tokens'] for r in sample)} tokens)")
-        config = config.model_copy(update={"max_output_tokens": cap})
+    cap = config.max_output_tokens or high_cap(fleet, sample, log)
+    config = config.model_copy(update={"max_output_tokens": cap})
     write_probe_shard(data_dir, sample)
     log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {seed}) at cap {cap}")
     run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, config, settings, log=log)
@@ -163,11 +164,7 @@ async def run_cut_rows_probe(data_dir: str | Path, parent_config_hash: str, cut_
     prompts = {(r["shard"], r["prompt_id"]): r for r in read_prompts(data_dir, sorted({r["shard"] for r in cut_rows}))}
     eligible = [prompts[k] for k in sorted({(r["shard"], r["prompt_id"]) for r in cut_rows}) if k in prompts]
     sample = sample_prompts(eligible, size or probe_size(len(eligible), share, minimum), seed)
-    if not cap:
-        budget = Budget.of(fleet.infos)
-        cap = high_cap([r["prompt_tokens"] for r in sample], budget)
-        log(f"continuation probe: cap {cap} = context length {budget.context_length} - {budget.margin} - the "
-            f"longest sampled prompt ({max(r['prompt_tokens'] for r in sample)} tokens)")
+    cap = cap or high_cap(fleet, sample, log, "continuation probe")
     write_probe_shard(data_dir, sample, CUT_ROWS_SHARD)
     store = completion_store(probe_root(data_dir), CUT_ROWS_SHARD)
     with store.lock():

@@ -12,6 +12,7 @@ from pathlib import Path
 from dflash_assets.quality.outcome import Thresholds, num, pct
 from dflash_assets.quality.planner import CapEstimate, CapPlan, PlanError, plan_caps
 from dflash_assets.quality.report import length_quality
+from dflash_assets.rules import most_rows_first
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,12 @@ def recommended_cap(plan: CapPlan, limit: float) -> CapEstimate | None:
 
 def cap_answers(data_dir: str | Path, thresholds: Thresholds = Thresholds(),
                 config_hash: str | None = None) -> list[CapAnswer]:
-    """One answer per config of the data dir (or the one asked for), the most rows first."""
+    """One answer per config of the data dir (or the one asked for), the most rows first (rules.most_rows_first)."""
     report = length_quality(data_dir, max_length=thresholds.training_max_length, runaway=thresholds.runaway)
+    by_hash = {row["config_hash"]: row for row in report["by_config"]}
+    order = most_rows_first((h, r["rows"], r["max_output_tokens"]) for h, r in by_hash.items())
     answers = []
-    for row in sorted(report["by_config"], key=lambda r: (-r["rows"], r["config_hash"])):
+    for row in (by_hash[h] for h, _, _ in order):  # the plan's and the export's choice leads
         if config_hash and row["config_hash"] != config_hash:
             continue
         plan, error = None, None

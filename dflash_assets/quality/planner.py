@@ -31,6 +31,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
+from dflash_assets.generation.config import SAMPLING_PARAMS
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, measure_with_probe, probe_label,
@@ -445,16 +446,16 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
 # ---- from the data dir -----------------------------------------------------------------------------------
 
 
+SAMPLING = ("model", *SAMPLING_PARAMS, "enable_thinking")  # what must match for a probe to apply
 ROW_QUERY = ("SELECT completion_tokens, finish_reason = 'length' AS truncated, {runaway} AS runaway, prompt_tokens, "
-             "max_output_tokens, server_context_length, model, temperature, top_p, top_k, enable_thinking, turn "
+             f"max_output_tokens, server_context_length, {', '.join(SAMPLING)}, turn "
              "FROM {src} WHERE {where} AND finish_reason IN ('stop', 'length') AND completion_tokens IS NOT NULL")
-SAMPLING = ("model", "temperature", "top_p", "top_k", "enable_thinking")  # what must match for a probe to apply
 
 
 def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRules = RunawayRules(),
                notes: list[str] | None = None, parent: str | None = None) -> ProbeSample | None:
     """The length probe's rows (generation/probe.py) of the config with the largest cap whose sampling matches
-    `like` (model, temperature, top_p, top_k, enable_thinking), only for prompts in the probe's current sample.
+    `like` (SAMPLING: the model, every sampling parameter, thinking), only for prompts in the probe's current sample.
     A continuation probe of `parent`'s cut rows (the planned config's) comes first: it measures the tail of
     that run only, and more precisely. None when there is no probe (or none that matches)."""
     from dflash_assets.generation.probe import CUT_ROWS_SHARD, PROBE_SHARD, probe_root
@@ -479,8 +480,8 @@ def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRul
                                           config_hash, continued_from=parent)
         src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, PROBE_SHARD)
         sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, PROBE_SHARD)
-        configs = con.execute(f"SELECT config_hash, max(max_output_tokens), any_value(model), any_value(temperature), "
-                              f"any_value(top_p), any_value(top_k), any_value(enable_thinking) FROM {src} "
+        sampling = ", ".join(f"any_value({k})" for k in SAMPLING)
+        configs = con.execute(f"SELECT config_hash, max(max_output_tokens), {sampling} FROM {src} "
                               f"GROUP BY 1 ORDER BY 2 DESC, 1").fetchall()
         matching = [c for c in configs if like is None or tuple(c[2:]) == tuple(like[k] for k in SAMPLING)]
         if not matching:
@@ -570,7 +571,8 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
         notes.append(f"context length {num(context_length)}: the smallest the rows' servers had")
     probe = None
     if use_probe and len(rows["completion_tokens"]):
-        probe = read_probe(data_dir, {k: rows[k][0] for k in SAMPLING}, runaway, notes, parent=config_hash)
+        like = {k: rows[k][:1].tolist()[0] for k in SAMPLING}  # None where unrecorded, as any_value gives it
+        probe = read_probe(data_dir, like, runaway, notes, parent=config_hash)
     plan = plan_from_lengths(rows["completion_tokens"], rows["truncated"], int(caps.max()), rows["prompt_tokens"],
                              runaway=rows["runaway"], probe=probe, candidates=candidates, tokens_per_s=tokens_per_s,
                              context_length=context_length, config_hash=config_hash, shard=shard, notes=notes,

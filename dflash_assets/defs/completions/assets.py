@@ -16,16 +16,20 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.settings import GenerationSettings
 
 
-class CompletionsConfig(DispatchRunConfig, GenerationSettings):
+class GenerationRunConfig(DispatchRunConfig, GenerationSettings):
     """Generation settings (settings.GenerationSettings) and how hard to drive the fleet, editable in the
     launchpad. Every row records the generation settings; a change is a new config."""
+
+    def generation(self) -> GenerationConfig:
+        return GenerationConfig.taken_from(self)
+
+
+class CompletionsConfig(GenerationRunConfig):
+    """completions' run config: the generation and dispatch settings, and what preflight does with a misfit."""
 
     preflight_policy: str = Field(
         "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
                               "'fail': the run fails before any request.")
-
-    def generation(self) -> GenerationConfig:
-        return GenerationConfig.taken_from(self)
 
 
 @shard_asset(

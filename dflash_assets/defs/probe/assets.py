@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from dflash_assets.defs.completions.assets import CompletionsConfig
+from dflash_assets.defs.completions.assets import GenerationRunConfig
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
@@ -13,7 +13,7 @@ from dflash_assets.quality.probe_summary import run_length_probe
 from dflash_assets.settings import ProbeSettings
 
 
-class LengthProbeConfig(ProbeSettings, CompletionsConfig):
+class LengthProbeConfig(ProbeSettings, GenerationRunConfig):
     """The sample and its cap (settings.ProbeSettings; its max_output_tokens, 0 = the largest the context allows,
     takes the place of the run's cap). Sampling settings must match the run the plan is for (same defaults)."""
 
