@@ -3,7 +3,8 @@
     uv run python scripts/kill_demo.py --kills 20 [--seed 1] [--max-delay 25]
 
 Each round starts `dflash demo` (the emulated fleet, decoding slowly, the bundled prompts) in a fresh DAGSTER_HOME and
-data dir kept across rounds, waits a seeded random 1..max-delay seconds, and SIGKILLs its whole process group. Then one more run
+data dir kept across rounds and SIGKILLs its whole process group: at a seeded random 1..max-delay seconds after the
+start, or (every other round) 0..5 s after the round's first new committed part, inside completions. Then one more run
 goes to its end. Printed: where each kill landed (rows committed before and after), the last run's exit status,
 duplicates of (prompt_id, config_hash), prompts without a row, runs the instance still calls STARTED, and the emulator
 processes the killed runs left behind (they stop when their parent dies). Exit status 0 when every figure holds.
@@ -32,6 +33,16 @@ def rows(data: Path, table: str, columns: str) -> list[tuple]:
     return duckdb.sql(f"select {columns} from read_parquet({files!r})").fetchall() if files else []
 
 
+def wait_for_rows(data: Path, before: int, proc: subprocess.Popen, bound_s: float = 600.0) -> bool:
+    """Until more completion rows are committed than `before`; False if the run ends first."""
+    deadline = time.monotonic() + bound_s
+    while len(rows(data, "completions", "prompt_id")) <= before:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def demo(env: dict, out) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dflash_assets.cli", "demo"], env=env, stdout=out,
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -58,18 +69,24 @@ def main() -> int:
         before = len(rows(data, "completions", "prompt_id"))
         with open(work / f"kill{i:02d}.txt", "w") as out:
             proc = demo(env, out)
-            delay = rng.uniform(1.0, args.max_delay)
+            started = time.monotonic()
+            # every other kill waits for a new committed part first, so that kills land inside completions too,
+            # whatever the machine's start-up time; the others land at any moment (start-up, prompt_shards, ...)
+            if i % 2 and not wait_for_rows(data, before, proc):
+                print(f"  kill {i + 1:2d}: the run ended by itself first ({proc.returncode})")
+                continue
+            delay = rng.uniform(0.0, 5.0) if i % 2 else rng.uniform(1.0, args.max_delay)
             try:
                 proc.wait(timeout=delay)
                 print(f"  kill {i + 1:2d}: the run ended by itself first ({proc.returncode})")
                 continue
             except subprocess.TimeoutExpired:
-                pass
+                delay = time.monotonic() - started
             children = {p.pid: p for p in psutil.Process(proc.pid).children(recursive=True)}
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         left_behind |= {pid for pid, p in children.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
-        print(f"  kill {i + 1:2d} at {delay:5.1f} s: completion rows {before} -> {len(rows(data, 'completions', 'prompt_id'))}")
+        print(f"  kill {i + 1:2d} at {delay:5.1f} s{' (after a new part)' if i % 2 else ''}: completion rows {before} -> {len(rows(data, 'completions', 'prompt_id'))}")
     time.sleep(3)  # what a killed run started may take a poll to notice its parent is gone
     leaked = [pid for pid in left_behind if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     started = time.monotonic()

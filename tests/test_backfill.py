@@ -28,6 +28,8 @@ emulator logs to test-artifacts/logs/backfill/.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import dagster as dg
 import duckdb
+import psutil
 import pytest
 from dagster._core.events import DagsterEventType
 
@@ -52,6 +55,7 @@ SHARD_SIZE = 6
 POOL_SHARDS = [f"{i:05d}" for i in range(4)]  # twice the pool limit
 RESUME_SHARD = "00004"
 SHARED_SHARD = "00005"  # two runs of it at once: one writes, the other waits for it
+KILLED_SHARD = "00006"  # its run worker SIGKILLed mid-completions, then backfilled again
 # instant decode; outputs under the default 4096 cap, so the truncation check passes with the default config
 FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
 # How long the held generation steps may wait for a later run to reach the full pool: a bound on a slow
@@ -115,7 +119,7 @@ def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path
     """The webserver, the daemon and the held emulator on an instance made from `dagster_yaml`."""
     logs = fresh_dir(logs)  # webserver, daemon and emulator logs, kept for CI
     home = make_home(base / "dagster_home", dagster_yaml)
-    write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 2))
+    write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 3))
     fleet = Fleet(logs)
     # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
     env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
@@ -125,7 +129,7 @@ def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path
         # the daemon boots while the webserver loads the code location
         with daemon(home, env, log_dir=logs) as daemon_proc, webserver(home, env, log_dir=logs) as server:
             wait_daemon_healthy(server, daemon_proc)
-            add_shard_partitions(server, [*POOL_SHARDS, RESUME_SHARD, SHARED_SHARD])
+            add_shard_partitions(server, [*POOL_SHARDS, RESUME_SHARD, SHARED_SHARD, KILLED_SHARD])
             with dg.DagsterInstance.from_config(str(home)) as instance:
                 yield Stack(server, instance, fleet, base / "data")
     finally:
@@ -220,8 +224,26 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
 
 
 def pool_blocked_events(instance: dg.DagsterInstance, run_ids: list[str]) -> int:
-    return sum(f"waiting for pool {POOL}" in (entry.message or "")
-               for run_id in run_ids for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT))
+    return sum(f"waiting for pool {POOL}" in (entry.user_message or "")
+               for run_id in run_ids for entry in instance.all_logs(run_id))
+
+
+def pool_intervals(instance: dg.DagsterInstance, run_ids: list[str], step_key: str = "completions") -> list:
+    """(start, end) of every hold of the fleet's pool, from the step's log (a step that waits for the pool has
+    started, and waits inside it: defs/pools.py): "holds pool" is written after the claim, "releasing pools" before
+    the slots are freed, so each interval lies within the real hold."""
+    intervals = []
+    for run_id in run_ids:
+        start = None
+        for entry in instance.all_logs(run_id):
+            if entry.step_key != step_key:
+                continue
+            if entry.user_message == f"holds pool {POOL}":
+                start = entry.timestamp
+            elif (entry.user_message or "").startswith("releasing pools") and start is not None:
+                intervals.append((start, entry.timestamp))
+                start = None
+    return intervals
 
 
 def failures(instance: dg.DagsterInstance, backfill_id: str) -> list[str]:
@@ -294,8 +316,9 @@ def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_th
         assert len(rows) == len(set(rows)) == SHARD_SIZE, shard
 
     # the pool: never more completions steps at once than the limit, though more runs than that were live
-    intervals = step_intervals(stack.instance, run_ids, "completions")
-    assert len(intervals) == len(POOL_SHARDS) and len(run_ids) > limit
+    intervals = pool_intervals(stack.instance, run_ids)
+    assert len(intervals) == len(step_intervals(stack.instance, run_ids, "completions")) == len(POOL_SHARDS)
+    assert len(run_ids) > limit
     peak = max_overlap(intervals)
     runs_overlap = max_overlap([(r.start_time, r.end_time) for r in stack.instance.get_run_records(
         filters=dg.RunsFilter(run_ids=run_ids))])
@@ -303,7 +326,7 @@ def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_th
     sampled = [s for s in stack.samples if s["backfill"] == backfill_id]
     summary = {
         "pool": POOL, "limit": limit, "shards": len(POOL_SHARDS), "runs": len(run_ids),
-        "max_concurrent_completions_steps": peak, "max_concurrent_runs": runs_overlap,
+        "max_concurrent_fleet_pool_holds": peak, "max_concurrent_runs": runs_overlap,
         "steps_blocked_by_pool_events": blocked,
         "max_sampled_active_slots": max(s["activeSlotCount"] for s in sampled),
         "max_sampled_pending_steps": max(s["pendingStepCount"] for s in sampled),
@@ -401,3 +424,32 @@ def test_two_runs_of_the_same_shard_at_once_write_it_one_after_the_other(stack):
     assert (written[writer]["completed"], written[waiter]["already_done"]) == (SHARD_SIZE, SHARD_SIZE), written
     pool = stack.instance.event_log_storage.get_concurrency_info(f"shard:{SHARED_SHARD}")
     assert pool.slot_count == 1 and pool.claimed_slots == [], "the shard's slot is freed after both runs"
+
+
+def test_a_run_whose_worker_is_sigkilled_mid_completions_never_blocks_the_next_backfill_of_its_range(stack):
+    # slow decoding, one request at a time, a part per row: the kill lands after a committed row, mid-shard
+    stack.fleet.start(*FAST[:2], "--decode-tokens-per-s", "300", "--length-max", "3000")
+    config = {**IN_PROCESS, "ops": {"completions": {"config": {"commit_rows": 1, "max_in_flight_per_server": 1}}}}
+    first = launch_backfill(stack.server, [KILLED_SHARD], "kill: the run worker", config)
+    wait = time.monotonic() + BLOCKED_WITHIN_S
+    while not completion_rows(stack.data_dir, KILLED_SHARD):
+        assert time.monotonic() < wait, f"no row of shard {KILLED_SHARD} committed within {BLOCKED_WITHIN_S}s"
+        time.sleep(0.2)
+    [run] = backfill_runs(stack.instance, first)
+    tags = stack.instance.get_run_by_id(run.run_id).tags
+    worker = int(tags["dflash/worker_pid"])  # the run worker the launcher started, as it recorded itself
+    assert worker != os.getpid() and psutil.pid_exists(worker)
+    os.kill(worker, signal.SIGKILL)
+    committed = completion_rows(stack.data_dir, KILLED_SHARD)
+    assert 0 < len(committed) < SHARD_SIZE, committed
+    # the same range again, at once: it must not wait on what the dead run held
+    second = launch_backfill(stack.server, [KILLED_SHARD], "kill: the same range again", config)
+    backfill = wait_backfill(stack, second)
+    assert backfill["status"] == "COMPLETED_SUCCESS", (backfill, failures(stack.instance, second))
+    killed = stack.instance.get_run_by_id(run.run_id)
+    assert killed.status == dg.DagsterRunStatus.FAILURE, killed.status  # failed through the instance
+    rows = completion_rows(stack.data_dir, KILLED_SHARD)
+    assert len(rows) == len(set(rows)) == SHARD_SIZE and set(committed) <= set(rows), rows
+    for pool in (POOL, f"shard:{KILLED_SHARD}"):
+        held = {s.run_id for s in stack.instance.event_log_storage.get_concurrency_info(pool).claimed_slots}
+        assert run.run_id not in held, f"the dead run still holds {pool}"

@@ -167,6 +167,7 @@ def _claim(context: dg.AssetExecutionContext, pool: str, holder_key: str) -> Non
         time.sleep(POLL_S)
     if said:
         say(context, f"pool {pool} is free: run {run_id} goes on")
+    context.log.info(f"holds pool {pool}")  # the event log's mark of when the step began to hold it
 
 
 @contextmanager
@@ -182,4 +183,5 @@ def holding(context: dg.AssetExecutionContext, shards: list[str] = (), fleet: bo
             _claim(context, pool, holder_key)
         yield
     finally:
+        context.log.info(f"releasing pools {', '.join(pools)}")  # before: the log's hold is within the real one
         instance.event_log_storage.free_concurrency_slot_for_step(run_id, holder_key)
