@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import dagster as dg
-from test_cli import dflash, free_base_port
 
 from dflash_assets.cli import build_parser
 from dflash_assets.defs.completions.assets import CompletionsConfig
@@ -15,6 +14,7 @@ from dflash_assets.defs.resources import FleetResource, LaunchConfig
 from dflash_assets.fleet.launch_config import build_spec
 from dflash_assets.fleet.server_args import ServerArgs
 from dflash_assets.settings import DispatchSettings, FleetSettings, GenerationSettings, LaunchSettings, ServerFlags
+from tests.support.cli import dflash, free_base_port
 
 MODEL = "emulated/qwen3-27b"
 
