@@ -154,10 +154,12 @@ def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_
         # waiting costs nothing: CPU seconds per second of waiting, over a few seconds of it
         proc = psutil.Process(waiter.pid)
         cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
-        time.sleep(8)
+        time.sleep(10)
         cpu, wall = sum(proc.cpu_times()[:2]) - cpu0, time.monotonic() - wall0
         assert "waiting for pool sglang_fleet" in out.read_text() and waiter.poll() is None, "it stopped waiting"
-        assert cpu / wall < 0.05, f"the waiting process used {cpu:.2f} s of CPU in {wall:.1f} s"
+        print(f"\nwaiting for the fleet pool: {cpu:.2f} s of CPU in {wall:.1f} s ({cpu / wall:.1%} of a core)")
+        # the goal: at most 1 s of CPU over a 30 s wait
+        assert cpu / wall <= 1 / 30, f"the waiting process used {cpu:.2f} s of CPU in {wall:.1f} s"
         kill_group(holder)  # still held: only its death can free the pool
         faults(emu.url, {"hold": None})
         status = waiter.wait(timeout=BOUND_S)
