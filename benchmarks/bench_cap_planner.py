@@ -38,8 +38,8 @@ from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.planner import _sf, plan_caps, plan_from_lengths
 from dflash_assets.quality.probe_estimates import ProbeSample
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from length_families import FAMILIES, censor, probe_rows  # noqa: E402  (shared with the tests)
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository, for tests.support
+from tests.support.length_families import FAMILIES, censor, probe_rows  # noqa: E402  (shared with the tests)
 
 LENGTH_MODELS = [("1640", "1.0"), ("1200", "1.2"), ("2500", "0.7")]  # (median, sigma) of the emulator's lengths
 

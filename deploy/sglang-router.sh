@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SGLang model gateway (smg 1.13, `pip install smg==1.13.0`) in front of SGLang 0.5.23 servers on several GPU
-# nodes; dflash-assets attaches to its one URL. tests/test_gateway.py runs this file, with loopback addresses.
+# nodes; dflash-assets attaches to its one URL. tests/engines/test_gateway.py runs this file, with loopback addresses.
 #
 #   deploy/sglang-router.sh http://10.0.0.5:30000 http://10.0.0.5:30001 http://10.0.0.6:30000 ...
 #   DFLASH_FLEET_MODE=attach DFLASH_FLEET_URLS=http://<gateway host>:30000 dagster dev -w workspace.yaml

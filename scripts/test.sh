@@ -3,7 +3,7 @@
 # without its dependencies (the contract tests read its schema file; importing it would pull a CUDA torch),
 # Debian's Chromium for the browser tests and postgresql + redis-server for the multi-machine tests (when
 # missing and we are root), then pytest with this script's arguments, e.g.
-# `bash scripts/test.sh tests/test_ui_browser.py -x`.
+# `bash scripts/test.sh tests/engines/test_ui_browser.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.local/bin:$PATH"
@@ -37,7 +37,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
     echo "scripts/test.sh: ${missing[*]} missing and this is not root; install them (apt-get install" \
-         "${missing[*]}) or tests/test_postgres_instance.py and tests/test_celery.py fail" >&2
+         "${missing[*]}) or tests/engines/test_postgres_instance.py and tests/engines/test_celery.py fail" >&2
   fi
 fi
 

@@ -4,7 +4,7 @@ which of them block, the CLI's commands) are read from the registry and the pars
 import re
 from pathlib import Path
 
-from conftest import cli_commands
+from tests.support.cli import cli_commands
 
 from dflash_assets.quality.registry import CHECKS
 

@@ -3,7 +3,6 @@
 import duckdb
 import numpy as np
 import pytest
-from test_quality_fixtures import CONFIG_A, completion, prompt, write
 
 from dflash_assets.defs.training.assets import most_rows_config
 from dflash_assets.fleet.client import ServerInfo
@@ -14,6 +13,7 @@ from dflash_assets.quality.answer import cap_answers
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.rules import (CONTEXT_MARGIN, most_rows_first, overflows, percentile,
                                          percentile_sql)
+from tests.support.quality_data import CONFIG_A, completion, prompt, write
 
 CONTEXT = 16384
 CAP = CONFIG_A["max_output_tokens"]

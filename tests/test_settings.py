@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import dagster as dg
-from test_cli import dflash, free_base_port
 
 from dflash_assets.cli import build_parser
 from dflash_assets.defs.completions.assets import CompletionsConfig
@@ -22,6 +21,7 @@ from dflash_assets.fleet.launch_config import build_spec
 from dflash_assets.fleet.server_args import ServerArgs
 from dflash_assets.settings import (DispatchSettings, FleetSettings, GenerationSettings, LaunchSettings, ProbeSettings,
                                     ServerFlags)
+from tests.support.cli import dflash, free_base_port
 
 MODEL = "emulated/qwen3-27b"
 ROOT = Path(__file__).resolve().parent.parent

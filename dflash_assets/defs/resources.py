@@ -64,7 +64,10 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 args = self.emulator_args.split()
                 if self.api_key:
                     args += ["--api-key", self.api_key]
-                servers = [stack.enter_context(start_emulator(args)) for _ in range(self.num_servers)]
+                try:
+                    servers = [stack.enter_context(start_emulator(args)) for _ in range(self.num_servers)]
+                except (RuntimeError, TimeoutError) as e:  # its message ends with the server's own last lines
+                    raise RuntimeError(f"the emulated fleet did not start ({self.emulator_args}): {e}") from None
                 self._urls = [s.url for s in servers]
                 context.log.info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
             elif self.mode == "launch":

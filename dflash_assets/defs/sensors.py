@@ -1,9 +1,10 @@
-"""Sensors: keep the shard partitions in step with the prompt source."""
+"""Sensors: keep the shard partitions in step with the prompt source; fail the runs whose process died."""
 
 import dagster as dg
 
 from dflash_assets.defs.jobs import quality_checks_job
 from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.pools import reap_dead_runs
 from dflash_assets.defs.resources import PromptSource
 from dflash_assets.generation.prompts import SourceError, shard_keys
 
@@ -35,3 +36,15 @@ def completions_landed_sensor(context: dg.SensorEvaluationContext, asset_event: 
     materialization = asset_event.asset_materialization
     yield dg.RunRequest(run_key=f"{asset_event.run_id}:{asset_event.timestamp}",
                         tags={"dflash/trigger": f"completions {materialization.partition or ''}".strip()})
+
+
+@dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Fails the runs of this host whose worker process is gone (SIGKILLed, crashed, its machine's "
+                       "`dagster dev` killed) and frees every pool slot an ended run still holds, so a dead run never "
+                       "blocks the next one (defs/pools.py).")
+def dead_runs_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+    released = reap_dead_runs(context.instance)
+    if not released:
+        return dg.SensorResult(skip_reason="no run of this host is dead, no ended run holds a pool slot")
+    return dg.SensorResult(skip_reason="freed the slots of " + ", ".join(
+        f"run {h.run_id} ({'its process died: failed' if h.dead else 'ended'})" for h in released))

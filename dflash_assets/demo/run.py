@@ -12,6 +12,7 @@ log in DAGSTER_HOME, which the UI shows; `--verbose` prints it here as well. The
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -21,9 +22,11 @@ from dataclasses import dataclass, field
 import dagster as dg
 from rich import box
 from rich.console import Console
+from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dflash_assets.defs import pools
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
 from dflash_assets.defs.resources import DataDir, PromptSource
 from dflash_assets.defs.sensors import missing_shards
@@ -39,37 +42,93 @@ def quiet(verbose: bool) -> dict:
     return {"loggers": {"console": {"config": {"log_level": "DEBUG" if verbose else "CRITICAL"}}}}
 
 
+# What a failure that re-running can cure looks like: the fleet went away or was slow, not a setting or a bug.
+PASSING = ("FleetDown", "ServerError", "TimeoutError", "ClientConnectorError", "ServerDisconnectedError",
+           "ClientOSError", "ConnectionError", "ConnectionResetError")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed run or step, said in a line or two: where, the first line of its cause, and the server's own words
+    when a fleet did not start."""
+
+    where: str
+    message: str
+    run_id: str
+    detail: tuple[str, ...] = ()  # e.g. the last lines an emulator or sglang server wrote before it exited
+    passing: bool = False  # re-running may cure it (a server down, a timeout), so say so
+
+
 @dataclass
 class Stops:
     """What stopped the runs of a command, sorted by kind: blocking checks, the preflight, anything else."""
 
     checks: dict[str, list[str]] = field(default_factory=dict)  # blocking check -> shards it failed on
     preflight: list[str] = field(default_factory=list)  # the preflight's or the config's refusals (with numbers)
-    errors: list[str] = field(default_factory=list)  # "<where>: <first line of the error>"
+    errors: list[Failure] = field(default_factory=list)  # in the order they happened: the first is the cause
     config_hashes: set[str] = field(default_factory=set)
 
     def exit_status(self) -> int:
         return FAILED if self.errors else BAD_CONFIG if self.preflight else STOPPED_BY_CHECK if self.checks else DONE
 
 
+def execute(job: str, instance: dg.DagsterInstance, run_config: dict, console: Console,
+            shards: list[str] | None = None) -> dg.ExecuteInProcessResult:
+    """One run of `job` in this process, which is its worker: first the runs that died are failed and their pool
+    slots freed (defs/pools.py), then this process is recorded in the run's tags (so a kill -9 of it is seen by the
+    next run), and what a step waiting for a pool says is printed here (who holds it, alive or not, what frees it).
+    """
+    handler = RichHandler(console=console, show_time=False, show_level=False, show_path=False, markup=False)
+    pools.log.addHandler(handler)
+    pools.log.setLevel(logging.INFO)
+    try:
+        pools.reap_dead_runs(instance)
+        tags = pools.worker_tags()
+        if shards:
+            tags |= {"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]}
+        return defs.resolve_job_def(job).execute_in_process(instance=instance, run_config=run_config,
+                                                            raise_on_error=False, tags=tags)
+    finally:
+        pools.log.removeHandler(handler)
+
+
 def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops) -> None:
-    """Sort a run's failed steps: a blocking check, the preflight, or an error (first line, no stack trace)."""
+    """Sort a run's failures: a blocking check, the preflight, or an error (its cause's first line, no stack
+    trace). A run that failed before any step (the fleet resource did not start) is an error of the run itself."""
+    failed_steps = False
     for event in result.all_events:
-        if not event.is_step_failure:
-            continue
-        error = event.step_failure_data.error
-        user = event.step_failure_data.user_failure_data
-        if error.cls_name == "DagsterAssetCheckFailedError":
-            continue  # the evaluations say which checks and where
-        while error.cause and error.cls_name == "DagsterExecutionStepExecutionError":
-            error = error.cause  # Dagster's wrapper: the user code's own error says what went wrong
-        text = error.message.split(": ", 1)[-1] if error.cls_name in error.message.split(":")[0] else error.message
-        message = (user.description if user and user.description else f"{error.cls_name}: {text}").strip()
-        if message.startswith("preflight: ") or (user and user.metadata.get("cause") and
-                                                 user.metadata["cause"].value == "config"):
-            stops.preflight.append(message.removeprefix("preflight: "))
-        else:
-            stops.errors.append(f"{where}, step {event.step_key}: {message.splitlines()[0]} (run {result.run_id})")
+        if event.is_step_failure:
+            failed_steps = True
+            error, user = event.step_failure_data.error, event.step_failure_data.user_failure_data
+            if error.cls_name == "DagsterAssetCheckFailedError":
+                continue  # the evaluations say which checks and where
+            error = _own_error(error)
+            message = (user.description if user and user.description else _line(error)).strip()
+            if message.startswith("preflight: ") or (user and user.metadata.get("cause") and
+                                                     user.metadata["cause"].value == "config"):
+                stops.preflight.append(message.removeprefix("preflight: "))
+            else:
+                stops.errors.append(Failure(f"{where}, step {event.step_key}", message.splitlines()[0],
+                                            result.run_id, passing=error.cls_name in PASSING))
+        elif event.is_run_failure and not failed_steps and event.job_failure_data.error is not None:
+            error = _own_error(event.job_failure_data.error)
+            lines = [line.strip() for line in error.message.splitlines() if line.strip()]
+            stops.errors.append(Failure(f"{where}: the run could not start", _line(error).splitlines()[0],
+                                        result.run_id, detail=tuple(line[:600] for line in lines[1:][-3:])))
+
+
+def _own_error(error):
+    """Dagster's wrappers (step execution, resource init) off: the user code's own error says what went wrong."""
+    while error.cause and error.cls_name in ("DagsterExecutionStepExecutionError", "DagsterResourceFunctionError"):
+        error = error.cause
+    return error
+
+
+def _line(error) -> str:
+    text = error.message.split(": ", 1)[-1] if error.cls_name in error.message.split(":")[0] else error.message
+    return f"{error.cls_name}: {text}"
+
+
 COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "P50", "P90", "P99", "checks")
 
 
@@ -97,7 +156,6 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
                verbose: bool = False) -> Stops:
     """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
     flags); print a table; return what stopped runs."""
-    job = defs.resolve_job_def("shard_pipeline")
     run_config = {**quiet(verbose), "ops": {"completions": {"config": completions}}}
     stops = Stops()
     table = Table(title="completions by shard (cut: finish_reason = length; P: completion tokens)",
@@ -105,17 +163,17 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     failed_checks: dict[str, list[str]] = {}
+    no_figures: list[str] = []
     runs = [shards[i:i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task(f"materialising shards in {len(runs)} run(s)", total=len(shards))
         for chunk in runs:
-            result = job.execute_in_process(
-                instance=instance, run_config=run_config, raise_on_error=False,
-                tags={"dagster/asset_partition_range_start": chunk[0],
-                      "dagster/asset_partition_range_end": chunk[-1]})
+            result = execute("shard_pipeline", instance, run_config, progress.console, chunk)
             source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
             report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
+            if not result.success:
+                no_figures += [shard for shard in chunk if shard not in comp]
             for shard in chunk:
                 s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
                 failing = [e for e in checks if not e.passed and f"shard {shard}" in e.metadata["failing"].text]
@@ -136,6 +194,9 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
                 record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
             progress.advance(task, len(chunk))
     console.print(table)
+    if no_figures:
+        console.print(f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
+                      f"committed any (the cause is below)", highlight=False)
     for name, where in sorted(failed_checks.items()):
         console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
     if failed_checks:
@@ -155,11 +216,23 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> i
     from dflash_assets.quality.console import print_answer
 
     say = lambda text="": console.print(text, highlight=False)  # noqa: E731 - figures, not syntax, to colour
-    for error in stops.errors:
-        say(f"[red]Failed[/]: {error}")
-    if stops.errors:
-        say("The stack trace is in the run's event log (the UI shows it). If the cause was passing (a server "
-            "down, a timeout), run the same command again: committed completions are kept, only the rest runs.")
+    if stops.errors:  # the first cause first; the same cause again is counted, not repeated
+        first = stops.errors[0]
+        say(f"[red]Failed[/]: {first.where}: {first.message}")
+        for line in first.detail:
+            say(f"  {line}")
+        same = sum(e.message == first.message for e in stops.errors[1:])
+        others = [e for e in stops.errors[1:] if e.message != first.message]
+        if same:
+            say(f"  (and {same} more run(s) with the same cause)")
+        for error in others:
+            say(f"Also failed: {error.where}: {error.message}")
+        say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
+        if first.passing:
+            say("Next: the cause can pass (a server down, a timeout): run the same command again; committed "
+                "completions are kept, only the rest runs.")
+        else:
+            say("Next: fix the cause above, then run the same command again (committed completions are kept).")
     if stops.preflight:
         say("[red]Stopped before any request was sent[/]: the preflight refused the run.")
         for message in dict.fromkeys(stops.preflight):
@@ -206,9 +279,11 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
                   f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/",
                   highlight=False)
     stops = run_shards(instance, shards, completions, console, verbose)
-    if not stops.preflight:
-        export = defs.resolve_job_def("training_export").execute_in_process(instance=instance, run_config={
-            **quiet(verbose), "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, raise_on_error=False)
+    if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
+        console.print("drafter training set: not written: the shard runs failed (the cause is below)")
+    elif not stops.preflight:
+        export = execute("training_export", instance, {
+            **quiet(verbose), "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, console)
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
             console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} "
@@ -263,7 +338,6 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
     chosen = shards[shards.index(first):shards.index(last) + 1]
     console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to cap {new_cap}, cut rows taken on from "
                   f"where they stopped", highlight=False)
-    job = defs.resolve_job_def("continue_shards")
     run_config = {**quiet(verbose), "ops": {"continued_completions": {"config": {
         "parent_config_hash": "latest", "new_max_output_tokens": new_cap}}}}
     stops, table = Stops(), Table(box=box.SIMPLE_HEAD, title="continued by shard (tokens reused: taken over from "
@@ -272,8 +346,7 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     reused = total = 0
     for chunk in [chosen[i:i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
-        result = job.execute_in_process(instance=instance, run_config=run_config, raise_on_error=False, tags={
-            "dagster/asset_partition_range_start": chunk[0], "dagster/asset_partition_range_end": chunk[-1]})
+        result = execute("continue_shards", instance, run_config, console, chunk)
         meta = _meta(result, "continued_completions")
         for shard in chunk:
             m = meta.get(shard)

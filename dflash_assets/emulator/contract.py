@@ -6,7 +6,7 @@ srt/entrypoints/api_contract.py) and answers a violation with HTTP 400
 `{"error": "<the decoder's text>"}`. The wheel is not a runtime dependency, so
 this is a port of that decoder: same accepted shapes, same serde-style messages
 ("unknown field `max_tokens`, expected one of ...", "invalid type: string \"8\",
-expected i64"). tests/test_contract_sglang_schema.py runs a corpus through both.
+expected i64"). tests/emulator/test_sglang_contract.py runs a corpus through both.
 """
 
 from __future__ import annotations

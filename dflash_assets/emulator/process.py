@@ -85,6 +85,13 @@ class EmulatorProcess:
         self.stop()
 
 
+# Set to its own pid by whoever starts an emulator for its own use (start_emulator): the emulator stops when that
+# parent is gone (even before it started serving),
+# so a SIGKILLed run or test leaves no server behind (it runs in a session of its own, away from the parent's
+# signals). A standalone `dflash emulator` does not set it and outlives its shell, as `sglang serve` does.
+EXIT_WITH_PARENT = "DFLASH_EMULATOR_EXIT_WITH_PARENT"
+
+
 def start_emulator(
     args: list[str] | tuple[str, ...] = (),
     *,
@@ -135,7 +142,7 @@ def _spawn(args: list[str], host: str, port: int, env: dict | None, log_path) ->
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, EXIT_WITH_PARENT: str(os.getpid()), **(env or {})},
             start_new_session=True,
         )
     return EmulatorProcess(popen, host, port, log_path, own_log)

@@ -21,6 +21,7 @@ from . import model
 from . import tokenizer as tok
 from .config import VERSION, EmulatorConfig
 from .engine import Engine
+from .process import EXIT_WITH_PARENT
 from .faults import Faults, from_args
 from .info import health, loads, metrics, model_card, model_info, models, ready, server_info
 from .native import handle_generate
@@ -181,11 +182,23 @@ async def serve(
         cfg.max_total_num_tokens,
         tok.VOCAB_SIZE,
     )
-    ready_task = asyncio.get_running_loop().create_task(_announce_when_ready(app))
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_announce_when_ready(app))]
+    if parent := os.environ.get(EXIT_WITH_PARENT):
+        tasks.append(loop.create_task(_stop_when_orphaned(stop, int(parent))))
     if on_bound:
         on_bound(port)
     try:
-        await (stop.wait() if stop else asyncio.Event().wait())
+        await stop.wait()
     finally:
-        ready_task.cancel()
+        for task in tasks:
+            task.cancel()
         await runner.cleanup()
+
+
+async def _stop_when_orphaned(stop: asyncio.Event, parent: int, every_s: float = 1.0) -> None:
+    while os.getppid() == parent:  # a dead parent's children are handed to init (or a subreaper)
+        await asyncio.sleep(every_s)
+    log.warning("emulator: the process that started it (pid %d) is gone; stopping", parent)
+    stop.set()

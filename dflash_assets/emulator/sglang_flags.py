@@ -1,7 +1,7 @@
 """Every `sglang serve` flag of SGLang 0.5.23: (names, nargs, dest).
 
 Extracted from the wheel (srt/arg_groups/fields/*.py and ServerArgs.add_cli_args) by
-tests/test_contract_sglang_schema.py::extract_sglang_flags, which also checks this
+tests/emulator/test_sglang_contract.py::extract_sglang_flags, which also checks this
 table still matches. nargs: 0 = a switch (store_true; BooleanOptionalAction adds
 `--no-x`), None = one value, or argparse's "?", "*", "+". The emulator registers
 all of them so a launcher's command line parses as it would for `sglang serve`,

@@ -1,6 +1,6 @@
 """The arguments of one `sglang serve` (0.5.23) as typed config, the argv built from them and their hash.
 
-Only flags that exist in 0.5.23 are emitted (tests/test_server_args_flags.py checks every one against the
+Only flags that exist in 0.5.23 are emitted (tests/fleet/test_server_args.py checks every one against the
 wheel's own field definitions). `--cuda-graph-max-bs` and `--mamba-scheduler-strategy`, which older guides
 use, are gone: the first is even an *ambiguous prefix* in 0.5.23 (exit 2), so they are refused in
 `extra_args` too, with the replacement named.

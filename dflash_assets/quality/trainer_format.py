@@ -31,7 +31,7 @@ def think_marker_sql(*columns: str) -> str:
     """has_think_marker over text columns as one DuckDB boolean (a null column holds no marker): the flag the
     think_marker check and the export's exclusion read, so they refuse exactly what --strict-think-markers does.
     A case-insensitive RE2 search, not lower() + contains(): 7x faster on long reasoning, and DuckDB's lower()
-    maps U+0130 to "i" where Python's gives "i" + a combining dot (tests/test_trainer_format.py compares them).
+    maps U+0130 to "i" where Python's gives "i" + a combining dot (tests/quality/test_trainer_format.py compares them).
     Only the letters are case-insensitive, so each marker starts with a literal "<" that RE2 can skip to: twice
     as fast as a pattern that is case-insensitive throughout."""
     pattern = "|".join(re.sub("[A-Za-z]+", lambda w: f"(?i:{w[0]})", re.escape(m)) for m in THINK_MARKERS)

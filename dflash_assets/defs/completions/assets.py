@@ -7,7 +7,7 @@ from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
-from dflash_assets.defs.shard_concurrency import one_run_per_shard
+from dflash_assets.defs.pools import holding
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
@@ -36,7 +36,6 @@ class CompletionsConfig(GenerationRunConfig):
     deps=[prompt_shards],
     group_name="generation",
     kinds={"sglang", "parquet"},
-    pool="sglang_fleet",
     retry_policy=FLEET_RETRY,
     metadata={"dagster/column_schema": dg.TableSchema(
         columns=[dg.TableColumn(f.name, str(f.type)) for f in COMPLETION_SCHEMA])},
@@ -53,7 +52,7 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
     except ConfigError as e:
         raise dg.Failure(str(e), allow_retries=False) from None
     try:
-        with one_run_per_shard(context, context.partition_keys):
+        with holding(context, context.partition_keys):  # the shards' pools and the fleet's
             runs = run_on_fleet(fleet, lambda f: generate_shards(
                 data_dir.resolved(), context.partition_keys, f, generation, dispatch,
                 preflight_policy=config.preflight_policy, log=context.log.info))

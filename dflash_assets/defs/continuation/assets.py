@@ -8,7 +8,7 @@ from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.defs.shard_concurrency import one_run_per_shard
+from dflash_assets.defs.pools import holding
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
@@ -27,7 +27,6 @@ class ContinuationConfig(DispatchRunConfig):
     deps=[completions],
     group_name="generation",
     kinds={"sglang", "parquet"},
-    pool="sglang_fleet",
     retry_policy=FLEET_RETRY,
     description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
                 "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
@@ -41,7 +40,7 @@ def continued_completions(context: dg.AssetExecutionContext, config: Continuatio
             context.add_asset_metadata(await _continue(context, shard, config, connected, data_dir),
                                        partition_key=shard)
 
-    with one_run_per_shard(context, context.partition_keys):
+    with holding(context, context.partition_keys):  # the shards' pools and the fleet's
         run_on_fleet(fleet, each)
 
 

@@ -3,6 +3,7 @@
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import GenerationRunConfig
+from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
 from dflash_assets.generation.config import ConfigError
@@ -25,7 +26,6 @@ class LengthProbeConfig(ProbeSettings, GenerationRunConfig):
     group_name="quality",
     kinds={"sglang", "parquet"},
     owners=["team:dflash"],
-    pool="sglang_fleet",
     description="A seeded random sample of the prompts (by default the larger of 500 and 1%, stratified across "
                 "shards and sources) generated at a high cap (by default the largest the fleet's context allows): "
                 "real completions with their own config hash, kept under <data_dir>/length_probe/, never training "
@@ -43,9 +43,10 @@ def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, f
     try:
         config.dispatch().validate()
         config.probe().validate()
-        probe = run_on_fleet(fleet, lambda f: run_length_probe(
-            root, shards, f, generation, config.probe(), config.dispatch(), log=context.log.info,
-            runaway=quality.thresholds().runaway))  # mode cut_rows: the same runaways the plan leaves out
+        with holding(context):  # the fleet's pool
+            probe = run_on_fleet(fleet, lambda f: run_length_probe(
+                root, shards, f, generation, config.probe(), config.dispatch(), log=context.log.info,
+                runaway=quality.thresholds().runaway))  # mode cut_rows: the same runaways the plan leaves out
     except (ConfigError, FileNotFoundError) as e:
         raise dg.Failure(str(e)) from None
     except PreflightError as e:

@@ -1,0 +1,169 @@
+"""kill -9 of `dflash demo` and `dflash backfill`, then the same command again, as the story did it.
+
+Every kill lands where it hurts: after a part of completions is committed (the test waits for the file), with the
+emulator holding every request still in flight, so the killed run certainly holds its pool slots (the fleet's and
+its shards') when it dies. The next command must finish: it fails the dead runs through the instance (their worker
+pid and start time are in their tags), frees what they held, and resumes from the committed parts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import dagster as dg
+import duckdb
+import psutil
+import pytest
+from dagster._core.instance.ref import InstanceRef
+
+from dflash_assets.emulator.process import start_emulator
+from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
+
+SLOW = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "400", "--max-running-requests", "4"]
+SHARDS, SHARD_SIZE = 4, 6
+BOUND_S = 240  # a bound on a slow machine, never a timing the test relies on
+
+
+def dflash_popen(args: list[str], env: dict, out: Path) -> subprocess.Popen:
+    """`dflash ...` in a process group of its own (so the kill takes the whole command), output to a file."""
+    return subprocess.Popen([sys.executable, "-m", "dflash_assets.cli", *args], stdout=out.open("w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
+
+
+def faults(url: str, settings: dict) -> None:
+    urllib.request.urlopen(urllib.request.Request(f"{url}/_emulator/faults", method="POST",
+                                                  data=json.dumps(settings).encode(),
+                                                  headers={"Content-Type": "application/json"}), timeout=10)
+
+
+def completion_rows(data: Path) -> list[tuple[str, str]]:
+    files = sorted(str(p) for p in (data / "completions").rglob("*.parquet"))
+    if not files:
+        return []
+    return duckdb.sql(f"select prompt_id, config_hash from read_parquet({files!r})").fetchall()
+
+
+def accepted_prompt_ids(data: Path) -> set[str]:
+    files = sorted(str(p) for p in (data / "prompt_shards").rglob("prompts.parquet"))
+    return {r[0] for r in duckdb.sql(f"select prompt_id from read_parquet({files!r})").fetchall()}
+
+
+def wait_until(what, message: str, proc: subprocess.Popen | None = None, out: Path | None = None):
+    deadline = time.monotonic() + BOUND_S
+    while not (value := what()):
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{message}: the command ended first ({proc.returncode}):\n{out.read_text()}")
+        assert time.monotonic() < deadline, f"{message} (not within {BOUND_S}s)"
+        time.sleep(0.1)
+    return value
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def project(tmp_path):
+    home, data = tmp_path / "home", tmp_path / "data"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"k{i}", "prompt": f"kill test prompt {i}: " + "why " * (i % 7)}) + "\n"
+                           for i in range(SHARDS * SHARD_SIZE)))
+    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_FLEET_MODE": "attach",
+           "DFLASH_SHARDS_PER_RUN": "2", "DFLASH_PROMPTS": str(src), "DFLASH_SHARD_SIZE": str(SHARD_SIZE)}
+    return home, data, env
+
+
+def kill_mid_completions(args, env, data: Path, url: str, out: Path) -> int:
+    """Run the command until a part more than before is committed, hold the fleet, SIGKILL its process group."""
+    before = len(completion_rows(data))
+    proc = dflash_popen(args, env, out)
+    wait_until(lambda: len(completion_rows(data)) > before, "a part of completions committed", proc, out)
+    faults(url, {"hold": True})  # every request still in flight stays in flight: the run holds its pools
+    kill_group(proc)
+    faults(url, {"hold": None})
+    return len(completion_rows(data))
+
+
+def runs(home: Path) -> list[dg.DagsterRun]:
+    with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        return list(instance.get_runs())
+
+
+def test_demo_killed_twice_mid_completions_then_run_again_finishes_with_every_prompt_once(tmp_path, project):
+    home, data, env = project
+    with start_emulator(SLOW) as emu:
+        env = {**env, "DFLASH_FLEET_URLS": emu.url}
+        args = ["demo", "--max-output-tokens", "2048"]
+        counts = [kill_mid_completions(args, env, data, emu.url, tmp_path / f"kill{i}.txt") for i in range(2)]
+        assert 0 < counts[0] < counts[1] < SHARDS * SHARD_SIZE, counts
+        again = dflash_popen(args, env, tmp_path / "again.txt")
+        assert again.wait(timeout=BOUND_S * 2) in (0, 3), (tmp_path / "again.txt").read_text()
+    text = (tmp_path / "again.txt").read_text()
+    rows = completion_rows(data)
+    assert len(rows) == len(set(rows)), "a kill -9 left duplicate (prompt_id, config_hash) rows"
+    assert {r[0] for r in rows} == accepted_prompt_ids(data), "a prompt was lost"
+    assert len({r[1] for r in rows}) == 1
+    # the killed runs: failed through the instance, with the reason, and the next command said so
+    killed = [r for r in runs(home) if r.job_name == "shard_pipeline" and r.status == dg.DagsterRunStatus.FAILURE]
+    assert len(killed) >= 2, [(r.run_id, r.status) for r in runs(home)]
+    assert "died (its process is gone): failed it and freed the pool slots it held" in text, text
+    assert not [r for r in runs(home) if not r.is_finished], "a run is left STARTED"
+
+
+def test_the_story_a_killed_backfill_then_the_bump_to_8192_stops_in_preflight_naming_the_context(tmp_path, project):
+    home, data, env = project
+    with start_emulator([*SLOW, "--context-length", "8192"]) as emu:
+        env = {**env, "DFLASH_FLEET_URLS": emu.url}
+        kill_mid_completions(["backfill", "--max-output-tokens", "4096"], env, data, emu.url, tmp_path / "kill.txt")
+        bump = dflash_popen(["backfill", "--max-output-tokens", "8192"], env, tmp_path / "bump.txt")
+        status = bump.wait(timeout=BOUND_S)
+    text = (tmp_path / "bump.txt").read_text()
+    assert status == 2, text
+    assert "Stopped before any request was sent" in text and "Next: restart the servers with --context-length" in text
+    rows = completion_rows(data)
+    assert len(rows) == len(set(rows)) and {r[1] for r in rows} and len({r[1] for r in rows}) == 1
+
+
+def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_when_the_holder_is_killed(
+        tmp_path, project):
+    home, data, env = project
+    # one fleet slot: the second command must wait for the first
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text().replace("default_limit: 2", "default_limit: 1"))
+    assert "default_limit: 1" in (home / "dagster.yaml").read_text()
+    with start_emulator([*SLOW, "--fault-hold"]) as emu:  # every request held: the first run holds the pool
+        env = {**env, "DFLASH_FLEET_URLS": emu.url, "DFLASH_SHARDS_PER_RUN": "1"}
+        holder = dflash_popen(["backfill", "--from", "00000", "--to", "00000"], env, tmp_path / "holder.txt")
+        wait_until(lambda: json.loads(urllib.request.urlopen(f"{emu.url}/_emulator/faults", timeout=10).read())
+                   ["injected"]["hold"] > 0, "the first run's requests reached the fleet", holder, tmp_path / "holder.txt")
+        out = tmp_path / "waiter.txt"
+        waiter = dflash_popen(["backfill", "--from", "00001", "--to", "00001"], env, out)
+        wait_until(lambda: "waiting for pool sglang_fleet" in out.read_text(), "the waiter says it waits", waiter, out)
+        text = out.read_text()
+        assert "held by run " in text and f"(alive, pid {holder.pid} on this host" in text, text
+        assert f"`kill {holder.pid}`" in text, text
+        # waiting costs nothing: CPU seconds per second of waiting, over a few seconds of it
+        proc = psutil.Process(waiter.pid)
+        cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
+        time.sleep(8)
+        cpu, wall = sum(proc.cpu_times()[:2]) - cpu0, time.monotonic() - wall0
+        assert "waiting for pool sglang_fleet" in out.read_text() and waiter.poll() is None, "it stopped waiting"
+        assert cpu / wall < 0.05, f"the waiting process used {cpu:.2f} s of CPU in {wall:.1f} s"
+        kill_group(holder)  # still held: only its death can free the pool
+        faults(emu.url, {"hold": None})
+        status = waiter.wait(timeout=BOUND_S)
+    text = out.read_text()
+    assert status in (0, 3), text  # 3: a blocking check on what it generated, not the wait
+    assert "died (its process is gone): failed it and freed the pool slots it held" in text, text
+    assert "pool sglang_fleet is free" in text, text
+    rows = [r for r in text.splitlines() if r.strip().startswith("00001")]
+    assert rows and rows[0].split()[4] == str(SHARD_SIZE), text  # the shard's prompts, all done

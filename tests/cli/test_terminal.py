@@ -1,0 +1,211 @@
+"""What `dflash demo`, `dflash backfill` and `dflash report` print when the gate stops a run, read as a person would:
+the figures, the plan and the next command on the terminal; the event stream and stack traces in the run's log."""
+
+import contextlib
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import duckdb
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+NO_TRACE = ("Traceback", "Stack Trace", "DagsterAssetCheckFailedError", " - ERROR - ")
+
+
+def dflash(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_assets.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env}, cwd=env.get("CWD"))
+
+
+def home(tmp_path: Path, name: str) -> dict:
+    """A fresh instance (the repo's dagster.yaml) and data dir."""
+    (tmp_path / name).mkdir()
+    shutil.copy(REPO / "dagster_home" / "dagster.yaml", tmp_path / name / "dagster.yaml")
+    return {"DAGSTER_HOME": str(tmp_path / name), "DFLASH_DATA_DIR": str(tmp_path / f"{name}-data"),
+            "CWD": str(tmp_path)}
+
+
+@pytest.fixture(scope="module")
+def demo_at_4096(tmp_path_factory):
+    """The README's way to reproduce the story: the bundled prompts at a 4096-token cap."""
+    tmp = tmp_path_factory.mktemp("demo4096")
+    env = home(tmp, "home")  # each prompt's one completion (the suite's setting): the figures are the same each run
+    return env, dflash("demo", "--max-output-tokens", "4096", env=env)
+
+
+def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_and_the_next_command(demo_at_4096):
+    env, result = demo_at_4096
+    out = result.stdout
+    assert result.returncode == 3, out + result.stderr  # stopped by a blocking check
+    rows, cut = duckdb.sql(f"select count(*), count(*) filter (where finish_reason = 'length') from read_parquet("
+                           f"'{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')").fetchall()[0]
+    share = f"{cut / rows * 100:.2f}%"
+    assert 0.15 <= cut / rows <= 0.25, share
+    flat = re.sub(r"\s+", " ", out)
+    assert f"Stopped by the blocking check truncation_rate (shards 00000, 00001, 00002, 00003): {share} of {rows} " \
+           f"rows hit the cap" in flat, out
+    assert "P90 4,096 P99 4,096" in flat and "P90 and P99 equal the cap" in flat
+    recommended = re.search(r"recommended cap: ([\d,]+) \(predicted ([\d.]+)% cut", flat)
+    assert recommended and float(recommended.group(2)) <= 5.0, out
+    cap = int(recommended.group(1).replace(",", ""))
+    assert cap > 4096 and f"{recommended.group(1)} " in out  # the plan's row for it
+    assert f"dflash continue --to {cap}" in out and f"dflash demo --max-output-tokens {cap}" in out
+    assert "training set: not written while a blocking check fails" in out
+    # the per-shard table has its figures: cut, P90 and P99 of every shard
+    for shard in ("00000", "00001", "00002", "00003"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(shard))
+        assert re.search(r"\d+\.\d\d%\s+\d+\s+4096\s+4096\s", line), line
+    for trace in NO_TRACE:
+        assert trace not in out + result.stderr
+
+
+def test_the_stack_trace_stays_in_the_runs_event_log(demo_at_4096):
+    env, _ = demo_at_4096
+    script = ("import dagster as dg; i = dg.DagsterInstance.get(); r = [x for x in i.get_runs() "
+              "if x.job_name == 'shard_pipeline'][0]; print(r.status.value); "
+              "print([e.dagster_event.step_failure_data.error.cls_name for e in i.all_logs(r.run_id) "
+              "if e.dagster_event and e.dagster_event.is_step_failure])")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=env["CWD"],
+                         env={**os.environ, "DAGSTER_HOME": env["DAGSTER_HOME"]}, timeout=120).stdout
+    assert out.splitlines() == ["FAILURE", "['DagsterAssetCheckFailedError']"], out
+
+
+def test_report_leads_with_the_answer_per_config(demo_at_4096):
+    env, _ = demo_at_4096
+    result = dflash("report", "--data-dir", env["DFLASH_DATA_DIR"], env=env)
+    assert result.returncode == 0, result.stderr
+    head = result.stdout.split("Length quality, all shards")[0]
+    flat = re.sub(r"\s+", " ", head)
+    assert re.search(r"config \w+: \d+\.\d\d% of \d+ rows cut at the cap of 4,096", flat), head
+    assert "P90 4,096 P99 4,096 max 4,096: P90 and P99 equal the cap" in flat
+    assert "<- recommended" in head and "recommended cap:" in head
+    # the pictures are written beside the report and their paths printed
+    pictures = [Path(p) for p in re.findall(r"picture: (\S+)", head)]
+    assert [p.name for p in pictures][0] == "completion_lengths.png" and pictures[1].name.startswith("cap_plan-")
+    for picture in pictures:
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.parent == \
+            Path(env["DFLASH_DATA_DIR"]) / "reports"
+
+
+def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_path):
+    env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192"}
+    result = dflash("demo", "--max-output-tokens", "8192", env=env)
+    assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
+    out = result.stdout
+    assert "Stopped before any request was sent: the preflight refused the run." in out
+    assert "the servers' context length is 8192 tokens and max_output_tokens is 8192" in re.sub(r"\s+", " ", out)
+    needed = re.search(r"--context-length (\d+) or more", re.sub(r"\s+", " ", out)).group(1)
+    assert out.strip().splitlines()[-1] == \
+        f"Next: restart the servers with --context-length {needed} (or lower --max-output-tokens)."
+    for trace in NO_TRACE:
+        assert trace not in out + result.stderr
+
+
+@contextlib.contextmanager
+def not_sglang():
+    """A loopback HTTP server that answers 200 and an empty object to every GET and POST."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_exclusion(tmp_path):
+    env = home(tmp_path, "home")
+    done = dflash("demo", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "Stopped" not in out and "Failed" not in out
+    manifest = json.loads(next((tmp_path / "home-data" / "training").glob("*/manifest.json")).read_text())
+    rows, long = duckdb.sql(f"select count(*), count(*) filter (where prompt_tokens + completion_tokens > 4096) "
+                            f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')").fetchall()[0]
+    exported = next((tmp_path / "home-data" / "training").glob("*/training_set.parquet"))
+    kept_long = duckdb.sql(f"select count(*) from read_parquet('{exported}') "
+                           f"where prompt_tokens + completion_tokens > 4096").fetchall()[0][0]
+    # the longest answers stay in the training set (but for the few left out for another reason, e.g. cut)
+    assert manifest["excluded"]["over_max_length"] == 0 and manifest["over_max_length_kept"] == kept_long
+    assert long > 100 and kept_long >= long - sum(e["rows"] for e in manifest["exclusions"])
+    assert manifest["rows"] == rows - sum(e["rows"] for e in manifest["exclusions"])
+    flat = re.sub(r"\s+", " ", out)
+    assert f"drafter training set: {manifest['rows']} rows of config" in flat and "left out, by reason:" in flat
+    for e in manifest["exclusions"]:
+        assert f"{e['reason']}: {e['rows']} rows" in flat
+    assert f"kept {kept_long} rows longer than max_length 4,096" in flat
+
+
+def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"e{i}", "prompt": f"exit status test {i}"}) + "\n" for i in range(6)))
+    args = ["--prompts", str(src), "--shard-size", "3"]
+    # attach to a server that says it is healthy but is no SGLang server: the run fails (1), said in a line
+    with not_sglang() as url:
+        failed = dflash("backfill", *args, "--max-output-tokens", "32000",
+                        env=home(tmp_path, "dead") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    flat = re.sub(r"\s+", " ", failed.stdout)
+    assert re.search(r"Failed: shards 00000\.\.00001, step prompt_shards: \w+: .+ The stack trace is in the event log "
+                     r"of run [0-9a-f-]{36}", flat), flat
+    for trace in NO_TRACE:
+        assert trace not in failed.stdout + failed.stderr
+    # --verbose prints Dagster's event stream here as well, the stack trace with it
+    with not_sglang() as url:
+        verbose = dflash("backfill", *args, "--max-output-tokens", "32000", "--verbose",
+                         env=home(tmp_path, "verbose") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
+    assert verbose.returncode == 1
+    assert "STEP_FAILURE" in verbose.stderr and "Stack Trace" in verbose.stderr and "RUN_START" in verbose.stderr
+
+
+def test_a_bad_range_is_bad_input(tmp_path):
+    result = dflash("backfill", "--from", "99999", env=home(tmp_path, "home"))
+    assert result.returncode == 2 and "no shard 99999" in result.stdout
+
+
+def rows_before(env) -> int:
+    return duckdb.sql(f"select count(*) from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', "
+                      f"union_by_name = true) where max_output_tokens = 4096").fetchall()[0][0]
+
+
+def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many_tokens_it_reused(demo_at_4096):
+    env, demo = demo_at_4096
+    cap = re.search(r"dflash continue --to (\d+)", demo.stdout).group(1)
+    result = dflash("continue", "--to", cap, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = duckdb.sql(f"select count(*) filter (where max_output_tokens = 4096 and finish_reason = 'length'), "
+                      f"count(*) filter (where max_output_tokens = {cap}), "
+                      f"sum(tokens_reused) filter (where max_output_tokens = {cap}), "
+                      f"sum(completion_tokens) filter (where max_output_tokens = {cap}) "
+                      f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', union_by_name = true)"
+                      ).fetchall()[0]
+    cut, new_rows, reused, total = rows
+    flat = re.sub(r"\s+", " ", result.stdout)
+    assert f"tokens reused: {reused:,} of {total:,} ({reused / total * 100:.2f}%)" in flat, result.stdout
+    assert new_rows == rows_before(env)
+    continued = sum(int(m.group(1)) for m in re.finditer(r"^\s+0000\d\s+(\d+)\s", result.stdout, re.M))
+    assert continued == cut, result.stdout  # every cut row taken on
+    assert re.search(rf"of \d+ rows cut at the cap of {int(cap):,}", flat)
+    for trace in NO_TRACE:
+        assert trace not in result.stdout + result.stderr

@@ -1,0 +1,112 @@
+"""Fault injection: 503 bursts, stalls, slow decode, unhealthy, crashes."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dflash_assets.emulator.process import start_emulator
+
+pytestmark = pytest.mark.timeout(60)
+
+FULL = {"object": "error", "message": "The request queue is full.", "type": "503", "param": None, "code": 503}
+
+
+def gen(http, n=8, **kw):
+    return http.post("/generate", {"text": "go", "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}, **kw)
+
+
+def test_a_503_burst_hits_the_next_n_requests_then_recovers(emulator):
+    http = emulator()
+    status, state = http.post("/_emulator/faults", {"fail_next": 2})
+    assert status == 200 and state["settings"]["fail_next"] == 2
+    assert [gen(http) for _ in range(2)] == [(503, FULL)] * 2
+    assert gen(http)[0] == 200
+    chat = http.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    assert chat[0] == 200
+    assert http.get("/_emulator/faults")[1]["injected"]["fail"] == 2
+
+
+def test_a_503_rate_of_one_fails_everything_until_cleared(emulator):
+    http = emulator("--fault-503-rate", "1.0")
+    assert gen(http) == (503, FULL)
+    assert http.request("DELETE", "/_emulator/faults")[0] == 200
+    assert gen(http)[0] == 200
+
+
+def test_fault_flags_apply_from_startup(emulator):
+    http = emulator("--fault-503-next", "1")
+    assert gen(http)[0] == 503 and gen(http)[0] == 200
+
+
+def test_a_stall_holds_the_next_request_while_later_ones_are_answered(emulator):
+    http = emulator()
+    http.post("/_emulator/faults", {"stall_seconds": 5, "stall_next": 1})
+    with ThreadPoolExecutor(1) as pool:
+        stalled = pool.submit(gen, http)
+        while http.get("/_emulator/faults")[1]["injected"]["stall"] < 1:
+            time.sleep(0.02)
+        assert gen(http)[0] == 200  # only the next request stalls: this one is answered ...
+        assert not stalled.done()  # ... while the stalled one is still held
+        status, body = stalled.result(timeout=30)
+    assert status == 200 and body["meta_info"]["e2e_latency"] >= 5  # held the whole stall, then answered
+
+
+def test_a_hold_keeps_requests_in_flight_until_it_is_cleared(emulator):
+    http = emulator("--fault-hold")
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(gen, http)
+        while http.get("/_emulator/faults")[1]["injected"]["hold"] < 1:
+            time.sleep(0.02)
+        assert not held.done()  # arrived and held: no answer while the hold is set
+        assert http.post("/_emulator/faults", {"hold": None})[0] == 200
+        assert held.result(timeout=30)[0] == 200
+    assert gen(http)[0] == 200  # cleared: later requests are not held
+
+
+def test_a_slow_factor_stretches_decode(emulator):
+    http = emulator("--decode-tokens-per-s", "1000")
+    fast = gen(http, 200)[1]["meta_info"]["e2e_latency"]
+    http.post("/_emulator/faults", {"slow_factor": 3})
+    slow = gen(http, 200)[1]["meta_info"]["e2e_latency"]
+    assert fast >= 0.19 and slow >= 0.59
+
+
+def test_unhealthy_turns_health_to_503(emulator):
+    http = emulator()
+    http.post("/_emulator/faults", {"unhealthy": True})
+    assert http.get("/health")[0] == 503 and http.get("/health_generate")[0] == 503
+    http.post("/_emulator/faults", {"unhealthy": None})
+    assert http.get("/health")[0] == 200
+
+
+def test_unknown_fault_settings_are_refused(emulator):
+    status, body = emulator().post("/_emulator/faults", {"explode": True})
+    assert status == 400 and "explode" in body["error"]
+
+
+def test_crash_after_n_requests_kills_the_process():
+    with start_emulator(["--fault-crash-after", "2"]) as emu:
+        from tests.support.http import Http
+
+        http = Http(emu.url)
+        assert gen(http)[0] == 200 and gen(http)[0] == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            gen(http, timeout=5)
+        emu.popen.wait(5)
+        assert emu.popen.returncode == 70
+        assert "injected crash" in emu.log()
+
+
+def test_crash_in_an_in_process_emulator_stops_serving(emulator):
+    http = emulator()
+    http.post("/_emulator/faults", {"crash_after": 0})
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        gen(http, timeout=5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and http.emu._thread.is_alive():
+        time.sleep(0.05)
+    assert http.emu.crashed and not http.emu._thread.is_alive()

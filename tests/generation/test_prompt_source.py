@@ -1,0 +1,171 @@
+"""Bad input never stops a shard and never goes unexplained: every line is a prompt or a reason."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_assets.generation.config import ConfigError, GenerationConfig
+from dflash_assets.generation.prompts import Prompt, SourceError, SourceReject, count_rows, read_shard, shard_keys
+
+GOOD = {"messages": [{"role": "user", "content": "hello"}]}
+
+BAD_LINES = [
+    ('{"messages": [', "invalid JSON"),
+    ('"just a string"', "expected a JSON object, got str"),
+    ('{"text": "x"}', "none of 'messages', 'conversations', 'prompt' or 'custom_id' + 'body' is present"),
+    ('{"messages": []}', "'messages' is empty"),
+    ('{"messages": [{"role": "wizard", "content": "x"}]}', "unknown role 'wizard'"),
+    ('{"messages": [{"role": "user", "content": 7}]}', "content must be a string, got int"),
+    ('{"messages": [{"role": "user", "content": "  "}]}', "content is empty"),
+    ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}',
+     "the conversation starts with the assistant (message 0)"),
+    ('{"prompt": "nul \\u0000 inside"}', "contains a NUL byte"),
+    ('{"prompt": 5}', "'prompt' must be a string, got int"),
+]
+
+
+def write_jsonl(path, lines: list[str | bytes]) -> None:
+    with open(path, "wb") as f:
+        for line in lines:
+            f.write((line if isinstance(line, bytes) else line.encode()) + b"\n")
+
+
+@pytest.mark.parametrize("line,reason", BAD_LINES, ids=[r for _, r in BAD_LINES])
+def test_bad_line_is_rejected_with_its_reason_and_the_rest_goes_on(tmp_path, line, reason):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps(GOOD | {"id": "a"}), line, json.dumps(GOOD | {"id": "b"})])
+    items = list(read_shard(src, 0, 10))
+    assert [type(i) for i in items] == [Prompt, SourceReject, Prompt]
+    assert items[1].line == 2
+    assert reason in items[1].reason and items[1].reason.startswith("line 2: ")
+
+
+def test_invalid_utf8_is_rejected_naming_the_byte(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [b'{"prompt": "caf\xe9"}', json.dumps(GOOD).encode()])
+    items = list(read_shard(src, 0, 10))
+    assert items[0].reason == "line 1: invalid UTF-8 at byte 15"
+    assert isinstance(items[1], Prompt)
+
+
+def test_duplicate_id_within_the_source_is_rejected_naming_the_first_line(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps(GOOD | {"id": "x"}), json.dumps(GOOD | {"id": "y"}), json.dumps(GOOD | {"id": "x"})])
+    items = list(read_shard(src, 0, 10))
+    assert items[2].reason == "line 3: duplicate id 'x' (first seen on line 1)"
+
+
+def test_prompt_id_is_the_given_id_else_a_stable_content_hash(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps({"id": 42, "prompt": "a"}), json.dumps({"prompt": "b"})])
+    first, second = read_shard(src, 0, 10)
+    again = list(read_shard(src, 0, 10))[1]
+    assert first.prompt_id == "42"
+    assert len(second.prompt_id) == 16 and second.prompt_id == again.prompt_id
+    assert second.messages == [{"role": "user", "content": "b"}]
+
+
+def test_shards_are_fixed_line_ranges_and_lines_add_up(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps({"id": i, "prompt": f"p{i}"}) for i in range(23)] + ["{bad"])
+    assert count_rows(src) == 24 and shard_keys(src, 10) == ["00000", "00001", "00002"]
+    shards = [list(read_shard(src, i, 10)) for i in range(3)]
+    assert [len(s) for s in shards] == [10, 10, 4]
+    assert [p.prompt_id for p in shards[1]] == [str(i) for i in range(10, 20)]
+    assert isinstance(shards[2][-1], SourceReject) and shards[2][-1].line == 24
+
+
+def test_parquet_source_with_messages_and_prompt_columns(tmp_path):
+    src = tmp_path / "p.parquet"
+    pq.write_table(pa.table({
+        "id": ["a", "b", None],
+        "prompt": [None, "plain prompt", None],
+        "messages": [[{"role": "user", "content": "hi"}], None, None],
+    }), src)
+    items = list(read_shard(src, 0, 10))
+    assert [type(i) for i in items] == [Prompt, Prompt, SourceReject]
+    assert items[1].messages == [{"role": "user", "content": "plain prompt"}]
+    assert "none of 'messages', 'conversations', 'prompt'" in items[2].reason
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d: d / "missing.jsonl", "does not exist"),
+    (lambda d: (d / "empty.jsonl").write_bytes(b"") or d / "empty.jsonl", "is empty"),
+    (lambda d: (d / "dir.jsonl").mkdir() or d / "dir.jsonl", "is not a file"),
+    (lambda d: (d / "broken.parquet").write_bytes(b"PAR1 not really") and d / "broken.parquet",
+     "is not a readable Parquet file"),
+    (lambda d: pq.write_table(pa.table({"text": ["x"]}), d / "cols.parquet") or d / "cols.parquet",
+     "has none of the columns 'messages', 'conversations', 'prompt' or 'body' (columns: ['text'])"),
+    (lambda d: (d / "p.csv").write_text("a,b") and d / "p.csv", "unsupported format '.csv'"),
+])
+def test_a_bad_source_file_is_a_clear_error_naming_the_file(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(SourceError, match="prompt source") as err:
+        list(read_shard(path, 0, 10))
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_shard_size_must_be_positive(tmp_path):
+    src = tmp_path / "p.jsonl"
+    write_jsonl(src, [json.dumps(GOOD)])
+    with pytest.raises(SourceError, match="shard size must be a positive integer, got 0"):
+        shard_keys(src, 0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
+    ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+])
+def test_bad_generation_config_is_refused_before_any_work(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        GenerationConfig(**kwargs).validate()
+    assert message in str(err.value)
+
+
+def test_config_hash_covers_what_changes_the_output():
+    base = GenerationConfig()
+    assert base.config_hash("m") == GenerationConfig().config_hash("m")
+    assert base.config_hash("m") != GenerationConfig(max_output_tokens=8192).config_hash("m")
+    assert base.config_hash("m") != GenerationConfig(enable_thinking=False).config_hash("m")
+    assert base.config_hash("m") != base.config_hash("other-model")
+
+
+def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_the_end_fails_naming_it(tmp_path):
+    """A backfill run of prompt_shards connects once (a connect waits for every server's /health, >= 1 s on
+    SGLang 0.5.23); the shards before one past the end of the source are built, then the run fails naming it."""
+    import dagster as dg
+    import duckdb
+
+    from dflash_assets.defs.partitions import shard_partitions
+    from dflash_assets.defs.prompts.assets import prompt_shards
+    from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource
+    from dflash_assets.emulator.process import start_emulator
+    from tests.support.http import Http
+
+    def healths(url: str) -> dict[str, int]:
+        return {k: n for k, n in Http(url).get("/_emulator/routes")[1].items() if k.startswith("GET /health ")}
+
+    src = tmp_path / "prompts.jsonl"
+    write_jsonl(src, [json.dumps({"prompt": f"question {i}"}) for i in range(5)])  # shards of 2: 00000-00002
+    keys = ["00000", "00001", "00002", "00003"]
+    with start_emulator([]) as emu, dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, keys)
+        job = dg.Definitions(assets=[prompt_shards], resources={
+            "fleet": FleetResource(mode="attach", urls=emu.url), "data_dir": DataDir(path=str(tmp_path / "data")),
+            "prompt_source": PromptSource(path=str(src), shard_size=2)}).resolve_implicit_global_asset_job_def()
+        before = healths(emu.url)  # start_emulator's own readiness probes
+        result = job.execute_in_process(instance=instance, raise_on_error=False, tags={
+            "dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]})
+        health = {k: n - before.get(k, 0) for k, n in healths(emu.url).items()}
+    assert not result.success
+    failure = result.failure_data_for_node("prompt_shards").user_failure_data
+    assert failure.description == f"shard 00003 is past the end of {src}: it has no lines"
+    # a failed step records no materialisation, but the shards before the end are built (a re-run reuses them)
+    built = duckdb.sql(f"SELECT shard, count(*) FROM read_parquet('{tmp_path}/data/prompt_shards/**/*.parquet') "
+                       f"GROUP BY shard ORDER BY shard").fetchall()
+    assert built == [("00000", 2), ("00001", 2), ("00002", 1)]
+    assert sum(health.values()) == 1, health  # one connect for the four shards

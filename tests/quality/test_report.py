@@ -1,0 +1,135 @@
+"""The length-quality report, the histogram and the terminal report."""
+
+import base64
+import io
+from collections import defaultdict
+
+from rich.console import Console
+
+from dflash_assets.quality import (
+    completion_histogram_markdown,
+    completion_histogram_png,
+    length_quality,
+    print_report,
+)
+from tests.support.quality_data import config_of, load, nearest_rank
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def expected_stats(rows):
+    values = [r["completion_tokens"] for r in rows]
+    truncated = sum(r["finish_reason"] == "length" for r in rows)
+    return {
+        "rows": len(rows),
+        "truncated_rows": truncated,
+        "truncation_rate": truncated / len(rows),
+        **{f"p{q}": nearest_rank(values, q / 100) for q in (50, 90, 95, 99)},
+        "max": max(values),
+    }
+
+
+def grouped(rows, key):
+    groups = defaultdict(list)
+    for r in rows:
+        groups[key(r)].append(r)
+    return {k: expected_stats(v) for k, v in sorted(groups.items())}
+
+
+def stats_of(entry):
+    return {k: entry[k] for k in ("rows", "truncated_rows", "truncation_rate", "p50", "p90", "p95", "p99", "max")}
+
+
+def bucket(tokens):
+    edges = (512, 1024, 2048, 4096, 8192)
+    lows = (0, *edges)
+    for lo, hi in zip(lows, edges):
+        if tokens < hi:
+            return f"{lo}-{hi - 1}"
+    return "8192+"
+
+
+def test_length_quality_figures_overall_and_by_config_shard_source(defects_dir):
+    rows = load(defects_dir, "completions")
+    report = length_quality(defects_dir)
+    assert stats_of(report) == expected_stats(rows)
+    assert {config_of(e): stats_of(e) for e in report["by_config"]} == grouped(rows, config_of)
+    assert {e["shard"]: stats_of(e) for e in report["by_shard"]} == grouped(rows, lambda r: r["shard"])
+    assert {e["source"]: stats_of(e) for e in report["by_source"]} == grouped(rows, lambda r: r["source"])
+    assert {e["shard"]: e["configs"] for e in report["by_shard"]} == {"s0": "a4096", "s1": "a4096,b8192"}
+
+
+def test_length_quality_truncation_by_prompt_length_bucket(defects_dir):
+    rows = load(defects_dir, "completions")
+    report = length_quality(defects_dir)
+    expected = grouped(rows, lambda r: bucket(r["prompt_tokens"]))
+    assert {e["bucket"]: stats_of(e) for e in report["by_prompt_length"]} == expected
+
+
+def test_length_quality_overflow_counts(defects_dir):
+    rows, rejects = load(defects_dir, "completions"), load(defects_dir, "rejects")
+    over = lambda r: r["prompt_tokens"] + r["max_output_tokens"] > r["server_context_length"]  # noqa: E731
+    report = length_quality(defects_dir, max_length=4096)
+    assert report["overflow"] == {
+        "completion_rows_over_context": sum(map(over, rows)),
+        "rejected_prompts_over_context": len(
+            {(r["shard"], r["prompt_id"], r["config_hash"]) for r in rejects if r["stage"] != "source" and over(r)}
+        ),
+        "rows_over_max_length": sum(r["prompt_tokens"] + r["completion_tokens"] > 4096 for r in rows),
+        "max_length": 4096,
+    }
+
+
+def test_length_quality_of_one_shard(defects_dir):
+    rows = [r for r in load(defects_dir, "completions") if r["shard"] == "s0"]
+    report = length_quality(defects_dir, shard="s0")
+    assert report["scope"] == {"shard": "s0"}
+    assert stats_of(report) == expected_stats(rows)
+
+
+def test_length_quality_story_has_p90_equal_p99_equal_cap(story_dir):
+    report = length_quality(story_dir)
+    assert (report["p90"], report["p99"], report["max"]) == (4096, 4096, 4096)
+    assert report["truncation_rate"] == 0.183
+    assert "nearest-rank" in report["percentile_definition"]
+
+
+def test_length_quality_of_an_empty_data_dir(tmp_path):
+    report = length_quality(tmp_path)
+    assert (report["rows"], report["truncation_rate"], report["p99"]) == (0, 0.0, None)
+    assert report["by_config"] == []
+
+
+def test_histogram_png_is_written_and_embedded_as_markdown(defects_dir, tmp_path):
+    path = completion_histogram_png(defects_dir, tmp_path / "plots" / "lengths.png")
+    assert path == tmp_path / "plots" / "lengths.png"
+    assert path.read_bytes().startswith(PNG_MAGIC)
+    markdown = completion_histogram_markdown(defects_dir)
+    prefix = "![completion lengths](data:image/png;base64,"
+    assert markdown.startswith(prefix) and markdown.endswith(")")
+    assert base64.b64decode(markdown[len(prefix) : -1]) == path.read_bytes()  # same data, same picture
+
+
+def test_print_report_prints_rates_with_two_decimals(story_dir):
+    out = io.StringIO()
+    report = print_report(story_dir, console=Console(file=out, width=200, color_system=None))
+    text = out.getvalue()
+    assert report["rows"] == 1000
+    for expected in (
+        "Length quality, all shards",
+        "18.30%",  # truncation rate
+        "4,096",  # P90 = P99 = cap
+        "By config",
+        "a4096",
+        "By prompt length",
+        "By source",
+        "sharegpt",
+        "nearest-rank",
+        "truncation_rate",
+        "18.30% of 1,000 rows hit the cap (finish_reason = 'length'), over the 5.00% threshold.",
+    ):
+        assert expected in text
+    values = [r["completion_tokens"] for r in load(story_dir, "completions")]
+    percentiles = [f"{nearest_rank(values, q):,}" for q in (0.5, 0.9, 0.95, 0.99)]
+    overall = next(line for line in text.splitlines() if "18.30%" in line and "│" in line)
+    assert [cell.strip() for cell in overall.split("│")[1:-1]] == ["1,000", "183", "18.30%", *percentiles, "4,096"]

@@ -1,0 +1,271 @@
+"""Real Dagster processes for tests: `dagster-webserver` and `dagster-daemon` on a temporary DAGSTER_HOME.
+
+Each process runs in its own session (process group) with SIGINT reset to SIG_DFL: Dagster maps SIGTERM to
+its SIGINT handler, and a process started from a non-interactive shell inherits SIGINT as SIG_IGN, so without
+the reset it would ignore both. Stopping = SIGTERM to the whole group (the webserver's and the daemon's code
+servers, the run workers, their step processes), then SIGKILL after a grace period.
+
+The temporary instance gets a copy of the project's dagster_home/dagster.yaml, so the run queue and the
+`sglang_fleet` concurrency pool under test are the ones a person gets from `dagster dev`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from dagster_graphql import DagsterGraphQLClient
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKSPACE = ROOT / "workspace.yaml"
+PROJECT_DAGSTER_YAML = ROOT / "dagster_home" / "dagster.yaml"
+ARTIFACTS = ROOT / "test-artifacts"
+LOCATION = "dflash_assets"
+
+LOCATION_STATUS = """{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus
+  locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def project_pool_limit() -> int:
+    """concurrency.pools.default_limit of the project's dagster.yaml: the limit of the `sglang_fleet` pool."""
+    return int(yaml.safe_load(PROJECT_DAGSTER_YAML.read_text())["concurrency"]["pools"]["default_limit"])
+
+
+def fresh_dir(path: Path) -> Path:
+    """An empty directory at `path` (what a previous test session left there is removed)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def make_home(path: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML) -> Path:
+    """A fresh DAGSTER_HOME with the project's dagster.yaml (run queue, concurrency pools, run monitoring), or
+    another (deploy/dagster.yaml: Postgres, its DAGSTER_PG_* settings in this process's environment), its
+    storages created here, so processes started side by side on it don't race to create the tables."""
+    from dagster import DagsterInstance
+
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(dagster_yaml, path / "dagster.yaml")
+    with DagsterInstance.from_config(str(path)) as instance:
+        instance.get_runs(limit=1)
+        instance.get_dynamic_partitions("shards")
+        instance.all_instigator_state()
+        instance.event_log_storage.get_concurrency_keys()
+    return path
+
+
+def dflash_env(home: Path, **settings: str | int) -> dict[str, str]:
+    """The environment of a Dagster process: this one's, less any DFLASH_* setting of the caller's shell, plus
+    DAGSTER_HOME and the given settings (`data_dir="..."` -> DFLASH_DATA_DIR=...)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    env["DAGSTER_HOME"] = str(home)
+    env.update({f"DFLASH_{k.upper()}": str(v) for k, v in settings.items()})
+    return env
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_group(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_default_sigint)  # noqa: PLW1509 - one signal() call in the child
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the process group, SIGKILL to it after `grace_s`; also reaps what was left in the group."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; make sure no child of the group (code server, run worker) outlives it
+        deadline = time.monotonic() + wait_s
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(proc.pid):
+            break
+    if proc.poll() is None:
+        proc.wait(timeout=10)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+
+@dataclass
+class Webserver:
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def client(self) -> DagsterGraphQLClient:
+        return DagsterGraphQLClient("127.0.0.1", port_number=self.port, timeout=60)
+
+    def gql(self, query: str, variables: dict | None = None) -> dict:
+        return self.client._execute(query, variables)
+
+
+@contextmanager
+def webserver(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None,
+              timeout_s: float = 120.0) -> Iterator[Webserver]:
+    """`dagster-webserver -w workspace.yaml` on a free loopback port, up once the code location is LOADED."""
+    port = free_port()
+    log_path = (log_dir or home) / "webserver.log"
+    proc = start_group([sys.executable, "-m", "dagster_webserver", "-w", str(WORKSPACE), "-h", "127.0.0.1",
+                        "-p", str(port)], env or dflash_env(home), log_path)
+    server = Webserver(port, proc, log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                entries = server.gql(LOCATION_STATUS)["workspaceOrError"]["locationEntries"]
+                if entries and all(e["loadStatus"] == "LOADED" for e in entries):
+                    break
+            except Exception:  # noqa: BLE001, S110 - not listening yet, or the location is still loading
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dagster-webserver did not load {WORKSPACE.name} within {timeout_s:.0f}s "
+                                   f"(exit {proc.poll()}):\n{log_tail(log_path)}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        stop_group(proc)
+
+
+# The backfill daemon sleeps DEFAULT_DAEMON_INTERVAL_SECONDS (30 s) between iterations, and a backfill needs two
+# of them (submit, then see it finished). Tests shorten that sleep so a backfill takes seconds, not minutes;
+# everything else is the stock `dagster-daemon run`. This private patch is kept because no public setting exists
+# in 1.13: dagster.yaml's `backfills:` takes only use_threads / num_workers / num_submit_workers, and
+# `dagster._daemon.backfill.execute_backfill_iteration_loop` reads the module constant directly.
+_DAEMON_MAIN = """
+import sys
+import dagster._daemon.controller as controller
+controller.DEFAULT_DAEMON_INTERVAL_SECONDS = float(sys.argv.pop(1))
+from dagster._daemon.cli import main
+sys.argv[0] = "dagster-daemon"
+main()
+"""
+
+
+@contextmanager
+def daemon(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None,
+           backfill_interval_s: float | None = 2.0) -> Iterator[subprocess.Popen]:
+    """`dagster-daemon run -w workspace.yaml` on `home` (schedules, sensors, run queue, backfills, monitoring)."""
+    args = ["run", "-w", str(WORKSPACE)]
+    if backfill_interval_s is None:
+        cmd = [sys.executable, "-m", "dagster._daemon", *args]
+    else:
+        cmd = [sys.executable, "-c", _DAEMON_MAIN, str(backfill_interval_s), *args]
+    log_path = (log_dir or home) / "daemon.log"
+    proc = start_group(cmd, env or dflash_env(home), log_path)
+    try:
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+DAEMON_HEALTH = """{ instance { daemonHealth { allDaemonStatuses { daemonType healthy required } } } }"""
+
+
+def wait_daemon_healthy(server: Webserver, daemon_proc: subprocess.Popen, timeout_s: float = 120.0,
+                        needed=("BACKFILL", "QUEUED_RUN_COORDINATOR", "SENSOR")) -> None:
+    """Until the daemon's heartbeats say the backfill, run-queue and sensor daemons are up."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = server.gql(DAEMON_HEALTH)["instance"]["daemonHealth"]["allDaemonStatuses"]
+        healthy = {s["daemonType"] for s in statuses if s["healthy"]}
+        if set(needed) <= healthy:
+            return
+        if daemon_proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"dagster-daemon not healthy within {timeout_s:.0f}s (exit {daemon_proc.poll()}; "
+                               f"healthy: {sorted(healthy)})")
+        time.sleep(0.5)
+
+
+def add_shard_partitions(server: Webserver, keys: list[str]) -> None:
+    """Add dynamic `shards` partitions the way the UI's "add partition" does (GraphQL addDynamicPartition)."""
+    mutation = """mutation($selector: RepositorySelector!, $key: String!) {
+      addDynamicPartition(repositorySelector: $selector, partitionsDefName: "shards", partitionKey: $key) {
+        __typename ... on PythonError { message } ... on DuplicateDynamicPartitionError { partitionName } } }"""
+    for key in keys:
+        result = server.gql(mutation, {"selector": {"repositoryLocationName": LOCATION,
+                                                    "repositoryName": "__repository__"}, "key": key})
+        kind = result["addDynamicPartition"]["__typename"]
+        assert kind in ("AddDynamicPartitionSuccess", "DuplicateDynamicPartitionError"), result
+
+
+# Materialise shards the way `dflash demo` does (the shard_pipeline job, in process, on the instance in
+# DAGSTER_HOME), in a child process: the definitions read the DFLASH_* settings when they are imported.
+_SEED = """
+import json, sys
+import dagster as dg
+from dflash_assets.definitions import defs
+instance = dg.DagsterInstance.get()
+plan = json.loads(sys.argv[1])
+instance.add_dynamic_partitions("shards", sorted(plan))
+job = defs.resolve_job_def("shard_pipeline")
+for shard, cap in sorted(plan.items()):
+    if cap is None:
+        continue
+    result = job.execute_in_process(
+        partition_key=shard, instance=instance, raise_on_error=False,
+        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap}}},
+                    "loggers": {"console": {"config": {"log_level": "ERROR"}}}})
+    print(json.dumps({"shard": shard, "success": result.success, "run_id": result.run_id,
+                      "checks": {e.check_name: e.passed for e in result.get_asset_check_evaluations()}}))
+"""
+
+
+def materialize_shards(env: dict[str, str], plan: dict[str, int | None], log_path: Path,
+                       timeout_s: float = 240.0) -> dict[str, dict]:
+    """Add the shard partitions of `plan` and run shard_pipeline for each shard whose value (the cap,
+    max_output_tokens) is not None. Returns {shard: {success, run_id, checks}}."""
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _SEED, json.dumps(plan)], cwd=ROOT, env=env, timeout=timeout_s,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"materialising {plan} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return {r["shard"]: r for r in results}

@@ -1,0 +1,31 @@
+"""Shards materialised through Dagster in process (`dg.materialize` on a test instance): the resources an
+attached emulated fleet needs, the shard's assets and their checks."""
+
+import dagster as dg
+
+from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.completions.checks import completions_quality_checks
+from dflash_assets.defs.prompts.assets import prompt_shards
+from dflash_assets.defs.quality.assets import length_quality_report
+from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
+
+ASSETS = [prompt_shards, completions, length_quality_report, completions_quality_checks]
+
+
+def resources(tmp_path, urls: str, shard_size: int, **fleet):
+    return {
+        "fleet": FleetResource(mode="attach", urls=urls, **fleet),
+        "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=shard_size),
+        "data_dir": DataDir(path=str(tmp_path / "data")),
+        "quality": QualityThresholds(),
+    }
+
+
+def run_shard(instance, res, shard: str, cap: int, **config):
+    return dg.materialize(
+        ASSETS, partition_key=shard, instance=instance, resources=res, raise_on_error=False,
+        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap, **config}}}})
+
+
+def checks_of(result) -> dict[str, bool]:
+    return {e.check_name: e.passed for e in result.get_asset_check_evaluations()}

@@ -1,0 +1,53 @@
+"""A tiny synchronous HTTP client for the tests, against local servers (the emulator, the gateway)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+
+class Http:
+    """A tiny synchronous HTTP client for tests against local servers.
+    Every call returns (status, body): JSON-decoded when possible, else text."""
+
+    def __init__(self, base: str, key: str | None = None):
+        self.base, self.key = base, key
+
+    def request(self, method: str, path: str, body=None, *, headers=None, raw: bytes | None = None, timeout=30):
+        hdrs = {"Content-Type": "application/json"} if body is not None else {}
+        if self.key:
+            hdrs["Authorization"] = f"Bearer {self.key}"
+        hdrs.update(headers or {})
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.base + path, data=data, headers=hdrs, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, payload = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, payload = e.code, e.read()
+        text = payload.decode()
+        try:
+            return status, json.loads(text)
+        except ValueError:
+            return status, text
+
+    def get(self, path, **kw):
+        return self.request("GET", path, **kw)
+
+    def post(self, path, body=None, **kw):
+        return self.request("POST", path, body, **kw)
+
+    def sse(self, path, body, **kw) -> tuple[int, list]:
+        """POST a streaming request; the `data:` payloads, JSON-decoded ([DONE] stays a str)."""
+        status, text = self.post(path, body, **kw)
+        if not isinstance(text, str):
+            return status, text
+        events = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
+        return status, [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def requests_served(http: Http) -> int:
+    """Generation requests an emulator received, answered or not (its own counter)."""
+    _, faults = http.get("/_emulator/faults")
+    return faults["requests_seen"]

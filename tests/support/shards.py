@@ -1,0 +1,77 @@
+"""A shard on an emulated fleet, without Dagster: its prompts written, built, generated, continued, read back.
+
+The data dir is `data_dir`; its prompt source is written beside it (`data_dir.parent / "prompts.jsonl"`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import duckdb
+
+from dflash_assets.fleet.fleet import on_fleet
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.continuation import continue_shard
+from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.shards import build_prompt_shard
+
+SHARD = "00000"
+# instant decode, the reasoning split on: a shard of 40 prompts is generated in well under a second
+FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]
+# token ids stored (for continuing), small commits, no load sampling between commits
+SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
+# short answers (about 60 tokens), metrics on
+SHORT = ["--reasoning-parser", "qwen3", "--enable-metrics", "--length-median", "60", "--length-sigma", "0.2"]
+FEW_RETRIES = DispatchSettings(max_attempts=3, backoff_base_s=0.01)
+N = 40
+EXPLAIN = {f"c{i:03d}": f"Explain idea {i} step by step." for i in range(N)}  # the default prompts of a shard
+COLUMNS = ("prompt_id, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, "
+           "max_output_tokens, content, reasoning_content, prompt_token_ids, output_ids")
+
+
+def quiet(message: str) -> None:
+    """A run's log, silenced."""
+
+
+def numbered(texts: Iterable[str], prefix: str = "q") -> dict[str, str]:
+    """{prompt_id: text} with ids q0, q1, ... in order."""
+    return {f"{prefix}{i}": text for i, text in enumerate(texts)}
+
+
+def write_prompts(path: Path, records: Iterable[dict], extra_lines: dict[int, str] | None = None) -> Path:
+    """A JSONL prompt source of `records`, with the raw `extra_lines` inserted at their line index."""
+    lines = [json.dumps(r) for r in records]
+    for at, line in sorted((extra_lines or {}).items()):
+        lines.insert(at, line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def make_shard(data_dir: Path, urls: list[str], prompts: dict[str, str] = EXPLAIN, api_key: str | None = None):
+    """Shard 00000 of `prompts` ({id: text}) built on the fleet, thinking on; the build's figures."""
+    src = write_prompts(Path(data_dir).parent / "prompts.jsonl", ({"id": k, "prompt": v} for k, v in prompts.items()))
+    return on_fleet(urls, lambda f: build_prompt_shard(src, 0, SHARD, len(prompts), data_dir, f,
+                                                       {"enable_thinking": True}), api_key)
+
+
+def generate(data_dir, urls: list[str], cap: int | GenerationConfig, settings: DispatchSettings = SETTINGS, **kw):
+    """Generate shard 00000 at `cap` (or a whole GenerationConfig); `kw` go to generate_shard (log, policy)."""
+    config = cap if isinstance(cap, GenerationConfig) else GenerationConfig(max_output_tokens=cap)
+    kw.setdefault("log", quiet)
+    return on_fleet(urls, lambda f: generate_shard(data_dir, SHARD, f, config, settings, **kw))
+
+
+def cont(data_dir, urls: list[str], parent: str, cap: int, settings: DispatchSettings = SETTINGS, **kw):
+    """Continue shard 00000's rows of config `parent` to `cap`."""
+    kw.setdefault("log", quiet)
+    return on_fleet(urls, lambda f: continue_shard(data_dir, SHARD, f, parent, cap, settings, **kw))
+
+
+def rows(data_dir, config_hash: str | None = None, columns: str = COLUMNS) -> list[tuple]:
+    """The completion rows (of one config, or all), ordered by prompt_id."""
+    where = f"config_hash = '{config_hash}'" if config_hash else "true"
+    return duckdb.sql(f"select {columns} from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = "
+                      f"true) where {where} order by prompt_id").fetchall()
