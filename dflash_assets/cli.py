@@ -42,13 +42,28 @@ def _completions_config(command: str, args: argparse.Namespace) -> dict | None:
     return {**generation.model_dump(), **dispatch.model_dump()}
 
 
+def repeated_flags(command: str, config: dict) -> str:
+    """The flags that give `config` again, leaving out the cap and what the command's defaults already give: the
+    next command a run suggests (another cap) must generate with the same settings, or it makes another config."""
+    import shlex
+
+    defaults = vars(build_parser().parse_args([command]))
+    flags = []
+    for name, value in config.items():
+        if name == "max_output_tokens" or value == defaults[name]:
+            continue
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, shlex.quote(str(value))]
+    return "".join(" " + f for f in flags)
+
+
 def _demo(args: argparse.Namespace) -> int:
     if (config := _completions_config("demo", args)) is None:
         return 2
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
-    return run_demo(config, verbose=args.verbose)
+    return run_demo(config, verbose=args.verbose, again=repeated_flags("demo", config))
 
 
 def _backfill(args: argparse.Namespace) -> int:
@@ -57,7 +72,7 @@ def _backfill(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
-    return run_backfill(args.first, args.last, config, verbose=args.verbose)
+    return run_backfill(args.first, args.last, config, verbose=args.verbose, again=repeated_flags("backfill", config))
 
 
 def _continue(args: argparse.Namespace) -> int:

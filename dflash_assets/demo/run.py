@@ -271,7 +271,8 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> i
     return stops.exit_status()
 
 
-def run_demo(completions: dict, console: Console | None = None, verbose: bool = False) -> int:
+def run_demo(completions: dict, console: Console | None = None, verbose: bool = False, again: str = "") -> int:
+    """The whole pipeline over every shard; `again`: the flags that repeat `completions` in the next command."""
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
@@ -296,11 +297,11 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
             record_failures(export, "training export", stops)
     console.print("The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
                   " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000", highlight=False)
-    return print_stop(stops, console, lambda cap: f"dflash demo --max-output-tokens {cap}")
+    return print_stop(stops, console, lambda cap: f"dflash demo{again} --max-output-tokens {cap}")
 
 
 def run_backfill(first: str | None, last: str | None, completions: dict, console: Console | None = None,
-                 verbose: bool = False) -> int:
+                 verbose: bool = False, again: str = "") -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
@@ -314,7 +315,8 @@ def run_backfill(first: str | None, last: str | None, completions: dict, console
     console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
                   f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
     stops = run_shards(instance, chosen, completions, console, verbose)
-    return print_stop(stops, console, lambda cap: f"dflash backfill --from {first} --to {last} --max-output-tokens {cap}")
+    return print_stop(stops, console,
+                      lambda cap: f"dflash backfill --from {first} --to {last}{again} --max-output-tokens {cap}")
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")

@@ -147,3 +147,18 @@ def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emu
     rows = duckdb.sql(f"SELECT temperature, frequency_penalty, turn, output_ids IS NULL FROM "
                       f"read_parquet('{tmp_path}/demo-data/completions/**/*.parquet')").fetchall()
     assert len(rows) == 6 and set(rows) == {(0.2, 0.25, None, False)}, rows
+
+
+@pytest.mark.parametrize("command", ["demo", "backfill"])
+def test_the_next_command_a_run_suggests_repeats_the_settings_it_was_given(command):
+    import shlex
+
+    from dflash_assets.cli import _completions_config, build_parser, repeated_flags
+
+    given = ["--temperature", "0.3", "--regenerate", "all_turns", "--eject-after", "5", "--no-store-token-ids"]
+    config = _completions_config(command, build_parser().parse_args([command, *given, "--max-output-tokens", "4096"]))
+    again = repeated_flags(command, config)
+    assert again == " " + " ".join(given)  # the cap is the next command's own; defaults are left out
+    suggested = build_parser().parse_args([command, *shlex.split(again), "--max-output-tokens", "4096"])
+    assert _completions_config(command, suggested) == config
+    assert repeated_flags(command, _completions_config(command, build_parser().parse_args([command]))) == ""
