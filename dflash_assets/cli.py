@@ -25,18 +25,54 @@ def _instance_environment(args: argparse.Namespace) -> None:
         os.environ[Deployment.NUM_SERVERS.name] = str(args.servers)
 
 
+# `dflash demo` and `dflash backfill` store token ids (`dflash continue` takes cut rows on by them); the demo's cap
+# is generous (`--max-output-tokens 4096` reproduces the story). Every other default is settings.py's.
+SHARD_RUN_DEFAULTS = {"store_token_ids": True}
+DEMO_DEFAULTS = {**SHARD_RUN_DEFAULTS, "max_output_tokens": 16384}
+
+
+def _completions_config(command: str, args: argparse.Namespace) -> dict | None:
+    """The `completions` run config of the flags (every generation and dispatch setting), or None when one is bad
+    (said on stderr)."""
+    from dflash_assets.generation.config import GenerationConfig
+
+    generation, dispatch = GenerationSettings.taken_from(args), DispatchSettings.taken_from(args)
+    if _refused(command, GenerationConfig.taken_from(args), dispatch):
+        return None
+    return {**generation.model_dump(), **dispatch.model_dump()}
+
+
+def repeated_flags(command: str, config: dict) -> str:
+    """The flags that give `config` again, leaving out the cap and what the command's defaults already give: the
+    next command a run suggests (another cap) must generate with the same settings, or it makes another config."""
+    import shlex
+
+    defaults = vars(build_parser().parse_args([command]))
+    flags = []
+    for name, value in config.items():
+        if name == "max_output_tokens" or value == defaults[name]:
+            continue
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, shlex.quote(str(value))]
+    return "".join(" " + f for f in flags)
+
+
 def _demo(args: argparse.Namespace) -> int:
+    if (config := _completions_config("demo", args)) is None:
+        return 2
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
-    return run_demo(max_output_tokens=args.max_output_tokens, verbose=args.verbose)
+    return run_demo(config, verbose=args.verbose, again=repeated_flags("demo", config))
 
 
 def _backfill(args: argparse.Namespace) -> int:
+    if (config := _completions_config("backfill", args)) is None:
+        return 2
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
-    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens, verbose=args.verbose)
+    return run_backfill(args.first, args.last, config, verbose=args.verbose, again=repeated_flags("backfill", config))
 
 
 def _continue(args: argparse.Namespace) -> int:
@@ -76,7 +112,7 @@ def _generate(args: argparse.Namespace) -> int:
     config, settings = GenerationConfig.taken_from(args), DispatchSettings.taken_from(args)
     if _refused("generate", config, settings):
         return 2
-    urls = [u for u in args.urls.split(",") if u]
+    urls = args.urls
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -118,7 +154,7 @@ def _probe(args: argparse.Namespace) -> int:
         print(f"dflash probe: no prompt shards under {args.data_dir}: build them first (dflash backfill, or the "
               f"prompt_shards asset)", file=sys.stderr)
         return 2
-    urls = [u for u in args.urls.split(",") if u]
+    urls = args.urls
 
     async def go():
         fleet = await connect(urls, Deployment.API_KEY.value() or None)
@@ -242,15 +278,25 @@ def _report_pictures(data_dir: str, answers) -> list[Path]:
     return pictures
 
 
+def _urls(text: str) -> list[str]:
+    """--urls, checked by the one URL parser (fleet/attach.py: no duplicates, no credentials in a URL)."""
+    from dflash_assets.fleet.attach import AttachError, parse_urls
+
+    try:
+        return parse_urls(text)
+    except AttachError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None  # argparse shows only this kind's message
+
+
 def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], required: tuple[str, ...] = (),
-                   skip: tuple[str, ...] = ()) -> None:
+                   skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
     """One flag per field of a settings model (`max_output_tokens` -> `--max-output-tokens`), with the model's
-    default and description: the defaults are settings.py's, never written here. `skip`: fields another model
-    already gave a flag."""
+    default and description: the defaults are settings.py's, never written here, except a command's own
+    `defaults` (the demo's cap). `skip`: fields another model already gave a flag."""
     for name, field in model.model_fields.items():
         if name in skip:
             continue
-        flag, default = "--" + name.replace("_", "-"), field.default
+        flag, default = "--" + name.replace("_", "-"), (defaults or {}).get(name, field.default)
         kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
         shown = "" if default in (None, "") else f" (default {default})"
         if kind is bool:
@@ -276,12 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "run is resumed by running the same range again.")
     backfill.add_argument("--from", dest="first", help="first shard key (default: the first)")
     backfill.add_argument("--to", dest="last", help="last shard key (default: the last)")
-    cap = GenerationSettings().max_output_tokens
-    backfill.add_argument("--max-output-tokens", type=int, default=cap, help=f"the cap (default {cap})")
-    for p in (demo, backfill):
-        if p is demo:
-            p.add_argument("--max-output-tokens", type=int, default=16384,
-                           help="the cap (default 16384; try 4096 to watch the truncation check fail)")
+    for p, defaults in ((demo, DEMO_DEFAULTS), (backfill, SHARD_RUN_DEFAULTS)):
+        settings_flags(p, GenerationSettings, defaults=defaults)
+        settings_flags(p, DispatchSettings, defaults=defaults)
         p.add_argument("--prompts", help="a JSONL or Parquet prompt source (default: DFLASH_PROMPTS, else the "
                                          "bundled demo prompts)")
         p.add_argument("--shard-size", type=int, help=f"prompts per shard (default {Deployment.SHARD_SIZE.name}, "
@@ -309,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
                          description="Needs the shard's prompt_shards file; resumes from committed parts.")
     gen.add_argument("--shard", required=True, help="shard key, e.g. 00003")
-    gen.add_argument("--urls", required=True, help="comma-separated server base URLs")
+    gen.add_argument("--urls", required=True, type=_urls, help="comma-separated server base URLs")
     gen.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     settings_flags(gen, GenerationSettings)
     settings_flags(gen, DispatchSettings)
@@ -319,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "generates them at a high cap into <data-dir>/length_probe/, and prints the "
                                        "share still cut at candidate caps, measured, and the next command. A re-run "
                                        "with the same sample and settings resumes.")
-    probe.add_argument("--urls", required=True, help="comma-separated server base URLs")
+    probe.add_argument("--urls", required=True, type=_urls, help="comma-separated server base URLs")
     probe.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     probe.add_argument("--shards", help="comma-separated shard keys to sample (default: every prompt shard)")
     settings_flags(probe, ProbeSettings)
@@ -335,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     fup.add_argument("--replace", action="store_true", help="replace servers whose args differ")
     settings_flags(fup, LaunchSettings, required=("model_path",))
     fstatus = fsub.add_parser("status", help="health, context length, max running requests, load of each server")
-    fstatus.add_argument("--urls", help="also (or only) these attached servers, comma-separated")
+    fstatus.add_argument("--urls", type=_urls, help="also (or only) these attached servers, comma-separated")
     fstatus.add_argument("--watch", type=float, metavar="SECONDS",
                          help="sample /v1/loads for this long and print tuning advice (slots, KV, queue)")
     fdown = fsub.add_parser("down", help="stop servers started by `fleet up`")
@@ -357,8 +400,6 @@ def main(argv: list[str] | None = None) -> int:
         return _emulator(argv[1:])
     args = build_parser().parse_args(argv)
     if args.subcommand in ("demo", "backfill"):
-        if args.max_output_tokens <= 0:
-            build_parser().error(f"--max-output-tokens must be a positive integer, got {args.max_output_tokens}")
         return _demo(args) if args.subcommand == "demo" else _backfill(args)
     if args.subcommand == "continue":
         return _continue(args)

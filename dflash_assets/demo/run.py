@@ -152,12 +152,11 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
     return instance.get_dynamic_partitions(shard_partitions.name)
 
 
-def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_tokens: int, console: Console,
+def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console,
                verbose: bool = False) -> Stops:
-    """Materialise `shards` in runs of SHARDS_PER_RUN; print a table; return what stopped runs."""
-    # token ids stored, so that `dflash continue` can take cut rows on from where they stopped
-    run_config = {**quiet(verbose), "ops": {"completions": {"config": {"max_output_tokens": max_output_tokens,
-                                                                       "store_token_ids": True}}}}
+    """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
+    flags); print a table; return what stopped runs."""
+    run_config = {**quiet(verbose), "ops": {"completions": {"config": completions}}}
     stops = Stops()
     table = Table(title="completions by shard (cut: finish_reason = length; P: completion tokens)",
                   box=box.SIMPLE_HEAD)
@@ -272,14 +271,15 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> i
     return stops.exit_status()
 
 
-def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bool = False) -> int:
+def run_demo(completions: dict, console: Console | None = None, verbose: bool = False, again: str = "") -> int:
+    """The whole pipeline over every shard; `again`: the flags that repeat `completions` in the next command."""
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
-    console.print(f"dflash demo: {len(shards)} shards (cap {max_output_tokens} tokens), "
+    console.print(f"dflash demo: {len(shards)} shards (cap {completions['max_output_tokens']} tokens), "
                   f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/",
                   highlight=False)
-    stops = run_shards(instance, shards, max_output_tokens, console, verbose)
+    stops = run_shards(instance, shards, completions, console, verbose)
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
     elif not stops.preflight:
@@ -297,11 +297,11 @@ def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bo
             record_failures(export, "training export", stops)
     console.print("The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
                   " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000", highlight=False)
-    return print_stop(stops, console, lambda cap: f"dflash demo --max-output-tokens {cap}")
+    return print_stop(stops, console, lambda cap: f"dflash demo{again} --max-output-tokens {cap}")
 
 
-def run_backfill(first: str | None, last: str | None, max_output_tokens: int, console: Console | None = None,
-                 verbose: bool = False) -> int:
+def run_backfill(first: str | None, last: str | None, completions: dict, console: Console | None = None,
+                 verbose: bool = False, again: str = "") -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
@@ -312,10 +312,11 @@ def run_backfill(first: str | None, last: str | None, max_output_tokens: int, co
                       f"{shards[0]}..{shards[-1]}")
         return BAD_CONFIG
     chosen = shards[shards.index(first):shards.index(last) + 1]
-    console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {max_output_tokens}, "
+    console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
                   f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
-    stops = run_shards(instance, chosen, max_output_tokens, console, verbose)
-    return print_stop(stops, console, lambda cap: f"dflash backfill --from {first} --to {last} --max-output-tokens {cap}")
+    stops = run_shards(instance, chosen, completions, console, verbose)
+    return print_stop(stops, console,
+                      lambda cap: f"dflash backfill --from {first} --to {last}{again} --max-output-tokens {cap}")
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")

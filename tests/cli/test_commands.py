@@ -1,9 +1,8 @@
 """The `dflash` command as a person types it: fleet up/status/down through the launch path, errors, help."""
 
 import pytest
-from tests.support.cli import cli_commands
 
-from tests.support.cli import dflash, free_base_port
+from tests.support.cli import cli_commands, dflash, free_base_port
 
 
 @pytest.mark.parametrize("command", cli_commands(), ids=" ".join)
@@ -40,7 +39,13 @@ def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["fleet", "up", "--model-path", "m", "--gpus", "a,b"], "gpus must be comma-separated GPU ids"),
     (["fleet", "up", "--model-path", "m", "--extra-args", "--cuda-graph-max-bs 8"], "--cuda-graph-max-bs"),
-    (["demo", "--max-output-tokens", "0"], "--max-output-tokens must be a positive integer, got 0"),
+    (["demo", "--max-output-tokens", "0"], "dflash demo: invalid generation config: max_output_tokens must be a "
+                                           "positive integer, got 0"),
+    (["backfill", "--regenerate", "every"], "regenerate must be one of last_turn, all_turns, got 'every'"),
+    (["backfill", "--max-attempts", "0"], "dflash backfill: max_attempts must be >= 1, got 0"),
+    (["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1,http://127.0.0.1:1/"],
+     "server URL http://127.0.0.1:1 is listed twice"),
+    (["probe", "--urls", "http://me:secret@127.0.0.1:1"], "server URL #1 carries credentials"),
     (["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1", "--top-p", "2"], "top_p must be in (0, 1]"),
     (["nonsense"], "invalid choice: 'nonsense'"),
 ])
@@ -107,3 +112,53 @@ def test_backfill_materialises_a_range_through_dagster_and_resumes_on_a_second_r
     assert [(r[0], r[4], r[5]) for r in rows] == [("00000", "5", "0"), ("00001", "5", "0")], again.stdout
     bad = dflash("backfill", "--from", "00009", "--prompts", str(src), "--shard-size", "5", env=env)
     assert bad.returncode == 2 and "no shard 00009; the shards are 00000..00002" in bad.stdout
+
+
+def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emulator):
+    import json
+
+    import dagster as dg
+    import duckdb
+
+    server = emulator("--reasoning-parser", "qwen3")
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"f{i}", "prompt": f"flag test {i}"}) + "\n" for i in range(6)))
+    flags = ["--temperature", "0.3", "--top-k", "7", "--min-p", "0.1", "--presence-penalty", "0.5",
+             "--regenerate", "all_turns", "--no-store-token-ids", "--max-in-flight-per-server", "3"]
+    home, data = tmp_path / "home", tmp_path / "data"
+    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_FLEET_MODE": "attach",
+           "DFLASH_FLEET_URLS": server.emu.url}
+    result = dflash("backfill", "--prompts", str(src), "--shard-size", "3", "--max-output-tokens", "32000", *flags,
+                    env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = duckdb.sql(f"SELECT temperature, top_k, min_p, presence_penalty, turn, output_ids IS NULL FROM "
+                      f"read_parquet('{data}/completions/**/*.parquet')").fetchall()
+    assert len(rows) == 6 and set(rows) == {(0.3, 7, 0.1, 0.5, 1, True)}, rows
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        [run] = instance.get_runs()
+    config = run.run_config["ops"]["completions"]["config"]
+    assert config["max_in_flight_per_server"] == 3 and config["repetition_penalty"] == 1.0  # the rest: defaults
+    # the demo too, on its own emulated fleet; its own defaults stay (token ids stored) unless a flag says otherwise
+    demo = dflash("demo", "--prompts", str(src), "--shard-size", "3", "--servers", "1", "--max-output-tokens",
+                  "32000", "--temperature", "0.2", "--frequency-penalty", "0.25",
+                  env={"DAGSTER_HOME": str(tmp_path / "demo"), "DFLASH_DATA_DIR": str(tmp_path / "demo-data")},
+                  timeout=300)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    rows = duckdb.sql(f"SELECT temperature, frequency_penalty, turn, output_ids IS NULL FROM "
+                      f"read_parquet('{tmp_path}/demo-data/completions/**/*.parquet')").fetchall()
+    assert len(rows) == 6 and set(rows) == {(0.2, 0.25, None, False)}, rows
+
+
+@pytest.mark.parametrize("command", ["demo", "backfill"])
+def test_the_next_command_a_run_suggests_repeats_the_settings_it_was_given(command):
+    import shlex
+
+    from dflash_assets.cli import _completions_config, build_parser, repeated_flags
+
+    given = ["--temperature", "0.3", "--regenerate", "all_turns", "--eject-after", "5", "--no-store-token-ids"]
+    config = _completions_config(command, build_parser().parse_args([command, *given, "--max-output-tokens", "4096"]))
+    again = repeated_flags(command, config)
+    assert again == " " + " ".join(given)  # the cap is the next command's own; defaults are left out
+    suggested = build_parser().parse_args([command, *shlex.split(again), "--max-output-tokens", "4096"])
+    assert _completions_config(command, suggested) == config
+    assert repeated_flags(command, _completions_config(command, build_parser().parse_args([command]))) == ""
