@@ -6,6 +6,7 @@ The engines' fixtures (Postgres, Redis) are in tests/engines/conftest.py; plain 
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from tests.support import quality_data
 from tests.support.http import Http
 from tests.support.sglang_wheel import generate_api
+from tests.support.shards import FAST
 
 # 0.5.23's /health runs a one-token generation and answers after >= 1 s; SGLang's own switch turns that off.
 # The tests that are about the delay ask for it explicitly (--health-delay); the rest do not pay it per connect.
@@ -40,6 +42,27 @@ def emulator():
     yield start
     for emu in started:
         emu.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet_args() -> list[str]:
+    """The flags of the servers `fleet_urls` starts; a module overrides this fixture to start other servers."""
+    return FAST
+
+
+@pytest.fixture(scope="module")
+def fleet_size() -> int:
+    """How many servers `fleet_urls` starts; a module overrides it for another fleet."""
+    return 2
+
+
+@pytest.fixture(scope="module")
+def fleet_urls(fleet_args, fleet_size):
+    """The URLs of an emulated fleet started for the module (subprocess servers, as `sglang serve` runs)."""
+    from dflash_assets.emulator.process import start_emulator
+
+    with ExitStack() as stack:
+        yield [stack.enter_context(start_emulator(fleet_args)).url for _ in range(fleet_size)]
 
 
 @pytest.fixture(scope="module")

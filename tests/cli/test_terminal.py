@@ -15,13 +15,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from tests.support.cli import dflash
+
 REPO = Path(__file__).resolve().parents[2]
 NO_TRACE = ("Traceback", "Stack Trace", "DagsterAssetCheckFailedError", " - ERROR - ")
-
-
-def dflash(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_assets.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **env}, cwd=env.get("CWD"))
 
 
 def home(tmp_path: Path, name: str) -> dict:
@@ -37,7 +34,7 @@ def demo_at_4096(tmp_path_factory):
     """The README's way to reproduce the story: the bundled prompts at a 4096-token cap."""
     tmp = tmp_path_factory.mktemp("demo4096")
     env = home(tmp, "home")  # each prompt's one completion (the suite's setting): the figures are the same each run
-    return env, dflash("demo", "--max-output-tokens", "4096", env=env)
+    return env, dflash("demo", "--max-output-tokens", "4096", env=env, cwd=tmp)
 
 
 def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_and_the_next_command(demo_at_4096):
@@ -79,7 +76,7 @@ def test_the_stack_trace_stays_in_the_runs_event_log(demo_at_4096):
 
 def test_report_leads_with_the_answer_per_config(demo_at_4096):
     env, _ = demo_at_4096
-    result = dflash("report", "--data-dir", env["DFLASH_DATA_DIR"], env=env)
+    result = dflash("report", "--data-dir", env["DFLASH_DATA_DIR"], env=env, cwd=env["CWD"])
     assert result.returncode == 0, result.stderr
     head = result.stdout.split("Length quality, all shards")[0]
     flat = re.sub(r"\s+", " ", head)
@@ -96,7 +93,7 @@ def test_report_leads_with_the_answer_per_config(demo_at_4096):
 
 def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_path):
     env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192"}
-    result = dflash("demo", "--max-output-tokens", "8192", env=env)
+    result = dflash("demo", "--max-output-tokens", "8192", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
     out = result.stdout
     assert "Stopped before any request was sent: the preflight refused the run." in out
@@ -136,7 +133,7 @@ def not_sglang():
 
 def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_exclusion(tmp_path):
     env = home(tmp_path, "home")
-    done = dflash("demo", env=env)
+    done = dflash("demo", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "Stopped" not in out and "Failed" not in out
@@ -163,7 +160,7 @@ def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
     args = ["--prompts", str(src), "--shard-size", "3"]
     # attach to a server that says it is healthy but is no SGLang server: the run fails (1), said in a line
     with not_sglang() as url:
-        failed = dflash("backfill", *args, "--max-output-tokens", "32000",
+        failed = dflash("backfill", *args, "--max-output-tokens", "32000", cwd=tmp_path,
                         env=home(tmp_path, "dead") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
     assert failed.returncode == 1, failed.stdout + failed.stderr
     flat = re.sub(r"\s+", " ", failed.stdout)
@@ -173,14 +170,14 @@ def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
         assert trace not in failed.stdout + failed.stderr
     # --verbose prints Dagster's event stream here as well, the stack trace with it
     with not_sglang() as url:
-        verbose = dflash("backfill", *args, "--max-output-tokens", "32000", "--verbose",
+        verbose = dflash("backfill", *args, "--max-output-tokens", "32000", "--verbose", cwd=tmp_path,
                          env=home(tmp_path, "verbose") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
     assert verbose.returncode == 1
     assert "STEP_FAILURE" in verbose.stderr and "Stack Trace" in verbose.stderr and "RUN_START" in verbose.stderr
 
 
 def test_a_bad_range_is_bad_input(tmp_path):
-    result = dflash("backfill", "--from", "99999", env=home(tmp_path, "home"))
+    result = dflash("backfill", "--from", "99999", env=home(tmp_path, "home"), cwd=tmp_path)
     assert result.returncode == 2 and "no shard 99999" in result.stdout
 
 
@@ -192,7 +189,7 @@ def rows_before(env) -> int:
 def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many_tokens_it_reused(demo_at_4096):
     env, demo = demo_at_4096
     cap = re.search(r"dflash continue --to (\d+)", demo.stdout).group(1)
-    result = dflash("continue", "--to", cap, env=env)
+    result = dflash("continue", "--to", cap, env=env, cwd=env["CWD"])
     assert result.returncode == 0, result.stdout + result.stderr
     rows = duckdb.sql(f"select count(*) filter (where max_output_tokens = 4096 and finish_reason = 'length'), "
                       f"count(*) filter (where max_output_tokens = {cap}), "

@@ -13,21 +13,7 @@ from dflash_assets.defs.training.assets import drafter_training_set
 from dflash_assets.defs.resources import FleetResource, PromptSource
 from dflash_assets.emulator.process import start_emulator
 from tests.support.dagster_run import ASSETS, checks_of, resources, run_shard
-from tests.support.shards import FAST
-
-
-@pytest.fixture(scope="module")
-def fleet_urls():
-    with start_emulator(FAST) as a, start_emulator(FAST) as b:
-        yield f"{a.url},{b.url}"
-
-
-def write_prompts(path, n: int, extra_lines: dict[int, str] | None = None) -> None:
-    lines = [json.dumps({"id": f"p{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 13} in detail."})
-             for i in range(n)]
-    for at, line in sorted((extra_lines or {}).items()):
-        lines.insert(at, line)
-    path.write_text("\n".join(lines) + "\n")
+from tests.support.shards import FAST, questions, write_prompts
 
 
 def completion_rows(tmp_path, where: str = "true") -> list[tuple]:
@@ -36,7 +22,7 @@ def completion_rows(tmp_path, where: str = "true") -> list[tuple]:
 
 
 def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
-    write_prompts(tmp_path / "prompts.jsonl", 30)
+    write_prompts(tmp_path / "prompts.jsonl", questions(30))
     res = resources(tmp_path, fleet_urls, shard_size=15)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001"])
@@ -48,7 +34,7 @@ def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
     assert meta["prompts"].value == 15 and meta["completed"].value == 15
     assert meta["accounting"].value == "15 prompts = 15 completed + 0 rejected + 0 failed"
     servers = json.loads(json.dumps(meta["servers"].value))
-    assert set(servers) == set(fleet_urls.split(",")), "work was spread over both servers"
+    assert set(servers) == set(fleet_urls), "work was spread over both servers"
     report = results[0].asset_materializations_for_node("length_quality_report")[0]
     assert report.partition == "00000"
     # every completion row records the config that made it
@@ -59,7 +45,7 @@ def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
 
 
 def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, fleet_urls):
-    write_prompts(tmp_path / "prompts.jsonl", 200)
+    write_prompts(tmp_path / "prompts.jsonl", questions(200))
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         low = run_shard(instance, resources(tmp_path / "low", fleet_urls, 200) | {
@@ -78,7 +64,7 @@ def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, 
 
 def test_a_shard_past_the_truncation_limit_gets_its_report_and_histogram_in_the_run_whose_gate_fails(
         tmp_path, fleet_urls):
-    write_prompts(tmp_path / "prompts.jsonl", 200)
+    write_prompts(tmp_path / "prompts.jsonl", questions(200))
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         run = dg.materialize(ASSETS + [length_quality_summary, drafter_training_set], instance=instance,
@@ -101,7 +87,7 @@ def test_a_shard_past_the_truncation_limit_gets_its_report_and_histogram_in_the_
 
 
 def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):
-    write_prompts(tmp_path / "prompts.jsonl", 40)
+    write_prompts(tmp_path / "prompts.jsonl", questions(40))
     with start_emulator(FAST + ["--fault-crash-after", "12"]) as crashing:
         res = resources(tmp_path, crashing.url, shard_size=40, health_timeout_s=3)  # each retry finds it gone
         with dg.instance_for_test() as instance:
@@ -122,7 +108,7 @@ def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):
 
 
 def test_malformed_line_is_rejected_with_its_reason_while_the_rest_completes(tmp_path, fleet_urls):
-    write_prompts(tmp_path / "prompts.jsonl", 10, {3: '{"messages": [{"role": "user", "content": "cut'})
+    write_prompts(tmp_path / "prompts.jsonl", questions(10), {3: '{"messages": [{"role": "user", "content": "cut'})
     res = resources(tmp_path, fleet_urls, shard_size=11)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
@@ -139,7 +125,7 @@ def test_malformed_line_is_rejected_with_its_reason_while_the_rest_completes(tmp
 
 def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
     long = json.dumps({"id": "long", "prompt": "word " * 600})
-    write_prompts(tmp_path / "prompts.jsonl", 5, {2: long})
+    write_prompts(tmp_path / "prompts.jsonl", questions(5), {2: long})
     short = ["--context-length", "512", "--length-median", "40", "--length-sigma", "0.2"]
     with start_emulator(FAST + short) as small:
         res = resources(tmp_path, small.url, shard_size=6)
@@ -158,7 +144,7 @@ def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
     ({"mode": "attach", "urls": "10.0.0.5:30000"}, "server URL '10.0.0.5:30000' must look like http://host:port"),
 ])
 def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
-    write_prompts(tmp_path / "prompts.jsonl", 3)
+    write_prompts(tmp_path / "prompts.jsonl", questions(3))
     res = resources(tmp_path, "", 3) | {"fleet": FleetResource(**fleet)}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
@@ -175,7 +161,7 @@ def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
     ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
 ])
 def test_bad_generation_settings_fail_before_any_request(tmp_path, fleet_urls, config, message):
-    write_prompts(tmp_path / "prompts.jsonl", 3)
+    write_prompts(tmp_path / "prompts.jsonl", questions(3))
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = run_shard(instance, resources(tmp_path, fleet_urls, 3), "00000", cap=100, **config)
@@ -186,7 +172,7 @@ def test_bad_generation_settings_fail_before_any_request(tmp_path, fleet_urls, c
 
 
 def test_a_shard_size_of_zero_is_refused(tmp_path, fleet_urls):
-    write_prompts(tmp_path / "prompts.jsonl", 3)
+    write_prompts(tmp_path / "prompts.jsonl", questions(3))
     res = resources(tmp_path, fleet_urls, 0)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
@@ -199,7 +185,7 @@ def test_a_shard_size_of_zero_is_refused(tmp_path, fleet_urls):
 def test_training_set_is_refused_while_a_blocking_check_fails_and_written_once_clean(tmp_path, fleet_urls):
     from dflash_assets.defs.training.assets import drafter_training_set
 
-    write_prompts(tmp_path / "prompts.jsonl", 80)
+    write_prompts(tmp_path / "prompts.jsonl", questions(80))
     res = resources(tmp_path, fleet_urls, shard_size=80)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
@@ -230,7 +216,7 @@ def test_training_set_is_refused_while_a_blocking_check_fails_and_written_once_c
 def test_the_check_job_runs_over_every_shard_without_materialising(tmp_path, fleet_urls):
     from dflash_assets.definitions import defs
 
-    write_prompts(tmp_path / "prompts.jsonl", 20)
+    write_prompts(tmp_path / "prompts.jsonl", questions(20))
     res = resources(tmp_path, fleet_urls, shard_size=10)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001"])
@@ -247,7 +233,7 @@ def test_the_check_job_runs_over_every_shard_without_materialising(tmp_path, fle
 
 
 def test_completions_carry_fleet_tuning_advice_from_the_servers_load(tmp_path):
-    write_prompts(tmp_path / "prompts.jsonl", 40)
+    write_prompts(tmp_path / "prompts.jsonl", questions(40))
     pinned = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "3000", "--max-running-requests",
               "4", "--length-median", "300", "--length-sigma", "0.2"]
     with start_emulator(pinned) as server:
@@ -263,7 +249,7 @@ def test_completions_carry_fleet_tuning_advice_from_the_servers_load(tmp_path):
 def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard(tmp_path, fleet_urls):
     from dflash_assets.definitions import defs
 
-    write_prompts(tmp_path / "prompts.jsonl", 30)
+    write_prompts(tmp_path / "prompts.jsonl", questions(30))
     res = resources(tmp_path, fleet_urls, shard_size=10)
     job = defs.get_repository_def().get_job("shard_pipeline")
     with dg.instance_for_test() as instance:
@@ -285,7 +271,7 @@ def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard
 
 
 def test_raising_the_cap_keeps_the_old_rows_tagged_and_adds_the_new_configs_beside_them(tmp_path, fleet_urls):
-    write_prompts(tmp_path / "prompts.jsonl", 30)
+    write_prompts(tmp_path / "prompts.jsonl", questions(30))
     res = resources(tmp_path, fleet_urls, shard_size=30)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
@@ -306,7 +292,7 @@ def test_raising_the_cap_keeps_the_old_rows_tagged_and_adds_the_new_configs_besi
 def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path, monkeypatch):
     secret = "sk-dflash-test-3c1f9a"
     monkeypatch.setenv("DFLASH_API_KEY", secret)
-    write_prompts(tmp_path / "prompts.jsonl", 6)
+    write_prompts(tmp_path / "prompts.jsonl", questions(6))
     with start_emulator(FAST + ["--api-key", secret]) as server:
         res = resources(tmp_path, server.url, shard_size=6, api_key=dg.EnvVar("DFLASH_API_KEY"))
         with dg.instance_for_test() as instance:
@@ -329,7 +315,7 @@ def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
     from dflash_assets.definitions import defs
     from dflash_assets.defs.sensors import completions_landed_sensor
 
-    write_prompts(tmp_path / "prompts.jsonl", 5)
+    write_prompts(tmp_path / "prompts.jsonl", questions(5))
     res = resources(tmp_path, fleet_urls, shard_size=5)
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.support import waiting
+
 pytestmark = pytest.mark.timeout(60)
 
 QUEUE_FULL = "The request queue is full."
@@ -19,14 +21,9 @@ def gen(http, n_tokens: int, **extra):
     )
 
 
-def wait_for(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
+def wait_for(what: str, ready, timeout_s: float = 5.0):
+    """Polled often and briefly: these conditions last a fraction of a second."""
+    return waiting.wait_for(what, ready, timeout_s, every_s=0.02)
 
 
 def load(http) -> dict:
@@ -40,7 +37,7 @@ def load_when(http, **expected) -> dict:
         row = load(http)
         return row if all(row[k] == v for k, v in expected.items()) else None
 
-    return wait_for(matching)
+    return wait_for("a load report that matches", matching)
 
 
 def test_requests_beyond_max_running_requests_wait_in_the_queue(emulator):
@@ -59,9 +56,9 @@ def test_a_full_waiting_queue_answers_503_in_sglangs_shapes(emulator):
     http = emulator("--max-running-requests", "1", "--max-queued-requests", "1", "--decode-tokens-per-s", "100")
     with ThreadPoolExecutor(2) as pool:
         running = pool.submit(gen, http, 60)
-        wait_for(lambda: load(http)["num_running_reqs"] == 1)
+        wait_for("one request running", lambda: load(http)["num_running_reqs"] == 1)
         waiting = pool.submit(gen, http, 10)
-        wait_for(lambda: load(http)["num_waiting_reqs"] == 1)
+        wait_for("one request waiting", lambda: load(http)["num_waiting_reqs"] == 1)
         full = {"object": "error", "message": QUEUE_FULL, "type": "503", "param": None, "code": 503}
         assert gen(http, 5) == (503, full)
         msgs = [{"role": "user", "content": "hi"}]
@@ -150,4 +147,4 @@ def test_a_client_that_goes_away_frees_its_slot(emulator):
         http.post(
             "/generate", {"text": "x", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}, timeout=0.3
         )
-    wait_for(lambda: load(http)["num_running_reqs"] == 0, timeout=3)
+    wait_for("the slot freed", lambda: load(http)["num_running_reqs"] == 0, 3)

@@ -24,11 +24,11 @@ Logs: test-artifacts/logs/celery/ (workers, webserver, daemon, emulator); figure
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,11 +38,12 @@ import pytest
 import yaml
 from dagster._core.events import DagsterEventType
 
-from tests.support import backfill
+from tests.support import backfill, waiting
 from tests.support.dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, ROOT, Webserver, add_shard_partitions, daemon,
                                          dflash_env, fresh_dir, make_home, materialize_shards, start_group, stop_group,
                                          wait_daemon_healthy, webserver)
 from tests.support.services import environ
+from tests.support.shards import questions, write_prompts
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -86,12 +87,7 @@ def test_the_celery_instance_has_the_run_queue_and_pool_of_the_local_one():
         k: v for k, v in deploy.items() if k != "run_launcher"}
 
 
-def wait_for(what: str, ready, timeout_s: float = 180.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := ready()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f}s (logs: {LOGS})"
-        time.sleep(0.5)
-    return value
+wait_for = functools.partial(waiting.wait_for, timeout_s=180.0, every_s=0.5, hint=f"logs: {LOGS}")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +99,7 @@ def cluster(postgres, redis_broker, tmp_path_factory):
                 "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     with environ(settings):
         home = make_home(base / "dagster_home", DEPLOY_CELERY_YAML)
-        backfill.write_prompts(base / "prompts.jsonl", SHARD_SIZE * len(SHARDS))
+        write_prompts(base / "prompts.jsonl", questions(SHARD_SIZE * len(SHARDS), end="."))
         fleet = backfill.Fleet(logs)
         env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
                          fleet_mode="attach", fleet_urls=fleet.url, shards_per_run=1)
@@ -183,32 +179,16 @@ def test_the_runs_of_a_backfill_execute_on_both_workers_and_each_shard_is_writte
     assert {placed[s]["completions"][0] for s in SPREAD} == set(cluster.workers.values()), placed
 
 
-def _faults(fleet: backfill.Fleet) -> dict:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{fleet.url}/_emulator/faults", timeout=10) as response:
-        return json.load(response)
-
-
-def _set_hold(fleet: backfill.Fleet, hold: bool | None) -> None:
-    import urllib.request
-
-    request = urllib.request.Request(f"{fleet.url}/_emulator/faults", data=json.dumps({"hold": hold}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=10) as response:
-        assert response.status == 200
-
-
 def test_two_runs_of_one_shard_at_once_never_write_it_together(cluster):
-    held_before = _faults(cluster.fleet)["injected"]["hold"]
-    _set_hold(cluster.fleet, True)
+    held_before = cluster.fleet.faults()["injected"]["hold"]
+    cluster.fleet.hold(True)
     first = backfill.launch_backfill(cluster.server, [TWICE], "celery: a shard")
-    wait_for("the first run generating", lambda: _faults(cluster.fleet)["injected"]["hold"] > held_before)
+    wait_for("the first run generating", lambda: cluster.fleet.faults()["injected"]["hold"] > held_before)
     second = backfill.launch_backfill(cluster.server, [TWICE], "celery: the same shard again")
     waiting = f"waiting for pool shard:{TWICE}"
     wait_for("the second run waiting for the shard", lambda: any(
         backfill.run_logs(cluster.instance, r.run_id, waiting) for r in runs_of(cluster, second)))
-    _set_hold(cluster.fleet, None)
+    cluster.fleet.hold(None)
     for backfill_id in (first, second):
         backfill.wait_backfill(cluster, backfill_id)
     [first_run], [second_run] = runs_of(cluster, first), runs_of(cluster, second)
@@ -236,14 +216,14 @@ def test_a_worker_killed_mid_completions_is_re_executed_from_its_parts_to_rows_e
     backfill_id = backfill.launch_backfill(cluster.server, [KILLED], "celery: a worker is killed",
                                            ONE_ROW_COMMITS)
     wait_for("rows committed", lambda: len(rows(cluster.data_dir, KILLED)) >= 2)
-    _set_hold(cluster.fleet, True)  # what is sent from now on stays in flight
-    wait_for("a request in flight", lambda: _faults(cluster.fleet)["injected"]["hold"] >= 1)
+    cluster.fleet.hold(True)  # what is sent from now on stays in flight
+    wait_for("a request in flight", lambda: cluster.fleet.faults()["injected"]["hold"] >= 1)
     [run] = runs_of(cluster, backfill_id)
     [pid] = step_pids(cluster.instance, run.run_id, "completions")
     killed_on = worker_of(cluster, pid)
     committed = len(rows(cluster.data_dir, KILLED))
     os.kill(pid, signal.SIGKILL)  # the run's worker process dies mid-step
-    _set_hold(cluster.fleet, None)
+    cluster.fleet.hold(None)
     # run monitoring sees the Celery task failed and fails the run; then "Re-execute from failure", as in the UI
     failed = backfill.wait_backfill(cluster, backfill_id)
     assert failed["status"] in {"COMPLETED_FAILED", "FAILED"}, failed

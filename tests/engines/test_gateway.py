@@ -23,6 +23,7 @@ Logs: test-artifacts/logs/gateway/ (smg, the emulators, the Dagster run); figure
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import re
@@ -30,7 +31,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,8 @@ from dflash_assets.generation.config import DispatchSettings
 from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.rules import CONTEXT_MARGIN
+from tests.support import waiting
+from tests.support.shards import write_prompts
 from tests.support.dagster_procs import (ARTIFACTS, ROOT, dflash_env, fresh_dir, make_home, materialize_shards,
                                          start_group, stop_group)
 
@@ -79,17 +81,7 @@ def post(url: str, body: dict) -> dict:
         return json.load(response)
 
 
-def wait_for(what: str, ready, timeout_s: float = 60.0, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if value := ready():
-                return value
-        except OSError:
-            pass  # not listening yet
-        if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: not within {timeout_s:.0f}s (smg log: {LOGS / 'smg.log'})")
-        time.sleep(0.2)
+wait_for = functools.partial(waiting.wait_for, hint=f"smg log: {LOGS / 'smg.log'}")
 
 
 @pytest.fixture(scope="module")
@@ -286,18 +278,16 @@ LONG = "p0007"  # too long for the context with the cap: rejected in preflight, 
 CAP = 1024
 
 
-def write_prompts(path: Path) -> None:
-    lines = []
+def gateway_prompts():
     for i in range(PROMPTS):
         text = "word " * 1200 if f"p{i:04d}" == LONG else f"Gateway question {i}: explain topic {i * 7 % 11}."
-        lines.append(json.dumps({"id": f"p{i:04d}", "prompt": text}) + "\n")
-    path.write_text("".join(lines))
+        yield {"id": f"p{i:04d}", "prompt": text}
 
 
 def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_twice(gateway, tmp_path):
     victim, live = gateway.workers[VICTIM], [w for i, w in enumerate(gateway.workers) if i != VICTIM]
     before = {w.url: get(f"{w.url}/_emulator/faults")["requests_seen"] for w in live}
-    write_prompts(tmp_path / "prompts.jsonl")
+    write_prompts(tmp_path / "prompts.jsonl", gateway_prompts())
     home = make_home(tmp_path / "dagster_home")
     env = dflash_env(home, data_dir=tmp_path / "data", prompts=tmp_path / "prompts.jsonl", shard_size=PROMPTS,
                      fleet_mode="attach", fleet_urls=gateway.url)

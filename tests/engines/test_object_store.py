@@ -17,11 +17,8 @@ import dagster as dg
 import duckdb
 import pytest
 
-from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
-from dflash_assets.generation.continuation import continue_shard
-from dflash_assets.generation.engine import completion_store, generate_shard
+from dflash_assets.generation.engine import completion_store
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.generation.storage import S3Storage, lock_dir, open_storage
@@ -29,15 +26,15 @@ from dflash_assets.generation.parts import COVERS_KEY
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.quality.tables import parquet_files, parquet_source
+from tests.support.shards import cont as continued
+from tests.support.shards import generate, write_prompts
 
 import boto3  # noqa: E402 - the dev dependency moto[server] brings it; these tests must run, not skip
 import moto.server as moto_server  # noqa: E402
 
 BUCKET = "dflash-test"
-FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3"]
 N = 40
 CAP = 1024  # some of the emulator's heavy-tailed outputs are cut here: truncation figures are not all zero
-SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
 SHARD = "00000"
 
 
@@ -66,27 +63,18 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def fleet_urls():
-    with start_emulator(FAST) as a:
-        yield [a.url]
+def fleet_size():
+    return 1
 
 
-
-
-def write_prompts(path: Path) -> Path:
-    lines = [json.dumps({"id": f"s{i:03d}", "prompt": f"Object store question {i}: explain it."}) for i in range(N)]
-    lines.insert(7, "{not json")  # a source reject, so the rejects table has rows too
-    path.write_text("\n".join(lines) + "\n")
-    return path
+def write_source(path: Path) -> Path:
+    # a line that is not JSON: a source reject, so the rejects table has rows too
+    return write_prompts(path, ({"id": f"s{i:03d}", "prompt": f"Object store question {i}: explain it."}
+                                for i in range(N)), {7: "{not json"})
 
 
 def build(source: Path, data_dir, urls) -> None:
     on_fleet(urls, lambda f: build_prompt_shard(source, 0, SHARD, N + 1, data_dir, f, {"enable_thinking": True}))
-
-
-def generate(data_dir, urls, cap=CAP):
-    return on_fleet(urls, lambda f: generate_shard(data_dir, SHARD, f, GenerationConfig(max_output_tokens=cap),
-                                                   SETTINGS, log=lambda m: None))
 
 
 def keys(client, prefix: str) -> list[str]:
@@ -102,12 +90,12 @@ def figures(run) -> tuple:
 def runs(s3, fleet_urls, tmp_path_factory):
     """One shard generated at CAP into s3://BUCKET/run1 and into a local data dir."""
     tmp = tmp_path_factory.mktemp("object_store")
-    source = write_prompts(tmp / "prompts.jsonl")
+    source = write_source(tmp / "prompts.jsonl")
     uri, local = f"s3://{BUCKET}/run1", tmp / "local"
     cwd = set(os.listdir("."))
     build(source, uri, fleet_urls)
     build(source, local, fleet_urls)
-    s3_run, local_run = generate(uri, fleet_urls), generate(local, fleet_urls)
+    s3_run, local_run = generate(uri, fleet_urls, CAP), generate(local, fleet_urls, CAP)
     assert set(os.listdir(".")) == cwd, "an s3:// data dir never creates anything in the working directory"
     return {"uri": uri, "local": local, "tmp": tmp, "s3_run": s3_run, "local_run": local_run, "source": source}
 
@@ -129,7 +117,7 @@ def test_shard_is_generated_and_committed_on_the_object_store(s3, runs):
 
 def test_rerun_resumes_from_the_committed_objects(s3, runs, fleet_urls):
     before = keys(s3, "run1/")
-    again = generate(runs["uri"], fleet_urls)
+    again = generate(runs["uri"], fleet_urls, CAP)
     assert again.already_done == N and again.completed == N
     assert sum(s["completed"] for s in again.servers.values()) == 0, "nothing was generated again"
     assert keys(s3, "run1/") == before
@@ -210,7 +198,7 @@ def test_crash_leftovers_are_invisible_and_recover_cleans_them(s3, runs, fleet_u
     for u in uploads:
         s3.abort_multipart_upload(Bucket=BUCKET, Key=u["Key"], UploadId=u["UploadId"])
 
-    again = generate(uri, fleet_urls)
+    again = generate(uri, fleet_urls, CAP)
     assert again.already_done == N and sum(s["completed"] for s in again.servers.values()) == 0
     assert run_checks(uri) == checks
 
@@ -218,8 +206,7 @@ def test_crash_leftovers_are_invisible_and_recover_cleans_them(s3, runs, fleet_u
 def test_continuation_on_the_object_store_equals_local(runs, fleet_urls):
     uri, local = runs["uri"], runs["local"]
     parent = runs["s3_run"].config_hash
-    cont = [on_fleet(fleet_urls, lambda f, d=d: continue_shard(d, SHARD, f, parent, 4 * CAP, SETTINGS,
-                                                               log=lambda m: None)) for d in (uri, local)]
+    cont = [continued(d, fleet_urls, parent, 4 * CAP) for d in (uri, local)]
     assert cont[0].continued == cont[1].continued == runs["s3_run"].length > 0
     assert cont[0].copied == cont[1].copied == N - runs["s3_run"].length
     assert run_checks(uri, config_hash=cont[0].config_hash) == run_checks(local, config_hash=cont[1].config_hash)

@@ -22,21 +22,11 @@ from dflash_assets.fleet.attach import AttachError, parse_urls
 from dflash_assets.fleet.launcher import FleetError, FleetSpec, down, up
 from dflash_assets.fleet.server_args import EMULATOR, ServerArgs
 from dflash_assets.fleet.status import fleet_status, status_table
+from tests.support.cli import free_base_port
 
 pytestmark = pytest.mark.timeout(90)
 
 KEY = "sk-test-0123456789abcdef"
-
-
-def free_base_port(n: int = 2) -> int:
-    """A base port with `n` free ports from it (servers listen on base_port + GPU id)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65536 and not any(processes.port_in_use("127.0.0.1", base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no free ports")
 
 
 def make_spec(base_port: int, gpus=(0, 1), **server) -> FleetSpec:

@@ -52,9 +52,8 @@ def conversation(i: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet_urls():
-    with start_emulator(ARGS) as a, start_emulator(ARGS) as b:
-        yield [a.url, b.url]
+def fleet_args():
+    return ARGS
 
 
 def build(data_dir, urls, records) -> None:

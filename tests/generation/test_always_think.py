@@ -3,15 +3,13 @@
 
 import duckdb
 
-from dflash_assets.fleet.fleet import on_fleet, read_info
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
-from dflash_assets.generation.engine import generate_shard
+from dflash_assets.fleet.fleet import read_info
+from dflash_assets.generation.config import GenerationConfig
 from tests.support.sglang_wheel import sglang_srt
-from tests.support.shards import cont, make_shard
+from tests.support.shards import cont, generate, make_shard
 
 SGLANG = sglang_srt()
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--always-think"]
-SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
 OFF = GenerationConfig(max_output_tokens=64, enable_thinking=False)
 
 
@@ -34,7 +32,7 @@ def test_with_thinking_off_rows_still_reason_and_the_run_says_so(tmp_path, emula
     server = emulator(*FLAGS)
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
-    run = on_fleet([server.emu.url], lambda f: generate_shard(data, "00000", f, OFF, SETTINGS, log=lambda m: None))
+    run = generate(data, [server.emu.url], OFF)
     assert run.fleet_notes == [f"enable_thinking is off but the chat template of {server.emu.url} opens <think> whatever "
                          f"it is told (SGLang then forces reasoning): those rows will reason anyway"]
     reasoned = duckdb.sql(f"select count(*) filter (where reasoning_content is not null), count(*) from "
@@ -46,8 +44,7 @@ def test_continued_rows_are_split_as_the_server_splits_them(tmp_path, emulator):
     server = emulator(*FLAGS)
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
-    parent = on_fleet([server.emu.url], lambda f: generate_shard(data, "00000", f, OFF, SETTINGS,
-                                                                 log=lambda m: None))
+    parent = generate(data, [server.emu.url], OFF)
     run = cont(data, [server.emu.url], parent.config_hash, 4096)
     rows = duckdb.sql(f"select output_ids, reasoning_content, content from read_parquet("
                       f"'{data}/completions/**/*.parquet') where config_hash = '{run.config_hash}' "

@@ -26,12 +26,6 @@ from dflash_assets.generation.reasoning import Reasoning
 from tests.support.shards import FAST, N, cont, generate, make_shard, rows
 
 @pytest.fixture(scope="module")
-def fleet_urls():
-    with start_emulator(FAST) as a, start_emulator(FAST) as b:
-        yield [a.url, b.url]
-
-
-@pytest.fixture(scope="module")
 def continued(tmp_path_factory, fleet_urls):
     """A shard generated at 4096 with token ids and continued to 8192; the same shard generated at 8192."""
     a, b = tmp_path_factory.mktemp("continued") / "data", tmp_path_factory.mktemp("scratch") / "data"

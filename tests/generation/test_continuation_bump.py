@@ -1,9 +1,8 @@
 """The story's bump, 4096 -> 8192, on an emulator that samples like a server (a new draw per request, lengths
 correlated with the prompt): continuing the cut rows gives the length distribution of a clean 8192 run, while
-keeping the short rows and drawing the long ones afresh skews the set short."""
+keeping the short rows and drawing the long ones afresh skews the set short. (The emulator's sampling itself:
+tests/emulator/test_sampling.py.)"""
 
-import asyncio
-import json
 import math
 
 import duckdb
@@ -11,40 +10,16 @@ import numpy as np
 import pytest
 
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
-from dflash_assets.generation.continuation import continue_shard
-from dflash_assets.generation.engine import generate_shard
-from dflash_assets.generation.shards import build_prompt_shard
+from tests.support import shards
 
 N = 600
 # --random-seed: the draws are the seed's, not the run's, so the KS test below passes or fails by this seed
 SERVER = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-request",
           "--random-seed", "7"]
-SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=200, commit_seconds=5, load_sample_s=0)
+SETTINGS = shards.SETTINGS.model_copy(update={"commit_rows": 200, "commit_seconds": 5})
 
 
-def on_fleet(url, work):
-    async def go():
-        fleet = await connect([url])
-        try:
-            return await work(fleet)
-        finally:
-            await fleet.session.close()
-
-    return asyncio.run(go())
-
-
-def shard(data_dir, url) -> None:
-    src = data_dir.parent / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"id": f"b{i:04d}", "prompt": f"Work through problem {i} in detail."}) + "\n"
-                           for i in range(N)))
-    on_fleet(url, lambda f: build_prompt_shard(src, 0, "00000", N, data_dir, f, {"enable_thinking": True}))
-
-
-def generate(data_dir, url, cap):
-    return on_fleet(url, lambda f: generate_shard(data_dir, "00000", f, GenerationConfig(max_output_tokens=cap),
-                                                  SETTINGS, log=lambda m: None))
+PROMPTS = {f"b{i:04d}": f"Work through problem {i} in detail." for i in range(N)}
 
 
 def lengths(data_dir, config_hash, where="true") -> np.ndarray:
@@ -73,11 +48,10 @@ def bump(tmp_path_factory):
     dirs = [tmp_path_factory.mktemp(name) / "data" for name in ("bumped", "clean", "again")]
     with start_emulator(SERVER) as server:
         for d in dirs:
-            shard(d, server.url)
-        parent = generate(dirs[0], server.url, 4096)
-        run = on_fleet(server.url, lambda f: continue_shard(dirs[0], "00000", f, parent.config_hash, 8192, SETTINGS,
-                                                            log=lambda m: None))
-        clean, again = generate(dirs[1], server.url, 8192), generate(dirs[2], server.url, 8192)
+            shards.make_shard(d, [server.url], PROMPTS)
+        parent = shards.generate(dirs[0], [server.url], 4096, SETTINGS)
+        run = shards.cont(dirs[0], [server.url], parent.config_hash, 8192, SETTINGS)
+        clean, again = (shards.generate(d, [server.url], 8192, SETTINGS) for d in dirs[1:])
     return dirs, parent, run, clean, again
 
 
@@ -121,36 +95,3 @@ def test_the_emulator_draws_anew_per_request_with_lengths_correlated_with_the_pr
     assert (first != second).mean() > 0.9, "a server draws anew for each request at temperature > 0"
     correlation = np.corrcoef(np.log(first), np.log(second))[0, 1]
     assert 0.3 < correlation < 0.7, correlation  # the prompt sets half the log-length variance (prompt_share 0.5)
-
-
-def test_temperature_zero_or_a_seed_gives_the_same_completion_every_time(emulator):
-    server = emulator("--reasoning-parser", "qwen3", "--sampling", "per-request")
-    prompt = {"text": "<|im_start|>user\nHow long?<|im_end|>\n<|im_start|>assistant\n",
-              "sampling_params": {"max_new_tokens": 32000}}
-
-    def lengths_of(sampling):
-        body = {**prompt, "sampling_params": {**prompt["sampling_params"], **sampling}}
-        return [server.post("/generate", body)[1]["meta_info"]["completion_tokens"] for _ in range(6)]
-
-    assert len(set(lengths_of({"temperature": 0.0}))) == 1
-    assert len(set(lengths_of({"temperature": 0.6, "sampling_seed": 7}))) == 1
-    assert len(set(lengths_of({"temperature": 0.6}))) > 1
-
-
-def test_with_a_random_seed_each_request_draws_anew_and_every_run_draws_the_same(emulator):
-    """`--random-seed`: the n-th request of a prompt draws the same on every server run, whatever order the
-    prompts arrive in, so a test comparing distributions fails by its seed, never by chance."""
-    prompts = [{"text": f"<|im_start|>user\nHow long is answer {k}?<|im_end|>\n<|im_start|>assistant\n",
-                "sampling_params": {"max_new_tokens": 32000, "temperature": 0.6}} for k in range(2)]
-
-    def run(order, seed):
-        server = emulator("--reasoning-parser", "qwen3", "--sampling", "per-request", "--random-seed", seed)
-        seen: dict[int, list[int]] = {0: [], 1: []}
-        for k in order:
-            seen[k].append(server.post("/generate", prompts[k])[1]["meta_info"]["completion_tokens"])
-        return seen
-
-    first, reordered = run([0, 1, 0, 1, 0, 1], "7"), run([1, 1, 1, 0, 0, 0], "7")
-    assert first == reordered
-    assert len(set(first[0])) == 3 and len(set(first[1])) == 3  # each request of a prompt is a new draw
-    assert run([0, 1, 0, 1, 0, 1], "8") != first

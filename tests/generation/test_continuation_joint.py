@@ -7,21 +7,16 @@ U+FFFD where the character was; the continued row's text is the whole id sequenc
 The emulator's --non-ascii mode writes em dashes as byte tokens, so the cut is forced, not hoped for.
 """
 
-import json
-
 import duckdb
 import pytest
 
 from dflash_assets.emulator import tokenizer as tok
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
-from dflash_assets.generation.continuation import continue_shard
-from dflash_assets.generation.engine import generate_shard
-from dflash_assets.generation.shards import build_prompt_shard
+from tests.support import shards
 
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--non-ascii"]
-SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=1, commit_seconds=0.2, load_sample_s=0)
+SETTINGS = shards.SETTINGS.model_copy(update={"commit_rows": 1})
+PROMPT = {"joint": "Explain idea 7 step by step."}
 WIDE_CAP = 8192  # past the end of this prompt's completion: nothing is cut there
 DASH = "\u2014"
 LEAD = DASH.encode()[0]  # the em dash's first UTF-8 byte, as a byte token id
@@ -32,17 +27,6 @@ COLUMNS = "finish_reason, completion_tokens, reasoning_tokens, content, reasonin
 def url():
     with start_emulator(FLAGS) as emu:
         yield emu.url
-
-
-def make_shard(data_dir, url) -> None:
-    src = data_dir.parent / "prompts.jsonl"
-    src.write_text(json.dumps({"id": "joint", "prompt": "Explain idea 7 step by step."}) + "\n")
-    on_fleet([url], lambda f: build_prompt_shard(src, 0, "00000", 1, data_dir, f, {"enable_thinking": True}))
-
-
-def generate(data_dir, url, cap):
-    return on_fleet([url], lambda f: generate_shard(data_dir, "00000", f, GenerationConfig(max_output_tokens=cap),
-                                                    SETTINGS, log=lambda m: None))
 
 
 def row(data_dir, config_hash) -> dict:
@@ -56,8 +40,8 @@ def row(data_dir, config_hash) -> dict:
 def uncut(tmp_path_factory, url):
     """The prompt generated from scratch at a cap that cuts nothing: where its dashes are, and the row to match."""
     data = tmp_path_factory.mktemp("uncut") / "data"
-    make_shard(data, url)
-    run = generate(data, url, WIDE_CAP)
+    shards.make_shard(data, [url], PROMPT)
+    run = shards.generate(data, [url], WIDE_CAP, SETTINGS)
     full = row(data, run.config_hash)
     assert full["finish_reason"] == "stop" and DASH in full["content"] and DASH in full["reasoning_content"]
     return full
@@ -72,15 +56,14 @@ def test_a_character_cut_at_the_cap_is_whole_in_the_continued_row(tmp_path, url,
     assert (lead < think_end) == (where == "thought")
     cap = lead + into  # the parent keeps `into` of the dash's 3 bytes
     data = tmp_path / "data"
-    make_shard(data, url)
-    parent = generate(data, url, cap)
+    shards.make_shard(data, [url], PROMPT)
+    parent = shards.generate(data, [url], cap, SETTINGS)
     cut = row(data, parent.config_hash)
     part = "reasoning_content" if where == "thought" else "content"
     assert (cut["finish_reason"], cut["completion_tokens"]) == ("length", cap)
     assert cut[part].endswith(" \ufffd") and cut[part].count("\ufffd") == 1, "what SGLang returns for the cut row"
 
-    run = on_fleet([url], lambda f: continue_shard(data, "00000", f, parent.config_hash, WIDE_CAP, SETTINGS,
-                                                   log=lambda m: None))
+    run = shards.cont(data, [url], parent.config_hash, WIDE_CAP, SETTINGS)
     assert (run.continued, run.completed) == (1, 1)
     continued = row(data, run.config_hash)
     joint = cut[part][: -len("\ufffd")] + DASH

@@ -12,7 +12,6 @@ import time
 import duckdb
 import pytest
 
-from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connect
 from dflash_assets.generation.shards import build_prompt_shard
 
@@ -20,11 +19,9 @@ PROMPTS = 240
 
 
 @pytest.fixture(scope="module")
-def fleet_urls():
+def fleet_args():
     # slow enough that a run lasts a few seconds, so kills land mid-run
-    args = ["--decode-tokens-per-s", "4000", "--max-running-requests", "8", "--reasoning-parser", "qwen3"]
-    with start_emulator(args) as a, start_emulator(args) as b:
-        yield [a.url, b.url]
+    return ["--decode-tokens-per-s", "4000", "--max-running-requests", "8", "--reasoning-parser", "qwen3"]
 
 
 def build_shard(tmp_path, urls) -> None:

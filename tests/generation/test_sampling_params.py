@@ -9,16 +9,13 @@ import json
 
 import duckdb
 
-from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import SAMPLING_PARAMS, DispatchSettings, GenerationConfig
-from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.config import SAMPLING_PARAMS, GenerationConfig
 from tests.support.sglang_wheel import sglang_srt
-from tests.support.shards import cont, make_shard
+from tests.support.shards import cont, generate, make_shard
 
 SGLANG = sglang_srt()
 # a model whose generation_config.json asks for a repetition penalty and min_p, as several do
 MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.05}
-SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=8, commit_seconds=0.2, load_sample_s=0)
 
 
 def test_the_chat_route_fills_these_from_generation_config_in_0_5_23():
@@ -35,8 +32,7 @@ def test_fresh_and_continued_rows_are_sampled_with_the_config_on_both_routes(tmp
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
     config = GenerationConfig(max_output_tokens=64)
-    parent = on_fleet([server.emu.url], lambda f: generate_shard(data, "00000", f, config, SETTINGS,
-                                                                 log=lambda m: None))
+    parent = generate(data, [server.emu.url], config)
     run = cont(data, [server.emu.url], parent.config_hash, 4096)
     assert run.continued > 0
     _, stats = server.get("/_emulator/stats")
@@ -61,8 +57,7 @@ def test_continued_text_is_the_servers_decoding_of_the_full_output_ids(tmp_path,
     server = emulator("--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3")
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
-    parent = on_fleet([server.emu.url], lambda f: generate_shard(data, "00000", f, GenerationConfig(
-        max_output_tokens=64), SETTINGS, log=lambda m: None))
+    parent = generate(data, [server.emu.url], 64)
     run = cont(data, [server.emu.url], parent.config_hash, 4096)
     rows = duckdb.sql(f"select output_ids, reasoning_content, content from read_parquet("
                       f"'{data}/completions/**/*.parquet') where config_hash = '{run.config_hash}' "

@@ -6,10 +6,7 @@ event-log readers that judge a backfill (tests/engines/test_backfill.py, test_po
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +15,13 @@ import dagster as dg
 import duckdb
 from dagster._core.events import DagsterEventType
 
-from dflash_assets.emulator.process import start_emulator
+from dflash_assets.emulator.process import free_port, start_emulator
 from dflash_assets.quality import CHECKS
+from tests.support.http import Http
+from tests.support.shards import questions, write_prompts
 from tests.support.dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, Webserver, add_shard_partitions, daemon,
-                                         dflash_env, free_port, fresh_dir, make_home, project_pool_limit,
-                                         wait_daemon_healthy, webserver)
+                                         dflash_env, fresh_dir, make_home, project_pool_limit, wait_daemon_healthy,
+                                         webserver)
 
 POOL = "sglang_fleet"
 SHARD_ASSETS = ["prompt_shards", "completions", "length_quality_report"]
@@ -59,12 +58,19 @@ class Fleet:
         self.starts += 1
         self.proc = start_emulator(list(flags), port=self.port, log_path=self.log_dir / f"emulator-{self.starts}.log")
 
+    def faults(self) -> dict:
+        """The emulator's fault state and counters (its fault route)."""
+        status, body = Http(self.url).get("/_emulator/faults")
+        assert status == 200, body
+        return body
+
+    def hold(self, on: bool | None) -> None:
+        """Hold every generation request from now on (True), or let the held ones go (None)."""
+        status, body = Http(self.url).post("/_emulator/faults", {"hold": on})
+        assert status == 200, body
+
     def release_hold(self) -> None:
-        """Let the held generation requests go (the emulator's fault route)."""
-        request = urllib.request.Request(f"{self.url}/_emulator/faults", data=json.dumps({"hold": None}).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
+        self.hold(None)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()
@@ -84,17 +90,12 @@ class Stack:
     samples: list[dict] = field(default_factory=list)
 
 
-def write_prompts(path: Path, n: int) -> None:
-    path.write_text("".join(json.dumps({"id": f"p{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 13}."})
-                            + "\n" for i in range(n)))
-
-
 @contextmanager
 def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path = ARTIFACTS / "logs" / "backfill"):
     """The webserver, the daemon and the held emulator on an instance made from `dagster_yaml`."""
     logs = fresh_dir(logs)  # webserver, daemon and emulator logs, kept for CI
     home = make_home(base / "dagster_home", dagster_yaml)
-    write_prompts(base / "prompts.jsonl", SHARD_SIZE * (len(POOL_SHARDS) + 3))
+    write_prompts(base / "prompts.jsonl", questions(SHARD_SIZE * (len(POOL_SHARDS) + 3), end="."))
     fleet = Fleet(logs)
     # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
     env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,

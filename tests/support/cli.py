@@ -5,23 +5,24 @@ import socket
 import subprocess
 import sys
 
+from dflash_assets.fleet import processes
 
-def dflash(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+
+def dflash(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
+    """`dflash *args` with this process's environment plus `env`; its exit code and output."""
     return subprocess.run([sys.executable, "-m", "dflash_assets.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
-def free_base_port() -> int:
+def free_base_port(n: int = 2) -> int:
+    """A base port with `n` free ports from it (servers listen on base_port + GPU id)."""
     for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two free adjacent ports")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65536 and not any(processes.port_in_use("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no free ports")
 
 
 def cli_commands(parser=None, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 import yaml
 from dagster_graphql import DagsterGraphQLClient
 
+from dflash_assets.emulator.process import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKSPACE = ROOT / "workspace.yaml"
 PROJECT_DAGSTER_YAML = ROOT / "dagster_home" / "dagster.yaml"
@@ -34,12 +35,6 @@ LOCATION = "dflash_assets"
 
 LOCATION_STATUS = """{ workspaceOrError { ... on Workspace { locationEntries { name loadStatus
   locationOrLoadError { __typename ... on PythonError { message } } } } } }"""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def project_pool_limit() -> int:

@@ -12,9 +12,10 @@ from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, Q
 ASSETS = [prompt_shards, completions, length_quality_report, completions_quality_checks]
 
 
-def resources(tmp_path, urls: str, shard_size: int, **fleet):
+def resources(tmp_path, urls: str | list[str], shard_size: int, **fleet):
+    """An attached fleet at `urls`, prompts from tmp_path/prompts.jsonl, data in tmp_path/data."""
     return {
-        "fleet": FleetResource(mode="attach", urls=urls, **fleet),
+        "fleet": FleetResource(mode="attach", urls=urls if isinstance(urls, str) else ",".join(urls), **fleet),
         "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=shard_size),
         "data_dir": DataDir(path=str(tmp_path / "data")),
         "quality": QualityThresholds(),

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.dagster_procs import free_port
+from dflash_assets.emulator.process import free_port
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ The data dir is `data_dir`; its prompt source is written beside it (`data_dir.pa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -38,6 +38,11 @@ def quiet(message: str) -> None:
 def numbered(texts: Iterable[str], prefix: str = "q") -> dict[str, str]:
     """{prompt_id: text} with ids q0, q1, ... in order."""
     return {f"{prefix}{i}": text for i, text in enumerate(texts)}
+
+
+def questions(n: int, end: str = " in detail.") -> Iterator[dict]:
+    """n prompt records p0000, p0001, ...: "Question i: explain topic (7i mod 13)" and `end`."""
+    return ({"id": f"p{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 13}{end}"} for i in range(n))
 
 
 def write_prompts(path: Path, records: Iterable[dict], extra_lines: dict[int, str] | None = None) -> Path:
