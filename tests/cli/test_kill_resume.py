@@ -25,6 +25,7 @@ from dagster._core.instance.ref import InstanceRef
 
 from dflash_assets.emulator.process import start_emulator
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
+from tests.support.http import set_faults
 
 SLOW = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "400", "--max-running-requests", "4"]
 SHARDS, SHARD_SIZE = 4, 6
@@ -35,12 +36,6 @@ def dflash_popen(args: list[str], env: dict, out: Path) -> subprocess.Popen:
     """`dflash ...` in a process group of its own (so the kill takes the whole command), output to a file."""
     return subprocess.Popen([sys.executable, "-m", "dflash_assets.cli", *args], stdout=out.open("w"),
                             stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
-
-
-def faults(url: str, settings: dict) -> None:
-    urllib.request.urlopen(urllib.request.Request(f"{url}/_emulator/faults", method="POST",
-                                                  data=json.dumps(settings).encode(),
-                                                  headers={"Content-Type": "application/json"}), timeout=10)
 
 
 def completion_rows(data: Path) -> list[tuple[str, str]]:
@@ -88,9 +83,9 @@ def kill_mid_completions(args, env, data: Path, url: str, out: Path) -> int:
     before = len(completion_rows(data))
     proc = dflash_popen(args, env, out)
     wait_until(lambda: len(completion_rows(data)) > before, "a part of completions committed", proc, out)
-    faults(url, {"hold": True})  # every request still in flight stays in flight: the run holds its pools
+    set_faults(url, {"hold": True})  # every request still in flight stays in flight: the run holds its pools
     kill_group(proc)
-    faults(url, {"hold": None})
+    set_faults(url, {"hold": None})
     return len(completion_rows(data))
 
 
@@ -161,7 +156,7 @@ def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_
         # the goal: at most 1 s of CPU over a 30 s wait
         assert cpu / wall <= 1 / 30, f"the waiting process used {cpu:.2f} s of CPU in {wall:.1f} s"
         kill_group(holder)  # still held: only its death can free the pool
-        faults(emu.url, {"hold": None})
+        set_faults(emu.url, {"hold": None})
         status = waiter.wait(timeout=BOUND_S)
     text = out.read_text()
     assert status in (0, 3), text  # 3: a blocking check on what it generated, not the wait

@@ -4,13 +4,11 @@ The emulator's stand-in model is autoregressive-consistent (a completion is a fu
 continued row must equal, column for column, the row a fresh run at the new cap generates.
 """
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import dagster as dg
 import duckdb
@@ -23,6 +21,7 @@ from dflash_assets.emulator.process import start_emulator
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
+from tests.support.http import set_faults
 from tests.support.shards import FAST, N, cont, generate, make_shard, rows
 
 @pytest.fixture(scope="module")
@@ -106,9 +105,7 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
         while time.monotonic() < deadline and len(rows(data, scratch.config_hash, "prompt_id")) <= copies:
             time.sleep(0.05)
         # hold every request still to come, so the kill certainly lands mid-continuation, whatever the speed
-        urllib.request.urlopen(urllib.request.Request(f"{slow.url}/_emulator/faults", method="POST",
-                                                      data=json.dumps({"hold": True}).encode(),
-                                                      headers={"Content-Type": "application/json"}), timeout=10)
+        set_faults(slow.url, {"hold": True})
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     partial = [r[0] for r in rows(data, scratch.config_hash, "prompt_id")]

@@ -17,7 +17,7 @@ from dagster._core.events import DagsterEventType
 
 from dflash_assets.emulator.process import free_port, start_emulator
 from dflash_assets.quality import CHECKS
-from tests.support.http import Http
+from tests.support.http import Http, set_faults
 from tests.support.shards import questions, write_prompts
 from tests.support.dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, Webserver, add_shard_partitions, daemon,
                                          dflash_env, fresh_dir, make_home, project_pool_limit, wait_daemon_healthy,
@@ -66,8 +66,7 @@ class Fleet:
 
     def hold(self, on: bool | None) -> None:
         """Hold every generation request from now on (True), or let the held ones go (None)."""
-        status, body = Http(self.url).post("/_emulator/faults", {"hold": on})
-        assert status == 200, body
+        set_faults(self.url, {"hold": on})
 
     def release_hold(self) -> None:
         self.hold(None)

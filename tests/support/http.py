@@ -47,6 +47,13 @@ class Http:
         return status, [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
+def set_faults(url: str, settings: dict) -> dict:
+    """Set an emulator's faults (hold, 503s, crashes...) through its fault route; its fault state after."""
+    status, body = Http(url).post("/_emulator/faults", settings)
+    assert status == 200, body
+    return body
+
+
 def requests_served(http: Http) -> int:
     """Generation requests an emulator received, answered or not (its own counter)."""
     _, faults = http.get("/_emulator/faults")
