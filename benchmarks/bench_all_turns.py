@@ -21,7 +21,7 @@ import duckdb
 from bench_engine import busy_slot_seconds, stats
 
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.shards import build_prompt_shard
@@ -42,8 +42,7 @@ def write_source(path: Path, n: int) -> None:
 
 
 async def run(data: Path, src: Path, shards: int, per_shard: int, urls: list[str], imbalance: float):
-    fleet = await connect(urls)
-    try:
+    async with connected(urls) as fleet:
         for k in range(shards):
             await build_prompt_shard(src, k, f"{k:05d}", per_shard, data, fleet, {"enable_thinking": True})
         start = time.monotonic()
@@ -52,8 +51,6 @@ async def run(data: Path, src: Path, shards: int, per_shard: int, urls: list[str
                                      DispatchSettings(load_sample_s=0, progress_seconds=1e9,
                                                       same_server_max_imbalance=imbalance), log=lambda m: None)
         return start, time.monotonic(), runs
-    finally:
-        await fleet.session.close()
 
 
 def measure(conversations: int, imbalance: float, label: str) -> None:

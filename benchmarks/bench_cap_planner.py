@@ -31,7 +31,7 @@ import duckdb
 import numpy as np
 
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
@@ -45,14 +45,11 @@ LENGTH_MODELS = [("1640", "1.0"), ("1200", "1.2"), ("2500", "0.7")]  # (median, 
 
 
 async def generate(url: str, src: Path, data: Path, n: int, cap: int, build: bool) -> str:
-    fleet = await connect([url])
-    try:
+    async with connected([url]) as fleet:
         if build:
             await build_prompt_shard(src, 0, "00000", n, data, fleet, {"enable_thinking": True})
         run = await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=cap), log=lambda m: None)
         return run.config_hash
-    finally:
-        await fleet.session.close()
 
 
 def emulator_runs(n: int, sets: int) -> None:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - pa.compute
 
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import committed_ids, completion_store, generate_shards, plan_remaining
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
@@ -47,24 +47,18 @@ def write_source(path: Path, n: int, offset: int = 0) -> None:
 
 
 async def build(src: Path, shard_size: int, shards: int, data: Path, urls: list[str]) -> None:
-    fleet = await connect(urls)
-    try:
+    async with connected(urls) as fleet:
         for k in range(shards):
             await build_prompt_shard(src, k, f"{k:05d}", shard_size, data, fleet, {"enable_thinking": True})
-    finally:
-        await fleet.session.close()
 
 
 async def generate(data: Path, shards: str | list[str], urls: list[str], cap: int, **settings):
-    fleet = await connect(urls)
-    try:
+    async with connected(urls) as fleet:
         runs = await generate_shards(data, [shards] if isinstance(shards, str) else shards, fleet,
                                      GenerationConfig(max_output_tokens=cap),
                                      DispatchSettings(load_sample_s=0, progress_seconds=1e9, **settings),
                                      log=lambda m: None)
         return runs[0] if isinstance(shards, str) else runs
-    finally:
-        await fleet.session.close()
 
 
 def stats(url: str) -> dict:

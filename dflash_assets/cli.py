@@ -105,7 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
     """One shard's completions without Dagster: the same engine the `completions` asset adapts."""
     import asyncio
 
-    from dflash_assets.fleet.fleet import connect
+    from dflash_assets.fleet.fleet import connected
     from dflash_assets.generation.config import DispatchSettings, GenerationConfig
     from dflash_assets.generation.engine import generate_shard
 
@@ -118,14 +118,11 @@ def _generate(args: argparse.Namespace) -> int:
 
     async def go(progress: Progress):
         task = progress.add_task(f"shard {args.shard}", total=None)
-        fleet = await connect(urls, Deployment.API_KEY.value() or None)
-        try:
+        async with connected(urls, Deployment.API_KEY.value() or None) as fleet:
             return await generate_shard(args.data_dir, args.shard, fleet, config, settings,
                                         log=progress.console.print,
                                         on_answer=lambda done, total: progress.update(task, completed=done,
                                                                                       total=total))
-        finally:
-            await fleet.session.close()
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   transient=True, disable=not sys.stdout.isatty()) as progress:
@@ -139,7 +136,7 @@ def _probe(args: argparse.Namespace) -> int:
     """The length probe without Dagster: the same code path (generation/probe.py) the `length_probe` asset adapts."""
     import asyncio
 
-    from dflash_assets.fleet.fleet import connect
+    from dflash_assets.fleet.fleet import connected
     from dflash_assets.generation.config import ConfigError, GenerationConfig
     from dflash_assets.generation.preflight import PreflightError
     from dflash_assets.generation.probe import prompt_shard_keys
@@ -157,11 +154,8 @@ def _probe(args: argparse.Namespace) -> int:
     urls = args.urls
 
     async def go():
-        fleet = await connect(urls, Deployment.API_KEY.value() or None)
-        try:
+        async with connected(urls, Deployment.API_KEY.value() or None) as fleet:
             return await run_length_probe(args.data_dir, shards, fleet, config, probe, settings, log=print)
-        finally:
-            await fleet.session.close()
 
     try:
         result = asyncio.run(go())

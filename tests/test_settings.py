@@ -15,7 +15,7 @@ from dflash_assets.defs.continuation.assets import ContinuationConfig
 from dflash_assets.defs.probe.assets import LengthProbeConfig
 from dflash_assets.defs.resources import FleetResource, LaunchConfig
 from dflash_assets.fleet.client import ServerClient
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient, open_gateway
 from dflash_assets.fleet.launch_config import build_spec
 from dflash_assets.fleet.server_args import ServerArgs
@@ -51,7 +51,8 @@ def test_the_cli_the_resource_and_the_dagster_config_have_the_same_defaults():
     assert DispatchSettings.taken_from(probe) == length_probe.dispatch() == DispatchSettings()
     # the fleet's timeouts, where the CLI and the libraries connect without the resource
     fleet = FleetSettings()
-    for where, function, name in ((connect, connect, "health_timeout_s"), (connect, connect, "request_timeout_s"),
+    for where, function, name in ((connected, connected, "health_timeout_s"),
+                                  (connected, connected, "request_timeout_s"),
                                   (ServerClient, ServerClient.__init__, "request_timeout_s"),
                                   (GatewayClient, GatewayClient.__init__, "request_timeout_s"),
                                   (open_gateway, open_gateway, "request_timeout_s")):

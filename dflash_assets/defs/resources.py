@@ -3,21 +3,24 @@ variables are dflash_assets/settings.py."""
 
 from __future__ import annotations
 
-import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
 from dflash_assets.fleet.attach import parse_urls
-from dflash_assets.fleet.fleet import Fleet, connect
+from dflash_assets.fleet.fleet import Fleet, on_fleet
 from dflash_assets.generation.prompts import FieldMapping
 from dflash_assets.quality.outcome import Thresholds
 from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.settings import FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings
+
+
+T = TypeVar("T")
 
 
 class LaunchConfig(dg.Config, LaunchSettings):
@@ -80,10 +83,6 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 self._urls = self.url_list()
             yield self
 
-    async def connect(self) -> Fleet:
-        """Connect (inside the caller's event loop) and probe every server."""
-        return await connect(self._urls, self.api_key or None, health_timeout_s=self.health_timeout_s,
-                             request_timeout_s=self.request_timeout_s)
 
 class PromptSource(dg.ConfigurableResource):
     """The prompt set (JSONL or Parquet), cut into shards of `shard_size` lines."""
@@ -149,14 +148,10 @@ def from_env() -> dict:
         "quality": QualityThresholds(),
     }
 
-def run_on_fleet(fleet: FleetResource, work):
-    """Run `work(fleet)` (a coroutine function) on a freshly connected fleet, closing the session after."""
-
-    async def go():
-        async with await fleet.connect() as connected:
-            return await work(connected)
-
-    return asyncio.run(go())
+def run_on_fleet(fleet: FleetResource, work: Callable[[Fleet], Awaitable[T]]) -> T:
+    """`work(fleet)` (a coroutine function) on the resource's servers, connected for it and closed after."""
+    return on_fleet(fleet._urls, work, fleet.api_key or None, health_timeout_s=fleet.health_timeout_s,
+                    request_timeout_s=fleet.request_timeout_s)
 
 class RunawayConfig(dg.Config, RunawayRules):
     """quality.runaway.RunawayRules (what counts as a loop), editable in the launchpad."""

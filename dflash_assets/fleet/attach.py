@@ -1,15 +1,12 @@
 """`attach` mode: servers someone else runs (or one SGLang router / gateway URL in front of many).
 
-Nothing is started or stopped here; the URLs are checked for shape, then probed through the client.
+Nothing is started or stopped here; the URLs are checked for shape (fleet.connected() then probes them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from urllib.parse import urlsplit
-
-from dflash_assets.fleet.fleet import Fleet, connect
-from dflash_assets.settings import FleetSettings
 
 
 class AttachError(ValueError):
@@ -44,10 +41,3 @@ def parse_urls(urls: str | Sequence[str]) -> list[str]:
         out.append(url)
     return out
 
-
-async def attach(urls: str | Sequence[str], api_key: str | None = None, *,
-                 health_timeout_s: float = FleetSettings().health_timeout_s,
-                 request_timeout_s: float = FleetSettings().request_timeout_s) -> Fleet:
-    """Check the URLs, wait until each answers /health and read its context length and capacity."""
-    return await connect(parse_urls(urls), api_key, health_timeout_s=health_timeout_s,
-                         request_timeout_s=request_timeout_s)

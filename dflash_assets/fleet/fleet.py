@@ -1,10 +1,14 @@
-"""A connected fleet: one aiohttp session, a client and the probed facts for every server."""
+"""A connected fleet: one aiohttp session, a client and the probed facts for every server.
+
+`connected()` is the one way to talk to the fleet: connect, run, close (`on_fleet` is its face outside an event
+loop, for scripts and tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -27,12 +31,6 @@ class Fleet:
     def model(self) -> str:
         return self.infos[0].model
 
-    async def __aenter__(self) -> Fleet:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.session.close()
-
 
 def open_session(total_connections: int = 0) -> aiohttp.ClientSession:
     # limit=0 would mean unlimited; the dispatcher bounds requests, so size the pool to match it
@@ -48,22 +46,20 @@ async def wait_healthy(client: ServerClient, timeout_s: float) -> None:
         await asyncio.sleep(0.2)
 
 
-async def connect(urls: list[str], api_key: str | None = None, *,
-                  health_timeout_s: float = FleetSettings().health_timeout_s,
-                  request_timeout_s: float = FleetSettings().request_timeout_s) -> Fleet:
-    """Connect to every server, wait until each is healthy and read what it says about itself."""
+@asynccontextmanager
+async def connected(urls: list[str], api_key: str | None = None, *,
+                    health_timeout_s: float = FleetSettings().health_timeout_s,
+                    request_timeout_s: float = FleetSettings().request_timeout_s) -> AsyncIterator[Fleet]:
+    """Connect to every server, wait until each is healthy and read what it says about itself; the fleet, its
+    session closed when the block ends, however it ends."""
     if not urls:
         raise ValueError("the fleet has no servers")
-    session = open_session()
-    try:
+    async with open_session() as session:
         clients = [ServerClient(session, u, api_key, request_timeout_s) for u in urls]
         await asyncio.gather(*(wait_healthy(c, health_timeout_s) for c in clients))
         clients = list(await asyncio.gather(*(_behind_gateway(c, api_key, request_timeout_s) for c in clients)))
         infos = list(await asyncio.gather(*(c.info() for c in clients)))
-    except BaseException:
-        await session.close()
-        raise
-    return Fleet(clients, infos, session)
+        yield Fleet(clients, infos, session)
 
 
 async def _behind_gateway(client: ServerClient, api_key: str | None, request_timeout_s: float) -> ServerClient:
@@ -75,10 +71,10 @@ async def _behind_gateway(client: ServerClient, api_key: str | None, request_tim
 
 
 def on_fleet(urls: list[str], work: Callable[[Fleet], Awaitable[T]], api_key: str | None = None, **kw) -> T:
-    """Connect, run `work(fleet)`, close: for scripts and tests, outside any event loop."""
+    """`work(fleet)` on a `connected()` fleet, outside any event loop (scripts, tests, Dagster's assets)."""
 
     async def go() -> T:
-        async with await connect(urls, api_key, **kw) as fleet:
+        async with connected(urls, api_key, **kw) as fleet:
             return await work(fleet)
 
     return asyncio.run(go())

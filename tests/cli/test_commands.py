@@ -66,7 +66,7 @@ def test_report_prints_the_figures_of_a_data_dir_as_tables(tmp_path, emulator):
 
     import duckdb
 
-    from dflash_assets.fleet.fleet import connect
+    from dflash_assets.fleet.fleet import connected
     from dflash_assets.generation.shards import build_prompt_shard
 
     server = emulator("--reasoning-parser", "qwen3")
@@ -74,11 +74,8 @@ def test_report_prints_the_figures_of_a_data_dir_as_tables(tmp_path, emulator):
     src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"report test {i}"}) + "\n" for i in range(40)))
 
     async def build():
-        fleet = await connect([server.emu.url])
-        try:
+        async with connected([server.emu.url]) as fleet:
             await build_prompt_shard(src, 0, "00000", 40, tmp_path / "data", fleet, {"enable_thinking": True})
-        finally:
-            await fleet.session.close()
 
     asyncio.run(build())
     gen = dflash("generate", "--shard", "00000", "--urls", server.emu.url, "--data-dir", str(tmp_path / "data"),

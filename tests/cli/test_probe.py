@@ -6,7 +6,7 @@ import json
 import duckdb
 import pytest
 
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.rules import CONTEXT_MARGIN
 from tests.support.cli import dflash
@@ -17,13 +17,10 @@ FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-
 
 def build_shards(url: str, src, data, shards: int, per_shard: int) -> None:
     async def build():
-        fleet = await connect([url])
-        try:
+        async with connected([url]) as fleet:
             for k in range(shards):
                 await build_prompt_shard(src, k, f"{k:05d}", per_shard, data, fleet,
                                          {"enable_thinking": True})
-        finally:
-            await fleet.session.close()
 
     asyncio.run(build())
 

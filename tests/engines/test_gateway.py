@@ -39,7 +39,7 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator.process import EmulatorProcess, free_port, start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.config import DispatchSettings
 from dflash_assets.generation.slots import SlotPicker
@@ -157,12 +157,9 @@ def effective_max_running(url: str) -> int:
 
 def test_capacity_behind_the_gateway_is_the_servers_effective_max_running_requests(gateway):
     async def go():
-        fleet = await connect([gateway.url])
-        try:
+        async with connected([gateway.url]) as fleet:
             dispatcher = SlotPicker(fleet.clients, fleet.infos)
             return fleet.clients, fleet.infos, dispatcher.capacity
-        finally:
-            await fleet.session.close()
 
     clients, infos, in_flight = asyncio.run(go())
     [client], [info] = clients, infos
@@ -184,12 +181,9 @@ def test_preflight_through_the_gateway_uses_the_servers_own_limits_and_token_cou
     kwargs = {"enable_thinking": True}
 
     async def go():
-        fleet = await connect([gateway.url])
-        try:
+        async with connected([gateway.url]) as fleet:
             counts = [await fleet.clients[0].count_prompt_tokens(messages, kwargs) for _ in gateway.workers]
             return fleet.infos[0], counts
-        finally:
-            await fleet.session.close()
 
     info, counts = asyncio.run(go())
     direct = post(f"{gateway.workers[0].url}/v1/tokenize", {"messages": messages, "chat_template_kwargs": kwargs})
@@ -240,9 +234,8 @@ def test_a_worker_the_gateway_marks_unhealthy_is_left_out_and_with_none_healthy_
         return lambda: sum(not w["is_healthy"] for w in get(f"{gateway.url}/workers")["workers"]) == n
 
     async def fleet():
-        fleet = await connect([gateway.url], health_timeout_s=10)
-        await fleet.session.close()
-        return fleet
+        async with connected([gateway.url], health_timeout_s=10) as probed:
+            return probed
 
     sick, rest = gateway.workers[0], gateway.workers[1:]
     try:
@@ -250,8 +243,8 @@ def test_a_worker_the_gateway_marks_unhealthy_is_left_out_and_with_none_healthy_
         wait_for("smg marks the first server unhealthy", unhealthy(1), proc=gateway.proc)
         listed = {w["url"].rstrip("/"): w for w in get(f"{gateway.url}/workers")["workers"]}
         assert len(listed) == 3 and (listed[sick.url]["is_healthy"], listed[sick.url]["status"]) == (False, "not_ready")
-        connected = asyncio.run(fleet())
-        [client], [info] = connected.clients, connected.infos
+        probed = asyncio.run(fleet())
+        [client], [info] = probed.clients, probed.infos
         assert sorted(s.url for s in client.workers) == sorted(w.url for w in rest)
         assert (info.servers, info.max_running_requests) == (2, sum(effective_max_running(w.url) for w in rest))
         [head, *rows] = fleet_status(attach_urls=[gateway.url])

@@ -15,7 +15,7 @@ import pytest
 
 from dflash_assets.emulator.prefix_cache import BLOCK
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
@@ -26,18 +26,15 @@ ARGS = ["--decode-tokens-per-s", "1500", "--max-running-requests", "6", "--reaso
 CAP = 1200
 RUN = """
 import asyncio, sys
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 
 async def main(data, urls):
-    fleet = await connect(urls.split(","))
-    try:
+    async with connected(urls.split(",")) as fleet:
         run = await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=%d, regenerate="all_turns"),
                                    DispatchSettings(commit_rows=3, commit_seconds=0.2, load_sample_s=0), log=print)
         print(f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + {run.failed} failed")
-    finally:
-        await fleet.session.close()
 
 asyncio.run(main(sys.argv[1], sys.argv[2]))
 """ % CAP
@@ -62,23 +59,17 @@ def build(data_dir, urls, records) -> None:
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     async def go():
-        fleet = await connect(urls)
-        try:
+        async with connected(urls) as fleet:
             await build_prompt_shard(src, 0, "00000", len(records), data_dir, fleet, {"enable_thinking": True})
-        finally:
-            await fleet.session.close()
 
     asyncio.run(go())
 
 
 def generate(data_dir, urls, cap=CAP):
     async def go():
-        fleet = await connect(urls)
-        try:
+        async with connected(urls) as fleet:
             return await generate_shard(data_dir, "00000", fleet, GenerationConfig(max_output_tokens=cap,
                                         regenerate="all_turns"), DispatchSettings(load_sample_s=0), log=lambda m: None)
-        finally:
-            await fleet.session.close()
 
     return asyncio.run(go())
 
@@ -124,8 +115,7 @@ def test_every_turn_is_regenerated_in_order_on_the_regenerated_history(clean, fl
     source = {conversation(i)["id"]: conversation(i) for i in range(CONVERSATIONS)}
 
     async def recount():
-        fleet = await connect(fleet_urls)
-        try:
+        async with connected(fleet_urls) as fleet:
             out = []
             for rs in sample:
                 turns = source[rs[0][0]]["conversations"]
@@ -138,8 +128,6 @@ def test_every_turn_is_regenerated_in_order_on_the_regenerated_history(clean, fl
                     if k < 2:
                         messages = messages + [{"role": "assistant", "content": rs[k][5]}, users[k + 1]]
             return out
-        finally:
-            await fleet.session.close()
 
     counted = asyncio.run(recount())
     assert [expected for expected, _ in counted] == [served for _, served in counted]

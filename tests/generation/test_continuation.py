@@ -79,14 +79,14 @@ def test_a_rerun_of_a_finished_continuation_sends_nothing(continued, fleet_urls)
 
 KILLED = '''
 import asyncio, sys
-from dflash_assets.fleet.fleet import connect, on_fleet
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import DispatchSettings
 from dflash_assets.generation.continuation import continue_shard
 
 async def go(data, url, parent):
-    fleet = await connect([url])
     settings = DispatchSettings(commit_rows=1, commit_seconds=0.05, load_sample_s=0)
-    await continue_shard(data, "00000", fleet, parent, 8192, settings, log=lambda m: None)
+    async with connected([url]) as fleet:
+        await continue_shard(data, "00000", fleet, parent, 8192, settings, log=lambda m: None)
 
 asyncio.run(go(*sys.argv[1:]))
 '''

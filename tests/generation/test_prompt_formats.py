@@ -179,7 +179,7 @@ def test_a_lone_surrogate_line_no_longer_kills_prompt_shards(tmp_path, emulator)
 
     import duckdb
 
-    from dflash_assets.fleet.fleet import connect
+    from dflash_assets.fleet.fleet import connected
     from dflash_assets.generation.shards import build_prompt_shard
 
     server = emulator("--reasoning-parser", "qwen3")
@@ -189,13 +189,10 @@ def test_a_lone_surrogate_line_no_longer_kills_prompt_shards(tmp_path, emulator)
                       '"q"}, {"from": "gpt", "value": "\\udfff"}]}'])
 
     async def build():
-        fleet = await connect([server.emu.url])
-        try:
+        async with connected([server.emu.url]) as fleet:
             last_turn = await fleet.clients[0].count_prompt_tokens(TURNS[:4], {"enable_thinking": True})
             return last_turn, await build_prompt_shard(src, 0, "00000", 10, tmp_path / "data", fleet,
                                                        {"enable_thinking": True})
-        finally:
-            await fleet.session.close()
 
     last_turn, build = asyncio.run(build())
     assert (build.lines, build.prompts, build.rejected) == (4, 2, 2)

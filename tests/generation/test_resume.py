@@ -12,7 +12,7 @@ import time
 import duckdb
 import pytest
 
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.shards import build_prompt_shard
 
 PROMPTS = 240
@@ -31,11 +31,8 @@ def build_shard(tmp_path, urls) -> None:
                            for i in range(PROMPTS)))
 
     async def go():
-        fleet = await connect(urls)
-        try:
+        async with connected(urls) as fleet:
             await build_prompt_shard(src, 0, "00000", PROMPTS, tmp_path / "data", fleet, {"enable_thinking": True})
-        finally:
-            await fleet.session.close()
 
     asyncio.run(go())
 

@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
-from dflash_assets.fleet.fleet import Fleet, connect, open_session
+from dflash_assets.fleet.fleet import Fleet, connected, open_session
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.slots import FleetDown
@@ -109,7 +109,7 @@ def test_a_tokenize_400_is_still_the_prompts_fault(emulator):
     server = emulator(*FLAGS)
 
     async def go():
-        async with await connect([server.emu.url]) as fleet:
+        async with connected([server.emu.url]) as fleet:
             # serving_chat._validate_request refuses it with a 400: a reject, not a retry
             return await fleet.clients[0].count_prompt_tokens([], {})
 
@@ -122,14 +122,11 @@ def test_a_401_during_generation_stops_the_run_with_a_clear_error_and_rejects_no
     server = emulator(*FLAGS, key="right-key")
     make_shard(tmp_path / "data", [server.emu.url], PROMPTS, "right-key")
 
-    async def rotated_key() -> Fleet:  # the key changed after the fleet was probed (a rotated gateway key)
-        probed = await connect([server.emu.url], "right-key")
-        await probed.session.close()
-        session = open_session()
-        return Fleet([ServerClient(session, server.emu.url, "stale-key")], probed.infos, session)
-
-    async def go():
-        async with await rotated_key() as fleet:
+    async def go():  # the key changed after the fleet was probed (a rotated gateway key)
+        async with connected([server.emu.url], "right-key") as probed:
+            infos = probed.infos
+        async with open_session() as session:
+            fleet = Fleet([ServerClient(session, server.emu.url, "stale-key")], infos, session)
             return await generate_shard(tmp_path / "data", "00000", fleet, GenerationConfig(max_output_tokens=512),
                                         SETTINGS, log=quiet)
 

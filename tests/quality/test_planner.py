@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.engine import completion_store, generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
@@ -52,14 +52,11 @@ def test_plan_at_4096_predicts_a_real_rerun_at_8192_on_the_emulator(tmp_path):
     data = tmp_path / "data"
 
     async def run(url: str, cap: int, build: bool):
-        fleet = await connect([url])
-        try:
+        async with connected([url]) as fleet:
             if build:
                 await build_prompt_shard(src, 0, "00000", N_PROMPTS, data, fleet, {"enable_thinking": True})
             return await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=cap),
                                         log=lambda m: None)
-        finally:
-            await fleet.session.close()
 
     with start_emulator(["--reasoning-parser", "qwen3"]) as emu:  # instant decode, default lengths
         at_4096 = asyncio.run(run(emu.url, 4096, build=True))

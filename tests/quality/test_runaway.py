@@ -8,7 +8,7 @@ import pytest
 
 from dflash_assets.emulator import model, tokenizer
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
@@ -62,13 +62,10 @@ def looping_run(tmp_path_factory):
              "--loop-share", "0.15"]
 
     async def run(url):
-        fleet = await connect([url])
-        try:
+        async with connected([url]) as fleet:
             await build_prompt_shard(src, 0, "00000", N, data, fleet, {"enable_thinking": True})
             return await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=1024),
                                         DispatchSettings(store_token_ids=True), log=lambda m: None)
-        finally:
-            await fleet.session.close()
 
     with start_emulator(flags) as emu:
         run = asyncio.run(run(emu.url))

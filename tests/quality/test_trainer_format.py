@@ -6,7 +6,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.fleet.fleet import connect
+from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.prompts import Prompt, read_shard
@@ -92,13 +92,10 @@ def exported(tmp_path_factory):
     args = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "50000", "--length-median", "150"]
 
     async def go(url):
-        fleet = await connect([url])
-        try:
+        async with connected([url]) as fleet:
             await build_prompt_shard(src, 0, "00000", 100, tmp / "data", fleet, {"enable_thinking": True})
             await generate_shard(tmp / "data", "00000", fleet, GenerationConfig(max_output_tokens=8192),
                                  DispatchSettings(load_sample_s=0), log=lambda m: None)
-        finally:
-            await fleet.session.close()
 
     with start_emulator(args) as emu:
         asyncio.run(go(emu.url))
