@@ -1,4 +1,4 @@
-"""The quality gate on completions: every check of `quality.CHECKS` from one DuckDB pass.
+"""The quality gate, as asset checks on length_quality_report: every check of `quality.CHECKS` from one DuckDB pass.
 
 In a shard's run the checks look at that shard; in a checks-only run (the schedule) at every shard.
 They sit on length_quality_report, the shard's measured figures they judge, not on completions: a blocking
