@@ -6,7 +6,7 @@ EnvVar): settings.Deployment reads DFLASH_CHECKS_CRON then.
 
 import dagster as dg
 
-from dflash_assets.defs.jobs import quality_checks_job
+from dflash_assets.defs.quality.jobs import quality_checks_job
 from dflash_assets.settings import Deployment
 
 quality_checks_schedule = dg.ScheduleDefinition(

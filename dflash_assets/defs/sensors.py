@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from dflash_assets.defs.jobs import quality_checks_job
+from dflash_assets.defs.quality.jobs import quality_checks_job
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.pools import reap_dead_runs
 from dflash_assets.defs.resources import PromptSource
