@@ -29,7 +29,7 @@ from rich.table import Table
 from dflash_assets.defs import pools
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
 from dflash_assets.defs.resources import DataDir, PromptSource
-from dflash_assets.defs.sensors import missing_shards
+from dflash_assets.defs.prompts.sensors import missing_shards
 from dflash_assets.definitions import defs
 from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.settings import Deployment

@@ -327,7 +327,7 @@ def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path
 
 def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
     from dflash_assets.definitions import defs
-    from dflash_assets.defs.sensors import completions_landed_sensor
+    from dflash_assets.defs.quality.sensors import completions_landed_sensor
 
     write_prompts(tmp_path / "prompts.jsonl", 5)
     res = resources(tmp_path, fleet_urls, shard_size=5)
