@@ -29,7 +29,7 @@ def test_asset_graph_is_prompt_shards_then_completions_then_the_report():
     for key in graph.get_all_asset_keys():
         node = graph.get(key)
         assert node.partitions_def is None or node.partitions_def.name == "shards"
-        assert node.description and node.group_name in {"generation", "quality", "training"} and node.owners
+        assert node.description and node.group_name in {"generation", "probe", "quality", "training"} and node.owners
         assert node.kinds and node.kinds <= {"sglang", "parquet", "duckdb"}
 
 
