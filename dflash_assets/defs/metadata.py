@@ -27,6 +27,7 @@ class ShardRun:
     TOKENS_PER_S = "tokens_per_s"
     SERVERS = "servers"
     BY_TURN = "by_turn"
+    FLEET_TUNING = "fleet_tuning"  # the run's /v1/loads advice, on each shard of the run
 
 
 class CheckRun:

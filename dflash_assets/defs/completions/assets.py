@@ -74,7 +74,7 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
     for item in advice:
         if item.rule != "fine":
             context.log.info(f"fleet tuning, {item.server}: {item.message}")
-    context.add_asset_metadata({"fleet_tuning": dg.MetadataValue.md(
+    context.add_asset_metadata({ShardRun.FLEET_TUNING: dg.MetadataValue.md(
         tuning_markdown(loads, advice) if runs[0].load_samples
         else "no /v1/loads samples (the run was shorter than one interval)")})
 
