@@ -1,28 +1,25 @@
-"""The one `defs`: assets, checks, jobs, schedules, sensors and resources of dflash-assets."""
+"""The one `defs`: every asset, check, job, schedule and sensor under dflash_assets/defs/, and the resources.
+
+Nothing is listed by hand: `load_from_defs_folder` (Dagster 1.13, public) imports every module of the defs package
+(found from [tool.dg.project] in pyproject.toml) and takes the definitions at module scope, so a new asset, check,
+job, schedule or sensor in a domain folder (defs/<domain>/assets.py, checks.py, jobs.py, schedules.py, sensors.py)
+is loaded by being written. `load_definitions_from_package_module` does the same but is @preview in 1.13.27 and
+warns at every load ("may have breaking changes in patch version releases"); so does `load_definitions_from_modules`
+underneath it. Resources and the executor are applied here, once, for every job.
+"""
+
+from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.defs import jobs
-from dflash_assets.defs.completions import assets as completion_assets
-from dflash_assets.defs.completions import checks as completion_checks
-from dflash_assets.defs.continuation import assets as continuation_assets
-from dflash_assets.defs.probe import assets as probe_assets
-from dflash_assets.defs.prompts import assets as prompt_assets
-from dflash_assets.defs.quality import assets as quality_assets
 from dflash_assets.defs.resources import from_env
-from dflash_assets.defs.schedules import quality_checks_schedule
-from dflash_assets.defs.sensors import completions_landed_sensor, dead_runs_sensor, shard_partitions_sensor
-from dflash_assets.defs.training import assets as training_assets
 
-defs = dg.Definitions(
-    assets=dg.load_assets_from_modules([prompt_assets, completion_assets, continuation_assets, quality_assets,
-                                             training_assets, probe_assets]),
-    asset_checks=dg.load_asset_checks_from_modules([completion_checks]),
-    jobs=[jobs.shard_pipeline_job, jobs.quality_checks_job, jobs.training_job, jobs.continue_job],
-    schedules=[quality_checks_schedule],
-    sensors=[shard_partitions_sensor, completions_landed_sensor, dead_runs_sensor],
-    resources=from_env(),
-    # A run's steps follow one another (shards -> completions -> checks -> report) and are thin HTTP and
-    # DuckDB work: one process per run, instead of a ~10 s process start per step on a small host.
-    executor=dg.in_process_executor,
+defs = dg.Definitions.merge(
+    dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
+    dg.Definitions(
+        resources=from_env(),
+        # A run's steps follow one another (shards -> completions -> checks -> report) and are thin HTTP and
+        # DuckDB work: one process per run, instead of a ~10 s process start per step on a small host.
+        executor=dg.in_process_executor,
+    ),
 )

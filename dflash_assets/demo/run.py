@@ -27,9 +27,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_assets.defs import pools
+from dflash_assets.defs.completions.jobs import shard_pipeline_job
+from dflash_assets.defs.continuation.jobs import continue_job
+from dflash_assets.defs.metadata import CheckRun, ShardRun
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
 from dflash_assets.defs.resources import DataDir, PromptSource
-from dflash_assets.defs.sensors import missing_shards
+from dflash_assets.defs.prompts.sensors import missing_shards
+from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.definitions import defs
 from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.settings import Deployment
@@ -169,25 +173,27 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
                   console=console, transient=True) as progress:
         task = progress.add_task(f"materialising shards in {len(runs)} run(s)", total=len(shards))
         for chunk in runs:
-            result = execute("shard_pipeline", instance, run_config, progress.console, chunk)
+            result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk)
             source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
             report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
             if not result.success:
                 no_figures += [shard for shard in chunk if shard not in comp]
             for shard in chunk:
                 s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
-                failing = [e for e in checks if not e.passed and f"shard {shard}" in e.metadata["failing"].text]
+                failing = [e for e in checks if not e.passed and shard in e.metadata[CheckRun.FAILING_SHARDS].value]
                 for e in failing:
                     failed_checks.setdefault(f"{e.check_name} ({e.severity.value})", []).append(shard)
                     if e.blocking and e.severity == dg.AssetCheckSeverity.ERROR:
                         stops.checks.setdefault(e.check_name, []).append(shard)
-                if c.get("config_hash"):
-                    stops.config_hashes.add(c["config_hash"])
-                rejected = s.get("rejected", 0) + c.get("rejected_preflight", 0) + c.get("rejected_server", 0)
+                if c.get(ShardRun.CONFIG_HASH):
+                    stops.config_hashes.add(c[ShardRun.CONFIG_HASH])
+                rejected = (s.get("rejected", 0) + c.get(ShardRun.REJECTED_PREFLIGHT, 0)
+                            + c.get(ShardRun.REJECTED_SERVER, 0))
                 table.add_row(
-                    shard, str(s.get("lines", "-")), str(rejected), str(c.get("prompts", "-")),
-                    str(c.get("completed", "-")), str(c["completed"] - c["already_done"]) if c else "-",
-                    str(c.get("failed", "-")), str(r.get("truncation_rate", "-")),
+                    shard, str(s.get("lines", "-")), str(rejected), str(c.get(ShardRun.PROMPTS, "-")),
+                    str(c.get(ShardRun.COMPLETED, "-")),
+                    str(c[ShardRun.COMPLETED] - c[ShardRun.ALREADY_DONE]) if c else "-",
+                    str(c.get(ShardRun.FAILED, "-")), str(r.get("truncation_rate", "-")),
                     *(str(r.get(k, "-")) for k in ("p50", "p90", "p99")),
                     f"{len(checks) - len(failing)}/{len(checks)}")
             if not result.success:
@@ -283,7 +289,7 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
     elif not stops.preflight:
-        export = execute("training_export", instance, {
+        export = execute(training_job.name, instance, {
             **quiet(verbose), "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, console)
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
@@ -348,7 +354,7 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     reused = total = 0
     for chunk in [chosen[i:i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
-        result = execute("continue_shards", instance, run_config, console, chunk)
+        result = execute(continue_job.name, instance, run_config, console, chunk)
         meta = _meta(result, "continued_completions")
         for shard in chunk:
             m = meta.get(shard)

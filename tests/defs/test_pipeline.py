@@ -7,11 +7,13 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
+from dflash_assets.defs.metadata import CheckRun, ShardRun
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.defs.training.assets import drafter_training_set
 from dflash_assets.defs.resources import FleetResource, PromptSource
 from dflash_assets.emulator.process import start_emulator
+from dflash_assets.quality import CHECKS
 from tests.support.dagster_run import ASSETS, checks_of, resources, run_shard
 from tests.support.shards import FAST, questions, write_prompts
 
@@ -35,8 +37,13 @@ def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
     assert meta["accounting"].value == "15 prompts = 15 completed + 0 rejected + 0 failed"
     servers = json.loads(json.dumps(meta["servers"].value))
     assert set(servers) == set(fleet_urls), "work was spread over both servers"
+    # exactly the keys its readers (the demo, the cap plan) take from defs/metadata.py; by_turn is all_turns' only
+    assert set(meta) == {v for k, v in vars(ShardRun).items() if k.isupper()} - {ShardRun.BY_TURN}
     report = results[0].asset_materializations_for_node("length_quality_report")[0]
     assert report.partition == "00000"
+    checks = results[0].get_asset_check_evaluations()
+    assert len(checks) == len(CHECKS) and all(
+        e.metadata[CheckRun.FAILING_SHARDS].value == ([] if e.passed else ["00000"]) for e in checks)
     # every completion row records the config that made it
     cols = duckdb.sql(f"select distinct max_output_tokens, server_context_length, model, enable_thinking, "
                       f"temperature, top_p, top_k from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
@@ -313,7 +320,7 @@ def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path
 
 def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
     from dflash_assets.definitions import defs
-    from dflash_assets.defs.sensors import completions_landed_sensor
+    from dflash_assets.defs.quality.sensors import completions_landed_sensor
 
     write_prompts(tmp_path / "prompts.jsonl", questions(5))
     res = resources(tmp_path, fleet_urls, shard_size=5)

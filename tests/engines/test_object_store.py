@@ -239,7 +239,7 @@ def test_writer_lock_is_local_and_exclusive(s3, runs):
 
 def test_dagster_assets_run_on_an_s3_data_dir(s3, runs, fleet_urls, tmp_path):
     from dflash_assets.defs.completions.assets import completions
-    from dflash_assets.defs.completions.checks import completions_quality_checks
+    from dflash_assets.defs.quality.checks import completions_quality_checks
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.prompts.assets import prompt_shards
     from dflash_assets.defs.quality.assets import length_quality_report

@@ -105,7 +105,7 @@ def test_the_runaway_threshold_and_rules_come_from_the_thresholds(looping_run):
 def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagster_run(looping_run):
     import dagster as dg
 
-    from dflash_assets.defs.completions.checks import completions_quality_checks
+    from dflash_assets.defs.quality.checks import completions_quality_checks
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.quality.assets import length_quality_report
     from dflash_assets.defs.resources import DataDir, QualityThresholds

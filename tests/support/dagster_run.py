@@ -4,7 +4,7 @@ attached emulated fleet needs, the shard's assets and their checks."""
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.completions.checks import completions_quality_checks
+from dflash_assets.defs.quality.checks import completions_quality_checks
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds

@@ -7,6 +7,7 @@ from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.defs.metadata import ShardRun
 from dflash_assets.defs.pools import holding
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, GenerationConfig
@@ -73,7 +74,7 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
     for item in advice:
         if item.rule != "fine":
             context.log.info(f"fleet tuning, {item.server}: {item.message}")
-    context.add_asset_metadata({"fleet_tuning": dg.MetadataValue.md(
+    context.add_asset_metadata({ShardRun.FLEET_TUNING: dg.MetadataValue.md(
         tuning_markdown(loads, advice) if runs[0].load_samples
         else "no /v1/loads samples (the run was shorter than one interval)")})
 
@@ -82,22 +83,23 @@ def shard_metadata(run, cap: int) -> dict:
     accounted = run.completed + run.rejected + run.failed
     return {
         # all_turns: a row per turn; completed counts conversations
-        "dagster/row_count": sum(t["rows"] for t in run.by_turn.values()) if run.by_turn else run.completed,
-        "config_hash": run.config_hash,
-        "model": run.model,
-        "max_output_tokens": cap,
-        "prompts": run.prompts,
-        "completed": run.completed,
-        "already_done": run.already_done,
-        "rejected_preflight": run.rejected_preflight,
-        "rejected_server": run.rejected_server,
-        "failed": run.failed,
-        "accounting": f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
-                      f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
-        "new_rows_truncated": run.length,
-        "output_tokens": run.output_tokens,
-        "elapsed_s": round(run.elapsed_s, 2),
-        "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
-        "servers": dg.MetadataValue.json(run.servers),
-        **({"by_turn": dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})} if run.by_turn else {}),
+        ShardRun.ROW_COUNT: sum(t["rows"] for t in run.by_turn.values()) if run.by_turn else run.completed,
+        ShardRun.CONFIG_HASH: run.config_hash,
+        ShardRun.MODEL: run.model,
+        ShardRun.MAX_OUTPUT_TOKENS: cap,
+        ShardRun.PROMPTS: run.prompts,
+        ShardRun.COMPLETED: run.completed,
+        ShardRun.ALREADY_DONE: run.already_done,
+        ShardRun.REJECTED_PREFLIGHT: run.rejected_preflight,
+        ShardRun.REJECTED_SERVER: run.rejected_server,
+        ShardRun.FAILED: run.failed,
+        ShardRun.ACCOUNTING: f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
+                             f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
+        ShardRun.NEW_ROWS_TRUNCATED: run.length,
+        ShardRun.OUTPUT_TOKENS: run.output_tokens,
+        ShardRun.ELAPSED_S: round(run.elapsed_s, 2),
+        ShardRun.TOKENS_PER_S: round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
+        ShardRun.SERVERS: dg.MetadataValue.json(run.servers),
+        **({ShardRun.BY_TURN: dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})}
+           if run.by_turn else {}),
     }

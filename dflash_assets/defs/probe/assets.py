@@ -21,9 +21,11 @@ class LengthProbeConfig(ProbeSettings, GenerationRunConfig):
         return ProbeSettings.taken_from(self)
 
 
+# Its own group, as its own folder: it is materialised on its own (its own run config, fleet hold and `dflash probe`),
+# never in the shard pipeline, and its rows are never training data; the cap plan in quality only reads them.
 @dg.asset(
     deps=[prompt_shards],
-    group_name="quality",
+    group_name="probe",
     kinds={"sglang", "parquet"},
     owners=["team:dflash"],
     description="A seeded random sample of the prompts (by default the larger of 500 and 1%, stratified across "

@@ -5,6 +5,7 @@ import base64
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.metadata import ShardRun
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDir, QualityThresholds
@@ -66,9 +67,9 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
     rates, servers = [], []
     for r in records:
         meta = r.asset_materialization.metadata
-        if meta.get("tokens_per_s") and meta["tokens_per_s"].value > 0:
-            rates.append(meta["tokens_per_s"].value)
-            servers.append(len(meta["servers"].value) if "servers" in meta else 1)
+        if meta.get(ShardRun.TOKENS_PER_S) and meta[ShardRun.TOKENS_PER_S].value > 0:
+            rates.append(meta[ShardRun.TOKENS_PER_S].value)
+            servers.append(len(meta[ShardRun.SERVERS].value) if ShardRun.SERVERS in meta else 1)
     if not rates:
         return None, None
     return sorted(rates)[len(rates) // 2], max(servers)

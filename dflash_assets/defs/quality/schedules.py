@@ -1,4 +1,4 @@
-"""Schedules: the quality checks on a clock, over every materialised shard.
+"""quality_checks_schedule: the quality checks on a clock, over every materialised shard.
 
 A schedule's cron is part of its definition, which Dagster fixes when the code location loads (it takes no
 EnvVar): settings.Deployment reads DFLASH_CHECKS_CRON then.
@@ -6,7 +6,7 @@ EnvVar): settings.Deployment reads DFLASH_CHECKS_CRON then.
 
 import dagster as dg
 
-from dflash_assets.defs.jobs import quality_checks_job
+from dflash_assets.defs.quality.jobs import quality_checks_job
 from dflash_assets.settings import Deployment
 
 quality_checks_schedule = dg.ScheduleDefinition(

@@ -1,4 +1,4 @@
-"""The quality gate on completions: every check of `quality.CHECKS` from one DuckDB pass.
+"""The quality gate, as asset checks on length_quality_report: every check of `quality.CHECKS` from one DuckDB pass.
 
 In a shard's run the checks look at that shard; in a checks-only run (the schedule) at every shard.
 They sit on length_quality_report, the shard's measured figures they judge, not on completions: a blocking
@@ -10,6 +10,7 @@ the training set, which is downstream of the report.
 
 import dagster as dg
 
+from dflash_assets.defs.metadata import CheckRun
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDir, QualityThresholds
 from dflash_assets.quality import CHECKS, run_checks
@@ -30,22 +31,25 @@ def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir:
     else:
         scopes = [None]
     selected = {key.name for key in context.selected_asset_check_keys}
-    by_name: dict[str, list[tuple[str, object]]] = {}
+    by_name: dict[str, list[tuple[str | None, object]]] = {}  # check -> (shard, or None for all shards, outcome)
     for shard in scopes:
         for outcome in run_checks(data_dir.resolved(), shard=shard, thresholds=quality.thresholds(),
                                   names=selected):
-            by_name.setdefault(outcome.name, []).append((f"shard {shard}" if shard else "all shards", outcome))
+            by_name.setdefault(outcome.name, []).append((shard, outcome))
+    where = lambda shard: f"shard {shard}" if shard else "all shards"  # noqa: E731 - for people, never parsed
     for name, results in by_name.items():
-        failing = [(scope, o) for scope, o in results if not o.passed]
-        scope, worst = failing[0] if failing else results[0]
-        label = ", ".join(s for s, _ in results) if len(results) <= 3 else f"{len(results)} shards"
+        failing = [(shard, o) for shard, o in results if not o.passed]
+        first, worst = failing[0] if failing else results[0]
+        label = ", ".join(where(s) for s, _ in results) if len(results) <= 3 else f"{len(results)} shards"
         yield dg.AssetCheckResult(
             check_name=name,
             asset_key=length_quality_report.key,
             passed=not failing,
             severity=dg.AssetCheckSeverity(worst.severity),
-            description=f"{scope}: " + worst.summary_md.split("\n", 1)[0],
-            metadata={"scope": label, "failing": ", ".join(s for s, _ in failing) or "none",
-                      "summary": dg.MetadataValue.md("\n\n".join(f"**{s}**: {o.summary_md}" for s, o in results)),
+            description=f"{where(first)}: " + worst.summary_md.split("\n", 1)[0],
+            metadata={CheckRun.SCOPE: label, CheckRun.FAILING: ", ".join(where(s) for s, _ in failing) or "none",
+                      CheckRun.FAILING_SHARDS: dg.MetadataValue.json([s for s, _ in failing if s]),
+                      CheckRun.SUMMARY: dg.MetadataValue.md(
+                          "\n\n".join(f"**{where(s)}**: {o.summary_md}" for s, o in results)),
                       **worst.metadata},
         )

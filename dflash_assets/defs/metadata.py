@@ -1,0 +1,39 @@
+"""Metadata keys that one part of the Dagster layer writes and another reads back: each spelled once, here.
+
+A reader that spells a key itself breaks silently when the writer renames it (it reads None, or "-" in the demo's
+table). Plain `str` constants, not an Enum: Dagster's serdes refuses Enum metadata labels ("Can only serialize
+whitelisted Enums"), and a constant is what the UI shows.
+"""
+
+
+class ShardRun:
+    """What `completions` records per shard (defs/completions/assets.py shard_metadata), read back by the demo's
+    table (demo/run.py) and the cap plan's throughput (defs/quality/assets.py fleet_throughput)."""
+
+    ROW_COUNT = "dagster/row_count"  # all_turns: a row per turn; COMPLETED counts conversations
+    CONFIG_HASH = "config_hash"
+    MODEL = "model"
+    MAX_OUTPUT_TOKENS = "max_output_tokens"
+    PROMPTS = "prompts"
+    COMPLETED = "completed"
+    ALREADY_DONE = "already_done"
+    REJECTED_PREFLIGHT = "rejected_preflight"
+    REJECTED_SERVER = "rejected_server"
+    FAILED = "failed"
+    ACCOUNTING = "accounting"
+    NEW_ROWS_TRUNCATED = "new_rows_truncated"
+    OUTPUT_TOKENS = "output_tokens"
+    ELAPSED_S = "elapsed_s"
+    TOKENS_PER_S = "tokens_per_s"
+    SERVERS = "servers"
+    BY_TURN = "by_turn"
+    FLEET_TUNING = "fleet_tuning"  # the run's /v1/loads advice, on each shard of the run
+
+
+class CheckRun:
+    """What each quality check result carries (defs/quality/checks.py), read back by the demo (demo/run.py)."""
+
+    SCOPE = "scope"  # for people: the shards checked, or "all shards"
+    FAILING = "failing"  # for people: "shard 00001, shard 00004", or "none"
+    FAILING_SHARDS = "failing_shards"  # for code: a JSON list of the shard keys that fail (a shard-less run: [])
+    SUMMARY = "summary"
