@@ -20,12 +20,22 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def report_metadata(report: dict, png: bytes) -> dict:
     """The figures a person reads first, then the breakdowns, then the picture."""
-    stats = ["rows", "truncated_rows", "runaway_rows", "truncation_rate", "p50", "p90", "p95", "p99", "max"]
+    stats = ["rows", "truncated_rows", "runaway_rows", "truncation_rate", "cut_inside_window_rate",
+             "window_complete_rate", "p50", "p90", "p95", "p99", "max"]
     return {
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
         "truncated_rows": report["truncated_rows"],
         "truncation_rate": pct(report["truncation_rate"]),
+        # against the trainer's window: the blocking share, and the cut rows the trainer reads whole (exported)
+        "trainer_max_length": report["max_length"],
+        "cut_inside_window_rows": report["cut_inside_window_rows"],
+        "cut_inside_window_rate": pct(report["cut_inside_window_rate"]),
+        "window_complete_rows": report["window_complete_rows"],
+        "window_complete_rate": pct(report["window_complete_rate"]),
+        "window_complete_tokens": report["window_complete_tokens"],
+        "decoded_tokens": report["decoded_tokens"],
+        "trained_tokens": report["trained_tokens"],
         "runaway_rows": report["runaway_rows"],  # of the truncated rows, those cut while looping
         **{k: report[k] for k in ("p50", "p90", "p95", "p99", "max") if report[k] is not None},
         **{k: v for k, v in report["overflow"].items()},
@@ -44,7 +54,8 @@ def report_metadata(report: dict, png: bytes) -> dict:
     group_name="quality",
     kinds={"duckdb", "parquet"},
     description="Length quality of a shard's completions (DuckDB over its Parquet): rows, truncation rate "
-                "(finish_reason = 'length'), P50/P90/P95/P99/max completion tokens by config, prompt length and "
+                "(finish_reason = 'length'), judged against the trainer's window (cut inside it: blocking; "
+                "window-complete: exported), decoded and trained tokens, P50/P90/P95/P99/max completion tokens by config, prompt length and "
                 "source, context overflows, and a histogram of completion lengths with the cap marked.",
 )
 def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, quality: QualityThresholds) -> None:
@@ -52,7 +63,7 @@ def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, 
 
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     for shard in context.partition_keys:
-        report = length_quality(root, shard=shard, max_length=quality.training_max_length,
+        report = length_quality(root, shard=shard, max_length=quality.thresholds().trainer.max_length,
                                 runaway=quality.thresholds().runaway)
         png = completion_histogram_png(root, reports / f"shard={shard}" / "completion_lengths.png",
                                        shard=shard)
@@ -93,11 +104,14 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
     from dflash_assets.quality.planner_plot import cap_plan_png
 
     root = data_dir.resolved()
-    report = length_quality(root, max_length=quality.training_max_length, runaway=quality.thresholds().runaway)
+    report = length_quality(root, max_length=quality.thresholds().trainer.max_length,
+                            runaway=quality.thresholds().runaway)
     png = completion_histogram_png(root, data_dir.local_dir() / "reports" / "completion_lengths.png")
     metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
                 "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
-                                                                          "truncation_rate", "p50", "p90", "p99"]))}
+                                                                          "truncation_rate", "cut_inside_window_rate",
+                                                                          "window_complete_rate", "p50", "p90",
+                                                                          "p99"]))}
     tokens_per_s, servers = fleet_throughput(context.instance)
     try:
         plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=quality.thresholds().runaway)
