@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 
 from dflash_assets.settings import (Deployment, DispatchSettings, GenerationSettings, LaunchSettings, ProbeSettings,
-                                    Settings)
+                                    Settings, TrainerSettings)
 
 
 def _instance_environment(args: argparse.Namespace) -> None:
@@ -29,14 +29,25 @@ def _demo(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
-    return run_demo(max_output_tokens=args.max_output_tokens, verbose=args.verbose)
+    return run_demo(max_output_tokens=args.max_output_tokens, verbose=args.verbose, window=_window(args))
 
 
 def _backfill(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
-    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens, verbose=args.verbose)
+    return run_backfill(args.first, args.last, max_output_tokens=args.max_output_tokens, verbose=args.verbose,
+                        window=_window(args))
+
+
+WINDOW_FIELDS = ("cap_policy", "trainer_max_length", "overshoot")  # demo and backfill's share of GenerationSettings
+
+
+def _window(args: argparse.Namespace):
+    """The window settings of demo/backfill: the cap policy, and the trainer's window (which the checks judge by)."""
+    from dflash_assets.demo.run import Window
+
+    return Window(**{name: getattr(args, name) for name in WINDOW_FIELDS})
 
 
 def _continue(args: argparse.Namespace) -> int:
@@ -210,8 +221,11 @@ def _report(args: argparse.Namespace) -> int:
 
     from dflash_assets.quality.console import print_answers
 
+    from dflash_assets.quality import Thresholds
+
     console = Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
-    answers = print_answers(data_dir, console)
+    thresholds = Thresholds(trainer=TrainerSettings(max_length=args.trainer_max_length))
+    answers = print_answers(data_dir, console, thresholds)
     pictures = _report_pictures(data_dir, answers)
     for picture in pictures:
         console.print(f"picture: {picture}", highlight=False)
@@ -221,7 +235,7 @@ def _report(args: argparse.Namespace) -> int:
         for picture in pictures:
             webbrowser.open(picture.resolve().as_uri())
     console.print()
-    print_report(data_dir, console)
+    print_report(data_dir, console, thresholds=thresholds)
     return 0
 
 
@@ -282,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
         if p is demo:
             p.add_argument("--max-output-tokens", type=int, default=16384,
                            help="the cap (default 16384; try 4096 to watch the truncation check fail)")
+        settings_flags(p, GenerationSettings, skip=tuple(set(GenerationSettings.model_fields) - set(WINDOW_FIELDS)))
         p.add_argument("--prompts", help="a JSONL or Parquet prompt source (default: DFLASH_PROMPTS, else the "
                                          "bundled demo prompts)")
         p.add_argument("--shard-size", type=int, help=f"prompts per shard (default {Deployment.SHARD_SIZE.name}, "
@@ -346,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the length-quality summary of a data dir",
                             description="Reads the Parquet files directly; works without the webserver.")
     report.add_argument("--data-dir", help="default: DFLASH_DATA_DIR, else data/")
+    window = TrainerSettings().max_length
+    report.add_argument("--trainer-max-length", type=int, default=window,
+                        help=f"the trainer's window the cut rows are judged against (default {window})")
     report.add_argument("--open", action="store_true",
                         help="open the pictures (length histogram, cap plan survival curve) in a browser")
     return parser

@@ -3,6 +3,8 @@
 A real emulator fleet over loopback, real Parquet; the figures asserted are the rows' own."""
 
 import json
+import re
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -229,3 +231,40 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
     assert "18.30% window-complete (183 rows" in text
     assert "every cut row lies at or past the trainer's window max_length 4,096" in text
     assert "--cap-policy window --trainer-max-length 4096" in text
+
+
+# ---- the terminal at the story's moment --------------------------------------------------------------------------
+
+def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(tmp_path):
+    from test_cli_terminal import dflash, home
+
+    env = home(tmp_path, "home")
+    result = dflash("demo", "--max-output-tokens", "4096", env=env)
+    out = re.sub(r"\s+", " ", result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = env["DFLASH_DATA_DIR"]
+    rows, cut = duckdb.sql(f"select count(*), count(*) filter (where finish_reason = 'length') from read_parquet("
+                           f"'{data}/completions/**/*.parquet')").fetchall()[0]
+    manifest = json.loads(next(Path(data).glob("training/*/manifest.json")).read_text())
+    assert cut and manifest["excluded"]["truncated"] == 0 and manifest["window_complete_kept"] + \
+        manifest["excluded"]["runaway"] == cut
+    assert manifest["trainer"]["max_length"] == 4096 and "--trainer-max-length" in manifest["trainer"]["how_to_change"]
+    assert f"{manifest['window_complete_kept']} rows" in out
+    assert "were cut at or past the trainer's window max_length 4,096: window-complete, the trainer reads each as " \
+           "it reads the complete answer, so they are exported" in out
+    assert "Next time, decode only what the trainer reads: dflash demo --max-output-tokens 4096 --cap-policy " \
+           "window --trainer-max-length 4096" in out
+
+
+def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_settings():
+    from dflash_assets.cli import _window, build_parser
+    from dflash_assets.demo.run import Window
+
+    for argv in (["demo"], ["backfill"], ["generate", "--shard", "0", "--urls", "http://x"]):
+        args = build_parser().parse_args([*argv, "--cap-policy", "window", "--trainer-max-length", "2048"])
+        assert (args.cap_policy, args.trainer_max_length, args.overshoot) == \
+            ("window", 2048, GenerationConfig().overshoot)
+    window = _window(build_parser().parse_args(["demo", "--cap-policy", "window", "--trainer-max-length", "2048"]))
+    assert window == Window("window", 2048, GenerationConfig().overshoot)
+    assert window.flags() == " --cap-policy window --trainer-max-length 2048" and Window().flags() == ""
+    assert window.resources() == {"quality": {"config": {"trainer": {"max_length": 2048}}}}

@@ -29,7 +29,7 @@ from dflash_assets.defs.resources import DataDir, PromptSource
 from dflash_assets.defs.sensors import missing_shards
 from dflash_assets.definitions import defs
 from dflash_assets.quality.export import exclusion_lines
-from dflash_assets.settings import Deployment
+from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
 
@@ -37,6 +37,35 @@ DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, docume
 def quiet(verbose: bool) -> dict:
     """Run config for the console logger: silent unless --verbose; the event log keeps everything either way."""
     return {"loggers": {"console": {"config": {"log_level": "DEBUG" if verbose else "CRITICAL"}}}}
+
+
+@dataclass(frozen=True)
+class Window:
+    """demo/backfill's --cap-policy, --trainer-max-length and --overshoot: how requests are sized, and the trainer's
+    window the checks, the answer and the export judge by (one flag sets both). Defaults: GenerationSettings'."""
+
+    cap_policy: str = GenerationSettings().cap_policy
+    trainer_max_length: int = GenerationSettings().trainer_max_length
+    overshoot: int = GenerationSettings().overshoot
+
+    def completions(self) -> dict:
+        return {"cap_policy": self.cap_policy, "trainer_max_length": self.trainer_max_length,
+                "overshoot": self.overshoot}
+
+    def resources(self) -> dict:
+        return {"quality": {"config": {"trainer": {"max_length": self.trainer_max_length}}}}
+
+    def thresholds(self):
+        from dflash_assets.quality import Thresholds
+
+        return Thresholds(trainer=TrainerSettings(max_length=self.trainer_max_length))
+
+    def flags(self) -> str:
+        """The flags that repeat this window on a command line ('' for the defaults)."""
+        out = [f"--cap-policy {self.cap_policy}"] if self.cap_policy != Window.cap_policy else []
+        if self.trainer_max_length != Window.trainer_max_length:
+            out.append(f"--trainer-max-length {self.trainer_max_length}")
+        return "".join(f" {f}" for f in out)
 
 
 @dataclass
@@ -70,7 +99,8 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             stops.preflight.append(message.removeprefix("preflight: "))
         else:
             stops.errors.append(f"{where}, step {event.step_key}: {message.splitlines()[0]} (run {result.run_id})")
-COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "P50", "P90", "P99", "checks")
+COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "inside", "P50", "P90", "P99",
+           "checks")
 
 
 def console_for_output() -> Console:
@@ -94,15 +124,15 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
 
 
 def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_tokens: int, console: Console,
-               verbose: bool = False) -> Stops:
+               verbose: bool = False, window: Window = Window()) -> Stops:
     """Materialise `shards` in runs of SHARDS_PER_RUN; print a table; return what stopped runs."""
     job = defs.resolve_job_def("shard_pipeline")
     # token ids stored, so that `dflash continue` can take cut rows on from where they stopped
-    run_config = {**quiet(verbose), "ops": {"completions": {"config": {"max_output_tokens": max_output_tokens,
-                                                                       "store_token_ids": True}}}}
+    run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": {
+        "max_output_tokens": max_output_tokens, "store_token_ids": True, **window.completions()}}}}
     stops = Stops()
-    table = Table(title="completions by shard (cut: finish_reason = length; P: completion tokens)",
-                  box=box.SIMPLE_HEAD)
+    table = Table(title=f"completions by shard (cut: finish_reason = length; inside: cut inside the trainer's window "
+                        f"max_length {window.trainer_max_length}; P: completion tokens)", box=box.SIMPLE_HEAD)
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     failed_checks: dict[str, list[str]] = {}
@@ -131,6 +161,7 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], max_output_token
                     shard, str(s.get("lines", "-")), str(rejected), str(c.get("prompts", "-")),
                     str(c.get("completed", "-")), str(c["completed"] - c["already_done"]) if c else "-",
                     str(c.get("failed", "-")), str(r.get("truncation_rate", "-")),
+                    str(r.get("cut_inside_window_rate", "-")),
                     *(str(r.get(k, "-")) for k in ("p50", "p90", "p99")),
                     f"{len(checks) - len(failing)}/{len(checks)}")
             if not result.success:
@@ -149,9 +180,9 @@ def data_dir() -> DataDir:
     return DataDir(path=Deployment.DATA_DIR.value(), local_path=Deployment.LOCAL_DIR.value())
 
 
-def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> int:
+def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], window: Window = Window()) -> int:
     """One short block: what stopped the run, the cap plan, and the exact next command. Returns the exit status."""
-    from dflash_assets.quality import Thresholds, run_checks
+    from dflash_assets.quality import run_checks
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
 
@@ -172,7 +203,7 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> i
     if not stops.checks or stops.errors:
         return stops.exit_status()
     root = data_dir().resolved()
-    thresholds = Thresholds()
+    thresholds = window.thresholds()
     for config_hash in sorted(stops.config_hashes):
         outcomes = [o for o in run_checks(root, config_hash=config_hash, thresholds=thresholds, names=stops.checks)
                     if not o.passed]
@@ -199,17 +230,46 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> i
     return stops.exit_status()
 
 
-def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bool = False) -> int:
+def policy_text(max_output_tokens: int, window: Window) -> str:
+    policy = f", cap_policy window (+{window.overshoot} overshoot)" if window.cap_policy == "window" else ""
+    return f"cap {max_output_tokens} tokens{policy}, trainer's window max_length {window.trainer_max_length}"
+
+
+def print_window_answer(stops: Stops, console: Console, window: Window, rerun: str) -> None:
+    """When no check stopped the run: whether the cut rows matter to this trainer, and what decoding past the
+    window cost (the window policy's command when it cost anything)."""
+    from dflash_assets.quality import run_checks
+    from dflash_assets.quality.outcome import num, pct
+
+    for config_hash in sorted(stops.config_hashes):
+        (o,) = run_checks(data_dir().resolved(), config_hash=config_hash, thresholds=window.thresholds(),
+                          names=["window_complete"])
+        m = o.metadata
+        if not m["window_complete_rows"] and not m["decoded_past_window_tokens"]:
+            continue
+        console.print(f"config {config_hash}: {num(m['window_complete_rows'])} rows "
+                      f"({pct(m['window_complete_rate'])}) were cut at or past the trainer's window max_length "
+                      f"{num(window.trainer_max_length)}: window-complete, the trainer reads each as it reads the "
+                      f"complete answer, so they are exported. {num(m['decoded_past_window_tokens'])} of "
+                      f"{num(m['decoded_tokens'])} decoded tokens ({pct(m['past_window_rate'])}) lie past the window.",
+                      highlight=False)
+        if not o.passed:
+            console.print(f"Next time, decode only what the trainer reads: {rerun}", highlight=False)
+
+
+def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bool = False,
+             window: Window = Window()) -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
-    console.print(f"dflash demo: {len(shards)} shards (cap {max_output_tokens} tokens), "
+    console.print(f"dflash demo: {len(shards)} shards ({policy_text(max_output_tokens, window)}), "
                   f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/",
                   highlight=False)
-    stops = run_shards(instance, shards, max_output_tokens, console, verbose)
+    stops = run_shards(instance, shards, max_output_tokens, console, verbose, window)
     if not stops.preflight:
         export = defs.resolve_job_def("training_export").execute_in_process(instance=instance, run_config={
-            **quiet(verbose), "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, raise_on_error=False)
+            **quiet(verbose), "resources": window.resources(),
+            "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, raise_on_error=False)
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
             console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} "
@@ -220,13 +280,17 @@ def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bo
             console.print("drafter training set: not written while a blocking check fails")
         else:
             record_failures(export, "training export", stops)
+    if not stops.checks and not stops.errors and not stops.preflight:
+        print_window_answer(stops, console, window, f"dflash demo --max-output-tokens {max_output_tokens} "
+                                                    f"--cap-policy window --trainer-max-length "
+                                                    f"{window.trainer_max_length}")
     console.print("The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
                   " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000", highlight=False)
-    return print_stop(stops, console, lambda cap: f"dflash demo --max-output-tokens {cap}")
+    return print_stop(stops, console, lambda cap: f"dflash demo --max-output-tokens {cap}{window.flags()}", window)
 
 
 def run_backfill(first: str | None, last: str | None, max_output_tokens: int, console: Console | None = None,
-                 verbose: bool = False) -> int:
+                 verbose: bool = False, window: Window = Window()) -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
@@ -237,10 +301,14 @@ def run_backfill(first: str | None, last: str | None, max_output_tokens: int, co
                       f"{shards[0]}..{shards[-1]}")
         return BAD_CONFIG
     chosen = shards[shards.index(first):shards.index(last) + 1]
-    console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {max_output_tokens}, "
+    console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), {policy_text(max_output_tokens, window)}, "
                   f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
-    stops = run_shards(instance, chosen, max_output_tokens, console, verbose)
-    return print_stop(stops, console, lambda cap: f"dflash backfill --from {first} --to {last} --max-output-tokens {cap}")
+    stops = run_shards(instance, chosen, max_output_tokens, console, verbose, window)
+    command = f"dflash backfill --from {first} --to {last} --max-output-tokens"
+    if not stops.checks and not stops.errors and not stops.preflight:
+        print_window_answer(stops, console, window, f"{command} {max_output_tokens} --cap-policy window "
+                                                    f"--trainer-max-length {window.trainer_max_length}")
+    return print_stop(stops, console, lambda cap: f"{command} {cap}{window.flags()}", window)
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
