@@ -251,7 +251,8 @@ def _report_pictures(data_dir: str, answers) -> list[Path]:
     for answer in answers:
         if answer.plan is not None:
             path = reports / f"cap_plan-{answer.config_hash}.png"
-            path.write_bytes(cap_plan_png(answer.plan))
+            wp = answer.window_plan
+            path.write_bytes(cap_plan_png(answer.plan, (wp.max_length, wp.window_at) if wp else None))
             pictures.append(path)
     return pictures
 

@@ -39,7 +39,9 @@ def resources(tmp_path, urls: str, shard_size: int, **fleet):
         "fleet": FleetResource(mode="attach", urls=urls, **fleet),
         "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=shard_size),
         "data_dir": DataDir(path=str(tmp_path / "data")),
-        "quality": QualityThresholds(),
+        # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window and block (at the
+        # default 4096 window they are window-complete: tests/test_trainer_window.py)
+        "quality": QualityThresholds(trainer={"max_length": 8192}),
     }
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from dflash_assets.quality.outcome import Thresholds, num, pct
 from dflash_assets.quality.planner import CapEstimate, CapPlan, PlanError, plan_caps
 from dflash_assets.quality.report import length_quality
+from dflash_assets.quality.window_plan import WindowPlan, window_plan
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class CapAnswer:
     window_complete_tokens: int = 0  # their trained tokens
     decoded_tokens: int = 0
     trained_tokens: int = 0
+    window_plan: WindowPlan | None = None  # decoded and trained tokens per candidate cap and the window policy
 
     @property
     def cuts_matter(self) -> bool:
@@ -66,16 +68,18 @@ def _n(v: int | None) -> str:
     return "-" if v is None else num(v)
 
 
-def recommended_cap(plan: CapPlan, limit: float, cut_inside_window: int | None = None) -> CapEstimate | None:
+def recommended_cap(plan: CapPlan, limit: float, cut_inside_window: int | None = None,
+                    ceiling: int | None = None) -> CapEstimate | None:
     """The smallest candidate cap at or above the current one whose predicted share cut is within `limit`.
 
     None when no row was cut (the cap is fine), when no row was cut inside the trainer's window (a larger cap
-    buys no trained token), or no candidate gets there (the largest is the best on offer).
+    buys no trained token), or no candidate gets there (the largest is the best on offer). `ceiling`: the cap that
+    lets every prompt reach the trainer's window; a larger one only buys tokens past it, so none is recommended.
     """
     cut = plan.truncated if cut_inside_window is None else cut_inside_window
     if not cut or cut / plan.rows <= limit:
         return None
-    larger = [e for e in plan.estimates if e.cap > plan.cap]
+    larger = [e for e in plan.estimates if e.cap > plan.cap and (ceiling is None or e.cap <= ceiling)]
     within = [e for e in larger if e.truncation_rate.value <= limit]
     return within[0] if within else (larger[-1] if larger else None)
 
@@ -88,17 +92,21 @@ def cap_answers(data_dir: str | Path, thresholds: Thresholds = Thresholds(),
     for row in sorted(report["by_config"], key=lambda r: (-r["rows"], r["config_hash"])):
         if config_hash and row["config_hash"] != config_hash:
             continue
-        plan, error = None, None
+        plan, error, wp = None, None, None
         try:
             plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100, runaway=thresholds.runaway)
         except PlanError as e:
             error = str(e)
+        if plan is not None:
+            wp = window_plan(data_dir, row["config_hash"], plan.cap, thresholds.trainer, plan.fit, thresholds.runaway,
+                             candidates=[e.cap for e in plan.estimates])
+        ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
         answers.append(CapAnswer(
             config_hash=row["config_hash"], cap=row["max_output_tokens"], rows=row["rows"],
             truncated=row["truncated_rows"], truncation_rate=row["truncation_rate"], p50=row["p50"],
             p90=row["p90"], p99=row["p99"], max=row["max"], plan=plan, plan_error=error,
-            recommended=recommended_cap(plan, thresholds.truncation_rate_max, row["cut_inside_window_rows"])
-            if plan else None,
+            recommended=recommended_cap(plan, thresholds.truncation_rate_max, row["cut_inside_window_rows"], ceiling)
+            if plan else None, window_plan=wp,
             max_length=thresholds.trainer.max_length, cut_inside_window=row["cut_inside_window_rows"],
             window_complete=row["window_complete_rows"], window_complete_tokens=row["window_complete_tokens"],
             decoded_tokens=row["decoded_tokens"], trained_tokens=row["trained_tokens"]))

@@ -11,6 +11,7 @@ from dflash_assets.quality.answer import CapAnswer, cap_answers
 from dflash_assets.quality.outcome import Thresholds, num, pct
 from dflash_assets.quality.registry import run_checks
 from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
+from dflash_assets.quality.window_plan import window_plan_lines
 
 LENGTH_COLUMNS = ("rows", "truncated", "truncation rate", "cut inside window", "window-complete", "P50", "P90",
                   "P95", "P99", "max")
@@ -85,6 +86,10 @@ def print_answer(answer: CapAnswer, console: Console) -> None:
                       f"cap buys no trained token. To stop decoding past the window, generate with "
                       f"--cap-policy window --trainer-max-length {answer.max_length}.", highlight=False)
     console.print(plan_table(answer))
+    if answer.window_plan is not None:
+        for line in window_plan_lines(answer.window_plan, f"--cap-policy window --trainer-max-length "
+                                                          f"{answer.max_length}"):
+            console.print(line, highlight=False)
     if answer.recommended:
         e = answer.recommended
         console.print(f"  recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut, "

@@ -102,6 +102,7 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
     from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown, turn_markdown
     from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.planner_plot import cap_plan_png
+    from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
     root = data_dir.resolved()
     report = length_quality(root, max_length=quality.thresholds().trainer.max_length,
@@ -118,8 +119,14 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:
+        thresholds = quality.thresholds()
+        trained = window_plan(root, plan.config_hash, plan.cap, thresholds.trainer, plan.fit, thresholds.runaway,
+                              candidates=[e.cap for e in plan.estimates], tokens_per_s=tokens_per_s, servers=servers)
+        metadata["trained_tokens_plan"] = dg.MetadataValue.md("\n".join(
+            f"- {line.strip()}" for line in window_plan_lines(
+                trained, f"cap_policy window, trainer_max_length {trained.max_length}")))
         picture = data_dir.local_dir() / "reports" / "cap_plan.png"
-        picture.write_bytes(cap_plan_png(plan))
+        picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at)))
         advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
         if plan.by_turn:  # all_turns: the same view on its own, for the run page's metadata list
