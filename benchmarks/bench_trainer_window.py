@@ -98,7 +98,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     goals = []
     for label, window, decoded, tokens, gate in sorted(rows, key=lambda r: (r[1], r[0].startswith("window"))):
-        ratio = f"{decoded / tokens:.2f}x" if tokens else "∞"
+        ratio = f"{decoded / tokens:.3f}x" if tokens else "∞"
         hours = decoded / args.prompts * STORY_PROMPTS / STORY_TOK_S / 3600 * STORY_GPUS
         print(f"| {label} | {window:,} | {decoded:,} | {tokens:,} | {ratio} | {tokens / floor[window]:.2%} | "
               f"{'passes' if gate else 'FAILS: nothing exported'} | {hours:,.1f} |")

@@ -54,7 +54,10 @@ def _continue(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_continue
 
-    return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose)
+    if (args.to_cap is None) == (args.to_window is None):
+        build_parser().error("dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's "
+                             "window)")
+    return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose, to_window=args.to_window)
 
 
 def _emulator(argv: list[str]) -> int:
@@ -313,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "stopped is copied, so the new config's lengths are those of a clean run at "
                                       "the larger cap. Rows without token ids are continued by their text (the "
                                       "chat route's continue_final_message).")
-    cont.add_argument("--to", dest="to_cap", type=int, required=True, help="the new cap, e.g. 8192")
+    cont.add_argument("--to", dest="to_cap", type=int, help="the new cap, e.g. 8192")
+    cont.add_argument("--to-window", type=int, help="grow the trainer's window of a cap_policy window config, e.g. "
+                                                    "8192: window-complete rows are continued to it by token ids, "
+                                                    "rows that stopped stay")
     cont.add_argument("--from-shard", dest="first", help="first shard key (default: the first)")
     cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")
     cont.add_argument("--prompts", help=argparse.SUPPRESS)

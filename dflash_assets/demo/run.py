@@ -314,10 +314,10 @@ def run_backfill(first: str | None, last: str | None, max_output_tokens: int, co
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
 
 
-def run_continue(new_cap: int, first: str | None, last: str | None, console: Console | None = None,
-                 verbose: bool = False) -> int:
-    """Continue every shard's cut rows to `new_cap` from where they stopped; print the reuse and the new answer."""
-    from dflash_assets.quality import Thresholds
+def run_continue(new_cap: int | None, first: str | None, last: str | None, console: Console | None = None,
+                 verbose: bool = False, to_window: int | None = None) -> int:
+    """Continue every shard's cut rows to `new_cap` from where they stopped (or, with `to_window`, a window-policy
+    config's window-complete rows to the larger window); print the reuse and the new answer."""
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
     from dflash_assets.quality.outcome import num, pct
@@ -330,11 +330,14 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
         console.print(f"[red]dflash continue:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}")
         return BAD_CONFIG
     chosen = shards[shards.index(first):shards.index(last) + 1]
-    console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to cap {new_cap}, cut rows taken on from "
+    target = f"the trainer's window {to_window}" if to_window else f"cap {new_cap}"
+    console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to {target}, cut rows taken on from "
                   f"where they stopped", highlight=False)
     job = defs.resolve_job_def("continue_shards")
-    run_config = {**quiet(verbose), "ops": {"continued_completions": {"config": {
-        "parent_config_hash": "latest", "new_max_output_tokens": new_cap}}}}
+    window = Window("window", to_window) if to_window else Window()
+    run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"continued_completions": {"config": {
+        "parent_config_hash": "latest", "to_window": to_window or 0,
+        **({} if to_window else {"new_max_output_tokens": new_cap})}}}}
     stops, table = Stops(), Table(box=box.SIMPLE_HEAD, title="continued by shard (tokens reused: taken over from "
                                                             "the smaller cap, not generated again)")
     for col in CONTINUE_COLUMNS:
@@ -361,13 +364,13 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
         console.print(f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
                       f"completion tokens were not generated again", highlight=False)
     for config_hash in sorted(stops.config_hashes):
-        for answer in cap_answers(data_dir().resolved(), Thresholds(), config_hash):
+        for answer in cap_answers(data_dir().resolved(), window.thresholds(), config_hash):
             print_answer(answer, console)
     if stops.preflight:
         console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
         return BAD_CONFIG if not stops.errors else FAILED
     if stops.errors:
-        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}")
+        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}", window)
     console.print("Next: `dflash report` for the checks over the new config; the training export takes the config "
                   "with the most rows, or name it (drafter_training_set config_hash).", highlight=False)
     return DONE
