@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     probe.add_argument("--shards", help="comma-separated shard keys to sample (default: every prompt shard)")
     settings_flags(probe, ProbeSettings)
-    settings_flags(probe, GenerationSettings, skip=("max_output_tokens",))  # the probe's own cap, above
+    # the probe's own cap, above; it measures lengths, so its requests are never sized to a window
+    settings_flags(probe, GenerationSettings, skip=("max_output_tokens", *WINDOW_FIELDS))
     settings_flags(probe, DispatchSettings)
 
     fleet = sub.add_parser("fleet", help="launch, inspect and stop SGLang servers (launch mode)",

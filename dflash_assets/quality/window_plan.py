@@ -184,7 +184,7 @@ def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
         return (f"{e.label}: {num(round(e.decoded))} decoded, {num(round(e.trained))} trained, {ratio} decoded per "
                 f"trained{hours}{' (model)' if e.basis == 'model' else ''}")
 
-    lines = [f"trained tokens, for the trainer's window max_length {num(plan.max_length)} (floor: every prompt's "
+    lines = [f"trained tokens, for {TrainerSettings(max_length=plan.max_length).named()} (floor: every prompt's "
              f"first {num(plan.max_length)} tokens = {num(round(plan.floor))}):"]
     lines += [f"  {row(e)}" for e in plan.estimates] + [f"  {row(plan.window)}"]
     if len(plan.estimates) > 1:  # the story's bump: to twice the cap when it is a candidate
