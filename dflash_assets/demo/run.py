@@ -230,9 +230,9 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
     return stops.exit_status()
 
 
-def policy_text(max_output_tokens: int, window: Window) -> str:
-    policy = f", cap_policy window (+{window.overshoot} overshoot)" if window.cap_policy == "window" else ""
-    return f"cap {max_output_tokens} tokens{policy}, trainer's window max_length {window.trainer_max_length}"
+def policy_text(window: Window) -> str:
+    policy = f"cap_policy window (+{window.overshoot} overshoot), " if window.cap_policy == "window" else ""
+    return f"{policy}trainer's window max_length {window.trainer_max_length}"
 
 
 def print_window_answer(stops: Stops, console: Console, window: Window, rerun: str) -> None:
@@ -262,7 +262,7 @@ def run_demo(max_output_tokens: int, console: Console | None = None, verbose: bo
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
-    console.print(f"dflash demo: {len(shards)} shards ({policy_text(max_output_tokens, window)}), "
+    console.print(f"dflash demo: {len(shards)} shards (cap {max_output_tokens} tokens, {policy_text(window)}), "
                   f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/",
                   highlight=False)
     stops = run_shards(instance, shards, max_output_tokens, console, verbose, window)
@@ -301,8 +301,9 @@ def run_backfill(first: str | None, last: str | None, max_output_tokens: int, co
                       f"{shards[0]}..{shards[-1]}")
         return BAD_CONFIG
     chosen = shards[shards.index(first):shards.index(last) + 1]
-    console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), {policy_text(max_output_tokens, window)}, "
-                  f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
+    console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {max_output_tokens}, up to "
+                  f"{SHARDS_PER_RUN} shards per run, {policy_text(window)}, DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
+                  highlight=False)
     stops = run_shards(instance, chosen, max_output_tokens, console, verbose, window)
     command = f"dflash backfill --from {first} --to {last} --max-output-tokens"
     if not stops.checks and not stops.errors and not stops.preflight:
