@@ -87,7 +87,8 @@ def reject_row(prompt: dict, stage: str, reason: str, config: GenerationConfig, 
     tokens = prompt["prompt_tokens"]
     return {"shard": shard, "stage": stage, "line": prompt["line"], "prompt_id": prompt["prompt_id"],
             "config_hash": config_hash, "reason": reason, "prompt_tokens": tokens,
-            "max_output_tokens": config.request_cap(tokens) if tokens is not None else config.max_output_tokens, "server_context_length": context,
+            "max_output_tokens": config.request_cap(tokens) if tokens is not None else config.max_output_tokens,
+            "server_context_length": context,
             "created_at": datetime.now(timezone.utc), "turn": prompt.get("turn")}
 
 

@@ -88,8 +88,9 @@ def length_quality(
         return {
             "scope": {"shard": shard},
             "percentile_definition": PERCENTILE_DEFINITION,
-            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0, "cut_inside_window_rows": 0,
-                                                  "window_complete_rows": 0, "window_complete_tokens": 0,
+            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0,
+                                                  "cut_inside_window_rows": 0, "window_complete_rows": 0,
+                                                  "window_complete_tokens": 0,
                                                   "decoded_tokens": 0, "trained_tokens": 0, "q": None,
                                                   "max": None})),
             "max_length": max_length,

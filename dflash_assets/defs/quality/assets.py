@@ -55,7 +55,8 @@ def report_metadata(report: dict, png: bytes) -> dict:
     kinds={"duckdb", "parquet"},
     description="Length quality of a shard's completions (DuckDB over its Parquet): rows, truncation rate "
                 "(finish_reason = 'length'), judged against the trainer's window (cut inside it: blocking; "
-                "window-complete: exported), decoded and trained tokens, P50/P90/P95/P99/max completion tokens by config, prompt length and "
+                "window-complete: exported), decoded and trained tokens, P50/P90/P95/P99/max completion tokens "
+                "by config, prompt length and "
                 "source, context overflows, and a histogram of completion lengths with the cap marked.",
 )
 def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, quality: QualityThresholds) -> None:
