@@ -55,9 +55,10 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
            f"rows were cut inside the trainer's window max_length 8,192" in flat, out
     assert "P90 4,096 P99 4,096" in flat and "P90 and P99 equal the cap" in flat
     recommended = re.search(r"recommended cap: ([\d,]+) \(predicted ([\d.]+)% cut", flat)
-    assert recommended and float(recommended.group(2)) <= 5.0, out
+    assert recommended, out
     cap = int(recommended.group(1).replace(",", ""))
-    assert cap > 4096 and f"{recommended.group(1)} " in out  # the plan's row for it
+    # never past the trainer's window: at 8192 every row reaches it, so its cut rows are window-complete
+    assert 4096 < cap <= 8192 and f"{recommended.group(1)} " in out  # the plan's row for it
     assert f"dflash continue --to {cap}" in out and f"dflash demo --max-output-tokens {cap}" in out
     assert "training set: not written while a blocking check fails" in out
     # the per-shard table has its figures: cut, P90 and P99 of every shard
