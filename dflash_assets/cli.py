@@ -9,7 +9,7 @@ import typing
 from pathlib import Path
 
 from dflash_assets.settings import (Deployment, DispatchSettings, GenerationSettings, LaunchSettings, ProbeSettings,
-                                    Settings)
+                                    WINDOW_FIELDS, Settings, TrainerSettings)
 
 
 def _instance_environment(args: argparse.Namespace) -> None:
@@ -63,7 +63,7 @@ def _demo(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
-    return run_demo(config, verbose=args.verbose, again=repeated_flags("demo", config))
+    return run_demo(config, verbose=args.verbose, again=lambda overrides: repeated_flags("demo", {**config, **overrides}))
 
 
 def _backfill(args: argparse.Namespace) -> int:
@@ -72,14 +72,18 @@ def _backfill(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
-    return run_backfill(args.first, args.last, config, verbose=args.verbose, again=repeated_flags("backfill", config))
+    return run_backfill(args.first, args.last, config, verbose=args.verbose,
+                        again=lambda overrides: repeated_flags("backfill", {**config, **overrides}))
 
 
 def _continue(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_continue
 
-    return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose)
+    if (args.to_cap is None) == (args.to_window is None):
+        build_parser().error("dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's "
+                             "window)")
+    return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose, to_window=args.to_window)
 
 
 def _emulator(argv: list[str]) -> int:
@@ -240,8 +244,11 @@ def _report(args: argparse.Namespace) -> int:
 
     from dflash_assets.quality.console import print_answers
 
+    from dflash_assets.quality import Thresholds
+
     console = Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
-    answers = print_answers(data_dir, console)
+    thresholds = Thresholds(trainer=TrainerSettings(max_length=args.trainer_max_length))
+    answers = print_answers(data_dir, console, thresholds)
     pictures = _report_pictures(data_dir, answers)
     for picture in pictures:
         console.print(f"picture: {picture}", highlight=False)
@@ -251,7 +258,7 @@ def _report(args: argparse.Namespace) -> int:
         for picture in pictures:
             webbrowser.open(picture.resolve().as_uri())
     console.print()
-    print_report(data_dir, console)
+    print_report(data_dir, console, thresholds=thresholds)
     return 0
 
 
@@ -267,7 +274,8 @@ def _report_pictures(data_dir: str, answers) -> list[Path]:
     for answer in answers:
         if answer.plan is not None:
             path = reports / f"cap_plan-{answer.config_hash}.png"
-            path.write_bytes(cap_plan_png(answer.plan))
+            wp = answer.window_plan
+            path.write_bytes(cap_plan_png(answer.plan, (wp.max_length, wp.window_at) if wp else None))
             pictures.append(path)
     return pictures
 
@@ -334,7 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "stopped is copied, so the new config's lengths are those of a clean run at "
                                       "the larger cap. Rows without token ids are continued by their text (the "
                                       "chat route's continue_final_message).")
-    cont.add_argument("--to", dest="to_cap", type=int, required=True, help="the new cap, e.g. 8192")
+    cont.add_argument("--to", dest="to_cap", type=int, help="the new cap, e.g. 8192")
+    cont.add_argument("--to-window", type=int, help="grow the trainer's window of a cap_policy window config, e.g. "
+                                                    "8192: window-complete rows are continued to it by token ids, "
+                                                    "rows that stopped stay")
     cont.add_argument("--from-shard", dest="first", help="first shard key (default: the first)")
     cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")
     cont.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -360,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     probe.add_argument("--shards", help="comma-separated shard keys to sample (default: every prompt shard)")
     settings_flags(probe, ProbeSettings)
-    settings_flags(probe, GenerationSettings, skip=("max_output_tokens",))  # the probe's own cap, above
+    # the probe's own cap, above; it measures lengths, so its requests are never sized to a window
+    settings_flags(probe, GenerationSettings, skip=("max_output_tokens", *WINDOW_FIELDS))
     settings_flags(probe, DispatchSettings)
 
     fleet = sub.add_parser("fleet", help="launch, inspect and stop SGLang servers (launch mode)",
@@ -383,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="print the length-quality summary of a data dir",
                             description="Reads the Parquet files directly; works without the webserver.")
     report.add_argument("--data-dir", help="default: DFLASH_DATA_DIR, else data/")
+    window = TrainerSettings().max_length
+    report.add_argument("--trainer-max-length", type=int, default=window,
+                        help=f"the trainer's window the cut rows are judged against (default {window})")
     report.add_argument("--open", action="store_true",
                         help="open the pictures (length histogram, cap plan survival curve) in a browser")
     return parser

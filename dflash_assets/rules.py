@@ -68,3 +68,56 @@ MOST_ROWS_ORDER_SQL = "count(*) DESC, max(max_output_tokens) DESC, config_hash"
 def most_rows_first(configs: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """(config_hash, rows, max_output_tokens) tuples, the config with the most rows first."""
     return sorted(configs, key=lambda c: (-c[1], -c[2], c[0]))
+
+
+# ---- the trainer's window ----------------------------------------------------------------------------------------
+# A drafter trainer reads each sample up to its window, max_length tokens of prompt plus answer (SpecForge
+# data.max_length, speculators --seq-length), and drops the rest. So a row the cap cut is judged against the window:
+# - cut inside the window (finish_reason 'length' and prompt + completion < max_length): the trainer reads an end
+#   the model did not choose. That is the truncation that blocks.
+# - cut at or past the window: window-complete. The trainer reads it exactly as it reads the complete answer.
+# The same rule holds for every cap policy: at cap 4096 with a 4096 window every cut lies past the window.
+def cut_inside_window_sql(max_length: int) -> str:
+    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens < {int(max_length)})"
+
+
+def window_complete_sql(max_length: int) -> str:
+    """Cut at or past the window (runaways included: the caller leaves them out where they must stay out)."""
+    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens >= {int(max_length)})"
+
+
+def cut_inside_window(finish_reason: str | None, prompt_tokens: int, completion_tokens: int, max_length: int) -> bool:
+    return finish_reason == "length" and prompt_tokens + completion_tokens < max_length
+
+
+def window_complete(finish_reason: str | None, prompt_tokens: int, completion_tokens: int, max_length: int) -> bool:
+    return finish_reason == "length" and prompt_tokens + completion_tokens >= max_length
+
+
+# Trained tokens: the generated tokens of a row that fall inside the window, min(completion, max_length - prompt)
+# (never negative). Decoded per trained token is the figure the pipeline is measured by (the floor is 1.00).
+def trained_tokens_sql(max_length: int) -> str:
+    return f"greatest(0, least(completion_tokens, {int(max_length)} - prompt_tokens))"
+
+
+def trained_tokens(prompt_tokens: int, completion_tokens: int, max_length: int) -> int:
+    return max(0, min(completion_tokens, max_length - prompt_tokens))
+
+
+def fills_window(prompt_tokens: int, max_length: int) -> bool:
+    """The prompt alone fills the window: the trainer would read no answer (a reject under the window policy)."""
+    return prompt_tokens >= max_length
+
+
+def window_cap(cap: int, max_length: int, prompt_tokens: int, overshoot: int) -> int:
+    """The window policy's request: no more than the cap, no more than the window's rest plus the overshoot.
+
+    The overshoot keeps the window's end inside generated text after the trainer re-renders and re-tokenizes the
+    sample, so that no closing tag the model never wrote falls inside the window."""
+    return max(1, min(cap, max_length - prompt_tokens + overshoot))
+
+
+def stores_token_ids(store_token_ids: bool, cap_policy: str, trainer_format: str | None = None) -> bool:
+    """Token ids are stored whenever asked, and by default under the window policy or the pre-tokenized export,
+    which is built from them (and continuing window-complete rows to a larger window needs them)."""
+    return store_token_ids or cap_policy == "window" or trainer_format == "pretokenized"

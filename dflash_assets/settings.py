@@ -9,6 +9,7 @@ use these models directly.
 - DispatchSettings: how hard to drive the fleet (never hashed).
 - ServerFlags / LaunchSettings: the `sglang serve` of `launch` mode and `dflash fleet up`.
 - ProbeSettings: the length probe's sample and cap (the `length_probe` asset and `dflash probe`).
+- TrainerSettings: the drafter trainer's window (max_length) and the export form it reads.
 - FleetSettings: how the pipeline reaches its servers (`emulated`, `attach`, `launch`).
 - DEPLOYMENT: the environment variables a deployment sets, with their defaults.
 """
@@ -41,6 +42,42 @@ class Settings(BaseModel):
         return cls(**{name: getattr(source, name) for name in cls.model_fields if hasattr(source, name)})
 
 
+TRAINER_FORMATS = ("conversations", "messages", "pretokenized")  # TrainerSettings.format
+CAP_POLICIES = ("fixed", "window")  # GenerationSettings.cap_policy
+WINDOW_FIELDS = ("cap_policy", "trainer_max_length", "overshoot")  # GenerationSettings: how the window sizes requests
+
+
+class TrainerSettings(Settings):
+    """The drafter trainer that reads the export: how much of each sample it reads, and in which form.
+
+    SpecForge tokenizes the rendered sample with truncation=True, max_length=data.max_length (2048 or 4096 in its
+    qwen3.6-27b DFlash recipes, 4096 for the online ones); speculators slices to --seq-length (default 8192).
+    Whatever lies past the window is never trained on (docs/trainer-window.md)."""
+
+    max_length: int = Field(
+        4096, description="The trainer's window in tokens, counted as the trainer counts it: the rendered sample, "
+                          "prompt plus assistant (SpecForge data.max_length; speculators --seq-length).")
+    format: str = Field(
+        "conversations", description="The export form: 'conversations' (SpecForge's {id, status, conversations}), "
+                                     "'messages' (OpenAI's {id, messages}) or 'pretokenized' ({id, input_ids, "
+                                     "loss_mask} from the server's own token ids, read as is by SpecForge's online "
+                                     "trainer and speculators).")
+
+    def validate(self) -> None:  # noqa: D102
+        problems = []
+        if self.max_length < 1:
+            problems.append(f"trainer max_length must be a positive integer, got {self.max_length}")
+        if self.format not in TRAINER_FORMATS:
+            problems.append(f"trainer format must be one of {', '.join(TRAINER_FORMATS)}, got {self.format!r}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def named(self) -> str:
+        """The window as every report names it, with how to change it."""
+        return (f"the trainer's window max_length {self.max_length:,} (trainer.max_length; change it with "
+                f"--trainer-max-length or the quality resource's trainer.max_length)")
+
+
 class GenerationSettings(Settings):
     """The settings that decide what a completion is; rows record all of them."""
 
@@ -60,6 +97,17 @@ class GenerationSettings(Settings):
         "last_turn", description="Which assistant turns are generated: 'last_turn' (the final one, or a new answer "
                                  "to a final user turn) or 'all_turns' (every one, in order, each conditioned on "
                                  "the regenerated ones before it).")
+    cap_policy: str = Field(
+        "fixed", description="'fixed': every request asks max_output_tokens; 'window': each request asks "
+                             "min(max_output_tokens, trainer_max_length - prompt_tokens + overshoot), the tokens "
+                             "the trainer's window reads, and a prompt that fills the window is rejected.")
+    trainer_max_length: int = Field(
+        TrainerSettings().max_length, description="cap_policy window: the trainer's window the requests are sized "
+                                                  "to (TrainerSettings.max_length).")
+    overshoot: int = Field(
+        16, description="cap_policy window: tokens asked past the window, so that after the trainer re-renders "
+                        "and re-tokenizes the sample its window still ends inside generated text (never on a "
+                        "closing tag the model did not write).")
 
 
 class DispatchSettings(Settings):

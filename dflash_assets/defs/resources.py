@@ -17,7 +17,8 @@ from dflash_assets.fleet.fleet import Fleet, on_fleet
 from dflash_assets.generation.prompts import FieldMapping
 from dflash_assets.quality.outcome import Thresholds
 from dflash_assets.quality.runaway import RunawayRules
-from dflash_assets.settings import FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings
+from dflash_assets.settings import (FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings,
+                                    TrainerSettings)
 
 
 T = TypeVar("T")
@@ -160,15 +161,24 @@ class RunawayConfig(dg.Config, RunawayRules):
         return RunawayRules(**{name: getattr(self, name) for name in RunawayRules.model_fields})
 
 
+class TrainerConfig(dg.Config, TrainerSettings):
+    """settings.TrainerSettings (the trainer's window and export form), editable in the launchpad."""
+
+    def settings(self) -> TrainerSettings:
+        return TrainerSettings.taken_from(self)
+
+
 class QualityThresholds(dg.ConfigurableResource):
     """The limits the quality checks judge by (shares of rows, in [0, 1]); defaults are quality.Thresholds'."""
 
-    truncation_rate_max: float = Thresholds().truncation_rate_max
-    training_max_length: int = Thresholds().training_max_length
+    truncation_rate_max: float = Field(Thresholds().truncation_rate_max, description="The truncation_rate check "
+                                       "fails above this share of rows cut inside the trainer's window.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The drafter trainer: its window "
+                                   "max_length (what the checks judge truncation against) and the export form.")
     runaway_rate_max: float = Field(Thresholds().runaway_rate_max, description="The runaway_rate check warns above "
                                     "this share of rows cut while looping.")
     runaway: RunawayConfig = Field(default_factory=RunawayConfig, description="What counts as a runaway.")
 
     def thresholds(self) -> Thresholds:
-        return Thresholds(truncation_rate_max=self.truncation_rate_max, training_max_length=self.training_max_length,
+        return Thresholds(truncation_rate_max=self.truncation_rate_max, trainer=self.trainer.settings(),
                           runaway_rate_max=self.runaway_rate_max, runaway=self.runaway.rules())

@@ -36,7 +36,7 @@ from dflash_assets.defs.prompts.sensors import missing_shards
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.definitions import defs
 from dflash_assets.quality.export import exclusion_lines
-from dflash_assets.settings import Deployment
+from dflash_assets.settings import WINDOW_FIELDS, Deployment, GenerationSettings, TrainerSettings
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
 
@@ -61,6 +61,33 @@ class Failure:
     run_id: str
     detail: tuple[str, ...] = ()  # e.g. the last lines an emulator or sglang server wrote before it exited
     passing: bool = False  # re-running may cure it (a server down, a timeout), so say so
+
+
+@dataclass(frozen=True)
+class Window:
+    """demo/backfill's --cap-policy, --trainer-max-length and --overshoot: how requests are sized, and the trainer's
+    window the checks, the answer and the export judge by (one flag sets both). Defaults: GenerationSettings'."""
+
+    cap_policy: str = GenerationSettings().cap_policy
+    trainer_max_length: int = GenerationSettings().trainer_max_length
+    overshoot: int = GenerationSettings().overshoot
+
+    @classmethod
+    def of(cls, completions: dict) -> Window:
+        """The window of a completions run config (the CLI's flags)."""
+        return cls(**{name: completions[name] for name in WINDOW_FIELDS})
+
+    def completions(self) -> dict:
+        return {"cap_policy": self.cap_policy, "trainer_max_length": self.trainer_max_length,
+                "overshoot": self.overshoot}
+
+    def resources(self) -> dict:
+        return {"quality": {"config": {"trainer": {"max_length": self.trainer_max_length}}}}
+
+    def thresholds(self):
+        from dflash_assets.quality import Thresholds
+
+        return Thresholds(trainer=TrainerSettings(max_length=self.trainer_max_length))
 
 
 @dataclass
@@ -133,7 +160,8 @@ def _line(error) -> str:
     return f"{error.cls_name}: {text}"
 
 
-COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "P50", "P90", "P99", "checks")
+COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "inside", "P50", "P90", "P99",
+           "checks")
 
 
 def console_for_output() -> Console:
@@ -159,11 +187,12 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
 def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console,
                verbose: bool = False) -> Stops:
     """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
-    flags); print a table; return what stopped runs."""
-    run_config = {**quiet(verbose), "ops": {"completions": {"config": completions}}}
+    flags; its trainer's window is the checks' too); print a table; return what stopped runs."""
+    window = Window.of(completions)
+    run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": completions}}}
     stops = Stops()
-    table = Table(title="completions by shard (cut: finish_reason = length; P: completion tokens)",
-                  box=box.SIMPLE_HEAD)
+    table = Table(title=f"completions by shard (cut: finish_reason = length; inside: cut inside the trainer's window "
+                        f"max_length {window.trainer_max_length}; P: completion tokens)", box=box.SIMPLE_HEAD)
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     failed_checks: dict[str, list[str]] = {}
@@ -194,6 +223,7 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
                     str(c.get(ShardRun.COMPLETED, "-")),
                     str(c[ShardRun.COMPLETED] - c[ShardRun.ALREADY_DONE]) if c else "-",
                     str(c.get(ShardRun.FAILED, "-")), str(r.get("truncation_rate", "-")),
+                    str(r.get("cut_inside_window_rate", "-")),
                     *(str(r.get(k, "-")) for k in ("p50", "p90", "p99")),
                     f"{len(checks) - len(failing)}/{len(checks)}")
             if not result.success:
@@ -215,9 +245,9 @@ def data_dir() -> DataDir:
     return DataDir(path=Deployment.DATA_DIR.value(), local_path=Deployment.LOCAL_DIR.value())
 
 
-def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> int:
+def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], window: Window = Window()) -> int:
     """One short block: what stopped the run, the cap plan, and the exact next command. Returns the exit status."""
-    from dflash_assets.quality import Thresholds, run_checks
+    from dflash_assets.quality import run_checks
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
 
@@ -250,7 +280,7 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> i
     if not stops.checks or stops.errors:
         return stops.exit_status()
     root = data_dir().resolved()
-    thresholds = Thresholds()
+    thresholds = window.thresholds()
     for config_hash in sorted(stops.config_hashes):
         outcomes = [o for o in run_checks(root, config_hash=config_hash, thresholds=thresholds, names=stops.checks)
                     if not o.passed]
@@ -277,20 +307,51 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str]) -> i
     return stops.exit_status()
 
 
-def run_demo(completions: dict, console: Console | None = None, verbose: bool = False, again: str = "") -> int:
-    """The whole pipeline over every shard; `again`: the flags that repeat `completions` in the next command."""
+def policy_text(window: Window) -> str:
+    policy = f"cap_policy window (+{window.overshoot} overshoot), " if window.cap_policy == "window" else ""
+    return f"{policy}trainer's window max_length {window.trainer_max_length}"
+
+
+def print_window_answer(stops: Stops, console: Console, window: Window, rerun: str) -> None:
+    """When no check stopped the run: whether the cut rows matter to this trainer, and what decoding past the
+    window cost (the window policy's command when it cost anything)."""
+    from dflash_assets.quality import run_checks
+    from dflash_assets.quality.outcome import num, pct
+
+    for config_hash in sorted(stops.config_hashes):
+        (o,) = run_checks(data_dir().resolved(), config_hash=config_hash, thresholds=window.thresholds(),
+                          names=["window_complete"])
+        m = o.metadata
+        if not m["window_complete_rows"] and not m["decoded_past_window_tokens"]:
+            continue
+        console.print(f"config {config_hash}: {num(m['window_complete_rows'])} rows "
+                      f"({pct(m['window_complete_rate'])}) were cut at or past the trainer's window max_length "
+                      f"{num(window.trainer_max_length)}: window-complete, the trainer reads each as it reads the "
+                      f"complete answer, so they are exported. {num(m['decoded_past_window_tokens'])} of "
+                      f"{num(m['decoded_tokens'])} decoded tokens ({pct(m['past_window_rate'])}) lie past the window.",
+                      highlight=False)
+        if not o.passed:
+            console.print(f"Next time, decode only what the trainer reads: {rerun}", highlight=False)
+
+
+def run_demo(completions: dict, console: Console | None = None, verbose: bool = False,
+             again: Callable[[dict], str] = lambda overrides: "") -> int:
+    """The whole pipeline over every shard; `again(overrides)`: the flags that repeat `completions`, changed by
+    `overrides`, in the next command."""
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
-    console.print(f"dflash demo: {len(shards)} shards (cap {completions['max_output_tokens']} tokens), "
-                  f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}, data in {os.environ['DFLASH_DATA_DIR']}/",
-                  highlight=False)
+    window = Window.of(completions)
+    console.print(f"dflash demo: {len(shards)} shards (cap {completions['max_output_tokens']} tokens, "
+                  f"{policy_text(window)}), DAGSTER_HOME={os.environ['DAGSTER_HOME']}, "
+                  f"data in {os.environ['DFLASH_DATA_DIR']}/", highlight=False)
     stops = run_shards(instance, shards, completions, console, verbose)
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
     elif not stops.preflight:
         export = execute(training_job.name, instance, {
-            **quiet(verbose), "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, console)
+            **quiet(verbose), "resources": window.resources(),
+            "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, console)
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
             console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} "
@@ -301,13 +362,16 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
             console.print("drafter training set: not written while a blocking check fails")
         else:
             record_failures(export, "training export", stops)
+    if not stops.checks and not stops.errors and not stops.preflight:
+        print_window_answer(stops, console, window, f"dflash demo{again({'cap_policy': 'window'})} "
+                                                    f"--max-output-tokens {completions['max_output_tokens']}")
     console.print("The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
                   " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000", highlight=False)
-    return print_stop(stops, console, lambda cap: f"dflash demo{again} --max-output-tokens {cap}")
+    return print_stop(stops, console, lambda cap: f"dflash demo{again({})} --max-output-tokens {cap}", window)
 
 
 def run_backfill(first: str | None, last: str | None, completions: dict, console: Console | None = None,
-                 verbose: bool = False, again: str = "") -> int:
+                 verbose: bool = False, again: Callable[[dict], str] = lambda overrides: "") -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
@@ -318,20 +382,25 @@ def run_backfill(first: str | None, last: str | None, completions: dict, console
                       f"{shards[0]}..{shards[-1]}")
         return BAD_CONFIG
     chosen = shards[shards.index(first):shards.index(last) + 1]
+    window = Window.of(completions)
     console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
-                  f"up to {SHARDS_PER_RUN} shards per run, DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
+                  f"up to {SHARDS_PER_RUN} shards per run, {policy_text(window)}, "
+                  f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
     stops = run_shards(instance, chosen, completions, console, verbose)
-    return print_stop(stops, console,
-                      lambda cap: f"dflash backfill --from {first} --to {last}{again} --max-output-tokens {cap}")
+    command = f"dflash backfill --from {first} --to {last}"
+    if not stops.checks and not stops.errors and not stops.preflight:
+        print_window_answer(stops, console, window, f"{command}{again({'cap_policy': 'window'})} "
+                                                    f"--max-output-tokens {completions['max_output_tokens']}")
+    return print_stop(stops, console, lambda cap: f"{command}{again({})} --max-output-tokens {cap}", window)
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
 
 
-def run_continue(new_cap: int, first: str | None, last: str | None, console: Console | None = None,
-                 verbose: bool = False) -> int:
-    """Continue every shard's cut rows to `new_cap` from where they stopped; print the reuse and the new answer."""
-    from dflash_assets.quality import Thresholds
+def run_continue(new_cap: int | None, first: str | None, last: str | None, console: Console | None = None,
+                 verbose: bool = False, to_window: int | None = None) -> int:
+    """Continue every shard's cut rows to `new_cap` from where they stopped (or, with `to_window`, a window-policy
+    config's window-complete rows to the larger window); print the reuse and the new answer."""
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
     from dflash_assets.quality.outcome import num, pct
@@ -344,10 +413,13 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
         console.print(f"[red]dflash continue:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}")
         return BAD_CONFIG
     chosen = shards[shards.index(first):shards.index(last) + 1]
-    console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to cap {new_cap}, cut rows taken on from "
+    target = f"the trainer's window {to_window}" if to_window else f"cap {new_cap}"
+    console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to {target}, cut rows taken on from "
                   f"where they stopped", highlight=False)
-    run_config = {**quiet(verbose), "ops": {"continued_completions": {"config": {
-        "parent_config_hash": "latest", "new_max_output_tokens": new_cap}}}}
+    window = Window("window", to_window) if to_window else Window()
+    run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"continued_completions": {"config": {
+        "parent_config_hash": "latest", "to_window": to_window or 0,
+        **({} if to_window else {"new_max_output_tokens": new_cap})}}}}
     stops, table = Stops(), Table(box=box.SIMPLE_HEAD, title="continued by shard (tokens reused: taken over from "
                                                             "the smaller cap, not generated again)")
     for col in CONTINUE_COLUMNS:
@@ -373,13 +445,13 @@ def run_continue(new_cap: int, first: str | None, last: str | None, console: Con
         console.print(f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
                       f"completion tokens were not generated again", highlight=False)
     for config_hash in sorted(stops.config_hashes):
-        for answer in cap_answers(data_dir().resolved(), Thresholds(), config_hash):
+        for answer in cap_answers(data_dir().resolved(), window.thresholds(), config_hash):
             print_answer(answer, console)
     if stops.preflight:
         console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
         return BAD_CONFIG if not stops.errors else FAILED
     if stops.errors:
-        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}")
+        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}", window)
     console.print("Next: `dflash report` for the checks over the new config; the training export takes the config "
                   "with the most rows, or name it (drafter_training_set config_hash).", highlight=False)
     return DONE

@@ -19,6 +19,11 @@ re-tokenisation is the caveat of the text route: the server's count of the prefi
 the prompt) may differ from the tokens the row was generated as; each continued-by-text run measures it and
 says so in its notes.
 
+Growing the trainer's window (`to_window`): a config of the window policy is continued to a larger window L2, each
+row to its own new request cap min(cap, L2 - prompt + overshoot): the new config is the one a fresh run at L2
+would hash to. A row that stopped stays what it was (copied); a window-complete row is continued by its token ids
+from where it stopped, paying only the tokens between the two windows.
+
 Exactly-once like the engine, with the engine's pieces: the committed parts of `completions/shard=K/` are
 the only ledger (the new config's done set is read from them on every start), the shard lock, recovery,
 compaction and the engine's dispatch loop (retries with backoff, ejection, a 400 never resent, failures).
@@ -38,6 +43,7 @@ from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.config import SAMPLING_PARAMS, ConfigError, DispatchSettings, GenerationConfig
 from dflash_assets.generation.commit import ShardOutput
+from dflash_assets.generation.engine import window_columns
 from dflash_assets.generation.parts import PartStore
 from dflash_assets.generation.plan import (
     ShardRun, committed_ids, completion_store, failure_store, preflight, prompt_batches, reject_row,
@@ -53,7 +59,8 @@ from dflash_assets.rules import most_rows_first
 
 PLAN_COLUMNS = {
     name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
-                                      "max_output_tokens", "enable_thinking", *SAMPLING_PARAMS)
+                                      "max_output_tokens", "enable_thinking", "policy_cap", "trainer_max_length",
+                                      *SAMPLING_PARAMS)
 } | {"n_prompt_ids": pc.list_value_length(pc.field("prompt_token_ids")),  # null when the run stored no ids
      "n_output_ids": pc.list_value_length(pc.field("output_ids"))}
 
@@ -99,33 +106,56 @@ def configs_in_shard(data_dir: str | Path | Storage, shard: str) -> list[tuple[s
     return most_rows_first(found)
 
 
-def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int) -> str | None:
+def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_window: int | None = None) -> str | None:
     """The config with the most rows in the shard among those below `new_cap` (ties as rules.most_rows_first
-    breaks them). Below the cap, so a finished continuation is never its own parent."""
-    return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
+    breaks them). Below the cap, so a finished continuation is never its own parent. With `to_window`: among the
+    window-policy configs of a smaller window."""
+    if to_window is None:
+        return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
+    table = completion_store(data_dir, shard).read(["config_hash", "trainer_max_length"])
+    windows = dict(zip(*table.group_by("config_hash").aggregate([("trainer_max_length", "max")]).to_pydict().values()))
+    return next((h for h, _, _ in configs_in_shard(data_dir, shard)
+                 if windows.get(h) is not None and windows[h] < to_window), None)
+
+
+def _window_settings(plan: list[dict]) -> dict:
+    """A window-policy parent's cap, window and overshoot, read off its rows: the overshoot from a row whose request
+    was sized by the window (its own cap below the policy's); {} for a fixed cap."""
+    first = plan[0]
+    if first.get("policy_cap") is None:
+        return {}
+    window = first["trainer_max_length"]
+    sized = next((r for r in plan if r["max_output_tokens"] < r["policy_cap"] and r["prompt_tokens"] is not None),
+                 None)
+    overshoot = sized["max_output_tokens"] - (window - sized["prompt_tokens"]) if sized else \
+        GenerationConfig().overshoot
+    return {"max_output_tokens": first["policy_cap"], "cap_policy": "window", "trainer_max_length": window,
+            "overshoot": overshoot}
 
 
 def _parent_config(plan: list[dict], parent: str) -> GenerationConfig:
     """The parent's GenerationConfig, rebuilt from what its rows record and checked against its hash."""
     first = plan[0]
     recorded = {k: first[k] for k in SAMPLING_PARAMS if first.get(k) is not None}
-    config = GenerationConfig(max_output_tokens=first["max_output_tokens"], enable_thinking=first["enable_thinking"],
-                              **recorded)
+    config = GenerationConfig(**({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
+                              enable_thinking=first["enable_thinking"], **recorded)
     if config.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
         raise ConfigError(f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
                           f"hash to {config.config_hash(first['model'])}); it cannot be continued")
     return config
 
 
-def _copied(row: dict, config_hash: str, new_cap: int) -> dict:
-    """A stopped row is complete at any larger cap: the same completion, recorded under the new config.
+def _copied(row: dict, config_hash: str, config: GenerationConfig) -> dict:
+    """A stopped row is complete at any larger cap: the same completion, recorded under the new config (with the
+    cap its request would have had there).
 
     It keeps the parent's provenance (server, latency, attempt, created_at): it is the same generation."""
-    return {**row, "config_hash": config_hash, "max_output_tokens": new_cap,
-            "parent_config_hash": row["config_hash"], "tokens_reused": row["completion_tokens"]}
+    return {**row, "config_hash": config_hash, "max_output_tokens": config.request_cap(row["prompt_tokens"]),
+            **window_columns(config), "parent_config_hash": row["config_hash"],
+            "tokens_reused": row["completion_tokens"]}
 
 
-def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, new_cap: int,
+def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, config: GenerationConfig,
                attempt: int, latency: float, text: str) -> dict:
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
@@ -135,7 +165,8 @@ def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_h
     # `text` is the whole output (parent's ids + new ids) decoded in one piece by the server, then split as the
     # chat route splits a fresh answer
     thought, content = reasoning.split(text)
-    return {**row, "config_hash": config_hash, "finish_reason": finish["type"], "max_output_tokens": new_cap,
+    return {**row, "config_hash": config_hash, "finish_reason": finish["type"],
+            "max_output_tokens": config.request_cap(row["prompt_tokens"]), **window_columns(config),
             "completion_tokens": len(ids), "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
             "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
             "content": content, "reasoning_content": thought, "latency_s": latency, "attempt": attempt,
@@ -152,15 +183,15 @@ def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
 
 
 async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, messages_json: str,
-                   config: GenerationConfig, config_hash: str, new_cap: int, drift: list[int]) -> dict:
+                   config: GenerationConfig, config_hash: str, drift: list[int]) -> dict:
     """Continue a row without token ids by its text: SGLang's chat route with the raw output as the final,
     unfinished assistant message (`continue_final_message`); the raw continuation comes back unsplit."""
     import json
 
     raw = _raw_text_without_ids(row, reasoning)
     body = config.chat_body(slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
-    body |= {"max_completion_tokens": new_cap - row["completion_tokens"], "continue_final_message": True,
-             "separate_reasoning": False}
+    body |= {"max_completion_tokens": config.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
+             "continue_final_message": True, "separate_reasoning": False}
     t0 = time.monotonic()
     resp = await slot.client.chat(body)
     choice, usage = resp["choices"][0], resp.get("usage") or {}
@@ -171,7 +202,8 @@ async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, me
     thought, content = reasoning.split(raw + (choice["message"].get("content") or ""))
     closed_before = THINK_END in raw
     new_reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {**row, "config_hash": config_hash, "finish_reason": choice["finish_reason"], "max_output_tokens": new_cap,
+    return {**row, "config_hash": config_hash, "finish_reason": choice["finish_reason"],
+            "max_output_tokens": config.request_cap(row["prompt_tokens"]), **window_columns(config),
             "completion_tokens": row["completion_tokens"] + new,
             "reasoning_tokens": (row["reasoning_tokens"] or 0) + (0 if closed_before else new_reasoning),
             "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
@@ -182,8 +214,11 @@ async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, me
 
 async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
                          settings: DispatchSettings = DispatchSettings(), *,
-                         log: Callable[[str], None] = print) -> ContinuationRun:
-    """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows."""
+                         log: Callable[[str], None] = print, to_window: int | None = None) -> ContinuationRun:
+    """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows.
+
+    `to_window`: the parent is a window-policy config; continue it to this larger trainer window instead (each row
+    to its own request cap there; `new_cap` is then ignored)."""
     data_dir = open_storage(data_dir)
     settings.validate()
     started = time.monotonic()
@@ -200,7 +235,16 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         if not plan:
             raise ConfigError(f"shard {shard} has no rows of config {parent_config_hash} to continue")
         parent = _parent_config(plan, parent_config_hash)
-        if new_cap <= parent.max_output_tokens:
+        if to_window is not None:
+            if not parent.windowed:
+                raise ConfigError(f"config {parent_config_hash} has a fixed cap ({parent.max_output_tokens}): "
+                                  f"--to-window continues a config of the window policy; raise a fixed cap with --to")
+            if to_window <= parent.trainer_max_length:
+                raise ConfigError(f"new window {to_window} must be larger than the parent's window "
+                                  f"{parent.trainer_max_length}")
+            config = parent.model_copy(update={"trainer_max_length": to_window})
+            new_cap = config.max_output_tokens
+        elif new_cap <= parent.max_output_tokens:
             raise ConfigError(f"new cap {new_cap} must be larger than the parent's cap {parent.max_output_tokens}")
         if fleet.model != plan[0]["model"]:
             raise ConfigError(f"config {parent_config_hash} was generated by {plan[0]['model']!r} but the fleet "
@@ -208,7 +252,8 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         if odd := sorted({str(i.reasoning_parser) for i in fleet.infos if i.reasoning_parser not in PARSERS}):
             raise ConfigError(f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
                               f"the way {', '.join(str(p) for p in PARSERS)} split it")
-        config = parent.model_copy(update={"max_output_tokens": new_cap})
+        if to_window is None:
+            config = parent.model_copy(update={"max_output_tokens": new_cap})
         config_hash = config.config_hash(fleet.model)
         # a file name of our own, so a generation run's rejects and failures of the same config are never replaced
         own_file = f"{config_hash}-from-{parent_config_hash}.parquet"
@@ -237,17 +282,22 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
             r["line"] = lines.get(r["prompt_id"])
             r["prompt_tokens"] = r["n_prompt_ids"] or r["prompt_tokens"]  # exact when the ids are there
         over = {r["prompt_id"]: reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length)
-                for r, problem in preflight(exact, budget, new_cap)}
+                for r, problem in preflight(exact, budget, config if config.windowed else new_cap)}
         preflight_rejects.replace(list(over.values()), own_file)
-        copies = {r["prompt_id"] for r in exact if r["finish_reason"] == "stop" and r["prompt_id"] not in over}
-        to_continue = {r["prompt_id"] for r in exact if r["finish_reason"] == "length" and r["prompt_id"] not in over}
+        # a cut row whose request would not grow (the window policy's cap reached already) stays as it is: copied
+        grows = {r["prompt_id"] for r in exact
+                 if config.request_cap(r["prompt_tokens"]) > (r["n_output_ids"] or r["completion_tokens"] or 0)}
+        copies = {r["prompt_id"] for r in exact if (r["finish_reason"] == "stop" or r["prompt_id"] not in grows)
+                  and r["prompt_id"] not in over}
+        to_continue = {r["prompt_id"] for r in exact if r["finish_reason"] == "length" and r["prompt_id"] not in over
+                       and r["prompt_id"] in grows}
         log(f"shard {shard}: continuing config {parent_config_hash} (cap {parent.max_output_tokens}) as {config_hash} "
             f"(cap {new_cap}): {len(plan)} parent rows, {len(done)} already done, {len(copies)} stopped rows to copy, "
             f"{len(to_continue)} truncated rows to continue, {run.without_ids} truncated without token ids (left to "
             f"a generation run), {len(over)} rejected in preflight")
 
         for batch in rows_of(store, parent_config_hash, wanted=copies, batch_size=settings.commit_rows):
-            store.commit([_copied(r, config_hash, new_cap) for r in batch])
+            store.commit([_copied(r, config_hash, config) for r in batch])
             run.copied += len(batch)
 
         # whether a parent's output closed its thought is read from its ids: </think> as the server tokenizes it
@@ -266,15 +316,16 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                                      slot.info.always_thinks)
             if row["output_ids"] is None:
                 return await _by_text(row, slot, attempt, reasoning, messages[row["prompt_id"]], config, config_hash,
-                                      new_cap, drift)
+                                      drift)
             # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
             # short of its cap still ends where a fresh run at the new cap would
-            sampling = {"max_new_tokens": new_cap - len(row["output_ids"]), **config.sampling()}
+            sampling = {"max_new_tokens": config.request_cap(row["prompt_tokens"]) - len(row["output_ids"]),
+                        **config.sampling()}
             t0 = time.monotonic()
             resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
                                                "sampling_params": sampling})
             text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
-            return _continued(row, resp, slot, reasoning, config_hash, new_cap, attempt, time.monotonic() - t0,
+            return _continued(row, resp, slot, reasoning, config_hash, config, attempt, time.monotonic() - t0,
                               text)
 
         def refuse(row: dict, reason: str, context: int) -> dict:

@@ -32,6 +32,7 @@ from dflash_assets.generation.shards import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import open_storage
 from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
+from dflash_assets.rules import stores_token_ids
 
 # the engine's public names, wherever they are defined
 __all__ = ["OVERFLOW_FAIL_SHARE", "ShardRun", "committed_ids", "completion_store", "failure_store", "generate_shard",
@@ -39,8 +40,8 @@ __all__ = ["OVERFLOW_FAIL_SHARE", "ShardRun", "committed_ids", "completion_store
 
 
 def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, config_hash: str, shard: str,
-           attempt: int, latency: float) -> dict:
-    """The completion row of one chat answer, with everything that made it."""
+           attempt: int, latency: float, cap: int | None = None) -> dict:
+    """The completion row of one chat answer, with everything that made it; `cap` is the request's own."""
     choice, usage = resp["choices"][0], resp.get("usage") or {}
     reasoning_tokens = usage.get("reasoning_tokens")
     if reasoning_tokens is None:
@@ -49,7 +50,8 @@ def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, confi
         "prompt_id": prompt["prompt_id"], "shard": shard, "source": prompt["source"], "config_hash": config_hash,
         "finish_reason": choice["finish_reason"], "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": reasoning_tokens or 0,
-        "max_output_tokens": config.max_output_tokens, "server_context_length": slot.info.context_length,
+        "max_output_tokens": config.max_output_tokens if cap is None else cap, **window_columns(config),
+        "server_context_length": slot.info.context_length,
         "server_url": slot.url, "model": slot.info.model, **config.sampling(), "enable_thinking": config.enable_thinking,
         "content": choice["message"].get("content") or "", "reasoning_content": choice["message"].get("reasoning_content"),
         "latency_s": latency, "attempt": attempt, "created_at": datetime.now(timezone.utc),
@@ -57,6 +59,13 @@ def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, confi
         # reported by a server started with --enable-cache-report
         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
     }
+
+
+def window_columns(config: GenerationConfig) -> dict:
+    """What a row records of the window policy: the config's cap and the window (null under a fixed cap)."""
+    windowed = config.windowed
+    return {"policy_cap": config.max_output_tokens if windowed else None,
+            "trainer_max_length": config.trainer_max_length if windowed else None}
 
 
 async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationConfig,
@@ -92,12 +101,15 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
                                             reject_store(data_dir, p.run.shard, "server"),
                                             reject_store(data_dir, p.run.shard, "preflight")) for p in plans}
 
+        token_ids = stores_token_ids(settings.store_token_ids, config.cap_policy)
+
         def make_row(prompt: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> dict:
-            return row_of(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, latency)
+            return row_of(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, latency,
+                          config.request_cap(prompt["prompt_tokens"]))
 
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
             messages = last_turn_request(json.loads(prompt["messages_json"]))
-            body = config.chat_body(model, messages, settings.store_token_ids)
+            body = config.chat_body(model, messages, token_ids, config.request_cap(prompt["prompt_tokens"]))
             t0 = time.monotonic()
             resp = await slot.client.chat(body)
             return make_row(prompt, resp, slot, attempt, time.monotonic() - t0)
@@ -106,7 +118,7 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
             return reject_row(prompt, "server", reason, config, config_hash, prompt["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        dispatch = (Dispatch(fleet, settings, outputs, turn_sender(fleet, config, settings, make_row), refuse, log,
+        dispatch = (Dispatch(fleet, settings, outputs, turn_sender(fleet, config, token_ids, make_row), refuse, log,
                              follow_up=next_turn, on_answer=on_answer) if all_turns
                     else Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer))
         await dispatch.run(items, sum(len(p.todo) for p in plans))

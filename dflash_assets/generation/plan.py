@@ -60,6 +60,7 @@ class ShardRun:
     truncated_at: dict[str, int] = field(default_factory=dict)  # all_turns: prompt_id -> the turn cut short
     infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
     load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
+    window: int | None = None  # cap_policy window: the trainer's window the requests were sized to
 
     @property
     def rejected(self) -> int:
@@ -81,10 +82,13 @@ def committed_ids(store: PartStore, config_hash: str) -> set[str]:
 
 def reject_row(prompt: dict, stage: str, reason: str, config: GenerationConfig, config_hash: str, shard: str,
                context: int) -> dict:
-    """A row of the rejects table for one prompt of this config (stage "preflight" or "server")."""
+    """A row of the rejects table for one prompt of this config (stage "preflight" or "server"), with the cap
+    its request had (its own under the window policy)."""
+    tokens = prompt["prompt_tokens"]
     return {"shard": shard, "stage": stage, "line": prompt["line"], "prompt_id": prompt["prompt_id"],
-            "config_hash": config_hash, "reason": reason, "prompt_tokens": prompt["prompt_tokens"],
-            "max_output_tokens": config.max_output_tokens, "server_context_length": context,
+            "config_hash": config_hash, "reason": reason, "prompt_tokens": tokens,
+            "max_output_tokens": config.request_cap(tokens) if tokens is not None else config.max_output_tokens,
+            "server_context_length": context,
             "created_at": datetime.now(timezone.utc), "turn": prompt.get("turn")}
 
 
@@ -118,12 +122,24 @@ async def recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwar
         await asyncio.gather(*(count(i, r) for i, r in enumerate(batch) if r["prompt_id"] in stale))
 
 
-def preflight(rows: list[dict], budget: Budget, cap: int, policy: str = "reject") -> list[tuple[dict, str]]:
-    """(row, why) for every row whose prompt_tokens + cap the fleet cannot honour.
+def preflight(rows: list[dict], budget: Budget, cap: int | GenerationConfig,
+              policy: str = "reject") -> list[tuple[dict, str]]:
+    """(row, why) for every row whose prompt_tokens + cap the fleet cannot honour; `cap` is one cap, or a config
+    whose request_cap gives each row its own (the window policy), and whose window refuses a prompt that fills it.
 
     Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow:
-    then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts."""
-    over = [(r, problem) for r in rows if (problem := budget.problem(r["prompt_tokens"], cap))]
+    then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts. A prompt that fills
+    the window is the prompt's fault, not the fleet's: it never counts towards that share."""
+    config = cap if isinstance(cap, GenerationConfig) else None
+    cap_of = config.request_cap if config else (lambda _tokens: cap)
+    full = [(r, problem) for r in rows if config and (problem := config.window_problem(r["prompt_tokens"]))]
+    refused = {id(r) for r, _ in full}
+    over = [(r, problem) for r in rows
+            if id(r) not in refused and (problem := budget.problem(r["prompt_tokens"], cap_of(r["prompt_tokens"])))]
+    cap = config.max_output_tokens if config else cap
+    if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
+        raise overflow_error(budget, cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
+    return full + over
     if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
         raise overflow_error(budget, cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
     return over
@@ -150,7 +166,7 @@ async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: Genera
                      settings: DispatchSettings, preflight_policy: str, log: Callable[[str], None]) -> ShardPlan:
     """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
     config_hash = config.config_hash(fleet.model)
-    run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos))
+    run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos), window=config.window)
     prompts = prompt_store(data_dir, shard)
     store, server_rejects = completion_store(data_dir, shard), reject_store(data_dir, shard, "server")
     store.recover()
@@ -166,14 +182,15 @@ async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: Genera
         log(f"shard {shard}: {len(stale)} prompts were counted with other chat_template_kwargs; recounted")
     budget = Budget.of(fleet.infos)
     cap = config.max_output_tokens
-    over = preflight(list(todo.values()), budget, cap, preflight_policy)
+    over = preflight(list(todo.values()), budget, config, preflight_policy)
     reject_store(data_dir, shard, "preflight").replace(
         [reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length) for r, problem in over],
         f"{config_hash}.parquet")
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r["prompt_id"]]
-    log(f"shard {shard} config {config_hash} (cap {cap}): {run.prompts} prompts, {len(done)} already done, "
+    policy = f", window {config.trainer_max_length}" if config.windowed else ""
+    log(f"shard {shard} config {config_hash} (cap {cap}{policy}): {run.prompts} prompts, {len(done)} already done, "
         f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
         f"{len(todo)} to generate on {len(fleet.clients)} servers")
     return ShardPlan(run, prompts, todo)

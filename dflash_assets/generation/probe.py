@@ -139,6 +139,7 @@ async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, confi
         raise FileNotFoundError(f"no prompt_shards rows under {data_dir} for shard(s) {', '.join(shards) or '-'}: "
                                 f"materialise prompt_shards first")
     sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
+    config = config.model_copy(update={"cap_policy": "fixed"})  # it measures lengths: never sized to a window
     cap = config.max_output_tokens or high_cap(fleet, sample, log)
     config = config.model_copy(update={"max_output_tokens": cap})
     write_probe_shard(data_dir, sample)

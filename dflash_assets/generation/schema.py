@@ -78,6 +78,10 @@ COMPLETION_SCHEMA = pa.schema(
         ("turn", pa.int16()),
         ("turns", pa.int16()),
         ("cached_tokens", pa.int32()),  # prompt tokens the server's prefix cache held (usage.prompt_tokens_details)
+        # cap_policy window: max_output_tokens is this request's own (the window's rest), policy_cap the config's
+        # cap and trainer_max_length the window it was sized to (both null under a fixed cap)
+        ("policy_cap", pa.int32()),
+        ("trainer_max_length", pa.int32()),
     ]
 )
 

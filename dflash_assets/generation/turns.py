@@ -11,7 +11,9 @@ config_hash) is in a committed part. On every start the state of each conversati
 rows and the rejects: the turns committed so far (1..k, contiguous), whether it is over (every turn done, a
 turn cut short, a turn refused), else the next turn, whose history is rebuilt from the committed answers: the
 same history an uninterrupted run would have sent. A truncated or refused turn ends its conversation (a later
-turn would condition on a cut answer); a turn whose retries ran out is retried by the next run.
+turn would condition on a cut answer); a turn whose retries ran out is retried by the next run. Under the window
+policy a conversation also ends once a turn's prompt plus answer fills the trainer's window: the trainer cuts
+every later turn.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dflash_assets.generation.send import Rejected
 from dflash_assets.generation.shards import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import Storage
+from dflash_assets.rules import fills_window
 
 TURN_ROW = Callable[[dict, dict, Slot, int, float], dict]  # (item, response, slot, attempt, latency) -> the row
 
@@ -59,24 +62,28 @@ class Conversation:
 
     turns: int  # assistant turns to generate: one per user turn
     answers: tuple[str, ...]  # the committed answers of turns 1..k, in order
-    over: str | None  # "done", "truncated", "rejected", or None: turn k+1 is next
+    over: str | None  # "done", "truncated", "window", "rejected", or None: turn k+1 is next
 
     @property
     def next_turn(self) -> int | None:
         return None if self.over else len(self.answers) + 1
 
 
-def conversation(turns: int, committed: dict[int, tuple[str, str]], rejected: set[int]) -> Conversation:
-    """`committed`: turn -> (finish_reason, content); `rejected`: the turns with a reject row."""
+def conversation(turns: int, committed: dict[int, tuple], rejected: set[int],
+                 window: int | None = None) -> Conversation:
+    """`committed`: turn -> (finish_reason, content[, prompt_tokens, completion_tokens]); `rejected`: the turns
+    with a reject row; `window`: the trainer's window of the window policy (None: a fixed cap)."""
     answers: list[str] = []
     for k in range(1, turns + 1):
         if k not in committed:
             # a reject of the next turn ends it; one of a later turn belongs to a history that was never committed
             return Conversation(turns, tuple(answers), "rejected" if k in rejected else None)
-        finish, content = committed[k]
+        finish, content, *lengths = committed[k]
         answers.append(content)
         if finish != "stop":
             return Conversation(turns, tuple(answers), "truncated")
+        if k < turns and window is not None and lengths and fills_window(sum(x or 0 for x in lengths), window):
+            return Conversation(turns, tuple(answers), "window")
     return Conversation(turns, tuple(answers), "done")
 
 
@@ -87,9 +94,11 @@ def _committed_turns(store: PartStore, config_hash: str) -> dict[str, dict[int, 
         return found
     where = (pc.field("config_hash") == config_hash) & pc.field("turn").is_valid()
     dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)  # parts from before `turn` read it as null
-    for batch in dataset.to_batches(columns=["prompt_id", "turn", "finish_reason", "content"], filter=where):
+    columns = ["prompt_id", "turn", "finish_reason", "content", "prompt_tokens", "completion_tokens"]
+    for batch in dataset.to_batches(columns=columns, filter=where):
         for r in batch.to_pylist():
-            found.setdefault(r["prompt_id"], {})[r["turn"]] = (r["finish_reason"], r["content"] or "")
+            found.setdefault(r["prompt_id"], {})[r["turn"]] = (r["finish_reason"], r["content"] or "",
+                                                               r["prompt_tokens"], r["completion_tokens"])
     return found
 
 
@@ -127,8 +136,10 @@ class ConversationPlan:
                            "prompt_tokens": self.prompt_tokens.get(row["prompt_id"])}
 
 
-def conversations(data_dir: Storage, shard: str, config_hash: str) -> dict[str, Conversation]:
-    """The state of every conversation of the shard under this config, from the committed parts."""
+def conversations(data_dir: Storage, shard: str, config_hash: str,
+                  window: int | None = None) -> dict[str, Conversation]:
+    """The state of every conversation of the shard under this config, from the committed parts (`window`: the
+    window policy's trainer window, which ends a conversation once a turn fills it)."""
     committed = _committed_turns(completion_store(data_dir, shard), config_hash)
     rejected = _rejected_turns([reject_store(data_dir, shard, s) for s in ("preflight", "server")], config_hash)
     states = {}
@@ -136,7 +147,7 @@ def conversations(data_dir: Storage, shard: str, config_hash: str) -> dict[str, 
         for row in batch:
             turns = len(split_turns(json.loads(row["messages_json"]))[1])
             states[row["prompt_id"]] = conversation(turns, committed.get(row["prompt_id"], {}),
-                                                    set(rejected.get(row["prompt_id"], {})))
+                                                    set(rejected.get(row["prompt_id"], {})), window)
     return states
 
 
@@ -146,11 +157,11 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
     """Resume and preflight one shard under all_turns (its lock is held): each conversation goes on from its last
     committed turn. That next turn is preflighted now (its history is known); later turns when they are sent."""
     config_hash = config.config_hash(fleet.model)
-    run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos))
+    run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos), window=config.window)
     preflight_rejects = reject_store(data_dir, shard, "preflight")
     for store in (completion_store(data_dir, shard), reject_store(data_dir, shard, "server"), preflight_rejects):
         store.recover()
-    states = conversations(data_dir, shard, config_hash)
+    states = conversations(data_dir, shard, config_hash, config.window)
     run.prompts = len(states)
     todo = {pid: c for pid, c in states.items() if c.over is None}
     run.already_done = len(states) - len(todo)
@@ -165,7 +176,7 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
 
     next_turns = await asyncio.gather(*(count(i, item) for i, item in enumerate(plan.to_send())))
     budget = Budget.of(fleet.infos)
-    over = preflight(next_turns, budget, config.max_output_tokens, preflight_policy)
+    over = preflight(next_turns, budget, config, preflight_policy)
     preflight_rejects.commit([
         reject_row(r, "preflight", f"turn {r['turn']} of {r['turns']}: {problem}", config, config_hash, shard,
                    budget.context_length) for r, problem in over])
@@ -180,19 +191,20 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
     return plan
 
 
-def turn_sender(fleet: Fleet, config: GenerationConfig, settings: DispatchSettings, make_row: TURN_ROW):
+def turn_sender(fleet: Fleet, config: GenerationConfig, token_ids: bool, make_row: TURN_ROW):
     """The Send of all_turns: each turn preflighted when it is sent (its history is known only then)."""
     budget = Budget.of(fleet.infos)
-    config_hash, cap = config.config_hash(fleet.model), config.max_output_tokens
+    config_hash = config.config_hash(fleet.model)
 
     async def send(item: dict, slot: Slot, attempt: int) -> dict:
         messages = history(item)
         if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
             item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, config.template_kwargs())
-        if problem := budget.problem(item["prompt_tokens"], cap):
+        cap = config.request_cap(item["prompt_tokens"])
+        if problem := config.window_problem(item["prompt_tokens"]) or budget.problem(item["prompt_tokens"], cap):
             raise Rejected(reject_row(item, "preflight", f"turn {item['turn']} of {item['turns']}: {problem}",
                                       config, config_hash, item["shard"], budget.context_length))
-        body = config.chat_body(fleet.model, messages, settings.store_token_ids)
+        body = config.chat_body(fleet.model, messages, token_ids, cap)
         t0 = time.monotonic()
         resp = await slot.client.chat(body)
         return make_row(item, resp, slot, attempt, time.monotonic() - t0) | {"turn": item["turn"],
@@ -202,8 +214,12 @@ def turn_sender(fleet: Fleet, config: GenerationConfig, settings: DispatchSettin
 
 
 def next_turn(item: dict, row: dict) -> dict | None:
-    """The follow-up of a turn that stopped on its own; a cut (or last) turn ends the conversation."""
+    """The follow-up of a turn that stopped on its own; a cut (or last) turn ends the conversation, and so does a
+    turn that fills the window of the window policy (the rule `conversation` applies on a restart)."""
     if row["finish_reason"] != "stop" or item["turn"] >= item["turns"]:
+        return None
+    window = row.get("trainer_max_length")
+    if window is not None and fills_window(row["prompt_tokens"] + row["completion_tokens"], window):
         return None
     return {**item, "turn": item["turn"] + 1, "answers": item["answers"] + [row["content"]], "prompt_tokens": None,
             "prefer_server": row["server_url"]}  # the server whose prefix cache holds this history
@@ -214,11 +230,11 @@ def account(run: ShardRun, data_dir: Storage, output: ShardOutput) -> None:
 
     completed: over with every turn done or cut short (a truncated conversation is reported by its turn);
     rejected: a turn refused (preflight or server); failed: a turn whose retries ran out in this run."""
-    states = conversations(data_dir, run.shard, run.config_hash)
+    states = conversations(data_dir, run.shard, run.config_hash, run.window)
     failed = {f["prompt_id"] for f in output.failed}
     rejected = _rejected_turns([reject_store(data_dir, run.shard, s) for s in ("preflight", "server")],
                                run.config_hash)
-    run.completed = sum(c.over in ("done", "truncated") for c in states.values())
+    run.completed = sum(c.over in ("done", "truncated", "window") for c in states.values())
     stages = [rejected[pid][len(c.answers) + 1] for pid, c in states.items() if c.over == "rejected"]
     run.rejected_preflight, run.rejected_server = stages.count("preflight"), stages.count("server")
     run.failed = len(failed)

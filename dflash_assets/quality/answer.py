@@ -13,6 +13,7 @@ from dflash_assets.quality.outcome import Thresholds, num, pct
 from dflash_assets.quality.planner import CapEstimate, CapPlan, PlanError, plan_caps
 from dflash_assets.quality.report import length_quality
 from dflash_assets.rules import most_rows_first
+from dflash_assets.quality.window_plan import WindowPlan, window_plan
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,18 @@ class CapAnswer:
     plan: CapPlan | None
     plan_error: str | None
     recommended: CapEstimate | None  # the smallest candidate cap whose predicted share cut is within the limit
+    max_length: int = 4096  # the trainer's window the rows are judged against
+    cut_inside_window: int = 0  # cut with prompt + completion < max_length: the blocking truncation
+    window_complete: int = 0  # cut at or past the window (not runaways): the trainer reads them whole
+    window_complete_tokens: int = 0  # their trained tokens
+    decoded_tokens: int = 0
+    trained_tokens: int = 0
+    window_plan: WindowPlan | None = None  # decoded and trained tokens per candidate cap and the window policy
+
+    @property
+    def cuts_matter(self) -> bool:
+        """Whether any cut row lies inside the window: only those change what the trainer reads."""
+        return self.cut_inside_window > 0
 
     @property
     def at_cap(self) -> list[str]:
@@ -42,22 +55,32 @@ class CapAnswer:
                                                          ("max", self.max)))
         at_cap = f": {' and '.join(self.at_cap)} {'equal' if len(self.at_cap) > 1 else 'equals'} the cap" \
             if self.at_cap else ""
+        inside, complete = pct(self.cut_inside_window / self.rows), pct(self.window_complete / self.rows)
+        ratio = f"{self.decoded_tokens / self.trained_tokens:.2f}" if self.trained_tokens else "-"
         return [f"config {self.config_hash}: {pct(self.truncation_rate)} of {num(self.rows)} rows cut at the cap "
-                f"of {num(self.cap)}", f"  completion tokens {figures}{at_cap}"]
+                f"of {num(self.cap)}", f"  completion tokens {figures}{at_cap}",
+                f"  against the trainer's window max_length {num(self.max_length)}: {inside} cut inside it "
+                f"({num(self.cut_inside_window)} rows, the blocking share), {complete} window-complete "
+                f"({num(self.window_complete)} rows, {num(self.window_complete_tokens)} trained tokens, exported); "
+                f"decoded per trained token {ratio}"]
 
 
 def _n(v: int | None) -> str:
     return "-" if v is None else num(v)
 
 
-def recommended_cap(plan: CapPlan, limit: float) -> CapEstimate | None:
+def recommended_cap(plan: CapPlan, limit: float, cut_inside_window: int | None = None,
+                    ceiling: int | None = None) -> CapEstimate | None:
     """The smallest candidate cap at or above the current one whose predicted share cut is within `limit`.
 
-    None when no row was cut (the cap is fine) or no candidate gets there (the largest is the best on offer).
+    None when no row was cut (the cap is fine), when no row was cut inside the trainer's window (a larger cap
+    buys no trained token), or no candidate gets there (the largest is the best on offer). `ceiling`: the cap that
+    lets every prompt reach the trainer's window; a larger one only buys tokens past it, so none is recommended.
     """
-    if not plan.truncated or plan.truncated / plan.rows <= limit:
+    cut = plan.truncated if cut_inside_window is None else cut_inside_window
+    if not cut or cut / plan.rows <= limit:
         return None
-    larger = [e for e in plan.estimates if e.cap > plan.cap]
+    larger = [e for e in plan.estimates if e.cap > plan.cap and (ceiling is None or e.cap <= ceiling)]
     within = [e for e in larger if e.truncation_rate.value <= limit]
     return within[0] if within else (larger[-1] if larger else None)
 
@@ -65,21 +88,29 @@ def recommended_cap(plan: CapPlan, limit: float) -> CapEstimate | None:
 def cap_answers(data_dir: str | Path, thresholds: Thresholds = Thresholds(),
                 config_hash: str | None = None) -> list[CapAnswer]:
     """One answer per config of the data dir (or the one asked for), the most rows first (rules.most_rows_first)."""
-    report = length_quality(data_dir, max_length=thresholds.training_max_length, runaway=thresholds.runaway)
+    report = length_quality(data_dir, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
     by_hash = {row["config_hash"]: row for row in report["by_config"]}
     order = most_rows_first((h, r["rows"], r["max_output_tokens"]) for h, r in by_hash.items())
     answers = []
     for row in (by_hash[h] for h, _, _ in order):  # the plan's and the export's choice leads
         if config_hash and row["config_hash"] != config_hash:
             continue
-        plan, error = None, None
+        plan, error, wp = None, None, None
         try:
             plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100, runaway=thresholds.runaway)
         except PlanError as e:
             error = str(e)
+        if plan is not None:
+            wp = window_plan(data_dir, row["config_hash"], plan.cap, thresholds.trainer, plan.fit, thresholds.runaway,
+                             candidates=[e.cap for e in plan.estimates])
+        ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
         answers.append(CapAnswer(
             config_hash=row["config_hash"], cap=row["max_output_tokens"], rows=row["rows"],
             truncated=row["truncated_rows"], truncation_rate=row["truncation_rate"], p50=row["p50"],
             p90=row["p90"], p99=row["p99"], max=row["max"], plan=plan, plan_error=error,
-            recommended=recommended_cap(plan, thresholds.truncation_rate_max) if plan else None))
+            recommended=recommended_cap(plan, thresholds.truncation_rate_max, row["cut_inside_window_rows"], ceiling)
+            if plan else None, window_plan=wp,
+            max_length=thresholds.trainer.max_length, cut_inside_window=row["cut_inside_window_rows"],
+            window_complete=row["window_complete_rows"], window_complete_tokens=row["window_complete_tokens"],
+            decoded_tokens=row["decoded_tokens"], trained_tokens=row["trained_tokens"]))
     return answers

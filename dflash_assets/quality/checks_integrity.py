@@ -13,8 +13,8 @@ def config_consistency(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding
     that mix configs inside themselves and the row counts of each config: old 4096 rows beside new 8192 rows.
     """
     result = con.execute(
-        "SELECT shard, config_hash, max_output_tokens, count(*) FROM completions "
-        "GROUP BY ALL ORDER BY shard, config_hash, max_output_tokens"
+        "SELECT shard, config_hash, config_cap, count(*) FROM completions "
+        "GROUP BY ALL ORDER BY shard, config_hash, config_cap"
     ).fetchall()
     per_shard: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
     per_config: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])  # rows, shards

@@ -19,27 +19,42 @@ from dflash_assets.rules import percentile_sql
 
 
 def truncation_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
-    """Share of rows with finish_reason = 'length', judged per config and per shard (any group over fails)."""
-    configs = group_counts(con, "truncated", by="config")
-    shards = group_counts(con, "truncated", by="shard")
-    rows, truncated = totals(configs)
-    rate, limit = share(truncated, rows), t.truncation_rate_max
+    """Share of rows cut inside the trainer's window (finish_reason = 'length' and prompt + completion <
+    max_length: the trainer reads an end the model did not choose), judged per config and per shard (any group
+    over fails). Rows cut at or past the window are window-complete: counted beside it, never over the limit."""
+    window = t.trainer.max_length
+    configs = group_counts(con, "cut_inside_window", by="config")
+    shards = group_counts(con, "cut_inside_window", by="shard")
+    rows, inside = totals(configs)
+    cut = totals(group_counts(con, "truncated"))[1]
+    complete = totals(group_counts(con, "window_complete"))[1]
+    rate, limit = share(inside, rows), t.truncation_rate_max
     configs_over = [g for g in worst_first(configs) if g.rate > limit]
     shards_over = [g for g in worst_first(shards) if g.rate > limit]
-    lines = [f"**{pct(rate)}** of {num(rows)} rows hit the cap (finish_reason = 'length'), {verdict(rate, limit)}."]
+    lines = [f"**{pct(rate)}** of {num(rows)} rows were cut inside the trainer's window max_length {num(window)} "
+             f"(finish_reason = 'length', prompt + completion < {num(window)}), {verdict(rate, limit)}; "
+             f"{plural(complete, 'row')} ({pct(share(complete, rows))}) were cut at or past it: window-complete, "
+             f"read by the trainer as a complete answer is. {pct(share(cut, rows))} hit the cap in all.",
+             f"The window is {t.trainer.named()}."]
     if configs_over:
         lines.append("Configs over the threshold:\n" + bullets([group_line(g) for g in configs_over]))
     if shards_over:
         lines.append("Shards over the threshold:\n" + bullets([group_line(g) for g in shards_over]))
     if configs_over or shards_over:
         lines.append(
-            "Truncated rows are the hardest prompts, the most valuable ones: raise max_output_tokens and "
-            "regenerate them (check context_overflow first)."
+            "Rows cut inside the window are the hardest prompts, the most valuable ones: raise max_output_tokens "
+            "and continue them (check context_overflow first), or size the requests to the window "
+            "(cap_policy window)."
         )
     metadata: dict[str, MetadataValue] = {
         "rows": rows,
-        "truncated_rows": truncated,
-        "truncation_rate": rate,
+        "max_length": window,
+        "cut_inside_window_rows": inside,
+        "cut_inside_window_rate": rate,
+        "window_complete_rows": complete,
+        "window_complete_rate": share(complete, rows),
+        "truncated_rows": cut,
+        "truncation_rate": share(cut, rows),
         "threshold": limit,
         "configs_over_threshold": len(configs_over),
         "shards_over_threshold": len(shards_over),
@@ -52,6 +67,36 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     return Finding(not configs_over and not shards_over, "\n\n".join(lines), metadata)
 
 
+def window_complete(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+    """Rows cut at or past the trainer's window (window-complete: exported, the trainer reads them whole) and the
+    decoded tokens past the window, which no training step reads; warns when those exceed past_window_rate_max of
+    all decoded tokens (a cap larger than the window needs: cap_policy window decodes only what is read)."""
+    window = t.trainer.max_length
+    rows, complete, complete_tokens, decoded, trained = con.execute(
+        "SELECT count(*), count(*) FILTER (WHERE window_complete), "
+        "coalesce(sum(trained_tokens) FILTER (WHERE window_complete), 0), "
+        "coalesce(sum(completion_tokens), 0), coalesce(sum(trained_tokens), 0) FROM completions").fetchone()
+    past = decoded - trained
+    rate, limit = share(past, decoded), t.past_window_rate_max
+    ratio = f"{decoded / trained:.2f}" if trained else "-"
+    lines = [f"{plural(complete, 'row')} ({pct(share(complete, rows))} of {num(rows)}) were cut at or past the "
+             f"trainer's window max_length {num(window)}: window-complete, exported, {num(complete_tokens)} trained "
+             f"tokens. {num(past)} of {num(decoded)} decoded tokens ({pct(rate)}) lie past the window, "
+             f"{verdict(rate, limit)}; decoded per trained token {ratio} (the floor is 1.00).",
+             f"The window is {t.trainer.named()}."]
+    if rate > limit:
+        lines.append("Those tokens cost GPU time and no training step reads them: generate with cap_policy window "
+                     f"(--cap-policy window --trainer-max-length {window}) to ask each request only for what the "
+                     "window reads.")
+    metadata: dict[str, MetadataValue] = {
+        "rows": rows, "max_length": window, "window_complete_rows": complete,
+        "window_complete_rate": share(complete, rows), "window_complete_trained_tokens": int(complete_tokens),
+        "decoded_tokens": int(decoded), "trained_tokens": int(trained), "decoded_past_window_tokens": int(past),
+        "past_window_rate": rate, "threshold": limit,
+    }
+    return Finding(rate <= limit, "\n\n".join(lines), metadata)
+
+
 def cap_saturation(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     """A high percentile of completion_tokens equal to the cap is the tell-tale of a cap too low for the prompts.
 
@@ -61,10 +106,10 @@ def cap_saturation(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     """
     q = t.cap_saturation_percentile
     result = con.execute(
-        "SELECT config_hash, max_output_tokens, count(*), "
+        "SELECT config_hash, config_cap, count(*), "
         "count(*) FILTER (WHERE completion_tokens >= max_output_tokens), "
         f"{percentile_sql('completion_tokens', (0.5, 0.9, 0.99, '$q'))} "
-        "FROM completions GROUP BY config_hash, max_output_tokens ORDER BY config_hash, max_output_tokens",
+        "FROM completions GROUP BY config_hash, config_cap ORDER BY config_hash, config_cap",
         {"q": q},
     ).fetchall()
     metadata: dict[str, MetadataValue] = {"configs": len(result), "percentile": q}
@@ -133,21 +178,22 @@ def silent_clamp(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
 def max_length_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     """Share of rows whose prompt_tokens + completion_tokens exceed the trainer's max_length: it cuts them."""
     result = con.execute(
-        "SELECT config_hash, max_output_tokens, count(*), count(*) FILTER (WHERE over), "
+        "SELECT config_hash, config_cap, count(*), count(*) FILTER (WHERE over), "
         "count(*) FILTER (WHERE finish_reason = 'stop'), count(*) FILTER (WHERE finish_reason = 'stop' AND over) "
         "FROM (SELECT *, prompt_tokens + completion_tokens > $m AS over FROM completions) "
-        "GROUP BY config_hash, max_output_tokens ORDER BY config_hash, max_output_tokens",
-        {"m": t.training_max_length},
+        "GROUP BY config_hash, config_cap ORDER BY config_hash, config_cap",
+        {"m": t.trainer.max_length},
     ).fetchall()
     finding = rate_finding(
         "over_max_length",
-        f"exceed the trainer's max_length {num(t.training_max_length)} (prompt_tokens + completion_tokens)",
+        f"exceed the trainer's window max_length {num(t.trainer.max_length)} (prompt_tokens + completion_tokens)",
         [GroupCount(config_label(h, cap), f"{h}/{cap}", rows, over) for h, cap, rows, over, _, _ in result],
         t.max_length_overflow_rate_max,
-        why="The trainer truncates these rows: raise its max_length or expect their tails to be lost.",
+        why=f"The trainer truncates these rows: raise its max_length or expect their tails to be lost. The window "
+            f"is {t.trainer.named()}.",
     )
     metadata = finding.metadata | {
-        "max_length": t.training_max_length,
+        "max_length": t.trainer.max_length,
         "stop_rows": sum(r[4] for r in result),  # the rows that can reach training
         "stop_over_max_length_rows": sum(r[5] for r in result),
     }

@@ -11,8 +11,10 @@ from dflash_assets.quality.answer import CapAnswer, cap_answers
 from dflash_assets.quality.outcome import Thresholds, num, pct
 from dflash_assets.quality.registry import run_checks
 from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
+from dflash_assets.quality.window_plan import window_plan_lines
 
-LENGTH_COLUMNS = ("rows", "truncated", "truncation rate", "P50", "P90", "P95", "P99", "max")
+LENGTH_COLUMNS = ("rows", "truncated", "truncation rate", "cut inside window", "window-complete", "P50", "P90",
+                  "P95", "P99", "max")
 OVERFLOW_KEYS = ("completion_rows_over_context", "rejected_prompts_over_context", "rows_over_max_length")
 
 
@@ -25,6 +27,8 @@ def _length_cells(row: dict[str, Any]) -> list[str]:
         _n(row["rows"]),
         _n(row["truncated_rows"]),
         pct(row["truncation_rate"]),
+        pct(row["cut_inside_window_rate"]),
+        pct(row["window_complete_rate"]),
         *(_n(row[k]) for k in ("p50", "p90", "p95", "p99", "max")),
     ]
 
@@ -76,7 +80,16 @@ def print_answer(answer: CapAnswer, console: Console) -> None:
     if not answer.truncated:
         console.print("  nothing was cut: the cap is large enough for these prompts", highlight=False)
         return
+    if not answer.cuts_matter:
+        console.print(f"  every cut row lies at or past the trainer's window max_length {num(answer.max_length)}: "
+                      f"window-complete, the trainer reads each exactly as it reads the complete answer, so a larger "
+                      f"cap buys no trained token. To stop decoding past the window, generate with "
+                      f"--cap-policy window --trainer-max-length {answer.max_length}.", highlight=False)
     console.print(plan_table(answer))
+    if answer.window_plan is not None:
+        for line in window_plan_lines(answer.window_plan, f"--cap-policy window --trainer-max-length "
+                                                          f"{answer.max_length}"):
+            console.print(line, highlight=False)
     if answer.recommended:
         e = answer.recommended
         console.print(f"  recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut, "
@@ -90,7 +103,8 @@ def print_answers(data_dir: str | Path, console: Console | None = None,
     console = console or Console()
     answers = cap_answers(data_dir, thresholds)
     console.print(f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, "
-                  f"truncation limit {pct(thresholds.truncation_rate_max)})")
+                  f"truncation limit {pct(thresholds.truncation_rate_max)} inside {thresholds.trainer.named()})",
+                  highlight=False)
     for answer in answers:
         print_answer(answer, console)
     return answers
@@ -105,10 +119,11 @@ def print_report(
 ) -> dict[str, Any]:
     """Print the length-quality summary (and the check results) as rich tables; return the report dict."""
     console = console or Console()
-    report = length_quality(data_dir, shard, max_length=thresholds.training_max_length, runaway=thresholds.runaway)
+    report = length_quality(data_dir, shard, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
     scope = f"shard {shard}" if shard else "all shards"
     console.print(_table(f"Length quality, {scope}", LENGTH_COLUMNS, [_length_cells(report)]))
-    console.print(f"Percentiles: {PERCENTILE_DEFINITION}.")
+    console.print(f"Percentiles: {PERCENTILE_DEFINITION}. Cut inside the window / window-complete: judged against "
+                  f"{thresholds.trainer.named()}.", highlight=False)
     console.print(
         _table(
             "By config",

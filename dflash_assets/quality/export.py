@@ -1,15 +1,29 @@
-"""The drafter training set: only rows that pass the row-level gates, in the format SpecForge reads.
+"""The drafter training set: only rows that pass the row-level gates, in the form the trainer reads.
 
 Output in `out_dir` (each file written to a temp name, fsynced, then renamed; the manifest last, so a
 manifest means a complete export):
     training_set.jsonl     {"id", "status": "success", "conversations": [prompt messages..., {"role": "assistant",
                            "content", "reasoning_content"?}]}, one line per row: the form SpecForge's
                            validate_regenerated_data.py accepts (quality/trainer_format.py has its rules); with
-                           form="messages", {"id", "messages": [...]}: the OpenAI messages form
+                           form="messages", {"id", "messages": [...]}: the OpenAI messages form; with
+                           form="pretokenized", {"id", "input_ids", "loss_mask"} from the stored token ids
     training_set.parquet   the same rows with provenance columns, the conversation as list<struct>
     manifest.json          row counts by config and source, excluded counts by reason, config hashes, sha256s
 Rows come in (shard, prompt_id, config_hash) order and nothing time-dependent is written, so the same inputs
-give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported.
+give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported
+(pre-tokenized all_turns rows, one sample per turn: "<prompt_id>@<config_hash>#<turn>").
+
+The trainer's window (TrainerSettings.max_length) decides what a cut row is (rules.py): cut inside the window it
+is excluded ("truncated"); cut at or past it, it is window-complete and exported, because the trainer reads it
+exactly as it reads the complete answer; a runaway stays out ("runaway") even past the window, since its loop can
+start inside it. Two forms of a window-complete row:
+- pretokenized: prompt ids then output ids, loss 0 on the prompt and 1 on generated tokens, cut at the window:
+  exactly the server's own tokens, nothing re-tokenized.
+- conversations / messages: a row cut inside its thinking has an empty content, which SpecForge's validator
+  refuses (conversation_validation.py: every content non-empty), and its first bad row aborts the whole file. Such
+  a row is written with content WINDOW_CUT_CONTENT, a placeholder that lies past the window (prompt + reasoning
+  already fill it, by the overshoot), so the trainer never reads it, while the validator accepts the file. The
+  manifest counts them (`window_cut_in_thinking`).
 """
 
 import hashlib
@@ -28,23 +42,31 @@ from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
-from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source
+from dflash_assets.quality.runaway import RunawayRules, register_runaway
+from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source, runaway_sql, window_flags_sql
 from dflash_assets.quality.trainer_format import FORMS, STATUS, has_think_marker
 from dflash_assets.rules import OVERFLOW_SQL
+from dflash_assets.settings import TrainerSettings
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
-    "truncated",  # finish_reason 'length'
-    "not_stop",  # any other finish_reason than 'stop' (abort, null)
-    "empty_content",
+    "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
+    "runaway",  # finish_reason 'length' past the window while looping (runaway.py): the loop may start inside it
+    "not_stop",  # any other finish_reason than 'stop' or 'length' (abort, null)
+    "empty_content",  # a stopped row, or a cut one without reasoning either
     "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content
     # (trainer_format.py): the answer, or under last_turn an earlier answer the source's history carries
     "context_overflow",  # rules.OVERFLOW_SQL: generated under a clamp
     "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from
+    "no_token_ids",  # pretokenized form only: the row was generated without store_token_ids
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
 )
 ROW_GROUP = 8192
+# The content of a window-complete row cut inside its thinking (conversations and messages forms): past the window,
+# never read by the trainer, and non-empty so that SpecForge's validator accepts the file.
+WINDOW_CUT_CONTENT = "[cut past the trainer's window]"
+NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
 EXPORT_SCHEMA = pa.schema(
     [
@@ -65,17 +87,22 @@ EXPORT_SCHEMA = pa.schema(
 def export_schema(form: str) -> pa.Schema:
     if form not in FORMS:
         raise ValueError(f"export form must be one of {', '.join(FORMS)}, got {form!r}")
-    return EXPORT_SCHEMA if form == "conversations" else EXPORT_SCHEMA.set(
-        EXPORT_SCHEMA.get_field_index("conversations"), pa.field("messages", pa.list_(MESSAGE)))
+    at = EXPORT_SCHEMA.get_field_index("conversations")
+    if form == "pretokenized":
+        return EXPORT_SCHEMA.remove(at).insert(at, pa.field("input_ids", pa.list_(pa.int32()))).insert(
+            at + 1, pa.field("loss_mask", pa.list_(pa.int8()))).append(pa.field("turn", pa.int16()))
+    return EXPORT_SCHEMA if form == "conversations" else EXPORT_SCHEMA.set(at, pa.field("messages", pa.list_(MESSAGE)))
 
 GRADE = """
 CREATE TEMP TABLE graded AS
 WITH c AS (
-    SELECT filename, file_row_number, shard, prompt_id, config_hash, turn, source, max_output_tokens, prompt_tokens,
-        completion_tokens, created_at, CASE
-            WHEN finish_reason = 'length' THEN 'truncated'
-            WHEN finish_reason IS DISTINCT FROM 'stop' THEN 'not_stop'
-            WHEN content_empty THEN 'empty_content'
+    SELECT filename, file_row_number, shard, prompt_id, config_hash, turn, source, max_output_tokens, config_cap,
+        prompt_tokens, completion_tokens, created_at, window_complete,
+        window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
+            WHEN cut_inside_window THEN 'truncated'
+            WHEN finish_reason = 'length' AND runaway THEN 'runaway'
+            WHEN finish_reason IS DISTINCT FROM 'stop' AND finish_reason IS DISTINCT FROM 'length' THEN 'not_stop'
+            WHEN content_empty AND NOT (window_complete AND NOT reasoning_empty) THEN 'empty_content'
             WHEN think_marker OR turn IS NULL AND EXISTS (
                 SELECT 1 FROM history_markers h WHERE h.shard = c0.shard AND h.prompt_id = c0.prompt_id)
                 THEN 'think_marker'
@@ -83,8 +110,10 @@ WITH c AS (
             WHEN $drop_long AND prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
                 THEN 'no_prompt'
+            WHEN $pretokenized AND (prompt_token_ids IS NULL OR output_ids IS NULL) THEN 'no_token_ids'
         END AS reason
-    FROM (SELECT *, {flags} FROM {completions}) c0
+    FROM (SELECT *, {window} FROM (SELECT *, {flags}, {runaway} AS runaway,
+                                          coalesce(policy_cap, max_output_tokens) AS config_cap FROM {completions})) c0
     WHERE $config IS NULL OR config_hash = $config
 )
 SELECT * EXCLUDE (reason), CASE
@@ -104,7 +133,7 @@ WHERE history_think_marker(messages_json)
 KEPT = """
 SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
     g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
-    c.reasoning_content,
+    c.reasoning_content, g.window_cut_in_thinking, {ids},
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
 JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
@@ -130,7 +159,7 @@ def _history_think_marker(messages_json: str) -> bool:
 
 
 def _answer(row: dict[str, Any]) -> dict[str, str]:
-    answer = {"role": "assistant", "content": row["content"]}
+    answer = {"role": "assistant", "content": WINDOW_CUT_CONTENT if row["window_cut_in_thinking"] else row["content"]}
     if not row["reasoning_empty"]:
         answer["reasoning_content"] = row["reasoning_content"]
     return answer
@@ -170,8 +199,18 @@ def _kept_groups(con: duckdb.DuckDBPyConnection, query: str):
         rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)))
 
 
+def pretokenized(row: dict[str, Any], max_length: int | None) -> dict[str, Any]:
+    """{id, input_ids, loss_mask}: the prompt's ids (loss 0) then the generated ids (loss 1), cut at the window.
+    What SpecForge's online trainer (prompt_builder.py) and speculators' pre-tokenized path read as is."""
+    prompt, output = row["prompt_token_ids"], row["output_ids"]
+    end = len(prompt) + len(output) if max_length is None else max_length
+    sample_id = row["id"] if row["turn"] is None else f"{row['id']}#{row['turn']}"
+    return {"id": sample_id, "input_ids": (prompt + output)[:end],
+            "loss_mask": ([0] * len(prompt) + [1] * len(output))[:end]}
+
+
 def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path,
-                form: str) -> tuple[int, int, int]:
+                form: str, max_length: int | None = None) -> tuple[int, int, int]:
     """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes.
 
     Returns (lines written, kept rows they hold, conversations left out because a turn of theirs did not pass)."""
@@ -183,6 +222,17 @@ def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, par
             parquet.write_table(pa.Table.from_pylist(rows, schema=schema), row_group_size=ROW_GROUP)
 
         for group in _kept_groups(con, query):
+            if form == "pretokenized":  # a sample per row (per turn under all_turns): its own ids, cut at the window
+                for row in group:
+                    consumed += 1
+                    sample = pretokenized(row, max_length)
+                    jsonl.write(json.dumps(sample, separators=(",", ":")).encode("utf-8") + b"\n")
+                    pending.append({k: row.get(k) for k in schema.names} | sample | {"status": STATUS})
+                    written += 1
+                    if len(pending) == ROW_GROUP:
+                        flush(pending)
+                        pending = []
+                continue
             for rows in ([group] if group[0]["turn"] is not None else [[r] for r in group]):
                 consumed += len(rows)
                 conversation = _conversation(rows)
@@ -204,15 +254,17 @@ def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, par
 
 
 def export_training_set(
-    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None, max_length: int | None = 4096,
-    form: str = "conversations",
-    drop_over_max_length: bool = False,
+    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None,
+    max_length: int | None = TrainerSettings().max_length, form: str = TrainerSettings().format,
+    drop_over_max_length: bool = False, runaway: RunawayRules = RunawayRules(),
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
-    `form` is "conversations" (SpecForge's {id, status, conversations}) or "messages" (OpenAI's {id, messages}).
+    `form` is "conversations" (SpecForge's {id, status, conversations}), "messages" (OpenAI's {id, messages}) or
+    "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at max_length).
 
-    `max_length` is the trainer's max_length (None: no limit). Rows longer than it are kept by default: they
+    `max_length` is the trainer's window (None: no limit): rows cut at or past it are window-complete and kept,
+    rows cut inside it are excluded (module doc). Rows that stopped and are longer than it are kept by default: they
     are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic work needs most,
     and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
     The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
@@ -228,7 +280,8 @@ def export_training_set(
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
     tmps = {name: out / f".{name}.tmp" for name in paths}
     export_schema(form)  # refuses an unknown form before anything is written
-    params = {"config": config_hash, "max_length": max_length, "drop_long": drop_over_max_length and max_length is not None}
+    params = {"config": config_hash, "max_length": max_length, "pretokenized": form == "pretokenized",
+              "drop_long": drop_over_max_length and max_length is not None}
     try:
         with duckdb.connect(":memory:") as con:
             prompts = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA)
@@ -237,10 +290,15 @@ def export_training_set(
             con.execute(HISTORY_MARKERS)
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
-            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL), params)
-            query = KEPT.format(completions=completions)
+            register_runaway(con, runaway)
+            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL,
+                                     runaway=runaway_sql(runaway),
+                                     window=window_flags_sql(NO_LIMIT if max_length is None else max_length)),
+                        params)
+            ids = "c.prompt_token_ids, c.output_ids" if form == "pretokenized" else "NULL AS prompt_token_ids"
+            query = KEPT.format(completions=completions, ids=ids)
             rows, consumed, incomplete = _write_rows(con, query, tmps["training_set.jsonl"],
-                                                     tmps["training_set.parquet"], form)
+                                                     tmps["training_set.parquet"], form, max_length)
             manifest = _manifest(con, config_hash, max_length, consumed) | {
                 "form": form, "rows": rows, "conversations_not_whole": incomplete}
             manifest["drop_over_max_length"] = params["drop_long"]
@@ -248,6 +306,15 @@ def export_training_set(
                 "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > $m",
                 {"m": max_length}).fetchone()[0] if max_length is not None else 0
             manifest["exclusions"] = _exclusions(con)
+            manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = con.execute(
+                "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "
+                "FROM graded WHERE reason IS NULL").fetchone()
+            manifest["trainer"] = {
+                "max_length": max_length, "format": form,
+                "how_to_change": "trainer.max_length and trainer.format of the quality resource (Dagster), or "
+                                 "dflash demo/backfill --trainer-max-length; the form also by the drafter_training_set "
+                                 "config's form",
+                "window_cut_content": WINDOW_CUT_CONTENT if form != "pretokenized" else None}
         for name in ("training_set.jsonl", "training_set.parquet"):
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
@@ -288,6 +355,9 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
                           for s in e["sources"])
         lines.append(f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
                      f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}")
+    if manifest.get("window_complete_kept"):
+        lines.append(f"kept {num(manifest['window_complete_kept'])} window-complete rows (cut at or past the trainer's "
+                     f"window max_length {num(manifest['max_length'])}: it reads them as complete answers)")
     if manifest.get("over_max_length_kept"):
         lines.append(f"kept {num(manifest['over_max_length_kept'])} rows longer than max_length "
                      f"{num(manifest['max_length'])} (the trainer cuts them; drop_over_max_length excludes them)")
@@ -298,7 +368,7 @@ def _manifest(con: duckdb.DuckDBPyConnection, config_hash: str | None, max_lengt
     def counts(group: str, where: str) -> list[tuple]:
         return con.execute(f"SELECT {group}, count(*) FROM graded WHERE {where} GROUP BY ALL ORDER BY ALL").fetchall()
 
-    kept = counts("config_hash, max_output_tokens", "reason IS NULL")
+    kept = counts("config_hash, config_cap", "reason IS NULL")  # the config's cap (window rows ask their own)
     if sum(n for *_, n in kept) != rows:  # every kept row has a prompt (no_prompt), so this cannot drift silently
         raise RuntimeError(f"export wrote {rows} rows but graded {sum(n for *_, n in kept)} as kept")
     excluded = dict.fromkeys(EXCLUSION_REASONS, 0) | dict(counts("reason", "reason IS NOT NULL"))

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dflash_assets.quality.runaway import RunawayRules
+from dflash_assets.settings import TrainerSettings
 
 Severity = Literal["ERROR", "WARN"]
 MetadataValue = int | float | str
@@ -40,7 +41,8 @@ class Thresholds:
     so a non-zero count says "a stage is broken", not "the data is a bit noisy".
     """
 
-    truncation_rate_max: float = 0.05  # share of rows with finish_reason = 'length', per shard and per config
+    # share of rows cut inside the trainer's window (rules.py), per shard and per config: the blocking truncation
+    truncation_rate_max: float = 0.05
     cap_saturation_percentile: float = 0.99  # fails when this percentile of completion_tokens reaches the cap
     cap_mismatch_rate_max: float = 0.0  # rows where "at the cap" and finish_reason 'length' disagree
     silent_clamp_rate_max: float = 0.0  # rows that finished 'length' below their own max_output_tokens
@@ -52,7 +54,8 @@ class Thresholds:
     think_marker_rate_max: float = 0.0
     reasoning_misrouted_rate_max: float = 0.0  # among enable_thinking rows
     truncated_thinking_rate_max: float = 0.01
-    training_max_length: int = 4096  # the drafter trainer's max_length (SpecForge data.max_length)
+    trainer: TrainerSettings = TrainerSettings()  # the drafter trainer's window (max_length) and export form
+    past_window_rate_max: float = 0.02  # share of decoded tokens past the window (WARN): GPU time no step trains on
     max_length_overflow_rate_max: float = 0.05
     runaway_rate_max: float = 0.0  # rows cut while looping (WARN): any is worth a look at the sampling settings
     runaway: RunawayRules = RunawayRules()  # what counts as a loop

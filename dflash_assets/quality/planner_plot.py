@@ -17,7 +17,9 @@ from dflash_assets.quality.outcome import pct
 from dflash_assets.quality.planner import CapPlan
 
 
-def cap_plan_png(plan: CapPlan) -> bytes:
+def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None) -> bytes:
+    """`window`: (max_length, where it ends in completion tokens for the median prompt): marked on the picture,
+    since a cap past it buys only tokens no training step reads."""
     fig = Figure(figsize=(8, 4.8), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -50,6 +52,11 @@ def cap_plan_png(plan: CapPlan) -> bytes:
         ax.fill_between(tx, np.maximum(lo, floor / 10), np.maximum(hi, floor / 10), color="tab:blue", alpha=0.2,
                         linewidth=0, label=f"95% band ({plan.bootstrap} bootstrap resamples)")
     ax.axvline(plan.cap, color="black", linestyle="--", linewidth=1)
+    if window:
+        max_length, at = window
+        ax.axvspan(at, max(at, *(e.cap for e in plan.estimates)) * 1.3, color="tab:orange", alpha=0.08, linewidth=0)
+        ax.axvline(at, color="tab:orange", linestyle="-", linewidth=2,
+                   label=f"trainer's window max_length {max_length:,} (median prompt): past it nothing is trained")
     for e in plan.estimates:
         color = "black" if e.cap == plan.cap else "tab:red"
         if e.cap != plan.cap:

@@ -17,6 +17,10 @@ _LENGTH_UNDER_CAP = "finish_reason = 'length' AND completion_tokens < max_output
 ROW_PREDICATES = {
     "rows": "TRUE",
     "truncated": "finish_reason = 'length'",
+    # judged against the trainer's window (rules.py, flags of tables.py): the blocking truncation, and the cut rows
+    # the trainer reads as it reads a complete answer
+    "cut_inside_window": "cut_inside_window",
+    "window_complete": "window_complete",
     "runaway": "runaway",  # cut while repeating itself (a subset of truncated; runaway.py)
     # the cap and the finish reason must agree: at the cap but not 'length', or 'length' below the cap
     "at_cap_not_length": _AT_CAP_NOT_LENGTH,
@@ -32,6 +36,7 @@ ROW_PREDICATES = {
 }
 GROUPINGS = {
     # a config is a (config_hash, max_output_tokens) pair: a hash that maps to two caps shows up as two configs
+    # (the facts table's max_output_tokens is the config's cap: under the window policy each row asks its own)
     "config": "config_hash, max_output_tokens",
     "shard": "shard",
 }
@@ -52,8 +57,8 @@ class GroupCount:
 def _ensure_facts(con: duckdb.DuckDBPyConnection) -> None:
     counts = ", ".join(f"count(*) FILTER (WHERE {sql}) AS {name}" for name, sql in ROW_PREDICATES.items())
     con.execute(
-        f"CREATE TEMP TABLE IF NOT EXISTS facts AS SELECT shard, config_hash, max_output_tokens, {counts} "
-        "FROM completions GROUP BY ALL"
+        f"CREATE TEMP TABLE IF NOT EXISTS facts AS SELECT shard, config_hash, config_cap AS max_output_tokens, "
+        f"{counts} FROM completions GROUP BY ALL"
     )
 
 

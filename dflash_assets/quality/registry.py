@@ -16,6 +16,7 @@ from dflash_assets.quality.checks_lengths import (
     max_length_overflow,
     silent_clamp,
     truncation_rate,
+    window_complete,
 )
 from dflash_assets.quality.checks_runaway import runaway_rate
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
@@ -48,6 +49,7 @@ def _spec(fn: CheckFn, blocking: bool, severity: Severity | None = None) -> Chec
 
 CHECKS: list[CheckSpec] = [
     _spec(truncation_rate, blocking=True),
+    _spec(window_complete, blocking=False),
     _spec(cap_saturation, blocking=False),
     _spec(cap_hit_agreement, blocking=False),
     _spec(silent_clamp, blocking=True),
@@ -77,7 +79,7 @@ def run_checks(
     unknown = (wanted | set(thresholds.severity)) - set(CHECKS_BY_NAME)
     if unknown:
         raise ValueError(f"unknown check names {sorted(unknown)}; the checks are {list(CHECKS_BY_NAME)}")
-    with open_quality_db(data_dir, shard, config_hash, thresholds.runaway) as con:
+    with open_quality_db(data_dir, shard, config_hash, thresholds.runaway, thresholds.trainer.max_length) as con:
         return [spec.run(con, thresholds) for spec in CHECKS if spec.name in wanted]
 
 

@@ -16,10 +16,15 @@ from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import OVERFLOW_SQL, PERCENTILE_DEFINITION, percentile_sql
 
 PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
-CONFIG = "config_hash, max_output_tokens"
+CONFIG = "config_hash, config_cap"  # the config's cap: under the window policy each row asks its own
 
 STATS = f"""count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
     count(*) FILTER (WHERE runaway) AS runaway_rows,
+    count(*) FILTER (WHERE cut_inside_window) AS cut_inside_window_rows,
+    count(*) FILTER (WHERE window_complete) AS window_complete_rows,
+    coalesce(sum(trained_tokens) FILTER (WHERE window_complete), 0)::BIGINT AS window_complete_tokens,
+    coalesce(sum(completion_tokens), 0)::BIGINT AS decoded_tokens,
+    coalesce(sum(trained_tokens), 0)::BIGINT AS trained_tokens,
     {percentile_sql('completion_tokens', (0.5, 0.9, 0.95, 0.99))} AS q, max(completion_tokens) AS max"""
 
 
@@ -29,6 +34,9 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in row.items() if k != "max"}
     out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
     out["runaway_rate"] = share(row["runaway_rows"], row["rows"])  # cut while looping: part of truncated_rows
+    # against the trainer's window (rules.py): the blocking share, and the cut rows the trainer reads whole
+    out["cut_inside_window_rate"] = share(row.get("cut_inside_window_rows", 0), row["rows"])
+    out["window_complete_rate"] = share(row.get("window_complete_rows", 0), row["rows"])
     out.update(p50=q[0], p90=q[1], p95=q[2], p99=q[3], max=row["max"])
     return out
 
@@ -62,7 +70,7 @@ def length_quality(
     With `shard=None` it is the summary over all shards (`by_shard` lists each one). `runaway` says what counts
     as a runaway row (the thresholds' rules).
     """
-    with open_quality_db(data_dir, shard, runaway=runaway) as con:
+    with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
         overall = [{k: v for k, v in g.items() if k != "whole"} for g in _grouped(con, "1 AS whole", "whole")]
         bucket_case, labels = _bucket_sql(prompt_buckets)
         buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")
@@ -80,9 +88,14 @@ def length_quality(
         return {
             "scope": {"shard": shard},
             "percentile_definition": PERCENTILE_DEFINITION,
-            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0, "q": None,
+            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0,
+                                                  "cut_inside_window_rows": 0, "window_complete_rows": 0,
+                                                  "window_complete_tokens": 0,
+                                                  "decoded_tokens": 0, "trained_tokens": 0, "q": None,
                                                   "max": None})),
-            "by_config": _grouped(con, CONFIG, CONFIG, ", count(DISTINCT shard) AS shards"),
+            "max_length": max_length,
+        "by_config": _grouped(con, "config_hash, config_cap AS max_output_tokens", CONFIG,
+                              ", count(DISTINCT shard) AS shards"),
             "by_shard": _grouped(
                 con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
             ),

@@ -10,7 +10,10 @@ Tables (every one exists, empty when its directory has no files yet):
     completions  prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens,
                  max_output_tokens, server_context_length, enable_thinking, plus the flags content_empty,
                  think_marker (content or reasoning, any case: trainer_format.py), reasoning_empty and runaway
-                 (a cut row whose output ends in a loop, runaway.py)
+                 (a cut row whose output ends in a loop, runaway.py); judged against the trainer's window
+                 max_length (rules.py): cut_inside_window, window_complete (cut at or past it, not a runaway),
+                 trained_tokens; and config_cap, the config's cap (policy_cap under the window policy, whose
+                 rows each record their own max_output_tokens)
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
     prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
@@ -31,16 +34,24 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, P
 from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.trainer_format import think_marker_sql
-from dflash_assets.rules import blank_sql
+from dflash_assets.rules import blank_sql, cut_inside_window_sql, trained_tokens_sql, window_complete_sql
+from dflash_assets.settings import TrainerSettings
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
-    server_context_length, enable_thinking, turn"""
+    server_context_length, enable_thinking, turn, coalesce(policy_cap, max_output_tokens) AS config_cap"""
 
 COMPLETION_FLAGS = f"""
     {blank_sql('content')} AS content_empty,
     {think_marker_sql("content", "reasoning_content")} AS think_marker,
     {blank_sql('reasoning_content')} AS reasoning_empty"""
+
+
+def window_flags_sql(max_length: int) -> str:
+    """The window's flags of a completion row (over a select that has `runaway`)."""
+    return (f"{cut_inside_window_sql(max_length)} AS cut_inside_window, "
+            f"{window_complete_sql(max_length)} AND NOT runaway AS window_complete, "
+            f"{trained_tokens_sql(max_length)} AS trained_tokens")
 
 
 def runaway_sql(rules: RunawayRules) -> str:
@@ -112,9 +123,10 @@ def parquet_source(
 
 def open_quality_db(
     data_dir: str | Path, shard: str | None = None, config_hash: str | None = None,
-    runaway: RunawayRules = RunawayRules(),
+    runaway: RunawayRules = RunawayRules(), max_length: int = TrainerSettings().max_length,
 ) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager)."""
+    """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager).
+    `max_length` is the trainer's window the rows are judged against."""
     con = duckdb.connect(":memory:")
     register_runaway(con, runaway)
     data_dir = open_storage(data_dir)  # one filesystem for the four tables
@@ -125,10 +137,11 @@ def open_quality_db(
     config_ok = "($config IS NULL OR config_hash = $config)"
 
     src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
+    con.execute("SET VARIABLE trainer_max_length = $m", {"m": max_length})
     con.execute(
-        f"CREATE TEMP TABLE completions AS SELECT {COMPLETION_COLUMNS}, {COMPLETION_FLAGS}, "
-        f"{runaway_sql(runaway)} AS runaway "
-        f"FROM {src} WHERE {shard_ok} AND {config_ok}",
+        f"CREATE TEMP TABLE completions AS SELECT *, {window_flags_sql(max_length)} FROM ("
+        f"SELECT {COMPLETION_COLUMNS}, {COMPLETION_FLAGS}, {runaway_sql(runaway)} AS runaway "
+        f"FROM {src} WHERE {shard_ok} AND {config_ok})",
         params,
     )
     src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA, shard)

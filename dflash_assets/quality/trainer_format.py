@@ -19,7 +19,10 @@ from typing import Any
 
 STATUS = "success"
 THINK_MARKERS = ("<think>", "</think>")
-FORMS = ("conversations", "messages")  # the export's two forms: SpecForge's, and the OpenAI messages form
+from dflash_assets.settings import TRAINER_FORMATS
+
+# the export's forms: SpecForge's conversations, the OpenAI messages form, and {id, input_ids, loss_mask}
+FORMS = TRAINER_FORMATS
 
 
 def has_think_marker(text: str) -> bool:

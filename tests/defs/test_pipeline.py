@@ -11,11 +11,19 @@ from dflash_assets.defs.metadata import CheckRun, ShardRun
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.defs.training.assets import drafter_training_set
-from dflash_assets.defs.resources import FleetResource, PromptSource
+from dflash_assets.defs.resources import FleetResource, PromptSource, QualityThresholds
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.quality import CHECKS
-from tests.support.dagster_run import ASSETS, checks_of, resources, run_shard
+from tests.support import dagster_run
+from tests.support.dagster_run import ASSETS, checks_of, run_shard
 from tests.support.shards import FAST, questions, write_prompts
+
+
+def resources(tmp_path, urls, shard_size: int, **fleet):
+    # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window and block (at the
+    # default 4096 window they are window-complete: tests/generation/test_window_policy.py)
+    return {**dagster_run.resources(tmp_path, urls, shard_size, **fleet),
+            "quality": QualityThresholds(trainer={"max_length": 8192})}
 
 
 def completion_rows(tmp_path, where: str = "true") -> list[tuple]:

@@ -4,7 +4,8 @@ from collections import Counter, defaultdict
 
 
 from dflash_assets.quality import Thresholds
-from dflash_assets.rules import overflows
+from dflash_assets.rules import cut_inside_window, overflows
+from dflash_assets.settings import TrainerSettings
 from tests.support.quality_data import blank, check, config_of, load, nearest_rank, pct
 
 
@@ -17,16 +18,20 @@ def rates(rows, key, hit):
     return {k: tuple(v) for k, v in out.items()}
 
 
+# a trainer window larger than every row: each cut lies inside it (tests/generation/test_window_policy.py has the others)
+WIDE = Thresholds(trainer=TrainerSettings(max_length=65536))
+
+
 def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
     rows = load(defects_dir, "completions")
-    length = lambda r: r["finish_reason"] == "length"  # noqa: E731
+    length = lambda r: cut_inside_window(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 65536)  # noqa: E731
     per_config, per_shard = rates(rows, config_of, length), rates(rows, lambda r: r["shard"], length)
     truncated = sum(map(length, rows))
-    outcome = check(defects_dir, "truncation_rate")
+    outcome = check(defects_dir, "truncation_rate", thresholds=WIDE)
     assert not outcome.passed and outcome.blocking and outcome.severity == "ERROR"
     m = outcome.metadata
-    assert (m["rows"], m["truncated_rows"]) == (len(rows), truncated)
-    assert m["truncation_rate"] == truncated / len(rows)
+    assert (m["rows"], m["cut_inside_window_rows"], m["truncated_rows"]) == (len(rows), truncated, truncated)
+    assert m["cut_inside_window_rate"] == truncated / len(rows)
     assert m["configs_over_threshold"] == sum(h / n > 0.05 for n, h in per_config.values())
     assert m["shards_over_threshold"] == sum(h / n > 0.05 for n, h in per_shard.values())
     worst = max(per_shard.items(), key=lambda kv: kv[1][1] / kv[1][0])
@@ -36,10 +41,12 @@ def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
 
 
 def test_truncation_rate_message_names_the_story_figures(story_dir):
-    outcome = check(story_dir, "truncation_rate")
+    # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window
+    outcome = check(story_dir, "truncation_rate", thresholds=Thresholds(trainer=TrainerSettings(max_length=8192)))
     assert not outcome.passed
     assert outcome.summary_md.startswith(
-        "**18.30%** of 1,000 rows hit the cap (finish_reason = 'length'), over the 5.00% threshold."
+        "**18.30%** of 1,000 rows were cut inside the trainer's window max_length 8,192 (finish_reason = 'length', "
+        "prompt + completion < 8,192), over the 5.00% threshold; 0 rows (0.00%) were cut at or past it"
     )
     assert "config `a4096` (max_output_tokens 4096): 183 of 1,000 rows (18.30%)" in outcome.summary_md
     assert "shard `s0`: 183 of 1,000 rows (18.30%)" in outcome.summary_md
@@ -205,8 +212,9 @@ def test_max_length_overflow_share_follows_the_trainer_max_length(defects_dir):
     rows = load(defects_dir, "completions")
     for max_length in (4096, 8192):
         over = [r for r in rows if r["prompt_tokens"] + r["completion_tokens"] > max_length]
-        outcome = check(defects_dir, "max_length_overflow", thresholds=Thresholds(training_max_length=max_length))
+        trainer = TrainerSettings(max_length=max_length)
+        outcome = check(defects_dir, "max_length_overflow", thresholds=Thresholds(trainer=trainer))
         assert outcome.metadata["over_max_length_rows"] == len(over)
         assert outcome.metadata["over_max_length_rate"] == len(over) / len(rows)
         assert outcome.passed == (len(over) / len(rows) <= 0.05)
-        assert f"exceed the trainer's max_length {max_length:,}" in outcome.summary_md
+        assert f"exceed the trainer's window max_length {max_length:,}" in outcome.summary_md

@@ -7,21 +7,27 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.quality import EXCLUSION_REASONS, export_training_set
+from dflash_assets.quality.export import WINDOW_CUT_CONTENT
+from dflash_assets.quality.runaway import is_runaway
 from dflash_assets.quality.trainer_format import has_think_marker, row_problem
 from tests.support.quality_data import CONFIG_A, blank, completion, load, prompt, write
 
 
-def graded(data_dir, config=None, max_length=None):
-    """[(row, reason or None)] by the export's rules, in plain Python (file order = (path, row) order)."""
+def graded(data_dir, config=None, max_length=None, window=4096):
+    """[(row, reason or None)] by the export's rules, in plain Python (file order = (path, row) order); `window` is
+    the trainer's max_length a cut row is judged against (rules.py), the export's default."""
     prompts = {(p["shard"], p["prompt_id"]) for p in load(data_dir, "prompt_shards")}
     rows = [(i, r) for i, r in enumerate(load(data_dir, "completions")) if config is None or r["config_hash"] == config]
     result = {}
     for i, r in rows:
         text = r["content"] or ""
+        cut = r["finish_reason"] == "length"
+        tail = r["reasoning_content"] if blank(r["content"]) else r["content"]
         reasons = [
-            ("truncated", r["finish_reason"] == "length"),
-            ("not_stop", r["finish_reason"] != "stop"),
-            ("empty_content", blank(r["content"])),
+            ("truncated", cut and r["prompt_tokens"] + r["completion_tokens"] < window),
+            ("runaway", cut and is_runaway(tail)),
+            ("not_stop", r["finish_reason"] not in ("stop", "length")),
+            ("empty_content", blank(r["content"]) and not (cut and not blank(r["reasoning_content"]))),
             ("think_marker", has_think_marker(text) or has_think_marker(r["reasoning_content"] or "")),
             ("context_overflow", r["prompt_tokens"] + r["max_output_tokens"] > r["server_context_length"]),
             ("over_max_length", max_length is not None and r["prompt_tokens"] + r["completion_tokens"] > max_length),
@@ -61,8 +67,9 @@ def test_export_counts_exclusions_by_reason(defects_dir, export):
     grades = graded(defects_dir)
     reasons = Counter(reason for _, reason in grades if reason)
     assert export.manifest["excluded"] == {reason: reasons[reason] for reason in EXCLUSION_REASONS}
-    # the data exercises every reason (over_max_length only when dropping long rows is chosen)
-    assert all(reasons[r] > 0 for r in EXCLUSION_REASONS if r != "over_max_length")
+    # the data exercises every reason (over_max_length only when dropping long rows is chosen; runaways and rows
+    # without token ids: tests/quality/test_window_export.py)
+    assert all(reasons[r] > 0 for r in EXCLUSION_REASONS if r not in ("over_max_length", "runaway", "no_token_ids"))
     by_config = {}
     for row, reason in grades:
         if reason:
@@ -84,7 +91,9 @@ def test_export_writes_specforge_conversations(defects_dir, export):
         assert set(record) == {"id", "status", "conversations"} and record["status"] == "success"
         *prompt, answer = record["conversations"]
         assert prompt == messages[(row["shard"], row["prompt_id"])]
-        assert answer["role"] == "assistant" and answer["content"] == row["content"]
+        cut_in_thinking = row["finish_reason"] == "length" and blank(row["content"])  # window-complete, kept
+        assert answer["role"] == "assistant"
+        assert answer["content"] == (WINDOW_CUT_CONTENT if cut_in_thinking else row["content"])
         if blank(row["reasoning_content"]):
             assert "reasoning_content" not in answer
         else:

@@ -126,10 +126,13 @@ def test_print_report_prints_rates_with_two_decimals(story_dir):
         "sharegpt",
         "nearest-rank",
         "truncation_rate",
-        "18.30% of 1,000 rows hit the cap (finish_reason = 'length'), over the 5.00% threshold.",
+        # the story's cap of 4096 with the default 4096 window: every cut lies past the window
+        "0.00% of 1,000 rows were cut inside the trainer's window max_length 4,096",
     ):
         assert expected in text
     values = [r["completion_tokens"] for r in load(story_dir, "completions")]
     percentiles = [f"{nearest_rank(values, q):,}" for q in (0.5, 0.9, 0.95, 0.99)]
     overall = next(line for line in text.splitlines() if "18.30%" in line and "│" in line)
-    assert [cell.strip() for cell in overall.split("│")[1:-1]] == ["1,000", "183", "18.30%", *percentiles, "4,096"]
+    # cut inside the 4096 window 0.00%, window-complete 18.30%
+    assert [cell.strip() for cell in overall.split("│")[1:-1]] == ["1,000", "183", "18.30%", "0.00%", "18.30%",
+                                                                   *percentiles, "4,096"]

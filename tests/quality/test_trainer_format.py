@@ -140,5 +140,5 @@ def test_the_openai_messages_form_holds_the_same_conversations(exported):
     assert [set(r) for r in as_messages] == [{"id", "messages"}] * len(conversations)
     assert [(r["id"], r["messages"]) for r in as_messages] == [(r["id"], r["conversations"]) for r in conversations]
     assert "messages" in pq.read_schema(messages.parquet_path).names and messages.manifest["form"] == "messages"
-    with pytest.raises(ValueError, match="export form must be one of conversations, messages, got 'sharegpt'"):
+    with pytest.raises(ValueError, match="export form must be one of conversations, messages, pretokenized, got 'sharegpt'"):
         export_training_set(exported[0] / "data", exported[0] / "bad", form="sharegpt")

@@ -6,14 +6,15 @@ from pydantic import Field
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
-from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
 from dflash_assets.defs.metadata import ShardRun
 from dflash_assets.defs.pools import holding
+from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import GenerationSettings
 
 
@@ -45,8 +46,11 @@ class CompletionsConfig(GenerationRunConfig):
                 "resumes: prompts already committed for this config are skipped.",
 )
 def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fleet: FleetResource,
-                data_dir: DataDir) -> None:
+                data_dir: DataDir, quality: QualityThresholds) -> None:
     generation, dispatch = config.generation(), config.dispatch()
+    # the pre-tokenized export and the window policy are built from token ids: stored by default for them
+    dispatch = dispatch.model_copy(update={"store_token_ids": stores_token_ids(
+        dispatch.store_token_ids, generation.cap_policy, quality.trainer.format)})
     try:
         generation.validate()
         dispatch.validate()

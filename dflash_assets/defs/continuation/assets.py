@@ -21,6 +21,10 @@ class ContinuationConfig(DispatchRunConfig):
         description="The config whose truncated rows are continued, or 'latest': the config with the most rows "
                     "in the shard among those capped below the new cap (ties: the larger cap).")
     new_max_output_tokens: int = Field(8192, description="The new cap; larger than the parent's.")
+    to_window: int = Field(
+        0, description="Grow the trainer's window instead (0: off): a window-policy config is continued to this "
+                       "larger window, each row to its own request cap there; rows that stopped stay, window-complete "
+                       "rows are continued by their token ids (only the tokens between the windows are paid).")
 
 
 @shard_asset(
@@ -46,15 +50,16 @@ def continued_completions(context: dg.AssetExecutionContext, config: Continuatio
 
 async def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: Fleet,
                     data_dir: DataDir) -> dict:
-    cap = config.new_max_output_tokens
+    cap, window = config.new_max_output_tokens, config.to_window or None
     parent = config.parent_config_hash
     if parent == "latest":
-        parent = latest_parent(data_dir.resolved(), shard, cap)
+        parent = latest_parent(data_dir.resolved(), shard, cap, window)
         if parent is None:
-            raise dg.Failure(f"shard {shard} has no completions capped below {cap} to continue", allow_retries=False)
+            below = f"of the window policy at a window below {window}" if window else f"capped below {cap}"
+            raise dg.Failure(f"shard {shard} has no completions {below} to continue", allow_retries=False)
     try:
         run = await continue_shard(data_dir.resolved(), shard, fleet, parent, cap, config.dispatch(),
-                                   log=context.log.info)
+                                   log=context.log.info, to_window=window)
     except ConfigError as e:
         raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
     except PreflightError as e:
@@ -64,14 +69,17 @@ async def _continue(context: dg.AssetExecutionContext, shard: str, config: Conti
     if run.left:
         context.log.warning(f"{run.left} prompts have no row of config {run.config_hash} yet ({run.without_ids} of "
                             f"them truncated without token ids): materialise completions for this shard with "
-                            f"max_output_tokens {cap} (same sampling) to generate exactly those")
+                            f"max_output_tokens {run.new_cap}"
+                            + (f", cap_policy window, trainer_max_length {window}" if window else "")
+                            + " (same sampling) to generate exactly those")
     accounted = run.completed + run.rejected + run.failed + run.left
     generated = run.new_config_tokens - run.tokens_reused
     return {
         "dagster/row_count": run.completed,
         "config_hash": run.config_hash,
         "parent_config_hash": run.parent_config_hash,
-        "max_output_tokens": cap,
+        "max_output_tokens": run.new_cap,
+        **({"trainer_max_length": window} if window else {}),
         "parent_max_output_tokens": run.parent_cap,
         "rows_continued": run.continued,
         "rows_copied": run.copied,

@@ -21,12 +21,22 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def report_metadata(report: dict, png: bytes) -> dict:
     """The figures a person reads first, then the breakdowns, then the picture."""
-    stats = ["rows", "truncated_rows", "runaway_rows", "truncation_rate", "p50", "p90", "p95", "p99", "max"]
+    stats = ["rows", "truncated_rows", "runaway_rows", "truncation_rate", "cut_inside_window_rate",
+             "window_complete_rate", "p50", "p90", "p95", "p99", "max"]
     return {
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
         "truncated_rows": report["truncated_rows"],
         "truncation_rate": pct(report["truncation_rate"]),
+        # against the trainer's window: the blocking share, and the cut rows the trainer reads whole (exported)
+        "trainer_max_length": report["max_length"],
+        "cut_inside_window_rows": report["cut_inside_window_rows"],
+        "cut_inside_window_rate": pct(report["cut_inside_window_rate"]),
+        "window_complete_rows": report["window_complete_rows"],
+        "window_complete_rate": pct(report["window_complete_rate"]),
+        "window_complete_tokens": report["window_complete_tokens"],
+        "decoded_tokens": report["decoded_tokens"],
+        "trained_tokens": report["trained_tokens"],
         "runaway_rows": report["runaway_rows"],  # of the truncated rows, those cut while looping
         **{k: report[k] for k in ("p50", "p90", "p95", "p99", "max") if report[k] is not None},
         **{k: v for k, v in report["overflow"].items()},
@@ -45,7 +55,9 @@ def report_metadata(report: dict, png: bytes) -> dict:
     group_name="quality",
     kinds={"duckdb", "parquet"},
     description="Length quality of a shard's completions (DuckDB over its Parquet): rows, truncation rate "
-                "(finish_reason = 'length'), P50/P90/P95/P99/max completion tokens by config, prompt length and "
+                "(finish_reason = 'length'), judged against the trainer's window (cut inside it: blocking; "
+                "window-complete: exported), decoded and trained tokens, P50/P90/P95/P99/max completion tokens "
+                "by config, prompt length and "
                 "source, context overflows, and a histogram of completion lengths with the cap marked.",
 )
 def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, quality: QualityThresholds) -> None:
@@ -53,7 +65,7 @@ def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, 
 
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     for shard in context.partition_keys:
-        report = length_quality(root, shard=shard, max_length=quality.training_max_length,
+        report = length_quality(root, shard=shard, max_length=quality.thresholds().trainer.max_length,
                                 runaway=quality.thresholds().runaway)
         png = completion_histogram_png(root, reports / f"shard={shard}" / "completion_lengths.png",
                                        shard=shard)
@@ -92,21 +104,31 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
     from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown, turn_markdown
     from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.planner_plot import cap_plan_png
+    from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
     root = data_dir.resolved()
-    report = length_quality(root, max_length=quality.training_max_length, runaway=quality.thresholds().runaway)
+    report = length_quality(root, max_length=quality.thresholds().trainer.max_length,
+                            runaway=quality.thresholds().runaway)
     png = completion_histogram_png(root, data_dir.local_dir() / "reports" / "completion_lengths.png")
     metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
                 "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
-                                                                          "truncation_rate", "p50", "p90", "p99"]))}
+                                                                          "truncation_rate", "cut_inside_window_rate",
+                                                                          "window_complete_rate", "p50", "p90",
+                                                                          "p99"]))}
     tokens_per_s, servers = fleet_throughput(context.instance)
     try:
         plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=quality.thresholds().runaway)
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:
+        thresholds = quality.thresholds()
+        trained = window_plan(root, plan.config_hash, plan.cap, thresholds.trainer, plan.fit, thresholds.runaway,
+                              candidates=[e.cap for e in plan.estimates], tokens_per_s=tokens_per_s, servers=servers)
+        metadata["trained_tokens_plan"] = dg.MetadataValue.md("\n".join(
+            f"- {line.strip()}" for line in window_plan_lines(
+                trained, f"cap_policy window, trainer_max_length {trained.max_length}")))
         picture = data_dir.local_dir() / "reports" / "cap_plan.png"
-        picture.write_bytes(cap_plan_png(plan))
+        picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at)))
         advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
         if plan.by_turn:  # all_turns: the same view on its own, for the run page's metadata list

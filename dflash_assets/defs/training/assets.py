@@ -21,8 +21,10 @@ class TrainingSetConfig(dg.Config):
                            "longest answers, trainers cut them at training time, and the max_length_overflow "
                            "check (WARN) counts them.")
     form: str = Field(
-        "conversations", description="'conversations': SpecForge's {id, status, conversations} (what its "
-                                     "validate_regenerated_data.py accepts); 'messages': the OpenAI {id, messages}.")
+        "", description="'' for the trainer's format (the quality resource's trainer.format); 'conversations': "
+                        "SpecForge's {id, status, conversations} (what its validate_regenerated_data.py accepts); "
+                        "'messages': the OpenAI {id, messages}; 'pretokenized': {id, input_ids, loss_mask} from the "
+                        "stored token ids, cut at the trainer's window.")
 
 
 def most_rows_config(data_dir) -> str | None:
@@ -39,8 +41,10 @@ def most_rows_config(data_dir) -> str | None:
     group_name="training",
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
-    description="The drafter training set: rows of one config that pass every row-level gate, as SpecForge-"
-                "compatible JSONL ({id, conversations: [..., {role: assistant, content, reasoning_content}]}) "
+    description="The drafter training set: rows of one config that pass every row-level gate (window-complete "
+                "rows included: cut past the trainer's window, read as whole), as SpecForge-"
+                "compatible JSONL ({id, conversations: [..., {role: assistant, content, reasoning_content}]}) or "
+                "pre-tokenized {id, input_ids, loss_mask} "
                 "plus a Parquet copy and a manifest (counts by config and source, exclusions by reason). It is not "
                 "written while a blocking check fails on that config over all shards. Deterministic: the same "
                 "inputs give byte-identical files.",
@@ -58,9 +62,11 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
             f"not exporting config {chosen or 'all'}: {len(failing)} blocking check(s) fail over all shards: "
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
+    thresholds = quality.thresholds()
     export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
-                                 max_length=quality.training_max_length, form=config.form,
-                                 drop_over_max_length=config.drop_over_max_length)
+                                 max_length=thresholds.trainer.max_length,
+                                 form=config.form or thresholds.trainer.format,
+                                 drop_over_max_length=config.drop_over_max_length, runaway=thresholds.runaway)
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
     excluded = "\n".join(f"- {line}" for line in exclusion_lines(manifest)) or "nothing was left out"
@@ -71,6 +77,9 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
         "parquet": dg.MetadataValue.path(str(export.parquet_path)),
         "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),
         "over_max_length_kept": manifest["over_max_length_kept"],
+        "window_complete_kept": manifest["window_complete_kept"],
+        "trainer": f"max_length {manifest['max_length']}, form {manifest['form']} "
+                   f"(change: {manifest['trainer']['how_to_change']})",
         "exclusions": dg.MetadataValue.md(excluded),
         "manifest": dg.MetadataValue.json(manifest),
     })

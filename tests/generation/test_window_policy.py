@@ -1,0 +1,270 @@
+"""The window policy: each request asks only what the trainer's window reads (issue 20, part 2).
+
+A real emulator fleet over loopback, real Parquet; the figures asserted are the rows' own."""
+
+import json
+import re
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from dflash_assets.emulator.process import start_emulator
+from dflash_assets.fleet.fleet import on_fleet
+from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.rules import window_cap
+
+FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--random-seed", "7"]
+SETTINGS = DispatchSettings(commit_rows=8, commit_seconds=0.2, load_sample_s=0)
+L, OVERSHOOT = 512, 16
+
+
+@pytest.fixture(scope="module")
+def fleet_urls():
+    with start_emulator(FAST) as a, start_emulator(FAST) as b:
+        yield [a.url, b.url]
+
+
+def make_shard(data_dir, urls, n=30, long_prompts=2, turns=1) -> None:
+    """n prompts; the first `long_prompts` of them longer than the window L on their own."""
+    src = data_dir.parent / "prompts.jsonl"
+    lines = []
+    for i in range(n):
+        text = ("word " * 700 if i < long_prompts else "") + f"Explain idea {i} step by step."
+        messages = []
+        for k in range(turns):
+            messages += [{"role": "user", "content": text if k == 0 else f"And part {k} of idea {i}?"},
+                         {"role": "assistant", "content": "ok"}]
+        lines.append(json.dumps({"id": f"w{i:03d}", "messages": messages[:-1]}) + "\n")
+    src.write_text("".join(lines))
+    on_fleet(urls, lambda f: build_prompt_shard(src, 0, "00000", n, data_dir, f, {"enable_thinking": True}))
+
+
+def window_config(**kw) -> GenerationConfig:
+    return GenerationConfig(max_output_tokens=8192, cap_policy="window", trainer_max_length=L, overshoot=OVERSHOOT,
+                            **kw)
+
+
+def rows(data_dir, where="true"):
+    return duckdb.sql(f"select prompt_id, finish_reason, prompt_tokens, completion_tokens, max_output_tokens, "
+                      f"policy_cap, trainer_max_length, output_ids from read_parquet('{data_dir}/completions/**/*.parquet',"
+                      f" union_by_name = true) where {where} order by prompt_id").fetchall()
+
+
+def rejects(data_dir):
+    return duckdb.sql(f"select prompt_id, reason, max_output_tokens from read_parquet("
+                      f"'{data_dir}/rejects/**/*.parquet', union_by_name = true) where stage = 'preflight' "
+                      f"order by prompt_id").fetchall()
+
+
+@pytest.fixture(scope="module")
+def window_run(tmp_path_factory, fleet_urls):
+    """30 prompts, two of them longer than the window, generated under the window policy at L = 512."""
+    data = tmp_path_factory.mktemp("window") / "data"
+    make_shard(data, fleet_urls)
+    run = on_fleet(fleet_urls, lambda f: generate_shard(data, "00000", f, window_config(), SETTINGS,
+                                                        log=lambda m: None))
+    return data, run
+
+
+def test_each_request_asks_the_windows_rest_plus_the_overshoot_and_records_it(window_run):
+    data, run = window_run
+    found = rows(data)
+    assert run.prompts == 30 == run.completed + run.rejected + run.failed and run.completed == len(found) == 28
+    for _, finish, prompt, completion, cap, policy_cap, recorded_window, ids in found:
+        assert cap == min(8192, L - prompt + OVERSHOOT) == window_cap(8192, L, prompt, OVERSHOOT)
+        assert (policy_cap, recorded_window) == (8192, L)
+        assert completion <= cap and (finish == "length") == (completion == cap)
+        assert ids is not None and len(ids) == completion  # token ids stored by default under the window policy
+    cut = [r for r in found if r[1] == "length"]
+    assert cut, "the emulator's long answers run past a 512-token window"
+    assert all(p + c >= L for _, _, p, c, *_ in cut), "every cut lies past the window: window-complete"
+
+
+def test_a_prompt_that_fills_the_window_is_a_reject_with_its_reason(window_run):
+    data, run = window_run
+    found = rejects(data)
+    assert run.rejected_preflight == 2 and [r[0] for r in found] == ["w000", "w001"]
+    for _, reason, _ in found:
+        assert "fills the trainer's window max_length 512: the trainer would read no answer" in reason
+
+
+def test_the_window_and_the_overshoot_are_in_the_config_hash_and_a_fixed_caps_hash_is_unchanged():
+    model = "emulated/qwen3-27b"
+    fixed = GenerationConfig(max_output_tokens=8192)
+    assert fixed.config_hash(model) == GenerationConfig(max_output_tokens=8192, trainer_max_length=2048,
+                                                        overshoot=3).config_hash(model)
+    hashes = {window_config().config_hash(model), fixed.config_hash(model),
+              window_config().model_copy(update={"trainer_max_length": 1024}).config_hash(model),
+              window_config().model_copy(update={"overshoot": 4}).config_hash(model)}
+    assert len(hashes) == 4
+
+
+def test_a_bad_cap_policy_is_refused_by_name():
+    from dflash_assets.generation.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cap_policy must be one of fixed, window, got 'windowed'"):
+        GenerationConfig(cap_policy="windowed").validate()
+
+
+def test_all_turns_stops_a_conversation_once_a_turn_fills_the_window(tmp_path, fleet_urls):
+    data = tmp_path / "data"
+    make_shard(data, fleet_urls, n=12, long_prompts=0, turns=4)
+    config = window_config(regenerate="all_turns")
+    run = on_fleet(fleet_urls, lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))
+    found = duckdb.sql(f"select prompt_id, turn, turns, finish_reason, prompt_tokens + completion_tokens from "
+                       f"read_parquet('{data}/completions/**/*.parquet') order by prompt_id, turn").fetchall()
+    by_prompt = {}
+    for pid, turn, turns, finish, total in found:
+        by_prompt.setdefault(pid, []).append((turn, finish, total))
+    assert run.prompts == 12 == run.completed + run.rejected + run.failed
+    stopped_early = 0
+    for turns in by_prompt.values():
+        *earlier, (last_turn, last_finish, last_total) = turns
+        assert all(f == "stop" and t < L for _, f, t in earlier), "no turn after one that filled the window"
+        if last_turn < 4:  # ended before its last user turn: cut at the window, or it filled the window
+            assert last_finish == "length" or last_total >= L
+            stopped_early += 1
+    assert stopped_early, "some conversation reaches the 512-token window before its fourth turn"
+    # a restart finds every conversation over: nothing is sent again
+    again = on_fleet(fleet_urls, lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))
+    assert again.already_done == 12 and again.completed == 12
+
+
+# ---- part 1: the trainer's window, defined once ------------------------------------------------------------------
+
+def test_the_trainers_window_is_one_setting_the_checks_the_resource_and_the_export_share():
+    from dflash_assets.defs.resources import QualityThresholds
+    from dflash_assets.quality import Thresholds
+    from dflash_assets.settings import TrainerSettings
+
+    assert TrainerSettings().max_length == 4096 and TrainerSettings().format == "conversations"
+    assert Thresholds().trainer == TrainerSettings() == QualityThresholds().thresholds().trainer
+    assert GenerationConfig().trainer_max_length == TrainerSettings().max_length
+    custom = QualityThresholds(trainer={"max_length": 2048, "format": "pretokenized"}).thresholds().trainer
+    assert custom == TrainerSettings(max_length=2048, format="pretokenized")
+    assert "change it with --trainer-max-length" in TrainerSettings().named()
+
+
+def test_a_bad_trainer_setting_is_refused_by_name():
+    from dflash_assets.generation.config import ConfigError
+    from dflash_assets.settings import TrainerSettings
+
+    with pytest.raises(ConfigError, match="trainer format must be one of conversations, messages, pretokenized, "
+                                          "got 'sharegpt'"):
+        TrainerSettings(format="sharegpt").validate()
+    with pytest.raises(ConfigError, match="trainer max_length must be a positive integer, got 0"):
+        TrainerSettings(max_length=0).validate()
+
+
+# ---- part 3: truncation judged against the window ----------------------------------------------------------------
+
+from tests.support.quality_data import load  # noqa: E402
+
+from dflash_assets.quality import Thresholds, run_checks  # noqa: E402
+from dflash_assets.rules import cut_inside_window, trained_tokens, window_complete  # noqa: E402
+from dflash_assets.settings import TrainerSettings  # noqa: E402
+
+
+def window(max_length: int) -> Thresholds:
+    return Thresholds(trainer=TrainerSettings(max_length=max_length))
+
+
+def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_complete(story_dir):
+    rows = load(story_dir, "completions")
+    complete = [r for r in rows if window_complete(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"],
+                                                   4096)]
+    assert len(complete) == 183 == sum(r["finish_reason"] == "length" for r in rows)
+    outcome, warn = run_checks(story_dir, names=["truncation_rate", "window_complete"])
+    assert outcome.passed and outcome.blocking
+    m = outcome.metadata
+    assert (m["max_length"], m["cut_inside_window_rows"], m["window_complete_rows"], m["truncated_rows"]) == \
+        (4096, 0, 183, 183)
+    assert outcome.summary_md.startswith("**0.00%** of 1,000 rows were cut inside the trainer's window max_length "
+                                         "4,096")
+    assert "183 rows (18.30%) were cut at or past it: window-complete" in outcome.summary_md
+    assert "trainer.max_length; change it with --trainer-max-length" in outcome.summary_md
+    # shown, counted with its tokens, and a WARN, never an ERROR
+    assert warn.severity == "WARN" and not warn.blocking
+    assert warn.metadata["window_complete_rows"] == 183
+    assert warn.metadata["window_complete_trained_tokens"] == sum(
+        trained_tokens(r["prompt_tokens"], r["completion_tokens"], 4096) for r in complete)
+    assert warn.metadata["trained_tokens"] == sum(
+        trained_tokens(r["prompt_tokens"], r["completion_tokens"], 4096) for r in rows)
+
+
+def test_the_same_cut_rows_block_a_trainer_whose_window_reaches_past_the_cap(story_dir):
+    rows = load(story_dir, "completions")
+    inside = sum(cut_inside_window(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 8192)
+                 for r in rows)
+    (outcome,) = run_checks(story_dir, names=["truncation_rate"], thresholds=window(8192))
+    assert not outcome.passed and outcome.metadata["cut_inside_window_rows"] == inside == 183
+    assert "Rows cut inside the window are the hardest prompts" in outcome.summary_md
+
+
+def test_the_report_and_the_summary_show_both_shares_with_the_window_named(story_dir):
+    from dflash_assets.quality.report import length_quality
+
+    report = length_quality(story_dir, max_length=4096)
+    assert report["max_length"] == 4096
+    assert (report["cut_inside_window_rows"], report["window_complete_rows"]) == (0, 183)
+    assert report["window_complete_rate"] == 0.183 and report["cut_inside_window_rate"] == 0.0
+    (config,) = report["by_config"]
+    assert (config["cut_inside_window_rows"], config["window_complete_rows"]) == (0, 183)
+    wide = length_quality(story_dir, max_length=65536)
+    assert (wide["cut_inside_window_rows"], wide["window_complete_rows"]) == (183, 0)
+
+
+def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and_gives_the_window_command(story_dir):
+    import io
+
+    from rich.console import Console
+
+    from dflash_assets.quality.console import print_answers
+
+    out = io.StringIO()
+    print_answers(story_dir, Console(file=out, width=200, color_system=None))
+    text = out.getvalue()
+    assert "against the trainer's window max_length 4,096: 0.00% cut inside it" in text
+    assert "18.30% window-complete (183 rows" in text
+    assert "every cut row lies at or past the trainer's window max_length 4,096" in text
+    assert "--cap-policy window --trainer-max-length 4096" in text
+
+
+# ---- the terminal at the story's moment --------------------------------------------------------------------------
+
+def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(tmp_path):
+    from test_cli_terminal import dflash, home
+
+    env = home(tmp_path, "home")
+    result = dflash("demo", "--max-output-tokens", "4096", env=env)
+    out = re.sub(r"\s+", " ", result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = env["DFLASH_DATA_DIR"]
+    rows, cut = duckdb.sql(f"select count(*), count(*) filter (where finish_reason = 'length') from read_parquet("
+                           f"'{data}/completions/**/*.parquet')").fetchall()[0]
+    manifest = json.loads(next(Path(data).glob("training/*/manifest.json")).read_text())
+    assert cut and manifest["excluded"]["truncated"] == 0 and manifest["window_complete_kept"] + \
+        manifest["excluded"]["runaway"] == cut
+    assert manifest["trainer"]["max_length"] == 4096 and "--trainer-max-length" in manifest["trainer"]["how_to_change"]
+    assert f"{manifest['window_complete_kept']} rows" in out
+    assert "were cut at or past the trainer's window max_length 4,096: window-complete, the trainer reads each as " \
+           "it reads the complete answer, so they are exported" in out
+    assert "Next time, decode only what the trainer reads: dflash demo --max-output-tokens 4096 --cap-policy " \
+           "window --trainer-max-length 4096" in out
+
+
+def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_settings():
+    from dflash_assets.cli import _window, build_parser
+    from dflash_assets.demo.run import Window
+
+    for argv in (["demo"], ["backfill"], ["generate", "--shard", "0", "--urls", "http://x"]):
+        args = build_parser().parse_args([*argv, "--cap-policy", "window", "--trainer-max-length", "2048"])
+        assert (args.cap_policy, args.trainer_max_length, args.overshoot) == \
+            ("window", 2048, GenerationConfig().overshoot)
+    window = _window(build_parser().parse_args(["demo", "--cap-policy", "window", "--trainer-max-length", "2048"]))
+    assert window == Window("window", 2048, GenerationConfig().overshoot)
+    assert window.flags() == " --cap-policy window --trainer-max-length 2048" and Window().flags() == ""
+    assert window.resources() == {"quality": {"config": {"trainer": {"max_length": 2048}}}}
