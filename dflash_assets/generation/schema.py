@@ -47,7 +47,7 @@ COMPLETION_SCHEMA = pa.schema(
         ("shard", pa.string()),
         ("source", pa.string()),
         ("config_hash", pa.string()),
-        ("finish_reason", pa.string()),  # "stop" | "length"
+        ("finish_reason", pa.string()),  # "stop" | "length" | "runaway" (stopped while looping: rules.py)
         ("prompt_tokens", pa.int32()),  # as the server counted them (usage.prompt_tokens)
         ("completion_tokens", pa.int32()),
         ("reasoning_tokens", pa.int32()),
@@ -78,6 +78,8 @@ COMPLETION_SCHEMA = pa.schema(
         ("turn", pa.int16()),
         ("turns", pa.int16()),
         ("cached_tokens", pa.int32()),  # prompt tokens the server's prefix cache held (usage.prompt_tokens_details)
+        # finish_reason "runaway": output tokens decoded when its loop began (null for any other row)
+        ("loop_start_tokens", pa.int32()),
     ]
 )
 
