@@ -17,8 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from dflash_assets.fleet.stream import (ChatAnswer, GenerateAnswer, Stalled, StreamError, Watch, chat_stream_body,
-                                        events)
+from dflash_assets.fleet.stream import ChatAnswer, GenerateAnswer, Silence, StreamError, Watch, chat_stream_body
 
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
 PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
@@ -158,15 +157,16 @@ class ServerClient:
     async def _stream(self, path: str, body: dict, answer: ChatAnswer | GenerateAnswer, watch: Watch) -> dict:
         """POST a streamed request and assemble its answer; closes the stream early on a stall or a loop (the
         connection is dropped, which makes SGLang abort the request)."""
+        silence = Silence(watch)
         try:
-            async with self.session.post(self.url + path, json=body, headers=self._headers,
-                                         timeout=self._timeout) as resp:
+            async with silence, self.session.post(self.url + path, json=body, headers=self._headers,
+                                                  timeout=self._timeout) as resp:
                 if resp.status != 200:
                     self._refused(resp.status, "POST", path, await resp.json() if resp.content_type ==
                                   "application/json" else await resp.text())
                 stopped = done = False
                 try:
-                    async for event in events(resp, watch):
+                    async for event in silence.events(resp):
                         if answer.add(event):
                             stopped = True  # a loop: stop decoding it
                             break
@@ -177,13 +177,13 @@ class ServerClient:
                 return answer.response(stopped)
         except (ServerError, ServerAccessError):
             raise
-        except Stalled as e:
-            raise ServerError(self.url, f"POST {path}: {e}, the stream was closed", retryable=True,
-                              stalled=True) from None
         except StreamError as e:  # an abort with a status, after the 200
             code = e.code if isinstance(e.code, int) else None
             raise ServerError(self.url, e.message, status=code, retryable=code not in PROMPT_FAULT) from None
         except asyncio.TimeoutError:
+            if silence.expired:
+                raise ServerError(self.url, f"POST {path}: {silence.why()}, the stream was closed", retryable=True,
+                                  stalled=True) from None
             raise ServerError(self.url, f"POST {path} timed out", retryable=True) from None
         except (aiohttp.ClientError, OSError, ValueError) as e:
             raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}", retryable=True) from None

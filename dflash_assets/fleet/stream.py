@@ -13,8 +13,8 @@ SGLang 0.5.23's streams, as the wheel writes them:
   is null until the last one; errors are `data: {"error": {...}}`; `data: [DONE]`.
 Assembled, both give the non-streamed answer's shape, so a row built from either is the same row.
 
-Watched (`Watch`): a stream that sends nothing for `stall_timeout_s` once it has started (or before its first
-event for `first_token_timeout_s`) is closed; SGLang aborts a request whose client disconnects
+Watched (`Watch`, `Silence`): a stream that sends nothing for `stall_timeout_s` once it has started (or before
+its first event for `first_token_timeout_s`) is closed; SGLang aborts a request whose client disconnects
 (tokenizer_manager._stream_one_response polls request.is_disconnected, the streaming response's abort task), so
 the slot is freed there too. Every `check_every_tokens` tokens the runaway rule looks at the text so far; a loop
 closes the stream and the answer comes back with finish_reason RUNAWAY and where the loop began.
@@ -50,10 +50,6 @@ class Watch:
     @property
     def watches_runaways(self) -> bool:
         return self.check_every_tokens > 0 and self.looping is not None
-
-
-class Stalled(TimeoutError):
-    """No event for longer than the watch allows: the stream is closed."""
 
 
 class Tokens:
@@ -97,29 +93,47 @@ class Runaway:
         return True
 
 
-async def events(resp: aiohttp.ClientResponse, watch: Watch) -> AsyncIterator[dict]:
-    """The JSON events of an SSE response, until [DONE]; Stalled when it goes silent for longer than `watch`
-    allows (the caller closes the response)."""
-    loop = asyncio.get_running_loop()
-    stall = watch.stall_timeout_s
-    try:
-        async with asyncio.timeout(loop.time() + watch.first_token_timeout_s) as deadline:
-            started = False
-            async for line in resp.content:
-                if not line.startswith(DATA):
-                    continue  # the blank line between events, an `event:` name
-                now = loop.time()
-                if not started or deadline.when() - now < stall:  # cheap: the timer moves rarely
-                    deadline.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
-                    started = True
-                payload = line[len(DATA):].rstrip()
-                if payload == DONE:
-                    return
-                yield json.loads(payload)
-            raise aiohttp.ClientPayloadError("the stream ended before data: [DONE]")
-    except TimeoutError:
-        raise Stalled(f"no token for {stall:.0f}s" if started else
-                      f"no first token for {watch.first_token_timeout_s:.0f}s") from None
+class Silence:
+    """The deadline of one watched request: `first_token_timeout_s` from its start (the POST, its headers and its
+    first event), then `stall_timeout_s` after every event. Used as `async with silence:` around the request."""
+
+    def __init__(self, watch: Watch):
+        self.watch, self.started = watch, False
+        self._timer: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> Silence:
+        loop = asyncio.get_running_loop()
+        self._timer = asyncio.timeout_at(loop.time() + self.watch.first_token_timeout_s)
+        await self._timer.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> bool | None:
+        return await self._timer.__aexit__(*exc)
+
+    @property
+    def expired(self) -> bool:
+        """The request was cut by this deadline (not by any other timeout)."""
+        return self._timer is not None and self._timer.expired()
+
+    def why(self) -> str:
+        return (f"no token for {self.watch.stall_timeout_s:g}s" if self.started else
+                f"no first token for {self.watch.first_token_timeout_s:g}s")
+
+    async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+        """The JSON events of an SSE response, until [DONE]; each one moves the deadline."""
+        loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
+        async for line in resp.content:
+            if not line.startswith(DATA):
+                continue  # the blank line between events, an `event:` name
+            now = loop.time()
+            if not self.started or timer.when() - now < stall:  # cheap: the timer moves rarely
+                timer.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
+                self.started = True
+            payload = line[len(DATA):].rstrip()
+            if payload == DONE:
+                return
+            yield json.loads(payload)
+        raise aiohttp.ClientPayloadError("the stream ended before data: [DONE]")
 
 
 class ChatAnswer:
