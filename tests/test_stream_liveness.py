@@ -7,58 +7,33 @@ hour. A test that did not abandon them would hang until its timeout, so each one
 """
 
 import asyncio
-import json
 import time
 
-import duckdb
 import pytest
+from test_faults import FLAGS, N, generate, make_shard, rows
 
 from dflash_assets.fleet.client import ServerClient, ServerError
-from dflash_assets.fleet.fleet import connect, open_session
+from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
-from dflash_assets.generation.engine import generate_shard
-from dflash_assets.generation.shards import build_prompt_shard
 
 pytestmark = pytest.mark.timeout(180)
 
-FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "120", "--length-sigma", "0.4",
-         "--decode-tokens-per-s", "3000", "--max-running-requests", "4"]
 HOUR = "3600"
-N = 30
 SETTINGS = DispatchSettings(stall_timeout_s=0.5, first_token_timeout_s=0.5, max_attempts=6, backoff_base_s=0.05,
                             backoff_max_s=0.2, eject_after=2, commit_rows=5, commit_seconds=0.2, load_sample_s=0)
 
 
-def make_shard(tmp_path, url) -> None:
-    src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"id": f"l{i:03d}", "prompt": f"liveness {i}"}) + "\n" for i in range(N)))
-
-    async def go():
-        fleet = await connect([url])
-        try:
-            await build_prompt_shard(src, 0, "00000", N, tmp_path / "data", fleet, {"enable_thinking": True})
-        finally:
-            await fleet.session.close()
-
-    asyncio.run(go())
-
-
-def generate(tmp_path, urls, settings=SETTINGS):
-    async def go():
-        fleet = await connect(urls)
-        try:
-            return await generate_shard(tmp_path / "data", "00000", fleet, GenerationConfig(max_output_tokens=2048),
-                                        settings, log=lambda m: None)
-        finally:
-            await fleet.session.close()
-
-    return asyncio.run(go())
-
-
-def rows(tmp_path) -> list[tuple]:
-    return duckdb.sql(f"select prompt_id, server_url, attempt from read_parquet("
-                      f"'{tmp_path}/data/completions/**/*.parquet') order by prompt_id").fetchall()
+def run_beside_a_healthy_server(tmp_path, emulator, *fault: str):
+    """A shard generated on a server with `fault` and a healthy one: (the two servers, the run, its rows)."""
+    faulty, healthy = emulator(*FLAGS, "--enable-metrics", *fault), emulator(*FLAGS)
+    urls = [faulty.emu.url, healthy.emu.url]
+    make_shard(tmp_path, urls[0])
+    run = generate(tmp_path, urls, SETTINGS)
+    done = rows(tmp_path)
+    assert (run.prompts, run.completed, run.failed) == (N, N, 0)
+    assert len(done) == N == len({r[0] for r in done}), "every prompt committed once"
+    return faulty, urls, run, done
 
 
 def settled(server, deadline_s: float = 30.0) -> dict:
@@ -96,15 +71,8 @@ def test_a_stream_silent_for_stall_timeout_is_closed_and_the_server_aborts_it(em
 
 
 def test_a_mid_stream_stall_is_retried_on_another_server_with_its_attempt_and_nothing_is_lost(tmp_path, emulator):
-    stalling = emulator(*FLAGS, "--enable-metrics", "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "8",
-                        "--fault-stall-next", "3")
-    healthy = emulator(*FLAGS)
-    urls = [stalling.emu.url, healthy.emu.url]
-    make_shard(tmp_path, urls[0])
-    run = generate(tmp_path, urls)
-    assert (run.prompts, run.completed, run.failed) == (N, N, 0)
-    done = rows(tmp_path)
-    assert len(done) == N == len({r[0] for r in done}), "every prompt committed once"
+    stalling, urls, run, done = run_beside_a_healthy_server(
+        tmp_path, emulator, "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "8", "--fault-stall-next", "3")
     retried = [r for r in done if r[2] > 1]
     assert len(retried) == 3 and all(r[1] == urls[1] for r in retried), "the 3 stalled ones, each on the other server"
     assert run.servers[urls[0]]["stalls"] == 3
@@ -112,26 +80,16 @@ def test_a_mid_stream_stall_is_retried_on_another_server_with_its_attempt_and_no
 
 
 def test_a_server_whose_streams_all_stall_is_ejected_and_the_run_completes_on_the_others(tmp_path, emulator):
-    stalling = emulator(*FLAGS, "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "3")
-    healthy = emulator(*FLAGS)
-    urls = [stalling.emu.url, healthy.emu.url]
-    make_shard(tmp_path, urls[0])
-    run = generate(tmp_path, urls)
-    assert (run.completed, run.failed) == (N, 0)
-    done = rows(tmp_path)
+    _, urls, run, done = run_beside_a_healthy_server(
+        tmp_path, emulator, "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "3")
     assert {r[1] for r in done} == {urls[1]}, "no stream of the stalling server ever finished"
-    assert len(done) == N == len({r[0] for r in done})
     assert run.servers[urls[0]]["ejections"] >= 1
     assert run.servers[urls[0]]["stalls"] >= SETTINGS.eject_after
     assert run.servers[urls[1]]["stalls"] == 0
 
 
 def test_a_request_with_no_first_token_for_first_token_timeout_is_retried_elsewhere(tmp_path, emulator):
-    stalling = emulator(*FLAGS, "--fault-stall-seconds", HOUR, "--fault-stall-next", "2")
-    healthy = emulator(*FLAGS)
-    urls = [stalling.emu.url, healthy.emu.url]
-    make_shard(tmp_path, urls[0])
-    run = generate(tmp_path, urls)
-    assert (run.completed, run.failed) == (N, 0)
-    retried = [r for r in rows(tmp_path) if r[2] > 1]
+    _, urls, _, done = run_beside_a_healthy_server(tmp_path, emulator, "--fault-stall-seconds", HOUR,
+                                                   "--fault-stall-next", "2")
+    retried = [r for r in done if r[2] > 1]
     assert len(retried) == 2 and {r[1] for r in retried} == {urls[1]}
