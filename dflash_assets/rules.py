@@ -39,6 +39,7 @@ def context_needed(prompt_tokens: int, max_output_tokens: int) -> int:
 # and its completion_tokens are what it really cost.
 RUNAWAY_FINISH = "runaway"
 STOPPED_EARLY_SQL = f"finish_reason = '{RUNAWAY_FINISH}'"
+CUT_SQL = f"finish_reason IN ('length', '{RUNAWAY_FINISH}')"  # the model did not choose its end (planner rows)
 
 
 def stopped_early(finish_reason: str | None) -> bool:

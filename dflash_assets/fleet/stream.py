@@ -164,19 +164,20 @@ class ChatAnswer:
             self.sglext = event["sglext"]
         for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
-            if piece := delta.get("reasoning_content"):
-                self.reasoning.append(piece)
+            thought, answer = delta.get("reasoning_content"), delta.get("content")
+            if thought:
+                self.reasoning.append(thought)
                 if not self.content:
-                    self.chars += len(piece)
-            if piece := delta.get("content"):
+                    self.chars += len(thought)
+            if answer:
                 if not self.content:  # the answer begins: from now on it is what is judged
                     self.chars, self.runaway.positions = 0, Tokens()
-                self.content.append(piece)
-                self.chars += len(piece)
+                self.content.append(answer)
+                self.chars += len(answer)
             if choice.get("finish_reason") is not None:
                 self.finish_reason, self.matched_stop = choice["finish_reason"], choice.get("matched_stop")
                 return False
-            if piece and self.runaway.looping(self.text, self.tokens):
+            if (thought or answer) and self.runaway.looping(self.text, self.tokens):
                 return True
         return False
 

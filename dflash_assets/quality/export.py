@@ -35,7 +35,7 @@ from dflash_assets.rules import OVERFLOW_SQL
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
     "truncated",  # finish_reason 'length'
-    "not_stop",  # any other finish_reason than 'stop' (abort, null)
+    "not_stop",  # any other finish_reason than 'stop' (abort, null, 'runaway': stopped while looping)
     "empty_content",
     "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content
     # (trainer_format.py): the answer, or under last_turn an earlier answer the source's history carries

@@ -31,7 +31,7 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, P
 from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.trainer_format import think_marker_sql
-from dflash_assets.rules import blank_sql
+from dflash_assets.rules import STOPPED_EARLY_SQL, blank_sql
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
@@ -45,10 +45,12 @@ COMPLETION_FLAGS = f"""
 
 def runaway_sql(rules: RunawayRules) -> str:
     """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
-    judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking."""
+    judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking.
+    A row stopped while streaming was judged by the same rules then (rules.RUNAWAY_FINISH): it is one."""
     tail = (f"CASE WHEN {blank_sql('content')} "
             f"THEN right(reasoning_content, {rules.tail_chars}) ELSE right(content, {rules.tail_chars}) END")
-    return f"CASE WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END"
+    return (f"CASE WHEN {STOPPED_EARLY_SQL} THEN true "
+            f"WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END")
 
 
 # Built once because accounting and context_overflow both need "what happened to each prompt under each config".
