@@ -6,7 +6,7 @@ from pydantic import Field
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
-from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
 from dflash_assets.defs.shard_concurrency import one_run_per_shard
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.config import ConfigError, GenerationConfig
@@ -41,7 +41,7 @@ class CompletionsConfig(DispatchRunConfig, GenerationSettings):
                 "resumes: prompts already committed for this config are skipped.",
 )
 def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fleet: FleetResource,
-                data_dir: DataDir) -> None:
+                data_dir: DataDir, quality: QualityThresholds) -> None:
     generation, dispatch = config.generation(), config.dispatch()
     try:
         generation.validate()
@@ -52,7 +52,8 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         with one_run_per_shard(context, context.partition_keys):
             runs = run_on_fleet(fleet, lambda f: generate_shards(
                 data_dir.resolved(), context.partition_keys, f, generation, dispatch,
-                preflight_policy=config.preflight_policy, log=context.log.info))
+                preflight_policy=config.preflight_policy, log=context.log.info,
+                runaway=quality.thresholds().runaway))  # streamed: loops stopped by the checks' own rules
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
