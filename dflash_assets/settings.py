@@ -99,7 +99,7 @@ class DispatchSettings(Settings):
         900.0, description="stream: the same, before the first token (a request queued behind a busy server's "
                            "running ones waits longer than a decode step).")
     runaway_check_tokens: int = Field(
-        512, description="stream: apply the runaway rules to the streamed text every this many tokens; a loop is "
+        256, description="stream: apply the runaway rules to the streamed text every this many tokens; a loop is "
                          "stopped and committed with finish_reason 'runaway' (0: off, runaways decode to the cap).")
 
     def validate(self) -> None:  # noqa: D102  (pydantic v2 has no instance validate: ours checks the values)
@@ -166,6 +166,10 @@ class ServerFlags(Settings):
                                                                  "reasoning_content.")
     enable_metrics: bool = Field(True, description="--enable-metrics: Prometheus /metrics.")
     max_queued_requests: Optional[int] = Field(None, description="--max-queued-requests.")
+    # SGLang's default is 1 (an event per token): parsing those costs the client 0.56-0.68 cores at the story's
+    # 24,500 tok/s, over its 0.5-core budget; at 4 it is 0.15 (benchmarks/bench_streaming.py cpu, docs/streaming.md)
+    stream_interval: Optional[int] = Field(4, description="--stream-interval: tokens per streamed event (SGLang's "
+                                                           "default 1 costs the client too much CPU to parse).")
 
 
 class LaunchSettings(ServerFlags):

@@ -33,6 +33,7 @@ import aiohttp
 from dflash_assets.rules import RUNAWAY_FINISH
 
 DATA, DONE = b"data: ", b"[DONE]"
+_decode = json.JSONDecoder().decode  # on str: json.loads on bytes first sniffs the encoding, per event
 # the timer is moved at most once a quarter of the stall timeout: a stall is noticed after 1 to 1.25 times it
 RESCHEDULE_SHARE = 0.25
 
@@ -120,19 +121,23 @@ class Silence:
                 f"no first token for {self.watch.first_token_timeout_s:g}s")
 
     async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
-        """The JSON events of an SSE response, until [DONE]; each one moves the deadline."""
+        """The JSON events of an SSE response, until [DONE]; each read moves the deadline. Read by whatever the
+        socket holds (several events at a time at --stream-interval 1), not line by line: a third of the CPU."""
         loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
-        async for line in resp.content:
-            if not line.startswith(DATA):
-                continue  # the blank line between events, an `event:` name
+        rest = b""
+        async for data in resp.content.iter_any():
             now = loop.time()
             if not self.started or timer.when() - now < stall:  # cheap: the timer moves rarely
                 timer.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
                 self.started = True
-            payload = line[len(DATA):].rstrip()
-            if payload == DONE:
-                return
-            yield json.loads(payload)
+            *whole, rest = (rest + data).split(b"\n\n")
+            for event in whole:
+                for line in event.split(b"\n"):  # `event: <name>` lines (sglext_ids framing) carry no data
+                    if line.startswith(DATA):
+                        payload = line[len(DATA):]
+                        if payload == DONE:
+                            return
+                        yield _decode(payload.decode())
         raise aiohttp.ClientPayloadError("the stream ended before data: [DONE]")
 
 
