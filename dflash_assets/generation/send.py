@@ -196,9 +196,11 @@ class Dispatch:
         runs = [o.run for o in self.outputs.values()]
         failed = sum(len(o.failed) for o in self.outputs.values())
         per_server = ", ".join(f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
-                               + (" EJECTED" if s.ejected_at else "") for s in self.slots.slots)
+                               + (f", {s.stalls} stalled" if s.stalls else "") + (" EJECTED" if s.ejected_at else "")
+                               for s in self.slots.slots)
         eta = f", ETA {(self.total - self.answered) * elapsed / self.answered:.0f}s" if self.answered else ""
         self.log(f"shards {', '.join(self.outputs)}: {self.answered}/{self.total} answered, "
-                 f"{sum(r.length for r in runs)} length, {failed} failed, "
+                 f"{sum(r.length for r in runs)} length, {sum(r.runaways_stopped for r in runs)} runaways stopped, "
+                 f"{failed} failed, "
                  f"{sum(r.rejected_server for r in runs)} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} "
                  f"[{per_server}]")

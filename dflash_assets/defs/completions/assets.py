@@ -93,6 +93,7 @@ def shard_metadata(run, cap: int) -> dict:
         "accounting": f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
                       f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
         "new_rows_truncated": run.length,
+        "new_rows_runaway_stopped": run.runaways_stopped,  # loops stopped while streaming (finish_reason 'runaway')
         "output_tokens": run.output_tokens,
         "elapsed_s": round(run.elapsed_s, 2),
         "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
