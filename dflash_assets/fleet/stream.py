@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from dflash_assets.rules import RUNAWAY_FINISH
+from dflash_assets.settings import DispatchSettings
 
 DATA, DONE = b"data: ", b"[DONE]"
 _decode = json.JSONDecoder().decode  # on str: json.loads on bytes first sniffs the encoding, per event
@@ -38,12 +39,15 @@ _decode = json.JSONDecoder().decode  # on str: json.loads on bytes first sniffs 
 RESCHEDULE_SHARE = 0.25
 
 
+_DEFAULTS = DispatchSettings()
+
+
 @dataclass(frozen=True)
 class Watch:
-    """How a streamed request is watched while it runs."""
+    """How a streamed request is watched while it runs (the dispatch settings' defaults; send.watch_of)."""
 
-    stall_timeout_s: float = 60.0
-    first_token_timeout_s: float = 600.0
+    stall_timeout_s: float = _DEFAULTS.stall_timeout_s
+    first_token_timeout_s: float = _DEFAULTS.first_token_timeout_s
     check_every_tokens: int = 0  # 0: the runaway rule is not applied while streaming
     looping: Callable[[str], bool] | None = None  # the runaway rule, on the text so far
     loop_start: Callable[[str], int] | None = None  # where in that text the loop began (a character offset)
@@ -122,7 +126,7 @@ class Silence:
 
     async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
         """The JSON events of an SSE response, until [DONE]; each read moves the deadline. Read by whatever the
-        socket holds (several events at a time at --stream-interval 1), not line by line: a third of the CPU."""
+        socket holds (one await for the events a read brings, not two per event as line by line)."""
         loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
         rest = b""
         async for data in resp.content.iter_any():
