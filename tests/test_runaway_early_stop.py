@@ -11,6 +11,7 @@ import json
 import duckdb
 import pytest
 from conftest import Http
+from test_stream_liveness import aborted, settled
 
 from dflash_assets.emulator import model
 from dflash_assets.emulator.process import start_emulator
@@ -51,12 +52,6 @@ def table(data, select="*", where="true") -> list[dict]:
     return [dict(zip(rel.columns, r)) for r in rel.fetchall()]
 
 
-def aborted(server) -> float:
-    _, text = server.get("/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:num_aborted_requests_total"))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{every: (data dir, run, aborted requests)} for early stopping on (EVERY) and off (0)."""
@@ -66,7 +61,9 @@ def runs(tmp_path_factory):
         with start_emulator(FLAGS + LOOPS) as emu:
             make_shard(data, emu.url)
             run = generate(data, emu.url, every)
-            out[every] = data, run, aborted(Http(emu.url))
+            server = Http(emu.url)
+            settled(server)  # every stopped stream released: its abort is counted
+            out[every] = data, run, aborted(server)
     return out
 
 
