@@ -16,9 +16,9 @@ def runaway_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     configs = group_counts(con, "runaway", by="config")
     shards = group_counts(con, "runaway", by="shard")
     rows, runaways = totals(configs)
-    truncated = totals(group_counts(con, "truncated", by="config"))[1]
     stopped = totals(group_counts(con, "runaway_stopped", by="config"))[1]
-    honest = truncated - (runaways - stopped)  # the cap's cuts that do not loop
+    truncated = totals(group_counts(con, "truncated", by="config"))[1] + stopped  # cut at the cap, or stopped
+    honest = truncated - runaways  # the cap's cuts that do not loop
     rate, limit = share(runaways, rows), t.runaway_rate_max
     over = [g for g in worst_first(configs) if g.rate > limit] + [g for g in worst_first(shards) if g.rate > limit]
     lines = [f"**{pct(rate)}** of {num(rows)} rows ({num(runaways)}) were cut at the cap while repeating themselves "

@@ -13,12 +13,13 @@ import duckdb
 from dflash_assets.quality.outcome import share
 from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.quality.tables import open_quality_db
-from dflash_assets.rules import OVERFLOW_SQL, PERCENTILE_DEFINITION, STOPPED_EARLY_SQL, percentile_sql
+from dflash_assets.rules import CUT_SQL, OVERFLOW_SQL, PERCENTILE_DEFINITION, STOPPED_EARLY_SQL, percentile_sql
 
 PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
 CONFIG = "config_hash, max_output_tokens"
 
-STATS = f"""count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
+# truncated_rows: the rows the model did not end, cut at the cap or stopped while looping (runaway_stopped_rows)
+STATS = f"""count(*) AS rows, count(*) FILTER (WHERE {CUT_SQL}) AS truncated_rows,
     count(*) FILTER (WHERE runaway) AS runaway_rows,
     count(*) FILTER (WHERE {STOPPED_EARLY_SQL}) AS runaway_stopped_rows,
     {percentile_sql('completion_tokens', (0.5, 0.9, 0.95, 0.99))} AS q, max(completion_tokens) AS max"""
@@ -29,7 +30,7 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     q = row.pop("q") or [None] * 4
     out = {k: v for k, v in row.items() if k != "max"}
     out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
-    # cut while looping: at the cap (part of truncated_rows) or stopped early (runaway_stopped_rows)
+    # cut while looping (part of truncated_rows): at the cap, or stopped early
     out["runaway_rate"] = share(row["runaway_rows"], row["rows"])
     out.update(p50=q[0], p90=q[1], p95=q[2], p99=q[3], max=row["max"])
     return out
