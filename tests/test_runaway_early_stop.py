@@ -1,9 +1,9 @@
 """Runaways stopped while they run: the runaway rule on the streamed text every runaway_check_tokens tokens.
 
-Two runs of the same shard on fresh emulators where 20% of generations loop past the cap of 8192 tokens: early stopping on and
-off. The stopped rows are exactly the loops the checks find in the run without it; they cost a few hundred tokens
-instead of the cap; every other row is the same; the checks, the report, the cap planner and the export count
-them. On honest long rows (no loops, a high cap) the rule stops nothing.
+Two runs of the same shard on fresh emulators where 20% of generations loop past the cap of 8192 tokens: early
+stopping on and off. The stopped rows are exactly the loops the checks find in the run without it; they cost a
+few hundred tokens instead of the cap; every other row is the same; the checks, the report, the cap planner and
+the export count them. On honest long rows (no loops, a high cap) the rule stops nothing.
 """
 
 import json

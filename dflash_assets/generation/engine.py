@@ -115,7 +115,8 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
             return reject_row(prompt, "server", reason, config, config_hash, prompt["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        dispatch = (Dispatch(fleet, settings, outputs, turn_sender(fleet, config, settings, make_row, watch), refuse, log,
+        turns = turn_sender(fleet, config, settings, make_row, watch) if all_turns else None
+        dispatch = (Dispatch(fleet, settings, outputs, turns, refuse, log,
                              follow_up=next_turn, on_answer=on_answer) if all_turns
                     else Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer))
         await dispatch.run(items, sum(len(p.todo) for p in plans))

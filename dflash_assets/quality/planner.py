@@ -453,7 +453,8 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
 # a runaway stopped while streaming is a cut row that loops, at the length it really cost (rules.RUNAWAY_FINISH)
 ROW_QUERY = (f"SELECT completion_tokens, {CUT_SQL} AS truncated, {{runaway}} AS runaway, prompt_tokens, "
              "max_output_tokens, server_context_length, model, temperature, top_p, top_k, enable_thinking, turn "
-             f"FROM {{src}} WHERE {{where}} AND (finish_reason = 'stop' OR {CUT_SQL}) AND completion_tokens IS NOT NULL")
+             f"FROM {{src}} WHERE {{where}} AND (finish_reason = 'stop' OR {CUT_SQL}) "
+             "AND completion_tokens IS NOT NULL")
 SAMPLING = ("model", "temperature", "top_p", "top_k", "enable_thinking")  # what must match for a probe to apply
 
 
