@@ -31,6 +31,22 @@ def context_needed(prompt_tokens: int, max_output_tokens: int) -> int:
     return prompt_tokens + max_output_tokens + CONTEXT_MARGIN
 
 
+# ---- finish_reason ---------------------------------------------------------------------------------------------
+# What SGLang sends (finish_reason.type): "stop" (the model ended: EOS or a stop string), "length" (the cap cut
+# it), "abort" (retried, never committed). RUNAWAY_FINISH is the client's own, never one SGLang sends: a
+# generation stopped while it ran because the runaway rule saw it loop (fleet/stream.py). Like "length" it is
+# cut, not an end the model chose, but short of the cap: it is counted apart from the cap's cuts, as a runaway,
+# and its completion_tokens are what it really cost.
+RUNAWAY_FINISH = "runaway"
+STOPPED_EARLY_SQL = f"finish_reason = '{RUNAWAY_FINISH}'"
+CUT_SQL = f"finish_reason IN ('length', '{RUNAWAY_FINISH}')"  # the model did not choose its end (planner rows)
+
+
+def stopped_early(finish_reason: str | None) -> bool:
+    """A runaway the client stopped while it ran (not cut by the cap)."""
+    return finish_reason == RUNAWAY_FINISH
+
+
 # ---- blank text ------------------------------------------------------------------------------------------------
 # "Blank" means null or only ASCII whitespace. In SQL a regex search for the first other character stops at once
 # on real text, where trim() would copy the whole (often 30 kB) string first.

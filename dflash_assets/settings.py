@@ -136,7 +136,26 @@ class DispatchSettings(Settings):
                           "prefix cache holds the history) unless that server's share of busy slots exceeds the "
                           "least-loaded server's by more than this (negative: always the least-loaded server).")
 
+    stream: bool = Field(
+        True, description="Stream every generation request (SSE) and watch it while it runs: a stall is noticed "
+                          "in stall_timeout_s, a loop stopped when it starts (docs/streaming.md). Off: one blocking "
+                          "POST per request, watched by request_timeout_s only.")
+    stall_timeout_s: float = Field(
+        60.0, description="stream: a request whose stream sends no token for this long is closed (SGLang aborts "
+                          "it) and retried on another server.")
+    first_token_timeout_s: float = Field(
+        900.0, description="stream: the same, before the first token (a request queued behind a busy server's "
+                           "running ones waits longer than a decode step).")
+    runaway_check_tokens: int = Field(
+        256, description="stream: apply the runaway rules to the streamed text every this many tokens; a loop is "
+                         "stopped and committed with finish_reason 'runaway' (0: off, runaways decode to the cap).")
+
     def validate(self) -> None:  # noqa: D102  (pydantic v2 has no instance validate: ours checks the values)
+        if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0:
+            raise ConfigError(f"stall_timeout_s and first_token_timeout_s must be > 0, got {self.stall_timeout_s} "
+                              f"and {self.first_token_timeout_s}")
+        if self.runaway_check_tokens < 0:
+            raise ConfigError(f"runaway_check_tokens must be >= 0 (0: off), got {self.runaway_check_tokens}")
         if self.max_in_flight_per_server < 0:
             raise ConfigError(f"max_in_flight_per_server must be >= 0, got {self.max_in_flight_per_server}")
         if self.max_attempts < 1:
@@ -195,6 +214,10 @@ class ServerFlags(Settings):
                                                                  "reasoning_content.")
     enable_metrics: bool = Field(True, description="--enable-metrics: Prometheus /metrics.")
     max_queued_requests: Optional[int] = Field(None, description="--max-queued-requests.")
+    # SGLang's default is 1 (an event per token): parsing those costs the client 0.56-0.93 cores at the story's
+    # 24,500 tok/s, over its 0.5-core budget; at 4 it is 0.15-0.16 (benchmarks/bench_streaming.py cpu, docs/streaming.md)
+    stream_interval: Optional[int] = Field(4, description="--stream-interval: tokens per streamed event (SGLang's "
+                                                           "default 1 costs the client too much CPU to parse).")
 
 
 class LaunchSettings(ServerFlags):

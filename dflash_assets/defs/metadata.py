@@ -22,6 +22,7 @@ class ShardRun:
     FAILED = "failed"
     ACCOUNTING = "accounting"
     NEW_ROWS_TRUNCATED = "new_rows_truncated"
+    NEW_ROWS_RUNAWAY_STOPPED = "new_rows_runaway_stopped"  # loops stopped while streaming (finish_reason 'runaway')
     OUTPUT_TOKENS = "output_tokens"
     ELAPSED_S = "elapsed_s"
     TOKENS_PER_S = "tokens_per_s"

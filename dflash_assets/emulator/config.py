@@ -62,7 +62,7 @@ _TYPED = {
     "max_mamba_cache_size": {"type": int},
     "chunked_prefill_size": {"type": int},
     "mem_fraction_static": {"type": float},
-    "stream_interval": {"type": int, "default": 1},
+    "stream_interval": {"type": int},  # None: not given (SGLang's 1; see engine.stream_step)
     "reasoning_parser": {"choices": ["auto"] + REASONING_PARSERS},
     "default_chat_template_kwargs": {"type": json.loads},
     "preferred_sampling_params": {"type": json.loads},
@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--fault-503-rate", type=float, help="Answer this share of generation requests with 503.")
     emu.add_argument("--fault-stall-seconds", type=float, help="Hold generation requests this long before serving.")
     emu.add_argument("--fault-stall-next", type=int, help="Stall only the next N requests (default: all).")
+    emu.add_argument("--fault-stall-after-tokens", type=int,
+                     help="The stall comes after this many output tokens are out (mid-stream), not before serving.")
     emu.add_argument("--fault-hold", action="store_true",
                      help="Hold generation requests until the hold is cleared (POST /_emulator/faults {\"hold\": null}).")
     emu.add_argument("--fault-slow-factor", type=float, help="Multiply decode time by this factor.")
@@ -318,7 +320,7 @@ def server_args_dict(cfg: EmulatorConfig) -> dict:
         "api_key": a.api_key,
         "allow_auto_truncate": bool(a.allow_auto_truncate),
         "default_chat_template_kwargs": a.default_chat_template_kwargs,
-        "stream_interval": a.stream_interval,
+        "stream_interval": a.stream_interval or 1,
         "incremental_streaming_output": bool(a.incremental_streaming_output),
         "skip_tokenizer_init": bool(a.skip_tokenizer_init),
         "sampling_defaults": a.sampling_defaults or "model",

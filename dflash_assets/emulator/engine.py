@@ -35,10 +35,12 @@ from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
 from .prefix_cache import PrefixCache
 from .scheduler import QueueFull, Scheduler
 
-# Streaming granularity: the first token on its own (time to first token), then
-# chunks of this many tokens (or stream_interval if larger), so a long reply is
-# ~100 SSE events, not thousands (SGLang's default stream_interval is 1); with
-# instant decode, where timing says nothing, bigger chunks keep the CPU cost low.
+# Streaming granularity (scheduler_components/output_streamer.py accept): the first token on its own, then an
+# event whenever `stream_interval` tokens are unsent. A --stream-interval given (or a request's
+# sampling_params.stream_interval) is honoured exactly, 1 included: one event per token. Not given, SGLang's 1
+# is coalesced to chunks of this many tokens, as the tokenizer manager coalesces the outputs queued behind a
+# busy writer (_stream_one_response keeps out_list[-1]), so a long reply is ~100 SSE events, not thousands;
+# with instant decode, where timing says nothing, bigger chunks keep the CPU cost low.
 STREAM_CHUNK_TOKENS = 32
 INSTANT_STREAM_CHUNK_TOKENS = 256
 HOLD_POLL_S = 0.05  # how often a held request looks whether the hold was cleared
@@ -151,7 +153,7 @@ class Engine:
             for rank in range(max(1, a.dp_size))
         ]
         self._round_robin = itertools.cycle(self.schedulers)
-        self.stream_interval = max(1, a.stream_interval or 1)
+        self.stream_interval = a.stream_interval  # None: not given
         # tokenizer-side counters for /metrics: (is_streaming) -> value
         self.counters = {"prompt_tokens": {}, "generation_tokens": {}, "requests": {}}
         self.num_aborted = 0
@@ -212,7 +214,7 @@ class Engine:
                 )
                 return
             ids = req.input_ids = ids[: self.cfg.max_req_input_len]
-        if verdict.stall:
+        if verdict.stall and not verdict.stall_after:
             await asyncio.sleep(verdict.stall)
         while verdict.hold and self.faults.held:
             await asyncio.sleep(HOLD_POLL_S)
@@ -230,16 +232,17 @@ class Engine:
         except QueueFull:
             yield self._abort(req, QUEUE_FULL, 503)
             return
+        finished = False
         try:
             await sched.wait_admitted(ticket)
             n = len(gen.output_ids)
             steps = []
             if req.stream and n > 1:
-                chunk = STREAM_CHUNK_TOKENS if ticket.per_token_s > 0 else INSTANT_STREAM_CHUNK_TOKENS
-                step = max(chunk, self.stream_interval)
+                step = self.stream_step(req, ticket.per_token_s > 0)
                 steps = [1, *range(1 + step, n, step)]
             sent = self._sent_texts(req, gen, steps) if self.cfg.args.non_ascii else None
             skip, text, done = sp_skip(sp), "", 0
+            stall_at = verdict.stall_after if verdict.stall else None  # a stall mid-stream, once that many are out
             for i, k in enumerate(steps):
                 await _sleep_until(ticket.time_of_token(k))
                 if sent is None:
@@ -248,14 +251,31 @@ class Engine:
                     text += sent[i]
                 done = k
                 yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
+                if stall_at is not None and k >= stall_at:
+                    await _stall(ticket, verdict.stall)
+                    stall_at = None
+            if stall_at is not None and stall_at < n:  # not streamed (or past the last event): it hangs all the same
+                await _sleep_until(ticket.time_of_token(stall_at))
+                await _stall(ticket, verdict.stall)
             await _sleep_until(ticket.time_of_token(n))
             if sched.prefix_cache:
                 sched.prefix_cache.insert(ids + gen.output_ids)
             if sent is not None:  # the reply's text is every piece the detokenizer sent, joined
                 gen = replace(gen, text="".join(sent))
+            finished = True
             yield replace(self._final(req, gen), cached_tokens=cached)
         finally:
+            if not finished:  # the client went away (its handler was cancelled): SGLang aborts the request
+                self.num_aborted += 1
             sched.release(ticket)
+
+    def stream_step(self, req: Request, timed: bool) -> int:
+        """Tokens per streamed event after the first: the request's stream_interval, else the server's, else
+        (neither given) SGLang's 1 coalesced to a chunk (see STREAM_CHUNK_TOKENS)."""
+        interval = req.sampling.get("stream_interval") or self.stream_interval
+        if interval:
+            return max(1, interval)
+        return STREAM_CHUNK_TOKENS if timed else INSTANT_STREAM_CHUNK_TOKENS
 
     def _draw(self, input_ids: list[int]) -> float:
         if self._seeded_draws is None:
@@ -330,6 +350,12 @@ class Engine:
 def sp_skip(sp: dict) -> bool:
     v = sp.get("skip_special_tokens")
     return True if v is None else bool(v)
+
+
+async def _stall(ticket, seconds: float) -> None:
+    """The request makes no progress for `seconds`; what is left of its decode comes after."""
+    await asyncio.sleep(seconds)
+    ticket.start += seconds
 
 
 async def _sleep_until(deadline: float) -> None:

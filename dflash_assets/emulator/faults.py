@@ -17,6 +17,9 @@ Settings (all optional):
     stall_seconds: S   a generation request is accepted, then held S seconds
                        before it is served (a hung scheduler, as seen by a client)
     stall_next: N      stall only the next N requests (default: every request)
+    stall_after_tokens: K  the stall comes mid-stream, once K output tokens are out (a stream that
+                       started, then went silent: a stuck scheduler or a half-open connection), not
+                       before serving; a client that closes the stream meanwhile aborts the request
     slow_factor: F     decode takes F times longer (a throttled or noisy GPU)
     hold: bool         a generation request is accepted, then held until hold is cleared (a test
                        that needs work to be certainly in flight at some moment releases it then)
@@ -45,6 +48,7 @@ class FaultSettings:
     fail_message: str | None = None
     stall_seconds: float | None = None
     stall_next: int | None = None
+    stall_after_tokens: int | None = None
     slow_factor: float | None = None
     unhealthy: bool | None = None
     hold: bool | None = None
@@ -59,6 +63,7 @@ class Verdict:
     crash: bool = False
     fail: str | None = None  # a 503 with this message
     stall: float = 0.0
+    stall_after: int = 0  # output tokens out before the stall (0: before serving)
     hold: bool = False  # wait until the hold setting is cleared
     abort: bool = False  # finish with a status-less abort (HTTP 200, finish_reason "abort")
 
@@ -130,7 +135,7 @@ class Faults:
             if s.stall_next is not None:
                 s.stall_next -= 1
             self.injected["stall"] += 1
-            return Verdict(stall=s.stall_seconds)
+            return Verdict(stall=s.stall_seconds, stall_after=s.stall_after_tokens or 0)
         return NO_FAULT
 
 
@@ -151,6 +156,7 @@ def from_args(args) -> Faults:
             fail_rate=args.fault_503_rate,
             stall_seconds=args.fault_stall_seconds,
             stall_next=args.fault_stall_next,
+            stall_after_tokens=args.fault_stall_after_tokens,
             slow_factor=args.fault_slow_factor,
             hold=args.fault_hold or None,
         )

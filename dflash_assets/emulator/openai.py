@@ -378,9 +378,8 @@ def _chunk(req: Request, model: str, created: int, delta: dict, finish=None, mat
         "created": created,
         "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, "matched_stop": matched}],
+        "usage": usage_,  # ChatCompletionStreamResponse.model_dump_json: null unless continuous_usage_stats
     }
-    if usage_ is not None:
-        c["usage"] = usage_
     return sse(c)
 
 

@@ -5,7 +5,8 @@ Errors are classified once, here, so every caller's retry loop does the right th
 - 401/403/404: the API key or the URL is wrong, not the prompt (ServerAccessError: not a ServerError, so no
   retry loop swallows it and the run stops, saying so);
 - anything else, a timeout, a dropped connection, or an HTTP 200 whose finish_reason is "abort" (0.5.23 sends
-  status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError, retryable).
+  status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError, retryable);
+- a streamed request that went silent (fleet/stream.py Watch): the server's too, marked `stalled`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from dflash_assets.settings import FleetSettings
+from dflash_assets.fleet.stream import ChatAnswer, GenerateAnswer, Silence, StreamError, Watch, chat_stream_body
 
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
 PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
@@ -32,12 +34,14 @@ TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is r
 class ServerError(Exception):
     """A request the server did not complete. `retryable` tells the dispatcher what to do with it."""
 
-    def __init__(self, url: str, message: str, *, status: int | None = None, retryable: bool):
+    def __init__(self, url: str, message: str, *, status: int | None = None, retryable: bool,
+                 stalled: bool = False):
         super().__init__(f"{url}: {message}")
         self.url = url
         self.status = status
         self.message = message
         self.retryable = retryable
+        self.stalled = stalled  # a stream closed for silence (Watch.stall_timeout_s): retried on another server
 
 
 class ServerAccessError(RuntimeError):
@@ -138,16 +142,52 @@ class ServerClient:
                     body = await resp.text()
                 if resp.status == 200:
                     return body
-                if resp.status in ACCESS_FAULT:
-                    raise ServerAccessError(self.url, method, path, resp.status, error_message(body))
-                raise ServerError(self.url, error_message(body), status=resp.status,
-                                  retryable=resp.status not in PROMPT_FAULT)
+                self._refused(resp.status, method, path, body)
         except (ServerError, ServerAccessError):
             raise
         except asyncio.TimeoutError:
             raise ServerError(self.url, f"{method} {path} timed out", retryable=True) from None
         except (aiohttp.ClientError, OSError) as e:
             raise ServerError(self.url, f"{method} {path} failed: {type(e).__name__}: {e}", retryable=True) from None
+
+    def _refused(self, status: int, method: str, path: str, body: Any) -> None:
+        if status in ACCESS_FAULT:
+            raise ServerAccessError(self.url, method, path, status, error_message(body))
+        raise ServerError(self.url, error_message(body), status=status, retryable=status not in PROMPT_FAULT)
+
+    async def _stream(self, path: str, body: dict, answer: ChatAnswer | GenerateAnswer, watch: Watch) -> dict:
+        """POST a streamed request and assemble its answer; closes the stream early on a stall or a loop (the
+        connection is dropped, which makes SGLang abort the request)."""
+        silence = Silence(watch)
+        try:
+            async with silence, self.session.post(self.url + path, json=body, headers=self._headers,
+                                                  timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    self._refused(resp.status, "POST", path, await resp.json() if resp.content_type ==
+                                  "application/json" else await resp.text())
+                stopped = done = False
+                try:
+                    async for event in silence.events(resp):
+                        if answer.add(event):
+                            stopped = True  # a loop: stop decoding it
+                            break
+                    done = True
+                finally:
+                    if not done or stopped:
+                        resp.close()  # not back to the pool: the server must see the client go
+                return answer.response(stopped)
+        except (ServerError, ServerAccessError):
+            raise
+        except StreamError as e:  # an abort with a status, after the 200
+            code = e.code if isinstance(e.code, int) else None
+            raise ServerError(self.url, e.message, status=code, retryable=code not in PROMPT_FAULT) from None
+        except asyncio.TimeoutError:
+            if silence.expired:
+                raise ServerError(self.url, f"POST {path}: {silence.why()}, the stream was closed", retryable=True,
+                                  stalled=True) from None
+            raise ServerError(self.url, f"POST {path} timed out", retryable=True) from None
+        except (aiohttp.ClientError, OSError, ValueError) as e:
+            raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}", retryable=True) from None
 
     async def healthy(self, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
         try:
@@ -236,13 +276,20 @@ class ServerClient:
         body = {"tokens": list(ids), "skip_special_tokens": True}
         return (await self._request("POST", "/v1/detokenize", json=body, timeout=60))["text"]
 
-    async def chat(self, body: dict) -> dict:
-        resp = await self._request("POST", "/v1/chat/completions", json=body)
+    async def chat(self, body: dict, watch: Watch | None = None) -> dict:
+        """The chat completion of `body`; with a `watch`, streamed and watched, assembled into the same answer."""
+        if watch is None:
+            resp = await self._request("POST", "/v1/chat/completions", json=body)
+        else:
+            resp = await self._stream("/v1/chat/completions", chat_stream_body(body, watch), ChatAnswer(watch), watch)
         aborted = [c.get("index") for c in resp.get("choices") or [] if c.get("finish_reason") == "abort"]
         if aborted:  # a status-less abort (FINISH_ABORT without status_code) arrives as an HTTP 200
             raise ServerError(self.url, f"/v1/chat/completions answered 200 with finish_reason 'abort' "
                                         f"(choice {aborted[0]}): aborted by the server, not finished", retryable=True)
         return resp
 
-    async def generate(self, body: dict) -> Any:
-        return await self._request("POST", "/generate", json=body)
+    async def generate(self, body: dict, watch: Watch | None = None) -> Any:
+        """/generate of one request; with a `watch`, streamed and watched, assembled into the same answer."""
+        if watch is None:
+            return await self._request("POST", "/generate", json=body)
+        return await self._stream("/generate", {**body, "stream": True}, GenerateAnswer(watch), watch)

@@ -58,6 +58,7 @@ class ServerArgs:
     reasoning_parser: str | None = _FLAGS.reasoning_parser
     enable_metrics: bool = _FLAGS.enable_metrics
     max_queued_requests: int | None = _FLAGS.max_queued_requests
+    stream_interval: int | None = _FLAGS.stream_interval
     extra_args: tuple[str, ...] = field(default=())
     gpus: tuple[int, ...] = ()  # not a flag: CUDA_VISIBLE_DEVICES of the child (tp_size ids); () inherits it
 
@@ -78,7 +79,7 @@ class ServerArgs:
         if self.gpus and len(self.gpus) != self.tp_size:
             raise ServerArgsError(f"tp_size {self.tp_size} needs {self.tp_size} GPUs, got {list(self.gpus)}")
         for name in ("tp_size", "context_length", "max_running_requests", "max_mamba_cache_size",
-                     "cuda_graph_max_bs_decode", "max_queued_requests"):
+                     "cuda_graph_max_bs_decode", "max_queued_requests", "stream_interval"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ServerArgsError(f"{name} must be a positive integer, got {value}")

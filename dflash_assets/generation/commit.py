@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from dflash_assets.generation.parts import PartStore
 from dflash_assets.generation.plan import ShardRun
 from dflash_assets.generation.slots import Slot
+from dflash_assets.rules import stopped_early
 
 
 def generated_tokens(row: dict) -> int:
@@ -75,6 +76,7 @@ class ShardOutput:
             await asyncio.to_thread(self.turn_rejects.commit, before_sending)
         await asyncio.to_thread(self.store.commit, batch)
         self.run.length += sum(r["finish_reason"] == "length" for r in batch)
+        self.run.runaways_stopped += sum(stopped_early(r["finish_reason"]) for r in batch)
         self.run.output_tokens += sum(generated_tokens(r) for r in batch)
         self.run.rejected_server += len(server)
         self.run.rejected_preflight += len(before_sending)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 
@@ -51,11 +52,17 @@ from dflash_assets.generation.plan import (
 from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
-from dflash_assets.generation.send import Dispatch
+from dflash_assets.generation.send import Dispatch, watch_of
 from dflash_assets.generation.shards import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.rules import most_rows_first
+from dflash_assets.fleet.stream import Watch
+from dflash_assets.rules import RUNAWAY_FINISH, most_rows_first
+
+if TYPE_CHECKING:
+    from dflash_assets.quality.runaway import RunawayRules
+
+FINISHED = ("stop", "length", RUNAWAY_FINISH)  # what a continuation may end with; "abort" is retried
 
 PLAN_COLUMNS = {
     name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
@@ -159,7 +166,7 @@ def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_h
                attempt: int, latency: float, text: str) -> dict:
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
-    if finish.get("type") not in ("stop", "length"):  # an abort without an HTTP error status: try again
+    if finish.get("type") not in FINISHED:  # an abort without an HTTP error status: try again
         raise ServerError(slot.url, f"/generate finished with {finish!r}", retryable=True)
     ids = row["output_ids"] + new_ids
     # `text` is the whole output (parent's ids + new ids) decoded in one piece by the server, then split as the
@@ -171,7 +178,9 @@ def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_h
             "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
             "content": content, "reasoning_content": thought, "latency_s": latency, "attempt": attempt,
             "created_at": datetime.now(timezone.utc), "output_ids": ids,
-            "parent_config_hash": row["config_hash"], "tokens_reused": len(row["output_ids"])}
+            "parent_config_hash": row["config_hash"], "tokens_reused": len(row["output_ids"]),
+            "loop_start_tokens": None if finish.get("loop_start_tokens") is None
+            else len(row["output_ids"]) + finish["loop_start_tokens"]}
 
 
 def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
@@ -183,7 +192,7 @@ def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
 
 
 async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, messages_json: str,
-                   config: GenerationConfig, config_hash: str, drift: list[int]) -> dict:
+                   config: GenerationConfig, config_hash: str, drift: list[int], watch: Watch | None = None) -> dict:
     """Continue a row without token ids by its text: SGLang's chat route with the raw output as the final,
     unfinished assistant message (`continue_final_message`); the raw continuation comes back unsplit."""
     import json
@@ -193,9 +202,9 @@ async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, me
     body |= {"max_completion_tokens": config.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
              "continue_final_message": True, "separate_reasoning": False}
     t0 = time.monotonic()
-    resp = await slot.client.chat(body)
+    resp = await slot.client.chat(body, watch)
     choice, usage = resp["choices"][0], resp.get("usage") or {}
-    if choice.get("finish_reason") not in ("stop", "length"):
+    if choice.get("finish_reason") not in FINISHED:
         raise ServerError(slot.url, f"chat finished with {choice.get('finish_reason')!r}", retryable=True)
     new = usage.get("completion_tokens") or 0
     drift.append((usage.get("prompt_tokens") or 0) - row["prompt_tokens"] - row["completion_tokens"])
@@ -209,18 +218,23 @@ async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, me
             "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
             "content": content, "reasoning_content": thought, "latency_s": time.monotonic() - t0,
             "attempt": attempt, "created_at": datetime.now(timezone.utc),
-            "parent_config_hash": row["config_hash"], "tokens_reused": row["completion_tokens"]}
+            "parent_config_hash": row["config_hash"], "tokens_reused": row["completion_tokens"],
+            "loop_start_tokens": None if choice.get("loop_start_tokens") is None
+            else row["completion_tokens"] + choice["loop_start_tokens"]}
 
 
 async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
                          settings: DispatchSettings = DispatchSettings(), *,
-                         log: Callable[[str], None] = print, to_window: int | None = None) -> ContinuationRun:
+                         log: Callable[[str], None] = print, to_window: int | None = None,
+                         runaway: RunawayRules | None = None) -> ContinuationRun:
     """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows.
 
     `to_window`: the parent is a window-policy config; continue it to this larger trainer window instead (each row
-    to its own request cap there; `new_cap` is then ignored)."""
+    to its own request cap there; `new_cap` is then ignored). With `settings.stream`, every request is streamed and
+    watched (stalls, and loops by the `runaway` rules)."""
     data_dir = open_storage(data_dir)
     settings.validate()
+    watch = watch_of(settings, runaway)
     started = time.monotonic()
     prompts = prompt_store(data_dir, shard)
     store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
@@ -316,14 +330,14 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
                                      slot.info.always_thinks)
             if row["output_ids"] is None:
                 return await _by_text(row, slot, attempt, reasoning, messages[row["prompt_id"]], config, config_hash,
-                                      drift)
+                                      drift, watch)
             # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
             # short of its cap still ends where a fresh run at the new cap would
             sampling = {"max_new_tokens": config.request_cap(row["prompt_tokens"]) - len(row["output_ids"]),
                         **config.sampling()}
             t0 = time.monotonic()
             resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
-                                               "sampling_params": sampling})
+                                               "sampling_params": sampling}, watch)
             text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
             return _continued(row, resp, slot, reasoning, config_hash, config, attempt, time.monotonic() - t0,
                               text)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
@@ -27,12 +28,15 @@ from dflash_assets.generation.plan import (
 )
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import last_turn_request
-from dflash_assets.generation.send import Dispatch
+from dflash_assets.generation.send import Dispatch, watch_of
 from dflash_assets.generation.shards import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import open_storage
 from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
 from dflash_assets.rules import stores_token_ids
+
+if TYPE_CHECKING:
+    from dflash_assets.quality.runaway import RunawayRules
 
 # the engine's public names, wherever they are defined
 __all__ = ["OVERFLOW_FAIL_SHARE", "ShardRun", "committed_ids", "completion_store", "failure_store", "generate_shard",
@@ -58,6 +62,7 @@ def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, confi
         "prompt_token_ids": choice.get("prompt_token_ids"), "output_ids": choice.get("response_token_ids"),
         # reported by a server started with --enable-cache-report
         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "loop_start_tokens": choice.get("loop_start_tokens"),  # a runaway stopped while streaming (fleet/stream.py)
     }
 
 
@@ -71,12 +76,14 @@ def window_columns(config: GenerationConfig) -> dict:
 async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationConfig,
                           settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
                           log: Callable[[str], None] = print,
-                          on_answer: Callable[[int, int], None] | None = None) -> list[ShardRun]:
+                          on_answer: Callable[[int, int], None] | None = None,
+                          runaway: RunawayRules | None = None) -> list[ShardRun]:
     """Generate several shards (a backfill's range) through ONE dispatcher, in order.
 
     The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
     servers' slots do not drain at shard boundaries; each shard still has its own lock, parts, rejects,
-    failures, compaction and figures. `data_dir` is a local path or an `s3://bucket/prefix` URI.
+    failures, compaction and figures. `data_dir` is a local path or an `s3://bucket/prefix` URI. With
+    `settings.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
     """
     data_dir = open_storage(data_dir)
     config.validate()
@@ -107,18 +114,21 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
             return row_of(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, latency,
                           config.request_cap(prompt["prompt_tokens"]))
 
+        watch = watch_of(settings, runaway)
+
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
             messages = last_turn_request(json.loads(prompt["messages_json"]))
             body = config.chat_body(model, messages, token_ids, config.request_cap(prompt["prompt_tokens"]))
             t0 = time.monotonic()
-            resp = await slot.client.chat(body)
+            resp = await slot.client.chat(body, watch)
             return make_row(prompt, resp, slot, attempt, time.monotonic() - t0)
 
         def refuse(prompt: dict, reason: str, context: int) -> dict:
             return reject_row(prompt, "server", reason, config, config_hash, prompt["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        dispatch = (Dispatch(fleet, settings, outputs, turn_sender(fleet, config, token_ids, make_row), refuse, log,
+        turns = turn_sender(fleet, config, token_ids, make_row, watch) if all_turns else None
+        dispatch = (Dispatch(fleet, settings, outputs, turns, refuse, log,
                              follow_up=next_turn, on_answer=on_answer) if all_turns
                     else Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer))
         await dispatch.run(items, sum(len(p.todo) for p in plans))
@@ -134,8 +144,9 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
 async def generate_shard(data_dir: str | Path, shard: str, fleet: Fleet, config: GenerationConfig,
                          settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
                          log: Callable[[str], None] = print,
-                         on_answer: Callable[[int, int], None] | None = None) -> ShardRun:
+                         on_answer: Callable[[int, int], None] | None = None,
+                         runaway: RunawayRules | None = None) -> ShardRun:
     """Generate the completions of one shard (see generate_shards)."""
     [run] = await generate_shards(data_dir, [shard], fleet, config, settings, preflight_policy=preflight_policy,
-                                  log=log, on_answer=on_answer)
+                                  log=log, on_answer=on_answer, runaway=runaway)
     return run

@@ -43,6 +43,7 @@ class ShardRun:
     already_done: int = 0
     completed: int = 0  # rows of this config in committed parts, this run's and earlier ones
     length: int = 0  # of this run's new rows, finish_reason == "length"
+    runaways_stopped: int = 0  # of this run's new rows, stopped while looping (rules.RUNAWAY_FINISH)
     rejected_preflight: int = 0
     rejected_server: int = 0
     failed: int = 0

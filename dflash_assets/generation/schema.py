@@ -47,7 +47,7 @@ COMPLETION_SCHEMA = pa.schema(
         ("shard", pa.string()),
         ("source", pa.string()),
         ("config_hash", pa.string()),
-        ("finish_reason", pa.string()),  # "stop" | "length"
+        ("finish_reason", pa.string()),  # "stop" | "length" | "runaway" (stopped while looping: rules.py)
         ("prompt_tokens", pa.int32()),  # as the server counted them (usage.prompt_tokens)
         ("completion_tokens", pa.int32()),
         ("reasoning_tokens", pa.int32()),
@@ -82,6 +82,8 @@ COMPLETION_SCHEMA = pa.schema(
         # cap and trainer_max_length the window it was sized to (both null under a fixed cap)
         ("policy_cap", pa.int32()),
         ("trainer_max_length", pa.int32()),
+        # finish_reason "runaway": output tokens decoded when its loop began (null for any other row)
+        ("loop_start_tokens", pa.int32()),
     ]
 )
 

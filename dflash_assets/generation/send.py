@@ -14,17 +14,37 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from functools import partial
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.fleet.stream import Watch
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.config import DispatchSettings
 from dflash_assets.generation.slots import Slot, SlotPicker
 
+if TYPE_CHECKING:
+    from dflash_assets.quality.runaway import RunawayRules
+
 Send = Callable[[dict, Slot, int], Awaitable[dict]]  # (item, slot, attempt) -> the row; raises ServerError
 Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context length) -> the server-stage reject row
 FollowUp = Callable[[dict, dict], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
+
+
+def watch_of(settings: DispatchSettings, rules: RunawayRules | None = None) -> Watch | None:
+    """How every request is watched while it streams (None: `stream` is off, one blocking POST each). The runaway
+    rule is the checks' own (`rules`, the quality resource's; None: the defaults), applied to the text so far."""
+    # imported here: quality/ reads generation/ (schemas, turns), which imports this module
+    from dflash_assets.quality.runaway import RunawayRules, is_runaway, loop_start
+
+    if not settings.stream:
+        return None
+    rules = rules or RunawayRules()
+    return Watch(settings.stall_timeout_s, settings.first_token_timeout_s, settings.runaway_check_tokens,
+                 looping=partial(is_runaway, rules=rules), loop_start=partial(loop_start, rules=rules))
 
 
 class Rejected(Exception):
@@ -100,6 +120,7 @@ class Dispatch:
                 for slot in self.slots.slots:  # the server's limit is the fleet's; the counts stay the shard's
                     output.run.servers.setdefault(slot.url, {"completed": 0, "output_tokens": 0})
                     output.run.servers[slot.url]["in_flight_limit"] = slot.limit
+                    output.run.servers[slot.url] |= {"stalls": slot.stalls, "ejections": slot.ejections}
 
     def _moved_to(self, shard: str, now: float) -> None:
         """The stream reached `shard`: no new item of an earlier shard will come (follow-ups still may)."""
@@ -122,9 +143,9 @@ class Dispatch:
             output.done(time.monotonic(), output.run.last_sent_at is not None)
 
     async def _attempts(self, item: dict, output: ShardOutput) -> dict | None:
-        settings, error = self.settings, None
+        settings, error, stalled_on = self.settings, None, frozenset()
         for attempt in range(1, settings.max_attempts + 1):
-            slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None)
+            slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None, stalled_on)
             try:
                 row = await self.send(item, slot, attempt)
             except Rejected as e:  # refused before it was sent (a later turn's own preflight)
@@ -137,6 +158,10 @@ class Dispatch:
                     output.refused.append(self.refuse(item, f"HTTP {e.status}: {e.message}", slot.info.context_length))
                     return None
                 error = e
+                if e.stalled:  # it waited stall_timeout_s already: straight to another server
+                    slot.stalls += 1
+                    stalled_on |= {slot.url}
+                    continue
                 delay = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
@@ -171,9 +196,11 @@ class Dispatch:
         runs = [o.run for o in self.outputs.values()]
         failed = sum(len(o.failed) for o in self.outputs.values())
         per_server = ", ".join(f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
-                               + (" EJECTED" if s.ejected_at else "") for s in self.slots.slots)
+                               + (f", {s.stalls} stalled" if s.stalls else "") + (" EJECTED" if s.ejected_at else "")
+                               for s in self.slots.slots)
         eta = f", ETA {(self.total - self.answered) * elapsed / self.answered:.0f}s" if self.answered else ""
         self.log(f"shards {', '.join(self.outputs)}: {self.answered}/{self.total} answered, "
-                 f"{sum(r.length for r in runs)} length, {failed} failed, "
+                 f"{sum(r.length for r in runs)} length, {sum(r.runaways_stopped for r in runs)} runaways stopped, "
+                 f"{failed} failed, "
                  f"{sum(r.rejected_server for r in runs)} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} "
                  f"[{per_server}]")

@@ -33,6 +33,8 @@ class Slot:
     output_tokens: int = 0
     busy_since: float | None = None
     stats: dict = field(default_factory=lambda: {"ok": 0, "retried": 0})
+    stalls: int = 0  # streams closed for silence (a stall counts as a failure: a server whose streams all stall
+    ejections: int = 0  # is ejected like one whose requests all fail)
 
     @property
     def url(self) -> str:
@@ -63,8 +65,12 @@ class SlotPicker:
     def healthy(self) -> list[Slot]:
         return [s for s in self.slots if s.ejected_at is None]
 
-    def _pick(self, prefer: str | None = None) -> Slot | None:
+    def _pick(self, prefer: str | None = None, avoid: frozenset[str] = frozenset()) -> Slot | None:
         free = [s for s in self.healthy() if s.in_flight < s.limit]
+        if avoid and any(s.url not in avoid for s in self.healthy()):
+            # a retry after a stall goes to another server, waiting for a slot there if need be; only when every
+            # healthy server is one it stalled on does it go back to one of them
+            free = [s for s in free if s.url not in avoid]
         if not free:
             return None
         best = min(free, key=lambda s: (s.in_flight / s.limit, s.in_flight))
@@ -76,11 +82,12 @@ class SlotPicker:
                 return mine
         return best
 
-    async def acquire(self, prefer: str | None = None) -> Slot:
-        """A slot on the least-loaded healthy server, or on `prefer` within the allowed imbalance."""
+    async def acquire(self, prefer: str | None = None, avoid: frozenset[str] = frozenset()) -> Slot:
+        """A slot on the least-loaded healthy server (not one in `avoid` while another is healthy), or on `prefer`
+        within the allowed imbalance."""
         # Single-threaded asyncio: picking a slot and taking it happen with no await in between, so no lock;
         # waiters sleep on an Event that every release and re-admission sets, then look again.
-        while (slot := self._pick(prefer)) is None:
+        while (slot := self._pick(prefer, avoid)) is None:
             timeout = 1.0
             if not self.healthy():
                 self._all_down_since = self._all_down_since or time.monotonic()
@@ -106,6 +113,7 @@ class SlotPicker:
             slot.consecutive_failures += 1
             if slot.ejected_at is None and slot.consecutive_failures >= self.eject_after:
                 slot.ejected_at = time.monotonic()
+                slot.ejections += 1
                 self._probes[slot.url] = asyncio.create_task(self._probe_until_back(slot))
         self._changed.set()
 

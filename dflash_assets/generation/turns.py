@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import pyarrow.compute as pc
 
 from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.parts import PartStore
@@ -191,8 +192,10 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
     return plan
 
 
-def turn_sender(fleet: Fleet, config: GenerationConfig, token_ids: bool, make_row: TURN_ROW):
-    """The Send of all_turns: each turn preflighted when it is sent (its history is known only then)."""
+def turn_sender(fleet: Fleet, config: GenerationConfig, token_ids: bool, make_row: TURN_ROW,
+                watch: Watch | None = None):
+    """The Send of all_turns: each turn preflighted when it is sent (its history is known only then), streamed
+    and watched with `watch` (None: not streamed)."""
     budget = Budget.of(fleet.infos)
     config_hash = config.config_hash(fleet.model)
 
@@ -206,7 +209,7 @@ def turn_sender(fleet: Fleet, config: GenerationConfig, token_ids: bool, make_ro
                                       config, config_hash, item["shard"], budget.context_length))
         body = config.chat_body(fleet.model, messages, token_ids, cap)
         t0 = time.monotonic()
-        resp = await slot.client.chat(body)
+        resp = await slot.client.chat(body, watch)
         return make_row(item, resp, slot, attempt, time.monotonic() - t0) | {"turn": item["turn"],
                                                                                "turns": item["turns"]}
 

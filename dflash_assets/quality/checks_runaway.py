@@ -7,7 +7,8 @@ from dflash_assets.quality.rates import group_counts, group_line, totals, worst_
 
 
 def runaway_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
-    """Share of rows cut at the cap while looping (the tail repeats itself), per config and per shard.
+    """Share of rows cut while looping (the tail repeats itself), per config and per shard: at the cap, or stopped
+    early while streaming (finish_reason 'runaway', short of the cap).
 
     A runaway is not a long answer: a larger cap only makes it longer. They are counted apart from honest
     truncation, and the cap planner leaves them out of the tail it extrapolates.
@@ -15,11 +16,17 @@ def runaway_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     configs = group_counts(con, "runaway", by="config")
     shards = group_counts(con, "runaway", by="shard")
     rows, runaways = totals(configs)
-    truncated = totals(group_counts(con, "truncated", by="config"))[1]
+    stopped = totals(group_counts(con, "runaway_stopped", by="config"))[1]
+    truncated = totals(group_counts(con, "truncated", by="config"))[1] + stopped  # cut at the cap, or stopped
+    honest = truncated - runaways  # the cap's cuts that do not loop
     rate, limit = share(runaways, rows), t.runaway_rate_max
     over = [g for g in worst_first(configs) if g.rate > limit] + [g for g in worst_first(shards) if g.rate > limit]
     lines = [f"**{pct(rate)}** of {num(rows)} rows ({num(runaways)}) were cut at the cap while repeating themselves "
-             f"(runaways), {verdict(rate, limit)}; {num(truncated - runaways)} other rows were cut honestly."]
+             f"(runaways), {verdict(rate, limit)}; {num(honest)} other rows were cut honestly."]
+    if stopped:
+        lines[0] = lines[0].replace(" were cut at the cap while", " were cut while", 1)
+        lines.append(f"{num(stopped)} of the runaways were stopped while streaming, before the cap "
+                     f"(finish_reason 'runaway'): they cost only the tokens decoded until the loop was seen.")
     if over:
         lines.append(bullets([group_line(g) for g in over]))
         lines.append("A runaway loops to any cap: raising max_output_tokens only makes it longer. Look at the "
@@ -30,7 +37,8 @@ def runaway_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
         "runaway_rows": runaways,
         "runaway_rate": rate,
         "truncated_rows": truncated,
-        "honest_truncated_rows": truncated - runaways,
+        "honest_truncated_rows": honest,
+        "runaway_stopped_rows": stopped,
         "threshold": limit,
     }
     for kind, groups in (("config", configs), ("shard", shards)):

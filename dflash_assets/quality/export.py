@@ -45,13 +45,14 @@ from dflash_assets.generation.storage import is_uri, open_storage
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source, runaway_sql, window_flags_sql
 from dflash_assets.quality.trainer_format import FORMS, STATUS, has_think_marker
-from dflash_assets.rules import OVERFLOW_SQL
+from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL
 from dflash_assets.settings import TrainerSettings
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
     "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
-    "runaway",  # finish_reason 'length' past the window while looping (runaway.py): the loop may start inside it
+    "runaway",  # a loop: stopped while streaming (finish_reason 'runaway'), or cut past the window while looping
+    #             (runaway.py): the loop may start inside the window
     "not_stop",  # any other finish_reason than 'stop' or 'length' (abort, null)
     "empty_content",  # a stopped row, or a cut one without reasoning either
     "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content
@@ -100,7 +101,7 @@ WITH c AS (
         prompt_tokens, completion_tokens, created_at, window_complete,
         window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
             WHEN cut_inside_window THEN 'truncated'
-            WHEN finish_reason = 'length' AND runaway THEN 'runaway'
+            WHEN finish_reason = 'length' AND runaway OR {stopped_early} THEN 'runaway'
             WHEN finish_reason IS DISTINCT FROM 'stop' AND finish_reason IS DISTINCT FROM 'length' THEN 'not_stop'
             WHEN content_empty AND NOT (window_complete AND NOT reasoning_empty) THEN 'empty_content'
             WHEN think_marker OR turn IS NULL AND EXISTS (
@@ -291,7 +292,7 @@ def export_training_set(
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
             register_runaway(con, runaway)
-            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL,
+            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL, stopped_early=STOPPED_EARLY_SQL,
                                      runaway=runaway_sql(runaway),
                                      window=window_flags_sql(NO_LIMIT if max_length is None else max_length)),
                         params)

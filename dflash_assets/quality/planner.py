@@ -38,7 +38,7 @@ from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, 
                                                      precision_text, wilson)
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.tables import parquet_source, runaway_sql
-from dflash_assets.rules import MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
+from dflash_assets.rules import CUT_SQL, MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
 
 DEFAULT_CANDIDATES = (4096, 5120, 6144, 8192, 12288, 16384)
 GAP_WARN = 0.02  # below the cap, a fitted survival this far from the observed one makes the tail suspect
@@ -225,16 +225,19 @@ def _stats(values: np.ndarray, cut: np.ndarray, counts: np.ndarray, lo: int) -> 
 
 
 def _predict(values, cut, counts, caps: np.ndarray, fit: tuple[float, float] | None,
-             loop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+             loop: np.ndarray, cap: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rows above each cap (expected) and output tokens at each cap: exact for uncut rows and for cut rows
     below their cut point, the fitted conditional tail for cut rows above it; runaway (`loop`) rows run past
-    every cap and cost all of it."""
+    every cap and cost all of it, but those stopped while streaming (below the rows' own `cap`) cost what they
+    decoded: a stop comes at the same point under any cap above it."""
     unc = ~cut
     over = (counts[unc][None, :] * (values[unc][None, :] > caps[:, None])).sum(1).astype(float)
     tokens = (counts[unc][None, :] * np.minimum(values[unc][None, :], caps[:, None])).sum(1).astype(float)
     looping = int(counts[loop].sum())
     over += looping
-    tokens += looping * caps.astype(float)
+    stopped = loop & (values < cap) if cap is not None else np.zeros(len(values), bool)
+    tokens += int(counts[loop & ~stopped].sum()) * caps.astype(float)
+    tokens += (counts[stopped][None, :] * np.minimum(values[stopped][None, :], caps[:, None])).sum(1)
     honest = cut & ~loop
     for v, k in zip(values[honest], counts[honest]):
         beyond = caps > v
@@ -274,7 +277,8 @@ def _fit_tail(values, cut, counts, fit_from: float, notes: list[str]) -> TailFit
     return replace(fit, max_gap=gap)
 
 
-def _bootstrap(values, cut, counts, loop, caps, fit: TailFit | None, grid, replicates: int, seed: int):
+def _bootstrap(values, cut, counts, loop, caps, fit: TailFit | None, grid, replicates: int, seed: int,
+               cap: int | None = None):
     """Per replicate: rows over each cap (share), output tokens at each cap, and the tail's P(L > x) on `grid`.
 
     Resampling rows is a multinomial draw over the distinct (length, cut) pairs: the same as drawing n rows
@@ -282,7 +286,8 @@ def _bootstrap(values, cut, counts, loop, caps, fit: TailFit | None, grid, repli
     """
     rng = np.random.default_rng(seed)
     n = int(counts.sum())
-    cap = int(values[cut].min()) if cut.any() else 0
+    honest_cut = cut & ~loop  # at the rows' cap (a runaway stopped early is below it)
+    tail_from = int(values[honest_cut].min()) if honest_cut.any() else 0
     shares, tokens, tails, loops = [], [], [], []
     for _ in range(replicates):
         c = rng.multinomial(n, counts / n)
@@ -295,9 +300,9 @@ def _bootstrap(values, cut, counts, loop, caps, fit: TailFit | None, grid, repli
                 continue  # too few uncut rows in the window for this replicate to mean anything
             bfit = _fit(bst, (fit.mu, fit.sigma))
         if fit:
-            tail = _sf(np.log(grid), *bfit) / _sf(math.log(cap), *bfit) if bfit else np.zeros(len(grid))
+            tail = _sf(np.log(grid), *bfit) / _sf(math.log(tail_from), *bfit) if bfit else np.zeros(len(grid))
             tails.append((bk[bc & ~bl].sum() * tail + bk[bl].sum()) / n)
-        o, t = _predict(bv, bc, bk, caps, bfit, bl)
+        o, t = _predict(bv, bc, bk, caps, bfit, bl, cap)
         shares.append(o / n)
         tokens.append(t)
         loops.append(bk[bl].sum() / n)
@@ -357,9 +362,9 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
         notes.append(f"{num(n_loop)} of the {num(n_cut)} cut rows ({pct(n_loop / n)} of all rows) are runaways "
                      f"(cut while repeating themselves): they are counted as cut at every cap and cost all of it, "
                      f"and are left out of the tail")
-    over, tokens = _predict(values, vcut, counts, caps, (fit.mu, fit.sigma) if fit else None, vloop)
+    over, tokens = _predict(values, vcut, counts, caps, (fit.mu, fit.sigma) if fit else None, vloop, cap)
     boot_shares, boot_tokens, boot_tails, boot_loops = _bootstrap(values, vcut, counts, vloop, caps, fit, grid,
-                                                                  bootstrap, seed)
+                                                                  bootstrap, seed, cap)
     loop_share = _interval(n_loop / n, boot_loops)
     beyond = caps > cap
     model_rows = beyond & bool(honest_cut)
@@ -447,9 +452,11 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
 
 
 SAMPLING = ("model", *SAMPLING_PARAMS, "enable_thinking")  # what must match for a probe to apply
-ROW_QUERY = ("SELECT completion_tokens, finish_reason = 'length' AS truncated, {runaway} AS runaway, prompt_tokens, "
+# a runaway stopped while streaming is a cut row that loops, at the length it really cost (rules.RUNAWAY_FINISH)
+ROW_QUERY = (f"SELECT completion_tokens, {CUT_SQL} AS truncated, {{runaway}} AS runaway, prompt_tokens, "
              f"max_output_tokens, server_context_length, {', '.join(SAMPLING)}, turn "
-             "FROM {src} WHERE {where} AND finish_reason IN ('stop', 'length') AND completion_tokens IS NOT NULL")
+             f"FROM {{src}} WHERE {{where}} AND (finish_reason = 'stop' OR {CUT_SQL}) "
+             "AND completion_tokens IS NOT NULL")
 
 
 def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRules = RunawayRules(),

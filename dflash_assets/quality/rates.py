@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, config_label, num, pct, share, verdict
+from dflash_assets.rules import STOPPED_EARLY_SQL
 
 _TRUNCATED_THINKING = "finish_reason = 'length' AND NOT reasoning_empty AND content_empty"
 _AT_CAP_NOT_LENGTH = "completion_tokens >= max_output_tokens AND finish_reason IS DISTINCT FROM 'length'"
@@ -21,7 +22,8 @@ ROW_PREDICATES = {
     # the trainer reads as it reads a complete answer
     "cut_inside_window": "cut_inside_window",
     "window_complete": "window_complete",
-    "runaway": "runaway",  # cut while repeating itself (a subset of truncated; runaway.py)
+    "runaway": "runaway",  # cut while repeating itself: at the cap (in truncated) or stopped early (runaway.py)
+    "runaway_stopped": STOPPED_EARLY_SQL,  # stopped while streaming, short of the cap (rules.RUNAWAY_FINISH)
     # the cap and the finish reason must agree: at the cap but not 'length', or 'length' below the cap
     "at_cap_not_length": _AT_CAP_NOT_LENGTH,
     "length_under_cap": _LENGTH_UNDER_CAP,

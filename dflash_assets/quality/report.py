@@ -13,18 +13,20 @@ import duckdb
 from dflash_assets.quality.outcome import share
 from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.quality.tables import open_quality_db
-from dflash_assets.rules import OVERFLOW_SQL, PERCENTILE_DEFINITION, percentile_sql
+from dflash_assets.rules import CUT_SQL, OVERFLOW_SQL, PERCENTILE_DEFINITION, STOPPED_EARLY_SQL, percentile_sql
 
 PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
 CONFIG = "config_hash, config_cap"  # the config's cap: under the window policy each row asks its own
 
-STATS = f"""count(*) AS rows, count(*) FILTER (WHERE finish_reason = 'length') AS truncated_rows,
+# truncated_rows: the rows the model did not end, cut at the cap or stopped while looping (runaway_stopped_rows)
+STATS = f"""count(*) AS rows, count(*) FILTER (WHERE {CUT_SQL}) AS truncated_rows,
     count(*) FILTER (WHERE runaway) AS runaway_rows,
     count(*) FILTER (WHERE cut_inside_window) AS cut_inside_window_rows,
     count(*) FILTER (WHERE window_complete) AS window_complete_rows,
     coalesce(sum(trained_tokens) FILTER (WHERE window_complete), 0)::BIGINT AS window_complete_tokens,
     coalesce(sum(completion_tokens), 0)::BIGINT AS decoded_tokens,
     coalesce(sum(trained_tokens), 0)::BIGINT AS trained_tokens,
+    count(*) FILTER (WHERE {STOPPED_EARLY_SQL}) AS runaway_stopped_rows,
     {percentile_sql('completion_tokens', (0.5, 0.9, 0.95, 0.99))} AS q, max(completion_tokens) AS max"""
 
 
@@ -33,7 +35,8 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     q = row.pop("q") or [None] * 4
     out = {k: v for k, v in row.items() if k != "max"}
     out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
-    out["runaway_rate"] = share(row["runaway_rows"], row["rows"])  # cut while looping: part of truncated_rows
+    # cut while looping (part of truncated_rows): at the cap, or stopped early
+    out["runaway_rate"] = share(row["runaway_rows"], row["rows"])
     # against the trainer's window (rules.py): the blocking share, and the cut rows the trainer reads whole
     out["cut_inside_window_rate"] = share(row.get("cut_inside_window_rows", 0), row["rows"])
     out["window_complete_rate"] = share(row.get("window_complete_rows", 0), row["rows"])

@@ -56,6 +56,24 @@ def is_runaway(text: str | None, rules: RunawayRules = RunawayRules()) -> bool:
     return 1 - distinct / grams >= rules.repeated_ngram_share
 
 
+def loop_start(text: str, rules: RunawayRules = RunawayRules()) -> int:
+    """Where the repetition that ends `text` began, as a character offset (len(text) when none is found): the
+    start of the longest end of the text that repeats with the period of its last line (the `end` is_runaway
+    looks for). Exact repetition only: a loop that drifts a little is found later than it began."""
+    tail = text.rstrip()
+    end = tail[tail.rfind("\n") + 1:].strip()[-rules.end_chars:]
+    last = tail.rfind(end) if end else -1
+    prev = tail.rfind(end, 0, last) if last > 0 else -1
+    if prev < 0:
+        return len(text)
+    period, start = last - prev, len(tail) - (last - prev)
+    while start >= period and tail[start - period:start] == tail[start:start + period]:  # a period at a time
+        start -= period
+    while start > 0 and tail[start - 1] == tail[start - 1 + period]:  # then to the character
+        start -= 1
+    return start
+
+
 def register_runaway(con: duckdb.DuckDBPyConnection, rules: RunawayRules = RunawayRules()) -> None:
     """`is_runaway(tail VARCHAR) -> BOOLEAN` on `con`, judged by `rules`. Vectorised (a batch of rows per call
     through Arrow): a call per row would cost more than the test itself."""

@@ -34,7 +34,8 @@ from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, P
 from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.quality.runaway import RunawayRules, register_runaway
 from dflash_assets.quality.trainer_format import think_marker_sql
-from dflash_assets.rules import blank_sql, cut_inside_window_sql, trained_tokens_sql, window_complete_sql
+from dflash_assets.rules import (STOPPED_EARLY_SQL, blank_sql, cut_inside_window_sql, trained_tokens_sql,
+                                 window_complete_sql)
 from dflash_assets.settings import TrainerSettings
 
 COMPLETION_COLUMNS = """
@@ -56,10 +57,12 @@ def window_flags_sql(max_length: int) -> str:
 
 def runaway_sql(rules: RunawayRules) -> str:
     """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
-    judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking."""
+    judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking.
+    A row stopped while streaming was judged by the same rules then (rules.RUNAWAY_FINISH): it is one."""
     tail = (f"CASE WHEN {blank_sql('content')} "
             f"THEN right(reasoning_content, {rules.tail_chars}) ELSE right(content, {rules.tail_chars}) END")
-    return f"CASE WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END"
+    return (f"CASE WHEN {STOPPED_EARLY_SQL} THEN true "
+            f"WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END")
 
 
 # Built once because accounting and context_overflow both need "what happened to each prompt under each config".

@@ -19,7 +19,7 @@ from dflash_assets.fleet.client import ServerClient, error_message
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.tuning import MAMBA_USAGE_METRIC
 from dflash_assets.generation.config import GenerationConfig
-from tests.support.sglang_wheel import sglang_dir, sglang_verdict
+from tests.support.sglang_wheel import class_fields, function, sglang_dir, sglang_verdict, tree
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,34 +53,6 @@ CLIENT_READS = {
 # What the client sends (besides the chat body GenerationConfig builds, checked whole below)
 TOKENIZE_SENDS = {"prompt", "add_special_tokens", "messages", "chat_template_kwargs"}
 DETOKENIZE_SENDS = {"tokens", "skip_special_tokens"}
-
-
-@functools.cache
-def tree(relative: str) -> ast.Module:
-    return ast.parse((sglang_dir() / "srt" / relative).read_text())
-
-
-def class_fields(relative: str, name: str) -> set[str]:
-    """Annotated fields of a class and of its bases defined in the same module (pydantic / msgspec models)."""
-    classes = {n.name: n for n in tree(relative).body if isinstance(n, ast.ClassDef)}
-    if name not in classes:
-        pytest.fail(f"0.5.23's {relative} has no class {name}")
-    node, fields = classes[name], set()
-    for stmt in node.body:  # private attributes (_name) are no fields of the JSON
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id[0] != "_":
-            fields.add(stmt.target.id)
-    for base in node.bases:
-        if isinstance(base, ast.Name) and base.id in classes:
-            fields |= class_fields(relative, base.id)
-    return fields
-
-
-def function(relative: str, name: str) -> ast.AST:
-    found = [n for n in ast.walk(tree(relative)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-             and n.name == name]
-    if not found:
-        pytest.fail(f"0.5.23's {relative} has no function {name}")
-    return found[0]
 
 
 def dict_keys(node: ast.AST) -> set[str]:

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.partitions import shard_partitions
-from dflash_assets.defs.resources import DataDir, FleetResource
+from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.generation.config import DispatchSettings, GenerationConfig
 from dflash_assets.generation.preflight import PreflightError
@@ -149,7 +149,8 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     data = tmp_path / "data"
     make_shard(data, fleet_urls)
     parent = generate(data, fleet_urls, 4096)
-    res = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)), "data_dir": DataDir(path=str(data))}
+    res = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)), "data_dir": DataDir(path=str(data)),
+           "quality": QualityThresholds()}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = dg.materialize([continued_completions], partition_key="00000", instance=instance, resources=res,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -58,3 +59,19 @@ def requests_served(http: Http) -> int:
     """Generation requests an emulator received, answered or not (its own counter)."""
     _, faults = http.get("/_emulator/faults")
     return faults["requests_seen"]
+
+
+def settled(server, deadline_s: float = 30.0) -> dict:
+    """The server's load once nothing runs there any more (the aborts of closed streams take effect)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        _, loads = server.get("/v1/loads")
+        if sum(r["num_running_reqs"] for r in loads["loads"]) == 0 or time.monotonic() > end:
+            return loads["loads"][0]
+        time.sleep(0.05)
+
+
+def aborted(server) -> float:
+    _, text = server.get("/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sglang:num_aborted_requests_total"))

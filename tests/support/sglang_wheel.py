@@ -6,6 +6,8 @@ its generated `/generate` contract, loaded by file path.
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.metadata
 import importlib.util
 from pathlib import Path
@@ -49,3 +51,31 @@ def sglang_verdict(api, body) -> str | None:
     except api.JsonContractError as e:
         return str(e)
     return None
+
+
+@functools.cache
+def tree(relative: str) -> ast.Module:
+    return ast.parse((sglang_dir() / "srt" / relative).read_text())
+
+
+def class_fields(relative: str, name: str) -> set[str]:
+    """Annotated fields of a class and of its bases defined in the same module (pydantic / msgspec models)."""
+    classes = {n.name: n for n in tree(relative).body if isinstance(n, ast.ClassDef)}
+    if name not in classes:
+        pytest.fail(f"0.5.23's {relative} has no class {name}")
+    node, fields = classes[name], set()
+    for stmt in node.body:  # private attributes (_name) are no fields of the JSON
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and stmt.target.id[0] != "_":
+            fields.add(stmt.target.id)
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id in classes:
+            fields |= class_fields(relative, base.id)
+    return fields
+
+
+def function(relative: str, name: str) -> ast.AST:
+    found = [n for n in ast.walk(tree(relative)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+             and n.name == name]
+    if not found:
+        pytest.fail(f"0.5.23's {relative} has no function {name}")
+    return found[0]

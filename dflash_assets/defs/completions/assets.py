@@ -60,7 +60,8 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         with holding(context, context.partition_keys):  # the shards' pools and the fleet's
             runs = run_on_fleet(fleet, lambda f: generate_shards(
                 data_dir.resolved(), context.partition_keys, f, generation, dispatch,
-                preflight_policy=config.preflight_policy, log=context.log.info))
+                preflight_policy=config.preflight_policy, log=context.log.info,
+                runaway=quality.thresholds().runaway))  # streamed: loops stopped by the checks' own rules
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
@@ -100,6 +101,7 @@ def shard_metadata(run, cap: int) -> dict:
         ShardRun.ACCOUNTING: f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
                              f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
         ShardRun.NEW_ROWS_TRUNCATED: run.length,
+        ShardRun.NEW_ROWS_RUNAWAY_STOPPED: run.runaways_stopped,  # loops stopped while streaming ('runaway')
         ShardRun.OUTPUT_TOKENS: run.output_tokens,
         ShardRun.ELAPSED_S: round(run.elapsed_s, 2),
         ShardRun.TOKENS_PER_S: round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,

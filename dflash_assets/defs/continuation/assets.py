@@ -6,12 +6,13 @@ from pydantic import Field
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
-from dflash_assets.defs.resources import DataDir, FleetResource, run_on_fleet
+from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.defs.pools import holding
 from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.quality.runaway import RunawayRules
 
 
 class ContinuationConfig(DispatchRunConfig):
@@ -38,18 +39,18 @@ class ContinuationConfig(DispatchRunConfig):
                 "are continued by their text (chat route, continue_final_message), never drawn afresh.",
 )
 def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
-                          data_dir: DataDir) -> None:
+                          data_dir: DataDir, quality: QualityThresholds) -> None:
     async def each(connected):  # one connection for the range: connecting waits >= 1 s for every /health
         for shard in context.partition_keys:  # one shard, or a backfill's range of them, one after the other
-            context.add_asset_metadata(await _continue(context, shard, config, connected, data_dir),
-                                       partition_key=shard)
+            context.add_asset_metadata(await _continue(context, shard, config, connected, data_dir,
+                                                       quality.thresholds().runaway), partition_key=shard)
 
     with holding(context, context.partition_keys):  # the shards' pools and the fleet's
         run_on_fleet(fleet, each)
 
 
 async def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: Fleet,
-                    data_dir: DataDir) -> dict:
+                    data_dir: DataDir, runaway: RunawayRules) -> dict:
     cap, window = config.new_max_output_tokens, config.to_window or None
     parent = config.parent_config_hash
     if parent == "latest":
@@ -59,7 +60,7 @@ async def _continue(context: dg.AssetExecutionContext, shard: str, config: Conti
             raise dg.Failure(f"shard {shard} has no completions {below} to continue", allow_retries=False)
     try:
         run = await continue_shard(data_dir.resolved(), shard, fleet, parent, cap, config.dispatch(),
-                                   log=context.log.info, to_window=window)
+                                   log=context.log.info, to_window=window, runaway=runaway)  # the checks' own rules
     except ConfigError as e:
         raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
     except PreflightError as e:

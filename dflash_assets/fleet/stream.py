@@ -1,0 +1,265 @@
+"""Streamed generation (SSE, `stream: true`): the answer assembled from its events, and the request watched live.
+
+SGLang 0.5.23's streams, as the wheel writes them:
+- /v1/chat/completions (serving_chat._generate_chat_stream): `data: {chat.completion.chunk}` events. The first
+  has delta.role; then reasoning in delta.reasoning_content and the answer in delta.content (the reasoning parser
+  splits the deltas); a chunk with the finish_reason and matched_stop; a chunk with `sglext` (input_ids,
+  output_ids) when return_{input,output}_ids_in_sglext ask for it (return_token_ids is refused with stream);
+  the usage chunk (choices []) only with stream_options.include_usage (utils.should_include_usage); `data: [DONE]`.
+  continuous_usage_stats adds usage (completion_tokens so far) to every content chunk. An abort with a status
+  is an error event `data: {"error": {...}}` after the 200.
+- /generate (http_server.serve_generate_request): `data: {text, output_ids, meta_info}` per event, cumulative
+  (text and ids so far) unless the server runs --incremental-streaming-output (deltas); meta_info.finish_reason
+  is null until the last one; errors are `data: {"error": {...}}`; `data: [DONE]`.
+Assembled, both give the non-streamed answer's shape, so a row built from either is the same row.
+
+Watched (`Watch`, `Silence`): a stream that sends nothing for `stall_timeout_s` once it has started (or before
+its first event for `first_token_timeout_s`) is closed; SGLang aborts a request whose client disconnects
+(tokenizer_manager._stream_one_response polls request.is_disconnected, the streaming response's abort task), so
+the slot is freed there too. Every `check_every_tokens` tokens the runaway rule looks at the text so far; a loop
+closes the stream and the answer comes back with finish_reason RUNAWAY and where the loop began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from dflash_assets.rules import RUNAWAY_FINISH
+from dflash_assets.settings import DispatchSettings
+
+DATA, DONE = b"data: ", b"[DONE]"
+_decode = json.JSONDecoder().decode  # on str: json.loads on bytes first sniffs the encoding, per event
+# the timer is moved at most once a quarter of the stall timeout: a stall is noticed after 1 to 1.25 times it
+RESCHEDULE_SHARE = 0.25
+
+
+_DEFAULTS = DispatchSettings()
+
+
+@dataclass(frozen=True)
+class Watch:
+    """How a streamed request is watched while it runs (the dispatch settings' defaults; send.watch_of)."""
+
+    stall_timeout_s: float = _DEFAULTS.stall_timeout_s
+    first_token_timeout_s: float = _DEFAULTS.first_token_timeout_s
+    check_every_tokens: int = 0  # 0: the runaway rule is not applied while streaming
+    looping: Callable[[str], bool] | None = None  # the runaway rule, on the text so far
+    loop_start: Callable[[str], int] | None = None  # where in that text the loop began (a character offset)
+
+    @property
+    def watches_runaways(self) -> bool:
+        return self.check_every_tokens > 0 and self.looping is not None
+
+
+class Tokens:
+    """Output tokens at each position of the streamed text: (characters, tokens) at every event."""
+
+    def __init__(self) -> None:
+        self.chars: list[int] = []
+        self.tokens: list[int] = []
+
+    def add(self, chars: int, tokens: int) -> None:
+        self.chars.append(chars)
+        self.tokens.append(tokens)
+
+    def at(self, char: int) -> int:
+        """Tokens decoded when character `char` of the text had arrived (to the stream's granularity)."""
+        i = bisect.bisect_right(self.chars, char)
+        return self.tokens[min(i, len(self.tokens) - 1)] if self.tokens else 0
+
+
+class Runaway:
+    """The runaway rule applied every `check_every_tokens` tokens of a stream; `length()` is the judged text's."""
+
+    def __init__(self, watch: Watch, length: Callable[[], int]):
+        self.watch, self.length, self.next_check = watch, length, watch.check_every_tokens
+        self.positions = Tokens()
+        self.loop_start_tokens: int | None = None
+
+    def looping(self, text: Callable[[], str], tokens: int) -> bool:
+        w = self.watch
+        if not w.watches_runaways:
+            return False
+        self.positions.add(self.length(), tokens)
+        if tokens < self.next_check:
+            return False
+        self.next_check = tokens + w.check_every_tokens
+        whole = text()
+        if not w.looping(whole):
+            return False
+        start = w.loop_start(whole) if w.loop_start else len(whole)
+        self.loop_start_tokens = self.positions.at(start)
+        return True
+
+
+class Silence:
+    """The deadline of one watched request: `first_token_timeout_s` from its start (the POST, its headers and its
+    first event), then `stall_timeout_s` after every event. Used as `async with silence:` around the request."""
+
+    def __init__(self, watch: Watch):
+        self.watch, self.started = watch, False
+        self._timer: asyncio.Timeout | None = None
+
+    async def __aenter__(self) -> Silence:
+        loop = asyncio.get_running_loop()
+        self._timer = asyncio.timeout_at(loop.time() + self.watch.first_token_timeout_s)
+        await self._timer.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> bool | None:
+        return await self._timer.__aexit__(*exc)
+
+    @property
+    def expired(self) -> bool:
+        """The request was cut by this deadline (not by any other timeout)."""
+        return self._timer is not None and self._timer.expired()
+
+    def why(self) -> str:
+        return (f"no token for {self.watch.stall_timeout_s:g}s" if self.started else
+                f"no first token for {self.watch.first_token_timeout_s:g}s")
+
+    async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+        """The JSON events of an SSE response, until [DONE]; each read moves the deadline. Read by whatever the
+        socket holds (one await for the events a read brings, not two per event as line by line)."""
+        loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
+        rest = b""
+        async for data in resp.content.iter_any():
+            now = loop.time()
+            if not self.started or timer.when() - now < stall:  # cheap: the timer moves rarely
+                timer.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
+                self.started = True
+            *whole, rest = (rest + data).split(b"\n\n")
+            for event in whole:
+                for line in event.split(b"\n"):  # `event: <name>` lines (sglext_ids framing) carry no data
+                    if line.startswith(DATA):
+                        payload = line[len(DATA):]
+                        if payload == DONE:
+                            return
+                        yield _decode(payload.decode())
+        raise aiohttp.ClientPayloadError("the stream ended before data: [DONE]")
+
+
+class ChatAnswer:
+    """A streamed chat completion, assembled into the non-streamed ChatCompletionResponse shape."""
+
+    def __init__(self, watch: Watch):
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.chars = 0
+        self.finish_reason = self.matched_stop = None
+        self.usage: dict | None = None
+        self.sglext: dict = {}
+        self.tokens = 0
+        self.runaway = Runaway(watch, lambda: self.chars)
+
+    def text(self) -> str:
+        """What the runaway rule judges: the answer, or the reasoning while no answer has come (runaway_sql)."""
+        return "".join(self.content) if self.content else "".join(self.reasoning)
+
+    def add(self, event: dict) -> bool:
+        """Take one event in; True when the stream is to be stopped (a loop)."""
+        if "error" in event:
+            raise StreamError(event["error"])
+        if event.get("usage"):
+            self.usage = event["usage"]
+            self.tokens = self.usage.get("completion_tokens") or self.tokens
+        if event.get("sglext"):
+            self.sglext = event["sglext"]
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            thought, answer = delta.get("reasoning_content"), delta.get("content")
+            if thought:
+                self.reasoning.append(thought)
+                if not self.content:
+                    self.chars += len(thought)
+            if answer:
+                if not self.content:  # the answer begins: from now on it is what is judged
+                    self.chars, self.runaway.positions = 0, Tokens()
+                self.content.append(answer)
+                self.chars += len(answer)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason, self.matched_stop = choice["finish_reason"], choice.get("matched_stop")
+                return False
+            if (thought or answer) and self.runaway.looping(self.text, self.tokens):
+                return True
+        return False
+
+    def response(self, stopped: bool) -> dict:
+        ext = self.sglext
+        usage = self.usage or {}
+        if stopped:  # closed by us: the tokens decoded so far (continuous usage), no final usage chunk came
+            usage = {**usage, "completion_tokens": self.tokens}
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(self.content),
+                                          "reasoning_content": "".join(self.reasoning) or None},
+                  "finish_reason": RUNAWAY_FINISH if stopped else self.finish_reason,
+                  "matched_stop": None if stopped else self.matched_stop}
+        if ext.get("input_ids") is not None:
+            choice["prompt_token_ids"] = ext["input_ids"]
+        if ext.get("output_ids"):
+            choice["response_token_ids"] = ext["output_ids"][0]
+        if stopped:
+            choice["loop_start_tokens"] = self.runaway.loop_start_tokens
+        return {"choices": [choice], "usage": usage}
+
+
+class GenerateAnswer:
+    """A streamed /generate answer, assembled into the non-streamed {text, output_ids, meta_info} shape."""
+
+    def __init__(self, watch: Watch):
+        self.text_parts: list[str] = []
+        self.output_ids: list[int] = []
+        self.meta_info: dict = {}
+        self.chars = 0
+        self.runaway = Runaway(watch, lambda: self.chars)
+
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add(self, event: dict) -> bool:
+        if "error" in event:
+            raise StreamError(event["error"])
+        ids, self.meta_info = event.get("output_ids") or [], event.get("meta_info") or {}
+        tokens = self.meta_info.get("completion_tokens", len(self.output_ids) + len(ids))
+        text = event.get("text") or ""
+        if len(ids) == tokens:  # cumulative (SGLang's default): this event holds everything so far
+            self.output_ids, self.text_parts, self.chars = list(ids), [text], len(text)
+        else:  # --incremental-streaming-output: a delta
+            self.output_ids += ids
+            self.text_parts.append(text)
+            self.chars += len(text)
+        if self.meta_info.get("finish_reason") is not None:
+            return False
+        return self.runaway.looping(self.text, len(self.output_ids))
+
+    def response(self, stopped: bool) -> dict:
+        meta = dict(self.meta_info)
+        if stopped:
+            meta["finish_reason"] = {"type": RUNAWAY_FINISH, "loop_start_tokens": self.runaway.loop_start_tokens}
+            meta["completion_tokens"] = len(self.output_ids)
+        return {"text": self.text(), "output_ids": self.output_ids, "meta_info": meta}
+
+
+class StreamError(Exception):
+    """An error event inside a 200 stream: `{"error": {"message", "type", "code"}}`."""
+
+    def __init__(self, error: dict):
+        super().__init__(str(error.get("message", error)))
+        self.message = str(error.get("message", error))
+        self.code = error.get("code")
+
+
+def chat_stream_body(body: dict, watch: Watch) -> dict:
+    """The chat body, streamed: the usage chunk asked for, token ids through sglext (return_token_ids is refused
+    with stream), usage on every chunk when the runaway rule needs the token count."""
+    body = dict(body)
+    ids = body.pop("return_token_ids", False)
+    if ids:
+        body |= {"return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
+    return body | {"stream": True, "stream_options": {"include_usage": True,
+                                                      "continuous_usage_stats": watch.watches_runaways}}
