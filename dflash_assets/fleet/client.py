@@ -84,6 +84,11 @@ class ServerInfo:
         return self.context_length - 1
 
 
+# Mamba state slots a hybrid model holds per running request with the radix cache on, at least (SGLang 0.5.23
+# MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO); the tuning advice uses it for a server whose /server_info was not read
+MAMBA_SLOTS_PER_REQUEST = 3
+
+
 def mamba_slots_per_request(server: dict) -> int | None:
     """Mamba state slots one running request holds, as the server resolved them; None for a dense model.
 
@@ -98,10 +103,10 @@ def mamba_slots_per_request(server: dict) -> int | None:
         return 1
     strategy = server.get("mamba_radix_cache_strategy")
     if strategy == "extra_buffer_lazy":
-        return 3 + 1
+        return MAMBA_SLOTS_PER_REQUEST + 1
     if strategy == "extra_buffer":
-        return 3 + (1 if server.get("disable_overlap_schedule") else 2)
-    return 3
+        return MAMBA_SLOTS_PER_REQUEST + (1 if server.get("disable_overlap_schedule") else 2)
+    return MAMBA_SLOTS_PER_REQUEST
 
 
 def error_message(body: Any) -> str:

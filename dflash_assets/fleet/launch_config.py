@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import shlex
-import sys
 
 from dflash_assets.fleet.launcher import FleetSpec
-from dflash_assets.fleet.server_args import EMULATOR, ServerArgs
+from dflash_assets.fleet.server_args import EMULATOR, SGLANG_LAUNCH_SERVER, SGLANG_SERVE, ServerArgs
 from dflash_assets.settings import Deployment, LaunchSettings, ServerFlags
 
-COMMANDS = {"sglang": ("sglang", "serve"), "launch_server": (sys.executable, "-m", "sglang.launch_server"),
-            "emulator": EMULATOR}
+COMMANDS = {"sglang": SGLANG_SERVE, "launch_server": SGLANG_LAUNCH_SERVER, "emulator": EMULATOR}
 
 
 def parse_command(command: str) -> tuple[str, ...]:

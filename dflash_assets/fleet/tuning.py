@@ -18,13 +18,9 @@ from dataclasses import dataclass, replace
 
 from rich.table import Table
 
-from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError, ServerInfo
+from dflash_assets.fleet.client import (MAMBA_SLOTS_PER_REQUEST, ServerAccessError, ServerClient, ServerError,
+                                        ServerInfo)
 
-# Mamba state slots a hybrid model holds per running request with the radix cache on, at least (SGLang 0.5.23
-# MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO): used only for a server whose /server_info was not read; otherwise
-# ServerInfo.mamba_slots_per_request, as the server resolved it (more with an extra-buffer strategy, 1 without
-# the radix cache).
-MAMBA_SLOTS_PER_REQUEST = 3
 # /v1/loads has no mamba figure in 0.5.23 (load_snapshot.py; pool_stats_observer.py leaves the mamba pool out):
 # it is only this Prometheus gauge, on servers started with --enable-metrics
 MAMBA_USAGE_METRIC = "sglang:mamba_usage"
