@@ -6,7 +6,6 @@ import http.server
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -15,18 +14,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from tests.support.cli import dflash
+from tests.support.cli import dflash, home
 
-REPO = Path(__file__).resolve().parents[2]
 NO_TRACE = ("Traceback", "Stack Trace", "DagsterAssetCheckFailedError", " - ERROR - ")
-
-
-def home(tmp_path: Path, name: str) -> dict:
-    """A fresh instance (the repo's dagster.yaml) and data dir."""
-    (tmp_path / name).mkdir()
-    shutil.copy(REPO / "dagster_home" / "dagster.yaml", tmp_path / name / "dagster.yaml")
-    return {"DAGSTER_HOME": str(tmp_path / name), "DFLASH_DATA_DIR": str(tmp_path / f"{name}-data"),
-            "CWD": str(tmp_path)}
 
 
 @pytest.fixture(scope="module")

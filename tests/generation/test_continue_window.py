@@ -94,12 +94,12 @@ def test_a_second_continue_sends_nothing_and_a_fixed_cap_is_refused_by_name(grow
 
 
 def test_dflash_continue_to_window_grows_the_demos_window_through_dagster(tmp_path):
-    from test_cli_terminal import dflash, home
+    from tests.support.cli import dflash, home
 
     env = home(tmp_path, "home")
-    demo = dflash("demo", "--cap-policy", "window", "--trainer-max-length", "2048", env=env)
+    demo = dflash("demo", "--cap-policy", "window", "--trainer-max-length", "2048", env=env, cwd=tmp_path)
     assert demo.returncode == 0, demo.stdout + demo.stderr
-    grown = dflash("continue", "--to-window", "4096", env=env)
+    grown = dflash("continue", "--to-window", "4096", env=env, cwd=tmp_path)
     assert grown.returncode == 0, grown.stdout + grown.stderr
     assert "to the trainer's window 4096" in grown.stdout
     data = env["DFLASH_DATA_DIR"]

@@ -236,10 +236,10 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
 # ---- the terminal at the story's moment --------------------------------------------------------------------------
 
 def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(tmp_path):
-    from test_cli_terminal import dflash, home
+    from tests.support.cli import dflash, home
 
     env = home(tmp_path, "home")
-    result = dflash("demo", "--max-output-tokens", "4096", env=env)
+    result = dflash("demo", "--max-output-tokens", "4096", env=env, cwd=tmp_path)
     out = re.sub(r"\s+", " ", result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     data = env["DFLASH_DATA_DIR"]

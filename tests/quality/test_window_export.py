@@ -13,7 +13,7 @@ import pytest
 from dflash_assets.emulator import tokenizer as tok
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.generation.config import GenerationConfig
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.quality import export_training_set

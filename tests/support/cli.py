@@ -1,17 +1,29 @@
 """The `dflash` command run as a person types it, in a child process; free loopback ports for what it launches."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from dflash_assets.fleet import processes
+from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 
 
 def dflash(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
     """`dflash *args` with this process's environment plus `env`; its exit code and output."""
     return subprocess.run([sys.executable, "-m", "dflash_assets.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+def home(tmp_path: Path, name: str) -> dict:
+    """A fresh instance (the project's dagster.yaml) and data dir, as the environment of a `dflash` run; CWD is
+    where to run it."""
+    (tmp_path / name).mkdir()
+    shutil.copy(PROJECT_DAGSTER_YAML, tmp_path / name / "dagster.yaml")
+    return {"DAGSTER_HOME": str(tmp_path / name), "DFLASH_DATA_DIR": str(tmp_path / f"{name}-data"),
+            "CWD": str(tmp_path)}
 
 
 def free_base_port(n: int = 2) -> int:
