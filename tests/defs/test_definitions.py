@@ -32,7 +32,7 @@ ASSETS = {
 CHECKED = {"length_quality_report": {
     "truncation_rate", "cap_saturation", "cap_hit_agreement", "silent_clamp", "context_overflow",
     "config_consistency", "accounting", "duplicates", "empty_content", "think_markers", "reasoning_misrouted",
-    "truncated_thinking", "max_length_overflow", "runaway_rate"}}
+    "truncated_thinking", "max_length_overflow", "runaway_rate", "window_complete"}}
 # job -> (the folder of its jobs.py, the assets it materialises, the assets whose checks it runs, partitioned)
 JOBS = {
     "shard_pipeline": ("completions", {"prompt_shards", "completions", "length_quality_report"},
