@@ -252,8 +252,13 @@ def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway
     assert f"{manifest['window_complete_kept']} rows" in out
     assert "were cut at or past the trainer's window max_length 4,096: window-complete, the trainer reads each as " \
            "it reads the complete answer, so they are exported" in out
-    assert "Next time, decode only what the trainer reads: dflash demo --max-output-tokens 4096 --cap-policy " \
-           "window --trainer-max-length 4096" in out
+    command = re.search(r"Next time, decode only what the trainer reads: dflash (demo(?: --[\w-]+ [\w.]+)+)", out)
+    assert command, out
+    # the command asks for the window policy at this run's cap and window (4096, the default: no flag needed)
+    from dflash_assets.cli import build_parser
+
+    again = build_parser().parse_args(command.group(1).split())
+    assert (again.cap_policy, again.max_output_tokens, again.trainer_max_length) == ("window", 4096, 4096), out
 
 
 def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_settings():
