@@ -7,7 +7,6 @@ hour. A test that did not abandon them would hang until its timeout, so each one
 """
 
 import asyncio
-import time
 
 import pytest
 
@@ -21,8 +20,11 @@ from tests.support.shards import generate, make_shard, rows
 pytestmark = pytest.mark.timeout(180)
 
 HOUR = "3600"
-FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "40", "--length-sigma", "0.2"]  # short answers
-N = 12
+# 60 prompts on servers of 4 slots, a few seconds per run (the fault tests' fleet: test_server_faults.py)
+FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "200", "--length-sigma", "0.5",
+         "--decode-tokens-per-s", "4000", "--max-running-requests", "4"]
+N = 60
+PROMPTS = {f"f{i:03d}": f"fault test {i}" for i in range(N)}
 SETTINGS = DispatchSettings(stall_timeout_s=0.5, first_token_timeout_s=0.5, max_attempts=6, backoff_base_s=0.05,
                             backoff_max_s=0.2, eject_after=2, commit_rows=5, commit_seconds=0.2, load_sample_s=0)
 
@@ -31,9 +33,9 @@ def run_beside_a_healthy_server(tmp_path, emulator, *fault: str):
     """A shard generated on a server with `fault` and a healthy one: (the two servers, the run, its rows)."""
     faulty, healthy = emulator(*FLAGS, "--enable-metrics", *fault), emulator(*FLAGS)
     urls = [faulty.emu.url, healthy.emu.url]
-    make_shard(tmp_path, urls[0])
-    run = generate(tmp_path, urls, SETTINGS)
-    done = rows(tmp_path)
+    make_shard(tmp_path / "data", urls[:1], PROMPTS)
+    run = generate(tmp_path / "data", urls, 2048, SETTINGS)
+    done = rows(tmp_path / "data", columns="prompt_id, server_url, attempt")
     assert (run.prompts, run.completed, run.failed) == (N, N, 0)
     assert len(done) == N == len({r[0] for r in done}), "every prompt committed once"
     return faulty, urls, run, done
