@@ -262,14 +262,18 @@ def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway
 
 
 def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_settings():
-    from dflash_assets.cli import _window, build_parser
+    from dflash_assets.cli import _completions_config, build_parser, repeated_flags
     from dflash_assets.demo.run import Window
 
     for argv in (["demo"], ["backfill"], ["generate", "--shard", "0", "--urls", "http://x"]):
         args = build_parser().parse_args([*argv, "--cap-policy", "window", "--trainer-max-length", "2048"])
         assert (args.cap_policy, args.trainer_max_length, args.overshoot) == \
             ("window", 2048, GenerationConfig().overshoot)
-    window = _window(build_parser().parse_args(["demo", "--cap-policy", "window", "--trainer-max-length", "2048"]))
+    args = build_parser().parse_args(["demo", "--cap-policy", "window", "--trainer-max-length", "2048"])
+    config = _completions_config("demo", args)
+    window = Window.of(config)
     assert window == Window("window", 2048, GenerationConfig().overshoot)
-    assert window.flags() == " --cap-policy window --trainer-max-length 2048" and Window().flags() == ""
+    # the next command repeats them (and only what differs from the command's defaults)
+    assert repeated_flags("demo", config) == " --cap-policy window --trainer-max-length 2048"
+    assert repeated_flags("demo", _completions_config("demo", build_parser().parse_args(["demo"]))) == ""
     assert window.resources() == {"quality": {"config": {"trainer": {"max_length": 2048}}}}
