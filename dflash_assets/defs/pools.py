@@ -118,7 +118,8 @@ def reap_dead_runs(instance: dg.DagsterInstance) -> list[Holder]:
     failed "because its process died" even when no other run waits for what it held.
     """
     storage = instance.event_log_storage
-    infos = [storage.get_concurrency_info(pool) for pool in storage.get_concurrency_keys()]
+    # one batched read for every pool: a large prompt set has a shard pool per shard
+    infos = storage.get_concurrency_infos(sorted(storage.get_concurrency_keys())).values()
     holding_runs = {s.run_id for info in infos for s in info.claimed_slots} | \
                    {p.run_id for info in infos for p in info.pending_steps}
     active = {r.run_id for r in instance.get_runs(dg.RunsFilter(statuses=ACTIVE))}
