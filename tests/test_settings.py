@@ -113,3 +113,19 @@ def test_the_length_probes_launchpad_offers_only_settings_the_probe_reads():
     offered = set(LengthProbeConfig.to_fields_dict())
     read = {name for settings in (ProbeSettings, GenerationSettings, DispatchSettings) for name in settings.model_fields}
     assert offered == read, f"offered, not read: {offered - read}; read, not offered: {read - offered}"
+
+
+def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry():
+    # config_hash is a column of the Parquet data people have: these were computed before the settings moved
+    # (generation/config.py into settings.py), and a refactoring must not make old rows another config
+    from dflash_assets.generation.config import GenerationConfig
+
+    pinned = {
+        "e81c2cd6b058": {},
+        "e7d793efd00a": {"max_output_tokens": 8192, "regenerate": "all_turns"},
+        "d9fda1ee40a0": {"cap_policy": "window", "trainer_max_length": 2048, "overshoot": 8},
+        "6edaa9cb1b2b": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1,
+                         "presence_penalty": 0.5, "frequency_penalty": -0.5, "enable_thinking": False},
+        "db70f813f2be": {"chat_template_kwargs": {"reasoning_effort": "high"}},
+    }
+    assert {GenerationConfig(**settings).config_hash(MODEL): settings for settings in pinned.values()} == pinned
