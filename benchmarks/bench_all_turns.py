@@ -22,7 +22,7 @@ from bench_engine import busy_slot_seconds, stats
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.shards import build_prompt_shard
 
@@ -47,7 +47,7 @@ async def run(data: Path, src: Path, shards: int, per_shard: int, urls: list[str
             await build_prompt_shard(src, k, f"{k:05d}", per_shard, data, fleet, {"enable_thinking": True})
         start = time.monotonic()
         runs = await generate_shards(data, [f"{k:05d}" for k in range(shards)], fleet,
-                                     GenerationConfig(max_output_tokens=3000, regenerate="all_turns"),
+                                     GenerationSettings(max_output_tokens=3000, regenerate="all_turns"),
                                      DispatchSettings(load_sample_s=0, progress_seconds=1e9,
                                                       same_server_max_imbalance=imbalance), log=lambda m: None)
         return start, time.monotonic(), runs

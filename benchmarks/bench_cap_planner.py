@@ -32,7 +32,7 @@ import numpy as np
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.planner import _sf, plan_caps, plan_from_lengths
@@ -48,7 +48,7 @@ async def generate(url: str, src: Path, data: Path, n: int, cap: int, build: boo
     async with connected([url]) as fleet:
         if build:
             await build_prompt_shard(src, 0, "00000", n, data, fleet, {"enable_thinking": True})
-        run = await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=cap), log=lambda m: None)
+        run = await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=cap), log=lambda m: None)
         return run.config_hash
 
 

@@ -26,7 +26,7 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import committed_ids, completion_store, generate_shards, plan_remaining
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.shards import build_prompt_shard, prompt_store
@@ -55,7 +55,7 @@ async def build(src: Path, shard_size: int, shards: int, data: Path, urls: list[
 async def generate(data: Path, shards: str | list[str], urls: list[str], cap: int, **settings):
     async with connected(urls) as fleet:
         runs = await generate_shards(data, [shards] if isinstance(shards, str) else shards, fleet,
-                                     GenerationConfig(max_output_tokens=cap),
+                                     GenerationSettings(max_output_tokens=cap),
                                      DispatchSettings(load_sample_s=0, progress_seconds=1e9, **settings),
                                      log=lambda m: None)
         return runs[0] if isinstance(shards, str) else runs

@@ -22,7 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.quality import CHECKS, Thresholds, length_quality, open_quality_db, run_checks
+from dflash_assets.quality import CHECKS, length_quality, open_quality_db, run_checks
+from dflash_assets.settings import QualitySettings
 
 WORDS = "the model thinks about the prompt and then answers with care step by step because".split()
 
@@ -120,7 +121,7 @@ def main() -> None:
         with con:
             for spec in CHECKS:
                 start = time.perf_counter()
-                outcome = spec.run(con, Thresholds())
+                outcome = spec.run(con, QualitySettings())
                 print(f"  {spec.name:22s} {time.perf_counter() - start:.3f} s  {'PASS' if outcome.passed else 'FAIL'}")
         start = time.perf_counter()
         length_quality(out)

@@ -31,13 +31,11 @@ from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.client import ServerClient, ServerError
 from dflash_assets.fleet.fleet import connect, open_session
 from dflash_assets.fleet.stream import Watch
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, FleetSettings, GenerationSettings, RunawaySettings, ServerSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.send import watch_of
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.quality.tables import register_runaway, runaway_sql
-from dflash_assets.settings import FleetSettings, ServerFlags
 
 STORY_TOK_S = 7 * 3500
 BASE = ["--reasoning-parser", "qwen3", "--sampling", "per-prompt", "--random-seed", "1",
@@ -62,7 +60,7 @@ async def shard_run(data: Path, urls: list[str], n: int, cap: int, settings: Dis
     fleet = await connect(urls)
     try:
         await build_prompt_shard(src, 0, "00000", n, data, fleet, {"enable_thinking": True})
-        return await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=cap), settings,
+        return await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=cap), settings,
                                     log=lambda m: None)
     finally:
         await fleet.session.close()
@@ -70,8 +68,8 @@ async def shard_run(data: Path, urls: list[str], n: int, cap: int, settings: Dis
 
 def rows(data: Path) -> list[tuple]:
     con = duckdb.connect()
-    register_runaway(con, RunawayRules())
-    return con.execute(f"SELECT prompt_id, finish_reason, completion_tokens, {runaway_sql(RunawayRules())} FROM "
+    register_runaway(con, RunawaySettings())
+    return con.execute(f"SELECT prompt_id, finish_reason, completion_tokens, {runaway_sql(RunawaySettings())} FROM "
                        f"read_parquet('{data}/completions/**/*.parquet') ORDER BY prompt_id").fetchall()
 
 
@@ -109,7 +107,7 @@ def stall(tmp: Path, n: int, stall_timeout_s: float, request_timeout_s: float) -
     after, rate = 32, 2000.0
     flags = BASE + ["--length-median", "300", "--length-sigma", "0.4", "--decode-tokens-per-s", str(rate)]
     fault = ["--fault-stall-seconds", "3600", "--fault-stall-after-tokens", str(after)]
-    body = GenerationConfig(max_output_tokens=1024).chat_body("m", [{"role": "user", "content": "a stalled one"}])
+    body = GenerationSettings(max_output_tokens=1024).chat_body("m", [{"role": "user", "content": "a stalled one"}])
 
     async def abandoned(url: str, watch: Watch | None, timeout: float) -> float:
         async with open_session() as session:
@@ -145,7 +143,7 @@ def stall(tmp: Path, n: int, stall_timeout_s: float, request_timeout_s: float) -
 
 def cpu(n: int, intervals: list[int]) -> dict[float, int]:
     print("client CPU per million streamed tokens (chat, 32 in flight, instant decode)", flush=True)
-    body = GenerationConfig(max_output_tokens=4096)
+    body = GenerationSettings(max_output_tokens=4096)
 
     async def measure(url: str, watch: Watch | None) -> tuple[int, float]:
         async with open_session() as session:
@@ -180,7 +178,7 @@ def cpu(n: int, intervals: list[int]) -> dict[float, int]:
             fits.update({budget: interval for budget in (0.5, 0.25) if watched <= budget and budget not in fits})
     say("smallest --stream-interval whose watched stream fits 0.5 core", str(fits.get(0.5, "none")))
     say("... and leaves half of it to the rest of the client (<= 0.25 core)", str(fits.get(0.25, "none")),
-        f"what launch mode sets: --stream-interval {ServerFlags().stream_interval}")
+        f"what launch mode sets: --stream-interval {ServerSettings().stream_interval}")
     return fits
 
 

@@ -26,15 +26,14 @@ from pathlib import Path
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.quality import Thresholds, export_training_set, run_checks
-from dflash_assets.settings import TrainerSettings
+from dflash_assets.quality import export_training_set, run_checks
 
 STORY_PROMPTS, STORY_TOK_S, STORY_GPUS = 913_786, 25_000, 7
 CAPS, WINDOWS = (4096, 8192, 16384, 32768), (2048, 4096)
-SETTINGS = DispatchSettings(store_token_ids=True, commit_rows=512, load_sample_s=0)
+SETTINGS = DispatchSettings(store_token_ids=True, load_sample_s=0)
 
 
 def write_prompts(path: Path, n: int) -> None:
@@ -54,11 +53,11 @@ def trained(data: Path, out: Path, window: int) -> tuple[int, bool]:
     export = export_training_set(data, out, max_length=window, form="pretokenized")
     tokens = sum(sum(json.loads(line)["loss_mask"]) for line in export.jsonl_path.open())
     (check,) = run_checks(data, names=["truncation_rate"],
-                          thresholds=Thresholds(trainer=TrainerSettings(max_length=window)))
+                          thresholds=QualitySettings(trainer=TrainerSettings(max_length=window)))
     return tokens, check.passed
 
 
-def run(urls: list[str], src: Path, root: Path, n: int, config: GenerationConfig) -> tuple[Path, int, float]:
+def run(urls: list[str], src: Path, root: Path, n: int, config: GenerationSettings) -> tuple[Path, int, float]:
     data = root / f"{config.cap_policy}-{config.max_output_tokens}-{config.trainer_max_length}" / "data"
     on_fleet(urls, lambda f: build_prompt_shard(src, 0, "00000", n, data, f, {"enable_thinking": True}))
     t0 = time.monotonic()
@@ -82,12 +81,12 @@ def main() -> int:
         src = root / "prompts.jsonl"
         write_prompts(src, args.prompts)
         for cap in CAPS:
-            data, decoded, secs = run(urls, src, root, args.prompts, GenerationConfig(max_output_tokens=cap))
+            data, decoded, secs = run(urls, src, root, args.prompts, GenerationSettings(max_output_tokens=cap))
             print(f"  generated cap {cap:,}: {decoded:,} tokens ({secs:.0f}s)", file=sys.stderr)
             for window in WINDOWS:
                 rows.append((f"fixed cap {cap:,}", window, decoded, *trained(data, root / f"x{cap}-{window}", window)))
         for window in WINDOWS:
-            config = GenerationConfig(max_output_tokens=32768, cap_policy="window", trainer_max_length=window)
+            config = GenerationSettings(max_output_tokens=32768, cap_policy="window", trainer_max_length=window)
             data, decoded, secs = run(urls, src, root, args.prompts, config)
             print(f"  generated window {window:,}: {decoded:,} tokens ({secs:.0f}s)", file=sys.stderr)
             rows.append((f"window policy L={window:,}", window, decoded, *trained(data, root / f"w{window}", window)))

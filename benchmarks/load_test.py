@@ -43,7 +43,7 @@ def main() -> None:
     import dagster as dg
 
     from dflash_assets.defs.partitions import shard_partitions
-    from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
+    from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, QualityResource
     from dflash_assets.definitions import defs
     from dflash_assets.emulator.process import start_emulator
 
@@ -55,9 +55,9 @@ def main() -> None:
         shards = [f"{k:05d}" for k in range(-(-args.prompts // args.shard_size))]
         resources = {
             "fleet": FleetResource(mode="attach", urls=",".join(urls)),
-            "prompt_source": PromptSource(path=str(src), shard_size=args.shard_size),
-            "data_dir": DataDir(path=str(tmp / "data")),
-            "quality": QualityThresholds(),
+            "prompt_source": PromptSourceResource(path=str(src), shard_size=args.shard_size),
+            "data_dir": DataDirResource(path=str(tmp / "data")),
+            "quality": QualityResource(),
         }
         instance = dg.DagsterInstance.get()
         instance.add_dynamic_partitions(shard_partitions.name, shards)

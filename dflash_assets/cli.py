@@ -8,8 +8,8 @@ import sys
 import typing
 from pathlib import Path
 
-from dflash_assets.settings import (Deployment, DispatchSettings, GenerationSettings, LaunchSettings, ProbeSettings,
-                                    WINDOW_FIELDS, Settings, TrainerSettings)
+from dflash_assets.settings import (WINDOW_FIELDS, Deployment, DispatchSettings, GenerationSettings, LaunchSettings,
+                                    ProbeSettings, QualitySettings, Settings, SettingsError, TrainerSettings)
 
 
 def _instance_environment(args: argparse.Namespace) -> None:
@@ -34,10 +34,8 @@ DEMO_DEFAULTS = {**SHARD_RUN_DEFAULTS, "max_output_tokens": 16384}
 def _completions_config(command: str, args: argparse.Namespace) -> dict | None:
     """The `completions` run config of the flags (every generation and dispatch setting), or None when one is bad
     (said on stderr)."""
-    from dflash_assets.generation.config import GenerationConfig
-
     generation, dispatch = GenerationSettings.taken_from(args), DispatchSettings.taken_from(args)
-    if _refused(command, GenerationConfig.taken_from(args), dispatch):
+    if _refused(command, generation, dispatch):
         return None
     return {**generation.model_dump(), **dispatch.model_dump()}
 
@@ -45,6 +43,7 @@ def _completions_config(command: str, args: argparse.Namespace) -> dict | None:
 def repeated_flags(command: str, config: dict) -> str:
     """The flags that give `config` again, leaving out the cap and what the command's defaults already give: the
     next command a run suggests (another cap) must generate with the same settings, or it makes another config."""
+    import json
     import shlex
 
     defaults = vars(build_parser().parse_args([command]))
@@ -53,7 +52,8 @@ def repeated_flags(command: str, config: dict) -> str:
         if name == "max_output_tokens" or value == defaults[name]:
             continue
         flag = "--" + name.replace("_", "-")
-        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, shlex.quote(str(value))]
+        text = json.dumps(value) if isinstance(value, dict) else str(value)
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, shlex.quote(text)]
     return "".join(" " + f for f in flags)
 
 
@@ -94,12 +94,10 @@ def _emulator(argv: list[str]) -> int:
 
 def _refused(command: str, *settings) -> bool:
     """Validate settings before any work; a bad one is a one-line error naming it (exit 2)."""
-    from dflash_assets.generation.config import ConfigError
-
     try:
         for each in settings:
             each.validate()
-    except ConfigError as e:
+    except SettingsError as e:
         print(f"dflash {command}: {e}", file=sys.stderr)
         return True
     return False
@@ -110,10 +108,9 @@ def _generate(args: argparse.Namespace) -> int:
     import asyncio
 
     from dflash_assets.fleet.fleet import connected
-    from dflash_assets.generation.config import DispatchSettings, GenerationConfig
     from dflash_assets.generation.engine import generate_shard
 
-    config, settings = GenerationConfig.taken_from(args), DispatchSettings.taken_from(args)
+    config, settings = GenerationSettings.taken_from(args), DispatchSettings.taken_from(args)
     if _refused("generate", config, settings):
         return 2
     urls = args.urls
@@ -141,12 +138,11 @@ def _probe(args: argparse.Namespace) -> int:
     import asyncio
 
     from dflash_assets.fleet.fleet import connected
-    from dflash_assets.generation.config import ConfigError, GenerationConfig
     from dflash_assets.generation.preflight import PreflightError
     from dflash_assets.generation.probe import prompt_shard_keys
     from dflash_assets.quality.probe_summary import probe_summary, run_length_probe
 
-    probe, config = ProbeSettings.taken_from(args), GenerationConfig.taken_from(args)
+    probe, config = ProbeSettings.taken_from(args), GenerationSettings.taken_from(args)
     settings = DispatchSettings.taken_from(args)
     if _refused("probe", probe, settings):  # config: validated by run_probe, once its cap is known
         return 2
@@ -163,7 +159,7 @@ def _probe(args: argparse.Namespace) -> int:
 
     try:
         result = asyncio.run(go())
-    except (ConfigError, PreflightError, FileNotFoundError) as e:
+    except (SettingsError, PreflightError, FileNotFoundError) as e:
         print(f"dflash probe: {e}", file=sys.stderr)
         return 2
     print(probe_summary(result, args.data_dir, urls, shards))
@@ -174,7 +170,7 @@ def _fleet(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from dflash_assets.fleet import launcher, status
-    from dflash_assets.fleet.launch_config import build_spec
+    from dflash_assets.fleet.launcher import build_spec
 
     fleet_dir = Path(args.fleet_dir) if args.fleet_dir else launcher.default_fleet_dir()
     console = Console(width=None if sys.stdout.isatty() else 160)  # piped output is not cut to 80 columns
@@ -244,10 +240,8 @@ def _report(args: argparse.Namespace) -> int:
 
     from dflash_assets.quality.console import print_answers
 
-    from dflash_assets.quality import Thresholds
-
     console = Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
-    thresholds = Thresholds(trainer=TrainerSettings(max_length=args.trainer_max_length))
+    thresholds = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
     answers = print_answers(data_dir, console, thresholds)
     pictures = _report_pictures(data_dir, answers)
     for picture in pictures:
@@ -290,6 +284,19 @@ def _urls(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None  # argparse shows only this kind's message
 
 
+def _json_object(text: str) -> dict:
+    """A dict setting's flag (chat_template_kwargs): a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"key\": true}}', got {text!r}")
+    return value
+
+
 def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], required: tuple[str, ...] = (),
                    skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
     """One flag per field of a settings model (`max_output_tokens` -> `--max-output-tokens`), with the model's
@@ -300,6 +307,7 @@ def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], requi
             continue
         flag, default = "--" + name.replace("_", "-"), (defaults or {}).get(name, field.default)
         kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
+        kind = _json_object if kind is dict else kind
         shown = "" if default in (None, "") else f" (default {default})"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,

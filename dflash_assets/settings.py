@@ -1,21 +1,26 @@
 """Every setting once: one typed model per group, with its default and its description.
 
-The Dagster run config (`defs/run_config.py`, `CompletionsConfig`), the `fleet` resource (`defs/resources.py`)
-and the `dflash` flags (`cli.py`) are derived from these models, so a default is written here and nowhere else
-(tests/test_settings.py builds all three and compares them). No Dagster import: the plain libraries and the CLI
+Naming: `<Group>Settings` is the plain model here; `<Group>Config` its Dagster config form (dg.Config + the model)
+and `<Asset>Config` one asset's run config; `<Thing>Resource` a Dagster resource. The asset configs, the resources
+(`defs/resources.py`) and the `dflash` flags (`cli.py`) are derived from these models and read back with
+`XSettings.taken_from(...)`, so a default is written here and nowhere else (tests/test_settings.py builds them
+all and compares). No Dagster import: the plain libraries and the CLI
 use these models directly.
 
 - GenerationSettings: what a completion is (every row records them; they are hashed into config_hash).
 - DispatchSettings: how hard to drive the fleet (never hashed).
-- ServerFlags / LaunchSettings: the `sglang serve` of `launch` mode and `dflash fleet up`.
+- ServerSettings / LaunchSettings: the `sglang serve` of `launch` mode and `dflash fleet up`.
 - ProbeSettings: the length probe's sample and cap (the `length_probe` asset and `dflash probe`).
 - TrainerSettings: the drafter trainer's window (max_length) and the export form it reads.
+- QualitySettings / RunawaySettings: the limits the quality checks judge by, and what counts as a loop.
 - FleetSettings: how the pipeline reaches its servers (`emulated`, `attach`, `launch`).
 - DEPLOYMENT: the environment variables a deployment sets, with their defaults.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +28,13 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dflash_assets.rules import fills_window, window_cap
+
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 FLEET_MODES = ("emulated", "attach", "launch")
 
 
-class ConfigError(ValueError):
+class SettingsError(ValueError):
     """Bad settings, found before any work starts."""
 
 
@@ -37,13 +44,25 @@ class Settings(BaseModel):
 
     @classmethod
     def taken_from(cls, source: object):
-        """This group's fields, read off an object that carries them (a Dagster config, parsed CLI flags); a field
-        the object does not carry keeps its default."""
-        return cls(**{name: getattr(source, name) for name in cls.model_fields if hasattr(source, name)})
+        """This group's fields, read off an object that carries them (a Dagster config or resource, parsed CLI
+        flags); a field the object does not carry keeps its default, a nested group is taken from its own form
+        (a resource's TrainerConfig gives a TrainerSettings)."""
+        values = {}
+        for name, field in cls.model_fields.items():
+            if not hasattr(source, name):
+                continue
+            value, kind = getattr(source, name), field.annotation
+            if isinstance(kind, type) and issubclass(kind, Settings) and type(value) is not kind:
+                value = kind.taken_from(value)
+            values[name] = value
+        return cls(**values)
 
 
 TRAINER_FORMATS = ("conversations", "messages", "pretokenized")  # TrainerSettings.format
 CAP_POLICIES = ("fixed", "window")  # GenerationSettings.cap_policy
+REGENERATE = ("last_turn", "all_turns")  # GenerationSettings.regenerate
+SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")  # GenerationSettings' sampling, recorded per row under these names
 WINDOW_FIELDS = ("cap_policy", "trainer_max_length", "overshoot")  # GenerationSettings: how the window sizes requests
 
 
@@ -70,7 +89,7 @@ class TrainerSettings(Settings):
         if self.format not in TRAINER_FORMATS:
             problems.append(f"trainer format must be one of {', '.join(TRAINER_FORMATS)}, got {self.format!r}")
         if problems:
-            raise ConfigError("; ".join(problems))
+            raise SettingsError("; ".join(problems))
 
     def named(self) -> str:
         """The window as every report names it, with how to change it."""
@@ -79,7 +98,8 @@ class TrainerSettings(Settings):
 
 
 class GenerationSettings(Settings):
-    """The settings that decide what a completion is; rows record all of them."""
+    """The settings that decide what a completion is; rows record all of them, and every one that changes the
+    output is in the config hash (config_hash: the name of the Parquet column, kept for the data people have)."""
 
     max_output_tokens: int = Field(4096, description="The cap: max_completion_tokens of every request.")
     temperature: float = Field(0.6, description="Sampling temperature (>= 0).")
@@ -108,6 +128,92 @@ class GenerationSettings(Settings):
         16, description="cap_policy window: tokens asked past the window, so that after the trainer re-renders "
                         "and re-tokenizes the sample its window still ends inside generated text (never on a "
                         "closing tag the model did not write).")
+    chat_template_kwargs: dict = Field(
+        {}, description="More chat_template_kwargs, sent beside enable_thinking with every request and with "
+                        "/v1/tokenize (a JSON object on the command line).")
+
+    def validate(self) -> None:
+        problems = []
+        if not isinstance(self.max_output_tokens, int) or self.max_output_tokens <= 0:
+            problems.append(f"max_output_tokens must be a positive integer, got {self.max_output_tokens!r}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k == 0 or self.top_k < -1:
+            problems.append(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not 0 < self.repetition_penalty <= 2:
+            problems.append(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.regenerate not in REGENERATE:
+            problems.append(f"regenerate must be one of {', '.join(REGENERATE)}, got {self.regenerate!r}")
+        if self.cap_policy not in CAP_POLICIES:
+            problems.append(f"cap_policy must be one of {', '.join(CAP_POLICIES)}, got {self.cap_policy!r}")
+        if self.trainer_max_length < 1:
+            problems.append(f"trainer_max_length must be a positive integer, got {self.trainer_max_length!r}")
+        if self.overshoot < 0:
+            problems.append(f"overshoot must be >= 0, got {self.overshoot!r}")
+        if "enable_thinking" in self.chat_template_kwargs:
+            problems.append("set enable_thinking with its own setting, not inside chat_template_kwargs")
+        if problems:
+            raise SettingsError("invalid generation config: " + "; ".join(problems))
+
+    def template_kwargs(self) -> dict:
+        """The chat_template_kwargs sent with every request (and with /v1/tokenize)."""
+        return {**self.chat_template_kwargs, "enable_thinking": self.enable_thinking}
+
+    def config_hash(self, model: str) -> str:
+        """12 hex chars over the model and every setting that changes the output (not concurrency)."""
+        settings = self.model_dump()
+        if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
+            del settings["regenerate"]
+        if settings["cap_policy"] == "fixed":  # the window does not change a fixed-cap request: the same hashes
+            for name in ("cap_policy", "trainer_max_length", "overshoot"):
+                del settings[name]
+        payload = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+    @property
+    def windowed(self) -> bool:
+        return self.cap_policy == "window"
+
+    @property
+    def window(self) -> int | None:
+        """The trainer's window the requests are sized to; None under a fixed cap."""
+        return self.trainer_max_length if self.windowed else None
+
+    def request_cap(self, prompt_tokens: int) -> int:
+        """max_output_tokens of one request: the cap, or under the window policy the window's rest (rules.py)."""
+        if not self.windowed:
+            return self.max_output_tokens
+        return window_cap(self.max_output_tokens, self.trainer_max_length, prompt_tokens, self.overshoot)
+
+    def window_problem(self, prompt_tokens: int) -> str | None:
+        """Why the window policy refuses this prompt (it fills the trainer's window), or None."""
+        if self.windowed and fills_window(prompt_tokens, self.trainer_max_length):
+            return (f"prompt of {prompt_tokens} tokens fills the trainer's window max_length "
+                    f"{self.trainer_max_length}: the trainer would read no answer (cap_policy window)")
+        return None
+
+    def sampling(self) -> dict:
+        """Every sampling parameter, as both routes take them (chat body fields, /generate sampling_params)."""
+        return {name: getattr(self, name) for name in SAMPLING_PARAMS}
+
+    def chat_body(self, model: str, messages: list[dict], token_ids: bool = False, cap: int | None = None) -> dict:
+        """The chat request; `cap` is this request's own max_output_tokens (request_cap), default the cap."""
+        extra = {"return_token_ids": True} if token_ids else {}
+        return {**extra,
+            "model": model,
+            "messages": messages,
+            "max_completion_tokens": self.max_output_tokens if cap is None else cap,
+            **self.sampling(),
+            "chat_template_kwargs": self.template_kwargs(),
+            "separate_reasoning": True,
+        }
 
 
 class DispatchSettings(Settings):
@@ -152,16 +258,16 @@ class DispatchSettings(Settings):
 
     def validate(self) -> None:  # noqa: D102  (pydantic v2 has no instance validate: ours checks the values)
         if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0:
-            raise ConfigError(f"stall_timeout_s and first_token_timeout_s must be > 0, got {self.stall_timeout_s} "
+            raise SettingsError(f"stall_timeout_s and first_token_timeout_s must be > 0, got {self.stall_timeout_s} "
                               f"and {self.first_token_timeout_s}")
         if self.runaway_check_tokens < 0:
-            raise ConfigError(f"runaway_check_tokens must be >= 0 (0: off), got {self.runaway_check_tokens}")
+            raise SettingsError(f"runaway_check_tokens must be >= 0 (0: off), got {self.runaway_check_tokens}")
         if self.max_in_flight_per_server < 0:
-            raise ConfigError(f"max_in_flight_per_server must be >= 0, got {self.max_in_flight_per_server}")
+            raise SettingsError(f"max_in_flight_per_server must be >= 0, got {self.max_in_flight_per_server}")
         if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+            raise SettingsError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.commit_rows < 1 or self.commit_seconds <= 0:
-            raise ConfigError("commit_rows must be >= 1 and commit_seconds > 0")
+            raise SettingsError("commit_rows must be >= 1 and commit_seconds > 0")
 
 
 PROBE_MODES = ("prompts", "cut_rows")  # ProbeSettings.mode
@@ -195,10 +301,80 @@ class ProbeSettings(Settings):
         if self.min_prompts < 1:
             problems.append(f"min_prompts must be >= 1, got {self.min_prompts}")
         if problems:
-            raise ConfigError("; ".join(problems))
+            raise SettingsError("; ".join(problems))
 
 
-class ServerFlags(Settings):
+class RunawaySettings(Settings):
+    """What counts as a runaway (quality/runaway.py judges by these). Prose repeats almost no 8-word sequence
+    within a few kB; a loop repeats nearly all."""
+
+    tail_chars: int = Field(4000, description="The end of the output that is judged, in characters.")
+    ngram_words: int = Field(8, description="Words per n-gram of the repeated n-gram rule.")
+    repeated_ngram_share: float = Field(
+        0.5, description="A loop: at least this share of the tail's n-grams repeat an earlier n-gram of the tail.")
+    repeated_line_share: float = Field(
+        0.5, description="A loop: at least this share of the tail's non-blank lines equal its most common line ...")
+    min_line_repeats: int = Field(4, description="... and that line is seen at least this often.")
+    min_ngrams: int = Field(32, description="A tail of fewer n-grams is never judged a loop (too little to tell).")
+    end_chars: int = Field(32, description="The end that must recur for either rule to count: the last line, or "
+                                           "its last this many characters.")
+
+
+SEVERITIES = ("ERROR", "WARN")  # QualitySettings.severity's values
+
+
+class QualitySettings(Settings):
+    """Every limit the quality checks judge by. Rates are shares of rows in [0, 1]; a check passes when
+    rate <= limit.
+
+    Defects that mean the pipeline itself is wrong (duplicates, leaked think markers, empty answers, rows made
+    with a budget that did not fit the context) default to zero tolerance: the export drops such rows anyway,
+    so a non-zero count says "a stage is broken", not "the data is a bit noisy"."""
+
+    truncation_rate_max: float = Field(
+        0.05, description="The truncation_rate check fails above this share of rows cut inside the trainer's "
+                          "window (rules.py), per shard and per config: the blocking truncation.")
+    cap_saturation_percentile: float = Field(
+        0.99, description="cap_saturation fails when this percentile of completion_tokens reaches the cap.")
+    cap_mismatch_rate_max: float = Field(
+        0.0, description="Rows where 'at the cap' and finish_reason 'length' disagree.")
+    silent_clamp_rate_max: float = Field(
+        0.0, description="Rows that finished 'length' below their own max_output_tokens.")
+    context_overflow_rate_max: float = Field(
+        0.0, description="Completion rows generated with prompt + cap > context.")
+    overflow_reject_rate_max: float = Field(
+        0.01, description="Prompts of a config rejected because prompt + cap > context.")
+    missing_rate_max: float = Field(
+        0.0, description="Accounting: prompts with no completion, reject or failure row.")
+    duplicate_rate_max: float = Field(0.0, description="Extra rows on (prompt_id, config_hash).")
+    empty_content_rate_max: float = Field(0.0, description="Rows with an empty answer.")
+    think_marker_rate_max: float = Field(0.0, description="Rows with a think marker leaked into the answer.")
+    reasoning_misrouted_rate_max: float = Field(
+        0.0, description="enable_thinking rows whose reasoning did not reach reasoning_content.")
+    truncated_thinking_rate_max: float = Field(0.01, description="Rows cut while still thinking.")
+    trainer: TrainerSettings = Field(
+        TrainerSettings(), description="The drafter trainer: its window max_length (what the checks judge "
+                                       "truncation against) and the export form.")
+    past_window_rate_max: float = Field(
+        0.02, description="window_complete warns above this share of decoded tokens past the trainer's window: "
+                          "GPU time no training step reads.")
+    max_length_overflow_rate_max: float = Field(
+        0.05, description="Rows whose prompt plus completion run past the trainer's window (it cuts them).")
+    runaway_rate_max: float = Field(
+        0.0, description="The runaway_rate check warns above this share of rows cut while looping: any is worth a "
+                         "look at the sampling settings.")
+    runaway: RunawaySettings = Field(RunawaySettings(), description="What counts as a runaway.")
+    severity: dict[str, str] = Field(
+        {}, description="Check name -> 'ERROR' or 'WARN': overrides a check's own severity.")
+
+    def validate(self) -> None:  # noqa: D102
+        self.trainer.validate()
+        bad = {name: level for name, level in self.severity.items() if level not in SEVERITIES}
+        if bad:
+            raise SettingsError(f"severity must be one of {', '.join(SEVERITIES)}, got {bad}")
+
+
+class ServerSettings(Settings):
     """The typed `sglang serve` flags of one server. None means "SGLang decides" and emits no flag."""
 
     served_model_name: Optional[str] = Field(None, description="The model name the server answers to.")
@@ -220,7 +396,7 @@ class ServerFlags(Settings):
                                                            "default 1 costs the client too much CPU to parse).")
 
 
-class LaunchSettings(ServerFlags):
+class LaunchSettings(ServerSettings):
     """`launch` mode and `dflash fleet up`: one `sglang serve` per GPU (or per tp_size GPUs), detached."""
 
     model_path: str = Field("", description="The model every server loads (a local directory or a HF repo id).")

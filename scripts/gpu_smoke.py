@@ -24,14 +24,13 @@ from rich.table import Table
 from dflash_assets.fleet import launcher
 from dflash_assets.fleet.client import ServerClient
 from dflash_assets.fleet.fleet import on_fleet, open_session
-from dflash_assets.fleet.launch_config import build_spec
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.fleet.launcher import build_spec
+from dflash_assets.settings import Deployment, DispatchSettings, GenerationSettings, LaunchSettings
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard, prompt_store
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.export import export_training_set
-from dflash_assets.settings import Deployment, LaunchSettings
 
 SHARD = "00000"
 COUNTERS = ("sglang:num_requests_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total")
@@ -138,7 +137,7 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
     store.replace(rows, "prompts.parquet")
 
     settings = DispatchSettings(store_token_ids=True, load_sample_s=0, commit_rows=4, commit_seconds=1.0)
-    config = GenerationConfig(max_output_tokens=args.cap)
+    config = GenerationSettings(max_output_tokens=args.cap)
     fresh = on_fleet(url, lambda f: generate_shard(data, SHARD, f, config, settings, log=console.print), key)
     cont = on_fleet(url, lambda f: continue_shard(data, SHARD, f, fresh.config_hash, args.continue_to, settings,
                                                   log=console.print), key)

@@ -1,6 +1,7 @@
-"""Every setting is defined once (dflash_assets/settings.py): the CLI, the fleet resource and the Dagster run
-config are built from it, so their defaults cannot drift apart."""
+"""Every setting is defined once (dflash_assets/settings.py): the CLI, the resources and the Dagster configs are
+built from it, so their fields and defaults cannot drift apart, and no default is written a second time."""
 
+import ast
 import dataclasses
 import inspect
 import subprocess
@@ -9,67 +10,169 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.cli import build_parser
+from dflash_assets.cli import DEMO_DEFAULTS, SHARD_RUN_DEFAULTS, build_parser
 from dflash_assets.defs.completions.assets import CompletionsConfig
 from dflash_assets.defs.continuation.assets import ContinuationConfig
 from dflash_assets.defs.probe.assets import LengthProbeConfig
-from dflash_assets.defs.resources import FleetResource, LaunchConfig
+from dflash_assets.defs.resources import (FleetResource, LaunchConfig, QualityResource, RunawayConfig, TrainerConfig,
+                                          from_env)
 from dflash_assets.fleet.client import ServerClient
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient, open_gateway
-from dflash_assets.fleet.launch_config import build_spec
-from dflash_assets.fleet.server_args import ServerArgs
-from dflash_assets.settings import (DispatchSettings, FleetSettings, GenerationSettings, LaunchSettings, ProbeSettings,
-                                    ServerFlags)
+from dflash_assets.fleet.launcher import build_spec
+from dflash_assets.fleet.server_args import ServerCommand
+from dflash_assets.generation.slots import SlotPicker
+from dflash_assets.settings import (WINDOW_FIELDS, Deployment, DispatchSettings, EnvSetting, FleetSettings,
+                                    GenerationSettings, LaunchSettings, ProbeSettings, QualitySettings,
+                                    RunawaySettings, ServerSettings, Settings, TrainerSettings)
 from tests.support.cli import dflash, free_base_port
 
 MODEL = "emulated/qwen3-27b"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_cli_the_resource_and_the_dagster_config_have_the_same_defaults():
-    generate = build_parser().parse_args(["generate", "--shard", "00000", "--urls", "http://x"])
-    fleet_up = build_parser().parse_args(["fleet", "up", "--model-path", MODEL])
-    completions = CompletionsConfig()
-    continuation = ContinuationConfig(parent_config_hash="latest")
-    resource = FleetResource()
+def defaults_of(where: str, form: dict, model: type[Settings], skip=(), own: dict | None = None) -> None:
+    """Every field of `model` (but `skip`) is in `form` (field -> its default there) with the model's default, or
+    the form's documented `own` one."""
+    expected = {**model().model_dump(), **(own or {})}
+    fields = [name for name in model.model_fields if name not in skip]
+    missing = [name for name in fields if name not in form]
+    assert not missing, f"{where}: {model.__name__} fields missing: {', '.join(missing)}"
+    differ = {name: (form[name], expected[name]) for name in fields if form[name] != expected[name]}
+    assert not differ, f"{where}: defaults unlike {model.__name__}'s (here, there): {differ}"
 
-    assert GenerationSettings.taken_from(generate) == GenerationSettings.taken_from(completions) == \
-        GenerationSettings()
-    assert DispatchSettings.taken_from(generate) == completions.dispatch() == continuation.dispatch() == \
-        DispatchSettings()
-    assert LaunchSettings.taken_from(fleet_up) == LaunchSettings.taken_from(resource.launch).model_copy(
-        update={"model_path": MODEL}) == LaunchSettings(model_path=MODEL)
-    assert FleetSettings.taken_from(resource) == FleetSettings()
-    # the length probe: `dflash probe` and the length_probe asset's config
-    probe = build_parser().parse_args(["probe", "--urls", "http://x"])
-    length_probe = LengthProbeConfig()
-    assert ProbeSettings.taken_from(probe) == length_probe.probe() == ProbeSettings()
-    sampling = lambda source: source.model_dump(exclude={"max_output_tokens"})  # noqa: E731  (the probe's own cap)
-    assert sampling(GenerationSettings.taken_from(probe)) == sampling(GenerationSettings.taken_from(length_probe)) \
-        == sampling(GenerationSettings())
-    assert DispatchSettings.taken_from(probe) == length_probe.dispatch() == DispatchSettings()
-    # the fleet's timeouts, where the CLI and the libraries connect without the resource
-    fleet = FleetSettings()
-    for where, function, name in ((connected, connected, "health_timeout_s"),
-                                  (connected, connected, "request_timeout_s"),
-                                  (ServerClient, ServerClient.__init__, "request_timeout_s"),
-                                  (GatewayClient, GatewayClient.__init__, "request_timeout_s"),
-                                  (open_gateway, open_gateway, "request_timeout_s")):
+
+def cli(*argv: str) -> dict:
+    return vars(build_parser().parse_args(list(argv)))
+
+
+def launchpad(config: type) -> dict:
+    """The defaults the Dagster launchpad shows: the config schema built from the class (nested groups as dicts)."""
+    return {name: field.default_value for name, field in config.to_fields_dict().items() if field.default_provided}
+
+
+def built(instance: object, model: type[Settings]) -> dict:
+    """The values an instance carries (nested groups as dicts)."""
+    return {name: dump(getattr(instance, name)) for name in model.model_fields if hasattr(instance, name)}
+
+
+def dump(value):
+    return value.model_dump() if isinstance(value, Settings) else value
+
+
+PROBE_SAMPLING = ("max_output_tokens",)  # the probe's own cap (ProbeSettings.max_output_tokens) takes its place
+PROBE_CLI_SAMPLING = (*PROBE_SAMPLING, *WINDOW_FIELDS)  # and `dflash probe` measures lengths: never windowed
+
+
+def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the_same_defaults(monkeypatch):
+    for setting in vars(Deployment).values():
+        if isinstance(setting, EnvSetting):
+            monkeypatch.delenv(setting.name, raising=False)
+    forms = {
+        "dflash generate": (cli("generate", "--shard", "0", "--urls", "http://x"),
+                            [(GenerationSettings, ()), (DispatchSettings, ())]),
+        "dflash probe": (cli("probe", "--urls", "http://x"),
+                         [(ProbeSettings, ()), (GenerationSettings, PROBE_CLI_SAMPLING), (DispatchSettings, ())]),
+        "dflash fleet up": (cli("fleet", "up", "--model-path", MODEL), [(LaunchSettings, ("model_path",))]),
+        "CompletionsConfig": (launchpad(CompletionsConfig), [(GenerationSettings, ()), (DispatchSettings, ())]),
+        "CompletionsConfig()": (built(CompletionsConfig(), GenerationSettings) | built(CompletionsConfig(),
+                                DispatchSettings), [(GenerationSettings, ()), (DispatchSettings, ())]),
+        "LengthProbeConfig": (launchpad(LengthProbeConfig),
+                              [(ProbeSettings, ()), (GenerationSettings, PROBE_SAMPLING), (DispatchSettings, ())]),
+        "ContinuationConfig": (launchpad(ContinuationConfig), [(DispatchSettings, ())]),
+        "LaunchConfig": (launchpad(LaunchConfig), [(LaunchSettings, ())]),
+        "TrainerConfig": (launchpad(TrainerConfig), [(TrainerSettings, ())]),
+        "RunawayConfig": (launchpad(RunawayConfig), [(RunawaySettings, ())]),
+        "the fleet resource": (launchpad(FleetResource), [(FleetSettings, ())]),
+        "the fleet resource's launch": (launchpad(FleetResource)["launch"], [(LaunchSettings, ())]),
+        "the quality resource": (launchpad(QualityResource), [(QualitySettings, ())]),
+        "the quality resource's trainer": (launchpad(QualityResource)["trainer"], [(TrainerSettings, ())]),
+        "the quality resource's runaway": (launchpad(QualityResource)["runaway"], [(RunawaySettings, ())]),
+        # the resource map a deployment without environment variables runs with
+        "from_env() fleet": (built(from_env()["fleet"], FleetSettings), [(FleetSettings, ())]),
+        "from_env() fleet.launch": (built(from_env()["fleet"].launch, LaunchSettings), [(LaunchSettings, ())]),
+        "from_env() quality": (built(from_env()["quality"], QualitySettings), [(QualitySettings, ())]),
+    }
+    for command, own in (("demo", DEMO_DEFAULTS), ("backfill", SHARD_RUN_DEFAULTS)):  # their documented own
+        forms[f"dflash {command}"] = (cli(command), [(GenerationSettings, (), own), (DispatchSettings, (), own)])
+    for where, (form, models) in forms.items():
+        for model, skip, *own in models:
+            defaults_of(where, form, model, skip, *own)
+    # the quality resource gives the checks every limit it carries, nested groups as settings
+    custom = QualityResource(past_window_rate_max=0.5, trainer={"max_length": 2048}, runaway={"tail_chars": 10},
+                             severity={"runaway_rate": "ERROR"})
+    assert QualitySettings.taken_from(custom) == QualitySettings(
+        past_window_rate_max=0.5, trainer=TrainerSettings(max_length=2048), runaway=RunawaySettings(tail_chars=10),
+        severity={"runaway_rate": "ERROR"})
+    assert cli("report")["trainer_max_length"] == TrainerSettings().max_length
+
+
+def test_the_libraries_that_connect_without_a_resource_take_the_settings_defaults():
+    # the fleet's timeouts where the CLI and the libraries connect, and the dispatch defaults of the slot picker
+    fleet, dispatch = FleetSettings(), DispatchSettings()
+    for function, name, settings, field in (
+            (connected, "health_timeout_s", fleet, "health_timeout_s"),
+            (connected, "request_timeout_s", fleet, "request_timeout_s"),
+            (ServerClient.__init__, "request_timeout_s", fleet, "request_timeout_s"),
+            (GatewayClient.__init__, "request_timeout_s", fleet, "request_timeout_s"),
+            (open_gateway, "request_timeout_s", fleet, "request_timeout_s"),
+            (SlotPicker.__init__, "max_in_flight_per_server", dispatch, "max_in_flight_per_server"),
+            (SlotPicker.__init__, "waiting_margin", dispatch, "waiting_margin"),
+            (SlotPicker.__init__, "eject_after", dispatch, "eject_after"),
+            (SlotPicker.__init__, "no_server_timeout_s", dispatch, "no_server_timeout_s"),
+            (SlotPicker.__init__, "max_imbalance", dispatch, "same_server_max_imbalance")):
         default = inspect.signature(function).parameters[name].default
-        assert default == getattr(fleet, name), f"{where.__qualname__}: {name} = {default}, settings say " \
-                                                f"{getattr(fleet, name)}"
-    # the Dagster launchpad shows the same defaults: the config schema is built from the same fields
-    for config, settings in ((CompletionsConfig, GenerationSettings), (LengthProbeConfig, ProbeSettings)):
-        schema = config.to_fields_dict()
-        assert {name: schema[name].default_value for name in settings.model_fields} == settings().model_dump()
+        assert default == getattr(settings, field), f"{function.__qualname__}: {name} = {default}, settings say " \
+                                                    f"{getattr(settings, field)}"
+
+
+# a parameter named like a setting, with a literal default, that is another idea (not the setting's default)
+NOT_THE_SETTING = {("dflash_assets/quality/planner.py", "seed"): "the bootstrap's seed, not the probe sample's",
+                   ("benchmarks/bench_streaming.py", "max_output_tokens"): "the story's cap, measured at it"}
+
+
+def literal_defaults(tree: ast.AST):
+    """(line, name, value) of every literal default in a signature or class body, and every literal keyword
+    argument of a call."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults), *zip(a.kwonlyargs,
+                                                                                            a.kw_defaults)]
+            yield from ((d.lineno, arg.arg, d.value) for arg, d in pairs if isinstance(d, ast.Constant))
+        elif isinstance(node, ast.ClassDef):
+            yield from ((st.lineno, st.target.id, st.value.value) for st in node.body
+                        if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+                        and isinstance(st.value, ast.Constant))
+        elif isinstance(node, ast.Call):
+            yield from ((k.value.lineno, k.arg, k.value.value) for k in node.keywords
+                        if k.arg and isinstance(k.value, ast.Constant))
+
+
+def test_no_settings_default_is_written_again_outside_settings_py():
+    # a setting's default copied as a literal (`no_server_timeout_s: float = 120.0`) drifts when settings.py
+    # changes; every one reads the model instead. None ("absent") and the emulator (SGLang's own flags) apart.
+    defaults: dict[str, set] = {}
+    for model in (GenerationSettings, DispatchSettings, ProbeSettings, TrainerSettings, RunawaySettings,
+                  QualitySettings, LaunchSettings, FleetSettings):
+        for name, field in model.model_fields.items():
+            if field.default is not None and not isinstance(field.default, (Settings, dict)):
+                defaults.setdefault(name, set()).add(field.default)
+    files = [p for d in ("dflash_assets", "benchmarks", "scripts") for p in sorted((ROOT / d).rglob("*.py"))
+             if p.name != "settings.py" and "emulator" not in p.parts]
+    copies = [f"{path.relative_to(ROOT)}:{line} {name}={value!r}"
+              for path in files for line, name, value in literal_defaults(ast.parse(path.read_text()))
+              if name in defaults and value in defaults[name] and type(value) is not bool
+              and (str(path.relative_to(ROOT)), name) not in NOT_THE_SETTING]
+    assert not copies, "settings defaults written again (read them from settings.py):\n" + "\n".join(copies)
 
 
 def test_a_servers_args_default_to_the_launch_settings():
-    typed = {f.name for f in dataclasses.fields(ServerArgs)} - {"model_path", "port", "extra_args", "gpus"}
-    assert typed == set(ServerFlags.model_fields), "ServerArgs and settings.ServerFlags list the same flags"
+    typed = {f.name for f in dataclasses.fields(ServerCommand)} - {"model_path", "port", "extra_args", "gpus"}
+    assert typed == set(ServerSettings.model_fields), "ServerCommand and settings.ServerSettings list the same flags"
     spec = build_spec(LaunchSettings(model_path=MODEL))
-    assert spec.servers()["gpu0"] == ServerArgs(model_path=MODEL, gpus=(0,))
+    assert spec.servers()["gpu0"] == ServerCommand(model_path=MODEL, gpus=(0,))
     assert spec.base_port == LaunchSettings().base_port and spec.health_timeout_s == LaunchSettings().health_timeout_s
 
 
@@ -118,7 +221,7 @@ def test_the_length_probes_launchpad_offers_only_settings_the_probe_reads():
 def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry():
     # config_hash is a column of the Parquet data people have: these were computed before the settings moved
     # (generation/config.py into settings.py), and a refactoring must not make old rows another config
-    from dflash_assets.generation.config import GenerationConfig
+    from dflash_assets.settings import GenerationSettings
 
     pinned = {
         "e81c2cd6b058": {},
@@ -128,4 +231,4 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
                          "presence_penalty": 0.5, "frequency_penalty": -0.5, "enable_thinking": False},
         "db70f813f2be": {"chat_template_kwargs": {"reasoning_effort": "high"}},
     }
-    assert {GenerationConfig(**settings).config_hash(MODEL): settings for settings in pinned.values()} == pinned
+    assert {GenerationSettings(**settings).config_hash(MODEL): settings for settings in pinned.values()} == pinned

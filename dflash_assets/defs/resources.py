@@ -1,5 +1,6 @@
-"""Resources: the SGLang fleet, the prompt source and the data dir. Their settings, defaults and environment
-variables are dflash_assets/settings.py."""
+"""Resources: the SGLang fleet, the prompt source, the data dir and the quality limits. Their settings, defaults
+and environment variables are dflash_assets/settings.py. The resource keys (fleet, prompt_source, data_dir,
+quality) are what users' run config names: they stay whatever the classes are called."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ from pydantic import Field, PrivateAttr
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, on_fleet
 from dflash_assets.generation.prompts import FieldMapping
-from dflash_assets.quality.outcome import Thresholds
-from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.settings import (FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings,
-                                    TrainerSettings)
+                                    QualitySettings, RunawaySettings, TrainerSettings)
 
 
 T = TypeVar("T")
+
+# A failed step (servers gone past no_server_timeout_s, a crash) is retried: the ledger makes a retry free, it
+# only sends what is not committed. Bad config and preflight refusals raise Failure(allow_retries=False).
+FLEET_RETRY = dg.RetryPolicy(max_retries=2, delay=10, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 
 
 class LaunchConfig(dg.Config, LaunchSettings):
@@ -75,7 +78,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 self._urls = [s.url for s in servers]
                 context.log.info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
             elif self.mode == "launch":
-                from dflash_assets.fleet.launch_config import build_spec
+                from dflash_assets.fleet.launcher import build_spec
                 from dflash_assets.fleet.launcher import default_fleet_dir, up
 
                 spec = build_spec(LaunchSettings.taken_from(self.launch))
@@ -85,7 +88,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
             yield self
 
 
-class PromptSource(dg.ConfigurableResource):
+class PromptSourceResource(dg.ConfigurableResource):
     """The prompt set (JSONL or Parquet), cut into shards of `shard_size` lines."""
 
     path: str = Deployment.PROMPTS.default
@@ -104,7 +107,7 @@ class PromptSource(dg.ConfigurableResource):
             raise ValueError(f"shard_size must be a positive integer, got {self.shard_size}")
         return Path(self.path)
 
-class DataDir(dg.ConfigurableResource):
+class DataDirResource(dg.ConfigurableResource):
     """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`): a local path or `s3://bucket/prefix`.
 
     On an object store the tables (prompt shards, completions, rejects, failures) live there; the files made
@@ -144,9 +147,9 @@ def from_env() -> dict:
                                api_key=dg.EnvVar(d.API_KEY.name) if d.API_KEY.name in os.environ else None,
                                launch=LaunchConfig(model_path=env(d.MODEL_PATH), gpus=env(d.GPUS),
                                                    base_port=env(d.BASE_PORT, int), command=env(d.SGLANG_COMMAND))),
-        "prompt_source": PromptSource(path=env(d.PROMPTS), shard_size=env(d.SHARD_SIZE, int)),
-        "data_dir": DataDir(path=env(d.DATA_DIR), local_path=env(d.LOCAL_DIR)),
-        "quality": QualityThresholds(),
+        "prompt_source": PromptSourceResource(path=env(d.PROMPTS), shard_size=env(d.SHARD_SIZE, int)),
+        "data_dir": DataDirResource(path=env(d.DATA_DIR), local_path=env(d.LOCAL_DIR)),
+        "quality": QualityResource(),
     }
 
 def run_on_fleet(fleet: FleetResource, work: Callable[[Fleet], Awaitable[T]]) -> T:
@@ -154,31 +157,22 @@ def run_on_fleet(fleet: FleetResource, work: Callable[[Fleet], Awaitable[T]]) ->
     return on_fleet(fleet._urls, work, fleet.api_key or None, health_timeout_s=fleet.health_timeout_s,
                     request_timeout_s=fleet.request_timeout_s)
 
-class RunawayConfig(dg.Config, RunawayRules):
-    """quality.runaway.RunawayRules (what counts as a loop), editable in the launchpad."""
-
-    def rules(self) -> RunawayRules:
-        return RunawayRules(**{name: getattr(self, name) for name in RunawayRules.model_fields})
+class RunawayConfig(dg.Config, RunawaySettings):
+    """settings.RunawaySettings (what counts as a loop), editable in the launchpad."""
 
 
 class TrainerConfig(dg.Config, TrainerSettings):
     """settings.TrainerSettings (the trainer's window and export form), editable in the launchpad."""
 
-    def settings(self) -> TrainerSettings:
-        return TrainerSettings.taken_from(self)
+
+def _nested(name: str, config: type[dg.Config]):
+    """A QualitySettings group field in its Dagster config form, with the settings' description."""
+    return Field(default_factory=config, description=QualitySettings.model_fields[name].description)
 
 
-class QualityThresholds(dg.ConfigurableResource):
-    """The limits the quality checks judge by (shares of rows, in [0, 1]); defaults are quality.Thresholds'."""
+class QualityResource(dg.ConfigurableResource, QualitySettings):
+    """The limits the quality checks judge by (settings.QualitySettings: every field, its default and its
+    description), editable in the launchpad; the checks read `QualitySettings.taken_from(quality)`."""
 
-    truncation_rate_max: float = Field(Thresholds().truncation_rate_max, description="The truncation_rate check "
-                                       "fails above this share of rows cut inside the trainer's window.")
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The drafter trainer: its window "
-                                   "max_length (what the checks judge truncation against) and the export form.")
-    runaway_rate_max: float = Field(Thresholds().runaway_rate_max, description="The runaway_rate check warns above "
-                                    "this share of rows cut while looping.")
-    runaway: RunawayConfig = Field(default_factory=RunawayConfig, description="What counts as a runaway.")
-
-    def thresholds(self) -> Thresholds:
-        return Thresholds(truncation_rate_max=self.truncation_rate_max, trainer=self.trainer.settings(),
-                          runaway_rate_max=self.runaway_rate_max, runaway=self.runaway.rules())
+    trainer: TrainerConfig = _nested("trainer", TrainerConfig)
+    runaway: RunawayConfig = _nested("runaway", RunawayConfig)

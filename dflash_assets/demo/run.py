@@ -31,7 +31,7 @@ from dflash_assets.defs.completions.jobs import shard_pipeline_job
 from dflash_assets.defs.continuation.jobs import continue_job
 from dflash_assets.defs.metadata import CheckRun, ShardRun
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
-from dflash_assets.defs.resources import DataDir, PromptSource
+from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.prompts.sensors import missing_shards
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.definitions import defs
@@ -85,9 +85,9 @@ class Window:
         return {"quality": {"config": {"trainer": {"max_length": self.trainer_max_length}}}}
 
     def thresholds(self):
-        from dflash_assets.quality import Thresholds
+        from dflash_assets.settings import QualitySettings
 
-        return Thresholds(trainer=TrainerSettings(max_length=self.trainer_max_length))
+        return QualitySettings(trainer=TrainerSettings(max_length=self.trainer_max_length))
 
 
 @dataclass
@@ -177,7 +177,7 @@ def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
 def known_shards(instance: dg.DagsterInstance) -> list[str]:
     """Add a partition for every shard of the prompt source, and return all of them."""
     # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
-    source = PromptSource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
+    source = PromptSourceResource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
     new = missing_shards(instance, source)
     if new:
         instance.add_dynamic_partitions(shard_partitions.name, new)
@@ -240,9 +240,9 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
     return stops
 
 
-def data_dir() -> DataDir:
+def data_dir() -> DataDirResource:
     # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
-    return DataDir(path=Deployment.DATA_DIR.value(), local_path=Deployment.LOCAL_DIR.value())
+    return DataDirResource(path=Deployment.DATA_DIR.value(), local_path=Deployment.LOCAL_DIR.value())
 
 
 def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], window: Window = Window()) -> int:

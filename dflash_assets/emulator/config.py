@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @dataclass
-class EmulatorConfig:
+class EmulatorSetup:
     """What the server runs with: the parsed flags and the capacity they resolve to."""
 
     args: argparse.Namespace
@@ -195,22 +195,22 @@ class EmulatorConfig:
         return bool(self.args.enable_metrics)
 
 
-class ConfigError(SystemExit):
+class EmulatorFlagError(SystemExit):
     """A configuration SGLang refuses at startup (it raises; the launch fails)."""
 
 
-def resolve(argv: list[str]) -> EmulatorConfig:
+def resolve(argv: list[str]) -> EmulatorSetup:
     args = build_parser().parse_args(argv)
     warnings: list[str] = []
     if args.config:
-        raise ConfigError("emulator: --config (YAML) is not supported; pass the flags instead")
+        raise EmulatorFlagError("emulator: --config (YAML) is not supported; pass the flags instead")
     if args.served_model_name and ":" in args.served_model_name:
-        raise ConfigError(f"served_model_name must not contain ':', got {args.served_model_name!r}.")
+        raise EmulatorFlagError(f"served_model_name must not contain ':', got {args.served_model_name!r}.")
     native = args.native_context_length
     context_len = native
     if args.context_length is not None:
         if args.context_length > native and os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") != "1":
-            raise ConfigError(
+            raise EmulatorFlagError(
                 f"Warning: User-specified context_length ({args.context_length}) is greater than the derived "
                 f"context_length ({native}). This may lead to incorrect model outputs or CUDA errors. Note that "
                 "the derived context_length may differ from max_position_embeddings in the model's config. "
@@ -234,7 +234,7 @@ def resolve(argv: list[str]) -> EmulatorConfig:
         prompt_share=args.length_prompt_share,
         loop_share=args.loop_share,
     )
-    return EmulatorConfig(
+    return EmulatorSetup(
         args=args,
         argv=list(argv),
         context_len=context_len,
@@ -262,7 +262,7 @@ def _max_running_requests(args: argparse.Namespace, kv: int, context_len: int) -
     ratio = mamba_ratio(args)
     cap = mamba // ratio
     if cap <= 0:
-        raise ConfigError(
+        raise EmulatorFlagError(
             "Hybrid (mamba/linear-attention) state cache is too small to serve any requests. "
             f"max_mamba_cache_size={mamba}, mamba_ratio={ratio}, resulting max_num_reqs={cap}."
         )
@@ -281,7 +281,7 @@ def mamba_ratio(args: argparse.Namespace) -> int:
     return MAMBA_SLOTS_PER_REQUEST
 
 
-def server_args_dict(cfg: EmulatorConfig) -> dict:
+def server_args_dict(cfg: EmulatorSetup) -> dict:
     """`server_args.resolved_dict()` as /server_info reports it: the configured
     values (context_length / max_running_requests stay null unless passed), the
     auto-resolved ones, and every flag given on the command line. As in 0.5.23

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from . import detokenizer, model
 from . import tokenizer as tok
-from .config import EmulatorConfig
+from .config import EmulatorSetup
 from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
 from .prefix_cache import PrefixCache
 from .scheduler import QueueFull, Scheduler
@@ -131,7 +131,7 @@ def verify_sampling(sp: dict) -> None:
 
 
 class Engine:
-    def __init__(self, cfg: EmulatorConfig, faults: Faults):
+    def __init__(self, cfg: EmulatorSetup, faults: Faults):
         self.cfg = cfg
         self.faults = faults
         self._random = random.Random()  # seeded by the OS: every server, every request draws its own

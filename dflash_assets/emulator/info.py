@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-from .config import VERSION, EmulatorConfig, mamba_ratio, server_args_dict
+from .config import VERSION, EmulatorSetup, mamba_ratio, server_args_dict
 from .engine import Engine
 from .responses import http_exception, json_response
 from .state import STATE
@@ -60,7 +60,7 @@ async def model_info(request: web.Request) -> web.Response:
     )
 
 
-def _internal_state(cfg: EmulatorConfig, engine: Engine, rank: int, args: dict, startup: float) -> dict:
+def _internal_state(cfg: EmulatorSetup, engine: Engine, rank: int, args: dict, startup: float) -> dict:
     sched = engine.schedulers[rank]
     return {
         **args,
@@ -109,7 +109,7 @@ async def models(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": [_card(cfg, cfg.served_model_name)]})
 
 
-def _card(cfg: EmulatorConfig, name: str) -> dict:
+def _card(cfg: EmulatorSetup, name: str) -> dict:
     return {
         "id": name,
         "object": "model",

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from . import model
 from . import tokenizer as tok
-from .config import VERSION, EmulatorConfig
+from .config import VERSION, EmulatorSetup
 from .engine import Engine
 from .process import EXIT_WITH_PARENT
 from .faults import Faults, from_args
@@ -80,7 +80,7 @@ def crash_process() -> None:
     os._exit(70)
 
 
-def create_app(cfg: EmulatorConfig, *, faults: Faults | None = None, on_crash=crash_process) -> web.Application:
+def create_app(cfg: EmulatorSetup, *, faults: Faults | None = None, on_crash=crash_process) -> web.Application:
     app = web.Application(middlewares=[route_log, auth_middleware], client_max_size=256 * 1024**2)
     app[ROUTES] = Counter()
     faults = faults or from_args(cfg.args)
@@ -160,7 +160,7 @@ async def fault_route(request: web.Request) -> web.Response:
 
 
 async def serve(
-    cfg: EmulatorConfig, *, stop: asyncio.Event | None = None, on_crash=crash_process, on_bound=None
+    cfg: EmulatorSetup, *, stop: asyncio.Event | None = None, on_crash=crash_process, on_bound=None
 ) -> None:
     """Run until `stop` is set (or forever). `on_bound(port)` fires once listening."""
     app = create_app(cfg, on_crash=on_crash)

@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .config import EmulatorConfig
+from .config import EmulatorSetup
 from .engine import Engine
 from .faults import Faults, Verdict
 
 
 @dataclass
 class ServerState:
-    cfg: EmulatorConfig
+    cfg: EmulatorSetup
     engine: Engine
     faults: Faults
     judge: Callable[[], Verdict]  # the fault verdict for an arriving generation request

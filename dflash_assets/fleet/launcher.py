@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace as with_fields
@@ -25,8 +26,8 @@ from dflash_assets.fleet import processes, registry
 from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.registry import ServerRecord
-from dflash_assets.fleet.server_args import SGLANG_SERVE, ServerArgs, args_hash, diff
-from dflash_assets.settings import Deployment, LaunchSettings
+from dflash_assets.fleet.server_args import COMMANDS, SGLANG_SERVE, ServerCommand, args_hash, diff
+from dflash_assets.settings import Deployment, LaunchSettings, ServerSettings
 
 Events = Callable[[str], None] | None
 DONE = {"launch": "launched", "relaunch": "relaunched (it was not running)", "replace": "replaced (args changed)",
@@ -41,7 +42,7 @@ class FleetError(RuntimeError):
 class FleetSpec:
     """The fleet asked for: the args every server shares, the GPUs, and how servers are started."""
 
-    server: ServerArgs  # port and gpus are set per server
+    server: ServerCommand  # port and gpus are set per server
     gpus: tuple[int, ...] = (0,)
     base_port: int = LaunchSettings().base_port  # GPU g's server listens on base_port + g: fixed when GPUs change
     command: tuple[str, ...] = SGLANG_SERVE
@@ -49,7 +50,7 @@ class FleetSpec:
     health_timeout_s: float = LaunchSettings().health_timeout_s  # loading weights and cuda graphs takes minutes
     stop_timeout_s: float = 30.0
 
-    def servers(self) -> dict[str, ServerArgs]:
+    def servers(self) -> dict[str, ServerCommand]:
         tp = self.server.tp_size
         if not self.gpus:
             raise FleetError("the fleet has no GPUs: give at least one GPU id")
@@ -70,6 +71,31 @@ def default_fleet_dir(dagster_home: str | Path | None = None) -> Path:
 
 def urls(records: list[ServerRecord]) -> list[str]:
     return [r.url for r in records]
+
+
+def parse_command(command: str) -> tuple[str, ...]:
+    """'sglang' | 'launch_server' | 'emulator', or a full command line such as '/opt/sgl/bin/sglang serve'."""
+    return COMMANDS.get(command) or tuple(shlex.split(command))
+
+
+def parse_gpus(gpus: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(g) for g in gpus.split(",") if g.strip())
+    except ValueError:
+        raise ValueError(f"gpus must be comma-separated GPU ids such as '0,1,2,3', got {gpus!r}") from None
+
+
+def build_spec(settings: LaunchSettings, api_key_env: str = Deployment.API_KEY.name) -> FleetSpec:
+    """The one way from launch settings (CLI flags or the fleet resource's launch config) to a FleetSpec."""
+    if not settings.model_path:
+        raise ValueError("launch mode needs a model path (the model every server loads)")
+    # every flag passed as set, None included: None is "SGLang decides", not "take the default"
+    flags = {name: getattr(settings, name) for name in ServerSettings.model_fields}
+    server = ServerCommand(model_path=settings.model_path, extra_args=tuple(shlex.split(settings.extra_args)),
+                           **flags)
+    return FleetSpec(server=server, gpus=parse_gpus(settings.gpus), base_port=settings.base_port,
+                     command=parse_command(settings.command), api_key_env=api_key_env,
+                     health_timeout_s=settings.health_timeout_s)
 
 
 def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events = None) -> list[ServerRecord]:
@@ -106,7 +132,7 @@ def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events
     return ours
 
 
-def _decide(name: str, args: ServerArgs, rec: ServerRecord | None, spec: FleetSpec, key: str | None,
+def _decide(name: str, args: ServerCommand, rec: ServerRecord | None, spec: FleetSpec, key: str | None,
             replace: bool, refusals: list[str]) -> str:
     if rec is None:
         return "launch"
@@ -114,7 +140,7 @@ def _decide(name: str, args: ServerArgs, rec: ServerRecord | None, spec: FleetSp
         return "relaunch"
     changes = diff(rec.args, args.canonical())
     if not changes and rec.args_hash != args_hash(args, spec.command):
-        old_command = rec.command[:len(rec.command) - len(ServerArgs.from_dict(rec.args).flags())]
+        old_command = rec.command[:len(rec.command) - len(ServerCommand.from_dict(rec.args).flags())]
         changes = [f"launch command: {' '.join(old_command)} -> {' '.join(spec.command)}"]
     if bool(rec.api_key_env) != bool(key):
         changes.append(f"API key: {'set' if rec.api_key_env else 'none'} -> {'set' if key else 'none'}")
@@ -131,7 +157,7 @@ def _decide(name: str, args: ServerArgs, rec: ServerRecord | None, spec: FleetSp
     return "refuse"
 
 
-def _check_port(args: ServerArgs, records: dict[str, ServerRecord]) -> None:
+def _check_port(args: ServerCommand, records: dict[str, ServerRecord]) -> None:
     if not processes.port_in_use(args.host, args.port):
         return
     holder = next((r for r in records.values() if r.port == args.port and processes.is_ours(r.pid, r.proc_start)),
@@ -142,7 +168,7 @@ def _check_port(args: ServerArgs, records: dict[str, ServerRecord]) -> None:
                      f"base port (servers listen on base_port + GPU id)")
 
 
-def _launch(name: str, args: ServerArgs, spec: FleetSpec, fleet_dir: Path, key: str | None) -> ServerRecord:
+def _launch(name: str, args: ServerCommand, spec: FleetSpec, fleet_dir: Path, key: str | None) -> ServerRecord:
     log = fleet_dir / "logs" / f"{name}.log"
     if log.exists():  # keep the previous run's log: after a crash it is the one worth reading
         log.replace(log.with_suffix(".log.1"))

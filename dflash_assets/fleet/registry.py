@@ -30,7 +30,7 @@ class ServerRecord:
     port: int
     gpus: list[int]
     args_hash: str
-    args: dict  # ServerArgs.canonical(): no key
+    args: dict  # ServerCommand.canonical(): no key
     command: list[str]  # the argv as launched, without the key
     api_key_env: str | None  # the variable the key was read from, if a key was set
     started_at: str  # ISO 8601, UTC

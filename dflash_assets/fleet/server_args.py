@@ -1,4 +1,5 @@
-"""The arguments of one `sglang serve` (0.5.23) as typed config, the argv built from them and their hash.
+"""The command line of one `sglang serve` (0.5.23): ServerCommand, built from settings.ServerSettings (the typed
+flags) and a port, GPUs and extra args; its argv and its hash. (Not SGLang's own ServerArgs, which parses it.)
 
 Only flags that exist in 0.5.23 are emitted (tests/fleet/test_server_args.py checks every one against the
 wheel's own field definitions). `--cuda-graph-max-bs` and `--mamba-scheduler-strategy`, which older guides
@@ -16,12 +17,14 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, fields
 
-from dflash_assets.settings import LaunchSettings, ServerFlags
+from dflash_assets.settings import LaunchSettings, ServerSettings
 
-# Ways to start a server; any of them takes the same flags.
+# Ways to start a server (the only place these tuples are written); any of them takes the same flags.
 SGLANG_SERVE = ("sglang", "serve")
 SGLANG_LAUNCH_SERVER = (sys.executable, "-m", "sglang.launch_server")
 EMULATOR = (sys.executable, "-m", "dflash_assets.emulator")
+# LaunchSettings.command's names for them
+COMMANDS = {"sglang": SGLANG_SERVE, "launch_server": SGLANG_LAUNCH_SERVER, "emulator": EMULATOR}
 
 # Flags gone in 0.5.23, with what to write instead.
 REMOVED_FLAGS = {
@@ -32,17 +35,18 @@ REMOVED_FLAGS = {
 SECRET_FLAGS = ("--api-key", "--admin-api-key")
 
 
-class ServerArgsError(ValueError):
+class ServerCommandError(ValueError):
     pass
 
 
-# The defaults are settings.ServerFlags' (tests/test_settings.py checks the fields match): written once.
-_FLAGS = ServerFlags()
+# The defaults are settings.ServerSettings' (tests/test_settings.py checks the fields match): written once.
+_FLAGS = ServerSettings()
 
 
 @dataclass(frozen=True)
-class ServerArgs:
-    """One server. `None` means "SGLang decides" (auto-sizing from the GPU and the model) and emits no flag."""
+class ServerCommand:
+    """One server's command line, as data. `None` means "SGLang decides" (auto-sizing from the GPU and the model)
+    and emits no flag."""
 
     model_path: str
     served_model_name: str | None = _FLAGS.served_model_name
@@ -70,21 +74,21 @@ class ServerArgs:
 
     def validate(self) -> None:
         if not self.model_path:
-            raise ServerArgsError("model_path is required (a local directory or a Hugging Face repo id)")
+            raise ServerCommandError("model_path is required (a local directory or a Hugging Face repo id)")
         if not 0 < self.port < 65536:
-            raise ServerArgsError(f"port must be in 1..65535, got {self.port}")
+            raise ServerCommandError(f"port must be in 1..65535, got {self.port}")
         if self.served_model_name and ":" in self.served_model_name:
-            raise ServerArgsError(f"served_model_name must not contain ':' (SGLang reads it as base:adapter), "
-                                  f"got {self.served_model_name!r}")
+            raise ServerCommandError(f"served_model_name must not contain ':' (SGLang reads it as base:adapter), "
+                                     f"got {self.served_model_name!r}")
         if self.gpus and len(self.gpus) != self.tp_size:
-            raise ServerArgsError(f"tp_size {self.tp_size} needs {self.tp_size} GPUs, got {list(self.gpus)}")
+            raise ServerCommandError(f"tp_size {self.tp_size} needs {self.tp_size} GPUs, got {list(self.gpus)}")
         for name in ("tp_size", "context_length", "max_running_requests", "max_mamba_cache_size",
                      "cuda_graph_max_bs_decode", "max_queued_requests", "stream_interval"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ServerArgsError(f"{name} must be a positive integer, got {value}")
+                raise ServerCommandError(f"{name} must be a positive integer, got {value}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
-            raise ServerArgsError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+            raise ServerCommandError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         self._check_extra_args()
 
     def _check_extra_args(self) -> None:
@@ -94,16 +98,16 @@ class ServerArgs:
                 continue
             flag = arg.split("=", 1)[0]
             if flag in REMOVED_FLAGS:
-                raise ServerArgsError(f"extra arg {flag} no longer exists in SGLang 0.5.23; "
-                                      f"use {REMOVED_FLAGS[flag]}")
+                raise ServerCommandError(f"extra arg {flag} no longer exists in SGLang 0.5.23; "
+                                         f"use {REMOVED_FLAGS[flag]}")
             if any(s.startswith(flag) for s in SECRET_FLAGS):
-                raise ServerArgsError(f"extra arg {flag}: the API key is read from the environment at launch "
-                                      f"(DFLASH_API_KEY by default), never passed as config")
+                raise ServerCommandError(f"extra arg {flag}: the API key is read from the environment at launch "
+                                         f"(DFLASH_API_KEY by default), never passed as config")
             # argparse takes any unique prefix, so `--tp` or `--model` would silently fight a typed field.
             clash = sorted(t for t in typed if t.startswith(flag))
             if clash:
-                raise ServerArgsError(f"extra arg {flag} sets {clash[0]}, which is a typed field: "
-                                      f"set {clash[0][2:].replace('-', '_')} instead")
+                raise ServerCommandError(f"extra arg {flag} sets {clash[0]}, which is a typed field: "
+                                         f"set {clash[0][2:].replace('-', '_')} instead")
 
     def _typed_flags(self) -> list[tuple[str, object]]:
         """(flag, value) for every typed field that is a flag, in a fixed order."""
@@ -129,15 +133,15 @@ class ServerArgs:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> ServerArgs:
+    def from_dict(cls, data: dict) -> ServerCommand:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ServerArgsError(f"unknown server args: {', '.join(unknown)}")
+            raise ServerCommandError(f"unknown server args: {', '.join(unknown)}")
         return cls(**{k: tuple(v) if k in ("gpus", "extra_args") else v for k, v in data.items()})
 
 
-def args_hash(args: ServerArgs, command: tuple[str, ...] | list[str] = SGLANG_SERVE) -> str:
+def args_hash(args: ServerCommand, command: tuple[str, ...] | list[str] = SGLANG_SERVE) -> str:
     """sha256 of the canonical args and the command (the same flags on another install is another server)."""
     blob = json.dumps({"command": list(command), "args": args.canonical()}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()

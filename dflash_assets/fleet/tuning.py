@@ -220,7 +220,11 @@ def summarize(samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mappi
 
 @dataclass(frozen=True)
 class TuningThresholds:
-    """When a rule fires. Shares are of a server's answered samples; usages are P95 over the samples."""
+    """When a rule fires. Shares are of a server's answered samples; usages are P95 over the samples.
+
+    Internal constants of the advice, not settings: no run config, resource or flag sets them (the advice only
+    words what the samples show), so they are not in settings.py. Make them a `TuningSettings` there the day a
+    user needs to tune them."""
 
     min_samples: int = 3
     unreachable_share: float = 0.5  # polls without an answer

@@ -36,13 +36,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.config import SAMPLING_PARAMS, ConfigError, DispatchSettings, GenerationConfig
+from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.engine import window_columns
 from dflash_assets.generation.parts import PartStore
@@ -58,9 +57,6 @@ from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.storage import Storage, open_storage
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.rules import RUNAWAY_FINISH, most_rows_first
-
-if TYPE_CHECKING:
-    from dflash_assets.quality.runaway import RunawayRules
 
 FINISHED = ("stop", "length", RUNAWAY_FINISH)  # what a continuation may end with; "abort" is retried
 
@@ -135,24 +131,24 @@ def _window_settings(plan: list[dict]) -> dict:
     sized = next((r for r in plan if r["max_output_tokens"] < r["policy_cap"] and r["prompt_tokens"] is not None),
                  None)
     overshoot = sized["max_output_tokens"] - (window - sized["prompt_tokens"]) if sized else \
-        GenerationConfig().overshoot
+        GenerationSettings().overshoot
     return {"max_output_tokens": first["policy_cap"], "cap_policy": "window", "trainer_max_length": window,
             "overshoot": overshoot}
 
 
-def _parent_config(plan: list[dict], parent: str) -> GenerationConfig:
-    """The parent's GenerationConfig, rebuilt from what its rows record and checked against its hash."""
+def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
+    """The parent's GenerationSettings, rebuilt from what its rows record and checked against its hash."""
     first = plan[0]
     recorded = {k: first[k] for k in SAMPLING_PARAMS if first.get(k) is not None}
-    config = GenerationConfig(**({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
+    config = GenerationSettings(**({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
                               enable_thinking=first["enable_thinking"], **recorded)
     if config.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
-        raise ConfigError(f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
+        raise SettingsError(f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
                           f"hash to {config.config_hash(first['model'])}); it cannot be continued")
     return config
 
 
-def _copied(row: dict, config_hash: str, config: GenerationConfig) -> dict:
+def _copied(row: dict, config_hash: str, config: GenerationSettings) -> dict:
     """A stopped row is complete at any larger cap: the same completion, recorded under the new config (with the
     cap its request would have had there).
 
@@ -162,7 +158,7 @@ def _copied(row: dict, config_hash: str, config: GenerationConfig) -> dict:
             "tokens_reused": row["completion_tokens"]}
 
 
-def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, config: GenerationConfig,
+def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, config: GenerationSettings,
                attempt: int, latency: float, text: str) -> dict:
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
@@ -192,7 +188,7 @@ def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
 
 
 async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, messages_json: str,
-                   config: GenerationConfig, config_hash: str, drift: list[int], watch: Watch | None = None) -> dict:
+                   config: GenerationSettings, config_hash: str, drift: list[int], watch: Watch | None = None) -> dict:
     """Continue a row without token ids by its text: SGLang's chat route with the raw output as the final,
     unfinished assistant message (`continue_final_message`); the raw continuation comes back unsplit."""
     import json
@@ -226,7 +222,7 @@ async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, me
 async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
                          settings: DispatchSettings = DispatchSettings(), *,
                          log: Callable[[str], None] = print, to_window: int | None = None,
-                         runaway: RunawayRules | None = None) -> ContinuationRun:
+                         runaway: RunawaySettings | None = None) -> ContinuationRun:
     """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows.
 
     `to_window`: the parent is a window-policy config; continue it to this larger trainer window instead (each row
@@ -247,24 +243,24 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         server_rejects.recover()
         plan = [r for batch in rows_of(store, parent_config_hash, PLAN_COLUMNS) for r in batch]
         if not plan:
-            raise ConfigError(f"shard {shard} has no rows of config {parent_config_hash} to continue")
+            raise SettingsError(f"shard {shard} has no rows of config {parent_config_hash} to continue")
         parent = _parent_config(plan, parent_config_hash)
         if to_window is not None:
             if not parent.windowed:
-                raise ConfigError(f"config {parent_config_hash} has a fixed cap ({parent.max_output_tokens}): "
+                raise SettingsError(f"config {parent_config_hash} has a fixed cap ({parent.max_output_tokens}): "
                                   f"--to-window continues a config of the window policy; raise a fixed cap with --to")
             if to_window <= parent.trainer_max_length:
-                raise ConfigError(f"new window {to_window} must be larger than the parent's window "
+                raise SettingsError(f"new window {to_window} must be larger than the parent's window "
                                   f"{parent.trainer_max_length}")
             config = parent.model_copy(update={"trainer_max_length": to_window})
             new_cap = config.max_output_tokens
         elif new_cap <= parent.max_output_tokens:
-            raise ConfigError(f"new cap {new_cap} must be larger than the parent's cap {parent.max_output_tokens}")
+            raise SettingsError(f"new cap {new_cap} must be larger than the parent's cap {parent.max_output_tokens}")
         if fleet.model != plan[0]["model"]:
-            raise ConfigError(f"config {parent_config_hash} was generated by {plan[0]['model']!r} but the fleet "
+            raise SettingsError(f"config {parent_config_hash} was generated by {plan[0]['model']!r} but the fleet "
                               f"serves {fleet.model!r}; a continuation must come from the same model")
         if odd := sorted({str(i.reasoning_parser) for i in fleet.infos if i.reasoning_parser not in PARSERS}):
-            raise ConfigError(f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
+            raise SettingsError(f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
                               f"the way {', '.join(str(p) for p in PARSERS)} split it")
         if to_window is None:
             config = parent.model_copy(update={"max_output_tokens": new_cap})

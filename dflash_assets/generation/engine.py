@@ -17,11 +17,10 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.generation.plan import (
     OVERFLOW_FAIL_SHARE, ShardRun, committed_ids, completion_store, failure_store, plan_remaining, plan_shard,
     reject_row,
@@ -35,15 +34,12 @@ from dflash_assets.generation.storage import open_storage
 from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
 from dflash_assets.rules import stores_token_ids
 
-if TYPE_CHECKING:
-    from dflash_assets.quality.runaway import RunawayRules
-
 # the engine's public names, wherever they are defined
 __all__ = ["OVERFLOW_FAIL_SHARE", "ShardRun", "committed_ids", "completion_store", "failure_store", "generate_shard",
            "generate_shards", "generated_tokens", "plan_remaining", "row_of"]
 
 
-def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, config_hash: str, shard: str,
+def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationSettings, config_hash: str, shard: str,
            attempt: int, latency: float, cap: int | None = None) -> dict:
     """The completion row of one chat answer, with everything that made it; `cap` is the request's own."""
     choice, usage = resp["choices"][0], resp.get("usage") or {}
@@ -66,18 +62,18 @@ def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationConfig, confi
     }
 
 
-def window_columns(config: GenerationConfig) -> dict:
+def window_columns(config: GenerationSettings) -> dict:
     """What a row records of the window policy: the config's cap and the window (null under a fixed cap)."""
     windowed = config.windowed
     return {"policy_cap": config.max_output_tokens if windowed else None,
             "trainer_max_length": config.trainer_max_length if windowed else None}
 
 
-async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationConfig,
+async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationSettings,
                           settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
                           log: Callable[[str], None] = print,
                           on_answer: Callable[[int, int], None] | None = None,
-                          runaway: RunawayRules | None = None) -> list[ShardRun]:
+                          runaway: RunawaySettings | None = None) -> list[ShardRun]:
     """Generate several shards (a backfill's range) through ONE dispatcher, in order.
 
     The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
@@ -141,11 +137,11 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
     return [p.run for p in plans]
 
 
-async def generate_shard(data_dir: str | Path, shard: str, fleet: Fleet, config: GenerationConfig,
+async def generate_shard(data_dir: str | Path, shard: str, fleet: Fleet, config: GenerationSettings,
                          settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
                          log: Callable[[str], None] = print,
                          on_answer: Callable[[int, int], None] | None = None,
-                         runaway: RunawayRules | None = None) -> ShardRun:
+                         runaway: RunawaySettings | None = None) -> ShardRun:
     """Generate the completions of one shard (see generate_shards)."""
     [run] = await generate_shards(data_dir, [shard], fleet, config, settings, preflight_policy=preflight_policy,
                                   log=log, on_answer=on_answer, runaway=runaway)

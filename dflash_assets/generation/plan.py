@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.parts import PartStore
 from dflash_assets.generation.preflight import Budget, overflow_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
@@ -81,7 +81,7 @@ def committed_ids(store: PartStore, config_hash: str) -> set[str]:
     return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
 
 
-def reject_row(prompt: dict, stage: str, reason: str, config: GenerationConfig, config_hash: str, shard: str,
+def reject_row(prompt: dict, stage: str, reason: str, config: GenerationSettings, config_hash: str, shard: str,
                context: int) -> dict:
     """A row of the rejects table for one prompt of this config (stage "preflight" or "server"), with the cap
     its request had (its own under the window policy)."""
@@ -123,7 +123,7 @@ async def recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwar
         await asyncio.gather(*(count(i, r) for i, r in enumerate(batch) if r["prompt_id"] in stale))
 
 
-def preflight(rows: list[dict], budget: Budget, cap: int | GenerationConfig,
+def preflight(rows: list[dict], budget: Budget, cap: int | GenerationSettings,
               policy: str = "reject") -> list[tuple[dict, str]]:
     """(row, why) for every row whose prompt_tokens + cap the fleet cannot honour; `cap` is one cap, or a config
     whose request_cap gives each row its own (the window policy), and whose window refuses a prompt that fills it.
@@ -131,7 +131,7 @@ def preflight(rows: list[dict], budget: Budget, cap: int | GenerationConfig,
     Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow:
     then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts. A prompt that fills
     the window is the prompt's fault, not the fleet's: it never counts towards that share."""
-    config = cap if isinstance(cap, GenerationConfig) else None
+    config = cap if isinstance(cap, GenerationSettings) else None
     cap_of = config.request_cap if config else (lambda _tokens: cap)
     full = [(r, problem) for r in rows if config and (problem := config.window_problem(r["prompt_tokens"]))]
     refused = {id(r) for r, _ in full}
@@ -163,7 +163,7 @@ class ShardPlan:
                     yield row
 
 
-async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationConfig,
+async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationSettings,
                      settings: DispatchSettings, preflight_policy: str, log: Callable[[str], None]) -> ShardPlan:
     """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
     config_hash = config.config_hash(fleet.model)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.config import ConfigError, DispatchSettings, GenerationConfig
 from dflash_assets.generation.continuation import continue_shard, rows_of
 from dflash_assets.generation.engine import ShardRun, generate_shard
 from dflash_assets.generation.plan import committed_ids, completion_store
@@ -31,12 +30,12 @@ from dflash_assets.generation.preflight import Budget
 from dflash_assets.generation.schema import PROMPT_SCHEMA
 from dflash_assets.generation.shards import prompt_store
 from dflash_assets.generation.storage import is_uri, open_storage
-from dflash_assets.settings import ProbeSettings
+from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
 
 PROBE_SHARD = "probe"
 CUT_ROWS_SHARD = "cut_rows"  # the continuation probe's: its own shard, so its rows never mix with a random probe's
 PROBE_DIR = "length_probe"
-MIN_PROMPTS, SHARE = ProbeSettings().min_prompts, ProbeSettings().share  # the defaults, from settings.py
+MIN_PROMPTS, SHARE, SEED = ProbeSettings().min_prompts, ProbeSettings().share, ProbeSettings().seed  # the defaults
 
 
 def probe_root(data_dir: str | Path) -> str | Path:
@@ -51,7 +50,7 @@ def probe_size(prompts: int, share: float = SHARE, minimum: int = MIN_PROMPTS) -
     return min(prompts, max(minimum, math.ceil(share * prompts)))
 
 
-def sample_prompts(rows: list[dict], size: int, seed: int = 0) -> list[dict]:
+def sample_prompts(rows: list[dict], size: int, seed: int = SEED) -> list[dict]:
     """A seeded random sample of `size` prompt rows, stratified by (shard, source): each stratum gets its
     proportional share (largest remainders), then a seeded draw inside it. The same rows and seed give the
     same sample, in (shard, line) order."""
@@ -103,7 +102,7 @@ class ProbeRun:
     sampled: int
     cap: int
     run: ShardRun
-    mode: str = "prompts"  # ProbeSettings.mode: "prompts" (prompts_total = prompts) or "cut_rows" (= cut rows)
+    mode: str = ProbeSettings().mode  # "prompts" (prompts_total = prompts) or "cut_rows" (= cut rows)
 
 
 def ids_by_shard(sample: list[dict]) -> dict[str, set[str]]:
@@ -128,8 +127,8 @@ def write_probe_shard(data_dir: str | Path, sample: list[dict], shard: str = PRO
     prompt_store(probe_root(data_dir), shard).replace(probe, "prompts.parquet")
 
 
-async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationConfig, *,
-                    size: int | None = None, share: float = SHARE, minimum: int = MIN_PROMPTS, seed: int = 0,
+async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationSettings, *,
+                    size: int | None = None, share: float = SHARE, minimum: int = MIN_PROMPTS, seed: int = SEED,
                     settings: DispatchSettings = DispatchSettings(), log: Callable[[str], None] = print) -> ProbeRun:
     """Sample the prompts of `shards`, write them as the probe's shard, generate them at `config`'s cap (0: the
     largest the fleet's context allows for the sample) through the engine. A re-run with the same sample and
@@ -150,7 +149,7 @@ async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, confi
 
 async def run_cut_rows_probe(data_dir: str | Path, parent_config_hash: str, cut_rows: list[dict], fleet: Fleet,
                              cap: int = 0, *, size: int | None = None, share: float = SHARE,
-                             minimum: int = MIN_PROMPTS, seed: int = 0,
+                             minimum: int = MIN_PROMPTS, seed: int = SEED,
                              settings: DispatchSettings = DispatchSettings(),
                              log: Callable[[str], None] = print) -> ProbeRun:
     """The continuation probe: a seeded sample (stratified as `sample_prompts`) of `cut_rows` ({shard,
@@ -160,7 +159,7 @@ async def run_cut_rows_probe(data_dir: str | Path, parent_config_hash: str, cut_
     (Parent rows of an earlier, different sample stay in the shard and are continued too; the planner reads
     only the current sample's.)"""
     if not cut_rows:
-        raise ConfigError(f"config {parent_config_hash} has no honest cut rows to continue: nothing for a "
+        raise SettingsError(f"config {parent_config_hash} has no honest cut rows to continue: nothing for a "
                           f"continuation probe to measure")
     prompts = {(r["shard"], r["prompt_id"]): r for r in read_prompts(data_dir, sorted({r["shard"] for r in cut_rows}))}
     eligible = [prompts[k] for k in sorted({(r["shard"], r["prompt_id"]) for r in cut_rows}) if k in prompts]

@@ -14,7 +14,6 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
 
 from functools import partial
 
@@ -23,26 +22,23 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
-from dflash_assets.generation.config import DispatchSettings
+from dflash_assets.settings import DispatchSettings, RunawaySettings
 from dflash_assets.generation.slots import Slot, SlotPicker
-
-if TYPE_CHECKING:
-    from dflash_assets.quality.runaway import RunawayRules
 
 Send = Callable[[dict, Slot, int], Awaitable[dict]]  # (item, slot, attempt) -> the row; raises ServerError
 Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context length) -> the server-stage reject row
 FollowUp = Callable[[dict, dict], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
 
 
-def watch_of(settings: DispatchSettings, rules: RunawayRules | None = None) -> Watch | None:
+def watch_of(settings: DispatchSettings, rules: RunawaySettings | None = None) -> Watch | None:
     """How every request is watched while it streams (None: `stream` is off, one blocking POST each). The runaway
     rule is the checks' own (`rules`, the quality resource's; None: the defaults), applied to the text so far."""
     # imported here: quality/ reads generation/ (schemas, turns), which imports this module
-    from dflash_assets.quality.runaway import RunawayRules, is_runaway, loop_start
+    from dflash_assets.quality.runaway import is_runaway, loop_start
 
     if not settings.stream:
         return None
-    rules = rules or RunawayRules()
+    rules = rules or RunawaySettings()
     return Watch(settings.stall_timeout_s, settings.first_token_timeout_s, settings.runaway_check_tokens,
                  looping=partial(is_runaway, rules=rules), loop_start=partial(loop_start, rules=rules))
 

@@ -15,6 +15,9 @@ import time
 from dataclasses import dataclass, field
 
 from dflash_assets.fleet.client import ServerClient, ServerInfo
+from dflash_assets.settings import DispatchSettings
+
+_DISPATCH = DispatchSettings()  # the defaults, from settings.py
 
 
 class FleetDown(RuntimeError):
@@ -42,9 +45,11 @@ class Slot:
 
 
 class SlotPicker:
-    def __init__(self, clients: list[ServerClient], infos: list[ServerInfo], *, max_in_flight_per_server: int = 0,
-                 waiting_margin: int = 2, eject_after: int = 3, probe_interval_s: float = 2.0,
-                 no_server_timeout_s: float = 120.0, max_imbalance: float = 0.25):
+    def __init__(self, clients: list[ServerClient], infos: list[ServerInfo], *,
+                 max_in_flight_per_server: int = _DISPATCH.max_in_flight_per_server,
+                 waiting_margin: int = _DISPATCH.waiting_margin, eject_after: int = _DISPATCH.eject_after,
+                 probe_interval_s: float = 2.0, no_server_timeout_s: float = _DISPATCH.no_server_timeout_s,
+                 max_imbalance: float = _DISPATCH.same_server_max_imbalance):
         self.slots = [
             # a gateway URL stands for i.servers servers: each gets its slots and its waiting margin
             Slot(c, i, max_in_flight_per_server * i.servers or (i.max_running_requests + waiting_margin * i.servers))

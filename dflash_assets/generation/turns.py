@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.parts import PartStore
 from dflash_assets.generation.plan import ShardRun, completion_store, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget
@@ -152,7 +152,7 @@ def conversations(data_dir: Storage, shard: str, config_hash: str,
     return states
 
 
-async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationConfig,
+async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationSettings,
                              settings: DispatchSettings, preflight_policy: str,
                              log: Callable[[str], None]) -> ConversationPlan:
     """Resume and preflight one shard under all_turns (its lock is held): each conversation goes on from its last
@@ -192,7 +192,7 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
     return plan
 
 
-def turn_sender(fleet: Fleet, config: GenerationConfig, token_ids: bool, make_row: TURN_ROW,
+def turn_sender(fleet: Fleet, config: GenerationSettings, token_ids: bool, make_row: TURN_ROW,
                 watch: Watch | None = None):
     """The Send of all_turns: each turn preflighted when it is sent (its history is known only then), streamed
     and watched with `watch` (None: not streamed)."""

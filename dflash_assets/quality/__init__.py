@@ -5,7 +5,7 @@ as metadata; `dflash report` calls print_report.
 """
 
 from dflash_assets.quality.export import EXCLUSION_REASONS, TrainingExport, export_training_set
-from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
+from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
 from dflash_assets.quality.registry import CHECKS, CHECKS_BY_NAME, CheckSpec, gate_passed, run_checks
 from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
 from dflash_assets.quality.tables import open_quality_db
@@ -19,7 +19,6 @@ __all__ = [
     "CheckSpec",
     "Finding",
     "Severity",
-    "Thresholds",
     "TrainingExport",
     "completion_histogram_markdown",
     "completion_histogram_png",

@@ -2,7 +2,8 @@
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, num, pct, plural, share
+from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, num, pct, plural, share
+from dflash_assets.settings import QualitySettings
 
 PER_PAIR = """
 WITH source_rejects AS (
@@ -43,7 +44,7 @@ ORDER BY pr.shard, pr.config_hash NULLS FIRST
 FIGURES = ("prompts", "completed", "rejected", "failed", "missing", "orphan_completions")
 
 
-def accounting(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def accounting(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """prompts = completed + rejected + failed + missing, per (shard, config); fails on missing or orphans.
 
     - prompts of a shard: its rows in prompt_shards plus its source-stage rejects (lines that never became a

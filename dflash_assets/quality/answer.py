@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_assets.quality.outcome import Thresholds, num, pct
+from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import CapEstimate, CapPlan, PlanError, plan_caps
 from dflash_assets.quality.report import length_quality
 from dflash_assets.rules import most_rows_first
 from dflash_assets.quality.window_plan import WindowPlan, window_plan
+from dflash_assets.settings import QualitySettings, TrainerSettings
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class CapAnswer:
     plan: CapPlan | None
     plan_error: str | None
     recommended: CapEstimate | None  # the smallest candidate cap whose predicted share cut is within the limit
-    max_length: int = 4096  # the trainer's window the rows are judged against
+    max_length: int = TrainerSettings().max_length  # the trainer's window the rows are judged against
     cut_inside_window: int = 0  # cut with prompt + completion < max_length: the blocking truncation
     window_complete: int = 0  # cut at or past the window (not runaways): the trainer reads them whole
     window_complete_tokens: int = 0  # their trained tokens
@@ -85,7 +86,7 @@ def recommended_cap(plan: CapPlan, limit: float, cut_inside_window: int | None =
     return within[0] if within else (larger[-1] if larger else None)
 
 
-def cap_answers(data_dir: str | Path, thresholds: Thresholds = Thresholds(),
+def cap_answers(data_dir: str | Path, thresholds: QualitySettings = QualitySettings(),
                 config_hash: str | None = None) -> list[CapAnswer]:
     """One answer per config of the data dir (or the one asked for), the most rows first (rules.most_rows_first)."""
     report = length_quality(data_dir, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)

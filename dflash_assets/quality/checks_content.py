@@ -8,11 +8,12 @@ when the cap cuts the thinking, everything lands in reasoning_content and conten
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, Thresholds
+from dflash_assets.quality.outcome import Finding
+from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.rates import group_counts, rate_finding
 
 
-def empty_content(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def empty_content(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Rows with empty content, except truncated thinking (reported by truncated_thinking and truncation_rate):
     an answer that finished and said nothing is a parser or server defect."""
     return rate_finding(
@@ -24,7 +25,7 @@ def empty_content(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     )
 
 
-def think_markers(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def think_markers(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Rows whose content or reasoning_content holds `<think>` or `</think>` (any case, the trainer's rule): the
     reasoning was not split off (no --reasoning-parser, or separate_reasoning off), so the drafter would learn
     the raw markers; the trainer's validator refuses them and the export excludes them."""
@@ -37,7 +38,7 @@ def think_markers(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     )
 
 
-def reasoning_misrouted(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def reasoning_misrouted(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Among enable_thinking rows: finish 'length' with no reasoning_content but non-empty content, i.e. the
     truncated thinking was routed into content (a known parser failure on truncation)."""
     groups = group_counts(con, "misrouted", rows="thinking")
@@ -53,7 +54,7 @@ def reasoning_misrouted(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Findin
     )
 
 
-def truncated_thinking(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def truncated_thinking(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Share of rows cut by the cap inside the thinking: finish 'length', reasoning present, content empty."""
     return rate_finding(
         "truncated_thinking",

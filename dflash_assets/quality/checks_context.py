@@ -8,7 +8,8 @@ rejected before sending (context 8192 with max_output_tokens 8192: every prompt)
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, num, pct, share
+from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, num, pct, share
+from dflash_assets.settings import QualitySettings
 from dflash_assets.rules import OVERFLOW_SQL
 
 PER_CONFIG = f"""
@@ -36,7 +37,7 @@ ORDER BY a.config_hash
 """
 
 
-def context_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def context_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Fails when any config has completion rows over the context (share > context_overflow_rate_max) or
     rejects more of its attempted prompts for overflow than overflow_reject_rate_max.
 

@@ -4,11 +4,12 @@ from collections import defaultdict
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, config_label, plural
+from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, config_label, plural
+from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.rates import GroupCount, rate_finding
 
 
-def config_consistency(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def config_consistency(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Fails when the scope holds more than one config (config_hash, max_output_tokens), naming the shards
     that mix configs inside themselves and the row counts of each config: old 4096 rows beside new 8192 rows.
     """
@@ -52,7 +53,7 @@ def config_consistency(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding
     return Finding(len(configs) <= 1, "\n\n".join(lines), metadata)
 
 
-def duplicates(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def duplicates(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Extra rows on (prompt_id, turn, config_hash): rows beyond the first per key, as a share of rows, per
     config_hash (turn is null for one row per prompt; all_turns has a row per turn). A committed part is the only
     ledger, so a duplicate means a part was committed twice or a resume re-ran it.

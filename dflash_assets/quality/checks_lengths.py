@@ -2,23 +2,14 @@
 
 import duckdb
 
-from dflash_assets.quality.outcome import (
-    Finding,
-    MetadataValue,
-    Thresholds,
-    bullets,
-    config_label,
-    num,
-    pct,
-    plural,
-    share,
-    verdict,
-)
+from dflash_assets.quality.outcome import (Finding, MetadataValue, bullets, config_label, num, pct, plural, share,
+                                           verdict)
+from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.rates import GroupCount, group_counts, group_line, rate_finding, totals, worst_first
 from dflash_assets.rules import percentile_sql
 
 
-def truncation_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def truncation_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Share of rows cut inside the trainer's window (finish_reason = 'length' and prompt + completion <
     max_length: the trainer reads an end the model did not choose), judged per config and per shard (any group
     over fails). Rows cut at or past the window are window-complete: counted beside it, never over the limit."""
@@ -67,7 +58,7 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     return Finding(not configs_over and not shards_over, "\n\n".join(lines), metadata)
 
 
-def window_complete(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def window_complete(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Rows cut at or past the trainer's window (window-complete: exported, the trainer reads them whole) and the
     decoded tokens past the window, which no training step reads; warns when those exceed past_window_rate_max of
     all decoded tokens (a cap larger than the window needs: cap_policy window decodes only what is read)."""
@@ -97,7 +88,7 @@ def window_complete(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     return Finding(rate <= limit, "\n\n".join(lines), metadata)
 
 
-def cap_saturation(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def cap_saturation(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """A high percentile of completion_tokens equal to the cap is the tell-tale of a cap too low for the prompts.
 
     Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION), always an observed value, so when more than 10%
@@ -136,7 +127,7 @@ def cap_saturation(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     return Finding(not saturated, head + ("\n\n" + bullets(lines) if lines else ""), metadata)
 
 
-def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """`completion_tokens >= max_output_tokens` must agree with finish_reason = 'length', both ways.
 
     'length' below the cap means the server cut earlier than asked (a silent clamp to its context length);
@@ -158,7 +149,7 @@ def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     return Finding(finding.passed, finding.summary_md + ("\n\n" + detail if n_a or n_b else ""), metadata)
 
 
-def silent_clamp(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def silent_clamp(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Rows that finished 'length' below their own max_output_tokens: a cap nobody asked for.
 
     SGLang 0.5.23's scheduler lowers max_new_tokens to max_req_len - prompt - 1 without an error
@@ -175,7 +166,7 @@ def silent_clamp(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
     )
 
 
-def max_length_overflow(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def max_length_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Share of rows whose prompt_tokens + completion_tokens exceed the trainer's max_length: it cuts them."""
     result = con.execute(
         "SELECT config_hash, config_cap, count(*), count(*) FILTER (WHERE over), "

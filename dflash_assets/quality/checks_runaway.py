@@ -2,11 +2,12 @@
 
 import duckdb
 
-from dflash_assets.quality.outcome import Finding, MetadataValue, Thresholds, bullets, num, pct, share, verdict
+from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, num, pct, share, verdict
+from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.rates import group_counts, group_line, totals, worst_first
 
 
-def runaway_rate(con: duckdb.DuckDBPyConnection, t: Thresholds) -> Finding:
+def runaway_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     """Share of rows cut while looping (the tail repeats itself), per config and per shard: at the cap, or stopped
     early while streaming (finish_reason 'runaway', short of the cap).
 

@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_assets.quality.answer import CapAnswer, cap_answers
-from dflash_assets.quality.outcome import Thresholds, num, pct
+from dflash_assets.settings import QualitySettings
+from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.registry import run_checks
 from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
 from dflash_assets.quality.window_plan import window_plan_lines
@@ -98,7 +99,7 @@ def print_answer(answer: CapAnswer, console: Console) -> None:
 
 
 def print_answers(data_dir: str | Path, console: Console | None = None,
-                  thresholds: Thresholds = Thresholds()) -> list[CapAnswer]:
+                  thresholds: QualitySettings = QualitySettings()) -> list[CapAnswer]:
     """`dflash report`'s first screen: per config, the answer to "are we maxing out, what should the cap be?"."""
     console = console or Console()
     answers = cap_answers(data_dir, thresholds)
@@ -114,7 +115,7 @@ def print_report(
     data_dir: str | Path,
     console: Console | None = None,
     shard: str | None = None,
-    thresholds: Thresholds = Thresholds(),
+    thresholds: QualitySettings = QualitySettings(),
     checks: bool = True,
 ) -> dict[str, Any]:
     """Print the length-quality summary (and the check results) as rich tables; return the report dict."""

@@ -42,11 +42,11 @@ from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.generation.storage import is_uri, open_storage
-from dflash_assets.quality.runaway import RunawayRules, register_runaway
+from dflash_assets.settings import RunawaySettings, TrainerSettings
+from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source, runaway_sql, window_flags_sql
 from dflash_assets.quality.trainer_format import FORMS, STATUS, has_think_marker
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL
-from dflash_assets.settings import TrainerSettings
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -257,7 +257,7 @@ def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, par
 def export_training_set(
     data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None,
     max_length: int | None = TrainerSettings().max_length, form: str = TrainerSettings().format,
-    drop_over_max_length: bool = False, runaway: RunawayRules = RunawayRules(),
+    drop_over_max_length: bool = False, runaway: RunawaySettings = RunawaySettings(),
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 

@@ -1,11 +1,9 @@
-"""What a check returns, the knobs it is judged by, and how its figures are written for people."""
+"""What a check returns and how its figures are written for people. The limits it is judged by are
+settings.QualitySettings."""
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from dflash_assets.quality.runaway import RunawayRules
-from dflash_assets.settings import TrainerSettings
 
 Severity = Literal["ERROR", "WARN"]
 MetadataValue = int | float | str
@@ -30,36 +28,6 @@ class CheckOutcome:
     summary_md: str
     metadata: dict[str, MetadataValue]
     blocking: bool = False
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Every limit the checks judge by. Rates are shares of rows in [0, 1]; a check passes when rate <= limit.
-
-    Defects that mean the pipeline itself is wrong (duplicates, leaked think markers, empty answers, rows made
-    with a budget that did not fit the context) default to zero tolerance: the export drops such rows anyway,
-    so a non-zero count says "a stage is broken", not "the data is a bit noisy".
-    """
-
-    # share of rows cut inside the trainer's window (rules.py), per shard and per config: the blocking truncation
-    truncation_rate_max: float = 0.05
-    cap_saturation_percentile: float = 0.99  # fails when this percentile of completion_tokens reaches the cap
-    cap_mismatch_rate_max: float = 0.0  # rows where "at the cap" and finish_reason 'length' disagree
-    silent_clamp_rate_max: float = 0.0  # rows that finished 'length' below their own max_output_tokens
-    context_overflow_rate_max: float = 0.0  # completion rows generated with prompt + cap > context
-    overflow_reject_rate_max: float = 0.01  # prompts of a config rejected because prompt + cap > context
-    missing_rate_max: float = 0.0  # accounting: prompts with no completion, reject or failure row
-    duplicate_rate_max: float = 0.0  # extra rows on (prompt_id, config_hash)
-    empty_content_rate_max: float = 0.0
-    think_marker_rate_max: float = 0.0
-    reasoning_misrouted_rate_max: float = 0.0  # among enable_thinking rows
-    truncated_thinking_rate_max: float = 0.01
-    trainer: TrainerSettings = TrainerSettings()  # the drafter trainer's window (max_length) and export form
-    past_window_rate_max: float = 0.02  # share of decoded tokens past the window (WARN): GPU time no step trains on
-    max_length_overflow_rate_max: float = 0.05
-    runaway_rate_max: float = 0.0  # rows cut while looping (WARN): any is worth a look at the sampling settings
-    runaway: RunawayRules = RunawayRules()  # what counts as a loop
-    severity: Mapping[str, Severity] = field(default_factory=dict)  # check name -> severity override
 
 
 def pct(rate: float) -> str:

@@ -31,12 +31,12 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from dflash_assets.generation.config import SAMPLING_PARAMS
+from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, measure_with_probe, probe_label,
                                                      precision_text, wilson)
-from dflash_assets.quality.runaway import RunawayRules, register_runaway
+from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import parquet_source, runaway_sql
 from dflash_assets.rules import CUT_SQL, MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
 
@@ -459,7 +459,7 @@ ROW_QUERY = (f"SELECT completion_tokens, {CUT_SQL} AS truncated, {{runaway}} AS 
              "AND completion_tokens IS NOT NULL")
 
 
-def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRules = RunawayRules(),
+def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawaySettings = RunawaySettings(),
                notes: list[str] | None = None, parent: str | None = None) -> ProbeSample | None:
     """The length probe's rows (generation/probe.py) of the config with the largest cap whose sampling matches
     `like` (SAMPLING: the model, every sampling parameter, thinking), only for prompts in the probe's current sample.
@@ -506,7 +506,7 @@ def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawayRul
 
 
 def honest_cut_rows(data_dir: str | Path, config_hash: str | None = None,
-                    runaway: RunawayRules = RunawayRules()) -> tuple[str, int, list[dict]]:
+                    runaway: RunawaySettings = RunawaySettings()) -> tuple[str, int, list[dict]]:
     """What a continuation probe samples: the config (by default the one with the most rows, as plan_caps
     chooses), its cap and its honest cut rows ({shard, prompt_id}: finish_reason 'length', runaways left out,
     as the plan leaves them out of the tail)."""
@@ -531,7 +531,7 @@ def honest_cut_rows(data_dir: str | Path, config_hash: str | None = None,
 
 def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str | None = None,
               candidates=DEFAULT_CANDIDATES, tokens_per_s: float | None = None, context_length: int | None = None,
-              use_probe: bool = True, runaway: RunawayRules = RunawayRules(), **kwargs) -> CapPlan:
+              use_probe: bool = True, runaway: RunawaySettings = RunawaySettings(), **kwargs) -> CapPlan:
     """The cap plan of one config's committed completion rows (all shards, or one), with the length probe's
     rows when there is a probe of the same model and sampling (`use_probe=False` plans without it).
 

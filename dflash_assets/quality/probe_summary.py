@@ -5,20 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, RunawaySettings
 from dflash_assets.generation.probe import ProbeRun, probe_root, run_cut_rows_probe, run_probe
-from dflash_assets.quality.outcome import Thresholds, num, pct
+from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.answer import recommended_cap
 from dflash_assets.quality.planner import (DEFAULT_CANDIDATES, CapEstimate, CapPlan, PlanError, honest_cut_rows,
                                            plan_caps)
-from dflash_assets.quality.runaway import RunawayRules
-from dflash_assets.settings import ProbeSettings
 from dflash_assets.quality.probe_estimates import precision_text, probe_label
 
 
-async def run_length_probe(data_dir: str | Path, shards: list[str], fleet, config: GenerationConfig,
+async def run_length_probe(data_dir: str | Path, shards: list[str], fleet, config: GenerationSettings,
                            probe: ProbeSettings, settings: DispatchSettings = DispatchSettings(), log=print,
-                           runaway: RunawayRules = RunawayRules()) -> ProbeRun:
+                           runaway: RunawaySettings = RunawaySettings()) -> ProbeRun:
     """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at
     `config`'s cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config (the one the plan is
     for: the most rows) continued to that cap, with the run's own sampling (its rows record it)."""
@@ -43,7 +41,7 @@ def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
 
 
 def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shards: list[str],
-                  limit: float = Thresholds().truncation_rate_max) -> str:
+                  limit: float = QualitySettings().truncation_rate_max) -> str:
     run = result.run
     what = "of the run's honest cut rows, continued to" if result.mode == "cut_rows" else "prompts at"
     lines = [f"length probe: {num(result.sampled)} of {num(result.prompts_total)} {what} cap {num(result.cap)}, "

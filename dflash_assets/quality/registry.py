@@ -19,10 +19,11 @@ from dflash_assets.quality.checks_lengths import (
     window_complete,
 )
 from dflash_assets.quality.checks_runaway import runaway_rate
-from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity, Thresholds
+from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
+from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.tables import open_quality_db
 
-CheckFn = Callable[[duckdb.DuckDBPyConnection, Thresholds], Finding]
+CheckFn = Callable[[duckdb.DuckDBPyConnection, QualitySettings], Finding]
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class CheckSpec:
     blocking: bool
     default_severity: Severity
 
-    def run(self, con: duckdb.DuckDBPyConnection, thresholds: Thresholds = Thresholds()) -> CheckOutcome:
+    def run(self, con: duckdb.DuckDBPyConnection, thresholds: QualitySettings = QualitySettings()) -> CheckOutcome:
         """Run over a connection from open_quality_db; the severity is the thresholds' override or the default."""
         found = self.fn(con, thresholds)
         severity = thresholds.severity.get(self.name, self.default_severity)
@@ -71,7 +72,7 @@ def run_checks(
     data_dir: str | Path,
     shard: str | None = None,
     config_hash: str | None = None,
-    thresholds: Thresholds = Thresholds(),
+    thresholds: QualitySettings = QualitySettings(),
     names: Iterable[str] | None = None,
 ) -> list[CheckOutcome]:
     """Run every check (or those in `names`, in registry order) over one scan of the data dir."""

@@ -11,9 +11,9 @@ from typing import Any
 import duckdb
 
 from dflash_assets.quality.outcome import share
-from dflash_assets.quality.runaway import RunawayRules
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import CUT_SQL, OVERFLOW_SQL, PERCENTILE_DEFINITION, STOPPED_EARLY_SQL, percentile_sql
+from dflash_assets.settings import RunawaySettings, TrainerSettings
 
 PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
 CONFIG = "config_hash, config_cap"  # the config's cap: under the window policy each row asks its own
@@ -63,9 +63,9 @@ def _bucket_sql(edges: tuple[int, ...]) -> tuple[str, list[str]]:
 def length_quality(
     data_dir: str | Path,
     shard: str | None = None,
-    max_length: int = 4096,
+    max_length: int = TrainerSettings().max_length,
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS,
-    runaway: RunawayRules = RunawayRules(),
+    runaway: RunawaySettings = RunawaySettings(),
 ) -> dict[str, Any]:
     """Rows, truncation rate and completion-token P50/P90/P95/P99/max, overall and by config, shard, prompt
     length bucket (server-counted prompt_tokens), source dataset and turn (all_turns), plus overflow counts.

@@ -10,28 +10,11 @@ from collections import Counter
 
 import duckdb
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+
+from dflash_assets.settings import RunawaySettings
 
 
-class RunawayRules(BaseModel):
-    """What counts as a runaway. Prose repeats almost no 8-word sequence within a few kB; a loop repeats nearly all.
-    (A typed model, so the `quality` resource's config is built from these fields and defaults.)"""
-
-    model_config = ConfigDict(frozen=True)  # a value: hashable, safe as a default argument
-
-    tail_chars: int = Field(4000, description="The end of the output that is judged, in characters.")
-    ngram_words: int = Field(8, description="Words per n-gram of the repeated n-gram rule.")
-    repeated_ngram_share: float = Field(
-        0.5, description="A loop: at least this share of the tail's n-grams repeat an earlier n-gram of the tail.")
-    repeated_line_share: float = Field(
-        0.5, description="A loop: at least this share of the tail's non-blank lines equal its most common line ...")
-    min_line_repeats: int = Field(4, description="... and that line is seen at least this often.")
-    min_ngrams: int = Field(32, description="A tail of fewer n-grams is never judged a loop (too little to tell).")
-    end_chars: int = Field(32, description="The end that must recur for either rule to count: the last line, or "
-                                           "its last this many characters.")
-
-
-def is_runaway(text: str | None, rules: RunawayRules = RunawayRules()) -> bool:
+def is_runaway(text: str | None, rules: RunawaySettings = RunawaySettings()) -> bool:
     """True when the end of `text` repeats itself by either rule. The tail's first line and word may be cut
     mid-way by the window, so they are left out of the counts."""
     # (a loop of a phrase with no newline, or of a paragraph, is caught by the n-grams; of a short line, by both)
@@ -56,7 +39,7 @@ def is_runaway(text: str | None, rules: RunawayRules = RunawayRules()) -> bool:
     return 1 - distinct / grams >= rules.repeated_ngram_share
 
 
-def loop_start(text: str, rules: RunawayRules = RunawayRules()) -> int:
+def loop_start(text: str, rules: RunawaySettings = RunawaySettings()) -> int:
     """Where the repetition that ends `text` began, as a character offset (len(text) when none is found): the
     start of the longest end of the text that repeats with the period of its last line (the `end` is_runaway
     looks for). Exact repetition only: a loop that drifts a little is found later than it began."""
@@ -74,7 +57,7 @@ def loop_start(text: str, rules: RunawayRules = RunawayRules()) -> int:
     return start
 
 
-def register_runaway(con: duckdb.DuckDBPyConnection, rules: RunawayRules = RunawayRules()) -> None:
+def register_runaway(con: duckdb.DuckDBPyConnection, rules: RunawaySettings = RunawaySettings()) -> None:
     """`is_runaway(tail VARCHAR) -> BOOLEAN` on `con`, judged by `rules`. Vectorised (a batch of rows per call
     through Arrow): a call per row would cost more than the test itself."""
 

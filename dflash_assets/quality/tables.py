@@ -32,11 +32,11 @@ import pyarrow as pa
 from dflash_assets.generation.parts import PartStore
 from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.quality.runaway import RunawayRules, register_runaway
+from dflash_assets.settings import RunawaySettings, TrainerSettings
+from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.trainer_format import think_marker_sql
 from dflash_assets.rules import (STOPPED_EARLY_SQL, blank_sql, cut_inside_window_sql, trained_tokens_sql,
                                  window_complete_sql)
-from dflash_assets.settings import TrainerSettings
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
@@ -55,7 +55,7 @@ def window_flags_sql(max_length: int) -> str:
             f"{trained_tokens_sql(max_length)} AS trained_tokens")
 
 
-def runaway_sql(rules: RunawayRules) -> str:
+def runaway_sql(rules: RunawaySettings) -> str:
     """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
     judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking.
     A row stopped while streaming was judged by the same rules then (rules.RUNAWAY_FINISH): it is one."""
@@ -126,7 +126,7 @@ def parquet_source(
 
 def open_quality_db(
     data_dir: str | Path, shard: str | None = None, config_hash: str | None = None,
-    runaway: RunawayRules = RunawayRules(), max_length: int = TrainerSettings().max_length,
+    runaway: RunawaySettings = RunawaySettings(), max_length: int = TrainerSettings().max_length,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager).
     `max_length` is the trainer's window the rows are judged against."""

@@ -23,10 +23,9 @@ import numpy as np
 
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import DEFAULT_CANDIDATES, TailFit
-from dflash_assets.quality.runaway import RunawayRules
+from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import percentile
-from dflash_assets.settings import GenerationSettings, TrainerSettings
 
 GRID = 256  # points of the numerical integral of the tail, per row
 
@@ -165,7 +164,7 @@ def plan_window(p, length, cut, loop, cap: int, max_length: int, overshoot: int 
 
 
 def window_plan(data_dir: str | Path, config_hash: str, cap: int, trainer: TrainerSettings = TrainerSettings(),
-                fit: TailFit | None = None, runaway: RunawayRules = RunawayRules(), **kwargs) -> WindowPlan:
+                fit: TailFit | None = None, runaway: RunawaySettings = RunawaySettings(), **kwargs) -> WindowPlan:
     """plan_window over one config's committed rows (stopped or cut) of a data dir."""
     with open_quality_db(data_dir, config_hash=config_hash, runaway=runaway, max_length=trainer.max_length) as con:
         rows = con.execute("SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AS cut, runaway "

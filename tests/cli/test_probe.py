@@ -67,11 +67,11 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
     assert "precision: probe of 100 rows (" in out and "(95%, binomial)" in out
     # the next command raises the cap to the one the report's answer recommends (answer.recommended_cap)
     from dflash_assets.quality.answer import recommended_cap
-    from dflash_assets.quality.outcome import Thresholds
+    from dflash_assets.settings import QualitySettings
     from dflash_assets.quality.planner import DEFAULT_CANDIDATES, plan_caps
 
     plan = plan_caps(data, candidates=sorted({*DEFAULT_CANDIDATES, cap}))
-    rec = recommended_cap(plan, Thresholds().truncation_rate_max)
+    rec = recommended_cap(plan, QualitySettings().truncation_rate_max)
     assert rec.basis == "probe" and rec.truncation_rate.value <= 0.05
     assert (f"next: dflash report --data-dir {data} (the whole cap plan); to raise the cap to {rec.cap:,}, the "
             f"smallest that cuts 5.00% or fewer ({rec.truncation_rate.value * 100:.2f}%, measured (probe)): "
@@ -141,7 +141,7 @@ def test_probe_flags_take_their_defaults_from_the_settings():
     from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings
 
     args = build_parser().parse_args(["probe", "--urls", "http://x"])
-    assert ProbeSettings.taken_from(args) == ProbeSettings() == LengthProbeConfig().probe()
+    assert ProbeSettings.taken_from(args) == ProbeSettings() == ProbeSettings.taken_from(LengthProbeConfig())
     assert args.max_output_tokens == 0  # the probe's cap (0: the largest the context allows), not the run's 4096
     run = GenerationSettings().model_dump(exclude={"max_output_tokens"})
     assert GenerationSettings.taken_from(args).model_dump(exclude={"max_output_tokens"}) == run

@@ -11,7 +11,7 @@ from dflash_assets.defs.metadata import CheckRun, ShardRun
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.defs.training.assets import drafter_training_set
-from dflash_assets.defs.resources import FleetResource, PromptSource, QualityThresholds
+from dflash_assets.defs.resources import FleetResource, PromptSourceResource, QualityResource
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.quality import CHECKS
 from tests.support import dagster_run
@@ -23,7 +23,7 @@ def resources(tmp_path, urls, shard_size: int, **fleet):
     # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window and block (at the
     # default 4096 window they are window-complete: tests/generation/test_window_policy.py)
     return {**dagster_run.resources(tmp_path, urls, shard_size, **fleet),
-            "quality": QualityThresholds(trainer={"max_length": 8192})}
+            "quality": QualityResource(trainer={"max_length": 8192})}
 
 
 def completion_rows(tmp_path, where: str = "true") -> list[tuple]:
@@ -64,9 +64,9 @@ def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, 
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         low = run_shard(instance, resources(tmp_path / "low", fleet_urls, 200) | {
-            "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=4096)
+            "prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=4096)
         high = run_shard(instance, resources(tmp_path / "high", fleet_urls, 200) | {
-            "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=32000)
+            "prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=32000)
     assert checks_of(low)["truncation_rate"] is False
     assert not low.success, "a failing blocking check stops the run"
     truncated = duckdb.sql(f"select avg((finish_reason = 'length')::int) from read_parquet("

@@ -41,7 +41,7 @@ import pytest
 from dflash_assets.emulator.process import EmulatorProcess, free_port, start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient
-from dflash_assets.generation.config import DispatchSettings
+from dflash_assets.settings import DispatchSettings
 from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.rules import CONTEXT_MARGIN

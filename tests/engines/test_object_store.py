@@ -243,13 +243,13 @@ def test_dagster_assets_run_on_an_s3_data_dir(s3, runs, fleet_urls, tmp_path):
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.prompts.assets import prompt_shards
     from dflash_assets.defs.quality.assets import length_quality_report
-    from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
+    from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, QualityResource
 
-    data_dir = DataDir(path=f"s3://{BUCKET}/dagster/", local_path=str(tmp_path / "local"))
+    data_dir = DataDirResource(path=f"s3://{BUCKET}/dagster/", local_path=str(tmp_path / "local"))
     assert data_dir.resolved() == f"s3://{BUCKET}/dagster" and data_dir.local_dir() == tmp_path / "local"
     resources = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)),
-                 "prompt_source": PromptSource(path=str(runs["source"]), shard_size=N + 1),
-                 "data_dir": data_dir, "quality": QualityThresholds()}
+                 "prompt_source": PromptSourceResource(path=str(runs["source"]), shard_size=N + 1),
+                 "data_dir": data_dir, "quality": QualityResource()}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, [SHARD])
         result = dg.materialize(

@@ -18,7 +18,7 @@ import pytest
 from dflash_assets.fleet.client import ServerClient, error_message
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.tuning import MAMBA_USAGE_METRIC
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.settings import GenerationSettings
 from tests.support.sglang_wheel import class_fields, function, sglang_dir, sglang_verdict, tree
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,7 +50,7 @@ CLIENT_READS = {
     "/metrics": {"names": {MAMBA_USAGE_METRIC, "sglang:num_requests_total", "sglang:prompt_tokens_total",
                            "sglang:generation_tokens_total", "sglang:num_aborted_requests_total"}},
 }
-# What the client sends (besides the chat body GenerationConfig builds, checked whole below)
+# What the client sends (besides the chat body GenerationSettings builds, checked whole below)
 TOKENIZE_SENDS = {"prompt", "add_special_tokens", "messages", "chat_template_kwargs"}
 DETOKENIZE_SENDS = {"tokens", "skip_special_tokens"}
 
@@ -136,7 +136,7 @@ def test_every_metric_the_client_reads_is_exported_by_0_5_23():
 
 def test_the_chat_body_the_client_sends_has_only_fields_0_5_23_takes():
     accepted = class_fields("entrypoints/openai/protocol.py", "ChatCompletionRequest")
-    body = GenerationConfig().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True)
+    body = GenerationSettings().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True)
     # the model accepts extra fields silently: a misspelt one would be ignored, so every name must be known
     assert not set(body) - accepted, sorted(set(body) - accepted)
 
@@ -147,7 +147,7 @@ def test_tokenize_and_detokenize_bodies_have_only_fields_0_5_23_takes():
 
 
 def test_the_continuation_body_passes_0_5_23s_generate_contract(api):
-    config = GenerationConfig()
+    config = GenerationSettings()
     body = {"input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 100, **config.sampling()}}
     assert sglang_verdict(api, body) is None
 
@@ -179,7 +179,7 @@ def test_the_emulators_answers_carry_only_0_5_23s_fields_and_every_one_the_clien
     assert set(models) <= class_fields(protocol, "ModelList")
     assert CLIENT_READS["/v1/models"]["ModelCard"] <= set(models["data"][0]) <= class_fields(protocol, "ModelCard")
 
-    _, chat = server.post("/v1/chat/completions", GenerationConfig(max_output_tokens=32).chat_body(
+    _, chat = server.post("/v1/chat/completions", GenerationSettings(max_output_tokens=32).chat_body(
         "m", [{"role": "user", "content": "hi"}], token_ids=True))
     choice, usage = chat["choices"][0], chat["usage"]
     assert set(chat) <= class_fields(protocol, "ChatCompletionResponse")

@@ -20,7 +20,7 @@ from rich.console import Console
 from dflash_assets.fleet import processes, registry
 from dflash_assets.fleet.attach import AttachError, parse_urls
 from dflash_assets.fleet.launcher import FleetError, FleetSpec, down, up
-from dflash_assets.fleet.server_args import EMULATOR, ServerArgs
+from dflash_assets.fleet.server_args import EMULATOR, ServerCommand
 from dflash_assets.fleet.status import fleet_status, status_table
 from tests.support.cli import free_base_port
 
@@ -30,7 +30,7 @@ KEY = "sk-test-0123456789abcdef"
 
 
 def make_spec(base_port: int, gpus=(0, 1), **server) -> FleetSpec:
-    args = ServerArgs(**{"model_path": "Qwen/Qwen3-8B", "context_length": 8192, "max_running_requests": 8} | server)
+    args = ServerCommand(**{"model_path": "Qwen/Qwen3-8B", "context_length": 8192, "max_running_requests": 8} | server)
     return FleetSpec(server=args, gpus=tuple(gpus), base_port=base_port, command=EMULATOR, health_timeout_s=45,
                      stop_timeout_s=5)
 

@@ -16,10 +16,10 @@ import pytest
 
 from tests.support.sglang_wheel import sglang_dir
 from dflash_assets.fleet.server_args import (EMULATOR, REMOVED_FLAGS, SGLANG_LAUNCH_SERVER, SGLANG_SERVE,
-                                             ServerArgs, ServerArgsError)
+                                             ServerCommand, ServerCommandError)
 
 # Every typed field set, so that every flag the builder knows is emitted at least once.
-EVERY_FIELD = ServerArgs(
+EVERY_FIELD = ServerCommand(
     model_path="Qwen/Qwen3-8B", served_model_name="qwen3", host="127.0.0.1", port=30001, tp_size=1,
     context_length=16384, max_running_requests=40, max_mamba_cache_size=200, mem_fraction_static=0.85,
     chunked_prefill_size=8192, cuda_graph_max_bs_decode=40, reasoning_parser="qwen3", enable_metrics=True,
@@ -81,14 +81,14 @@ def sglang_flags() -> set[str]:
     return flags
 
 
-def emitted_flags(args: ServerArgs) -> list[str]:
+def emitted_flags(args: ServerCommand) -> list[str]:
     return [a for a in args.flags() if a.startswith("--")]
 
 
 def test_every_flag_the_builder_emits_exists_in_sglang_0_5_23(sglang_flags):
     emitted = emitted_flags(EVERY_FIELD)
     # All typed fields but gpus (CUDA_VISIBLE_DEVICES, not a flag) are exercised.
-    assert len(emitted) == len([f for f in ServerArgs.__dataclass_fields__ if f not in ("gpus", "extra_args")])
+    assert len(emitted) == len([f for f in ServerCommand.__dataclass_fields__ if f not in ("gpus", "extra_args")])
     # Exact names only: argparse would also take a unique prefix, but one new flag can make it ambiguous.
     missing = [f for f in emitted if f not in sglang_flags]
     assert not missing, f"the builder emits flags that sglang 0.5.23 does not define: {missing}"
@@ -114,16 +114,16 @@ def test_cuda_graph_max_bs_is_an_ambiguous_prefix_in_0_5_23(sglang_flags):
 def test_the_builder_cannot_emit_a_removed_flag(flag):
     assert flag not in emitted_flags(EVERY_FIELD)
     for extra in ([flag, "8"], [f"{flag}=8"]):
-        with pytest.raises(ServerArgsError, match="no longer exists in SGLang 0.5.23"):
-            ServerArgs(model_path="m", extra_args=extra)
+        with pytest.raises(ServerCommandError, match="no longer exists in SGLang 0.5.23"):
+            ServerCommand(model_path="m", extra_args=extra)
 
 
 def test_extra_args_may_not_carry_the_key_or_shadow_a_typed_field():
-    with pytest.raises(ServerArgsError, match="read from the environment"):
-        ServerArgs(model_path="m", extra_args=["--api-key", "sk-secret"])
-    with pytest.raises(ServerArgsError, match="--tp sets --tp-size, which is a typed field: set tp_size instead"):
-        ServerArgs(model_path="m", extra_args=["--tp", "2"])
-    assert ServerArgs(model_path="m", extra_args=["--mamba-ssm-dtype", "bfloat16"]).flags()[-2:] == [
+    with pytest.raises(ServerCommandError, match="read from the environment"):
+        ServerCommand(model_path="m", extra_args=["--api-key", "sk-secret"])
+    with pytest.raises(ServerCommandError, match="--tp sets --tp-size, which is a typed field: set tp_size instead"):
+        ServerCommand(model_path="m", extra_args=["--tp", "2"])
+    assert ServerCommand(model_path="m", extra_args=["--mamba-ssm-dtype", "bfloat16"]).flags()[-2:] == [
         "--mamba-ssm-dtype", "bfloat16"]
 
 

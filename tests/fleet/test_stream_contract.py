@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.sglang_wheel import class_fields, function
 from dflash_assets.fleet.stream import Watch, chat_stream_body
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.settings import GenerationSettings
 
 pytestmark = pytest.mark.timeout(120)
 PROTOCOL = "entrypoints/openai/protocol.py"
@@ -41,7 +41,7 @@ def test_every_chunk_field_the_client_reads_is_in_0_5_23s_stream_models(model):
 
 
 def test_the_streamed_chat_body_has_only_fields_0_5_23_takes():
-    body = chat_stream_body(GenerationConfig().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
+    body = chat_stream_body(GenerationSettings().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
                             Watch(check_every_tokens=64, looping=bool))
     assert set(body) <= class_fields(PROTOCOL, "ChatCompletionRequest")
     assert set(body["stream_options"]) <= class_fields(PROTOCOL, "StreamOptions")
@@ -88,7 +88,7 @@ def test_0_5_23_aborts_a_streamed_request_whose_client_goes_away():
 
 def test_the_emulators_chat_stream_is_0_5_23s_chunks_with_every_field_the_client_reads(emulator):
     server = emulator("--reasoning-parser", "qwen3", "--length-median", "40", "--stream-interval", "4")
-    body = chat_stream_body(GenerationConfig(max_output_tokens=1024).chat_body(
+    body = chat_stream_body(GenerationSettings(max_output_tokens=1024).chat_body(
         "m", [{"role": "user", "content": "hi"}], token_ids=True), Watch(check_every_tokens=8, looping=bool))
     status, events = server.sse("/v1/chat/completions", body)
     assert status == 200 and events[-1] == "[DONE]"
@@ -119,7 +119,7 @@ def test_the_emulators_chat_stream_is_0_5_23s_chunks_with_every_field_the_client
 
 def test_without_include_usage_no_usage_chunk_comes(emulator):
     server = emulator("--reasoning-parser", "qwen3", "--length-median", "20")
-    body = {**GenerationConfig(max_output_tokens=32).chat_body("m", [{"role": "user", "content": "hi"}]),
+    body = {**GenerationSettings(max_output_tokens=32).chat_body("m", [{"role": "user", "content": "hi"}]),
             "stream": True}
     _, events = server.sse("/v1/chat/completions", body)
     assert all(e == "[DONE]" or e.get("usage") is None for e in events)
@@ -127,7 +127,7 @@ def test_without_include_usage_no_usage_chunk_comes(emulator):
 
 def test_the_emulators_generate_stream_decodes_with_0_5_23s_own_decoder(api, emulator):  # noqa: F811
     server = emulator("--length-median", "40", "--stream-interval", "3")
-    body = {"input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 48, **GenerationConfig().sampling()},
+    body = {"input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 48, **GenerationSettings().sampling()},
             "stream": True}
     status, events = server.sse("/generate", body)
     assert status == 200 and events[-1] == "[DONE]"

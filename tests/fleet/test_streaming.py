@@ -13,7 +13,7 @@ import pytest
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
@@ -41,7 +41,7 @@ def make_shard(data_dir, url) -> None:
 
 
 def generate(data_dir, url, cap: int, stream: bool):
-    return on_fleet([url], lambda f: generate_shard(data_dir, "00000", f, GenerationConfig(max_output_tokens=cap),
+    return on_fleet([url], lambda f: generate_shard(data_dir, "00000", f, GenerationSettings(max_output_tokens=cap),
                                                     settings(stream), log=lambda m: None))
 
 

@@ -16,7 +16,7 @@ import pytest
 from dflash_assets.emulator.prefix_cache import BLOCK
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 
@@ -27,12 +27,12 @@ CAP = 1200
 RUN = """
 import asyncio, sys
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 
 async def main(data, urls):
     async with connected(urls.split(",")) as fleet:
-        run = await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=%d, regenerate="all_turns"),
+        run = await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=%d, regenerate="all_turns"),
                                    DispatchSettings(commit_rows=3, commit_seconds=0.2, load_sample_s=0), log=print)
         print(f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + {run.failed} failed")
 
@@ -68,7 +68,7 @@ def build(data_dir, urls, records) -> None:
 def generate(data_dir, urls, cap=CAP):
     async def go():
         async with connected(urls) as fleet:
-            return await generate_shard(data_dir, "00000", fleet, GenerationConfig(max_output_tokens=cap,
+            return await generate_shard(data_dir, "00000", fleet, GenerationSettings(max_output_tokens=cap,
                                         regenerate="all_turns"), DispatchSettings(load_sample_s=0), log=lambda m: None)
 
     return asyncio.run(go())

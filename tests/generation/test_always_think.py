@@ -4,13 +4,13 @@
 import duckdb
 
 from dflash_assets.fleet.fleet import read_info
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.settings import GenerationSettings
 from tests.support.sglang_wheel import sglang_srt
 from tests.support.shards import cont, generate, make_shard
 
 SGLANG = sglang_srt()
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--always-think"]
-OFF = GenerationConfig(max_output_tokens=64, enable_thinking=False)
+OFF = GenerationSettings(max_output_tokens=64, enable_thinking=False)
 
 
 

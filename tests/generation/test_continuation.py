@@ -16,9 +16,9 @@ import pytest
 
 from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.partitions import shard_partitions
-from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds
+from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
 from tests.support.http import set_faults
@@ -80,7 +80,7 @@ def test_a_rerun_of_a_finished_continuation_sends_nothing(continued, fleet_urls)
 KILLED = '''
 import asyncio, sys
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings
+from dflash_assets.settings import DispatchSettings
 from dflash_assets.generation.continuation import continue_shard
 
 async def go(data, url, parent):
@@ -142,15 +142,15 @@ def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(t
     parent = generate(data, [server.emu.url], 4096)
     with pytest.raises(PreflightError, match=r"context length is 6000 tokens and max_output_tokens is 8192"):
         cont(data, [server.emu.url], parent.config_hash, 8192)
-    assert len(rows(data, GenerationConfig(max_output_tokens=8192).config_hash(parent.model))) == 0
+    assert len(rows(data, GenerationSettings(max_output_tokens=8192).config_hash(parent.model))) == 0
 
 
 def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path, fleet_urls):
     data = tmp_path / "data"
     make_shard(data, fleet_urls)
     parent = generate(data, fleet_urls, 4096)
-    res = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)), "data_dir": DataDir(path=str(data)),
-           "quality": QualityThresholds()}
+    res = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)), "data_dir": DataDirResource(path=str(data)),
+           "quality": QualityResource()}
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = dg.materialize([continued_completions], partition_key="00000", instance=instance, resources=res,
@@ -161,7 +161,7 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     assert meta["rows_continued"].value == parent.length and meta["rows_copied"].value == N - parent.length
     assert meta["tokens_reused"].value > 0 and 0 < meta["saved_share"].value < 1
     assert meta["accounting"].value == f"{N} prompts = {N} completed + 0 rejected + 0 failed + 0 left"
-    assert meta["config_hash"].value == GenerationConfig(max_output_tokens=8192).config_hash(parent.model)
+    assert meta["config_hash"].value == GenerationSettings(max_output_tokens=8192).config_hash(parent.model)
 
 
 @pytest.mark.parametrize("parser, thinking, text, ids", [

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import ConfigError, GenerationConfig
+from dflash_assets.settings import GenerationSettings, SettingsError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.quality import export_training_set
@@ -19,8 +19,8 @@ COLUMNS = ("prompt_id, config_hash, finish_reason, prompt_tokens, completion_tok
            "trainer_max_length, content, reasoning_content, prompt_token_ids, output_ids")
 
 
-def window(length: int) -> GenerationConfig:
-    return GenerationConfig(max_output_tokens=8192, cap_policy="window", trainer_max_length=length)
+def window(length: int) -> GenerationSettings:
+    return GenerationSettings(max_output_tokens=8192, cap_policy="window", trainer_max_length=length)
 
 
 def rows(data_dir, config_hash, columns=COLUMNS):
@@ -85,9 +85,9 @@ def test_a_second_continue_sends_nothing_and_a_fixed_cap_is_refused_by_name(grow
     data = tmp_path / "data"
     with start_emulator(FAST) as x:
         make_shard(data, [x.url])
-        fixed = on_fleet([x.url], lambda f: generate_shard(data, "00000", f, GenerationConfig(max_output_tokens=256),
+        fixed = on_fleet([x.url], lambda f: generate_shard(data, "00000", f, GenerationSettings(max_output_tokens=256),
                                                            SETTINGS, log=lambda m: None))
-        with pytest.raises(ConfigError, match="has a fixed cap \\(256\\): --to-window continues a config of the "
+        with pytest.raises(SettingsError, match="has a fixed cap \\(256\\): --to-window continues a config of the "
                                               "window policy"):
             on_fleet([x.url], lambda f: continue_shard(data, "00000", f, fixed.config_hash, 0, SETTINGS,
                                                        log=lambda m: None, to_window=L2))

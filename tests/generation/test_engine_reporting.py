@@ -4,7 +4,7 @@ import asyncio
 import json
 
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.shards import build_prompt_shard
 
@@ -21,7 +21,7 @@ def run_three_shards(tmp_path, urls):
         async with connected(urls) as fleet:
             for i, shard in enumerate(SHARDS):
                 await build_prompt_shard(src, i, shard, PER_SHARD, tmp_path / "data", fleet, {"enable_thinking": True})
-            return await generate_shards(tmp_path / "data", SHARDS, fleet, GenerationConfig(max_output_tokens=1024),
+            return await generate_shards(tmp_path / "data", SHARDS, fleet, GenerationSettings(max_output_tokens=1024),
                                          DispatchSettings(load_sample_s=0, commit_rows=8), log=lambda m: None)
 
     return asyncio.run(go())

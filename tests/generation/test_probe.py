@@ -9,7 +9,7 @@ import pytest
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.quality.assets import length_quality_summary
-from dflash_assets.generation.config import SAMPLING_PARAMS, GenerationConfig
+from dflash_assets.settings import SAMPLING_PARAMS, GenerationSettings
 from dflash_assets.generation.probe import probe_size, sample_prompts
 from dflash_assets.quality import run_checks
 from tests.support.probe_project import probe_project, write_completions, write_probe
@@ -142,7 +142,7 @@ def test_a_probe_made_with_another_value_of_any_sampling_parameter_is_not_used(t
 
     from dflash_assets.quality.planner import plan_caps
 
-    run = GenerationConfig().sampling()
+    run = GenerationSettings().sampling()
     other = {**run, name: type(run[name])(run[name] / 2 if run[name] else 0.5)}
     lengths = np.round(1640 * np.exp(np.random.default_rng(0).standard_normal(3000))).astype(int)
     for sampled, probe in (("same", run), ("other", other)):

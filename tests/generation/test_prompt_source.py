@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.generation.config import ConfigError, GenerationConfig
+from dflash_assets.settings import GenerationSettings, SettingsError
 from dflash_assets.generation.prompts import Prompt, SourceError, SourceReject, count_rows, read_shard, shard_keys
 
 GOOD = {"messages": [{"role": "user", "content": "hello"}]}
@@ -121,16 +121,16 @@ def test_shard_size_must_be_positive(tmp_path):
     ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
 ])
 def test_bad_generation_config_is_refused_before_any_work(kwargs, message):
-    with pytest.raises(ConfigError) as err:
-        GenerationConfig(**kwargs).validate()
+    with pytest.raises(SettingsError) as err:
+        GenerationSettings(**kwargs).validate()
     assert message in str(err.value)
 
 
 def test_config_hash_covers_what_changes_the_output():
-    base = GenerationConfig()
-    assert base.config_hash("m") == GenerationConfig().config_hash("m")
-    assert base.config_hash("m") != GenerationConfig(max_output_tokens=8192).config_hash("m")
-    assert base.config_hash("m") != GenerationConfig(enable_thinking=False).config_hash("m")
+    base = GenerationSettings()
+    assert base.config_hash("m") == GenerationSettings().config_hash("m")
+    assert base.config_hash("m") != GenerationSettings(max_output_tokens=8192).config_hash("m")
+    assert base.config_hash("m") != GenerationSettings(enable_thinking=False).config_hash("m")
     assert base.config_hash("m") != base.config_hash("other-model")
 
 
@@ -142,7 +142,7 @@ def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_th
 
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.prompts.assets import prompt_shards
-    from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource
+    from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource
     from dflash_assets.emulator.process import start_emulator
     from tests.support.http import Http
 
@@ -155,8 +155,8 @@ def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_th
     with start_emulator([]) as emu, dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, keys)
         job = dg.Definitions(assets=[prompt_shards], resources={
-            "fleet": FleetResource(mode="attach", urls=emu.url), "data_dir": DataDir(path=str(tmp_path / "data")),
-            "prompt_source": PromptSource(path=str(src), shard_size=2)}).resolve_implicit_global_asset_job_def()
+            "fleet": FleetResource(mode="attach", urls=emu.url), "data_dir": DataDirResource(path=str(tmp_path / "data")),
+            "prompt_source": PromptSourceResource(path=str(src), shard_size=2)}).resolve_implicit_global_asset_job_def()
         before = healths(emu.url)  # start_emulator's own readiness probes
         result = job.execute_in_process(instance=instance, raise_on_error=False, tags={
             "dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]})

@@ -15,14 +15,13 @@ from tests.support.http import Http, aborted, settled
 from dflash_assets.emulator import model
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import length_quality, run_checks
 from dflash_assets.quality.export import export_training_set
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.quality.tables import register_runaway, runaway_sql
-from dflash_assets.quality.runaway import RunawayRules
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +40,7 @@ def make_shard(data, url, n=N) -> None:
 
 def generate(data, url, every: int, cap: int = CAP):
     settings = DispatchSettings(runaway_check_tokens=every, store_token_ids=True, load_sample_s=0)
-    return on_fleet([url], lambda f: generate_shard(data, "00000", f, GenerationConfig(max_output_tokens=cap),
+    return on_fleet([url], lambda f: generate_shard(data, "00000", f, GenerationSettings(max_output_tokens=cap),
                                                     settings, log=lambda m: None))
 
 
@@ -68,9 +67,9 @@ def runs(tmp_path_factory):
 
 def loops_found_by_the_checks(data) -> set[str]:
     con = duckdb.connect()
-    register_runaway(con, RunawayRules())
+    register_runaway(con, RunawaySettings())
     return {r[0] for r in con.execute(
-        f"select prompt_id from read_parquet('{data}/completions/**/*.parquet') where {runaway_sql(RunawayRules())}"
+        f"select prompt_id from read_parquet('{data}/completions/**/*.parquet') where {runaway_sql(RunawaySettings())}"
     ).fetchall()}
 
 

@@ -9,7 +9,7 @@ import json
 
 import duckdb
 
-from dflash_assets.generation.config import SAMPLING_PARAMS, GenerationConfig
+from dflash_assets.settings import SAMPLING_PARAMS, GenerationSettings
 from tests.support.sglang_wheel import sglang_srt
 from tests.support.shards import cont, generate, make_shard
 
@@ -31,7 +31,7 @@ def test_fresh_and_continued_rows_are_sampled_with_the_config_on_both_routes(tmp
                       json.dumps(MODEL_DEFAULTS))
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
-    config = GenerationConfig(max_output_tokens=64)
+    config = GenerationSettings(max_output_tokens=64)
     parent = generate(data, [server.emu.url], config)
     run = cont(data, [server.emu.url], parent.config_hash, 4096)
     assert run.continued > 0
@@ -46,10 +46,10 @@ def test_fresh_and_continued_rows_are_sampled_with_the_config_on_both_routes(tmp
 
 
 def test_every_sampling_parameter_is_in_the_config_hash():
-    base = GenerationConfig()
+    base = GenerationSettings()
     for name in SAMPLING_PARAMS:
         value = base.sampling()[name]  # a step of the setting's own type (top_k is an integer)
-        changed = GenerationConfig(**{**base.sampling(), name: value + (1 if isinstance(value, int) else 0.01)})
+        changed = GenerationSettings(**{**base.sampling(), name: value + (1 if isinstance(value, int) else 0.01)})
         assert changed.config_hash("m") != base.config_hash("m"), name
 
 

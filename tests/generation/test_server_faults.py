@@ -12,7 +12,7 @@ import pytest
 
 from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
 from dflash_assets.fleet.fleet import Fleet, connected, open_session
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.slots import FleetDown
 from tests.support.shards import generate, make_shard, quiet, rows
@@ -127,7 +127,7 @@ def test_a_401_during_generation_stops_the_run_with_a_clear_error_and_rejects_no
             infos = probed.infos
         async with open_session() as session:
             fleet = Fleet([ServerClient(session, server.emu.url, "stale-key")], infos, session)
-            return await generate_shard(tmp_path / "data", "00000", fleet, GenerationConfig(max_output_tokens=512),
+            return await generate_shard(tmp_path / "data", "00000", fleet, GenerationSettings(max_output_tokens=512),
                                         SETTINGS, log=quiet)
 
     with pytest.raises(ServerAccessError) as err:

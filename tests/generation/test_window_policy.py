@@ -11,7 +11,7 @@ import pytest
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.rules import window_cap
@@ -42,8 +42,8 @@ def make_shard(data_dir, urls, n=30, long_prompts=2, turns=1) -> None:
     on_fleet(urls, lambda f: build_prompt_shard(src, 0, "00000", n, data_dir, f, {"enable_thinking": True}))
 
 
-def window_config(**kw) -> GenerationConfig:
-    return GenerationConfig(max_output_tokens=8192, cap_policy="window", trainer_max_length=L, overshoot=OVERSHOOT,
+def window_config(**kw) -> GenerationSettings:
+    return GenerationSettings(max_output_tokens=8192, cap_policy="window", trainer_max_length=L, overshoot=OVERSHOOT,
                             **kw)
 
 
@@ -93,8 +93,8 @@ def test_a_prompt_that_fills_the_window_is_a_reject_with_its_reason(window_run):
 
 def test_the_window_and_the_overshoot_are_in_the_config_hash_and_a_fixed_caps_hash_is_unchanged():
     model = "emulated/qwen3-27b"
-    fixed = GenerationConfig(max_output_tokens=8192)
-    assert fixed.config_hash(model) == GenerationConfig(max_output_tokens=8192, trainer_max_length=2048,
+    fixed = GenerationSettings(max_output_tokens=8192)
+    assert fixed.config_hash(model) == GenerationSettings(max_output_tokens=8192, trainer_max_length=2048,
                                                         overshoot=3).config_hash(model)
     hashes = {window_config().config_hash(model), fixed.config_hash(model),
               window_config().model_copy(update={"trainer_max_length": 1024}).config_hash(model),
@@ -103,10 +103,10 @@ def test_the_window_and_the_overshoot_are_in_the_config_hash_and_a_fixed_caps_ha
 
 
 def test_a_bad_cap_policy_is_refused_by_name():
-    from dflash_assets.generation.config import ConfigError
+    from dflash_assets.settings import SettingsError
 
-    with pytest.raises(ConfigError, match="cap_policy must be one of fixed, window, got 'windowed'"):
-        GenerationConfig(cap_policy="windowed").validate()
+    with pytest.raises(SettingsError, match="cap_policy must be one of fixed, window, got 'windowed'"):
+        GenerationSettings(cap_policy="windowed").validate()
 
 
 def test_all_turns_stops_a_conversation_once_a_turn_fills_the_window(tmp_path, fleet_urls):
@@ -136,26 +136,26 @@ def test_all_turns_stops_a_conversation_once_a_turn_fills_the_window(tmp_path, f
 # ---- part 1: the trainer's window, defined once ------------------------------------------------------------------
 
 def test_the_trainers_window_is_one_setting_the_checks_the_resource_and_the_export_share():
-    from dflash_assets.defs.resources import QualityThresholds
-    from dflash_assets.quality import Thresholds
+    from dflash_assets.defs.resources import QualityResource
+    from dflash_assets.settings import QualitySettings
     from dflash_assets.settings import TrainerSettings
 
     assert TrainerSettings().max_length == 4096 and TrainerSettings().format == "conversations"
-    assert Thresholds().trainer == TrainerSettings() == QualityThresholds().thresholds().trainer
-    assert GenerationConfig().trainer_max_length == TrainerSettings().max_length
-    custom = QualityThresholds(trainer={"max_length": 2048, "format": "pretokenized"}).thresholds().trainer
+    assert QualitySettings().trainer == TrainerSettings() == QualitySettings.taken_from(QualityResource()).trainer
+    assert GenerationSettings().trainer_max_length == TrainerSettings().max_length
+    custom = QualitySettings.taken_from(QualityResource(trainer={"max_length": 2048, "format": "pretokenized"})).trainer
     assert custom == TrainerSettings(max_length=2048, format="pretokenized")
     assert "change it with --trainer-max-length" in TrainerSettings().named()
 
 
 def test_a_bad_trainer_setting_is_refused_by_name():
-    from dflash_assets.generation.config import ConfigError
+    from dflash_assets.settings import SettingsError
     from dflash_assets.settings import TrainerSettings
 
-    with pytest.raises(ConfigError, match="trainer format must be one of conversations, messages, pretokenized, "
+    with pytest.raises(SettingsError, match="trainer format must be one of conversations, messages, pretokenized, "
                                           "got 'sharegpt'"):
         TrainerSettings(format="sharegpt").validate()
-    with pytest.raises(ConfigError, match="trainer max_length must be a positive integer, got 0"):
+    with pytest.raises(SettingsError, match="trainer max_length must be a positive integer, got 0"):
         TrainerSettings(max_length=0).validate()
 
 
@@ -163,13 +163,12 @@ def test_a_bad_trainer_setting_is_refused_by_name():
 
 from tests.support.quality_data import load  # noqa: E402
 
-from dflash_assets.quality import Thresholds, run_checks  # noqa: E402
+from dflash_assets.quality import run_checks  # noqa: E402
 from dflash_assets.rules import cut_inside_window, trained_tokens, window_complete  # noqa: E402
-from dflash_assets.settings import TrainerSettings  # noqa: E402
 
 
-def window(max_length: int) -> Thresholds:
-    return Thresholds(trainer=TrainerSettings(max_length=max_length))
+def window(max_length: int) -> QualitySettings:
+    return QualitySettings(trainer=TrainerSettings(max_length=max_length))
 
 
 def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_complete(story_dir):
@@ -268,11 +267,11 @@ def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_
     for argv in (["demo"], ["backfill"], ["generate", "--shard", "0", "--urls", "http://x"]):
         args = build_parser().parse_args([*argv, "--cap-policy", "window", "--trainer-max-length", "2048"])
         assert (args.cap_policy, args.trainer_max_length, args.overshoot) == \
-            ("window", 2048, GenerationConfig().overshoot)
+            ("window", 2048, GenerationSettings().overshoot)
     args = build_parser().parse_args(["demo", "--cap-policy", "window", "--trainer-max-length", "2048"])
     config = _completions_config("demo", args)
     window = Window.of(config)
-    assert window == Window("window", 2048, GenerationConfig().overshoot)
+    assert window == Window("window", 2048, GenerationSettings().overshoot)
     # the next command repeats them (and only what differs from the command's defaults)
     assert repeated_flags("demo", config) == " --cap-policy window --trainer-max-length 2048"
     assert repeated_flags("demo", _completions_config("demo", build_parser().parse_args(["demo"]))) == ""

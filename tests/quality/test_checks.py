@@ -3,9 +3,8 @@
 from collections import Counter, defaultdict
 
 
-from dflash_assets.quality import Thresholds
+from dflash_assets.settings import QualitySettings, TrainerSettings
 from dflash_assets.rules import cut_inside_window, overflows
-from dflash_assets.settings import TrainerSettings
 from tests.support.quality_data import blank, check, config_of, load, nearest_rank, pct
 
 
@@ -19,7 +18,7 @@ def rates(rows, key, hit):
 
 
 # a trainer window larger than every row: each cut lies inside it (tests/generation/test_window_policy.py has the others)
-WIDE = Thresholds(trainer=TrainerSettings(max_length=65536))
+WIDE = QualitySettings(trainer=TrainerSettings(max_length=65536))
 
 
 def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
@@ -42,7 +41,7 @@ def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
 
 def test_truncation_rate_message_names_the_story_figures(story_dir):
     # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window
-    outcome = check(story_dir, "truncation_rate", thresholds=Thresholds(trainer=TrainerSettings(max_length=8192)))
+    outcome = check(story_dir, "truncation_rate", thresholds=QualitySettings(trainer=TrainerSettings(max_length=8192)))
     assert not outcome.passed
     assert outcome.summary_md.startswith(
         "**18.30%** of 1,000 rows were cut inside the trainer's window max_length 8,192 (finish_reason = 'length', "
@@ -53,7 +52,7 @@ def test_truncation_rate_message_names_the_story_figures(story_dir):
 
 
 def test_truncation_rate_threshold_is_configurable(story_dir):
-    outcome = check(story_dir, "truncation_rate", thresholds=Thresholds(truncation_rate_max=0.20))
+    outcome = check(story_dir, "truncation_rate", thresholds=QualitySettings(truncation_rate_max=0.20))
     assert outcome.passed
     assert "within the 20.00% threshold" in outcome.summary_md
 
@@ -213,7 +212,7 @@ def test_max_length_overflow_share_follows_the_trainer_max_length(defects_dir):
     for max_length in (4096, 8192):
         over = [r for r in rows if r["prompt_tokens"] + r["completion_tokens"] > max_length]
         trainer = TrainerSettings(max_length=max_length)
-        outcome = check(defects_dir, "max_length_overflow", thresholds=Thresholds(trainer=trainer))
+        outcome = check(defects_dir, "max_length_overflow", thresholds=QualitySettings(trainer=trainer))
         assert outcome.metadata["over_max_length_rows"] == len(over)
         assert outcome.metadata["over_max_length_rate"] == len(over) / len(rows)
         assert outcome.passed == (len(over) / len(rows) <= 0.05)

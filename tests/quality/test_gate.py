@@ -6,7 +6,8 @@ import pytest
 
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.parts import PartStore
-from dflash_assets.quality import CHECKS, Thresholds, export_training_set, gate_passed, run_checks
+from dflash_assets.quality import CHECKS, export_training_set, gate_passed, run_checks
+from dflash_assets.settings import QualitySettings
 from tests.support.quality_data import CONFIG_A, completion, load, prompt, write
 
 
@@ -96,13 +97,13 @@ def test_training_gate_is_marked_in_the_registry(tmp_path):
 
 
 def test_severity_is_configurable_per_check(defects_dir):
-    outcome = check(defects_dir, "config_consistency", thresholds=Thresholds(severity={"config_consistency": "ERROR"}))
+    outcome = check(defects_dir, "config_consistency", thresholds=QualitySettings(severity={"config_consistency": "ERROR"}))
     assert outcome.severity == "ERROR" and not outcome.passed
 
 
 def test_unknown_check_names_are_refused(defects_dir):
     with pytest.raises(ValueError, match="unknown check names"):
-        run_checks(defects_dir, thresholds=Thresholds(severity={"truncation": "WARN"}))
+        run_checks(defects_dir, thresholds=QualitySettings(severity={"truncation": "WARN"}))
 
 
 def test_clean_data_passes_every_check(clean_dir):

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import completion_store, generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.planner import PlanError, _sf, plan_caps, plan_from_lengths, plan_markdown
@@ -55,7 +55,7 @@ def test_plan_at_4096_predicts_a_real_rerun_at_8192_on_the_emulator(tmp_path):
         async with connected([url]) as fleet:
             if build:
                 await build_prompt_shard(src, 0, "00000", N_PROMPTS, data, fleet, {"enable_thinking": True})
-            return await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=cap),
+            return await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=cap),
                                         log=lambda m: None)
 
     with start_emulator(["--reasoning-parser", "qwen3"]) as emu:  # instant decode, default lengths

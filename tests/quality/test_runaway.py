@@ -9,11 +9,11 @@ import pytest
 from dflash_assets.emulator import model, tokenizer
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, RunawaySettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.quality import Thresholds, length_quality, run_checks
-from dflash_assets.quality.runaway import RunawayRules, is_runaway
+from dflash_assets.quality import length_quality, run_checks
+from dflash_assets.quality.runaway import is_runaway
 
 PROSE = model.completion_tokens(model.plan_completion(tokenizer.encode("q"), model.LengthModel()), 0, 3000)[1]
 
@@ -28,7 +28,7 @@ def test_a_line_repeated_to_the_cap_is_a_runaway_and_prose_is_not():
 def test_the_thresholds_decide_what_counts_as_a_loop():
     half = PROSE[:2000] + "The same line again and again here.\n" * 20
     assert is_runaway(half[-4000:])
-    strict = RunawayRules(repeated_line_share=0.9, repeated_ngram_share=0.95)
+    strict = RunawaySettings(repeated_line_share=0.9, repeated_ngram_share=0.95)
     assert not is_runaway(PROSE[:3000] + "The same line again and again here.\n" * 20, strict)
 
 
@@ -64,7 +64,7 @@ def looping_run(tmp_path_factory):
     async def run(url):
         async with connected([url]) as fleet:
             await build_prompt_shard(src, 0, "00000", N, data, fleet, {"enable_thinking": True})
-            return await generate_shard(data, "00000", fleet, GenerationConfig(max_output_tokens=1024),
+            return await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=1024),
                                         # the runaways decode to the cap here (test_runaway_early_stop.py stops them)
                                         DispatchSettings(store_token_ids=True, runaway_check_tokens=0),
                                         log=lambda m: None)
@@ -97,9 +97,9 @@ def test_runaways_on_the_emulator_are_counted_apart_from_honest_truncation(loopi
 
 def test_the_runaway_threshold_and_rules_come_from_the_thresholds(looping_run):
     data, _, loops, _ = looping_run
-    (lenient,) = run_checks(data, names=["runaway_rate"], thresholds=Thresholds(runaway_rate_max=0.5))
+    (lenient,) = run_checks(data, names=["runaway_rate"], thresholds=QualitySettings(runaway_rate_max=0.5))
     assert lenient.passed and "within the 50.00% threshold" in lenient.summary_md
-    never = Thresholds(runaway=RunawayRules(min_line_repeats=10_000, repeated_ngram_share=1.1))
+    never = QualitySettings(runaway=RunawaySettings(min_line_repeats=10_000, repeated_ngram_share=1.1))
     (blind,) = run_checks(data, names=["runaway_rate"], thresholds=never)
     assert blind.passed and blind.metadata["runaway_rows"] == 0
 
@@ -110,7 +110,7 @@ def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagste
     from dflash_assets.defs.quality.checks import completions_quality_checks
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.quality.assets import length_quality_report
-    from dflash_assets.defs.resources import DataDir, QualityThresholds
+    from dflash_assets.defs.resources import DataDirResource, QualityResource
 
     data, _, loops, _ = looping_run
 
@@ -118,7 +118,7 @@ def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagste
         with dg.instance_for_test() as instance:  # a checks-only run, as the schedule's: every shard
             result = dg.materialize(
                 [length_quality_report, completions_quality_checks], instance=instance,
-                resources={"data_dir": DataDir(path=str(data)), "quality": QualityThresholds()},
+                resources={"data_dir": DataDirResource(path=str(data)), "quality": QualityResource()},
                 selection=dg.AssetSelection.checks(dg.AssetCheckKey(length_quality_report.key, "runaway_rate")),
                 run_config={"resources": {"quality": {"config": quality_config}}} if quality_config else None)
         assert result.success  # (a WARN check: its failure does not fail the run)
@@ -141,7 +141,7 @@ def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagste
         for name, rules in (("default", {}), ("never", {"min_line_repeats": 10_000, "repeated_ngram_share": 1.1})):
             result = dg.materialize(
                 [length_quality_report], partition_key="00000", instance=instance,
-                resources={"data_dir": DataDir(path=str(data)), "quality": QualityThresholds()},
+                resources={"data_dir": DataDirResource(path=str(data)), "quality": QualityResource()},
                 run_config={"resources": {"quality": {"config": {"runaway": rules}}}})
             reports[name] = result.asset_materializations_for_node("length_quality_report")[0].metadata
     assert (reports["default"]["runaway_rows"].value, reports["never"]["runaway_rows"].value) == (loops, 0)
@@ -152,10 +152,10 @@ def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagste
 
 
 def test_the_quality_resource_defaults_are_the_thresholds_own():
-    from dflash_assets.defs.resources import QualityThresholds
+    from dflash_assets.defs.resources import QualityResource
 
-    assert QualityThresholds().thresholds() == Thresholds()
-    schema = QualityThresholds.to_config_schema().as_field().config_type.fields
-    assert schema["runaway_rate_max"].default_value == Thresholds().runaway_rate_max
+    assert QualitySettings.taken_from(QualityResource()) == QualitySettings()
+    schema = QualityResource.to_config_schema().as_field().config_type.fields
+    assert schema["runaway_rate_max"].default_value == QualitySettings().runaway_rate_max
     assert schema["runaway"].config_type.fields["repeated_line_share"].default_value == \
-        RunawayRules().repeated_line_share
+        RunawaySettings().repeated_line_share

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.prompts import Prompt, read_shard
 from dflash_assets.generation.shards import build_prompt_shard
@@ -94,7 +94,7 @@ def exported(tmp_path_factory):
     async def go(url):
         async with connected([url]) as fleet:
             await build_prompt_shard(src, 0, "00000", 100, tmp / "data", fleet, {"enable_thinking": True})
-            await generate_shard(tmp / "data", "00000", fleet, GenerationConfig(max_output_tokens=8192),
+            await generate_shard(tmp / "data", "00000", fleet, GenerationSettings(max_output_tokens=8192),
                                  DispatchSettings(load_sample_s=0), log=lambda m: None)
 
     with start_emulator(args) as emu:

@@ -13,7 +13,7 @@ import pytest
 from dflash_assets.emulator import tokenizer as tok
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.quality import export_training_set
@@ -27,9 +27,9 @@ def runs(tmp_path_factory):
     window, fixed = tmp_path_factory.mktemp("window") / "data", tmp_path_factory.mktemp("fixed") / "data"
     with start_emulator(FAST) as a, start_emulator(FAST) as b:
         urls = [a.url, b.url]
-        for data, config in ((window, GenerationConfig(max_output_tokens=8192, cap_policy="window",
+        for data, config in ((window, GenerationSettings(max_output_tokens=8192, cap_policy="window",
                                                        trainer_max_length=L)),
-                             (fixed, GenerationConfig(max_output_tokens=8192))):
+                             (fixed, GenerationSettings(max_output_tokens=8192))):
             make_shard(data, urls)
             run = on_fleet(urls, lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))
             assert run.completed == N and not run.rejected and not run.failed
@@ -122,7 +122,7 @@ def test_a_runaway_past_the_window_stays_out_with_its_reason(tmp_path):
     data = tmp_path / "data"
     with start_emulator([*FAST, "--loop-share", "0.4"]) as emu:
         make_shard(data, [emu.url])
-        config = GenerationConfig(max_output_tokens=8192, cap_policy="window", trainer_max_length=1024)
+        config = GenerationSettings(max_output_tokens=8192, cap_policy="window", trainer_max_length=1024)
         on_fleet([emu.url], lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))
     export = export_training_set(data, tmp_path / "out", max_length=1024, form="pretokenized")
     runaways = export.manifest["excluded"]["runaway"]

@@ -4,12 +4,11 @@ and for the window policy; every figure the rows settle is recomputed here in pl
 import numpy as np
 import pytest
 
-from dflash_assets.quality import Thresholds
+from dflash_assets.settings import QualitySettings, TrainerSettings
 from dflash_assets.quality.answer import cap_answers
 from dflash_assets.quality.planner_plot import cap_plan_png
 from dflash_assets.quality.window_plan import plan_window, window_plan_lines
 from dflash_assets.rules import percentile, trained_tokens
-from dflash_assets.settings import TrainerSettings
 from tests.support.quality_data import load
 
 
@@ -56,7 +55,7 @@ def test_the_recommendation_never_buys_tokens_past_the_window(story_dir):
     ceiling = max(8192 - p)
     assert plan.recommended.cap == min(c for c in (8192, 12288, 16384) if c >= ceiling)
     # the cap plan's answer is held under the same ceiling, whatever the truncation threshold asks for
-    (answer,) = cap_answers(story_dir, Thresholds(truncation_rate_max=0.0001,
+    (answer,) = cap_answers(story_dir, QualitySettings(truncation_rate_max=0.0001,
                                                   trainer=TrainerSettings(max_length=8192)))
     assert answer.recommended is not None and answer.recommended.cap <= plan.recommended.cap
     assert answer.window_plan.recommended.cap == plan.recommended.cap
@@ -73,7 +72,7 @@ def test_a_runaway_is_decoded_to_any_cap_and_never_trained():
 
 
 def test_the_picture_marks_the_window(story_dir):
-    (answer,) = cap_answers(story_dir, Thresholds(trainer=TrainerSettings(max_length=8192)))
+    (answer,) = cap_answers(story_dir, QualitySettings(trainer=TrainerSettings(max_length=8192)))
     plain, marked = cap_plan_png(answer.plan), cap_plan_png(answer.plan, (8192, answer.window_plan.window_at))
     assert plain != marked and marked[:8] == b"\x89PNG\r\n\x1a\n"
     assert answer.window_plan.window_at == 8192 - percentile(story_rows(story_dir)[0], 0.5)

@@ -7,7 +7,7 @@ from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.quality.checks import completions_quality_checks
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.quality.assets import length_quality_report
-from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, QualityThresholds
+from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, QualityResource
 
 ASSETS = [prompt_shards, completions, length_quality_report, completions_quality_checks]
 
@@ -16,9 +16,9 @@ def resources(tmp_path, urls: str | list[str], shard_size: int, **fleet):
     """An attached fleet at `urls`, prompts from tmp_path/prompts.jsonl, data in tmp_path/data."""
     return {
         "fleet": FleetResource(mode="attach", urls=urls if isinstance(urls, str) else ",".join(urls), **fleet),
-        "prompt_source": PromptSource(path=str(tmp_path / "prompts.jsonl"), shard_size=shard_size),
-        "data_dir": DataDir(path=str(tmp_path / "data")),
-        "quality": QualityThresholds(),
+        "prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=shard_size),
+        "data_dir": DataDirResource(path=str(tmp_path / "data")),
+        "quality": QualityResource(),
     }
 
 

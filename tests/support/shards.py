@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.config import DispatchSettings, GenerationConfig
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
@@ -62,9 +62,9 @@ def make_shard(data_dir: Path, urls: list[str], prompts: dict[str, str] = EXPLAI
                                                        {"enable_thinking": True}), api_key)
 
 
-def generate(data_dir, urls: list[str], cap: int | GenerationConfig, settings: DispatchSettings = SETTINGS, **kw):
-    """Generate shard 00000 at `cap` (or a whole GenerationConfig); `kw` go to generate_shard (log, policy)."""
-    config = cap if isinstance(cap, GenerationConfig) else GenerationConfig(max_output_tokens=cap)
+def generate(data_dir, urls: list[str], cap: int | GenerationSettings, settings: DispatchSettings = SETTINGS, **kw):
+    """Generate shard 00000 at `cap` (or a whole GenerationSettings); `kw` go to generate_shard (log, policy)."""
+    config = cap if isinstance(cap, GenerationSettings) else GenerationSettings(max_output_tokens=cap)
     kw.setdefault("log", quiet)
     return on_fleet(urls, lambda f: generate_shard(data_dir, SHARD, f, config, settings, **kw))
 

@@ -5,29 +5,20 @@ from pydantic import Field
 
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
 from dflash_assets.defs.metadata import ShardRun
 from dflash_assets.defs.pools import holding
-from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
+from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetResource, QualityResource, run_on_fleet
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
-from dflash_assets.generation.config import ConfigError, GenerationConfig
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.schema import COMPLETION_SCHEMA
 from dflash_assets.rules import stores_token_ids
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, SettingsError
 
 
-class GenerationRunConfig(DispatchRunConfig, GenerationSettings):
-    """Generation settings (settings.GenerationSettings) and how hard to drive the fleet, editable in the
-    launchpad. Every row records the generation settings; a change is a new config."""
-
-    def generation(self) -> GenerationConfig:
-        return GenerationConfig.taken_from(self)
-
-
-class CompletionsConfig(GenerationRunConfig):
-    """completions' run config: the generation and dispatch settings, and what preflight does with a misfit."""
+class CompletionsConfig(dg.Config, GenerationSettings, DispatchSettings):
+    """completions' run config: the generation settings (every row records them; a change is a new config), how
+    hard to drive the fleet, and what preflight does with a misfit."""
 
     preflight_policy: str = Field(
         "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
@@ -46,22 +37,23 @@ class CompletionsConfig(GenerationRunConfig):
                 "resumes: prompts already committed for this config are skipped.",
 )
 def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fleet: FleetResource,
-                data_dir: DataDir, quality: QualityThresholds) -> None:
-    generation, dispatch = config.generation(), config.dispatch()
+                data_dir: DataDirResource, quality: QualityResource) -> None:
+    generation, dispatch = GenerationSettings.taken_from(config), DispatchSettings.taken_from(config)
+    thresholds = QualitySettings.taken_from(quality)
     # the pre-tokenized export and the window policy are built from token ids: stored by default for them
     dispatch = dispatch.model_copy(update={"store_token_ids": stores_token_ids(
-        dispatch.store_token_ids, generation.cap_policy, quality.trainer.format)})
+        dispatch.store_token_ids, generation.cap_policy, thresholds.trainer.format)})
     try:
         generation.validate()
         dispatch.validate()
-    except ConfigError as e:
+    except SettingsError as e:
         raise dg.Failure(str(e), allow_retries=False) from None
     try:
         with holding(context, context.partition_keys):  # the shards' pools and the fleet's
             runs = run_on_fleet(fleet, lambda f: generate_shards(
                 data_dir.resolved(), context.partition_keys, f, generation, dispatch,
                 preflight_policy=config.preflight_policy, log=context.log.info,
-                runaway=quality.thresholds().runaway))  # streamed: loops stopped by the checks' own rules
+                runaway=thresholds.runaway))  # streamed: loops stopped by the checks' own rules
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run

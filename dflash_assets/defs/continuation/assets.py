@@ -5,17 +5,15 @@ from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.partitions import shard_asset
-from dflash_assets.defs.run_config import FLEET_RETRY, DispatchRunConfig
-from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
+from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetResource, QualityResource, run_on_fleet
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.defs.pools import holding
-from dflash_assets.generation.config import ConfigError
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.quality.runaway import RunawayRules
+from dflash_assets.settings import DispatchSettings, QualitySettings, RunawaySettings, SettingsError
 
 
-class ContinuationConfig(DispatchRunConfig):
+class ContinuationConfig(dg.Config, DispatchSettings):
     """Which config to continue, to which cap. The rows land under the new cap's own config hash."""
 
     parent_config_hash: str = Field(
@@ -39,18 +37,20 @@ class ContinuationConfig(DispatchRunConfig):
                 "are continued by their text (chat route, continue_final_message), never drawn afresh.",
 )
 def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
-                          data_dir: DataDir, quality: QualityThresholds) -> None:
+                          data_dir: DataDirResource, quality: QualityResource) -> None:
+    runaway = QualitySettings.taken_from(quality).runaway
+
     async def each(connected):  # one connection for the range: connecting waits >= 1 s for every /health
         for shard in context.partition_keys:  # one shard, or a backfill's range of them, one after the other
-            context.add_asset_metadata(await _continue(context, shard, config, connected, data_dir,
-                                                       quality.thresholds().runaway), partition_key=shard)
+            context.add_asset_metadata(await _continue(context, shard, config, connected, data_dir, runaway),
+                                       partition_key=shard)
 
     with holding(context, context.partition_keys):  # the shards' pools and the fleet's
         run_on_fleet(fleet, each)
 
 
 async def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: Fleet,
-                    data_dir: DataDir, runaway: RunawayRules) -> dict:
+                    data_dir: DataDirResource, runaway: RunawaySettings) -> dict:
     cap, window = config.new_max_output_tokens, config.to_window or None
     parent = config.parent_config_hash
     if parent == "latest":
@@ -59,9 +59,10 @@ async def _continue(context: dg.AssetExecutionContext, shard: str, config: Conti
             below = f"of the window policy at a window below {window}" if window else f"capped below {cap}"
             raise dg.Failure(f"shard {shard} has no completions {below} to continue", allow_retries=False)
     try:
-        run = await continue_shard(data_dir.resolved(), shard, fleet, parent, cap, config.dispatch(),
-                                   log=context.log.info, to_window=window, runaway=runaway)  # the checks' own rules
-    except ConfigError as e:
+        run = await continue_shard(data_dir.resolved(), shard, fleet, parent, cap,
+                                   DispatchSettings.taken_from(config), log=context.log.info, to_window=window,
+                                   runaway=runaway)  # the checks' own rules
+    except SettingsError as e:
         raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}", allow_retries=False) from None

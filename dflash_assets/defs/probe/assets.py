@@ -2,23 +2,20 @@
 
 import dagster as dg
 
-from dflash_assets.defs.completions.assets import GenerationRunConfig
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.resources import DataDir, FleetResource, QualityThresholds, run_on_fleet
-from dflash_assets.generation.config import ConfigError
+from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource, run_on_fleet
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.probe import probe_root, prompt_shard_keys
 from dflash_assets.quality.probe_summary import run_length_probe
-from dflash_assets.settings import ProbeSettings
+from dflash_assets.settings import (DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings,
+                                    SettingsError)
 
 
-class LengthProbeConfig(ProbeSettings, GenerationRunConfig):
+class LengthProbeConfig(dg.Config, ProbeSettings, GenerationSettings, DispatchSettings):
     """The sample and its cap (settings.ProbeSettings; its max_output_tokens, 0 = the largest the context allows,
-    takes the place of the run's cap). Sampling settings must match the run the plan is for (same defaults)."""
-
-    def probe(self) -> ProbeSettings:
-        return ProbeSettings.taken_from(self)
+    takes the place of the run's cap: ProbeSettings comes first), the run's sampling, which must match the run the
+    plan is for (same defaults), and how hard to drive the fleet."""
 
 
 # Its own group, as its own folder: it is materialised on its own (its own run config, fleet hold and `dflash probe`),
@@ -36,20 +33,21 @@ class LengthProbeConfig(ProbeSettings, GenerationRunConfig):
                 "honest cut rows to its cap instead: every probe row then measures the tail.",
 )
 def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, fleet: FleetResource,
-                 data_dir: DataDir, quality: QualityThresholds) -> dg.MaterializeResult:
+                 data_dir: DataDirResource, quality: QualityResource) -> dg.MaterializeResult:
     root = data_dir.resolved()
     shards = prompt_shard_keys(root)
     if not shards:
         raise dg.Failure("no prompt shards to sample: materialise prompt_shards first")
-    generation = config.generation()
+    generation, sample = GenerationSettings.taken_from(config), ProbeSettings.taken_from(config)
+    dispatch = DispatchSettings.taken_from(config)
     try:
-        config.dispatch().validate()
-        config.probe().validate()
+        dispatch.validate()
+        sample.validate()
         with holding(context):  # the fleet's pool
             probe = run_on_fleet(fleet, lambda f: run_length_probe(
-                root, shards, f, generation, config.probe(), config.dispatch(), log=context.log.info,
-                runaway=quality.thresholds().runaway))  # mode cut_rows: the same runaways the plan leaves out
-    except (ConfigError, FileNotFoundError) as e:
+                root, shards, f, generation, sample, dispatch, log=context.log.info,
+                runaway=QualitySettings.taken_from(quality).runaway))  # mode cut_rows: the runaways the plan leaves out
+    except (SettingsError, FileNotFoundError) as e:
         raise dg.Failure(str(e)) from None
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}") from None

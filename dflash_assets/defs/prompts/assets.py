@@ -3,9 +3,9 @@
 import dagster as dg
 
 from dflash_assets.defs.partitions import shard_asset
-from dflash_assets.defs.resources import DataDir, FleetResource, PromptSource, run_on_fleet
+from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.generation.config import GenerationConfig
+from dflash_assets.settings import GenerationSettings
 
 
 @shard_asset(
@@ -15,9 +15,9 @@ from dflash_assets.generation.config import GenerationConfig
                 "chat-template prompt_tokens counted by the fleet's /v1/tokenize. Lines that cannot be used go "
                 "to the rejects table with a reason; lines = prompts + rejects.",
 )
-def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, prompt_source: PromptSource,
-                  data_dir: DataDir) -> None:
-    template_kwargs = GenerationConfig().template_kwargs()
+def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, prompt_source: PromptSourceResource,
+                  data_dir: DataDirResource) -> None:
+    template_kwargs = GenerationSettings().template_kwargs()
     bad = [shard for shard in context.partition_keys if not shard.isdigit()]
     if bad:
         raise dg.Failure(f"shard key {bad[0]!r} is not a shard number such as '00003'")

@@ -3,11 +3,11 @@
 import dagster as dg
 
 from dflash_assets.defs.partitions import shard_partitions
-from dflash_assets.defs.resources import PromptSource
+from dflash_assets.defs.resources import PromptSourceResource
 from dflash_assets.generation.prompts import SourceError, shard_keys
 
 
-def missing_shards(instance: dg.DagsterInstance, prompt_source: PromptSource) -> list[str]:
+def missing_shards(instance: dg.DagsterInstance, prompt_source: PromptSourceResource) -> list[str]:
     keys = shard_keys(prompt_source.resolved(), prompt_source.shard_size)
     existing = set(instance.get_dynamic_partitions(shard_partitions.name))
     return [k for k in keys if k not in existing]
@@ -16,7 +16,8 @@ def missing_shards(instance: dg.DagsterInstance, prompt_source: PromptSource) ->
 @dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING,
            description="Adds a shard partition for every `shard_size` lines of the prompt source, so a grown "
                        "source shows its new shards in the UI, ready to materialise or backfill.")
-def shard_partitions_sensor(context: dg.SensorEvaluationContext, prompt_source: PromptSource) -> dg.SensorResult:
+def shard_partitions_sensor(context: dg.SensorEvaluationContext,
+                            prompt_source: PromptSourceResource) -> dg.SensorResult:
     try:
         new = missing_shards(context.instance, prompt_source)
     except SourceError as e:

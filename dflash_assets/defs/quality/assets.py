@@ -8,9 +8,10 @@ from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.metadata import ShardRun
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
-from dflash_assets.defs.resources import DataDir, QualityThresholds
+from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import length_quality
 from dflash_assets.quality.outcome import pct
+from dflash_assets.settings import QualitySettings
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
@@ -60,13 +61,15 @@ def report_metadata(report: dict, png: bytes) -> dict:
                 "by config, prompt length and "
                 "source, context overflows, and a histogram of completion lengths with the cap marked.",
 )
-def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDir, quality: QualityThresholds) -> None:
+def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDirResource,
+                          quality: QualityResource) -> None:
     from dflash_assets.quality import completion_histogram_png
 
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
+    thresholds = QualitySettings.taken_from(quality)
     for shard in context.partition_keys:
-        report = length_quality(root, shard=shard, max_length=quality.thresholds().trainer.max_length,
-                                runaway=quality.thresholds().runaway)
+        report = length_quality(root, shard=shard, max_length=thresholds.trainer.max_length,
+                                runaway=thresholds.runaway)
         png = completion_histogram_png(root, reports / f"shard={shard}" / "completion_lengths.png",
                                        shard=shard)
         context.add_asset_metadata(partition_key=shard, metadata={
@@ -98,17 +101,16 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
                 "where there is one, else from a censored lognormal tail marked as a model, with 95% intervals "
                 "and a picture of the observed, probed and fitted survival.",
 )
-def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
-                           quality: QualityThresholds) -> dg.MaterializeResult:
+def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDirResource,
+                           quality: QualityResource) -> dg.MaterializeResult:
     from dflash_assets.quality import completion_histogram_png
     from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown, turn_markdown
     from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.planner_plot import cap_plan_png
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
-    root = data_dir.resolved()
-    report = length_quality(root, max_length=quality.thresholds().trainer.max_length,
-                            runaway=quality.thresholds().runaway)
+    root, thresholds = data_dir.resolved(), QualitySettings.taken_from(quality)
+    report = length_quality(root, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
     png = completion_histogram_png(root, data_dir.local_dir() / "reports" / "completion_lengths.png")
     metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
                 "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
@@ -117,11 +119,10 @@ def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDir,
                                                                           "p99"]))}
     tokens_per_s, servers = fleet_throughput(context.instance)
     try:
-        plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=quality.thresholds().runaway)
+        plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=thresholds.runaway)
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:
-        thresholds = quality.thresholds()
         trained = window_plan(root, plan.config_hash, plan.cap, thresholds.trainer, plan.fit, thresholds.runaway,
                               candidates=[e.cap for e in plan.estimates], tokens_per_s=tokens_per_s, servers=servers)
         metadata["trained_tokens_plan"] = dg.MetadataValue.md("\n".join(

@@ -12,8 +12,9 @@ import dagster as dg
 
 from dflash_assets.defs.metadata import CheckRun
 from dflash_assets.defs.quality.assets import length_quality_report
-from dflash_assets.defs.resources import DataDir, QualityThresholds
+from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import CHECKS, run_checks
+from dflash_assets.settings import QualitySettings
 
 
 @dg.multi_asset_check(
@@ -23,8 +24,8 @@ from dflash_assets.quality import CHECKS, run_checks
     compute_kind="duckdb",
     can_subset=True,
 )
-def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir: DataDir,
-                               quality: QualityThresholds):
+def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir: DataDirResource,
+                               quality: QualityResource):
     # a shard's run checks that shard, a backfill's range run each of its shards, a checks-only run all shards
     if context.has_partition_key or context.has_partition_key_range:
         scopes = list(context.partition_keys)
@@ -32,9 +33,9 @@ def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir:
         scopes = [None]
     selected = {key.name for key in context.selected_asset_check_keys}
     by_name: dict[str, list[tuple[str | None, object]]] = {}  # check -> (shard, or None for all shards, outcome)
+    thresholds = QualitySettings.taken_from(quality)
     for shard in scopes:
-        for outcome in run_checks(data_dir.resolved(), shard=shard, thresholds=quality.thresholds(),
-                                  names=selected):
+        for outcome in run_checks(data_dir.resolved(), shard=shard, thresholds=thresholds, names=selected):
             by_name.setdefault(outcome.name, []).append((shard, outcome))
     where = lambda shard: f"shard {shard}" if shard else "all shards"  # noqa: E731 - for people, never parsed
     for name, results in by_name.items():

@@ -5,11 +5,12 @@ from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.quality.assets import length_quality_report
-from dflash_assets.defs.resources import DataDir, QualityThresholds
+from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
 from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import MOST_ROWS_ORDER_SQL
+from dflash_assets.settings import QualitySettings
 
 
 class TrainingSetConfig(dg.Config):
@@ -49,20 +50,19 @@ def most_rows_config(data_dir) -> str | None:
                 "written while a blocking check fails on that config over all shards. Deterministic: the same "
                 "inputs give byte-identical files.",
 )
-def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetConfig, data_dir: DataDir,
-                         quality: QualityThresholds) -> dg.MaterializeResult:
-    root = data_dir.resolved()
+def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetConfig, data_dir: DataDirResource,
+                         quality: QualityResource) -> dg.MaterializeResult:
+    root, thresholds = data_dir.resolved(), QualitySettings.taken_from(quality)
     chosen = {"": most_rows_config(root), "all": None}.get(config.config_hash, config.config_hash)
     if config.config_hash == "" and chosen is None:
         raise dg.Failure("there are no completions to export")
-    outcomes = run_checks(root, config_hash=chosen, thresholds=quality.thresholds())
+    outcomes = run_checks(root, config_hash=chosen, thresholds=thresholds)
     if not gate_passed(outcomes):
         failing = [o for o in outcomes if o.blocking and not o.passed]
         raise dg.Failure(
             f"not exporting config {chosen or 'all'}: {len(failing)} blocking check(s) fail over all shards: "
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
-    thresholds = quality.thresholds()
     export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
                                  max_length=thresholds.trainer.max_length,
                                  form=config.form or thresholds.trainer.format,
