@@ -232,3 +232,26 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
         "db70f813f2be": {"chat_template_kwargs": {"reasoning_effort": "high"}},
     }
     assert {GenerationSettings(**settings).config_hash(MODEL): settings for settings in pinned.values()} == pinned
+
+
+def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refused_when_the_resource_starts(capsys):
+    import pytest
+
+    from dflash_assets.settings import SettingsError
+
+    def generate(kwargs: str):
+        return build_parser().parse_args(["generate", "--shard", "0", "--urls", "http://x", "--chat-template-kwargs",
+                                          kwargs])
+
+    assert GenerationSettings.taken_from(generate('{"reasoning_effort": "high"}')).config_hash(MODEL) == \
+        "db70f813f2be"  # the hash pinned above
+    with pytest.raises(SystemExit):
+        generate("high")
+    assert "argument --chat-template-kwargs: not JSON" in capsys.readouterr().err
+    with pytest.raises(SettingsError, match="set enable_thinking with its own setting"):
+        GenerationSettings.taken_from(generate('{"enable_thinking": false}')).validate()
+    for bad, message in (({"severity": {"runaway_rate": "FATAL"}}, "severity must be one of ERROR, WARN"),
+                         ({"trainer": {"format": "sharegpt"}}, "trainer format must be one of")):
+        with pytest.raises(SettingsError, match=message):
+            QualityResource(**bad).setup_for_execution(dg.build_init_resource_context())
+

@@ -176,3 +176,6 @@ class QualityResource(dg.ConfigurableResource, QualitySettings):
 
     trainer: TrainerConfig = _nested("trainer", TrainerConfig)
     runaway: RunawayConfig = _nested("runaway", RunawayConfig)
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        QualitySettings.taken_from(self).validate()  # a bad trainer format or severity, named, before any work
