@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -320,7 +320,8 @@ class RunawaySettings(Settings):
                                            "its last this many characters.")
 
 
-SEVERITIES = ("ERROR", "WARN")  # QualitySettings.severity's values
+Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
+SEVERITIES = get_args(Severity)  # QualitySettings.severity's values
 
 
 class QualitySettings(Settings):

@@ -2,10 +2,9 @@
 settings.QualitySettings."""
 
 from dataclasses import dataclass
-from typing import Literal
 
+from dflash_assets.settings import Severity
 
-Severity = Literal["ERROR", "WARN"]
 MetadataValue = int | float | str
 
 
