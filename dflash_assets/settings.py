@@ -172,7 +172,7 @@ class GenerationSettings(Settings):
         if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
             del settings["regenerate"]
         if settings["cap_policy"] == "fixed":  # the window does not change a fixed-cap request: the same hashes
-            for name in ("cap_policy", "trainer_max_length", "overshoot"):
+            for name in WINDOW_FIELDS:
                 del settings[name]
         payload = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
