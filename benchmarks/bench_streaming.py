@@ -29,7 +29,7 @@ import duckdb
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.client import ServerClient, ServerError
-from dflash_assets.fleet.fleet import connect, open_session
+from dflash_assets.fleet.fleet import connected, open_session
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.settings import DispatchSettings, FleetSettings, GenerationSettings, RunawaySettings, ServerSettings
 from dflash_assets.generation.engine import generate_shard
@@ -57,13 +57,10 @@ async def shard_run(data: Path, urls: list[str], n: int, cap: int, settings: Dis
         src.parent.mkdir(parents=True, exist_ok=True)
         src.write_text("".join(json.dumps({"id": f"b{i:05d}", "prompt": f"Benchmark problem {i}: solve it."}) + "\n"
                                for i in range(n)))
-    fleet = await connect(urls)
-    try:
+    async with connected(urls) as fleet:
         await build_prompt_shard(src, 0, "00000", n, data, fleet, {"enable_thinking": True})
         return await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=cap), settings,
                                     log=lambda m: None)
-    finally:
-        await fleet.session.close()
 
 
 def rows(data: Path) -> list[tuple]:
