@@ -6,6 +6,11 @@ whitelisted Enums"), and a constant is what the UI shows.
 """
 
 
+def keys(group: type) -> set[str]:
+    """Every key a group below declares."""
+    return {v for k, v in vars(group).items() if k.isupper()}
+
+
 class ShardRun:
     """What `completions` records per shard (defs/completions/assets.py shard_metadata), read back by the demo's
     table (demo/run.py) and the cap plan's throughput (defs/quality/assets.py fleet_throughput)."""
@@ -38,3 +43,43 @@ class CheckRun:
     FAILING = "failing"  # for people: "shard 00001, shard 00004", or "none"
     FAILING_SHARDS = "failing_shards"  # for code: a JSON list of the shard keys that fail (a shard-less run: [])
     SUMMARY = "summary"
+
+
+class PromptShardRun:
+    """What `prompt_shards` records per shard (defs/prompts/assets.py), read back by the demo's table."""
+
+    ROW_COUNT = "dagster/row_count"
+    LINES = "lines"
+    PROMPTS = "prompts"
+    REJECTED = "rejected"
+
+
+class ReportRun:
+    """What `length_quality_report` records per shard (defs/quality/assets.py report_metadata), read back by the
+    demo's table."""
+
+    TRUNCATION_RATE = "truncation_rate"
+    CUT_INSIDE_WINDOW_RATE = "cut_inside_window_rate"
+    P50, P90, P99 = "p50", "p90", "p99"
+
+
+class ContinueRun:
+    """What `continued_completions` records per shard (defs/continuation/assets.py), read back by `dflash
+    continue`'s table (demo/run.py)."""
+
+    CONFIG_HASH = "config_hash"
+    ROWS_CONTINUED = "rows_continued"
+    ROWS_COPIED = "rows_copied"
+    STILL_TRUNCATED = "still_truncated"
+    TOKENS_REUSED = "tokens_reused"
+    TOKENS_GENERATED = "tokens_generated"
+    SAVED_SHARE = "saved_share"
+
+
+class TrainingSetRun:
+    """What `drafter_training_set` records (defs/training/assets.py), read back by the demo's last lines."""
+
+    ROW_COUNT = "dagster/row_count"
+    CONFIG_HASH = "config_hash"
+    JSONL = "jsonl"
+    MANIFEST = "manifest"

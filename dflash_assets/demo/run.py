@@ -29,7 +29,7 @@ from rich.table import Table
 from dflash_assets.defs import pools
 from dflash_assets.defs.completions.jobs import shard_pipeline_job
 from dflash_assets.defs.continuation.jobs import continue_job
-from dflash_assets.defs.metadata import CheckRun, ShardRun
+from dflash_assets.defs.metadata import CheckRun, ContinueRun, PromptShardRun, ReportRun, ShardRun, TrainingSetRun
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.prompts.sensors import missing_shards
@@ -216,15 +216,15 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
                         stops.checks.setdefault(e.check_name, []).append(shard)
                 if c.get(ShardRun.CONFIG_HASH):
                     stops.config_hashes.add(c[ShardRun.CONFIG_HASH])
-                rejected = (s.get("rejected", 0) + c.get(ShardRun.REJECTED_PREFLIGHT, 0)
+                rejected = (s.get(PromptShardRun.REJECTED, 0) + c.get(ShardRun.REJECTED_PREFLIGHT, 0)
                             + c.get(ShardRun.REJECTED_SERVER, 0))
                 table.add_row(
-                    shard, str(s.get("lines", "-")), str(rejected), str(c.get(ShardRun.PROMPTS, "-")),
+                    shard, str(s.get(PromptShardRun.LINES, "-")), str(rejected), str(c.get(ShardRun.PROMPTS, "-")),
                     str(c.get(ShardRun.COMPLETED, "-")),
                     str(c[ShardRun.COMPLETED] - c[ShardRun.ALREADY_DONE]) if c else "-",
-                    str(c.get(ShardRun.FAILED, "-")), str(r.get("truncation_rate", "-")),
-                    str(r.get("cut_inside_window_rate", "-")),
-                    *(str(r.get(k, "-")) for k in ("p50", "p90", "p99")),
+                    str(c.get(ShardRun.FAILED, "-")), str(r.get(ReportRun.TRUNCATION_RATE, "-")),
+                    str(r.get(ReportRun.CUT_INSIDE_WINDOW_RATE, "-")),
+                    *(str(r.get(k, "-")) for k in (ReportRun.P50, ReportRun.P90, ReportRun.P99)),
                     f"{len(checks) - len(failing)}/{len(checks)}")
             if not result.success:
                 record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
@@ -354,9 +354,10 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
             "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, console)
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
-            console.print(f"drafter training set: {meta['dagster/row_count']} rows of config {meta['config_hash']} "
-                          f"in {meta['jsonl']} (manifest beside it); left out, by reason:", highlight=False)
-            for line in exclusion_lines(meta["manifest"]) or ["nothing"]:
+            t = TrainingSetRun
+            console.print(f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
+                          f"in {meta[t.JSONL]} (manifest beside it); left out, by reason:", highlight=False)
+            for line in exclusion_lines(meta[t.MANIFEST]) or ["nothing"]:
                 console.print(f"  {line}", highlight=False)
         elif stops.checks:
             console.print("drafter training set: not written while a blocking check fails")
@@ -433,11 +434,12 @@ def run_continue(new_cap: int | None, first: str | None, last: str | None, conso
             if not m:
                 table.add_row(shard, *"------")
                 continue
-            stops.config_hashes.add(m["config_hash"])
-            reused += m["tokens_reused"]
-            total += m["tokens_reused"] + m["tokens_generated"]
-            table.add_row(shard, num(m["rows_continued"]), num(m["rows_copied"]), num(m["still_truncated"]),
-                          num(m["tokens_reused"]), num(m["tokens_generated"]), pct(m["saved_share"]))
+            k = ContinueRun
+            stops.config_hashes.add(m[k.CONFIG_HASH])
+            reused += m[k.TOKENS_REUSED]
+            total += m[k.TOKENS_REUSED] + m[k.TOKENS_GENERATED]
+            table.add_row(shard, num(m[k.ROWS_CONTINUED]), num(m[k.ROWS_COPIED]), num(m[k.STILL_TRUNCATED]),
+                          num(m[k.TOKENS_REUSED]), num(m[k.TOKENS_GENERATED]), pct(m[k.SAVED_SHARE]))
         if not result.success:
             record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
     console.print(table)

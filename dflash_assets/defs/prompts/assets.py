@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from dflash_assets.defs.metadata import PromptShardRun
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
 from dflash_assets.generation.shards import build_prompt_shard
@@ -40,10 +41,10 @@ def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, promp
         reasons = "\n".join(f"| {k} | {v} |" for k, v in sorted(build.reasons.items(), key=lambda kv: -kv[1]))
         context.log.info(f"shard {shard}: {build.lines} lines -> {build.prompts} prompts, {build.rejected} rejected")
         context.add_asset_metadata(partition_key=shard, metadata={
-            "dagster/row_count": build.prompts,
-            "lines": build.lines,
-            "prompts": build.prompts,
-            "rejected": build.rejected,
+            PromptShardRun.ROW_COUNT: build.prompts,
+            PromptShardRun.LINES: build.lines,
+            PromptShardRun.PROMPTS: build.prompts,
+            PromptShardRun.REJECTED: build.rejected,
             "max_prompt_tokens": build.max_prompt_tokens,
             # the source format detected from the lines' keys (prompts.FORMATS), and how many prompts had each
             "format": next(iter(build.formats), "none"),

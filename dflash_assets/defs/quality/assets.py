@@ -5,7 +5,7 @@ import base64
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.metadata import ShardRun
+from dflash_assets.defs.metadata import ReportRun, ShardRun
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
@@ -28,11 +28,11 @@ def report_metadata(report: dict, png: bytes) -> dict:
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
         "truncated_rows": report["truncated_rows"],
-        "truncation_rate": pct(report["truncation_rate"]),
+        ReportRun.TRUNCATION_RATE: pct(report["truncation_rate"]),
         # against the trainer's window: the blocking share, and the cut rows the trainer reads whole (exported)
         "trainer_max_length": report["max_length"],
         "cut_inside_window_rows": report["cut_inside_window_rows"],
-        "cut_inside_window_rate": pct(report["cut_inside_window_rate"]),
+        ReportRun.CUT_INSIDE_WINDOW_RATE: pct(report["cut_inside_window_rate"]),
         "window_complete_rows": report["window_complete_rows"],
         "window_complete_rate": pct(report["window_complete_rate"]),
         "window_complete_tokens": report["window_complete_tokens"],

@@ -4,6 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.metadata import TrainingSetRun
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
@@ -71,9 +72,9 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
     excluded = "\n".join(f"- {line}" for line in exclusion_lines(manifest)) or "nothing was left out"
     return dg.MaterializeResult(metadata={
-        "dagster/row_count": manifest["rows"],
-        "config_hash": chosen or "all",
-        "jsonl": dg.MetadataValue.path(str(export.jsonl_path)),
+        TrainingSetRun.ROW_COUNT: manifest["rows"],
+        TrainingSetRun.CONFIG_HASH: chosen or "all",
+        TrainingSetRun.JSONL: dg.MetadataValue.path(str(export.jsonl_path)),
         "parquet": dg.MetadataValue.path(str(export.parquet_path)),
         "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),
         "over_max_length_kept": manifest["over_max_length_kept"],
@@ -81,5 +82,5 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
         "trainer": f"max_length {manifest['max_length']}, form {manifest['form']} "
                    f"(change: {manifest['trainer']['how_to_change']})",
         "exclusions": dg.MetadataValue.md(excluded),
-        "manifest": dg.MetadataValue.json(manifest),
+        TrainingSetRun.MANIFEST: dg.MetadataValue.json(manifest),
     })
