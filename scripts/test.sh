@@ -3,13 +3,16 @@
 # without its dependencies (the contract tests read its schema file; importing it would pull a CUDA torch),
 # Debian's Chromium for the browser tests and postgresql + redis-server for the multi-machine tests (when
 # missing and we are root), then pytest with this script's arguments, e.g.
-# `bash scripts/test.sh tests/engines/test_ui_browser.py -x`.
+# `bash scripts/test.sh tests/engines/test_ui_browser.py -x` (in 3 worker processes, pytest-xdist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.local/bin:$PATH"
 
 command -v uv >/dev/null 2>&1 || python3 -m pip install uv
-uv sync --locked
+# bytecode compiled once here: where PYTHONDONTWRITEBYTECODE is set (as on CI) every Python process would otherwise
+# compile Dagster and the rest again, ~5 s of each CLI run, emulator, step process and code server the tests start
+uv sync --locked --compile-bytecode
+uv run --locked python -m compileall -q -j 0 dflash_assets tests benchmarks scripts >/dev/null
 uv pip install --no-deps sglang==0.5.23
 
 if [ ! -x /usr/bin/chromium ]; then
@@ -41,4 +44,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
-exec uv run --locked pytest "$@"
+# three workers on 2 cores: most of a test is waiting on the servers and processes it started (a run of the whole
+# suite keeps 2.8 tests busy at once); a file stays on one worker, so its module fixtures (a fleet, a demo run) are
+# built once. DFLASH_TEST_WORKERS=0 runs in this process (for a debugger).
+exec uv run --locked pytest -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile "$@"

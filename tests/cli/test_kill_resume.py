@@ -39,10 +39,17 @@ def dflash_popen(args: list[str], env: dict, out: Path) -> subprocess.Popen:
 
 
 def completion_rows(data: Path) -> list[tuple[str, str]]:
-    files = sorted(str(p) for p in (data / "completions").rglob("*.parquet"))
-    if not files:
-        return []
-    return duckdb.sql(f"select prompt_id, config_hash from read_parquet({files!r})").fetchall()
+    """The committed rows while a run may be compacting: a part listed here can be deleted (its rows moved into the
+    compacted file) before it is read, so a vanished file means list again."""
+    while True:
+        files = sorted(str(p) for p in (data / "completions").rglob("*.parquet"))
+        if not files:
+            return []
+        try:
+            return duckdb.sql(f"select prompt_id, config_hash from read_parquet({files!r})").fetchall()
+        except duckdb.IOException:
+            if all(Path(f).exists() for f in files):
+                raise
 
 
 def accepted_prompt_ids(data: Path) -> set[str]:
