@@ -10,6 +10,7 @@ from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.rules import CONTEXT_MARGIN
 from tests.support.cli import dflash
+from tests.support.shards import longest_prompt
 
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
          "--length-sigma", "0.9", "--loop-share", "0.02", "--context-length", "8192"]
@@ -50,8 +51,7 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     rows = probe_rows(data)
-    longest = duckdb.sql(f"SELECT max(prompt_tokens) FROM read_parquet("
-                         f"'{data}/length_probe/prompt_shards/**/*.parquet')").fetchall()[0][0]
+    longest = longest_prompt(data / "length_probe" / "prompt_shards")
     cap = 8192 - CONTEXT_MARGIN - longest  # the largest cap the context allows for the sampled prompts
     # the files: 100 sampled prompts, generated at that cap under their own config, beside the run's rows
     assert len(rows) == 100 and {r[1] for r in rows} == {cap} and len({r[2] for r in rows}) == 1
@@ -113,8 +113,7 @@ def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_row
                       f"'{data}/length_probe/completions/shard=cut_rows/*.parquet') WHERE max_output_tokens > 1024"
                       ).fetchall()
     (cap,) = {r[1] for r in rows}
-    longest = duckdb.sql(f"SELECT max(prompt_tokens) FROM read_parquet("
-                         f"'{data}/length_probe/prompt_shards/shard=cut_rows/*.parquet')").fetchall()[0][0]
+    longest = longest_prompt(data / "length_probe" / "prompt_shards", "shard=cut_rows/*.parquet")
     assert cap == 8192 - CONTEXT_MARGIN - longest  # the cap from the context, as the random probe takes it
     assert len(honest) > 20 and len(rows) == 20 and {r[0] for r in rows} <= {r["prompt_id"] for r in honest}
     assert f"length probe: 20 of {len(honest)} of the run's honest cut rows, continued to cap {cap:,}" in out, out

@@ -17,7 +17,7 @@ from dflash_assets.quality.registry import CHECKS_BY_NAME, gate_passed
 from tests.support.http import requests_served
 from tests.support.quality_data import check, load
 from tests.support.sglang_wheel import sglang_srt
-from tests.support.shards import FEW_RETRIES, SHORT, generate, make_shard, numbered
+from tests.support.shards import FEW_RETRIES, SHORT, generate, longest_prompt, make_shard, numbered
 
 SGLANG = sglang_srt()
 SMALL_POOL = ["--context-length", "4096", "--max-total-tokens", "1024", *SHORT[:3], "--length-median", "3000",
@@ -41,8 +41,7 @@ def test_a_small_kv_pool_makes_server_info_report_the_lower_request_limit(emulat
 def test_preflight_holds_prompt_plus_cap_to_the_kv_pool_not_the_context(tmp_path, emulator):
     server = emulator(*SMALL_POOL)
     make_shard(tmp_path / "data", [server.emu.url], numbered(["short one", "another short", "a third short"]))
-    largest = max(t for (t,) in duckdb.sql(
-        f"select prompt_tokens from read_parquet('{tmp_path}/data/prompt_shards/**/*.parquet')").fetchall())
+    largest = longest_prompt(tmp_path / "data" / "prompt_shards")
     with pytest.raises(PreflightError) as err:
         # fits the 4096 context, not the 1024-token pool
         generate(tmp_path / "data", [server.emu.url], 2000, FEW_RETRIES)

@@ -6,7 +6,7 @@ import pytest
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.shards import prompt_store
 from tests.support.http import requests_served
-from tests.support.shards import FEW_RETRIES, SHORT, generate, make_shard, numbered
+from tests.support.shards import FEW_RETRIES, SHORT, generate, longest_prompt, make_shard, numbered
 
 def rejects(tmp_path, stage: str) -> list[tuple]:
     return duckdb.sql(f"select prompt_id, reason, prompt_tokens, max_output_tokens, server_context_length from "
@@ -45,8 +45,7 @@ def test_when_every_prompt_overflows_the_run_fails_naming_the_context_that_would
     # the story: --context-length 8192 with max_output_tokens 8192
     server = emulator("--context-length", "8192", *SHORT)
     make_shard(tmp_path / "data", [server.emu.url], numbered(["short one", "another short", "a third"]))
-    largest = max(t for (t,) in duckdb.sql(
-        f"select prompt_tokens from read_parquet('{tmp_path}/data/prompt_shards/**/*.parquet')").fetchall())
+    largest = longest_prompt(tmp_path / "data" / "prompt_shards")
     with pytest.raises(PreflightError) as err:
         generate(tmp_path / "data", [server.emu.url], 8192, FEW_RETRIES)
     message = str(err.value)

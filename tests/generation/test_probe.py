@@ -13,6 +13,7 @@ from dflash_assets.settings import SAMPLING_PARAMS, GenerationSettings
 from dflash_assets.generation.probe import probe_size, sample_prompts
 from dflash_assets.quality import run_checks
 from tests.support.probe_project import probe_project, write_completions, write_probe
+from tests.support.shards import longest_prompt
 
 SHARDS, PER_SHARD = ["00000", "00001", "00002"], 120
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
@@ -92,8 +93,7 @@ def test_the_probe_materialises_alone_and_the_plan_then_measures_with_it(project
                             run_config={"ops": {"length_probe": {"config": {"min_prompts": 90}}}})
     assert result.success
     meta = {k: v.value for k, v in result.asset_materializations_for_node("length_probe")[0].metadata.items()}
-    longest = duckdb.sql(f"SELECT max(prompt_tokens) FROM read_parquet('{data}/prompt_shards/**/*.parquet')"
-                         ).fetchall()[0][0]
+    longest = longest_prompt(data / "prompt_shards")
     assert meta["prompts_sampled"] == meta["completed"] == 90 and meta["prompts_total"] == 360
     assert meta["max_output_tokens"] <= 32768 - 2 - 1 and meta["max_output_tokens"] >= 32768 - 2 - longest
     probe_rows = duckdb.sql(f"SELECT prompt_id, config_hash, max_output_tokens FROM read_parquet("

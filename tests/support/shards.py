@@ -80,3 +80,9 @@ def rows(data_dir, config_hash: str | None = None, columns: str = COLUMNS) -> li
     where = f"config_hash = '{config_hash}'" if config_hash else "true"
     return duckdb.sql(f"select {columns} from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = "
                       f"true) where {where} order by prompt_id").fetchall()
+
+
+def longest_prompt(prompt_shards: Path, glob: str = "**/*.parquet") -> int:
+    """The most prompt tokens of any prompt under a prompt_shards folder (the preflight and the probe size the
+    cap from it)."""
+    return duckdb.sql(f"select max(prompt_tokens) from read_parquet('{prompt_shards}/{glob}')").fetchall()[0][0]
