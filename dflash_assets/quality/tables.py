@@ -111,17 +111,20 @@ def parquet_source(
     """
     storage = open_storage(data_dir)
     files = parquet_files(storage, table, shard)
-    if files:
-        storage.attach(con)
-        name = f"_files_{table}"
-        con.execute(f"SET VARIABLE {name} = $files", {"files": files})
-        position = ", filename = true, file_row_number = true" if row_position else ""
-        # union_by_name: parts written before a column existed (turn, turns, ...) read it as null
-        return f"read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true{position})"
     if row_position:
         schema = schema.append(pa.field("filename", pa.string())).append(pa.field("file_row_number", pa.int64()))
-    con.register(f"_empty_{table}", schema.empty_table())
-    return f"_empty_{table}"
+    empty = f"_empty_{table}"
+    con.register(empty, schema.empty_table())
+    if not files:
+        return empty
+    storage.attach(con)
+    name = f"_files_{table}"
+    con.execute(f"SET VARIABLE {name} = $files", {"files": files})
+    position = ", filename = true, file_row_number = true" if row_position else ""
+    # parts written before a column existed (turn, policy_cap, ...) read it as null: union_by_name when some part
+    # has it, the schema's empty table (BY NAME) when none does, as in a data dir older than the column
+    return (f"(SELECT * FROM read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true"
+            f"{position}) UNION ALL BY NAME SELECT * FROM {empty})")
 
 
 def open_quality_db(
