@@ -25,7 +25,9 @@ FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "200", "--length-sigm
          "--decode-tokens-per-s", "4000", "--max-running-requests", "4"]
 N = 60
 PROMPTS = {f"f{i:03d}": f"fault test {i}" for i in range(N)}
-SETTINGS = DispatchSettings(stall_timeout_s=0.5, first_token_timeout_s=0.5, max_attempts=6, backoff_base_s=0.05,
+# the stalls last an hour, a healthy server's tokens come every few ms: 3 s tells them apart with room for a loaded
+# machine (at 0.5 s a healthy stream on a busy 2-core machine was taken for a stall now and then)
+SETTINGS = DispatchSettings(stall_timeout_s=3.0, first_token_timeout_s=3.0, max_attempts=6, backoff_base_s=0.05,
                             backoff_max_s=0.2, eject_after=2, commit_rows=5, commit_seconds=0.2, load_sample_s=0)
 
 
