@@ -78,8 +78,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 self._urls = [s.url for s in servers]
                 context.log.info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
             elif self.mode == "launch":
-                from dflash_assets.fleet.launcher import build_spec
-                from dflash_assets.fleet.launcher import default_fleet_dir, up
+                from dflash_assets.fleet.launcher import build_spec, default_fleet_dir, up
 
                 spec = build_spec(LaunchSettings.taken_from(self.launch))
                 self._urls = [r.url for r in up(spec, default_fleet_dir(), on_event=context.log.info)]
