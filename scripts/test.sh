@@ -44,7 +44,17 @@ if [ ${#missing[@]} -gt 0 ]; then
   fi
 fi
 
+# the tests' temp dirs (Dagster instances, their SQLite event logs, Parquet parts, emulator logs) in memory when
+# /dev/shm has room: SQLite commits once per Dagster event, 9 ms of CPU each on disk here and 4 ms on tmpfs, and the
+# fast suite spends a sixth of its CPU that way. An explicit TMPDIR is kept.
+if [ -z "${TMPDIR:-}" ] && [ -d /dev/shm ] && [ -w /dev/shm ] \
+   && [ "$(df -Pk /dev/shm | awk 'NR == 2 {print $4}')" -gt $((2 * 1024 * 1024)) ]; then
+  TMPDIR="$(mktemp -d /dev/shm/dflash-tests.XXXXXX)"
+  export TMPDIR
+  trap 'rm -rf "$TMPDIR"' EXIT
+fi
+
 # three workers on 2 cores: most of a test is waiting on the servers and processes it started (a run of the whole
 # suite keeps 2.8 tests busy at once); a file stays on one worker, so its module fixtures (a fleet, a demo run) are
 # built once. DFLASH_TEST_WORKERS=0 runs in this process (for a debugger).
-exec uv run --locked pytest -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile "$@"
+uv run --locked pytest -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile "$@"
