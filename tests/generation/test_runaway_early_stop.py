@@ -27,6 +27,10 @@ pytestmark = pytest.mark.timeout(300)
 
 N, CAP, EVERY = 120, 8192, 256
 LOOPS = ["--loop-share", "0.2", "--length-max", str(4 * CAP), "--length-median", "300", "--length-sigma", "0.5"]
+# decoded at 4000 tokens/s a request: a loop reaches the cap only after 2 s, the stop comes at EVERY tokens (64 ms),
+# so the server is still decoding each stopped stream when its client closes it (an instant server could finish
+# first, and then there is nothing to abort)
+PACED = ["--decode-tokens-per-s", "4000"]
 FLAGS = ["--reasoning-parser", "qwen3", "--stream-interval", "16", "--enable-metrics"]
 PROVENANCE = "latency_s, created_at, server_url"
 
@@ -56,7 +60,7 @@ def runs(tmp_path_factory):
     out = {}
     for every in (EVERY, 0):
         data = tmp_path_factory.mktemp(f"every{every}") / "data"
-        with start_emulator(FLAGS + LOOPS) as emu:
+        with start_emulator(FLAGS + LOOPS + PACED) as emu:
             make_shard(data, emu.url)
             run = generate(data, emu.url, every)
             server = Http(emu.url)
