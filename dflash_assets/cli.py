@@ -236,16 +236,14 @@ def _report(args: argparse.Namespace) -> int:
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    from rich.console import Console
+    from dflash_assets.quality.console import console_for_output, print_answers, verbatim
 
-    from dflash_assets.quality.console import print_answers
-
-    console = Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
+    console = console_for_output()
     thresholds = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
     answers = print_answers(data_dir, console, thresholds)
     pictures = _report_pictures(data_dir, answers)
     for picture in pictures:
-        console.print(f"picture: {picture}", highlight=False)
+        verbatim(console, f"picture: {picture}")
     if args.open:
         import webbrowser
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.prompts.sensors import missing_shards
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.definitions import defs
+from dflash_assets.quality.console import console_for_output, verbatim
 from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.settings import WINDOW_FIELDS, Deployment, GenerationSettings, TrainerSettings
 
@@ -162,10 +162,6 @@ def _line(error) -> str:
 
 COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "inside", "P50", "P90", "P99",
            "checks")
-
-
-def console_for_output() -> Console:
-    return Console(width=None if sys.stdout.isatty() else 120)  # piped output is not cut to 80 columns
 
 
 def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
@@ -302,8 +298,8 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         if best.fits_context is False:
             first = f"restart the servers with --context-length {best.context_needed_max}, then "
         say(f"Next: {first}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
-        say(f"  dflash continue --to {best.cap}")
-        say(f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
+        verbatim(console, f"  dflash continue --to {best.cap}")
+        verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
     return stops.exit_status()
 
 
@@ -331,7 +327,7 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
                       f"{num(m['decoded_tokens'])} decoded tokens ({pct(m['past_window_rate'])}) lie past the window.",
                       highlight=False)
         if not o.passed:
-            console.print(f"Next time, decode only what the trainer reads: {rerun}", highlight=False)
+            verbatim(console, f"Next time, decode only what the trainer reads: {rerun}")
 
 
 def run_demo(completions: dict, console: Console | None = None, verbose: bool = False,
@@ -355,8 +351,8 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
             t = TrainingSetRun
-            console.print(f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
-                          f"in {meta[t.JSONL]} (manifest beside it); left out, by reason:", highlight=False)
+            verbatim(console, f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
+                              f"in {meta[t.JSONL]} (manifest beside it); left out, by reason:")
             for line in exclusion_lines(meta[t.MANIFEST]) or ["nothing"]:
                 console.print(f"  {line}", highlight=False)
         elif stops.checks:
@@ -366,8 +362,8 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
     if not stops.checks and not stops.errors and not stops.preflight:
         print_window_answer(stops, console, window, f"dflash demo{again({'cap_policy': 'window'})} "
                                                     f"--max-output-tokens {completions['max_output_tokens']}")
-    console.print("The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
-                  " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000", highlight=False)
+    verbatim(console, "The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
+             " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000")
     return print_stop(stops, console, lambda cap: f"dflash demo{again({})} --max-output-tokens {cap}", window)
 
 

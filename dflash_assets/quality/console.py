@@ -1,6 +1,7 @@
 """The length-quality report and the checks as rich tables in a terminal (`dflash report`)."""
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,16 @@ from dflash_assets.quality.window_plan import window_plan_lines
 LENGTH_COLUMNS = ("rows", "truncated", "truncation rate", "cut inside window", "window-complete", "P50", "P90",
                   "P95", "P99", "max")
 OVERFLOW_KEYS = ("completion_rows_over_context", "rejected_prompts_over_context", "rows_over_max_length")
+
+
+def console_for_output() -> Console:
+    """A `dflash` command's console: the terminal's width, or 120 columns when piped (not cut to 80)."""
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
+def verbatim(console: Console, text: str) -> None:
+    """A line that holds a command or a path, never wrapped: it is copied whole, however long the path."""
+    console.print(text, highlight=False, soft_wrap=True)
 
 
 def _n(value: int | None) -> str:

@@ -1,5 +1,7 @@
 """The `dflash` command as a person types it: fleet up/status/down through the launch path, errors, help."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.support.cli import cli_commands, dflash, free_base_port
@@ -72,21 +74,26 @@ def test_report_prints_the_figures_of_a_data_dir_as_tables(tmp_path, emulator):
     server = emulator("--reasoning-parser", "qwen3")
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"report test {i}"}) + "\n" for i in range(40)))
+    data = tmp_path / ("a-data-dir-deep-enough-that-its-paths-outrun-the-120-columns-of-piped-output" * 2) / "data"
 
     async def build():
         async with connected([server.emu.url]) as fleet:
-            await build_prompt_shard(src, 0, "00000", 40, tmp_path / "data", fleet, {"enable_thinking": True})
+            await build_prompt_shard(src, 0, "00000", 40, data, fleet, {"enable_thinking": True})
 
     asyncio.run(build())
-    gen = dflash("generate", "--shard", "00000", "--urls", server.emu.url, "--data-dir", str(tmp_path / "data"),
+    gen = dflash("generate", "--shard", "00000", "--urls", server.emu.url, "--data-dir", str(data),
                  "--max-output-tokens", "4096")
     assert "40 prompts = 40 completed + 0 rejected + 0 failed" in gen.stdout, gen.stdout + gen.stderr
     truncated = duckdb.sql(f"select count(*) filter (where finish_reason = 'length') from read_parquet("
-                           f"'{tmp_path}/data/completions/**/*.parquet')").fetchall()[0][0]
-    result = dflash("report", "--data-dir", str(tmp_path / "data"))
+                           f"'{data}/completions/**/*.parquet')").fetchall()[0][0]
+    result = dflash("report", "--data-dir", str(data))
     assert result.returncode == 0, result.stderr
     assert f"{truncated / 40 * 100:.2f}%" in result.stdout, result.stdout
     assert "truncation_rate" in result.stdout and ("4,096" in result.stdout or "4096" in result.stdout)
+    # a path is printed whole on its line, however long, so it can be copied (the tables keep 120 columns)
+    pictures = [line for line in result.stdout.splitlines() if line.startswith("picture: ")]
+    assert len(pictures) == 2 and all(len(line) > 120 for line in pictures), result.stdout
+    assert [Path(line.removeprefix("picture: ")).parent for line in pictures] == [data / "reports"] * 2
 
 
 def test_backfill_materialises_a_range_through_dagster_and_resumes_on_a_second_run(tmp_path, emulator):
