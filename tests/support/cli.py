@@ -26,6 +26,16 @@ def home(tmp_path: Path, name: str) -> dict:
             "CWD": str(tmp_path)}
 
 
+def demo_slice(tmp_path: Path, lines: int) -> Path:
+    """The first `lines` lines of the bundled demo prompts, as a --prompts file: the demo's own length families for
+    a test that needs a few shards of them, not all 400 prompts."""
+    from dflash_assets.settings import DEMO_PROMPTS
+
+    path = tmp_path / f"demo-{lines}.jsonl"
+    path.write_text("".join(DEMO_PROMPTS.read_text().splitlines(keepends=True)[:lines]))
+    return path
+
+
 def free_base_port(n: int = 2) -> int:
     """A base port with `n` free ports from it (servers listen on base_port + GPU id)."""
     for _ in range(50):
