@@ -15,7 +15,7 @@ import pytest
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.shards import build_prompt_shard
 
-PROMPTS = 240
+PROMPTS = 160
 
 
 @pytest.fixture(scope="module")
