@@ -50,6 +50,7 @@ fi
 if [ -z "${TMPDIR:-}" ] && [ -d /dev/shm ] && [ -w /dev/shm ] \
    && [ "$(df -Pk /dev/shm | awk 'NR == 2 {print $4}')" -gt $((2 * 1024 * 1024)) ]; then
   TMPDIR="$(mktemp -d /dev/shm/dflash-tests.XXXXXX)"
+  chmod 711 "$TMPDIR"  # as root, Postgres runs as the postgres user: its data directory in here must be reachable
   export TMPDIR
   trap 'rm -rf "$TMPDIR"' EXIT
 fi
