@@ -1,20 +1,59 @@
-"""The `dflash` command run as a person types it, in a child process; free loopback ports for what it launches."""
+"""The `dflash` command run as a person types it, in a child process; free loopback ports for what it launches.
 
+The child is forked from a multiprocessing fork server that has imported Dagster and the other libraries the
+command uses (never `dflash_assets`, whose settings are read from the environment at import), so each command skips
+the 2-3 s of CPU an interpreter spends importing them; from there it is `dflash`'s own `main` with the command's
+arguments, environment, working directory, output files and exit status. The kill -9 tests start real
+`python -m dflash_assets.cli` processes of their own.
+"""
+
+import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from dflash_assets.fleet import processes
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 
+# what `dflash` imports that does not depend on its settings: the bulk of an interpreter's start
+PRELOAD = ["dagster", "duckdb", "pyarrow.parquet", "aiohttp", "matplotlib.figure", "matplotlib.backends.backend_agg",
+           "rich.console", "rich.table", "numpy", "pydantic"]
+_forks = multiprocessing.get_context("forkserver")
+_forks.set_forkserver_preload(PRELOAD)
+
+
+def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: str) -> None:
+    """In the forked child: the command's environment, directory and output files, then `dflash`'s main."""
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None  # read TMPDIR again
+    if cwd:
+        os.chdir(cwd)
+    for path, fd in ((out, 1), (err, 2)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    from dflash_assets.cli import main
+
+    sys.exit(main(list(args)))
+
 
 def dflash(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
     """`dflash *args` with this process's environment plus `env`; its exit code and output."""
-    return subprocess.run([sys.executable, "-m", "dflash_assets.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
+    with tempfile.TemporaryDirectory(prefix="dflash-cli-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        child = _forks.Process(target=_command, args=(args, {**os.environ, **(env or {})},
+                                                      None if cwd is None else str(cwd), out, err))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(["dflash", *args], timeout, Path(out).read_text(), Path(err).read_text())
+        return subprocess.CompletedProcess(["dflash", *args], child.exitcode, Path(out).read_text(),
+                                           Path(err).read_text())
 
 
 def home(tmp_path: Path, name: str) -> dict:
