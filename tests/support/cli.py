@@ -34,7 +34,9 @@ def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: s
     if cwd:
         os.chdir(cwd)
     for path, fd in ((out, 1), (err, 2)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
     from dflash_assets.cli import main
 
     sys.exit(main(list(args)))
