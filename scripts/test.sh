@@ -57,5 +57,6 @@ fi
 
 # three workers on 2 cores: most of a test is waiting on the servers and processes it started (a run of the whole
 # suite keeps 2.8 tests busy at once); a file stays on one worker, so its module fixtures (a fleet, a demo run) are
-# built once. DFLASH_TEST_WORKERS=0 runs in this process (for a debugger).
-uv run --locked pytest -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile "$@"
+# built once. Files go out in collection order, the long ones first (tests/conftest.py). DFLASH_TEST_WORKERS=0 runs
+# in this process (for a debugger).
+uv run --locked pytest -n "${DFLASH_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

@@ -6,6 +6,8 @@ import pytest
 
 from tests.support.cli import cli_commands, dflash, free_base_port
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.parametrize("command", cli_commands(), ids=" ".join)
 def test_every_command_has_help(command):

@@ -27,6 +27,8 @@ from dflash_assets.emulator.process import start_emulator
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 from tests.support.http import set_faults
 
+pytestmark = pytest.mark.long
+
 SLOW = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "400", "--max-running-requests", "4"]
 SHARDS, SHARD_SIZE = 4, 6
 BOUND_S = 240  # a bound on a slow machine, never a timing the test relies on

@@ -16,6 +16,8 @@ import pytest
 
 from tests.support.cli import demo_slice, dflash, home
 
+pytestmark = pytest.mark.long
+
 NO_TRACE = ("Traceback", "Stack Trace", "DagsterAssetCheckFailedError", " - ERROR - ")
 
 

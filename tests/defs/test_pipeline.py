@@ -18,6 +18,8 @@ from tests.support import dagster_run
 from tests.support.dagster_run import ASSETS, checks_of, run_shard
 from tests.support.shards import FAST, questions, write_prompts
 
+pytestmark = pytest.mark.long
+
 
 def resources(tmp_path, urls, shard_size: int, **fleet):
     # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window and block (at the
