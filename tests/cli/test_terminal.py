@@ -4,15 +4,14 @@ the figures, the plan and the next command on the terminal; the event stream and
 import contextlib
 import http.server
 import json
-import os
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
+import dagster as dg
 import duckdb
 import pytest
+from dagster._core.instance.ref import InstanceRef
 
 from tests.support.cli import demo_slice, dflash, home
 
@@ -62,13 +61,11 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
 
 def test_the_stack_trace_stays_in_the_runs_event_log(demo_at_4096):
     env, _ = demo_at_4096
-    script = ("import dagster as dg; i = dg.DagsterInstance.get(); r = [x for x in i.get_runs() "
-              "if x.job_name == 'shard_pipeline'][0]; print(r.status.value); "
-              "print([e.dagster_event.step_failure_data.error.cls_name for e in i.all_logs(r.run_id) "
-              "if e.dagster_event and e.dagster_event.is_step_failure])")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=env["CWD"],
-                         env={**os.environ, "DAGSTER_HOME": env["DAGSTER_HOME"]}, timeout=120).stdout
-    assert out.splitlines() == ["FAILURE", "['DagsterAssetCheckFailedError']"], out
+    with dg.DagsterInstance.from_ref(InstanceRef.from_dir(env["DAGSTER_HOME"])) as instance:
+        run = [r for r in instance.get_runs() if r.job_name == "shard_pipeline"][0]
+        failures = [e.dagster_event.step_failure_data.error.cls_name for e in instance.all_logs(run.run_id)
+                    if e.dagster_event and e.dagster_event.is_step_failure]
+    assert (run.status, failures) == (dg.DagsterRunStatus.FAILURE, ["DagsterAssetCheckFailedError"])
 
 
 def test_report_leads_with_the_answer_per_config(demo_at_4096):

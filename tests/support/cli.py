@@ -1,9 +1,10 @@
 """The `dflash` command run as a person types it, in a child process; free loopback ports for what it launches.
 
-The child is forked from a multiprocessing fork server that has imported Dagster and the other libraries the
-command uses (never `dflash_assets`, whose settings are read from the environment at import), so each command skips
-the 2-3 s of CPU an interpreter spends importing them; from there it is `dflash`'s own `main` with the command's
-arguments, environment, working directory, output files and exit status. The kill -9 tests start real
+The child is forked from a multiprocessing fork server that has imported Dagster, the other libraries the command
+uses, Dagster's instance storage and the layers below the definitions (tests/support/cli_preload.py; never the
+definitions, which read the settings from the environment at import), so each command skips the 4-5 s of CPU an
+interpreter spends importing them; from there it is `dflash`'s own `main` with the command's arguments, environment,
+working directory, output files and exit status. The kill -9 tests start real
 `python -m dflash_assets.cli` processes of their own.
 """
 
@@ -19,11 +20,9 @@ from pathlib import Path
 from dflash_assets.fleet import processes
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 
-# what `dflash` imports that does not depend on its settings: the bulk of an interpreter's start
-PRELOAD = ["dagster", "duckdb", "pyarrow.parquet", "aiohttp", "matplotlib.figure", "matplotlib.backends.backend_agg",
-           "rich.console", "rich.table", "numpy", "pydantic"]
 _forks = multiprocessing.get_context("forkserver")
-_forks.set_forkserver_preload(PRELOAD)
+# what `dflash` imports that reads no setting, and this module (the child unpickles `_command` from it)
+_forks.set_forkserver_preload(["tests.support.cli_preload", "tests.support.cli"])
 
 
 def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: str) -> None:
@@ -43,10 +42,12 @@ def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: s
 
 
 def dflash(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
-    """`dflash *args` with this process's environment plus `env`; its exit code and output."""
+    """`dflash *args` with this process's environment plus `env` (a None there unsets the variable); its exit code
+    and output."""
+    environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     with tempfile.TemporaryDirectory(prefix="dflash-cli-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        child = _forks.Process(target=_command, args=(args, {**os.environ, **(env or {})},
+        child = _forks.Process(target=_command, args=(args, environment,
                                                       None if cwd is None else str(cwd), out, err))
         child.start()
         child.join(timeout)
