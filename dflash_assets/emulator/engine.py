@@ -315,7 +315,7 @@ class Engine:
         """Reasoning tokens among the first k outputs, when the request requires reasoning."""
         if not req.require_reasoning:
             return 0
-        return min(k, model.count_reasoning_tokens(gen.output_ids))
+        return min(k, gen.reasoning_tokens)
 
     def _final(self, req: Request, gen: model.Generation) -> Output:
         latency = time.perf_counter() - req.arrival

@@ -26,6 +26,7 @@ some commas are em dashes, emitted as byte tokens, so a cap can cut a character 
 from __future__ import annotations
 
 import functools
+import itertools
 import hashlib
 import math
 import struct
@@ -91,10 +92,15 @@ def _stream() -> tuple[list[int], str, array, array]:
     Prose-like: sentences of 6-18 words, commas, paragraphs of 3-6 sentences.
     Stored twice over so any slice shorter than the stream needs no wrap logic.
     """
-    common = tok.WORDS[: tok.N_COMMON_WORDS]
-    words = list(tok.WORDS)
+    # every server process builds this at its start: each word's two tokens (inside a sentence, and capitalised
+    # to start one) are looked up once, not per word of the stream
+    def tokens(words: list[str]) -> tuple[list[int], list[int]]:
+        return [tok.VOCAB[" " + w] for w in words], [tok.VOCAB[" " + w[:1].upper() + w[1:]] for w in words]
+
+    (common, common_first), (words, words_first) = tokens(tok.WORDS[: tok.N_COMMON_WORDS]), tokens(list(tok.WORDS))
     state = 0x9E3779B97F4A7C15
     ids = array("i")
+    append = ids.append
 
     def rnd(n: int) -> int:
         nonlocal state
@@ -106,23 +112,25 @@ def _stream() -> tuple[list[int], str, array, array]:
     while len(ids) < _STREAM_LEN:
         n_words = 6 + rnd(13)
         for j in range(n_words):
-            w = common[rnd(len(common))] if rnd(5) < 2 else words[rnd(len(words))]
-            ids.append(tok.VOCAB[" " + (w[:1].upper() + w[1:] if j == 0 else w)])
+            if rnd(5) < 2:
+                k = rnd(len(common))
+                append(common_first[k] if j == 0 else common[k])
+            else:
+                k = rnd(len(words))
+                append(words_first[k] if j == 0 else words[k])
             if 0 < j < n_words - 1 and rnd(9) == 0:
-                ids.append(comma)
-        ids.append(period)
+                append(comma)
+        append(period)
         sentence_in_para += 1
         if sentence_in_para == para_len:
-            ids.append(_NN_ID)
+            append(_NN_ID)
             sentence_in_para, para_len = 0, 3 + rnd(4)
     del ids[_STREAM_LEN:]
     while tok.TOKEN_STR[ids[-1]].isspace():  # the wrap must not join two whitespace tokens
         ids[-1] = period
     pieces = [tok.TOKEN_STR[i] for i in ids]
     text = "".join(pieces)
-    offsets = array("q", [0])
-    for p in pieces:
-        offsets.append(offsets[-1] + len(p))
+    offsets = array("q", itertools.accumulate(map(len, pieces), initial=0))
     starts = array("i", [i for i, t in enumerate(ids) if tok.TOKEN_STR[t][1:2].isalpha()])
     total = offsets[-1]
     doubled_offsets = offsets[:-1] + array("q", [o + total for o in offsets])
@@ -386,6 +394,12 @@ class Generation:
     output_ids: list[int]
     text: str
     finish: dict  # SGLang's finish_reason JSON: {"type": "stop", "matched": id|str} | {"type": "length", "length": n}
+
+    @functools.cached_property
+    def reasoning_tokens(self) -> int:
+        """count_reasoning_tokens of the whole output, counted once: a stream asks at every event (the first k
+        outputs hold min(k, this))."""
+        return count_reasoning_tokens(self.output_ids)
 
 
 def generate(
