@@ -4,6 +4,10 @@ Every kill lands where it hurts: after a part of completions is committed (the t
 emulator holding every request still in flight, so the killed run certainly holds its pool slots (the fleet's and
 its shards') when it dies. The next command must finish: it fails the dead runs through the instance (their worker
 pid and start time are in their tags), frees what they held, and resumes from the committed parts.
+
+Each command is a `dflash` process in a session of its own, forked warm from the tests' fork server
+(tests/support/cli.py) and SIGKILLed with its whole process group. scripts/kill_demo.py kills fresh `dflash demo`
+processes started as a user starts them.
 """
 
 from __future__ import annotations
@@ -11,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -24,6 +26,7 @@ import pytest
 from dagster._core.instance.ref import InstanceRef
 
 from dflash_assets.emulator.process import start_emulator
+from tests.support.cli import Command, start
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 from tests.support.http import set_faults
 
@@ -32,12 +35,6 @@ pytestmark = pytest.mark.long
 SLOW = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "400", "--max-running-requests", "4"]
 SHARDS, SHARD_SIZE = 4, 6
 BOUND_S = 240  # a bound on a slow machine, never a timing the test relies on
-
-
-def dflash_popen(args: list[str], env: dict, out: Path) -> subprocess.Popen:
-    """`dflash ...` in a process group of its own (so the kill takes the whole command), output to a file."""
-    return subprocess.Popen([sys.executable, "-m", "dflash_assets.cli", *args], stdout=out.open("w"),
-                            stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True)
 
 
 def completion_rows(data: Path) -> list[tuple[str, str]]:
@@ -59,7 +56,7 @@ def accepted_prompt_ids(data: Path) -> set[str]:
     return {r[0] for r in duckdb.sql(f"select prompt_id from read_parquet({files!r})").fetchall()}
 
 
-def wait_until(what, message: str, proc: subprocess.Popen | None = None, out: Path | None = None):
+def wait_until(what, message: str, proc: Command | None = None, out: Path | None = None):
     deadline = time.monotonic() + BOUND_S
     while not (value := what()):
         if proc is not None and proc.poll() is not None:
@@ -69,7 +66,7 @@ def wait_until(what, message: str, proc: subprocess.Popen | None = None, out: Pa
     return value
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: Command) -> None:
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
 
@@ -90,7 +87,7 @@ def project(tmp_path):
 def kill_mid_completions(args, env, data: Path, url: str, out: Path) -> int:
     """Run the command until a part more than before is committed, hold the fleet, SIGKILL its process group."""
     before = len(completion_rows(data))
-    proc = dflash_popen(args, env, out)
+    proc = start(*args, out=out, env=env)
     wait_until(lambda: len(completion_rows(data)) > before, "a part of completions committed", proc, out)
     set_faults(url, {"hold": True})  # every request still in flight stays in flight: the run holds its pools
     kill_group(proc)
@@ -110,7 +107,7 @@ def test_demo_killed_twice_mid_completions_then_run_again_finishes_with_every_pr
         args = ["demo", "--max-output-tokens", "2048"]
         counts = [kill_mid_completions(args, env, data, emu.url, tmp_path / f"kill{i}.txt") for i in range(2)]
         assert 0 < counts[0] < counts[1] < SHARDS * SHARD_SIZE, counts
-        again = dflash_popen(args, env, tmp_path / "again.txt")
+        again = start(*args, out=tmp_path / "again.txt", env=env)
         assert again.wait(timeout=BOUND_S * 2) in (0, 3), (tmp_path / "again.txt").read_text()
     text = (tmp_path / "again.txt").read_text()
     rows = completion_rows(data)
@@ -129,7 +126,7 @@ def test_the_story_a_killed_backfill_then_the_bump_to_8192_stops_in_preflight_na
     with start_emulator([*SLOW, "--context-length", "8192"]) as emu:
         env = {**env, "DFLASH_FLEET_URLS": emu.url}
         kill_mid_completions(["backfill", "--max-output-tokens", "4096"], env, data, emu.url, tmp_path / "kill.txt")
-        bump = dflash_popen(["backfill", "--max-output-tokens", "8192"], env, tmp_path / "bump.txt")
+        bump = start("backfill", "--max-output-tokens", "8192", out=tmp_path / "bump.txt", env=env)
         status = bump.wait(timeout=BOUND_S)
     text = (tmp_path / "bump.txt").read_text()
     assert status == 2, text
@@ -146,11 +143,11 @@ def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_
     assert "default_limit: 1" in (home / "dagster.yaml").read_text()
     with start_emulator([*SLOW, "--fault-hold"]) as emu:  # every request held: the first run holds the pool
         env = {**env, "DFLASH_FLEET_URLS": emu.url, "DFLASH_SHARDS_PER_RUN": "1"}
-        holder = dflash_popen(["backfill", "--from", "00000", "--to", "00000"], env, tmp_path / "holder.txt")
+        holder = start("backfill", "--from", "00000", "--to", "00000", out=tmp_path / "holder.txt", env=env)
         wait_until(lambda: json.loads(urllib.request.urlopen(f"{emu.url}/_emulator/faults", timeout=10).read())
                    ["injected"]["hold"] > 0, "the first run's requests reached the fleet", holder, tmp_path / "holder.txt")
         out = tmp_path / "waiter.txt"
-        waiter = dflash_popen(["backfill", "--from", "00001", "--to", "00001"], env, out)
+        waiter = start("backfill", "--from", "00001", "--to", "00001", out=out, env=env)
         wait_until(lambda: "waiting for pool sglang_fleet" in out.read_text(), "the waiter says it waits", waiter, out)
         text = out.read_text()
         assert "held by run " in text and f"(alive, pid {holder.pid} on this host" in text, text

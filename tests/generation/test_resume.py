@@ -5,8 +5,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import duckdb
@@ -14,6 +12,7 @@ import pytest
 
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.shards import build_prompt_shard
+from tests.support.cli import Command, start
 
 PROMPTS = 160
 
@@ -37,12 +36,10 @@ def build_shard(tmp_path, urls) -> None:
     asyncio.run(go())
 
 
-def generate(tmp_path, urls) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "dflash_assets.cli", "generate", "--shard", "00000", "--urls", ",".join(urls),
-         "--data-dir", str(tmp_path / "data"), "--max-output-tokens", "2048", "--commit-rows", "4",
-         "--commit-seconds", "0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def generate(tmp_path, urls, run: str) -> Command:
+    """`dflash generate` of the shard in a process of its own (tests/support/cli.py), its output in tmp_path/run."""
+    return start("generate", "--shard", "00000", "--urls", ",".join(urls), "--data-dir", str(tmp_path / "data"),
+                 "--max-output-tokens", "2048", "--commit-rows", "4", "--commit-seconds", "0.2", out=tmp_path / run)
 
 
 def rows(tmp_path) -> list[tuple]:
@@ -56,12 +53,12 @@ def test_kill_9_at_random_moments_loses_nothing_and_duplicates_nothing(tmp_path,
     build_shard(tmp_path, fleet_urls)
     rng = random.Random(7)
     committed = [0]
-    for _ in range(4):
-        proc = generate(tmp_path, fleet_urls)
+    for kill in range(4):
+        proc = generate(tmp_path, fleet_urls, f"kill{kill}.txt")
         # every kill lands after this process has committed a part of its own (so it cuts into committed work,
         # not only into start-up), at a random moment after that commit
         while len(rows(tmp_path)) <= committed[-1]:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, (tmp_path / f"kill{kill}.txt").read_text()
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 0.3))
         assert proc.poll() is None, "the run finished before the kill: nothing was interrupted"
@@ -72,14 +69,14 @@ def test_kill_9_at_random_moments_loses_nothing_and_duplicates_nothing(tmp_path,
         committed.append(len(ids))
     assert committed == sorted(set(committed)), f"each run committed rows before its kill, none lost: {committed}"
     assert committed[-1] < PROMPTS, "the kills interrupted the work"
-    final = generate(tmp_path, fleet_urls)
-    out, _ = final.communicate(timeout=120)
-    assert final.returncode == 0, out
+    final = generate(tmp_path, fleet_urls, "final.txt")
+    assert final.wait(timeout=120) == 0, (tmp_path / "final.txt").read_text()
+    out = (tmp_path / "final.txt").read_text()
     assert f"{PROMPTS} prompts = {PROMPTS} completed + 0 rejected + 0 failed" in out
 
     clean = tmp_path / "clean"
     build_shard(clean, fleet_urls)
-    out, _ = generate(clean, fleet_urls).communicate(timeout=120)
+    assert generate(clean, fleet_urls, "clean.txt").wait(timeout=120) == 0, (clean / "clean.txt").read_text()
     resumed, fresh = rows(tmp_path), rows(clean)
     assert [r[0] for r in resumed] == sorted(f"k{i:04d}" for i in range(PROMPTS))
     assert resumed == fresh, "the resumed set equals a clean run's, row for row"

@@ -25,15 +25,18 @@ _forks = multiprocessing.get_context("forkserver")
 _forks.set_forkserver_preload(["tests.support.cli_preload", "tests.support.cli"])
 
 
-def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: str) -> None:
-    """In the forked child: the command's environment, directory and output files, then `dflash`'s main."""
+def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: str, session: bool) -> None:
+    """In the forked child: the command's environment, directory and output files (and a session of its own, when
+    asked), then `dflash`'s main."""
+    if session:
+        os.setsid()
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # read TMPDIR again
     if cwd:
         os.chdir(cwd)
     for path, fd in ((out, 1), (err, 2)):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(opened, fd)
         os.close(opened)
     from dflash_assets.cli import main
@@ -41,22 +44,54 @@ def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: s
     sys.exit(main(list(args)))
 
 
+class Command:
+    """A `dflash` command started in the background (`start`), with subprocess.Popen's calls the tests use: pid,
+    poll, wait and returncode. In a session of its own, so `os.killpg(pid, SIGKILL)` takes the whole command, as
+    `kill -9 -PGID` from a terminal."""
+
+    def __init__(self, args: tuple[str, ...], env: dict | None, cwd, out: Path, err: Path, session: bool):
+        self.args = ["dflash", *args]
+        environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        for path in {out, err}:
+            path.write_text("")
+        self._child = _forks.Process(target=_command, args=(
+            args, environment, None if cwd is None else str(cwd), str(out), str(err), session))
+        self._child.start()
+        self.pid = self._child.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._child.exitcode
+
+    def poll(self) -> int | None:
+        return self._child.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._child.join(timeout)
+        if self._child.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._child.exitcode
+
+
+def start(*args: str, out: Path, env: dict | None = None, cwd=None) -> Command:
+    """`dflash *args` started in the background with this process's environment plus `env` (a None there unsets
+    the variable), its stdout and stderr both to `out`."""
+    return Command(args, env, cwd, out, out, session=True)
+
+
 def dflash(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
     """`dflash *args` with this process's environment plus `env` (a None there unsets the variable); its exit code
     and output."""
-    environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
     with tempfile.TemporaryDirectory(prefix="dflash-cli-") as tmp:
-        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        child = _forks.Process(target=_command, args=(args, environment,
-                                                      None if cwd is None else str(cwd), out, err))
-        child.start()
-        child.join(timeout)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
-            raise subprocess.TimeoutExpired(["dflash", *args], timeout, Path(out).read_text(), Path(err).read_text())
-        return subprocess.CompletedProcess(["dflash", *args], child.exitcode, Path(out).read_text(),
-                                           Path(err).read_text())
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        command = Command(args, env, cwd, out, err, session=False)
+        try:
+            status = command.wait(timeout)
+        except subprocess.TimeoutExpired:
+            command._child.kill()
+            command._child.join()
+            raise subprocess.TimeoutExpired(command.args, timeout, out.read_text(), err.read_text()) from None
+        return subprocess.CompletedProcess(command.args, status, out.read_text(), err.read_text())
 
 
 def home(tmp_path: Path, name: str) -> dict:
