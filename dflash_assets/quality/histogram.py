@@ -15,30 +15,37 @@ from matplotlib.figure import Figure
 from dflash_assets.quality.tables import open_quality_db
 
 
-def _render_png(data_dir: str | Path, shard: str | None, bins: int) -> bytes:
+def series(data_dir: str | Path, shard: str | None = None) -> list[tuple[str, int | None, int, np.ndarray]]:
+    """(config_hash, the config's cap, rows, completion lengths), a series per config. Under the window policy
+    each row asks its own max_output_tokens (the window's rest after its prompt): the config's cap is config_cap
+    (tables.py), as the report groups them; a series per row cap would draw a line per prompt length."""
     with open_quality_db(data_dir, shard) as con:
         configs = con.execute(
-            "SELECT config_hash, max_output_tokens, count(*) FROM completions GROUP BY ALL ORDER BY ALL"
+            "SELECT config_hash, config_cap, count(*) FROM completions GROUP BY ALL ORDER BY ALL"
         ).fetchall()
-        lengths = {
-            (h, cap): con.execute(
+        return [
+            (h, cap, rows, con.execute(
                 "SELECT completion_tokens FROM completions WHERE config_hash IS NOT DISTINCT FROM $h "
-                "AND max_output_tokens IS NOT DISTINCT FROM $cap AND completion_tokens IS NOT NULL",
+                "AND config_cap IS NOT DISTINCT FROM $cap AND completion_tokens IS NOT NULL",
                 {"h": h, "cap": cap},
-            ).fetchnumpy()["completion_tokens"]
-            for h, cap, _ in configs
-        }
+            ).fetchnumpy()["completion_tokens"])
+            for h, cap, rows in configs
+        ]
+
+
+def _render_png(data_dir: str | Path, shard: str | None, bins: int) -> bytes:
+    configs = series(data_dir, shard)
     fig = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    caps = sorted({cap for _, cap, _ in configs if cap is not None})
-    top = max([*caps, *(int(v.max()) for v in lengths.values() if len(v)), 1])
+    caps = sorted({cap for _, cap, _, _ in configs if cap is not None})
+    top = max([*caps, *(int(values.max()) for *_, values in configs if len(values)), 1])
     # Edges sit half a token above multiples of top/bins (a power-of-two cap is one of them): a row that hit
     # the cap lands in the bin just left of the cap line, never right of it as if it had overshot.
     edges = np.linspace(0, top, bins + 1) + 0.5
     edges[0] = -0.5
     cap_colors: dict[int, object] = {}
-    for (h, cap, rows), values in zip(configs, lengths.values()):
+    for h, cap, rows, values in configs:
         label = f"{h} (cap {cap}): {rows:,} rows"
         _, _, patches = ax.hist(values, bins=edges, histtype="step", linewidth=1.5, label=label)
         cap_colors.setdefault(cap, patches[0].get_edgecolor())

@@ -2,6 +2,8 @@
 
 import base64
 import io
+import random
+import warnings
 from collections import defaultdict
 
 from rich.console import Console
@@ -12,7 +14,8 @@ from dflash_assets.quality import (
     length_quality,
     print_report,
 )
-from tests.support.quality_data import config_of, load, nearest_rank
+from dflash_assets.quality.histogram import series
+from tests.support.quality_data import CONFIG_A, completion, config_of, load, nearest_rank, prompt, write
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -108,6 +111,23 @@ def test_histogram_png_is_written_and_embedded_as_markdown(defects_dir, tmp_path
     prefix = "![completion lengths](data:image/png;base64,"
     assert markdown.startswith(prefix) and markdown.endswith(")")
     assert base64.b64decode(markdown[len(prefix) : -1]) == path.read_bytes()  # same data, same picture
+
+
+def test_the_histogram_draws_a_window_policy_config_as_one_series_at_its_cap(tmp_path):
+    # under --cap-policy window each row asks the window's rest after its own prompt: 40 prompt lengths, 40 row caps
+    rng = random.Random(5)
+    window = dict(config_hash="w8192", max_output_tokens=8192, server_context_length=16384, enable_thinking=True)
+    ps = [prompt("w0", i, 100 + 37 * i, "sharegpt") for i in range(40)]
+    rows = [completion(p, window, rng.randint(50, 3000), max_output_tokens=8192 - p["prompt_tokens"],
+                       policy_cap=8192, trainer_max_length=8192) for p in ps]
+    write(tmp_path, "prompt_shards", "w0", ps)
+    write(tmp_path, "completions", "w0", rows + [completion(p, CONFIG_A, 4096, "length") for p in ps[:5]])
+    drawn = series(tmp_path)
+    assert [(h, cap, n) for h, cap, n, _ in drawn] == [("a4096", 4096, 5), ("w8192", 8192, 40)]
+    assert sorted(drawn[1][3].tolist()) == sorted(r["completion_tokens"] for r in rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a legend of a line per row cap did not fit: "Tight layout not applied"
+        assert completion_histogram_png(tmp_path, tmp_path / "lengths.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def test_print_report_prints_rates_with_two_decimals(story_dir):
