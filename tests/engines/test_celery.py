@@ -45,7 +45,7 @@ from tests.support.dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, ROOT, 
 from tests.support.services import environ
 from tests.support.shards import questions, write_prompts
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.long]
+pytestmark = pytest.mark.timeout(420)
 
 DEPLOY_CELERY_YAML = ROOT / "deploy" / "dagster-celery.yaml"
 WORKER_YAML = ROOT / "deploy" / "celery-worker.yaml"
