@@ -26,15 +26,17 @@ os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
 os.environ.setdefault("DFLASH_EMULATOR_SAMPLING", "per-prompt")
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
 def pytest_collection_modifyitems(items):
-    """The files marked `long` first, then the rest by number of tests, most first (xdist's own order). scripts/test.sh
-    hands whole files to its workers in this order (`--dist loadfile --no-loadscope-reorder`): the long files start at
-    once and the short ones fill in around them, so the workers end together. By count alone, a 3-test file of two
-    minutes started last and ran alone for 80 s at the end of the fast suite. The engines' files are not marked: all
-    of them at once, each with its servers, starve one another (the whole suite: 10:00 -> 11:39)."""
+    """The order in which scripts/test.sh hands whole files to its workers (`--dist loadfile
+    --no-loadscope-reorder`): by number of tests, most first (xdist's own order), and in a run without the engines
+    the files marked `long` before all others, so they start at once, the short ones fill in around them and the
+    workers end together. Measured on 2 cores: the fast suite by count alone ran a 3-test file of two minutes last,
+    alone for 80 s (6:13; long files first: 5:21). With the engines in the run their files are the long ones, and
+    starting them together starves their servers (the whole suite: 10:00 by count, 11:39 and 13:11 long first)."""
     tests_in = Counter(item.path for item in items)
-    items.sort(key=lambda item: (item.get_closest_marker("long") is None, -tests_in[item.path]))
+    engines = any(item.get_closest_marker("engines") for item in items)
+    items.sort(key=lambda item: (engines or item.get_closest_marker("long") is None, -tests_in[item.path]))
 
 
 @pytest.fixture
