@@ -26,8 +26,8 @@ some commas are em dashes, emitted as byte tokens, so a cap can cut a character 
 from __future__ import annotations
 
 import functools
-import itertools
 import hashlib
+import itertools
 import math
 import struct
 from array import array

@@ -4,8 +4,8 @@ The child is forked from a multiprocessing fork server that has imported Dagster
 uses, Dagster's instance storage and the layers below the definitions (tests/support/cli_preload.py; never the
 definitions, which read the settings from the environment at import), so each command skips the 4-5 s of CPU an
 interpreter spends importing them; from there it is `dflash`'s own `main` with the command's arguments, environment,
-working directory, output files and exit status. The kill -9 tests start real
-`python -m dflash_assets.cli` processes of their own.
+working directory, output files and exit status. `start` runs one in the background, in a session of its own, for
+the kill -9 tests; scripts/kill_demo.py kills fresh `dflash demo` processes, started as a user starts them.
 """
 
 import multiprocessing
@@ -66,6 +66,10 @@ class Command:
     def poll(self) -> int | None:
         return self._child.exitcode
 
+    def kill(self) -> None:
+        self._child.kill()
+        self._child.join()
+
     def wait(self, timeout: float | None = None) -> int:
         self._child.join(timeout)
         if self._child.exitcode is None:
@@ -88,8 +92,7 @@ def dflash(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) 
         try:
             status = command.wait(timeout)
         except subprocess.TimeoutExpired:
-            command._child.kill()
-            command._child.join()
+            command.kill()
             raise subprocess.TimeoutExpired(command.args, timeout, out.read_text(), err.read_text()) from None
         return subprocess.CompletedProcess(command.args, status, out.read_text(), err.read_text())
 
