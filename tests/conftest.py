@@ -72,8 +72,9 @@ def fleet_size() -> int:
 
 @pytest.fixture(scope="module")
 def fleet_urls(fleet_args, fleet_size):
-    """The URLs of an emulated fleet started for the module (subprocess servers, as `sglang serve` runs)."""
-    from dflash_assets.emulator.process import start_emulator
+    """The URLs of an emulated fleet started for the module: servers in processes of their own, as `sglang serve`
+    runs (forked warm, tests/support/forks.py)."""
+    from tests.support.forks import start_emulator
 
     with ExitStack() as stack:
         yield [stack.enter_context(start_emulator(fleet_args)).url for _ in range(fleet_size)]

@@ -176,6 +176,12 @@ def _non_ascii_stream() -> tuple[list[int], array, bytearray]:
     return out * 2, at, inside
 
 
+def build_streams() -> None:
+    """Build the token streams every completion is cut from (0.13 s of CPU) now, not inside the first request."""
+    _non_ascii_stream()
+    _loop_line()
+
+
 def _non_ascii_piece(offset: int, n: int) -> list[int]:
     """`n` tokens of the non-ASCII stream from `offset` (wraps around)."""
     ids, _, _ = _non_ascii_stream()

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
@@ -86,9 +87,10 @@ class EmulatorProcess:
 
 
 # Set to its own pid by whoever starts an emulator for its own use (start_emulator): the emulator stops when that
-# parent is gone (even before it started serving),
-# so a SIGKILLed run or test leaves no server behind (it runs in a session of its own, away from the parent's
-# signals). A standalone `dflash emulator` does not set it and outlives its shell, as `sglang serve` does.
+# process is gone (even when it was gone before the server listened, and when it is not the server's own parent, as
+# for the tests' servers forked by a fork server), so a SIGKILLed run or test leaves no server behind (it runs in a
+# session of its own, away from the starter's signals). A standalone `dflash emulator` does not set it and outlives
+# its shell, as `sglang serve` does.
 EXIT_WITH_PARENT = "DFLASH_EMULATOR_EXIT_WITH_PARENT"
 
 
@@ -100,17 +102,20 @@ def start_emulator(
     env: dict | None = None,
     startup_timeout: float = 30.0,
     log_path: str | os.PathLike | None = None,
+    spawn: Spawn | None = None,
 ) -> EmulatorProcess:
     """Start `python -m dflash_assets.emulator` and wait for /health 200.
     `args` are server flags; --model-path defaults to emulated/qwen3-27b. Without
     `port`, a free loopback port is picked (and picked again if someone else
     takes it before the server binds). Without `log_path`, output goes to a temp
-    file that .stop() reads into .log() and removes."""
+    file that .stop() reads into .log() and removes. `spawn` starts the process
+    (`popen` by default); the tests fork theirs from a process that has imported
+    the emulator already (tests/support/forks.py)."""
     args = list(args)
     if not any(a == "--model-path" or a.startswith("--model-path=") or a == "--model" for a in args):
         args = ["--model-path", "emulated/qwen3-27b", *args]
     for attempt in range(3 if port is None else 1):
-        proc = _spawn(args, host, port or free_port(host), env, log_path)
+        proc = _spawn(args, host, port or free_port(host), env, log_path, spawn or popen)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if not proc.alive():
@@ -129,23 +134,33 @@ def start_emulator(
     raise RuntimeError("emulator: no free port after 3 attempts")
 
 
-def _spawn(args: list[str], host: str, port: int, env: dict | None, log_path) -> EmulatorProcess:
+# starts `python -m dflash_assets.emulator` with these arguments and environment, its stdout and stderr appended to the
+# log file, in a session of its own; returns a subprocess.Popen or an object with the same calls (pid, poll, wait,
+# send_signal, kill, returncode)
+Spawn = Callable[[list[str], dict, Path], subprocess.Popen]
+
+
+def popen(args: list[str], env: dict, log_path: Path) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dflash_assets.emulator", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def _spawn(args: list[str], host: str, port: int, env: dict | None, log_path, spawn: Spawn) -> EmulatorProcess:
     own_log = log_path is None
     if own_log:
         fd, log_path = tempfile.mkstemp(prefix=f"emulator-{port}-", suffix=".log")
         os.close(fd)
     log_path = Path(log_path)
-    cmd = [sys.executable, "-m", "dflash_assets.emulator", *args, "--host", host, "--port", str(port)]
-    with open(log_path, "ab") as log:
-        popen = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, EXIT_WITH_PARENT: str(os.getpid()), **(env or {})},
-            start_new_session=True,
-        )
-    return EmulatorProcess(popen, host, port, log_path, own_log)
+    environment = {**os.environ, EXIT_WITH_PARENT: str(os.getpid()), **(env or {})}
+    proc = spawn([*args, "--host", host, "--port", str(port)], environment, log_path)
+    return EmulatorProcess(proc, host, port, log_path, own_log)
 
 
 class EmulatorThread:

@@ -163,6 +163,7 @@ async def serve(
     cfg: EmulatorSetup, *, stop: asyncio.Event | None = None, on_crash=crash_process, on_bound=None
 ) -> None:
     """Run until `stop` is set (or forever). `on_bound(port)` fires once listening."""
+    model.build_streams()
     app = create_app(cfg, on_crash=on_crash)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
@@ -198,7 +199,25 @@ async def serve(
 
 
 async def _stop_when_orphaned(stop: asyncio.Event, parent: int, every_s: float = 1.0) -> None:
-    while os.getppid() == parent:  # a dead parent's children are handed to init (or a subreaper)
-        await asyncio.sleep(every_s)
+    """Set `stop` once the process `parent` is gone. Linux tells through a pidfd, whether or not `parent` is this
+    process's own parent (the tests' servers are forked by a fork server for the test process); elsewhere this polls
+    for `parent` as its own parent (a dead parent's children are handed to init or a subreaper)."""
+    try:
+        pidfd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        pidfd = None  # gone already
+    except (AttributeError, OSError):  # no pidfds here
+        while os.getppid() == parent:
+            await asyncio.sleep(every_s)
+        pidfd = None
+    if pidfd is not None:
+        gone = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(pidfd, gone.set)  # readable when the process exits
+        try:
+            await gone.wait()
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
     log.warning("emulator: the process that started it (pid %d) is gone; stopping", parent)
     stop.set()

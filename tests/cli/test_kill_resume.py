@@ -25,7 +25,7 @@ import psutil
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from tests.support.cli import Command, start
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 from tests.support.http import set_faults

@@ -12,7 +12,7 @@ from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.defs.training.assets import drafter_training_set
 from dflash_assets.defs.resources import FleetResource, PromptSourceResource, QualityResource
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.quality import CHECKS
 from tests.support import dagster_run
 from tests.support.dagster_run import ASSETS, checks_of, run_shard
@@ -36,7 +36,7 @@ def completion_rows(tmp_path, where: str = "true") -> list[tuple]:
 def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
     write_prompts(tmp_path / "prompts.jsonl", questions(30))
     res = resources(tmp_path, fleet_urls, shard_size=15)
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001"])
         results = [run_shard(instance, res, s, cap=32000) for s in ("00000", "00001")]
     assert all(r.success for r in results)
@@ -66,7 +66,7 @@ def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
 
 def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, fleet_urls):
     write_prompts(tmp_path / "prompts.jsonl", questions(200))
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         low = run_shard(instance, resources(tmp_path / "low", fleet_urls, 200) | {
             "prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=4096)
@@ -85,7 +85,7 @@ def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, 
 def test_a_shard_past_the_truncation_limit_gets_its_report_and_histogram_in_the_run_whose_gate_fails(
         tmp_path, fleet_urls):
     write_prompts(tmp_path / "prompts.jsonl", questions(200))
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         run = dg.materialize(ASSETS + [length_quality_summary, drafter_training_set], instance=instance,
                              partition_key="00000", resources=resources(tmp_path, fleet_urls, 200),
@@ -110,7 +110,7 @@ def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", questions(40))
     with start_emulator(FAST + ["--fault-crash-after", "12"]) as crashing:
         res = resources(tmp_path, crashing.url, shard_size=40, health_timeout_s=3)  # each retry finds it gone
-        with dg.instance_for_test() as instance:
+        with dagster_run.instance() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
             first = run_shard(instance, res, "00000", cap=32000, commit_rows=1, max_in_flight_per_server=2,
                               no_server_timeout_s=3, max_attempts=2)
@@ -130,7 +130,7 @@ def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):
 def test_malformed_line_is_rejected_with_its_reason_while_the_rest_completes(tmp_path, fleet_urls):
     write_prompts(tmp_path / "prompts.jsonl", questions(10), {3: '{"messages": [{"role": "user", "content": "cut'})
     res = resources(tmp_path, fleet_urls, shard_size=11)
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = run_shard(instance, res, "00000", cap=32000)
     assert result.success
@@ -149,7 +149,7 @@ def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
     short = ["--context-length", "512", "--length-median", "40", "--length-sigma", "0.2"]
     with start_emulator(FAST + short) as small:
         res = resources(tmp_path, small.url, shard_size=6)
-        with dg.instance_for_test() as instance:
+        with dagster_run.instance() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
             result = run_shard(instance, res, "00000", cap=400)
     assert result.success
@@ -166,7 +166,7 @@ def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
 def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
     write_prompts(tmp_path / "prompts.jsonl", questions(3))
     res = resources(tmp_path, "", 3) | {"fleet": FleetResource(**fleet)}
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = run_shard(instance, res, "00000", cap=100)
     assert not result.success
@@ -182,7 +182,7 @@ def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
 ])
 def test_bad_generation_settings_fail_before_any_request(tmp_path, fleet_urls, config, message):
     write_prompts(tmp_path / "prompts.jsonl", questions(3))
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = run_shard(instance, resources(tmp_path, fleet_urls, 3), "00000", cap=100, **config)
     assert not result.success
@@ -194,7 +194,7 @@ def test_bad_generation_settings_fail_before_any_request(tmp_path, fleet_urls, c
 def test_a_shard_size_of_zero_is_refused(tmp_path, fleet_urls):
     write_prompts(tmp_path / "prompts.jsonl", questions(3))
     res = resources(tmp_path, fleet_urls, 0)
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = run_shard(instance, res, "00000", cap=100)
     assert not result.success
@@ -207,7 +207,7 @@ def test_training_set_is_refused_while_a_blocking_check_fails_and_written_once_c
 
     write_prompts(tmp_path / "prompts.jsonl", questions(80))
     res = resources(tmp_path, fleet_urls, shard_size=80)
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         low = run_shard(instance, res, "00000", cap=4096)
         low_hash = low.asset_materializations_for_node("completions")[0].metadata["config_hash"].value
@@ -239,7 +239,7 @@ def test_the_check_job_runs_over_every_shard_without_materialising(tmp_path, fle
 
     write_prompts(tmp_path / "prompts.jsonl", questions(20))
     res = resources(tmp_path, fleet_urls, shard_size=10)
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001"])
         for shard in ("00000", "00001"):
             assert run_shard(instance, res, shard, cap=32000).success
@@ -259,7 +259,7 @@ def test_completions_carry_fleet_tuning_advice_from_the_servers_load(tmp_path):
               "4", "--length-median", "300", "--length-sigma", "0.2"]
     with start_emulator(pinned) as server:
         res = resources(tmp_path, server.url, shard_size=40)
-        with dg.instance_for_test() as instance:
+        with dagster_run.instance() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
             result = run_shard(instance, res, "00000", cap=2048, max_in_flight_per_server=16, load_sample_s=0.2)
     assert result.success
@@ -273,7 +273,7 @@ def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard
     write_prompts(tmp_path / "prompts.jsonl", questions(30))
     res = resources(tmp_path, fleet_urls, shard_size=10)
     job = defs.get_repository_def().get_job("shard_pipeline")
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001", "00002"])
         result = job.execute_in_process(
             instance=instance, resources=res,
@@ -294,7 +294,7 @@ def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard
 def test_raising_the_cap_keeps_the_old_rows_tagged_and_adds_the_new_configs_beside_them(tmp_path, fleet_urls):
     write_prompts(tmp_path / "prompts.jsonl", questions(30))
     res = resources(tmp_path, fleet_urls, shard_size=30)
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         run_shard(instance, res, "00000", cap=4096)
         before = completion_rows(tmp_path)
@@ -316,7 +316,7 @@ def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path
     write_prompts(tmp_path / "prompts.jsonl", questions(6))
     with start_emulator(FAST + ["--api-key", secret]) as server:
         res = resources(tmp_path, server.url, shard_size=6, api_key=dg.EnvVar("DFLASH_API_KEY"))
-        with dg.instance_for_test() as instance:
+        with dagster_run.instance() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
             result = run_shard(instance, res, "00000", cap=32000)
             records = instance.get_records_for_run(result.run_id).records
@@ -338,7 +338,7 @@ def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
 
     write_prompts(tmp_path / "prompts.jsonl", questions(5))
     res = resources(tmp_path, fleet_urls, shard_size=5)
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         assert run_shard(instance, res, "00000", cap=32000).success
         context = dg.build_sensor_context(instance=instance, definitions=defs)

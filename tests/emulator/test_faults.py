@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 
 pytestmark = pytest.mark.timeout(60)
 

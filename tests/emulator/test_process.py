@@ -4,13 +4,14 @@ handle, warmup and the ready line, and the API key staying out of logs."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 
 import pytest
 
 from dflash_assets.emulator import main
 from dflash_assets.emulator.config import resolve
-from dflash_assets.emulator.process import start_emulator
+from dflash_assets.emulator.process import EXIT_WITH_PARENT, start_emulator
 from dflash_assets.emulator.sglang_flags import FLAGS
 from tests.support.http import Http
 
@@ -92,3 +93,19 @@ def test_a_context_length_above_the_models_is_refused_unless_allowed(capsys, mon
     )
     monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     assert resolve(["--model-path", "m", "--context-length", "65536"]).context_len == 65536
+
+
+def test_a_server_stops_when_the_process_it_was_started_for_dies_though_that_is_not_its_parent():
+    # the tests' servers are forked by a fork server for the test process: their parent is the fork server, and it is
+    # the test process whose death must stop them (EXIT_WITH_PARENT names it)
+    starter = subprocess.Popen(["sleep", "600"])
+    try:
+        with start_emulator([], env={EXIT_WITH_PARENT: str(starter.pid)}) as emu:
+            assert emu.alive() and Http(emu.url).get("/v1/models")[0] == 200, "serving while its starter lives"
+            starter.kill()
+            starter.wait()
+            assert emu.popen.wait(10) == 0
+            assert f"the process that started it (pid {starter.pid}) is gone; stopping" in emu.log()
+    finally:
+        starter.kill()
+        starter.wait()

@@ -14,7 +14,7 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator.prefix_cache import BLOCK
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shard
@@ -275,13 +275,14 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
 
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.quality.assets import length_quality_summary
+    from tests.support import dagster_run
     from tests.support.dagster_run import resources, run_shard
     from tests.support.shards import FAST
 
     lines = [json.dumps(conversation(i)) for i in range(6)]
     lines.insert(2, '{"id": "broken", "conversations": [{"from": "human", "value": "emoji \\ud83d"}]}')
     (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    with start_emulator(FAST) as emu, dg.instance_for_test() as instance:
+    with start_emulator(FAST) as emu, dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         res = resources(tmp_path, emu.url, shard_size=7)
         result = run_shard(instance, res, "00000", cap=16000, regenerate="all_turns")

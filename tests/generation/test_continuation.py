@@ -18,10 +18,11 @@ from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.metadata import ContinueRun, keys
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
+from tests.support import dagster_run
 from tests.support.http import set_faults
 from tests.support.shards import FAST, N, cont, generate, make_shard, rows
 
@@ -152,7 +153,7 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     parent = generate(data, fleet_urls, 4096)
     res = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)), "data_dir": DataDirResource(path=str(data)),
            "quality": QualityResource()}
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = dg.materialize([continued_completions], partition_key="00000", instance=instance, resources=res,
                                 run_config={"ops": {"continued_completions": {"config": {

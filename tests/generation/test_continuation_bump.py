@@ -9,7 +9,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from tests.support import shards
 
 N = 600

@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator import tokenizer as tok
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from tests.support import shards
 
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--non-ascii"]

@@ -6,7 +6,7 @@ import json
 import duckdb
 import pytest
 
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.settings import GenerationSettings, SettingsError
 from dflash_assets.generation.continuation import continue_shard, latest_parent

@@ -143,7 +143,8 @@ def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_th
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.prompts.assets import prompt_shards
     from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource
-    from dflash_assets.emulator.process import start_emulator
+    from tests.support.forks import start_emulator
+    from tests.support import dagster_run
     from tests.support.http import Http
 
     def healths(url: str) -> dict[str, int]:
@@ -152,7 +153,7 @@ def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_th
     src = tmp_path / "prompts.jsonl"
     write_jsonl(src, [json.dumps({"prompt": f"question {i}"}) for i in range(5)])  # shards of 2: 00000-00002
     keys = ["00000", "00001", "00002", "00003"]
-    with start_emulator([]) as emu, dg.instance_for_test() as instance:
+    with start_emulator([]) as emu, dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, keys)
         job = dg.Definitions(assets=[prompt_shards], resources={
             "fleet": FleetResource(mode="attach", urls=emu.url), "data_dir": DataDirResource(path=str(tmp_path / "data")),

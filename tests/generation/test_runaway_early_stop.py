@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.http import Http, aborted, settled
 from dflash_assets.emulator import model
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.generation.engine import generate_shard

@@ -9,7 +9,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
 from dflash_assets.generation.engine import generate_shard

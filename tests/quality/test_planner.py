@@ -9,7 +9,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import completion_store, generate_shard

@@ -7,7 +7,7 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator import model, tokenizer
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, RunawaySettings
 from dflash_assets.generation.engine import generate_shard
@@ -111,11 +111,12 @@ def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagste
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.quality.assets import length_quality_report
     from dflash_assets.defs.resources import DataDirResource, QualityResource
+    from tests.support import dagster_run
 
     data, _, loops, _ = looping_run
 
     def runaway_check(quality_config: dict):
-        with dg.instance_for_test() as instance:  # a checks-only run, as the schedule's: every shard
+        with dagster_run.instance() as instance:  # a checks-only run, as the schedule's: every shard
             result = dg.materialize(
                 [length_quality_report, completions_quality_checks], instance=instance,
                 resources={"data_dir": DataDirResource(path=str(data)), "quality": QualityResource()},
@@ -135,7 +136,7 @@ def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagste
     never = runaway_check({"runaway": {"min_line_repeats": 10_000, "repeated_ngram_share": 1.1}})
     assert never.passed and never.metadata["runaway_rows"].value == 0
     # the report counts by the same rules
-    with dg.instance_for_test() as instance:
+    with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         reports = {}
         for name, rules in (("default", {}), ("never", {"min_line_repeats": 10_000, "repeated_ngram_share": 1.1})):

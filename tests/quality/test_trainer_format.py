@@ -84,7 +84,7 @@ def test_the_sql_marker_flag_is_the_validators_python_rule_on_tricky_text():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from dflash_assets.emulator.process import start_emulator
+    from tests.support.forks import start_emulator
 
     tmp = tmp_path_factory.mktemp("roundtrip")
     src = tmp / "source.jsonl"

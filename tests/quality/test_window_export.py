@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator import tokenizer as tok
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import generate_shard

@@ -15,7 +15,8 @@ import dagster as dg
 import duckdb
 from dagster._core.events import DagsterEventType
 
-from dflash_assets.emulator.process import free_port, start_emulator
+from dflash_assets.emulator.process import free_port
+from tests.support.forks import start_emulator
 from dflash_assets.quality import CHECKS
 from tests.support.http import Http, set_faults
 from tests.support.shards import questions, write_prompts

@@ -1,80 +1,33 @@
 """The `dflash` command run as a person types it, in a child process; free loopback ports for what it launches.
 
-The child is forked from a multiprocessing fork server that has imported Dagster, the other libraries the command
-uses, Dagster's instance storage and the layers below the definitions (tests/support/cli_preload.py; never the
-definitions, which read the settings from the environment at import), so each command skips the 4-5 s of CPU an
-interpreter spends importing them; from there it is `dflash`'s own `main` with the command's arguments, environment,
-working directory, output files and exit status. `start` runs one in the background, in a session of its own, for
-the kill -9 tests; scripts/kill_demo.py kills fresh `dflash demo` processes, started as a user starts them.
+The child is forked warm (tests/support/forks.py): `dflash`'s own `main` with the command's arguments, environment,
+working directory, output files and exit status, without the 4-5 s of CPU an interpreter spends importing Dagster
+and the rest. `start` runs one in the background, in a session of its own, for the kill -9 tests;
+scripts/kill_demo.py kills fresh `dflash demo` processes, started as a user starts them.
 """
 
-import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from dflash_assets.fleet import processes
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
-
-_forks = multiprocessing.get_context("forkserver")
-# what `dflash` imports that reads no setting, and this module (the child unpickles `_command` from it)
-_forks.set_forkserver_preload(["tests.support.cli_preload", "tests.support.cli"])
+from tests.support.forks import Forked
 
 
-def _command(args: tuple[str, ...], env: dict, cwd: str | None, out: str, err: str, session: bool) -> None:
-    """In the forked child: the command's environment, directory and output files (and a session of its own, when
-    asked), then `dflash`'s main."""
-    if session:
-        os.setsid()
-    os.environ.clear()
-    os.environ.update(env)
-    tempfile.tempdir = None  # read TMPDIR again
-    if cwd:
-        os.chdir(cwd)
-    for path, fd in ((out, 1), (err, 2)):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(opened, fd)
-        os.close(opened)
-    from dflash_assets.cli import main
-
-    sys.exit(main(list(args)))
-
-
-class Command:
-    """A `dflash` command started in the background (`start`), with subprocess.Popen's calls the tests use: pid,
-    poll, wait and returncode. In a session of its own, so `os.killpg(pid, SIGKILL)` takes the whole command, as
-    `kill -9 -PGID` from a terminal."""
+class Command(Forked):
+    """A `dflash` command forked warm (tests/support/forks.py) with this process's environment plus `env` (a None
+    there unsets the variable)."""
 
     def __init__(self, args: tuple[str, ...], env: dict | None, cwd, out: Path, err: Path, session: bool):
-        self.args = ["dflash", *args]
         environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         for path in {out, err}:
             path.write_text("")
-        self._child = _forks.Process(target=_command, args=(
-            args, environment, None if cwd is None else str(cwd), str(out), str(err), session))
-        self._child.start()
-        self.pid = self._child.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._child.exitcode
-
-    def poll(self) -> int | None:
-        return self._child.exitcode
-
-    def kill(self) -> None:
-        self._child.kill()
-        self._child.join()
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._child.join(timeout)
-        if self._child.exitcode is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return self._child.exitcode
+        super().__init__("dflash_assets.cli:main", args, environment, cwd, out, err, session)
+        self.args = ["dflash", *args]
 
 
 def start(*args: str, out: Path, env: dict | None = None, cwd=None) -> Command:

@@ -1,4 +1,4 @@
-"""What the probe tests share: a project (prompt shards built on an emulator, in a test Dagster instance), and
+"""What the probe tests share: a project (prompt shards built on an emulator, in an in-memory Dagster instance), and
 completions and probes written straight to a data dir."""
 
 from contextlib import contextmanager
@@ -7,7 +7,8 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.emulator.process import start_emulator
+from tests.support.forks import start_emulator
+from tests.support import dagster_run
 from tests.support.dagster_run import resources
 from tests.support.shards import write_prompts
 
@@ -18,7 +19,7 @@ def probe_project(tmp: Path, flags: list[str], shards: list[str], per_shard: int
     write_prompts(tmp / "prompts.jsonl", ({"id": f"q{i:04d}", "prompt": f"Question {i}: explain topic {i * 7 % 31}.",
                                            "source": "math" if i % 3 == 0 else "chat"}
                                           for i in range(len(shards) * per_shard)))
-    with start_emulator(flags) as emu, dg.instance_for_test() as instance:
+    with start_emulator(flags) as emu, dagster_run.instance() as instance:
         instance.add_dynamic_partitions("shards", shards)
         res = resources(tmp, emu.url, per_shard)
         for shard in shards:

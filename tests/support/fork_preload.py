@@ -1,9 +1,10 @@
-"""What the fork server of tests/support/cli.py imports once, so that every `dflash` command forked from it starts
-warm (a command spends nothing on imports it would repeat):
+"""What the fork server of tests/support/forks.py imports once, so that every `dflash` command and emulator forked
+from it starts warm (a child spends nothing on imports it would repeat):
 - the libraries the commands use;
 - the storage modules Dagster imports when it first opens an instance (SQLAlchemy, alembic, the SQLite storages:
   about 1.7 s of CPU), by opening one in a throwaway DAGSTER_HOME with the project's dagster.yaml;
-- the layers below the definitions: settings, fleet/, generation/, quality/. They read no setting at import.
+- the layers below the definitions: settings, fleet/, generation/, quality/ (they read no setting at import), and the
+  emulator's server.
 
 Never `dflash_assets.defs` or `dflash_assets.definitions`: they read the deployment's settings from the environment
 at import (the shards per run, the resources), and the environment is the command's. The assertion below keeps it so.
@@ -28,6 +29,7 @@ import rich.console  # noqa: F401
 import rich.progress  # noqa: F401
 import rich.table  # noqa: F401
 
+import dflash_assets.emulator.server  # noqa: F401
 import dflash_assets.fleet
 import dflash_assets.generation
 import dflash_assets.quality
@@ -40,6 +42,8 @@ with tempfile.TemporaryDirectory(prefix="dflash-preload-") as _home:
     shutil.copy(PROJECT_DAGSTER_YAML, _home)
     with dg.DagsterInstance.from_config(_home) as _instance:
         _instance.get_runs(limit=1)
+
+dflash_assets.emulator.model.build_streams()
 
 for _package in (dflash_assets.fleet, dflash_assets.generation, dflash_assets.quality):
     for _module in pkgutil.iter_modules(_package.__path__, _package.__name__ + "."):
