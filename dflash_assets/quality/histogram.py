@@ -1,17 +1,14 @@
 """A histogram of completion lengths per config with each cap marked: a spike at the cap is truncation.
-
-Uses matplotlib's object API on the Agg canvas, not pyplot: no global backend switch, no figure registry,
-safe inside a long-running Dagster process.
+(The figure and its PNG: pictures.py.)
 """
 
 import base64
-import io
 from pathlib import Path
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from dflash_assets.quality.pictures import new_figure, png
 from dflash_assets.quality.tables import open_quality_db
 
 
@@ -33,10 +30,9 @@ def series(data_dir: str | Path, shard: str | None = None) -> list[tuple[str, in
         ]
 
 
-def _render_png(data_dir: str | Path, shard: str | None, bins: int) -> bytes:
-    configs = series(data_dir, shard)
-    fig = Figure(figsize=(8, 4.5), dpi=100)
-    FigureCanvasAgg(fig)
+def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int) -> Figure:
+    """The histogram of `series`' configs."""
+    fig = new_figure(8, 4.5)
     ax = fig.add_subplot()
     caps = sorted({cap for _, cap, _, _ in configs if cap is not None})
     top = max([*caps, *(int(values.max()) for *_, values in configs if len(values)), 1])
@@ -56,10 +52,11 @@ def _render_png(data_dir: str | Path, shard: str | None, bins: int) -> bytes:
     ax.set_title(f"Completion lengths ({'shard ' + shard if shard else 'all shards'})")
     if configs:
         ax.legend(loc="best", fontsize="small")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})  # no version stamp: same data, same bytes
-    return buf.getvalue()
+    return fig
+
+
+def _render_png(data_dir: str | Path, shard: str | None, bins: int) -> bytes:
+    return png(draw(series(data_dir, shard), shard, bins))
 
 
 def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str | None = None, bins: int = 64) -> Path:

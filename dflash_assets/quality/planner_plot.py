@@ -3,25 +3,20 @@
 A reader should see at a glance where the data stop (the current cap), what the length probe measured beyond
 it, how the fitted tail carries on with its 95% band (and whether it agrees with the probe: a bad fit shows as
 two curves apart), the floor the runaways put under every cap, and what each candidate cap would still cut
-and the context length it needs. matplotlib's object API on the Agg canvas, as in
-histogram.py: no pyplot state inside a long-running process.
+and the context length it needs. (The figure and its PNG: pictures.py.)
 """
 
-import io
-
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 
 from dflash_assets.quality.outcome import pct
+from dflash_assets.quality.pictures import new_figure, png
 from dflash_assets.quality.planner import CapPlan
 
 
 def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None) -> bytes:
     """`window`: (max_length, where it ends in completion tokens for the median prompt): marked on the picture,
     since a cap past it buys only tokens no training step reads."""
-    fig = Figure(figsize=(8, 4.8), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure(8, 4.8)
     ax = fig.add_subplot()
     floor = 0.5 / plan.rows  # below one row in the sample a probability is invisible, not zero
     if plan.empirical:
@@ -76,7 +71,4 @@ def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None) -> bytes:
     ax.set_title(f"Cap plan{', config ' + plan.config_hash if plan.config_hash else ''}: current cap {plan.cap:,}")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="center left", fontsize="small")  # the curves hug the top: the middle left is free
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})  # no version stamp: same plan, same bytes
-    return buf.getvalue()
+    return png(fig)

@@ -130,6 +130,26 @@ def test_the_histogram_draws_a_window_policy_config_as_one_series_at_its_cap(tmp
         assert completion_histogram_png(tmp_path, tmp_path / "lengths.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_everything_the_histogram_draws_lies_inside_the_picture_with_the_widest_counts():
+    # the margins are fixed (quality/pictures.py): the widest y tick labels are six digits (matplotlib writes a
+    # million and more as 1e6 times a short label); the axes' tight box holds what is drawn (title, labels, the
+    # tick labels in view)
+    import numpy as np
+
+    from dflash_assets.quality.histogram import draw
+
+    for rows, widest in ((12, 1), (900_000, 6), (3_000_000, 1)):
+        values = np.r_[np.full(rows, 4096), np.arange(1, 4000)]
+        fig = draw([("0123456789ab", 4096, len(values), values), ("ba9876543210", 8192, 40, np.arange(40) * 200)],
+                   None, 64)
+        fig.canvas.draw()
+        [ax] = fig.axes
+        drawn = ax.get_tightbbox(fig.canvas.get_renderer())
+        assert max(len(t.get_text()) for t in ax.get_yticklabels()) >= widest
+        assert fig.bbox.x0 <= drawn.x0 and drawn.x1 <= fig.bbox.x1, (rows, drawn, fig.bbox)
+        assert fig.bbox.y0 <= drawn.y0 and drawn.y1 <= fig.bbox.y1, (rows, drawn, fig.bbox)
+
+
 def test_print_report_prints_rates_with_two_decimals(story_dir):
     out = io.StringIO()
     report = print_report(story_dir, console=Console(file=out, width=200, color_system=None))
