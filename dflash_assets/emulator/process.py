@@ -45,7 +45,8 @@ class EmulatorProcess:
         self.host = host
         self.port = port
         self.log_path = log_path
-        self._own_log = own_log  # a temp file we made: read into memory and removed on stop
+        self._own_log = own_log  # a temp file we made: removed once the server serves (forget_log_path), read on stop
+        self._log_file = None  # that file, still open, after its name is gone
         self._log_text: str | None = None
 
     @property
@@ -63,7 +64,17 @@ class EmulatorProcess:
         """The server's stdout and stderr so far (still available after stop)."""
         if self._log_text is not None:
             return self._log_text
+        if self._log_file is not None:
+            self._log_file.seek(0)
+            return self._log_file.read().decode(errors="replace")
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def forget_log_path(self) -> None:
+        """A temp log of ours: keep it open and remove its name, so that nothing is left in the temp dir when this
+        process is killed (the server, told to exit with it, closes its end)."""
+        if self._own_log and self._log_file is None:
+            self._log_file = open(self.log_path, "rb")
+            self.log_path.unlink(missing_ok=True)
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
@@ -77,6 +88,8 @@ class EmulatorProcess:
         if self._own_log and self._log_text is None:
             self._log_text = self.log()
             self.log_path.unlink(missing_ok=True)
+            if self._log_file is not None:
+                self._log_file.close()
         return self.popen.returncode
 
     def __enter__(self) -> Self:
@@ -126,6 +139,7 @@ def start_emulator(
                     f"emulator exited with {proc.popen.returncode} before it was healthy:\n{proc.log()[-2000:]}"
                 )
             if _healthy(proc.url):
+                proc.forget_log_path()  # the server has its log open by now
                 return proc
             time.sleep(0.05)
         else:

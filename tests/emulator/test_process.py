@@ -3,8 +3,12 @@ handle, warmup and the ready line, and the API key staying out of logs."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -109,3 +113,26 @@ def test_a_server_stops_when_the_process_it_was_started_for_dies_though_that_is_
     finally:
         starter.kill()
         starter.wait()
+
+
+def test_a_server_and_its_starter_killed_leave_no_log_behind(tmp_path):
+    # the temp log is read through an open file once the server serves: a kill -9 of the starter leaves no file
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    starter = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                                "from dflash_assets.emulator.process import start_emulator\n"
+                                "emu = start_emulator([])\n"
+                                "print(emu.pid, flush=True)\n"
+                                "time.sleep(600)\n"], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        server = int(starter.stdout.readline())
+        assert list(tmp_path.iterdir()) == [], "the log has no name once the server serves"
+        starter.kill()
+        starter.wait()
+        with contextlib.suppress(ProcessLookupError):  # not our child: its pidfd turns readable when it exits
+            pidfd = os.pidfd_open(server)
+            assert select.select([pidfd], [], [], 20)[0], "the server outlived the process it was started for"
+            os.close(pidfd)
+    finally:
+        starter.kill()
+        starter.wait()
+    assert list(tmp_path.iterdir()) == []
