@@ -29,14 +29,20 @@ os.environ.setdefault("DFLASH_EMULATOR_SAMPLING", "per-prompt")
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected
 def pytest_collection_modifyitems(items):
     """The order in which scripts/test.sh hands whole files to its workers (`--dist loadfile
-    --no-loadscope-reorder`): by number of tests, most first (xdist's own order), and in a run without the engines
-    the files marked `long` before all others, so they start at once, the short ones fill in around them and the
-    workers end together. Measured on 2 cores: the fast suite by count alone ran a 3-test file of two minutes last,
-    alone for 80 s (6:13; long files first: 5:21). With the engines in the run their files are the long ones, and
-    starting them together starves their servers (the whole suite: 10:00 by count, 11:39 and 13:11 long first)."""
+    --no-loadscope-reorder`): the files marked `long` first, so they start at once, the short ones fill in around
+    them and the workers end together; then by number of tests, most first (xdist's own order). In a run with the
+    engines only the engines' long file goes first (tests/engines/test_backfill.py, six minutes): the others,
+    started with it, starve its servers. Measured on 2 cores: the fast suite by count alone ran a 3-test file of two
+    minutes last, alone for 80 s (6:13; long files first: 5:21). The whole suite: 10:00-13:24 by count (ending on
+    the backfill file, started at 310 s), 11:39 with the backfill, Celery and Postgres files first, 13:11 with the
+    fast suite's long files first."""
     tests_in = Counter(item.path for item in items)
     engines = any(item.get_closest_marker("engines") for item in items)
-    items.sort(key=lambda item: (engines or item.get_closest_marker("long") is None, -tests_in[item.path]))
+
+    def first(item) -> bool:
+        return item.get_closest_marker("long") is not None and (not engines or item.get_closest_marker("engines"))
+
+    items.sort(key=lambda item: (not first(item), -tests_in[item.path]))
 
 
 @pytest.fixture

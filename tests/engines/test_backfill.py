@@ -43,7 +43,7 @@ from tests.support.backfill import (BLOCKED_WITHIN_S, FAST, IN_PROCESS, KILLED_S
                                     backfill_runs, failures, latest_completions_metadata, launch_backfill,
                                     open_stack, run_logs, save, step_intervals, wait_backfill)
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.timeout(420), pytest.mark.long]  # six minutes: the whole suite's longest file
 
 
 @pytest.fixture(scope="module")
