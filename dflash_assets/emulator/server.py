@@ -163,7 +163,7 @@ async def serve(
     cfg: EmulatorSetup, *, stop: asyncio.Event | None = None, on_crash=crash_process, on_bound=None
 ) -> None:
     """Run until `stop` is set (or forever). `on_bound(port)` fires once listening."""
-    model.build_streams()
+    model.build_streams(bool(cfg.args.non_ascii))
     app = create_app(cfg, on_crash=on_crash)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=1.0)
     await runner.setup()
@@ -205,12 +205,11 @@ async def _stop_when_orphaned(stop: asyncio.Event, parent: int, every_s: float =
     try:
         pidfd = os.pidfd_open(parent)
     except ProcessLookupError:
-        pidfd = None  # gone already
+        pass  # gone already
     except (AttributeError, OSError):  # no pidfds here
         while os.getppid() == parent:
             await asyncio.sleep(every_s)
-        pidfd = None
-    if pidfd is not None:
+    else:
         gone = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_reader(pidfd, gone.set)  # readable when the process exits

@@ -16,8 +16,8 @@ import duckdb
 from dagster._core.events import DagsterEventType
 
 from dflash_assets.emulator.process import free_port
-from tests.support.forks import start_emulator
 from dflash_assets.quality import CHECKS
+from tests.support.forks import start_emulator
 from tests.support.http import Http, set_faults
 from tests.support.shards import questions, write_prompts
 from tests.support.dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, Webserver, add_shard_partitions, daemon,

@@ -43,7 +43,7 @@ with tempfile.TemporaryDirectory(prefix="dflash-preload-") as _home:
     with dg.DagsterInstance.from_config(_home) as _instance:
         _instance.get_runs(limit=1)
 
-dflash_assets.emulator.model.build_streams()
+dflash_assets.emulator.model.build_streams(non_ascii=True)
 
 for _package in (dflash_assets.fleet, dflash_assets.generation, dflash_assets.quality):
     for _module in pkgutil.iter_modules(_package.__path__, _package.__name__ + "."):

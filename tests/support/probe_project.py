@@ -7,9 +7,9 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.defs.prompts.assets import prompt_shards
-from tests.support.forks import start_emulator
 from tests.support import dagster_run
 from tests.support.dagster_run import resources
+from tests.support.forks import start_emulator
 from tests.support.shards import write_prompts
 
 
