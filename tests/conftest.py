@@ -5,6 +5,7 @@ The engines' fixtures (Postgres, Redis) are in tests/engines/conftest.py; plain 
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import Counter
 from contextlib import ExitStack
@@ -43,6 +44,12 @@ def pytest_collection_modifyitems(items):
         return item.get_closest_marker("long") is not None and (not engines or item.get_closest_marker("engines"))
 
     items.sort(key=lambda item: (not first(item), -tests_in[item.path]))
+
+
+def pytest_collection_finish(session):
+    """What collection imported (Dagster, the test modules) is never garbage: kept out of the collector's passes
+    for the rest of the run, as tests/support/fork_preload.py does for the processes forked warm."""
+    gc.freeze()
 
 
 @pytest.fixture

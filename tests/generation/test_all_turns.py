@@ -6,14 +6,13 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import duckdb
 import pytest
 
 from dflash_assets.emulator.prefix_cache import BLOCK
+from tests.support.cli import dflash, start
 from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.settings import DispatchSettings, GenerationSettings
@@ -24,20 +23,13 @@ CONVERSATIONS = 60
 ARGS = ["--decode-tokens-per-s", "1500", "--max-running-requests", "6", "--reasoning-parser", "qwen3",
         "--length-median", "300", "--length-sigma", "0.8", "--enable-cache-report"]
 CAP = 1200
-RUN = """
-import asyncio, sys
-from dflash_assets.fleet.fleet import connected
-from dflash_assets.settings import DispatchSettings, GenerationSettings
-from dflash_assets.generation.engine import generate_shard
 
-async def main(data, urls):
-    async with connected(urls.split(",")) as fleet:
-        run = await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=%d, regenerate="all_turns"),
-                                   DispatchSettings(commit_rows=3, commit_seconds=0.2, load_sample_s=0), log=print)
-        print(f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + {run.failed} failed")
 
-asyncio.run(main(sys.argv[1], sys.argv[2]))
-""" % CAP
+def generate_command(data_dir, urls) -> tuple[str, ...]:
+    """`dflash generate` of the shard, all turns, with small commits: what the kill -9 test kills and resumes."""
+    return ("generate", "--shard", "00000", "--urls", ",".join(urls), "--data-dir", str(data_dir),
+            "--max-output-tokens", str(CAP), "--regenerate", "all_turns", "--commit-rows", "3",
+            "--commit-seconds", "0.2", "--load-sample-s", "0")
 
 
 def conversation(i: int) -> dict:
@@ -150,8 +142,7 @@ def test_kill_9_mid_conversation_keeps_every_turn_exactly_once_with_the_same_his
     committed, mid_conversation = [], 0
     for _ in range(4):
         before = len(turn_rows(data))
-        proc = subprocess.Popen([sys.executable, "-c", RUN, str(data), ",".join(fleet_urls)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = start(*generate_command(data, fleet_urls), out=tmp_path / "killed.txt")
         # every kill lands after this run committed something (not on a timer: a fast or a loaded machine alike)
         while len(turn_rows(data)) == before and proc.poll() is None:
             time.sleep(0.05)
@@ -170,8 +161,7 @@ def test_kill_9_mid_conversation_keeps_every_turn_exactly_once_with_the_same_his
         committed.append(len(now))
     assert committed == sorted(committed) and committed[-1] < len(clean[2]), "the kills should interrupt the work"
     assert mid_conversation > 0, "some kill should land in the middle of a conversation"
-    final = subprocess.run([sys.executable, "-c", RUN, str(data), ",".join(fleet_urls)], capture_output=True,
-                           text=True, timeout=300)
+    final = dflash(*generate_command(data, fleet_urls))
     assert final.returncode == 0, final.stdout + final.stderr
     assert f"{CONVERSATIONS} prompts = {CONVERSATIONS} completed + 0 rejected + 0 failed" in final.stdout
     # the same rows, turn for turn, as the uninterrupted run: the same history was sent for every turn

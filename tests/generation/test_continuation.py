@@ -6,8 +6,6 @@ continued row must equal, column for column, the row a fresh run at the new cap 
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import dagster as dg
@@ -18,7 +16,7 @@ from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.metadata import ContinueRun, keys
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource
-from tests.support.forks import start_emulator
+from tests.support.forks import Forked, start_emulator
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
@@ -79,21 +77,6 @@ def test_a_rerun_of_a_finished_continuation_sends_nothing(continued, fleet_urls)
     assert len(rows(a, run.config_hash)) == N
 
 
-KILLED = '''
-import asyncio, sys
-from dflash_assets.fleet.fleet import connected
-from dflash_assets.settings import DispatchSettings
-from dflash_assets.generation.continuation import continue_shard
-
-async def go(data, url, parent):
-    settings = DispatchSettings(commit_rows=1, commit_seconds=0.05, load_sample_s=0)
-    async with connected([url]) as fleet:
-        await continue_shard(data, "00000", fleet, parent, 8192, settings, log=lambda m: None)
-
-asyncio.run(go(*sys.argv[1:]))
-'''
-
-
 def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_path, fleet_urls, continued):
     _, b, _, _, scratch = continued
     data = tmp_path / "data"
@@ -102,7 +85,8 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
     copies = N - parent.length
     # slow decoding, so the kill lands while continuations are in flight
     with start_emulator(["--decode-tokens-per-s", "3000", "--max-running-requests", "2", *FAST[2:]]) as slow:
-        proc = subprocess.Popen([sys.executable, "-c", KILLED, str(data), slow.url, parent.config_hash])
+        proc = Forked("tests.support.shards:cont_main", [str(data), slow.url, parent.config_hash, "8192"],
+                      dict(os.environ), None, tmp_path / "killed.txt", tmp_path / "killed.txt", session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(rows(data, scratch.config_hash, "prompt_id")) <= copies:
             time.sleep(0.05)

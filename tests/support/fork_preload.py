@@ -10,6 +10,7 @@ Never `dflash_assets.defs` or `dflash_assets.definitions`: they read the deploym
 at import (the shards per run, the resources), and the environment is the command's. The assertion below keeps it so.
 """
 
+import gc
 import importlib
 import pkgutil
 import shutil
@@ -51,3 +52,6 @@ for _package in (dflash_assets.fleet, dflash_assets.generation, dflash_assets.qu
 
 _settings_readers = sorted(m for m in sys.modules if m.startswith(("dflash_assets.defs", "dflash_assets.definitions")))
 assert not _settings_readers, f"the fork server must not import what reads the settings at import: {_settings_readers}"
+
+# what is loaded is never garbage: kept out of the collector's passes in every child
+gc.freeze()

@@ -1,9 +1,10 @@
-"""Processes forked warm: a `dflash` command or an emulator server started from a multiprocessing fork server that
-has imported what they import (tests/support/fork_preload.py: Dagster and its instance storage, the other libraries,
-the emulator and the layers below the definitions; never the definitions, which read the settings from the
-environment at import). Each child skips the 4-5 s of CPU a `dflash` interpreter spends on imports, 0.6 s for an
-emulator; from there it runs the real entry point (`dflash_assets.cli:main`, `dflash_assets.emulator:main`) with its
-own arguments, environment, working directory, output files and exit status.
+"""Processes forked warm: a `dflash` command, an emulator server or a test's own process (a kill -9 test's client)
+started from a multiprocessing fork server that has imported what they import (tests/support/fork_preload.py:
+Dagster and its instance storage, the other libraries, the emulator and the layers below the definitions; never the
+definitions, which read the settings from the environment at import). Each child skips the 4-5 s of CPU a `dflash`
+interpreter spends on imports, 0.6 s for an emulator; from there it runs the real entry point
+(`dflash_assets.cli:main`, `dflash_assets.emulator:main`) with its own arguments, environment, working directory,
+output files and exit status.
 
 `Forked` has the calls of subprocess.Popen the tests and `EmulatorProcess` use. The production paths keep their
 fresh interpreters: tests/emulator/test_process.py starts `python -m dflash_assets.emulator`, and

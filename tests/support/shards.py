@@ -75,6 +75,14 @@ def cont(data_dir, urls: list[str], parent: str, cap: int, settings: DispatchSet
     return on_fleet(urls, lambda f: continue_shard(data_dir, SHARD, f, parent, cap, settings, **kw))
 
 
+def cont_main(argv: list[str]) -> int:
+    """`cont` as a process's main (forked by tests/support/forks.py): data dir, server URL, parent config, cap; a
+    commit per row, so a kill -9 lands between commits."""
+    data_dir, url, parent, cap = argv
+    cont(Path(data_dir), [url], parent, int(cap), DispatchSettings(commit_rows=1, commit_seconds=0.05, load_sample_s=0))
+    return 0
+
+
 def rows(data_dir, config_hash: str | None = None, columns: str = COLUMNS) -> list[tuple]:
     """The completion rows (of one config, or all), ordered by prompt_id."""
     where = f"config_hash = '{config_hash}'" if config_hash else "true"
