@@ -5,6 +5,7 @@
 import base64
 from pathlib import Path
 
+import duckdb
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -17,17 +18,21 @@ def series(data_dir: str | Path, shard: str | None = None) -> list[tuple[str, in
     each row asks its own max_output_tokens (the window's rest after its prompt): the config's cap is config_cap
     (tables.py), as the report groups them; a series per row cap would draw a line per prompt length."""
     with open_quality_db(data_dir, shard) as con:
-        configs = con.execute(
-            "SELECT config_hash, config_cap, count(*) FROM completions GROUP BY ALL ORDER BY ALL"
-        ).fetchall()
-        return [
-            (h, cap, rows, con.execute(
-                "SELECT completion_tokens FROM completions WHERE config_hash IS NOT DISTINCT FROM $h "
-                "AND config_cap IS NOT DISTINCT FROM $cap AND completion_tokens IS NOT NULL",
-                {"h": h, "cap": cap},
-            ).fetchnumpy()["completion_tokens"])
-            for h, cap, rows in configs
-        ]
+        return series_of(con)
+
+
+def series_of(con: duckdb.DuckDBPyConnection) -> list[tuple[str, int | None, int, np.ndarray]]:
+    """`series` of a database open_quality_db opened (the report's, which it shares)."""
+    configs = con.execute("SELECT config_hash, config_cap, count(*) FROM completions GROUP BY ALL ORDER BY ALL"
+                          ).fetchall()
+    return [
+        (h, cap, rows, con.execute(
+            "SELECT completion_tokens FROM completions WHERE config_hash IS NOT DISTINCT FROM $h "
+            "AND config_cap IS NOT DISTINCT FROM $cap AND completion_tokens IS NOT NULL",
+            {"h": h, "cap": cap},
+        ).fetchnumpy()["completion_tokens"])
+        for h, cap, rows in configs
+    ]
 
 
 def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int) -> Figure:
@@ -61,9 +66,15 @@ def _render_png(data_dir: str | Path, shard: str | None, bins: int) -> bytes:
 
 def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str | None = None, bins: int = 64) -> Path:
     """Write the histogram PNG to `path` and return the path."""
+    return write_histogram(series(data_dir, shard), path, shard, bins)
+
+
+def write_histogram(configs: list[tuple[str, int | None, int, np.ndarray]], path: str | Path, shard: str | None,
+                    bins: int = 64) -> Path:
+    """Write the histogram PNG of `series`' configs to `path` and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(_render_png(data_dir, shard, bins))
+    path.write_bytes(png(draw(configs, shard, bins)))
     return path
 
 

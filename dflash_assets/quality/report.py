@@ -74,45 +74,52 @@ def length_quality(
     as a runaway row (the thresholds' rules).
     """
     with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
-        overall = [{k: v for k, v in g.items() if k != "whole"} for g in _grouped(con, "1 AS whole", "whole")]
-        bucket_case, labels = _bucket_sql(prompt_buckets)
-        buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")
-        for b in buckets:
-            b["bucket"] = labels[b["bucket"]]
-        completion_over, over_max_length = con.execute(
-            f"SELECT count(*) FILTER (WHERE {OVERFLOW_SQL}), "
-            "count(*) FILTER (WHERE prompt_tokens + completion_tokens > $m) FROM completions",
-            {"m": max_length},
-        ).fetchone()
-        rejects_over = con.execute(
-            f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "
-            f"WHERE stage <> 'source' AND {OVERFLOW_SQL})"
-        ).fetchone()[0]
-        return {
-            "scope": {"shard": shard},
-            "percentile_definition": PERCENTILE_DEFINITION,
-            **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0,
-                                                  "cut_inside_window_rows": 0, "window_complete_rows": 0,
-                                                  "window_complete_tokens": 0,
-                                                  "decoded_tokens": 0, "trained_tokens": 0, "q": None,
-                                                  "max": None})),
-            "max_length": max_length,
+        return length_quality_of(con, shard, max_length, prompt_buckets)
+
+
+def length_quality_of(con: duckdb.DuckDBPyConnection, shard: str | None, max_length: int,
+                      prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS) -> dict[str, Any]:
+    """`length_quality` of a database open_quality_db opened for `shard` and `max_length` (which another reader
+    of the same rows, the histogram, can share)."""
+    overall = [{k: v for k, v in g.items() if k != "whole"} for g in _grouped(con, "1 AS whole", "whole")]
+    bucket_case, labels = _bucket_sql(prompt_buckets)
+    buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")
+    for b in buckets:
+        b["bucket"] = labels[b["bucket"]]
+    completion_over, over_max_length = con.execute(
+        f"SELECT count(*) FILTER (WHERE {OVERFLOW_SQL}), "
+        "count(*) FILTER (WHERE prompt_tokens + completion_tokens > $m) FROM completions",
+        {"m": max_length},
+    ).fetchone()
+    rejects_over = con.execute(
+        f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "
+        f"WHERE stage <> 'source' AND {OVERFLOW_SQL})"
+    ).fetchone()[0]
+    return {
+        "scope": {"shard": shard},
+        "percentile_definition": PERCENTILE_DEFINITION,
+        **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0,
+                                              "cut_inside_window_rows": 0, "window_complete_rows": 0,
+                                              "window_complete_tokens": 0,
+                                              "decoded_tokens": 0, "trained_tokens": 0, "q": None,
+                                              "max": None})),
+        "max_length": max_length,
         "by_config": _grouped(con, "config_hash, config_cap AS max_output_tokens", CONFIG,
                               ", count(DISTINCT shard) AS shards"),
-            "by_shard": _grouped(
-                con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
-            ),
-            "by_prompt_length": buckets,
-            "by_source": _grouped(con, "source", "source"),
-            # regenerate: all_turns: turn k of every conversation (empty when every row is one per prompt)
-            "by_turn": _grouped(con, "turn", "turn", where="turn IS NOT NULL"),
-            "overflow": {
-                "completion_rows_over_context": completion_over,
-                "rejected_prompts_over_context": rejects_over,
-                "rows_over_max_length": over_max_length,
-                "max_length": max_length,
-            },
-        }
+        "by_shard": _grouped(
+            con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
+        ),
+        "by_prompt_length": buckets,
+        "by_source": _grouped(con, "source", "source"),
+        # regenerate: all_turns: turn k of every conversation (empty when every row is one per prompt)
+        "by_turn": _grouped(con, "turn", "turn", where="turn IS NOT NULL"),
+        "overflow": {
+            "completion_rows_over_context": completion_over,
+            "rejected_prompts_over_context": rejects_over,
+            "rows_over_max_length": over_max_length,
+            "max_length": max_length,
+        },
+    }
 
 
 def print_report(*args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """length_quality_report: what the completions of a shard look like, in figures and a picture."""
 
 import base64
+from pathlib import Path
 
 import dagster as dg
 
@@ -9,7 +10,8 @@ from dflash_assets.defs.metadata import ReportRun, ShardRun
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
-from dflash_assets.quality import length_quality
+from dflash_assets.quality.report import length_quality_of
+from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.quality.outcome import pct
 from dflash_assets.settings import QualitySettings
 
@@ -63,17 +65,22 @@ def report_metadata(report: dict, png: bytes) -> dict:
 )
 def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDirResource,
                           quality: QualityResource) -> None:
-    from dflash_assets.quality import completion_histogram_png
-
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     thresholds = QualitySettings.taken_from(quality)
     for shard in context.partition_keys:
-        report = length_quality(root, shard=shard, max_length=thresholds.trainer.max_length,
-                                runaway=thresholds.runaway)
-        png = completion_histogram_png(root, reports / f"shard={shard}" / "completion_lengths.png",
-                                       shard=shard)
+        report, png = _report_and_histogram(root, shard, thresholds, reports / f"shard={shard}")
         context.add_asset_metadata(partition_key=shard, metadata={
             **report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))})
+
+
+def _report_and_histogram(root: str, shard: str | None, thresholds: QualitySettings, reports: Path):
+    """The length report of `shard` (None: all shards) and its histogram, written to reports/completion_lengths.png,
+    from one read of the rows."""
+    from dflash_assets.quality.histogram import series_of, write_histogram
+
+    with open_quality_db(root, shard, runaway=thresholds.runaway, max_length=thresholds.trainer.max_length) as con:
+        report, configs = length_quality_of(con, shard, thresholds.trainer.max_length), series_of(con)
+    return report, write_histogram(configs, reports / "completion_lengths.png", shard)
 
 
 def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | None]:
@@ -103,15 +110,13 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
 )
 def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDirResource,
                            quality: QualityResource) -> dg.MaterializeResult:
-    from dflash_assets.quality import completion_histogram_png
     from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown, turn_markdown
     from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.planner_plot import cap_plan_png
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
     root, thresholds = data_dir.resolved(), QualitySettings.taken_from(quality)
-    report = length_quality(root, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
-    png = completion_histogram_png(root, data_dir.local_dir() / "reports" / "completion_lengths.png")
+    report, png = _report_and_histogram(root, None, thresholds, data_dir.local_dir() / "reports")
     metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
                 "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
                                                                           "truncation_rate", "cut_inside_window_rate",
