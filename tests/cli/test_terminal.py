@@ -87,7 +87,8 @@ def test_report_leads_with_the_answer_per_config(demo_at_4096):
 
 
 def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_path):
-    env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192"}
+    env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192",
+                                    "DFLASH_NUM_SERVERS": "1"}  # refused before any request: one server will do
     result = dflash("demo", "--max-output-tokens", "8192", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
     out = result.stdout
@@ -127,8 +128,9 @@ def not_sglang():
 
 
 def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_exclusion(tmp_path):
-    # two shards of the demo's prompts: their long answers are the demo's
-    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 200)), "DFLASH_SHARD_SIZE": "100"}
+    # two shards of the demo's prompts (their long answers are the demo's), on one server
+    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 200)), "DFLASH_SHARD_SIZE": "100",
+                                    "DFLASH_NUM_SERVERS": "1"}
     done = dflash("demo", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout

@@ -96,8 +96,9 @@ def test_a_second_continue_sends_nothing_and_a_fixed_cap_is_refused_by_name(grow
 def test_dflash_continue_to_window_grows_the_demos_window_through_dagster(tmp_path):
     from tests.support.cli import demo_slice, dflash, home
 
-    # two shards of the demo's prompts (their rows reach a 2048 window as the demo's do)
-    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 60)), "DFLASH_SHARD_SIZE": "30"}
+    # two shards of the demo's prompts (their rows reach a 2048 window as the demo's do), on one server
+    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 60)), "DFLASH_SHARD_SIZE": "30",
+                                    "DFLASH_NUM_SERVERS": "1"}
     demo = dflash("demo", "--cap-policy", "window", "--trainer-max-length", "2048", env=env, cwd=tmp_path)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     grown = dflash("continue", "--to-window", "4096", env=env, cwd=tmp_path)

@@ -237,8 +237,9 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
 def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(tmp_path):
     from tests.support.cli import demo_slice, dflash, home
 
-    # the demo's first shard (a fifth of its rows are cut at 4096, as in the whole demo)
-    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)), "DFLASH_SHARD_SIZE": "100"}
+    # the demo's first shard (a fifth of its rows are cut at 4096, as in the whole demo), on one server
+    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)), "DFLASH_SHARD_SIZE": "100",
+                                    "DFLASH_NUM_SERVERS": "1"}
     result = dflash("demo", "--max-output-tokens", "4096", env=env, cwd=tmp_path)
     out = re.sub(r"\s+", " ", result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
