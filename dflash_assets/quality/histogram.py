@@ -4,13 +4,16 @@
 
 import base64
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import numpy as np
 from matplotlib.figure import Figure
 
 from dflash_assets.quality.pictures import new_figure, png
+from dflash_assets.quality.report import length_quality_of
 from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.settings import RunawaySettings, TrainerSettings
 
 
 def series(data_dir: str | Path, shard: str | None = None) -> list[tuple[str, int | None, int, np.ndarray]]:
@@ -60,10 +63,6 @@ def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | No
     return fig
 
 
-def _render_png(data_dir: str | Path, shard: str | None, bins: int) -> bytes:
-    return png(draw(series(data_dir, shard), shard, bins))
-
-
 def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str | None = None, bins: int = 64) -> Path:
     """Write the histogram PNG to `path` and return the path."""
     return write_histogram(series(data_dir, shard), path, shard, bins)
@@ -78,7 +77,17 @@ def write_histogram(configs: list[tuple[str, int | None, int, np.ndarray]], path
     return path
 
 
+def report_and_histogram(data_dir: str | Path, path: str | Path, shard: str | None = None,
+                         max_length: int = TrainerSettings().max_length,
+                         runaway: RunawaySettings = RunawaySettings()) -> tuple[dict[str, Any], Path]:
+    """`report.length_quality` of `shard` (None: all shards) and its histogram written to `path`, from one read of
+    the rows (the length_quality assets draw both)."""
+    with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
+        report, configs = length_quality_of(con, shard, max_length), series_of(con)
+    return report, write_histogram(configs, path, shard)
+
+
 def completion_histogram_markdown(data_dir: str | Path, shard: str | None = None, bins: int = 64) -> str:
     """The histogram as a Markdown image with a base64 data URI, for Dagster Markdown metadata."""
-    data = base64.b64encode(_render_png(data_dir, shard, bins)).decode("ascii")
+    data = base64.b64encode(png(draw(series(data_dir, shard), shard, bins))).decode("ascii")
     return f"![completion lengths](data:image/png;base64,{data})"

@@ -10,8 +10,6 @@ from dflash_assets.defs.metadata import ReportRun, ShardRun
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
-from dflash_assets.quality.report import length_quality_of
-from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.quality.outcome import pct
 from dflash_assets.settings import QualitySettings
 
@@ -74,13 +72,10 @@ def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDirRe
 
 
 def _report_and_histogram(root: str, shard: str | None, thresholds: QualitySettings, reports: Path):
-    """The length report of `shard` (None: all shards) and its histogram, written to reports/completion_lengths.png,
-    from one read of the rows."""
-    from dflash_assets.quality.histogram import series_of, write_histogram
+    from dflash_assets.quality.histogram import report_and_histogram  # matplotlib: on use
 
-    with open_quality_db(root, shard, runaway=thresholds.runaway, max_length=thresholds.trainer.max_length) as con:
-        report, configs = length_quality_of(con, shard, thresholds.trainer.max_length), series_of(con)
-    return report, write_histogram(configs, reports / "completion_lengths.png", shard)
+    return report_and_histogram(root, reports / "completion_lengths.png", shard, thresholds.trainer.max_length,
+                                thresholds.runaway)
 
 
 def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | None]:
