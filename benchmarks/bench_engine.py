@@ -27,10 +27,12 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.settings import DispatchSettings, GenerationSettings
-from dflash_assets.generation.engine import committed_ids, completion_store, generate_shards, plan_remaining
-from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
-from dflash_assets.generation.shards import build_prompt_shard, prompt_store
-from dflash_assets.generation.parts import write_atomic
+from dflash_assets.generation.engine import generate_shards, plan_remaining
+from dflash_assets.store.stores import committed_ids, completion_store
+from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
+from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.store.stores import prompt_store
+from dflash_assets.store.storage import write_atomic
 
 RESULTS: list[tuple[str, str, str]] = []
 

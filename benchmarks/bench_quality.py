@@ -1,7 +1,7 @@
 """How long the whole quality suite takes over 1,000,000 completion rows (target: <= 2 s on 2 cores).
 
 Writes synthetic shards with the real schemas via pyarrow into a temp dir (prompts, completions with text,
-a few rejects and failures; zstd like generation.parts), then times `run_checks` over all shards several
+a few rejects and failures; zstd like store.parts), then times `run_checks` over all shards several
 times and prints the median, plus a per-check breakdown of one run. Text sizes are flags: most of the time
 is decoding content and reasoning_content, which the text checks must read, so it grows with their bytes.
 
@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.quality import CHECKS, length_quality, open_quality_db, run_checks
 from dflash_assets.settings import QualitySettings
 

@@ -257,7 +257,7 @@ def _report(args: argparse.Namespace) -> int:
 def _report_pictures(data_dir: str, answers) -> list[Path]:
     """The histogram of completion lengths and each config's cap plan (survival curve), written beside the report:
     under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
-    from dflash_assets.generation.storage import is_uri
+    from dflash_assets.store.storage import is_uri
     from dflash_assets.quality import completion_histogram_png
     from dflash_assets.quality.planner_plot import cap_plan_png
 

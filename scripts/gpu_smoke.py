@@ -28,7 +28,8 @@ from dflash_assets.fleet.launcher import build_spec
 from dflash_assets.settings import Deployment, DispatchSettings, GenerationSettings, LaunchSettings
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
-from dflash_assets.generation.shards import build_prompt_shard, prompt_store
+from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.store.stores import prompt_store
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.export import export_training_set
 

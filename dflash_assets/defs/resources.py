@@ -120,13 +120,13 @@ class DataDirResource(dg.ConfigurableResource):
 
     def resolved(self) -> Path | str:
         """The data dir for the generation and quality libraries: an absolute Path, or the URI as given."""
-        from dflash_assets.generation.storage import is_uri
+        from dflash_assets.store.storage import is_uri
 
         return self.path.rstrip("/") if is_uri(self.path) else Path(self.path).resolve()
 
     def local_dir(self) -> Path:
         """Where local files (reports, training set) go: the data dir itself when it is local."""
-        from dflash_assets.generation.storage import is_uri
+        from dflash_assets.store.storage import is_uri
 
         return Path(self.local_path if is_uri(self.path) else self.path).resolve()
 

@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from dflash_assets.generation.parts import PartStore
+from dflash_assets.store.parts import PartStore
 from dflash_assets.generation.plan import ShardRun
 from dflash_assets.generation.slots import Slot
 from dflash_assets.rules import stopped_early

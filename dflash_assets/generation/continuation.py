@@ -44,17 +44,16 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.engine import window_columns
-from dflash_assets.generation.parts import PartStore
-from dflash_assets.generation.plan import (
-    ShardRun, committed_ids, completion_store, failure_store, preflight, prompt_batches, reject_row,
-)
+from dflash_assets.store.parts import PartStore
+from dflash_assets.generation.plan import ShardRun, preflight, prompt_batches, reject_row
+from dflash_assets.store.stores import committed_ids, completion_store, failure_store
 from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
-from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.send import Dispatch, watch_of
-from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.store.stores import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
-from dflash_assets.generation.storage import Storage, open_storage
+from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.rules import RUNAWAY_FINISH, most_rows_first
 

@@ -21,16 +21,14 @@ from pathlib import Path
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
-from dflash_assets.generation.plan import (
-    OVERFLOW_FAIL_SHARE, ShardRun, committed_ids, completion_store, failure_store, plan_remaining, plan_shard,
-    reject_row,
-)
+from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardRun, plan_remaining, plan_shard, reject_row
+from dflash_assets.store.stores import committed_ids, completion_store, failure_store
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.send import Dispatch, watch_of
-from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.store.stores import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
-from dflash_assets.generation.storage import open_storage
+from dflash_assets.store.storage import open_storage
 from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
 from dflash_assets.rules import stores_token_ids
 

@@ -12,18 +12,15 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
-import pyarrow.compute as pc
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.settings import DispatchSettings, GenerationSettings
-from dflash_assets.generation.parts import PartStore
+from dflash_assets.store.parts import PartStore
 from dflash_assets.generation.preflight import Budget, overflow_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
-from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA
-from dflash_assets.generation.shards import prompt_store, reject_store
-from dflash_assets.generation.storage import Storage
+from dflash_assets.store.stores import committed_ids, completion_store, prompt_store, reject_store
+from dflash_assets.store.storage import Storage
 
 OVERFLOW_FAIL_SHARE = 0.9  # when this share of a shard overflows, the config is wrong, not the prompts
 PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
@@ -66,19 +63,6 @@ class ShardRun:
     @property
     def rejected(self) -> int:
         return self.rejected_preflight + self.rejected_server
-
-
-def completion_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
-    return PartStore(data_dir, "completions", shard, COMPLETION_SCHEMA)
-
-
-def failure_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
-    return PartStore(data_dir, "failures", shard, FAILURE_SCHEMA)
-
-
-def committed_ids(store: PartStore, config_hash: str) -> set[str]:
-    table = store.read(["prompt_id", "config_hash"])
-    return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
 
 
 def reject_row(prompt: dict, stage: str, reason: str, config: GenerationSettings, config_hash: str, shard: str,

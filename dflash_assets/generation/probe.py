@@ -25,11 +25,11 @@ from pathlib import Path
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.continuation import continue_shard, rows_of
 from dflash_assets.generation.engine import ShardRun, generate_shard
-from dflash_assets.generation.plan import committed_ids, completion_store
+from dflash_assets.store.stores import committed_ids, completion_store
 from dflash_assets.generation.preflight import Budget
-from dflash_assets.generation.schema import PROMPT_SCHEMA
-from dflash_assets.generation.shards import prompt_store
-from dflash_assets.generation.storage import is_uri, open_storage
+from dflash_assets.store.schema import PROMPT_SCHEMA
+from dflash_assets.store.stores import prompt_store
+from dflash_assets.store.storage import is_uri, open_storage
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
 
 PROBE_SHARD = "probe"

@@ -9,16 +9,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.prompts import (
     FieldMapping, Prompt, SourceReject, canonical_json, format_counts, read_shard,
 )
-from dflash_assets.generation.schema import PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.generation.storage import Storage, open_storage
-from dflash_assets.generation.parts import PartStore
+from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject_store
 
 
 @dataclass(frozen=True)
@@ -30,25 +27,6 @@ class ShardBuild:
     max_prompt_tokens: int
     reasons: dict[str, int]  # reject reason kind -> count
     formats: dict[str, int]  # prompts of each source format (prompts.FORMATS), most first
-
-
-def prompt_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
-    return PartStore(data_dir, "prompt_shards", shard, PROMPT_SCHEMA)
-
-
-def reject_store(data_dir: str | Path | Storage, shard: str, stage: str) -> PartStore:
-    return PartStore(data_dir, "rejects", f"{shard}/stage={stage}", REJECT_SCHEMA)
-
-
-def ids_in_other_shards(data_dir: str | Path | Storage, shard: str) -> dict[str, str]:
-    """prompt_id -> shard for every materialised shard but this one (only the two id columns are read)."""
-    storage = open_storage(data_dir)
-    root = storage.root / "prompt_shards"
-    if not storage.exists(root):
-        return {}
-    table = storage.dataset(root, partitioning=None).to_table(columns=["prompt_id", "shard"])
-    table = table.filter(pc.not_equal(table["shard"], shard))
-    return dict(zip(table["prompt_id"].to_pylist(), table["shard"].to_pylist()))
 
 
 def reason_kind(reason: str) -> str:

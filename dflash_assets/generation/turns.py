@@ -30,14 +30,15 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.settings import DispatchSettings, GenerationSettings
-from dflash_assets.generation.parts import PartStore
-from dflash_assets.generation.plan import ShardRun, completion_store, preflight, prompt_batches, reject_row
+from dflash_assets.store.parts import PartStore
+from dflash_assets.generation.plan import ShardRun, preflight, prompt_batches, reject_row
+from dflash_assets.store.stores import completion_store
 from dflash_assets.generation.preflight import Budget
-from dflash_assets.generation.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
 from dflash_assets.generation.send import Rejected
-from dflash_assets.generation.shards import prompt_store, reject_store
+from dflash_assets.store.stores import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
-from dflash_assets.generation.storage import Storage
+from dflash_assets.store.storage import Storage
 from dflash_assets.rules import fills_window
 
 TURN_ROW = Callable[[dict, dict, Slot, int, float], dict]  # (item, response, slot, attempt, latency) -> the row

@@ -40,8 +40,8 @@ import pyarrow.parquet as pq
 
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.turns import split_turns
-from dflash_assets.generation.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
-from dflash_assets.generation.storage import is_uri, open_storage
+from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
+from dflash_assets.store.storage import is_uri, open_storage
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source, runaway_sql, window_flags_sql

@@ -32,7 +32,7 @@ import duckdb
 import numpy as np
 
 from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
-from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, measure_with_probe, probe_label,
                                                      precision_text, wilson)
@@ -466,7 +466,7 @@ def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawaySet
     A continuation probe of `parent`'s cut rows (the planned config's) comes first: it measures the tail of
     that run only, and more precisely. None when there is no probe (or none that matches)."""
     from dflash_assets.generation.probe import CUT_ROWS_SHARD, PROBE_SHARD, probe_root
-    from dflash_assets.generation.schema import PROMPT_SCHEMA
+    from dflash_assets.store.schema import PROMPT_SCHEMA
 
     root = probe_root(data_dir)
     with duckdb.connect(":memory:") as con:

@@ -8,7 +8,7 @@ import duckdb
 import numpy as np
 
 from dflash_assets.generation.probe import probe_size
-from dflash_assets.generation.schema import PROMPT_SCHEMA
+from dflash_assets.store.schema import PROMPT_SCHEMA
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import CapPlan, _hours, _predict, _tokens
 from dflash_assets.quality.probe_estimates import ProbePrecision

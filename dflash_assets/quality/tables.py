@@ -29,9 +29,9 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from dflash_assets.generation.parts import PartStore
-from dflash_assets.generation.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.generation.storage import Storage, open_storage
+from dflash_assets.store.parts import PartStore
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.trainer_format import think_marker_sql

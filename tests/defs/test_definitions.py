@@ -129,7 +129,7 @@ def test_every_quality_check_is_an_asset_check_on_the_report_and_blocking_ones_b
 
 
 def test_the_generating_assets_retry_a_failed_step_and_completions_declare_their_columns():
-    from dflash_assets.generation.schema import COMPLETION_SCHEMA
+    from dflash_assets.store.schema import COMPLETION_SCHEMA
 
     for name in ("completions", "continued_completions"):
         policy = defs.resolve_assets_def(name).op.retry_policy

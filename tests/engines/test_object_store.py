@@ -18,11 +18,11 @@ import duckdb
 import pytest
 
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.engine import completion_store
-from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.store.stores import completion_store
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.generation.storage import S3Storage, lock_dir, open_storage
-from dflash_assets.generation.parts import COVERS_KEY
+from dflash_assets.store.storage import S3Storage, lock_dir, open_storage
+from dflash_assets.store.parts import COVERS_KEY
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.quality.tables import parquet_files, parquet_source
@@ -155,7 +155,7 @@ def test_duckdb_reads_the_object_store_like_the_local_dir(runs):
 
 KILLED_UPLOAD = """
 import os, signal, sys
-from dflash_assets.generation.storage import open_storage
+from dflash_assets.store.storage import open_storage
 out = open_storage(sys.argv[1]).fs.open_output_stream(sys.argv[2])
 out.write(b"PAR1" + os.urandom(12 << 20))  # over the multipart threshold: parts are uploaded before close
 out.flush()

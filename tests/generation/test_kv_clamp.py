@@ -11,7 +11,7 @@ import duckdb
 import pytest
 
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.generation.shards import prompt_store
+from dflash_assets.store.stores import prompt_store
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.registry import CHECKS_BY_NAME, gate_passed
 from tests.support.http import requests_served

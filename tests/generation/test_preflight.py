@@ -4,7 +4,7 @@ import duckdb
 import pytest
 
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.generation.shards import prompt_store
+from dflash_assets.store.stores import prompt_store
 from tests.support.http import requests_served
 from tests.support.shards import FEW_RETRIES, SHORT, generate, longest_prompt, make_shard, numbered
 

@@ -112,9 +112,9 @@ def write_continued(data_dir, parent: str, lengths, cap: int = 32000):
     """A continuation probe's rows as run_cut_rows_probe leaves them: shard cut_rows, `parent_config_hash` set."""
     from datetime import datetime, timezone
 
-    from dflash_assets.generation.engine import completion_store
+    from dflash_assets.store.stores import completion_store
     from dflash_assets.generation.probe import CUT_ROWS_SHARD, probe_root
-    from dflash_assets.generation.shards import prompt_store
+    from dflash_assets.store.stores import prompt_store
 
     root, now = probe_root(data_dir), datetime.now(timezone.utc)
     completion_store(root, CUT_ROWS_SHARD).commit([

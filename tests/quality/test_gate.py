@@ -4,8 +4,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from dflash_assets.generation.schema import COMPLETION_SCHEMA
-from dflash_assets.generation.parts import PartStore
+from dflash_assets.store.schema import COMPLETION_SCHEMA
+from dflash_assets.store.parts import PartStore
 from dflash_assets.quality import CHECKS, export_training_set, gate_passed, run_checks
 from dflash_assets.settings import QualitySettings
 from tests.support.quality_data import CONFIG_A, completion, load, prompt, write

@@ -12,7 +12,8 @@ import pytest
 from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.generation.engine import completion_store, generate_shard
+from dflash_assets.generation.engine import generate_shard
+from dflash_assets.store.stores import completion_store
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.planner import PlanError, _sf, plan_caps, plan_from_lengths, plan_markdown
 from dflash_assets.quality.planner_plot import cap_plan_png

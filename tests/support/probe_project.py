@@ -31,7 +31,7 @@ def write_completions(data_dir, shard: str, config_hash: str, lengths, cap: int,
                       **sampling):
     from datetime import datetime, timezone
 
-    from dflash_assets.generation.engine import completion_store
+    from dflash_assets.store.stores import completion_store
 
     now = datetime.now(timezone.utc)
     completion_store(data_dir, shard).commit([
@@ -45,7 +45,7 @@ def write_completions(data_dir, shard: str, config_hash: str, lengths, cap: int,
 
 def write_probe(data_dir, config_hash: str, lengths, sample: int, temperature: float = 0.6, **sampling):
     from dflash_assets.generation.probe import PROBE_SHARD, probe_root
-    from dflash_assets.generation.shards import prompt_store
+    from dflash_assets.store.stores import prompt_store
 
     root = probe_root(data_dir)
     write_completions(root, PROBE_SHARD, config_hash, lengths, 32000, temperature, **sampling)

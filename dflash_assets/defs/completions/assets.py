@@ -11,7 +11,7 @@ from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetReso
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.generation.schema import COMPLETION_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, SettingsError
 

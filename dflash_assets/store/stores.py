@@ -1,0 +1,41 @@
+"""Each shard's stores in the data dir: prompts, completions, rejects (by stage) and failures, each a PartStore."""
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+
+from dflash_assets.store.parts import PartStore
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.storage import Storage, open_storage
+
+
+def prompt_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
+    return PartStore(data_dir, "prompt_shards", shard, PROMPT_SCHEMA)
+
+
+def reject_store(data_dir: str | Path | Storage, shard: str, stage: str) -> PartStore:
+    return PartStore(data_dir, "rejects", f"{shard}/stage={stage}", REJECT_SCHEMA)
+
+
+def ids_in_other_shards(data_dir: str | Path | Storage, shard: str) -> dict[str, str]:
+    """prompt_id -> shard for every materialised shard but this one (only the two id columns are read)."""
+    storage = open_storage(data_dir)
+    root = storage.root / "prompt_shards"
+    if not storage.exists(root):
+        return {}
+    table = storage.dataset(root, partitioning=None).to_table(columns=["prompt_id", "shard"])
+    table = table.filter(pc.not_equal(table["shard"], shard))
+    return dict(zip(table["prompt_id"].to_pylist(), table["shard"].to_pylist()))
+
+
+def completion_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
+    return PartStore(data_dir, "completions", shard, COMPLETION_SCHEMA)
+
+
+def failure_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
+    return PartStore(data_dir, "failures", shard, FAILURE_SCHEMA)
+
+
+def committed_ids(store: PartStore, config_hash: str) -> set[str]:
+    table = store.read(["prompt_id", "config_hash"])
+    return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
