@@ -22,13 +22,27 @@ from bench_engine import busy_slot_seconds, stats
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 
-FLAGS = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "1500", "--max-running-requests", "16",
-         "--length-median", "300", "--length-sigma", "1.0", "--length-max", "3000", "--enable-cache-report",
-         "--prefill-tokens-per-s", "50000"]
+FLAGS = [
+    "--reasoning-parser",
+    "qwen3",
+    "--decode-tokens-per-s",
+    "1500",
+    "--max-running-requests",
+    "16",
+    "--length-median",
+    "300",
+    "--length-sigma",
+    "1.0",
+    "--length-max",
+    "3000",
+    "--enable-cache-report",
+    "--prefill-tokens-per-s",
+    "50000",
+]
 
 
 def write_source(path: Path, n: int) -> None:
@@ -36,8 +50,10 @@ def write_source(path: Path, n: int) -> None:
         for i in range(n):
             turns = [{"from": "system", "value": f"You are assistant number {i % 5}."}]
             for k in range(1, 4):
-                turns += [{"from": "human", "value": f"Conversation {i}, question {k}: tell me more about part {k}."},
-                          {"from": "gpt", "value": "a source answer, replaced"}]
+                turns += [
+                    {"from": "human", "value": f"Conversation {i}, question {k}: tell me more about part {k}."},
+                    {"from": "gpt", "value": "a source answer, replaced"},
+                ]
             f.write(json.dumps({"id": f"c{i:06d}", "conversations": turns}) + "\n")
 
 
@@ -46,10 +62,14 @@ async def run(data: Path, src: Path, shards: int, per_shard: int, urls: list[str
         for k in range(shards):
             await build_prompt_shard(src, k, f"{k:05d}", per_shard, data, fleet, {"enable_thinking": True})
         start = time.monotonic()
-        runs = await generate_shards(data, [f"{k:05d}" for k in range(shards)], fleet,
-                                     GenerationSettings(max_output_tokens=3000, regenerate="all_turns"),
-                                     DispatchSettings(load_sample_s=0, progress_seconds=1e9,
-                                                      same_server_max_imbalance=imbalance), log=lambda m: None)
+        runs = await generate_shards(
+            data,
+            [f"{k:05d}" for k in range(shards)],
+            fleet,
+            GenerationSettings(max_output_tokens=3000, regenerate="all_turns"),
+            DispatchSettings(load_sample_s=0, progress_seconds=1e9, same_server_max_imbalance=imbalance),
+            log=lambda m: None,
+        )
         return start, time.monotonic(), runs
 
 
@@ -70,20 +90,26 @@ def measure(conversations: int, imbalance: float, label: str) -> None:
 
         prompt, cached, rows = duckdb.sql(
             f"select sum(prompt_tokens), sum(cached_tokens), count(*) from read_parquet("
-            f"'{data}/completions/**/*.parquet')").fetchall()[0]
+            f"'{data}/completions/**/*.parquet')"
+        ).fetchall()[0]
         follow = duckdb.sql(
             f"select sum(cached_tokens) / sum(prompt_tokens) from read_parquet('{data}/completions/**/*.parquet') "
-            f"where turn > 1").fetchall()[0][0]
+            f"where turn > 1"
+        ).fetchall()[0][0]
         stayed = duckdb.sql(
             f"select avg(same::int) from (select turn, server_url = lag(server_url) over (partition by prompt_id "
             f"order by turn) as same from read_parquet('{data}/completions/**/*.parquet')) where turn > 1"
         ).fetchall()[0][0]
-        print(f"{label}: {rows} turns of {shards * per_shard} conversations in {end - start:.1f} s; "
-              f"{stayed:.0%} of follow-up turns on the server of the turn before")
+        print(
+            f"{label}: {rows} turns of {shards * per_shard} conversations in {end - start:.1f} s; "
+            f"{stayed:.0%} of follow-up turns on the server of the turn before"
+        )
         print(f"  fleet utilisation while new conversations were waiting: {share(new_until):.2%}   (goal >= 95%)")
         print(f"  fleet utilisation until the last turn was sent: {share(turns_until):.2%}")
-        print(f"  prompt tokens served from the prefix cache: {cached / prompt:.2%} of {prompt:,} "
-              f"(follow-up turns: {follow:.2%}); prefilled {prompt - cached:,}")
+        print(
+            f"  prompt tokens served from the prefix cache: {cached / prompt:.2%} of {prompt:,} "
+            f"(follow-up turns: {follow:.2%}); prefilled {prompt - cached:,}"
+        )
 
 
 def main() -> None:

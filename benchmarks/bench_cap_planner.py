@@ -32,11 +32,11 @@ import numpy as np
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.planner import _sf, plan_caps, plan_from_lengths
 from dflash_assets.quality.probe_estimates import ProbeSample
+from dflash_assets.settings import GenerationSettings
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository, for tests.support
 from tests.support.length_families import FAMILIES, censor, probe_rows  # noqa: E402  (shared with the tests)
@@ -54,26 +54,36 @@ async def generate(url: str, src: Path, data: Path, n: int, cap: int, build: boo
 
 def emulator_runs(n: int, sets: int) -> None:
     print(f"emulator: {n} prompts per set, plan at cap 4096, then observed at the larger caps")
-    print(f"{'set':>3} {'median/sigma':>12} {'cap':>6} {'pred cut':>9} {'95% interval':>16} {'obs cut':>8} "
-          f"{'pred tokens':>12} {'obs tokens':>11} {'err':>7}")
+    print(
+        f"{'set':>3} {'median/sigma':>12} {'cap':>6} {'pred cut':>9} {'95% interval':>16} {'obs cut':>8} "
+        f"{'pred tokens':>12} {'obs tokens':>11} {'err':>7}"
+    )
     for k in range(sets):
         median, sigma = LENGTH_MODELS[k % len(LENGTH_MODELS)]
-        with tempfile.TemporaryDirectory() as tmp, start_emulator(
-                ["--reasoning-parser", "qwen3", "--length-median", median, "--length-sigma", sigma]) as emu:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            start_emulator(["--reasoning-parser", "qwen3", "--length-median", median, "--length-sigma", sigma]) as emu,
+        ):
             src, data = Path(tmp) / "prompts.jsonl", Path(tmp) / "data"
-            src.write_text("".join(json.dumps({"id": f"s{k}-{i}", "prompt": f"Set {k}, question {i}: why?"}) + "\n"
-                                   for i in range(n)))
+            src.write_text(
+                "".join(
+                    json.dumps({"id": f"s{k}-{i}", "prompt": f"Set {k}, question {i}: why?"}) + "\n" for i in range(n)
+                )
+            )
             plan = plan_caps(data, asyncio.run(generate(emu.url, src, data, n, 4096, True)))
             for cap in (8192, 16384):
                 config = asyncio.run(generate(emu.url, src, data, n, cap, False))
                 rate, tokens = duckdb.sql(
                     f"SELECT avg((finish_reason = 'length')::INT), sum(completion_tokens) FROM read_parquet("
-                    f"'{data}/completions/**/*.parquet') WHERE config_hash = '{config}'").fetchall()[0]
+                    f"'{data}/completions/**/*.parquet') WHERE config_hash = '{config}'"
+                ).fetchall()[0]
                 e = plan.at(cap)
                 r = e.truncation_rate
-                print(f"{k:>3} {median + '/' + sigma:>12} {cap:>6} {r.value:>9.2%} {f'{r.low:.2%}–{r.high:.2%}':>16} "
-                      f"{rate:>8.2%} {e.output_tokens.value:>12,.0f} {tokens:>11,} "
-                      f"{e.output_tokens.value / tokens - 1:>+7.2%}")
+                print(
+                    f"{k:>3} {median + '/' + sigma:>12} {cap:>6} {r.value:>9.2%} {f'{r.low:.2%}–{r.high:.2%}':>16} "
+                    f"{rate:>8.2%} {e.output_tokens.value:>12,.0f} {tokens:>11,} "
+                    f"{e.output_tokens.value / tokens - 1:>+7.2%}"
+                )
 
 
 def coverage(trials: int, n: int = 1000) -> None:
@@ -90,26 +100,34 @@ def coverage(trials: int, n: int = 1000) -> None:
         hits_tokens += e.output_tokens.low <= n * mean <= e.output_tokens.high
         errors.append(e.truncation_rate.value - (lengths > 8192).mean())
     errors = np.abs(errors)
-    print(f"synthetic: {trials} samples of {n}: 95% interval covers the true rate at 8192 in "
-          f"{hits_rate / trials:.0%}, the true tokens in {hits_tokens / trials:.0%}; |predicted - observed in "
-          f"the same sample| median {np.median(errors):.2%}, P95 {np.quantile(errors, 0.95):.2%}, "
-          f"max {errors.max():.2%}")
+    print(
+        f"synthetic: {trials} samples of {n}: 95% interval covers the true rate at 8192 in "
+        f"{hits_rate / trials:.0%}, the true tokens in {hits_tokens / trials:.0%}; |predicted - observed in "
+        f"the same sample| median {np.median(errors):.2%}, P95 {np.quantile(errors, 0.95):.2%}, "
+        f"max {errors.max():.2%}"
+    )
 
 
-def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, probe_cap: int = 32_000,
-               continued: int = 0) -> None:
+def off_family(
+    draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, probe_cap: int = 32_000, continued: int = 0
+) -> None:
     """`continued`: also a continuation probe (mode cut_rows) of that many of the run's honest cut rows."""
     caps = (8192, 16384)
     designs = [(0, ""), *((p, "probe") for p in probes), *([(continued, "continued")] if continued else [])]
-    print(f"off-family: {draws} draws of {n:,} lengths cut at {cap:,}; probes of "
-          f"{' and '.join(f'{p:,}' for p in probes)} rows"
-          + (f" and a continuation probe of {continued} cut rows" if continued else "")
-          + f" at cap {probe_cap:,}; |err| = |predicted - true| in pp "
-          f"(mean / max over draws), '≤1pp' = share of draws within 1 pp, 'cover' = share of 95% intervals "
-          f"holding the truth")
+    print(
+        f"off-family: {draws} draws of {n:,} lengths cut at {cap:,}; probes of "
+        f"{' and '.join(f'{p:,}' for p in probes)} rows"
+        + (f" and a continuation probe of {continued} cut rows" if continued else "")
+        + f" at cap {probe_cap:,}; |err| = |predicted - true| in pp "
+        f"(mean / max over draws), '≤1pp' = share of draws within 1 pp, 'cover' = share of 95% intervals "
+        f"holding the truth"
+    )
     head = f"{'family':<22} {'cap':>6} {'true':>7} | {'model':>7} {'|err|':>11} {'cover':>5} {'rows say':>8} "
-    head += "".join(f"| {('continued ' if kind == 'continued' else 'probe ') + format(p, ','):>12} {'|err|':>11} "
-                    f"{'≤1pp':>5} {'cover':>5} " for p, kind in designs[1:])
+    head += "".join(
+        f"| {('continued ' if kind == 'continued' else 'probe ') + format(p, ','):>12} {'|err|':>11} "
+        f"{'≤1pp':>5} {'cover':>5} "
+        for p, kind in designs[1:]
+    )
     print(head)
     started, plans = time.perf_counter(), 0
     for family in FAMILIES:
@@ -136,7 +154,8 @@ def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, pro
                     r = e.truncation_rate
                     bounds = e.bounds is not None and e.bounds.low <= truth[c] <= e.bounds.high
                     out.setdefault((size, kind, c), []).append(
-                        (r.value - truth[c], r.low <= truth[c] <= r.high, bounds))
+                        (r.value - truth[c], r.low <= truth[c] <= r.high, bounds)
+                    )
         for c in caps:
             row = f"{family.name:<22} {c:>6,} {truth[c]:>7.2%} "
             for size, kind in designs:
@@ -149,17 +168,23 @@ def off_family(draws: int, n: int, probes: tuple[int, ...], cap: int = 4096, pro
                 else:
                     row += f"| {mean:>7.2%} {span:>11} {cover:>5.0%} {np.mean([x[2] for x in out[0, '', c]]):>8.0%} "
             print(row)
-    print("'model' is the censored lognormal fit (runaways flagged and kept out of the tail); 'rows say' is how "
-          "often the model-free range the rows support (runaway share to the share cut now) holds the truth; "
-          f"{plans} plans (200 bootstrap resamples each) in {time.perf_counter() - started:.0f} s")
+    print(
+        "'model' is the censored lognormal fit (runaways flagged and kept out of the tail); 'rows say' is how "
+        "often the model-free range the rows support (runaway share to the share cut now) holds the truth; "
+        f"{plans} plans (200 bootstrap resamples each) in {time.perf_counter() - started:.0f} s"
+    )
 
 
 def probe_design(draws: int = 400, n: int = 20_000, size: int = 500, cap: int = 4096, probe_cap: int = 32_000):
     caps = (8192, 16384)
-    print(f"probe designs: {draws} draws of {n:,} prompts cut at {cap:,}, a random probe of {size} at cap "
-          f"{probe_cap:,}; sd = standard deviation of predicted - true (pp), ≤1pp = share of draws within 1 pp")
-    print(f"{'family':<22} {'cap':>6} {'true':>7} | {'probe alone':>16} | {'ratio (the plan)':>16} | "
-          f"{'continue cut rows':>17} {'rows':>5}")
+    print(
+        f"probe designs: {draws} draws of {n:,} prompts cut at {cap:,}, a random probe of {size} at cap "
+        f"{probe_cap:,}; sd = standard deviation of predicted - true (pp), ≤1pp = share of draws within 1 pp"
+    )
+    print(
+        f"{'family':<22} {'cap':>6} {'true':>7} | {'probe alone':>16} | {'ratio (the plan)':>16} | "
+        f"{'continue cut rows':>17} {'rows':>5}"
+    )
     for family in FAMILIES:
         truth = family.truth(caps)
         err: dict = {}
@@ -174,19 +199,27 @@ def probe_design(draws: int = 400, n: int = 20_000, size: int = 500, cap: int = 
             # continuing a cut row reveals its own length: a random sample of the honest cut rows, as many as the
             # random probe's decode tokens pay for (the tokens past the cap, up to the probe's cap)
             order = rng.permutation(np.flatnonzero(cut & ~loop))
-            m = int(np.searchsorted(np.cumsum(np.minimum(lengths[order], probe_cap) - cap),
-                                    np.minimum(p_lengths, probe_cap).sum()))
+            m = int(
+                np.searchsorted(
+                    np.cumsum(np.minimum(lengths[order], probe_cap) - cap), np.minimum(p_lengths, probe_cap).sum()
+                )
+            )
             continued.append(m)
             for c in caps:
                 err.setdefault(("alone", c), []).append((p_lengths > c).mean() - truth[c])
                 err.setdefault(("ratio", c), []).append(
-                    loops + honest * (p_above & (p_lengths > c)).sum() / p_above.sum() - truth[c])
+                    loops + honest * (p_above & (p_lengths > c)).sum() / p_above.sum() - truth[c]
+                )
                 err.setdefault(("continue", c), []).append(loops + honest * (lengths[order[:m]] > c).mean() - truth[c])
         for c in caps:
-            cells = [f"{np.std(err[k, c]) * 100:5.2f} sd {np.mean(np.abs(err[k, c]) <= 0.01):4.0%}"
-                     for k in ("alone", "ratio", "continue")]
-            print(f"{family.name:<22} {c:>6,} {truth[c]:>7.2%} | {cells[0]:>16} | {cells[1]:>16} | {cells[2]:>17} "
-                  f"{np.mean(continued):>5.0f}")
+            cells = [
+                f"{np.std(err[k, c]) * 100:5.2f} sd {np.mean(np.abs(err[k, c]) <= 0.01):4.0%}"
+                for k in ("alone", "ratio", "continue")
+            ]
+            print(
+                f"{family.name:<22} {c:>6,} {truth[c]:>7.2%} | {cells[0]:>16} | {cells[1]:>16} | {cells[2]:>17} "
+                f"{np.mean(continued):>5.0f}"
+            )
     print("'rows': continued rows the random probe's decode tokens pay for (their prefill not counted)")
 
 
@@ -204,8 +237,12 @@ if __name__ == "__main__":
     parser.add_argument("--sets", type=int, default=3)
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--draws", type=int, default=40, help="Draws per off-family case of 20,000 prompts.")
-    parser.add_argument("--draws-1m", type=int, default=100,
-                        help="Draws per off-family case of 1,000,000 prompts (100: a coverage share to about ±3 pp).")
+    parser.add_argument(
+        "--draws-1m",
+        type=int,
+        default=100,
+        help="Draws per off-family case of 1,000,000 prompts (100: a coverage share to about ±3 pp).",
+    )
     parser.add_argument("--only", choices=["emulator", "coverage", "off-family", "probe-design", "timing"])
     args = parser.parse_args()
     if args.only in (None, "emulator"):

@@ -14,16 +14,16 @@ import os
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.quality import CHECKS, length_quality, open_quality_db, run_checks
 from dflash_assets.settings import QualitySettings
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 
 WORDS = "the model thinks about the prompt and then answers with care step by step because".split()
 
@@ -44,22 +44,34 @@ def write_shard(out: Path, shard: str, n: int, offset: int, rng: np.random.Gener
     finish = np.where(completion_tokens >= cap, "length", "stop")
     content_pool = text_pool(rng, 512, args.content_bytes)
     reasoning_pool = text_pool(rng, 512, args.reasoning_bytes)
-    content = [
-        "" if f == "length" else f"{content_pool[i % 512]} #{i}" for i, f in zip(idx, finish)
-    ]
+    content = ["" if f == "length" else f"{content_pool[i % 512]} #{i}" for i, f in zip(idx, finish)]
     reasoning = [f"{reasoning_pool[i % 512]} #{i}" for i in idx]
-    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    now = datetime(2026, 1, 1, tzinfo=UTC)
     completions = {
-        "prompt_id": ids, "shard": [shard] * n, "source": np.array(["gsm8k", "sharegpt", "code"])[idx % 3],
-        "config_hash": np.where(cap == 8192, "new8192", "old4096"), "finish_reason": finish,
-        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-        "reasoning_tokens": (completion_tokens * 0.7).astype(np.int32), "max_output_tokens": cap,
-        "server_context_length": np.full(n, 16384, np.int32), "server_url": ["http://127.0.0.1:30000"] * n,
-        "model": ["qwen3-27b"] * n, "temperature": np.full(n, 0.6), "top_p": np.full(n, 0.95),
-        "top_k": np.full(n, 20, np.int32), "min_p": np.zeros(n), "repetition_penalty": np.ones(n),
-        "presence_penalty": np.zeros(n), "frequency_penalty": np.zeros(n),
-        "enable_thinking": np.ones(n, bool), "content": content,
-        "reasoning_content": reasoning, "latency_s": rng.exponential(30, n), "attempt": np.ones(n, np.int16),
+        "prompt_id": ids,
+        "shard": [shard] * n,
+        "source": np.array(["gsm8k", "sharegpt", "code"])[idx % 3],
+        "config_hash": np.where(cap == 8192, "new8192", "old4096"),
+        "finish_reason": finish,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "reasoning_tokens": (completion_tokens * 0.7).astype(np.int32),
+        "max_output_tokens": cap,
+        "server_context_length": np.full(n, 16384, np.int32),
+        "server_url": ["http://127.0.0.1:30000"] * n,
+        "model": ["qwen3-27b"] * n,
+        "temperature": np.full(n, 0.6),
+        "top_p": np.full(n, 0.95),
+        "top_k": np.full(n, 20, np.int32),
+        "min_p": np.zeros(n),
+        "repetition_penalty": np.ones(n),
+        "presence_penalty": np.zeros(n),
+        "frequency_penalty": np.zeros(n),
+        "enable_thinking": np.ones(n, bool),
+        "content": content,
+        "reasoning_content": reasoning,
+        "latency_s": rng.exponential(30, n),
+        "attempt": np.ones(n, np.int16),
         "created_at": [now] * n,
     }
     for field in COMPLETION_SCHEMA:  # token ids, lineage, turns, cache figures: not recorded here
@@ -68,8 +80,13 @@ def write_shard(out: Path, shard: str, n: int, offset: int, rng: np.random.Gener
     write(out, "completions", shard, pa.table(completions, schema=COMPLETION_SCHEMA), args.compression)
     messages = [json.dumps([{"role": "user", "content": f"question {i}"}]) for i in idx]
     prompts = {
-        "prompt_id": ids, "shard": [shard] * n, "line": idx + 1, "source": completions["source"],
-        "messages_json": messages, "prompt_tokens": prompt_tokens, "template_kwargs_json": ["{}"] * n,
+        "prompt_id": ids,
+        "shard": [shard] * n,
+        "line": idx + 1,
+        "source": completions["source"],
+        "messages_json": messages,
+        "prompt_tokens": prompt_tokens,
+        "template_kwargs_json": ["{}"] * n,
     }
     write(out, "prompt_shards", shard, pa.table(prompts, schema=PROMPT_SCHEMA), args.compression, "prompts")
     reject = dict(shard=shard, stage="source", line=0, reason="malformed JSON", created_at=now)
@@ -101,8 +118,10 @@ def main() -> None:
         for s in range(args.shards):
             write_shard(out, f"{s:05d}", per_shard, s * per_shard, rng, args)
         size = sum(f.stat().st_size for f in out.rglob("*.parquet")) / 1e6
-        print(f"wrote {per_shard * args.shards:,} completion rows in {args.shards} shards "
-              f"({size:,.0f} MB Parquet) in {time.perf_counter() - start:.1f} s")
+        print(
+            f"wrote {per_shard * args.shards:,} completion rows in {args.shards} shards "
+            f"({size:,.0f} MB Parquet) in {time.perf_counter() - start:.1f} s"
+        )
 
         times, cpu = [], []
         for _ in range(args.runs):
@@ -111,9 +130,11 @@ def main() -> None:
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
         # wall time is what the target is about; CPU time (all threads) shows how much of it other load stole
-        print(f"run_checks, {len(outcomes)} checks over all shards: median {statistics.median(times):.3f} s, "
-              f"min {min(times):.3f} s (runs: {', '.join(f'{t:.3f}' for t in times)}); "
-              f"CPU median {statistics.median(cpu):.3f} s on {os.cpu_count()} cores")
+        print(
+            f"run_checks, {len(outcomes)} checks over all shards: median {statistics.median(times):.3f} s, "
+            f"min {min(times):.3f} s (runs: {', '.join(f'{t:.3f}' for t in times)}); "
+            f"CPU median {statistics.median(cpu):.3f} s on {os.cpu_count()} cores"
+        )
 
         start = time.perf_counter()
         con = open_quality_db(out)

@@ -31,15 +31,23 @@ from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.client import ServerClient, ServerError
 from dflash_assets.fleet.fleet import connected, open_session
 from dflash_assets.fleet.stream import Watch
-from dflash_assets.settings import DispatchSettings, FleetSettings, GenerationSettings, RunawaySettings, ServerSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.send import watch_of
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.tables import register_runaway, runaway_sql
+from dflash_assets.settings import DispatchSettings, FleetSettings, GenerationSettings, RunawaySettings, ServerSettings
 
 STORY_TOK_S = 7 * 3500
-BASE = ["--reasoning-parser", "qwen3", "--sampling", "per-prompt", "--random-seed", "1",
-        "--native-context-length", "65536"]  # room for a 32768 cap
+BASE = [
+    "--reasoning-parser",
+    "qwen3",
+    "--sampling",
+    "per-prompt",
+    "--random-seed",
+    "1",
+    "--native-context-length",
+    "65536",
+]  # room for a 32768 cap
 
 
 def say(name: str, value: str, goal: str = "") -> None:
@@ -55,26 +63,42 @@ async def shard_run(data: Path, urls: list[str], n: int, cap: int, settings: Dis
     src = data.parent / "prompts.jsonl"
     if not src.exists():
         src.parent.mkdir(parents=True, exist_ok=True)
-        src.write_text("".join(json.dumps({"id": f"b{i:05d}", "prompt": f"Benchmark problem {i}: solve it."}) + "\n"
-                               for i in range(n)))
+        src.write_text(
+            "".join(
+                json.dumps({"id": f"b{i:05d}", "prompt": f"Benchmark problem {i}: solve it."}) + "\n" for i in range(n)
+            )
+        )
     async with connected(urls) as fleet:
         await build_prompt_shard(src, 0, "00000", n, data, fleet, {"enable_thinking": True})
-        return await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=cap), settings,
-                                    log=lambda m: None)
+        return await generate_shard(
+            data, "00000", fleet, GenerationSettings(max_output_tokens=cap), settings, log=lambda m: None
+        )
 
 
 def rows(data: Path) -> list[tuple]:
     con = duckdb.connect()
     register_runaway(con, RunawaySettings())
-    return con.execute(f"SELECT prompt_id, finish_reason, completion_tokens, {runaway_sql(RunawaySettings())} FROM "
-                       f"read_parquet('{data}/completions/**/*.parquet') ORDER BY prompt_id").fetchall()
+    return con.execute(
+        f"SELECT prompt_id, finish_reason, completion_tokens, {runaway_sql(RunawaySettings())} FROM "
+        f"read_parquet('{data}/completions/**/*.parquet') ORDER BY prompt_id"
+    ).fetchall()
 
 
 def runaways(tmp: Path, n: int) -> None:
     print("runaways (--loop-share 0.08): decoded tokens with early stopping and without", flush=True)
     for cap, median in ((32768, 3000), (4096, 1500)):
-        flags = BASE + ["--loop-share", "0.08", "--length-max", str(4 * cap), "--length-median", str(median),
-                        "--length-sigma", "0.8", "--stream-interval", "16"]
+        flags = BASE + [
+            "--loop-share",
+            "0.08",
+            "--length-max",
+            str(4 * cap),
+            "--length-median",
+            str(median),
+            "--length-sigma",
+            "0.8",
+            "--stream-interval",
+            "16",
+        ]
         with start_emulator(flags) as emu:
             today_dir, early_dir = tmp / f"today{cap}" / "data", tmp / f"early{cap}" / "data"
             t0 = time.monotonic()
@@ -90,13 +114,21 @@ def runaways(tmp: Path, n: int) -> None:
         all_today, all_early = sum(r[2] for r in today), sum(r[2] for r in early)
         print(f" cap {cap:,} ({n} prompts, honest median {median}; runs {t1 - t0:.0f}s / {t2 - t1:.0f}s):")
         say("runaway rows (the checks, today)", f"{len(loops)} of {n} ({len(loops) / n:.1%})")
-        say("runaway rows stopped early", f"{len(stopped & loops)} of {len(loops)} "
+        say(
+            "runaway rows stopped early",
+            f"{len(stopped & loops)} of {len(loops)} "
             f"({len(stopped & loops) / max(len(loops), 1):.0%}); stopped that are not runaways: {len(stopped - loops)}",
-            "all, and none other")
-        say("decoded tokens, all rows", f"today {all_today:,}, early stopping {all_early:,} "
-            f"({1 - all_early / all_today:.1%} fewer)")
-        say("decoded tokens, runaway rows", f"today {cost_today:,}, early stopping {cost_early:,}: "
-            f"{cost_early / max(cost_today, 1):.1%} of today", "<= 10%")
+            "all, and none other",
+        )
+        say(
+            "decoded tokens, all rows",
+            f"today {all_today:,}, early stopping {all_early:,} ({1 - all_early / all_today:.1%} fewer)",
+        )
+        say(
+            "decoded tokens, runaway rows",
+            f"today {cost_today:,}, early stopping {cost_early:,}: {cost_early / max(cost_today, 1):.1%} of today",
+            "<= 10%",
+        )
 
 
 def stall(tmp: Path, n: int, stall_timeout_s: float, request_timeout_s: float) -> None:
@@ -119,23 +151,35 @@ def stall(tmp: Path, n: int, stall_timeout_s: float, request_timeout_s: float) -
     with start_emulator(flags + fault) as emu:
         streamed = [asyncio.run(abandoned(emu.url, Watch(stall_timeout_s=stall_timeout_s), 3600)) for _ in range(3)]
         blocking = asyncio.run(abandoned(emu.url, None, request_timeout_s))
-    say("stall -> retry, streamed", f"{statistics.median(streamed):.1f}s (median of 3; the timer fires between 1 "
-        f"and {1 + 0.25:.2f} x stall_timeout_s)", f"~stall_timeout_s ({DispatchSettings().stall_timeout_s:g}s "
-        f"by default)")
-    say("stall -> retry, today (blocking)", f"{blocking:.1f}s at request_timeout_s {request_timeout_s:g}: the "
-        f"whole request_timeout_s, {FleetSettings().request_timeout_s:g}s by default")
+    say(
+        "stall -> retry, streamed",
+        f"{statistics.median(streamed):.1f}s (median of 3; the timer fires between 1 "
+        f"and {1 + 0.25:.2f} x stall_timeout_s)",
+        f"~stall_timeout_s ({DispatchSettings().stall_timeout_s:g}s by default)",
+    )
+    say(
+        "stall -> retry, today (blocking)",
+        f"{blocking:.1f}s at request_timeout_s {request_timeout_s:g}: the "
+        f"whole request_timeout_s, {FleetSettings().request_timeout_s:g}s by default",
+    )
     with start_emulator(flags + fault + ["--fault-stall-next", "4"]) as bad, start_emulator(flags) as good:
         data = tmp / "stall" / "data"
         t0 = time.monotonic()
-        run = asyncio.run(shard_run(data, [bad.url, good.url], n, 1024,
-                                    DispatchSettings(stall_timeout_s=stall_timeout_s, load_sample_s=0)))
+        run = asyncio.run(
+            shard_run(
+                data, [bad.url, good.url], n, 1024, DispatchSettings(stall_timeout_s=stall_timeout_s, load_sample_s=0)
+            )
+        )
         elapsed = time.monotonic() - t0
-    committed = duckdb.sql(f"SELECT prompt_id, attempt FROM read_parquet('{data}/completions/**/*.parquet')"
-                           ).fetchall()
+    committed = duckdb.sql(f"SELECT prompt_id, attempt FROM read_parquet('{data}/completions/**/*.parquet')").fetchall()
     ids = [r[0] for r in committed]
-    say("run with 4 mid-stream stalls", f"{n} prompts, {len(set(ids))} committed, {n - len(set(ids))} lost, "
+    say(
+        "run with 4 mid-stream stalls",
+        f"{n} prompts, {len(set(ids))} committed, {n - len(set(ids))} lost, "
         f"{len(ids) - len(set(ids))} twice, {sum(a > 1 for _, a in committed)} retried, {run.failed} failed, "
-        f"{elapsed:.0f}s", "0 lost, 0 twice")
+        f"{elapsed:.0f}s",
+        "0 lost, 0 twice",
+    )
 
 
 def cpu(n: int, intervals: list[int]) -> dict[float, int]:
@@ -158,31 +202,57 @@ def cpu(n: int, intervals: list[int]) -> dict[float, int]:
 
     fits: dict[float, int] = {}
     for interval in intervals:
-        flags = BASE + ["--stream-interval", str(interval), "--length-median", "2000", "--length-sigma", "0.3",
-                        "--max-running-requests", "64"]
+        flags = BASE + [
+            "--stream-interval",
+            str(interval),
+            "--length-median",
+            "2000",
+            "--length-sigma",
+            "0.3",
+            "--max-running-requests",
+            "64",
+        ]
         with start_emulator(flags) as emu:
             figures = {}
-            for name, watch in (("blocking", None), ("streamed", watch_of(DispatchSettings(runaway_check_tokens=0))),
-                                ("streamed + runaway check", watch_of(DispatchSettings()))):
+            for name, watch in (
+                ("blocking", None),
+                ("streamed", watch_of(DispatchSettings(runaway_check_tokens=0))),
+                ("streamed + runaway check", watch_of(DispatchSettings())),
+            ):
                 if name == "blocking" and interval != intervals[0]:
                     continue  # the stream interval does not change a blocking request
                 tokens, used = asyncio.run(measure(emu.url, watch))
                 figures[name] = used / tokens * 1e6
                 cores = used / tokens * STORY_TOK_S
-                say(f"--stream-interval {interval}, {name}", f"{figures[name]:.1f} CPU s per M tokens: "
-                    f"{cores:.2f} cores at {STORY_TOK_S:,} tok/s ({tokens:,} tokens)", "<= 0.5 core")
+                say(
+                    f"--stream-interval {interval}, {name}",
+                    f"{figures[name]:.1f} CPU s per M tokens: "
+                    f"{cores:.2f} cores at {STORY_TOK_S:,} tok/s ({tokens:,} tokens)",
+                    "<= 0.5 core",
+                )
             watched = figures["streamed + runaway check"] * STORY_TOK_S / 1e6
             fits.update({budget: interval for budget in (0.5, 0.25) if watched <= budget and budget not in fits})
     say("smallest --stream-interval whose watched stream fits 0.5 core", str(fits.get(0.5, "none")))
-    say("... and leaves half of it to the rest of the client (<= 0.25 core)", str(fits.get(0.25, "none")),
-        f"what launch mode sets: --stream-interval {ServerSettings().stream_interval}")
+    say(
+        "... and leaves half of it to the rest of the client (<= 0.25 core)",
+        str(fits.get(0.25, "none")),
+        f"what launch mode sets: --stream-interval {ServerSettings().stream_interval}",
+    )
     return fits
 
 
 def false_positives(tmp: Path, n: int) -> None:
     print("false positives: honest long rows (no loops, cap 32768, median 6000)", flush=True)
-    flags = BASE + ["--length-median", "6000", "--length-sigma", "0.6", "--length-max", "60000",
-                    "--stream-interval", "16"]
+    flags = BASE + [
+        "--length-median",
+        "6000",
+        "--length-sigma",
+        "0.6",
+        "--length-max",
+        "60000",
+        "--stream-interval",
+        "16",
+    ]
     with start_emulator(flags) as emu:
         data = tmp / "honest" / "data"
         asyncio.run(shard_run(data, [emu.url], n, 32768, DispatchSettings(load_sample_s=0)))
@@ -190,8 +260,11 @@ def false_positives(tmp: Path, n: int) -> None:
     stopped = sum(r[1] == "runaway" for r in got)
     tokens = sum(r[2] for r in got)
     checks = tokens // DispatchSettings().runaway_check_tokens
-    say("stopped early", f"{stopped} of {len(got)} rows ({stopped / len(got):.1%}) over {tokens:,} tokens "
-        f"(~{checks:,} checks)", "0")
+    say(
+        "stopped early",
+        f"{stopped} of {len(got)} rows ({stopped / len(got):.1%}) over {tokens:,} tokens (~{checks:,} checks)",
+        "0",
+    )
 
 
 def main() -> None:

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import export_training_set, run_checks
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
 
 STORY_PROMPTS, STORY_TOK_S, STORY_GPUS = 913_786, 25_000, 7
 CAPS, WINDOWS = (4096, 8192, 16384, 32768), (2048, 4096)
@@ -52,8 +52,9 @@ def trained(data: Path, out: Path, window: int) -> tuple[int, bool]:
     """(trained tokens of the pre-tokenized export at this window, whether the blocking truncation check passes)."""
     export = export_training_set(data, out, max_length=window, form="pretokenized")
     tokens = sum(sum(json.loads(line)["loss_mask"]) for line in export.jsonl_path.open())
-    (check,) = run_checks(data, names=["truncation_rate"],
-                          thresholds=QualitySettings(trainer=TrainerSettings(max_length=window)))
+    (check,) = run_checks(
+        data, names=["truncation_rate"], thresholds=QualitySettings(trainer=TrainerSettings(max_length=window))
+    )
     return tokens, check.passed
 
 
@@ -72,9 +73,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=5)
     args = ap.parse_args()
     # a context that holds prompt + 32,768 (the 32,768 cap is SpecForge's profile)
-    emulator = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--random-seed", str(args.seed),
-                "--native-context-length", "40960",
-                "--sampling", "per-prompt"]
+    emulator = [
+        "--reasoning-parser",
+        "qwen3",
+        "--decode-tokens-per-s",
+        "0",
+        "--random-seed",
+        str(args.seed),
+        "--native-context-length",
+        "40960",
+        "--sampling",
+        "per-prompt",
+    ]
     rows = []  # (label, window, decoded, trained, gate)
     with tempfile.TemporaryDirectory() as tmp, start_emulator(emulator) as a, start_emulator(emulator) as b:
         root, urls = Path(tmp), [a.url, b.url]
@@ -91,24 +101,31 @@ def main() -> int:
             print(f"  generated window {window:,}: {decoded:,} tokens ({secs:.0f}s)", file=sys.stderr)
             rows.append((f"window policy L={window:,}", window, decoded, *trained(data, root / f"w{window}", window)))
     floor = {w: t for label, w, _, t, _ in rows if label == f"fixed cap {CAPS[-1]:,}"}
-    print(f"{args.prompts:,} prompts, emulator seed {args.seed}; GPU-hours: {STORY_PROMPTS:,} prompts on "
-          f"{STORY_GPUS} GPUs at {STORY_TOK_S:,} tok/s\n")
+    print(
+        f"{args.prompts:,} prompts, emulator seed {args.seed}; GPU-hours: {STORY_PROMPTS:,} prompts on "
+        f"{STORY_GPUS} GPUs at {STORY_TOK_S:,} tok/s\n"
+    )
     print("| config | window L | decoded | trained | decoded / trained | coverage of the floor | gate | GPU-hours |")
     print("|---|---|---|---|---|---|---|---|")
     goals = []
     for label, window, decoded, tokens, gate in sorted(rows, key=lambda r: (r[1], r[0].startswith("window"))):
         ratio = f"{decoded / tokens:.3f}x" if tokens else "∞"
         hours = decoded / args.prompts * STORY_PROMPTS / STORY_TOK_S / 3600 * STORY_GPUS
-        print(f"| {label} | {window:,} | {decoded:,} | {tokens:,} | {ratio} | {tokens / floor[window]:.2%} | "
-              f"{'passes' if gate else 'FAILS: nothing exported'} | {hours:,.1f} |")
+        print(
+            f"| {label} | {window:,} | {decoded:,} | {tokens:,} | {ratio} | {tokens / floor[window]:.2%} | "
+            f"{'passes' if gate else 'FAILS: nothing exported'} | {hours:,.1f} |"
+        )
         if label.startswith("window"):
             goals.append((label, decoded / tokens <= 1.02, tokens / floor[window] >= 0.995))
-    print("\n| floor (every prompt's first L tokens) | " + " | ".join(f"L={w:,}: {t:,}" for w, t in floor.items())
-          + " |")
+    print(
+        "\n| floor (every prompt's first L tokens) | " + " | ".join(f"L={w:,}: {t:,}" for w, t in floor.items()) + " |"
+    )
     ok = all(a and b for _, a, b in goals)
     for label, ratio_ok, cover_ok in goals:
-        print(f"goal, {label}: decoded per trained <= 1.02 {'met' if ratio_ok else 'NOT met'}; trained >= 99.5% of "
-              f"the floor {'met' if cover_ok else 'NOT met'}")
+        print(
+            f"goal, {label}: decoded per trained <= 1.02 {'met' if ratio_ok else 'NOT met'}; trained >= 99.5% of "
+            f"the floor {'met' if cover_ok else 'NOT met'}"
+        )
     print("goals met" if ok else "goals NOT met")
     return 0 if ok else 1
 

@@ -42,13 +42,25 @@ def main() -> None:
 
     import dagster as dg
 
+    from dflash_assets.definitions import defs
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, QualityResource
-    from dflash_assets.definitions import defs
     from dflash_assets.emulator.process import start_emulator
 
-    flags = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", str(args.decode_tokens_per_s),
-             "--max-running-requests", "32", "--length-median", "200", "--length-sigma", "0.8", "--length-max", "2000"]
+    flags = [
+        "--reasoning-parser",
+        "qwen3",
+        "--decode-tokens-per-s",
+        str(args.decode_tokens_per_s),
+        "--max-running-requests",
+        "32",
+        "--length-median",
+        "200",
+        "--length-sigma",
+        "0.8",
+        "--length-max",
+        "2000",
+    ]
     with ExitStack() as stack:
         servers = [stack.enter_context(start_emulator(flags)) for _ in range(args.servers)]
         urls = [s.url for s in servers]
@@ -62,17 +74,28 @@ def main() -> None:
         instance = dg.DagsterInstance.get()
         instance.add_dynamic_partitions(shard_partitions.name, shards)
         job = defs.get_repository_def().get_job("shard_pipeline")
-        print(f"load test: {args.prompts:,} prompts in {len(shards)} shards, {args.servers} emulated servers x 32 "
-              f"slots, decode {args.decode_tokens_per_s:.0f} tok/s per request", flush=True)
+        print(
+            f"load test: {args.prompts:,} prompts in {len(shards)} shards, {args.servers} emulated servers x 32 "
+            f"slots, decode {args.decode_tokens_per_s:.0f} tok/s per request",
+            flush=True,
+        )
         start = time.monotonic()
         result = job.execute_in_process(
-            instance=instance, resources=resources, raise_on_error=False,
-            run_config={"ops": {"completions": {"config": {"max_output_tokens": 4096, "progress_seconds": 15}}},
-                        "loggers": {"console": {"config": {"log_level": "WARNING"}}}},
-            tags={"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]})
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+            run_config={
+                "ops": {"completions": {"config": {"max_output_tokens": 4096, "progress_seconds": 15}}},
+                "loggers": {"console": {"config": {"log_level": "WARNING"}}},
+            },
+            tags={"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]},
+        )
         wall = time.monotonic() - start
-        steps = [(st.step_key, st.end_time - st.start_time) for st in instance.get_run_step_stats(result.run_id)
-                 if st.start_time and st.end_time]
+        steps = [
+            (st.step_key, st.end_time - st.start_time)
+            for st in instance.get_run_step_stats(result.run_id)
+            if st.start_time and st.end_time
+        ]
         mats = result.asset_materializations_for_node("completions")
         meta = {m.partition: {k: v.value for k, v in m.metadata.items()} for m in mats}
         completed = sum(m["completed"] for m in meta.values())

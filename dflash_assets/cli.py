@@ -8,8 +8,18 @@ import sys
 import typing
 from pathlib import Path
 
-from dflash_assets.settings import (WINDOW_FIELDS, Deployment, DispatchSettings, GenerationSettings, LaunchSettings,
-                                    ProbeSettings, QualitySettings, Settings, SettingsError, TrainerSettings)
+from dflash_assets.settings import (
+    WINDOW_FIELDS,
+    Deployment,
+    DispatchSettings,
+    GenerationSettings,
+    LaunchSettings,
+    ProbeSettings,
+    QualitySettings,
+    Settings,
+    SettingsError,
+    TrainerSettings,
+)
 
 
 def _instance_environment(args: argparse.Namespace) -> None:
@@ -63,7 +73,9 @@ def _demo(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
-    return run_demo(config, verbose=args.verbose, again=lambda overrides: repeated_flags("demo", {**config, **overrides}))
+    return run_demo(
+        config, verbose=args.verbose, again=lambda overrides: repeated_flags("demo", {**config, **overrides})
+    )
 
 
 def _backfill(args: argparse.Namespace) -> int:
@@ -72,8 +84,13 @@ def _backfill(args: argparse.Namespace) -> int:
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
-    return run_backfill(args.first, args.last, config, verbose=args.verbose,
-                        again=lambda overrides: repeated_flags("backfill", {**config, **overrides}))
+    return run_backfill(
+        args.first,
+        args.last,
+        config,
+        verbose=args.verbose,
+        again=lambda overrides: repeated_flags("backfill", {**config, **overrides}),
+    )
 
 
 def _continue(args: argparse.Namespace) -> int:
@@ -81,8 +98,9 @@ def _continue(args: argparse.Namespace) -> int:
     from dflash_assets.demo.run import run_continue
 
     if (args.to_cap is None) == (args.to_window is None):
-        build_parser().error("dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's "
-                             "window)")
+        build_parser().error(
+            "dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's window)"
+        )
     return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose, to_window=args.to_window)
 
 
@@ -120,16 +138,29 @@ def _generate(args: argparse.Namespace) -> int:
     async def go(progress: Progress):
         task = progress.add_task(f"shard {args.shard}", total=None)
         async with connected(urls, Deployment.API_KEY.value() or None) as fleet:
-            return await generate_shard(args.data_dir, args.shard, fleet, config, settings,
-                                        log=progress.console.print,
-                                        on_answer=lambda done, total: progress.update(task, completed=done,
-                                                                                      total=total))
+            return await generate_shard(
+                args.data_dir,
+                args.shard,
+                fleet,
+                config,
+                settings,
+                log=progress.console.print,
+                on_answer=lambda done, total: progress.update(task, completed=done, total=total),
+            )
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  transient=True, disable=not sys.stdout.isatty()) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        disable=not sys.stdout.isatty(),
+    ) as progress:
         run = asyncio.run(go(progress))
-    print(f"shard {run.shard} config {run.config_hash}: {run.prompts} prompts = {run.completed} completed + "
-          f"{run.rejected} rejected + {run.failed} failed ({run.elapsed_s:.1f}s)")
+    print(
+        f"shard {run.shard} config {run.config_hash}: {run.prompts} prompts = {run.completed} completed + "
+        f"{run.rejected} rejected + {run.failed} failed ({run.elapsed_s:.1f}s)"
+    )
     return 0 if run.failed == 0 else 1
 
 
@@ -148,8 +179,11 @@ def _probe(args: argparse.Namespace) -> int:
         return 2
     shards = [s for s in (args.shards or "").split(",") if s] or prompt_shard_keys(args.data_dir)
     if not shards:
-        print(f"dflash probe: no prompt shards under {args.data_dir}: build them first (dflash backfill, or the "
-              f"prompt_shards asset)", file=sys.stderr)
+        print(
+            f"dflash probe: no prompt shards under {args.data_dir}: build them first (dflash backfill, or the "
+            f"prompt_shards asset)",
+            file=sys.stderr,
+        )
         return 2
     urls = args.urls
 
@@ -212,8 +246,9 @@ def _tuning(statuses, seconds: float, console):
 
     async def sample():
         async with open_session() as session:
-            clients = [ServerClient(session, s.url, Deployment.API_KEY.value() or None) for s in statuses
-                       if s.workers is None]  # a gateway has no loads of its own: its workers' rows are sampled
+            clients = [
+                ServerClient(session, s.url, Deployment.API_KEY.value() or None) for s in statuses if s.workers is None
+            ]  # a gateway has no loads of its own: its workers' rows are sampled
             sampler = await LoadSampler(clients, interval_s=1.0).start()
             with Progress(console=console, transient=True) as progress:
                 task = progress.add_task(f"sampling /v1/loads for {seconds:.0f}s", total=seconds)
@@ -257,9 +292,9 @@ def _report(args: argparse.Namespace) -> int:
 def _report_pictures(data_dir: str, answers) -> list[Path]:
     """The histogram of completion lengths and each config's cap plan (survival curve), written beside the report:
     under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
-    from dflash_assets.store.storage import is_uri
     from dflash_assets.quality import completion_histogram_png
     from dflash_assets.quality.planner_plot import cap_plan_png
+    from dflash_assets.store.storage import is_uri
 
     reports = Path(Deployment.LOCAL_DIR.value() if is_uri(data_dir) else data_dir) / "reports"
     pictures = [completion_histogram_png(data_dir, reports / "completion_lengths.png")]
@@ -295,8 +330,13 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], required: tuple[str, ...] = (),
-                   skip: tuple[str, ...] = (), defaults: dict | None = None) -> None:
+def settings_flags(
+    parser: argparse.ArgumentParser,
+    model: type[Settings],
+    required: tuple[str, ...] = (),
+    skip: tuple[str, ...] = (),
+    defaults: dict | None = None,
+) -> None:
     """One flag per field of a settings model (`max_output_tokens` -> `--max-output-tokens`), with the model's
     default and description: the defaults are settings.py's, never written here, except a command's own
     `defaults` (the demo's cap). `skip`: fields another model already gave a flag."""
@@ -308,71 +348,110 @@ def settings_flags(parser: argparse.ArgumentParser, model: type[Settings], requi
         kind = _json_object if kind is dict else kind
         shown = "" if default in (None, "") else f" (default {default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=(field.description or "") + shown)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=(field.description or "") + shown
+            )
         else:
-            parser.add_argument(flag, type=kind, default=None if name in required else default,
-                                required=name in required, help=(field.description or "") + shown)
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=None if name in required else default,
+                required=name in required,
+                help=(field.description or "") + shown,
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
     sub = parser.add_subparsers(dest="subcommand", required=True)  # `--command` is a launch setting
 
-    demo = sub.add_parser("demo", help="run the whole pipeline through Dagster on an emulated SGLang fleet",
-                          description="Materialise every shard of the bundled demo prompts (or --prompts) through "
-                                      "Dagster on emulated SGLang servers, run the checks and print a summary. "
-                                      "Re-running resumes: committed completions are not generated again.")
-    backfill = sub.add_parser("backfill", help="materialise a range of shards through Dagster, as a UI backfill does",
-                              description="Runs of up to DFLASH_SHARDS_PER_RUN shards (each streaming its shards "
-                                          "through one dispatcher), executed here one after the other on the "
-                                          "instance in DAGSTER_HOME with the fleet of DFLASH_FLEET_MODE. A failed "
-                                          "run is resumed by running the same range again.")
+    demo = sub.add_parser(
+        "demo",
+        help="run the whole pipeline through Dagster on an emulated SGLang fleet",
+        description="Materialise every shard of the bundled demo prompts (or --prompts) through "
+        "Dagster on emulated SGLang servers, run the checks and print a summary. "
+        "Re-running resumes: committed completions are not generated again.",
+    )
+    backfill = sub.add_parser(
+        "backfill",
+        help="materialise a range of shards through Dagster, as a UI backfill does",
+        description="Runs of up to DFLASH_SHARDS_PER_RUN shards (each streaming its shards "
+        "through one dispatcher), executed here one after the other on the "
+        "instance in DAGSTER_HOME with the fleet of DFLASH_FLEET_MODE. A failed "
+        "run is resumed by running the same range again.",
+    )
     backfill.add_argument("--from", dest="first", help="first shard key (default: the first)")
     backfill.add_argument("--to", dest="last", help="last shard key (default: the last)")
     for p, defaults in ((demo, DEMO_DEFAULTS), (backfill, SHARD_RUN_DEFAULTS)):
         settings_flags(p, GenerationSettings, defaults=defaults)
         settings_flags(p, DispatchSettings, defaults=defaults)
-        p.add_argument("--prompts", help="a JSONL or Parquet prompt source (default: DFLASH_PROMPTS, else the "
-                                         "bundled demo prompts)")
-        p.add_argument("--shard-size", type=int, help=f"prompts per shard (default {Deployment.SHARD_SIZE.name}, "
-                                                      f"else {Deployment.SHARD_SIZE.default})")
-        p.add_argument("--servers", type=int, help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, "
-                                                   f"else {Deployment.NUM_SERVERS.default})")
-        p.add_argument("--verbose", action="store_true",
-                       help="also print Dagster's event stream here (it always goes to the run's event log)")
+        p.add_argument(
+            "--prompts",
+            help="a JSONL or Parquet prompt source (default: DFLASH_PROMPTS, else the bundled demo prompts)",
+        )
+        p.add_argument(
+            "--shard-size",
+            type=int,
+            help=f"prompts per shard (default {Deployment.SHARD_SIZE.name}, else {Deployment.SHARD_SIZE.default})",
+        )
+        p.add_argument(
+            "--servers",
+            type=int,
+            help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {Deployment.NUM_SERVERS.default})",
+        )
+        p.add_argument(
+            "--verbose",
+            action="store_true",
+            help="also print Dagster's event stream here (it always goes to the run's event log)",
+        )
 
-    cont = sub.add_parser("continue", help="raise the cap without bias: continue cut rows from where they stopped",
-                          description="Runs continued_completions over the shards through Dagster: every row cut at "
-                                      "the smaller cap is taken on to --to from where it stopped, every row that "
-                                      "stopped is copied, so the new config's lengths are those of a clean run at "
-                                      "the larger cap. Rows without token ids are continued by their text (the "
-                                      "chat route's continue_final_message).")
+    cont = sub.add_parser(
+        "continue",
+        help="raise the cap without bias: continue cut rows from where they stopped",
+        description="Runs continued_completions over the shards through Dagster: every row cut at "
+        "the smaller cap is taken on to --to from where it stopped, every row that "
+        "stopped is copied, so the new config's lengths are those of a clean run at "
+        "the larger cap. Rows without token ids are continued by their text (the "
+        "chat route's continue_final_message).",
+    )
     cont.add_argument("--to", dest="to_cap", type=int, help="the new cap, e.g. 8192")
-    cont.add_argument("--to-window", type=int, help="grow the trainer's window of a cap_policy window config, e.g. "
-                                                    "8192: window-complete rows are continued to it by token ids, "
-                                                    "rows that stopped stay")
+    cont.add_argument(
+        "--to-window",
+        type=int,
+        help="grow the trainer's window of a cap_policy window config, e.g. "
+        "8192: window-complete rows are continued to it by token ids, "
+        "rows that stopped stay",
+    )
     cont.add_argument("--from-shard", dest="first", help="first shard key (default: the first)")
     cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")
     cont.add_argument("--prompts", help=argparse.SUPPRESS)
     cont.add_argument("--shard-size", type=int, help=argparse.SUPPRESS)
-    cont.add_argument("--servers", type=int, help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, "
-                                                    f"else {Deployment.NUM_SERVERS.default})")
+    cont.add_argument(
+        "--servers",
+        type=int,
+        help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {Deployment.NUM_SERVERS.default})",
+    )
     cont.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
 
-    gen = sub.add_parser("generate", help="generate one shard's completions without Dagster (the same engine)",
-                         description="Needs the shard's prompt_shards file; resumes from committed parts.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate one shard's completions without Dagster (the same engine)",
+        description="Needs the shard's prompt_shards file; resumes from committed parts.",
+    )
     gen.add_argument("--shard", required=True, help="shard key, e.g. 00003")
     gen.add_argument("--urls", required=True, type=_urls, help="comma-separated server base URLs")
     gen.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     settings_flags(gen, GenerationSettings)
     settings_flags(gen, DispatchSettings)
 
-    probe = sub.add_parser("probe", help="run the length probe without Dagster (the same code as length_probe)",
-                           description="Samples the prompts of a data dir (seeded, stratified by shard and source), "
-                                       "generates them at a high cap into <data-dir>/length_probe/, and prints the "
-                                       "share still cut at candidate caps, measured, and the next command. A re-run "
-                                       "with the same sample and settings resumes.")
+    probe = sub.add_parser(
+        "probe",
+        help="run the length probe without Dagster (the same code as length_probe)",
+        description="Samples the prompts of a data dir (seeded, stratified by shard and source), "
+        "generates them at a high cap into <data-dir>/length_probe/, and prints the "
+        "share still cut at candidate caps, measured, and the next command. A re-run "
+        "with the same sample and settings resumes.",
+    )
     probe.add_argument("--urls", required=True, type=_urls, help="comma-separated server base URLs")
     probe.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     probe.add_argument("--shards", help="comma-separated shard keys to sample (default: every prompt shard)")
@@ -381,9 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     settings_flags(probe, GenerationSettings, skip=("max_output_tokens", *WINDOW_FIELDS))
     settings_flags(probe, DispatchSettings)
 
-    fleet = sub.add_parser("fleet", help="launch, inspect and stop SGLang servers (launch mode)",
-                           description="Servers started by `fleet up` are detached: they outlive this command and "
-                                       "every run, and later `up`s reuse them while healthy with the same args.")
+    fleet = sub.add_parser(
+        "fleet",
+        help="launch, inspect and stop SGLang servers (launch mode)",
+        description="Servers started by `fleet up` are detached: they outlive this command and "
+        "every run, and later `up`s reuse them while healthy with the same args.",
+    )
     fleet.add_argument("--fleet-dir", help="registry and logs (default: $DAGSTER_HOME/fleet)")
     fsub = fleet.add_subparsers(dest="fleet_command", required=True)
     fup = fsub.add_parser("up", help="start (or reuse) one server per GPU and wait until healthy")
@@ -391,21 +473,33 @@ def build_parser() -> argparse.ArgumentParser:
     settings_flags(fup, LaunchSettings, required=("model_path",))
     fstatus = fsub.add_parser("status", help="health, context length, max running requests, load of each server")
     fstatus.add_argument("--urls", type=_urls, help="also (or only) these attached servers, comma-separated")
-    fstatus.add_argument("--watch", type=float, metavar="SECONDS",
-                         help="sample /v1/loads for this long and print tuning advice (slots, KV, queue)")
+    fstatus.add_argument(
+        "--watch",
+        type=float,
+        metavar="SECONDS",
+        help="sample /v1/loads for this long and print tuning advice (slots, KV, queue)",
+    )
     fdown = fsub.add_parser("down", help="stop servers started by `fleet up`")
     fdown.add_argument("names", nargs="*", help="server names (default: all), e.g. gpu0")
 
     sub.add_parser("emulator", help="run one SGLang 0.5.23 emulator server (SGLang's flag names)", add_help=False)
 
-    report = sub.add_parser("report", help="print the length-quality summary of a data dir",
-                            description="Reads the Parquet files directly; works without the webserver.")
+    report = sub.add_parser(
+        "report",
+        help="print the length-quality summary of a data dir",
+        description="Reads the Parquet files directly; works without the webserver.",
+    )
     report.add_argument("--data-dir", help="default: DFLASH_DATA_DIR, else data/")
     window = TrainerSettings().max_length
-    report.add_argument("--trainer-max-length", type=int, default=window,
-                        help=f"the trainer's window the cut rows are judged against (default {window})")
-    report.add_argument("--open", action="store_true",
-                        help="open the pictures (length histogram, cap plan survival curve) in a browser")
+    report.add_argument(
+        "--trainer-max-length",
+        type=int,
+        default=window,
+        help=f"the trainer's window the cut rows are judged against (default {window})",
+    )
+    report.add_argument(
+        "--open", action="store_true", help="open the pictures (length histogram, cap plan survival curve) in a browser"
+    )
     return parser
 
 

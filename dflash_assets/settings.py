@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, get_args
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,8 +61,15 @@ class Settings(BaseModel):
 TRAINER_FORMATS = ("conversations", "messages", "pretokenized")  # TrainerSettings.format
 CAP_POLICIES = ("fixed", "window")  # GenerationSettings.cap_policy
 REGENERATE = ("last_turn", "all_turns")  # GenerationSettings.regenerate
-SAMPLING_PARAMS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")  # GenerationSettings' sampling, recorded per row under these names
+SAMPLING_PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)  # GenerationSettings' sampling, recorded per row under these names
 WINDOW_FIELDS = ("cap_policy", "trainer_max_length", "overshoot")  # GenerationSettings: how the window sizes requests
 
 
@@ -74,13 +81,17 @@ class TrainerSettings(Settings):
     Whatever lies past the window is never trained on (docs/trainer-window.md)."""
 
     max_length: int = Field(
-        4096, description="The trainer's window in tokens, counted as the trainer counts it: the rendered sample, "
-                          "prompt plus assistant (SpecForge data.max_length; speculators --seq-length).")
+        4096,
+        description="The trainer's window in tokens, counted as the trainer counts it: the rendered sample, "
+        "prompt plus assistant (SpecForge data.max_length; speculators --seq-length).",
+    )
     format: str = Field(
-        "conversations", description="The export form: 'conversations' (SpecForge's {id, status, conversations}), "
-                                     "'messages' (OpenAI's {id, messages}) or 'pretokenized' ({id, input_ids, "
-                                     "loss_mask} from the server's own token ids, read as is by SpecForge's online "
-                                     "trainer and speculators).")
+        "conversations",
+        description="The export form: 'conversations' (SpecForge's {id, status, conversations}), "
+        "'messages' (OpenAI's {id, messages}) or 'pretokenized' ({id, input_ids, "
+        "loss_mask} from the server's own token ids, read as is by SpecForge's online "
+        "trainer and speculators).",
+    )
 
     def validate(self) -> None:  # noqa: D102
         problems = []
@@ -93,8 +104,10 @@ class TrainerSettings(Settings):
 
     def named(self) -> str:
         """The window as every report names it, with how to change it."""
-        return (f"the trainer's window max_length {self.max_length:,} (trainer.max_length; change it with "
-                f"--trainer-max-length or the quality resource's trainer.max_length)")
+        return (
+            f"the trainer's window max_length {self.max_length:,} (trainer.max_length; change it with "
+            f"--trainer-max-length or the quality resource's trainer.max_length)"
+        )
 
 
 class GenerationSettings(Settings):
@@ -114,23 +127,32 @@ class GenerationSettings(Settings):
     frequency_penalty: float = Field(0.0, description="Frequency penalty, in [-2, 2].")
     enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
     regenerate: str = Field(
-        "last_turn", description="Which assistant turns are generated: 'last_turn' (the final one, or a new answer "
-                                 "to a final user turn) or 'all_turns' (every one, in order, each conditioned on "
-                                 "the regenerated ones before it).")
+        "last_turn",
+        description="Which assistant turns are generated: 'last_turn' (the final one, or a new answer "
+        "to a final user turn) or 'all_turns' (every one, in order, each conditioned on "
+        "the regenerated ones before it).",
+    )
     cap_policy: str = Field(
-        "fixed", description="'fixed': every request asks max_output_tokens; 'window': each request asks "
-                             "min(max_output_tokens, trainer_max_length - prompt_tokens + overshoot), the tokens "
-                             "the trainer's window reads, and a prompt that fills the window is rejected.")
+        "fixed",
+        description="'fixed': every request asks max_output_tokens; 'window': each request asks "
+        "min(max_output_tokens, trainer_max_length - prompt_tokens + overshoot), the tokens "
+        "the trainer's window reads, and a prompt that fills the window is rejected.",
+    )
     trainer_max_length: int = Field(
-        TrainerSettings().max_length, description="cap_policy window: the trainer's window the requests are sized "
-                                                  "to (TrainerSettings.max_length).")
+        TrainerSettings().max_length,
+        description="cap_policy window: the trainer's window the requests are sized to (TrainerSettings.max_length).",
+    )
     overshoot: int = Field(
-        16, description="cap_policy window: tokens asked past the window, so that after the trainer re-renders "
-                        "and re-tokenizes the sample its window still ends inside generated text (never on a "
-                        "closing tag the model did not write).")
+        16,
+        description="cap_policy window: tokens asked past the window, so that after the trainer re-renders "
+        "and re-tokenizes the sample its window still ends inside generated text (never on a "
+        "closing tag the model did not write).",
+    )
     chat_template_kwargs: dict = Field(
-        {}, description="More chat_template_kwargs, sent beside enable_thinking with every request and with "
-                        "/v1/tokenize (a JSON object on the command line).")
+        {},
+        description="More chat_template_kwargs, sent beside enable_thinking with every request and with "
+        "/v1/tokenize (a JSON object on the command line).",
+    )
 
     def validate(self) -> None:
         problems = []
@@ -195,8 +217,10 @@ class GenerationSettings(Settings):
     def window_problem(self, prompt_tokens: int) -> str | None:
         """Why the window policy refuses this prompt (it fills the trainer's window), or None."""
         if self.windowed and fills_window(prompt_tokens, self.trainer_max_length):
-            return (f"prompt of {prompt_tokens} tokens fills the trainer's window max_length "
-                    f"{self.trainer_max_length}: the trainer would read no answer (cap_policy window)")
+            return (
+                f"prompt of {prompt_tokens} tokens fills the trainer's window max_length "
+                f"{self.trainer_max_length}: the trainer would read no answer (cap_policy window)"
+            )
         return None
 
     def sampling(self) -> dict:
@@ -206,7 +230,8 @@ class GenerationSettings(Settings):
     def chat_body(self, model: str, messages: list[dict], token_ids: bool = False, cap: int | None = None) -> dict:
         """The chat request; `cap` is this request's own max_output_tokens (request_cap), default the cap."""
         extra = {"return_token_ids": True} if token_ids else {}
-        return {**extra,
+        return {
+            **extra,
             "model": model,
             "messages": messages,
             "max_completion_tokens": self.max_output_tokens if cap is None else cap,
@@ -220,9 +245,11 @@ class DispatchSettings(Settings):
     """How hard to drive the fleet. None of this changes a completion, so none of it is hashed."""
 
     max_in_flight_per_server: int = Field(
-        0, description="Requests in flight per server; 0 = the server's own max_running_requests + waiting_margin.")
+        0, description="Requests in flight per server; 0 = the server's own max_running_requests + waiting_margin."
+    )
     waiting_margin: int = Field(
-        2, description="Requests queued at each server beyond its running slots, so its slots never idle.")
+        2, description="Requests queued at each server beyond its running slots, so its slots never idle."
+    )
     max_attempts: int = Field(4, description="Attempts per request on retryable errors (5xx, timeouts).")
     backoff_base_s: float = Field(0.5, description="First retry delay; doubles each attempt (with jitter).")
     backoff_max_s: float = Field(30.0, description="The longest retry delay.")
@@ -231,35 +258,51 @@ class DispatchSettings(Settings):
     commit_seconds: float = Field(10.0, description="... or every this many seconds.")
     progress_seconds: float = Field(30.0, description="A progress line in the run log every this many seconds.")
     store_token_ids: bool = Field(
-        False, description="Record prompt_token_ids and output_ids (return_token_ids): exact ids for training, "
-                           "and what continuing truncated rows at a larger cap needs.")
+        False,
+        description="Record prompt_token_ids and output_ids (return_token_ids): exact ids for training, "
+        "and what continuing truncated rows at a larger cap needs.",
+    )
     load_sample_s: float = Field(
-        5.0, description="Poll each server's /v1/loads this often for the fleet tuning report (0: off).")
+        5.0, description="Poll each server's /v1/loads this often for the fleet tuning report (0: off)."
+    )
     no_server_timeout_s: float = Field(
-        120.0, description="Stop the run when no server has been healthy for this long (committed rows stay).")
+        120.0, description="Stop the run when no server has been healthy for this long (committed rows stay)."
+    )
     same_server_max_imbalance: float = Field(
-        0.25, description="all_turns: a conversation's next turn goes to the server of its previous turn (whose "
-                          "prefix cache holds the history) unless that server's share of busy slots exceeds the "
-                          "least-loaded server's by more than this (negative: always the least-loaded server).")
+        0.25,
+        description="all_turns: a conversation's next turn goes to the server of its previous turn (whose "
+        "prefix cache holds the history) unless that server's share of busy slots exceeds the "
+        "least-loaded server's by more than this (negative: always the least-loaded server).",
+    )
 
     stream: bool = Field(
-        True, description="Stream every generation request (SSE) and watch it while it runs: a stall is noticed "
-                          "in stall_timeout_s, a loop stopped when it starts (docs/streaming.md). Off: one blocking "
-                          "POST per request, watched by request_timeout_s only.")
+        True,
+        description="Stream every generation request (SSE) and watch it while it runs: a stall is noticed "
+        "in stall_timeout_s, a loop stopped when it starts (docs/streaming.md). Off: one blocking "
+        "POST per request, watched by request_timeout_s only.",
+    )
     stall_timeout_s: float = Field(
-        60.0, description="stream: a request whose stream sends no token for this long is closed (SGLang aborts "
-                          "it) and retried on another server.")
+        60.0,
+        description="stream: a request whose stream sends no token for this long is closed (SGLang aborts "
+        "it) and retried on another server.",
+    )
     first_token_timeout_s: float = Field(
-        900.0, description="stream: the same, before the first token (a request queued behind a busy server's "
-                           "running ones waits longer than a decode step).")
+        900.0,
+        description="stream: the same, before the first token (a request queued behind a busy server's "
+        "running ones waits longer than a decode step).",
+    )
     runaway_check_tokens: int = Field(
-        256, description="stream: apply the runaway rules to the streamed text every this many tokens; a loop is "
-                         "stopped and committed with finish_reason 'runaway' (0: off, runaways decode to the cap).")
+        256,
+        description="stream: apply the runaway rules to the streamed text every this many tokens; a loop is "
+        "stopped and committed with finish_reason 'runaway' (0: off, runaways decode to the cap).",
+    )
 
     def validate(self) -> None:  # noqa: D102  (pydantic v2 has no instance validate: ours checks the values)
         if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0:
-            raise SettingsError(f"stall_timeout_s and first_token_timeout_s must be > 0, got {self.stall_timeout_s} "
-                              f"and {self.first_token_timeout_s}")
+            raise SettingsError(
+                f"stall_timeout_s and first_token_timeout_s must be > 0, got {self.stall_timeout_s} "
+                f"and {self.first_token_timeout_s}"
+            )
         if self.runaway_check_tokens < 0:
             raise SettingsError(f"runaway_check_tokens must be >= 0 (0: off), got {self.runaway_check_tokens}")
         if self.max_in_flight_per_server < 0:
@@ -278,22 +321,27 @@ class ProbeSettings(Settings):
     GenerationSettings, which must match the run the plan is for."""
 
     max_output_tokens: int = Field(
-        0, description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts.")
+        0, description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts."
+    )
     size: int = Field(0, description="Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.")
     share: float = Field(0.01, description="Share of the prompts to sample when size is 0.")
     min_prompts: int = Field(500, description="At least this many prompts when size is 0.")
     seed: int = Field(0, description="Seed of the random sample: the same prompts and seed give the same sample.")
-    mode: str = Field("prompts", description="What the probe samples: 'prompts' (random prompts generated at the "
-                                             "probe's cap) or 'cut_rows' (the run's honest cut rows, continued to "
-                                             "it: every row informs the tail; needs a run at a smaller cap).")
+    mode: str = Field(
+        "prompts",
+        description="What the probe samples: 'prompts' (random prompts generated at the "
+        "probe's cap) or 'cut_rows' (the run's honest cut rows, continued to "
+        "it: every row informs the tail; needs a run at a smaller cap).",
+    )
 
     def validate(self) -> None:  # noqa: D102
         problems = []
         if self.mode not in PROBE_MODES:
             problems.append(f"mode must be one of {', '.join(PROBE_MODES)}, got {self.mode!r}")
         if self.max_output_tokens < 0:
-            problems.append(f"max_output_tokens must be >= 0 (0: the largest the context allows), got "
-                            f"{self.max_output_tokens}")
+            problems.append(
+                f"max_output_tokens must be >= 0 (0: the largest the context allows), got {self.max_output_tokens}"
+            )
         if self.size < 0:
             problems.append(f"size must be >= 0 (0: from share and min_prompts), got {self.size}")
         if not 0 < self.share <= 1:
@@ -311,13 +359,18 @@ class RunawaySettings(Settings):
     tail_chars: int = Field(4000, description="The end of the output that is judged, in characters.")
     ngram_words: int = Field(8, description="Words per n-gram of the repeated n-gram rule.")
     repeated_ngram_share: float = Field(
-        0.5, description="A loop: at least this share of the tail's n-grams repeat an earlier n-gram of the tail.")
+        0.5, description="A loop: at least this share of the tail's n-grams repeat an earlier n-gram of the tail."
+    )
     repeated_line_share: float = Field(
-        0.5, description="A loop: at least this share of the tail's non-blank lines equal its most common line ...")
+        0.5, description="A loop: at least this share of the tail's non-blank lines equal its most common line ..."
+    )
     min_line_repeats: int = Field(4, description="... and that line is seen at least this often.")
     min_ngrams: int = Field(32, description="A tail of fewer n-grams is never judged a loop (too little to tell).")
-    end_chars: int = Field(32, description="The end that must recur for either rule to count: the last line, or "
-                                           "its last this many characters.")
+    end_chars: int = Field(
+        32,
+        description="The end that must recur for either rule to count: the last line, or "
+        "its last this many characters.",
+    )
 
 
 Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
@@ -333,40 +386,53 @@ class QualitySettings(Settings):
     so a non-zero count says "a stage is broken", not "the data is a bit noisy"."""
 
     truncation_rate_max: float = Field(
-        0.05, description="The truncation_rate check fails above this share of rows cut inside the trainer's "
-                          "window (rules.py), per shard and per config: the blocking truncation.")
+        0.05,
+        description="The truncation_rate check fails above this share of rows cut inside the trainer's "
+        "window (rules.py), per shard and per config: the blocking truncation.",
+    )
     cap_saturation_percentile: float = Field(
-        0.99, description="cap_saturation fails when this percentile of completion_tokens reaches the cap.")
+        0.99, description="cap_saturation fails when this percentile of completion_tokens reaches the cap."
+    )
     cap_mismatch_rate_max: float = Field(
-        0.0, description="Rows where 'at the cap' and finish_reason 'length' disagree.")
+        0.0, description="Rows where 'at the cap' and finish_reason 'length' disagree."
+    )
     silent_clamp_rate_max: float = Field(
-        0.0, description="Rows that finished 'length' below their own max_output_tokens.")
-    context_overflow_rate_max: float = Field(
-        0.0, description="Completion rows generated with prompt + cap > context.")
+        0.0, description="Rows that finished 'length' below their own max_output_tokens."
+    )
+    context_overflow_rate_max: float = Field(0.0, description="Completion rows generated with prompt + cap > context.")
     overflow_reject_rate_max: float = Field(
-        0.01, description="Prompts of a config rejected because prompt + cap > context.")
-    missing_rate_max: float = Field(
-        0.0, description="Accounting: prompts with no completion, reject or failure row.")
+        0.01, description="Prompts of a config rejected because prompt + cap > context."
+    )
+    missing_rate_max: float = Field(0.0, description="Accounting: prompts with no completion, reject or failure row.")
     duplicate_rate_max: float = Field(0.0, description="Extra rows on (prompt_id, config_hash).")
     empty_content_rate_max: float = Field(0.0, description="Rows with an empty answer.")
     think_marker_rate_max: float = Field(0.0, description="Rows with a think marker leaked into the answer.")
     reasoning_misrouted_rate_max: float = Field(
-        0.0, description="enable_thinking rows whose reasoning did not reach reasoning_content.")
+        0.0, description="enable_thinking rows whose reasoning did not reach reasoning_content."
+    )
     truncated_thinking_rate_max: float = Field(0.01, description="Rows cut while still thinking.")
     trainer: TrainerSettings = Field(
-        TrainerSettings(), description="The drafter trainer: its window max_length (what the checks judge "
-                                       "truncation against) and the export form.")
+        TrainerSettings(),
+        description="The drafter trainer: its window max_length (what the checks judge "
+        "truncation against) and the export form.",
+    )
     past_window_rate_max: float = Field(
-        0.02, description="window_complete warns above this share of decoded tokens past the trainer's window: "
-                          "GPU time no training step reads.")
+        0.02,
+        description="window_complete warns above this share of decoded tokens past the trainer's window: "
+        "GPU time no training step reads.",
+    )
     max_length_overflow_rate_max: float = Field(
-        0.05, description="Rows whose prompt plus completion run past the trainer's window (it cuts them).")
+        0.05, description="Rows whose prompt plus completion run past the trainer's window (it cuts them)."
+    )
     runaway_rate_max: float = Field(
-        0.0, description="The runaway_rate check warns above this share of rows cut while looping: any is worth a "
-                         "look at the sampling settings.")
+        0.0,
+        description="The runaway_rate check warns above this share of rows cut while looping: any is worth a "
+        "look at the sampling settings.",
+    )
     runaway: RunawaySettings = Field(RunawaySettings(), description="What counts as a runaway.")
     severity: dict[str, str] = Field(
-        {}, description="Check name -> 'ERROR' or 'WARN': overrides a check's own severity.")
+        {}, description="Check name -> 'ERROR' or 'WARN': overrides a check's own severity."
+    )
 
     def validate(self) -> None:  # noqa: D102
         self.trainer.validate()
@@ -378,23 +444,25 @@ class QualitySettings(Settings):
 class ServerSettings(Settings):
     """The typed `sglang serve` flags of one server. None means "SGLang decides" and emits no flag."""
 
-    served_model_name: Optional[str] = Field(None, description="The model name the server answers to.")
+    served_model_name: str | None = Field(None, description="The model name the server answers to.")
     host: str = Field("127.0.0.1", description="Where the server listens (loopback unless told otherwise).")
     tp_size: int = Field(1, description="Tensor-parallel GPUs per server.")
-    context_length: Optional[int] = Field(None, description="--context-length (default: the model's).")
-    max_running_requests: Optional[int] = Field(None, description="--max-running-requests.")
-    max_mamba_cache_size: Optional[int] = Field(None, description="--max-mamba-cache-size (hybrid models).")
-    mem_fraction_static: Optional[float] = Field(None, description="--mem-fraction-static, in (0, 1).")
-    chunked_prefill_size: Optional[int] = Field(None, description="--chunked-prefill-size.")
-    cuda_graph_max_bs_decode: Optional[int] = Field(None, description="--cuda-graph-max-bs-decode.")
-    reasoning_parser: Optional[str] = Field("qwen3", description="--reasoning-parser: thinking goes to "
-                                                                 "reasoning_content.")
+    context_length: int | None = Field(None, description="--context-length (default: the model's).")
+    max_running_requests: int | None = Field(None, description="--max-running-requests.")
+    max_mamba_cache_size: int | None = Field(None, description="--max-mamba-cache-size (hybrid models).")
+    mem_fraction_static: float | None = Field(None, description="--mem-fraction-static, in (0, 1).")
+    chunked_prefill_size: int | None = Field(None, description="--chunked-prefill-size.")
+    cuda_graph_max_bs_decode: int | None = Field(None, description="--cuda-graph-max-bs-decode.")
+    reasoning_parser: str | None = Field("qwen3", description="--reasoning-parser: thinking goes to reasoning_content.")
     enable_metrics: bool = Field(True, description="--enable-metrics: Prometheus /metrics.")
-    max_queued_requests: Optional[int] = Field(None, description="--max-queued-requests.")
+    max_queued_requests: int | None = Field(None, description="--max-queued-requests.")
     # SGLang's default is 1 (an event per token): parsing those costs the client 0.56-0.93 cores at the story's
     # 24,500 tok/s, over its 0.5-core budget; at 4 it is 0.15-0.16 (benchmarks/bench_streaming.py cpu, docs/streaming.md)
-    stream_interval: Optional[int] = Field(4, description="--stream-interval: tokens per streamed event (SGLang's "
-                                                           "default 1 costs the client too much CPU to parse).")
+    stream_interval: int | None = Field(
+        4,
+        description="--stream-interval: tokens per streamed event (SGLang's "
+        "default 1 costs the client too much CPU to parse).",
+    )
 
 
 class LaunchSettings(ServerSettings):
@@ -403,8 +471,11 @@ class LaunchSettings(ServerSettings):
     model_path: str = Field("", description="The model every server loads (a local directory or a HF repo id).")
     gpus: str = Field("0", description="Comma-separated GPU ids.")
     base_port: int = Field(30000, description="The server on GPU g listens on base_port + g.")
-    command: str = Field("sglang", description="'sglang' (sglang serve), 'launch_server' (python -m "
-                                               "sglang.launch_server), 'emulator', or a full command line.")
+    command: str = Field(
+        "sglang",
+        description="'sglang' (sglang serve), 'launch_server' (python -m "
+        "sglang.launch_server), 'emulator', or a full command line.",
+    )
     extra_args: str = Field("", description="More sglang serve flags, quoted as one string.")
     health_timeout_s: float = Field(1200.0, description="Seconds to wait for a new server's /health.")
 
@@ -415,8 +486,9 @@ class FleetSettings(Settings):
     mode: str = Field("emulated", description="'emulated', 'attach' or 'launch'.")
     urls: str = Field("", description="attach: comma-separated base URLs (or one router / gateway URL).")
     num_servers: int = Field(2, description="emulated: how many emulator servers.")
-    emulator_args: str = Field("--reasoning-parser qwen3", description="emulated: emulator flags, e.g. add "
-                                                                       "'--decode-tokens-per-s 4000'.")
+    emulator_args: str = Field(
+        "--reasoning-parser qwen3", description="emulated: emulator flags, e.g. add '--decode-tokens-per-s 4000'."
+    )
     health_timeout_s: float = Field(120.0, description="Seconds to wait for every server's /health at connect.")
     request_timeout_s: float = Field(3600.0, description="Seconds one request may take (a long generation).")
 

@@ -25,20 +25,25 @@ from dflash_assets.fleet import launcher
 from dflash_assets.fleet.client import ServerClient
 from dflash_assets.fleet.fleet import on_fleet, open_session
 from dflash_assets.fleet.launcher import build_spec
-from dflash_assets.settings import Deployment, DispatchSettings, GenerationSettings, LaunchSettings
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.store.stores import prompt_store
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.export import export_training_set
+from dflash_assets.settings import Deployment, DispatchSettings, GenerationSettings, LaunchSettings
+from dflash_assets.store.stores import prompt_store
 
 SHARD = "00000"
 COUNTERS = ("sglang:num_requests_total", "sglang:prompt_tokens_total", "sglang:generation_tokens_total")
 QUESTIONS = [
-    "What is 17 times 23? Show the steps.", "Name three prime numbers above 100.", "Explain recursion briefly.",
-    "Write a haiku about rain.", "What is the capital of Australia?", "Sort 5, 2, 9, 1 in ascending order.",
-    "Why is the sky blue?", "Give a one-line Python function that reverses a string.",
+    "What is 17 times 23? Show the steps.",
+    "Name three prime numbers above 100.",
+    "Explain recursion briefly.",
+    "Write a haiku about rain.",
+    "What is the capital of Australia?",
+    "Sort 5, 2, 9, 1 in ascending order.",
+    "Why is the sky blue?",
+    "Give a one-line Python function that reverses a string.",
 ]
 
 
@@ -101,10 +106,18 @@ def main(argv: list[str]) -> int:
     work = Path(args.work_dir).resolve()
     data, fleet_dir = work / "data", work / "fleet"
     command = Deployment.SGLANG_COMMAND.value()
-    spec = build_spec(LaunchSettings(
-        model_path=args.model_path, gpus=args.gpu, command=command, base_port=args.port - int(args.gpu.split(",")[0]),
-        context_length=args.context_length, reasoning_parser=args.reasoning_parser, enable_metrics=True,
-        extra_args=args.extra_args))
+    spec = build_spec(
+        LaunchSettings(
+            model_path=args.model_path,
+            gpus=args.gpu,
+            command=command,
+            base_port=args.port - int(args.gpu.split(",")[0]),
+            context_length=args.context_length,
+            reasoning_parser=args.reasoning_parser,
+            enable_metrics=True,
+            extra_args=args.extra_args,
+        )
+    )
     key = os.environ.get(spec.api_key_env) or None
     console.print(f"launching {command} with {args.model_path} on GPU {args.gpu} (registry {fleet_dir})")
     [record] = launcher.up(spec, fleet_dir, on_event=console.print)
@@ -128,8 +141,9 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
     too_long = asyncio.run(long_prompt(url[0], key, target))
     lines += [{"id": "too_long_preflight", "prompt": too_long}, {"id": "too_long_server", "prompt": too_long + " ."}]
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    built = on_fleet(url, lambda f: build_prompt_shard(src, 0, SHARD, len(lines), data, f, {"enable_thinking": True}),
-                     key)
+    built = on_fleet(
+        url, lambda f: build_prompt_shard(src, 0, SHARD, len(lines), data, f, {"enable_thinking": True}), key
+    )
     store = prompt_store(data, SHARD)
     rows = store.read().to_pylist()
     for row in rows:
@@ -140,8 +154,11 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
     settings = DispatchSettings(store_token_ids=True, load_sample_s=0, commit_rows=4, commit_seconds=1.0)
     config = GenerationSettings(max_output_tokens=args.cap)
     fresh = on_fleet(url, lambda f: generate_shard(data, SHARD, f, config, settings, log=console.print), key)
-    cont = on_fleet(url, lambda f: continue_shard(data, SHARD, f, fresh.config_hash, args.continue_to, settings,
-                                                  log=console.print), key)
+    cont = on_fleet(
+        url,
+        lambda f: continue_shard(data, SHARD, f, fresh.config_hash, args.continue_to, settings, log=console.print),
+        key,
+    )
     outcomes = run_checks(data)
     export = export_training_set(data, work / "export", cont.config_hash, max_length=None)
     after = asyncio.run(server_view(url[0], key))
@@ -154,19 +171,31 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
         ("prompts admitted to the shard", built.prompts, len(lines), "lines written (all fit the context)"),
         ("generation requests", rec["requests"], delta["sglang:num_requests_total"], "/metrics num_requests_total"),
         ("prompt tokens", rec["prompt_tokens"], delta["sglang:prompt_tokens_total"], "/metrics prompt_tokens_total"),
-        ("generated tokens", rec["generated"], delta["sglang:generation_tokens_total"],
-         "/metrics generation_tokens_total"),
+        (
+            "generated tokens",
+            rec["generated"],
+            delta["sglang:generation_tokens_total"],
+            "/metrics generation_tokens_total",
+        ),
         ("server context length", rec["contexts"], [context], "/v1/models max_model_len"),
         ("model", rec["models"], [info.model], "/v1/models id"),
         ("rows truncated at the cap", rec["truncated"] > 0, True, f"rows 'length' at cap {args.cap}"),
-        ("'length' rows below their cap", rec["clamped"], 0, f"/server_info max_req_input_len "
-         f"{info.max_req_input_len}, KV pool {info.max_total_num_tokens}"),
+        (
+            "'length' rows below their cap",
+            rec["clamped"],
+            0,
+            f"/server_info max_req_input_len {info.max_req_input_len}, KV pool {info.max_total_num_tokens}",
+        ),
         ("preflight rejects", rec["preflight"], ["too_long_preflight"], "prompt + cap over the context"),
         ("server rejects (HTTP 400)", rec["server"], ["too_long_server"], "the server's context check"),
         ("rows continued by token ids", cont.continued, rec["continued"], "rows with tokens_reused"),
         ("continued rows keep the parent's prompt ids", rec["continued_ok"], True, "prompt_token_ids vs prompt_tokens"),
-        ("accounting (completed+rejected+failed)", fresh.completed + fresh.rejected + fresh.failed, fresh.prompts,
-         "prompts of the shard"),
+        (
+            "accounting (completed+rejected+failed)",
+            fresh.completed + fresh.rejected + fresh.failed,
+            fresh.prompts,
+            "prompts of the shard",
+        ),
         ("export: kept + excluded rows", exported, rec["new_config_rows"], "rows of the new config"),
     ]
     table = Table(title=f"gpu smoke: {url[0]} ({info.model})")
@@ -191,23 +220,38 @@ def recorded(data: Path, fresh: str, cont: str) -> dict:
     q = lambda sql: duckdb.sql(sql).fetchall()  # noqa: E731
     [(n_fresh, p_fresh, g_fresh, truncated)] = q(
         f"select count(*), sum(prompt_tokens), sum(completion_tokens), count(*) filter (where finish_reason = "
-        f"'length') from {comp} where config_hash = '{fresh}'")
+        f"'length') from {comp} where config_hash = '{fresh}'"
+    )
     # continued rows: the request's prompt was the parent's prompt + its output ids; only the rest was generated
     [(n_cont, p_cont, g_cont, ok)] = q(
         f"select count(*), coalesce(sum(prompt_tokens + tokens_reused), 0), "
         f"coalesce(sum(completion_tokens - tokens_reused), 0), coalesce(bool_and(len(prompt_token_ids) = "
         f"prompt_tokens), true) from {comp} where config_hash = '{cont}' and parent_config_hash is not null "
-        f"and tokens_reused < completion_tokens")
+        f"and tokens_reused < completion_tokens"
+    )
     return {
-        "requests": n_fresh + n_cont, "prompt_tokens": p_fresh + p_cont, "generated": g_fresh + g_cont, "truncated": truncated, "continued": n_cont, "continued_ok": ok,
+        "requests": n_fresh + n_cont,
+        "prompt_tokens": p_fresh + p_cont,
+        "generated": g_fresh + g_cont,
+        "truncated": truncated,
+        "continued": n_cont,
+        "continued_ok": ok,
         "contexts": [r[0] for r in q(f"select distinct server_context_length from {comp}")],
         "models": [r[0] for r in q(f"select distinct model from {comp}")],
-        "clamped": q(f"select count(*) from {comp} where finish_reason = 'length' and completion_tokens < "
-                     f"max_output_tokens")[0][0],
-        "preflight": [r[0] for r in q(f"select prompt_id from {rej} where stage = 'preflight' and config_hash = "
-                                      f"'{fresh}' order by 1")],
-        "server": [r[0] for r in q(f"select prompt_id from {rej} where stage = 'server' and config_hash = '{fresh}' "
-                                   f"and reason like 'HTTP 400:%' order by 1")],
+        "clamped": q(
+            f"select count(*) from {comp} where finish_reason = 'length' and completion_tokens < max_output_tokens"
+        )[0][0],
+        "preflight": [
+            r[0]
+            for r in q(f"select prompt_id from {rej} where stage = 'preflight' and config_hash = '{fresh}' order by 1")
+        ],
+        "server": [
+            r[0]
+            for r in q(
+                f"select prompt_id from {rej} where stage = 'server' and config_hash = '{fresh}' "
+                f"and reason like 'HTTP 400:%' order by 1"
+            )
+        ],
         "new_config_rows": q(f"select count(*) from {comp} where config_hash = '{cont}'")[0][0],
     }
 

@@ -44,8 +44,14 @@ def wait_for_rows(data: Path, before: int, proc: subprocess.Popen, bound_s: floa
 
 
 def demo(env: dict, out) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dflash_assets.cli", "demo"], env=env, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash_assets.cli", "demo"],
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=ROOT,
+    )
 
 
 def main() -> int:
@@ -54,15 +60,22 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--max-delay", type=float, default=25.0, help="latest kill, seconds after the start")
     ap.add_argument("--final-timeout", type=float, default=1800.0)
-    ap.add_argument("--emulator-args", default="--reasoning-parser qwen3 --decode-tokens-per-s 100",
-                    help="DFLASH_EMULATOR_ARGS: decoding slow enough that the kills land while it generates")
+    ap.add_argument(
+        "--emulator-args",
+        default="--reasoning-parser qwen3 --decode-tokens-per-s 100",
+        help="DFLASH_EMULATOR_ARGS: decoding slow enough that the kills land while it generates",
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="kill-demo-"))
     (work / "home").mkdir()
     (work / "home" / "dagster.yaml").write_text((ROOT / "dagster_home" / "dagster.yaml").read_text())
-    env = {**os.environ, "DAGSTER_HOME": str(work / "home"), "DFLASH_DATA_DIR": str(work / "data"),
-           "DFLASH_EMULATOR_ARGS": args.emulator_args}
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(work / "home"),
+        "DFLASH_DATA_DIR": str(work / "data"),
+        "DFLASH_EMULATOR_ARGS": args.emulator_args,
+    }
     data, left_behind = work / "data", set()
     print(f"kill_demo: {args.kills} kills (seed {args.seed}), in {work}")
     for i in range(args.kills):
@@ -86,7 +99,9 @@ def main() -> int:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         left_behind |= {pid for pid, p in children.items() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE}
-        print(f"  kill {i + 1:2d} at {delay:5.1f} s{' (after a new part)' if i % 2 else ''}: completion rows {before} -> {len(rows(data, 'completions', 'prompt_id'))}")
+        print(
+            f"  kill {i + 1:2d} at {delay:5.1f} s{' (after a new part)' if i % 2 else ''}: completion rows {before} -> {len(rows(data, 'completions', 'prompt_id'))}"
+        )
     time.sleep(3)  # what a killed run started may take a poll to notice its parent is gone
     leaked = [pid for pid in left_behind if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     started = time.monotonic()
@@ -106,10 +121,14 @@ def main() -> int:
     for pid in leaked:  # stop what we found, by pid
         os.kill(pid, signal.SIGKILL)
     print(f"final run: exit {status} in {time.monotonic() - started:.0f} s (0 done, 3 stopped by a blocking check)")
-    print(f"rows {len(completions)} for {len(accepted)} accepted prompts: duplicates {duplicates}, "
-          f"prompts without a row {len(missing)}")
-    print(f"runs: {failed} failed (the killed ones), {len(unfinished)} still STARTED; emulators left behind by the "
-          f"kills: {len(leaked)}")
+    print(
+        f"rows {len(completions)} for {len(accepted)} accepted prompts: duplicates {duplicates}, "
+        f"prompts without a row {len(missing)}"
+    )
+    print(
+        f"runs: {failed} failed (the killed ones), {len(unfinished)} still STARTED; emulators left behind by the "
+        f"kills: {len(leaked)}"
+    )
     ok = status in (0, 3) and not duplicates and not missing and not unfinished and not leaked
     print("kill_demo: PASS" if ok else f"kill_demo: FAIL (see {work})")
     return 0 if ok else 1

@@ -15,6 +15,10 @@ uv sync --locked --compile-bytecode
 uv run --locked python -m compileall -q -j 0 dflash_assets tests benchmarks scripts >/dev/null
 uv pip install --no-deps sglang==0.5.23
 
+# the field's habits before the tests: ruff (lint, imports, format: [tool.ruff] in pyproject.toml)
+uv run --locked ruff check --quiet .
+uv run --locked ruff format --check --quiet .
+
 if [ ! -x /usr/bin/chromium ]; then
   if [ "$(id -u)" -eq 0 ]; then
     echo "+ installing Debian's chromium for the browser tests" >&2

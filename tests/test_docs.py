@@ -4,13 +4,19 @@ which of them block, the CLI's commands) are read from the registry and the pars
 import re
 from pathlib import Path
 
+from dflash_assets.quality.registry import CHECKS
 from tests.support.cli import cli_commands
 
-from dflash_assets.quality.registry import CHECKS
-
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "benchmarks" / "README.md",
-               ROOT / "deploy" / "README.md", ROOT / "scripts" / "README.md"])
+DOCS = sorted(
+    [
+        ROOT / "README.md",
+        *(ROOT / "docs").glob("*.md"),
+        ROOT / "benchmarks" / "README.md",
+        ROOT / "deploy" / "README.md",
+        ROOT / "scripts" / "README.md",
+    ]
+)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -28,7 +34,7 @@ def anchors(path: Path) -> set[str]:
 def leaf_commands() -> list[tuple[str, ...]]:
     """The commands that run something: `fleet up` but not `fleet` alone, which only groups them."""
     commands = cli_commands()
-    return sorted(c for c in commands if c and not any(o[:len(c)] == c and o != c for o in commands))
+    return sorted(c for c in commands if c and not any(o[: len(c)] == c and o != c for o in commands))
 
 
 def listed_commands(found: list[tuple[str, str]]) -> list[tuple[str, ...]]:
@@ -90,6 +96,10 @@ def test_the_running_doc_describes_every_command_of_the_parser():
 
 
 def test_no_doc_line_is_wider_than_120_characters():
-    wide = [f"{doc.relative_to(ROOT)}:{n}" for doc in DOCS
-            for n, line in enumerate(doc.read_text().splitlines(), 1) if len(line) > 120]
+    wide = [
+        f"{doc.relative_to(ROOT)}:{n}"
+        for doc in DOCS
+        for n, line in enumerate(doc.read_text().splitlines(), 1)
+        if len(line) > 120
+    ]
     assert not wide, wide

@@ -11,8 +11,7 @@ from dflash_assets.generation.preflight import Budget
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.answer import cap_answers
 from dflash_assets.quality.planner import plan_caps
-from dflash_assets.rules import (CONTEXT_MARGIN, most_rows_first, overflows, percentile,
-                                         percentile_sql)
+from dflash_assets.rules import CONTEXT_MARGIN, most_rows_first, overflows, percentile, percentile_sql
 from tests.support.quality_data import CONFIG_A, completion, prompt, write
 
 CONTEXT = 16384
@@ -27,7 +26,8 @@ def test_a_row_at_context_minus_one_is_refused_by_preflight_and_flagged_by_check
     budget = Budget.of([ServerInfo("http://s", "m", CONTEXT, 8, CONTEXT - 6, None)])
     assert budget.problem(fits["prompt_tokens"], CAP) is None
     assert "exceeds the server context length 16384 minus a safety margin of 2 tokens" in budget.problem(
-        clamped["prompt_tokens"], CAP)
+        clamped["prompt_tokens"], CAP
+    )
 
     (outcome,) = run_checks(tmp_path, names=["context_overflow"])
     assert not outcome.passed and outcome.metadata["completion_overflow_rows"] == 1

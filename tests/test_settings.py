@@ -14,17 +14,35 @@ from dflash_assets.cli import DEMO_DEFAULTS, SHARD_RUN_DEFAULTS, build_parser
 from dflash_assets.defs.completions.assets import CompletionsConfig
 from dflash_assets.defs.continuation.assets import ContinuationConfig
 from dflash_assets.defs.probe.assets import LengthProbeConfig
-from dflash_assets.defs.resources import (FleetResource, LaunchConfig, QualityResource, RunawayConfig, TrainerConfig,
-                                          from_env)
+from dflash_assets.defs.resources import (
+    FleetResource,
+    LaunchConfig,
+    QualityResource,
+    RunawayConfig,
+    TrainerConfig,
+    from_env,
+)
 from dflash_assets.fleet.client import ServerClient
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient, open_gateway
 from dflash_assets.fleet.launcher import build_spec
 from dflash_assets.fleet.server_args import ServerCommand
 from dflash_assets.generation.slots import SlotPicker
-from dflash_assets.settings import (WINDOW_FIELDS, Deployment, DispatchSettings, EnvSetting, FleetSettings,
-                                    GenerationSettings, LaunchSettings, ProbeSettings, QualitySettings,
-                                    RunawaySettings, ServerSettings, Settings, TrainerSettings)
+from dflash_assets.settings import (
+    WINDOW_FIELDS,
+    Deployment,
+    DispatchSettings,
+    EnvSetting,
+    FleetSettings,
+    GenerationSettings,
+    LaunchSettings,
+    ProbeSettings,
+    QualitySettings,
+    RunawaySettings,
+    ServerSettings,
+    Settings,
+    TrainerSettings,
+)
 from tests.support.cli import dflash, free_base_port
 
 MODEL = "emulated/qwen3-27b"
@@ -69,16 +87,24 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
         if isinstance(setting, EnvSetting):
             monkeypatch.delenv(setting.name, raising=False)
     forms = {
-        "dflash generate": (cli("generate", "--shard", "0", "--urls", "http://x"),
-                            [(GenerationSettings, ()), (DispatchSettings, ())]),
-        "dflash probe": (cli("probe", "--urls", "http://x"),
-                         [(ProbeSettings, ()), (GenerationSettings, PROBE_CLI_SAMPLING), (DispatchSettings, ())]),
+        "dflash generate": (
+            cli("generate", "--shard", "0", "--urls", "http://x"),
+            [(GenerationSettings, ()), (DispatchSettings, ())],
+        ),
+        "dflash probe": (
+            cli("probe", "--urls", "http://x"),
+            [(ProbeSettings, ()), (GenerationSettings, PROBE_CLI_SAMPLING), (DispatchSettings, ())],
+        ),
         "dflash fleet up": (cli("fleet", "up", "--model-path", MODEL), [(LaunchSettings, ("model_path",))]),
         "CompletionsConfig": (launchpad(CompletionsConfig), [(GenerationSettings, ()), (DispatchSettings, ())]),
-        "CompletionsConfig()": (built(CompletionsConfig(), GenerationSettings) | built(CompletionsConfig(),
-                                DispatchSettings), [(GenerationSettings, ()), (DispatchSettings, ())]),
-        "LengthProbeConfig": (launchpad(LengthProbeConfig),
-                              [(ProbeSettings, ()), (GenerationSettings, PROBE_SAMPLING), (DispatchSettings, ())]),
+        "CompletionsConfig()": (
+            built(CompletionsConfig(), GenerationSettings) | built(CompletionsConfig(), DispatchSettings),
+            [(GenerationSettings, ()), (DispatchSettings, ())],
+        ),
+        "LengthProbeConfig": (
+            launchpad(LengthProbeConfig),
+            [(ProbeSettings, ()), (GenerationSettings, PROBE_SAMPLING), (DispatchSettings, ())],
+        ),
         "ContinuationConfig": (launchpad(ContinuationConfig), [(DispatchSettings, ())]),
         "LaunchConfig": (launchpad(LaunchConfig), [(LaunchSettings, ())]),
         "TrainerConfig": (launchpad(TrainerConfig), [(TrainerSettings, ())]),
@@ -99,11 +125,18 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
         for model, skip, *own in models:
             defaults_of(where, form, model, skip, *own)
     # the quality resource gives the checks every limit it carries, nested groups as settings
-    custom = QualityResource(past_window_rate_max=0.5, trainer={"max_length": 2048}, runaway={"tail_chars": 10},
-                             severity={"runaway_rate": "ERROR"})
+    custom = QualityResource(
+        past_window_rate_max=0.5,
+        trainer={"max_length": 2048},
+        runaway={"tail_chars": 10},
+        severity={"runaway_rate": "ERROR"},
+    )
     assert QualitySettings.taken_from(custom) == QualitySettings(
-        past_window_rate_max=0.5, trainer=TrainerSettings(max_length=2048), runaway=RunawaySettings(tail_chars=10),
-        severity={"runaway_rate": "ERROR"})
+        past_window_rate_max=0.5,
+        trainer=TrainerSettings(max_length=2048),
+        runaway=RunawaySettings(tail_chars=10),
+        severity={"runaway_rate": "ERROR"},
+    )
     assert cli("report")["trainer_max_length"] == TrainerSettings().max_length
 
 
@@ -111,24 +144,28 @@ def test_the_libraries_that_connect_without_a_resource_take_the_settings_default
     # the fleet's timeouts where the CLI and the libraries connect, and the dispatch defaults of the slot picker
     fleet, dispatch = FleetSettings(), DispatchSettings()
     for function, name, settings, field in (
-            (connected, "health_timeout_s", fleet, "health_timeout_s"),
-            (connected, "request_timeout_s", fleet, "request_timeout_s"),
-            (ServerClient.__init__, "request_timeout_s", fleet, "request_timeout_s"),
-            (GatewayClient.__init__, "request_timeout_s", fleet, "request_timeout_s"),
-            (open_gateway, "request_timeout_s", fleet, "request_timeout_s"),
-            (SlotPicker.__init__, "max_in_flight_per_server", dispatch, "max_in_flight_per_server"),
-            (SlotPicker.__init__, "waiting_margin", dispatch, "waiting_margin"),
-            (SlotPicker.__init__, "eject_after", dispatch, "eject_after"),
-            (SlotPicker.__init__, "no_server_timeout_s", dispatch, "no_server_timeout_s"),
-            (SlotPicker.__init__, "max_imbalance", dispatch, "same_server_max_imbalance")):
+        (connected, "health_timeout_s", fleet, "health_timeout_s"),
+        (connected, "request_timeout_s", fleet, "request_timeout_s"),
+        (ServerClient.__init__, "request_timeout_s", fleet, "request_timeout_s"),
+        (GatewayClient.__init__, "request_timeout_s", fleet, "request_timeout_s"),
+        (open_gateway, "request_timeout_s", fleet, "request_timeout_s"),
+        (SlotPicker.__init__, "max_in_flight_per_server", dispatch, "max_in_flight_per_server"),
+        (SlotPicker.__init__, "waiting_margin", dispatch, "waiting_margin"),
+        (SlotPicker.__init__, "eject_after", dispatch, "eject_after"),
+        (SlotPicker.__init__, "no_server_timeout_s", dispatch, "no_server_timeout_s"),
+        (SlotPicker.__init__, "max_imbalance", dispatch, "same_server_max_imbalance"),
+    ):
         default = inspect.signature(function).parameters[name].default
-        assert default == getattr(settings, field), f"{function.__qualname__}: {name} = {default}, settings say " \
-                                                    f"{getattr(settings, field)}"
+        assert default == getattr(settings, field), (
+            f"{function.__qualname__}: {name} = {default}, settings say {getattr(settings, field)}"
+        )
 
 
 # a parameter named like a setting, with a literal default, that is another idea (not the setting's default)
-NOT_THE_SETTING = {("dflash_assets/quality/planner.py", "seed"): "the bootstrap's seed, not the probe sample's",
-                   ("benchmarks/bench_streaming.py", "max_output_tokens"): "the story's cap, measured at it"}
+NOT_THE_SETTING = {
+    ("dflash_assets/quality/planner.py", "seed"): "the bootstrap's seed, not the probe sample's",
+    ("benchmarks/bench_streaming.py", "max_output_tokens"): "the story's cap, measured at it",
+}
 
 
 def literal_defaults(tree: ast.AST):
@@ -138,33 +175,59 @@ def literal_defaults(tree: ast.AST):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
             positional = a.posonlyargs + a.args
-            pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults), *zip(a.kwonlyargs,
-                                                                                            a.kw_defaults)]
+            pairs = [
+                *zip(positional[len(positional) - len(a.defaults) :], a.defaults),
+                *zip(a.kwonlyargs, a.kw_defaults),
+            ]
             yield from ((d.lineno, arg.arg, d.value) for arg, d in pairs if isinstance(d, ast.Constant))
         elif isinstance(node, ast.ClassDef):
-            yield from ((st.lineno, st.target.id, st.value.value) for st in node.body
-                        if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
-                        and isinstance(st.value, ast.Constant))
+            yield from (
+                (st.lineno, st.target.id, st.value.value)
+                for st in node.body
+                if isinstance(st, ast.AnnAssign)
+                and isinstance(st.target, ast.Name)
+                and isinstance(st.value, ast.Constant)
+            )
         elif isinstance(node, ast.Call):
-            yield from ((k.value.lineno, k.arg, k.value.value) for k in node.keywords
-                        if k.arg and isinstance(k.value, ast.Constant))
+            yield from (
+                (k.value.lineno, k.arg, k.value.value)
+                for k in node.keywords
+                if k.arg and isinstance(k.value, ast.Constant)
+            )
 
 
 def test_no_settings_default_is_written_again_outside_settings_py():
     # a setting's default copied as a literal (`no_server_timeout_s: float = 120.0`) drifts when settings.py
     # changes; every one reads the model instead. None ("absent") and the emulator (SGLang's own flags) apart.
     defaults: dict[str, set] = {}
-    for model in (GenerationSettings, DispatchSettings, ProbeSettings, TrainerSettings, RunawaySettings,
-                  QualitySettings, LaunchSettings, FleetSettings):
+    for model in (
+        GenerationSettings,
+        DispatchSettings,
+        ProbeSettings,
+        TrainerSettings,
+        RunawaySettings,
+        QualitySettings,
+        LaunchSettings,
+        FleetSettings,
+    ):
         for name, field in model.model_fields.items():
             if field.default is not None and not isinstance(field.default, (Settings, dict)):
                 defaults.setdefault(name, set()).add(field.default)
-    files = [p for d in ("dflash_assets", "benchmarks", "scripts") for p in sorted((ROOT / d).rglob("*.py"))
-             if p.name != "settings.py" and "emulator" not in p.parts]
-    copies = [f"{path.relative_to(ROOT)}:{line} {name}={value!r}"
-              for path in files for line, name, value in literal_defaults(ast.parse(path.read_text()))
-              if name in defaults and value in defaults[name] and type(value) is not bool
-              and (str(path.relative_to(ROOT)), name) not in NOT_THE_SETTING]
+    files = [
+        p
+        for d in ("dflash_assets", "benchmarks", "scripts")
+        for p in sorted((ROOT / d).rglob("*.py"))
+        if p.name != "settings.py" and "emulator" not in p.parts
+    ]
+    copies = [
+        f"{path.relative_to(ROOT)}:{line} {name}={value!r}"
+        for path in files
+        for line, name, value in literal_defaults(ast.parse(path.read_text()))
+        if name in defaults
+        and value in defaults[name]
+        and type(value) is not bool
+        and (str(path.relative_to(ROOT)), name) not in NOT_THE_SETTING
+    ]
     assert not copies, "settings defaults written again (read them from settings.py):\n" + "\n".join(copies)
 
 
@@ -181,12 +244,26 @@ def test_a_fleet_up_from_the_cli_is_reused_by_a_launch_mode_run_with_the_same_mo
     # refused the warm server ("enable_metrics: False -> True ... It was not restarted")
     base = str(free_base_port())
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
-    up = dflash("fleet", "up", "--model-path", MODEL, "--gpus", "0", "--command", "emulator", "--base-port", base,
-                "--health-timeout", "60", env={"DAGSTER_HOME": str(tmp_path)})
+    up = dflash(
+        "fleet",
+        "up",
+        "--model-path",
+        MODEL,
+        "--gpus",
+        "0",
+        "--command",
+        "emulator",
+        "--base-port",
+        base,
+        "--health-timeout",
+        "60",
+        env={"DAGSTER_HOME": str(tmp_path)},
+    )
     try:
         assert up.returncode == 0 and "gpu0: launched" in up.stdout, up.stdout + up.stderr
-        fleet = FleetResource(mode="launch", launch=LaunchConfig(model_path=MODEL, gpus="0", base_port=int(base),
-                                                                 command="emulator"))
+        fleet = FleetResource(
+            mode="launch", launch=LaunchConfig(model_path=MODEL, gpus="0", base_port=int(base), command="emulator")
+        )
         events = []
         context = dg.build_init_resource_context()
         context.log.info = events.append  # what the resource reports while bringing the fleet up
@@ -201,11 +278,13 @@ def test_a_fleet_up_from_the_cli_is_reused_by_a_launch_mode_run_with_the_same_mo
 def test_the_settings_and_the_plain_libraries_load_without_dagster():
     # every module of fleet/, generation/ and quality/ imported in a fresh interpreter: a dagster import anywhere
     # in what they pull in, directly or not, shows in sys.modules
-    code = ("import importlib, pkgutil, sys, dflash_assets.settings, dflash_assets.rules\n"
-            "names = [m.name for p in ('fleet', 'generation', 'quality') for m in pkgutil.walk_packages(\n"
-            "    importlib.import_module(f'dflash_assets.{p}').__path__, f'dflash_assets.{p}.')]\n"
-            "for name in names: importlib.import_module(name)\n"
-            "print(len(names), sorted(m for m in sys.modules if m.split('.')[0] == 'dagster')[:3])")
+    code = (
+        "import importlib, pkgutil, sys, dflash_assets.settings, dflash_assets.rules\n"
+        "names = [m.name for p in ('fleet', 'generation', 'quality') for m in pkgutil.walk_packages(\n"
+        "    importlib.import_module(f'dflash_assets.{p}').__path__, f'dflash_assets.{p}.')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "print(len(names), sorted(m for m in sys.modules if m.split('.')[0] == 'dagster')[:3])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     modules = sum(len(list((ROOT / "dflash_assets" / p).glob("*.py"))) - 1 for p in ("fleet", "generation", "quality"))
     assert out.returncode == 0 and out.stdout.strip() == f"{modules} []", out.stdout + out.stderr
@@ -214,7 +293,9 @@ def test_the_settings_and_the_plain_libraries_load_without_dagster():
 def test_the_length_probes_launchpad_offers_only_settings_the_probe_reads():
     # its sample and cap, the run's sampling, how hard to drive the fleet: nothing that the probe ignores
     offered = set(LengthProbeConfig.to_fields_dict())
-    read = {name for settings in (ProbeSettings, GenerationSettings, DispatchSettings) for name in settings.model_fields}
+    read = {
+        name for settings in (ProbeSettings, GenerationSettings, DispatchSettings) for name in settings.model_fields
+    }
     assert offered == read, f"offered, not read: {offered - read}; read, not offered: {read - offered}"
 
 
@@ -227,8 +308,16 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
         "e81c2cd6b058": {},
         "e7d793efd00a": {"max_output_tokens": 8192, "regenerate": "all_turns"},
         "d9fda1ee40a0": {"cap_policy": "window", "trainer_max_length": 2048, "overshoot": 8},
-        "6edaa9cb1b2b": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1,
-                         "presence_penalty": 0.5, "frequency_penalty": -0.5, "enable_thinking": False},
+        "6edaa9cb1b2b": {
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "enable_thinking": False,
+        },
         "db70f813f2be": {"chat_template_kwargs": {"reasoning_effort": "high"}},
     }
     assert {GenerationSettings(**settings).config_hash(MODEL): settings for settings in pinned.values()} == pinned
@@ -240,18 +329,21 @@ def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refuse
     from dflash_assets.settings import SettingsError
 
     def generate(kwargs: str):
-        return build_parser().parse_args(["generate", "--shard", "0", "--urls", "http://x", "--chat-template-kwargs",
-                                          kwargs])
+        return build_parser().parse_args(
+            ["generate", "--shard", "0", "--urls", "http://x", "--chat-template-kwargs", kwargs]
+        )
 
-    assert GenerationSettings.taken_from(generate('{"reasoning_effort": "high"}')).config_hash(MODEL) == \
-        "db70f813f2be"  # the hash pinned above
+    assert (
+        GenerationSettings.taken_from(generate('{"reasoning_effort": "high"}')).config_hash(MODEL) == "db70f813f2be"
+    )  # the hash pinned above
     with pytest.raises(SystemExit):
         generate("high")
     assert "argument --chat-template-kwargs: not JSON" in capsys.readouterr().err
     with pytest.raises(SettingsError, match="set enable_thinking with its own setting"):
         GenerationSettings.taken_from(generate('{"enable_thinking": false}')).validate()
-    for bad, message in (({"severity": {"runaway_rate": "FATAL"}}, "severity must be one of ERROR, WARN"),
-                         ({"trainer": {"format": "sharegpt"}}, "trainer format must be one of")):
+    for bad, message in (
+        ({"severity": {"runaway_rate": "FATAL"}}, "severity must be one of ERROR, WARN"),
+        ({"trainer": {"format": "sharegpt"}}, "trainer format must be one of"),
+    ):
         with pytest.raises(SettingsError, match=message):
             QualityResource(**bad).setup_for_execution(dg.build_init_resource_context())
-

@@ -22,5 +22,6 @@ warnings.filterwarnings("ignore", message="Parameter `backfill_policy` of functi
 
 
 # Every shard-partitioned asset is declared the same way; the fleet's pool is added by the ones that use it.
-shard_asset = functools.partial(dg.asset, partitions_def=shard_partitions, backfill_policy=shard_backfill_policy,
-                                owners=["team:dflash"])
+shard_asset = functools.partial(
+    dg.asset, partitions_def=shard_partitions, backfill_policy=shard_backfill_policy, owners=["team:dflash"]
+)

@@ -44,7 +44,12 @@ POLL_S, JUDGE_S = 2.0, 10.0
 # the run's worker: recorded in its tags when it launches (the CLI) or first claims a pool (any launcher)
 PID_TAG, START_TAG, HOST_TAG = "dflash/worker_pid", "dflash/worker_started", "dflash/worker_host"
 # not finished; NOT_STARTED too: the CLI creates its run, then starts it (a kill can land in between)
-ACTIVE = [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.CANCELING]
+ACTIVE = [
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+]
 
 # What a waiting step says goes to the run's event log and to this logger, which the CLI prints on the terminal.
 log = logging.getLogger(__name__)
@@ -73,10 +78,14 @@ class Holder:
         if self.pid is None:
             return f"run {self.run_id} (no worker recorded: it may still be starting)"
         if self.host != socket.gethostname():
-            return (f"run {self.run_id} on host {self.host} (not judged from here: run monitoring fails it if its "
-                    f"worker dies; terminate it in the UI to free it now)")
-        return (f"run {self.run_id} (alive, pid {self.pid} on this host; wait for it, or `kill {self.pid}` "
-                f"to stop it: its committed rows are kept and the next run goes on from them)")
+            return (
+                f"run {self.run_id} on host {self.host} (not judged from here: run monitoring fails it if its "
+                f"worker dies; terminate it in the UI to free it now)"
+            )
+        return (
+            f"run {self.run_id} (alive, pid {self.pid} on this host; wait for it, or `kill {self.pid}` "
+            f"to stop it: its committed rows are kept and the next run goes on from them)"
+        )
 
 
 def judge(instance: dg.DagsterInstance, run_id: str) -> Holder:
@@ -96,9 +105,13 @@ def release(instance: dg.DagsterInstance, holder: Holder, context: dg.AssetExecu
     if holder.dead:
         run = instance.get_run_by_id(holder.run_id)
         if run is not None and not run.is_finished:
-            instance.report_run_failed(run, message=(
-                f"Its worker process (pid {holder.pid} on {holder.host}) is gone: killed or crashed. Failed by "
-                f"dflash, and its pool slots freed; committed rows are kept: run the same command again."))
+            instance.report_run_failed(
+                run,
+                message=(
+                    f"Its worker process (pid {holder.pid} on {holder.host}) is gone: killed or crashed. Failed by "
+                    f"dflash, and its pool slots freed; committed rows are kept: run the same command again."
+                ),
+            )
     instance.event_log_storage.free_concurrency_slots_for_run(holder.run_id)
     what = "died (its process is gone): failed it and" if holder.dead else "had ended:"
     say(context, f"run {holder.run_id} {what} freed the pool slots it held")
@@ -120,8 +133,9 @@ def reap_dead_runs(instance: dg.DagsterInstance) -> list[Holder]:
     storage = instance.event_log_storage
     # one batched read for every pool: a large prompt set has a shard pool per shard
     infos = storage.get_concurrency_infos(sorted(storage.get_concurrency_keys())).values()
-    holding_runs = {s.run_id for info in infos for s in info.claimed_slots} | \
-                   {p.run_id for info in infos for p in info.pending_steps}
+    holding_runs = {s.run_id for info in infos for s in info.claimed_slots} | {
+        p.run_id for info in infos for p in info.pending_steps
+    }
     active = {r.run_id for r in instance.get_runs(dg.RunsFilter(statuses=ACTIVE))}
     released = []
     for run_id in sorted(active | holding_runs):
@@ -166,8 +180,9 @@ def _claim(context: dg.AssetExecutionContext, pool: str, holder_key: str) -> Non
                 for h in gone:
                     release(instance, h, context)
                 continue
-            line = (f"waiting for pool {pool} ({limit} slot{'s' if limit != 1 else ''}), held by "
-                    + "; ".join(h.describe() for h in holders if h.run_id in claimed))
+            line = f"waiting for pool {pool} ({limit} slot{'s' if limit != 1 else ''}), held by " + "; ".join(
+                h.describe() for h in holders if h.run_id in claimed
+            )
             if line not in said:  # once per change of who holds it
                 say(context, line)
                 said.add(line)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import TypeVar
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
@@ -16,9 +16,16 @@ from pydantic import Field, PrivateAttr
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, on_fleet
 from dflash_assets.generation.prompts import FieldMapping
-from dflash_assets.settings import (FLEET_MODES, Deployment, EnvSetting, FleetSettings, LaunchSettings,
-                                    QualitySettings, RunawaySettings, TrainerSettings)
-
+from dflash_assets.settings import (
+    FLEET_MODES,
+    Deployment,
+    EnvSetting,
+    FleetSettings,
+    LaunchSettings,
+    QualitySettings,
+    RunawaySettings,
+    TrainerSettings,
+)
 
 T = TypeVar("T")
 
@@ -43,7 +50,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
     run config, a log line or metadata.
     """
 
-    api_key: Optional[str] = Field(None, description="Set from the DFLASH_API_KEY environment variable only.")
+    api_key: str | None = Field(None, description="Set from the DFLASH_API_KEY environment variable only.")
     launch: LaunchConfig = LaunchConfig()
 
     _urls: list[str] = PrivateAttr(default_factory=list)
@@ -93,8 +100,8 @@ class PromptSourceResource(dg.ConfigurableResource):
     path: str = Deployment.PROMPTS.default
     shard_size: int = int(Deployment.SHARD_SIZE.default)
     # for a source in none of the known formats (generation/prompts.py): the columns holding the id and the turns
-    id_field: Optional[str] = None
-    messages_field: Optional[str] = None
+    id_field: str | None = None
+    messages_field: str | None = None
 
     def mapping(self) -> FieldMapping | None:
         if not (self.id_field or self.messages_field):
@@ -105,6 +112,7 @@ class PromptSourceResource(dg.ConfigurableResource):
         if self.shard_size <= 0:
             raise ValueError(f"shard_size must be a positive integer, got {self.shard_size}")
         return Path(self.path)
+
 
 class DataDirResource(dg.ConfigurableResource):
     """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`): a local path or `s3://bucket/prefix`.
@@ -130,6 +138,7 @@ class DataDirResource(dg.ConfigurableResource):
 
         return Path(self.local_path if is_uri(self.path) else self.path).resolve()
 
+
 def from_env() -> dict:
     """The resource map. A deployment setting set in the environment becomes a Dagster EnvVar (resolved at run
     launch, masked in the UI); one that is unset keeps the settings' default (an EnvVar must be set)."""
@@ -141,20 +150,35 @@ def from_env() -> dict:
 
     d = Deployment
     return {
-        "fleet": FleetResource(mode=env(d.FLEET_MODE), urls=env(d.FLEET_URLS), num_servers=env(d.NUM_SERVERS, int),
-                               emulator_args=env(d.EMULATOR_ARGS),
-                               api_key=dg.EnvVar(d.API_KEY.name) if d.API_KEY.name in os.environ else None,
-                               launch=LaunchConfig(model_path=env(d.MODEL_PATH), gpus=env(d.GPUS),
-                                                   base_port=env(d.BASE_PORT, int), command=env(d.SGLANG_COMMAND))),
+        "fleet": FleetResource(
+            mode=env(d.FLEET_MODE),
+            urls=env(d.FLEET_URLS),
+            num_servers=env(d.NUM_SERVERS, int),
+            emulator_args=env(d.EMULATOR_ARGS),
+            api_key=dg.EnvVar(d.API_KEY.name) if d.API_KEY.name in os.environ else None,
+            launch=LaunchConfig(
+                model_path=env(d.MODEL_PATH),
+                gpus=env(d.GPUS),
+                base_port=env(d.BASE_PORT, int),
+                command=env(d.SGLANG_COMMAND),
+            ),
+        ),
         "prompt_source": PromptSourceResource(path=env(d.PROMPTS), shard_size=env(d.SHARD_SIZE, int)),
         "data_dir": DataDirResource(path=env(d.DATA_DIR), local_path=env(d.LOCAL_DIR)),
         "quality": QualityResource(),
     }
 
+
 def run_on_fleet(fleet: FleetResource, work: Callable[[Fleet], Awaitable[T]]) -> T:
     """`work(fleet)` (a coroutine function) on the resource's servers, connected for it and closed after."""
-    return on_fleet(fleet._urls, work, fleet.api_key or None, health_timeout_s=fleet.health_timeout_s,
-                    request_timeout_s=fleet.request_timeout_s)
+    return on_fleet(
+        fleet._urls,
+        work,
+        fleet.api_key or None,
+        health_timeout_s=fleet.health_timeout_s,
+        request_timeout_s=fleet.request_timeout_s,
+    )
+
 
 class RunawayConfig(dg.Config, RunawaySettings):
     """settings.RunawaySettings (what counts as a loop), editable in the launchpad."""

@@ -9,18 +9,40 @@ import json
 import random
 from pathlib import Path
 
-TOPICS = ["binary search", "the Fibonacci sequence", "a trie", "Dijkstra's algorithm", "gradient descent",
-          "the birthday paradox", "a Bloom filter", "quicksort", "RAID 5", "TCP slow start", "the Monty Hall problem",
-          "Bayes' theorem", "a ring buffer", "consistent hashing", "the CAP theorem", "Huffman coding"]
-MATH = ["Prove that the sum of the first {n} odd numbers is a perfect square.",
-        "How many ways can {n} people sit at a round table? Explain.",
-        "Find all integer solutions of x^2 - {n}y^2 = 1 with y < 100.",
-        "What is the probability that {n} dice sum to an even number?"]
-CODE = ["Write a Python function implementing {t}, with tests.",
-        "Explain the time complexity of {t} and give a Rust implementation.",
-        "Review this design: a service that uses {t} to shard {n} million keys."]
-CHAT = ["Explain {t} to a twelve-year-old.", "Write a short story in which {t} saves the day.",
-        "Summarise the history of {t} in {n} bullet points."]
+TOPICS = [
+    "binary search",
+    "the Fibonacci sequence",
+    "a trie",
+    "Dijkstra's algorithm",
+    "gradient descent",
+    "the birthday paradox",
+    "a Bloom filter",
+    "quicksort",
+    "RAID 5",
+    "TCP slow start",
+    "the Monty Hall problem",
+    "Bayes' theorem",
+    "a ring buffer",
+    "consistent hashing",
+    "the CAP theorem",
+    "Huffman coding",
+]
+MATH = [
+    "Prove that the sum of the first {n} odd numbers is a perfect square.",
+    "How many ways can {n} people sit at a round table? Explain.",
+    "Find all integer solutions of x^2 - {n}y^2 = 1 with y < 100.",
+    "What is the probability that {n} dice sum to an even number?",
+]
+CODE = [
+    "Write a Python function implementing {t}, with tests.",
+    "Explain the time complexity of {t} and give a Rust implementation.",
+    "Review this design: a service that uses {t} to shard {n} million keys.",
+]
+CHAT = [
+    "Explain {t} to a twelve-year-old.",
+    "Write a short story in which {t} saves the day.",
+    "Summarise the history of {t} in {n} bullet points.",
+]
 BROKEN = [
     '{"messages": [{"role": "user", "content": "unterminated',
     '["a JSON array, not an object"]',
@@ -38,14 +60,19 @@ def multi_turn(text: str, i: int) -> list[dict]:
     follow_ups = ["Can you give a concrete example?", "What is the most common mistake here?"]
     turns = [{"from": "human", "value": text}]
     for k, question in enumerate(follow_ups[: 1 + i % 2]):
-        turns += [{"from": "gpt", "value": f"(an earlier answer, {len(text) % 7 + k + 1} paragraphs)"},
-                  {"from": "human", "value": question}]
+        turns += [
+            {"from": "gpt", "value": f"(an earlier answer, {len(text) % 7 + k + 1} paragraphs)"},
+            {"from": "human", "value": question},
+        ]
     if i % 16 == 7:
         turns.append({"from": "gpt", "value": "(the answer a weaker model gave)"})
     return turns
 
 
-def main(path: Path = Path(__file__).with_name("prompts.jsonl"), n: int = 393) -> None:
+DEFAULT_PATH = Path(__file__).with_name("prompts.jsonl")
+
+
+def main(path: Path = DEFAULT_PATH, n: int = 393) -> None:
     rng = random.Random(20261130)
     lines = []
     for i in range(n):
@@ -57,8 +84,10 @@ def main(path: Path = Path(__file__).with_name("prompts.jsonl"), n: int = 393) -
         if rng.random() < 0.5:
             record["prompt"] = text
         else:
-            record["messages"] = [{"role": "system", "content": "You are a careful assistant."},
-                                  {"role": "user", "content": text}]
+            record["messages"] = [
+                {"role": "system", "content": "You are a careful assistant."},
+                {"role": "user", "content": text},
+            ]
         if i % 8 == 7:  # a multi-turn ShareGPT conversation (no extra draws: the other lines stay as they were)
             record.pop("prompt", None), record.pop("messages", None)
             record["conversations"] = multi_turn(text, i)

@@ -25,15 +25,15 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dflash_assets.definitions import defs
 from dflash_assets.defs import pools
 from dflash_assets.defs.completions.jobs import shard_pipeline_job
 from dflash_assets.defs.continuation.jobs import continue_job
 from dflash_assets.defs.metadata import CheckRun, ContinueRun, PromptShardRun, ReportRun, ShardRun, TrainingSetRun
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
-from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.prompts.sensors import missing_shards
+from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.training.jobs import training_job
-from dflash_assets.definitions import defs
 from dflash_assets.quality.console import console_for_output, verbatim
 from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.settings import WINDOW_FIELDS, Deployment, GenerationSettings, TrainerSettings
@@ -47,8 +47,16 @@ def quiet(verbose: bool) -> dict:
 
 
 # What a failure that re-running can cure looks like: the fleet went away or was slow, not a setting or a bug.
-PASSING = ("FleetDown", "ServerError", "TimeoutError", "ClientConnectorError", "ServerDisconnectedError",
-           "ClientOSError", "ConnectionError", "ConnectionResetError")
+PASSING = (
+    "FleetDown",
+    "ServerError",
+    "TimeoutError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ConnectionError",
+    "ConnectionResetError",
+)
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,11 @@ class Window:
         return cls(**{name: completions[name] for name in WINDOW_FIELDS})
 
     def completions(self) -> dict:
-        return {"cap_policy": self.cap_policy, "trainer_max_length": self.trainer_max_length,
-                "overshoot": self.overshoot}
+        return {
+            "cap_policy": self.cap_policy,
+            "trainer_max_length": self.trainer_max_length,
+            "overshoot": self.overshoot,
+        }
 
     def resources(self) -> dict:
         return {"quality": {"config": {"trainer": {"max_length": self.trainer_max_length}}}}
@@ -103,8 +114,9 @@ class Stops:
         return FAILED if self.errors else BAD_CONFIG if self.preflight else STOPPED_BY_CHECK if self.checks else DONE
 
 
-def execute(job: str, instance: dg.DagsterInstance, run_config: dict, console: Console,
-            shards: list[str] | None = None) -> dg.ExecuteInProcessResult:
+def execute(
+    job: str, instance: dg.DagsterInstance, run_config: dict, console: Console, shards: list[str] | None = None
+) -> dg.ExecuteInProcessResult:
     """One run of `job` in this process, which is its worker: first the runs that died are failed and their pool
     slots freed (defs/pools.py), then this process is recorded in the run's tags (so a kill -9 of it is seen by the
     next run), and what a step waiting for a pool says is printed here (who holds it, alive or not, what frees it).
@@ -117,8 +129,9 @@ def execute(job: str, instance: dg.DagsterInstance, run_config: dict, console: C
         tags = pools.worker_tags()
         if shards:
             tags |= {"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]}
-        return defs.resolve_job_def(job).execute_in_process(instance=instance, run_config=run_config,
-                                                            raise_on_error=False, tags=tags)
+        return defs.resolve_job_def(job).execute_in_process(
+            instance=instance, run_config=run_config, raise_on_error=False, tags=tags
+        )
     finally:
         pools.log.removeHandler(handler)
 
@@ -135,17 +148,30 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
                 continue  # the evaluations say which checks and where
             error = _own_error(error)
             message = (user.description if user and user.description else _line(error)).strip()
-            if message.startswith("preflight: ") or (user and user.metadata.get("cause") and
-                                                     user.metadata["cause"].value == "config"):
+            if message.startswith("preflight: ") or (
+                user and user.metadata.get("cause") and user.metadata["cause"].value == "config"
+            ):
                 stops.preflight.append(message.removeprefix("preflight: "))
             else:
-                stops.errors.append(Failure(f"{where}, step {event.step_key}", message.splitlines()[0],
-                                            result.run_id, passing=error.cls_name in PASSING))
+                stops.errors.append(
+                    Failure(
+                        f"{where}, step {event.step_key}",
+                        message.splitlines()[0],
+                        result.run_id,
+                        passing=error.cls_name in PASSING,
+                    )
+                )
         elif event.is_run_failure and not failed_steps and event.job_failure_data.error is not None:
             error = _own_error(event.job_failure_data.error)
             lines = [line.strip() for line in error.message.splitlines() if line.strip()]
-            stops.errors.append(Failure(f"{where}: the run could not start", _line(error).splitlines()[0],
-                                        result.run_id, detail=tuple(line[:600] for line in lines[1:][-3:])))
+            stops.errors.append(
+                Failure(
+                    f"{where}: the run could not start",
+                    _line(error).splitlines()[0],
+                    result.run_id,
+                    detail=tuple(line[:600] for line in lines[1:][-3:]),
+                )
+            )
 
 
 def _own_error(error):
@@ -160,14 +186,28 @@ def _line(error) -> str:
     return f"{error.cls_name}: {text}"
 
 
-COLUMNS = ("shard", "lines", "rejected", "prompts", "done", "new", "fail", "cut", "inside", "P50", "P90", "P99",
-           "checks")
+COLUMNS = (
+    "shard",
+    "lines",
+    "rejected",
+    "prompts",
+    "done",
+    "new",
+    "fail",
+    "cut",
+    "inside",
+    "P50",
+    "P90",
+    "P99",
+    "checks",
+)
 
 
 def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
     """partition -> metadata of the asset's materialisations in a run."""
-    return {m.partition: {k: v.value for k, v in m.metadata.items()}
-            for m in result.asset_materializations_for_node(asset)}
+    return {
+        m.partition: {k: v.value for k, v in m.metadata.items()} for m in result.asset_materializations_for_node(asset)
+    }
 
 
 def known_shards(instance: dg.DagsterInstance) -> list[str]:
@@ -180,22 +220,32 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
     return instance.get_dynamic_partitions(shard_partitions.name)
 
 
-def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console,
-               verbose: bool = False) -> Stops:
+def run_shards(
+    instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console, verbose: bool = False
+) -> Stops:
     """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
     flags; its trainer's window is the checks' too); print a table; return what stopped runs."""
     window = Window.of(completions)
     run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": completions}}}
     stops = Stops()
-    table = Table(title=f"completions by shard (cut: finish_reason = length; inside: cut inside the trainer's window "
-                        f"max_length {window.trainer_max_length}; P: completion tokens)", box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"completions by shard (cut: finish_reason = length; inside: cut inside the trainer's window "
+        f"max_length {window.trainer_max_length}; P: completion tokens)",
+        box=box.SIMPLE_HEAD,
+    )
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     failed_checks: dict[str, list[str]] = {}
     no_figures: list[str] = []
-    runs = [shards[i:i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
+    runs = [shards[i : i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         task = progress.add_task(f"materialising shards in {len(runs)} run(s)", total=len(shards))
         for chunk in runs:
             result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk)
@@ -212,23 +262,34 @@ def run_shards(instance: dg.DagsterInstance, shards: list[str], completions: dic
                         stops.checks.setdefault(e.check_name, []).append(shard)
                 if c.get(ShardRun.CONFIG_HASH):
                     stops.config_hashes.add(c[ShardRun.CONFIG_HASH])
-                rejected = (s.get(PromptShardRun.REJECTED, 0) + c.get(ShardRun.REJECTED_PREFLIGHT, 0)
-                            + c.get(ShardRun.REJECTED_SERVER, 0))
+                rejected = (
+                    s.get(PromptShardRun.REJECTED, 0)
+                    + c.get(ShardRun.REJECTED_PREFLIGHT, 0)
+                    + c.get(ShardRun.REJECTED_SERVER, 0)
+                )
                 table.add_row(
-                    shard, str(s.get(PromptShardRun.LINES, "-")), str(rejected), str(c.get(ShardRun.PROMPTS, "-")),
+                    shard,
+                    str(s.get(PromptShardRun.LINES, "-")),
+                    str(rejected),
+                    str(c.get(ShardRun.PROMPTS, "-")),
                     str(c.get(ShardRun.COMPLETED, "-")),
                     str(c[ShardRun.COMPLETED] - c[ShardRun.ALREADY_DONE]) if c else "-",
-                    str(c.get(ShardRun.FAILED, "-")), str(r.get(ReportRun.TRUNCATION_RATE, "-")),
+                    str(c.get(ShardRun.FAILED, "-")),
+                    str(r.get(ReportRun.TRUNCATION_RATE, "-")),
                     str(r.get(ReportRun.CUT_INSIDE_WINDOW_RATE, "-")),
                     *(str(r.get(k, "-")) for k in (ReportRun.P50, ReportRun.P90, ReportRun.P99)),
-                    f"{len(checks) - len(failing)}/{len(checks)}")
+                    f"{len(checks) - len(failing)}/{len(checks)}",
+                )
             if not result.success:
                 record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
             progress.advance(task, len(chunk))
     console.print(table)
     if no_figures:
-        console.print(f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
-                      f"committed any (the cause is below)", highlight=False)
+        console.print(
+            f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
+            f"committed any (the cause is below)",
+            highlight=False,
+        )
     for name, where in sorted(failed_checks.items()):
         console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
     if failed_checks:
@@ -261,8 +322,10 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
             say(f"Also failed: {error.where}: {error.message}")
         say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
         if first.passing:
-            say("Next: the cause can pass (a server down, a timeout): run the same command again; committed "
-                "completions are kept, only the rest runs.")
+            say(
+                "Next: the cause can pass (a server down, a timeout): run the same command again; committed "
+                "completions are kept, only the rest runs."
+            )
         else:
             say("Next: fix the cause above, then run the same command again (committed completions are kept).")
     if stops.preflight:
@@ -278,16 +341,22 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
     root = data_dir().resolved()
     thresholds = window.thresholds()
     for config_hash in sorted(stops.config_hashes):
-        outcomes = [o for o in run_checks(root, config_hash=config_hash, thresholds=thresholds, names=stops.checks)
-                    if not o.passed]
+        outcomes = [
+            o
+            for o in run_checks(root, config_hash=config_hash, thresholds=thresholds, names=stops.checks)
+            if not o.passed
+        ]
         for o in outcomes:
             headline = re.sub(r"[*`]", "", o.summary_md.split("\n\n")[0])
-            say(f"[red]Stopped by the blocking check {o.name}[/] (shards {', '.join(stops.checks[o.name])}): "
-                f"{headline}")
+            say(
+                f"[red]Stopped by the blocking check {o.name}[/] (shards {', '.join(stops.checks[o.name])}): {headline}"
+            )
         answers = cap_answers(root, thresholds, config_hash)
         if not answers or "truncation_rate" not in stops.checks:
-            say("Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
-                "set stays unwritten until every blocking check passes.")
+            say(
+                "Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
+                "set stays unwritten until every blocking check passes."
+            )
             continue
         answer = answers[0]
         print_answer(answer, console)
@@ -315,44 +384,64 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
     from dflash_assets.quality.outcome import num, pct
 
     for config_hash in sorted(stops.config_hashes):
-        (o,) = run_checks(data_dir().resolved(), config_hash=config_hash, thresholds=window.thresholds(),
-                          names=["window_complete"])
+        (o,) = run_checks(
+            data_dir().resolved(), config_hash=config_hash, thresholds=window.thresholds(), names=["window_complete"]
+        )
         m = o.metadata
         if not m["window_complete_rows"] and not m["decoded_past_window_tokens"]:
             continue
-        console.print(f"config {config_hash}: {num(m['window_complete_rows'])} rows "
-                      f"({pct(m['window_complete_rate'])}) were cut at or past the trainer's window max_length "
-                      f"{num(window.trainer_max_length)}: window-complete, the trainer reads each as it reads the "
-                      f"complete answer, so they are exported. {num(m['decoded_past_window_tokens'])} of "
-                      f"{num(m['decoded_tokens'])} decoded tokens ({pct(m['past_window_rate'])}) lie past the window.",
-                      highlight=False)
+        console.print(
+            f"config {config_hash}: {num(m['window_complete_rows'])} rows "
+            f"({pct(m['window_complete_rate'])}) were cut at or past the trainer's window max_length "
+            f"{num(window.trainer_max_length)}: window-complete, the trainer reads each as it reads the "
+            f"complete answer, so they are exported. {num(m['decoded_past_window_tokens'])} of "
+            f"{num(m['decoded_tokens'])} decoded tokens ({pct(m['past_window_rate'])}) lie past the window.",
+            highlight=False,
+        )
         if not o.passed:
             verbatim(console, f"Next time, decode only what the trainer reads: {rerun}")
 
 
-def run_demo(completions: dict, console: Console | None = None, verbose: bool = False,
-             again: Callable[[dict], str] = lambda overrides: "") -> int:
+def run_demo(
+    completions: dict,
+    console: Console | None = None,
+    verbose: bool = False,
+    again: Callable[[dict], str] = lambda overrides: "",
+) -> int:
     """The whole pipeline over every shard; `again(overrides)`: the flags that repeat `completions`, changed by
     `overrides`, in the next command."""
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
     window = Window.of(completions)
-    console.print(f"dflash demo: {len(shards)} shards (cap {completions['max_output_tokens']} tokens, "
-                  f"{policy_text(window)}), DAGSTER_HOME={os.environ['DAGSTER_HOME']}, "
-                  f"data in {os.environ['DFLASH_DATA_DIR']}/", highlight=False)
+    console.print(
+        f"dflash demo: {len(shards)} shards (cap {completions['max_output_tokens']} tokens, "
+        f"{policy_text(window)}), DAGSTER_HOME={os.environ['DAGSTER_HOME']}, "
+        f"data in {os.environ['DFLASH_DATA_DIR']}/",
+        highlight=False,
+    )
     stops = run_shards(instance, shards, completions, console, verbose)
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
     elif not stops.preflight:
-        export = execute(training_job.name, instance, {
-            **quiet(verbose), "resources": window.resources(),
-            "ops": {"drafter_training_set": {"config": {"config_hash": ""}}}}, console)
+        export = execute(
+            training_job.name,
+            instance,
+            {
+                **quiet(verbose),
+                "resources": window.resources(),
+                "ops": {"drafter_training_set": {"config": {"config_hash": ""}}},
+            },
+            console,
+        )
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
             t = TrainingSetRun
-            verbatim(console, f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
-                              f"in {meta[t.JSONL]} (manifest beside it); left out, by reason:")
+            verbatim(
+                console,
+                f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
+                f"in {meta[t.JSONL]} (manifest beside it); left out, by reason:",
+            )
             for line in exclusion_lines(meta[t.MANIFEST]) or ["nothing"]:
                 console.print(f"  {line}", highlight=False)
         elif stops.checks:
@@ -360,42 +449,70 @@ def run_demo(completions: dict, console: Console | None = None, verbose: bool = 
         else:
             record_failures(export, "training export", stops)
     if not stops.checks and not stops.errors and not stops.preflight:
-        print_window_answer(stops, console, window, f"dflash demo{again({'cap_policy': 'window'})} "
-                                                    f"--max-output-tokens {completions['max_output_tokens']}")
-    verbatim(console, "The UI (event log, reports, checks):  DAGSTER_HOME=" + os.environ["DAGSTER_HOME"] +
-             " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000")
+        print_window_answer(
+            stops,
+            console,
+            window,
+            f"dflash demo{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}",
+        )
+    verbatim(
+        console,
+        "The UI (event log, reports, checks):  DAGSTER_HOME="
+        + os.environ["DAGSTER_HOME"]
+        + " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000",
+    )
     return print_stop(stops, console, lambda cap: f"dflash demo{again({})} --max-output-tokens {cap}", window)
 
 
-def run_backfill(first: str | None, last: str | None, completions: dict, console: Console | None = None,
-                 verbose: bool = False, again: Callable[[dict], str] = lambda overrides: "") -> int:
+def run_backfill(
+    first: str | None,
+    last: str | None,
+    completions: dict,
+    console: Console | None = None,
+    verbose: bool = False,
+    again: Callable[[dict], str] = lambda overrides: "",
+) -> int:
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
     first, last = first or shards[0], last or shards[-1]
     unknown = [k for k in (first, last) if k not in shards]
     if unknown:
-        console.print(f"[red]dflash backfill:[/] no shard {', '.join(unknown)}; the shards are "
-                      f"{shards[0]}..{shards[-1]}")
+        console.print(
+            f"[red]dflash backfill:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}"
+        )
         return BAD_CONFIG
-    chosen = shards[shards.index(first):shards.index(last) + 1]
+    chosen = shards[shards.index(first) : shards.index(last) + 1]
     window = Window.of(completions)
-    console.print(f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
-                  f"up to {SHARDS_PER_RUN} shards per run, {policy_text(window)}, "
-                  f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}", highlight=False)
+    console.print(
+        f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
+        f"up to {SHARDS_PER_RUN} shards per run, {policy_text(window)}, "
+        f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
+        highlight=False,
+    )
     stops = run_shards(instance, chosen, completions, console, verbose)
     command = f"dflash backfill --from {first} --to {last}"
     if not stops.checks and not stops.errors and not stops.preflight:
-        print_window_answer(stops, console, window, f"{command}{again({'cap_policy': 'window'})} "
-                                                    f"--max-output-tokens {completions['max_output_tokens']}")
+        print_window_answer(
+            stops,
+            console,
+            window,
+            f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}",
+        )
     return print_stop(stops, console, lambda cap: f"{command}{again({})} --max-output-tokens {cap}", window)
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
 
 
-def run_continue(new_cap: int | None, first: str | None, last: str | None, console: Console | None = None,
-                 verbose: bool = False, to_window: int | None = None) -> int:
+def run_continue(
+    new_cap: int | None,
+    first: str | None,
+    last: str | None,
+    console: Console | None = None,
+    verbose: bool = False,
+    to_window: int | None = None,
+) -> int:
     """Continue every shard's cut rows to `new_cap` from where they stopped (or, with `to_window`, a window-policy
     config's window-complete rows to the larger window); print the reuse and the new answer."""
     from dflash_assets.quality.answer import cap_answers
@@ -407,22 +524,42 @@ def run_continue(new_cap: int | None, first: str | None, last: str | None, conso
     shards = known_shards(instance)
     first, last = first or shards[0], last or shards[-1]
     if unknown := [k for k in (first, last) if k not in shards]:
-        console.print(f"[red]dflash continue:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}")
+        console.print(
+            f"[red]dflash continue:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}"
+        )
         return BAD_CONFIG
-    chosen = shards[shards.index(first):shards.index(last) + 1]
+    chosen = shards[shards.index(first) : shards.index(last) + 1]
     target = f"the trainer's window {to_window}" if to_window else f"cap {new_cap}"
-    console.print(f"dflash continue: shards {first}..{last} ({len(chosen)}) to {target}, cut rows taken on from "
-                  f"where they stopped", highlight=False)
+    console.print(
+        f"dflash continue: shards {first}..{last} ({len(chosen)}) to {target}, cut rows taken on from "
+        f"where they stopped",
+        highlight=False,
+    )
     window = Window("window", to_window) if to_window else Window()
-    run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"continued_completions": {"config": {
-        "parent_config_hash": "latest", "to_window": to_window or 0,
-        **({} if to_window else {"new_max_output_tokens": new_cap})}}}}
-    stops, table = Stops(), Table(box=box.SIMPLE_HEAD, title="continued by shard (tokens reused: taken over from "
-                                                            "the smaller cap, not generated again)")
+    run_config = {
+        **quiet(verbose),
+        "resources": window.resources(),
+        "ops": {
+            "continued_completions": {
+                "config": {
+                    "parent_config_hash": "latest",
+                    "to_window": to_window or 0,
+                    **({} if to_window else {"new_max_output_tokens": new_cap}),
+                }
+            }
+        },
+    }
+    stops, table = (
+        Stops(),
+        Table(
+            box=box.SIMPLE_HEAD,
+            title="continued by shard (tokens reused: taken over from the smaller cap, not generated again)",
+        ),
+    )
     for col in CONTINUE_COLUMNS:
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     reused = total = 0
-    for chunk in [chosen[i:i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
+    for chunk in [chosen[i : i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
         result = execute(continue_job.name, instance, run_config, console, chunk)
         meta = _meta(result, "continued_completions")
         for shard in chunk:
@@ -434,14 +571,24 @@ def run_continue(new_cap: int | None, first: str | None, last: str | None, conso
             stops.config_hashes.add(m[k.CONFIG_HASH])
             reused += m[k.TOKENS_REUSED]
             total += m[k.TOKENS_REUSED] + m[k.TOKENS_GENERATED]
-            table.add_row(shard, num(m[k.ROWS_CONTINUED]), num(m[k.ROWS_COPIED]), num(m[k.STILL_TRUNCATED]),
-                          num(m[k.TOKENS_REUSED]), num(m[k.TOKENS_GENERATED]), pct(m[k.SAVED_SHARE]))
+            table.add_row(
+                shard,
+                num(m[k.ROWS_CONTINUED]),
+                num(m[k.ROWS_COPIED]),
+                num(m[k.STILL_TRUNCATED]),
+                num(m[k.TOKENS_REUSED]),
+                num(m[k.TOKENS_GENERATED]),
+                pct(m[k.SAVED_SHARE]),
+            )
         if not result.success:
             record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
     console.print(table)
     if total:
-        console.print(f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
-                      f"completion tokens were not generated again", highlight=False)
+        console.print(
+            f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
+            f"completion tokens were not generated again",
+            highlight=False,
+        )
     for config_hash in sorted(stops.config_hashes):
         for answer in cap_answers(data_dir().resolved(), window.thresholds(), config_hash):
             print_answer(answer, console)
@@ -450,6 +597,9 @@ def run_continue(new_cap: int | None, first: str | None, last: str | None, conso
         return BAD_CONFIG if not stops.errors else FAILED
     if stops.errors:
         return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}", window)
-    console.print("Next: `dflash report` for the checks over the new config; the training export takes the config "
-                  "with the most rows, or name it (drafter_training_set config_hash).", highlight=False)
+    console.print(
+        "Next: `dflash report` for the checks over the new config; the training export takes the config "
+        "with the most rows, or name it (drafter_training_set config_hash).",
+        highlight=False,
+    )
     return DONE

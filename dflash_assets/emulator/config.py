@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     emu = parser.add_argument_group("emulator", "Knobs of the emulator itself (not SGLang flags).")
     emu.add_argument("--startup-delay", type=float, default=0.0, help="Seconds /health answers 503 (warmup).")
     emu.add_argument(
-        "--health-delay", type=float, default=None,
+        "--health-delay",
+        type=float,
+        default=None,
         help="Seconds a healthy /health takes. Default: 1, as 0.5.23's one-token health generation polls after "
         "asyncio.sleep(1); 0 when SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false (then /health answers at once).",
     )
@@ -96,25 +98,41 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--length-sigma", type=float, default=LengthModel.sigma, help="Lognormal sigma of output length.")
     emu.add_argument("--length-min", type=int, default=LengthModel.minimum)
     emu.add_argument("--length-max", type=int, default=LengthModel.maximum)
-    emu.add_argument("--length-prompt-share", type=float, default=LengthModel.prompt_share,
-                     help="Share of the log-length variance set by the prompt when requests draw anew.")
-    emu.add_argument("--sampling", choices=("per-request", "per-prompt"),
-                     default=os.environ.get("DFLASH_EMULATOR_SAMPLING", "per-request"),
-                     help="per-request (a server, the default): temperature > 0 without a seed draws anew each "
-                          "request; per-prompt: every request for a prompt gets the same completion, whatever the "
-                          "temperature (env DFLASH_EMULATOR_SAMPLING; the test suite sets it for row-for-row checks).")
-    emu.add_argument("--loop-share", type=float, default=LengthModel.loop_share,
-                     help="Share of prompts (fixed per prompt and seed) whose generation repeats one line until "
-                          "--length-max: runaway generations.")
-    emu.add_argument("--non-ascii", action="store_true",
-                     help="Text with multi-byte characters: every other comma between two words becomes an em dash "
-                          "(' —', byte tokens), so a cap can cut a character in two, and reply texts are what "
-                          "SGLang's incremental detokenizer sends (U+FFFD for a cut character). Off: ASCII only.")
+    emu.add_argument(
+        "--length-prompt-share",
+        type=float,
+        default=LengthModel.prompt_share,
+        help="Share of the log-length variance set by the prompt when requests draw anew.",
+    )
+    emu.add_argument(
+        "--sampling",
+        choices=("per-request", "per-prompt"),
+        default=os.environ.get("DFLASH_EMULATOR_SAMPLING", "per-request"),
+        help="per-request (a server, the default): temperature > 0 without a seed draws anew each "
+        "request; per-prompt: every request for a prompt gets the same completion, whatever the "
+        "temperature (env DFLASH_EMULATOR_SAMPLING; the test suite sets it for row-for-row checks).",
+    )
+    emu.add_argument(
+        "--loop-share",
+        type=float,
+        default=LengthModel.loop_share,
+        help="Share of prompts (fixed per prompt and seed) whose generation repeats one line until "
+        "--length-max: runaway generations.",
+    )
+    emu.add_argument(
+        "--non-ascii",
+        action="store_true",
+        help="Text with multi-byte characters: every other comma between two words becomes an em dash "
+        "(' —', byte tokens), so a cap can cut a character in two, and reply texts are what "
+        "SGLang's incremental detokenizer sends (U+FFFD for a cut character). Off: ASCII only.",
+    )
     emu.add_argument(
         "--native-context-length", type=int, default=32768, help="The stand-in model's config.json context."
     )
     emu.add_argument(
-        "--generation-config", type=json.loads, default={"temperature": 0.6, "top_k": 20, "top_p": 0.95},
+        "--generation-config",
+        type=json.loads,
+        default={"temperature": 0.6, "top_k": 20, "top_p": 0.95},
         help="The stand-in model's generation_config.json (Qwen3's by default): the chat route's sampling "
         "defaults for what a request leaves out, with --sampling-defaults model.",
     )
@@ -123,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--auto-mamba-cache-size", type=int, default=144, help="Mamba slots when --max-mamba-cache-size is unset."
     )
     emu.add_argument(
-        "--always-think", action="store_true",
+        "--always-think",
+        action="store_true",
         help="The stand-in model's chat template opens <think> whatever enable_thinking says (as templates that "
         "match template_detection's force_reasoning_pattern do): the server then always reasons.",
     )
@@ -133,10 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     emu.add_argument("--fault-503-rate", type=float, help="Answer this share of generation requests with 503.")
     emu.add_argument("--fault-stall-seconds", type=float, help="Hold generation requests this long before serving.")
     emu.add_argument("--fault-stall-next", type=int, help="Stall only the next N requests (default: all).")
-    emu.add_argument("--fault-stall-after-tokens", type=int,
-                     help="The stall comes after this many output tokens are out (mid-stream), not before serving.")
-    emu.add_argument("--fault-hold", action="store_true",
-                     help="Hold generation requests until the hold is cleared (POST /_emulator/faults {\"hold\": null}).")
+    emu.add_argument(
+        "--fault-stall-after-tokens",
+        type=int,
+        help="The stall comes after this many output tokens are out (mid-stream), not before serving.",
+    )
+    emu.add_argument(
+        "--fault-hold",
+        action="store_true",
+        help="Hold generation requests until the hold is cleared (POST /_emulator/faults {\"hold\": null}).",
+    )
     emu.add_argument("--fault-slow-factor", type=float, help="Multiply decode time by this factor.")
     return parser
 
@@ -230,7 +255,10 @@ def resolve(argv: list[str]) -> EmulatorSetup:
     running, mamba = _max_running_requests(args, kv, context_len)
     max_req_len = min(context_len - 1, kv - 1)
     lengths = LengthModel(
-        median=args.length_median, sigma=args.length_sigma, minimum=args.length_min, maximum=args.length_max,
+        median=args.length_median,
+        sigma=args.length_sigma,
+        minimum=args.length_min,
+        maximum=args.length_max,
         prompt_share=args.length_prompt_share,
         loop_share=args.loop_share,
     )

@@ -179,7 +179,10 @@ def _unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
 
 # ---- the 0.5.23 shapes ------------------------------------------------------------
 
-_is_number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
 
 TOKEN_IDS = seq(integer())
 STRING_LIST = seq(string())

@@ -33,9 +33,16 @@ REPLACEMENT = "\ufffd"
 
 def _is_chinese_char(cp: int) -> bool:
     """sglang/utils.py `_is_chinese_char`: the CJK ideograph blocks."""
-    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
-            or 0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF
-            or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+    return (
+        0x4E00 <= cp <= 0x9FFF
+        or 0x3400 <= cp <= 0x4DBF
+        or 0x20000 <= cp <= 0x2A6DF
+        or 0x2A700 <= cp <= 0x2B73F
+        or 0x2B740 <= cp <= 0x2B81F
+        or 0x2B820 <= cp <= 0x2CEAF
+        or 0xF900 <= cp <= 0xFAFF
+        or 0x2F800 <= cp <= 0x2FA1F
+    )
 
 
 def find_printable_text(text: str) -> str:
@@ -54,8 +61,14 @@ def non_streamed_steps(n: int) -> list[int]:
     return [*range(FORCE_STREAM_INTERVAL, n, FORCE_STREAM_INTERVAL), n]
 
 
-def output_strs(input_ids: list[int], output_ids: list[int], steps: list[int], finish: dict | None,
-                skip_special_tokens: bool = True, no_stop_trim: bool = False) -> list[str]:
+def output_strs(
+    input_ids: list[int],
+    output_ids: list[int],
+    steps: list[int],
+    finish: dict | None,
+    skip_special_tokens: bool = True,
+    no_stop_trim: bool = False,
+) -> list[str]:
     """The text the detokenizer sends at each step (the number of output ids known then; the last step is the
     finished one, with `finish` as SGLang's finish_reason JSON). The reply's text is the concatenation."""
     surr_start = max(len(input_ids) - SURROUNDING_IDS, 0)
@@ -73,7 +86,7 @@ def output_strs(input_ids: list[int], output_ids: list[int], steps: list[int], f
         read_ids = decode_ids[surr_offset:]
         if finished:
             read_ids = _trim_stop(read_ids, finish, no_stop_trim)
-        new_text = decode(read_ids)[len(decode(decode_ids[surr_offset:read_offset])):]
+        new_text = decode(read_ids)[len(decode(decode_ids[surr_offset:read_offset])) :]
         if not finished:
             pending = sent - len(decoded)
             if new_text and not new_text.endswith(REPLACEMENT):  # clean: commit it and move the offsets on

@@ -90,8 +90,15 @@ def abort_finish(message: str, status_code: int | None) -> dict:
 
 
 # sampling/sampling_params.py SamplingParams.__init__ defaults: what /generate samples with when nothing is sent
-SAMPLING_PARAM_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
-                           "presence_penalty": 0.0, "frequency_penalty": 0.0}
+SAMPLING_PARAM_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 def verify_sampling(sp: dict) -> None:
@@ -167,8 +174,12 @@ class Engine:
         """What a request is sampled with once both routes have filled in their defaults (SamplingParams'
         own for what is still unset), kept for the emulator-only /_emulator/stats."""
         sp = req.sampling
-        self.sampled.append({"rid": req.rid, **{k: v if (v := sp.get(k)) is not None else default
-                                                for k, default in SAMPLING_PARAM_DEFAULTS.items()}})
+        self.sampled.append(
+            {
+                "rid": req.rid,
+                **{k: v if (v := sp.get(k)) is not None else default for k, default in SAMPLING_PARAM_DEFAULTS.items()},
+            }
+        )
 
     def validate(self, req: Request) -> None:
         """`_validate_one_request` then `SamplingParams.verify`; raises TokenizerError."""
@@ -291,8 +302,9 @@ class Engine:
         temperature = 1.0 if sp.get("temperature") is None else sp["temperature"]
         seed = sp.get("sampling_seed")
         draw = self._draw(req.input_ids) if temperature > 0 and seed is None and self.cfg.per_request_sampling else None
-        plan = model.plan_completion(req.input_ids, self.cfg.lengths, seed, req.sample_index, draw=draw,
-                                     non_ascii=self.cfg.args.non_ascii)
+        plan = model.plan_completion(
+            req.input_ids, self.cfg.lengths, seed, req.sample_index, draw=draw, non_ascii=self.cfg.args.non_ascii
+        )
         stop = sp.get("stop")
         return model.generate(
             plan,
@@ -308,8 +320,9 @@ class Engine:
         not streamed still passes it every 50 tokens); the model's own text is its ids decoded alone."""
         sp, n = req.sampling, len(gen.output_ids)
         steps = [*steps, n] if steps else detokenizer.non_streamed_steps(n)
-        return detokenizer.output_strs(req.input_ids, gen.output_ids, steps, gen.finish, sp_skip(sp),
-                                       bool(sp.get("no_stop_trim")))
+        return detokenizer.output_strs(
+            req.input_ids, gen.output_ids, steps, gen.finish, sp_skip(sp), bool(sp.get("no_stop_trim"))
+        )
 
     def _reasoning(self, req: Request, gen: model.Generation, k: int) -> int:
         """Reasoning tokens among the first k outputs, when the request requires reasoning."""

@@ -138,7 +138,6 @@ class Faults:
             return Verdict(stall=s.stall_seconds, stall_after=s.stall_after_tokens or 0)
         return NO_FAULT
 
-
     def tokenize_fails(self) -> bool:
         """Called once per /v1/tokenize request: True when it is to be answered 503."""
         if self.settings.tokenize_fail_next:

@@ -238,8 +238,13 @@ async def metrics(request: web.Request) -> web.Response:
     ]
     if cfg.max_mamba_cache_size:  # a hybrid model: its state slots, held per running request (no prefix reuse)
         slots = mamba_ratio(cfg.args)
-        gauges.append(("sglang:mamba_usage", "The token usage for Mamba layers.",
-                       lambda s: round(min(1.0, len(s.running) * slots / cfg.max_mamba_cache_size), 4)))
+        gauges.append(
+            (
+                "sglang:mamba_usage",
+                "The token usage for Mamba layers.",
+                lambda s: round(min(1.0, len(s.running) * slots / cfg.max_mamba_cache_size), 4),
+            )
+        )
     for name, doc, fn in gauges:
         family(name, "gauge", doc, [(labels, fn(s)) for labels, s in ranks])
     for key, name, doc in (

@@ -92,6 +92,7 @@ def _stream() -> tuple[list[int], str, array, array]:
     Prose-like: sentences of 6-18 words, commas, paragraphs of 3-6 sentences.
     Stored twice over so any slice shorter than the stream needs no wrap logic.
     """
+
     # every server process builds this at its start: each word's two tokens (inside a sentence, and capitalised
     # to start one) are looked up once, not per word of the stream
     def tokens(words: list[str]) -> tuple[list[int], list[int]]:
@@ -252,8 +253,12 @@ class Plan:
 
 
 def plan_completion(
-    prompt_ids: list[int], lengths: LengthModel, sampling_seed: int | None = None, sample: int = 0,
-    draw: float | None = None, non_ascii: bool = False,
+    prompt_ids: list[int],
+    lengths: LengthModel,
+    sampling_seed: int | None = None,
+    sample: int = 0,
+    draw: float | None = None,
+    non_ascii: bool = False,
 ) -> Plan:
     """The completion of `prompt_ids`; `sample` > 0 draws the n-th parallel sample (n > 1); `draw` in (0, 1) is
     a request's own randomness (temperature > 0 without a seed), None for the prompt's fixed completion;
@@ -465,7 +470,7 @@ def _apply_stop_strings(ids, text, finish, stops, no_stop_trim):
     pos, s = min(hits)
     end_char, acc = pos + len(s), 0
     end_byte = len(text[:end_char].encode())  # counted in bytes: a byte token is a part of a character
-    for n, t in enumerate(ids, 1):
+    for n, t in enumerate(ids, 1):  # noqa: B007 (n is read after the loop)
         acc += len(tok.TOKEN_BYTES[t]) if t != tok.IM_END_ID else 0
         if acc >= end_byte:
             break

@@ -148,8 +148,11 @@ class ChatContext:
             return list(self.body["input_ids"])
         messages, prefix = self.body["messages"], None
         last = messages[-1] if messages else {}
-        if self.body.get("continue_final_message") and last.get("role") == "assistant" \
-                and isinstance(last.get("content"), str):
+        if (
+            self.body.get("continue_final_message")
+            and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
             # serving_chat._handle_last_assistant_message: the final assistant message is taken out, the rest
             # rendered with the generation prompt, and its text appended as token ids (re-tokenised)
             messages, prefix = messages[:-1], last["content"]
@@ -336,7 +339,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
 
 async def _last(engine: Engine, req: Request, verdict) -> Output:
     out = None
-    async for out in engine.run(req, verdict):
+    async for out in engine.run(req, verdict):  # noqa: B007 (the last one is returned)
         pass
     return out
 

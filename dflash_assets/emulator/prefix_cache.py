@@ -27,7 +27,7 @@ class PrefixCache:
         """Leading tokens of `ids` in the cache, in whole blocks (never all: SGLang always prefills one)."""
         key, n = 0, 0
         for start in range(0, len(ids) - BLOCK, BLOCK):
-            key = hash((key, tuple(ids[start:start + BLOCK])))
+            key = hash((key, tuple(ids[start : start + BLOCK])))
             if key not in self._keys:
                 break
             n += BLOCK
@@ -36,7 +36,7 @@ class PrefixCache:
     def insert(self, ids: list[int]) -> None:
         key = 0
         for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-            key = hash((key, tuple(ids[start:start + BLOCK])))
+            key = hash((key, tuple(ids[start : start + BLOCK])))
             self._keys[key] = None
         while len(self._keys) > self.capacity_blocks:
             self._keys.popitem(last=False)

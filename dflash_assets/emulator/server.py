@@ -8,12 +8,12 @@ Auth is 0.5.23's (srt/utils/auth.py): with --api-key every route needs
 from __future__ import annotations
 
 import asyncio
-import time
 import logging
-from collections import Counter
 import os
 import secrets
 import sys
+import time
+from collections import Counter
 
 from aiohttp import web
 
@@ -21,11 +21,11 @@ from . import model
 from . import tokenizer as tok
 from .config import VERSION, EmulatorSetup
 from .engine import Engine
-from .process import EXIT_WITH_PARENT
 from .faults import Faults, from_args
 from .info import health, loads, metrics, model_card, model_info, models, ready, server_info
 from .native import handle_generate
 from .openai import handle_chat, handle_detokenize, handle_tokenize
+from .process import EXIT_WITH_PARENT
 from .responses import json_response
 from .state import STATE, ServerState
 
@@ -129,9 +129,16 @@ async def stats_route(request: web.Request) -> web.Response:
     pairs, and max_running_requests — the exact slot occupancy benchmarks integrate (not an SGLang route);
     and the sampling parameters the last requests were resolved to, on either route."""
     engine = request.app[STATE].engine
-    return web.json_response({"now": time.monotonic(), "ranks": [
-        {"max_running_requests": s.max_running_requests, "timeline": list(s.timeline)} for s in engine.schedulers],
-        "sampled": list(engine.sampled)})
+    return web.json_response(
+        {
+            "now": time.monotonic(),
+            "ranks": [
+                {"max_running_requests": s.max_running_requests, "timeline": list(s.timeline)}
+                for s in engine.schedulers
+            ],
+            "sampled": list(engine.sampled),
+        }
+    )
 
 
 async def _announce_when_ready(app: web.Application) -> None:

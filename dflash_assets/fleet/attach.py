@@ -27,11 +27,15 @@ def parse_urls(urls: str | Sequence[str]) -> list[str]:
             raise AttachError(f"server URL #{i} is not a valid URL: {e}") from None
         if parts.username or parts.password:
             # Not echoed: it holds a credential.
-            raise AttachError(f"server URL #{i} carries credentials; put the API key in the environment "
-                              f"variable (DFLASH_API_KEY by default), it is sent as a Bearer token")
+            raise AttachError(
+                f"server URL #{i} carries credentials; put the API key in the environment "
+                f"variable (DFLASH_API_KEY by default), it is sent as a Bearer token"
+            )
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise AttachError(f"server URL {raw!r} must look like http://host:port (got scheme "
-                              f"{parts.scheme or 'none'!r}, host {parts.hostname or 'none'!r})")
+            raise AttachError(
+                f"server URL {raw!r} must look like http://host:port (got scheme "
+                f"{parts.scheme or 'none'!r}, host {parts.hostname or 'none'!r})"
+            )
         if parts.query or parts.fragment:
             raise AttachError(f"server URL {raw!r} must be a base URL, without ?query or #fragment")
         url = raw.rstrip("/")
@@ -40,4 +44,3 @@ def parse_urls(urls: str | Sequence[str]) -> list[str]:
             raise AttachError(f"server URL {url} is listed twice")
         out.append(url)
     return out
-

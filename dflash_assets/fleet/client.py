@@ -17,8 +17,8 @@ from typing import Any
 
 import aiohttp
 
-from dflash_assets.settings import FleetSettings
 from dflash_assets.fleet.stream import ChatAnswer, GenerateAnswer, Silence, StreamError, Watch, chat_stream_body
+from dflash_assets.settings import FleetSettings
 
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
 PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
@@ -34,8 +34,7 @@ TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is r
 class ServerError(Exception):
     """A request the server did not complete. `retryable` tells the dispatcher what to do with it."""
 
-    def __init__(self, url: str, message: str, *, status: int | None = None, retryable: bool,
-                 stalled: bool = False):
+    def __init__(self, url: str, message: str, *, status: int | None = None, retryable: bool, stalled: bool = False):
         super().__init__(f"{url}: {message}")
         self.url = url
         self.status = status
@@ -49,8 +48,10 @@ class ServerAccessError(RuntimeError):
 
     def __init__(self, url: str, method: str, path: str, status: int, message: str):
         what = "the API key is missing or wrong" if status in (401, 403) else "the URL does not point at SGLang"
-        super().__init__(f"{url}: HTTP {status} on {method} {path} ({message}): {what}; nothing more is sent to "
-                         f"this fleet until it is fixed (check the server URL and the API key's environment variable)")
+        super().__init__(
+            f"{url}: HTTP {status} on {method} {path} ({message}): {what}; nothing more is sent to "
+            f"this fleet until it is fixed (check the server URL and the API key's environment variable)"
+        )
         self.url, self.path, self.status, self.message = url, path, status, message
 
 
@@ -61,7 +62,9 @@ class ServerInfo:
     url: str
     model: str
     context_length: int  # /v1/models data[0].max_model_len: the effective context length
-    max_running_requests: int  # /server_info internal_states[*].effective_max_running_requests_per_dp, summed over DP ranks
+    max_running_requests: (
+        int  # /server_info internal_states[*].effective_max_running_requests_per_dp, summed over DP ranks
+    )
     max_req_input_len: int | None  # /server_info: the scheduler's input limit, max_req_len - 5
     max_total_num_tokens: int | None  # /server_info: KV pool size in tokens
     reasoning_parser: str | None = None  # without one, thinking stays inside `content`
@@ -126,8 +129,13 @@ def error_message(body: Any) -> str:
 class ServerClient:
     """One server, spoken to through a shared aiohttp session (one connection pool for the fleet)."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, api_key: str | None = None,
-                 request_timeout_s: float = FleetSettings().request_timeout_s):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        api_key: str | None = None,
+        request_timeout_s: float = FleetSettings().request_timeout_s,
+    ):
         self.session = session
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -139,8 +147,9 @@ class ServerClient:
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> Any:
         t = aiohttp.ClientTimeout(total=timeout) if timeout else self._timeout
         try:
-            async with self.session.request(method, self.url + path, json=json, headers=self._headers,
-                                            timeout=t) as resp:
+            async with self.session.request(
+                method, self.url + path, json=json, headers=self._headers, timeout=t
+            ) as resp:
                 if resp.content_type == "application/json":
                     body = await resp.json()
                 else:
@@ -150,7 +159,7 @@ class ServerClient:
                 self._refused(resp.status, method, path, body)
         except (ServerError, ServerAccessError):
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ServerError(self.url, f"{method} {path} timed out", retryable=True) from None
         except (aiohttp.ClientError, OSError) as e:
             raise ServerError(self.url, f"{method} {path} failed: {type(e).__name__}: {e}", retryable=True) from None
@@ -165,11 +174,17 @@ class ServerClient:
         connection is dropped, which makes SGLang abort the request)."""
         silence = Silence(watch)
         try:
-            async with silence, self.session.post(self.url + path, json=body, headers=self._headers,
-                                                  timeout=self._timeout) as resp:
+            async with (
+                silence,
+                self.session.post(self.url + path, json=body, headers=self._headers, timeout=self._timeout) as resp,
+            ):
                 if resp.status != 200:
-                    self._refused(resp.status, "POST", path, await resp.json() if resp.content_type ==
-                                  "application/json" else await resp.text())
+                    self._refused(
+                        resp.status,
+                        "POST",
+                        path,
+                        await resp.json() if resp.content_type == "application/json" else await resp.text(),
+                    )
                 stopped = done = False
                 try:
                     async for event in silence.events(resp):
@@ -186,10 +201,11 @@ class ServerClient:
         except StreamError as e:  # an abort with a status, after the 200
             code = e.code if isinstance(e.code, int) else None
             raise ServerError(self.url, e.message, status=code, retryable=code not in PROMPT_FAULT) from None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if silence.expired:
-                raise ServerError(self.url, f"POST {path}: {silence.why()}, the stream was closed", retryable=True,
-                                  stalled=True) from None
+                raise ServerError(
+                    self.url, f"POST {path}: {silence.why()}, the stream was closed", retryable=True, stalled=True
+                ) from None
             raise ServerError(self.url, f"POST {path} timed out", retryable=True) from None
         except (aiohttp.ClientError, OSError, ValueError) as e:
             raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}", retryable=True) from None
@@ -248,7 +264,7 @@ class ServerClient:
             opener = await self.tokenize("<think>\n")
         except (ServerError, ServerAccessError):
             return False
-        return bool(opener) and rendered[-len(opener):] == opener
+        return bool(opener) and rendered[-len(opener) :] == opener
 
     async def metrics(self) -> str | None:
         """The Prometheus text of /metrics; None when the server runs without --enable-metrics (404)."""
@@ -289,8 +305,12 @@ class ServerClient:
             resp = await self._stream("/v1/chat/completions", chat_stream_body(body, watch), ChatAnswer(watch), watch)
         aborted = [c.get("index") for c in resp.get("choices") or [] if c.get("finish_reason") == "abort"]
         if aborted:  # a status-less abort (FINISH_ABORT without status_code) arrives as an HTTP 200
-            raise ServerError(self.url, f"/v1/chat/completions answered 200 with finish_reason 'abort' "
-                                        f"(choice {aborted[0]}): aborted by the server, not finished", retryable=True)
+            raise ServerError(
+                self.url,
+                f"/v1/chat/completions answered 200 with finish_reason 'abort' "
+                f"(choice {aborted[0]}): aborted by the server, not finished",
+                retryable=True,
+            )
         return resp
 
     async def generate(self, body: dict, watch: Watch | None = None) -> Any:

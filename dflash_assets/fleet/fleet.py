@@ -47,9 +47,13 @@ async def wait_healthy(client: ServerClient, timeout_s: float) -> None:
 
 
 @asynccontextmanager
-async def connected(urls: list[str], api_key: str | None = None, *,
-                    health_timeout_s: float = FleetSettings().health_timeout_s,
-                    request_timeout_s: float = FleetSettings().request_timeout_s) -> AsyncIterator[Fleet]:
+async def connected(
+    urls: list[str],
+    api_key: str | None = None,
+    *,
+    health_timeout_s: float = FleetSettings().health_timeout_s,
+    request_timeout_s: float = FleetSettings().request_timeout_s,
+) -> AsyncIterator[Fleet]:
     """Connect to every server, wait until each is healthy and read what it says about itself; the fleet, its
     session closed when the block ends, however it ends."""
     if not urls:

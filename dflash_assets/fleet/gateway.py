@@ -50,16 +50,29 @@ def parse_workers(body) -> list[GatewayWorker] | None:
     """The workers of an smg `/workers` answer, or None when the body is not one."""
     if not isinstance(body, dict) or not isinstance(body.get("workers"), list):
         return None
-    return [GatewayWorker(url=str(w["url"]).rstrip("/"), model=w.get("model_id"), healthy=bool(w.get("is_healthy")),
-                          status=w.get("status"))
-            for w in body["workers"] if isinstance(w, dict) and w.get("url")]
+    return [
+        GatewayWorker(
+            url=str(w["url"]).rstrip("/"),
+            model=w.get("model_id"),
+            healthy=bool(w.get("is_healthy")),
+            status=w.get("status"),
+        )
+        for w in body["workers"]
+        if isinstance(w, dict) and w.get("url")
+    ]
 
 
 class GatewayClient(ServerClient):
     """One gateway URL: generation through it, facts and token counts from the servers behind it."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, workers: list[ServerClient],
-                 api_key: str | None = None, request_timeout_s: float = FleetSettings().request_timeout_s):
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        workers: list[ServerClient],
+        api_key: str | None = None,
+        request_timeout_s: float = FleetSettings().request_timeout_s,
+    ):
         super().__init__(session, url, api_key, request_timeout_s)
         self.workers = workers
         self._next_worker = itertools.cycle(workers)
@@ -87,19 +100,22 @@ def combine(url: str, infos: list[ServerInfo]) -> ServerInfo:
     models = sorted({i.model for i in infos})
     if len(models) > 1:
         detail = ", ".join(f"{i.url} serves {i.model!r}" for i in infos)
-        raise GatewayError(f"the gateway {url} routes to {len(models)} different models, refusing to mix them: "
-                           f"{detail}")
+        raise GatewayError(
+            f"the gateway {url} routes to {len(models)} different models, refusing to mix them: {detail}"
+        )
     parsers = {i.reasoning_parser for i in infos}
     input_limits = [i.max_req_input_len for i in infos if i.max_req_input_len is not None]
     kv_pools = [i.max_total_num_tokens for i in infos if i.max_total_num_tokens is not None]
     return replace(
-        infos[0], url=url,
+        infos[0],
+        url=url,
         context_length=min(i.context_length for i in infos),
         max_running_requests=sum(i.max_running_requests for i in infos),
         max_req_input_len=min(input_limits) if input_limits else None,
         max_total_num_tokens=sum(kv_pools) if len(kv_pools) == len(infos) else None,
         reasoning_parser=parsers.pop() if len(parsers) == 1 else None,
-        servers=len(infos))
+        servers=len(infos),
+    )
 
 
 async def gateway_workers(client: ServerClient) -> list[GatewayWorker] | None:
@@ -114,9 +130,13 @@ async def gateway_workers(client: ServerClient) -> list[GatewayWorker] | None:
     return None if body is None else parse_workers(body)
 
 
-async def open_gateway(session: aiohttp.ClientSession, url: str, workers: list[GatewayWorker],
-                       api_key: str | None = None,
-                       request_timeout_s: float = FleetSettings().request_timeout_s) -> GatewayClient:
+async def open_gateway(
+    session: aiohttp.ClientSession,
+    url: str,
+    workers: list[GatewayWorker],
+    api_key: str | None = None,
+    request_timeout_s: float = FleetSettings().request_timeout_s,
+) -> GatewayClient:
     """A GatewayClient over the gateway's healthy workers, each checked to answer this host directly."""
     healthy = [w for w in workers if w.healthy]
     if not healthy:
@@ -129,5 +149,6 @@ async def open_gateway(session: aiohttp.ClientSession, url: str, workers: list[G
         raise GatewayError(
             f"the gateway {url} routes to {lost}, which this host cannot reach (GET /health): preflight reads "
             f"each server's context length, input limit and capacity, and counts prompt tokens, on the servers "
-            f"themselves; register the workers with the gateway at addresses this host can reach too")
+            f"themselves; register the workers with the gateway at addresses this host can reach too"
+        )
     return GatewayClient(session, url, servers, api_key, request_timeout_s)

@@ -18,8 +18,9 @@ import os
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace as with_fields
-from datetime import datetime, timezone
+from dataclasses import dataclass
+from dataclasses import replace as with_fields
+from datetime import UTC, datetime
 from pathlib import Path
 
 from dflash_assets.fleet import processes, registry
@@ -30,8 +31,12 @@ from dflash_assets.fleet.server_args import COMMANDS, SGLANG_SERVE, ServerComman
 from dflash_assets.settings import Deployment, LaunchSettings, ServerSettings
 
 Events = Callable[[str], None] | None
-DONE = {"launch": "launched", "relaunch": "relaunched (it was not running)", "replace": "replaced (args changed)",
-        "reuse": "reused (running with the same args)"}
+DONE = {
+    "launch": "launched",
+    "relaunch": "relaunched (it was not running)",
+    "replace": "replaced (args changed)",
+    "reuse": "reused (running with the same args)",
+}
 
 
 class FleetError(RuntimeError):
@@ -58,9 +63,10 @@ class FleetSpec:
             raise FleetError(f"GPU ids repeat: {list(self.gpus)}")
         if len(self.gpus) % tp:
             raise FleetError(f"{len(self.gpus)} GPUs cannot be split into servers of tp_size {tp}")
-        groups = [tuple(self.gpus[i:i + tp]) for i in range(0, len(self.gpus), tp)]
-        return {"gpu" + "-".join(map(str, g)): with_fields(self.server, gpus=g, port=self.base_port + g[0])
-                for g in groups}
+        groups = [tuple(self.gpus[i : i + tp]) for i in range(0, len(self.gpus), tp)]
+        return {
+            "gpu" + "-".join(map(str, g)): with_fields(self.server, gpus=g, port=self.base_port + g[0]) for g in groups
+        }
 
 
 def default_fleet_dir(dagster_home: str | Path | None = None) -> Path:
@@ -91,11 +97,15 @@ def build_spec(settings: LaunchSettings, api_key_env: str = Deployment.API_KEY.n
         raise ValueError("launch mode needs a model path (the model every server loads)")
     # every flag passed as set, None included: None is "SGLang decides", not "take the default"
     flags = {name: getattr(settings, name) for name in ServerSettings.model_fields}
-    server = ServerCommand(model_path=settings.model_path, extra_args=tuple(shlex.split(settings.extra_args)),
-                           **flags)
-    return FleetSpec(server=server, gpus=parse_gpus(settings.gpus), base_port=settings.base_port,
-                     command=parse_command(settings.command), api_key_env=api_key_env,
-                     health_timeout_s=settings.health_timeout_s)
+    server = ServerCommand(model_path=settings.model_path, extra_args=tuple(shlex.split(settings.extra_args)), **flags)
+    return FleetSpec(
+        server=server,
+        gpus=parse_gpus(settings.gpus),
+        base_port=settings.base_port,
+        command=parse_command(settings.command),
+        api_key_env=api_key_env,
+        health_timeout_s=settings.health_timeout_s,
+    )
 
 
 def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events = None) -> list[ServerRecord]:
@@ -132,15 +142,22 @@ def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events
     return ours
 
 
-def _decide(name: str, args: ServerCommand, rec: ServerRecord | None, spec: FleetSpec, key: str | None,
-            replace: bool, refusals: list[str]) -> str:
+def _decide(
+    name: str,
+    args: ServerCommand,
+    rec: ServerRecord | None,
+    spec: FleetSpec,
+    key: str | None,
+    replace: bool,
+    refusals: list[str],
+) -> str:
     if rec is None:
         return "launch"
     if not processes.is_ours(rec.pid, rec.proc_start):
         return "relaunch"
     changes = diff(rec.args, args.canonical())
     if not changes and rec.args_hash != args_hash(args, spec.command):
-        old_command = rec.command[:len(rec.command) - len(ServerCommand.from_dict(rec.args).flags())]
+        old_command = rec.command[: len(rec.command) - len(ServerCommand.from_dict(rec.args).flags())]
         changes = [f"launch command: {' '.join(old_command)} -> {' '.join(spec.command)}"]
     if bool(rec.api_key_env) != bool(key):
         changes.append(f"API key: {'set' if rec.api_key_env else 'none'} -> {'set' if key else 'none'}")
@@ -150,22 +167,24 @@ def _decide(name: str, args: ServerCommand, rec: ServerRecord | None, spec: Flee
         return "reuse"
     if replace:
         return "replace"
-    refusals.append(f"server {name} (pid {rec.pid}, {rec.url}) is running with other args than asked:\n    "
-                    + "\n    ".join(changes)
-                    + "\n  It was not restarted. To restart it with the new args: `dflash fleet up --replace` "
-                      "(up(..., replace=True)); or `dflash fleet down` first.")
+    refusals.append(
+        f"server {name} (pid {rec.pid}, {rec.url}) is running with other args than asked:\n    "
+        + "\n    ".join(changes)
+        + "\n  It was not restarted. To restart it with the new args: `dflash fleet up --replace` "
+        "(up(..., replace=True)); or `dflash fleet down` first."
+    )
     return "refuse"
 
 
 def _check_port(args: ServerCommand, records: dict[str, ServerRecord]) -> None:
     if not processes.port_in_use(args.host, args.port):
         return
-    holder = next((r for r in records.values() if r.port == args.port and processes.is_ours(r.pid, r.proc_start)),
-                  None)
-    who = (f"fleet server {holder.name} (pid {holder.pid})" if holder
-           else "a process that is not in the fleet registry")
-    raise FleetError(f"port {args.port} on {args.host} is already in use by {who}; stop it or choose another "
-                     f"base port (servers listen on base_port + GPU id)")
+    holder = next((r for r in records.values() if r.port == args.port and processes.is_ours(r.pid, r.proc_start)), None)
+    who = f"fleet server {holder.name} (pid {holder.pid})" if holder else "a process that is not in the fleet registry"
+    raise FleetError(
+        f"port {args.port} on {args.host} is already in use by {who}; stop it or choose another "
+        f"base port (servers listen on base_port + GPU id)"
+    )
 
 
 def _launch(name: str, args: ServerCommand, spec: FleetSpec, fleet_dir: Path, key: str | None) -> ServerRecord:
@@ -176,17 +195,29 @@ def _launch(name: str, args: ServerCommand, spec: FleetSpec, fleet_dir: Path, ke
     env = {k: v for k, v in os.environ.items() if k != spec.api_key_env}
     if args.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, args.gpus))
-    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     log.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with open(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "w") as f:
-        f.write(f"# dflash fleet: {name} launched {started_at}, CUDA_VISIBLE_DEVICES="
-                f"{env.get('CUDA_VISIBLE_DEVICES', '(inherited)')}: {' '.join(argv)}"
-                f"{' --api-key (from $' + spec.api_key_env + ')' if key else ''}\n")
+        f.write(
+            f"# dflash fleet: {name} launched {started_at}, CUDA_VISIBLE_DEVICES="
+            f"{env.get('CUDA_VISIBLE_DEVICES', '(inherited)')}: {' '.join(argv)}"
+            f"{' --api-key (from $' + spec.api_key_env + ')' if key else ''}\n"
+        )
     proc = processes.spawn(argv + (["--api-key", key] if key else []), env, log)
-    return ServerRecord(name=name, pid=proc.pid, proc_start=processes.start_time(proc.pid), host=args.host,
-                        port=args.port, gpus=list(args.gpus), args_hash=args_hash(args, spec.command),
-                        args=args.canonical(), command=argv, api_key_env=spec.api_key_env if key else None,
-                        started_at=started_at, log=str(log))
+    return ServerRecord(
+        name=name,
+        pid=proc.pid,
+        proc_start=processes.start_time(proc.pid),
+        host=args.host,
+        port=args.port,
+        gpus=list(args.gpus),
+        args_hash=args_hash(args, spec.command),
+        args=args.canonical(),
+        command=argv,
+        api_key_env=spec.api_key_env if key else None,
+        started_at=started_at,
+        log=str(log),
+    )
 
 
 async def _rejects_key(url: str, key: str) -> bool:
@@ -202,8 +233,9 @@ async def _rejects_key(url: str, key: str) -> bool:
 
 async def _wait_healthy(records: list[ServerRecord], key: str | None, timeout_s: float) -> None:
     async with open_session() as session:
-        results = await asyncio.gather(*(_wait_one(ServerClient(session, r.url, key), r, key, timeout_s)
-                                         for r in records), return_exceptions=True)
+        results = await asyncio.gather(
+            *(_wait_one(ServerClient(session, r.url, key), r, key, timeout_s) for r in records), return_exceptions=True
+        )
     errors = [str(e) for e in results if isinstance(e, BaseException)]
     if errors:
         raise FleetError("\n\n".join(errors))
@@ -214,18 +246,23 @@ async def _wait_one(client: ServerClient, rec: ServerRecord, key: str | None, ti
     while not await client.healthy(timeout=30):
         if not processes.is_ours(rec.pid, rec.proc_start):
             code = processes.exit_code(rec.pid)
-            raise FleetError(f"server {rec.name} (pid {rec.pid}, {rec.url}) exited"
-                             f"{f' with code {code}' if code is not None else ''} before it was healthy. "
-                             f"Last lines of {rec.log}:\n{processes.tail(Path(rec.log), secrets=(key,) if key else ())}")
+            raise FleetError(
+                f"server {rec.name} (pid {rec.pid}, {rec.url}) exited"
+                f"{f' with code {code}' if code is not None else ''} before it was healthy. "
+                f"Last lines of {rec.log}:\n{processes.tail(Path(rec.log), secrets=(key,) if key else ())}"
+            )
         if time.monotonic() > deadline:
-            raise FleetError(f"server {rec.name} (pid {rec.pid}, {rec.url}) is not healthy after {timeout_s:.0f}s "
-                             f"(GET /health); it is left running (`dflash fleet down` stops it). Last lines of "
-                             f"{rec.log}:\n{processes.tail(Path(rec.log), secrets=(key,) if key else ())}")
+            raise FleetError(
+                f"server {rec.name} (pid {rec.pid}, {rec.url}) is not healthy after {timeout_s:.0f}s "
+                f"(GET /health); it is left running (`dflash fleet down` stops it). Last lines of "
+                f"{rec.log}:\n{processes.tail(Path(rec.log), secrets=(key,) if key else ())}"
+            )
         await asyncio.sleep(0.5)
 
 
-def down(fleet_dir: Path, names: list[str] | None = None, timeout_s: float = 30.0,
-         on_event: Events = None) -> list[ServerRecord]:
+def down(
+    fleet_dir: Path, names: list[str] | None = None, timeout_s: float = 30.0, on_event: Events = None
+) -> list[ServerRecord]:
     """SIGTERM each server's process group, SIGKILL it after `timeout_s`, and drop it from the registry."""
     say = on_event or (lambda _msg: None)
     with registry.locked(fleet_dir):

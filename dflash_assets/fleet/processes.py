@@ -56,8 +56,15 @@ def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
     log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+        )
     _children[proc.pid] = proc
     return proc
 

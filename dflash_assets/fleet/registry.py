@@ -63,8 +63,9 @@ def load(fleet_dir: Path) -> dict[str, ServerRecord]:
 def save(fleet_dir: Path, servers: dict[str, ServerRecord]) -> None:
     path = registry_path(fleet_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"version": REGISTRY_VERSION, "servers": {n: asdict(r) for n, r in sorted(servers.items())}},
-                      indent=2)
+    body = json.dumps(
+        {"version": REGISTRY_VERSION, "servers": {n: asdict(r) for n, r in sorted(servers.items())}}, indent=2
+    )
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".registry.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

@@ -78,12 +78,21 @@ class ServerCommand:
         if not 0 < self.port < 65536:
             raise ServerCommandError(f"port must be in 1..65535, got {self.port}")
         if self.served_model_name and ":" in self.served_model_name:
-            raise ServerCommandError(f"served_model_name must not contain ':' (SGLang reads it as base:adapter), "
-                                     f"got {self.served_model_name!r}")
+            raise ServerCommandError(
+                f"served_model_name must not contain ':' (SGLang reads it as base:adapter), "
+                f"got {self.served_model_name!r}"
+            )
         if self.gpus and len(self.gpus) != self.tp_size:
             raise ServerCommandError(f"tp_size {self.tp_size} needs {self.tp_size} GPUs, got {list(self.gpus)}")
-        for name in ("tp_size", "context_length", "max_running_requests", "max_mamba_cache_size",
-                     "cuda_graph_max_bs_decode", "max_queued_requests", "stream_interval"):
+        for name in (
+            "tp_size",
+            "context_length",
+            "max_running_requests",
+            "max_mamba_cache_size",
+            "cuda_graph_max_bs_decode",
+            "max_queued_requests",
+            "stream_interval",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ServerCommandError(f"{name} must be a positive integer, got {value}")
@@ -98,21 +107,29 @@ class ServerCommand:
                 continue
             flag = arg.split("=", 1)[0]
             if flag in REMOVED_FLAGS:
-                raise ServerCommandError(f"extra arg {flag} no longer exists in SGLang 0.5.23; "
-                                         f"use {REMOVED_FLAGS[flag]}")
+                raise ServerCommandError(
+                    f"extra arg {flag} no longer exists in SGLang 0.5.23; use {REMOVED_FLAGS[flag]}"
+                )
             if any(s.startswith(flag) for s in SECRET_FLAGS):
-                raise ServerCommandError(f"extra arg {flag}: the API key is read from the environment at launch "
-                                         f"(DFLASH_API_KEY by default), never passed as config")
+                raise ServerCommandError(
+                    f"extra arg {flag}: the API key is read from the environment at launch "
+                    f"(DFLASH_API_KEY by default), never passed as config"
+                )
             # argparse takes any unique prefix, so `--tp` or `--model` would silently fight a typed field.
             clash = sorted(t for t in typed if t.startswith(flag))
             if clash:
-                raise ServerCommandError(f"extra arg {flag} sets {clash[0]}, which is a typed field: "
-                                         f"set {clash[0][2:].replace('-', '_')} instead")
+                raise ServerCommandError(
+                    f"extra arg {flag} sets {clash[0]}, which is a typed field: "
+                    f"set {clash[0][2:].replace('-', '_')} instead"
+                )
 
     def _typed_flags(self) -> list[tuple[str, object]]:
         """(flag, value) for every typed field that is a flag, in a fixed order."""
-        return [("--" + f.name.replace("_", "-"), getattr(self, f.name))
-                for f in fields(self) if f.name not in ("gpus", "extra_args")]
+        return [
+            ("--" + f.name.replace("_", "-"), getattr(self, f.name))
+            for f in fields(self)
+            if f.name not in ("gpus", "extra_args")
+        ]
 
     def flags(self) -> list[str]:
         """The flags and values, without the executable and without the key."""

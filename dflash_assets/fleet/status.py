@@ -16,7 +16,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.table import Table
@@ -51,8 +51,9 @@ class ServerStatus:
         return asdict(self)
 
 
-def fleet_status(fleet_dir: Path | None = None, attach_urls: str | Sequence[str] = (),
-                 api_key_env: str = "DFLASH_API_KEY") -> list[ServerStatus]:
+def fleet_status(
+    fleet_dir: Path | None = None, attach_urls: str | Sequence[str] = (), api_key_env: str = "DFLASH_API_KEY"
+) -> list[ServerStatus]:
     """Status of the launched servers in `fleet_dir`'s registry and of any attached URLs."""
     records = list(registry.load(fleet_dir).values()) if fleet_dir else []
     urls = parse_urls(attach_urls) if attach_urls else []
@@ -81,9 +82,17 @@ async def _probe_attached(client: ServerClient, api_key: str | None) -> list[Ser
     if listed is None:
         return [await _probe_url(client, status)]
     status.name, status.workers = "smg gateway", len(listed)
-    workers = list(await asyncio.gather(*(_probe_url(
-        ServerClient(client.session, w.url, api_key), ServerStatus(
-            name=f"worker {i}", url=w.url, healthy=False, gateway=client.url)) for i, w in enumerate(listed, 1))))
+    workers = list(
+        await asyncio.gather(
+            *(
+                _probe_url(
+                    ServerClient(client.session, w.url, api_key),
+                    ServerStatus(name=f"worker {i}", url=w.url, healthy=False, gateway=client.url),
+                )
+                for i, w in enumerate(listed, 1)
+            )
+        )
+    )
     for w, row in zip(listed, workers):
         if not w.healthy:  # the gateway's own view, next to what this host sees
             row.error = "; ".join(filter(None, [f"the gateway marks it unhealthy ({w.status})", row.error]))
@@ -93,7 +102,8 @@ async def _probe_attached(client: ServerClient, api_key: str | None) -> list[Ser
         status.max_running_requests = sum(w.max_running_requests for w in answered)
     healthy = sum(w.healthy for w in listed)
     status.error = (f"{len(listed)} workers, {healthy} healthy" if listed else "it lists no worker") + (
-        f"; {len(answered)} answer this host" if len(answered) != healthy else "")
+        f"; {len(answered)} answer this host" if len(answered) != healthy else ""
+    )
     status.healthy = bool(listed)
     return [status, *workers]
 
@@ -105,7 +115,7 @@ async def _probe_launched(client: ServerClient, rec: ServerRecord) -> ServerStat
         return status
     status.process = "running"
     started = datetime.fromisoformat(rec.started_at)
-    status.uptime_s = round((datetime.now(timezone.utc) - started).total_seconds(), 1)
+    status.uptime_s = round((datetime.now(UTC) - started).total_seconds(), 1)
     return await _probe_url(client, status)
 
 
@@ -119,7 +129,11 @@ async def _probe_url(client: ServerClient, status: ServerStatus) -> ServerStatus
         status.context_length, status.max_running_requests = info.context_length, info.max_running_requests
         loads = (await client.loads()).get("loads") or []
     except (ServerError, ServerAccessError, KeyError, IndexError, TypeError, ValueError) as e:
-        status.error = e.message if isinstance(e, (ServerError, ServerAccessError)) else f"unexpected answer: {type(e).__name__}: {e}"
+        status.error = (
+            e.message
+            if isinstance(e, (ServerError, ServerAccessError))
+            else f"unexpected answer: {type(e).__name__}: {e}"
+        )
         return status
     if loads:
         status.running = sum(int(x.get("num_running_reqs", 0)) for x in loads)
@@ -140,20 +154,46 @@ def _uptime(seconds: float | None) -> str:
 
 def status_table(statuses: list[ServerStatus]) -> Table:
     table = Table(title="SGLang fleet")
-    for col in ("server", "url", "health", "context length", "max running", "running", "waiting", "KV usage",
-                "pid", "GPU", "uptime", "note"):
-        table.add_column(col, justify="right" if col in ("context length", "max running", "running", "waiting",
-                                                          "KV usage", "pid") else "left",
-                         # a URL is what a person copies: never cut it
-                         min_width=max((len(s.url) for s in statuses), default=0) if col == "url" else None)
+    for col in (
+        "server",
+        "url",
+        "health",
+        "context length",
+        "max running",
+        "running",
+        "waiting",
+        "KV usage",
+        "pid",
+        "GPU",
+        "uptime",
+        "note",
+    ):
+        table.add_column(
+            col,
+            justify="right"
+            if col in ("context length", "max running", "running", "waiting", "KV usage", "pid")
+            else "left",
+            # a URL is what a person copies: never cut it
+            min_width=max((len(s.url) for s in statuses), default=0) if col == "url" else None,
+        )
 
     def num(v) -> str:
         return "-" if v is None else f"{v:,}"
 
     for s in statuses:
         name = f"  {s.name}" if s.gateway else s.name  # a gateway's workers, indented under it
-        table.add_row(name, s.url, "[green]healthy[/]" if s.healthy else "[red]unhealthy[/]",
-                      num(s.context_length), num(s.max_running_requests), num(s.running), num(s.waiting),
-                      "-" if s.token_usage is None else f"{s.token_usage:.1%}", "-" if s.pid is None else str(s.pid),
-                      ",".join(map(str, s.gpus)) if s.gpus else "-", _uptime(s.uptime_s), s.error or "")
+        table.add_row(
+            name,
+            s.url,
+            "[green]healthy[/]" if s.healthy else "[red]unhealthy[/]",
+            num(s.context_length),
+            num(s.max_running_requests),
+            num(s.running),
+            num(s.waiting),
+            "-" if s.token_usage is None else f"{s.token_usage:.1%}",
+            "-" if s.pid is None else str(s.pid),
+            ",".join(map(str, s.gpus)) if s.gpus else "-",
+            _uptime(s.uptime_s),
+            s.error or "",
+        )
     return table

@@ -121,8 +121,11 @@ class Silence:
         return self._timer is not None and self._timer.expired()
 
     def why(self) -> str:
-        return (f"no token for {self.watch.stall_timeout_s:g}s" if self.started else
-                f"no first token for {self.watch.first_token_timeout_s:g}s")
+        return (
+            f"no token for {self.watch.stall_timeout_s:g}s"
+            if self.started
+            else f"no first token for {self.watch.first_token_timeout_s:g}s"
+        )
 
     async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
         """The JSON events of an SSE response, until [DONE]; each read moves the deadline. Read by whatever the
@@ -138,7 +141,7 @@ class Silence:
             for event in whole:
                 for line in event.split(b"\n"):  # `event: <name>` lines (sglext_ids framing) carry no data
                     if line.startswith(DATA):
-                        payload = line[len(DATA):]
+                        payload = line[len(DATA) :]
                         if payload == DONE:
                             return
                         yield _decode(payload.decode())
@@ -195,10 +198,16 @@ class ChatAnswer:
         usage = self.usage or {}
         if stopped:  # closed by us: the tokens decoded so far (continuous usage), no final usage chunk came
             usage = {**usage, "completion_tokens": self.tokens}
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(self.content),
-                                          "reasoning_content": "".join(self.reasoning) or None},
-                  "finish_reason": RUNAWAY_FINISH if stopped else self.finish_reason,
-                  "matched_stop": None if stopped else self.matched_stop}
+        choice = {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": "".join(self.content),
+                "reasoning_content": "".join(self.reasoning) or None,
+            },
+            "finish_reason": RUNAWAY_FINISH if stopped else self.finish_reason,
+            "matched_stop": None if stopped else self.matched_stop,
+        }
         if ext.get("input_ids") is not None:
             choice["prompt_token_ids"] = ext["input_ids"]
         if ext.get("output_ids"):
@@ -261,5 +270,7 @@ def chat_stream_body(body: dict, watch: Watch) -> dict:
     ids = body.pop("return_token_ids", False)
     if ids:
         body |= {"return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
-    return body | {"stream": True, "stream_options": {"include_usage": True,
-                                                      "continuous_usage_stats": watch.watches_runaways}}
+    return body | {
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": watch.watches_runaways},
+    }

@@ -18,8 +18,7 @@ from dataclasses import dataclass, replace
 
 from rich.table import Table
 
-from dflash_assets.fleet.client import (MAMBA_SLOTS_PER_REQUEST, ServerAccessError, ServerClient, ServerError,
-                                        ServerInfo)
+from dflash_assets.fleet.client import MAMBA_SLOTS_PER_REQUEST, ServerAccessError, ServerClient, ServerError, ServerInfo
 
 # /v1/loads has no mamba figure in 0.5.23 (load_snapshot.py; pool_stats_observer.py leaves the mamba pool out):
 # it is only this Prometheus gauge, on servers started with --enable-metrics
@@ -54,15 +53,24 @@ def parse_loads(server: str, t: float, body: dict) -> LoadSample:
     pool, used = total("max_total_num_tokens"), total("num_used_tokens")
     usage = used / pool if pool and used is not None else max((r.get("token_usage") or 0.0) for r in rows)
     throughput = [r["gen_throughput"] for r in rows if r.get("gen_throughput") is not None]
-    return LoadSample(t, server, running=total("num_running_reqs") or 0, waiting=total("num_waiting_reqs") or 0,
-                      max_running=total("max_running_requests"), token_usage=usage,
-                      gen_throughput=sum(throughput) if throughput else None)
+    return LoadSample(
+        t,
+        server,
+        running=total("num_running_reqs") or 0,
+        waiting=total("num_waiting_reqs") or 0,
+        max_running=total("max_running_requests"),
+        token_usage=usage,
+        gen_throughput=sum(throughput) if throughput else None,
+    )
 
 
 def parse_mamba_usage(text: str) -> float | None:
     """The fullest DP rank's `sglang:mamba_usage` in a Prometheus text; None when absent (a dense model)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith((MAMBA_USAGE_METRIC + "{", MAMBA_USAGE_METRIC + " "))]
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((MAMBA_USAGE_METRIC + "{", MAMBA_USAGE_METRIC + " "))
+    ]
     return max(values) if values else None
 
 
@@ -93,11 +101,12 @@ class LoadSampler:
             if self._metrics.get(client.url) is not False:  # a 404 once means no --enable-metrics: not asked again
                 text = await asyncio.wait_for(client.metrics(), timeout=max(2.0, self.interval_s))
                 self._metrics[client.url] = text is not None
-                sample = replace(sample, metrics=text is not None,
-                                 mamba_usage=parse_mamba_usage(text) if text is not None else None)
+                sample = replace(
+                    sample, metrics=text is not None, mamba_usage=parse_mamba_usage(text) if text is not None else None
+                )
             else:
                 sample = replace(sample, metrics=False)
-        except (ServerError, ServerAccessError, asyncio.TimeoutError, TypeError, ValueError, KeyError) as e:
+        except (TimeoutError, ServerError, ServerAccessError, TypeError, ValueError, KeyError) as e:
             sample = LoadSample(t, client.url, error=getattr(e, "message", None) or f"{type(e).__name__}: {e}")
         self._samples[client.url].append(sample)
 
@@ -182,8 +191,9 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize(samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mapping[str, ServerInfo] = ()
-              ) -> list[ServerLoad]:
+def summarize(
+    samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mapping[str, ServerInfo] = ()
+) -> list[ServerLoad]:
     info = infos if isinstance(infos, Mapping) else {i.url: i for i in infos}
     by_server: dict[str, list[LoadSample]] = {}
     for s in sorted(samples, key=lambda s: s.t):
@@ -198,20 +208,32 @@ def summarize(samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mappi
         usage = [s.token_usage for s in ok if s.token_usage is not None]
         mamba = [s.mamba_usage for s in ok if s.mamba_usage is not None]
         rate = [s.gen_throughput for s in ok if s.gen_throughput is not None]
-        out.append(ServerLoad(
-            server=server, samples=len(all_), failed=len(all_) - len(ok), span_s=all_[-1].t - all_[0].t,
-            max_running=limit, running_mean=sum(running) / n, running_max=max(running, default=0),
-            occupancy=sum(running) / n / limit if limit else 0.0,
-            pinned_share=sum(limit is not None and r >= limit for r in running) / n,
-            waiting_mean=sum(waiting) / n, waiting_max=max(waiting, default=0),
-            waiting_share=sum(w > 0 for w in waiting) / n,
-            blocked_share=sum(s.waiting > 0 and limit is not None and s.running < limit for s in ok) / n,
-            busy_share=sum(s.running + s.waiting > 0 for s in ok) / n,
-            peak_demand=max((s.running + s.waiting for s in ok), default=0),
-            token_usage_mean=_mean(usage), token_usage_p95=_p95(usage), mamba_usage_p95=_p95(mamba),
-            metrics_off=bool(ok) and all(s.metrics is False for s in ok),
-            throughput_mean=_mean(rate), occupancy_line=sparkline(running, limit or max(running, default=1)),
-            waiting_line=sparkline(waiting, max(max(waiting, default=0), 1))))
+        out.append(
+            ServerLoad(
+                server=server,
+                samples=len(all_),
+                failed=len(all_) - len(ok),
+                span_s=all_[-1].t - all_[0].t,
+                max_running=limit,
+                running_mean=sum(running) / n,
+                running_max=max(running, default=0),
+                occupancy=sum(running) / n / limit if limit else 0.0,
+                pinned_share=sum(limit is not None and r >= limit for r in running) / n,
+                waiting_mean=sum(waiting) / n,
+                waiting_max=max(waiting, default=0),
+                waiting_share=sum(w > 0 for w in waiting) / n,
+                blocked_share=sum(s.waiting > 0 and limit is not None and s.running < limit for s in ok) / n,
+                busy_share=sum(s.running + s.waiting > 0 for s in ok) / n,
+                peak_demand=max((s.running + s.waiting for s in ok), default=0),
+                token_usage_mean=_mean(usage),
+                token_usage_p95=_p95(usage),
+                mamba_usage_p95=_p95(mamba),
+                metrics_off=bool(ok) and all(s.metrics is False for s in ok),
+                throughput_mean=_mean(rate),
+                occupancy_line=sparkline(running, limit or max(running, default=1)),
+                waiting_line=sparkline(waiting, max(max(waiting, default=0), 1)),
+            )
+        )
     return out
 
 
@@ -255,84 +277,160 @@ def _pct(x: float | None) -> str:
 
 
 def _evidence(load: ServerLoad, **extra) -> dict[str, int | float | str]:
-    figures = {"samples": load.samples, "span_s": round(load.span_s, 1), "max_running_requests": load.max_running,
-               "running_mean": round(load.running_mean, 2), "running_max": load.running_max,
-               "occupancy": round(load.occupancy, 3), "pinned_share": round(load.pinned_share, 3),
-               "waiting_mean": round(load.waiting_mean, 2), "waiting_max": load.waiting_max,
-               "waiting_share": round(load.waiting_share, 3), "blocked_share": round(load.blocked_share, 3),
-               "token_usage_p95": load.token_usage_p95, "mamba_usage_p95": load.mamba_usage_p95, **extra}
+    figures = {
+        "samples": load.samples,
+        "span_s": round(load.span_s, 1),
+        "max_running_requests": load.max_running,
+        "running_mean": round(load.running_mean, 2),
+        "running_max": load.running_max,
+        "occupancy": round(load.occupancy, 3),
+        "pinned_share": round(load.pinned_share, 3),
+        "waiting_mean": round(load.waiting_mean, 2),
+        "waiting_max": load.waiting_max,
+        "waiting_share": round(load.waiting_share, 3),
+        "blocked_share": round(load.blocked_share, 3),
+        "token_usage_p95": load.token_usage_p95,
+        "mamba_usage_p95": load.mamba_usage_p95,
+        **extra,
+    }
     return {k: v for k, v in figures.items() if v is not None}
 
 
-def _server_rules(load: ServerLoad, th: TuningThresholds, in_flight: int | None,
-                  slots_per_request: int | None = MAMBA_SLOTS_PER_REQUEST) -> list[Advice]:
+def _server_rules(
+    load: ServerLoad,
+    th: TuningThresholds,
+    in_flight: int | None,
+    slots_per_request: int | None = MAMBA_SLOTS_PER_REQUEST,
+) -> list[Advice]:
     def advice(rule: str, message: str, **extra) -> Advice:
         return Advice(load.server, rule, message, _evidence(load, **extra))
 
     answered = load.samples - load.failed
     if load.failed and load.failed / load.samples >= th.unreachable_share:
-        return [advice("unreachable", f"/v1/loads failed in {load.failed} of {load.samples} samples: the server "
-                                      f"is down, restarting or too busy to answer")]
+        return [
+            advice(
+                "unreachable",
+                f"/v1/loads failed in {load.failed} of {load.samples} samples: the server "
+                f"is down, restarting or too busy to answer",
+            )
+        ]
     if answered < th.min_samples:
         return [advice("too_few_samples", f"only {answered} answered samples: sample for longer before judging")]
     if load.busy_share < th.idle_busy_share:
-        return [advice("idle", f"nothing ran in {answered} samples over {load.span_s:.0f} s: the client sent this "
-                               f"server no work (ejected after failures, or missing from the fleet's list?)")]
+        return [
+            advice(
+                "idle",
+                f"nothing ran in {answered} samples over {load.span_s:.0f} s: the client sent this "
+                f"server no work (ejected after failures, or missing from the fleet's list?)",
+            )
+        ]
     r, kv, queue = load.max_running, load.token_usage_p95, load.waiting_share >= th.queue_share
-    seen = (f"requests waiting in {_pct(load.waiting_share)} of samples ({load.waiting_mean:.0f} on average, "
-            f"peak {load.waiting_max})")
+    seen = (
+        f"requests waiting in {_pct(load.waiting_share)} of samples ({load.waiting_mean:.0f} on average, "
+        f"peak {load.waiting_max})"
+    )
     found = []
     if queue and (load.blocked_share >= th.queue_share or (kv is not None and kv >= th.kv_full)):
-        slots = (f"while only {load.running_mean:.1f} of max_running_requests={r} ran"
-                 if load.blocked_share >= th.queue_share else f"with {load.running_mean:.1f} of {r} slots running")
-        found.append(advice("kv_full", (
-            f"{seen} {slots}, KV token usage "
-            f"{_pct(kv)} (P95; the scheduler also reserves each request's output still to come): the KV pool is "
-            f"the limit, not the slots. Lower the concurrency (the client's in-flight per server, or "
-            f"--max-running-requests to about {max(1, math.ceil(load.running_mean))}) or the cap "
-            f"(max_output_tokens), or give the KV pool more memory (--mem-fraction-static; on a hybrid model a "
-            f"smaller --max-mamba-cache-size leaves more for KV)")))
+        slots = (
+            f"while only {load.running_mean:.1f} of max_running_requests={r} ran"
+            if load.blocked_share >= th.queue_share
+            else f"with {load.running_mean:.1f} of {r} slots running"
+        )
+        found.append(
+            advice(
+                "kv_full",
+                (
+                    f"{seen} {slots}, KV token usage "
+                    f"{_pct(kv)} (P95; the scheduler also reserves each request's output still to come): the KV pool is "
+                    f"the limit, not the slots. Lower the concurrency (the client's in-flight per server, or "
+                    f"--max-running-requests to about {max(1, math.ceil(load.running_mean))}) or the cap "
+                    f"(max_output_tokens), or give the KV pool more memory (--mem-fraction-static; on a hybrid model a "
+                    f"smaller --max-mamba-cache-size leaves more for KV)"
+                ),
+            )
+        )
     mamba = load.mamba_usage_p95 is not None and load.mamba_usage_p95 >= th.mamba_full
     hybrid = slots_per_request is not None
     if queue and mamba:
-        found.append(advice("mamba_full", (
-            f"mamba state usage {_pct(load.mamba_usage_p95)} (P95) and {seen}: the hybrid model's state slots are "
-            f"the limit. Raise --max-mamba-cache-size ({slots_per_request or MAMBA_SLOTS_PER_REQUEST} slots per "
-            f"running request on this server); the slots come out of the KV pool")))
+        found.append(
+            advice(
+                "mamba_full",
+                (
+                    f"mamba state usage {_pct(load.mamba_usage_p95)} (P95) and {seen}: the hybrid model's state slots are "
+                    f"the limit. Raise --max-mamba-cache-size ({slots_per_request or MAMBA_SLOTS_PER_REQUEST} slots per "
+                    f"running request on this server); the slots come out of the KV pool"
+                ),
+            )
+        )
     if queue and hybrid and load.metrics_off:
-        found.append(advice("mamba_unavailable", (
-            f"{seen} on a hybrid model, but the mamba_full rule cannot be judged: mamba state usage is only in "
-            f"/metrics (sglang:mamba_usage), and this server runs without --enable-metrics")))
+        found.append(
+            advice(
+                "mamba_unavailable",
+                (
+                    f"{seen} on a hybrid model, but the mamba_full rule cannot be judged: mamba state usage is only in "
+                    f"/metrics (sglang:mamba_usage), and this server runs without --enable-metrics"
+                ),
+            )
+        )
     if queue and r and load.pinned_share >= th.pinned_share and not mamba and (kv is None or kv < th.kv_headroom):
         room = math.floor(r * th.kv_target / max(kv, 1e-3)) if kv is not None else None
         target = max(r + 1, min(room or 10**9, int(r * th.max_raise_factor)))
         kv_note = f"the KV pool has room for about {room} at {th.kv_target:.0%} usage" if room else "KV usage unknown"
-        found.append(advice("slots_pinned", (
-            f"running requests pinned at max_running_requests={r} in {_pct(load.pinned_share)} of samples, "
-            f"{seen}, while KV usage peaked at {_pct(kv)}: the slots are the limit. Raise --max-running-requests "
-            f"to about {target} ({kv_note})"
-            + (f" and --max-mamba-cache-size to at least {slots_per_request * target} ({slots_per_request} state "
-               f"slots per running request on this server)" if hybrid else "")
-            + "; the client's default in-flight (max_running_requests + 2) follows"),
-            suggested_max_running_requests=target,
-            **({"suggested_max_mamba_cache_size": slots_per_request * target} if hybrid else {})))
-    if (r and load.occupancy < th.under_used_occupancy and load.waiting_share < th.quiet_queue_share
-            and load.busy_share >= th.under_used_busy_share):
+        found.append(
+            advice(
+                "slots_pinned",
+                (
+                    f"running requests pinned at max_running_requests={r} in {_pct(load.pinned_share)} of samples, "
+                    f"{seen}, while KV usage peaked at {_pct(kv)}: the slots are the limit. Raise --max-running-requests "
+                    f"to about {target} ({kv_note})"
+                    + (
+                        f" and --max-mamba-cache-size to at least {slots_per_request * target} ({slots_per_request} state "
+                        f"slots per running request on this server)"
+                        if hybrid
+                        else ""
+                    )
+                    + "; the client's default in-flight (max_running_requests + 2) follows"
+                ),
+                suggested_max_running_requests=target,
+                **({"suggested_max_mamba_cache_size": slots_per_request * target} if hybrid else {}),
+            )
+        )
+    if (
+        r
+        and load.occupancy < th.under_used_occupancy
+        and load.waiting_share < th.quiet_queue_share
+        and load.busy_share >= th.under_used_busy_share
+    ):
         sent = f" (it sends {in_flight})" if in_flight else ""
-        found.append(advice("under_used", (
-            f"running {load.running_mean:.1f} of max_running_requests={r} on average ({_pct(load.occupancy)}) "
-            f"with nothing waiting while busy in {_pct(load.busy_share)} of samples: the client is the limit, "
-            f"not the server. Raise the client's in-flight per server{sent} to about {r + 2} "
-            f"(max_in_flight_per_server; 0 means the server's max_running_requests + 2)"),
-            suggested_in_flight_per_server=r + 2))
-    return found or [advice("fine", (
-        f"all fine: {load.running_mean:.1f} of {r or '?'} slots used on average ({_pct(load.occupancy)}), KV usage "
-        f"{_pct(kv)} (P95), {load.waiting_mean:.1f} waiting on average"))]
+        found.append(
+            advice(
+                "under_used",
+                (
+                    f"running {load.running_mean:.1f} of max_running_requests={r} on average ({_pct(load.occupancy)}) "
+                    f"with nothing waiting while busy in {_pct(load.busy_share)} of samples: the client is the limit, "
+                    f"not the server. Raise the client's in-flight per server{sent} to about {r + 2} "
+                    f"(max_in_flight_per_server; 0 means the server's max_running_requests + 2)"
+                ),
+                suggested_in_flight_per_server=r + 2,
+            )
+        )
+    return found or [
+        advice(
+            "fine",
+            (
+                f"all fine: {load.running_mean:.1f} of {r or '?'} slots used on average ({_pct(load.occupancy)}), KV usage "
+                f"{_pct(kv)} (P95), {load.waiting_mean:.1f} waiting on average"
+            ),
+        )
+    ]
 
 
-def advise(samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mapping[str, ServerInfo] = (),
-           thresholds: TuningThresholds = TuningThresholds(),
-           client_in_flight: int | Mapping[str, int] | None = None) -> list[Advice]:
+def advise(
+    samples: Iterable[LoadSample],
+    infos: Sequence[ServerInfo] | Mapping[str, ServerInfo] = (),
+    thresholds: TuningThresholds = TuningThresholds(),
+    client_in_flight: int | Mapping[str, int] | None = None,
+) -> list[Advice]:
     """Advice per server (at least one each: "fine" when nothing else applies), in server order."""
     info = infos if isinstance(infos, Mapping) else {i.url: i for i in infos}
     out = []
@@ -348,21 +446,38 @@ def advise(samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mapping[
 
 def _figures(load: ServerLoad) -> list[str]:
     running = f"{load.running_mean:.1f} / {load.running_max} of {load.max_running or '-'}"
-    return [load.server, str(load.samples), running,
-            _pct(load.pinned_share), f"{load.waiting_mean:.1f} / {load.waiting_max}", _pct(load.token_usage_p95),
-            "-" if load.throughput_mean is None else f"{load.throughput_mean:,.0f}", load.occupancy_line,
-            load.waiting_line]
+    return [
+        load.server,
+        str(load.samples),
+        running,
+        _pct(load.pinned_share),
+        f"{load.waiting_mean:.1f} / {load.waiting_max}",
+        _pct(load.token_usage_p95),
+        "-" if load.throughput_mean is None else f"{load.throughput_mean:,.0f}",
+        load.occupancy_line,
+        load.waiting_line,
+    ]
 
 
-FIGURE_COLUMNS = ("server", "samples", "running (mean / max of limit)", "pinned", "waiting (mean / max)",
-                  "KV P95", "tok/s", "slots over time", "queue over time")
+FIGURE_COLUMNS = (
+    "server",
+    "samples",
+    "running (mean / max of limit)",
+    "pinned",
+    "waiting (mean / max)",
+    "KV P95",
+    "tok/s",
+    "slots over time",
+    "queue over time",
+)
 
 
 def tuning_table(loads: Sequence[ServerLoad], advice: Sequence[Advice]) -> Table:
     table = Table(title="Fleet tuning", title_justify="left")
     for col in (*FIGURE_COLUMNS, "advice"):
-        table.add_column(col, justify="left" if col in ("server", "advice") or "time" in col else "right",
-                         overflow="fold")
+        table.add_column(
+            col, justify="left" if col in ("server", "advice") or "time" in col else "right", overflow="fold"
+        )
     for load in loads:
         rules = ", ".join(a.rule for a in advice if a.server == load.server)
         table.add_row(*_figures(load), rules)

@@ -11,10 +11,10 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from dflash_assets.store.parts import PartStore
 from dflash_assets.generation.plan import ShardRun
 from dflash_assets.generation.slots import Slot
 from dflash_assets.rules import stopped_early
+from dflash_assets.store.parts import PartStore
 
 
 def generated_tokens(row: dict) -> int:

@@ -34,37 +34,48 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
+from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.engine import window_columns
-from dflash_assets.store.parts import PartStore
 from dflash_assets.generation.plan import ShardRun, preflight, prompt_batches, reject_row
-from dflash_assets.store.stores import committed_ids, completion_store, failure_store
 from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
-from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.send import Dispatch, watch_of
-from dflash_assets.store.stores import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
-from dflash_assets.store.storage import Storage, open_storage
-from dflash_assets.fleet.stream import Watch
 from dflash_assets.rules import RUNAWAY_FINISH, most_rows_first
+from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
+from dflash_assets.store.parts import PartStore
+from dflash_assets.store.schema import COMPLETION_SCHEMA
+from dflash_assets.store.storage import Storage, open_storage
+from dflash_assets.store.stores import committed_ids, completion_store, failure_store, prompt_store, reject_store
 
 FINISHED = ("stop", "length", RUNAWAY_FINISH)  # what a continuation may end with; "abort" is retried
 
 PLAN_COLUMNS = {
-    name: pc.field(name) for name in ("prompt_id", "finish_reason", "completion_tokens", "prompt_tokens", "model",
-                                      "max_output_tokens", "enable_thinking", "policy_cap", "trainer_max_length",
-                                      *SAMPLING_PARAMS)
-} | {"n_prompt_ids": pc.list_value_length(pc.field("prompt_token_ids")),  # null when the run stored no ids
-     "n_output_ids": pc.list_value_length(pc.field("output_ids"))}
+    name: pc.field(name)
+    for name in (
+        "prompt_id",
+        "finish_reason",
+        "completion_tokens",
+        "prompt_tokens",
+        "model",
+        "max_output_tokens",
+        "enable_thinking",
+        "policy_cap",
+        "trainer_max_length",
+        *SAMPLING_PARAMS,
+    )
+} | {
+    "n_prompt_ids": pc.list_value_length(pc.field("prompt_token_ids")),  # null when the run stored no ids
+    "n_output_ids": pc.list_value_length(pc.field("output_ids")),
+}
 
 
 @dataclass
@@ -82,8 +93,9 @@ class ContinuationRun(ShardRun):
     new_config_tokens: int = 0  # completion tokens of every row of the new config
 
 
-def rows_of(store: PartStore, config_hash: str, columns=None, wanted: set[str] | None = None,
-            batch_size: int = 256) -> Iterator[list[dict]]:
+def rows_of(
+    store: PartStore, config_hash: str, columns=None, wanted: set[str] | None = None, batch_size: int = 256
+) -> Iterator[list[dict]]:
     """Committed rows of one config, a batch at a time; parts written before a column existed read it as null."""
     parts = store.parts()
     if not parts or wanted == set():
@@ -103,8 +115,11 @@ def configs_in_shard(data_dir: str | Path | Storage, shard: str) -> list[tuple[s
     if not table.num_rows:
         return []
     counts = table.group_by("config_hash").aggregate([("config_hash", "count"), ("max_output_tokens", "max")])
-    found = zip(counts["config_hash"].to_pylist(), counts["config_hash_count"].to_pylist(),
-                counts["max_output_tokens_max"].to_pylist())
+    found = zip(
+        counts["config_hash"].to_pylist(),
+        counts["config_hash_count"].to_pylist(),
+        counts["max_output_tokens_max"].to_pylist(),
+    )
     return most_rows_first(found)
 
 
@@ -116,8 +131,10 @@ def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_w
         return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
     table = completion_store(data_dir, shard).read(["config_hash", "trainer_max_length"])
     windows = dict(zip(*table.group_by("config_hash").aggregate([("trainer_max_length", "max")]).to_pydict().values()))
-    return next((h for h, _, _ in configs_in_shard(data_dir, shard)
-                 if windows.get(h) is not None and windows[h] < to_window), None)
+    return next(
+        (h for h, _, _ in configs_in_shard(data_dir, shard) if windows.get(h) is not None and windows[h] < to_window),
+        None,
+    )
 
 
 def _window_settings(plan: list[dict]) -> dict:
@@ -127,23 +144,32 @@ def _window_settings(plan: list[dict]) -> dict:
     if first.get("policy_cap") is None:
         return {}
     window = first["trainer_max_length"]
-    sized = next((r for r in plan if r["max_output_tokens"] < r["policy_cap"] and r["prompt_tokens"] is not None),
-                 None)
-    overshoot = sized["max_output_tokens"] - (window - sized["prompt_tokens"]) if sized else \
-        GenerationSettings().overshoot
-    return {"max_output_tokens": first["policy_cap"], "cap_policy": "window", "trainer_max_length": window,
-            "overshoot": overshoot}
+    sized = next((r for r in plan if r["max_output_tokens"] < r["policy_cap"] and r["prompt_tokens"] is not None), None)
+    overshoot = (
+        sized["max_output_tokens"] - (window - sized["prompt_tokens"]) if sized else GenerationSettings().overshoot
+    )
+    return {
+        "max_output_tokens": first["policy_cap"],
+        "cap_policy": "window",
+        "trainer_max_length": window,
+        "overshoot": overshoot,
+    }
 
 
 def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
     """The parent's GenerationSettings, rebuilt from what its rows record and checked against its hash."""
     first = plan[0]
     recorded = {k: first[k] for k in SAMPLING_PARAMS if first.get(k) is not None}
-    config = GenerationSettings(**({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
-                              enable_thinking=first["enable_thinking"], **recorded)
+    config = GenerationSettings(
+        **({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
+        enable_thinking=first["enable_thinking"],
+        **recorded,
+    )
     if config.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
-        raise SettingsError(f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
-                          f"hash to {config.config_hash(first['model'])}); it cannot be continued")
+        raise SettingsError(
+            f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
+            f"hash to {config.config_hash(first['model'])}); it cannot be continued"
+        )
     return config
 
 
@@ -152,13 +178,27 @@ def _copied(row: dict, config_hash: str, config: GenerationSettings) -> dict:
     cap its request would have had there).
 
     It keeps the parent's provenance (server, latency, attempt, created_at): it is the same generation."""
-    return {**row, "config_hash": config_hash, "max_output_tokens": config.request_cap(row["prompt_tokens"]),
-            **window_columns(config), "parent_config_hash": row["config_hash"],
-            "tokens_reused": row["completion_tokens"]}
+    return {
+        **row,
+        "config_hash": config_hash,
+        "max_output_tokens": config.request_cap(row["prompt_tokens"]),
+        **window_columns(config),
+        "parent_config_hash": row["config_hash"],
+        "tokens_reused": row["completion_tokens"],
+    }
 
 
-def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_hash: str, config: GenerationSettings,
-               attempt: int, latency: float, text: str) -> dict:
+def _continued(
+    row: dict,
+    resp: dict,
+    slot: Slot,
+    reasoning: Reasoning,
+    config_hash: str,
+    config: GenerationSettings,
+    attempt: int,
+    latency: float,
+    text: str,
+) -> dict:
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
     if finish.get("type") not in FINISHED:  # an abort without an HTTP error status: try again
@@ -167,15 +207,29 @@ def _continued(row: dict, resp: dict, slot: Slot, reasoning: Reasoning, config_h
     # `text` is the whole output (parent's ids + new ids) decoded in one piece by the server, then split as the
     # chat route splits a fresh answer
     thought, content = reasoning.split(text)
-    return {**row, "config_hash": config_hash, "finish_reason": finish["type"],
-            "max_output_tokens": config.request_cap(row["prompt_tokens"]), **window_columns(config),
-            "completion_tokens": len(ids), "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
-            "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
-            "content": content, "reasoning_content": thought, "latency_s": latency, "attempt": attempt,
-            "created_at": datetime.now(timezone.utc), "output_ids": ids,
-            "parent_config_hash": row["config_hash"], "tokens_reused": len(row["output_ids"]),
-            "loop_start_tokens": None if finish.get("loop_start_tokens") is None
-            else len(row["output_ids"]) + finish["loop_start_tokens"]}
+    return {
+        **row,
+        "config_hash": config_hash,
+        "finish_reason": finish["type"],
+        "max_output_tokens": config.request_cap(row["prompt_tokens"]),
+        **window_columns(config),
+        "completion_tokens": len(ids),
+        "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
+        "server_context_length": slot.info.context_length,
+        "server_url": slot.url,
+        "model": slot.info.model,
+        "content": content,
+        "reasoning_content": thought,
+        "latency_s": latency,
+        "attempt": attempt,
+        "created_at": datetime.now(UTC),
+        "output_ids": ids,
+        "parent_config_hash": row["config_hash"],
+        "tokens_reused": len(row["output_ids"]),
+        "loop_start_tokens": None
+        if finish.get("loop_start_tokens") is None
+        else len(row["output_ids"]) + finish["loop_start_tokens"],
+    }
 
 
 def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
@@ -186,16 +240,28 @@ def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
     return reasoning.raw_text({**row, "output_ids": list(reasoning.end_ids) if row["content"] else []})
 
 
-async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, messages_json: str,
-                   config: GenerationSettings, config_hash: str, drift: list[int], watch: Watch | None = None) -> dict:
+async def _by_text(
+    row: dict,
+    slot: Slot,
+    attempt: int,
+    reasoning: Reasoning,
+    messages_json: str,
+    config: GenerationSettings,
+    config_hash: str,
+    drift: list[int],
+    watch: Watch | None = None,
+) -> dict:
     """Continue a row without token ids by its text: SGLang's chat route with the raw output as the final,
     unfinished assistant message (`continue_final_message`); the raw continuation comes back unsplit."""
     import json
 
     raw = _raw_text_without_ids(row, reasoning)
     body = config.chat_body(slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
-    body |= {"max_completion_tokens": config.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
-             "continue_final_message": True, "separate_reasoning": False}
+    body |= {
+        "max_completion_tokens": config.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
+        "continue_final_message": True,
+        "separate_reasoning": False,
+    }
     t0 = time.monotonic()
     resp = await slot.client.chat(body, watch)
     choice, usage = resp["choices"][0], resp.get("usage") or {}
@@ -206,22 +272,42 @@ async def _by_text(row: dict, slot: Slot, attempt: int, reasoning: Reasoning, me
     thought, content = reasoning.split(raw + (choice["message"].get("content") or ""))
     closed_before = THINK_END in raw
     new_reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {**row, "config_hash": config_hash, "finish_reason": choice["finish_reason"],
-            "max_output_tokens": config.request_cap(row["prompt_tokens"]), **window_columns(config),
-            "completion_tokens": row["completion_tokens"] + new,
-            "reasoning_tokens": (row["reasoning_tokens"] or 0) + (0 if closed_before else new_reasoning),
-            "server_context_length": slot.info.context_length, "server_url": slot.url, "model": slot.info.model,
-            "content": content, "reasoning_content": thought, "latency_s": time.monotonic() - t0,
-            "attempt": attempt, "created_at": datetime.now(timezone.utc),
-            "parent_config_hash": row["config_hash"], "tokens_reused": row["completion_tokens"],
-            "loop_start_tokens": None if choice.get("loop_start_tokens") is None
-            else row["completion_tokens"] + choice["loop_start_tokens"]}
+    return {
+        **row,
+        "config_hash": config_hash,
+        "finish_reason": choice["finish_reason"],
+        "max_output_tokens": config.request_cap(row["prompt_tokens"]),
+        **window_columns(config),
+        "completion_tokens": row["completion_tokens"] + new,
+        "reasoning_tokens": (row["reasoning_tokens"] or 0) + (0 if closed_before else new_reasoning),
+        "server_context_length": slot.info.context_length,
+        "server_url": slot.url,
+        "model": slot.info.model,
+        "content": content,
+        "reasoning_content": thought,
+        "latency_s": time.monotonic() - t0,
+        "attempt": attempt,
+        "created_at": datetime.now(UTC),
+        "parent_config_hash": row["config_hash"],
+        "tokens_reused": row["completion_tokens"],
+        "loop_start_tokens": None
+        if choice.get("loop_start_tokens") is None
+        else row["completion_tokens"] + choice["loop_start_tokens"],
+    }
 
 
-async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_config_hash: str, new_cap: int,
-                         settings: DispatchSettings = DispatchSettings(), *,
-                         log: Callable[[str], None] = print, to_window: int | None = None,
-                         runaway: RunawaySettings | None = None) -> ContinuationRun:
+async def continue_shard(
+    data_dir: str | Path,
+    shard: str,
+    fleet: Fleet,
+    parent_config_hash: str,
+    new_cap: int,
+    settings: DispatchSettings = DispatchSettings(),
+    *,
+    log: Callable[[str], None] = print,
+    to_window: int | None = None,
+    runaway: RunawaySettings | None = None,
+) -> ContinuationRun:
     """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows.
 
     `to_window`: the parent is a window-policy config; continue it to this larger trainer window instead (each row
@@ -246,29 +332,42 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         parent = _parent_config(plan, parent_config_hash)
         if to_window is not None:
             if not parent.windowed:
-                raise SettingsError(f"config {parent_config_hash} has a fixed cap ({parent.max_output_tokens}): "
-                                  f"--to-window continues a config of the window policy; raise a fixed cap with --to")
+                raise SettingsError(
+                    f"config {parent_config_hash} has a fixed cap ({parent.max_output_tokens}): "
+                    f"--to-window continues a config of the window policy; raise a fixed cap with --to"
+                )
             if to_window <= parent.trainer_max_length:
-                raise SettingsError(f"new window {to_window} must be larger than the parent's window "
-                                  f"{parent.trainer_max_length}")
+                raise SettingsError(
+                    f"new window {to_window} must be larger than the parent's window {parent.trainer_max_length}"
+                )
             config = parent.model_copy(update={"trainer_max_length": to_window})
             new_cap = config.max_output_tokens
         elif new_cap <= parent.max_output_tokens:
             raise SettingsError(f"new cap {new_cap} must be larger than the parent's cap {parent.max_output_tokens}")
         if fleet.model != plan[0]["model"]:
-            raise SettingsError(f"config {parent_config_hash} was generated by {plan[0]['model']!r} but the fleet "
-                              f"serves {fleet.model!r}; a continuation must come from the same model")
+            raise SettingsError(
+                f"config {parent_config_hash} was generated by {plan[0]['model']!r} but the fleet "
+                f"serves {fleet.model!r}; a continuation must come from the same model"
+            )
         if odd := sorted({str(i.reasoning_parser) for i in fleet.infos if i.reasoning_parser not in PARSERS}):
-            raise SettingsError(f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
-                              f"the way {', '.join(str(p) for p in PARSERS)} split it")
+            raise SettingsError(
+                f"the fleet runs reasoning parser {', '.join(odd)}; continued text can only be split "
+                f"the way {', '.join(str(p) for p in PARSERS)} split it"
+            )
         if to_window is None:
             config = parent.model_copy(update={"max_output_tokens": new_cap})
         config_hash = config.config_hash(fleet.model)
         # a file name of our own, so a generation run's rejects and failures of the same config are never replaced
         own_file = f"{config_hash}-from-{parent_config_hash}.parquet"
-        run = ContinuationRun(shard, config_hash, fleet.model, notes=check_fleet(fleet.infos, config.enable_thinking),
-                              parent_config_hash=parent_config_hash, parent_cap=parent.max_output_tokens,
-                              new_cap=new_cap)
+        run = ContinuationRun(
+            shard,
+            config_hash,
+            fleet.model,
+            notes=check_fleet(fleet.infos, config.enable_thinking),
+            parent_config_hash=parent_config_hash,
+            parent_cap=parent.max_output_tokens,
+            new_cap=new_cap,
+        )
         done, refused = committed_ids(store, config_hash), committed_ids(server_rejects, config_hash)
         run.already_done = len(done)
         lines, messages = {}, {}
@@ -279,9 +378,12 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         run.prompts = len(lines)
 
         todo = [r for r in plan if r["prompt_id"] not in done and r["prompt_id"] not in refused]
-        exact = [r for r in todo if r["finish_reason"] == "stop"
-                 or (r["finish_reason"] == "length" and r["n_prompt_ids"] is not None
-                     and r["n_output_ids"] is not None)]
+        exact = [
+            r
+            for r in todo
+            if r["finish_reason"] == "stop"
+            or (r["finish_reason"] == "length" and r["n_prompt_ids"] is not None and r["n_output_ids"] is not None)
+        ]
         run.without_ids = sum(r["finish_reason"] == "length" and r["n_output_ids"] is None for r in todo)
         exact += [r for r in todo if r["finish_reason"] == "length" and r["n_output_ids"] is None]  # by text
         # the same rule as a fresh run at the new cap: a copied row must fit it too, or the new config would
@@ -290,20 +392,33 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         for r in exact:
             r["line"] = lines.get(r["prompt_id"])
             r["prompt_tokens"] = r["n_prompt_ids"] or r["prompt_tokens"]  # exact when the ids are there
-        over = {r["prompt_id"]: reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length)
-                for r, problem in preflight(exact, budget, config if config.windowed else new_cap)}
+        over = {
+            r["prompt_id"]: reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length)
+            for r, problem in preflight(exact, budget, config if config.windowed else new_cap)
+        }
         preflight_rejects.replace(list(over.values()), own_file)
         # a cut row whose request would not grow (the window policy's cap reached already) stays as it is: copied
-        grows = {r["prompt_id"] for r in exact
-                 if config.request_cap(r["prompt_tokens"]) > (r["n_output_ids"] or r["completion_tokens"] or 0)}
-        copies = {r["prompt_id"] for r in exact if (r["finish_reason"] == "stop" or r["prompt_id"] not in grows)
-                  and r["prompt_id"] not in over}
-        to_continue = {r["prompt_id"] for r in exact if r["finish_reason"] == "length" and r["prompt_id"] not in over
-                       and r["prompt_id"] in grows}
-        log(f"shard {shard}: continuing config {parent_config_hash} (cap {parent.max_output_tokens}) as {config_hash} "
+        grows = {
+            r["prompt_id"]
+            for r in exact
+            if config.request_cap(r["prompt_tokens"]) > (r["n_output_ids"] or r["completion_tokens"] or 0)
+        }
+        copies = {
+            r["prompt_id"]
+            for r in exact
+            if (r["finish_reason"] == "stop" or r["prompt_id"] not in grows) and r["prompt_id"] not in over
+        }
+        to_continue = {
+            r["prompt_id"]
+            for r in exact
+            if r["finish_reason"] == "length" and r["prompt_id"] not in over and r["prompt_id"] in grows
+        }
+        log(
+            f"shard {shard}: continuing config {parent_config_hash} (cap {parent.max_output_tokens}) as {config_hash} "
             f"(cap {new_cap}): {len(plan)} parent rows, {len(done)} already done, {len(copies)} stopped rows to copy, "
             f"{len(to_continue)} truncated rows to continue, {run.without_ids} truncated without token ids (left to "
-            f"a generation run), {len(over)} rejected in preflight")
+            f"a generation run), {len(over)} rejected in preflight"
+        )
 
         for batch in rows_of(store, parent_config_hash, wanted=copies, batch_size=settings.commit_rows):
             store.commit([_copied(r, config_hash, config) for r in batch])
@@ -321,21 +436,25 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         drift: list[int] = []  # re-tokenisation drift of each row continued by text, in tokens
 
         async def send(row: dict, slot: Slot, attempt: int) -> dict:
-            reasoning = Reasoning.of(slot.info.reasoning_parser, config.enable_thinking, end_ids,
-                                     slot.info.always_thinks)
+            reasoning = Reasoning.of(
+                slot.info.reasoning_parser, config.enable_thinking, end_ids, slot.info.always_thinks
+            )
             if row["output_ids"] is None:
-                return await _by_text(row, slot, attempt, reasoning, messages[row["prompt_id"]], config, config_hash,
-                                      drift, watch)
+                return await _by_text(
+                    row, slot, attempt, reasoning, messages[row["prompt_id"]], config, config_hash, drift, watch
+                )
             # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
             # short of its cap still ends where a fresh run at the new cap would
-            sampling = {"max_new_tokens": config.request_cap(row["prompt_tokens"]) - len(row["output_ids"]),
-                        **config.sampling()}
+            sampling = {
+                "max_new_tokens": config.request_cap(row["prompt_tokens"]) - len(row["output_ids"]),
+                **config.sampling(),
+            }
             t0 = time.monotonic()
-            resp = await slot.client.generate({"input_ids": row["prompt_token_ids"] + row["output_ids"],
-                                               "sampling_params": sampling}, watch)
+            resp = await slot.client.generate(
+                {"input_ids": row["prompt_token_ids"] + row["output_ids"], "sampling_params": sampling}, watch
+            )
             text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
-            return _continued(row, resp, slot, reasoning, config_hash, config, attempt, time.monotonic() - t0,
-                              text)
+            return _continued(row, resp, slot, reasoning, config_hash, config, attempt, time.monotonic() - t0, text)
 
         def refuse(row: dict, reason: str, context: int) -> dict:
             return reject_row(row, "server", reason, config, config_hash, shard, context)
@@ -346,16 +465,19 @@ async def continue_shard(data_dir: str | Path, shard: str, fleet: Fleet, parent_
         run.continued = sum(s["completed"] for s in run.servers.values())
         if drift:
             off = [d for d in drift if d]
-            run.notes.append(f"{len(drift)} rows continued by text (no token ids): the server's re-tokenisation of "
-                             f"their output differed from the generated token count in {len(off)} of them"
-                             + (f" (by {min(off)} to {max(off)} tokens)" if off else ""))
+            run.notes.append(
+                f"{len(drift)} rows continued by text (no token ids): the server's re-tokenisation of "
+                f"their output differed from the generated token count in {len(off)} of them"
+                + (f" (by {min(off)} to {max(off)} tokens)" if off else "")
+            )
         _account(run, data_dir, shard, store, set(lines), output.failed)
     run.elapsed_s = time.monotonic() - started
     return run
 
 
-def _account(run: ContinuationRun, data_dir: Storage, shard: str, store: PartStore, prompt_ids: set[str],
-             failed: list[dict]) -> None:
+def _account(
+    run: ContinuationRun, data_dir: Storage, shard: str, store: PartStore, prompt_ids: set[str], failed: list[dict]
+) -> None:
     """The new config's figures from what is committed, each prompt in the first class that applies."""
     h = run.config_hash
     completed = committed_ids(store, h) & prompt_ids

@@ -15,45 +15,76 @@ import json
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
-from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardRun, plan_remaining, plan_shard, reject_row
-from dflash_assets.store.stores import committed_ids, completion_store, failure_store
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.send import Dispatch, watch_of
-from dflash_assets.store.stores import prompt_store, reject_store
 from dflash_assets.generation.slots import Slot
-from dflash_assets.store.storage import open_storage
 from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
 from dflash_assets.rules import stores_token_ids
+from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
+from dflash_assets.store.storage import open_storage
+from dflash_assets.store.stores import committed_ids, completion_store, failure_store, prompt_store, reject_store
 
 # the engine's public names, wherever they are defined
-__all__ = ["OVERFLOW_FAIL_SHARE", "ShardRun", "committed_ids", "completion_store", "failure_store", "generate_shard",
-           "generate_shards", "generated_tokens", "plan_remaining", "row_of"]
+__all__ = [
+    "OVERFLOW_FAIL_SHARE",
+    "ShardRun",
+    "committed_ids",
+    "completion_store",
+    "failure_store",
+    "generate_shard",
+    "generate_shards",
+    "generated_tokens",
+    "plan_remaining",
+    "row_of",
+]
 
 
-def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationSettings, config_hash: str, shard: str,
-           attempt: int, latency: float, cap: int | None = None) -> dict:
+def row_of(
+    prompt: dict,
+    resp: dict,
+    slot: Slot,
+    config: GenerationSettings,
+    config_hash: str,
+    shard: str,
+    attempt: int,
+    latency: float,
+    cap: int | None = None,
+) -> dict:
     """The completion row of one chat answer, with everything that made it; `cap` is the request's own."""
     choice, usage = resp["choices"][0], resp.get("usage") or {}
     reasoning_tokens = usage.get("reasoning_tokens")
     if reasoning_tokens is None:
         reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
-        "prompt_id": prompt["prompt_id"], "shard": shard, "source": prompt["source"], "config_hash": config_hash,
-        "finish_reason": choice["finish_reason"], "prompt_tokens": usage.get("prompt_tokens"),
-        "completion_tokens": usage.get("completion_tokens"), "reasoning_tokens": reasoning_tokens or 0,
-        "max_output_tokens": config.max_output_tokens if cap is None else cap, **window_columns(config),
+        "prompt_id": prompt["prompt_id"],
+        "shard": shard,
+        "source": prompt["source"],
+        "config_hash": config_hash,
+        "finish_reason": choice["finish_reason"],
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "completion_tokens": usage.get("completion_tokens"),
+        "reasoning_tokens": reasoning_tokens or 0,
+        "max_output_tokens": config.max_output_tokens if cap is None else cap,
+        **window_columns(config),
         "server_context_length": slot.info.context_length,
-        "server_url": slot.url, "model": slot.info.model, **config.sampling(), "enable_thinking": config.enable_thinking,
-        "content": choice["message"].get("content") or "", "reasoning_content": choice["message"].get("reasoning_content"),
-        "latency_s": latency, "attempt": attempt, "created_at": datetime.now(timezone.utc),
-        "prompt_token_ids": choice.get("prompt_token_ids"), "output_ids": choice.get("response_token_ids"),
+        "server_url": slot.url,
+        "model": slot.info.model,
+        **config.sampling(),
+        "enable_thinking": config.enable_thinking,
+        "content": choice["message"].get("content") or "",
+        "reasoning_content": choice["message"].get("reasoning_content"),
+        "latency_s": latency,
+        "attempt": attempt,
+        "created_at": datetime.now(UTC),
+        "prompt_token_ids": choice.get("prompt_token_ids"),
+        "output_ids": choice.get("response_token_ids"),
         # reported by a server started with --enable-cache-report
         "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         "loop_start_tokens": choice.get("loop_start_tokens"),  # a runaway stopped while streaming (fleet/stream.py)
@@ -63,15 +94,24 @@ def row_of(prompt: dict, resp: dict, slot: Slot, config: GenerationSettings, con
 def window_columns(config: GenerationSettings) -> dict:
     """What a row records of the window policy: the config's cap and the window (null under a fixed cap)."""
     windowed = config.windowed
-    return {"policy_cap": config.max_output_tokens if windowed else None,
-            "trainer_max_length": config.trainer_max_length if windowed else None}
+    return {
+        "policy_cap": config.max_output_tokens if windowed else None,
+        "trainer_max_length": config.trainer_max_length if windowed else None,
+    }
 
 
-async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationSettings,
-                          settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
-                          log: Callable[[str], None] = print,
-                          on_answer: Callable[[int, int], None] | None = None,
-                          runaway: RunawaySettings | None = None) -> list[ShardRun]:
+async def generate_shards(
+    data_dir: str | Path,
+    shards: list[str],
+    fleet: Fleet,
+    config: GenerationSettings,
+    settings: DispatchSettings = DispatchSettings(),
+    *,
+    preflight_policy: str = "reject",
+    log: Callable[[str], None] = print,
+    on_answer: Callable[[int, int], None] | None = None,
+    runaway: RunawaySettings | None = None,
+) -> list[ShardRun]:
     """Generate several shards (a backfill's range) through ONE dispatcher, in order.
 
     The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
@@ -87,8 +127,10 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
     fleet_notes = check_fleet(fleet.infos, config.enable_thinking)
     missing = [s for s in shards if not prompt_store(data_dir, s).parts()]
     if missing:
-        raise FileNotFoundError(f"shard(s) {', '.join(missing)} have no prompt_shards file under {data_dir}; "
-                                f"materialise prompt_shards for them first")
+        raise FileNotFoundError(
+            f"shard(s) {', '.join(missing)} have no prompt_shards file under {data_dir}; "
+            f"materialise prompt_shards for them first"
+        )
     model, config_hash = fleet.model, config.config_hash(fleet.model)
     all_turns = config.regenerate == "all_turns"
     with ExitStack() as locks:
@@ -98,15 +140,30 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
             plan = plan_conversations if all_turns else plan_shard
             plans.append(await plan(data_dir, shard, fleet, config, settings, preflight_policy, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
-        outputs = {p.run.shard: ShardOutput(p.run, completion_store(data_dir, p.run.shard),
-                                            reject_store(data_dir, p.run.shard, "server"),
-                                            reject_store(data_dir, p.run.shard, "preflight")) for p in plans}
+        outputs = {
+            p.run.shard: ShardOutput(
+                p.run,
+                completion_store(data_dir, p.run.shard),
+                reject_store(data_dir, p.run.shard, "server"),
+                reject_store(data_dir, p.run.shard, "preflight"),
+            )
+            for p in plans
+        }
 
         token_ids = stores_token_ids(settings.store_token_ids, config.cap_policy)
 
         def make_row(prompt: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> dict:
-            return row_of(prompt, resp, slot, config, config_hash, prompt["shard"], attempt, latency,
-                          config.request_cap(prompt["prompt_tokens"]))
+            return row_of(
+                prompt,
+                resp,
+                slot,
+                config,
+                config_hash,
+                prompt["shard"],
+                attempt,
+                latency,
+                config.request_cap(prompt["prompt_tokens"]),
+            )
 
         watch = watch_of(settings, runaway)
 
@@ -122,9 +179,11 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
         turns = turn_sender(fleet, config, token_ids, make_row, watch) if all_turns else None
-        dispatch = (Dispatch(fleet, settings, outputs, turns, refuse, log,
-                             follow_up=next_turn, on_answer=on_answer) if all_turns
-                    else Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer))
+        dispatch = (
+            Dispatch(fleet, settings, outputs, turns, refuse, log, follow_up=next_turn, on_answer=on_answer)
+            if all_turns
+            else Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer)
+        )
         await dispatch.run(items, sum(len(p.todo) for p in plans))
         for output in outputs.values():
             output.close(failure_store(data_dir, output.run.shard), f"{config_hash}.parquet")
@@ -135,12 +194,28 @@ async def generate_shards(data_dir: str | Path, shards: list[str], fleet: Fleet,
     return [p.run for p in plans]
 
 
-async def generate_shard(data_dir: str | Path, shard: str, fleet: Fleet, config: GenerationSettings,
-                         settings: DispatchSettings = DispatchSettings(), *, preflight_policy: str = "reject",
-                         log: Callable[[str], None] = print,
-                         on_answer: Callable[[int, int], None] | None = None,
-                         runaway: RunawaySettings | None = None) -> ShardRun:
+async def generate_shard(
+    data_dir: str | Path,
+    shard: str,
+    fleet: Fleet,
+    config: GenerationSettings,
+    settings: DispatchSettings = DispatchSettings(),
+    *,
+    preflight_policy: str = "reject",
+    log: Callable[[str], None] = print,
+    on_answer: Callable[[int, int], None] | None = None,
+    runaway: RunawaySettings | None = None,
+) -> ShardRun:
     """Generate the completions of one shard (see generate_shards)."""
-    [run] = await generate_shards(data_dir, [shard], fleet, config, settings, preflight_policy=preflight_policy,
-                                  log=log, on_answer=on_answer, runaway=runaway)
+    [run] = await generate_shards(
+        data_dir,
+        [shard],
+        fleet,
+        config,
+        settings,
+        preflight_policy=preflight_policy,
+        log=log,
+        on_answer=on_answer,
+        runaway=runaway,
+    )
     return run

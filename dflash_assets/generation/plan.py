@@ -11,16 +11,15 @@ import asyncio
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-
+from datetime import UTC, datetime
 
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.settings import DispatchSettings, GenerationSettings
-from dflash_assets.store.parts import PartStore
 from dflash_assets.generation.preflight import Budget, overflow_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
-from dflash_assets.store.stores import committed_ids, completion_store, prompt_store, reject_store
+from dflash_assets.settings import DispatchSettings, GenerationSettings
+from dflash_assets.store.parts import PartStore
 from dflash_assets.store.storage import Storage
+from dflash_assets.store.stores import committed_ids, completion_store, prompt_store, reject_store
 
 OVERFLOW_FAIL_SHARE = 0.9  # when this share of a shard overflows, the config is wrong, not the prompts
 PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
@@ -65,16 +64,25 @@ class ShardRun:
         return self.rejected_preflight + self.rejected_server
 
 
-def reject_row(prompt: dict, stage: str, reason: str, config: GenerationSettings, config_hash: str, shard: str,
-               context: int) -> dict:
+def reject_row(
+    prompt: dict, stage: str, reason: str, config: GenerationSettings, config_hash: str, shard: str, context: int
+) -> dict:
     """A row of the rejects table for one prompt of this config (stage "preflight" or "server"), with the cap
     its request had (its own under the window policy)."""
     tokens = prompt["prompt_tokens"]
-    return {"shard": shard, "stage": stage, "line": prompt["line"], "prompt_id": prompt["prompt_id"],
-            "config_hash": config_hash, "reason": reason, "prompt_tokens": tokens,
-            "max_output_tokens": config.request_cap(tokens) if tokens is not None else config.max_output_tokens,
-            "server_context_length": context,
-            "created_at": datetime.now(timezone.utc), "turn": prompt.get("turn")}
+    return {
+        "shard": shard,
+        "stage": stage,
+        "line": prompt["line"],
+        "prompt_id": prompt["prompt_id"],
+        "config_hash": config_hash,
+        "reason": reason,
+        "prompt_tokens": tokens,
+        "max_output_tokens": config.request_cap(tokens) if tokens is not None else config.max_output_tokens,
+        "server_context_length": context,
+        "created_at": datetime.now(UTC),
+        "turn": prompt.get("turn"),
+    }
 
 
 def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
@@ -107,8 +115,9 @@ async def recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwar
         await asyncio.gather(*(count(i, r) for i, r in enumerate(batch) if r["prompt_id"] in stale))
 
 
-def preflight(rows: list[dict], budget: Budget, cap: int | GenerationSettings,
-              policy: str = "reject") -> list[tuple[dict, str]]:
+def preflight(
+    rows: list[dict], budget: Budget, cap: int | GenerationSettings, policy: str = "reject"
+) -> list[tuple[dict, str]]:
     """(row, why) for every row whose prompt_tokens + cap the fleet cannot honour; `cap` is one cap, or a config
     whose request_cap gives each row its own (the window policy), and whose window refuses a prompt that fills it.
 
@@ -119,8 +128,11 @@ def preflight(rows: list[dict], budget: Budget, cap: int | GenerationSettings,
     cap_of = config.request_cap if config else (lambda _tokens: cap)
     full = [(r, problem) for r in rows if config and (problem := config.window_problem(r["prompt_tokens"]))]
     refused = {id(r) for r, _ in full}
-    over = [(r, problem) for r in rows
-            if id(r) not in refused and (problem := budget.problem(r["prompt_tokens"], cap_of(r["prompt_tokens"])))]
+    over = [
+        (r, problem)
+        for r in rows
+        if id(r) not in refused and (problem := budget.problem(r["prompt_tokens"], cap_of(r["prompt_tokens"])))
+    ]
     cap = config.max_output_tokens if config else cap
     if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
         raise overflow_error(budget, cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
@@ -147,8 +159,15 @@ class ShardPlan:
                     yield row
 
 
-async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationSettings,
-                     settings: DispatchSettings, preflight_policy: str, log: Callable[[str], None]) -> ShardPlan:
+async def plan_shard(
+    data_dir: Storage,
+    shard: str,
+    fleet: Fleet,
+    config: GenerationSettings,
+    settings: DispatchSettings,
+    preflight_policy: str,
+    log: Callable[[str], None],
+) -> ShardPlan:
     """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
     config_hash = config.config_hash(fleet.model)
     run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos), window=config.window)
@@ -170,12 +189,15 @@ async def plan_shard(data_dir: Storage, shard: str, fleet: Fleet, config: Genera
     over = preflight(list(todo.values()), budget, config, preflight_policy)
     reject_store(data_dir, shard, "preflight").replace(
         [reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length) for r, problem in over],
-        f"{config_hash}.parquet")
+        f"{config_hash}.parquet",
+    )
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r["prompt_id"]]
     policy = f", window {config.trainer_max_length}" if config.windowed else ""
-    log(f"shard {shard} config {config_hash} (cap {cap}{policy}): {run.prompts} prompts, {len(done)} already done, "
+    log(
+        f"shard {shard} config {config_hash} (cap {cap}{policy}): {run.prompts} prompts, {len(done)} already done, "
         f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
-        f"{len(todo)} to generate on {len(fleet.clients)} servers")
+        f"{len(todo)} to generate on {len(fleet.clients)} servers"
+    )
     return ShardPlan(run, prompts, todo)

@@ -49,20 +49,26 @@ class Budget:
     def problem(self, prompt_tokens: int, cap: int) -> str | None:
         """Why this prompt cannot be sent with this cap, naming the numbers; None if it fits."""
         if prompt_tokens >= self.max_req_input_len:
-            return (f"prompt of {prompt_tokens} tokens is at or over the server's input limit of "
-                    f"{self.max_req_input_len} tokens (context length {self.context_length})")
+            return (
+                f"prompt of {prompt_tokens} tokens is at or over the server's input limit of "
+                f"{self.max_req_input_len} tokens (context length {self.context_length})"
+            )
         if self.kv_bound:
             if prompt_tokens + cap <= self.total_limit:
                 return None
-            return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
-                    f"exceeds the {self.total_limit} tokens the server grants a request: its KV pool holds "
-                    f"{self.kv_pool} tokens, fewer than its context length {self.context_length}, and SGLang "
-                    f"would cut the output below the cap silently")
+            return (
+                f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
+                f"exceeds the {self.total_limit} tokens the server grants a request: its KV pool holds "
+                f"{self.kv_pool} tokens, fewer than its context length {self.context_length}, and SGLang "
+                f"would cut the output below the cap silently"
+            )
         if not overflows(prompt_tokens, cap, self.context_length):
             return None
-        return (f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
-                f"exceeds the server context length {self.context_length} minus a safety margin of "
-                f"{CONTEXT_MARGIN} tokens")
+        return (
+            f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
+            f"exceeds the server context length {self.context_length} minus a safety margin of "
+            f"{CONTEXT_MARGIN} tokens"
+        )
 
 
 def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[str]:
@@ -80,17 +86,23 @@ def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[
     if small_pool:
         detail = ", ".join(f"{i.url}: {i.max_total_num_tokens} < {i.context_length}" for i in small_pool)
         limit = min(i.max_req_len for i in infos) - 1
-        notes.append(f"KV pool smaller than the context length ({detail}): SGLang clamps a request's output to "
-                     f"the pool silently; preflight holds prompt + max_output_tokens to {limit}")
+        notes.append(
+            f"KV pool smaller than the context length ({detail}): SGLang clamps a request's output to "
+            f"the pool silently; preflight holds prompt + max_output_tokens to {limit}"
+        )
     thinking = [i.url for i in infos if i.always_thinks]
     if thinking and not enable_thinking:
-        notes.append(f"enable_thinking is off but the chat template of {', '.join(thinking)} opens <think> "
-                     f"whatever it is told (SGLang then forces reasoning): those rows will reason anyway")
+        notes.append(
+            f"enable_thinking is off but the chat template of {', '.join(thinking)} opens <think> "
+            f"whatever it is told (SGLang then forces reasoning): those rows will reason anyway"
+        )
     unparsed = [i.url for i in infos if not i.reasoning_parser]
     if enable_thinking and unparsed:
-        notes.append(f"enable_thinking is on but {', '.join(unparsed)} run without --reasoning-parser: the "
-                     f"thinking will stay inside `content` (reasoning_content empty); start them with "
-                     f"--reasoning-parser qwen3")
+        notes.append(
+            f"enable_thinking is on but {', '.join(unparsed)} run without --reasoning-parser: the "
+            f"thinking will stay inside `content` (reasoning_content empty); start them with "
+            f"--reasoning-parser qwen3"
+        )
     return notes
 
 

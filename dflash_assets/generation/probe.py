@@ -25,12 +25,11 @@ from pathlib import Path
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.continuation import continue_shard, rows_of
 from dflash_assets.generation.engine import ShardRun, generate_shard
-from dflash_assets.store.stores import committed_ids, completion_store
 from dflash_assets.generation.preflight import Budget
-from dflash_assets.store.schema import PROMPT_SCHEMA
-from dflash_assets.store.stores import prompt_store
-from dflash_assets.store.storage import is_uri, open_storage
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
+from dflash_assets.store.schema import PROMPT_SCHEMA
+from dflash_assets.store.storage import is_uri, open_storage
+from dflash_assets.store.stores import committed_ids, completion_store, prompt_store
 
 PROBE_SHARD = "probe"
 CUT_ROWS_SHARD = "cut_rows"  # the continuation probe's: its own shard, so its rows never mix with a random probe's
@@ -91,8 +90,10 @@ def high_cap(fleet: Fleet, sample: list[dict], log: Callable[[str], None], probe
     budget = Budget.of(fleet.infos)
     longest = max((r["prompt_tokens"] for r in sample), default=0)
     cap = budget.context_length - budget.margin - longest
-    log(f"{probe}: cap {cap} = context length {budget.context_length} - {budget.margin} - the longest sampled "
-        f"prompt ({longest} tokens)")
+    log(
+        f"{probe}: cap {cap} = context length {budget.context_length} - {budget.margin} - the longest sampled "
+        f"prompt ({longest} tokens)"
+    )
     return cap
 
 
@@ -127,16 +128,28 @@ def write_probe_shard(data_dir: str | Path, sample: list[dict], shard: str = PRO
     prompt_store(probe_root(data_dir), shard).replace(probe, "prompts.parquet")
 
 
-async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, config: GenerationSettings, *,
-                    size: int | None = None, share: float = SHARE, minimum: int = MIN_PROMPTS, seed: int = SEED,
-                    settings: DispatchSettings = DispatchSettings(), log: Callable[[str], None] = print) -> ProbeRun:
+async def run_probe(
+    data_dir: str | Path,
+    shards: list[str],
+    fleet: Fleet,
+    config: GenerationSettings,
+    *,
+    size: int | None = None,
+    share: float = SHARE,
+    minimum: int = MIN_PROMPTS,
+    seed: int = SEED,
+    settings: DispatchSettings = DispatchSettings(),
+    log: Callable[[str], None] = print,
+) -> ProbeRun:
     """Sample the prompts of `shards`, write them as the probe's shard, generate them at `config`'s cap (0: the
     largest the fleet's context allows for the sample) through the engine. A re-run with the same sample and
     config resumes, as any shard does."""
     prompts = read_prompts(data_dir, shards)
     if not prompts:
-        raise FileNotFoundError(f"no prompt_shards rows under {data_dir} for shard(s) {', '.join(shards) or '-'}: "
-                                f"materialise prompt_shards first")
+        raise FileNotFoundError(
+            f"no prompt_shards rows under {data_dir} for shard(s) {', '.join(shards) or '-'}: "
+            f"materialise prompt_shards first"
+        )
     sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
     config = config.model_copy(update={"cap_policy": "fixed"})  # it measures lengths: never sized to a window
     cap = config.max_output_tokens or high_cap(fleet, sample, log)
@@ -147,11 +160,20 @@ async def run_probe(data_dir: str | Path, shards: list[str], fleet: Fleet, confi
     return ProbeRun(len(prompts), len(sample), cap, run)
 
 
-async def run_cut_rows_probe(data_dir: str | Path, parent_config_hash: str, cut_rows: list[dict], fleet: Fleet,
-                             cap: int = 0, *, size: int | None = None, share: float = SHARE,
-                             minimum: int = MIN_PROMPTS, seed: int = SEED,
-                             settings: DispatchSettings = DispatchSettings(),
-                             log: Callable[[str], None] = print) -> ProbeRun:
+async def run_cut_rows_probe(
+    data_dir: str | Path,
+    parent_config_hash: str,
+    cut_rows: list[dict],
+    fleet: Fleet,
+    cap: int = 0,
+    *,
+    size: int | None = None,
+    share: float = SHARE,
+    minimum: int = MIN_PROMPTS,
+    seed: int = SEED,
+    settings: DispatchSettings = DispatchSettings(),
+    log: Callable[[str], None] = print,
+) -> ProbeRun:
     """The continuation probe: a seeded sample (stratified as `sample_prompts`) of `cut_rows` ({shard,
     prompt_id} of the run's honest cut rows of `parent_config_hash`, chosen by the caller: runaways are the
     quality layer's call), copied with their parent rows into the probe's `cut_rows` shard and continued there
@@ -159,8 +181,10 @@ async def run_cut_rows_probe(data_dir: str | Path, parent_config_hash: str, cut_
     (Parent rows of an earlier, different sample stay in the shard and are continued too; the planner reads
     only the current sample's.)"""
     if not cut_rows:
-        raise SettingsError(f"config {parent_config_hash} has no honest cut rows to continue: nothing for a "
-                          f"continuation probe to measure")
+        raise SettingsError(
+            f"config {parent_config_hash} has no honest cut rows to continue: nothing for a "
+            f"continuation probe to measure"
+        )
     prompts = {(r["shard"], r["prompt_id"]): r for r in read_prompts(data_dir, sorted({r["shard"] for r in cut_rows}))}
     eligible = [prompts[k] for k in sorted({(r["shard"], r["prompt_id"]) for r in cut_rows}) if k in prompts]
     sample = sample_prompts(eligible, size or probe_size(len(eligible), share, minimum), seed)
@@ -173,8 +197,9 @@ async def run_cut_rows_probe(data_dir: str | Path, parent_config_hash: str, cut_
         for shard, ids in sorted(ids_by_shard(sample).items()):
             for batch in rows_of(completion_store(data_dir, shard), parent_config_hash, wanted=ids - have):
                 store.commit([{**r, "shard": CUT_ROWS_SHARD} for r in batch])
-    log(f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent_config_hash} "
-        f"(seed {seed}) continued to cap {cap}")
-    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent_config_hash, cap, settings,
-                               log=log)
+    log(
+        f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent_config_hash} "
+        f"(seed {seed}) continued to cap {cap}"
+    )
+    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent_config_hash, cap, settings, log=log)
     return ProbeRun(len(eligible), len(sample), cap, run, mode="cut_rows")

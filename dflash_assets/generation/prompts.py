@@ -28,8 +28,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 # ShareGPT speakers (`from`) and the OpenAI role each one is; anything else is rejected, naming the speaker
-SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-            "bing": "assistant", "system": "system"}
+SPEAKERS = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "system": "system",
+}
 ROLES = ("system", "user", "assistant")
 # What a record's format is, from the keys it has (the first that applies); a mapping in config overrides it
 FORMATS = ("openai_batch", "messages", "conversations", "sharegpt", "prompt", "mapped")
@@ -188,13 +195,15 @@ def _turns(raw, field_name: str) -> tuple[list[dict] | None, str, str | None]:
         if style is None:
             style = keys
         elif keys != style:
-            return None, "", (f"message {i} uses {_style(keys)} but message 0 uses {_style(style)}: mixed keys in "
-                              f"one conversation")
+            return (
+                None,
+                "",
+                (f"message {i} uses {_style(keys)} but message 0 uses {_style(style)}: mixed keys in one conversation"),
+            )
         if keys == "from":
             speaker = m.get("from")
             if speaker not in SPEAKERS:
-                return None, "", (f"message {i} has unknown speaker {speaker!r} (expected one of "
-                                  f"{sorted(SPEAKERS)})")
+                return None, "", (f"message {i} has unknown speaker {speaker!r} (expected one of {sorted(SPEAKERS)})")
             role, content = SPEAKERS[speaker], m.get("value")
         else:
             role, content = m.get("role"), m.get("content")
@@ -227,18 +236,18 @@ def _shape_problem(messages: list[dict]) -> str | None:
     return None
 
 
-def parse_record(record, line: int, default_source: str,
-                 mapping: FieldMapping | None = None) -> Prompt | SourceReject:
+def parse_record(record, line: int, default_source: str, mapping: FieldMapping | None = None) -> Prompt | SourceReject:
     """Turn one source record (a decoded JSON value or a Parquet row) into a Prompt or a reason naming its line."""
     if not isinstance(record, dict):
         return SourceReject(line, f"line {line}: expected a JSON object, got {type(record).__name__}")
     fmt, raw = _record_format(record, mapping)
-    id_key = (mapping.id_field if mapping and mapping.id_field else "custom_id" if fmt == "openai_batch" else "id")
+    id_key = mapping.id_field if mapping and mapping.id_field else "custom_id" if fmt == "openai_batch" else "id"
     given_id = record.get(id_key)
     if given_id is not None:
         if isinstance(given_id, bool) or not isinstance(given_id, (str, int)):
-            return SourceReject(line, f"line {line}: {id_key} must be a string or integer, "
-                                      f"got {type(given_id).__name__}")
+            return SourceReject(
+                line, f"line {line}: {id_key} must be a string or integer, got {type(given_id).__name__}"
+            )
         given_id = str(given_id)
         if not given_id.strip() or (bad := unwritable(given_id)):
             why = "is empty" if not given_id.strip() else f"holds {bad}"
@@ -304,18 +313,21 @@ def _decode_line(raw: bytes, line_no: int) -> object:
         return SourceReject(line_no, f"line {line_no}: undecodable JSON: nested too deeply")
 
 
-def _parquet_records(path: Path, start: int, stop: int,
-                     mapping: FieldMapping | None) -> Iterator[tuple[int, object]]:
+def _parquet_records(path: Path, start: int, stop: int, mapping: FieldMapping | None) -> Iterator[tuple[int, object]]:
     pf = _parquet_file(path)
     names = set(pf.schema_arrow.names)
     wanted = list(dict.fromkeys([*SOURCE_COLUMNS, *(mapping.columns() if mapping else [])]))
     if mapping and (missing := [c for c in mapping.columns() if c not in names]):
-        raise SourceError(f"prompt source {path}: the mapped column(s) {missing} are not in the Parquet file "
-                          f"(columns: {sorted(names)})")
+        raise SourceError(
+            f"prompt source {path}: the mapped column(s) {missing} are not in the Parquet file "
+            f"(columns: {sorted(names)})"
+        )
     if not (mapping and mapping.messages_field) and not names & {"messages", "conversations", "prompt", "body"}:
-        raise SourceError(f"prompt source {path}: Parquet file has none of the columns 'messages', 'conversations', "
-                          f"'prompt' or 'body' (columns: {sorted(names)}); name the messages column with "
-                          f"messages_field")
+        raise SourceError(
+            f"prompt source {path}: Parquet file has none of the columns 'messages', 'conversations', "
+            f"'prompt' or 'body' (columns: {sorted(names)}); name the messages column with "
+            f"messages_field"
+        )
     columns = [c for c in wanted if c in names]
     row = 0
     for batch in pf.iter_batches(batch_size=4096, columns=columns):
@@ -330,21 +342,26 @@ def _parquet_records(path: Path, start: int, stop: int,
             return
 
 
-def read_shard(path: Path, index: int, shard_size: int,
-               mapping: FieldMapping | None = None) -> Iterator[Prompt | SourceReject]:
+def read_shard(
+    path: Path, index: int, shard_size: int, mapping: FieldMapping | None = None
+) -> Iterator[Prompt | SourceReject]:
     """Prompts and rejects of shard `index`, in source order. Duplicate ids within the shard are rejected."""
     path = Path(path)
     _check_file(path)
     start, stop = index * shard_size, (index + 1) * shard_size
-    records = (_parquet_records(path, start, stop, mapping) if path.suffix == ".parquet"
-               else _jsonl_records(path, start, stop))
+    records = (
+        _parquet_records(path, start, stop, mapping) if path.suffix == ".parquet" else _jsonl_records(path, start, stop)
+    )
     seen: dict[str, int] = {}
     for line, record in records:
         item = record if isinstance(record, SourceReject) else parse_record(record, line, path.stem, mapping)
         if isinstance(item, Prompt):
             if item.prompt_id in seen:
-                item = SourceReject(line, f"line {line}: duplicate id {item.prompt_id!r} "
-                                          f"(first seen on line {seen[item.prompt_id]})", item.prompt_id)
+                item = SourceReject(
+                    line,
+                    f"line {line}: duplicate id {item.prompt_id!r} (first seen on line {seen[item.prompt_id]})",
+                    item.prompt_id,
+                )
             else:
                 seen[item.prompt_id] = line
         yield item

@@ -24,7 +24,7 @@ def end_of(ids: list[int], pattern: tuple[int, ...]) -> int:
             i = ids.index(pattern[0], i + 1)  # a C-speed scan for the first id; </think> is one id in Qwen3
         except ValueError:
             return -1
-        if tuple(ids[i:i + n]) == pattern:
+        if tuple(ids[i : i + n]) == pattern:
             return i + n
     return -1
 
@@ -38,12 +38,15 @@ class Reasoning:
     end_ids: tuple[int, ...]  # </think> as token ids
 
     @classmethod
-    def of(cls, parser: str | None, enable_thinking: bool, end_ids: list[int], always_thinks: bool = False
-           ) -> Reasoning:
+    def of(
+        cls, parser: str | None, enable_thinking: bool, end_ids: list[int], always_thinks: bool = False
+    ) -> Reasoning:
         """`always_thinks`: the template opens <think> whatever enable_thinking says (ServerInfo.always_thinks)."""
         if parser not in PARSERS:
-            raise ValueError(f"continuing rows split by reasoning parser {parser!r} is not supported "
-                             f"(only {', '.join(str(p) for p in PARSERS)})")
+            raise ValueError(
+                f"continuing rows split by reasoning parser {parser!r} is not supported "
+                f"(only {', '.join(str(p) for p in PARSERS)})"
+            )
         force = parser == "qwen3-thinking" or (parser == "qwen3" and (enable_thinking or always_thinks))
         return cls(parser is not None, force, tuple(end_ids))
 
@@ -52,7 +55,7 @@ class Reasoning:
         if not self.separate or not (self.force or THINK in text):
             return None, text
         while text.startswith(THINK):
-            text = text[len(THINK):]
+            text = text[len(THINK) :]
         if THINK_END in text:
             reasoning, _, content = text.partition(THINK_END)
         elif (cut := text.find(TOOL_CALL)) != -1:

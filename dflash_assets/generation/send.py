@@ -13,8 +13,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from datetime import datetime, timezone
-
+from datetime import UTC, datetime
 from functools import partial
 
 from dflash_assets.fleet.client import ServerError
@@ -22,8 +21,8 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
-from dflash_assets.settings import DispatchSettings, RunawaySettings
 from dflash_assets.generation.slots import Slot, SlotPicker
+from dflash_assets.settings import DispatchSettings, RunawaySettings
 
 Send = Callable[[dict, Slot, int], Awaitable[dict]]  # (item, slot, attempt) -> the row; raises ServerError
 Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context length) -> the server-stage reject row
@@ -39,8 +38,13 @@ def watch_of(settings: DispatchSettings, rules: RunawaySettings | None = None) -
     if not settings.stream:
         return None
     rules = rules or RunawaySettings()
-    return Watch(settings.stall_timeout_s, settings.first_token_timeout_s, settings.runaway_check_tokens,
-                 looping=partial(is_runaway, rules=rules), loop_start=partial(loop_start, rules=rules))
+    return Watch(
+        settings.stall_timeout_s,
+        settings.first_token_timeout_s,
+        settings.runaway_check_tokens,
+        looping=partial(is_runaway, rules=rules),
+        loop_start=partial(loop_start, rules=rules),
+    )
 
 
 class Rejected(Exception):
@@ -57,15 +61,29 @@ class Dispatch:
     A `follow_up` item (the next turn of a conversation) is sent before any new item, so a conversation in
     progress is never starved by the stream behind it, while the stream keeps the slots full meanwhile."""
 
-    def __init__(self, fleet: Fleet, settings: DispatchSettings, outputs: dict[str, ShardOutput], send: Send,
-                 refuse: Refuse, log: Callable[[str], None], *, follow_up: FollowUp | None = None,
-                 on_answer: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        fleet: Fleet,
+        settings: DispatchSettings,
+        outputs: dict[str, ShardOutput],
+        send: Send,
+        refuse: Refuse,
+        log: Callable[[str], None],
+        *,
+        follow_up: FollowUp | None = None,
+        on_answer: Callable[[int, int], None] | None = None,
+    ):
         self.fleet, self.settings, self.outputs = fleet, settings, outputs
         self.send, self.refuse, self.follow_up, self.log, self.on_answer = send, refuse, follow_up, log, on_answer
-        self.slots = SlotPicker(fleet.clients, fleet.infos, max_in_flight_per_server=settings.max_in_flight_per_server,
-                                waiting_margin=settings.waiting_margin, eject_after=settings.eject_after,
-                                no_server_timeout_s=settings.no_server_timeout_s,
-                                max_imbalance=settings.same_server_max_imbalance)
+        self.slots = SlotPicker(
+            fleet.clients,
+            fleet.infos,
+            max_in_flight_per_server=settings.max_in_flight_per_server,
+            waiting_margin=settings.waiting_margin,
+            eject_after=settings.eject_after,
+            no_server_timeout_s=settings.no_server_timeout_s,
+            max_imbalance=settings.same_server_max_imbalance,
+        )
         self.ready: deque[dict] = deque()  # follow-up items, sent first
         self.answered = self.total = 0
         self.started = self.last_commit = self.last_progress = time.monotonic()
@@ -166,10 +184,17 @@ class Dispatch:
             slot.output_tokens += generated_tokens(row)
             output.answered(slot, row)
             return row
-        output.failed.append({"shard": item["shard"], "prompt_id": item["prompt_id"],
-                              "config_hash": output.run.config_hash, "error": str(error),
-                              "attempts": settings.max_attempts, "created_at": datetime.now(timezone.utc),
-                              "turn": item.get("turn")})
+        output.failed.append(
+            {
+                "shard": item["shard"],
+                "prompt_id": item["prompt_id"],
+                "config_hash": output.run.config_hash,
+                "error": str(error),
+                "attempts": settings.max_attempts,
+                "created_at": datetime.now(UTC),
+                "turn": item.get("turn"),
+            }
+        )
         return None
 
     async def commit(self) -> None:
@@ -191,12 +216,17 @@ class Dispatch:
         tokens = sum(s.output_tokens for s in self.slots.slots)
         runs = [o.run for o in self.outputs.values()]
         failed = sum(len(o.failed) for o in self.outputs.values())
-        per_server = ", ".join(f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
-                               + (f", {s.stalls} stalled" if s.stalls else "") + (" EJECTED" if s.ejected_at else "")
-                               for s in self.slots.slots)
+        per_server = ", ".join(
+            f"{s.url}: {s.in_flight} in flight, {s.output_tokens / elapsed:.0f} tok/s"
+            + (f", {s.stalls} stalled" if s.stalls else "")
+            + (" EJECTED" if s.ejected_at else "")
+            for s in self.slots.slots
+        )
         eta = f", ETA {(self.total - self.answered) * elapsed / self.answered:.0f}s" if self.answered else ""
-        self.log(f"shards {', '.join(self.outputs)}: {self.answered}/{self.total} answered, "
-                 f"{sum(r.length for r in runs)} length, {sum(r.runaways_stopped for r in runs)} runaways stopped, "
-                 f"{failed} failed, "
-                 f"{sum(r.rejected_server for r in runs)} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} "
-                 f"[{per_server}]")
+        self.log(
+            f"shards {', '.join(self.outputs)}: {self.answered}/{self.total} answered, "
+            f"{sum(r.length for r in runs)} length, {sum(r.runaways_stopped for r in runs)} runaways stopped, "
+            f"{failed} failed, "
+            f"{sum(r.rejected_server for r in runs)} rejected by a server, {tokens / elapsed:.0f} tok/s{eta} "
+            f"[{per_server}]"
+        )

@@ -45,11 +45,18 @@ class Slot:
 
 
 class SlotPicker:
-    def __init__(self, clients: list[ServerClient], infos: list[ServerInfo], *,
-                 max_in_flight_per_server: int = _DISPATCH.max_in_flight_per_server,
-                 waiting_margin: int = _DISPATCH.waiting_margin, eject_after: int = _DISPATCH.eject_after,
-                 probe_interval_s: float = 2.0, no_server_timeout_s: float = _DISPATCH.no_server_timeout_s,
-                 max_imbalance: float = _DISPATCH.same_server_max_imbalance):
+    def __init__(
+        self,
+        clients: list[ServerClient],
+        infos: list[ServerInfo],
+        *,
+        max_in_flight_per_server: int = _DISPATCH.max_in_flight_per_server,
+        waiting_margin: int = _DISPATCH.waiting_margin,
+        eject_after: int = _DISPATCH.eject_after,
+        probe_interval_s: float = 2.0,
+        no_server_timeout_s: float = _DISPATCH.no_server_timeout_s,
+        max_imbalance: float = _DISPATCH.same_server_max_imbalance,
+    ):
         self.slots = [
             # a gateway URL stands for i.servers servers: each gets its slots and its waiting margin
             Slot(c, i, max_in_flight_per_server * i.servers or (i.max_running_requests + waiting_margin * i.servers))
@@ -98,13 +105,16 @@ class SlotPicker:
                 self._all_down_since = self._all_down_since or time.monotonic()
                 waited = time.monotonic() - self._all_down_since
                 if waited >= self.no_server_timeout_s:
-                    raise FleetDown(f"no healthy server for {waited:.0f}s (of {len(self.slots)}: "
-                                    + ", ".join(s.url for s in self.slots) + ")")
+                    raise FleetDown(
+                        f"no healthy server for {waited:.0f}s (of {len(self.slots)}: "
+                        + ", ".join(s.url for s in self.slots)
+                        + ")"
+                    )
                 timeout = min(timeout, self.no_server_timeout_s - waited)
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         self._all_down_since = None
         slot.in_flight += 1

@@ -29,17 +29,16 @@ import pyarrow.compute as pc
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
+from dflash_assets.generation.plan import ShardRun, preflight, prompt_batches, reject_row
+from dflash_assets.generation.preflight import Budget
+from dflash_assets.generation.send import Rejected
+from dflash_assets.generation.slots import Slot
+from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.parts import PartStore
-from dflash_assets.generation.plan import ShardRun, preflight, prompt_batches, reject_row
-from dflash_assets.store.stores import completion_store
-from dflash_assets.generation.preflight import Budget
 from dflash_assets.store.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
-from dflash_assets.generation.send import Rejected
-from dflash_assets.store.stores import prompt_store, reject_store
-from dflash_assets.generation.slots import Slot
 from dflash_assets.store.storage import Storage
-from dflash_assets.rules import fills_window
+from dflash_assets.store.stores import completion_store, prompt_store, reject_store
 
 TURN_ROW = Callable[[dict, dict, Slot, int, float], dict]  # (item, response, slot, attempt, latency) -> the row
 
@@ -71,8 +70,9 @@ class Conversation:
         return None if self.over else len(self.answers) + 1
 
 
-def conversation(turns: int, committed: dict[int, tuple], rejected: set[int],
-                 window: int | None = None) -> Conversation:
+def conversation(
+    turns: int, committed: dict[int, tuple], rejected: set[int], window: int | None = None
+) -> Conversation:
     """`committed`: turn -> (finish_reason, content[, prompt_tokens, completion_tokens]); `rejected`: the turns
     with a reject row; `window`: the trainer's window of the window policy (None: a fixed cap)."""
     answers: list[str] = []
@@ -99,8 +99,12 @@ def _committed_turns(store: PartStore, config_hash: str) -> dict[str, dict[int, 
     columns = ["prompt_id", "turn", "finish_reason", "content", "prompt_tokens", "completion_tokens"]
     for batch in dataset.to_batches(columns=columns, filter=where):
         for r in batch.to_pylist():
-            found.setdefault(r["prompt_id"], {})[r["turn"]] = (r["finish_reason"], r["content"] or "",
-                                                               r["prompt_tokens"], r["completion_tokens"])
+            found.setdefault(r["prompt_id"], {})[r["turn"]] = (
+                r["finish_reason"],
+                r["content"] or "",
+                r["prompt_tokens"],
+                r["completion_tokens"],
+            )
     return found
 
 
@@ -112,7 +116,8 @@ def _rejected_turns(stores: list[PartStore], config_hash: str) -> dict[str, dict
             continue
         where = (pc.field("config_hash") == config_hash) & pc.field("turn").is_valid()
         table = store.storage.dataset(parts, schema=REJECT_SCHEMA).to_table(
-            columns=["prompt_id", "turn", "stage"], filter=where)
+            columns=["prompt_id", "turn", "stage"], filter=where
+        )
         for r in table.to_pylist():
             found.setdefault(r["prompt_id"], {})[r["turn"]] = r["stage"]
     return found
@@ -132,14 +137,23 @@ class ConversationPlan:
             for row in batch:
                 if (state := self.todo.get(row["prompt_id"])) is not None:
                     system, users = split_turns(json.loads(row["messages_json"]))
-                    yield {"prompt_id": row["prompt_id"], "shard": self.run.shard, "line": row["line"],
-                           "source": row["source"], "turn": state.next_turn, "turns": state.turns,
-                           "system": system, "users": users, "answers": list(state.answers),
-                           "prompt_tokens": self.prompt_tokens.get(row["prompt_id"])}
+                    yield {
+                        "prompt_id": row["prompt_id"],
+                        "shard": self.run.shard,
+                        "line": row["line"],
+                        "source": row["source"],
+                        "turn": state.next_turn,
+                        "turns": state.turns,
+                        "system": system,
+                        "users": users,
+                        "answers": list(state.answers),
+                        "prompt_tokens": self.prompt_tokens.get(row["prompt_id"]),
+                    }
 
 
-def conversations(data_dir: Storage, shard: str, config_hash: str,
-                  window: int | None = None) -> dict[str, Conversation]:
+def conversations(
+    data_dir: Storage, shard: str, config_hash: str, window: int | None = None
+) -> dict[str, Conversation]:
     """The state of every conversation of the shard under this config, from the committed parts (`window`: the
     window policy's trainer window, which ends a conversation once a turn fills it)."""
     committed = _committed_turns(completion_store(data_dir, shard), config_hash)
@@ -148,14 +162,21 @@ def conversations(data_dir: Storage, shard: str, config_hash: str,
     for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
         for row in batch:
             turns = len(split_turns(json.loads(row["messages_json"]))[1])
-            states[row["prompt_id"]] = conversation(turns, committed.get(row["prompt_id"], {}),
-                                                    set(rejected.get(row["prompt_id"], {})), window)
+            states[row["prompt_id"]] = conversation(
+                turns, committed.get(row["prompt_id"], {}), set(rejected.get(row["prompt_id"], {})), window
+            )
     return states
 
 
-async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config: GenerationSettings,
-                             settings: DispatchSettings, preflight_policy: str,
-                             log: Callable[[str], None]) -> ConversationPlan:
+async def plan_conversations(
+    data_dir: Storage,
+    shard: str,
+    fleet: Fleet,
+    config: GenerationSettings,
+    settings: DispatchSettings,
+    preflight_policy: str,
+    log: Callable[[str], None],
+) -> ConversationPlan:
     """Resume and preflight one shard under all_turns (its lock is held): each conversation goes on from its last
     committed turn. That next turn is preflighted now (its history is known); later turns when they are sent."""
     config_hash = config.config_hash(fleet.model)
@@ -172,29 +193,44 @@ async def plan_conversations(data_dir: Storage, shard: str, fleet: Fleet, config
 
     async def count(i: int, item: dict) -> dict:
         async with gate:
-            item["prompt_tokens"] = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(history(item),
-                                                                                                    kwargs)
+            item["prompt_tokens"] = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(
+                history(item), kwargs
+            )
         return {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
 
     next_turns = await asyncio.gather(*(count(i, item) for i, item in enumerate(plan.to_send())))
     budget = Budget.of(fleet.infos)
     over = preflight(next_turns, budget, config, preflight_policy)
-    preflight_rejects.commit([
-        reject_row(r, "preflight", f"turn {r['turn']} of {r['turns']}: {problem}", config, config_hash, shard,
-                   budget.context_length) for r, problem in over])
+    preflight_rejects.commit(
+        [
+            reject_row(
+                r,
+                "preflight",
+                f"turn {r['turn']} of {r['turns']}: {problem}",
+                config,
+                config_hash,
+                shard,
+                budget.context_length,
+            )
+            for r, problem in over
+        ]
+    )
     for r, _ in over:
         del todo[r["prompt_id"]]
     plan.prompt_tokens = {r["prompt_id"]: r["prompt_tokens"] for r in next_turns}
     turns_done = sum(len(c.answers) for c in states.values())
-    log(f"shard {shard} config {config_hash} (cap {config.max_output_tokens}, all turns): {run.prompts} "
+    log(
+        f"shard {shard} config {config_hash} (cap {config.max_output_tokens}, all turns): {run.prompts} "
         f"conversations, {run.already_done} already over, {turns_done} turns already committed, {len(over)} "
         f"rejected in preflight, {len(todo)} to go on with ({sum(c.turns - len(c.answers) for c in todo.values())} "
-        f"turns at most) on {len(fleet.clients)} servers")
+        f"turns at most) on {len(fleet.clients)} servers"
+    )
     return plan
 
 
-def turn_sender(fleet: Fleet, config: GenerationSettings, token_ids: bool, make_row: TURN_ROW,
-                watch: Watch | None = None):
+def turn_sender(
+    fleet: Fleet, config: GenerationSettings, token_ids: bool, make_row: TURN_ROW, watch: Watch | None = None
+):
     """The Send of all_turns: each turn preflighted when it is sent (its history is known only then), streamed
     and watched with `watch` (None: not streamed)."""
     budget = Budget.of(fleet.infos)
@@ -206,13 +242,24 @@ def turn_sender(fleet: Fleet, config: GenerationSettings, token_ids: bool, make_
             item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, config.template_kwargs())
         cap = config.request_cap(item["prompt_tokens"])
         if problem := config.window_problem(item["prompt_tokens"]) or budget.problem(item["prompt_tokens"], cap):
-            raise Rejected(reject_row(item, "preflight", f"turn {item['turn']} of {item['turns']}: {problem}",
-                                      config, config_hash, item["shard"], budget.context_length))
+            raise Rejected(
+                reject_row(
+                    item,
+                    "preflight",
+                    f"turn {item['turn']} of {item['turns']}: {problem}",
+                    config,
+                    config_hash,
+                    item["shard"],
+                    budget.context_length,
+                )
+            )
         body = config.chat_body(fleet.model, messages, token_ids, cap)
         t0 = time.monotonic()
         resp = await slot.client.chat(body, watch)
-        return make_row(item, resp, slot, attempt, time.monotonic() - t0) | {"turn": item["turn"],
-                                                                               "turns": item["turns"]}
+        return make_row(item, resp, slot, attempt, time.monotonic() - t0) | {
+            "turn": item["turn"],
+            "turns": item["turns"],
+        }
 
     return send
 
@@ -225,8 +272,13 @@ def next_turn(item: dict, row: dict) -> dict | None:
     window = row.get("trainer_max_length")
     if window is not None and fills_window(row["prompt_tokens"] + row["completion_tokens"], window):
         return None
-    return {**item, "turn": item["turn"] + 1, "answers": item["answers"] + [row["content"]], "prompt_tokens": None,
-            "prefer_server": row["server_url"]}  # the server whose prefix cache holds this history
+    return {
+        **item,
+        "turn": item["turn"] + 1,
+        "answers": item["answers"] + [row["content"]],
+        "prompt_tokens": None,
+        "prefer_server": row["server_url"],
+    }  # the server whose prefix cache holds this history
 
 
 def account(run: ShardRun, data_dir: Storage, output: ShardOutput) -> None:
@@ -236,8 +288,7 @@ def account(run: ShardRun, data_dir: Storage, output: ShardOutput) -> None:
     rejected: a turn refused (preflight or server); failed: a turn whose retries ran out in this run."""
     states = conversations(data_dir, run.shard, run.config_hash, run.window)
     failed = {f["prompt_id"] for f in output.failed}
-    rejected = _rejected_turns([reject_store(data_dir, run.shard, s) for s in ("preflight", "server")],
-                               run.config_hash)
+    rejected = _rejected_turns([reject_store(data_dir, run.shard, s) for s in ("preflight", "server")], run.config_hash)
     run.completed = sum(c.over in ("done", "truncated", "window") for c in states.values())
     stages = [rejected[pid][len(c.answers) + 1] for pid, c in states.items() if c.over == "rejected"]
     run.rejected_preflight, run.rejected_server = stages.count("preflight"), stages.count("server")

@@ -12,8 +12,8 @@ from pathlib import Path
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import CapEstimate, CapPlan, PlanError, plan_caps
 from dflash_assets.quality.report import length_quality
-from dflash_assets.rules import most_rows_first
 from dflash_assets.quality.window_plan import WindowPlan, window_plan
+from dflash_assets.rules import most_rows_first
 from dflash_assets.settings import QualitySettings, TrainerSettings
 
 
@@ -52,26 +52,34 @@ class CapAnswer:
         return [name for name, v in (("P90", self.p90), ("P99", self.p99)) if v is not None and v >= self.cap]
 
     def headline(self) -> list[str]:
-        figures = "  ".join(f"{k} {_n(v)}" for k, v in (("P50", self.p50), ("P90", self.p90), ("P99", self.p99),
-                                                         ("max", self.max)))
-        at_cap = f": {' and '.join(self.at_cap)} {'equal' if len(self.at_cap) > 1 else 'equals'} the cap" \
-            if self.at_cap else ""
+        figures = "  ".join(
+            f"{k} {_n(v)}" for k, v in (("P50", self.p50), ("P90", self.p90), ("P99", self.p99), ("max", self.max))
+        )
+        at_cap = (
+            f": {' and '.join(self.at_cap)} {'equal' if len(self.at_cap) > 1 else 'equals'} the cap"
+            if self.at_cap
+            else ""
+        )
         inside, complete = pct(self.cut_inside_window / self.rows), pct(self.window_complete / self.rows)
         ratio = f"{self.decoded_tokens / self.trained_tokens:.2f}" if self.trained_tokens else "-"
-        return [f"config {self.config_hash}: {pct(self.truncation_rate)} of {num(self.rows)} rows cut at the cap "
-                f"of {num(self.cap)}", f"  completion tokens {figures}{at_cap}",
-                f"  against the trainer's window max_length {num(self.max_length)}: {inside} cut inside it "
-                f"({num(self.cut_inside_window)} rows, the blocking share), {complete} window-complete "
-                f"({num(self.window_complete)} rows, {num(self.window_complete_tokens)} trained tokens, exported); "
-                f"decoded per trained token {ratio}"]
+        return [
+            f"config {self.config_hash}: {pct(self.truncation_rate)} of {num(self.rows)} rows cut at the cap "
+            f"of {num(self.cap)}",
+            f"  completion tokens {figures}{at_cap}",
+            f"  against the trainer's window max_length {num(self.max_length)}: {inside} cut inside it "
+            f"({num(self.cut_inside_window)} rows, the blocking share), {complete} window-complete "
+            f"({num(self.window_complete)} rows, {num(self.window_complete_tokens)} trained tokens, exported); "
+            f"decoded per trained token {ratio}",
+        ]
 
 
 def _n(v: int | None) -> str:
     return "-" if v is None else num(v)
 
 
-def recommended_cap(plan: CapPlan, limit: float, cut_inside_window: int | None = None,
-                    ceiling: int | None = None) -> CapEstimate | None:
+def recommended_cap(
+    plan: CapPlan, limit: float, cut_inside_window: int | None = None, ceiling: int | None = None
+) -> CapEstimate | None:
     """The smallest candidate cap at or above the current one whose predicted share cut is within `limit`.
 
     None when no row was cut (the cap is fine), when no row was cut inside the trainer's window (a larger cap
@@ -86,8 +94,9 @@ def recommended_cap(plan: CapPlan, limit: float, cut_inside_window: int | None =
     return within[0] if within else (larger[-1] if larger else None)
 
 
-def cap_answers(data_dir: str | Path, thresholds: QualitySettings = QualitySettings(),
-                config_hash: str | None = None) -> list[CapAnswer]:
+def cap_answers(
+    data_dir: str | Path, thresholds: QualitySettings = QualitySettings(), config_hash: str | None = None
+) -> list[CapAnswer]:
     """One answer per config of the data dir (or the one asked for), the most rows first (rules.most_rows_first)."""
     report = length_quality(data_dir, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
     by_hash = {row["config_hash"]: row for row in report["by_config"]}
@@ -102,16 +111,41 @@ def cap_answers(data_dir: str | Path, thresholds: QualitySettings = QualitySetti
         except PlanError as e:
             error = str(e)
         if plan is not None:
-            wp = window_plan(data_dir, row["config_hash"], plan.cap, thresholds.trainer, plan.fit, thresholds.runaway,
-                             candidates=[e.cap for e in plan.estimates])
+            wp = window_plan(
+                data_dir,
+                row["config_hash"],
+                plan.cap,
+                thresholds.trainer,
+                plan.fit,
+                thresholds.runaway,
+                candidates=[e.cap for e in plan.estimates],
+            )
         ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
-        answers.append(CapAnswer(
-            config_hash=row["config_hash"], cap=row["max_output_tokens"], rows=row["rows"],
-            truncated=row["truncated_rows"], truncation_rate=row["truncation_rate"], p50=row["p50"],
-            p90=row["p90"], p99=row["p99"], max=row["max"], plan=plan, plan_error=error,
-            recommended=recommended_cap(plan, thresholds.truncation_rate_max, row["cut_inside_window_rows"], ceiling)
-            if plan else None, window_plan=wp,
-            max_length=thresholds.trainer.max_length, cut_inside_window=row["cut_inside_window_rows"],
-            window_complete=row["window_complete_rows"], window_complete_tokens=row["window_complete_tokens"],
-            decoded_tokens=row["decoded_tokens"], trained_tokens=row["trained_tokens"]))
+        answers.append(
+            CapAnswer(
+                config_hash=row["config_hash"],
+                cap=row["max_output_tokens"],
+                rows=row["rows"],
+                truncated=row["truncated_rows"],
+                truncation_rate=row["truncation_rate"],
+                p50=row["p50"],
+                p90=row["p90"],
+                p99=row["p99"],
+                max=row["max"],
+                plan=plan,
+                plan_error=error,
+                recommended=recommended_cap(
+                    plan, thresholds.truncation_rate_max, row["cut_inside_window_rows"], ceiling
+                )
+                if plan
+                else None,
+                window_plan=wp,
+                max_length=thresholds.trainer.max_length,
+                cut_inside_window=row["cut_inside_window_rows"],
+                window_complete=row["window_complete_rows"],
+                window_complete_tokens=row["window_complete_tokens"],
+                decoded_tokens=row["decoded_tokens"],
+                trained_tokens=row["trained_tokens"],
+            )
+        )
     return answers

@@ -9,8 +9,8 @@ when the cap cuts the thinking, everything lands in reasoning_content and conten
 import duckdb
 
 from dflash_assets.quality.outcome import Finding
-from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.rates import group_counts, rate_finding
+from dflash_assets.settings import QualitySettings
 
 
 def empty_content(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:

@@ -9,8 +9,8 @@ rejected before sending (context 8192 with max_output_tokens 8192: every prompt)
 import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, num, pct, share
-from dflash_assets.settings import QualitySettings
 from dflash_assets.rules import OVERFLOW_SQL
+from dflash_assets.settings import QualitySettings
 
 PER_CONFIG = f"""
 WITH a AS (
@@ -87,8 +87,10 @@ def context_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Find
         "threshold_rejected_prompts": t.overflow_reject_rate_max,
     }
     # regenerate: all_turns preflights each turn when it is sent: which turn of a conversation did not fit
-    by_turn = con.execute(f"SELECT turn, count(*) FROM rejects WHERE stage <> 'source' AND turn IS NOT NULL "
-                          f"AND {OVERFLOW_SQL} GROUP BY ALL ORDER BY turn").fetchall()
+    by_turn = con.execute(
+        f"SELECT turn, count(*) FROM rejects WHERE stage <> 'source' AND turn IS NOT NULL "
+        f"AND {OVERFLOW_SQL} GROUP BY ALL ORDER BY turn"
+    ).fetchall()
     if by_turn:
         metadata["rejected_overflow_by_turn"] = ", ".join(f"turn {k}: {num(n)}" for k, n in by_turn)
         lines.append(f"overflow rejects by turn: {metadata['rejected_overflow_by_turn']}")

@@ -5,8 +5,8 @@ from collections import defaultdict
 import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, config_label, plural
-from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.rates import GroupCount, rate_finding
+from dflash_assets.settings import QualitySettings
 
 
 def config_consistency(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:

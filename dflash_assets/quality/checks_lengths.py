@@ -2,11 +2,20 @@
 
 import duckdb
 
-from dflash_assets.quality.outcome import (Finding, MetadataValue, bullets, config_label, num, pct, plural, share,
-                                           verdict)
-from dflash_assets.settings import QualitySettings
+from dflash_assets.quality.outcome import (
+    Finding,
+    MetadataValue,
+    bullets,
+    config_label,
+    num,
+    pct,
+    plural,
+    share,
+    verdict,
+)
 from dflash_assets.quality.rates import GroupCount, group_counts, group_line, rate_finding, totals, worst_first
 from dflash_assets.rules import percentile_sql
+from dflash_assets.settings import QualitySettings
 
 
 def truncation_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
@@ -22,11 +31,13 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Findi
     rate, limit = share(inside, rows), t.truncation_rate_max
     configs_over = [g for g in worst_first(configs) if g.rate > limit]
     shards_over = [g for g in worst_first(shards) if g.rate > limit]
-    lines = [f"**{pct(rate)}** of {num(rows)} rows were cut inside the trainer's window max_length {num(window)} "
-             f"(finish_reason = 'length', prompt + completion < {num(window)}), {verdict(rate, limit)}; "
-             f"{plural(complete, 'row')} ({pct(share(complete, rows))}) were cut at or past it: window-complete, "
-             f"read by the trainer as a complete answer is. {pct(share(cut, rows))} hit the cap in all.",
-             f"The window is {t.trainer.named()}."]
+    lines = [
+        f"**{pct(rate)}** of {num(rows)} rows were cut inside the trainer's window max_length {num(window)} "
+        f"(finish_reason = 'length', prompt + completion < {num(window)}), {verdict(rate, limit)}; "
+        f"{plural(complete, 'row')} ({pct(share(complete, rows))}) were cut at or past it: window-complete, "
+        f"read by the trainer as a complete answer is. {pct(share(cut, rows))} hit the cap in all.",
+        f"The window is {t.trainer.named()}.",
+    ]
     if configs_over:
         lines.append("Configs over the threshold:\n" + bullets([group_line(g) for g in configs_over]))
     if shards_over:
@@ -66,24 +77,35 @@ def window_complete(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Findi
     rows, complete, complete_tokens, decoded, trained = con.execute(
         "SELECT count(*), count(*) FILTER (WHERE window_complete), "
         "coalesce(sum(trained_tokens) FILTER (WHERE window_complete), 0), "
-        "coalesce(sum(completion_tokens), 0), coalesce(sum(trained_tokens), 0) FROM completions").fetchone()
+        "coalesce(sum(completion_tokens), 0), coalesce(sum(trained_tokens), 0) FROM completions"
+    ).fetchone()
     past = decoded - trained
     rate, limit = share(past, decoded), t.past_window_rate_max
     ratio = f"{decoded / trained:.2f}" if trained else "-"
-    lines = [f"{plural(complete, 'row')} ({pct(share(complete, rows))} of {num(rows)}) were cut at or past the "
-             f"trainer's window max_length {num(window)}: window-complete, exported, {num(complete_tokens)} trained "
-             f"tokens. {num(past)} of {num(decoded)} decoded tokens ({pct(rate)}) lie past the window, "
-             f"{verdict(rate, limit)}; decoded per trained token {ratio} (the floor is 1.00).",
-             f"The window is {t.trainer.named()}."]
+    lines = [
+        f"{plural(complete, 'row')} ({pct(share(complete, rows))} of {num(rows)}) were cut at or past the "
+        f"trainer's window max_length {num(window)}: window-complete, exported, {num(complete_tokens)} trained "
+        f"tokens. {num(past)} of {num(decoded)} decoded tokens ({pct(rate)}) lie past the window, "
+        f"{verdict(rate, limit)}; decoded per trained token {ratio} (the floor is 1.00).",
+        f"The window is {t.trainer.named()}.",
+    ]
     if rate > limit:
-        lines.append("Those tokens cost GPU time and no training step reads them: generate with cap_policy window "
-                     f"(--cap-policy window --trainer-max-length {window}) to ask each request only for what the "
-                     "window reads.")
+        lines.append(
+            "Those tokens cost GPU time and no training step reads them: generate with cap_policy window "
+            f"(--cap-policy window --trainer-max-length {window}) to ask each request only for what the "
+            "window reads."
+        )
     metadata: dict[str, MetadataValue] = {
-        "rows": rows, "max_length": window, "window_complete_rows": complete,
-        "window_complete_rate": share(complete, rows), "window_complete_trained_tokens": int(complete_tokens),
-        "decoded_tokens": int(decoded), "trained_tokens": int(trained), "decoded_past_window_tokens": int(past),
-        "past_window_rate": rate, "threshold": limit,
+        "rows": rows,
+        "max_length": window,
+        "window_complete_rows": complete,
+        "window_complete_rate": share(complete, rows),
+        "window_complete_trained_tokens": int(complete_tokens),
+        "decoded_tokens": int(decoded),
+        "trained_tokens": int(trained),
+        "decoded_past_window_tokens": int(past),
+        "past_window_rate": rate,
+        "threshold": limit,
     }
     return Finding(rate <= limit, "\n\n".join(lines), metadata)
 
@@ -181,7 +203,7 @@ def max_length_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> F
         [GroupCount(config_label(h, cap), f"{h}/{cap}", rows, over) for h, cap, rows, over, _, _ in result],
         t.max_length_overflow_rate_max,
         why=f"The trainer truncates these rows: raise its max_length or expect their tails to be lost. The window "
-            f"is {t.trainer.named()}.",
+        f"is {t.trainer.named()}.",
     )
     metadata = finding.metadata | {
         "max_length": t.trainer.max_length,

@@ -3,8 +3,8 @@
 import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, num, pct, share, verdict
-from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.rates import group_counts, group_line, totals, worst_first
+from dflash_assets.settings import QualitySettings
 
 
 def runaway_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
@@ -22,17 +22,23 @@ def runaway_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     honest = truncated - runaways  # the cap's cuts that do not loop
     rate, limit = share(runaways, rows), t.runaway_rate_max
     over = [g for g in worst_first(configs) if g.rate > limit] + [g for g in worst_first(shards) if g.rate > limit]
-    lines = [f"**{pct(rate)}** of {num(rows)} rows ({num(runaways)}) were cut at the cap while repeating themselves "
-             f"(runaways), {verdict(rate, limit)}; {num(honest)} other rows were cut honestly."]
+    lines = [
+        f"**{pct(rate)}** of {num(rows)} rows ({num(runaways)}) were cut at the cap while repeating themselves "
+        f"(runaways), {verdict(rate, limit)}; {num(honest)} other rows were cut honestly."
+    ]
     if stopped:
         lines[0] = lines[0].replace(" were cut at the cap while", " were cut while", 1)
-        lines.append(f"{num(stopped)} of the runaways were stopped while streaming, before the cap "
-                     f"(finish_reason 'runaway'): they cost only the tokens decoded until the loop was seen.")
+        lines.append(
+            f"{num(stopped)} of the runaways were stopped while streaming, before the cap "
+            f"(finish_reason 'runaway'): they cost only the tokens decoded until the loop was seen."
+        )
     if over:
         lines.append(bullets([group_line(g) for g in over]))
-        lines.append("A runaway loops to any cap: raising max_output_tokens only makes it longer. Look at the "
-                     "sampling settings (temperature, repetition/presence penalty) or drop these rows; the cap plan "
-                     "counts them apart from the tail.")
+        lines.append(
+            "A runaway loops to any cap: raising max_output_tokens only makes it longer. Look at the "
+            "sampling settings (temperature, repetition/presence penalty) or drop these rows; the cap plan "
+            "counts them apart from the tail."
+        )
     metadata: dict[str, MetadataValue] = {
         "rows": rows,
         "runaway_rows": runaways,

@@ -9,14 +9,24 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_assets.quality.answer import CapAnswer, cap_answers
-from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.registry import run_checks
 from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
 from dflash_assets.quality.window_plan import window_plan_lines
+from dflash_assets.settings import QualitySettings
 
-LENGTH_COLUMNS = ("rows", "truncated", "truncation rate", "cut inside window", "window-complete", "P50", "P90",
-                  "P95", "P99", "max")
+LENGTH_COLUMNS = (
+    "rows",
+    "truncated",
+    "truncation rate",
+    "cut inside window",
+    "window-complete",
+    "P50",
+    "P90",
+    "P95",
+    "P99",
+    "max",
+)
 OVERFLOW_KEYS = ("completion_rows_over_context", "rejected_prompts_over_context", "rows_over_max_length")
 
 
@@ -75,10 +85,20 @@ def plan_table(answer: CapAnswer) -> Table:
         r = e.truncation_rate
         cut = pct(r.value) + (" measured" if e.measured else f" ({pct(r.low)}-{pct(r.high)})")
         mark = " <- recommended" if answer.recommended and e.cap == answer.recommended.cap else ""
-        table.add_row(f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}", cut,
-                      f"{e.output_tokens.value / now:.2f}x", _n(e.context_needed_max),
-                      ("-" if e.fits_context is None else "yes" if e.fits_context else
-                       f"no: {num(e.prompts_over_context)} prompts over") + mark)
+        table.add_row(
+            f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}",
+            cut,
+            f"{e.output_tokens.value / now:.2f}x",
+            _n(e.context_needed_max),
+            (
+                "-"
+                if e.fits_context is None
+                else "yes"
+                if e.fits_context
+                else f"no: {num(e.prompts_over_context)} prompts over"
+            )
+            + mark,
+        )
     return table
 
 
@@ -93,30 +113,40 @@ def print_answer(answer: CapAnswer, console: Console) -> None:
         console.print("  nothing was cut: the cap is large enough for these prompts", highlight=False)
         return
     if not answer.cuts_matter:
-        console.print(f"  every cut row lies at or past the trainer's window max_length {num(answer.max_length)}: "
-                      f"window-complete, the trainer reads each exactly as it reads the complete answer, so a larger "
-                      f"cap buys no trained token. To stop decoding past the window, generate with "
-                      f"--cap-policy window --trainer-max-length {answer.max_length}.", highlight=False)
+        console.print(
+            f"  every cut row lies at or past the trainer's window max_length {num(answer.max_length)}: "
+            f"window-complete, the trainer reads each exactly as it reads the complete answer, so a larger "
+            f"cap buys no trained token. To stop decoding past the window, generate with "
+            f"--cap-policy window --trainer-max-length {answer.max_length}.",
+            highlight=False,
+        )
     console.print(plan_table(answer))
     if answer.window_plan is not None:
-        for line in window_plan_lines(answer.window_plan, f"--cap-policy window --trainer-max-length "
-                                                          f"{answer.max_length}"):
+        for line in window_plan_lines(
+            answer.window_plan, f"--cap-policy window --trainer-max-length {answer.max_length}"
+        ):
             console.print(line, highlight=False)
     if answer.recommended:
         e = answer.recommended
-        console.print(f"  recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut, "
-                      f"{e.output_tokens.value / answer.plan.at(answer.cap).output_tokens.value:.2f}x the output "
-                      f"tokens; above {num(answer.cap)} the tail is a model)", highlight=False)
+        console.print(
+            f"  recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut, "
+            f"{e.output_tokens.value / answer.plan.at(answer.cap).output_tokens.value:.2f}x the output "
+            f"tokens; above {num(answer.cap)} the tail is a model)",
+            highlight=False,
+        )
 
 
-def print_answers(data_dir: str | Path, console: Console | None = None,
-                  thresholds: QualitySettings = QualitySettings()) -> list[CapAnswer]:
+def print_answers(
+    data_dir: str | Path, console: Console | None = None, thresholds: QualitySettings = QualitySettings()
+) -> list[CapAnswer]:
     """`dflash report`'s first screen: per config, the answer to "are we maxing out, what should the cap be?"."""
     console = console or Console()
     answers = cap_answers(data_dir, thresholds)
-    console.print(f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, "
-                  f"truncation limit {pct(thresholds.truncation_rate_max)} inside {thresholds.trainer.named()})",
-                  highlight=False)
+    console.print(
+        f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, "
+        f"truncation limit {pct(thresholds.truncation_rate_max)} inside {thresholds.trainer.named()})",
+        highlight=False,
+    )
     for answer in answers:
         print_answer(answer, console)
     return answers
@@ -134,8 +164,11 @@ def print_report(
     report = length_quality(data_dir, shard, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
     scope = f"shard {shard}" if shard else "all shards"
     console.print(_table(f"Length quality, {scope}", LENGTH_COLUMNS, [_length_cells(report)]))
-    console.print(f"Percentiles: {PERCENTILE_DEFINITION}. Cut inside the window / window-complete: judged against "
-                  f"{thresholds.trainer.named()}.", highlight=False)
+    console.print(
+        f"Percentiles: {PERCENTILE_DEFINITION}. Cut inside the window / window-complete: judged against "
+        f"{thresholds.trainer.named()}.",
+        highlight=False,
+    )
     console.print(
         _table(
             "By config",
@@ -171,8 +204,11 @@ def print_report(
     console.print(
         _table(
             "Overflow",
-            ("completion rows over context", "rejected prompts over context",
-             f"rows over max_length {o['max_length']}"),
+            (
+                "completion rows over context",
+                "rejected prompts over context",
+                f"rows over max_length {o['max_length']}",
+            ),
             [[num(o[k]) for k in OVERFLOW_KEYS]],
         )
     )
@@ -182,8 +218,16 @@ def print_report(
             _table(
                 "Checks",
                 ("check", "gate", "severity", "result", "summary"),
-                [[o.name, "blocking" if o.blocking else "", o.severity, "PASS" if o.passed else "FAIL",
-                  _headline(o.summary_md)] for o in outcomes],
+                [
+                    [
+                        o.name,
+                        "blocking" if o.blocking else "",
+                        o.severity,
+                        "PASS" if o.passed else "FAIL",
+                        _headline(o.summary_md),
+                    ]
+                    for o in outcomes
+                ],
             )
         )
     return report

@@ -40,13 +40,13 @@ import pyarrow.parquet as pq
 
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.turns import split_turns
-from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
-from dflash_assets.store.storage import is_uri, open_storage
-from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source, runaway_sql, window_flags_sql
 from dflash_assets.quality.trainer_format import FORMS, STATUS, has_think_marker
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL
+from dflash_assets.settings import RunawaySettings, TrainerSettings
+from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
+from dflash_assets.store.storage import is_uri, open_storage
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -90,9 +90,14 @@ def export_schema(form: str) -> pa.Schema:
         raise ValueError(f"export form must be one of {', '.join(FORMS)}, got {form!r}")
     at = EXPORT_SCHEMA.get_field_index("conversations")
     if form == "pretokenized":
-        return EXPORT_SCHEMA.remove(at).insert(at, pa.field("input_ids", pa.list_(pa.int32()))).insert(
-            at + 1, pa.field("loss_mask", pa.list_(pa.int8()))).append(pa.field("turn", pa.int16()))
+        return (
+            EXPORT_SCHEMA.remove(at)
+            .insert(at, pa.field("input_ids", pa.list_(pa.int32())))
+            .insert(at + 1, pa.field("loss_mask", pa.list_(pa.int8())))
+            .append(pa.field("turn", pa.int16()))
+        )
     return EXPORT_SCHEMA if form == "conversations" else EXPORT_SCHEMA.set(at, pa.field("messages", pa.list_(MESSAGE)))
+
 
 GRADE = """
 CREATE TEMP TABLE graded AS
@@ -155,8 +160,10 @@ class TrainingExport:
 
 def _history_think_marker(messages_json: str) -> bool:
     """Whether an assistant message a last_turn row keeps from the source holds a think marker."""
-    return any(m["role"] == "assistant" and has_think_marker(m["content"] or "")
-               for m in last_turn_request(json.loads(messages_json)))
+    return any(
+        m["role"] == "assistant" and has_think_marker(m["content"] or "")
+        for m in last_turn_request(json.loads(messages_json))
+    )
 
 
 def _answer(row: dict[str, Any]) -> dict[str, str]:
@@ -196,8 +203,12 @@ def _sha256(path: Path) -> str:
 def _kept_groups(con: duckdb.DuckDBPyConnection, query: str):
     """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config)."""
     rows = (row for batch in con.sql(query).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
-    yield from (list(group) for _, group in itertools.groupby(
-        rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)))
+    yield from (
+        list(group)
+        for _, group in itertools.groupby(
+            rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)
+        )
+    )
 
 
 def pretokenized(row: dict[str, Any], max_length: int | None) -> dict[str, Any]:
@@ -206,12 +217,21 @@ def pretokenized(row: dict[str, Any], max_length: int | None) -> dict[str, Any]:
     prompt, output = row["prompt_token_ids"], row["output_ids"]
     end = len(prompt) + len(output) if max_length is None else max_length
     sample_id = row["id"] if row["turn"] is None else f"{row['id']}#{row['turn']}"
-    return {"id": sample_id, "input_ids": (prompt + output)[:end],
-            "loss_mask": ([0] * len(prompt) + [1] * len(output))[:end]}
+    return {
+        "id": sample_id,
+        "input_ids": (prompt + output)[:end],
+        "loss_mask": ([0] * len(prompt) + [1] * len(output))[:end],
+    }
 
 
-def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path,
-                form: str, max_length: int | None = None) -> tuple[int, int, int]:
+def _write_rows(
+    con: duckdb.DuckDBPyConnection,
+    query: str,
+    jsonl_tmp: Path,
+    parquet_tmp: Path,
+    form: str,
+    max_length: int | None = None,
+) -> tuple[int, int, int]:
     """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes.
 
     Returns (lines written, kept rows they hold, conversations left out because a turn of theirs did not pass)."""
@@ -234,15 +254,18 @@ def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, par
                         flush(pending)
                         pending = []
                 continue
-            for rows in ([group] if group[0]["turn"] is not None else [[r] for r in group]):
+            for rows in [group] if group[0]["turn"] is not None else [[r] for r in group]:
                 consumed += len(rows)
                 conversation = _conversation(rows)
                 if conversation is None:
                     incomplete += 1
                     continue
                 row = rows[-1] | {"completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
-                line = ({"id": row["id"], "status": STATUS, "conversations": conversation} if form == "conversations"
-                        else {"id": row["id"], "messages": conversation})
+                line = (
+                    {"id": row["id"], "status": STATUS, "conversations": conversation}
+                    if form == "conversations"
+                    else {"id": row["id"], "messages": conversation}
+                )
                 jsonl.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
                 pending.append({k: row.get(k) for k in schema.names} | {"status": STATUS, form: conversation})
                 written += 1
@@ -255,9 +278,13 @@ def _write_rows(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, par
 
 
 def export_training_set(
-    data_dir: str | Path, out_dir: str | Path, config_hash: str | None = None,
-    max_length: int | None = TrainerSettings().max_length, form: str = TrainerSettings().format,
-    drop_over_max_length: bool = False, runaway: RunawaySettings = RunawaySettings(),
+    data_dir: str | Path,
+    out_dir: str | Path,
+    config_hash: str | None = None,
+    max_length: int | None = TrainerSettings().max_length,
+    form: str = TrainerSettings().format,
+    drop_over_max_length: bool = False,
+    runaway: RunawaySettings = RunawaySettings(),
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
@@ -273,16 +300,22 @@ def export_training_set(
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
     """
     if is_uri(os.fspath(out_dir)):
-        raise ValueError(f"out_dir {out_dir!s} must be a local directory (the training set is written, fsynced and "
-                         f"renamed there; copy it to an object store afterwards if the trainer reads from one)")
+        raise ValueError(
+            f"out_dir {out_dir!s} must be a local directory (the training set is written, fsynced and "
+            f"renamed there; copy it to an object store afterwards if the trainer reads from one)"
+        )
     data_dir = open_storage(data_dir)  # one filesystem for both tables
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
     tmps = {name: out / f".{name}.tmp" for name in paths}
     export_schema(form)  # refuses an unknown form before anything is written
-    params = {"config": config_hash, "max_length": max_length, "pretokenized": form == "pretokenized",
-              "drop_long": drop_over_max_length and max_length is not None}
+    params = {
+        "config": config_hash,
+        "max_length": max_length,
+        "pretokenized": form == "pretokenized",
+        "drop_long": drop_over_max_length and max_length is not None,
+    }
     try:
         with duckdb.connect(":memory:") as con:
             prompts = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA)
@@ -292,30 +325,49 @@ def export_training_set(
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
             register_runaway(con, runaway)
-            con.execute(GRADE.format(flags=COMPLETION_FLAGS, completions=completions, overflow=OVERFLOW_SQL, stopped_early=STOPPED_EARLY_SQL,
-                                     runaway=runaway_sql(runaway),
-                                     window=window_flags_sql(NO_LIMIT if max_length is None else max_length)),
-                        params)
+            con.execute(
+                GRADE.format(
+                    flags=COMPLETION_FLAGS,
+                    completions=completions,
+                    overflow=OVERFLOW_SQL,
+                    stopped_early=STOPPED_EARLY_SQL,
+                    runaway=runaway_sql(runaway),
+                    window=window_flags_sql(NO_LIMIT if max_length is None else max_length),
+                ),
+                params,
+            )
             ids = "c.prompt_token_ids, c.output_ids" if form == "pretokenized" else "NULL AS prompt_token_ids"
             query = KEPT.format(completions=completions, ids=ids)
-            rows, consumed, incomplete = _write_rows(con, query, tmps["training_set.jsonl"],
-                                                     tmps["training_set.parquet"], form, max_length)
+            rows, consumed, incomplete = _write_rows(
+                con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], form, max_length
+            )
             manifest = _manifest(con, config_hash, max_length, consumed) | {
-                "form": form, "rows": rows, "conversations_not_whole": incomplete}
+                "form": form,
+                "rows": rows,
+                "conversations_not_whole": incomplete,
+            }
             manifest["drop_over_max_length"] = params["drop_long"]
-            manifest["over_max_length_kept"] = con.execute(
-                "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > $m",
-                {"m": max_length}).fetchone()[0] if max_length is not None else 0
+            manifest["over_max_length_kept"] = (
+                con.execute(
+                    "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > $m",
+                    {"m": max_length},
+                ).fetchone()[0]
+                if max_length is not None
+                else 0
+            )
             manifest["exclusions"] = _exclusions(con)
             manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = con.execute(
                 "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "
-                "FROM graded WHERE reason IS NULL").fetchone()
+                "FROM graded WHERE reason IS NULL"
+            ).fetchone()
             manifest["trainer"] = {
-                "max_length": max_length, "format": form,
+                "max_length": max_length,
+                "format": form,
                 "how_to_change": "trainer.max_length and trainer.format of the quality resource (Dagster), or "
-                                 "dflash demo/backfill --trainer-max-length; the form also by the drafter_training_set "
-                                 "config's form",
-                "window_cut_content": WINDOW_CUT_CONTENT if form != "pretokenized" else None}
+                "dflash demo/backfill --trainer-max-length; the form also by the drafter_training_set "
+                "config's form",
+                "window_cut_content": WINDOW_CUT_CONTENT if form != "pretokenized" else None,
+            }
         for name in ("training_set.jsonl", "training_set.parquet"):
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
@@ -330,19 +382,29 @@ def export_training_set(
 def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, Any]]:
     """Each reason that removed rows: rows and completion tokens removed (and their shares of all graded rows),
     and the sources it removed the most rows from, with the share of that source's rows it took."""
-    total_rows, total_tokens = con.execute("SELECT count(*), coalesce(sum(completion_tokens), 0) FROM graded").fetchone()
+    total_rows, total_tokens = con.execute(
+        "SELECT count(*), coalesce(sum(completion_tokens), 0) FROM graded"
+    ).fetchone()
     out = []
     for reason, rows, tokens in con.execute(
-            "SELECT reason, count(*), coalesce(sum(completion_tokens), 0) FROM graded WHERE reason IS NOT NULL "
-            "GROUP BY ALL ORDER BY 2 DESC, 1").fetchall():
+        "SELECT reason, count(*), coalesce(sum(completion_tokens), 0) FROM graded WHERE reason IS NOT NULL "
+        "GROUP BY ALL ORDER BY 2 DESC, 1"
+    ).fetchall():
         sources = con.execute(
             "SELECT coalesce(source, '?') AS source, count(*) FILTER (WHERE reason = $r) AS n, count(*) AS of "
-            "FROM graded GROUP BY ALL HAVING n > 0 ORDER BY n DESC, source LIMIT $top", {"r": reason, "top": top}
+            "FROM graded GROUP BY ALL HAVING n > 0 ORDER BY n DESC, source LIMIT $top",
+            {"r": reason, "top": top},
         ).fetchall()
-        out.append({"reason": reason, "rows": rows, "share_of_rows": round(rows / total_rows, 4),
-                    "completion_tokens": int(tokens),
-                    "share_of_tokens": round(tokens / total_tokens, 4) if total_tokens else 0.0,
-                    "sources": [{"source": s, "rows": n, "share_of_source": round(n / of, 4)} for s, n, of in sources]})
+        out.append(
+            {
+                "reason": reason,
+                "rows": rows,
+                "share_of_rows": round(rows / total_rows, 4),
+                "completion_tokens": int(tokens),
+                "share_of_tokens": round(tokens / total_tokens, 4) if total_tokens else 0.0,
+                "sources": [{"source": s, "rows": n, "share_of_source": round(n / of, 4)} for s, n, of in sources],
+            }
+        )
     return out
 
 
@@ -352,16 +414,23 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
 
     lines = []
     for e in manifest.get("exclusions", []):
-        worst = ", ".join(f"{s['source']} {num(s['rows'])} ({pct(s['share_of_source'])} of its rows)"
-                          for s in e["sources"])
-        lines.append(f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
-                     f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}")
+        worst = ", ".join(
+            f"{s['source']} {num(s['rows'])} ({pct(s['share_of_source'])} of its rows)" for s in e["sources"]
+        )
+        lines.append(
+            f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
+            f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}"
+        )
     if manifest.get("window_complete_kept"):
-        lines.append(f"kept {num(manifest['window_complete_kept'])} window-complete rows (cut at or past the trainer's "
-                     f"window max_length {num(manifest['max_length'])}: it reads them as complete answers)")
+        lines.append(
+            f"kept {num(manifest['window_complete_kept'])} window-complete rows (cut at or past the trainer's "
+            f"window max_length {num(manifest['max_length'])}: it reads them as complete answers)"
+        )
     if manifest.get("over_max_length_kept"):
-        lines.append(f"kept {num(manifest['over_max_length_kept'])} rows longer than max_length "
-                     f"{num(manifest['max_length'])} (the trainer cuts them; drop_over_max_length excludes them)")
+        lines.append(
+            f"kept {num(manifest['over_max_length_kept'])} rows longer than max_length "
+            f"{num(manifest['max_length'])} (the trainer cuts them; drop_over_max_length excludes them)"
+        )
     return lines
 
 

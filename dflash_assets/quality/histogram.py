@@ -26,14 +26,20 @@ def series(data_dir: str | Path, shard: str | None = None) -> list[tuple[str, in
 
 def series_of(con: duckdb.DuckDBPyConnection) -> list[tuple[str, int | None, int, np.ndarray]]:
     """`series` of a database open_quality_db opened (the report's, which it shares)."""
-    configs = con.execute("SELECT config_hash, config_cap, count(*) FROM completions GROUP BY ALL ORDER BY ALL"
-                          ).fetchall()
+    configs = con.execute(
+        "SELECT config_hash, config_cap, count(*) FROM completions GROUP BY ALL ORDER BY ALL"
+    ).fetchall()
     return [
-        (h, cap, rows, con.execute(
-            "SELECT completion_tokens FROM completions WHERE config_hash IS NOT DISTINCT FROM $h "
-            "AND config_cap IS NOT DISTINCT FROM $cap AND completion_tokens IS NOT NULL",
-            {"h": h, "cap": cap},
-        ).fetchnumpy()["completion_tokens"])
+        (
+            h,
+            cap,
+            rows,
+            con.execute(
+                "SELECT completion_tokens FROM completions WHERE config_hash IS NOT DISTINCT FROM $h "
+                "AND config_cap IS NOT DISTINCT FROM $cap AND completion_tokens IS NOT NULL",
+                {"h": h, "cap": cap},
+            ).fetchnumpy()["completion_tokens"],
+        )
         for h, cap, rows in configs
     ]
 
@@ -68,8 +74,9 @@ def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str 
     return write_histogram(series(data_dir, shard), path, shard, bins)
 
 
-def write_histogram(configs: list[tuple[str, int | None, int, np.ndarray]], path: str | Path, shard: str | None,
-                    bins: int = 64) -> Path:
+def write_histogram(
+    configs: list[tuple[str, int | None, int, np.ndarray]], path: str | Path, shard: str | None, bins: int = 64
+) -> Path:
     """Write the histogram PNG of `series`' configs to `path` and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,9 +84,13 @@ def write_histogram(configs: list[tuple[str, int | None, int, np.ndarray]], path
     return path
 
 
-def report_and_histogram(data_dir: str | Path, path: str | Path, shard: str | None = None,
-                         max_length: int = TrainerSettings().max_length,
-                         runaway: RunawaySettings = RunawaySettings()) -> tuple[dict[str, Any], Path]:
+def report_and_histogram(
+    data_dir: str | Path,
+    path: str | Path,
+    shard: str | None = None,
+    max_length: int = TrainerSettings().max_length,
+    runaway: RunawaySettings = RunawaySettings(),
+) -> tuple[dict[str, Any], Path]:
     """`report.length_quality` of `shard` (None: all shards) and its histogram written to `path`, from one read of
     the rows (the length_quality assets draw both)."""
     with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:

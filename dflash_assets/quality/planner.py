@@ -31,14 +31,20 @@ from pathlib import Path
 import duckdb
 import numpy as np
 
-from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
-from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.probe_estimates import (ProbePrecision, ProbeSample, measure_with_probe, probe_label,
-                                                     precision_text, wilson)
+from dflash_assets.quality.probe_estimates import (
+    ProbePrecision,
+    ProbeSample,
+    measure_with_probe,
+    precision_text,
+    probe_label,
+    wilson,
+)
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import parquet_source, runaway_sql
 from dflash_assets.rules import CUT_SQL, MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
+from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 
 DEFAULT_CANDIDATES = (4096, 5120, 6144, 8192, 12288, 16384)
 GAP_WARN = 0.02  # below the cap, a fitted survival this far from the observed one makes the tail suspect
@@ -92,6 +98,7 @@ class CapEstimate:
 class TurnView:
     """The rows of one turn index (all_turns): how many, the share the current cap cut, nearest-rank P50/P90/P99.
     Later turns carry longer histories and often longer answers: one cap for all turns is judged turn by turn."""
+
     turn: int
     rows: int
     truncated: int
@@ -109,8 +116,11 @@ def turn_views(turn, completion_tokens, truncated) -> list[TurnView]:
     for k in np.unique(turn.data[known]):
         at = known & (turn.data == k)
         values, cut = np.asarray(completion_tokens)[at], int(np.asarray(truncated)[at].sum())
-        out.append(TurnView(int(k), int(at.sum()), cut, cut / int(at.sum()),
-                            *(percentile(values, q) for q in (0.5, 0.9, 0.99))))
+        out.append(
+            TurnView(
+                int(k), int(at.sum()), cut, cut / int(at.sum()), *(percentile(values, q) for q in (0.5, 0.9, 0.99))
+            )
+        )
     return out
 
 
@@ -216,16 +226,23 @@ def _stats(values: np.ndarray, cut: np.ndarray, counts: np.ndarray, lo: int) -> 
     unc, cen = inside & ~cut, inside & cut
     y = np.log(np.maximum(values[unc], 1))  # a 0-token row (rare, aborted) counts as 1 on the log scale
     k = counts[unc]
-    return {"k": float(k.sum()), "s1": float(k @ y), "s2": float(k @ (y * y)), "cl": np.log(values[cen]),
-            "ck": counts[cen].astype(float), "tl": math.log(lo) if lo > 0 else None,
-            "n": float(counts[inside].sum())}
+    return {
+        "k": float(k.sum()),
+        "s1": float(k @ y),
+        "s2": float(k @ (y * y)),
+        "cl": np.log(values[cen]),
+        "ck": counts[cen].astype(float),
+        "tl": math.log(lo) if lo > 0 else None,
+        "n": float(counts[inside].sum()),
+    }
 
 
 # ---- predictions -----------------------------------------------------------------------------------------
 
 
-def _predict(values, cut, counts, caps: np.ndarray, fit: tuple[float, float] | None,
-             loop: np.ndarray, cap: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _predict(
+    values, cut, counts, caps: np.ndarray, fit: tuple[float, float] | None, loop: np.ndarray, cap: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Rows above each cap (expected) and output tokens at each cap: exact for uncut rows and for cut rows
     below their cut point, the fitted conditional tail for cut rows above it; runaway (`loop`) rows run past
     every cap and cost all of it, but those stopped while streaming (below the rows' own `cap`) cost what they
@@ -260,8 +277,10 @@ def _fit_tail(values, cut, counts, fit_from: float, notes: list[str]) -> TailFit
     lo = percentile(lengths, fit_from) if fit_from > 0 else 0
     st = _stats(values, cut, counts, lo)
     if st["k"] < 10:
-        raise PlanError(f"only {num(int(st['k']))} uncut rows above {num(lo)} tokens to fit the tail to: "
-                        f"lower fit_from or plan from more rows")
+        raise PlanError(
+            f"only {num(int(st['k']))} uncut rows above {num(lo)} tokens to fit the tail to: "
+            f"lower fit_from or plan from more rows"
+        )
     y = np.log(np.maximum(lengths[lengths > lo], 1))
     mu, sigma = _fit(st, (float(y.mean()), float(max(y.std(), 0.1))))
     rows = int(counts[values > lo].sum())
@@ -271,14 +290,17 @@ def _fit_tail(values, cut, counts, fit_from: float, notes: list[str]) -> TailFit
     above = (n - np.cumsum(counts)) / n
     gap = float(np.abs(above[seen] - fit.survival(values[seen].astype(float))).max()) if seen.any() else 0.0
     if gap > max(GAP_WARN, 1.36 / math.sqrt(rows)):  # beyond a Kolmogorov-Smirnov 95% band, or 2 points
-        notes.append(f"the lognormal misses the observed P(length > x) below the cap by up to {pct(gap)}: the "
-                     f"predictions above the cap are less sure than their intervals say; try fit_from=0.5 (the "
-                     f"upper half only) or a sample at a larger cap")
+        notes.append(
+            f"the lognormal misses the observed P(length > x) below the cap by up to {pct(gap)}: the "
+            f"predictions above the cap are less sure than their intervals say; try fit_from=0.5 (the "
+            f"upper half only) or a sample at a larger cap"
+        )
     return replace(fit, max_gap=gap)
 
 
-def _bootstrap(values, cut, counts, loop, caps, fit: TailFit | None, grid, replicates: int, seed: int,
-               cap: int | None = None):
+def _bootstrap(
+    values, cut, counts, loop, caps, fit: TailFit | None, grid, replicates: int, seed: int, cap: int | None = None
+):
     """Per replicate: rows over each cap (share), output tokens at each cap, and the tail's P(L > x) on `grid`.
 
     Resampling rows is a multinomial draw over the distinct (length, cut) pairs: the same as drawing n rows
@@ -318,12 +340,25 @@ def _interval(point: float, samples: np.ndarray, scale: float = 1.0) -> Estimate
     return Estimate(point * scale, float(low) * scale, float(high) * scale)
 
 
-def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None, *, runaway=None,
-                      probe: ProbeSample | None = None, candidates=DEFAULT_CANDIDATES,
-                      tokens_per_s: float | None = None, context_length: int | None = None,
-                      prompts: int | None = None, fit_from: float = 0.0, bootstrap: int = 200, seed: int = 0,
-                      config_hash: str | None = None, shard: str | None = None,
-                      notes: list[str] | None = None) -> CapPlan:
+def plan_from_lengths(
+    completion_tokens,
+    truncated,
+    cap: int,
+    prompt_tokens=None,
+    *,
+    runaway=None,
+    probe: ProbeSample | None = None,
+    candidates=DEFAULT_CANDIDATES,
+    tokens_per_s: float | None = None,
+    context_length: int | None = None,
+    prompts: int | None = None,
+    fit_from: float = 0.0,
+    bootstrap: int = 200,
+    seed: int = 0,
+    config_hash: str | None = None,
+    shard: str | None = None,
+    notes: list[str] | None = None,
+) -> CapPlan:
     """The plan from one config's rows: completion_tokens, whether each was cut (finish_reason 'length'),
     the cap they were made with and (for the context columns) their prompt_tokens.
 
@@ -340,9 +375,11 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
     if n == 0:
         raise PlanError("no completion rows to plan from: generate a sample at the current cap first")
     if n_cut == n and n_loop < n:
-        raise PlanError(f"all {num(n)} rows were cut at the cap of {num(cap)} tokens: nothing is known about the "
-                        f"lengths below it, so no tail can be fitted. Run a sample at a larger cap first "
-                        f"(e.g. {num(4 * cap)}) and plan from that")
+        raise PlanError(
+            f"all {num(n)} rows were cut at the cap of {num(cap)} tokens: nothing is known about the "
+            f"lengths below it, so no tail can be fitted. Run a sample at a larger cap first "
+            f"(e.g. {num(4 * cap)}) and plan from that"
+        )
     key, counts = np.unique(lengths * 4 + cut * 2 + loop, return_counts=True)  # distinct (length, cut, loop)
     values, vcut, vloop = key // 4, (key // 2 % 2).astype(bool), (key % 2).astype(bool)
     caps = np.array(sorted({int(c) for c in candidates} | {int(cap)}), dtype=np.int64)
@@ -353,18 +390,25 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
         fit = _fit_tail(values[h], vcut[h], counts[h], fit_from, notes)
         grid = np.geomspace(cap, caps.max() * 1.25, 48)
     elif n_loop:
-        notes.append(f"no row was cut at the cap of {num(cap)} tokens but runaways: every other length is observed, "
-                     f"no tail model is needed (larger caps change nothing but what the runaways cost)")
+        notes.append(
+            f"no row was cut at the cap of {num(cap)} tokens but runaways: every other length is observed, "
+            f"no tail model is needed (larger caps change nothing but what the runaways cost)"
+        )
     else:
-        notes.append(f"no row was cut at the cap of {num(cap)} tokens: every length is observed, no tail model "
-                     f"is needed (larger caps change nothing)")
+        notes.append(
+            f"no row was cut at the cap of {num(cap)} tokens: every length is observed, no tail model "
+            f"is needed (larger caps change nothing)"
+        )
     if n_loop:
-        notes.append(f"{num(n_loop)} of the {num(n_cut)} cut rows ({pct(n_loop / n)} of all rows) are runaways "
-                     f"(cut while repeating themselves): they are counted as cut at every cap and cost all of it, "
-                     f"and are left out of the tail")
+        notes.append(
+            f"{num(n_loop)} of the {num(n_cut)} cut rows ({pct(n_loop / n)} of all rows) are runaways "
+            f"(cut while repeating themselves): they are counted as cut at every cap and cost all of it, "
+            f"and are left out of the tail"
+        )
     over, tokens = _predict(values, vcut, counts, caps, (fit.mu, fit.sigma) if fit else None, vloop, cap)
-    boot_shares, boot_tokens, boot_tails, boot_loops = _bootstrap(values, vcut, counts, vloop, caps, fit, grid,
-                                                                  bootstrap, seed, cap)
+    boot_shares, boot_tokens, boot_tails, boot_loops = _bootstrap(
+        values, vcut, counts, vloop, caps, fit, grid, bootstrap, seed, cap
+    )
     loop_share = _interval(n_loop / n, boot_loops)
     beyond = caps > cap
     model_rows = beyond & bool(honest_cut)
@@ -372,21 +416,26 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
     if probe is not None and honest_cut:
         in_probe = beyond & (caps <= probe.cap)
         if probe.cap <= cap:
-            notes.append(f"the length probe's cap {num(probe.cap)} is not above the current cap {num(cap)}: it "
-                         f"measures nothing the rows do not")
+            notes.append(
+                f"the length probe's cap {num(probe.cap)} is not above the current cap {num(cap)}: it "
+                f"measures nothing the rows do not"
+            )
         elif in_probe.any():
-            measured = measure_with_probe(values, vcut, vloop, counts, cap, probe, caps[in_probe], bootstrap,
-                                          seed)
+            measured = measure_with_probe(values, vcut, vloop, counts, cap, probe, caps[in_probe], bootstrap, seed)
             if measured is None:
-                notes.append(f"the length probe has fewer than 10 rows above the current cap {num(cap)}: too few "
-                             f"to measure the tail; the figures beyond the cap stay model-based")
+                notes.append(
+                    f"the length probe has fewer than 10 rows above the current cap {num(cap)}: too few "
+                    f"to measure the tail; the figures beyond the cap stay model-based"
+                )
             else:
                 model_rows &= ~in_probe
                 seen, run_high = wilson(measured.probe_runaways, probe.rows), wilson(n_loop, n)[1]
                 if seen[0] > run_high:
-                    notes.append(f"the probe has {pct(measured.probe_runaways / probe.rows)} runaways, the rows at "
-                                 f"the cap {pct(n_loop / n)}: loops that start after the cap; the probe's figures "
-                                 f"count them with the honest tail")
+                    notes.append(
+                        f"the probe has {pct(measured.probe_runaways / probe.rows)} runaways, the rows at "
+                        f"the cap {pct(n_loop / n)}: loops that start after the cap; the probe's figures "
+                        f"count them with the honest tail"
+                    )
     # what the rows support beyond what is measured: no fewer than the runaways, no more than cut now
     bounds = Estimate(n_cut / n, wilson(n_loop, n)[0], wilson(n_cut, n)[1])
 
@@ -400,12 +449,23 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
         loops, basis = loop_share, "rows" if c <= cap or not honest_cut else "model"
         if measured is not None and c > cap and not model_rows[i] and c <= probe.cap:
             rate = _interval(float(measured.rate[k]), measured.boot_rate[:, k])
-            rate = replace(rate, low=min(rate.low, float(measured.score_low[k])),
-                           high=max(rate.high, float(measured.score_high[k])))
+            rate = replace(
+                rate,
+                low=min(rate.low, float(measured.score_low[k])),
+                high=max(rate.high, float(measured.score_high[k])),
+            )
             loops = _interval(float(measured.runaway[k]), measured.boot_runaway[:, k])
             tok = _interval(float(measured.tokens_per_prompt[k] * n), measured.boot_tokens[:, k] * n)
-            precision.append(ProbePrecision.of(c, honest_cut / n, int(measured.hits[k]), measured.honest_above,
-                                               probe.rows, continued=probe.continued_from is not None))
+            precision.append(
+                ProbePrecision.of(
+                    c,
+                    honest_cut / n,
+                    int(measured.hits[k]),
+                    measured.honest_above,
+                    probe.rows,
+                    continued=probe.continued_from is not None,
+                )
+            )
             basis, k = "probe", k + 1
             # a larger cap cuts no more than this one: beyond the probe, the rows and probe support at most this
             bounds = replace(bounds, value=rate.value, high=rate.high)
@@ -414,22 +474,33 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
         over_ctx = None
         if context_length is not None and pt is not None:
             over_ctx = int(overflows(pt, c, context_length).sum())
-        estimates.append(CapEstimate(
-            cap=c, measured=basis != "model", truncation_rate=rate, output_tokens=tok, hours=hours,
-            context_needed_max=None if pt is None else context_needed(int(pt.max()), c),
-            context_needed_p99=None if pt is None else context_needed(percentile(pt, 0.99), c),
-            fits_context=None if over_ctx is None else over_ctx == 0, prompts_over_context=over_ctx,
-            basis=basis, runaway_rate=loops, bounds=bounds if basis == "model" else None))
+        estimates.append(
+            CapEstimate(
+                cap=c,
+                measured=basis != "model",
+                truncation_rate=rate,
+                output_tokens=tok,
+                hours=hours,
+                context_needed_max=None if pt is None else context_needed(int(pt.max()), c),
+                context_needed_p99=None if pt is None else context_needed(percentile(pt, 0.99), c),
+                fits_context=None if over_ctx is None else over_ctx == 0,
+                prompts_over_context=over_ctx,
+                basis=basis,
+                runaway_rate=loops,
+                bounds=bounds if basis == "model" else None,
+            )
+        )
     if any(e.basis == "model" for e in estimates):
         first = next(e.cap for e in estimates if e.basis == "model")
-        notes.append(f"from {num(first)} tokens on the figures come from a model (a lognormal tail), not a "
-                     f"measurement: its 95% band holds only if the lengths are lognormal. The rows alone say only "
-                     f"that between {pct(bounds.low)} and {pct(bounds.high)} would still be cut at any larger cap. "
-                     f"A length probe measures it instead")
+        notes.append(
+            f"from {num(first)} tokens on the figures come from a model (a lognormal tail), not a "
+            f"measurement: its 95% band holds only if the lengths are lognormal. The rows alone say only "
+            f"that between {pct(bounds.low)} and {pct(bounds.high)} would still be cut at any larger cap. "
+            f"A length probe measures it instead"
+        )
     tail = []
     if fit:
-        point = (honest_cut * _sf(np.log(grid), fit.mu, fit.sigma) / _sf(math.log(cap), fit.mu, fit.sigma)
-                 + n_loop) / n
+        point = (honest_cut * _sf(np.log(grid), fit.mu, fit.sigma) / _sf(math.log(cap), fit.mu, fit.sigma) + n_loop) / n
         band = boot_tails if len(boot_tails) >= 2 else point[None, :]
         lows, highs = np.quantile(band, 0.025, axis=0), np.quantile(band, 0.975, axis=0)
         tail = [(float(x), float(s), float(a), float(b)) for x, s, a, b in zip(grid, point, lows, highs)]
@@ -441,11 +512,26 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
         probe_survival = [(int(v), float(a / probe.rows)) for v, a in zip(pv, probe.rows - np.cumsum(pc))]
         if probe.continued_from:  # its shares are of the honest cut rows: P(L > x) = R + p0 * share, beyond the cap
             probe_survival = [(v, (n_loop + honest_cut * a) / n) for v, a in probe_survival]
-    return CapPlan(config_hash=config_hash, shard=shard, cap=int(cap), rows=n, truncated=n_cut, prompts=prompts,
-                   tokens_per_s=tokens_per_s, context_length=context_length, fit=fit, estimates=estimates,
-                   empirical=empirical, tail=tail, bootstrap=len(boot_tokens), notes=notes, runaways=n_loop,
-                   probe=probe if measured is not None else None, probe_survival=probe_survival,
-                   probe_precision=precision)
+    return CapPlan(
+        config_hash=config_hash,
+        shard=shard,
+        cap=int(cap),
+        rows=n,
+        truncated=n_cut,
+        prompts=prompts,
+        tokens_per_s=tokens_per_s,
+        context_length=context_length,
+        fit=fit,
+        estimates=estimates,
+        empirical=empirical,
+        tail=tail,
+        bootstrap=len(boot_tokens),
+        notes=notes,
+        runaways=n_loop,
+        probe=probe if measured is not None else None,
+        probe_survival=probe_survival,
+        probe_precision=precision,
+    )
 
 
 # ---- from the data dir -----------------------------------------------------------------------------------
@@ -453,14 +539,21 @@ def plan_from_lengths(completion_tokens, truncated, cap: int, prompt_tokens=None
 
 SAMPLING = ("model", *SAMPLING_PARAMS, "enable_thinking")  # what must match for a probe to apply
 # a runaway stopped while streaming is a cut row that loops, at the length it really cost (rules.RUNAWAY_FINISH)
-ROW_QUERY = (f"SELECT completion_tokens, {CUT_SQL} AS truncated, {{runaway}} AS runaway, prompt_tokens, "
-             f"max_output_tokens, server_context_length, {', '.join(SAMPLING)}, turn "
-             f"FROM {{src}} WHERE {{where}} AND (finish_reason = 'stop' OR {CUT_SQL}) "
-             "AND completion_tokens IS NOT NULL")
+ROW_QUERY = (
+    f"SELECT completion_tokens, {CUT_SQL} AS truncated, {{runaway}} AS runaway, prompt_tokens, "
+    f"max_output_tokens, server_context_length, {', '.join(SAMPLING)}, turn "
+    f"FROM {{src}} WHERE {{where}} AND (finish_reason = 'stop' OR {CUT_SQL}) "
+    "AND completion_tokens IS NOT NULL"
+)
 
 
-def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawaySettings = RunawaySettings(),
-               notes: list[str] | None = None, parent: str | None = None) -> ProbeSample | None:
+def read_probe(
+    data_dir: str | Path,
+    like: dict | None = None,
+    rules: RunawaySettings = RunawaySettings(),
+    notes: list[str] | None = None,
+    parent: str | None = None,
+) -> ProbeSample | None:
     """The length probe's rows (generation/probe.py) of the config with the largest cap whose sampling matches
     `like` (SAMPLING: the model, every sampling parameter, thinking), only for prompts in the probe's current sample.
     A continuation probe of `parent`'s cut rows (the planned config's) comes first: it measures the tail of
@@ -474,64 +567,103 @@ def read_probe(data_dir: str | Path, like: dict | None = None, rules: RunawaySet
         if parent is not None:
             src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, CUT_ROWS_SHARD)
             sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, CUT_ROWS_SHARD)
-            found = con.execute(f"SELECT config_hash, max(max_output_tokens) FROM {src} WHERE parent_config_hash = "
-                                f"$parent GROUP BY 1 ORDER BY 2 DESC, 1", {"parent": parent}).fetchall()
+            found = con.execute(
+                f"SELECT config_hash, max(max_output_tokens) FROM {src} WHERE parent_config_hash = "
+                f"$parent GROUP BY 1 ORDER BY 2 DESC, 1",
+                {"parent": parent},
+            ).fetchall()
             if found:
                 config_hash, cap = found[0]
-                rows = con.execute(ROW_QUERY.format(
-                    runaway=runaway_sql(rules), src=src,
-                    where=f"config_hash = $config AND parent_config_hash = $parent AND prompt_id IN (SELECT prompt_id "
-                          f"FROM {sample})"), {"config": config_hash, "parent": parent}).fetchnumpy()
+                rows = con.execute(
+                    ROW_QUERY.format(
+                        runaway=runaway_sql(rules),
+                        src=src,
+                        where=f"config_hash = $config AND parent_config_hash = $parent AND prompt_id IN (SELECT prompt_id "
+                        f"FROM {sample})",
+                    ),
+                    {"config": config_hash, "parent": parent},
+                ).fetchnumpy()
                 if len(rows["completion_tokens"]):
-                    return ProbeSample.of(rows["completion_tokens"], rows["truncated"], int(cap), rows["runaway"],
-                                          config_hash, continued_from=parent)
+                    return ProbeSample.of(
+                        rows["completion_tokens"],
+                        rows["truncated"],
+                        int(cap),
+                        rows["runaway"],
+                        config_hash,
+                        continued_from=parent,
+                    )
         src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, PROBE_SHARD)
         sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, PROBE_SHARD)
         sampling = ", ".join(f"any_value({k})" for k in SAMPLING)
-        configs = con.execute(f"SELECT config_hash, max(max_output_tokens), {sampling} FROM {src} "
-                              f"GROUP BY 1 ORDER BY 2 DESC, 1").fetchall()
+        configs = con.execute(
+            f"SELECT config_hash, max(max_output_tokens), {sampling} FROM {src} GROUP BY 1 ORDER BY 2 DESC, 1"
+        ).fetchall()
         matching = [c for c in configs if like is None or tuple(c[2:]) == tuple(like[k] for k in SAMPLING)]
         if not matching:
             if configs and notes is not None:
-                notes.append(f"a length probe exists (configs {', '.join(f'`{c[0]}`' for c in configs)}) but none was "
-                             f"made with the planned rows' model and sampling: it is not used")
+                notes.append(
+                    f"a length probe exists (configs {', '.join(f'`{c[0]}`' for c in configs)}) but none was "
+                    f"made with the planned rows' model and sampling: it is not used"
+                )
             return None
         config_hash, cap = matching[0][:2]
-        rows = con.execute(ROW_QUERY.format(runaway=runaway_sql(rules), src=src,
-                                            where=f"config_hash = $config AND prompt_id IN (SELECT prompt_id FROM "
-                                                  f"{sample})"), {"config": config_hash}).fetchnumpy()
+        rows = con.execute(
+            ROW_QUERY.format(
+                runaway=runaway_sql(rules),
+                src=src,
+                where=f"config_hash = $config AND prompt_id IN (SELECT prompt_id FROM {sample})",
+            ),
+            {"config": config_hash},
+        ).fetchnumpy()
     if not len(rows["completion_tokens"]):
         return None
     return ProbeSample.of(rows["completion_tokens"], rows["truncated"], int(cap), rows["runaway"], config_hash)
 
 
-def honest_cut_rows(data_dir: str | Path, config_hash: str | None = None,
-                    runaway: RunawaySettings = RunawaySettings()) -> tuple[str, int, list[dict]]:
+def honest_cut_rows(
+    data_dir: str | Path, config_hash: str | None = None, runaway: RunawaySettings = RunawaySettings()
+) -> tuple[str, int, list[dict]]:
     """What a continuation probe samples: the config (by default the one with the most rows, as plan_caps
     chooses), its cap and its honest cut rows ({shard, prompt_id}: finish_reason 'length', runaways left out,
     as the plan leaves them out of the tail)."""
     with duckdb.connect(":memory:") as con:
         register_runaway(con, runaway)
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA)
-        configs = con.execute(f"SELECT config_hash, count(*) FROM {src} GROUP BY 1 ORDER BY {MOST_ROWS_ORDER_SQL}"
-                              ).fetchall()
+        configs = con.execute(
+            f"SELECT config_hash, count(*) FROM {src} GROUP BY 1 ORDER BY {MOST_ROWS_ORDER_SQL}"
+        ).fetchall()
         if not configs:
-            raise PlanError(f"no completion rows under {data_dir}: a continuation probe continues a run's cut rows; "
-                            f"generate the run first, or probe random prompts (mode prompts)")
+            raise PlanError(
+                f"no completion rows under {data_dir}: a continuation probe continues a run's cut rows; "
+                f"generate the run first, or probe random prompts (mode prompts)"
+            )
         config_hash = config_hash or configs[0][0]
         if config_hash not in {h for h, _ in configs}:
-            raise PlanError(f"no rows of config `{config_hash}`; configs present: "
-                            f"{', '.join(f'`{h}`' for h, _ in configs)}")
-        cap = con.execute(f"SELECT max(max_output_tokens) FROM {src} WHERE config_hash = $config",
-                          {"config": config_hash}).fetchone()[0]
-        rows = con.execute(f"SELECT shard, prompt_id FROM {src} WHERE config_hash = $config AND finish_reason = "
-                           f"'length' AND NOT ({runaway_sql(runaway)})", {"config": config_hash}).fetchall()
+            raise PlanError(
+                f"no rows of config `{config_hash}`; configs present: {', '.join(f'`{h}`' for h, _ in configs)}"
+            )
+        cap = con.execute(
+            f"SELECT max(max_output_tokens) FROM {src} WHERE config_hash = $config", {"config": config_hash}
+        ).fetchone()[0]
+        rows = con.execute(
+            f"SELECT shard, prompt_id FROM {src} WHERE config_hash = $config AND finish_reason = "
+            f"'length' AND NOT ({runaway_sql(runaway)})",
+            {"config": config_hash},
+        ).fetchall()
     return config_hash, int(cap), [{"shard": a, "prompt_id": b} for a, b in rows]
 
 
-def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str | None = None,
-              candidates=DEFAULT_CANDIDATES, tokens_per_s: float | None = None, context_length: int | None = None,
-              use_probe: bool = True, runaway: RunawaySettings = RunawaySettings(), **kwargs) -> CapPlan:
+def plan_caps(
+    data_dir: str | Path,
+    config_hash: str | None = None,
+    shard: str | None = None,
+    candidates=DEFAULT_CANDIDATES,
+    tokens_per_s: float | None = None,
+    context_length: int | None = None,
+    use_probe: bool = True,
+    runaway: RunawaySettings = RunawaySettings(),
+    **kwargs,
+) -> CapPlan:
     """The cap plan of one config's committed completion rows (all shards, or one), with the length probe's
     rows when there is a probe of the same model and sampling (`use_probe=False` plans without it).
 
@@ -544,29 +676,45 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
         register_runaway(con, runaway)
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
         scope = "($shard IS NULL OR shard = $shard)"
-        configs = con.execute(f"SELECT config_hash, count(*) FROM {src} WHERE {scope} GROUP BY 1 "
-                              f"ORDER BY {MOST_ROWS_ORDER_SQL}", {"shard": shard}).fetchall()
+        configs = con.execute(
+            f"SELECT config_hash, count(*) FROM {src} WHERE {scope} GROUP BY 1 ORDER BY {MOST_ROWS_ORDER_SQL}",
+            {"shard": shard},
+        ).fetchall()
         if not configs:
             probe = read_probe(data_dir, None, runaway) if use_probe and config_hash is None else None
             if probe is None:
                 where = f"shard {shard}" if shard else "any shard"
                 raise PlanError(f"no completion rows under {data_dir} for {where}: generate a sample first")
-            notes.append(f"no completion rows yet: planned from the length probe alone ({num(probe.rows)} rows at "
-                         f"cap {num(probe.cap)}, config `{probe.config_hash}`)")
-            return plan_from_lengths(probe.completion_tokens, probe.truncated, probe.cap, runaway=probe.runaway,
-                                     candidates=candidates, tokens_per_s=tokens_per_s, context_length=context_length,
-                                     config_hash=probe.config_hash, notes=notes, **kwargs)
+            notes.append(
+                f"no completion rows yet: planned from the length probe alone ({num(probe.rows)} rows at "
+                f"cap {num(probe.cap)}, config `{probe.config_hash}`)"
+            )
+            return plan_from_lengths(
+                probe.completion_tokens,
+                probe.truncated,
+                probe.cap,
+                runaway=probe.runaway,
+                candidates=candidates,
+                tokens_per_s=tokens_per_s,
+                context_length=context_length,
+                config_hash=probe.config_hash,
+                notes=notes,
+                **kwargs,
+            )
         if config_hash is None:
             config_hash = configs[0][0]
             others = f"; the others: {', '.join(f'`{h}` ({num(c)})' for h, c in configs[1:])}" if configs[1:] else ""
-            notes.append(f"config `{config_hash}` chosen by default: it has the most rows "
-                         f"({num(configs[0][1])}){others}")
+            notes.append(
+                f"config `{config_hash}` chosen by default: it has the most rows ({num(configs[0][1])}){others}"
+            )
         elif config_hash not in {h for h, _ in configs}:
-            raise PlanError(f"no rows of config `{config_hash}`; configs present: "
-                            f"{', '.join(f'`{h}`' for h, _ in configs)}")
-        rows = con.execute(ROW_QUERY.format(runaway=runaway_sql(runaway), src=src,
-                                            where=f"{scope} AND config_hash = $config"),
-                           {"shard": shard, "config": config_hash}).fetchnumpy()
+            raise PlanError(
+                f"no rows of config `{config_hash}`; configs present: {', '.join(f'`{h}`' for h, _ in configs)}"
+            )
+        rows = con.execute(
+            ROW_QUERY.format(runaway=runaway_sql(runaway), src=src, where=f"{scope} AND config_hash = $config"),
+            {"shard": shard, "config": config_hash},
+        ).fetchnumpy()
         skipped = dict(configs)[config_hash] - len(rows["completion_tokens"])
     if skipped:
         notes.append(f"{num(skipped)} rows without a 'stop' or 'length' finish left out")
@@ -580,10 +728,21 @@ def plan_caps(data_dir: str | Path, config_hash: str | None = None, shard: str |
     if use_probe and len(rows["completion_tokens"]):
         like = {k: rows[k][:1].tolist()[0] for k in SAMPLING}  # None where unrecorded, as any_value gives it
         probe = read_probe(data_dir, like, runaway, notes, parent=config_hash)
-    plan = plan_from_lengths(rows["completion_tokens"], rows["truncated"], int(caps.max()), rows["prompt_tokens"],
-                             runaway=rows["runaway"], probe=probe, candidates=candidates, tokens_per_s=tokens_per_s,
-                             context_length=context_length, config_hash=config_hash, shard=shard, notes=notes,
-                             **kwargs)
+    plan = plan_from_lengths(
+        rows["completion_tokens"],
+        rows["truncated"],
+        int(caps.max()),
+        rows["prompt_tokens"],
+        runaway=rows["runaway"],
+        probe=probe,
+        candidates=candidates,
+        tokens_per_s=tokens_per_s,
+        context_length=context_length,
+        config_hash=config_hash,
+        shard=shard,
+        notes=notes,
+        **kwargs,
+    )
     return replace(plan, by_turn=turn_views(rows["turn"], rows["completion_tokens"], rows["truncated"]))
 
 
@@ -615,62 +774,96 @@ def turn_markdown(plan: CapPlan) -> list[str]:
     """The by-turn view as Markdown lines (none for last_turn rows)."""
     if not plan.by_turn:
         return []
-    return ["", f"By turn (all_turns), at cap {num(plan.cap)}:", "",
-            "| turn | rows | cut now | P50 | P90 | P99 |", "|---:|---:|---:|---:|---:|---:|",
-            *(f"| {t.turn} | {num(t.rows)} | {pct(t.truncation_rate)} | {num(t.p50)} | {num(t.p90)} | {num(t.p99)} |"
-              for t in plan.by_turn)]
+    return [
+        "",
+        f"By turn (all_turns), at cap {num(plan.cap)}:",
+        "",
+        "| turn | rows | cut now | P50 | P90 | P99 |",
+        "|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {t.turn} | {num(t.rows)} | {pct(t.truncation_rate)} | {num(t.p50)} | {num(t.p90)} | {num(t.p99)} |"
+            for t in plan.by_turn
+        ),
+    ]
 
 
 def plan_markdown(plan: CapPlan) -> str:
     """The plan as a Markdown paragraph, a table with one row per candidate cap, and its notes."""
     scope = f" for config `{plan.config_hash}`" if plan.config_hash else ""
     scope += f" (shard {plan.shard})" if plan.shard else ""
-    head = (f"**Cap plan**{scope}: {num(plan.rows)} rows at cap {num(plan.cap)}, {num(plan.truncated)} cut "
-            f"({pct(plan.truncated / plan.rows)}). Totals are for {num(plan.prompts)} prompts.")
+    head = (
+        f"**Cap plan**{scope}: {num(plan.rows)} rows at cap {num(plan.cap)}, {num(plan.truncated)} cut "
+        f"({pct(plan.truncated / plan.rows)}). Totals are for {num(plan.prompts)} prompts."
+    )
     if plan.runaways:
-        head += (f" Of the cut rows {num(plan.runaways)} are runaways (looping): no cap ends them, so they count as "
-                 f"cut at every cap and stay out of the tail.")
+        head += (
+            f" Of the cut rows {num(plan.runaways)} are runaways (looping): no cap ends them, so they count as "
+            f"cut at every cap and stay out of the tail."
+        )
     if plan.probe and plan.probe.continued_from:
-        head += (f" Between the cap and {num(plan.probe.cap)} the figures are **measured** by a continuation probe "
-                 f"({num(plan.probe.rows)} of the run's honest cut rows continued to cap {num(plan.probe.cap)}, "
-                 f"config `{plan.probe.config_hash}`): the share cut now, from every row, times the share of "
-                 f"them still cut, no model.")
+        head += (
+            f" Between the cap and {num(plan.probe.cap)} the figures are **measured** by a continuation probe "
+            f"({num(plan.probe.rows)} of the run's honest cut rows continued to cap {num(plan.probe.cap)}, "
+            f"config `{plan.probe.config_hash}`): the share cut now, from every row, times the share of "
+            f"them still cut, no model."
+        )
     elif plan.probe:
-        head += (f" Between the cap and {num(plan.probe.cap)} the figures are **measured** by a length probe "
-                 f"({num(plan.probe.rows)} random prompts at cap {num(plan.probe.cap)}, config "
-                 f"`{plan.probe.config_hash}`), no model.")
+        head += (
+            f" Between the cap and {num(plan.probe.cap)} the figures are **measured** by a length probe "
+            f"({num(plan.probe.rows)} random prompts at cap {num(plan.probe.cap)}, config "
+            f"`{plan.probe.config_hash}`), no model."
+        )
     if plan.fit and any(e.basis == "model" for e in plan.estimates):
         window = f"rows above {num(plan.fit.fit_from_tokens)} tokens" if plan.fit.fit_from_tokens else "all rows"
-        head += (f" Where a figure says **model**, it comes from a lognormal tail (median "
-                 f"{num(round(math.exp(plan.fit.mu)))}, sigma {plan.fit.sigma:.2f}) fitted by censored maximum "
-                 f"likelihood to {window}: its interval holds only if the lengths are lognormal; the range the "
-                 f"rows themselves support is given beside it.")
+        head += (
+            f" Where a figure says **model**, it comes from a lognormal tail (median "
+            f"{num(round(math.exp(plan.fit.mu)))}, sigma {plan.fit.sigma:.2f}) fitted by censored maximum "
+            f"likelihood to {window}: its interval holds only if the lengths are lognormal; the range the "
+            f"rows themselves support is given beside it."
+        )
     if plan.bootstrap:
         head += f" Intervals are 95%, from {plan.bootstrap} bootstrap resamples of the rows."
     ctx = f"fits {num(plan.context_length)}" if plan.context_length else "fits context"
     timed = f"time at {num(round(plan.tokens_per_s))} tok/s | " if plan.tokens_per_s else ""
-    lines = [head, "", f"| cap | cut at the cap | of which runaways | from | output tokens | {timed}vs now "
-                       f"| context needed (max / P99) | {ctx} |",
-             f"|---:|---|---|---|---|{'---|' if timed else ''}---:|---|---|"]
+    lines = [
+        head,
+        "",
+        f"| cap | cut at the cap | of which runaways | from | output tokens | {timed}vs now "
+        f"| context needed (max / P99) | {ctx} |",
+        f"|---:|---|---|---|---|{'---|' if timed else ''}---:|---|---|",
+    ]
     now = plan.at(plan.cap).output_tokens.value
     for e in plan.estimates:
         label = f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''}"
-        basis = {"rows": "measured (the rows)", "probe": f"measured ({probe_label(plan.probe)})",
-                 "model": f"**model**; the rows support {pct(e.bounds.low)}–{pct(e.bounds.high)}"
-                 if e.bounds else "**model**"}[e.basis]
+        basis = {
+            "rows": "measured (the rows)",
+            "probe": f"measured ({probe_label(plan.probe)})",
+            "model": f"**model**; the rows support {pct(e.bounds.low)}–{pct(e.bounds.high)}"
+            if e.bounds
+            else "**model**",
+        }[e.basis]
         time_ = f"{_span(e.hours, _hours)} | " if e.hours else ""
-        fits = "-" if e.fits_context is None else "yes" if e.fits_context else \
-            f"no: {num(e.prompts_over_context)} rows over"
-        lines.append(f"| {label} | {_span(e.truncation_rate, pct)} | {_span(e.runaway_rate, pct)} | {basis} | "
-                     f"{_span(e.output_tokens, _tokens)} | {time_}{e.output_tokens.value / now:.2f}× | {_needed(e)} "
-                     f"| {fits} |")
+        fits = (
+            "-"
+            if e.fits_context is None
+            else "yes"
+            if e.fits_context
+            else f"no: {num(e.prompts_over_context)} rows over"
+        )
+        lines.append(
+            f"| {label} | {_span(e.truncation_rate, pct)} | {_span(e.runaway_rate, pct)} | {basis} | "
+            f"{_span(e.output_tokens, _tokens)} | {time_}{e.output_tokens.value / now:.2f}× | {_needed(e)} "
+            f"| {fits} |"
+        )
     if plan.probe_precision:
         lines += ["", f"**Probe precision**: {precision_text(plan.probe_precision, plan.cap)}."]
     lines += turn_markdown(plan)
     notes = list(plan.notes)
     if plan.tokens_per_s:
-        notes.append("times assume the fleet keeps its token rate; longer outputs hold KV longer, so check "
-                     "capacity (fleet tuning report) before trusting them at a larger cap")
+        notes.append(
+            "times assume the fleet keeps its token rate; longer outputs hold KV longer, so check "
+            "capacity (fleet tuning report) before trusting them at a larger cap"
+        )
     if notes:
         lines += [""] + [f"- {n}" for n in notes]
     return "\n".join(lines)

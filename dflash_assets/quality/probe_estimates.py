@@ -41,8 +41,15 @@ class ProbeSample:
     continued_from: str | None = None  # a continuation probe: the config whose cut rows it continued; None: random
 
     @classmethod
-    def of(cls, completion_tokens, truncated, cap: int, runaway=None, config_hash: str | None = None,
-           continued_from: str | None = None) -> ProbeSample:
+    def of(
+        cls,
+        completion_tokens,
+        truncated,
+        cap: int,
+        runaway=None,
+        config_hash: str | None = None,
+        continued_from: str | None = None,
+    ) -> ProbeSample:
         lengths = np.asarray(completion_tokens, dtype=np.int64)
         cut = np.asarray(truncated, dtype=bool)
         loop = cut & (np.zeros(len(lengths), bool) if runaway is None else np.asarray(runaway, dtype=bool))
@@ -108,8 +115,17 @@ class ProbePrecision:
     continued: bool = False  # a continuation probe of the run's cut rows: every row is above the cap
 
     @classmethod
-    def of(cls, cap: int, honest_share: float, hits: int, rows_above: int, rows: int,
-           target: float = TARGET_HALF_WIDTH, z: float = Z95, continued: bool = False) -> ProbePrecision:
+    def of(
+        cls,
+        cap: int,
+        honest_share: float,
+        hits: int,
+        rows_above: int,
+        rows: int,
+        target: float = TARGET_HALF_WIDTH,
+        z: float = Z95,
+        continued: bool = False,
+    ) -> ProbePrecision:
         q = (hits + z * z / 2) / (rows_above + z * z)
         half = z * honest_share * math.sqrt(q * (1 - q) / (rows_above + z * z))
         above_needed = max(0.0, (z * honest_share / target) ** 2 * q * (1 - q) - z * z)
@@ -117,13 +133,23 @@ class ProbePrecision:
         return cls(int(cap), int(rows), int(rows_above), half, needed, target, continued)
 
     @classmethod
-    def expected(cls, cap: int, honest_share: float, rows: int, target: float = TARGET_HALF_WIDTH,
-                 z: float = Z95, continued: bool = False) -> ProbePrecision:
+    def expected(
+        cls,
+        cap: int,
+        honest_share: float,
+        rows: int,
+        target: float = TARGET_HALF_WIDTH,
+        z: float = Z95,
+        continued: bool = False,
+    ) -> ProbePrecision:
         """Before any probe: the precision a random probe of `rows` prompts (or a continuation probe of `rows` cut
         rows) will have at worst (q = 1/2, the widest a binomial gets), whatever the shape of the lengths."""
         above = rows if continued and honest_share else rows * honest_share
-        return cls.of(cap, honest_share, round(above / 2), round(above), rows, target, z, continued) if above else \
-            cls(int(cap), int(rows), 0, 0.0, 0, target, continued)
+        return (
+            cls.of(cap, honest_share, round(above / 2), round(above), rows, target, z, continued)
+            if above
+            else cls(int(cap), int(rows), 0, 0.0, 0, target, continued)
+        )
 
     @property
     def enough(self) -> bool:
@@ -140,20 +166,32 @@ def precision_text(precisions: list[ProbePrecision], cap: int) -> str:
     if not precisions:
         return ""
     first = precisions[0]
-    kind = (f"continuation probe of {first.rows:,} cut rows ({first.rows_above:,} honest rows cut at {cap:,}, "
-            f"continued)" if first.continued else
-            f"probe of {first.rows:,} rows ({first.rows_above:,} honest rows above the cap {cap:,})")
+    kind = (
+        f"continuation probe of {first.rows:,} cut rows ({first.rows_above:,} honest rows cut at {cap:,}, continued)"
+        if first.continued
+        else f"probe of {first.rows:,} rows ({first.rows_above:,} honest rows above the cap {cap:,})"
+    )
     text = kind + ": " + ", ".join(f"{_pp(p.half_width)} at {p.cap:,}" for p in precisions)
     need = max(precisions, key=lambda p: p.rows_for_target)
     if all(p.enough for p in precisions):
         return text + f" (95%, binomial): within ±{first.target * 100:g} pp at every cap"
     what = "cut rows" if first.continued else "rows"
-    return text + (f" (95%, binomial); {need.rows_for_target:,} {what} would give ±{need.target * 100:g} pp at every "
-                   f"cap")
+    return text + (
+        f" (95%, binomial); {need.rows_for_target:,} {what} would give ±{need.target * 100:g} pp at every cap"
+    )
 
 
-def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, counts: np.ndarray, cap: int,
-                       probe: ProbeSample, caps: np.ndarray, replicates: int, seed: int) -> Measured | None:
+def measure_with_probe(
+    values: np.ndarray,
+    cut: np.ndarray,
+    loop: np.ndarray,
+    counts: np.ndarray,
+    cap: int,
+    probe: ProbeSample,
+    caps: np.ndarray,
+    replicates: int,
+    seed: int,
+) -> Measured | None:
     """Estimates at `caps` (all in (cap, probe.cap]) from the run's rows (distinct `values`, `cut`, `loop`,
     `counts`, cut at `cap`) and the probe. None when the probe has too few rows above `cap` to say anything.
 
@@ -180,8 +218,11 @@ def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, co
         q = (w @ passes.T - drop[:, None]) / base[:, None]
         e = (w @ extra.T - drop[:, None] * (caps - cap)) / base[:, None]
         beyond = caps[None, :] - cap
-        return (loop_share[:, None] + honest_p0[:, None] * q, loop_share[:, None] * np.ones(len(caps)),
-                mean0[:, None] + loop_share[:, None] * beyond + honest_p0[:, None] * e)
+        return (
+            loop_share[:, None] + honest_p0[:, None] * q,
+            loop_share[:, None] * np.ones(len(caps)),
+            mean0[:, None] + loop_share[:, None] * beyond + honest_p0[:, None] * e,
+        )
 
     def run_side(c):
         return c[..., cut & ~loop].sum(-1) / n, c[..., loop].sum(-1) / n, c @ values / n
@@ -197,13 +238,23 @@ def measure_with_probe(values: np.ndarray, cut: np.ndarray, loop: np.ndarray, co
     rng = np.random.default_rng(seed)
     if replicates:
         draws = rng.multinomial(n, counts / n, size=replicates)  # the run's rows, resampled
-        w = np.stack([np.bincount(rng.integers(0, probe.rows, probe.rows), minlength=probe.rows)
-                      for _ in range(replicates)])  # the probe's rows, resampled
+        w = np.stack(
+            [np.bincount(rng.integers(0, probe.rows, probe.rows), minlength=probe.rows) for _ in range(replicates)]
+        )  # the probe's rows, resampled
         p0, r, mean0 = run_side(draws)
         ok = (w * (above & ~ploop)).sum(1) > 0
         boot = estimate(p0[ok], r[ok], mean0[ok], w[ok])
     else:
         boot = tuple(np.empty((0, len(caps))) for _ in range(3))
-    return Measured(rate, runaway, tokens, *boot, rows_above=int(above.sum()),
-                    probe_runaways=int(runaway_above.sum()), score_low=score_low,
-                    score_high=score_high, hits=passes.sum(1) - drop, honest_above=base)
+    return Measured(
+        rate,
+        runaway,
+        tokens,
+        *boot,
+        rows_above=int(above.sum()),
+        probe_runaways=int(runaway_above.sum()),
+        score_low=score_low,
+        score_high=score_high,
+        hits=passes.sum(1) - drop,
+        honest_above=base,
+    )

@@ -5,23 +5,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, RunawaySettings
 from dflash_assets.generation.probe import ProbeRun, probe_root, run_cut_rows_probe, run_probe
-from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.answer import recommended_cap
-from dflash_assets.quality.planner import (DEFAULT_CANDIDATES, CapEstimate, CapPlan, PlanError, honest_cut_rows,
-                                           plan_caps)
+from dflash_assets.quality.outcome import num, pct
+from dflash_assets.quality.planner import (
+    DEFAULT_CANDIDATES,
+    CapEstimate,
+    CapPlan,
+    PlanError,
+    honest_cut_rows,
+    plan_caps,
+)
 from dflash_assets.quality.probe_estimates import precision_text, probe_label
+from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, RunawaySettings
 
 
-async def run_length_probe(data_dir: str | Path, shards: list[str], fleet, config: GenerationSettings,
-                           probe: ProbeSettings, settings: DispatchSettings = DispatchSettings(), log=print,
-                           runaway: RunawaySettings = RunawaySettings()) -> ProbeRun:
+async def run_length_probe(
+    data_dir: str | Path,
+    shards: list[str],
+    fleet,
+    config: GenerationSettings,
+    probe: ProbeSettings,
+    settings: DispatchSettings = DispatchSettings(),
+    log=print,
+    runaway: RunawaySettings = RunawaySettings(),
+) -> ProbeRun:
     """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at
     `config`'s cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config (the one the plan is
     for: the most rows) continued to that cap, with the run's own sampling (its rows record it)."""
-    common = dict(size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, settings=settings,
-                  log=log)
+    common = dict(
+        size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, settings=settings, log=log
+    )
     if probe.mode == "prompts":
         return await run_probe(data_dir, shards, fleet, config, **common)
     try:
@@ -29,8 +43,9 @@ async def run_length_probe(data_dir: str | Path, shards: list[str], fleet, confi
     except PlanError as e:
         raise FileNotFoundError(str(e)) from None
     cut = [r for r in cut if r["shard"] in set(shards)]
-    log(f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) "
-        f"{', '.join(shards)}")
+    log(
+        f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
+    )
     return await run_cut_rows_probe(data_dir, parent, cut, fleet, config.max_output_tokens, **common)
 
 
@@ -40,30 +55,44 @@ def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
     return next((e for e in plan.estimates if e.basis != "model" and e.truncation_rate.value <= limit), None)
 
 
-def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shards: list[str],
-                  limit: float = QualitySettings().truncation_rate_max) -> str:
+def probe_summary(
+    result: ProbeRun,
+    data_dir: str | Path,
+    urls: list[str],
+    shards: list[str],
+    limit: float = QualitySettings().truncation_rate_max,
+) -> str:
     run = result.run
     what = "of the run's honest cut rows, continued to" if result.mode == "cut_rows" else "prompts at"
-    lines = [f"length probe: {num(result.sampled)} of {num(result.prompts_total)} {what} cap {num(result.cap)}, "
-             f"config {run.config_hash}: {num(run.completed)} completed + {num(run.rejected)} rejected + "
-             f"{num(run.failed)} failed; {num(run.output_tokens)} output tokens this run "
-             f"({run.elapsed_s:.1f} s), rows in {probe_root(data_dir)}"]
+    lines = [
+        f"length probe: {num(result.sampled)} of {num(result.prompts_total)} {what} cap {num(result.cap)}, "
+        f"config {run.config_hash}: {num(run.completed)} completed + {num(run.rejected)} rejected + "
+        f"{num(run.failed)} failed; {num(run.output_tokens)} output tokens this run "
+        f"({run.elapsed_s:.1f} s), rows in {probe_root(data_dir)}"
+    ]
     try:  # the default candidates and the probe's own cap: what it measured at its largest
         plan = plan_caps(data_dir, candidates=sorted({*DEFAULT_CANDIDATES, result.cap}))
     except PlanError as e:
         return "\n".join(lines + [f"no cap plan: {e}"])
     alone = plan.probe is None and plan.config_hash == run.config_hash  # no run rows yet: the probe's rows only
-    source = "the probe's rows alone" if alone else \
-        f"{num(plan.rows)} rows at cap {num(plan.cap)}" + (" and the probe" if plan.probe else "")
-    lines += ["", f"share still cut, from {source} (95% intervals):",
-              f"{'cap':>8}  {'cut':<24} {'runaways':>9}  from"]
+    source = (
+        "the probe's rows alone"
+        if alone
+        else f"{num(plan.rows)} rows at cap {num(plan.cap)}" + (" and the probe" if plan.probe else "")
+    )
+    lines += ["", f"share still cut, from {source} (95% intervals):", f"{'cap':>8}  {'cut':<24} {'runaways':>9}  from"]
     continued = plan.probe is not None and plan.probe.continued_from is not None
-    label = {"rows": "measured (the rows)", "probe": f"measured ({probe_label(plan.probe)})" if continued
-             else "measured (probe)", "model": "model (lognormal tail)"}
+    label = {
+        "rows": "measured (the rows)",
+        "probe": f"measured ({probe_label(plan.probe)})" if continued else "measured (probe)",
+        "model": "model (lognormal tail)",
+    }
     for e in plan.estimates:
         r = e.truncation_rate
-        lines.append(f"{num(e.cap):>8}  {f'{pct(r.value)} ({pct(r.low)}–{pct(r.high)})':<24} "
-                     f"{pct(e.runaway_rate.value):>9}  {label[e.basis]}")
+        lines.append(
+            f"{num(e.cap):>8}  {f'{pct(r.value)} ({pct(r.low)}–{pct(r.high)})':<24} "
+            f"{pct(e.runaway_rate.value):>9}  {label[e.basis]}"
+        )
     if plan.probe_precision:
         lines += ["", f"precision: {precision_text(plan.probe_precision, plan.cap)}"]
     lines += [f"- {note}" for note in plan.notes]
@@ -71,23 +100,46 @@ def probe_summary(result: ProbeRun, data_dir: str | Path, urls: list[str], shard
         first = first_cap_within(plan, limit)
         if first is None:
             return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
-        return "\n".join(lines + ["", f"next: generate the run at cap {num(first.cap)}, the smallest measured cap "
-                                       f"that cuts {pct(limit)} or fewer: " + " ; ".join(
-                                           f"dflash generate --shard {s} --urls {','.join(urls)} --data-dir "
-                                           f"{data_dir} --max-output-tokens {first.cap}" for s in shards)])
+        return "\n".join(
+            lines
+            + [
+                "",
+                f"next: generate the run at cap {num(first.cap)}, the smallest measured cap "
+                f"that cuts {pct(limit)} or fewer: "
+                + " ; ".join(
+                    f"dflash generate --shard {s} --urls {','.join(urls)} --data-dir "
+                    f"{data_dir} --max-output-tokens {first.cap}"
+                    for s in shards
+                ),
+            ]
+        )
     if plan.truncated / plan.rows <= limit:
-        return "\n".join(lines + ["", f"next: nothing to raise: the cap {num(plan.cap)} cuts {pct(limit)} or fewer "
-                                       f"already; dflash report --data-dir {data_dir}"])
+        return "\n".join(
+            lines
+            + [
+                "",
+                f"next: nothing to raise: the cap {num(plan.cap)} cuts {pct(limit)} or fewer "
+                f"already; dflash report --data-dir {data_dir}",
+            ]
+        )
     rec = recommended_cap(plan, limit)
     if rec is None or rec.truncation_rate.value > limit:
         return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
-    return "\n".join(lines + ["", f"next: dflash report --data-dir {data_dir} (the whole cap plan); to raise the cap "
-                                   f"to {num(rec.cap)}, the smallest that cuts {pct(limit)} or fewer "
-                                   f"({pct(rec.truncation_rate.value)}, {label[rec.basis]}): DFLASH_DATA_DIR="
-                                   f"{data_dir} dflash continue --to {rec.cap}"])
+    return "\n".join(
+        lines
+        + [
+            "",
+            f"next: dflash report --data-dir {data_dir} (the whole cap plan); to raise the cap "
+            f"to {num(rec.cap)}, the smallest that cuts {pct(limit)} or fewer "
+            f"({pct(rec.truncation_rate.value)}, {label[rec.basis]}): DFLASH_DATA_DIR="
+            f"{data_dir} dflash continue --to {rec.cap}",
+        ]
+    )
 
 
 def _no_cap(plan: CapPlan, limit: float, data_dir) -> str:
-    return (f"next: no candidate cap cuts {pct(limit)} or fewer of the rows (runaways alone: "
-            f"{pct(plan.runaways / plan.rows)}); look at the runaways and the sampling settings before raising the "
-            f"cap: dflash report --data-dir {data_dir}")
+    return (
+        f"next: no candidate cap cuts {pct(limit)} or fewer of the rows (runaways alone: "
+        f"{pct(plan.runaways / plan.rows)}); look at the runaways and the sampling settings before raising the "
+        f"cap: dflash report --data-dir {data_dir}"
+    )

@@ -20,8 +20,8 @@ from dflash_assets.quality.checks_lengths import (
 )
 from dflash_assets.quality.checks_runaway import runaway_rate
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
-from dflash_assets.settings import QualitySettings
 from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.settings import QualitySettings
 
 CheckFn = Callable[[duckdb.DuckDBPyConnection, QualitySettings], Finding]
 

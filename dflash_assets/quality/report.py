@@ -44,10 +44,12 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _grouped(con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "",
-             where: str = "true") -> list[dict[str, Any]]:
-    cur = con.execute(f"SELECT {select}, {STATS}{extra} FROM completions WHERE {where} GROUP BY {group} "
-                      f"ORDER BY {group}")
+def _grouped(
+    con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "", where: str = "true"
+) -> list[dict[str, Any]]:
+    cur = con.execute(
+        f"SELECT {select}, {STATS}{extra} FROM completions WHERE {where} GROUP BY {group} ORDER BY {group}"
+    )
     names = [d[0] for d in cur.description]
     return [_stats(dict(zip(names, values))) for values in cur.fetchall()]
 
@@ -77,8 +79,9 @@ def length_quality(
         return length_quality_of(con, shard, max_length, prompt_buckets)
 
 
-def length_quality_of(con: duckdb.DuckDBPyConnection, shard: str | None, max_length: int,
-                      prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS) -> dict[str, Any]:
+def length_quality_of(
+    con: duckdb.DuckDBPyConnection, shard: str | None, max_length: int, prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS
+) -> dict[str, Any]:
     """`length_quality` of a database open_quality_db opened for `shard` and `max_length` (which another reader
     of the same rows, the histogram, can share)."""
     overall = [{k: v for k, v in g.items() if k != "whole"} for g in _grouped(con, "1 AS whole", "whole")]
@@ -98,14 +101,28 @@ def length_quality_of(con: duckdb.DuckDBPyConnection, shard: str | None, max_len
     return {
         "scope": {"shard": shard},
         "percentile_definition": PERCENTILE_DEFINITION,
-        **(overall[0] if overall else _stats({"rows": 0, "truncated_rows": 0, "runaway_rows": 0,
-                                              "cut_inside_window_rows": 0, "window_complete_rows": 0,
-                                              "window_complete_tokens": 0,
-                                              "decoded_tokens": 0, "trained_tokens": 0, "q": None,
-                                              "max": None})),
+        **(
+            overall[0]
+            if overall
+            else _stats(
+                {
+                    "rows": 0,
+                    "truncated_rows": 0,
+                    "runaway_rows": 0,
+                    "cut_inside_window_rows": 0,
+                    "window_complete_rows": 0,
+                    "window_complete_tokens": 0,
+                    "decoded_tokens": 0,
+                    "trained_tokens": 0,
+                    "q": None,
+                    "max": None,
+                }
+            )
+        ),
         "max_length": max_length,
-        "by_config": _grouped(con, "config_hash, config_cap AS max_output_tokens", CONFIG,
-                              ", count(DISTINCT shard) AS shards"),
+        "by_config": _grouped(
+            con, "config_hash, config_cap AS max_output_tokens", CONFIG, ", count(DISTINCT shard) AS shards"
+        ),
         "by_shard": _grouped(
             con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
         ),

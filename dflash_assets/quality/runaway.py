@@ -20,10 +20,10 @@ def is_runaway(text: str | None, rules: RunawaySettings = RunawaySettings()) -> 
     # (a loop of a phrase with no newline, or of a paragraph, is caught by the n-grams; of a short line, by both)
     if not text:
         return False
-    tail = text[-rules.tail_chars:].rstrip()
+    tail = text[-rules.tail_chars :].rstrip()
     # A loop reaches the cap, so the end of the text recurs earlier in its tail: the last line (or its last
     # characters) found once more. Checked first, at C speed: prose stops here, and this runs on every cut row.
-    end = tail[tail.rfind("\n") + 1:].strip()[-rules.end_chars:]
+    end = tail[tail.rfind("\n") + 1 :].strip()[-rules.end_chars :]
     if not end or tail.find(end) >= len(tail) - len(end):
         return False
     lines = [line.strip() for line in tail.splitlines() if line.strip()][1:]
@@ -44,13 +44,13 @@ def loop_start(text: str, rules: RunawaySettings = RunawaySettings()) -> int:
     start of the longest end of the text that repeats with the period of its last line (the `end` is_runaway
     looks for). Exact repetition only: a loop that drifts a little is found later than it began."""
     tail = text.rstrip()
-    end = tail[tail.rfind("\n") + 1:].strip()[-rules.end_chars:]
+    end = tail[tail.rfind("\n") + 1 :].strip()[-rules.end_chars :]
     last = tail.rfind(end) if end else -1
     prev = tail.rfind(end, 0, last) if last > 0 else -1
     if prev < 0:
         return len(text)
     period, start = last - prev, len(tail) - (last - prev)
-    while start >= period and tail[start - period:start] == tail[start:start + period]:  # a period at a time
+    while start >= period and tail[start - period : start] == tail[start : start + period]:  # a period at a time
         start -= period
     while start > 0 and tail[start - 1] == tail[start - 1 + period]:  # then to the character
         start -= 1

@@ -29,14 +29,19 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from dflash_assets.quality.runaway import register_runaway
+from dflash_assets.quality.trainer_format import think_marker_sql
+from dflash_assets.rules import (
+    STOPPED_EARLY_SQL,
+    blank_sql,
+    cut_inside_window_sql,
+    trained_tokens_sql,
+    window_complete_sql,
+)
+from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, open_storage
-from dflash_assets.settings import RunawaySettings, TrainerSettings
-from dflash_assets.quality.runaway import register_runaway
-from dflash_assets.quality.trainer_format import think_marker_sql
-from dflash_assets.rules import (STOPPED_EARLY_SQL, blank_sql, cut_inside_window_sql, trained_tokens_sql,
-                                 window_complete_sql)
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
@@ -50,19 +55,25 @@ COMPLETION_FLAGS = f"""
 
 def window_flags_sql(max_length: int) -> str:
     """The window's flags of a completion row (over a select that has `runaway`)."""
-    return (f"{cut_inside_window_sql(max_length)} AS cut_inside_window, "
-            f"{window_complete_sql(max_length)} AND NOT runaway AS window_complete, "
-            f"{trained_tokens_sql(max_length)} AS trained_tokens")
+    return (
+        f"{cut_inside_window_sql(max_length)} AS cut_inside_window, "
+        f"{window_complete_sql(max_length)} AND NOT runaway AS window_complete, "
+        f"{trained_tokens_sql(max_length)} AS trained_tokens"
+    )
 
 
 def runaway_sql(rules: RunawaySettings) -> str:
     """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
     judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking.
     A row stopped while streaming was judged by the same rules then (rules.RUNAWAY_FINISH): it is one."""
-    tail = (f"CASE WHEN {blank_sql('content')} "
-            f"THEN right(reasoning_content, {rules.tail_chars}) ELSE right(content, {rules.tail_chars}) END")
-    return (f"CASE WHEN {STOPPED_EARLY_SQL} THEN true "
-            f"WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END")
+    tail = (
+        f"CASE WHEN {blank_sql('content')} "
+        f"THEN right(reasoning_content, {rules.tail_chars}) ELSE right(content, {rules.tail_chars}) END"
+    )
+    return (
+        f"CASE WHEN {STOPPED_EARLY_SQL} THEN true "
+        f"WHEN finish_reason = 'length' THEN coalesce(is_runaway({tail}), false) ELSE false END"
+    )
 
 
 # Built once because accounting and context_overflow both need "what happened to each prompt under each config".
@@ -123,13 +134,18 @@ def parquet_source(
     position = ", filename = true, file_row_number = true" if row_position else ""
     # parts written before a column existed (turn, policy_cap, ...) read it as null: union_by_name when some part
     # has it, the schema's empty table (BY NAME) when none does, as in a data dir older than the column
-    return (f"(SELECT * FROM read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true"
-            f"{position}) UNION ALL BY NAME SELECT * FROM {empty})")
+    return (
+        f"(SELECT * FROM read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true"
+        f"{position}) UNION ALL BY NAME SELECT * FROM {empty})"
+    )
 
 
 def open_quality_db(
-    data_dir: str | Path, shard: str | None = None, config_hash: str | None = None,
-    runaway: RunawaySettings = RunawaySettings(), max_length: int = TrainerSettings().max_length,
+    data_dir: str | Path,
+    shard: str | None = None,
+    config_hash: str | None = None,
+    runaway: RunawaySettings = RunawaySettings(),
+    max_length: int = TrainerSettings().max_length,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager).
     `max_length` is the trainer's window the rows are judged against."""
@@ -165,8 +181,7 @@ def open_quality_db(
     )
     src = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA, shard)
     con.execute(
-        f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard FROM {src} "
-        f"WHERE {shard_ok}",
+        f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard FROM {src} WHERE {shard_ok}",
         {"shard": shard},
     )
     con.execute(OUTCOMES)

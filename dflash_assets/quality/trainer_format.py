@@ -17,9 +17,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from dflash_assets.settings import TRAINER_FORMATS
+
 STATUS = "success"
 THINK_MARKERS = ("<think>", "</think>")
-from dflash_assets.settings import TRAINER_FORMATS
 
 # the export's forms: SpecForge's conversations, the OpenAI messages form, and {id, input_ids, loss_mask}
 FORMS = TRAINER_FORMATS
@@ -83,7 +84,8 @@ def row_problem(row: dict, *, expect_reasoning: bool = True, strict_think_marker
             return f"assistant message {i} reasoning_content must be a string or null"
         if expect_reasoning and (not isinstance(reasoning, str) or not reasoning.strip()):
             return f"assistant message {i} has empty reasoning_content"
-        if strict_think_markers and (has_think_marker(m["content"])
-                                     or (isinstance(reasoning, str) and has_think_marker(reasoning))):
+        if strict_think_markers and (
+            has_think_marker(m["content"]) or (isinstance(reasoning, str) and has_think_marker(reasoning))
+        ):
             return f"assistant message {i} contains a thinking marker"
     return None

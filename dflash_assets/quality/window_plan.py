@@ -23,9 +23,9 @@ import numpy as np
 
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import DEFAULT_CANDIDATES, TailFit
-from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import percentile
+from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
 
 GRID = 256  # points of the numerical integral of the tail, per row
 
@@ -75,8 +75,10 @@ class WindowPlan:
         dt, dd = y.trained - x.trained, y.decoded - x.decoded
         gain = pct(dt / x.trained) if x.trained else "from none"
         model = " (model)" if "model" in (x.basis, y.basis) else ""
-        return (f"raising the cap from {num(a)} to {num(b)} adds {num(round(dt))} trained tokens (+{gain}) for "
-                f"{num(round(dd))} more decoded (+{pct(dd / x.decoded) if x.decoded else '-'}){model}")
+        return (
+            f"raising the cap from {num(a)} to {num(b)} adds {num(round(dt))} trained tokens (+{gain}) for "
+            f"{num(round(dd))} more decoded (+{pct(dd / x.decoded) if x.decoded else '-'}){model}"
+        )
 
 
 def _tail_mean(fit: TailFit | None, low: np.ndarray, high: np.ndarray) -> np.ndarray:
@@ -109,8 +111,9 @@ def _at_cap(c: int, p, length, cut, loop, window: int, fit: TailFit | None) -> t
     stops = ~cut & (length <= c)
     cut_at_c = ~beyond & ~stops
     dec = np.where(beyond, float(c), np.minimum(length, c)).astype(float)  # a runaway loops to any cap
-    tr = np.where(stops, np.minimum(length, room),
-                  np.where(cut_at_c & ~loop & (p + c >= window), np.minimum(float(c), room), 0.0))
+    tr = np.where(
+        stops, np.minimum(length, room), np.where(cut_at_c & ~loop & (p + c >= window), np.minimum(float(c), room), 0.0)
+    )
     if honest.any():  # the tail, from each row's own length: only rows cut at the current cap
         lo, r = length[honest].astype(float), room[honest]
         dec[honest] = lo + _tail_mean(fit, lo, np.full(len(lo), float(c)))
@@ -121,9 +124,20 @@ def _at_cap(c: int, p, length, cut, loop, window: int, fit: TailFit | None) -> t
     return float(dec.sum()), float(tr.sum()), bool(honest.any())
 
 
-def plan_window(p, length, cut, loop, cap: int, max_length: int, overshoot: int = GenerationSettings().overshoot,
-                fit: TailFit | None = None, candidates=DEFAULT_CANDIDATES, tokens_per_s: float | None = None,
-                servers: int | None = None, prompts: int | None = None) -> WindowPlan:
+def plan_window(
+    p,
+    length,
+    cut,
+    loop,
+    cap: int,
+    max_length: int,
+    overshoot: int = GenerationSettings().overshoot,
+    fit: TailFit | None = None,
+    candidates=DEFAULT_CANDIDATES,
+    tokens_per_s: float | None = None,
+    servers: int | None = None,
+    prompts: int | None = None,
+) -> WindowPlan:
     """The plan from one config's rows: prompt_tokens, completion_tokens, whether each was cut and is a runaway,
     at the current `cap`; `fit` is the cap plan's tail (None: no honest cut row). `prompts` scales to a run."""
     p, length = np.asarray(p, dtype=np.int64), np.asarray(length, dtype=np.int64)
@@ -137,8 +151,15 @@ def plan_window(p, length, cut, loop, cap: int, max_length: int, overshoot: int 
     def estimate(label, c, decoded, trained, modelled) -> TrainedEstimate:
         decoded, trained = decoded * scale, trained * scale
         hours = decoded / tokens_per_s / 3600 if tokens_per_s else None
-        return TrainedEstimate(label, c, decoded, trained, "model" if modelled else "rows", hours,
-                               hours * servers if hours is not None and servers else None)
+        return TrainedEstimate(
+            label,
+            c,
+            decoded,
+            trained,
+            "model" if modelled else "rows",
+            hours,
+            hours * servers if hours is not None and servers else None,
+        )
 
     caps = sorted({int(c) for c in candidates if c >= cap} | {int(cap)})
     estimates = [estimate(f"cap {num(c)}", c, *_at_cap(c, p, length, cut, loop, max_length, fit)) for c in caps]
@@ -146,10 +167,14 @@ def plan_window(p, length, cut, loop, cap: int, max_length: int, overshoot: int 
     fits = room > 0
     ask = np.minimum(room + overshoot, max(caps[-1], cap))
     short = cut & ~loop & (length < ask)  # cut below what the window policy asks: the tail
-    dec = np.where(short, length + _tail_mean(fit, length.astype(float), ask.astype(float)),
-                   np.where(cut & loop, ask, np.minimum(length, ask))).astype(float)
-    tr = np.where(inside, length + _tail_mean(fit, length.astype(float), room.astype(float)),
-                  np.minimum(length, room)).astype(float)
+    dec = np.where(
+        short,
+        length + _tail_mean(fit, length.astype(float), ask.astype(float)),
+        np.where(cut & loop, ask, np.minimum(length, ask)),
+    ).astype(float)
+    tr = np.where(
+        inside, length + _tail_mean(fit, length.astype(float), room.astype(float)), np.minimum(length, room)
+    ).astype(float)
     keep = fits & ~loop  # runaways are decoded and left out
     window = estimate("window policy", None, float(dec[fits].sum()), float(tr[keep].sum()), bool(short.any()))
     floor = window.trained
@@ -159,42 +184,86 @@ def plan_window(p, length, cut, loop, cap: int, max_length: int, overshoot: int 
     recommended = window if not inside.any() else (enough[0] if enough else estimates[-1])
     if inside.any() and fit is None:
         notes.append("rows were cut inside the window but none honestly (all runaways): nothing to extrapolate")
-    return WindowPlan(max_length, overshoot, cap, n, floor, estimates, window, recommended, int(inside.sum()),
-                      int((cut & ~loop & ~inside).sum()), tokens_per_s, notes, percentile(p, 0.5) if n else 0)
+    return WindowPlan(
+        max_length,
+        overshoot,
+        cap,
+        n,
+        floor,
+        estimates,
+        window,
+        recommended,
+        int(inside.sum()),
+        int((cut & ~loop & ~inside).sum()),
+        tokens_per_s,
+        notes,
+        percentile(p, 0.5) if n else 0,
+    )
 
 
-def window_plan(data_dir: str | Path, config_hash: str, cap: int, trainer: TrainerSettings = TrainerSettings(),
-                fit: TailFit | None = None, runaway: RunawaySettings = RunawaySettings(), **kwargs) -> WindowPlan:
+def window_plan(
+    data_dir: str | Path,
+    config_hash: str,
+    cap: int,
+    trainer: TrainerSettings = TrainerSettings(),
+    fit: TailFit | None = None,
+    runaway: RunawaySettings = RunawaySettings(),
+    **kwargs,
+) -> WindowPlan:
     """plan_window over one config's committed rows (stopped or cut) of a data dir."""
     with open_quality_db(data_dir, config_hash=config_hash, runaway=runaway, max_length=trainer.max_length) as con:
-        rows = con.execute("SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AS cut, runaway "
-                           "FROM completions WHERE finish_reason IN ('stop', 'length') AND completion_tokens IS NOT "
-                           "NULL AND prompt_tokens IS NOT NULL").fetchnumpy()
-    return plan_window(rows["prompt_tokens"], rows["completion_tokens"], rows["cut"], rows["runaway"], cap,
-                       trainer.max_length, fit=fit, **kwargs)
+        rows = con.execute(
+            "SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AS cut, runaway "
+            "FROM completions WHERE finish_reason IN ('stop', 'length') AND completion_tokens IS NOT "
+            "NULL AND prompt_tokens IS NOT NULL"
+        ).fetchnumpy()
+    return plan_window(
+        rows["prompt_tokens"],
+        rows["completion_tokens"],
+        rows["cut"],
+        rows["runaway"],
+        cap,
+        trainer.max_length,
+        fit=fit,
+        **kwargs,
+    )
 
 
 def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
     """The plan for people: a line per cap and for the window policy, the raising sentence, the recommendation."""
+
     def row(e: TrainedEstimate) -> str:
         ratio = f"{e.per_trained:.2f}x" if e.per_trained else "∞"
-        hours = f", {e.gpu_hours:,.1f} GPU-h" if e.gpu_hours is not None else \
-            f", {e.hours:,.1f} h" if e.hours is not None else ""
-        return (f"{e.label}: {num(round(e.decoded))} decoded, {num(round(e.trained))} trained, {ratio} decoded per "
-                f"trained{hours}{' (model)' if e.basis == 'model' else ''}")
+        hours = (
+            f", {e.gpu_hours:,.1f} GPU-h"
+            if e.gpu_hours is not None
+            else f", {e.hours:,.1f} h"
+            if e.hours is not None
+            else ""
+        )
+        return (
+            f"{e.label}: {num(round(e.decoded))} decoded, {num(round(e.trained))} trained, {ratio} decoded per "
+            f"trained{hours}{' (model)' if e.basis == 'model' else ''}"
+        )
 
-    lines = [f"trained tokens, for {TrainerSettings(max_length=plan.max_length).named()} (floor: every prompt's "
-             f"first {num(plan.max_length)} tokens = {num(round(plan.floor))}):"]
+    lines = [
+        f"trained tokens, for {TrainerSettings(max_length=plan.max_length).named()} (floor: every prompt's "
+        f"first {num(plan.max_length)} tokens = {num(round(plan.floor))}):"
+    ]
     lines += [f"  {row(e)}" for e in plan.estimates] + [f"  {row(plan.window)}"]
     if len(plan.estimates) > 1:  # the story's bump: to twice the cap when it is a candidate
         to = next((e.cap for e in plan.estimates if e.cap == 2 * plan.cap), plan.estimates[1].cap)
         lines.append("  " + plan.raising(plan.cap, to))
     if plan.cut_inside_window == 0:
-        lines.append(f"  every cut row lies at or past the window: window-complete, so a larger cap adds no trained "
-                     f"token; the window policy decodes {plan.window.per_trained or 0:.2f}x per trained token"
-                     + (f": {command}" if command else ""))
+        lines.append(
+            f"  every cut row lies at or past the window: window-complete, so a larger cap adds no trained "
+            f"token; the window policy decodes {plan.window.per_trained or 0:.2f}x per trained token"
+            + (f": {command}" if command else "")
+        )
     elif plan.recommended.cap is not None:
-        lines.append(f"  recommended: cap {num(plan.recommended.cap)}, the smallest that lets every prompt reach the "
-                     f"window (a larger one adds only tokens past it), or the window policy"
-                     + (f": {command}" if command else ""))
+        lines.append(
+            f"  recommended: cap {num(plan.recommended.cap)}, the smallest that lets every prompt reach the "
+            f"window (a larger one adds only tokens past it), or the window policy"
+            + (f": {command}" if command else "")
+        )
     return lines

@@ -26,8 +26,9 @@ __all__ = ["COVERS_KEY", "PartStore", "fsync_dir", "read_table", "write_atomic"]
 COVERS_KEY = b"dflash.covers"
 
 
-def read_table(paths: Iterable[PurePath], columns: list[str] | None, schema: pa.Schema,
-               storage: Storage | None = None) -> pa.Table:
+def read_table(
+    paths: Iterable[PurePath], columns: list[str] | None, schema: pa.Schema, storage: Storage | None = None
+) -> pa.Table:
     storage = storage or open_storage(".")
     tables = [storage.read_table(p, columns=columns) for p in paths]
     if not tables:
@@ -96,8 +97,9 @@ class PartStore:
         name = f"compact-{time.time_ns():020d}-{os.getpid()}.parquet"
         schema = self.schema.with_metadata({COVERS_KEY: json.dumps([p.name for p in parts]).encode()})
         # streamed part by part, so memory stays at one part however large the shard
-        out = self.storage.write_streamed(self.dir / name, schema,
-                                          (conform(self.storage.read_table(p), schema) for p in parts))
+        out = self.storage.write_streamed(
+            self.dir / name, schema, (conform(self.storage.read_table(p), schema) for p in parts)
+        )
         for p in parts:
             self.storage.delete(p)
         self.storage.sync(self.dir)

@@ -125,14 +125,14 @@ class Storage:
     def files(self, folder: PurePath) -> list[PurePath]:
         """The files directly in `folder`, sorted by name; [] when it does not exist."""
         infos = self.fs.get_file_info(pafs.FileSelector(str(folder), allow_not_found=True))
-        return sorted((folder / PurePosixPath(i.path).name for i in infos if i.type == pafs.FileType.File),
-                      key=lambda p: p.name)
+        return sorted(
+            (folder / PurePosixPath(i.path).name for i in infos if i.type == pafs.FileType.File), key=lambda p: p.name
+        )
 
     def walk(self, folder: PurePath) -> list[PurePath]:
         """Every file below `folder`, at any depth."""
         infos = self.fs.get_file_info(pafs.FileSelector(str(folder), allow_not_found=True, recursive=True))
-        return [folder / PurePosixPath(i.path).relative_to(str(folder)) for i in infos
-                if i.type == pafs.FileType.File]
+        return [folder / PurePosixPath(i.path).relative_to(str(folder)) for i in infos if i.type == pafs.FileType.File]
 
     def exists(self, path: PurePath) -> bool:
         return self.fs.get_file_info(str(path)).type != pafs.FileType.NotFound
@@ -360,6 +360,8 @@ def open_storage(data_dir: str | os.PathLike | Storage) -> Storage:
         raise ValueError(f"data dir {text!r}: unsupported scheme {scheme}:// (a local path or s3://bucket/prefix)")
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:/[^/]", text) and not Path(text).exists():
         # Path("s3://b/x") is "s3:/b/x": a URI that went through pathlib; never create a local dir "s3:" for it
-        raise ValueError(f"data dir {text!r} looks like a URI mangled by pathlib (one '/' after the scheme); "
-                         f"pass the URI as a string")
+        raise ValueError(
+            f"data dir {text!r} looks like a URI mangled by pathlib (one '/' after the scheme); "
+            f"pass the URI as a string"
+        )
     return LocalStorage(text)

@@ -17,8 +17,24 @@ def test_every_command_has_help(command):
 
 def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
     base = str(free_base_port())
-    up = ["fleet", "--fleet-dir", str(tmp_path), "up", "--model-path", "emulated/qwen3-27b", "--gpus", "0,1",
-          "--command", "emulator", "--base-port", base, "--context-length", "16384", "--health-timeout", "60"]
+    up = [
+        "fleet",
+        "--fleet-dir",
+        str(tmp_path),
+        "up",
+        "--model-path",
+        "emulated/qwen3-27b",
+        "--gpus",
+        "0,1",
+        "--command",
+        "emulator",
+        "--base-port",
+        base,
+        "--context-length",
+        "16384",
+        "--health-timeout",
+        "60",
+    ]
     try:
         first = dflash(*up)
         assert first.returncode == 0, first.stdout + first.stderr
@@ -40,19 +56,26 @@ def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
     assert after.returncode == 1 and "no servers" in after.stdout
 
 
-@pytest.mark.parametrize("args,message", [
-    (["fleet", "up", "--model-path", "m", "--gpus", "a,b"], "gpus must be comma-separated GPU ids"),
-    (["fleet", "up", "--model-path", "m", "--extra-args", "--cuda-graph-max-bs 8"], "--cuda-graph-max-bs"),
-    (["demo", "--max-output-tokens", "0"], "dflash demo: invalid generation config: max_output_tokens must be a "
-                                           "positive integer, got 0"),
-    (["backfill", "--regenerate", "every"], "regenerate must be one of last_turn, all_turns, got 'every'"),
-    (["backfill", "--max-attempts", "0"], "dflash backfill: max_attempts must be >= 1, got 0"),
-    (["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1,http://127.0.0.1:1/"],
-     "server URL http://127.0.0.1:1 is listed twice"),
-    (["probe", "--urls", "http://me:secret@127.0.0.1:1"], "server URL #1 carries credentials"),
-    (["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1", "--top-p", "2"], "top_p must be in (0, 1]"),
-    (["nonsense"], "invalid choice: 'nonsense'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["fleet", "up", "--model-path", "m", "--gpus", "a,b"], "gpus must be comma-separated GPU ids"),
+        (["fleet", "up", "--model-path", "m", "--extra-args", "--cuda-graph-max-bs 8"], "--cuda-graph-max-bs"),
+        (
+            ["demo", "--max-output-tokens", "0"],
+            "dflash demo: invalid generation config: max_output_tokens must be a positive integer, got 0",
+        ),
+        (["backfill", "--regenerate", "every"], "regenerate must be one of last_turn, all_turns, got 'every'"),
+        (["backfill", "--max-attempts", "0"], "dflash backfill: max_attempts must be >= 1, got 0"),
+        (
+            ["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1,http://127.0.0.1:1/"],
+            "server URL http://127.0.0.1:1 is listed twice",
+        ),
+        (["probe", "--urls", "http://me:secret@127.0.0.1:1"], "server URL #1 carries credentials"),
+        (["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1", "--top-p", "2"], "top_p must be in (0, 1]"),
+        (["nonsense"], "invalid choice: 'nonsense'"),
+    ],
+)
 def test_bad_arguments_give_a_clear_error(tmp_path, args, message):
     result = dflash(*args, env={"DAGSTER_HOME": str(tmp_path)})
     assert result.returncode == 2
@@ -83,11 +106,13 @@ def test_report_prints_the_figures_of_a_data_dir_as_tables(tmp_path, emulator):
             await build_prompt_shard(src, 0, "00000", 40, data, fleet, {"enable_thinking": True})
 
     asyncio.run(build())
-    gen = dflash("generate", "--shard", "00000", "--urls", server.emu.url, "--data-dir", str(data),
-                 "--max-output-tokens", "4096")
+    gen = dflash(
+        "generate", "--shard", "00000", "--urls", server.emu.url, "--data-dir", str(data), "--max-output-tokens", "4096"
+    )
     assert "40 prompts = 40 completed + 0 rejected + 0 failed" in gen.stdout, gen.stdout + gen.stderr
-    truncated = duckdb.sql(f"select count(*) filter (where finish_reason = 'length') from read_parquet("
-                           f"'{data}/completions/**/*.parquet')").fetchall()[0][0]
+    truncated = duckdb.sql(
+        f"select count(*) filter (where finish_reason = 'length') from read_parquet('{data}/completions/**/*.parquet')"
+    ).fetchall()[0][0]
     result = dflash("report", "--data-dir", str(data))
     assert result.returncode == 0, result.stderr
     assert f"{truncated / 40 * 100:.2f}%" in result.stdout, result.stdout
@@ -104,10 +129,26 @@ def test_backfill_materialises_a_range_through_dagster_and_resumes_on_a_second_r
     server = emulator("--reasoning-parser", "qwen3")
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": f"b{i}", "prompt": f"backfill test {i}"}) + "\n" for i in range(15)))
-    env = {"DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_DATA_DIR": str(tmp_path / "data"),
-           "DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": server.emu.url, "DFLASH_SHARDS_PER_RUN": "2"}
-    args = ["backfill", "--from", "00000", "--to", "00001", "--prompts", str(src), "--shard-size", "5",
-            "--max-output-tokens", "32000"]
+    env = {
+        "DAGSTER_HOME": str(tmp_path / "home"),
+        "DFLASH_DATA_DIR": str(tmp_path / "data"),
+        "DFLASH_FLEET_MODE": "attach",
+        "DFLASH_FLEET_URLS": server.emu.url,
+        "DFLASH_SHARDS_PER_RUN": "2",
+    }
+    args = [
+        "backfill",
+        "--from",
+        "00000",
+        "--to",
+        "00001",
+        "--prompts",
+        str(src),
+        "--shard-size",
+        "5",
+        "--max-output-tokens",
+        "32000",
+    ]
     first = dflash(*args, env=env, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "shards 00000..00001 (2), cap 32000, up to 2 shards per run" in first.stdout
@@ -129,29 +170,73 @@ def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emu
     server = emulator("--reasoning-parser", "qwen3")
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": f"f{i}", "prompt": f"flag test {i}"}) + "\n" for i in range(6)))
-    flags = ["--temperature", "0.3", "--top-k", "7", "--min-p", "0.1", "--presence-penalty", "0.5",
-             "--regenerate", "all_turns", "--no-store-token-ids", "--max-in-flight-per-server", "3"]
+    flags = [
+        "--temperature",
+        "0.3",
+        "--top-k",
+        "7",
+        "--min-p",
+        "0.1",
+        "--presence-penalty",
+        "0.5",
+        "--regenerate",
+        "all_turns",
+        "--no-store-token-ids",
+        "--max-in-flight-per-server",
+        "3",
+    ]
     home, data = tmp_path / "home", tmp_path / "data"
-    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_FLEET_MODE": "attach",
-           "DFLASH_FLEET_URLS": server.emu.url}
-    result = dflash("backfill", "--prompts", str(src), "--shard-size", "3", "--max-output-tokens", "32000", *flags,
-                    env=env, timeout=300)
+    env = {
+        "DAGSTER_HOME": str(home),
+        "DFLASH_DATA_DIR": str(data),
+        "DFLASH_FLEET_MODE": "attach",
+        "DFLASH_FLEET_URLS": server.emu.url,
+    }
+    result = dflash(
+        "backfill",
+        "--prompts",
+        str(src),
+        "--shard-size",
+        "3",
+        "--max-output-tokens",
+        "32000",
+        *flags,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = duckdb.sql(f"SELECT temperature, top_k, min_p, presence_penalty, turn, output_ids IS NULL FROM "
-                      f"read_parquet('{data}/completions/**/*.parquet')").fetchall()
+    rows = duckdb.sql(
+        f"SELECT temperature, top_k, min_p, presence_penalty, turn, output_ids IS NULL FROM "
+        f"read_parquet('{data}/completions/**/*.parquet')"
+    ).fetchall()
     assert len(rows) == 6 and set(rows) == {(0.3, 7, 0.1, 0.5, 1, True)}, rows
     with dg.DagsterInstance.from_config(str(home)) as instance:
         [run] = instance.get_runs()
     config = run.run_config["ops"]["completions"]["config"]
     assert config["max_in_flight_per_server"] == 3 and config["repetition_penalty"] == 1.0  # the rest: defaults
     # the demo too, on its own emulated fleet; its own defaults stay (token ids stored) unless a flag says otherwise
-    demo = dflash("demo", "--prompts", str(src), "--shard-size", "3", "--servers", "1", "--max-output-tokens",
-                  "32000", "--temperature", "0.2", "--frequency-penalty", "0.25",
-                  env={"DAGSTER_HOME": str(tmp_path / "demo"), "DFLASH_DATA_DIR": str(tmp_path / "demo-data")},
-                  timeout=300)
+    demo = dflash(
+        "demo",
+        "--prompts",
+        str(src),
+        "--shard-size",
+        "3",
+        "--servers",
+        "1",
+        "--max-output-tokens",
+        "32000",
+        "--temperature",
+        "0.2",
+        "--frequency-penalty",
+        "0.25",
+        env={"DAGSTER_HOME": str(tmp_path / "demo"), "DFLASH_DATA_DIR": str(tmp_path / "demo-data")},
+        timeout=300,
+    )
     assert demo.returncode == 0, demo.stdout + demo.stderr
-    rows = duckdb.sql(f"SELECT temperature, frequency_penalty, turn, output_ids IS NULL FROM "
-                      f"read_parquet('{tmp_path}/demo-data/completions/**/*.parquet')").fetchall()
+    rows = duckdb.sql(
+        f"SELECT temperature, frequency_penalty, turn, output_ids IS NULL FROM "
+        f"read_parquet('{tmp_path}/demo-data/completions/**/*.parquet')"
+    ).fetchall()
     assert len(rows) == 6 and set(rows) == {(0.2, 0.25, None, False)}, rows
 
 

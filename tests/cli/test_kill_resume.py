@@ -25,9 +25,9 @@ import psutil
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
-from tests.support.forks import start_emulator
 from tests.support.cli import Command, start
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
+from tests.support.forks import start_emulator
 from tests.support.http import set_faults
 
 pytestmark = pytest.mark.long
@@ -77,10 +77,20 @@ def project(tmp_path):
     home.mkdir()
     (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
     src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"id": f"k{i}", "prompt": f"kill test prompt {i}: " + "why " * (i % 7)}) + "\n"
-                           for i in range(SHARDS * SHARD_SIZE)))
-    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_FLEET_MODE": "attach",
-           "DFLASH_SHARDS_PER_RUN": "2", "DFLASH_PROMPTS": str(src), "DFLASH_SHARD_SIZE": str(SHARD_SIZE)}
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"k{i}", "prompt": f"kill test prompt {i}: " + "why " * (i % 7)}) + "\n"
+            for i in range(SHARDS * SHARD_SIZE)
+        )
+    )
+    env = {
+        "DAGSTER_HOME": str(home),
+        "DFLASH_DATA_DIR": str(data),
+        "DFLASH_FLEET_MODE": "attach",
+        "DFLASH_SHARDS_PER_RUN": "2",
+        "DFLASH_PROMPTS": str(src),
+        "DFLASH_SHARD_SIZE": str(SHARD_SIZE),
+    }
     return home, data, env
 
 
@@ -136,7 +146,8 @@ def test_the_story_a_killed_backfill_then_the_bump_to_8192_stops_in_preflight_na
 
 
 def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_when_the_holder_is_killed(
-        tmp_path, project):
+    tmp_path, project
+):
     home, data, env = project
     # one fleet slot: the second command must wait for the first
     (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text().replace("default_limit: 2", "default_limit: 1"))
@@ -144,8 +155,15 @@ def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_
     with start_emulator([*SLOW, "--fault-hold"]) as emu:  # every request held: the first run holds the pool
         env = {**env, "DFLASH_FLEET_URLS": emu.url, "DFLASH_SHARDS_PER_RUN": "1"}
         holder = start("backfill", "--from", "00000", "--to", "00000", out=tmp_path / "holder.txt", env=env)
-        wait_until(lambda: json.loads(urllib.request.urlopen(f"{emu.url}/_emulator/faults", timeout=10).read())
-                   ["injected"]["hold"] > 0, "the first run's requests reached the fleet", holder, tmp_path / "holder.txt")
+        wait_until(
+            lambda: (
+                json.loads(urllib.request.urlopen(f"{emu.url}/_emulator/faults", timeout=10).read())["injected"]["hold"]
+                > 0
+            ),
+            "the first run's requests reached the fleet",
+            holder,
+            tmp_path / "holder.txt",
+        )
         out = tmp_path / "waiter.txt"
         waiter = start("backfill", "--from", "00001", "--to", "00001", out=out, env=env)
         wait_until(lambda: "waiting for pool sglang_fleet" in out.read_text(), "the waiter says it waits", waiter, out)

@@ -12,16 +12,27 @@ from dflash_assets.rules import CONTEXT_MARGIN
 from tests.support.cli import dflash
 from tests.support.shards import longest_prompt
 
-FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
-         "--length-sigma", "0.9", "--loop-share", "0.02", "--context-length", "8192"]
+FLAGS = [
+    "--decode-tokens-per-s",
+    "0",
+    "--reasoning-parser",
+    "qwen3",
+    "--length-median",
+    "400",
+    "--length-sigma",
+    "0.9",
+    "--loop-share",
+    "0.02",
+    "--context-length",
+    "8192",
+]
 
 
 def build_shards(url: str, src, data, shards: int, per_shard: int) -> None:
     async def build():
         async with connected([url]) as fleet:
             for k in range(shards):
-                await build_prompt_shard(src, k, f"{k:05d}", per_shard, data, fleet,
-                                         {"enable_thinking": True})
+                await build_prompt_shard(src, k, f"{k:05d}", per_shard, data, fleet, {"enable_thinking": True})
 
     asyncio.run(build())
 
@@ -30,22 +41,28 @@ def build_shards(url: str, src, data, shards: int, per_shard: int) -> None:
 def prompts(tmp_path, emulator):
     server = emulator(*FLAGS)
     src, data = tmp_path / "p.jsonl", tmp_path / "data"
-    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"probe test {i}: explain topic {i % 17}."}) + "\n"
-                           for i in range(240)))
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"p{i}", "prompt": f"probe test {i}: explain topic {i % 17}."}) + "\n" for i in range(240)
+        )
+    )
     build_shards(server.emu.url, src, data, 2, 120)
     return server.emu.url, data
 
 
 def probe_rows(data) -> list[tuple]:
-    return duckdb.sql(f"SELECT prompt_id, max_output_tokens, config_hash, finish_reason FROM read_parquet("
-                      f"'{data}/length_probe/completions/**/*.parquet')").fetchall()
+    return duckdb.sql(
+        f"SELECT prompt_id, max_output_tokens, config_hash, finish_reason FROM read_parquet("
+        f"'{data}/length_probe/completions/**/*.parquet')"
+    ).fetchall()
 
 
 def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(prompts):
     url, data = prompts
     for shard in ("00000", "00001"):
-        gen = dflash("generate", "--shard", shard, "--urls", url, "--data-dir", str(data),
-                     "--max-output-tokens", "1024")
+        gen = dflash(
+            "generate", "--shard", shard, "--urls", url, "--data-dir", str(data), "--max-output-tokens", "1024"
+        )
         assert gen.returncode == 0, gen.stdout + gen.stderr
     result = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -56,8 +73,10 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
     # the files: 100 sampled prompts, generated at that cap under their own config, beside the run's rows
     assert len(rows) == 100 and {r[1] for r in rows} == {cap} and len({r[2] for r in rows}) == 1
     config = rows[0][2]
-    assert f"length probe: 100 of 240 prompts at cap {cap:,}, config {config}: 100 completed + 0 rejected + 0 failed" \
-        in out, out
+    assert (
+        f"length probe: 100 of 240 prompts at cap {cap:,}, config {config}: 100 completed + 0 rejected + 0 failed"
+        in out
+    ), out
     assert f"rows in {data / 'length_probe'}" in out
     # the share cut at larger caps is measured from the run's 240 rows and the probe, no model
     assert "share still cut, from 240 rows at cap 1,024 and the probe (95% intervals):" in out
@@ -67,15 +86,17 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
     assert "precision: probe of 100 rows (" in out and "(95%, binomial)" in out
     # the next command raises the cap to the one the report's answer recommends (answer.recommended_cap)
     from dflash_assets.quality.answer import recommended_cap
-    from dflash_assets.settings import QualitySettings
     from dflash_assets.quality.planner import DEFAULT_CANDIDATES, plan_caps
+    from dflash_assets.settings import QualitySettings
 
     plan = plan_caps(data, candidates=sorted({*DEFAULT_CANDIDATES, cap}))
     rec = recommended_cap(plan, QualitySettings().truncation_rate_max)
     assert rec.basis == "probe" and rec.truncation_rate.value <= 0.05
-    assert (f"next: dflash report --data-dir {data} (the whole cap plan); to raise the cap to {rec.cap:,}, the "
-            f"smallest that cuts 5.00% or fewer ({rec.truncation_rate.value * 100:.2f}%, measured (probe)): "
-            f"DFLASH_DATA_DIR={data} dflash continue --to {rec.cap}") in out, out
+    assert (
+        f"next: dflash report --data-dir {data} (the whole cap plan); to raise the cap to {rec.cap:,}, the "
+        f"smallest that cuts 5.00% or fewer ({rec.truncation_rate.value * 100:.2f}%, measured (probe)): "
+        f"DFLASH_DATA_DIR={data} dflash continue --to {rec.cap}"
+    ) in out, out
     # a second run with the same sample and settings resumes: nothing new generated
     again = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100")
     assert "100 completed + 0 rejected + 0 failed; 0 output tokens this run" in again.stdout, again.stdout
@@ -84,8 +105,19 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
 
 def test_probe_before_any_run_plans_from_its_own_rows_and_says_how_to_generate(prompts):
     url, data = prompts
-    result = dflash("probe", "--urls", url, "--data-dir", str(data), "--size", "60", "--shards", "00001",
-                    "--max-output-tokens", "6000")
+    result = dflash(
+        "probe",
+        "--urls",
+        url,
+        "--data-dir",
+        str(data),
+        "--size",
+        "60",
+        "--shards",
+        "00001",
+        "--max-output-tokens",
+        "6000",
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = probe_rows(data)
     assert len(rows) == 60 and {r[1] for r in rows} == {6000}
@@ -100,18 +132,22 @@ def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_row
 
     url, data = prompts
     before = dflash("probe", "--urls", url, "--data-dir", str(data), "--mode", "cut_rows")
-    assert before.returncode == 2 and "a continuation probe continues a run's cut rows; generate the run first" \
-        in before.stderr, before.stdout + before.stderr
+    assert (
+        before.returncode == 2
+        and "a continuation probe continues a run's cut rows; generate the run first" in before.stderr
+    ), before.stdout + before.stderr
     for shard in ("00000", "00001"):
-        gen = dflash("generate", "--shard", shard, "--urls", url, "--data-dir", str(data),
-                     "--max-output-tokens", "1024")
+        gen = dflash(
+            "generate", "--shard", shard, "--urls", url, "--data-dir", str(data), "--max-output-tokens", "1024"
+        )
         assert gen.returncode == 0, gen.stdout + gen.stderr
     result = dflash("probe", "--urls", url, "--data-dir", str(data), "--mode", "cut_rows", "--min-prompts", "20")
     assert result.returncode == 0, result.stdout + result.stderr
     out, honest = result.stdout, honest_cut_rows(data)[2]
-    rows = duckdb.sql(f"SELECT prompt_id, max_output_tokens, parent_config_hash FROM read_parquet("
-                      f"'{data}/length_probe/completions/shard=cut_rows/*.parquet') WHERE max_output_tokens > 1024"
-                      ).fetchall()
+    rows = duckdb.sql(
+        f"SELECT prompt_id, max_output_tokens, parent_config_hash FROM read_parquet("
+        f"'{data}/length_probe/completions/shard=cut_rows/*.parquet') WHERE max_output_tokens > 1024"
+    ).fetchall()
     (cap,) = {r[1] for r in rows}
     longest = longest_prompt(data / "length_probe" / "prompt_shards", "shard=cut_rows/*.parquet")
     assert cap == 8192 - CONTEXT_MARGIN - longest  # the cap from the context, as the random probe takes it
@@ -123,12 +159,15 @@ def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_row
     assert "precision: continuation probe of 20 cut rows (20 honest rows cut at 1,024, continued): " in out, out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--mode", "all"], "mode must be one of prompts, cut_rows, got 'all'"),
-    (["--share", "2"], "share must be in (0, 1], got 2.0"),
-    (["--max-output-tokens", "-1"], "max_output_tokens must be >= 0 (0: the largest the context allows), got -1"),
-    (["--data-dir", "/nonexistent/nowhere"], "no prompt shards under /nonexistent/nowhere: build them first"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--mode", "all"], "mode must be one of prompts, cut_rows, got 'all'"),
+        (["--share", "2"], "share must be in (0, 1], got 2.0"),
+        (["--max-output-tokens", "-1"], "max_output_tokens must be >= 0 (0: the largest the context allows), got -1"),
+        (["--data-dir", "/nonexistent/nowhere"], "no prompt shards under /nonexistent/nowhere: build them first"),
+    ],
+)
 def test_bad_probe_arguments_give_a_clear_error(args, message):
     result = dflash("probe", "--urls", "http://127.0.0.1:1", *args)
     assert result.returncode == 2 and message in result.stderr, result.stdout + result.stderr

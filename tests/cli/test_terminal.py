@@ -33,14 +33,18 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
     env, result = demo_at_4096
     out = result.stdout
     assert result.returncode == 3, out + result.stderr  # stopped by a blocking check
-    rows, cut = duckdb.sql(f"select count(*), count(*) filter (where finish_reason = 'length' and prompt_tokens + "
-                           f"completion_tokens < 8192) from read_parquet("
-                           f"'{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')").fetchall()[0]
+    rows, cut = duckdb.sql(
+        f"select count(*), count(*) filter (where finish_reason = 'length' and prompt_tokens + "
+        f"completion_tokens < 8192) from read_parquet("
+        f"'{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')"
+    ).fetchall()[0]
     share = f"{cut / rows * 100:.2f}%"
     assert 0.15 <= cut / rows <= 0.25, share
     flat = re.sub(r"\s+", " ", out)
-    assert f"Stopped by the blocking check truncation_rate (shards 00000, 00001, 00002, 00003): {share} of {rows} " \
-           f"rows were cut inside the trainer's window max_length 8,192" in flat, out
+    assert (
+        f"Stopped by the blocking check truncation_rate (shards 00000, 00001, 00002, 00003): {share} of {rows} "
+        f"rows were cut inside the trainer's window max_length 8,192" in flat
+    ), out
     assert "P90 4,096 P99 4,096" in flat and "P90 and P99 equal the cap" in flat
     recommended = re.search(r"recommended cap: ([\d,]+) \(predicted ([\d.]+)% cut", flat)
     assert recommended, out
@@ -63,15 +67,19 @@ def test_the_stack_trace_stays_in_the_runs_event_log(demo_at_4096):
     env, _ = demo_at_4096
     with dg.DagsterInstance.from_ref(InstanceRef.from_dir(env["DAGSTER_HOME"])) as instance:
         run = [r for r in instance.get_runs() if r.job_name == "shard_pipeline"][0]
-        failures = [e.dagster_event.step_failure_data.error.cls_name for e in instance.all_logs(run.run_id)
-                    if e.dagster_event and e.dagster_event.is_step_failure]
+        failures = [
+            e.dagster_event.step_failure_data.error.cls_name
+            for e in instance.all_logs(run.run_id)
+            if e.dagster_event and e.dagster_event.is_step_failure
+        ]
     assert (run.status, failures) == (dg.DagsterRunStatus.FAILURE, ["DagsterAssetCheckFailedError"])
 
 
 def test_report_leads_with_the_answer_per_config(demo_at_4096):
     env, _ = demo_at_4096
-    result = dflash("report", "--data-dir", env["DFLASH_DATA_DIR"], "--trainer-max-length", "8192", env=env,
-                    cwd=env["CWD"])
+    result = dflash(
+        "report", "--data-dir", env["DFLASH_DATA_DIR"], "--trainer-max-length", "8192", env=env, cwd=env["CWD"]
+    )
     assert result.returncode == 0, result.stderr
     head = result.stdout.split("Length quality, all shards")[0]
     flat = re.sub(r"\s+", " ", head)
@@ -82,21 +90,27 @@ def test_report_leads_with_the_answer_per_config(demo_at_4096):
     pictures = [Path(p) for p in re.findall(r"picture: (\S+)", head)]
     assert [p.name for p in pictures][0] == "completion_lengths.png" and pictures[1].name.startswith("cap_plan-")
     for picture in pictures:
-        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.parent == \
-            Path(env["DFLASH_DATA_DIR"]) / "reports"
+        assert (
+            picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            and picture.parent == Path(env["DFLASH_DATA_DIR"]) / "reports"
+        )
 
 
 def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_path):
-    env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192",
-                                    "DFLASH_NUM_SERVERS": "1"}  # refused before any request: one server will do
+    env = home(tmp_path, "home") | {
+        "DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192",
+        "DFLASH_NUM_SERVERS": "1",
+    }  # refused before any request: one server will do
     result = dflash("demo", "--max-output-tokens", "8192", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
     out = result.stdout
     assert "Stopped before any request was sent: the preflight refused the run." in out
     assert "the servers' context length is 8192 tokens and max_output_tokens is 8192" in re.sub(r"\s+", " ", out)
     needed = re.search(r"--context-length (\d+) or more", re.sub(r"\s+", " ", out)).group(1)
-    assert out.strip().splitlines()[-1] == \
-        f"Next: restart the servers with --context-length {needed} (or lower --max-output-tokens)."
+    assert (
+        out.strip().splitlines()[-1]
+        == f"Next: restart the servers with --context-length {needed} (or lower --max-output-tokens)."
+    )
     for trace in NO_TRACE:
         assert trace not in out + result.stderr
 
@@ -129,18 +143,24 @@ def not_sglang():
 
 def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_exclusion(tmp_path):
     # two shards of the demo's prompts (their long answers are the demo's), on one server
-    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 200)), "DFLASH_SHARD_SIZE": "100",
-                                    "DFLASH_NUM_SERVERS": "1"}
+    env = home(tmp_path, "home") | {
+        "DFLASH_PROMPTS": str(demo_slice(tmp_path, 200)),
+        "DFLASH_SHARD_SIZE": "100",
+        "DFLASH_NUM_SERVERS": "1",
+    }
     done = dflash("demo", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "Stopped" not in out and "Failed" not in out
     manifest = json.loads(next((tmp_path / "home-data" / "training").glob("*/manifest.json")).read_text())
-    rows, long = duckdb.sql(f"select count(*), count(*) filter (where prompt_tokens + completion_tokens > 4096) "
-                            f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')").fetchall()[0]
+    rows, long = duckdb.sql(
+        f"select count(*), count(*) filter (where prompt_tokens + completion_tokens > 4096) "
+        f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')"
+    ).fetchall()[0]
     exported = next((tmp_path / "home-data" / "training").glob("*/training_set.parquet"))
-    kept_long = duckdb.sql(f"select count(*) from read_parquet('{exported}') "
-                           f"where prompt_tokens + completion_tokens > 4096").fetchall()[0][0]
+    kept_long = duckdb.sql(
+        f"select count(*) from read_parquet('{exported}') where prompt_tokens + completion_tokens > 4096"
+    ).fetchall()[0][0]
     # the longest answers stay in the training set (but for the few left out for another reason, e.g. cut)
     assert manifest["excluded"]["over_max_length"] == 0 and manifest["over_max_length_kept"] == kept_long
     assert long > 40 and kept_long >= long - sum(e["rows"] for e in manifest["exclusions"])
@@ -158,25 +178,43 @@ def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
     args = ["--prompts", str(src), "--shard-size", "3"]
     # attach to a server that says it is healthy but is no SGLang server: the run fails (1), said in a line
     with not_sglang() as url:
-        failed = dflash("backfill", *args, "--max-output-tokens", "32000", cwd=tmp_path,
-                        env=home(tmp_path, "dead") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
+        failed = dflash(
+            "backfill",
+            *args,
+            "--max-output-tokens",
+            "32000",
+            cwd=tmp_path,
+            env=home(tmp_path, "dead") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url},
+        )
     assert failed.returncode == 1, failed.stdout + failed.stderr
     flat = re.sub(r"\s+", " ", failed.stdout)
-    assert re.search(r"Failed: shards 00000\.\.00001, step prompt_shards: \w+: .+ The stack trace is in the event log "
-                     r"of run [0-9a-f-]{36}", flat), flat
+    assert re.search(
+        r"Failed: shards 00000\.\.00001, step prompt_shards: \w+: .+ The stack trace is in the event log "
+        r"of run [0-9a-f-]{36}",
+        flat,
+    ), flat
     for trace in NO_TRACE:
         assert trace not in failed.stdout + failed.stderr
     # --verbose prints Dagster's event stream here as well, the stack trace with it
     with not_sglang() as url:
-        verbose = dflash("backfill", *args, "--max-output-tokens", "32000", "--verbose", cwd=tmp_path,
-                         env=home(tmp_path, "verbose") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url})
+        verbose = dflash(
+            "backfill",
+            *args,
+            "--max-output-tokens",
+            "32000",
+            "--verbose",
+            cwd=tmp_path,
+            env=home(tmp_path, "verbose") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": url},
+        )
     assert verbose.returncode == 1
     assert "STEP_FAILURE" in verbose.stderr and "Stack Trace" in verbose.stderr and "RUN_START" in verbose.stderr
 
 
 def rows_before(env) -> int:
-    return duckdb.sql(f"select count(*) from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', "
-                      f"union_by_name = true) where max_output_tokens = 4096").fetchall()[0][0]
+    return duckdb.sql(
+        f"select count(*) from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', "
+        f"union_by_name = true) where max_output_tokens = 4096"
+    ).fetchall()[0][0]
 
 
 def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many_tokens_it_reused(demo_at_4096):
@@ -184,12 +222,13 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     cap = re.search(r"dflash continue --to (\d+)", demo.stdout).group(1)
     result = dflash("continue", "--to", cap, env=env, cwd=env["CWD"])
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = duckdb.sql(f"select count(*) filter (where max_output_tokens = 4096 and finish_reason = 'length'), "
-                      f"count(*) filter (where max_output_tokens = {cap}), "
-                      f"sum(tokens_reused) filter (where max_output_tokens = {cap}), "
-                      f"sum(completion_tokens) filter (where max_output_tokens = {cap}) "
-                      f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', union_by_name = true)"
-                      ).fetchall()[0]
+    rows = duckdb.sql(
+        f"select count(*) filter (where max_output_tokens = 4096 and finish_reason = 'length'), "
+        f"count(*) filter (where max_output_tokens = {cap}), "
+        f"sum(tokens_reused) filter (where max_output_tokens = {cap}), "
+        f"sum(completion_tokens) filter (where max_output_tokens = {cap}) "
+        f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', union_by_name = true)"
+    ).fetchall()[0]
     cut, new_rows, reused, total = rows
     flat = re.sub(r"\s+", " ", result.stdout)
     assert f"tokens reused: {reused:,} of {total:,} ({reused / total * 100:.2f}%)" in flat, result.stdout

@@ -29,14 +29,33 @@ ASSETS = {
     "length_quality_summary": ("quality", "quality", {"completions", "length_probe"}, False),
     "drafter_training_set": ("training", "training", {"completions", "length_quality_report"}, False),
 }
-CHECKED = {"length_quality_report": {
-    "truncation_rate", "cap_saturation", "cap_hit_agreement", "silent_clamp", "context_overflow",
-    "config_consistency", "accounting", "duplicates", "empty_content", "think_markers", "reasoning_misrouted",
-    "truncated_thinking", "max_length_overflow", "runaway_rate", "window_complete"}}
+CHECKED = {
+    "length_quality_report": {
+        "truncation_rate",
+        "cap_saturation",
+        "cap_hit_agreement",
+        "silent_clamp",
+        "context_overflow",
+        "config_consistency",
+        "accounting",
+        "duplicates",
+        "empty_content",
+        "think_markers",
+        "reasoning_misrouted",
+        "truncated_thinking",
+        "max_length_overflow",
+        "runaway_rate",
+        "window_complete",
+    }
+}
 # job -> (the folder of its jobs.py, the assets it materialises, the assets whose checks it runs, partitioned)
 JOBS = {
-    "shard_pipeline": ("completions", {"prompt_shards", "completions", "length_quality_report"},
-                       {"length_quality_report"}, True),
+    "shard_pipeline": (
+        "completions",
+        {"prompt_shards", "completions", "length_quality_report"},
+        {"length_quality_report"},
+        True,
+    ),
     "quality_checks": ("quality", {"length_quality_summary"}, {"length_quality_report"}, False),
     "training_export": ("training", {"length_quality_summary", "drafter_training_set"}, set(), False),
     "continue_shards": ("continuation", {"continued_completions"}, set(), True),
@@ -70,9 +89,12 @@ def test_the_asset_graph_is_wired_as_written_here():
     assert {k.to_user_string() for k in graph.get_all_asset_keys()} == set(ASSETS)
     for name, (group, folder, parents, partitioned) in ASSETS.items():
         node, assets_def = graph.get(dg.AssetKey(name)), defs.resolve_assets_def(name)
-        assert (node.group_name, defs_module(assets_def.op.compute_fn.decorated_fn).split(".")[0],
-                {p.to_user_string() for p in node.parent_keys}, node.partitions_def is not None) == \
-            (group, folder, parents, partitioned), name
+        assert (
+            node.group_name,
+            defs_module(assets_def.op.compute_fn.decorated_fn).split(".")[0],
+            {p.to_user_string() for p in node.parent_keys},
+            node.partitions_def is not None,
+        ) == (group, folder, parents, partitioned), name
         assert node.partitions_def is None or node.partitions_def.name == "shards"
         assert node.description and node.owners and node.kinds and node.kinds <= {"sglang", "parquet", "duckdb"}
     checks: dict[str, set[str]] = {}
@@ -85,34 +107,47 @@ def test_the_jobs_schedules_and_sensors_are_wired_as_written_here():
     jobs = {j.name: j for j in defs.resolve_all_job_defs() if j.name != "__ASSET_JOB"}
     assert set(jobs) == set(JOBS)
     assert modules_defining("jobs", UnresolvedAssetJobDefinition) == {
-        name: [f"{folder}.jobs"] for name, (folder, *_) in JOBS.items()}
+        name: [f"{folder}.jobs"] for name, (folder, *_) in JOBS.items()
+    }
     for name, (_, assets, checked, partitioned) in JOBS.items():
         layer = jobs[name].asset_layer
-        assert ({k.to_user_string() for k in layer.selected_asset_keys},
-                {k.asset_key.to_user_string() for k in layer.asset_graph.asset_check_keys},
-                jobs[name].partitions_def is not None) == (assets, checked, partitioned), name
+        assert (
+            {k.to_user_string() for k in layer.selected_asset_keys},
+            {k.asset_key.to_user_string() for k in layer.asset_graph.asset_check_keys},
+            jobs[name].partitions_def is not None,
+        ) == (assets, checked, partitioned), name
         assert jobs[name].executor_def is dg.in_process_executor, name  # applied once, in definitions.py
     assert modules_defining("schedules", dg.ScheduleDefinition) == {
-        name: [f"{folder}.schedules"] for name, (folder, *_) in SCHEDULES.items()}
+        name: [f"{folder}.schedules"] for name, (folder, *_) in SCHEDULES.items()
+    }
     assert {s.name: (s.job_name, s.cron_schedule) for s in defs.schedules} == {
-        name: (job, cron) for name, (_, job, cron) in SCHEDULES.items()}
+        name: (job, cron) for name, (_, job, cron) in SCHEDULES.items()
+    }
     assert modules_defining("sensors", dg.SensorDefinition) == {
-        name: [module] for name, (module, *_) in SENSORS.items()}
-    assert {s.name: (s.job_name if s.has_jobs else None,
-                     s.asset_key.to_user_string() if isinstance(s, dg.AssetSensorDefinition) else None,
-                     s.minimum_interval_seconds) for s in defs.sensors} == {
-        name: tuple(rest) for name, (_, *rest) in SENSORS.items()}
+        name: [module] for name, (module, *_) in SENSORS.items()
+    }
+    assert {
+        s.name: (
+            s.job_name if s.has_jobs else None,
+            s.asset_key.to_user_string() if isinstance(s, dg.AssetSensorDefinition) else None,
+            s.minimum_interval_seconds,
+        )
+        for s in defs.sensors
+    } == {name: tuple(rest) for name, (_, *rest) in SENSORS.items()}
     assert all(d.default_status.name == "RUNNING" for d in [*defs.schedules, *defs.sensors])
 
 
 def test_loading_the_code_location_warns_nothing():
     # every warning an error, in a fresh interpreter (pytest's own filters do not apply); the defs modules are
     # imported first, one by one, because load_from_defs_folder silences Dagster's warnings while it imports them
-    code = ("import importlib, pkgutil, dflash_assets.defs as d\n"
-            "for m in pkgutil.walk_packages(d.__path__, 'dflash_assets.defs.'): importlib.import_module(m.name)\n"
-            "import dflash_assets.definitions")
-    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    code = (
+        "import importlib, pkgutil, dflash_assets.defs as d\n"
+        "for m in pkgutil.walk_packages(d.__path__, 'dflash_assets.defs.'): importlib.import_module(m.name)\n"
+        "import dflash_assets.definitions"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert (done.returncode, done.stderr) == (0, "")
 
 
@@ -134,8 +169,11 @@ def test_the_generating_assets_retry_a_failed_step_and_completions_declare_their
     for name in ("completions", "continued_completions"):
         policy = defs.resolve_assets_def(name).op.retry_policy
         assert policy is not None and policy.max_retries >= 1, name
-    schema = defs.resolve_assets_def("completions").specs_by_key[dg.AssetKey("completions")].metadata[
-        "dagster/column_schema"]
+    schema = (
+        defs.resolve_assets_def("completions")
+        .specs_by_key[dg.AssetKey("completions")]
+        .metadata["dagster/column_schema"]
+    )
     assert [(c.name, c.type) for c in schema.columns] == [(f.name, str(f.type)) for f in COMPLETION_SCHEMA]
 
 
@@ -159,8 +197,11 @@ def test_the_emulator_is_its_own_package():
         for path in (ROOT / "dflash_assets" / package).rglob("*.py"):
             assert not any(m.startswith("dflash_assets.emulator") for m in imported_modules(path)), path
     for path in (ROOT / "dflash_assets" / "emulator").rglob("*.py"):
-        outside = {m for m in imported_modules(path)
-                   if m.startswith("dflash_assets.") and not m.startswith("dflash_assets.emulator")}
+        outside = {
+            m
+            for m in imported_modules(path)
+            if m.startswith("dflash_assets.") and not m.startswith("dflash_assets.emulator")
+        }
         assert not outside, (path, outside)
 
 

@@ -10,12 +10,12 @@ import pytest
 from dflash_assets.defs.metadata import CheckRun, PromptShardRun, ReportRun, ShardRun, TrainingSetRun, keys
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.quality.assets import length_quality_summary
-from dflash_assets.defs.training.assets import drafter_training_set
 from dflash_assets.defs.resources import FleetResource, PromptSourceResource, QualityResource
-from tests.support.forks import start_emulator
+from dflash_assets.defs.training.assets import drafter_training_set
 from dflash_assets.quality import CHECKS
 from tests.support import dagster_run
 from tests.support.dagster_run import ASSETS, checks_of, run_shard
+from tests.support.forks import start_emulator
 from tests.support.shards import FAST, questions, write_prompts
 
 pytestmark = pytest.mark.long
@@ -24,13 +24,17 @@ pytestmark = pytest.mark.long
 def resources(tmp_path, urls, shard_size: int, **fleet):
     # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window and block (at the
     # default 4096 window they are window-complete: tests/generation/test_window_policy.py)
-    return {**dagster_run.resources(tmp_path, urls, shard_size, **fleet),
-            "quality": QualityResource(trainer={"max_length": 8192})}
+    return {
+        **dagster_run.resources(tmp_path, urls, shard_size, **fleet),
+        "quality": QualityResource(trainer={"max_length": 8192}),
+    }
 
 
 def completion_rows(tmp_path, where: str = "true") -> list[tuple]:
-    return duckdb.sql(f"select prompt_id, config_hash, finish_reason from read_parquet("
-                      f"'{tmp_path}/data/completions/**/*.parquet') where {where} order by all").fetchall()
+    return duckdb.sql(
+        f"select prompt_id, config_hash, finish_reason from read_parquet("
+        f"'{tmp_path}/data/completions/**/*.parquet') where {where} order by all"
+    ).fetchall()
 
 
 def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
@@ -56,11 +60,13 @@ def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
     assert keys(PromptShardRun) <= set(results[0].asset_materializations_for_node("prompt_shards")[0].metadata)
     checks = results[0].get_asset_check_evaluations()
     assert len(checks) == len(CHECKS) and all(
-        e.metadata[CheckRun.FAILING_SHARDS].value == ([] if e.passed else ["00000"]) for e in checks)
+        e.metadata[CheckRun.FAILING_SHARDS].value == ([] if e.passed else ["00000"]) for e in checks
+    )
     # every completion row records the config that made it
-    cols = duckdb.sql(f"select distinct max_output_tokens, server_context_length, model, enable_thinking, "
-                      f"temperature, top_p, top_k from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
-                      ).fetchall()
+    cols = duckdb.sql(
+        f"select distinct max_output_tokens, server_context_length, model, enable_thinking, "
+        f"temperature, top_p, top_k from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
+    ).fetchall()
     assert cols == [(32000, 32768, cols[0][2], True, 0.6, 0.95, 20)]
 
 
@@ -68,14 +74,25 @@ def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, 
     write_prompts(tmp_path / "prompts.jsonl", questions(200))
     with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
-        low = run_shard(instance, resources(tmp_path / "low", fleet_urls, 200) | {
-            "prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=4096)
-        high = run_shard(instance, resources(tmp_path / "high", fleet_urls, 200) | {
-            "prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)}, "00000", cap=32000)
+        low = run_shard(
+            instance,
+            resources(tmp_path / "low", fleet_urls, 200)
+            | {"prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)},
+            "00000",
+            cap=4096,
+        )
+        high = run_shard(
+            instance,
+            resources(tmp_path / "high", fleet_urls, 200)
+            | {"prompt_source": PromptSourceResource(path=str(tmp_path / "prompts.jsonl"), shard_size=200)},
+            "00000",
+            cap=32000,
+        )
     assert checks_of(low)["truncation_rate"] is False
     assert not low.success, "a failing blocking check stops the run"
-    truncated = duckdb.sql(f"select avg((finish_reason = 'length')::int) from read_parquet("
-                           f"'{tmp_path}/low/data/completions/**/*.parquet')").fetchall()[0][0]
+    truncated = duckdb.sql(
+        f"select avg((finish_reason = 'length')::int) from read_parquet('{tmp_path}/low/data/completions/**/*.parquet')"
+    ).fetchall()[0][0]
     assert 0.12 <= truncated <= 0.25, truncated
     evaluation = [e for e in low.get_asset_check_evaluations() if e.check_name == "truncation_rate"][0]
     assert f"{truncated * 100:.2f}%" in evaluation.metadata["summary"].value
@@ -83,16 +100,22 @@ def test_truncation_check_fails_at_a_low_cap_and_passes_at_a_high_one(tmp_path, 
 
 
 def test_a_shard_past_the_truncation_limit_gets_its_report_and_histogram_in_the_run_whose_gate_fails(
-        tmp_path, fleet_urls):
+    tmp_path, fleet_urls
+):
     write_prompts(tmp_path / "prompts.jsonl", questions(200))
     with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
-        run = dg.materialize(ASSETS + [length_quality_summary, drafter_training_set], instance=instance,
-                             partition_key="00000", resources=resources(tmp_path, fleet_urls, 200),
-                             raise_on_error=False,
-                             run_config={"ops": {"completions": {"config": {"max_output_tokens": 4096}}}})
-    truncated = duckdb.sql(f"select avg((finish_reason = 'length')::int) from read_parquet("
-                           f"'{tmp_path}/data/completions/**/*.parquet')").fetchall()[0][0]
+        run = dg.materialize(
+            ASSETS + [length_quality_summary, drafter_training_set],
+            instance=instance,
+            partition_key="00000",
+            resources=resources(tmp_path, fleet_urls, 200),
+            raise_on_error=False,
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 4096}}}},
+        )
+    truncated = duckdb.sql(
+        f"select avg((finish_reason = 'length')::int) from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
+    ).fetchall()[0][0]
     assert 0.12 <= truncated <= 0.25, truncated
     assert checks_of(run)["truncation_rate"] is False and not run.success
     report = run.asset_materializations_for_node("length_quality_report")
@@ -112,8 +135,16 @@ def test_partial_run_then_rerun_completes_without_duplicates(tmp_path):
         res = resources(tmp_path, crashing.url, shard_size=40, health_timeout_s=3)  # each retry finds it gone
         with dagster_run.instance() as instance:
             instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
-            first = run_shard(instance, res, "00000", cap=32000, commit_rows=1, max_in_flight_per_server=2,
-                              no_server_timeout_s=3, max_attempts=2)
+            first = run_shard(
+                instance,
+                res,
+                "00000",
+                cap=32000,
+                commit_rows=1,
+                max_in_flight_per_server=2,
+                no_server_timeout_s=3,
+                max_attempts=2,
+            )
             assert not first.success
             partial = completion_rows(tmp_path)
             assert 0 < len(partial) < 40
@@ -135,8 +166,9 @@ def test_malformed_line_is_rejected_with_its_reason_while_the_rest_completes(tmp
         result = run_shard(instance, res, "00000", cap=32000)
     assert result.success
     assert len(completion_rows(tmp_path)) == 10
-    rejects = duckdb.sql(f"select line, stage, reason from read_parquet('{tmp_path}/data/rejects/**/*.parquet')"
-                         ).fetchall()
+    rejects = duckdb.sql(
+        f"select line, stage, reason from read_parquet('{tmp_path}/data/rejects/**/*.parquet')"
+    ).fetchall()
     assert len(rejects) == 1 and rejects[0][:2] == (4, "source")
     assert rejects[0][2] == "line 4: invalid JSON: Unterminated string starting at (column 43)"
     meta = result.asset_materializations_for_node("prompt_shards")[0].metadata
@@ -158,11 +190,14 @@ def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
     assert len(completion_rows(tmp_path)) == 5
 
 
-@pytest.mark.parametrize("fleet,message", [
-    ({"mode": "kubernetes"}, "unknown fleet mode 'kubernetes': expected one of emulated, attach, launch"),
-    ({"mode": "attach", "urls": ""}, "fleet mode 'attach' needs at least one server URL"),
-    ({"mode": "attach", "urls": "10.0.0.5:30000"}, "server URL '10.0.0.5:30000' must look like http://host:port"),
-])
+@pytest.mark.parametrize(
+    "fleet,message",
+    [
+        ({"mode": "kubernetes"}, "unknown fleet mode 'kubernetes': expected one of emulated, attach, launch"),
+        ({"mode": "attach", "urls": ""}, "fleet mode 'attach' needs at least one server URL"),
+        ({"mode": "attach", "urls": "10.0.0.5:30000"}, "server URL '10.0.0.5:30000' must look like http://host:port"),
+    ],
+)
 def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
     write_prompts(tmp_path / "prompts.jsonl", questions(3))
     res = resources(tmp_path, "", 3) | {"fleet": FleetResource(**fleet)}
@@ -175,11 +210,14 @@ def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
     assert not (tmp_path / "data").exists()
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
-    ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
+        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ],
+)
 def test_bad_generation_settings_fail_before_any_request(tmp_path, fleet_urls, config, message):
     write_prompts(tmp_path / "prompts.jsonl", questions(3))
     with dagster_run.instance() as instance:
@@ -212,8 +250,12 @@ def test_training_set_is_refused_while_a_blocking_check_fails_and_written_once_c
         low = run_shard(instance, res, "00000", cap=4096)
         low_hash = low.asset_materializations_for_node("completions")[0].metadata["config_hash"].value
         export = lambda h: dg.materialize(  # noqa: E731
-            [drafter_training_set], instance=instance, resources=res, raise_on_error=False,
-            run_config={"ops": {"drafter_training_set": {"config": {"config_hash": h}}}})
+            [drafter_training_set],
+            instance=instance,
+            resources=res,
+            raise_on_error=False,
+            run_config={"ops": {"drafter_training_set": {"config": {"config_hash": h}}}},
+        )
         refused = export(low_hash)
         assert not refused.success
         failure = [e for e in refused.all_events if e.is_step_failure][0].event_specific_data.error.message
@@ -255,8 +297,18 @@ def test_the_check_job_runs_over_every_shard_without_materialising(tmp_path, fle
 
 def test_completions_carry_fleet_tuning_advice_from_the_servers_load(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", questions(40))
-    pinned = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "3000", "--max-running-requests",
-              "4", "--length-median", "300", "--length-sigma", "0.2"]
+    pinned = [
+        "--reasoning-parser",
+        "qwen3",
+        "--decode-tokens-per-s",
+        "3000",
+        "--max-running-requests",
+        "4",
+        "--length-median",
+        "300",
+        "--length-sigma",
+        "0.2",
+    ]
     with start_emulator(pinned) as server:
         res = resources(tmp_path, server.url, shard_size=40)
         with dagster_run.instance() as instance:
@@ -276,9 +328,11 @@ def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard
     with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000", "00001", "00002"])
         result = job.execute_in_process(
-            instance=instance, resources=res,
+            instance=instance,
+            resources=res,
             run_config={"ops": {"completions": {"config": {"max_output_tokens": 32000}}}},
-            tags={"dagster/asset_partition_range_start": "00000", "dagster/asset_partition_range_end": "00002"})
+            tags={"dagster/asset_partition_range_start": "00000", "dagster/asset_partition_range_end": "00002"},
+        )
     assert result.success
     mats = result.asset_materializations_for_node("completions")
     assert sorted(m.partition for m in mats) == ["00000", "00001", "00002"]
@@ -300,8 +354,10 @@ def test_raising_the_cap_keeps_the_old_rows_tagged_and_adds_the_new_configs_besi
         before = completion_rows(tmp_path)
         second = run_shard(instance, res, "00000", cap=8192)
     after = completion_rows(tmp_path)
-    by_config = duckdb.sql(f"select max_output_tokens, count(*), count(distinct prompt_id) from read_parquet("
-                           f"'{tmp_path}/data/completions/**/*.parquet') group by all order by 1").fetchall()
+    by_config = duckdb.sql(
+        f"select max_output_tokens, count(*), count(distinct prompt_id) from read_parquet("
+        f"'{tmp_path}/data/completions/**/*.parquet') group by all order by 1"
+    ).fetchall()
     assert by_config == [(4096, 30, 30), (8192, 30, 30)]
     assert set(before) <= set(after), "the 4096 rows are kept as they were"
     meta = second.asset_materializations_for_node("completions")[0].metadata
@@ -344,7 +400,8 @@ def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
         context = dg.build_sensor_context(instance=instance, definitions=defs)
         first = completions_landed_sensor.evaluate_tick(context)
         again = completions_landed_sensor.evaluate_tick(
-            dg.build_sensor_context(instance=instance, definitions=defs, cursor=first.cursor))
+            dg.build_sensor_context(instance=instance, definitions=defs, cursor=first.cursor)
+        )
     # an asset sensor's run requests name no job of their own: they run the sensor's job, the check suite
     assert completions_landed_sensor.job_name == "quality_checks"
     assert [r.job_name for r in first.run_requests] == [None]

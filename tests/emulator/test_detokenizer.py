@@ -37,18 +37,32 @@ def wheel():
     manager = ast.parse((srt / "managers" / "detokenizer_manager.py").read_text())
     batch = ast.parse((srt / "managers" / "schedule_batch.py").read_text())
     utils = ast.parse((sglang_dir() / "utils.py").read_text())
-    methods = _pick(manager, {"trim_matched_stop", "_clamp_decode_ids", "_grouped_batch_decode",
-                              "_decode_batch_token_id_output"}, "DetokenizerManager")
+    methods = _pick(
+        manager,
+        {"trim_matched_stop", "_clamp_decode_ids", "_grouped_batch_decode", "_decode_batch_token_id_output"},
+        "DetokenizerManager",
+    )
     req_methods = _pick(batch, {"init_incremental_detokenize"}, "Req")
-    module = ast.Module(body=[
-        *_pick(manager, {"DecodeStatus"}), *_pick(utils, {"_is_chinese_char", "find_printable_text"}),
-        ast.ClassDef(name="Detokenizer", bases=[], keywords=[], body=methods, decorator_list=[], type_params=[]),
-        ast.ClassDef(name="Req", bases=[], keywords=[], body=req_methods, decorator_list=[], type_params=[]),
-    ], type_ignores=[])
-    ns = {"dataclasses": dataclasses, "defaultdict": defaultdict, "DETOKENIZER_MAX_STATES": 1 << 16,
-          **{name: getattr(typing, name) for name in ("Dict", "List", "Optional", "Tuple", "Union")}}
-    offset = next(n.value.value for n in batch.body if isinstance(n, ast.Assign)
-                  and getattr(n.targets[0], "id", None) == "INIT_INCREMENTAL_DETOKENIZATION_OFFSET")
+    module = ast.Module(
+        body=[
+            *_pick(manager, {"DecodeStatus"}),
+            *_pick(utils, {"_is_chinese_char", "find_printable_text"}),
+            ast.ClassDef(name="Detokenizer", bases=[], keywords=[], body=methods, decorator_list=[], type_params=[]),
+            ast.ClassDef(name="Req", bases=[], keywords=[], body=req_methods, decorator_list=[], type_params=[]),
+        ],
+        type_ignores=[],
+    )
+    ns = {
+        "dataclasses": dataclasses,
+        "defaultdict": defaultdict,
+        "DETOKENIZER_MAX_STATES": 1 << 16,
+        **{name: getattr(typing, name) for name in ("Dict", "List", "Optional", "Tuple", "Union")},
+    }
+    offset = next(
+        n.value.value
+        for n in batch.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "INIT_INCREMENTAL_DETOKENIZATION_OFFSET"
+    )
     ns["INIT_INCREMENTAL_DETOKENIZATION_OFFSET"] = offset
     exec(compile(ast.fix_missing_locations(module), "sglang-0.5.23-detokenizer", "exec"), ns)
     return ns
@@ -66,17 +80,30 @@ class _Tokenizer:
 def wheel_output_strs(ns, input_ids, output_ids, steps, finish, skip=True) -> list[str]:
     """What the wheel's detokenizer sends at each step, fed as the scheduler's output streamer feeds it."""
     manager = ns["Detokenizer"]()
-    manager.__dict__.update(decode_status={}, vocab_size=tok.VOCAB_SIZE, disable_tokenizer_batch_decode=False,
-                            tokenizer=_Tokenizer(), tool_close_token_ids=set(), is_tool_call_parser_gpt_oss=False)
+    manager.__dict__.update(
+        decode_status={},
+        vocab_size=tok.VOCAB_SIZE,
+        disable_tokenizer_batch_decode=False,
+        tokenizer=_Tokenizer(),
+        tool_close_token_ids=set(),
+        is_tool_call_parser_gpt_oss=False,
+    )
     req = ns["Req"]()
     req.__dict__.update(origin_input_ids_unpadded=list(input_ids), surr_offset=None, read_offset=None)
     sent_ids, out = 0, []
     for i, k in enumerate(steps):
         req.output_ids_through_stop = list(output_ids[:k])
         decode_ids, read_offset = req.init_incremental_detokenize()
-        recv = SimpleNamespace(rids=["r"], decoded_texts=[""], decode_ids=[decode_ids[sent_ids:]],
-                               read_offsets=[read_offset], finished_reasons=[finish if i == len(steps) - 1 else None],
-                               no_stop_trim=[False], skip_special_tokens=[skip], spaces_between_special_tokens=[True])
+        recv = SimpleNamespace(
+            rids=["r"],
+            decoded_texts=[""],
+            decode_ids=[decode_ids[sent_ids:]],
+            read_offsets=[read_offset],
+            finished_reasons=[finish if i == len(steps) - 1 else None],
+            no_stop_trim=[False],
+            skip_special_tokens=[skip],
+            spaces_between_special_tokens=[True],
+        )
         sent_ids = len(decode_ids)
         out += manager._decode_batch_token_id_output(recv)
     return out
@@ -136,8 +163,9 @@ def test_streamed_steps_send_what_sglang_sends_and_hold_back_a_cut_character(whe
 
 def test_a_finished_reply_at_its_end_of_sequence_trims_the_stop_token_as_sglang_does(wheel):
     prompt = chat_ids("a short one")
-    g = model.generate(model.plan_completion(prompt, model.LengthModel(median=120, sigma=0.01), non_ascii=True),
-                       1 << 20)
+    g = model.generate(
+        model.plan_completion(prompt, model.LengthModel(median=120, sigma=0.01), non_ascii=True), 1 << 20
+    )
     assert g.finish["type"] == "stop" and "\u2014" in g.text
     for skip in (True, False):
         steps = detokenizer.non_streamed_steps(len(g.output_ids))

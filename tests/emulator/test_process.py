@@ -118,11 +118,20 @@ def test_a_server_stops_when_the_process_it_was_started_for_dies_though_that_is_
 def test_a_server_and_its_starter_killed_leave_no_log_behind(tmp_path):
     # the temp log is read through an open file once the server serves: a kill -9 of the starter leaves no file
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    starter = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                                "from dflash_assets.emulator.process import start_emulator\n"
-                                "emu = start_emulator([])\n"
-                                "print(emu.pid, flush=True)\n"
-                                "time.sleep(600)\n"], stdout=subprocess.PIPE, text=True, env=env)
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from dflash_assets.emulator.process import start_emulator\n"
+            "emu = start_emulator([])\n"
+            "print(emu.pid, flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         server = int(starter.stdout.readline())
         assert list(tmp_path.iterdir()) == [], "the log has no name once the server serves"

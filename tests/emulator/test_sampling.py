@@ -5,8 +5,10 @@ same n-th draw of a prompt on every server run."""
 
 def test_temperature_zero_or_a_seed_gives_the_same_completion_every_time(emulator):
     server = emulator("--reasoning-parser", "qwen3", "--sampling", "per-request")
-    prompt = {"text": "<|im_start|>user\nHow long?<|im_end|>\n<|im_start|>assistant\n",
-              "sampling_params": {"max_new_tokens": 32000}}
+    prompt = {
+        "text": "<|im_start|>user\nHow long?<|im_end|>\n<|im_start|>assistant\n",
+        "sampling_params": {"max_new_tokens": 32000},
+    }
 
     def lengths_of(sampling):
         body = {**prompt, "sampling_params": {**prompt["sampling_params"], **sampling}}
@@ -20,8 +22,13 @@ def test_temperature_zero_or_a_seed_gives_the_same_completion_every_time(emulato
 def test_with_a_random_seed_each_request_draws_anew_and_every_run_draws_the_same(emulator):
     """`--random-seed`: the n-th request of a prompt draws the same on every server run, whatever order the
     prompts arrive in, so a test comparing distributions fails by its seed, never by chance."""
-    prompts = [{"text": f"<|im_start|>user\nHow long is answer {k}?<|im_end|>\n<|im_start|>assistant\n",
-                "sampling_params": {"max_new_tokens": 32000, "temperature": 0.6}} for k in range(2)]
+    prompts = [
+        {
+            "text": f"<|im_start|>user\nHow long is answer {k}?<|im_end|>\n<|im_start|>assistant\n",
+            "sampling_params": {"max_new_tokens": 32000, "temperature": 0.6},
+        }
+        for k in range(2)
+    ]
 
     def run(order, seed):
         server = emulator("--reasoning-parser", "qwen3", "--sampling", "per-request", "--random-seed", seed)

@@ -24,8 +24,6 @@ from tests.support.sglang_wheel import sglang_dir, sglang_verdict
 pytestmark = pytest.mark.timeout(60)
 
 
-
-
 # Bodies the server should serve (200) and bodies its contract gate must refuse.
 VALID = [
     {"text": "hi"},

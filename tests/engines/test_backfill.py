@@ -37,11 +37,29 @@ import pytest
 from dagster._core.events import DagsterEventType
 
 from dflash_assets.quality import CHECKS
-from tests.support.backfill import (BLOCKED_WITHIN_S, FAST, IN_PROCESS, KILLED_SHARD, POOL, RESUME_SHARD,
-                                    SHARD_SIZE, SHARED_SHARD,
-                                    check_evaluations, check_pool_backfill, completion_rows, counts_by_asset,
-                                    backfill_runs, failures, latest_completions_metadata, launch_backfill,
-                                    open_stack, run_logs, save, step_intervals, wait_backfill)
+from tests.support.backfill import (
+    BLOCKED_WITHIN_S,
+    FAST,
+    IN_PROCESS,
+    KILLED_SHARD,
+    POOL,
+    RESUME_SHARD,
+    SHARD_SIZE,
+    SHARED_SHARD,
+    backfill_runs,
+    check_evaluations,
+    check_pool_backfill,
+    completion_rows,
+    counts_by_asset,
+    failures,
+    latest_completions_metadata,
+    launch_backfill,
+    open_stack,
+    run_logs,
+    save,
+    step_intervals,
+    wait_backfill,
+)
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.long]  # six minutes: the whole suite's longest file
 
@@ -56,9 +74,19 @@ def test_a_backfill_wider_than_the_pool_never_runs_more_generation_steps_than_th
     check_pool_backfill(stack)
 
 
-RESUME_CONFIG = {**IN_PROCESS, "ops": {"completions": {"config": {
-    "commit_rows": 1,  # commit every row, so the crash leaves committed rows behind
-    "max_in_flight_per_server": 2, "max_attempts": 2, "no_server_timeout_s": 3}}}}
+RESUME_CONFIG = {
+    **IN_PROCESS,
+    "ops": {
+        "completions": {
+            "config": {
+                "commit_rows": 1,  # commit every row, so the crash leaves committed rows behind
+                "max_in_flight_per_server": 2,
+                "max_attempts": 2,
+                "no_server_timeout_s": 3,
+            }
+        }
+    },
+}
 
 
 def test_a_partition_whose_fleet_goes_down_is_retried_by_dagster_and_resumes(stack):
@@ -66,8 +94,13 @@ def test_a_partition_whose_fleet_goes_down_is_retried_by_dagster_and_resumes(sta
     stack.fleet.start(*FAST, "--fault-crash-after", "2")
     backfill_id = launch_backfill(stack.server, [RESUME_SHARD], "resume: fleet goes down", RESUME_CONFIG)
     deadline = time.monotonic() + BLOCKED_WITHIN_S
-    while not (retries := [e for r in backfill_runs(stack.instance, backfill_id)
-                           for e in stack.instance.all_logs(r.run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY)]):
+    while not (
+        retries := [
+            e
+            for r in backfill_runs(stack.instance, backfill_id)
+            for e in stack.instance.all_logs(r.run_id, of_type=DagsterEventType.STEP_UP_FOR_RETRY)
+        ]
+    ):
         assert time.monotonic() < deadline, f"the failed step was not put up for retry within {BLOCKED_WITHIN_S}s"
         time.sleep(0.5)
     [retry] = retries
@@ -96,17 +129,27 @@ def test_a_partition_whose_fleet_goes_down_is_retried_by_dagster_and_resumes(sta
     assert meta["completed"] == SHARD_SIZE and meta["failed"] == 0, meta
     evaluations = check_evaluations(stack.instance, run.run_id)
     assert all(evaluations[c.name] for c in CHECKS if c.blocking), evaluations
-    save("resume.json", {"retried_after": error.message.strip(),
-                         "committed_before_crash": len(committed), "already_done_on_retry": meta["already_done"],
-                         "rows_after_retry": len(rows), "backfill": backfill_id,
-                         "backfill_seconds": round(backfill["endTimestamp"] - backfill["timestamp"], 1)})
+    save(
+        "resume.json",
+        {
+            "retried_after": error.message.strip(),
+            "committed_before_crash": len(committed),
+            "already_done_on_retry": meta["already_done"],
+            "rows_after_retry": len(rows),
+            "backfill": backfill_id,
+            "backfill_seconds": round(backfill["endTimestamp"] - backfill["timestamp"], 1),
+        },
+    )
 
 
 def test_two_runs_of_the_same_shard_at_once_write_it_one_after_the_other(stack):
     stack.fleet.start(*FAST, "--fault-hold")  # the writer's generation requests are held until released
-    run_ids = [stack.server.client.submit_job_execution("shard_pipeline", run_config=IN_PROCESS,
-                                                        tags={"dagster/partition": SHARED_SHARD})
-               for _ in range(2)]
+    run_ids = [
+        stack.server.client.submit_job_execution(
+            "shard_pipeline", run_config=IN_PROCESS, tags={"dagster/partition": SHARED_SHARD}
+        )
+        for _ in range(2)
+    ]
     waiting = f"waiting for pool shard:{SHARED_SHARD}"
     deadline = time.monotonic() + BLOCKED_WITHIN_S
     while not any(run_logs(stack.instance, run_id, waiting) for run_id in run_ids):
@@ -127,9 +170,12 @@ def test_two_runs_of_the_same_shard_at_once_write_it_one_after_the_other(stack):
     assert waiter_start < said.timestamp, "it waited inside its completions step"
     rows = completion_rows(stack.data_dir, SHARED_SHARD)
     assert len(rows) == len(set(rows)) == SHARD_SIZE, "every prompt once: the two runs never wrote at once"
-    written = {m.event_log_entry.run_id: {k: v.value for k, v in m.asset_materialization.metadata.items()}
-               for m in stack.instance.fetch_materializations(dg.AssetRecordsFilter(
-                   asset_key=dg.AssetKey("completions"), asset_partitions=[SHARED_SHARD]), limit=2).records}
+    written = {
+        m.event_log_entry.run_id: {k: v.value for k, v in m.asset_materialization.metadata.items()}
+        for m in stack.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[SHARED_SHARD]), limit=2
+        ).records
+    }
     # the waiter found every row committed: it generated only after the writer had finished the shard
     assert (written[writer]["completed"], written[waiter]["already_done"]) == (SHARD_SIZE, SHARD_SIZE), written
     pool = stack.instance.event_log_storage.get_concurrency_info(f"shard:{SHARED_SHARD}")

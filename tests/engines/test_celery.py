@@ -39,9 +39,22 @@ import yaml
 from dagster._core.events import DagsterEventType
 
 from tests.support import backfill, waiting
-from tests.support.dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, ROOT, Webserver, add_shard_partitions, daemon,
-                                         dflash_env, fresh_dir, make_home, materialize_shards, start_group, stop_group,
-                                         wait_daemon_healthy, webserver)
+from tests.support.dagster_procs import (
+    ARTIFACTS,
+    PROJECT_DAGSTER_YAML,
+    ROOT,
+    Webserver,
+    add_shard_partitions,
+    daemon,
+    dflash_env,
+    fresh_dir,
+    make_home,
+    materialize_shards,
+    start_group,
+    stop_group,
+    wait_daemon_healthy,
+    webserver,
+)
 from tests.support.services import environ
 from tests.support.shards import questions, write_prompts
 
@@ -84,7 +97,8 @@ def test_the_celery_instance_has_the_run_queue_and_pool_of_the_local_one():
     # Kubernetes is not exercised here; its instance differs from this tested one by the run launcher only
     k8s = yaml.safe_load((ROOT / "deploy" / "dagster-k8s.yaml").read_text())
     assert {k: v for k, v in k8s.items() if k != "run_launcher"} == {
-        k: v for k, v in deploy.items() if k != "run_launcher"}
+        k: v for k, v in deploy.items() if k != "run_launcher"
+    }
 
 
 wait_for = functools.partial(waiting.wait_for, timeout_s=180.0, every_s=0.5, hint=f"logs: {LOGS}")
@@ -94,19 +108,47 @@ wait_for = functools.partial(waiting.wait_for, timeout_s=180.0, every_s=0.5, hin
 def cluster(postgres, redis_broker, tmp_path_factory):
     base = tmp_path_factory.mktemp("celery")
     logs = fresh_dir(LOGS)
-    settings = {**postgres.database("celery"), "DAGSTER_CELERY_BROKER_URL": redis_broker.url,
-                "DAGSTER_CELERY_BACKEND_URL": redis_broker.url,
-                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    settings = {
+        **postgres.database("celery"),
+        "DAGSTER_CELERY_BROKER_URL": redis_broker.url,
+        "DAGSTER_CELERY_BACKEND_URL": redis_broker.url,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     with environ(settings):
         home = make_home(base / "dagster_home", DEPLOY_CELERY_YAML)
         write_prompts(base / "prompts.jsonl", questions(SHARD_SIZE * len(SHARDS), end="."))
         fleet = backfill.Fleet(logs)
-        env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
-                         fleet_mode="attach", fleet_urls=fleet.url, shards_per_run=1)
+        env = dflash_env(
+            home,
+            data_dir=base / "data",
+            prompts=base / "prompts.jsonl",
+            shard_size=SHARD_SIZE,
+            fleet_mode="attach",
+            fleet_urls=fleet.url,
+            shards_per_run=1,
+        )
         fleet.start(*FLEET, "--fault-hold")
-        procs = [start_group(["dagster-celery", "worker", "start", "-A", "dagster_celery.app", "-y", str(WORKER_YAML),
-                              "-n", f"worker{i}", "--", "-c", "1"], env, logs / f"worker{i}.log")
-                 for i in range(WORKERS)]
+        procs = [
+            start_group(
+                [
+                    "dagster-celery",
+                    "worker",
+                    "start",
+                    "-A",
+                    "dagster_celery.app",
+                    "-y",
+                    str(WORKER_YAML),
+                    "-n",
+                    f"worker{i}",
+                    "--",
+                    "-c",
+                    "1",
+                ],
+                env,
+                logs / f"worker{i}.log",
+            )
+            for i in range(WORKERS)
+        ]
         try:
             with daemon(home, env, log_dir=logs) as daemon_proc, webserver(home, env, log_dir=logs) as server:
                 wait_daemon_healthy(server, daemon_proc)
@@ -114,8 +156,15 @@ def cluster(postgres, redis_broker, tmp_path_factory):
                 with dg.DagsterInstance.from_config(str(home)) as instance:
                     celery = instance.run_launcher.celery
                     wait_for("both Celery workers answer", lambda: len(celery.control.ping(timeout=1.0)) == WORKERS)
-                    yield Cluster(server, instance, fleet, {p.pid: f"worker{i}" for i, p in enumerate(procs)},
-                                  base / "data", env, base)
+                    yield Cluster(
+                        server,
+                        instance,
+                        fleet,
+                        {p.pid: f"worker{i}" for i, p in enumerate(procs)},
+                        base / "data",
+                        env,
+                        base,
+                    )
         finally:
             for proc in procs:
                 stop_group(proc)
@@ -123,8 +172,11 @@ def cluster(postgres, redis_broker, tmp_path_factory):
 
 
 def step_pids(instance: dg.DagsterInstance, run_id: str, step_key: str) -> list[int]:
-    return [e.dagster_event.pid for e in instance.all_logs(run_id, of_type=DagsterEventType.STEP_START)
-            if e.step_key == step_key]
+    return [
+        e.dagster_event.pid
+        for e in instance.all_logs(run_id, of_type=DagsterEventType.STEP_START)
+        if e.step_key == step_key
+    ]
 
 
 def worker_of(cluster: Cluster, pid: int) -> str:
@@ -167,8 +219,10 @@ def test_the_runs_of_a_backfill_execute_on_both_workers_and_each_shard_is_writte
     for run in runs_of(cluster, backfill_id):
         assert run.status == dg.DagsterRunStatus.SUCCESS
         shard = run.tags["dagster/asset_partition_range_start"]  # one shard per run (DFLASH_SHARDS_PER_RUN=1)
-        placed[shard] = {step: [worker_of(cluster, pid) for pid in step_pids(cluster.instance, run.run_id, step)]
-                         for step in backfill.SHARD_ASSETS}
+        placed[shard] = {
+            step: [worker_of(cluster, pid) for pid in step_pids(cluster.instance, run.run_id, step)]
+            for step in backfill.SHARD_ASSETS
+        }
     save("placement.json", placed)
     for shard in SPREAD:
         ids = [r[0] for r in rows(cluster.data_dir, shard)]
@@ -186,35 +240,51 @@ def test_two_runs_of_one_shard_at_once_never_write_it_together(cluster):
     wait_for("the first run generating", lambda: cluster.fleet.faults()["injected"]["hold"] > held_before)
     second = backfill.launch_backfill(cluster.server, [TWICE], "celery: the same shard again")
     waiting = f"waiting for pool shard:{TWICE}"
-    wait_for("the second run waiting for the shard", lambda: any(
-        backfill.run_logs(cluster.instance, r.run_id, waiting) for r in runs_of(cluster, second)))
+    wait_for(
+        "the second run waiting for the shard",
+        lambda: any(backfill.run_logs(cluster.instance, r.run_id, waiting) for r in runs_of(cluster, second)),
+    )
     cluster.fleet.hold(None)
     for backfill_id in (first, second):
         backfill.wait_backfill(cluster, backfill_id)
     [first_run], [second_run] = runs_of(cluster, first), runs_of(cluster, second)
     ids = [r[0] for r in rows(cluster.data_dir, TWICE)]
     [said] = backfill.run_logs(cluster.instance, second_run.run_id, waiting)
-    on = {name: [worker_of(cluster, pid) for pid in step_pids(cluster.instance, run.run_id, "completions")]
-          for name, run in (("first", first_run), ("second", second_run))}
-    written = {m.event_log_entry.run_id: {k: v.value for k, v in m.asset_materialization.metadata.items()}
-               for m in cluster.instance.fetch_materializations(dg.AssetRecordsFilter(
-                   asset_key=dg.AssetKey("completions"), asset_partitions=[TWICE]), limit=2).records}
-    save("same_shard.json", {"first": first_run.status, "second": second_run.status, "completions_on": on,
-                             "second_said": said.user_message, "rows": len(ids),
-                             "second_already_done": written[second_run.run_id]["already_done"]})
+    on = {
+        name: [worker_of(cluster, pid) for pid in step_pids(cluster.instance, run.run_id, "completions")]
+        for name, run in (("first", first_run), ("second", second_run))
+    }
+    written = {
+        m.event_log_entry.run_id: {k: v.value for k, v in m.asset_materialization.metadata.items()}
+        for m in cluster.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[TWICE]), limit=2
+        ).records
+    }
+    save(
+        "same_shard.json",
+        {
+            "first": first_run.status,
+            "second": second_run.status,
+            "completions_on": on,
+            "second_said": said.user_message,
+            "rows": len(ids),
+            "second_already_done": written[second_run.run_id]["already_done"],
+        },
+    )
     assert (first_run.status, second_run.status) == (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.SUCCESS)
     assert on["first"] != on["second"], on  # one held a worker, so the other run went to the other worker
     assert first_run.run_id in said.user_message, said.user_message  # it names the run writing the shard
     assert len(ids) == len(set(ids)) == SHARD_SIZE
     # the second found every row committed: it wrote nothing while the first was writing
     assert (written[first_run.run_id]["completed"], written[second_run.run_id]["already_done"]) == (
-        SHARD_SIZE, SHARD_SIZE), written
+        SHARD_SIZE,
+        SHARD_SIZE,
+    ), written
 
 
 def test_a_worker_killed_mid_completions_is_re_executed_from_its_parts_to_rows_equal_to_an_uninterrupted_run(cluster):
     cluster.fleet.start(*FLEET)  # no hold: rows get committed one by one
-    backfill_id = backfill.launch_backfill(cluster.server, [KILLED], "celery: a worker is killed",
-                                           ONE_ROW_COMMITS)
+    backfill_id = backfill.launch_backfill(cluster.server, [KILLED], "celery: a worker is killed", ONE_ROW_COMMITS)
     wait_for("rows committed", lambda: len(rows(cluster.data_dir, KILLED)) >= 2)
     cluster.fleet.hold(True)  # what is sent from now on stays in flight
     wait_for("a request in flight", lambda: cluster.fleet.faults()["injected"]["hold"] >= 1)
@@ -227,8 +297,9 @@ def test_a_worker_killed_mid_completions_is_re_executed_from_its_parts_to_rows_e
     # run monitoring sees the Celery task failed and fails the run; then "Re-execute from failure", as in the UI
     failed = backfill.wait_backfill(cluster, backfill_id)
     assert failed["status"] in {"COMPLETED_FAILED", "FAILED"}, failed
-    reexecuted = cluster.server.gql(backfill.REEXECUTE, {"params": {"parentRunId": backfill_id,
-                                                                    "strategy": "FROM_FAILURE"}})
+    reexecuted = cluster.server.gql(
+        backfill.REEXECUTE, {"params": {"parentRunId": backfill_id, "strategy": "FROM_FAILURE"}}
+    )
     reexecuted = reexecuted["reexecutePartitionBackfill"]
     assert reexecuted["__typename"] == "LaunchBackfillSuccess", reexecuted
     result = backfill.wait_backfill(cluster, reexecuted["backfillId"])
@@ -240,19 +311,31 @@ def test_a_worker_killed_mid_completions_is_re_executed_from_its_parts_to_rows_e
     after = rows(cluster.data_dir, KILLED, "prompt_id, content, reasoning_content, completion_tokens, finish_reason")
 
     # the same shard, uninterrupted, in process on another data dir and instance
-    reference_env = {**cluster.env, "DAGSTER_HOME": str(make_home(cluster.base / "reference_home")),
-                     "DFLASH_DATA_DIR": str(cluster.base / "reference")}
+    reference_env = {
+        **cluster.env,
+        "DAGSTER_HOME": str(make_home(cluster.base / "reference_home")),
+        "DFLASH_DATA_DIR": str(cluster.base / "reference"),
+    }
     outcome = materialize_shards(reference_env, {KILLED: 4096}, LOGS / "reference.log")
     assert outcome[KILLED]["success"]
-    reference = rows(cluster.base / "reference", KILLED,
-                     "prompt_id, content, reasoning_content, completion_tokens, finish_reason")
-    save("killed_worker.json", {"killed_on": killed_on, "rows_committed_before_the_kill": committed,
-                                "killed_run": killed.status,
-                                "killed_run_failure": [e.message[:200] for e in cluster.instance.all_logs(
-                                    run.run_id, of_type=DagsterEventType.RUN_FAILURE)],
-                                "retry_run": retry.status,
-                                "retry_completions_on": [worker_of(cluster, p) for p in pids],
-                                "already_done_on_retry": meta.get("already_done"), "rows": len(after)})
+    reference = rows(
+        cluster.base / "reference", KILLED, "prompt_id, content, reasoning_content, completion_tokens, finish_reason"
+    )
+    save(
+        "killed_worker.json",
+        {
+            "killed_on": killed_on,
+            "rows_committed_before_the_kill": committed,
+            "killed_run": killed.status,
+            "killed_run_failure": [
+                e.message[:200] for e in cluster.instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_FAILURE)
+            ],
+            "retry_run": retry.status,
+            "retry_completions_on": [worker_of(cluster, p) for p in pids],
+            "already_done_on_retry": meta.get("already_done"),
+            "rows": len(after),
+        },
+    )
     assert killed.status == dg.DagsterRunStatus.FAILURE and retry.status == dg.DagsterRunStatus.SUCCESS
     assert len(pids) == 1 and worker_of(cluster, pids[0]) in cluster.workers.values(), "completions ran again"
     assert 2 <= committed < SHARD_SIZE and meta["already_done"] >= committed, meta  # resumed from the parts

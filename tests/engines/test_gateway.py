@@ -41,21 +41,37 @@ import pytest
 from dflash_assets.emulator.process import EmulatorProcess, free_port, start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient
-from dflash_assets.settings import DispatchSettings
-from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.generation.preflight import Budget
+from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.rules import CONTEXT_MARGIN
+from dflash_assets.settings import DispatchSettings
 from tests.support import waiting
+from tests.support.dagster_procs import (
+    ARTIFACTS,
+    ROOT,
+    dflash_env,
+    fresh_dir,
+    make_home,
+    materialize_shards,
+    start_group,
+    stop_group,
+)
 from tests.support.shards import write_prompts
-from tests.support.dagster_procs import (ARTIFACTS, ROOT, dflash_env, fresh_dir, make_home, materialize_shards,
-                                         start_group, stop_group)
 
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = ROOT / "deploy" / "sglang-router.sh"
 CONTEXT = 2048
-COMMON = ["--reasoning-parser", "qwen3", "--context-length", str(CONTEXT), "--decode-tokens-per-s", "3000",
-          "--length-max", "600"]
+COMMON = [
+    "--reasoning-parser",
+    "qwen3",
+    "--context-length",
+    str(CONTEXT),
+    "--decode-tokens-per-s",
+    "3000",
+    "--length-max",
+    "600",
+]
 WORKERS = [["--max-running-requests", "6"], ["--max-running-requests", "40", "--max-mamba-cache-size", "30"], []]
 VICTIM = 2
 LOGS = ARTIFACTS / "logs" / "gateway"
@@ -75,8 +91,9 @@ def get(url: str) -> dict:
 
 
 def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.load(response)
 
@@ -93,16 +110,27 @@ def gateway():
             workers.append(start_emulator([*COMMON, *flags], log_path=LOGS / f"worker-{i}.log"))
         port = free_port()
         # a health probe a second (the script says 5 s for a real fleet): a worker is marked down, or up, sooner
-        env = {**os.environ, "SMG_PORT": str(port), "SMG_METRICS_PORT": str(free_port()), "SMG_HEALTH_INTERVAL_S": "1",
-               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env = {
+            **os.environ,
+            "SMG_PORT": str(port),
+            "SMG_METRICS_PORT": str(free_port()),
+            "SMG_HEALTH_INTERVAL_S": "1",
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
         proc = start_group(["bash", str(SCRIPT), *(w.url for w in workers)], env, LOGS / "smg.log")
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_for("smg lists the three servers as healthy", lambda: sum(
-                w["is_healthy"] for w in get(f"{url}/workers")["workers"]) == len(workers), proc=proc)
+            wait_for(
+                "smg lists the three servers as healthy",
+                lambda: sum(w["is_healthy"] for w in get(f"{url}/workers")["workers"]) == len(workers),
+                proc=proc,
+            )
             # registered and polled for load at least once: what the gateway calls on a server is all called
-            wait_for("smg polls the servers' load", lambda: all(
-                any(" /v1/loads " in k for k in get(f"{w.url}/_emulator/routes")) for w in workers), proc=proc)
+            wait_for(
+                "smg polls the servers' load",
+                lambda: all(any(" /v1/loads " in k for k in get(f"{w.url}/_emulator/routes")) for w in workers),
+                proc=proc,
+            )
             yield Gateway(url, proc, workers)
         finally:
             stop_group(proc, grace_s=15)
@@ -112,7 +140,7 @@ def gateway():
 
 
 def sglang_routes() -> set[str]:
-    """"METHOD /path" of every HTTP route SGLang 0.5.23 serves, read from the wheel's entrypoints (not imported)."""
+    """ "METHOD /path" of every HTTP route SGLang 0.5.23 serves, read from the wheel's entrypoints (not imported)."""
     import importlib.util
 
     spec = importlib.util.find_spec("sglang")
@@ -121,10 +149,11 @@ def sglang_routes() -> set[str]:
     entrypoints = Path(next(iter(spec.submodule_search_locations))) / "srt" / "entrypoints"
     routes = set()
     decorator = re.compile(
-        r'@(?:app|router)\.(get|post|put|delete|api_route)\(\s*"([^"]+)"(?:,\s*methods=\[([^\]]*)\])?')
+        r'@(?:app|router)\.(get|post|put|delete|api_route)\(\s*"([^"]+)"(?:,\s*methods=\[([^\]]*)\])?'
+    )
     for path in (entrypoints / "http_server.py", entrypoints / "v1_loads.py"):
         for verb, route, methods in decorator.findall(path.read_text()):
-            for method in (re.findall(r'"(\w+)"', methods) if verb == "api_route" else [verb.upper()]):
+            for method in re.findall(r'"(\w+)"', methods) if verb == "api_route" else [verb.upper()]:
                 routes.add(f"{method} {route}")
     assert {"GET /health", "GET /server_info", "GET /v1/models", "GET /v1/loads"} <= routes, "parser out of date"
     return routes
@@ -166,14 +195,17 @@ def test_capacity_behind_the_gateway_is_the_servers_effective_max_running_reques
     effective = [effective_max_running(w.url) for w in gateway.workers]
     labelled = [w["labels"].get("max_running_requests") for w in get(f"{gateway.url}/workers")["workers"]]
     assert isinstance(client, GatewayClient) and sorted(s.url for s in client.workers) == sorted(
-        w.url for w in gateway.workers)
+        w.url for w in gateway.workers
+    )
     assert effective[0] == 6 and effective[1] == 30 // 3  # the mamba cache caps the flag's 40
     assert info.servers == 3 and info.max_running_requests == sum(effective)
     # every server gets its running slots plus the waiting margin, so none idles between two requests
     assert in_flight == sum(effective) + 3 * DispatchSettings().waiting_margin
     assert "40" in labelled, "the gateway's labels carry the flag, which is not what the server runs"
-    save("capacity.json", {"effective_max_running_requests": effective, "gateway_labels": labelled,
-                           "in_flight": in_flight})
+    save(
+        "capacity.json",
+        {"effective_max_running_requests": effective, "gateway_labels": labelled, "in_flight": in_flight},
+    )
 
 
 def test_preflight_through_the_gateway_uses_the_servers_own_limits_and_token_counts(gateway):
@@ -197,7 +229,8 @@ def test_preflight_through_the_gateway_uses_the_servers_own_limits_and_token_cou
     assert budget.problem(direct["count"], fits) is None
     assert budget.problem(direct["count"], fits + 1) == (
         f"prompt of {direct['count']} tokens + max_output_tokens {fits + 1} = {CONTEXT - 1} exceeds the server "
-        f"context length {CONTEXT} minus a safety margin of 2 tokens")
+        f"context length {CONTEXT} minus a safety margin of 2 tokens"
+    )
 
 
 def test_fleet_status_on_the_gateway_url_shows_the_workers_behind_it(gateway):
@@ -210,16 +243,23 @@ def test_fleet_status_on_the_gateway_url_shows_the_workers_behind_it(gateway):
     assert (head.name, head.error) == ("smg gateway", "3 workers, 3 healthy")
     assert (head.context_length, head.max_running_requests) == (CONTEXT, sum(effective))  # what the pipeline sizes by
     assert sorted((r.url, r.healthy, r.gateway, r.context_length, r.max_running_requests) for r in rows) == sorted(
-        (d.url, True, gateway.url, CONTEXT, e) for d, e in zip(direct, effective))
+        (d.url, True, gateway.url, CONTEXT, e) for d, e in zip(direct, effective)
+    )
     assert [d.max_running_requests for d in direct] == effective
     # the command a user runs: the gateway's row, then its workers indented, and exit 0 (all healthy)
-    done = subprocess.run([sys.executable, "-m", "dflash_assets.cli", "fleet", "status", "--urls", gateway.url],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "250"})
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash_assets.cli", "fleet", "status", "--urls", gateway.url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "250"},
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 2}
     assert gateway.url in lines["smg gateway"] and "3 workers, 3 healthy" in lines["smg gateway"], done.stdout
-    assert sorted(next(u for u in (w.url for w in gateway.workers) if u in lines[f"worker {i}"])
-                  for i in (1, 2, 3)) == sorted(w.url for w in gateway.workers), done.stdout
+    assert sorted(
+        next(u for u in (w.url for w in gateway.workers) if u in lines[f"worker {i}"]) for i in (1, 2, 3)
+    ) == sorted(w.url for w in gateway.workers), done.stdout
     assert "Traceback" not in done.stdout + done.stderr
 
 
@@ -282,31 +322,55 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
     before = {w.url: get(f"{w.url}/_emulator/faults")["requests_seen"] for w in live}
     write_prompts(tmp_path / "prompts.jsonl", gateway_prompts())
     home = make_home(tmp_path / "dagster_home")
-    env = dflash_env(home, data_dir=tmp_path / "data", prompts=tmp_path / "prompts.jsonl", shard_size=PROMPTS,
-                     fleet_mode="attach", fleet_urls=gateway.url)
+    env = dflash_env(
+        home,
+        data_dir=tmp_path / "data",
+        prompts=tmp_path / "prompts.jsonl",
+        shard_size=PROMPTS,
+        fleet_mode="attach",
+        fleet_urls=gateway.url,
+    )
     post(f"{victim.url}/_emulator/faults", {"hold": True})  # what the gateway routes to the victim stays in flight
 
     outcome: dict = {}
-    run = threading.Thread(target=lambda: outcome.update(
-        materialize_shards(env, {SHARD: CAP}, LOGS / "dagster-run.log")), daemon=True)
+    run = threading.Thread(
+        target=lambda: outcome.update(materialize_shards(env, {SHARD: CAP}, LOGS / "dagster-run.log")), daemon=True
+    )
     run.start()
-    held = wait_for("requests held on the victim", lambda: get(f"{victim.url}/_emulator/faults")["injected"]["hold"]
-                    >= 3 and get(f"{victim.url}/_emulator/faults")["injected"]["hold"], timeout_s=180)
+    held = wait_for(
+        "requests held on the victim",
+        lambda: (
+            get(f"{victim.url}/_emulator/faults")["injected"]["hold"] >= 3
+            and get(f"{victim.url}/_emulator/faults")["injected"]["hold"]
+        ),
+        timeout_s=180,
+    )
     os.kill(victim.pid, signal.SIGKILL)  # a GPU node lost with generations in flight (at least `held` of them)
     run.join(timeout=240)
     assert not run.is_alive() and outcome[SHARD]["success"], outcome
 
-    rows = duckdb.sql(f"select prompt_id, attempt, server_url from read_parquet("
-                      f"'{tmp_path}/data/completions/**/*.parquet')").fetchall()
-    rejects = duckdb.sql(f"select prompt_id, stage, reason from read_parquet('{tmp_path}/data/rejects/**/*.parquet',"
-                         f" hive_partitioning = false)").fetchall()
+    rows = duckdb.sql(
+        f"select prompt_id, attempt, server_url from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
+    ).fetchall()
+    rejects = duckdb.sql(
+        f"select prompt_id, stage, reason from read_parquet('{tmp_path}/data/rejects/**/*.parquet',"
+        f" hive_partitioning = false)"
+    ).fetchall()
     failures = list((tmp_path / "data").glob("failures/**/*.parquet"))
     ids = [r[0] for r in rows]
     served = {w.url: get(f"{w.url}/_emulator/faults")["requests_seen"] - before[w.url] for w in live}
     retried = sum(1 for r in rows if r[1] > 1)
-    save("killed_server.json", {"prompts": PROMPTS, "rows": len(rows), "preflight_rejects": len(rejects),
-                                "held_on_the_killed_server": held, "rows_retried_by_the_client": retried,
-                                "generation_requests_served_by_live_servers": served})
+    save(
+        "killed_server.json",
+        {
+            "prompts": PROMPTS,
+            "rows": len(rows),
+            "preflight_rejects": len(rejects),
+            "held_on_the_killed_server": held,
+            "rows_retried_by_the_client": retried,
+            "generation_requests_served_by_live_servers": served,
+        },
+    )
     # nothing lost: every prompt is one row or one preflight reject, nothing failed
     assert len(ids) == len(set(ids)) == PROMPTS - 1 and failures == []
     assert [(r[0], r[1]) for r in rejects] == [(LONG, "preflight")] and f"context length {CONTEXT}" in rejects[0][2]

@@ -13,24 +13,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import boto3  # noqa: E402 - the dev dependency moto[server] brings it; these tests must run, not skip
 import dagster as dg
 import duckdb
+import moto.server as moto_server  # noqa: E402
 import pytest
 
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.store.stores import completion_store
-from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.store.storage import S3Storage, lock_dir, open_storage
-from dflash_assets.store.parts import COVERS_KEY
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.quality.tables import parquet_files, parquet_source
+from dflash_assets.store.parts import COVERS_KEY
+from dflash_assets.store.schema import COMPLETION_SCHEMA
+from dflash_assets.store.storage import S3Storage, lock_dir, open_storage
+from dflash_assets.store.stores import completion_store
 from tests.support.shards import cont as continued
 from tests.support.shards import generate, write_prompts
-
-import boto3  # noqa: E402 - the dev dependency moto[server] brings it; these tests must run, not skip
-import moto.server as moto_server  # noqa: E402
 
 BUCKET = "dflash-test"
 N = 40
@@ -69,8 +68,11 @@ def fleet_size():
 
 def write_source(path: Path) -> Path:
     # a line that is not JSON: a source reject, so the rejects table has rows too
-    return write_prompts(path, ({"id": f"s{i:03d}", "prompt": f"Object store question {i}: explain it."}
-                                for i in range(N)), {7: "{not json"})
+    return write_prompts(
+        path,
+        ({"id": f"s{i:03d}", "prompt": f"Object store question {i}: explain it."} for i in range(N)),
+        {7: "{not json"},
+    )
 
 
 def build(source: Path, data_dir, urls) -> None:
@@ -135,8 +137,9 @@ def test_duckdb_reads_the_object_store_like_the_local_dir(runs):
     def rows(data_dir):
         with duckdb.connect() as con:
             src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA)
-            return con.execute(f"SELECT prompt_id, content, reasoning_content, completion_tokens FROM {src} "
-                               "ORDER BY prompt_id").fetchall()
+            return con.execute(
+                f"SELECT prompt_id, content, reasoning_content, completion_tokens FROM {src} ORDER BY prompt_id"
+            ).fetchall()
 
     assert rows(uri) == rows(local) and len(rows(uri)) == N
     plan, local_plan = plan_caps(uri, bootstrap=0), plan_caps(local, bootstrap=0)
@@ -172,8 +175,9 @@ def test_crash_leftovers_are_invisible_and_recover_cleans_them(s3, runs, fleet_u
 
     # 1. a process killed -9 in the middle of uploading a part under its final name
     killed = f"{prefix}part-00000000000000000001-1-abcdef.parquet"
-    proc = subprocess.run([sys.executable, "-c", KILLED_UPLOAD, uri, f"{BUCKET}/{killed}"], timeout=120,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_UPLOAD, uri, f"{BUCKET}/{killed}"], timeout=120, capture_output=True, text=True
+    )
     assert proc.returncode == -9, proc.stderr
     uploads = s3.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])
     assert [u["Key"] for u in uploads] == [killed], "the upload was started and left incomplete"
@@ -239,23 +243,30 @@ def test_writer_lock_is_local_and_exclusive(s3, runs):
 
 def test_dagster_assets_run_on_an_s3_data_dir(s3, runs, fleet_urls, tmp_path):
     from dflash_assets.defs.completions.assets import completions
-    from dflash_assets.defs.quality.checks import completions_quality_checks
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.prompts.assets import prompt_shards
     from dflash_assets.defs.quality.assets import length_quality_report
+    from dflash_assets.defs.quality.checks import completions_quality_checks
     from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, QualityResource
 
     data_dir = DataDirResource(path=f"s3://{BUCKET}/dagster/", local_path=str(tmp_path / "local"))
     assert data_dir.resolved() == f"s3://{BUCKET}/dagster" and data_dir.local_dir() == tmp_path / "local"
-    resources = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)),
-                 "prompt_source": PromptSourceResource(path=str(runs["source"]), shard_size=N + 1),
-                 "data_dir": data_dir, "quality": QualityResource()}
+    resources = {
+        "fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)),
+        "prompt_source": PromptSourceResource(path=str(runs["source"]), shard_size=N + 1),
+        "data_dir": data_dir,
+        "quality": QualityResource(),
+    }
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, [SHARD])
         result = dg.materialize(
-            [prompt_shards, completions, length_quality_report, completions_quality_checks], partition_key=SHARD,
-            instance=instance, resources=resources, raise_on_error=False,
-            run_config={"ops": {"completions": {"config": {"max_output_tokens": 32000}}}})
+            [prompt_shards, completions, length_quality_report, completions_quality_checks],
+            partition_key=SHARD,
+            instance=instance,
+            resources=resources,
+            raise_on_error=False,
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 32000}}}},
+        )
     assert result.success
     meta = result.asset_materializations_for_node("completions")[0].metadata
     assert meta["accounting"].value == f"{N} prompts = {N} completed + 0 rejected + 0 failed"

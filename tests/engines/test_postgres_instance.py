@@ -40,8 +40,9 @@ def database(postgres):
 
 @pytest.fixture(scope="module")
 def stack(database, tmp_path_factory):
-    with backfill.open_stack(tmp_path_factory.mktemp("backfill-postgres"), DEPLOY_DAGSTER_YAML,
-                             ARTIFACTS / "logs" / "backfill-postgres") as opened:
+    with backfill.open_stack(
+        tmp_path_factory.mktemp("backfill-postgres"), DEPLOY_DAGSTER_YAML, ARTIFACTS / "logs" / "backfill-postgres"
+    ) as opened:
         yield opened
 
 

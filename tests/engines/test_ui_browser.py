@@ -24,14 +24,31 @@ import pytest
 
 from dflash_assets.definitions import defs
 from dflash_assets.quality import CHECKS
-from tests.support.dagster_procs import (ARTIFACTS, LOCATION, LOCATION_STATUS, dflash_env, fresh_dir, make_home,
-                                         materialize_shards, project_pool_limit, webserver)
+from tests.support.dagster_procs import (
+    ARTIFACTS,
+    LOCATION,
+    LOCATION_STATUS,
+    dflash_env,
+    fresh_dir,
+    make_home,
+    materialize_shards,
+    project_pool_limit,
+    webserver,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 DEMO_PROMPTS = Path(__file__).resolve().parents[2] / "dflash_assets" / "demo" / "prompts.jsonl"
 SHOTS = ARTIFACTS / "ui"
 VIEWPORT = {"width": 1600, "height": 1000}
@@ -50,8 +67,15 @@ def seeded(tmp_path_factory):
     home = make_home(base / "dagster_home")
     prompts = base / "prompts.jsonl"
     prompts.write_text("".join(DEMO_PROMPTS.read_text().splitlines(keepends=True)[:12]))  # 3 shards of 4
-    env = dflash_env(home, data_dir=base / "data", prompts=prompts, shard_size=4, fleet_mode="emulated",
-                     num_servers=1, emulator_args="--reasoning-parser qwen3 --decode-tokens-per-s 0")
+    env = dflash_env(
+        home,
+        data_dir=base / "data",
+        prompts=prompts,
+        shard_size=4,
+        fleet_mode="emulated",
+        num_servers=1,
+        emulator_args="--reasoning-parser qwen3 --decode-tokens-per-s 0",
+    )
     # the shards are materialised while the webserver starts (both on the same instance)
     with ThreadPoolExecutor(1) as pool:
         seeding = pool.submit(materialize_shards, env, PLAN, logs / "seed.log")
@@ -66,10 +90,12 @@ def seeded(tmp_path_factory):
 
 # --- GraphQL ------------------------------------------------------------------------------------------
 
+
 def test_the_code_location_loads(seeded):
     entries = seeded.gql(LOCATION_STATUS)["workspaceOrError"]["locationEntries"]
     assert [(e["name"], e["loadStatus"], e["locationOrLoadError"]["__typename"]) for e in entries] == [
-        (LOCATION, "LOADED", "RepositoryLocation")]
+        (LOCATION, "LOADED", "RepositoryLocation")
+    ]
 
 
 ASSETS = """{ assetNodes { assetKey { path } description groupName kinds isPartitioned
@@ -157,6 +183,7 @@ def test_partitions_and_their_materialization_status_are_listed(seeded):
 
 # --- the browser ---------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def page():
     """Headless Chromium (Debian's, not a Playwright download) on a fresh profile, driven by Playwright."""
@@ -174,8 +201,8 @@ def page():
     try:
         with sync_playwright() as pw:
             context = pw.chromium.launch_persistent_context(
-                profile, executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True,
-                viewport=VIEWPORT)
+                profile, executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True, viewport=VIEWPORT
+            )
             page = context.new_page()
             page.set_default_timeout(TIMEOUT_MS)
             page.errors = []
@@ -212,48 +239,134 @@ def visit(page, server, path: str, shot: Path, *texts: str | re.Pattern) -> str:
 
 
 def test_the_asset_graph_shows_the_assets_their_kinds_and_check_results(seeded, page, shots):
-    visit(page, seeded, "/asset-groups", shots / "01-lineage-groups.png", "Global asset lineage", "generation",
-          "quality", "training")
+    visit(
+        page,
+        seeded,
+        "/asset-groups",
+        shots / "01-lineage-groups.png",
+        "Global asset lineage",
+        "generation",
+        "quality",
+        "training",
+    )
     page.keyboard.press("Alt+KeyE")  # the graph's "Expand all groups" (remembered by the browser)
     names = sorted(k.to_user_string() for k in defs.resolve_asset_graph().get_all_asset_keys())
     page.get_by_text(names[0], exact=True).first.wait_for()
     page.set_viewport_size({"width": 2200, "height": 1500})  # wide and tall enough for the whole expanded graph
     try:
         page.reload()  # laid out and zoomed to fit afresh
-        look(page, shots / "02-lineage-expanded.png", *names, "sglang", "Parquet", "DuckDB",
-             re.compile(rf"\d+ / {len(CHECKS)} Passed"), "3 partitions", "Never materialized")
+        look(
+            page,
+            shots / "02-lineage-expanded.png",
+            *names,
+            "sglang",
+            "Parquet",
+            "DuckDB",
+            re.compile(rf"\d+ / {len(CHECKS)} Passed"),
+            "3 partitions",
+            "Never materialized",
+        )
     finally:
         page.set_viewport_size(VIEWPORT)
-    text = visit(page, seeded, f"/locations/{LOCATION}/asset-groups/generation", shots / "03-generation-graph.png",
-                 "prompt_shards", "completions", "sglang", "Parquet", "3 partitions", "66% filled")
-    text = visit(page, seeded, f"/locations/{LOCATION}/asset-groups/quality", shots / "04-quality-graph.png",
-                 "length_quality_report", "length_quality_summary", "DuckDB", "Parquet", "66% filled",
-                 re.compile(rf"\d+ / {len(CHECKS)} Passed"))
+    text = visit(
+        page,
+        seeded,
+        f"/locations/{LOCATION}/asset-groups/generation",
+        shots / "03-generation-graph.png",
+        "prompt_shards",
+        "completions",
+        "sglang",
+        "Parquet",
+        "3 partitions",
+        "66% filled",
+    )
+    text = visit(
+        page,
+        seeded,
+        f"/locations/{LOCATION}/asset-groups/quality",
+        shots / "04-quality-graph.png",
+        "length_quality_report",
+        "length_quality_summary",
+        "DuckDB",
+        "Parquet",
+        "66% filled",
+        re.compile(rf"\d+ / {len(CHECKS)} Passed"),
+    )
     # the report's latest check results are shard 00001's: some failed, so not all passed
     assert f"{len(CHECKS)} / {len(CHECKS)} Passed" not in text
 
 
 def test_a_completions_partition_page_shows_keys_status_and_provenance(seeded, page, shots):
-    visit(page, seeded, "/assets/completions?view=partitions&partition=00000", shots / "05-completions-00000.png",
-          "3 Partitions Selected", "Materialized (2)", "Missing (1)", "00000", "00001", "00002", "Materialized",
-          "shard_pipeline", "config_hash", "max_output_tokens", "16384",
-          re.compile(r"4 prompts = 4 completed \+ 0 rejected \+ 0 failed"))
-    visit(page, seeded, "/assets/completions?view=partitions&partition=00001", shots / "06-completions-00001.png",
-          "00001", "Materialized", "1024", "new_rows_truncated")
+    visit(
+        page,
+        seeded,
+        "/assets/completions?view=partitions&partition=00000",
+        shots / "05-completions-00000.png",
+        "3 Partitions Selected",
+        "Materialized (2)",
+        "Missing (1)",
+        "00000",
+        "00001",
+        "00002",
+        "Materialized",
+        "shard_pipeline",
+        "config_hash",
+        "max_output_tokens",
+        "16384",
+        re.compile(r"4 prompts = 4 completed \+ 0 rejected \+ 0 failed"),
+    )
+    visit(
+        page,
+        seeded,
+        "/assets/completions?view=partitions&partition=00001",
+        shots / "06-completions-00001.png",
+        "00001",
+        "Materialized",
+        "1024",
+        "new_rows_truncated",
+    )
 
 
 def test_the_checks_tab_shows_every_check_and_its_result(seeded, page, shots):
-    text = visit(page, seeded, "/assets/length_quality_report?view=checks", shots / "07-report-checks.png",
-                 f"Checks ({len(CHECKS)})", *(c.name for c in CHECKS), "Succeeded", "Failed", "blocking")
+    text = visit(
+        page,
+        seeded,
+        "/assets/length_quality_report?view=checks",
+        shots / "07-report-checks.png",
+        f"Checks ({len(CHECKS)})",
+        *(c.name for c in CHECKS),
+        "Succeeded",
+        "Failed",
+        "blocking",
+    )
     # the latest evaluations come from shard 00001 (cap 1024): truncation_rate failed there
     assert re.search(r"truncation_rate\s+(truncation_rate\s+)?Failed", text), text
     page.get_by_text("truncation_rate", exact=True).first.click()
-    look(page, shots / "08-truncation-rate.png", "This is a blocking asset check.", "Latest execution",
-         "shard 00001", "Failed")
+    look(
+        page,
+        shots / "08-truncation-rate.png",
+        "This is a blocking asset check.",
+        "Latest execution",
+        "shard 00001",
+        "Failed",
+    )
 
 
 def test_automation_and_the_fleet_pool_are_on_their_pages(seeded, page, shots):
-    visit(page, seeded, "/automation", shots / "09-automation.png",
-          *(s.name for s in defs.schedules), *(s.name for s in defs.sensors))
-    visit(page, seeded, "/deployment/concurrency", shots / "10-pools.png", "Pools", "sglang_fleet",
-          re.compile(rf"sglang_fleet\s*{project_pool_limit()}"))
+    visit(
+        page,
+        seeded,
+        "/automation",
+        shots / "09-automation.png",
+        *(s.name for s in defs.schedules),
+        *(s.name for s in defs.sensors),
+    )
+    visit(
+        page,
+        seeded,
+        "/deployment/concurrency",
+        shots / "10-pools.png",
+        "Pools",
+        "sglang_fleet",
+        re.compile(rf"sglang_fleet\s*{project_pool_limit()}"),
+    )

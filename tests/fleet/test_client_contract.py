@@ -29,26 +29,49 @@ CLIENT_READS = {
     "/v1/models": {"ModelList": {"data"}, "ModelCard": {"id", "max_model_len"}},
     "/v1/chat/completions": {
         "ChatCompletionResponse": {"choices", "usage"},
-        "ChatCompletionResponseChoice": {"index", "message", "finish_reason", "prompt_token_ids",
-                                         "response_token_ids"},
+        "ChatCompletionResponseChoice": {"index", "message", "finish_reason", "prompt_token_ids", "response_token_ids"},
         "ChatMessage": {"content", "reasoning_content"},
         "UsageInfo": {"prompt_tokens", "completion_tokens", "reasoning_tokens", "completion_tokens_details"},
         "CompletionTokensDetails": {"reasoning_tokens"},
     },
     "/v1/tokenize": {"TokenizeResponse": {"tokens", "count"}},
     "/v1/detokenize": {"DetokenizeResponse": {"text"}},
-    "/v1/loads": {"loads": {"num_running_reqs", "num_waiting_reqs", "max_total_num_tokens", "num_used_tokens",
-                            "max_running_requests", "token_usage", "gen_throughput"}},
+    "/v1/loads": {
+        "loads": {
+            "num_running_reqs",
+            "num_waiting_reqs",
+            "max_total_num_tokens",
+            "num_used_tokens",
+            "max_running_requests",
+            "token_usage",
+            "gen_throughput",
+        }
+    },
     "/server_info": {
-        "top": {"internal_states", "max_req_input_len", "max_total_num_tokens", "max_running_requests",
-                "reasoning_parser", "max_mamba_cache_size", "disable_radix_cache", "mamba_radix_cache_strategy",
-                "disable_overlap_schedule"},
+        "top": {
+            "internal_states",
+            "max_req_input_len",
+            "max_total_num_tokens",
+            "max_running_requests",
+            "reasoning_parser",
+            "max_mamba_cache_size",
+            "disable_radix_cache",
+            "mamba_radix_cache_strategy",
+            "disable_overlap_schedule",
+        },
         "internal_states[*]": {"effective_max_running_requests_per_dp"},
     },
     "/model_info": {"top": {"reasoning_parser"}},
     "/generate": {"GenerateResponse": {"output_ids", "meta_info"}, "GenerateMetaInfo": {"finish_reason"}},
-    "/metrics": {"names": {MAMBA_USAGE_METRIC, "sglang:num_requests_total", "sglang:prompt_tokens_total",
-                           "sglang:generation_tokens_total", "sglang:num_aborted_requests_total"}},
+    "/metrics": {
+        "names": {
+            MAMBA_USAGE_METRIC,
+            "sglang:num_requests_total",
+            "sglang:prompt_tokens_total",
+            "sglang:generation_tokens_total",
+            "sglang:num_aborted_requests_total",
+        }
+    },
 }
 # What the client sends (besides the chat body GenerationSettings builds, checked whole below)
 TOKENIZE_SENDS = {"prompt", "add_special_tokens", "messages", "chat_template_kwargs"}
@@ -75,8 +98,9 @@ def server_arg_fields() -> set[str]:
     for path in sorted((sglang_dir() / "srt" / "arg_groups" / "fields").glob("*.py")):
         for n in ast.walk(ast.parse(path.read_text())):
             if isinstance(n, ast.ClassDef):
-                fields |= {s.target.id for s in n.body if isinstance(s, ast.AnnAssign)
-                           and isinstance(s.target, ast.Name)}
+                fields |= {
+                    s.target.id for s in n.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                }
     return fields
 
 
@@ -171,16 +195,17 @@ def test_the_error_bodies_the_client_reads_are_0_5_23s():
 
 
 def test_the_emulators_answers_carry_only_0_5_23s_fields_and_every_one_the_client_reads(emulator):
-    server = emulator("--reasoning-parser", "qwen3", "--enable-metrics", "--dp-size", "2",
-                      "--length-median", "20")
+    server = emulator("--reasoning-parser", "qwen3", "--enable-metrics", "--dp-size", "2", "--length-median", "20")
     protocol = "entrypoints/openai/protocol.py"
 
     _, models = server.get("/v1/models")
     assert set(models) <= class_fields(protocol, "ModelList")
     assert CLIENT_READS["/v1/models"]["ModelCard"] <= set(models["data"][0]) <= class_fields(protocol, "ModelCard")
 
-    _, chat = server.post("/v1/chat/completions", GenerationSettings(max_output_tokens=32).chat_body(
-        "m", [{"role": "user", "content": "hi"}], token_ids=True))
+    _, chat = server.post(
+        "/v1/chat/completions",
+        GenerationSettings(max_output_tokens=32).chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
+    )
     choice, usage = chat["choices"][0], chat["usage"]
     assert set(chat) <= class_fields(protocol, "ChatCompletionResponse")
     assert set(choice) <= class_fields(protocol, "ChatCompletionResponseChoice")

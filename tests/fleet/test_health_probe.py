@@ -14,8 +14,9 @@ def test_health_generates_a_token_by_default_and_polls_after_a_second_in_0_5_23(
     environ = (SGLANG / "environ.py").read_text()
     assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)" in environ
     server = (SGLANG / "entrypoints/http_server.py").read_text()
-    timeout = int(re.search(r'HEALTH_CHECK_TIMEOUT = int\(os.getenv\("SGLANG_HEALTH_CHECK_TIMEOUT", (\d+)\)\)',
-                            server).group(1))
+    timeout = int(
+        re.search(r'HEALTH_CHECK_TIMEOUT = int\(os.getenv\("SGLANG_HEALTH_CHECK_TIMEOUT", (\d+)\)\)', server).group(1)
+    )
     assert re.search(r"while time.time\(\) < tic \+ HEALTH_CHECK_TIMEOUT:\s+await asyncio.sleep\(1\)", server)
     assert HEALTH_PROBE_TIMEOUT_S > timeout, "a probe outwaits the server's own 503"
 

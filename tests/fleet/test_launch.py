@@ -31,8 +31,9 @@ KEY = "sk-test-0123456789abcdef"
 
 def make_spec(base_port: int, gpus=(0, 1), **server) -> FleetSpec:
     args = ServerCommand(**{"model_path": "Qwen/Qwen3-8B", "context_length": 8192, "max_running_requests": 8} | server)
-    return FleetSpec(server=args, gpus=tuple(gpus), base_port=base_port, command=EMULATOR, health_timeout_s=45,
-                     stop_timeout_s=5)
+    return FleetSpec(
+        server=args, gpus=tuple(gpus), base_port=base_port, command=EMULATOR, health_timeout_s=45, stop_timeout_s=5
+    )
 
 
 @pytest.fixture
@@ -127,8 +128,11 @@ def test_a_port_held_by_another_process_is_refused_before_any_launch(fleet_dir):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", base + 1))
         squatter.listen()
-        with pytest.raises(FleetError, match=rf"port {base + 1} on 127.0.0.1 is already in use by a process that "
-                                             r"is not in the fleet registry"):
+        with pytest.raises(
+            FleetError,
+            match=rf"port {base + 1} on 127.0.0.1 is already in use by a process that "
+            r"is not in the fleet registry",
+        ):
             up(make_spec(base), fleet_dir)
     assert registry.load(fleet_dir) == {}  # gpu0's port was free, but nothing was launched
 
@@ -138,9 +142,25 @@ def test_down_stops_the_whole_process_group(fleet_dir):
     log = fleet_dir / "logs" / "gpu0.log"
     leader = processes.spawn(["sh", "-c", "sleep 60 & sleep 60 & wait"], dict(os.environ), log)
     start = processes.start_time(leader.pid)
-    registry.save(fleet_dir, {"gpu0": registry.ServerRecord(
-        name="gpu0", pid=leader.pid, proc_start=start, host="127.0.0.1", port=1, gpus=[0], args_hash="x",
-        args={}, command=["sh"], api_key_env=None, started_at="2020-01-01T00:00:00+00:00", log=str(log))})
+    registry.save(
+        fleet_dir,
+        {
+            "gpu0": registry.ServerRecord(
+                name="gpu0",
+                pid=leader.pid,
+                proc_start=start,
+                host="127.0.0.1",
+                port=1,
+                gpus=[0],
+                args_hash="x",
+                args={},
+                command=["sh"],
+                api_key_env=None,
+                started_at="2020-01-01T00:00:00+00:00",
+                log=str(log),
+            )
+        },
+    )
     deadline = time.monotonic() + 5
     while len([p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgrp(p) == leader.pid]) < 3:
         assert time.monotonic() < deadline, "the children did not start"
@@ -154,7 +174,7 @@ def _pgrp(proc_dir: Path) -> int | None:
         raw = (proc_dir / "stat").read_text()
     except OSError:
         return None
-    return int(raw[raw.rindex(")") + 2:].split()[2])
+    return int(raw[raw.rindex(")") + 2 :].split()[2])
 
 
 def test_a_reused_pid_is_not_mistaken_for_our_server(fleet_dir):
@@ -162,9 +182,19 @@ def test_a_reused_pid_is_not_mistaken_for_our_server(fleet_dir):
     spec = make_spec(free_base_port(1), gpus=(0,))
     args = spec.servers()["gpu0"]
     impostor = registry.ServerRecord(
-        name="gpu0", pid=os.getpid(), proc_start=processes.start_time(os.getpid()) + 1, host=args.host,
-        port=args.port, gpus=[0], args_hash="x", args=args.canonical(), command=[], api_key_env=None,
-        started_at="2020-01-01T00:00:00+00:00", log=str(fleet_dir / "logs" / "gpu0.log"))
+        name="gpu0",
+        pid=os.getpid(),
+        proc_start=processes.start_time(os.getpid()) + 1,
+        host=args.host,
+        port=args.port,
+        gpus=[0],
+        args_hash="x",
+        args=args.canonical(),
+        command=[],
+        api_key_env=None,
+        started_at="2020-01-01T00:00:00+00:00",
+        log=str(fleet_dir / "logs" / "gpu0.log"),
+    )
     registry.save(fleet_dir, {"gpu0": impostor})
     records = up(spec, fleet_dir)  # must neither reuse nor signal our own pid
     assert records[0].pid != os.getpid()
@@ -209,12 +239,15 @@ def test_the_api_key_never_reaches_registry_logs_or_status(fleet_dir, monkeypatc
     unauthorized = fleet_status(fleet_dir)[0]
     assert unauthorized.healthy and unauthorized.error == "Unauthorized"
 
-    for what, text in (("registry", registry.registry_path(fleet_dir).read_text()),
-                       ("log", Path(rec.log).read_text()),
-                       ("status", json.dumps([s.as_dict() for s in statuses]) + console.export_text())):
+    for what, text in (
+        ("registry", registry.registry_path(fleet_dir).read_text()),
+        ("log", Path(rec.log).read_text()),
+        ("status", json.dumps([s.as_dict() for s in statuses]) + console.export_text()),
+    ):
         assert KEY not in text, f"the API key leaked into the {what}"
-    assert json.loads(registry.registry_path(fleet_dir).read_text())["servers"]["gpu0"]["api_key_env"] == \
-        "DFLASH_API_KEY"
+    assert (
+        json.loads(registry.registry_path(fleet_dir).read_text())["servers"]["gpu0"]["api_key_env"] == "DFLASH_API_KEY"
+    )
 
 
 def test_a_changed_api_key_is_refused_without_replace(fleet_dir, monkeypatch):
@@ -230,28 +263,37 @@ def test_a_changed_api_key_is_refused_without_replace(fleet_dir, monkeypatch):
 
 def test_a_server_that_exits_early_fails_up_with_its_log_tail(fleet_dir):
     spec = make_spec(free_base_port(1), gpus=(0,), extra_args=("--startup-delay", "not-a-number"))
-    with pytest.raises(FleetError, match=r"(?s)server gpu0 .* exited with code 2 before it was healthy.*"
-                                         r"invalid float value"):
+    with pytest.raises(
+        FleetError,
+        match=r"(?s)server gpu0 .* exited with code 2 before it was healthy.*"
+        r"invalid float value",
+    ):
         up(spec, fleet_dir)
 
 
 def test_a_server_not_healthy_in_time_fails_up_and_is_left_running(fleet_dir):
     spec = make_spec(free_base_port(1), gpus=(0,), extra_args=("--startup-delay", "60"))
     spec = dataclasses.replace(spec, health_timeout_s=2)
-    with pytest.raises(FleetError, match=r"server gpu0 .* is not healthy after 2s \(GET /health\); it is left "
-                                         r"running"):
+    with pytest.raises(
+        FleetError,
+        match=r"server gpu0 .* is not healthy after 2s \(GET /health\); it is left "
+        r"running",
+    ):
         up(spec, fleet_dir)
     rec = registry.load(fleet_dir)["gpu0"]
     assert processes.is_ours(rec.pid, rec.proc_start)  # still loading: `down` (in the fixture) stops it
 
 
-@pytest.mark.parametrize("urls,message", [
-    ("", "at least one server URL"),
-    ("10.0.0.5:30000", "must look like http://host:port"),
-    ("http://user:secret@10.0.0.5:30000", "carries credentials"),
-    ("http://a:30000,http://a:30000/", "listed twice"),
-    ("http://a:99999", "not a valid URL"),
-])
+@pytest.mark.parametrize(
+    "urls,message",
+    [
+        ("", "at least one server URL"),
+        ("10.0.0.5:30000", "must look like http://host:port"),
+        ("http://user:secret@10.0.0.5:30000", "carries credentials"),
+        ("http://a:30000,http://a:30000/", "listed twice"),
+        ("http://a:99999", "not a valid URL"),
+    ],
+)
 def test_attach_urls_are_checked(urls, message):
     with pytest.raises(AttachError, match=message) as e:
         parse_urls(urls)
@@ -260,7 +302,9 @@ def test_attach_urls_are_checked(urls, message):
 
 def test_attach_urls_are_normalised():
     assert parse_urls("http://a:30000/, https://router.internal:8080") == [
-        "http://a:30000", "https://router.internal:8080"]
+        "http://a:30000",
+        "https://router.internal:8080",
+    ]
 
 
 def test_a_registry_of_the_previous_version_keeps_its_warm_servers(fleet_dir):
@@ -268,10 +312,21 @@ def test_a_registry_of_the_previous_version_keeps_its_warm_servers(fleet_dir):
     leader = processes.spawn(["sleep", "60"], dict(os.environ), fleet_dir / "logs" / "gpu0.log")
     try:
         raw = Path(f"/proc/{leader.pid}/stat").read_text()
-        ticks = int(raw[raw.rindex(")") + 2:].split()[19])  # starttime, field 22 of proc(5)
-        record = dict(name="gpu0", pid=leader.pid, proc_start=ticks, host="127.0.0.1", port=1, gpus=[0],
-                      args_hash="x", args={}, command=["sleep"], api_key_env=None,
-                      started_at="2020-01-01T00:00:00+00:00", log=str(fleet_dir / "logs" / "gpu0.log"))
+        ticks = int(raw[raw.rindex(")") + 2 :].split()[19])  # starttime, field 22 of proc(5)
+        record = dict(
+            name="gpu0",
+            pid=leader.pid,
+            proc_start=ticks,
+            host="127.0.0.1",
+            port=1,
+            gpus=[0],
+            args_hash="x",
+            args={},
+            command=["sleep"],
+            api_key_env=None,
+            started_at="2020-01-01T00:00:00+00:00",
+            log=str(fleet_dir / "logs" / "gpu0.log"),
+        )
         registry.registry_path(fleet_dir).write_text(json.dumps({"version": 1, "servers": {"gpu0": record}}))
         loaded = registry.load(fleet_dir)["gpu0"]
         assert processes.is_ours(loaded.pid, loaded.proc_start)

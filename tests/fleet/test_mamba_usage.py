@@ -10,7 +10,6 @@ from tests.support.sglang_wheel import sglang_srt
 SGLANG = sglang_srt()
 
 
-
 def test_mamba_usage_is_a_prometheus_gauge_and_no_field_of_v1_loads_in_0_5_23():
     collector = (SGLANG / "observability/metrics_collector.py").read_text()
     assert f'name="{MAMBA_USAGE_METRIC}"' in collector
@@ -49,12 +48,16 @@ def test_slots_per_request_are_what_the_server_resolved(emulator):
     no_radix = read_info(emulator("--disable-radix-cache").emu.url)
     dense = read_info(emulator("--dense-model").emu.url)
     assert (lazy.mamba_slots_per_request, no_radix.mamba_slots_per_request, dense.mamba_slots_per_request) == (
-        4, 1, None)
+        4,
+        1,
+        None,
+    )
 
 
 def test_a_slots_pinned_suggestion_scales_mamba_slots_by_the_servers_own_ratio(emulator):
-    server = emulator(*SLOW, "--max-running-requests", "4", "--mamba-radix-cache-strategy", "extra_buffer",
-                      "--enable-metrics")
+    server = emulator(
+        *SLOW, "--max-running-requests", "4", "--mamba-radix-cache-strategy", "extra_buffer", "--enable-metrics"
+    )
     samples = load_server(server.emu.url, in_flight=16)
     [advice] = advise(samples, [read_info(server.emu.url)])
     assert advice.rule == "slots_pinned"

@@ -14,18 +14,34 @@ import ast
 
 import pytest
 
+from dflash_assets.fleet.server_args import (
+    EMULATOR,
+    REMOVED_FLAGS,
+    SGLANG_LAUNCH_SERVER,
+    SGLANG_SERVE,
+    ServerCommand,
+    ServerCommandError,
+)
 from tests.support.sglang_wheel import sglang_dir
-from dflash_assets.fleet.server_args import (EMULATOR, REMOVED_FLAGS, SGLANG_LAUNCH_SERVER, SGLANG_SERVE,
-                                             ServerCommand, ServerCommandError)
 
 # Every typed field set, so that every flag the builder knows is emitted at least once.
 EVERY_FIELD = ServerCommand(
-    model_path="Qwen/Qwen3-8B", served_model_name="qwen3", host="127.0.0.1", port=30001, tp_size=1,
-    context_length=16384, max_running_requests=40, max_mamba_cache_size=200, mem_fraction_static=0.85,
-    chunked_prefill_size=8192, cuda_graph_max_bs_decode=40, reasoning_parser="qwen3", enable_metrics=True,
-    max_queued_requests=512, gpus=(1,))
-
-
+    model_path="Qwen/Qwen3-8B",
+    served_model_name="qwen3",
+    host="127.0.0.1",
+    port=30001,
+    tp_size=1,
+    context_length=16384,
+    max_running_requests=40,
+    max_mamba_cache_size=200,
+    mem_fraction_static=0.85,
+    chunked_prefill_size=8192,
+    cuda_graph_max_bs_decode=40,
+    reasoning_parser="qwen3",
+    enable_metrics=True,
+    max_queued_requests=512,
+    gpus=(1,),
+)
 
 
 def _arg_call(node: ast.expr) -> dict[str, ast.expr] | None:
@@ -52,8 +68,9 @@ def field_flags(source: str) -> set[str]:
             arg = arg or {}
             if "no_cli" in arg and ast.literal_eval(arg["no_cli"]):
                 continue
-            names = [ast.literal_eval(arg["cli_name"]) if "cli_name" in arg
-                     else "--" + stmt.target.id.replace("_", "-")]
+            names = [
+                ast.literal_eval(arg["cli_name"]) if "cli_name" in arg else "--" + stmt.target.id.replace("_", "-")
+            ]
             names += ast.literal_eval(arg["aliases"]) or [] if "aliases" in arg else []
             if getattr(arg.get("action"), "attr", None) == "BooleanOptionalAction":
                 names += ["--no-" + n[2:] for n in names if n.startswith("--")]  # as argparse adds them
@@ -63,9 +80,13 @@ def field_flags(source: str) -> set[str]:
 
 def add_argument_flags(source: str) -> set[str]:
     """Flags of the literal `parser.add_argument("--x", ...)` calls (server_args.py add_cli_args)."""
-    return {a.value for n in ast.walk(ast.parse(source))
-            if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "add_argument"
-            for a in n.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
+    return {
+        a.value
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "add_argument"
+        for a in n.args
+        if isinstance(a, ast.Constant) and str(a.value).startswith("--")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +145,12 @@ def test_extra_args_may_not_carry_the_key_or_shadow_a_typed_field():
     with pytest.raises(ServerCommandError, match="--tp sets --tp-size, which is a typed field: set tp_size instead"):
         ServerCommand(model_path="m", extra_args=["--tp", "2"])
     assert ServerCommand(model_path="m", extra_args=["--mamba-ssm-dtype", "bfloat16"]).flags()[-2:] == [
-        "--mamba-ssm-dtype", "bfloat16"]
+        "--mamba-ssm-dtype",
+        "bfloat16",
+    ]
 
 
 def test_the_same_flags_follow_every_launch_command():
     for command in (SGLANG_SERVE, SGLANG_LAUNCH_SERVER, EMULATOR):
         argv = EVERY_FIELD.argv(command)
-        assert argv[:len(command)] == list(command) and argv[len(command):] == EVERY_FIELD.flags()
+        assert argv[: len(command)] == list(command) and argv[len(command) :] == EVERY_FIELD.flags()

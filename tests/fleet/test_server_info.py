@@ -3,14 +3,12 @@
 import threading
 import time
 
-
 from dflash_assets.fleet.fleet import on_fleet, read_info
 from dflash_assets.fleet.status import fleet_status
-from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.preflight import check_fleet
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from tests.support.shards import FAST, cont, generate, make_shard, rows
-
 
 
 def test_a_dp_size_4_server_reports_one_internal_state_per_rank_and_the_client_sums_them(emulator):
@@ -28,8 +26,14 @@ def test_a_dp_size_4_server_is_driven_at_all_four_ranks_slots(tmp_path, emulator
     make_shard(data, [server.emu.url])  # 40 prompts
     server.post("/_emulator/faults", {"hold": True})
     settings = DispatchSettings(waiting_margin=2, load_sample_s=0)
-    done = threading.Thread(target=lambda: on_fleet([server.emu.url], lambda f: generate_shard(
-        data, "00000", f, GenerationSettings(max_output_tokens=256), settings, log=lambda m: None)))
+    done = threading.Thread(
+        target=lambda: on_fleet(
+            [server.emu.url],
+            lambda f: generate_shard(
+                data, "00000", f, GenerationSettings(max_output_tokens=256), settings, log=lambda m: None
+            ),
+        )
+    )
     done.start()
     try:
         for _ in range(400):  # the run fills the server's slots; wait (bounded) until it has

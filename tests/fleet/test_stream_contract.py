@@ -12,9 +12,9 @@ import ast
 
 import pytest
 
-from tests.support.sglang_wheel import class_fields, function
 from dflash_assets.fleet.stream import Watch, chat_stream_body
 from dflash_assets.settings import GenerationSettings
+from tests.support.sglang_wheel import class_fields, function
 
 pytestmark = pytest.mark.timeout(120)
 PROTOCOL = "entrypoints/openai/protocol.py"
@@ -27,8 +27,10 @@ CHAT_STREAM_READS = {
     "UsageInfo": {"prompt_tokens", "completion_tokens", "reasoning_tokens", "prompt_tokens_details"},
     "SglExt": {"input_ids", "output_ids"},
 }
-GENERATE_STREAM_READS = {"GenerateResponse": {"text", "output_ids", "meta_info"},
-                         "GenerateMetaInfo": {"finish_reason", "completion_tokens"}}
+GENERATE_STREAM_READS = {
+    "GenerateResponse": {"text", "output_ids", "meta_info"},
+    "GenerateMetaInfo": {"finish_reason", "completion_tokens"},
+}
 
 
 def source(relative: str, name: str) -> str:
@@ -41,8 +43,10 @@ def test_every_chunk_field_the_client_reads_is_in_0_5_23s_stream_models(model):
 
 
 def test_the_streamed_chat_body_has_only_fields_0_5_23_takes():
-    body = chat_stream_body(GenerationSettings().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
-                            Watch(check_every_tokens=64, looping=bool))
+    body = chat_stream_body(
+        GenerationSettings().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
+        Watch(check_every_tokens=64, looping=bool),
+    )
     assert set(body) <= class_fields(PROTOCOL, "ChatCompletionRequest")
     assert set(body["stream_options"]) <= class_fields(PROTOCOL, "StreamOptions")
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
@@ -57,8 +61,12 @@ def test_0_5_23_sends_the_usage_chunk_only_when_stream_options_include_usage():
     stream = source("entrypoints/openai/serving_chat.py", "_generate_chat_stream")
     assert "should_include_usage(request.stream_options" in stream
     # the usage chunk comes after the finish_reason chunks, with no choices, then [DONE]
-    assert stream.index("finish_reason=final_finish_reason") < stream.index("if include_usage:") \
-        < stream.index("usage_chunk = ChatCompletionStreamResponse(") < stream.index("yield 'data: [DONE]\\n\\n'")
+    assert (
+        stream.index("finish_reason=final_finish_reason")
+        < stream.index("if include_usage:")
+        < stream.index("usage_chunk = ChatCompletionStreamResponse(")
+        < stream.index("yield 'data: [DONE]\\n\\n'")
+    )
     assert "choices=[], model=request.model, usage=usage" in stream
 
 
@@ -82,20 +90,24 @@ def test_0_5_23_aborts_a_streamed_request_whose_client_goes_away():
     wait = source("managers/tokenizer_manager.py", "_stream_one_response")
     assert "await request.is_disconnected()" in wait and "self.abort_request(obj.rid)" in wait
     assert "self.abort_request(rid)" in source("managers/tokenizer_manager.py", "_release_req_states_on_failure")
-    assert "create_abort_task(adapted_request)" in source("entrypoints/openai/serving_chat.py",
-                                                          "_handle_streaming_request")
+    assert "create_abort_task(adapted_request)" in source(
+        "entrypoints/openai/serving_chat.py", "_handle_streaming_request"
+    )
 
 
 def test_the_emulators_chat_stream_is_0_5_23s_chunks_with_every_field_the_client_reads(emulator):
     server = emulator("--reasoning-parser", "qwen3", "--length-median", "40", "--stream-interval", "4")
-    body = chat_stream_body(GenerationSettings(max_output_tokens=1024).chat_body(
-        "m", [{"role": "user", "content": "hi"}], token_ids=True), Watch(check_every_tokens=8, looping=bool))
+    body = chat_stream_body(
+        GenerationSettings(max_output_tokens=1024).chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
+        Watch(check_every_tokens=8, looping=bool),
+    )
     status, events = server.sse("/v1/chat/completions", body)
     assert status == 200 and events[-1] == "[DONE]"
     chunks, seen = events[:-1], {m: set() for m in CHAT_STREAM_READS}
     for c in chunks:
-        assert set(c) <= class_fields(PROTOCOL, "ChatCompletionStreamResponse") and c["object"] == \
-            "chat.completion.chunk"
+        assert (
+            set(c) <= class_fields(PROTOCOL, "ChatCompletionStreamResponse") and c["object"] == "chat.completion.chunk"
+        )
         seen["ChatCompletionStreamResponse"] |= {k for k, v in c.items() if v is not None}
         for choice in c["choices"]:
             assert set(choice) <= class_fields(PROTOCOL, "ChatCompletionResponseStreamChoice")
@@ -119,16 +131,21 @@ def test_the_emulators_chat_stream_is_0_5_23s_chunks_with_every_field_the_client
 
 def test_without_include_usage_no_usage_chunk_comes(emulator):
     server = emulator("--reasoning-parser", "qwen3", "--length-median", "20")
-    body = {**GenerationSettings(max_output_tokens=32).chat_body("m", [{"role": "user", "content": "hi"}]),
-            "stream": True}
+    body = {
+        **GenerationSettings(max_output_tokens=32).chat_body("m", [{"role": "user", "content": "hi"}]),
+        "stream": True,
+    }
     _, events = server.sse("/v1/chat/completions", body)
     assert all(e == "[DONE]" or e.get("usage") is None for e in events)
 
 
 def test_the_emulators_generate_stream_decodes_with_0_5_23s_own_decoder(api, emulator):  # noqa: F811
     server = emulator("--length-median", "40", "--stream-interval", "3")
-    body = {"input_ids": [300, 301, 302], "sampling_params": {"max_new_tokens": 48, **GenerationSettings().sampling()},
-            "stream": True}
+    body = {
+        "input_ids": [300, 301, 302],
+        "sampling_params": {"max_new_tokens": 48, **GenerationSettings().sampling()},
+        "stream": True,
+    }
     status, events = server.sse("/generate", body)
     assert status == 200 and events[-1] == "[DONE]"
     decoded = [api.GenerateResponse.from_json_value(e) for e in events[:-1]]

@@ -11,44 +11,71 @@ import shutil
 import duckdb
 import pytest
 
-from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.settings import DispatchSettings, GenerationSettings
+from tests.support.forks import start_emulator
 
 pytestmark = pytest.mark.timeout(300)
 
-FLAGS = ["--reasoning-parser", "qwen3", "--non-ascii", "--random-seed", "7", "--sampling", "per-prompt",
-         "--enable-cache-report", "--stream-interval", "1", "--length-median", "160", "--length-sigma", "0.8"]
+FLAGS = [
+    "--reasoning-parser",
+    "qwen3",
+    "--non-ascii",
+    "--random-seed",
+    "7",
+    "--sampling",
+    "per-prompt",
+    "--enable-cache-report",
+    "--stream-interval",
+    "1",
+    "--length-median",
+    "160",
+    "--length-sigma",
+    "0.8",
+]
 N = 24
 # what a row records of when and where it was made; every other column must be the same
 PROVENANCE = {"latency_s", "created_at", "server_url"}
 
 
 def settings(stream: bool) -> DispatchSettings:
-    return DispatchSettings(stream=stream, store_token_ids=True, max_in_flight_per_server=1, commit_rows=8,
-                            commit_seconds=0.2, load_sample_s=0)
+    return DispatchSettings(
+        stream=stream,
+        store_token_ids=True,
+        max_in_flight_per_server=1,
+        commit_rows=8,
+        commit_seconds=0.2,
+        load_sample_s=0,
+    )
 
 
 def make_shard(data_dir, url) -> None:
     src = data_dir.parent / "prompts.jsonl"
     lead = "You are a careful analyst. Read the case below, think it through step by step, then answer it. "
-    src.write_text("".join(json.dumps({"id": f"s{i:03d}", "prompt": f"{lead}Case {i}."}) + "\n"
-                           for i in range(N)))  # the shared lead-in is cached: cached_tokens > 0
+    src.write_text(
+        "".join(json.dumps({"id": f"s{i:03d}", "prompt": f"{lead}Case {i}."}) + "\n" for i in range(N))
+    )  # the shared lead-in is cached: cached_tokens > 0
     on_fleet([url], lambda f: build_prompt_shard(src, 0, "00000", N, data_dir, f, {"enable_thinking": True}))
 
 
 def generate(data_dir, url, cap: int, stream: bool):
-    return on_fleet([url], lambda f: generate_shard(data_dir, "00000", f, GenerationSettings(max_output_tokens=cap),
-                                                    settings(stream), log=lambda m: None))
+    return on_fleet(
+        [url],
+        lambda f: generate_shard(
+            data_dir, "00000", f, GenerationSettings(max_output_tokens=cap), settings(stream), log=lambda m: None
+        ),
+    )
 
 
 def rows(data_dir, config_hash: str) -> list[dict]:
-    rel = duckdb.sql(f"select * exclude ({', '.join(PROVENANCE)}) from read_parquet("
-                     f"'{data_dir}/completions/**/*.parquet', union_by_name = true) "
-                     f"where config_hash = '{config_hash}' order by prompt_id")
+    rel = duckdb.sql(
+        f"select * exclude ({', '.join(PROVENANCE)}) from read_parquet("
+        f"'{data_dir}/completions/**/*.parquet', union_by_name = true) "
+        f"where config_hash = '{config_hash}' order by prompt_id"
+    )
     return [dict(zip(rel.columns, r)) for r in rel.fetchall()]
 
 
@@ -93,8 +120,18 @@ def test_a_streamed_continuation_row_equals_the_blocking_one_in_every_column(cha
         data = tmp_path / f"cont-{stream}" / "data"
         shutil.copytree(parent_dir, data)
         with start_emulator(FLAGS) as emu:
-            run = on_fleet([emu.url], lambda f: continue_shard(data, "00000", f, parent.config_hash, 640,
-                                                               settings(stream), log=lambda m: None))
+            run = on_fleet(
+                [emu.url],
+                lambda f: continue_shard(  # noqa: B023 (awaited in this iteration)
+                    data,  # noqa: B023
+                    "00000",
+                    f,
+                    parent.config_hash,
+                    640,
+                    settings(stream),  # noqa: B023
+                    log=lambda m: None,
+                ),
+            )
         assert run.continued > 0 and run.failed == 0
         continued[stream] = data, run
     (blocking_dir, blocking), (streamed_dir, streamed) = continued[False], continued[True]
@@ -112,6 +149,9 @@ def test_stream_off_sends_blocking_requests_and_stream_on_streamed_ones(tmp_path
     generate(data, emu.emu.url, 96, stream=False)
     generate(data, emu.emu.url, 97, stream=True)  # another cap: another config, every prompt sent again
     _, text = emu.get("/metrics")
-    counts = {line.split('is_streaming="')[1][:5].strip('"'): float(line.rsplit(" ", 1)[1])
-              for line in text.splitlines() if line.startswith("sglang:num_requests_total{")}
+    counts = {
+        line.split('is_streaming="')[1][:5].strip('"'): float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sglang:num_requests_total{")
+    }
     assert counts == {"false": N, "true": N}

@@ -4,12 +4,21 @@ import asyncio
 
 from rich.console import Console
 
-from dflash_assets.fleet.client import ServerClient
 from dflash_assets.emulator.process import free_port
+from dflash_assets.fleet.client import ServerClient
 from dflash_assets.fleet.fleet import open_session
-from dflash_assets.fleet.tuning import (LoadSample, LoadSampler, advise, parse_loads, sparkline, summarize,
-                                        tuning_markdown, tuning_table)
+from dflash_assets.fleet.tuning import (
+    LoadSample,
+    LoadSampler,
+    advise,
+    parse_loads,
+    sparkline,
+    summarize,
+    tuning_markdown,
+    tuning_table,
+)
 from tests.support.fleet_load import SLOW, load_server
+
 
 def rules(samples, **kwargs) -> list[str]:
     return [a.rule for a in advise(samples, **kwargs)]
@@ -98,19 +107,45 @@ def test_a_server_given_no_work_is_idle_and_a_short_sample_is_not_judged():
 
 def test_each_server_gets_its_own_advice():
     samples = series("a", running=16, waiting=20, max_running=16, token_usage=0.03) + series(
-        "b", running=2, waiting=0, max_running=16, token_usage=0.01)
+        "b", running=2, waiting=0, max_running=16, token_usage=0.01
+    )
     assert [(a.server, a.rule) for a in advise(samples)] == [("a", "slots_pinned"), ("b", "under_used")]
 
 
 def test_loads_are_summed_over_dp_ranks():
-    body = {"loads": [
-        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "num_used_tokens": 100,
-         "max_total_num_tokens": 1000, "max_running_requests": 4, "token_usage": 0.1, "gen_throughput": 50.0},
-        {"dp_rank": 1, "num_running_reqs": 4, "num_waiting_reqs": 0, "num_used_tokens": 300,
-         "max_total_num_tokens": 1000, "max_running_requests": 4, "token_usage": 0.3, "gen_throughput": 70.0}]}
+    body = {
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": 3,
+                "num_waiting_reqs": 1,
+                "num_used_tokens": 100,
+                "max_total_num_tokens": 1000,
+                "max_running_requests": 4,
+                "token_usage": 0.1,
+                "gen_throughput": 50.0,
+            },
+            {
+                "dp_rank": 1,
+                "num_running_reqs": 4,
+                "num_waiting_reqs": 0,
+                "num_used_tokens": 300,
+                "max_total_num_tokens": 1000,
+                "max_running_requests": 4,
+                "token_usage": 0.3,
+                "gen_throughput": 70.0,
+            },
+        ]
+    }
     s = parse_loads("u", 1.0, body)
     assert (s.running, s.waiting, s.max_running, s.token_usage, s.gen_throughput, s.mamba_usage) == (
-        7, 1, 8, 0.2, 120.0, None)  # /v1/loads has no mamba figure in 0.5.23: it comes from /metrics
+        7,
+        1,
+        8,
+        0.2,
+        120.0,
+        None,
+    )  # /v1/loads has no mamba figure in 0.5.23: it comes from /metrics
 
 
 def test_the_sampler_keeps_a_bounded_number_of_samples_per_server(emulator):
@@ -129,7 +164,8 @@ def test_the_sampler_keeps_a_bounded_number_of_samples_per_server(emulator):
 
 def test_figures_and_advice_render_as_markdown_and_a_rich_table():
     samples = series("a", running=4, waiting=12, max_running=4, token_usage=0.002) + series(
-        "b", running=8, waiting=0, max_running=8, token_usage=0.3)
+        "b", running=8, waiting=0, max_running=8, token_usage=0.3
+    )
     loads, advice = summarize(samples), advise(samples)
     md = tuning_markdown(loads, advice)
     assert "| a | 10 | 4.0 / 4 of 4 | 100% | 12.0 / 12 | 0.2% |" in md

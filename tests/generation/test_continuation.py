@@ -16,13 +16,14 @@ from dflash_assets.defs.continuation.assets import continued_completions
 from dflash_assets.defs.metadata import ContinueRun, keys
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource
-from tests.support.forks import Forked, start_emulator
-from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from tests.support import dagster_run
+from tests.support.forks import Forked, start_emulator
 from tests.support.http import set_faults
 from tests.support.shards import FAST, N, cont, generate, make_shard, rows
+
 
 @pytest.fixture(scope="module")
 def continued(tmp_path_factory, fleet_urls):
@@ -39,8 +40,7 @@ def continued(tmp_path_factory, fleet_urls):
 def test_continued_rows_equal_a_fresh_generation_at_the_new_cap(continued):
     a, b, parent, run, scratch = continued
     assert run.config_hash == scratch.config_hash, "the continued config is the new cap's config"
-    truncated = [r for r in rows(a, parent.config_hash, "prompt_id, finish_reason, content")
-                 if r[1] == "length"]
+    truncated = [r for r in rows(a, parent.config_hash, "prompt_id, finish_reason, content") if r[1] == "length"]
     assert run.continued == len(truncated) > 0 and run.copied == N - len(truncated)
     # both kinds of cut are covered: inside the thought (content "") and in the answer after </think>
     assert {bool(r[2]) for r in truncated} == {True, False}
@@ -53,11 +53,15 @@ def test_continued_rows_equal_a_fresh_generation_at_the_new_cap(continued):
 
 def test_tokens_reused_add_up_to_the_parents_tokens(continued):
     a, _, parent, run, _ = continued
-    lineage = duckdb.sql(f"select count(*), sum(tokens_reused), sum(completion_tokens - tokens_reused), "
-                         f"count(*) filter (where parent_config_hash = '{parent.config_hash}') from read_parquet("
-                         f"'{a}/completions/**/*.parquet') where config_hash = '{run.config_hash}'").fetchall()[0]
-    parents = duckdb.sql(f"select sum(completion_tokens) from read_parquet('{a}/completions/**/*.parquet') "
-                         f"where config_hash = '{parent.config_hash}'").fetchall()[0][0]
+    lineage = duckdb.sql(
+        f"select count(*), sum(tokens_reused), sum(completion_tokens - tokens_reused), "
+        f"count(*) filter (where parent_config_hash = '{parent.config_hash}') from read_parquet("
+        f"'{a}/completions/**/*.parquet') where config_hash = '{run.config_hash}'"
+    ).fetchall()[0]
+    parents = duckdb.sql(
+        f"select sum(completion_tokens) from read_parquet('{a}/completions/**/*.parquet') "
+        f"where config_hash = '{parent.config_hash}'"
+    ).fetchall()[0][0]
     rows_, reused, generated, with_lineage = lineage
     print(f"\ntokens saved: {reused} reused, {generated} generated ({reused / (reused + generated):.0%} saved)")
     assert reused > 0 and reused == parents == run.tokens_reused
@@ -85,8 +89,15 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
     copies = N - parent.length
     # slow decoding, so the kill lands while continuations are in flight
     with start_emulator(["--decode-tokens-per-s", "3000", "--max-running-requests", "2", *FAST[2:]]) as slow:
-        proc = Forked("tests.support.shards:cont_main", [str(data), slow.url, parent.config_hash, "8192"],
-                      dict(os.environ), None, tmp_path / "killed.txt", tmp_path / "killed.txt", session=True)
+        proc = Forked(
+            "tests.support.shards:cont_main",
+            [str(data), slow.url, parent.config_hash, "8192"],
+            dict(os.environ),
+            None,
+            tmp_path / "killed.txt",
+            tmp_path / "killed.txt",
+            session=True,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len(rows(data, scratch.config_hash, "prompt_id")) <= copies:
             time.sleep(0.05)
@@ -110,15 +121,22 @@ def test_truncated_rows_without_token_ids_are_continued_by_their_text_and_equal_
     parent = generate(data, fleet_urls, 4096, DispatchSettings(load_sample_s=0))
     assert parent.length > 0
     run = cont(data, fleet_urls, parent.config_hash, 8192, DispatchSettings(load_sample_s=0))
-    assert (run.continued, run.without_ids, run.copied, run.left) == (parent.length, parent.length,
-                                                                       N - parent.length, 0)
-    assert any(f"{parent.length} rows continued by text" in n and "differed from the generated token count in 0 "
-               in n for n in run.notes), run.notes  # the emulator re-tokenises its text exactly
+    assert (run.continued, run.without_ids, run.copied, run.left) == (
+        parent.length,
+        parent.length,
+        N - parent.length,
+        0,
+    )
+    assert any(
+        f"{parent.length} rows continued by text" in n and "differed from the generated token count in 0 " in n
+        for n in run.notes
+    ), run.notes  # the emulator re-tokenises its text exactly
     fresh = generate(scratch, fleet_urls, 8192, DispatchSettings(load_sample_s=0))
     assert fresh.config_hash == run.config_hash
     columns = "prompt_id, finish_reason, completion_tokens, reasoning_tokens, content, reasoning_content"
-    assert rows(data, run.config_hash, columns) == rows(scratch, fresh.config_hash, columns), \
+    assert rows(data, run.config_hash, columns) == rows(scratch, fresh.config_hash, columns), (
         "continued by text, the rows are those a fresh run at the larger cap makes"
+    )
 
 
 def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(tmp_path, emulator):
@@ -135,13 +153,24 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     data = tmp_path / "data"
     make_shard(data, fleet_urls)
     parent = generate(data, fleet_urls, 4096)
-    res = {"fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)), "data_dir": DataDirResource(path=str(data)),
-           "quality": QualityResource()}
+    res = {
+        "fleet": FleetResource(mode="attach", urls=",".join(fleet_urls)),
+        "data_dir": DataDirResource(path=str(data)),
+        "quality": QualityResource(),
+    }
     with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
-        result = dg.materialize([continued_completions], partition_key="00000", instance=instance, resources=res,
-                                run_config={"ops": {"continued_completions": {"config": {
-                                    "parent_config_hash": "latest", "new_max_output_tokens": 8192}}}})
+        result = dg.materialize(
+            [continued_completions],
+            partition_key="00000",
+            instance=instance,
+            resources=res,
+            run_config={
+                "ops": {
+                    "continued_completions": {"config": {"parent_config_hash": "latest", "new_max_output_tokens": 8192}}
+                }
+            },
+        )
     meta = result.asset_materializations_for_node("continued_completions")[0].metadata
     assert meta["parent_config_hash"].value == parent.config_hash
     assert meta["rows_continued"].value == parent.length and meta["rows_copied"].value == N - parent.length
@@ -151,15 +180,18 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     assert keys(ContinueRun) <= set(meta), "every key `dflash continue` reads back (defs/metadata.py) is written"
 
 
-@pytest.mark.parametrize("parser, thinking, text, ids", [
-    ("qwen3", True, "cut in the thought", [1, 2]),
-    ("qwen3", True, "cut right after it</think>", [1, 7]),  # content "" as when the thought was cut
-    ("qwen3", True, "thought</think>\n\nanswer so far", [1, 7, 3]),
-    ("qwen3", True, "</think>answer", [7, 3]),  # an empty thought comes back null
-    ("qwen3", True, "thought\n<tool_call>{", [1, 4]),  # Qwen3.5 opens a tool call without closing the thought
-    ("qwen3", False, "no thinking at all", [3]),
-    (None, True, "no parser: <think>raw</think> stays in content", [3, 7]),
-])
+@pytest.mark.parametrize(
+    "parser, thinking, text, ids",
+    [
+        ("qwen3", True, "cut in the thought", [1, 2]),
+        ("qwen3", True, "cut right after it</think>", [1, 7]),  # content "" as when the thought was cut
+        ("qwen3", True, "thought</think>\n\nanswer so far", [1, 7, 3]),
+        ("qwen3", True, "</think>answer", [7, 3]),  # an empty thought comes back null
+        ("qwen3", True, "thought\n<tool_call>{", [1, 4]),  # Qwen3.5 opens a tool call without closing the thought
+        ("qwen3", False, "no thinking at all", [3]),
+        (None, True, "no parser: <think>raw</think> stays in content", [3, 7]),
+    ],
+)
 def test_the_reasoning_split_is_undone_exactly_wherever_the_cut_fell(parser, thinking, text, ids):
     reasoning = Reasoning.of(parser, thinking, [7])
     thought, content = reasoning.split(text)

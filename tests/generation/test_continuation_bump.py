@@ -9,13 +9,21 @@ import duckdb
 import numpy as np
 import pytest
 
-from tests.support.forks import start_emulator
 from tests.support import shards
+from tests.support.forks import start_emulator
 
 N = 600
 # --random-seed: the draws are the seed's, not the run's, so the KS test below passes or fails by this seed
-SERVER = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--sampling", "per-request",
-          "--random-seed", "7"]
+SERVER = [
+    "--decode-tokens-per-s",
+    "0",
+    "--reasoning-parser",
+    "qwen3",
+    "--sampling",
+    "per-request",
+    "--random-seed",
+    "7",
+]
 SETTINGS = shards.SETTINGS.model_copy(update={"commit_rows": 200, "commit_seconds": 5})
 
 
@@ -23,9 +31,15 @@ PROMPTS = {f"b{i:04d}": f"Work through problem {i} in detail." for i in range(N)
 
 
 def lengths(data_dir, config_hash, where="true") -> np.ndarray:
-    return np.array([r[0] for r in duckdb.sql(
-        f"select completion_tokens from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = true) "
-        f"where config_hash = '{config_hash}' and {where} order by prompt_id").fetchall()])
+    return np.array(
+        [
+            r[0]
+            for r in duckdb.sql(
+                f"select completion_tokens from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = true) "
+                f"where config_hash = '{config_hash}' and {where} order by prompt_id"
+            ).fetchall()
+        ]
+    )
 
 
 def ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
@@ -77,12 +91,23 @@ def test_keeping_short_rows_and_redrawing_only_the_cut_ones_skews_the_set_short(
     """The mix the bump must never make, measured: the test above has the power to see it."""
     (a, b, c), parent, _, clean, again = bump
     kept = lengths(a, parent.config_hash, "finish_reason = 'stop'")
-    cut_ids = {r[0] for r in duckdb.sql(f"select prompt_id from read_parquet('{a}/completions/**/*.parquet', "
-                                        f"union_by_name = true) where config_hash = '{parent.config_hash}' and "
-                                        f"finish_reason = 'length'").fetchall()}
-    redrawn = np.array([r[1] for r in duckdb.sql(
-        f"select prompt_id, completion_tokens from read_parquet('{c}/completions/**/*.parquet')").fetchall()
-        if r[0] in cut_ids])
+    cut_ids = {
+        r[0]
+        for r in duckdb.sql(
+            f"select prompt_id from read_parquet('{a}/completions/**/*.parquet', "
+            f"union_by_name = true) where config_hash = '{parent.config_hash}' and "
+            f"finish_reason = 'length'"
+        ).fetchall()
+    }
+    redrawn = np.array(
+        [
+            r[1]
+            for r in duckdb.sql(
+                f"select prompt_id, completion_tokens from read_parquet('{c}/completions/**/*.parquet')"
+            ).fetchall()
+            if r[0] in cut_ids
+        ]
+    )
     mixed, fresh = np.concatenate([kept, redrawn]), lengths(b, clean.config_hash)
     assert len(mixed) == N
     assert (mixed > 4096).mean() < (fresh > 4096).mean() - 0.04, ((mixed > 4096).mean(), (fresh > 4096).mean())

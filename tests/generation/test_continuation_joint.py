@@ -11,8 +11,8 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator import tokenizer as tok
-from tests.support.forks import start_emulator
 from tests.support import shards
+from tests.support.forks import start_emulator
 
 FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--non-ascii"]
 SETTINGS = shards.SETTINGS.model_copy(update={"commit_rows": 1})
@@ -30,8 +30,10 @@ def url():
 
 
 def row(data_dir, config_hash) -> dict:
-    rel = duckdb.sql(f"select {COLUMNS} from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = "
-                     f"true) where config_hash = '{config_hash}'")
+    rel = duckdb.sql(
+        f"select {COLUMNS} from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = "
+        f"true) where config_hash = '{config_hash}'"
+    )
     (values,) = rel.fetchall()
     return dict(zip(rel.columns, values))
 

@@ -4,9 +4,9 @@ import asyncio
 import json
 
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 
 SHARDS, PER_SHARD = ["00000", "00001", "00002"], 24
 FLAGS = ["--decode-tokens-per-s", "20000", "--max-running-requests", "4", "--length-median", "120"]
@@ -14,15 +14,25 @@ FLAGS = ["--decode-tokens-per-s", "20000", "--max-running-requests", "4", "--len
 
 def run_three_shards(tmp_path, urls):
     src = tmp_path / "p.jsonl"
-    src.write_text("".join(json.dumps({"id": f"e{i:03d}", "prompt": f"engine report {i}"}) + "\n"
-                           for i in range(PER_SHARD * len(SHARDS))))
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"e{i:03d}", "prompt": f"engine report {i}"}) + "\n"
+            for i in range(PER_SHARD * len(SHARDS))
+        )
+    )
 
     async def go():
         async with connected(urls) as fleet:
             for i, shard in enumerate(SHARDS):
                 await build_prompt_shard(src, i, shard, PER_SHARD, tmp_path / "data", fleet, {"enable_thinking": True})
-            return await generate_shards(tmp_path / "data", SHARDS, fleet, GenerationSettings(max_output_tokens=1024),
-                                         DispatchSettings(load_sample_s=0, commit_rows=8), log=lambda m: None)
+            return await generate_shards(
+                tmp_path / "data",
+                SHARDS,
+                fleet,
+                GenerationSettings(max_output_tokens=1024),
+                DispatchSettings(load_sample_s=0, commit_rows=8),
+                log=lambda m: None,
+            )
 
     return asyncio.run(go())
 
@@ -43,8 +53,7 @@ def test_every_shard_reports_its_own_notes_servers_and_time(tmp_path, emulator):
         assert sum(s["completed"] for s in r.servers.values()) == PER_SHARD
         assert sum(s["output_tokens"] for s in r.servers.values()) == r.output_tokens
         assert all(s["in_flight_limit"] == 6 for s in r.servers.values())  # 4 running + the waiting margin
-    assert sum(r.output_tokens for r in runs) == sum(
-        s["output_tokens"] for r in runs for s in r.servers.values())
+    assert sum(r.output_tokens for r in runs) == sum(s["output_tokens"] for r in runs for s in r.servers.values())
 
     # time: from the shard's first request to its last answer (was: from the start of the run, so every shard
     # after the first looked slower than it was)

@@ -11,17 +11,26 @@ import duckdb
 import pytest
 
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.store.stores import prompt_store
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.registry import CHECKS_BY_NAME, gate_passed
+from dflash_assets.store.stores import prompt_store
 from tests.support.http import requests_served
 from tests.support.quality_data import check, load
 from tests.support.sglang_wheel import sglang_srt
 from tests.support.shards import FEW_RETRIES, SHORT, generate, longest_prompt, make_shard, numbered
 
 SGLANG = sglang_srt()
-SMALL_POOL = ["--context-length", "4096", "--max-total-tokens", "1024", *SHORT[:3], "--length-median", "3000",
-              "--length-sigma", "0.1"]
+SMALL_POOL = [
+    "--context-length",
+    "4096",
+    "--max-total-tokens",
+    "1024",
+    *SHORT[:3],
+    "--length-median",
+    "3000",
+    "--length-sigma",
+    "0.1",
+]
 
 
 def test_the_scheduler_rule_the_emulator_follows_is_0_5_23s():
@@ -46,9 +55,11 @@ def test_preflight_holds_prompt_plus_cap_to_the_kv_pool_not_the_context(tmp_path
         # fits the 4096 context, not the 1024-token pool
         generate(tmp_path / "data", [server.emu.url], 2000, FEW_RETRIES)
     message = str(err.value)
-    assert message.startswith("3 of 3 prompts do not fit: the servers grant a request at most 1022 tokens "
-                              "(prompt + output) because their KV pool holds 1024 tokens, fewer than the context "
-                              "length 4096; max_output_tokens is 2000")
+    assert message.startswith(
+        "3 of 3 prompts do not fit: the servers grant a request at most 1022 tokens "
+        "(prompt + output) because their KV pool holds 1024 tokens, fewer than the context "
+        "length 4096; max_output_tokens is 2000"
+    )
     assert f"the largest prompt has {largest}" in message and "Nothing was sent" in message
     assert requests_served(server) == 0
 
@@ -60,9 +71,11 @@ def test_within_the_pool_every_length_row_stops_exactly_at_its_cap(tmp_path, emu
     run = generate(tmp_path / "data", [server.emu.url], 900, FEW_RETRIES, log=logs.append)
     assert run.completed == 3 and run.fleet_notes == [
         f"KV pool smaller than the context length ({server.emu.url}: 1024 < 4096): SGLang clamps a request's "
-        f"output to the pool silently; preflight holds prompt + max_output_tokens to 1022"]
-    rows = duckdb.sql(f"select finish_reason, completion_tokens from read_parquet("
-                      f"'{tmp_path}/data/completions/**/*.parquet')").fetchall()
+        f"output to the pool silently; preflight holds prompt + max_output_tokens to 1022"
+    ]
+    rows = duckdb.sql(
+        f"select finish_reason, completion_tokens from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
+    ).fetchall()
     assert rows == [("length", 900)] * 3
 
 
@@ -77,8 +90,10 @@ def test_a_clamp_forced_past_preflight_is_caught_by_a_blocking_check(tmp_path, e
     store.replace(table, "prompts.parquet")
     run = generate(tmp_path / "data", [server.emu.url], 1021, FEW_RETRIES)
     assert run.completed == 2
-    rows = duckdb.sql(f"select prompt_id, finish_reason, completion_tokens from read_parquet("
-                      f"'{tmp_path}/data/completions/**/*.parquet') order by prompt_id").fetchall()
+    rows = duckdb.sql(
+        f"select prompt_id, finish_reason, completion_tokens from read_parquet("
+        f"'{tmp_path}/data/completions/**/*.parquet') order by prompt_id"
+    ).fetchall()
     # the server granted max_req_len - prompt - 1 = 1023 - prompt - 1, not the 1021 the row records
     assert rows == [(pid, "length", 1022 - real[pid]) for pid in sorted(real)]
     outcomes = run_checks(tmp_path / "data", names=["silent_clamp"])
@@ -93,5 +108,8 @@ def test_silent_clamp_counts_every_length_row_below_its_cap(defects_dir):
     under = [r for r in rows if r["finish_reason"] == "length" and r["completion_tokens"] < r["max_output_tokens"]]
     outcome = check(defects_dir, "silent_clamp")
     assert CHECKS_BY_NAME["silent_clamp"].blocking and outcome.severity == "ERROR"
-    assert not outcome.passed and (outcome.metadata["clamped_rows"], outcome.metadata["rows"]) == (len(under), len(rows))
+    assert not outcome.passed and (outcome.metadata["clamped_rows"], outcome.metadata["rows"]) == (
+        len(under),
+        len(rows),
+    )
     assert len(under) == 4

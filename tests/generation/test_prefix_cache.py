@@ -39,8 +39,10 @@ def test_the_emulator_serves_a_repeated_prefix_from_its_cache_and_prefills_only_
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     prefilled = http.get("/v1/loads")[1]["loads"][0]["total_prefill_uncached_tokens"]
     assert prefilled == first["usage"]["prompt_tokens"]
-    turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": "And a radix tree?"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And a radix tree?"},
+    ]
     second = chat(http, turn2)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     # turn 1's prompt, up to its generation prompt, is a prefix of turn 2's (the template drops turn 1's thinking,
@@ -59,8 +61,17 @@ def test_without_the_radix_cache_nothing_is_cached(emulator):
 
 
 def picker(max_imbalance: float) -> SlotPicker:
-    infos = [ServerInfo(url=u, model="m", context_length=4096, max_req_input_len=4090, max_running_requests=8,
-                        max_total_num_tokens=100_000) for u in ("a", "b")]
+    infos = [
+        ServerInfo(
+            url=u,
+            model="m",
+            context_length=4096,
+            max_req_input_len=4090,
+            max_running_requests=8,
+            max_total_num_tokens=100_000,
+        )
+        for u in ("a", "b")
+    ]
     return SlotPicker([object(), object()], infos, waiting_margin=2, max_imbalance=max_imbalance)  # 10 slots each
 
 

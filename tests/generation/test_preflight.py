@@ -8,10 +8,13 @@ from dflash_assets.store.stores import prompt_store
 from tests.support.http import requests_served
 from tests.support.shards import FEW_RETRIES, SHORT, generate, longest_prompt, make_shard, numbered
 
+
 def rejects(tmp_path, stage: str) -> list[tuple]:
-    return duckdb.sql(f"select prompt_id, reason, prompt_tokens, max_output_tokens, server_context_length from "
-                      f"read_parquet('{tmp_path}/data/rejects/**/*.parquet', hive_partitioning = false) "
-                      f"where stage = '{stage}' order by prompt_id").fetchall()
+    return duckdb.sql(
+        f"select prompt_id, reason, prompt_tokens, max_output_tokens, server_context_length from "
+        f"read_parquet('{tmp_path}/data/rejects/**/*.parquet', hive_partitioning = false) "
+        f"where stage = '{stage}' order by prompt_id"
+    ).fetchall()
 
 
 PROMPTS = ["short one", "another short", "word " * 300, "a third short", "word " * 250]
@@ -26,8 +29,10 @@ def test_reject_policy_sends_the_rest_and_names_the_numbers(tmp_path, emulator):
     assert [r[0] for r in rows] == ["q2", "q4"]
     for _, reason, tokens, cap, context in rows:
         assert (cap, context) == (800, 1024) and tokens + cap > 1022
-        assert reason == (f"prompt of {tokens} tokens + max_output_tokens 800 = {tokens + 800} exceeds the server "
-                          f"context length 1024 minus a safety margin of 2 tokens")
+        assert reason == (
+            f"prompt of {tokens} tokens + max_output_tokens 800 = {tokens + 800} exceeds the server "
+            f"context length 1024 minus a safety margin of 2 tokens"
+        )
     assert requests_served(server) == 3, "the overflowing prompts were never sent"
 
 
@@ -36,8 +41,9 @@ def test_fail_policy_fails_before_any_request_with_the_counts(tmp_path, emulator
     make_shard(tmp_path / "data", [server.emu.url], numbered(PROMPTS))
     with pytest.raises(PreflightError) as err:
         generate(tmp_path / "data", [server.emu.url], 800, FEW_RETRIES, preflight_policy="fail")
-    assert str(err.value).startswith("2 of 5 prompts do not fit: the servers' context length is 1024 tokens and "
-                                     "max_output_tokens is 800")
+    assert str(err.value).startswith(
+        "2 of 5 prompts do not fit: the servers' context length is 1024 tokens and max_output_tokens is 800"
+    )
     assert requests_served(server) == 0
 
 
@@ -49,8 +55,9 @@ def test_when_every_prompt_overflows_the_run_fails_naming_the_context_that_would
     with pytest.raises(PreflightError) as err:
         generate(tmp_path / "data", [server.emu.url], 8192, FEW_RETRIES)
     message = str(err.value)
-    assert "3 of 3 prompts do not fit: the servers' context length is 8192 tokens and max_output_tokens is 8192" \
-        in message
+    assert (
+        "3 of 3 prompts do not fit: the servers' context length is 8192 tokens and max_output_tokens is 8192" in message
+    )
     assert f"the largest prompt has {largest}" in message
     assert f"--context-length {largest + 8192 + 2} or more" in message and "Nothing was sent" in message
     assert requests_served(server) == 0
@@ -62,8 +69,9 @@ def test_servers_that_disagree_on_context_length_are_reported_and_the_smallest_i
     make_shard(tmp_path / "data", urls, numbered(["short one", "another"]))
     logs: list[str] = []
     run = generate(tmp_path / "data", urls, 1500, FEW_RETRIES, log=logs.append)
-    assert run.fleet_notes == [f"servers disagree on context length ({a.emu.url}: 4096, {b.emu.url}: 2048); "
-                         f"using the smallest, 2048"]
+    assert run.fleet_notes == [
+        f"servers disagree on context length ({a.emu.url}: 4096, {b.emu.url}: 2048); using the smallest, 2048"
+    ]
     assert run.completed == 2
 
 
@@ -88,8 +96,9 @@ def test_a_context_400_from_the_server_is_rejected_with_its_message_and_never_re
     assert (run.completed, run.rejected_server, run.failed) == (1, 1, 0)
     [(pid, reason, *_)] = rejects(tmp_path, "server")
     assert pid == "q1"
-    assert reason.startswith("HTTP 400: Requested token count exceeds the model's maximum context length of 1024 "
-                             "tokens.")
+    assert reason.startswith(
+        "HTTP 400: Requested token count exceeds the model's maximum context length of 1024 tokens."
+    )
     assert requests_served(server) == 2, "the rejected prompt was sent once, not retried"
     again = generate(tmp_path / "data", [server.emu.url], 800, FEW_RETRIES)
     assert (again.completed, again.rejected_server) == (1, 1)

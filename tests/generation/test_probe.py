@@ -9,15 +9,25 @@ import pytest
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.quality.assets import length_quality_summary
-from dflash_assets.settings import SAMPLING_PARAMS, GenerationSettings
 from dflash_assets.generation.probe import probe_size, sample_prompts
 from dflash_assets.quality import run_checks
+from dflash_assets.settings import SAMPLING_PARAMS, GenerationSettings
 from tests.support.probe_project import probe_project, write_completions, write_probe
 from tests.support.shards import longest_prompt
 
 SHARDS, PER_SHARD = ["00000", "00001", "00002"], 120
-FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
-         "--length-sigma", "0.9", "--loop-share", "0.05"]
+FLAGS = [
+    "--decode-tokens-per-s",
+    "0",
+    "--reasoning-parser",
+    "qwen3",
+    "--length-median",
+    "400",
+    "--length-sigma",
+    "0.9",
+    "--loop-share",
+    "0.05",
+]
 
 
 def test_the_default_size_is_the_larger_of_500_and_1_percent():
@@ -25,12 +35,19 @@ def test_the_default_size_is_the_larger_of_500_and_1_percent():
 
 
 def test_the_sample_is_seeded_and_stratified_by_shard_and_source():
-    rows = [{"prompt_id": f"{s}-{i}", "shard": s, "line": i, "source": "math" if i % 4 == 0 else "chat"}
-            for s in ("a", "b") for i in range(400)]
+    rows = [
+        {"prompt_id": f"{s}-{i}", "shard": s, "line": i, "source": "math" if i % 4 == 0 else "chat"}
+        for s in ("a", "b")
+        for i in range(400)
+    ]
     sample = sample_prompts(rows, 80, seed=7)
     assert len(sample) == 80 and len({r["prompt_id"] for r in sample}) == 80
-    assert Counter((r["shard"], r["source"]) for r in sample) == {("a", "chat"): 30, ("a", "math"): 10,
-                                                                 ("b", "chat"): 30, ("b", "math"): 10}
+    assert Counter((r["shard"], r["source"]) for r in sample) == {
+        ("a", "chat"): 30,
+        ("a", "math"): 10,
+        ("b", "chat"): 30,
+        ("b", "math"): 10,
+    }
     assert sample == sample_prompts(list(reversed(rows)), 80, seed=7)  # the same rows and seed, the same sample
     assert sample != sample_prompts(rows, 80, seed=8)
 
@@ -44,11 +61,11 @@ def project(tmp_path_factory):
 
 def summary(project) -> dict:
     data, instance, res = project
-    result = dg.materialize([length_quality_summary], instance=instance, resources=res, selection=[
-        length_quality_summary])
+    result = dg.materialize(
+        [length_quality_summary], instance=instance, resources=res, selection=[length_quality_summary]
+    )
     assert result.success
-    return {k: v.value for k, v in result.asset_materializations_for_node("length_quality_summary")[0]
-            .metadata.items()}
+    return {k: v.value for k, v in result.asset_materializations_for_node("length_quality_summary")[0].metadata.items()}
 
 
 def test_without_rows_the_summary_says_there_is_nothing_to_plan_from(project):
@@ -58,8 +75,13 @@ def test_without_rows_the_summary_says_there_is_nothing_to_plan_from(project):
 def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_costs(project):
     data, instance, res = project
     for shard in SHARDS:
-        assert dg.materialize([completions], partition_key=shard, instance=instance, resources=res, run_config={
-            "ops": {"completions": {"config": {"max_output_tokens": 1024}}}}).success
+        assert dg.materialize(
+            [completions],
+            partition_key=shard,
+            instance=instance,
+            resources=res,
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 1024}}}},
+        ).success
     meta = summary(project)
     md = meta["cap_plan"]
     assert meta["cap_plan_source"] == "model (censored lognormal tail) beyond the cap"
@@ -78,8 +100,10 @@ def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_co
     # prompts, it takes all 46 honest cut rows: as many as a random probe of all 360 prompts would have above the cap)
     cut_rows = meta["truncated_rows"] - meta["runaway_rows"]
     continued = ProbePrecision.expected(1024, honest, cut_rows, continued=True)
-    assert (f"With `mode: cut_rows` it continues {cut_rows} of this run's honest cut rows to its cap instead (decode "
-            f"only past the cap): every row measures the tail, ±{continued.half_width * 100:.2f} pp at worst.") in md
+    assert (
+        f"With `mode: cut_rows` it continues {cut_rows} of this run's honest cut rows to its cap instead (decode "
+        f"only past the cap): every row measures the tail, ±{continued.half_width * 100:.2f} pp at worst."
+    ) in md
     assert continued.rows == continued.rows_above == cut_rows and continued.half_width <= expected.half_width
     # the emulator's looping generations are told apart, in the report and in the plan
     assert 0 < meta["runaway_rows"] < meta["truncated_rows"]
@@ -89,24 +113,39 @@ def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_co
 
 def test_the_probe_materialises_alone_and_the_plan_then_measures_with_it(project):
     data, instance, res = project
-    result = dg.materialize([length_probe], instance=instance, resources=res, selection=[length_probe],
-                            run_config={"ops": {"length_probe": {"config": {"min_prompts": 90}}}})
+    result = dg.materialize(
+        [length_probe],
+        instance=instance,
+        resources=res,
+        selection=[length_probe],
+        run_config={"ops": {"length_probe": {"config": {"min_prompts": 90}}}},
+    )
     assert result.success
     meta = {k: v.value for k, v in result.asset_materializations_for_node("length_probe")[0].metadata.items()}
     longest = longest_prompt(data / "prompt_shards")
     assert meta["prompts_sampled"] == meta["completed"] == 90 and meta["prompts_total"] == 360
     assert meta["max_output_tokens"] <= 32768 - 2 - 1 and meta["max_output_tokens"] >= 32768 - 2 - longest
-    probe_rows = duckdb.sql(f"SELECT prompt_id, config_hash, max_output_tokens FROM read_parquet("
-                            f"'{data}/length_probe/completions/**/*.parquet')").fetchall()
+    probe_rows = duckdb.sql(
+        f"SELECT prompt_id, config_hash, max_output_tokens FROM read_parquet("
+        f"'{data}/length_probe/completions/**/*.parquet')"
+    ).fetchall()
     assert len(probe_rows) == 90 and {r[1] for r in probe_rows} == {meta["config_hash"]}
-    run_hashes = {r[0] for r in duckdb.sql(f"SELECT DISTINCT config_hash FROM read_parquet("
-                                            f"'{data}/completions/**/*.parquet')").fetchall()}
+    run_hashes = {
+        r[0]
+        for r in duckdb.sql(
+            f"SELECT DISTINCT config_hash FROM read_parquet('{data}/completions/**/*.parquet')"
+        ).fetchall()
+    }
     assert meta["config_hash"] not in run_hashes  # its own config, and not in the run's (training) rows
     assert run_checks(data, names=["truncation_rate"])[0].metadata["rows"] == 360
     # stratified: every shard and source of the prompts is in the sample, in proportion
-    by_shard = Counter(r[0] for r in duckdb.sql(
-        f"SELECT p.shard FROM read_parquet('{data}/prompt_shards/**/*.parquet') p WHERE prompt_id IN "
-        f"(SELECT prompt_id FROM read_parquet('{data}/length_probe/completions/**/*.parquet'))").fetchall())
+    by_shard = Counter(
+        r[0]
+        for r in duckdb.sql(
+            f"SELECT p.shard FROM read_parquet('{data}/prompt_shards/**/*.parquet') p WHERE prompt_id IN "
+            f"(SELECT prompt_id FROM read_parquet('{data}/length_probe/completions/**/*.parquet'))"
+        ).fetchall()
+    )
     assert by_shard == {s: 30 for s in SHARDS}
 
     meta = summary(project)
@@ -132,8 +171,10 @@ def test_a_probe_is_used_only_for_its_current_sample_and_the_same_model_and_samp
     assert plan_caps(tmp_path / "same", bootstrap=10, use_probe=False).at(8192).basis == "model"
     plan = plan_caps(tmp_path / "hot", bootstrap=10)
     assert plan.probe is None and plan.at(8192).basis == "model"
-    assert "a length probe exists (configs `probe-hot`) but none was made with the planned rows' model and " \
-           "sampling: it is not used" in plan.notes
+    assert (
+        "a length probe exists (configs `probe-hot`) but none was made with the planned rows' model and "
+        "sampling: it is not used" in plan.notes
+    )
 
 
 @pytest.mark.parametrize("name", SAMPLING_PARAMS)

@@ -3,6 +3,8 @@ to the probe's cap, through Dagster on the emulator; the plan measures with it a
 scratch at the larger cap, lies in its interval. (conftest sets the emulator's per-prompt sampling, so a
 continued row is the row a fresh run at the larger cap makes.)"""
 
+from datetime import UTC
+
 import dagster as dg
 import duckdb
 import pytest
@@ -15,8 +17,18 @@ from dflash_assets.quality.planner import honest_cut_rows, plan_caps, plan_markd
 from tests.support.probe_project import probe_project
 
 SHARDS, PER_SHARD, RUN_CAP, PROBE_CAP, SAMPLE = ["00000", "00001"], 150, 512, 4096, 60
-FLAGS = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--length-median", "400",
-         "--length-sigma", "0.9", "--loop-share", "0.05"]
+FLAGS = [
+    "--decode-tokens-per-s",
+    "0",
+    "--reasoning-parser",
+    "qwen3",
+    "--length-median",
+    "400",
+    "--length-sigma",
+    "0.9",
+    "--loop-share",
+    "0.05",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,20 +36,36 @@ def project(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cprobe")
     with probe_project(tmp, FLAGS, SHARDS, PER_SHARD) as (instance, res):
         for shard in SHARDS:
-            assert dg.materialize([completions], partition_key=shard, instance=instance, resources=res, run_config={
-                "ops": {"completions": {"config": {"max_output_tokens": RUN_CAP}}}}).success
-        result = dg.materialize([length_probe], instance=instance, resources=res, selection=[length_probe],
-                                run_config={"ops": {"length_probe": {"config": {
-                                    "mode": "cut_rows", "min_prompts": SAMPLE, "max_output_tokens": PROBE_CAP}}}})
+            assert dg.materialize(
+                [completions],
+                partition_key=shard,
+                instance=instance,
+                resources=res,
+                run_config={"ops": {"completions": {"config": {"max_output_tokens": RUN_CAP}}}},
+            ).success
+        result = dg.materialize(
+            [length_probe],
+            instance=instance,
+            resources=res,
+            selection=[length_probe],
+            run_config={
+                "ops": {
+                    "length_probe": {
+                        "config": {"mode": "cut_rows", "min_prompts": SAMPLE, "max_output_tokens": PROBE_CAP}
+                    }
+                }
+            },
+        )
         assert result.success
         meta = {k: v.value for k, v in result.asset_materializations_for_node("length_probe")[0].metadata.items()}
         yield tmp / "data", instance, res, meta
 
 
 def rows(where: str, path: str) -> list[tuple]:
-    return duckdb.sql(f"SELECT prompt_id, config_hash, finish_reason, completion_tokens, max_output_tokens, "
-                      f"parent_config_hash, tokens_reused FROM read_parquet('{path}/**/*.parquet') WHERE {where}"
-                      ).fetchall()
+    return duckdb.sql(
+        f"SELECT prompt_id, config_hash, finish_reason, completion_tokens, max_output_tokens, "
+        f"parent_config_hash, tokens_reused FROM read_parquet('{path}/**/*.parquet') WHERE {where}"
+    ).fetchall()
 
 
 def test_the_probe_continues_only_the_runs_honest_cut_rows_to_its_cap(project):
@@ -61,9 +89,17 @@ def test_the_probe_continues_only_the_runs_honest_cut_rows_to_its_cap(project):
 
 def test_a_second_continuation_probe_with_the_same_sample_resumes_and_sends_nothing(project):
     data, instance, res, meta = project
-    again = dg.materialize([length_probe], instance=instance, resources=res, selection=[length_probe],
-                           run_config={"ops": {"length_probe": {"config": {
-                               "mode": "cut_rows", "min_prompts": SAMPLE, "max_output_tokens": PROBE_CAP}}}})
+    again = dg.materialize(
+        [length_probe],
+        instance=instance,
+        resources=res,
+        selection=[length_probe],
+        run_config={
+            "ops": {
+                "length_probe": {"config": {"mode": "cut_rows", "min_prompts": SAMPLE, "max_output_tokens": PROBE_CAP}}
+            }
+        },
+    )
     assert again.success
     second = {k: v.value for k, v in again.asset_materializations_for_node("length_probe")[0].metadata.items()}
     assert second["config_hash"] == meta["config_hash"] and second["completed"] == SAMPLE
@@ -75,16 +111,20 @@ def test_a_second_continuation_probe_with_the_same_sample_resumes_and_sends_noth
 
 def test_the_summary_plans_with_the_continuation_probe_and_says_so(project):
     data, instance, res, meta = project
-    result = dg.materialize([length_quality_summary], instance=instance, resources=res,
-                            selection=[length_quality_summary])
+    result = dg.materialize(
+        [length_quality_summary], instance=instance, resources=res, selection=[length_quality_summary]
+    )
     assert result.success
-    summary = {k: v.value for k, v in result.asset_materializations_for_node("length_quality_summary")[0]
-               .metadata.items()}
+    summary = {
+        k: v.value for k, v in result.asset_materializations_for_node("length_quality_summary")[0].metadata.items()
+    }
     md = summary["cap_plan"]
     assert summary["cap_plan_source"] == "measured by the length probe" and "No length probe yet" not in md
     assert f"measured (continuation probe of {SAMPLE} cut rows)" in md.split("| 4,096 | ")[1].split("\n")[0]
-    assert (f"**measured** by a continuation probe ({SAMPLE} of the run's honest cut rows continued to cap "
-            f"{PROBE_CAP:,}, config `{meta['config_hash']}`)") in md
+    assert (
+        f"**measured** by a continuation probe ({SAMPLE} of the run's honest cut rows continued to cap "
+        f"{PROBE_CAP:,}, config `{meta['config_hash']}`)"
+    ) in md
 
 
 def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_larger_caps(project):
@@ -97,8 +137,13 @@ def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_large
     # the truth: every prompt generated from scratch at each larger cap (a config of its own in the run's dir)
     for cap in (1024, PROBE_CAP):
         for shard in SHARDS:
-            assert dg.materialize([completions], partition_key=shard, instance=instance, resources=res, run_config={
-                "ops": {"completions": {"config": {"max_output_tokens": cap}}}}).success
+            assert dg.materialize(
+                [completions],
+                partition_key=shard,
+                instance=instance,
+                resources=res,
+                run_config={"ops": {"completions": {"config": {"max_output_tokens": cap}}}},
+            ).success
         at = rows(f"max_output_tokens = {cap}", f"{data}/completions")
         truth = sum(r[2] in ("length", "runaway") for r in at) / len(at)  # cut: at the cap, or a loop stopped
         e = plan.at(cap)
@@ -110,27 +155,62 @@ def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_large
 
 def write_continued(data_dir, parent: str, lengths, cap: int = 32000):
     """A continuation probe's rows as run_cut_rows_probe leaves them: shard cut_rows, `parent_config_hash` set."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    from dflash_assets.store.stores import completion_store
     from dflash_assets.generation.probe import CUT_ROWS_SHARD, probe_root
-    from dflash_assets.store.stores import prompt_store
+    from dflash_assets.store.stores import completion_store, prompt_store
 
-    root, now = probe_root(data_dir), datetime.now(timezone.utc)
-    completion_store(root, CUT_ROWS_SHARD).commit([
-        {"prompt_id": f"c{i}", "shard": CUT_ROWS_SHARD, "source": "t", "config_hash": "continued",
-         "finish_reason": "length" if n > cap else "stop", "prompt_tokens": 50, "completion_tokens": min(n, cap),
-         "reasoning_tokens": 0, "max_output_tokens": cap, "server_context_length": 32768, "server_url": "u",
-         "model": "m", "temperature": 0.6, "top_p": 0.95, "top_k": 20, "enable_thinking": True, "content": "x",
-         "reasoning_content": None, "latency_s": 1.0, "attempt": 1, "created_at": now, "parent_config_hash": parent,
-         "tokens_reused": 4096} for i, n in enumerate(lengths)])
-    prompt_store(root, CUT_ROWS_SHARD).replace([
-        {"prompt_id": f"c{i}", "shard": CUT_ROWS_SHARD, "line": i + 1, "source": "t", "messages_json": "[]",
-         "prompt_tokens": 50, "template_kwargs_json": "{}"} for i in range(len(lengths))], "prompts.parquet")
+    root, now = probe_root(data_dir), datetime.now(UTC)
+    completion_store(root, CUT_ROWS_SHARD).commit(
+        [
+            {
+                "prompt_id": f"c{i}",
+                "shard": CUT_ROWS_SHARD,
+                "source": "t",
+                "config_hash": "continued",
+                "finish_reason": "length" if n > cap else "stop",
+                "prompt_tokens": 50,
+                "completion_tokens": min(n, cap),
+                "reasoning_tokens": 0,
+                "max_output_tokens": cap,
+                "server_context_length": 32768,
+                "server_url": "u",
+                "model": "m",
+                "temperature": 0.6,
+                "top_p": 0.95,
+                "top_k": 20,
+                "enable_thinking": True,
+                "content": "x",
+                "reasoning_content": None,
+                "latency_s": 1.0,
+                "attempt": 1,
+                "created_at": now,
+                "parent_config_hash": parent,
+                "tokens_reused": 4096,
+            }
+            for i, n in enumerate(lengths)
+        ]
+    )
+    prompt_store(root, CUT_ROWS_SHARD).replace(
+        [
+            {
+                "prompt_id": f"c{i}",
+                "shard": CUT_ROWS_SHARD,
+                "line": i + 1,
+                "source": "t",
+                "messages_json": "[]",
+                "prompt_tokens": 50,
+                "template_kwargs_json": "{}",
+            }
+            for i in range(len(lengths))
+        ],
+        "prompts.parquet",
+    )
 
 
 def test_the_plan_reads_a_continuation_probe_only_for_the_config_it_continued(tmp_path):
     import numpy as np
+
     from tests.support.probe_project import write_completions, write_probe
 
     lengths = np.round(1640 * np.exp(np.random.default_rng(0).standard_normal(3000))).astype(int)

@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.settings import GenerationSettings, SettingsError
 from dflash_assets.generation.prompts import Prompt, SourceError, SourceReject, count_rows, read_shard, shard_keys
+from dflash_assets.settings import GenerationSettings, SettingsError
 
 GOOD = {"messages": [{"role": "user", "content": "hello"}]}
 
@@ -19,8 +19,10 @@ BAD_LINES = [
     ('{"messages": [{"role": "wizard", "content": "x"}]}', "unknown role 'wizard'"),
     ('{"messages": [{"role": "user", "content": 7}]}', "content must be a string, got int"),
     ('{"messages": [{"role": "user", "content": "  "}]}', "content is empty"),
-    ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}',
-     "the conversation starts with the assistant (message 0)"),
+    (
+        '{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}',
+        "the conversation starts with the assistant (message 0)",
+    ),
     ('{"prompt": "nul \\u0000 inside"}', "contains a NUL byte"),
     ('{"prompt": 5}', "'prompt' must be a string, got int"),
 ]
@@ -79,27 +81,39 @@ def test_shards_are_fixed_line_ranges_and_lines_add_up(tmp_path):
 
 def test_parquet_source_with_messages_and_prompt_columns(tmp_path):
     src = tmp_path / "p.parquet"
-    pq.write_table(pa.table({
-        "id": ["a", "b", None],
-        "prompt": [None, "plain prompt", None],
-        "messages": [[{"role": "user", "content": "hi"}], None, None],
-    }), src)
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b", None],
+                "prompt": [None, "plain prompt", None],
+                "messages": [[{"role": "user", "content": "hi"}], None, None],
+            }
+        ),
+        src,
+    )
     items = list(read_shard(src, 0, 10))
     assert [type(i) for i in items] == [Prompt, Prompt, SourceReject]
     assert items[1].messages == [{"role": "user", "content": "plain prompt"}]
     assert "none of 'messages', 'conversations', 'prompt'" in items[2].reason
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda d: d / "missing.jsonl", "does not exist"),
-    (lambda d: (d / "empty.jsonl").write_bytes(b"") or d / "empty.jsonl", "is empty"),
-    (lambda d: (d / "dir.jsonl").mkdir() or d / "dir.jsonl", "is not a file"),
-    (lambda d: (d / "broken.parquet").write_bytes(b"PAR1 not really") and d / "broken.parquet",
-     "is not a readable Parquet file"),
-    (lambda d: pq.write_table(pa.table({"text": ["x"]}), d / "cols.parquet") or d / "cols.parquet",
-     "has none of the columns 'messages', 'conversations', 'prompt' or 'body' (columns: ['text'])"),
-    (lambda d: (d / "p.csv").write_text("a,b") and d / "p.csv", "unsupported format '.csv'"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda d: d / "missing.jsonl", "does not exist"),
+        (lambda d: (d / "empty.jsonl").write_bytes(b"") or d / "empty.jsonl", "is empty"),
+        (lambda d: (d / "dir.jsonl").mkdir() or d / "dir.jsonl", "is not a file"),
+        (
+            lambda d: (d / "broken.parquet").write_bytes(b"PAR1 not really") and d / "broken.parquet",
+            "is not a readable Parquet file",
+        ),
+        (
+            lambda d: pq.write_table(pa.table({"text": ["x"]}), d / "cols.parquet") or d / "cols.parquet",
+            "has none of the columns 'messages', 'conversations', 'prompt' or 'body' (columns: ['text'])",
+        ),
+        (lambda d: (d / "p.csv").write_text("a,b") and d / "p.csv", "unsupported format '.csv'"),
+    ],
+)
 def test_a_bad_source_file_is_a_clear_error_naming_the_file(tmp_path, make, message):
     path = make(tmp_path)
     with pytest.raises(SourceError, match="prompt source") as err:
@@ -114,12 +128,15 @@ def test_shard_size_must_be_positive(tmp_path):
         shard_keys(src, 0)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
-    ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
-    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
-    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"max_output_tokens": 0}, "max_output_tokens must be a positive integer, got 0"),
+        ({"temperature": -0.1}, "temperature must be >= 0, got -0.1"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ],
+)
 def test_bad_generation_config_is_refused_before_any_work(kwargs, message):
     with pytest.raises(SettingsError) as err:
         GenerationSettings(**kwargs).validate()
@@ -143,8 +160,8 @@ def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_th
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.prompts.assets import prompt_shards
     from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource
-    from tests.support.forks import start_emulator
     from tests.support import dagster_run
+    from tests.support.forks import start_emulator
     from tests.support.http import Http
 
     def healths(url: str) -> dict[str, int]:
@@ -155,18 +172,28 @@ def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_th
     keys = ["00000", "00001", "00002", "00003"]
     with start_emulator([]) as emu, dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, keys)
-        job = dg.Definitions(assets=[prompt_shards], resources={
-            "fleet": FleetResource(mode="attach", urls=emu.url), "data_dir": DataDirResource(path=str(tmp_path / "data")),
-            "prompt_source": PromptSourceResource(path=str(src), shard_size=2)}).resolve_implicit_global_asset_job_def()
+        job = dg.Definitions(
+            assets=[prompt_shards],
+            resources={
+                "fleet": FleetResource(mode="attach", urls=emu.url),
+                "data_dir": DataDirResource(path=str(tmp_path / "data")),
+                "prompt_source": PromptSourceResource(path=str(src), shard_size=2),
+            },
+        ).resolve_implicit_global_asset_job_def()
         before = healths(emu.url)  # start_emulator's own readiness probes
-        result = job.execute_in_process(instance=instance, raise_on_error=False, tags={
-            "dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]})
+        result = job.execute_in_process(
+            instance=instance,
+            raise_on_error=False,
+            tags={"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]},
+        )
         health = {k: n - before.get(k, 0) for k, n in healths(emu.url).items()}
     assert not result.success
     failure = result.failure_data_for_node("prompt_shards").user_failure_data
     assert failure.description == f"shard 00003 is past the end of {src}: it has no lines"
     # a failed step records no materialisation, but the shards before the end are built (a re-run reuses them)
-    built = duckdb.sql(f"SELECT shard, count(*) FROM read_parquet('{tmp_path}/data/prompt_shards/**/*.parquet') "
-                       f"GROUP BY shard ORDER BY shard").fetchall()
+    built = duckdb.sql(
+        f"SELECT shard, count(*) FROM read_parquet('{tmp_path}/data/prompt_shards/**/*.parquet') "
+        f"GROUP BY shard ORDER BY shard"
+    ).fetchall()
     assert built == [("00000", 2), ("00001", 2), ("00002", 1)]
     assert sum(health.values()) == 1, health  # one connect for the four shards

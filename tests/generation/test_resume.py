@@ -26,8 +26,9 @@ def fleet_args():
 def build_shard(tmp_path, urls) -> None:
     tmp_path.mkdir(exist_ok=True)
     src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"id": f"k{i:04d}", "prompt": f"Resume test prompt {i}."}) + "\n"
-                           for i in range(PROMPTS)))
+    src.write_text(
+        "".join(json.dumps({"id": f"k{i:04d}", "prompt": f"Resume test prompt {i}."}) + "\n" for i in range(PROMPTS))
+    )
 
     async def go():
         async with connected(urls) as fleet:
@@ -38,15 +39,31 @@ def build_shard(tmp_path, urls) -> None:
 
 def generate(tmp_path, urls, run: str) -> Command:
     """`dflash generate` of the shard in a process of its own (tests/support/cli.py), its output in tmp_path/run."""
-    return start("generate", "--shard", "00000", "--urls", ",".join(urls), "--data-dir", str(tmp_path / "data"),
-                 "--max-output-tokens", "2048", "--commit-rows", "4", "--commit-seconds", "0.2", out=tmp_path / run)
+    return start(
+        "generate",
+        "--shard",
+        "00000",
+        "--urls",
+        ",".join(urls),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--max-output-tokens",
+        "2048",
+        "--commit-rows",
+        "4",
+        "--commit-seconds",
+        "0.2",
+        out=tmp_path / run,
+    )
 
 
 def rows(tmp_path) -> list[tuple]:
     if not list((tmp_path / "data" / "completions").glob("**/*.parquet")):
         return []  # killed before the first commit
-    return duckdb.sql(f"select prompt_id, content, completion_tokens from read_parquet("
-                      f"'{tmp_path}/data/completions/**/*.parquet') order by prompt_id").fetchall()
+    return duckdb.sql(
+        f"select prompt_id, content, completion_tokens from read_parquet("
+        f"'{tmp_path}/data/completions/**/*.parquet') order by prompt_id"
+    ).fetchall()
 
 
 def test_kill_9_at_random_moments_loses_nothing_and_duplicates_nothing(tmp_path, fleet_urls):
@@ -80,6 +97,7 @@ def test_kill_9_at_random_moments_loses_nothing_and_duplicates_nothing(tmp_path,
     resumed, fresh = rows(tmp_path), rows(clean)
     assert [r[0] for r in resumed] == sorted(f"k{i:04d}" for i in range(PROMPTS))
     assert resumed == fresh, "the resumed set equals a clean run's, row for row"
-    leftovers = [p.name for p in (tmp_path / "data" / "completions" / "shard=00000").iterdir()
-                 if p.name.endswith(".tmp")]
+    leftovers = [
+        p.name for p in (tmp_path / "data" / "completions" / "shard=00000").iterdir() if p.name.endswith(".tmp")
+    ]
     assert leftovers == [], "torn temporary files are cleaned"

@@ -11,17 +11,17 @@ import json
 import duckdb
 import pytest
 
-from tests.support.http import Http, aborted, settled
 from dflash_assets.emulator import model
-from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import length_quality, run_checks
 from dflash_assets.quality.export import export_training_set
 from dflash_assets.quality.planner import plan_caps
 from dflash_assets.quality.tables import register_runaway, runaway_sql
+from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
+from tests.support.forks import start_emulator
+from tests.support.http import Http, aborted, settled
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,20 +37,26 @@ PROVENANCE = "latency_s, created_at, server_url"
 
 def make_shard(data, url, n=N) -> None:
     src = data.parent / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"id": f"r{i:03d}", "prompt": f"Work out problem {i}."}) + "\n"
-                           for i in range(n)))
+    src.write_text(
+        "".join(json.dumps({"id": f"r{i:03d}", "prompt": f"Work out problem {i}."}) + "\n" for i in range(n))
+    )
     on_fleet([url], lambda f: build_prompt_shard(src, 0, "00000", n, data, f, {"enable_thinking": True}))
 
 
 def generate(data, url, every: int, cap: int = CAP):
     settings = DispatchSettings(runaway_check_tokens=every, store_token_ids=True, load_sample_s=0)
-    return on_fleet([url], lambda f: generate_shard(data, "00000", f, GenerationSettings(max_output_tokens=cap),
-                                                    settings, log=lambda m: None))
+    return on_fleet(
+        [url],
+        lambda f: generate_shard(
+            data, "00000", f, GenerationSettings(max_output_tokens=cap), settings, log=lambda m: None
+        ),
+    )
 
 
 def table(data, select="*", where="true") -> list[dict]:
-    rel = duckdb.sql(f"select {select} from read_parquet('{data}/completions/**/*.parquet') where {where} "
-                     f"order by prompt_id")
+    rel = duckdb.sql(
+        f"select {select} from read_parquet('{data}/completions/**/*.parquet') where {where} order by prompt_id"
+    )
     return [dict(zip(rel.columns, r)) for r in rel.fetchall()]
 
 
@@ -72,16 +78,23 @@ def runs(tmp_path_factory):
 def loops_found_by_the_checks(data) -> set[str]:
     con = duckdb.connect()
     register_runaway(con, RunawaySettings())
-    return {r[0] for r in con.execute(
-        f"select prompt_id from read_parquet('{data}/completions/**/*.parquet') where {runaway_sql(RunawaySettings())}"
-    ).fetchall()}
+    return {
+        r[0]
+        for r in con.execute(
+            f"select prompt_id from read_parquet('{data}/completions/**/*.parquet') where {runaway_sql(RunawaySettings())}"
+        ).fetchall()
+    }
 
 
 def test_every_loop_is_stopped_early_and_only_the_loops(runs):
     (stopped_dir, stopped_run, stopped_aborts), (full_dir, _, full_aborts) = runs[EVERY], runs[0]
-    truth = {r["prompt_id"] for r in table(full_dir, "prompt_id, prompt_token_ids")
-             if model.plan_completion(list(r["prompt_token_ids"]), model.LengthModel(
-                 median=300, sigma=0.5, maximum=4 * CAP, loop_share=0.2)).looping}
+    truth = {
+        r["prompt_id"]
+        for r in table(full_dir, "prompt_id, prompt_token_ids")
+        if model.plan_completion(
+            list(r["prompt_token_ids"]), model.LengthModel(median=300, sigma=0.5, maximum=4 * CAP, loop_share=0.2)
+        ).looping
+    }
     runaways = table(stopped_dir, where="finish_reason = 'runaway'")
     assert 10 <= len(truth) <= 40
     assert {r["prompt_id"] for r in runaways} == truth == loops_found_by_the_checks(full_dir)
@@ -98,8 +111,9 @@ def test_the_other_rows_are_the_rows_a_run_without_early_stopping_commits(runs):
     (stopped_dir, *_), (full_dir, *_) = runs[EVERY], runs[0]
     where = "finish_reason <> 'runaway'"
     mine = table(stopped_dir, f"* exclude ({PROVENANCE})", where)
-    theirs = [r for r in table(full_dir, f"* exclude ({PROVENANCE})")
-              if r["prompt_id"] in {m["prompt_id"] for m in mine}]
+    theirs = [
+        r for r in table(full_dir, f"* exclude ({PROVENANCE})") if r["prompt_id"] in {m["prompt_id"] for m in mine}
+    ]
     assert len(mine) == N - len(table(stopped_dir, where="finish_reason = 'runaway'")) and mine == theirs
 
 
@@ -119,13 +133,17 @@ def test_checks_and_report_count_the_stopped_runaways(runs):
     m = outcome.metadata
     assert (m["runaway_rows"], m["runaway_stopped_rows"], m["truncated_rows"]) == (n_loops, n_loops, n_loops)
     assert m["honest_truncated_rows"] == 0
-    assert outcome.summary_md.startswith(f"**{n_loops / N * 100:.2f}%** of {N} rows ({n_loops}) were cut while "
-                                         f"repeating themselves (runaways)")
+    assert outcome.summary_md.startswith(
+        f"**{n_loops / N * 100:.2f}%** of {N} rows ({n_loops}) were cut while repeating themselves (runaways)"
+    )
     assert f"{n_loops} of the runaways were stopped while streaming, before the cap" in outcome.summary_md
     report = length_quality(stopped_dir)
     # cut: the model did not end them (no honest row reaches this cap)
-    assert (report["runaway_rows"], report["runaway_stopped_rows"], report["truncated_rows"]) == \
-        (n_loops, n_loops, n_loops)
+    assert (report["runaway_rows"], report["runaway_stopped_rows"], report["truncated_rows"]) == (
+        n_loops,
+        n_loops,
+        n_loops,
+    )
     (full,) = run_checks(full_dir, names=["runaway_rate"])
     assert full.metadata["runaway_rows"] == n_loops and full.metadata["runaway_stopped_rows"] == 0
 
@@ -140,8 +158,9 @@ def test_the_cap_planner_charges_a_stopped_runaway_the_tokens_it_cost(runs):
     stopped, full = plan_caps(runs[EVERY][0], bootstrap=20), plan_caps(runs[0][0], bootstrap=20)
     # a larger cap costs a runaway that is stopped nothing more; one that is not, the whole larger cap
     assert stopped.at(16384).output_tokens.value == pytest.approx(stopped.at(CAP).output_tokens.value)
-    assert full.at(16384).output_tokens.value - full.at(CAP).output_tokens.value == \
-        pytest.approx(full.runaways * (16384 - CAP))
+    assert full.at(16384).output_tokens.value - full.at(CAP).output_tokens.value == pytest.approx(
+        full.runaways * (16384 - CAP)
+    )
 
 
 def test_the_export_leaves_the_stopped_runaways_out(runs, tmp_path):

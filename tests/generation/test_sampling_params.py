@@ -20,15 +20,21 @@ MODEL_DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_pen
 
 def test_the_chat_route_fills_these_from_generation_config_in_0_5_23():
     tree = ast.parse((SGLANG / "entrypoints/openai/protocol.py").read_text())
-    filled = {node.args[0].value for node in ast.walk(tree) if isinstance(node, ast.Call)
-              and getattr(node.func, "id", None) == "get_param" and isinstance(node.args[0], ast.Constant)}
+    filled = {
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "get_param"
+        and isinstance(node.args[0], ast.Constant)
+    }
     assert filled == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
     assert filled <= set(SAMPLING_PARAMS)
 
 
 def test_fresh_and_continued_rows_are_sampled_with_the_config_on_both_routes(tmp_path, emulator):
-    server = emulator("--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--generation-config",
-                      json.dumps(MODEL_DEFAULTS))
+    server = emulator(
+        "--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--generation-config", json.dumps(MODEL_DEFAULTS)
+    )
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
     config = GenerationSettings(max_output_tokens=64)
@@ -40,8 +46,9 @@ def test_fresh_and_continued_rows_are_sampled_with_the_config_on_both_routes(tmp
     resolved = [{k: s[k] for k in wanted} for s in stats["sampled"]]
     assert len(resolved) == 40 + run.continued
     assert all(r == wanted for r in resolved), "no request fell back to the model's or the route's defaults"
-    recorded = duckdb.sql(f"select distinct {', '.join(SAMPLING_PARAMS)} from read_parquet("
-                          f"'{data}/completions/**/*.parquet')").fetchall()
+    recorded = duckdb.sql(
+        f"select distinct {', '.join(SAMPLING_PARAMS)} from read_parquet('{data}/completions/**/*.parquet')"
+    ).fetchall()
     assert recorded == [tuple(wanted[k] for k in SAMPLING_PARAMS)], "recorded per row, fresh and continued"
 
 
@@ -59,9 +66,11 @@ def test_continued_text_is_the_servers_decoding_of_the_full_output_ids(tmp_path,
     make_shard(data, [server.emu.url])
     parent = generate(data, [server.emu.url], 64)
     run = cont(data, [server.emu.url], parent.config_hash, 4096)
-    rows = duckdb.sql(f"select output_ids, reasoning_content, content from read_parquet("
-                      f"'{data}/completions/**/*.parquet') where config_hash = '{run.config_hash}' "
-                      f"and parent_config_hash is not null and tokens_reused < completion_tokens").fetchall()
+    rows = duckdb.sql(
+        f"select output_ids, reasoning_content, content from read_parquet("
+        f"'{data}/completions/**/*.parquet') where config_hash = '{run.config_hash}' "
+        f"and parent_config_hash is not null and tokens_reused < completion_tokens"
+    ).fetchall()
     assert len(rows) == run.continued
     for ids, reasoning, content in rows:
         _, decoded = server.post("/v1/detokenize", {"tokens": ids})

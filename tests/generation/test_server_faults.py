@@ -12,18 +12,35 @@ import pytest
 
 from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
 from dflash_assets.fleet.fleet import Fleet, connected, open_session
-from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.slots import FleetDown
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from tests.support.shards import generate, make_shard, quiet, rows
 
 # a crash, 503 bursts and the fleet down: 60 prompts on servers of 4 slots, a few seconds per run
-FAULTY = ["--reasoning-parser", "qwen3", "--length-median", "200", "--length-sigma", "0.5",
-          "--decode-tokens-per-s", "4000", "--max-running-requests", "4"]
+FAULTY = [
+    "--reasoning-parser",
+    "qwen3",
+    "--length-median",
+    "200",
+    "--length-sigma",
+    "0.5",
+    "--decode-tokens-per-s",
+    "4000",
+    "--max-running-requests",
+    "4",
+]
 FAULT_N = 60
 FAULT_PROMPTS = {f"f{i:03d}": f"fault test {i}" for i in range(FAULT_N)}
-FAULTS = DispatchSettings(max_attempts=6, backoff_base_s=0.05, backoff_max_s=0.5, commit_rows=5,
-                          commit_seconds=0.2, no_server_timeout_s=3.0, eject_after=2)
+FAULTS = DispatchSettings(
+    max_attempts=6,
+    backoff_base_s=0.05,
+    backoff_max_s=0.5,
+    commit_rows=5,
+    commit_seconds=0.2,
+    no_server_timeout_s=3.0,
+    eject_after=2,
+)
 # one failure at a time: 12 short answers
 FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "40", "--length-sigma", "0.2"]
 N = 12
@@ -127,8 +144,9 @@ def test_a_401_during_generation_stops_the_run_with_a_clear_error_and_rejects_no
             infos = probed.infos
         async with open_session() as session:
             fleet = Fleet([ServerClient(session, server.emu.url, "stale-key")], infos, session)
-            return await generate_shard(tmp_path / "data", "00000", fleet, GenerationSettings(max_output_tokens=512),
-                                        SETTINGS, log=quiet)
+            return await generate_shard(
+                tmp_path / "data", "00000", fleet, GenerationSettings(max_output_tokens=512), SETTINGS, log=quiet
+            )
 
     with pytest.raises(ServerAccessError) as err:
         asyncio.run(go())
@@ -136,8 +154,9 @@ def test_a_401_during_generation_stops_the_run_with_a_clear_error_and_rejects_no
     assert "HTTP 401 on POST /v1/chat/completions" in message and "the API key is missing or wrong" in message
     assert "stale-key" not in message
     server_rejects = list((tmp_path / "data" / "rejects").rglob("stage=server/*.parquet"))
-    assert sum(duckdb.sql(f"select count(*) from '{p}'").fetchall()[0][0] for p in server_rejects) == 0, \
+    assert sum(duckdb.sql(f"select count(*) from '{p}'").fetchall()[0][0] for p in server_rejects) == 0, (
         "a wrong key is not the prompts' fault"
+    )
     assert not list((tmp_path / "data" / "completions").rglob("*.parquet")), "and nothing is stored"
 
 
@@ -145,8 +164,15 @@ def test_an_ejected_server_whose_health_takes_seconds_is_readmitted_and_the_run_
     server = emulator(*FLAGS, "--health-delay", "2.5")
     make_shard(tmp_path / "data", [server.emu.url], PROMPTS)
     server.post("/_emulator/faults", {"fail_next": 2})  # two 503s eject the only server
-    settings = DispatchSettings(max_attempts=5, backoff_base_s=0.01, eject_after=2, no_server_timeout_s=10,
-                                commit_rows=5, commit_seconds=0.2, max_in_flight_per_server=1)
+    settings = DispatchSettings(
+        max_attempts=5,
+        backoff_base_s=0.01,
+        eject_after=2,
+        no_server_timeout_s=10,
+        commit_rows=5,
+        commit_seconds=0.2,
+        max_in_flight_per_server=1,
+    )
     run = generate(tmp_path / "data", [server.emu.url], 512, settings)
     assert (run.completed, run.failed) == (12, 0)
     assert len(answered(tmp_path)) == 12

@@ -21,14 +21,33 @@ pytestmark = pytest.mark.timeout(180)
 
 HOUR = "3600"
 # 60 prompts on servers of 4 slots, a few seconds per run (the fault tests' fleet: test_server_faults.py)
-FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "200", "--length-sigma", "0.5",
-         "--decode-tokens-per-s", "4000", "--max-running-requests", "4"]
+FLAGS = [
+    "--reasoning-parser",
+    "qwen3",
+    "--length-median",
+    "200",
+    "--length-sigma",
+    "0.5",
+    "--decode-tokens-per-s",
+    "4000",
+    "--max-running-requests",
+    "4",
+]
 N = 60
 PROMPTS = {f"f{i:03d}": f"fault test {i}" for i in range(N)}
 # the stalls last an hour, a healthy server's tokens come every few ms: 3 s tells them apart with room for a loaded
 # machine (at 0.5 s a healthy stream on a busy 2-core machine was taken for a stall now and then)
-SETTINGS = DispatchSettings(stall_timeout_s=3.0, first_token_timeout_s=3.0, max_attempts=6, backoff_base_s=0.05,
-                            backoff_max_s=0.2, eject_after=2, commit_rows=5, commit_seconds=0.2, load_sample_s=0)
+SETTINGS = DispatchSettings(
+    stall_timeout_s=3.0,
+    first_token_timeout_s=3.0,
+    max_attempts=6,
+    backoff_base_s=0.05,
+    backoff_max_s=0.2,
+    eject_after=2,
+    commit_rows=5,
+    commit_seconds=0.2,
+    load_sample_s=0,
+)
 
 
 def run_beside_a_healthy_server(tmp_path, emulator, *fault: str):
@@ -63,7 +82,8 @@ def test_a_stream_silent_for_stall_timeout_is_closed_and_the_server_aborts_it(em
 
 def test_a_mid_stream_stall_is_retried_on_another_server_with_its_attempt_and_nothing_is_lost(tmp_path, emulator):
     stalling, urls, run, done = run_beside_a_healthy_server(
-        tmp_path, emulator, "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "8", "--fault-stall-next", "3")
+        tmp_path, emulator, "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "8", "--fault-stall-next", "3"
+    )
     retried = [r for r in done if r[2] > 1]
     assert len(retried) == 3 and all(r[1] == urls[1] for r in retried), "the 3 stalled ones, each on the other server"
     assert run.servers[urls[0]]["stalls"] == 3
@@ -72,7 +92,8 @@ def test_a_mid_stream_stall_is_retried_on_another_server_with_its_attempt_and_no
 
 def test_a_server_whose_streams_all_stall_is_ejected_and_the_run_completes_on_the_others(tmp_path, emulator):
     _, urls, run, done = run_beside_a_healthy_server(
-        tmp_path, emulator, "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "3")
+        tmp_path, emulator, "--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "3"
+    )
     assert {r[1] for r in done} == {urls[1]}, "no stream of the stalling server ever finished"
     assert run.servers[urls[0]]["ejections"] >= 1
     assert run.servers[urls[0]]["stalls"] >= SETTINGS.eject_after
@@ -80,7 +101,8 @@ def test_a_server_whose_streams_all_stall_is_ejected_and_the_run_completes_on_th
 
 
 def test_a_request_with_no_first_token_for_first_token_timeout_is_retried_elsewhere(tmp_path, emulator):
-    _, urls, _, done = run_beside_a_healthy_server(tmp_path, emulator, "--fault-stall-seconds", HOUR,
-                                                   "--fault-stall-next", "2")
+    _, urls, _, done = run_beside_a_healthy_server(
+        tmp_path, emulator, "--fault-stall-seconds", HOUR, "--fault-stall-next", "2"
+    )
     retried = [r for r in done if r[2] > 1]
     assert len(retried) == 2 and {r[1] for r in retried} == {urls[1]}

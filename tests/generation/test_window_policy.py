@@ -9,12 +9,12 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.rules import window_cap
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
+from tests.support.forks import start_emulator
 
 FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--random-seed", "7"]
 SETTINGS = DispatchSettings(commit_rows=8, commit_seconds=0.2, load_sample_s=0)
@@ -35,28 +35,35 @@ def make_shard(data_dir, urls, n=30, long_prompts=2, turns=1) -> None:
         text = ("word " * 700 if i < long_prompts else "") + f"Explain idea {i} step by step."
         messages = []
         for k in range(turns):
-            messages += [{"role": "user", "content": text if k == 0 else f"And part {k} of idea {i}?"},
-                         {"role": "assistant", "content": "ok"}]
+            messages += [
+                {"role": "user", "content": text if k == 0 else f"And part {k} of idea {i}?"},
+                {"role": "assistant", "content": "ok"},
+            ]
         lines.append(json.dumps({"id": f"w{i:03d}", "messages": messages[:-1]}) + "\n")
     src.write_text("".join(lines))
     on_fleet(urls, lambda f: build_prompt_shard(src, 0, "00000", n, data_dir, f, {"enable_thinking": True}))
 
 
 def window_config(**kw) -> GenerationSettings:
-    return GenerationSettings(max_output_tokens=8192, cap_policy="window", trainer_max_length=L, overshoot=OVERSHOOT,
-                            **kw)
+    return GenerationSettings(
+        max_output_tokens=8192, cap_policy="window", trainer_max_length=L, overshoot=OVERSHOOT, **kw
+    )
 
 
 def rows(data_dir, where="true"):
-    return duckdb.sql(f"select prompt_id, finish_reason, prompt_tokens, completion_tokens, max_output_tokens, "
-                      f"policy_cap, trainer_max_length, output_ids from read_parquet('{data_dir}/completions/**/*.parquet',"
-                      f" union_by_name = true) where {where} order by prompt_id").fetchall()
+    return duckdb.sql(
+        f"select prompt_id, finish_reason, prompt_tokens, completion_tokens, max_output_tokens, "
+        f"policy_cap, trainer_max_length, output_ids from read_parquet('{data_dir}/completions/**/*.parquet',"
+        f" union_by_name = true) where {where} order by prompt_id"
+    ).fetchall()
 
 
 def rejects(data_dir):
-    return duckdb.sql(f"select prompt_id, reason, max_output_tokens from read_parquet("
-                      f"'{data_dir}/rejects/**/*.parquet', union_by_name = true) where stage = 'preflight' "
-                      f"order by prompt_id").fetchall()
+    return duckdb.sql(
+        f"select prompt_id, reason, max_output_tokens from read_parquet("
+        f"'{data_dir}/rejects/**/*.parquet', union_by_name = true) where stage = 'preflight' "
+        f"order by prompt_id"
+    ).fetchall()
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +71,9 @@ def window_run(tmp_path_factory, fleet_urls):
     """30 prompts, two of them longer than the window, generated under the window policy at L = 512."""
     data = tmp_path_factory.mktemp("window") / "data"
     make_shard(data, fleet_urls)
-    run = on_fleet(fleet_urls, lambda f: generate_shard(data, "00000", f, window_config(), SETTINGS,
-                                                        log=lambda m: None))
+    run = on_fleet(
+        fleet_urls, lambda f: generate_shard(data, "00000", f, window_config(), SETTINGS, log=lambda m: None)
+    )
     return data, run
 
 
@@ -94,11 +102,15 @@ def test_a_prompt_that_fills_the_window_is_a_reject_with_its_reason(window_run):
 def test_the_window_and_the_overshoot_are_in_the_config_hash_and_a_fixed_caps_hash_is_unchanged():
     model = "emulated/qwen3-27b"
     fixed = GenerationSettings(max_output_tokens=8192)
-    assert fixed.config_hash(model) == GenerationSettings(max_output_tokens=8192, trainer_max_length=2048,
-                                                        overshoot=3).config_hash(model)
-    hashes = {window_config().config_hash(model), fixed.config_hash(model),
-              window_config().model_copy(update={"trainer_max_length": 1024}).config_hash(model),
-              window_config().model_copy(update={"overshoot": 4}).config_hash(model)}
+    assert fixed.config_hash(model) == GenerationSettings(
+        max_output_tokens=8192, trainer_max_length=2048, overshoot=3
+    ).config_hash(model)
+    hashes = {
+        window_config().config_hash(model),
+        fixed.config_hash(model),
+        window_config().model_copy(update={"trainer_max_length": 1024}).config_hash(model),
+        window_config().model_copy(update={"overshoot": 4}).config_hash(model),
+    }
     assert len(hashes) == 4
 
 
@@ -114,10 +126,12 @@ def test_all_turns_stops_a_conversation_once_a_turn_fills_the_window(tmp_path, f
     make_shard(data, fleet_urls, n=12, long_prompts=0, turns=4)
     config = window_config(regenerate="all_turns")
     run = on_fleet(fleet_urls, lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))
-    found = duckdb.sql(f"select prompt_id, turn, turns, finish_reason, prompt_tokens + completion_tokens from "
-                       f"read_parquet('{data}/completions/**/*.parquet') order by prompt_id, turn").fetchall()
+    found = duckdb.sql(
+        f"select prompt_id, turn, turns, finish_reason, prompt_tokens + completion_tokens from "
+        f"read_parquet('{data}/completions/**/*.parquet') order by prompt_id, turn"
+    ).fetchall()
     by_prompt = {}
-    for pid, turn, turns, finish, total in found:
+    for pid, turn, _turns, finish, total in found:
         by_prompt.setdefault(pid, []).append((turn, finish, total))
     assert run.prompts == 12 == run.completed + run.rejected + run.failed
     stopped_early = 0
@@ -135,10 +149,10 @@ def test_all_turns_stops_a_conversation_once_a_turn_fills_the_window(tmp_path, f
 
 # ---- part 1: the trainer's window, defined once ------------------------------------------------------------------
 
+
 def test_the_trainers_window_is_one_setting_the_checks_the_resource_and_the_export_share():
     from dflash_assets.defs.resources import QualityResource
-    from dflash_assets.settings import QualitySettings
-    from dflash_assets.settings import TrainerSettings
+    from dflash_assets.settings import QualitySettings, TrainerSettings
 
     assert TrainerSettings().max_length == 4096 and TrainerSettings().format == "conversations"
     assert QualitySettings().trainer == TrainerSettings() == QualitySettings.taken_from(QualityResource()).trainer
@@ -149,11 +163,11 @@ def test_the_trainers_window_is_one_setting_the_checks_the_resource_and_the_expo
 
 
 def test_a_bad_trainer_setting_is_refused_by_name():
-    from dflash_assets.settings import SettingsError
-    from dflash_assets.settings import TrainerSettings
+    from dflash_assets.settings import SettingsError, TrainerSettings
 
-    with pytest.raises(SettingsError, match="trainer format must be one of conversations, messages, pretokenized, "
-                                          "got 'sharegpt'"):
+    with pytest.raises(
+        SettingsError, match="trainer format must be one of conversations, messages, pretokenized, got 'sharegpt'"
+    ):
         TrainerSettings(format="sharegpt").validate()
     with pytest.raises(SettingsError, match="trainer max_length must be a positive integer, got 0"):
         TrainerSettings(max_length=0).validate()
@@ -161,10 +175,9 @@ def test_a_bad_trainer_setting_is_refused_by_name():
 
 # ---- part 3: truncation judged against the window ----------------------------------------------------------------
 
-from tests.support.quality_data import load  # noqa: E402
-
 from dflash_assets.quality import run_checks  # noqa: E402
 from dflash_assets.rules import cut_inside_window, trained_tokens, window_complete  # noqa: E402
+from tests.support.quality_data import load  # noqa: E402
 
 
 def window(max_length: int) -> QualitySettings:
@@ -173,31 +186,38 @@ def window(max_length: int) -> QualitySettings:
 
 def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_complete(story_dir):
     rows = load(story_dir, "completions")
-    complete = [r for r in rows if window_complete(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"],
-                                                   4096)]
+    complete = [
+        r for r in rows if window_complete(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 4096)
+    ]
     assert len(complete) == 183 == sum(r["finish_reason"] == "length" for r in rows)
     outcome, warn = run_checks(story_dir, names=["truncation_rate", "window_complete"])
     assert outcome.passed and outcome.blocking
     m = outcome.metadata
-    assert (m["max_length"], m["cut_inside_window_rows"], m["window_complete_rows"], m["truncated_rows"]) == \
-        (4096, 0, 183, 183)
-    assert outcome.summary_md.startswith("**0.00%** of 1,000 rows were cut inside the trainer's window max_length "
-                                         "4,096")
+    assert (m["max_length"], m["cut_inside_window_rows"], m["window_complete_rows"], m["truncated_rows"]) == (
+        4096,
+        0,
+        183,
+        183,
+    )
+    assert outcome.summary_md.startswith(
+        "**0.00%** of 1,000 rows were cut inside the trainer's window max_length 4,096"
+    )
     assert "183 rows (18.30%) were cut at or past it: window-complete" in outcome.summary_md
     assert "trainer.max_length; change it with --trainer-max-length" in outcome.summary_md
     # shown, counted with its tokens, and a WARN, never an ERROR
     assert warn.severity == "WARN" and not warn.blocking
     assert warn.metadata["window_complete_rows"] == 183
     assert warn.metadata["window_complete_trained_tokens"] == sum(
-        trained_tokens(r["prompt_tokens"], r["completion_tokens"], 4096) for r in complete)
+        trained_tokens(r["prompt_tokens"], r["completion_tokens"], 4096) for r in complete
+    )
     assert warn.metadata["trained_tokens"] == sum(
-        trained_tokens(r["prompt_tokens"], r["completion_tokens"], 4096) for r in rows)
+        trained_tokens(r["prompt_tokens"], r["completion_tokens"], 4096) for r in rows
+    )
 
 
 def test_the_same_cut_rows_block_a_trainer_whose_window_reaches_past_the_cap(story_dir):
     rows = load(story_dir, "completions")
-    inside = sum(cut_inside_window(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 8192)
-                 for r in rows)
+    inside = sum(cut_inside_window(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 8192) for r in rows)
     (outcome,) = run_checks(story_dir, names=["truncation_rate"], thresholds=window(8192))
     assert not outcome.passed and outcome.metadata["cut_inside_window_rows"] == inside == 183
     assert "Rows cut inside the window are the hardest prompts" in outcome.summary_md
@@ -234,25 +254,36 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
 
 # ---- the terminal at the story's moment --------------------------------------------------------------------------
 
+
 def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(tmp_path):
     from tests.support.cli import demo_slice, dflash, home
 
     # the demo's first shard (a fifth of its rows are cut at 4096, as in the whole demo), on one server
-    env = home(tmp_path, "home") | {"DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)), "DFLASH_SHARD_SIZE": "100",
-                                    "DFLASH_NUM_SERVERS": "1"}
+    env = home(tmp_path, "home") | {
+        "DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)),
+        "DFLASH_SHARD_SIZE": "100",
+        "DFLASH_NUM_SERVERS": "1",
+    }
     result = dflash("demo", "--max-output-tokens", "4096", env=env, cwd=tmp_path)
     out = re.sub(r"\s+", " ", result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     data = env["DFLASH_DATA_DIR"]
-    rows, cut = duckdb.sql(f"select count(*), count(*) filter (where finish_reason = 'length') from read_parquet("
-                           f"'{data}/completions/**/*.parquet')").fetchall()[0]
+    rows, cut = duckdb.sql(
+        f"select count(*), count(*) filter (where finish_reason = 'length') from read_parquet("
+        f"'{data}/completions/**/*.parquet')"
+    ).fetchall()[0]
     manifest = json.loads(next(Path(data).glob("training/*/manifest.json")).read_text())
-    assert cut and manifest["excluded"]["truncated"] == 0 and manifest["window_complete_kept"] + \
-        manifest["excluded"]["runaway"] == cut
+    assert (
+        cut
+        and manifest["excluded"]["truncated"] == 0
+        and manifest["window_complete_kept"] + manifest["excluded"]["runaway"] == cut
+    )
     assert manifest["trainer"]["max_length"] == 4096 and "--trainer-max-length" in manifest["trainer"]["how_to_change"]
     assert f"{manifest['window_complete_kept']} rows" in out
-    assert "were cut at or past the trainer's window max_length 4,096: window-complete, the trainer reads each as " \
-           "it reads the complete answer, so they are exported" in out
+    assert (
+        "were cut at or past the trainer's window max_length 4,096: window-complete, the trainer reads each as "
+        "it reads the complete answer, so they are exported" in out
+    )
     command = re.search(r"Next time, decode only what the trainer reads: dflash (demo(?: --[\w-]+ [\w.]+)+)", out)
     assert command, out
     # the command asks for the window policy at this run's cap and window (4096, the default: no flag needed)
@@ -268,8 +299,11 @@ def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_
 
     for argv in (["demo"], ["backfill"], ["generate", "--shard", "0", "--urls", "http://x"]):
         args = build_parser().parse_args([*argv, "--cap-policy", "window", "--trainer-max-length", "2048"])
-        assert (args.cap_policy, args.trainer_max_length, args.overshoot) == \
-            ("window", 2048, GenerationSettings().overshoot)
+        assert (args.cap_policy, args.trainer_max_length, args.overshoot) == (
+            "window",
+            2048,
+            GenerationSettings().overshoot,
+        )
     args = build_parser().parse_args(["demo", "--cap-policy", "window", "--trainer-max-length", "2048"])
     config = _completions_config("demo", args)
     window = Window.of(config)

@@ -2,9 +2,8 @@
 
 from collections import Counter, defaultdict
 
-
-from dflash_assets.settings import QualitySettings, TrainerSettings
 from dflash_assets.rules import cut_inside_window, overflows
+from dflash_assets.settings import QualitySettings, TrainerSettings
 from tests.support.quality_data import blank, check, config_of, load, nearest_rank, pct
 
 
@@ -180,7 +179,8 @@ def test_think_markers_leaking_into_content_fail_the_gate(defects_dir):
 def test_reasoning_misrouted_counts_only_thinking_rows(defects_dir):
     thinking = [r for r in load(defects_dir, "completions") if r["enable_thinking"]]
     misrouted = [
-        r for r in thinking
+        r
+        for r in thinking
         if r["finish_reason"] == "length" and blank(r["reasoning_content"]) and not blank(r["content"])
     ]
     outcome = check(defects_dir, "reasoning_misrouted")
@@ -197,8 +197,7 @@ def test_reasoning_misrouted_is_not_applicable_without_thinking(defects_dir):
 def test_truncated_thinking_reports_the_share(defects_dir):
     rows = load(defects_dir, "completions")
     cut = [
-        r for r in rows
-        if r["finish_reason"] == "length" and not blank(r["reasoning_content"]) and blank(r["content"])
+        r for r in rows if r["finish_reason"] == "length" and not blank(r["reasoning_content"]) and blank(r["content"])
     ]
     outcome = check(defects_dir, "truncated_thinking")
     assert not outcome.passed and outcome.severity == "WARN"

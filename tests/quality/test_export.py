@@ -44,8 +44,10 @@ def graded(data_dir, config=None, max_length=None, window=4096):
 
 
 def kept(data_dir, **kwargs):
-    return sorted((r for r, reason in graded(data_dir, **kwargs) if reason is None),
-                  key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"]))
+    return sorted(
+        (r for r, reason in graded(data_dir, **kwargs) if reason is None),
+        key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"]),
+    )
 
 
 def read_jsonl(path):
@@ -115,8 +117,11 @@ def test_export_parquet_copy_holds_the_same_rows(export):
 
 def test_export_is_byte_identical_when_rerun(defects_dir, export, tmp_path):
     again = export_training_set(defects_dir, tmp_path, config_hash=None)
-    for first, second in ((export.jsonl_path, again.jsonl_path), (export.parquet_path, again.parquet_path),
-                          (export.manifest_path, again.manifest_path)):
+    for first, second in (
+        (export.jsonl_path, again.jsonl_path),
+        (export.parquet_path, again.parquet_path),
+        (export.manifest_path, again.manifest_path),
+    ):
         assert first.read_bytes() == second.read_bytes(), first.name
     rerun = export_training_set(defects_dir, tmp_path, config_hash=None)  # over its own output
     assert rerun.manifest_path.read_bytes() == export.manifest_path.read_bytes()
@@ -124,7 +129,9 @@ def test_export_is_byte_identical_when_rerun(defects_dir, export, tmp_path):
 
 def test_export_is_written_atomically_without_leftovers(export):
     assert sorted(p.name for p in export.jsonl_path.parent.iterdir()) == [
-        "manifest.json", "training_set.jsonl", "training_set.parquet"
+        "manifest.json",
+        "training_set.jsonl",
+        "training_set.parquet",
     ]
     assert json.loads(export.manifest_path.read_text())["files"]["training_set.jsonl"]["sha256"]
 
@@ -137,7 +144,9 @@ def test_export_of_one_config(defects_dir, tmp_path):
 
 
 def test_export_keeps_rows_over_max_length_by_default_and_counts_them(defects_dir, export):
-    long = [r for r, reason in graded(defects_dir) if reason is None and r["prompt_tokens"] + r["completion_tokens"] > 4096]
+    long = [
+        r for r, reason in graded(defects_dir) if reason is None and r["prompt_tokens"] + r["completion_tokens"] > 4096
+    ]
     assert long, "the fixture has kept rows longer than max_length"
     assert export.manifest["excluded"]["over_max_length"] == 0
     assert export.manifest["over_max_length_kept"] == len(long) and export.manifest["drop_over_max_length"] is False
@@ -185,12 +194,18 @@ def test_export_excludes_what_the_trainers_strict_think_markers_refuses_any_case
     rows[2].update(content="Fine.", reasoning_content="<Think>mixed")
     rows[3].update(content="A <thinking> tag is not a marker.")  # kept: neither marker
     # a multi-turn source under last_turn: the earlier answer it keeps is an assistant message the trainer reads
-    history = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1 </Think>"},
-               {"role": "user", "content": "q2"}, {"role": "assistant", "content": "<think>the one regenerated"}]
+    history = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1 </Think>"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "<think>the one regenerated"},
+    ]
     prompts.append(prompt("00000", 5, 100, "gsm8k") | {"messages_json": json.dumps(history)})
     rows.append(completion(prompts[5], CONFIG_A, 200))
-    prompts.append(prompt("00000", 6, 100, "gsm8k") | {"messages_json": json.dumps(history[:1] + [
-        {"role": "assistant", "content": "a1"}] + history[2:])})  # only the regenerated (dropped) turn had one
+    prompts.append(
+        prompt("00000", 6, 100, "gsm8k")
+        | {"messages_json": json.dumps(history[:1] + [{"role": "assistant", "content": "a1"}] + history[2:])}
+    )  # only the regenerated (dropped) turn had one
     rows.append(completion(prompts[6], CONFIG_A, 200))
     write(tmp_path / "data", "prompt_shards", "00000", prompts)
     write(tmp_path / "data", "completions", "00000", rows)
@@ -199,9 +214,11 @@ def test_export_excludes_what_the_trainers_strict_think_markers_refuses_any_case
     assert [line["id"] for line in lines] == ["00000-p0003@a4096", "00000-p0004@a4096", "00000-p0006@a4096"]
     # (the kept multi-turn row's history answer has no reasoning: it passes without --expect-reasoning only)
     assert [(line["id"], row_problem(line, expect_reasoning=False, strict_think_markers=True)) for line in lines] == [
-        (line["id"], None) for line in lines]
+        (line["id"], None) for line in lines
+    ]
     assert [(e["reason"], e["rows"], e["share_of_rows"]) for e in export.manifest["exclusions"]] == [
-        ("think_marker", 4, round(4 / 7, 4))]
+        ("think_marker", 4, round(4 / 7, 4))
+    ]
     # the exported rows, with a marker put back in reasoning, are what the trainer would refuse
     marked = lines[0]["conversations"][:-1] + [lines[0]["conversations"][-1] | {"reasoning_content": "</THINK>"}]
     assert row_problem(lines[0] | {"conversations": marked}) == "assistant message 2 contains a thinking marker"

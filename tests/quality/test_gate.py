@@ -4,10 +4,10 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from dflash_assets.store.schema import COMPLETION_SCHEMA
-from dflash_assets.store.parts import PartStore
 from dflash_assets.quality import CHECKS, export_training_set, gate_passed, run_checks
 from dflash_assets.settings import QualitySettings
+from dflash_assets.store.parts import PartStore
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 from tests.support.quality_data import CONFIG_A, completion, load, prompt, write
 
 
@@ -37,8 +37,12 @@ def expected_accounting(data_dir, config=None):
             )
             orphans = len(ids["done"] - set(rows))
             result[(shard, cfg)] = (
-                len(rows) + source, classes["done"], classes["rejected"] + source, classes["failed"],
-                classes["missing"], orphans,
+                len(rows) + source,
+                classes["done"],
+                classes["rejected"] + source,
+                classes["failed"],
+                classes["missing"],
+                orphans,
             )
     return result
 
@@ -87,8 +91,15 @@ def test_accounting_passes_when_every_prompt_is_accounted_for(clean_dir):
 
 def test_training_gate_is_marked_in_the_registry(tmp_path):
     blocking = {spec.name for spec in CHECKS if spec.blocking}
-    gate = {"truncation_rate", "context_overflow", "duplicates", "accounting", "think_markers", "empty_content",
-            "silent_clamp"}
+    gate = {
+        "truncation_rate",
+        "context_overflow",
+        "duplicates",
+        "accounting",
+        "think_markers",
+        "empty_content",
+        "silent_clamp",
+    }
     assert blocking == gate
     assert all(spec.default_severity == ("ERROR" if spec.blocking else "WARN") for spec in CHECKS)
     assert all(spec.description for spec in CHECKS)
@@ -97,7 +108,9 @@ def test_training_gate_is_marked_in_the_registry(tmp_path):
 
 
 def test_severity_is_configurable_per_check(defects_dir):
-    outcome = check(defects_dir, "config_consistency", thresholds=QualitySettings(severity={"config_consistency": "ERROR"}))
+    outcome = check(
+        defects_dir, "config_consistency", thresholds=QualitySettings(severity={"config_consistency": "ERROR"})
+    )
     assert outcome.severity == "ERROR" and not outcome.passed
 
 

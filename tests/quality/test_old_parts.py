@@ -24,8 +24,10 @@ def test_a_data_dir_from_before_the_window_columns_is_checked_reported_and_expor
     assert not set(NEWER) & set(pq.read_schema(next((old / "completions").rglob("*.parquet"))).names)
 
     def figures(data_dir):
-        return ([(o.name, o.passed, o.metadata) for o in run_checks(data_dir)],
-                {k: v for k, v in length_quality(data_dir).items() if k != "data_dir"})
+        return (
+            [(o.name, o.passed, o.metadata) for o in run_checks(data_dir)],
+            {k: v for k, v in length_quality(data_dir).items() if k != "data_dir"},
+        )
 
     assert figures(old) == figures(new)
     exported = export_training_set(old, tmp_path / "out-old")

@@ -3,20 +3,20 @@
 import asyncio
 import json
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import duckdb
 import numpy as np
 import pytest
 
-from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import generate_shard
-from dflash_assets.store.stores import completion_store
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.planner import PlanError, _sf, plan_caps, plan_from_lengths, plan_markdown
 from dflash_assets.quality.planner_plot import cap_plan_png
+from dflash_assets.settings import GenerationSettings
+from dflash_assets.store.stores import completion_store
+from tests.support.forks import start_emulator
 
 MEDIAN, SIGMA = 1640.0, 1.0  # the emulator's default output lengths
 
@@ -48,16 +48,22 @@ N_PROMPTS = 1000
 
 def test_plan_at_4096_predicts_a_real_rerun_at_8192_on_the_emulator(tmp_path):
     src = tmp_path / "prompts.jsonl"
-    src.write_text("".join(json.dumps({"id": f"c{i:04d}", "prompt": f"Question {i}: how long is the answer to "
-                                       f"{i * 7919 % 1000}?"}) + "\n" for i in range(N_PROMPTS)))
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"c{i:04d}", "prompt": f"Question {i}: how long is the answer to {i * 7919 % 1000}?"})
+            + "\n"
+            for i in range(N_PROMPTS)
+        )
+    )
     data = tmp_path / "data"
 
     async def run(url: str, cap: int, build: bool):
         async with connected([url]) as fleet:
             if build:
                 await build_prompt_shard(src, 0, "00000", N_PROMPTS, data, fleet, {"enable_thinking": True})
-            return await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=cap),
-                                        log=lambda m: None)
+            return await generate_shard(
+                data, "00000", fleet, GenerationSettings(max_output_tokens=cap), log=lambda m: None
+            )
 
     with start_emulator(["--reasoning-parser", "qwen3"]) as emu:  # instant decode, default lengths
         at_4096 = asyncio.run(run(emu.url, 4096, build=True))
@@ -65,7 +71,8 @@ def test_plan_at_4096_predicts_a_real_rerun_at_8192_on_the_emulator(tmp_path):
         at_8192 = asyncio.run(run(emu.url, 8192, build=False))
     observed_rate, observed_tokens = duckdb.sql(
         f"SELECT avg((finish_reason = 'length')::INT), sum(completion_tokens) FROM "
-        f"read_parquet('{data}/completions/**/*.parquet') WHERE config_hash = '{at_8192.config_hash}'").fetchall()[0]
+        f"read_parquet('{data}/completions/**/*.parquet') WHERE config_hash = '{at_8192.config_hash}'"
+    ).fetchall()[0]
     predicted = plan.at(8192)
     assert plan.rows == at_8192.completed == N_PROMPTS
     assert 0.15 < plan.truncated / plan.rows < 0.21, "the story's ~18% cut at 4096"
@@ -172,13 +179,33 @@ def test_the_plan_renders_as_markdown_and_a_png():
 
 
 def write_rows(data_dir, config_hash: str, lengths: np.ndarray, cap: int, shard: str = "00000") -> None:
-    now = datetime.now(timezone.utc)
-    rows = [{"prompt_id": f"{config_hash}-{i}", "shard": shard, "source": "t", "config_hash": config_hash,
-             "finish_reason": "length" if n > cap else "stop", "prompt_tokens": 50, "completion_tokens": min(n, cap),
-             "reasoning_tokens": 0, "max_output_tokens": cap, "server_context_length": 32768, "server_url": "u",
-             "model": "m", "temperature": 0.6, "top_p": 0.95, "top_k": 20, "enable_thinking": True, "content": "x",
-             "reasoning_content": None, "latency_s": 1.0, "attempt": 1, "created_at": now}
-            for i, n in enumerate(lengths.tolist())]
+    now = datetime.now(UTC)
+    rows = [
+        {
+            "prompt_id": f"{config_hash}-{i}",
+            "shard": shard,
+            "source": "t",
+            "config_hash": config_hash,
+            "finish_reason": "length" if n > cap else "stop",
+            "prompt_tokens": 50,
+            "completion_tokens": min(n, cap),
+            "reasoning_tokens": 0,
+            "max_output_tokens": cap,
+            "server_context_length": 32768,
+            "server_url": "u",
+            "model": "m",
+            "temperature": 0.6,
+            "top_p": 0.95,
+            "top_k": 20,
+            "enable_thinking": True,
+            "content": "x",
+            "reasoning_content": None,
+            "latency_s": 1.0,
+            "attempt": 1,
+            "created_at": now,
+        }
+        for i, n in enumerate(lengths.tolist())
+    ]
     completion_store(data_dir, shard).commit(rows)
 
 

@@ -6,10 +6,10 @@ benchmark, benchmarks/bench_cap_planner.py, runs the full sweep).
 
 import numpy as np
 import pytest
-from tests.support.length_families import FAMILIES, censor, probe_rows
 
 from dflash_assets.quality.planner import plan_from_lengths, plan_markdown
 from dflash_assets.quality.probe_estimates import ProbeSample
+from tests.support.length_families import FAMILIES, censor, probe_rows
 
 N, CAP, PROBE_CAP, CAPS = 20_000, 4096, 32_000, (8192, 16384)
 BY_NAME = {f.name: f for f in FAMILIES}
@@ -24,9 +24,17 @@ def plan(family, seed: int, with_probe: bool, runaways: bool = True, probe_size:
         p_lengths, p_loop = family.draw(rng, probe_size)
         p_tokens, p_cut, p_flagged = censor(p_lengths, p_loop, PROBE_CAP)
         probe = ProbeSample.of(p_tokens, p_cut, PROBE_CAP, p_flagged, "probe")
-    return plan_from_lengths(tokens, cut, CAP, runaway=flagged if runaways else None, probe=probe,
-                             candidates=kwargs.pop("candidates", CAPS), bootstrap=kwargs.pop("bootstrap", 60),
-                             seed=seed, **kwargs)
+    return plan_from_lengths(
+        tokens,
+        cut,
+        CAP,
+        runaway=flagged if runaways else None,
+        probe=probe,
+        candidates=kwargs.pop("candidates", CAPS),
+        bootstrap=kwargs.pop("bootstrap", 60),
+        seed=seed,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")

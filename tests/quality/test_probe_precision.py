@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 import pytest
-from tests.support.length_families import FAMILIES, censor
 
 from dflash_assets.quality.planner import plan_from_lengths, plan_markdown
 from dflash_assets.quality.probe_estimates import ProbePrecision, ProbeSample
+from tests.support.length_families import FAMILIES, censor
 
 N, CAP, PROBE_CAP, CAPS, Z = 20_000, 4096, 32_000, (8192, 16384), 1.96
 RUNAWAYS = next(f for f in FAMILIES if f.name == "lognormal+8% runaways")
@@ -50,9 +50,11 @@ def test_the_half_width_and_the_size_for_1pp_follow_from_the_binomial_of_the_pro
     need = max(p.rows_for_target for p in plan.probe_precision)
     assert need == at_8192.rows_for_target > 500
     md = plan_markdown(plan)
-    assert (f"**Probe precision**: probe of 500 rows ({m} honest rows above the cap 4,096): "
-            f"±{at_8192.half_width * 100:.2f} pp at 8,192, ±{plan.probe_precision[1].half_width * 100:.2f} pp at "
-            f"16,384 (95%, binomial); {need:,} rows would give ±1 pp at every cap.") in md
+    assert (
+        f"**Probe precision**: probe of 500 rows ({m} honest rows above the cap 4,096): "
+        f"±{at_8192.half_width * 100:.2f} pp at 8,192, ±{plan.probe_precision[1].half_width * 100:.2f} pp at "
+        f"16,384 (95%, binomial); {need:,} rows would give ±1 pp at every cap."
+    ) in md
 
 
 def test_a_probe_of_the_advised_size_measures_to_about_1pp_and_a_larger_one_says_it_is_enough():
@@ -78,8 +80,9 @@ def test_before_a_probe_the_worst_case_width_of_a_random_probe_is_what_its_rows_
     for seed in range(3):
         measured = plan_with(probe_of(500, seed=200 + seed)).probe_precision
         assert all(p.half_width <= expected.half_width * 1.1 for p in measured)
-    assert ProbePrecision.expected(CAP, honest_share, expected.rows_for_target).half_width == \
-        pytest.approx(0.01, abs=0.0005)
+    assert ProbePrecision.expected(CAP, honest_share, expected.rows_for_target).half_width == pytest.approx(
+        0.01, abs=0.0005
+    )
 
 
 def continuation_probe_of(size: int, seed: int = 300) -> ProbeSample:
@@ -108,8 +111,10 @@ def test_a_continuation_probe_rests_on_all_its_rows_and_says_so_in_the_precision
     assert plan.probe_precision[0].half_width < plan_with(probe_of(500)).probe_precision[0].half_width / 2
     md = plan_markdown(plan)
     widths = ", ".join(f"±{p.half_width * 100:.2f} pp at {p.cap:,}" for p in plan.probe_precision)
-    assert (f"**Probe precision**: continuation probe of 500 cut rows (500 honest rows cut at 4,096, continued): "
-            f"{widths} (95%, binomial): within ±1 pp at every cap.") in md
+    assert (
+        f"**Probe precision**: continuation probe of 500 cut rows (500 honest rows cut at 4,096, continued): "
+        f"{widths} (95%, binomial): within ±1 pp at every cap."
+    ) in md
     assert "| measured (continuation probe of 500 cut rows) |" in md
     assert "**measured** by a continuation probe (500 of the run's honest cut rows continued to cap 32,000" in md
     # and it measures: the truth of the family (a large draw) is within 1 pp and inside the interval at both caps

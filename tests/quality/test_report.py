@@ -118,8 +118,17 @@ def test_the_histogram_draws_a_window_policy_config_as_one_series_at_its_cap(tmp
     rng = random.Random(5)
     window = dict(config_hash="w8192", max_output_tokens=8192, server_context_length=16384, enable_thinking=True)
     ps = [prompt("w0", i, 100 + 37 * i, "sharegpt") for i in range(40)]
-    rows = [completion(p, window, rng.randint(50, 3000), max_output_tokens=8192 - p["prompt_tokens"],
-                       policy_cap=8192, trainer_max_length=8192) for p in ps]
+    rows = [
+        completion(
+            p,
+            window,
+            rng.randint(50, 3000),
+            max_output_tokens=8192 - p["prompt_tokens"],
+            policy_cap=8192,
+            trainer_max_length=8192,
+        )
+        for p in ps
+    ]
     write(tmp_path, "prompt_shards", "w0", ps)
     write(tmp_path, "completions", "w0", rows + [completion(p, CONFIG_A, 4096, "length") for p in ps[:5]])
     drawn = series(tmp_path)
@@ -140,8 +149,9 @@ def test_everything_the_histogram_draws_lies_inside_the_picture_with_the_widest_
 
     for rows, widest in ((12, 1), (900_000, 6), (3_000_000, 1)):
         values = np.r_[np.full(rows, 4096), np.arange(1, 4000)]
-        fig = draw([("0123456789ab", 4096, len(values), values), ("ba9876543210", 8192, 40, np.arange(40) * 200)],
-                   None, 64)
+        fig = draw(
+            [("0123456789ab", 4096, len(values), values), ("ba9876543210", 8192, 40, np.arange(40) * 200)], None, 64
+        )
         fig.canvas.draw()
         [ax] = fig.axes
         drawn = ax.get_tightbbox(fig.canvas.get_renderer())
@@ -174,5 +184,12 @@ def test_print_report_prints_rates_with_two_decimals(story_dir):
     percentiles = [f"{nearest_rank(values, q):,}" for q in (0.5, 0.9, 0.95, 0.99)]
     overall = next(line for line in text.splitlines() if "18.30%" in line and "│" in line)
     # cut inside the 4096 window 0.00%, window-complete 18.30%
-    assert [cell.strip() for cell in overall.split("│")[1:-1]] == ["1,000", "183", "18.30%", "0.00%", "18.30%",
-                                                                   *percentiles, "4,096"]
+    assert [cell.strip() for cell in overall.split("│")[1:-1]] == [
+        "1,000",
+        "183",
+        "18.30%",
+        "0.00%",
+        "18.30%",
+        *percentiles,
+        "4,096",
+    ]

@@ -11,15 +11,16 @@ import duckdb
 import pytest
 
 from dflash_assets.emulator import tokenizer as tok
-from tests.support.forks import start_emulator
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.settings import GenerationSettings
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.quality import export_training_set
 from dflash_assets.quality.export import WINDOW_CUT_CONTENT
 from dflash_assets.quality.trainer_format import row_problem
-from tests.support.window import FAST, L, N, SETTINGS, make_shard
+from dflash_assets.settings import GenerationSettings
+from tests.support.forks import start_emulator
+from tests.support.window import FAST, SETTINGS, L, N, make_shard
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -27,11 +28,12 @@ def runs(tmp_path_factory):
     window, fixed = tmp_path_factory.mktemp("window") / "data", tmp_path_factory.mktemp("fixed") / "data"
     with start_emulator(FAST) as a, start_emulator(FAST) as b:
         urls = [a.url, b.url]
-        for data, config in ((window, GenerationSettings(max_output_tokens=8192, cap_policy="window",
-                                                       trainer_max_length=L)),
-                             (fixed, GenerationSettings(max_output_tokens=8192))):
+        for data, config in (
+            (window, GenerationSettings(max_output_tokens=8192, cap_policy="window", trainer_max_length=L)),
+            (fixed, GenerationSettings(max_output_tokens=8192)),
+        ):
             make_shard(data, urls)
-            run = on_fleet(urls, lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))
+            run = on_fleet(urls, lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))  # noqa: B023 (awaited in this iteration)
             assert run.completed == N and not run.rejected and not run.failed
     return window, fixed
 
@@ -85,8 +87,12 @@ def test_the_conversations_form_rendered_as_specforge_reads_it_gives_the_same_fi
     full = stored(runs[1])
     export, records = exported(runs[0], tmp_path / "w", "conversations")
     _, fixed_records = exported(runs[1], tmp_path / "f", "conversations")
-    messages = {r[0]: json.loads(r[1]) for r in duckdb.sql(
-        f"select prompt_id, messages_json from read_parquet('{runs[0]}/prompt_shards/**/*.parquet')").fetchall()}
+    messages = {
+        r[0]: json.loads(r[1])
+        for r in duckdb.sql(
+            f"select prompt_id, messages_json from read_parquet('{runs[0]}/prompt_shards/**/*.parquet')"
+        ).fetchall()
+    }
     # the validator never aborts the file: every row passes SpecForge's rules, the ones cut inside their thinking
     # included (their placeholder content lies past the window)
     assert all(row_problem(r) is None for r in records.values())
@@ -97,7 +103,7 @@ def test_the_conversations_form_rendered_as_specforge_reads_it_gives_the_same_fi
         assert tokens == render_as_specforge(fixed_records[pid], messages[pid]), pid
         ids = (full[pid]["prompt_token_ids"] + full[pid]["output_ids"])[:L]
         # the server's own ids, no re-tokenization drift (a shorter row: then the template's "\n" after <|im_end|>)
-        assert tokens[:len(ids)] == ids and len(tokens) - len(ids) in (0, 1), pid
+        assert tokens[: len(ids)] == ids and len(tokens) - len(ids) in (0, 1), pid
         assert WINDOW_CUT_CONTENT not in tok.decode(tokens)  # the placeholder is never inside the window
 
 
@@ -109,8 +115,10 @@ def test_a_window_export_without_token_ids_names_the_rows_it_cannot_write(runs, 
     shutil.copytree(runs[1], data)
     for part in data.glob("completions/**/*.parquet"):
         con = duckdb.connect()
-        con.execute(f"COPY (SELECT * REPLACE (NULL::INT[] AS output_ids) FROM read_parquet('{part}')) TO "
-                    f"'{part}.new' (FORMAT parquet)")
+        con.execute(
+            f"COPY (SELECT * REPLACE (NULL::INT[] AS output_ids) FROM read_parquet('{part}')) TO "
+            f"'{part}.new' (FORMAT parquet)"
+        )
         con.close()
         part.unlink()
         (part.parent / (part.name + ".new")).rename(part)
@@ -128,5 +136,6 @@ def test_a_runaway_past_the_window_stays_out_with_its_reason(tmp_path):
     runaways = export.manifest["excluded"]["runaway"]
     assert runaways > 0 and export.manifest["excluded"]["truncated"] == 0
     assert export.manifest["rows"] + runaways == N
-    assert {"reason": "runaway", "rows": runaways} == {k: v for k, v in export.manifest["exclusions"][0].items()
-                                                       if k in ("reason", "rows")}
+    assert {"reason": "runaway", "rows": runaways} == {
+        k: v for k, v in export.manifest["exclusions"][0].items() if k in ("reason", "rows")
+    }

@@ -4,24 +4,29 @@ and for the window policy; every figure the rows settle is recomputed here in pl
 import numpy as np
 import pytest
 
-from dflash_assets.settings import QualitySettings, TrainerSettings
 from dflash_assets.quality.answer import cap_answers
 from dflash_assets.quality.planner_plot import cap_plan_png
 from dflash_assets.quality.window_plan import plan_window, window_plan_lines
 from dflash_assets.rules import percentile, trained_tokens
+from dflash_assets.settings import QualitySettings, TrainerSettings
 from tests.support.quality_data import load
 
 
 def story_rows(story_dir):
     rows = load(story_dir, "completions")
-    return (np.array([r["prompt_tokens"] for r in rows]), np.array([r["completion_tokens"] for r in rows]),
-            np.array([r["finish_reason"] == "length" for r in rows]), np.zeros(len(rows), bool))
+    return (
+        np.array([r["prompt_tokens"] for r in rows]),
+        np.array([r["completion_tokens"] for r in rows]),
+        np.array([r["finish_reason"] == "length" for r in rows]),
+        np.zeros(len(rows), bool),
+    )
 
 
 def test_at_the_storys_moment_every_cap_trains_the_same_tokens_and_the_window_policy_decodes_no_more(story_dir):
     p, length, cut, loop = story_rows(story_dir)
-    plan = plan_window(p, length, cut, loop, 4096, 4096, overshoot=16, candidates=(4096, 8192, 16384),
-                       tokens_per_s=25_000, servers=7)
+    plan = plan_window(
+        p, length, cut, loop, 4096, 4096, overshoot=16, candidates=(4096, 8192, 16384), tokens_per_s=25_000, servers=7
+    )
     floor = sum(trained_tokens(a, b, 4096) for a, b in zip(p, length))
     assert plan.cut_inside_window == 0 and plan.window_complete == cut.sum() == 183
     now = plan.at(4096)
@@ -35,8 +40,11 @@ def test_at_the_storys_moment_every_cap_trains_the_same_tokens_and_the_window_po
     sentence = plan.raising(4096, 8192)
     assert sentence.startswith("raising the cap from 4,096 to 8,192 adds 0 trained tokens (+0.00%) for ")
     lines = window_plan_lines(plan, "dflash demo --cap-policy window --trainer-max-length 4096")
-    assert any("every cut row lies at or past the window" in line and
-               "dflash demo --cap-policy window --trainer-max-length 4096" in line for line in lines)
+    assert any(
+        "every cut row lies at or past the window" in line
+        and "dflash demo --cap-policy window --trainer-max-length 4096" in line
+        for line in lines
+    )
 
 
 def test_below_the_current_cap_every_figure_is_read_from_the_rows(story_dir):
@@ -55,8 +63,9 @@ def test_the_recommendation_never_buys_tokens_past_the_window(story_dir):
     ceiling = max(8192 - p)
     assert plan.recommended.cap == min(c for c in (8192, 12288, 16384) if c >= ceiling)
     # the cap plan's answer is held under the same ceiling, whatever the truncation threshold asks for
-    (answer,) = cap_answers(story_dir, QualitySettings(truncation_rate_max=0.0001,
-                                                  trainer=TrainerSettings(max_length=8192)))
+    (answer,) = cap_answers(
+        story_dir, QualitySettings(truncation_rate_max=0.0001, trainer=TrainerSettings(max_length=8192))
+    )
     assert answer.recommended is not None and answer.recommended.cap <= plan.recommended.cap
     assert answer.window_plan.recommended.cap == plan.recommended.cap
 

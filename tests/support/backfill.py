@@ -17,12 +17,22 @@ from dagster._core.events import DagsterEventType
 
 from dflash_assets.emulator.process import free_port
 from dflash_assets.quality import CHECKS
+from tests.support.dagster_procs import (
+    ARTIFACTS,
+    PROJECT_DAGSTER_YAML,
+    Webserver,
+    add_shard_partitions,
+    daemon,
+    dflash_env,
+    fresh_dir,
+    make_home,
+    project_pool_limit,
+    wait_daemon_healthy,
+    webserver,
+)
 from tests.support.forks import start_emulator
 from tests.support.http import Http, set_faults
 from tests.support.shards import questions, write_prompts
-from tests.support.dagster_procs import (ARTIFACTS, PROJECT_DAGSTER_YAML, Webserver, add_shard_partitions, daemon,
-                                         dflash_env, fresh_dir, make_home, project_pool_limit, wait_daemon_healthy,
-                                         webserver)
 
 POOL = "sglang_fleet"
 SHARD_ASSETS = ["prompt_shards", "completions", "length_quality_report"]
@@ -98,8 +108,15 @@ def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path
     write_prompts(base / "prompts.jsonl", questions(SHARD_SIZE * (len(POOL_SHARDS) + 3), end="."))
     fleet = Fleet(logs)
     # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
-    env = dflash_env(home, data_dir=base / "data", prompts=base / "prompts.jsonl", shard_size=SHARD_SIZE,
-                     fleet_mode="attach", fleet_urls=fleet.url, shards_per_run=1)
+    env = dflash_env(
+        home,
+        data_dir=base / "data",
+        prompts=base / "prompts.jsonl",
+        shard_size=SHARD_SIZE,
+        fleet_mode="attach",
+        fleet_urls=fleet.url,
+        shards_per_run=1,
+    )
     fleet.start(*FAST, "--fault-hold")
     try:
         # the daemon boots while the webserver loads the code location
@@ -131,9 +148,13 @@ POOL_USAGE = """query($pool: String!) { instance { concurrencyLimit(concurrencyK
 
 
 def launch_backfill(server: Webserver, shards: list[str], title: str, run_config: dict | None = None) -> str:
-    params = {"title": title, "partitionsByAssets": [
-        {"assetKey": {"path": [asset]}, "partitions": {"range": {"start": shards[0], "end": shards[-1]}}}
-        for asset in SHARD_ASSETS]}
+    params = {
+        "title": title,
+        "partitionsByAssets": [
+            {"assetKey": {"path": [asset]}, "partitions": {"range": {"start": shards[0], "end": shards[-1]}}}
+            for asset in SHARD_ASSETS
+        ],
+    }
     if run_config:
         params["runConfigData"] = run_config
     result = server.gql(LAUNCH, {"params": params})["launchPartitionBackfill"]
@@ -160,6 +181,7 @@ def counts_by_asset(backfill: dict) -> dict[str, dict]:
 
 
 # --- the event log --------------------------------------------------------------------------------------
+
 
 def backfill_runs(instance: dg.DagsterInstance, backfill_id: str) -> list:
     return list(instance.get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id})))
@@ -194,8 +216,11 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
 
 
 def pool_blocked_events(instance: dg.DagsterInstance, run_ids: list[str]) -> int:
-    return sum(f"waiting for pool {POOL}" in (entry.user_message or "")
-               for run_id in run_ids for entry in instance.all_logs(run_id))
+    return sum(
+        f"waiting for pool {POOL}" in (entry.user_message or "")
+        for run_id in run_ids
+        for entry in instance.all_logs(run_id)
+    )
 
 
 def pool_intervals(instance: dg.DagsterInstance, run_ids: list[str], step_key: str = "completions") -> list:
@@ -227,8 +252,10 @@ def failures(instance: dg.DagsterInstance, backfill_id: str) -> list[str]:
 
 
 def check_evaluations(instance: dg.DagsterInstance, run_id: str) -> dict[str, bool]:
-    return {e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data.passed
-            for e in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION)}
+    return {
+        e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data.passed
+        for e in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION)
+    }
 
 
 def completion_rows(data_dir: Path, shard: str) -> list[str]:
@@ -240,7 +267,8 @@ def completion_rows(data_dir: Path, shard: str) -> list[str]:
 
 def latest_completions_metadata(instance: dg.DagsterInstance, shard: str) -> dict:
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard]), limit=1).records
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey("completions"), asset_partitions=[shard]), limit=1
+    ).records
     return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
 
 
@@ -258,8 +286,9 @@ def check_pool_backfill(stack: Stack, out: Path = OUT) -> None:
     every check evaluated, never more `completions` steps at once than the limit, and steps that waited for it."""
     limit = project_pool_limit()
     assert len(POOL_SHARDS) > limit, "the backfill must be wider than the pool to test it"
-    backfill_id = launch_backfill(stack.server, POOL_SHARDS, f"pool: shards {POOL_SHARDS[0]}-{POOL_SHARDS[-1]}",
-                                  IN_PROCESS)
+    backfill_id = launch_backfill(
+        stack.server, POOL_SHARDS, f"pool: shards {POOL_SHARDS[0]}-{POOL_SHARDS[-1]}", IN_PROCESS
+    )
     # the first steps to claim the pool hold the fleet (their requests are held) until a later run's
     # completions step is blocked by the full pool; then they are let go
     deadline = time.monotonic() + BLOCKED_WITHIN_S
@@ -294,13 +323,18 @@ def check_pool_backfill(stack: Stack, out: Path = OUT) -> None:
     assert len(intervals) == len(step_intervals(stack.instance, run_ids, "completions")) == len(POOL_SHARDS)
     assert len(run_ids) > limit
     peak = max_overlap(intervals)
-    runs_overlap = max_overlap([(r.start_time, r.end_time) for r in stack.instance.get_run_records(
-        filters=dg.RunsFilter(run_ids=run_ids))])
+    runs_overlap = max_overlap(
+        [(r.start_time, r.end_time) for r in stack.instance.get_run_records(filters=dg.RunsFilter(run_ids=run_ids))]
+    )
     blocked = pool_blocked_events(stack.instance, run_ids)
     sampled = [s for s in stack.samples if s["backfill"] == backfill_id]
     summary = {
-        "pool": POOL, "limit": limit, "shards": len(POOL_SHARDS), "runs": len(run_ids),
-        "max_concurrent_fleet_pool_holds": peak, "max_concurrent_runs": runs_overlap,
+        "pool": POOL,
+        "limit": limit,
+        "shards": len(POOL_SHARDS),
+        "runs": len(run_ids),
+        "max_concurrent_fleet_pool_holds": peak,
+        "max_concurrent_runs": runs_overlap,
         "steps_blocked_by_pool_events": blocked,
         "max_sampled_active_slots": max(s["activeSlotCount"] for s in sampled),
         "max_sampled_pending_steps": max(s["pendingStepCount"] for s in sampled),

@@ -55,8 +55,11 @@ def home(tmp_path: Path, name: str) -> dict:
     where to run it."""
     (tmp_path / name).mkdir()
     shutil.copy(PROJECT_DAGSTER_YAML, tmp_path / name / "dagster.yaml")
-    return {"DAGSTER_HOME": str(tmp_path / name), "DFLASH_DATA_DIR": str(tmp_path / f"{name}-data"),
-            "CWD": str(tmp_path)}
+    return {
+        "DAGSTER_HOME": str(tmp_path / name),
+        "DFLASH_DATA_DIR": str(tmp_path / f"{name}-data"),
+        "CWD": str(tmp_path),
+    }
 
 
 def demo_slice(tmp_path: Path, lines: int) -> Path:

@@ -82,8 +82,15 @@ def start_group(cmd: list[str], env: dict[str, str], log_path: Path) -> subproce
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_default_sigint)  # noqa: PLW1509 - one signal() call in the child
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )  # noqa: PLW1509 - one signal() call in the child
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
@@ -140,13 +147,17 @@ class Webserver:
 
 
 @contextmanager
-def webserver(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None,
-              timeout_s: float = 120.0) -> Iterator[Webserver]:
+def webserver(
+    home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None, timeout_s: float = 120.0
+) -> Iterator[Webserver]:
     """`dagster-webserver -w workspace.yaml` on a free loopback port, up once the code location is LOADED."""
     port = free_port()
     log_path = (log_dir or home) / "webserver.log"
-    proc = start_group([sys.executable, "-m", "dagster_webserver", "-w", str(WORKSPACE), "-h", "127.0.0.1",
-                        "-p", str(port)], env or dflash_env(home), log_path)
+    proc = start_group(
+        [sys.executable, "-m", "dagster_webserver", "-w", str(WORKSPACE), "-h", "127.0.0.1", "-p", str(port)],
+        env or dflash_env(home),
+        log_path,
+    )
     server = Webserver(port, proc, log_path)
     try:
         deadline = time.monotonic() + timeout_s
@@ -158,8 +169,10 @@ def webserver(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | 
             except Exception:  # noqa: BLE001, S110 - not listening yet, or the location is still loading
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"dagster-webserver did not load {WORKSPACE.name} within {timeout_s:.0f}s "
-                                   f"(exit {proc.poll()}):\n{log_tail(log_path)}")
+                raise RuntimeError(
+                    f"dagster-webserver did not load {WORKSPACE.name} within {timeout_s:.0f}s "
+                    f"(exit {proc.poll()}):\n{log_tail(log_path)}"
+                )
             time.sleep(0.5)
         yield server
     finally:
@@ -182,8 +195,13 @@ main()
 
 
 @contextmanager
-def daemon(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | None = None,
-           backfill_interval_s: float | None = 2.0) -> Iterator[subprocess.Popen]:
+def daemon(
+    home: Path,
+    env: dict[str, str] | None = None,
+    *,
+    log_dir: Path | None = None,
+    backfill_interval_s: float | None = 2.0,
+) -> Iterator[subprocess.Popen]:
     """`dagster-daemon run -w workspace.yaml` on `home` (schedules, sensors, run queue, backfills, monitoring)."""
     args = ["run", "-w", str(WORKSPACE)]
     if backfill_interval_s is None:
@@ -201,8 +219,12 @@ def daemon(home: Path, env: dict[str, str] | None = None, *, log_dir: Path | Non
 DAEMON_HEALTH = """{ instance { daemonHealth { allDaemonStatuses { daemonType healthy required } } } }"""
 
 
-def wait_daemon_healthy(server: Webserver, daemon_proc: subprocess.Popen, timeout_s: float = 120.0,
-                        needed=("BACKFILL", "QUEUED_RUN_COORDINATOR", "SENSOR")) -> None:
+def wait_daemon_healthy(
+    server: Webserver,
+    daemon_proc: subprocess.Popen,
+    timeout_s: float = 120.0,
+    needed=("BACKFILL", "QUEUED_RUN_COORDINATOR", "SENSOR"),
+) -> None:
     """Until the daemon's heartbeats say the backfill, run-queue and sensor daemons are up."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -211,8 +233,10 @@ def wait_daemon_healthy(server: Webserver, daemon_proc: subprocess.Popen, timeou
         if set(needed) <= healthy:
             return
         if daemon_proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"dagster-daemon not healthy within {timeout_s:.0f}s (exit {daemon_proc.poll()}; "
-                               f"healthy: {sorted(healthy)})")
+            raise RuntimeError(
+                f"dagster-daemon not healthy within {timeout_s:.0f}s (exit {daemon_proc.poll()}; "
+                f"healthy: {sorted(healthy)})"
+            )
         time.sleep(0.5)
 
 
@@ -222,8 +246,9 @@ def add_shard_partitions(server: Webserver, keys: list[str]) -> None:
       addDynamicPartition(repositorySelector: $selector, partitionsDefName: "shards", partitionKey: $key) {
         __typename ... on PythonError { message } ... on DuplicateDynamicPartitionError { partitionName } } }"""
     for key in keys:
-        result = server.gql(mutation, {"selector": {"repositoryLocationName": LOCATION,
-                                                    "repositoryName": "__repository__"}, "key": key})
+        result = server.gql(
+            mutation, {"selector": {"repositoryLocationName": LOCATION, "repositoryName": "__repository__"}, "key": key}
+        )
         kind = result["addDynamicPartition"]["__typename"]
         assert kind in ("AddDynamicPartitionSuccess", "DuplicateDynamicPartitionError"), result
 
@@ -250,14 +275,23 @@ for shard, cap in sorted(plan.items()):
 """
 
 
-def materialize_shards(env: dict[str, str], plan: dict[str, int | None], log_path: Path,
-                       timeout_s: float = 240.0) -> dict[str, dict]:
+def materialize_shards(
+    env: dict[str, str], plan: dict[str, int | None], log_path: Path, timeout_s: float = 240.0
+) -> dict[str, dict]:
     """Add the shard partitions of `plan` and run shard_pipeline for each shard whose value (the cap,
     max_output_tokens) is not None. Returns {shard: {success, run_id, checks}}."""
     import json
 
-    done = subprocess.run([sys.executable, "-c", _SEED, json.dumps(plan)], cwd=ROOT, env=env, timeout=timeout_s,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _SEED, json.dumps(plan)],
+        cwd=ROOT,
+        env=env,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(done.stdout + done.stderr)
     if done.returncode != 0:

@@ -4,9 +4,9 @@ attached emulated fleet needs, the shard's assets and their checks."""
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.quality.checks import completions_quality_checks
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.quality.assets import length_quality_report
+from dflash_assets.defs.quality.checks import completions_quality_checks
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, QualityResource
 
 ASSETS = [prompt_shards, completions, length_quality_report, completions_quality_checks]
@@ -24,8 +24,13 @@ def resources(tmp_path, urls: str | list[str], shard_size: int, **fleet):
 
 def run_shard(instance, res, shard: str, cap: int, **config):
     return dg.materialize(
-        ASSETS, partition_key=shard, instance=instance, resources=res, raise_on_error=False,
-        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap, **config}}}})
+        ASSETS,
+        partition_key=shard,
+        instance=instance,
+        resources=res,
+        raise_on_error=False,
+        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap, **config}}}},
+    )
 
 
 def checks_of(result) -> dict[str, bool]:

@@ -21,8 +21,13 @@ def load_server(url: str, in_flight: int, samples: int = 15) -> list[LoadSample]
 
             async def keep_one_open():
                 while True:
-                    await client.chat({"model": "emulated/qwen3-27b", "max_completion_tokens": 4096,
-                                       "messages": [{"role": "user", "content": f"question {next(_ids)}"}]})
+                    await client.chat(
+                        {
+                            "model": "emulated/qwen3-27b",
+                            "max_completion_tokens": 4096,
+                            "messages": [{"role": "user", "content": f"question {next(_ids)}"}],
+                        }
+                    )
 
             senders = [asyncio.create_task(keep_one_open()) for _ in range(in_flight)]
             sampler = LoadSampler([client])

@@ -52,8 +52,9 @@ class Forked:
 
     def __init__(self, main: str, args, env: dict, cwd, out: Path, err: Path, session: bool):
         self.args = [main, *args]
-        self._child = _forks.Process(target=_child, args=(
-            main, list(args), env, None if cwd is None else str(cwd), str(out), str(err), session))
+        self._child = _forks.Process(
+            target=_child, args=(main, list(args), env, None if cwd is None else str(cwd), str(out), str(err), session)
+        )
         self._child.start()
         self.pid = self._child.pid
 

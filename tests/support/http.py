@@ -73,5 +73,8 @@ def settled(server, deadline_s: float = 30.0) -> dict:
 
 def aborted(server) -> float:
     _, text = server.get("/metrics")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("sglang:num_aborted_requests_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("sglang:num_aborted_requests_total")
+    )

@@ -6,8 +6,8 @@ draw (or in closed form where there is one).
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -56,8 +56,13 @@ def lognormal_runaways(rng, n):
     return np.where(loop, MODEL_MAX, _rounded(_lognormal(rng, n, 1640, 1.0))), loop
 
 
-FAMILIES = [Family("bimodal", bimodal), Family("weibull", weibull), Family("gamma", gamma),
-            Family("lognormal", lognormal), Family("lognormal+8% runaways", lognormal_runaways)]
+FAMILIES = [
+    Family("bimodal", bimodal),
+    Family("weibull", weibull),
+    Family("gamma", gamma),
+    Family("lognormal", lognormal),
+    Family("lognormal+8% runaways", lognormal_runaways),
+]
 
 
 def censor(lengths: np.ndarray, loop: np.ndarray, cap: int):

@@ -4,17 +4,17 @@ sets are built once a session by the fixtures `defects_dir`, `clean_dir` and `st
 
 import json
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_assets import rules
-from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.quality import run_checks
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CONFIG_A = dict(config_hash="a4096", max_output_tokens=4096, server_context_length=16384, enable_thinking=True)
 CONFIG_B = dict(config_hash="b8192", max_output_tokens=8192, server_context_length=16384, enable_thinking=False)
 CONFIG_C = dict(config_hash="c8192", max_output_tokens=8192, server_context_length=8192, enable_thinking=True)
@@ -40,8 +40,13 @@ def write(data_dir: Path, table: str, shard: str, rows: list[dict], part: str = 
 def prompt(shard: str, i: int, tokens: int, source: str) -> dict:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"question {shard}-{i}"}]
     return dict(
-        prompt_id=f"{shard}-p{i:04d}", shard=shard, line=i + 1, source=source,
-        messages_json=json.dumps(messages), prompt_tokens=tokens, template_kwargs_json="{}",
+        prompt_id=f"{shard}-p{i:04d}",
+        shard=shard,
+        line=i + 1,
+        source=source,
+        messages_json=json.dumps(messages),
+        prompt_tokens=tokens,
+        template_kwargs_json="{}",
     )
 
 
@@ -49,11 +54,24 @@ def completion(
     p: dict, config: dict, tokens: int, finish: str = "stop", content="An answer.", reasoning="Some thought.", **over
 ) -> dict:
     row = dict(
-        prompt_id=p["prompt_id"], shard=p["shard"], source=p["source"], finish_reason=finish,
-        prompt_tokens=p["prompt_tokens"], completion_tokens=tokens, reasoning_tokens=tokens // 2,
-        server_url="http://127.0.0.1:30000", model="qwen3-27b", temperature=0.6, top_p=0.95, top_k=20,
-        content=content, reasoning_content=reasoning if config["enable_thinking"] else None,
-        latency_s=1.5, attempt=1, created_at=T0 + timedelta(seconds=p["line"]), **config,
+        prompt_id=p["prompt_id"],
+        shard=p["shard"],
+        source=p["source"],
+        finish_reason=finish,
+        prompt_tokens=p["prompt_tokens"],
+        completion_tokens=tokens,
+        reasoning_tokens=tokens // 2,
+        server_url="http://127.0.0.1:30000",
+        model="qwen3-27b",
+        temperature=0.6,
+        top_p=0.95,
+        top_k=20,
+        content=content,
+        reasoning_content=reasoning if config["enable_thinking"] else None,
+        latency_s=1.5,
+        attempt=1,
+        created_at=T0 + timedelta(seconds=p["line"]),
+        **config,
     )
     row.update(over)
     return row
@@ -61,10 +79,16 @@ def completion(
 
 def reject(p: dict | None, shard: str, stage: str, config: dict | None, reason: str, line: int) -> dict:
     return dict(
-        shard=shard, stage=stage, line=line, prompt_id=p and p["prompt_id"], reason=reason,
-        config_hash=config and config["config_hash"], prompt_tokens=p and p["prompt_tokens"],
+        shard=shard,
+        stage=stage,
+        line=line,
+        prompt_id=p and p["prompt_id"],
+        reason=reason,
+        config_hash=config and config["config_hash"],
+        prompt_tokens=p and p["prompt_tokens"],
         max_output_tokens=config and config["max_output_tokens"],
-        server_context_length=config and config["server_context_length"], created_at=T0,
+        server_context_length=config and config["server_context_length"],
+        created_at=T0,
     )
 
 
@@ -146,8 +170,12 @@ def build_clean(data_dir: Path) -> Path:
 def build_story(data_dir: Path) -> Path:
     """The story: 1,000 rows, 183 cut at the 4096 cap, so P90 = P99 = 4096."""
     ps = [prompt("s0", i, 200, "sharegpt") for i in range(1000)]
-    rows = [completion(p, CONFIG_A, 4096, "length", content="", reasoning="...") if i % 1000 < 183
-            else completion(p, CONFIG_A, 100 + i) for i, p in enumerate(ps)]
+    rows = [
+        completion(p, CONFIG_A, 4096, "length", content="", reasoning="...")
+        if i % 1000 < 183
+        else completion(p, CONFIG_A, 100 + i)
+        for i, p in enumerate(ps)
+    ]
     write(data_dir, "prompt_shards", "s0", ps)
     write(data_dir, "completions", "s0", rows)
     return data_dir

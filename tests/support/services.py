@@ -44,8 +44,13 @@ class Postgres:
         with conn.cursor() as cursor:
             cursor.execute(f"CREATE DATABASE {db}")
         conn.close()
-        return {"DAGSTER_PG_HOST": self.host, "DAGSTER_PG_PORT": str(self.port), "DAGSTER_PG_USER": self.user,
-                "DAGSTER_PG_PASSWORD": self.password, "DAGSTER_PG_DB": db}
+        return {
+            "DAGSTER_PG_HOST": self.host,
+            "DAGSTER_PG_PORT": str(self.port),
+            "DAGSTER_PG_USER": self.user,
+            "DAGSTER_PG_PASSWORD": self.password,
+            "DAGSTER_PG_DB": db,
+        }
 
 
 @contextmanager
@@ -88,18 +93,42 @@ def postgres_server(log_path: Path) -> Iterator[Postgres]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     pg_log = base / "postgres.log"  # written by the postgres user; copied to log_path at the end
     try:
-        subprocess.run(_as_owner([_pg_bin("initdb"), "-D", str(data), "-U", server.user, f"--pwfile={pwfile}",
-                                  "--auth=scram-sha-256", "-E", "UTF8"]),
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            _as_owner(
+                [
+                    _pg_bin("initdb"),
+                    "-D",
+                    str(data),
+                    "-U",
+                    server.user,
+                    f"--pwfile={pwfile}",
+                    "--auth=scram-sha-256",
+                    "-E",
+                    "UTF8",
+                ]
+            ),
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         options = f"-c listen_addresses={server.host} -p {server.port} -k {base} -c fsync=off"
-        subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-o", options, "-l", str(pg_log), "-w",
-                                  "-t", "60", "start"]), check=True, capture_output=True, text=True)
+        subprocess.run(
+            _as_owner(
+                [_pg_bin("pg_ctl"), "-D", str(data), "-o", options, "-l", str(pg_log), "-w", "-t", "60", "start"]
+            ),
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         yield server
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"{' '.join(e.cmd)} failed:\n{e.stdout}\n{e.stderr}") from None
     finally:
-        subprocess.run(_as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"]),
-                       capture_output=True, check=False)
+        subprocess.run(
+            _as_owner([_pg_bin("pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"]),
+            capture_output=True,
+            check=False,
+        )
         if pg_log.exists():
             shutil.copy(pg_log, log_path)
         shutil.rmtree(base, ignore_errors=True)
@@ -124,9 +153,26 @@ def redis_server(log_path: Path) -> Iterator[Redis]:
     server = Redis(free_port())
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(server.port), "--dir", str(base),
-                                 "--save", "", "--appendonly", "no", "--protected-mode", "yes"],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(server.port),
+                "--dir",
+                str(base),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     try:
         import redis
 

@@ -74,8 +74,9 @@ def class_fields(relative: str, name: str) -> set[str]:
 
 
 def function(relative: str, name: str) -> ast.AST:
-    found = [n for n in ast.walk(tree(relative)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-             and n.name == name]
+    found = [
+        n for n in ast.walk(tree(relative)) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+    ]
     if not found:
         pytest.fail(f"0.5.23's {relative} has no function {name}")
     return found[0]

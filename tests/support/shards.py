@@ -12,10 +12,10 @@ from pathlib import Path
 import duckdb
 
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 
 SHARD = "00000"
 # instant decode, the reasoning split on: a shard of 40 prompts is generated in well under a second
@@ -27,8 +27,10 @@ SHORT = ["--reasoning-parser", "qwen3", "--enable-metrics", "--length-median", "
 FEW_RETRIES = DispatchSettings(max_attempts=3, backoff_base_s=0.01)
 N = 40
 EXPLAIN = {f"c{i:03d}": f"Explain idea {i} step by step." for i in range(N)}  # the default prompts of a shard
-COLUMNS = ("prompt_id, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, "
-           "max_output_tokens, content, reasoning_content, prompt_token_ids, output_ids")
+COLUMNS = (
+    "prompt_id, config_hash, finish_reason, prompt_tokens, completion_tokens, reasoning_tokens, "
+    "max_output_tokens, content, reasoning_content, prompt_token_ids, output_ids"
+)
 
 
 def quiet(message: str) -> None:
@@ -58,8 +60,9 @@ def write_prompts(path: Path, records: Iterable[dict], extra_lines: dict[int, st
 def make_shard(data_dir: Path, urls: list[str], prompts: dict[str, str] = EXPLAIN, api_key: str | None = None):
     """Shard 00000 of `prompts` ({id: text}) built on the fleet, thinking on; the build's figures."""
     src = write_prompts(Path(data_dir).parent / "prompts.jsonl", ({"id": k, "prompt": v} for k, v in prompts.items()))
-    return on_fleet(urls, lambda f: build_prompt_shard(src, 0, SHARD, len(prompts), data_dir, f,
-                                                       {"enable_thinking": True}), api_key)
+    return on_fleet(
+        urls, lambda f: build_prompt_shard(src, 0, SHARD, len(prompts), data_dir, f, {"enable_thinking": True}), api_key
+    )
 
 
 def generate(data_dir, urls: list[str], cap: int | GenerationSettings, settings: DispatchSettings = SETTINGS, **kw):
@@ -86,8 +89,10 @@ def cont_main(argv: list[str]) -> int:
 def rows(data_dir, config_hash: str | None = None, columns: str = COLUMNS) -> list[tuple]:
     """The completion rows (of one config, or all), ordered by prompt_id."""
     where = f"config_hash = '{config_hash}'" if config_hash else "true"
-    return duckdb.sql(f"select {columns} from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = "
-                      f"true) where {where} order by prompt_id").fetchall()
+    return duckdb.sql(
+        f"select {columns} from read_parquet('{data_dir}/completions/**/*.parquet', union_by_name = "
+        f"true) where {where} order by prompt_id"
+    ).fetchall()
 
 
 def longest_prompt(prompt_shards: Path, glob: str = "**/*.parquet") -> int:

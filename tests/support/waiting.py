@@ -11,8 +11,15 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(what: str, ready: Callable[[], T], timeout_s: float = 60.0, *, every_s: float = 0.2,
-             proc: subprocess.Popen | None = None, hint: str = "") -> T:
+def wait_for(
+    what: str,
+    ready: Callable[[], T],
+    timeout_s: float = 60.0,
+    *,
+    every_s: float = 0.2,
+    proc: subprocess.Popen | None = None,
+    hint: str = "",
+) -> T:
     """`ready()`'s first true value, polled every `every_s`; an OSError counts as not ready (not listening yet).
     Fails naming `what` after `timeout_s`, or as soon as `proc` (the process that should make it true) exits."""
     deadline = time.monotonic() + timeout_s

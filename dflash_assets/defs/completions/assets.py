@@ -3,17 +3,17 @@
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.defs.partitions import shard_asset
-from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.metadata import ShardRun
+from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
+from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetResource, QualityResource, run_on_fleet
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, SettingsError
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 
 
 class CompletionsConfig(dg.Config, GenerationSettings, DispatchSettings):
@@ -21,8 +21,10 @@ class CompletionsConfig(dg.Config, GenerationSettings, DispatchSettings):
     hard to drive the fleet, and what preflight does with a misfit."""
 
     preflight_policy: str = Field(
-        "reject", description="'reject': prompts that cannot fit the context go to the rejects table; "
-                              "'fail': the run fails before any request.")
+        "reject",
+        description="'reject': prompts that cannot fit the context go to the rejects table; "
+        "'fail': the run fails before any request.",
+    )
 
 
 @shard_asset(
@@ -30,19 +32,32 @@ class CompletionsConfig(dg.Config, GenerationSettings, DispatchSettings):
     group_name="generation",
     kinds={"sglang", "parquet"},
     retry_policy=FLEET_RETRY,
-    metadata={"dagster/column_schema": dg.TableSchema(
-        columns=[dg.TableColumn(f.name, str(f.type)) for f in COMPLETION_SCHEMA])},
+    metadata={
+        "dagster/column_schema": dg.TableSchema(
+            columns=[dg.TableColumn(f.name, str(f.type)) for f in COMPLETION_SCHEMA]
+        )
+    },
     description="A completion per prompt of the shard, generated on the SGLang fleet, with full provenance "
-                "(config_hash, cap, sampling, server, context length, finish_reason, token counts). A re-run "
-                "resumes: prompts already committed for this config are skipped.",
+    "(config_hash, cap, sampling, server, context length, finish_reason, token counts). A re-run "
+    "resumes: prompts already committed for this config are skipped.",
 )
-def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fleet: FleetResource,
-                data_dir: DataDirResource, quality: QualityResource) -> None:
+def completions(
+    context: dg.AssetExecutionContext,
+    config: CompletionsConfig,
+    fleet: FleetResource,
+    data_dir: DataDirResource,
+    quality: QualityResource,
+) -> None:
     generation, dispatch = GenerationSettings.taken_from(config), DispatchSettings.taken_from(config)
     thresholds = QualitySettings.taken_from(quality)
     # the pre-tokenized export and the window policy are built from token ids: stored by default for them
-    dispatch = dispatch.model_copy(update={"store_token_ids": stores_token_ids(
-        dispatch.store_token_ids, generation.cap_policy, thresholds.trainer.format)})
+    dispatch = dispatch.model_copy(
+        update={
+            "store_token_ids": stores_token_ids(
+                dispatch.store_token_ids, generation.cap_policy, thresholds.trainer.format
+            )
+        }
+    )
     try:
         generation.validate()
         dispatch.validate()
@@ -50,10 +65,19 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         raise dg.Failure(str(e), allow_retries=False) from None
     try:
         with holding(context, context.partition_keys):  # the shards' pools and the fleet's
-            runs = run_on_fleet(fleet, lambda f: generate_shards(
-                data_dir.resolved(), context.partition_keys, f, generation, dispatch,
-                preflight_policy=config.preflight_policy, log=context.log.info,
-                runaway=thresholds.runaway))  # streamed: loops stopped by the checks' own rules
+            runs = run_on_fleet(
+                fleet,
+                lambda f: generate_shards(
+                    data_dir.resolved(),
+                    context.partition_keys,
+                    f,
+                    generation,
+                    dispatch,
+                    preflight_policy=config.preflight_policy,
+                    log=context.log.info,
+                    runaway=thresholds.runaway,
+                ),
+            )  # streamed: loops stopped by the checks' own rules
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
@@ -62,18 +86,29 @@ def completions(context: dg.AssetExecutionContext, config: CompletionsConfig, fl
         for note in run.notes:  # the shard's own
             context.log.warning(note)
         if run.failed:
-            context.log.warning(f"shard {run.shard}: {run.failed} prompts failed after {dispatch.max_attempts} "
-                                f"attempts; they are in the failures table and will be retried on the next run")
+            context.log.warning(
+                f"shard {run.shard}: {run.failed} prompts failed after {dispatch.max_attempts} "
+                f"attempts; they are in the failures table and will be retried on the next run"
+            )
         context.add_asset_metadata(shard_metadata(run, generation.max_output_tokens), partition_key=run.shard)
     loads = summarize(runs[0].load_samples, runs[0].infos)
-    advice = advise(runs[0].load_samples, runs[0].infos,
-                    client_in_flight={u: s["in_flight_limit"] for u, s in runs[0].servers.items()})
+    advice = advise(
+        runs[0].load_samples,
+        runs[0].infos,
+        client_in_flight={u: s["in_flight_limit"] for u, s in runs[0].servers.items()},
+    )
     for item in advice:
         if item.rule != "fine":
             context.log.info(f"fleet tuning, {item.server}: {item.message}")
-    context.add_asset_metadata({ShardRun.FLEET_TUNING: dg.MetadataValue.md(
-        tuning_markdown(loads, advice) if runs[0].load_samples
-        else "no /v1/loads samples (the run was shorter than one interval)")})
+    context.add_asset_metadata(
+        {
+            ShardRun.FLEET_TUNING: dg.MetadataValue.md(
+                tuning_markdown(loads, advice)
+                if runs[0].load_samples
+                else "no /v1/loads samples (the run was shorter than one interval)"
+            )
+        }
+    )
 
 
 def shard_metadata(run, cap: int) -> dict:
@@ -91,13 +126,16 @@ def shard_metadata(run, cap: int) -> dict:
         ShardRun.REJECTED_SERVER: run.rejected_server,
         ShardRun.FAILED: run.failed,
         ShardRun.ACCOUNTING: f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
-                             f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
+        f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
         ShardRun.NEW_ROWS_TRUNCATED: run.length,
         ShardRun.NEW_ROWS_RUNAWAY_STOPPED: run.runaways_stopped,  # loops stopped while streaming ('runaway')
         ShardRun.OUTPUT_TOKENS: run.output_tokens,
         ShardRun.ELAPSED_S: round(run.elapsed_s, 2),
         ShardRun.TOKENS_PER_S: round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
         ShardRun.SERVERS: dg.MetadataValue.json(run.servers),
-        **({ShardRun.BY_TURN: dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})}
-           if run.by_turn else {}),
+        **(
+            {ShardRun.BY_TURN: dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})}
+            if run.by_turn
+            else {}
+        ),
     }

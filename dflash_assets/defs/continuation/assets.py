@@ -6,9 +6,9 @@ from pydantic import Field
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.metadata import ContinueRun
 from dflash_assets.defs.partitions import shard_asset
+from dflash_assets.defs.pools import holding
 from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetResource, QualityResource, run_on_fleet
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.defs.pools import holding
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.settings import DispatchSettings, QualitySettings, RunawaySettings, SettingsError
@@ -19,12 +19,15 @@ class ContinuationConfig(dg.Config, DispatchSettings):
 
     parent_config_hash: str = Field(
         description="The config whose truncated rows are continued, or 'latest': the config with the most rows "
-                    "in the shard among those capped below the new cap (ties: the larger cap).")
+        "in the shard among those capped below the new cap (ties: the larger cap)."
+    )
     new_max_output_tokens: int = Field(8192, description="The new cap; larger than the parent's.")
     to_window: int = Field(
-        0, description="Grow the trainer's window instead (0: off): a window-policy config is continued to this "
-                       "larger window, each row to its own request cap there; rows that stopped stay, window-complete "
-                       "rows are continued by their token ids (only the tokens between the windows are paid).")
+        0,
+        description="Grow the trainer's window instead (0: off): a window-policy config is continued to this "
+        "larger window, each row to its own request cap there; rows that stopped stay, window-complete "
+        "rows are continued by their token ids (only the tokens between the windows are paid).",
+    )
 
 
 @shard_asset(
@@ -33,25 +36,37 @@ class ContinuationConfig(dg.Config, DispatchSettings):
     kinds={"sglang", "parquet"},
     retry_policy=FLEET_RETRY,
     description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
-                "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
-                "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token ids "
-                "are continued by their text (chat route, continue_final_message), never drawn afresh.",
+    "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
+    "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token ids "
+    "are continued by their text (chat route, continue_final_message), never drawn afresh.",
 )
-def continued_completions(context: dg.AssetExecutionContext, config: ContinuationConfig, fleet: FleetResource,
-                          data_dir: DataDirResource, quality: QualityResource) -> None:
+def continued_completions(
+    context: dg.AssetExecutionContext,
+    config: ContinuationConfig,
+    fleet: FleetResource,
+    data_dir: DataDirResource,
+    quality: QualityResource,
+) -> None:
     runaway = QualitySettings.taken_from(quality).runaway
 
     async def each(connected):  # one connection for the range: connecting waits >= 1 s for every /health
         for shard in context.partition_keys:  # one shard, or a backfill's range of them, one after the other
-            context.add_asset_metadata(await _continue(context, shard, config, connected, data_dir, runaway),
-                                       partition_key=shard)
+            context.add_asset_metadata(
+                await _continue(context, shard, config, connected, data_dir, runaway), partition_key=shard
+            )
 
     with holding(context, context.partition_keys):  # the shards' pools and the fleet's
         run_on_fleet(fleet, each)
 
 
-async def _continue(context: dg.AssetExecutionContext, shard: str, config: ContinuationConfig, fleet: Fleet,
-                    data_dir: DataDirResource, runaway: RunawaySettings) -> dict:
+async def _continue(
+    context: dg.AssetExecutionContext,
+    shard: str,
+    config: ContinuationConfig,
+    fleet: Fleet,
+    data_dir: DataDirResource,
+    runaway: RunawaySettings,
+) -> dict:
     cap, window = config.new_max_output_tokens, config.to_window or None
     parent = config.parent_config_hash
     if parent == "latest":
@@ -60,9 +75,17 @@ async def _continue(context: dg.AssetExecutionContext, shard: str, config: Conti
             below = f"of the window policy at a window below {window}" if window else f"capped below {cap}"
             raise dg.Failure(f"shard {shard} has no completions {below} to continue", allow_retries=False)
     try:
-        run = await continue_shard(data_dir.resolved(), shard, fleet, parent, cap,
-                                   DispatchSettings.taken_from(config), log=context.log.info, to_window=window,
-                                   runaway=runaway)  # the checks' own rules
+        run = await continue_shard(
+            data_dir.resolved(),
+            shard,
+            fleet,
+            parent,
+            cap,
+            DispatchSettings.taken_from(config),
+            log=context.log.info,
+            to_window=window,
+            runaway=runaway,
+        )  # the checks' own rules
     except SettingsError as e:
         raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
     except PreflightError as e:
@@ -70,11 +93,13 @@ async def _continue(context: dg.AssetExecutionContext, shard: str, config: Conti
     for note in run.notes:
         context.log.warning(note)
     if run.left:
-        context.log.warning(f"{run.left} prompts have no row of config {run.config_hash} yet ({run.without_ids} of "
-                            f"them truncated without token ids): materialise completions for this shard with "
-                            f"max_output_tokens {run.new_cap}"
-                            + (f", cap_policy window, trainer_max_length {window}" if window else "")
-                            + " (same sampling) to generate exactly those")
+        context.log.warning(
+            f"{run.left} prompts have no row of config {run.config_hash} yet ({run.without_ids} of "
+            f"them truncated without token ids): materialise completions for this shard with "
+            f"max_output_tokens {run.new_cap}"
+            + (f", cap_policy window, trainer_max_length {window}" if window else "")
+            + " (same sampling) to generate exactly those"
+        )
     accounted = run.completed + run.rejected + run.failed + run.left
     generated = run.new_config_tokens - run.tokens_reused
     return {
@@ -92,8 +117,7 @@ async def _continue(context: dg.AssetExecutionContext, shard: str, config: Conti
         ContinueRun.TOKENS_GENERATED: generated,
         ContinueRun.SAVED_SHARE: round(run.tokens_reused / run.new_config_tokens, 4) if run.new_config_tokens else 0.0,
         "accounting": f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
-                      f"{run.failed} failed + {run.left} left"
-                      + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
+        f"{run.failed} failed + {run.left} left" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
         "elapsed_s": round(run.elapsed_s, 2),
         "servers": dg.MetadataValue.json(run.servers),
     }

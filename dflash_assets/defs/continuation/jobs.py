@@ -8,5 +8,5 @@ continue_job = dg.define_asset_job(
     "continue_shards",
     selection=dg.AssetSelection.assets(continued_completions),
     description="Truncated rows continued to a larger cap from where they stopped (token ids), stopped rows copied: "
-                "the unbiased way to raise the cap (`dflash continue --to C`).",
+    "the unbiased way to raise the cap (`dflash continue --to C`).",
 )

@@ -8,8 +8,7 @@ from dflash_assets.defs.resources import DataDirResource, FleetResource, Quality
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.probe import probe_root, prompt_shard_keys
 from dflash_assets.quality.probe_summary import run_length_probe
-from dflash_assets.settings import (DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings,
-                                    SettingsError)
+from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, SettingsError
 
 
 class LengthProbeConfig(dg.Config, ProbeSettings, GenerationSettings, DispatchSettings):
@@ -26,14 +25,19 @@ class LengthProbeConfig(dg.Config, ProbeSettings, GenerationSettings, DispatchSe
     kinds={"sglang", "parquet"},
     owners=["team:dflash"],
     description="A seeded random sample of the prompts (by default the larger of 500 and 1%, stratified across "
-                "shards and sources) generated at a high cap (by default the largest the fleet's context allows): "
-                "real completions with their own config hash, kept under <data_dir>/length_probe/, never training "
-                "data. The cap plan in length_quality_summary reads it to measure truncation at larger caps "
-                "instead of extrapolating a model. With mode cut_rows it continues a seeded sample of the run's "
-                "honest cut rows to its cap instead: every probe row then measures the tail.",
+    "shards and sources) generated at a high cap (by default the largest the fleet's context allows): "
+    "real completions with their own config hash, kept under <data_dir>/length_probe/, never training "
+    "data. The cap plan in length_quality_summary reads it to measure truncation at larger caps "
+    "instead of extrapolating a model. With mode cut_rows it continues a seeded sample of the run's "
+    "honest cut rows to its cap instead: every probe row then measures the tail.",
 )
-def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, fleet: FleetResource,
-                 data_dir: DataDirResource, quality: QualityResource) -> dg.MaterializeResult:
+def length_probe(
+    context: dg.AssetExecutionContext,
+    config: LengthProbeConfig,
+    fleet: FleetResource,
+    data_dir: DataDirResource,
+    quality: QualityResource,
+) -> dg.MaterializeResult:
     root = data_dir.resolved()
     shards = prompt_shard_keys(root)
     if not shards:
@@ -44,9 +48,19 @@ def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, f
         dispatch.validate()
         sample.validate()
         with holding(context):  # the fleet's pool
-            probe = run_on_fleet(fleet, lambda f: run_length_probe(
-                root, shards, f, generation, sample, dispatch, log=context.log.info,
-                runaway=QualitySettings.taken_from(quality).runaway))  # mode cut_rows: the runaways the plan leaves out
+            probe = run_on_fleet(
+                fleet,
+                lambda f: run_length_probe(
+                    root,
+                    shards,
+                    f,
+                    generation,
+                    sample,
+                    dispatch,
+                    log=context.log.info,
+                    runaway=QualitySettings.taken_from(quality).runaway,
+                ),
+            )  # mode cut_rows: the runaways the plan leaves out
     except (SettingsError, FileNotFoundError) as e:
         raise dg.Failure(str(e)) from None
     except PreflightError as e:
@@ -54,20 +68,22 @@ def length_probe(context: dg.AssetExecutionContext, config: LengthProbeConfig, f
     run = probe.run
     for note in run.notes:
         context.log.warning(note)
-    return dg.MaterializeResult(metadata={
-        "dagster/row_count": run.completed,
-        "mode": probe.mode,
-        "prompts_sampled": probe.sampled,
-        "prompts_total": probe.prompts_total,  # mode cut_rows: the run's honest cut rows
-        "shards": len(shards),
-        "seed": config.seed,
-        "max_output_tokens": probe.cap,
-        "config_hash": run.config_hash,
-        "completed": run.completed,
-        "rejected": run.rejected,
-        "failed": run.failed,
-        "truncated_at_probe_cap": run.length,
-        "output_tokens": run.output_tokens,
-        "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
-        "path": dg.MetadataValue.path(str(probe_root(root))),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            "dagster/row_count": run.completed,
+            "mode": probe.mode,
+            "prompts_sampled": probe.sampled,
+            "prompts_total": probe.prompts_total,  # mode cut_rows: the run's honest cut rows
+            "shards": len(shards),
+            "seed": config.seed,
+            "max_output_tokens": probe.cap,
+            "config_hash": run.config_hash,
+            "completed": run.completed,
+            "rejected": run.rejected,
+            "failed": run.failed,
+            "truncated_at_probe_cap": run.length,
+            "output_tokens": run.output_tokens,
+            "tokens_per_s": round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
+            "path": dg.MetadataValue.path(str(probe_root(root))),
+        }
+    )

@@ -13,11 +13,15 @@ from dflash_assets.settings import GenerationSettings
     group_name="generation",
     kinds={"parquet", "sglang"},
     description="One shard of the prompt source: validated prompts with a stable prompt_id and the exact "
-                "chat-template prompt_tokens counted by the fleet's /v1/tokenize. Lines that cannot be used go "
-                "to the rejects table with a reason; lines = prompts + rejects.",
+    "chat-template prompt_tokens counted by the fleet's /v1/tokenize. Lines that cannot be used go "
+    "to the rejects table with a reason; lines = prompts + rejects.",
 )
-def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, prompt_source: PromptSourceResource,
-                  data_dir: DataDirResource) -> None:
+def prompt_shards(
+    context: dg.AssetExecutionContext,
+    fleet: FleetResource,
+    prompt_source: PromptSourceResource,
+    data_dir: DataDirResource,
+) -> None:
     template_kwargs = GenerationSettings().template_kwargs()
     bad = [shard for shard in context.partition_keys if not shard.isdigit()]
     if bad:
@@ -28,9 +32,21 @@ def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, promp
         # which per shard cost a 50-shard backfill run 50 s
         builds = []
         for shard in context.partition_keys:  # one shard, or a backfill's range of them in one run
-            builds.append((shard, await build_prompt_shard(
-                prompt_source.resolved(), int(shard), shard, prompt_source.shard_size, data_dir.resolved(),
-                connected, template_kwargs, mapping=prompt_source.mapping())))
+            builds.append(
+                (
+                    shard,
+                    await build_prompt_shard(
+                        prompt_source.resolved(),
+                        int(shard),
+                        shard,
+                        prompt_source.shard_size,
+                        data_dir.resolved(),
+                        connected,
+                        template_kwargs,
+                        mapping=prompt_source.mapping(),
+                    ),
+                )
+            )
             if builds[-1][1].lines == 0:
                 break  # past the end of the source: the shards after it are too
         return builds
@@ -40,15 +56,19 @@ def prompt_shards(context: dg.AssetExecutionContext, fleet: FleetResource, promp
             raise dg.Failure(f"shard {shard} is past the end of {prompt_source.path}: it has no lines")
         reasons = "\n".join(f"| {k} | {v} |" for k, v in sorted(build.reasons.items(), key=lambda kv: -kv[1]))
         context.log.info(f"shard {shard}: {build.lines} lines -> {build.prompts} prompts, {build.rejected} rejected")
-        context.add_asset_metadata(partition_key=shard, metadata={
-            PromptShardRun.ROW_COUNT: build.prompts,
-            PromptShardRun.LINES: build.lines,
-            PromptShardRun.PROMPTS: build.prompts,
-            PromptShardRun.REJECTED: build.rejected,
-            "max_prompt_tokens": build.max_prompt_tokens,
-            # the source format detected from the lines' keys (prompts.FORMATS), and how many prompts had each
-            "format": next(iter(build.formats), "none"),
-            "prompts_by_format": dg.MetadataValue.json(build.formats),
-            "rejects_by_reason": dg.MetadataValue.md(
-                "| reason | lines |\n|---|---|\n" + reasons if reasons else "no rejects"),
-        })
+        context.add_asset_metadata(
+            partition_key=shard,
+            metadata={
+                PromptShardRun.ROW_COUNT: build.prompts,
+                PromptShardRun.LINES: build.lines,
+                PromptShardRun.PROMPTS: build.prompts,
+                PromptShardRun.REJECTED: build.rejected,
+                "max_prompt_tokens": build.max_prompt_tokens,
+                # the source format detected from the lines' keys (prompts.FORMATS), and how many prompts had each
+                "format": next(iter(build.formats), "none"),
+                "prompts_by_format": dg.MetadataValue.json(build.formats),
+                "rejects_by_reason": dg.MetadataValue.md(
+                    "| reason | lines |\n|---|---|\n" + reasons if reasons else "no rejects"
+                ),
+            },
+        )

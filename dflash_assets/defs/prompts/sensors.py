@@ -13,11 +13,15 @@ def missing_shards(instance: dg.DagsterInstance, prompt_source: PromptSourceReso
     return [k for k in keys if k not in existing]
 
 
-@dg.sensor(minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Adds a shard partition for every `shard_size` lines of the prompt source, so a grown "
-                       "source shows its new shards in the UI, ready to materialise or backfill.")
-def shard_partitions_sensor(context: dg.SensorEvaluationContext,
-                            prompt_source: PromptSourceResource) -> dg.SensorResult:
+@dg.sensor(
+    minimum_interval_seconds=60,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Adds a shard partition for every `shard_size` lines of the prompt source, so a grown "
+    "source shows its new shards in the UI, ready to materialise or backfill.",
+)
+def shard_partitions_sensor(
+    context: dg.SensorEvaluationContext, prompt_source: PromptSourceResource
+) -> dg.SensorResult:
     try:
         new = missing_shards(context.instance, prompt_source)
     except SourceError as e:

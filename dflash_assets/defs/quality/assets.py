@@ -22,8 +22,19 @@ def _table(rows: list[dict], columns: list[str]) -> str:
 
 def report_metadata(report: dict, png: bytes) -> dict:
     """The figures a person reads first, then the breakdowns, then the picture."""
-    stats = ["rows", "truncated_rows", "runaway_rows", "truncation_rate", "cut_inside_window_rate",
-             "window_complete_rate", "p50", "p90", "p95", "p99", "max"]
+    stats = [
+        "rows",
+        "truncated_rows",
+        "runaway_rows",
+        "truncation_rate",
+        "cut_inside_window_rate",
+        "window_complete_rate",
+        "p50",
+        "p90",
+        "p95",
+        "p99",
+        "max",
+    ]
     return {
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
@@ -46,7 +57,8 @@ def report_metadata(report: dict, png: bytes) -> dict:
         "by_source": dg.MetadataValue.md(_table(report["by_source"], ["source", *stats])),
         **({"by_turn": dg.MetadataValue.md(_table(report["by_turn"], ["turn", *stats]))} if report["by_turn"] else {}),
         "completion_lengths": dg.MetadataValue.md(
-            f"![completion lengths](data:image/png;base64,{base64.b64encode(png).decode()})"),
+            f"![completion lengths](data:image/png;base64,{base64.b64encode(png).decode()})"
+        ),
         "percentiles": report["percentile_definition"],
     }
 
@@ -56,26 +68,30 @@ def report_metadata(report: dict, png: bytes) -> dict:
     group_name="quality",
     kinds={"duckdb", "parquet"},
     description="Length quality of a shard's completions (DuckDB over its Parquet): rows, truncation rate "
-                "(finish_reason = 'length'), judged against the trainer's window (cut inside it: blocking; "
-                "window-complete: exported), decoded and trained tokens, P50/P90/P95/P99/max completion tokens "
-                "by config, prompt length and "
-                "source, context overflows, and a histogram of completion lengths with the cap marked.",
+    "(finish_reason = 'length'), judged against the trainer's window (cut inside it: blocking; "
+    "window-complete: exported), decoded and trained tokens, P50/P90/P95/P99/max completion tokens "
+    "by config, prompt length and "
+    "source, context overflows, and a histogram of completion lengths with the cap marked.",
 )
-def length_quality_report(context: dg.AssetExecutionContext, data_dir: DataDirResource,
-                          quality: QualityResource) -> None:
+def length_quality_report(
+    context: dg.AssetExecutionContext, data_dir: DataDirResource, quality: QualityResource
+) -> None:
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     thresholds = QualitySettings.taken_from(quality)
     for shard in context.partition_keys:
         report, png = _report_and_histogram(root, shard, thresholds, reports / f"shard={shard}")
-        context.add_asset_metadata(partition_key=shard, metadata={
-            **report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))})
+        context.add_asset_metadata(
+            partition_key=shard,
+            metadata={**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))},
+        )
 
 
 def _report_and_histogram(root: str, shard: str | None, thresholds: QualitySettings, reports: Path):
     from dflash_assets.quality.histogram import report_and_histogram  # matplotlib: on use
 
-    return report_and_histogram(root, reports / "completion_lengths.png", shard, thresholds.trainer.max_length,
-                                thresholds.runaway)
+    return report_and_histogram(
+        root, reports / "completion_lengths.png", shard, thresholds.trainer.max_length, thresholds.runaway
+    )
 
 
 def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | None]:
@@ -98,45 +114,78 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
     description="Length quality over every materialised shard: the same figures as length_quality_report, by "
-                "shard and config, the histogram, and the cap plan: for candidate caps, the truncation rate "
-                "(runaways apart), output tokens, time and context length needed, measured by the length probe "
-                "where there is one, else from a censored lognormal tail marked as a model, with 95% intervals "
-                "and a picture of the observed, probed and fitted survival.",
+    "shard and config, the histogram, and the cap plan: for candidate caps, the truncation rate "
+    "(runaways apart), output tokens, time and context length needed, measured by the length probe "
+    "where there is one, else from a censored lognormal tail marked as a model, with 95% intervals "
+    "and a picture of the observed, probed and fitted survival.",
 )
-def length_quality_summary(context: dg.AssetExecutionContext, data_dir: DataDirResource,
-                           quality: QualityResource) -> dg.MaterializeResult:
+def length_quality_summary(
+    context: dg.AssetExecutionContext, data_dir: DataDirResource, quality: QualityResource
+) -> dg.MaterializeResult:
     from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown, turn_markdown
-    from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.planner_plot import cap_plan_png
+    from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
     root, thresholds = data_dir.resolved(), QualitySettings.taken_from(quality)
     report, png = _report_and_histogram(root, None, thresholds, data_dir.local_dir() / "reports")
-    metadata = {**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png)),
-                "by_shard": dg.MetadataValue.md(_table(report["by_shard"], ["shard", "configs", "rows",
-                                                                          "truncation_rate", "cut_inside_window_rate",
-                                                                          "window_complete_rate", "p50", "p90",
-                                                                          "p99"]))}
+    metadata = {
+        **report_metadata(report, png.read_bytes()),
+        "histogram_path": dg.MetadataValue.path(str(png)),
+        "by_shard": dg.MetadataValue.md(
+            _table(
+                report["by_shard"],
+                [
+                    "shard",
+                    "configs",
+                    "rows",
+                    "truncation_rate",
+                    "cut_inside_window_rate",
+                    "window_complete_rate",
+                    "p50",
+                    "p90",
+                    "p99",
+                ],
+            )
+        ),
+    }
     tokens_per_s, servers = fleet_throughput(context.instance)
     try:
         plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=thresholds.runaway)
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:
-        trained = window_plan(root, plan.config_hash, plan.cap, thresholds.trainer, plan.fit, thresholds.runaway,
-                              candidates=[e.cap for e in plan.estimates], tokens_per_s=tokens_per_s, servers=servers)
-        metadata["trained_tokens_plan"] = dg.MetadataValue.md("\n".join(
-            f"- {line.strip()}" for line in window_plan_lines(
-                trained, f"cap_policy window, trainer_max_length {trained.max_length}")))
+        trained = window_plan(
+            root,
+            plan.config_hash,
+            plan.cap,
+            thresholds.trainer,
+            plan.fit,
+            thresholds.runaway,
+            candidates=[e.cap for e in plan.estimates],
+            tokens_per_s=tokens_per_s,
+            servers=servers,
+        )
+        metadata["trained_tokens_plan"] = dg.MetadataValue.md(
+            "\n".join(
+                f"- {line.strip()}"
+                for line in window_plan_lines(trained, f"cap_policy window, trainer_max_length {trained.max_length}")
+            )
+        )
         picture = data_dir.local_dir() / "reports" / "cap_plan.png"
         picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at)))
         advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
         if plan.by_turn:  # all_turns: the same view on its own, for the run page's metadata list
             metadata["cap_plan_by_turn"] = dg.MetadataValue.md("\n".join(turn_markdown(plan)).strip())
-        metadata["cap_plan_source"] = "measured by the length probe" if plan.probe else \
-            "model (censored lognormal tail) beyond the cap" if any(e.basis == "model" for e in plan.estimates) \
+        metadata["cap_plan_source"] = (
+            "measured by the length probe"
+            if plan.probe
+            else "model (censored lognormal tail) beyond the cap"
+            if any(e.basis == "model" for e in plan.estimates)
             else "measured (the rows)"
+        )
         metadata["cap_plan_picture"] = dg.MetadataValue.md(
-            f"![cap plan](data:image/png;base64,{base64.b64encode(picture.read_bytes()).decode()})")
+            f"![cap plan](data:image/png;base64,{base64.b64encode(picture.read_bytes()).decode()})"
+        )
     return dg.MaterializeResult(metadata=metadata)

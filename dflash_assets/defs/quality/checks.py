@@ -18,14 +18,17 @@ from dflash_assets.settings import QualitySettings
 
 
 @dg.multi_asset_check(
-    specs=[dg.AssetCheckSpec(spec.name, asset=length_quality_report, blocking=spec.blocking, description=spec.description)
-           for spec in CHECKS],
+    specs=[
+        dg.AssetCheckSpec(spec.name, asset=length_quality_report, blocking=spec.blocking, description=spec.description)
+        for spec in CHECKS
+    ],
     description="The length-quality and data-contract checks on completions, computed in one DuckDB scan.",
     compute_kind="duckdb",
     can_subset=True,
 )
-def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir: DataDirResource,
-                               quality: QualityResource):
+def completions_quality_checks(
+    context: dg.AssetCheckExecutionContext, data_dir: DataDirResource, quality: QualityResource
+):
     # a shard's run checks that shard, a backfill's range run each of its shards, a checks-only run all shards
     if context.has_partition_key or context.has_partition_key_range:
         scopes = list(context.partition_keys)
@@ -48,9 +51,13 @@ def completions_quality_checks(context: dg.AssetCheckExecutionContext, data_dir:
             passed=not failing,
             severity=dg.AssetCheckSeverity(worst.severity),
             description=f"{where(first)}: " + worst.summary_md.split("\n", 1)[0],
-            metadata={CheckRun.SCOPE: label, CheckRun.FAILING: ", ".join(where(s) for s, _ in failing) or "none",
-                      CheckRun.FAILING_SHARDS: dg.MetadataValue.json([s for s, _ in failing if s]),
-                      CheckRun.SUMMARY: dg.MetadataValue.md(
-                          "\n\n".join(f"**{where(s)}**: {o.summary_md}" for s, o in results)),
-                      **worst.metadata},
+            metadata={
+                CheckRun.SCOPE: label,
+                CheckRun.FAILING: ", ".join(where(s) for s, _ in failing) or "none",
+                CheckRun.FAILING_SHARDS: dg.MetadataValue.json([s for s, _ in failing if s]),
+                CheckRun.SUMMARY: dg.MetadataValue.md(
+                    "\n\n".join(f"**{where(s)}**: {o.summary_md}" for s, o in results)
+                ),
+                **worst.metadata,
+            },
         )

@@ -15,5 +15,5 @@ quality_checks_schedule = dg.ScheduleDefinition(
     cron_schedule=Deployment.CHECKS_CRON.value(),
     default_status=dg.DefaultScheduleStatus.RUNNING,
     description="Runs the check suite over all materialised shards and refreshes the summary (hourly unless "
-                "DFLASH_CHECKS_CRON says otherwise). Switch it off in the UI under Automation.",
+    "DFLASH_CHECKS_CRON says otherwise). Switch it off in the UI under Automation.",
 )

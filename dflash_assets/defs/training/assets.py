@@ -16,23 +16,30 @@ from dflash_assets.settings import QualitySettings
 
 class TrainingSetConfig(dg.Config):
     config_hash: str = Field(
-        "", description="The generation config to export: a config_hash, '' for the config with the most rows, "
-                        "or 'all' for every config (ids are <prompt_id>@<config_hash>).")
+        "",
+        description="The generation config to export: a config_hash, '' for the config with the most rows, "
+        "or 'all' for every config (ids are <prompt_id>@<config_hash>).",
+    )
     drop_over_max_length: bool = Field(
-        False, description="Leave out rows longer than the trainer's max_length. Off by default: they are the "
-                           "longest answers, trainers cut them at training time, and the max_length_overflow "
-                           "check (WARN) counts them.")
+        False,
+        description="Leave out rows longer than the trainer's max_length. Off by default: they are the "
+        "longest answers, trainers cut them at training time, and the max_length_overflow "
+        "check (WARN) counts them.",
+    )
     form: str = Field(
-        "", description="'' for the trainer's format (the quality resource's trainer.format); 'conversations': "
-                        "SpecForge's {id, status, conversations} (what its validate_regenerated_data.py accepts); "
-                        "'messages': the OpenAI {id, messages}; 'pretokenized': {id, input_ids, loss_mask} from the "
-                        "stored token ids, cut at the trainer's window.")
+        "",
+        description="'' for the trainer's format (the quality resource's trainer.format); 'conversations': "
+        "SpecForge's {id, status, conversations} (what its validate_regenerated_data.py accepts); "
+        "'messages': the OpenAI {id, messages}; 'pretokenized': {id, input_ids, loss_mask} from the "
+        "stored token ids, cut at the trainer's window.",
+    )
 
 
 def most_rows_config(data_dir) -> str | None:
     with open_quality_db(data_dir) as con:
-        row = con.execute(f"SELECT config_hash FROM completions GROUP BY config_hash ORDER BY {MOST_ROWS_ORDER_SQL} "
-                          "LIMIT 1").fetchone()
+        row = con.execute(
+            f"SELECT config_hash FROM completions GROUP BY config_hash ORDER BY {MOST_ROWS_ORDER_SQL} LIMIT 1"
+        ).fetchone()
     return row[0] if row else None
 
 
@@ -44,15 +51,16 @@ def most_rows_config(data_dir) -> str | None:
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
     description="The drafter training set: rows of one config that pass every row-level gate (window-complete "
-                "rows included: cut past the trainer's window, read as whole), as SpecForge-"
-                "compatible JSONL ({id, conversations: [..., {role: assistant, content, reasoning_content}]}) or "
-                "pre-tokenized {id, input_ids, loss_mask} "
-                "plus a Parquet copy and a manifest (counts by config and source, exclusions by reason). It is not "
-                "written while a blocking check fails on that config over all shards. Deterministic: the same "
-                "inputs give byte-identical files.",
+    "rows included: cut past the trainer's window, read as whole), as SpecForge-"
+    "compatible JSONL ({id, conversations: [..., {role: assistant, content, reasoning_content}]}) or "
+    "pre-tokenized {id, input_ids, loss_mask} "
+    "plus a Parquet copy and a manifest (counts by config and source, exclusions by reason). It is not "
+    "written while a blocking check fails on that config over all shards. Deterministic: the same "
+    "inputs give byte-identical files.",
 )
-def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetConfig, data_dir: DataDirResource,
-                         quality: QualityResource) -> dg.MaterializeResult:
+def drafter_training_set(
+    context: dg.AssetExecutionContext, config: TrainingSetConfig, data_dir: DataDirResource, quality: QualityResource
+) -> dg.MaterializeResult:
     root, thresholds = data_dir.resolved(), QualitySettings.taken_from(quality)
     chosen = {"": most_rows_config(root), "all": None}.get(config.config_hash, config.config_hash)
     if config.config_hash == "" and chosen is None:
@@ -63,24 +71,32 @@ def drafter_training_set(context: dg.AssetExecutionContext, config: TrainingSetC
         raise dg.Failure(
             f"not exporting config {chosen or 'all'}: {len(failing)} blocking check(s) fail over all shards: "
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
-            metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing})
-    export = export_training_set(root, data_dir.local_dir() / "training" / (chosen or "all"), config_hash=chosen,
-                                 max_length=thresholds.trainer.max_length,
-                                 form=config.form or thresholds.trainer.format,
-                                 drop_over_max_length=config.drop_over_max_length, runaway=thresholds.runaway)
+            metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing},
+        )
+    export = export_training_set(
+        root,
+        data_dir.local_dir() / "training" / (chosen or "all"),
+        config_hash=chosen,
+        max_length=thresholds.trainer.max_length,
+        form=config.form or thresholds.trainer.format,
+        drop_over_max_length=config.drop_over_max_length,
+        runaway=thresholds.runaway,
+    )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
     excluded = "\n".join(f"- {line}" for line in exclusion_lines(manifest)) or "nothing was left out"
-    return dg.MaterializeResult(metadata={
-        TrainingSetRun.ROW_COUNT: manifest["rows"],
-        TrainingSetRun.CONFIG_HASH: chosen or "all",
-        TrainingSetRun.JSONL: dg.MetadataValue.path(str(export.jsonl_path)),
-        "parquet": dg.MetadataValue.path(str(export.parquet_path)),
-        "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),
-        "over_max_length_kept": manifest["over_max_length_kept"],
-        "window_complete_kept": manifest["window_complete_kept"],
-        "trainer": f"max_length {manifest['max_length']}, form {manifest['form']} "
-                   f"(change: {manifest['trainer']['how_to_change']})",
-        "exclusions": dg.MetadataValue.md(excluded),
-        TrainingSetRun.MANIFEST: dg.MetadataValue.json(manifest),
-    })
+    return dg.MaterializeResult(
+        metadata={
+            TrainingSetRun.ROW_COUNT: manifest["rows"],
+            TrainingSetRun.CONFIG_HASH: chosen or "all",
+            TrainingSetRun.JSONL: dg.MetadataValue.path(str(export.jsonl_path)),
+            "parquet": dg.MetadataValue.path(str(export.parquet_path)),
+            "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),
+            "over_max_length_kept": manifest["over_max_length_kept"],
+            "window_complete_kept": manifest["window_complete_kept"],
+            "trainer": f"max_length {manifest['max_length']}, form {manifest['form']} "
+            f"(change: {manifest['trainer']['how_to_change']})",
+            "exclusions": dg.MetadataValue.md(excluded),
+            TrainingSetRun.MANIFEST: dg.MetadataValue.json(manifest),
+        }
+    )
