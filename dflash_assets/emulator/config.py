@@ -72,16 +72,23 @@ _TYPED = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sglang serve",
+        usage="%(prog)s --model-path PATH [emulator options] [SGLang 0.5.23 flags]",
         description="Emulator of an SGLang 0.5.23 server (no GPU): same flags, routes, shapes and errors.",
+    )
+    # the emulator's own knobs first (what a user of the emulator comes for), SGLang's flags after them
+    emu = parser.add_argument_group("emulator options", "Knobs of the emulator itself (not SGLang flags).")
+    sglang = parser.add_argument_group(
+        "SGLang 0.5.23 flags",
+        "Accepted for compatibility with `sglang serve` (the same names, prefixes and value checks); only "
+        "--model-path, --host, --port and the capacity, reasoning and sampling flags change what the emulator does.",
     )
     for names, nargs, dest in FLAGS:
         if dest in _TYPED:
-            parser.add_argument(*names, dest=dest, **_TYPED[dest])
+            sglang.add_argument(*names, dest=dest, **_TYPED[dest])
         elif nargs == 0:
-            parser.add_argument(*names, dest=dest, action="store_true", default=None)
+            sglang.add_argument(*names, dest=dest, action="store_true", default=None)
         else:
-            parser.add_argument(*names, dest=dest, nargs=nargs)
-    emu = parser.add_argument_group("emulator", "Knobs of the emulator itself (not SGLang flags).")
+            sglang.add_argument(*names, dest=dest, nargs=nargs)
     emu.add_argument("--startup-delay", type=float, default=0.0, help="Seconds /health answers 503 (warmup).")
     emu.add_argument(
         "--health-delay",

@@ -223,6 +223,19 @@ def test_the_emulator_accepts_exactly_the_0_5_23_flags():
     assert list(FLAGS) == extract_sglang_flags(sglang_dir())
 
 
+def test_the_emulator_help_starts_with_the_emulator_and_lists_sglangs_flags_after_it_for_compatibility():
+    from dflash_assets.emulator.config import build_parser
+
+    text = build_parser().format_help()
+    usage, emulator, sglang = text.index("usage:"), text.index("emulator options:"), text.index("SGLang 0.5.23 flags:")
+    assert usage < emulator < sglang
+    assert text.splitlines()[0] == "usage: sglang serve --model-path PATH [emulator options] [SGLang 0.5.23 flags]"
+    assert "Accepted for compatibility" in text[sglang:]
+    own, theirs = text[emulator:sglang], text[sglang:]
+    assert "--fault-crash-after" in own and "--length-median" in own and "--mem-fraction-static" not in own
+    assert all(names[0] in theirs for names, _, _ in FLAGS)  # every accepted SGLang flag is still listed
+
+
 if __name__ == "__main__":
     for entry in extract_sglang_flags(sglang_dir()):
         print(f"    {entry!r},")
