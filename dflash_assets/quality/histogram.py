@@ -5,6 +5,7 @@
 import base64
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import duckdb
 import numpy as np
@@ -69,6 +70,40 @@ def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | No
     return fig
 
 
+INLINE_LIMIT = 1000  # Dagster 1.13's UI shows a Markdown value inline only under 1,000 characters (else a link)
+COMPACT_W, COMPACT_H = 240, 90  # the compact picture's size in pixels (an SVG: it scales without blur)
+
+
+def compact_markdown(configs: list[tuple[str, int | None, int, np.ndarray]], window_reach: int | None) -> str:
+    """A small SVG of the length survival (the share of rows longer than each length, per config, the first solid),
+    the caps dashed and the window's reach dotted, as a URL-encoded data URI in Markdown that stays under the UI's
+    inline limit. Fewer points a curve until it fits (the full picture is the histogram beside it)."""
+    caps = sorted({cap for _, cap, _, _ in configs if cap is not None})
+    top = max([*caps, *(int(v.max()) for *_, v in configs if len(v)), window_reach or 0, 1])
+    x = lambda v: round(v / top * (COMPACT_W - 4)) + 2  # noqa: E731
+    y = lambda s: round((1 - s) * (COMPACT_H - 4)) + 2  # noqa: E731
+    for points in (32, 20, 12, 6):
+        grid = np.linspace(0, top, points)
+        marks = "".join(f"<path d='M{x(c)} 0V{COMPACT_H}' stroke='#c33' stroke-dasharray='4'/>" for c in caps)
+        if window_reach:
+            marks += f"<path d='M{x(window_reach)} 0V{COMPACT_H}' stroke='#36c' stroke-dasharray='1 2'/>"
+        curves = "".join(
+            f"<polyline fill='none' stroke='{color}' points='"
+            + " ".join(f"{x(g)},{y(float((values > g).mean()))}" for g in grid)
+            + "'/>"
+            for (_, _, _, values), color in zip(configs[:3], ("#222", "#888", "#bbb"))
+            if len(values)
+        )
+        svg = (
+            f"<svg xmlns='http://www.w3.org/2000/svg' width='{COMPACT_W}' height='{COMPACT_H}'>"
+            f"<rect width='100%' height='100%' fill='white' stroke='#ccc'/>{marks}{curves}</svg>"
+        )
+        md = "![length survival](data:image/svg+xml," + quote(svg, safe="/:=',.") + ")"
+        if len(md) < INLINE_LIMIT:
+            return md
+    return "(too many configs for the compact picture: see completion_lengths)"
+
+
 def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str | None = None, bins: int = 64) -> Path:
     """Write the histogram PNG to `path` and return the path."""
     return write_histogram(series(data_dir, shard), path, shard, bins)
@@ -95,6 +130,9 @@ def report_and_histogram(
     the rows (the length_quality assets draw both)."""
     with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
         report, configs = length_quality_of(con, shard, max_length), series_of(con)
+        (prompt,) = con.execute("SELECT median(prompt_tokens)::BIGINT FROM completions").fetchone() or (None,)
+    # the window's reach on the completion axis, for the median prompt: a completion past it is never trained on
+    report["compact_histogram"] = compact_markdown(configs, max_length - prompt if prompt is not None else None)
     return report, write_histogram(configs, path, shard)
 
 

@@ -757,7 +757,12 @@ def _tokens(n: float) -> str:
 
 
 def _hours(h: float) -> str:
-    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.0f} min"
+    """A time in the unit that shows it: hours, minutes, seconds (an emulated demo's plan lasts seconds)."""
+    if h >= 1:
+        return f"{h:.1f} h"
+    if h * 60 >= 1:
+        return f"{h * 60:.0f} min"
+    return f"{h * 3600:.0f} s" if h * 3600 >= 1 else "under 1 s"
 
 
 def _span(e: Estimate, fmt) -> str:
@@ -785,6 +790,18 @@ def turn_markdown(plan: CapPlan) -> list[str]:
             for t in plan.by_turn
         ),
     ]
+
+
+def plan_glance(plan: CapPlan) -> str:
+    """The plan in one line, for the UI's metadata list (the table is a click away): each candidate cap's share
+    cut, measured or modelled."""
+    scope = f"config {plan.config_hash}: " if plan.config_hash else ""
+    caps = "; ".join(
+        f"{num(e.cap)}{' (now)' if e.cap == plan.cap else ''} cuts {pct(e.truncation_rate.value)}"
+        f"{'' if e.measured else ' (model)'}"
+        for e in plan.estimates
+    )
+    return f"{scope}{caps}. The whole table: cap_plan ([Show Markdown])."
 
 
 def plan_markdown(plan: CapPlan) -> str:

@@ -370,3 +370,28 @@ def test_automation_and_the_fleet_pool_are_on_their_pages(seeded, page, shots):
         "sglang_fleet",
         re.compile(rf"sglang_fleet\s*{project_pool_limit()}"),
     )
+
+
+def test_a_reports_partition_page_shows_its_compact_length_picture_at_once_and_the_full_one_with_a_click(
+    seeded, page, shots
+):
+    visit(
+        page,
+        seeded,
+        "/assets/length_quality_report?view=partitions&partition=00000",
+        shots / "11-report-00000-pictures.png",
+        "00000",
+        "pictures",
+        "length_survival",
+        "completion_lengths",
+    )
+    # the compact SVG is under the UI's inline limit: an image on the page, drawn, without a click
+    compact = page.locator('img[alt="length survival"]').first
+    compact.wait_for(state="visible")
+    assert compact.evaluate("img => img.complete && img.naturalWidth > 0"), "the compact picture did not render"
+    assert page.locator('img[alt="completion lengths"]').count() == 0  # the full one waits behind its link
+    page.locator("tr", has_text="completion_lengths").get_by_text("[Show Markdown]", exact=True).last.click()
+    full = page.locator('img[alt="completion lengths"]').first
+    full.wait_for(state="visible")
+    assert full.evaluate("img => img.complete && img.naturalWidth > 0"), "the full histogram did not render"
+    page.screenshot(path=str(shots / "12-report-00000-histogram.png"))

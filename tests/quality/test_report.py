@@ -113,6 +113,37 @@ def test_histogram_png_is_written_and_embedded_as_markdown(defects_dir, tmp_path
     assert base64.b64decode(markdown[len(prefix) : -1]) == path.read_bytes()  # same data, same picture
 
 
+def test_the_compact_picture_fits_the_uis_inline_limit_and_draws_each_configs_survival_with_its_cap(defects_dir):
+    from urllib.parse import unquote
+    from xml.etree import ElementTree
+
+    from dflash_assets.quality.histogram import INLINE_LIMIT, compact_markdown
+
+    configs = series(defects_dir)
+    markdown = compact_markdown(configs, window_reach=3000)
+    prefix = "![length survival](data:image/svg+xml,"
+    assert markdown.startswith(prefix) and len(markdown) < INLINE_LIMIT
+    target = markdown[len(prefix) : -1]
+    assert " " not in target and "(" not in target and ")" not in target  # one Markdown link target, unbroken
+    svg = ElementTree.fromstring(unquote(markdown[len(prefix) : -1]))
+    ns = "{http://www.w3.org/2000/svg}"
+    curves = svg.findall(f"{ns}polyline")
+    assert len(curves) == min(3, sum(len(v) > 0 for *_, v in configs))
+    dashed = [p for p in svg.findall(f"{ns}path") if p.get("stroke-dasharray") == "4"]
+    assert len(dashed) == len({cap for _, cap, _, _ in configs if cap is not None})  # a line per cap
+    # the first point of each curve is the share of rows longer than 0 tokens: all of them, at the top
+    (_, _, _, values), first = configs[0], curves[0].get("points").split()[0]
+    assert int(first.split(",")[1]) == round((1 - (values > 0).mean()) * 86) + 2
+    # many configs: still under the limit (fewer points a curve), never a broken picture
+    assert len(compact_markdown(configs * 4, window_reach=None)) < INLINE_LIMIT
+
+
+def test_the_cap_plans_time_column_shows_a_time_even_for_seconds():
+    from dflash_assets.quality.planner import _hours
+
+    assert [_hours(h) for h in (2.25, 0.5, 10 / 3600, 0.1 / 3600)] == ["2.2 h", "30 min", "10 s", "under 1 s"]
+
+
 def test_the_histogram_draws_a_window_policy_config_as_one_series_at_its_cap(tmp_path):
     # under --cap-policy window each row asks the window's rest after its own prompt: 40 prompt lengths, 40 row caps
     rng = random.Random(5)

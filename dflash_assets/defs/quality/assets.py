@@ -20,6 +20,13 @@ def _table(rows: list[dict], columns: list[str]) -> str:
     return head + "\n".join("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows)
 
 
+PICTURES = (
+    "length_survival (below, inline): the share of rows longer than each completion length, per config; the cap "
+    "dashed red, the window's reach for the median prompt dotted blue. completion_lengths ([Show Markdown]): the "
+    "full histogram of completion lengths per config with each cap marked."
+)
+
+
 def report_metadata(report: dict, png: bytes) -> dict:
     """The figures a person reads first, then the breakdowns, then the picture."""
     stats = [
@@ -38,6 +45,10 @@ def report_metadata(report: dict, png: bytes) -> dict:
     return {
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
+        # Dagster 1.13 has no image metadata and shows Markdown inline only under 1,000 characters: a compact SVG
+        # shows at a glance, the full histogram opens with one click ([Show Markdown])
+        "pictures": PICTURES,
+        "length_survival": dg.MetadataValue.md(report["compact_histogram"]),
         "truncated_rows": report["truncated_rows"],
         ReportRun.TRUNCATION_RATE: pct(report["truncation_rate"]),
         # against the trainer's window: the blocking share, and the cut rows the trainer reads whole (exported)
@@ -122,7 +133,7 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
 def length_quality_summary(
     context: dg.AssetExecutionContext, data_dir: DataDirResource, quality: QualityResource
 ) -> dg.MaterializeResult:
-    from dflash_assets.quality.planner import PlanError, plan_caps, plan_markdown, turn_markdown
+    from dflash_assets.quality.planner import PlanError, plan_caps, plan_glance, plan_markdown, turn_markdown
     from dflash_assets.quality.planner_plot import cap_plan_png
     from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
@@ -175,6 +186,7 @@ def length_quality_summary(
         picture = data_dir.local_dir() / "reports" / "cap_plan.png"
         picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at)))
         advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
+        metadata["cap_plan_at_a_glance"] = plan_glance(plan)
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
         if plan.by_turn:  # all_turns: the same view on its own, for the run page's metadata list
             metadata["cap_plan_by_turn"] = dg.MetadataValue.md("\n".join(turn_markdown(plan)).strip())
