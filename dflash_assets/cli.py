@@ -274,8 +274,8 @@ def _report(args: argparse.Namespace) -> int:
     from dflash_assets.quality.console import console_for_output, print_answers, verbatim
 
     console = console_for_output()
-    thresholds = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
-    answers = print_answers(data_dir, console, thresholds)
+    quality = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
+    answers = print_answers(data_dir, console, quality)
     pictures = _report_pictures(data_dir, answers)
     for picture in pictures:
         verbatim(console, f"picture: {picture}")
@@ -285,7 +285,7 @@ def _report(args: argparse.Namespace) -> int:
         for picture in pictures:
             webbrowser.open(picture.resolve().as_uri())
     console.print()
-    print_report(data_dir, console, thresholds=thresholds)
+    print_report(data_dir, console, quality=quality)
     return 0
 
 

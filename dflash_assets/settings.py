@@ -209,7 +209,8 @@ class GenerationSettings(Settings):
         return self.trainer_max_length if self.windowed else None
 
     def request_cap(self, prompt_tokens: int) -> int:
-        """max_output_tokens of one request: the cap, or under the window policy the window's rest (rules.py)."""
+        """The request's cap (a row's max_output_tokens): the config's cap, or under the window policy the window's
+        rest (rules.py)."""
         if not self.windowed:
             return self.max_output_tokens
         return window_cap(self.max_output_tokens, self.trainer_max_length, prompt_tokens, self.overshoot)
@@ -227,14 +228,16 @@ class GenerationSettings(Settings):
         """Every sampling parameter, as both routes take them (chat body fields, /generate sampling_params)."""
         return {name: getattr(self, name) for name in SAMPLING_PARAMS}
 
-    def chat_body(self, model: str, messages: list[dict], token_ids: bool = False, cap: int | None = None) -> dict:
-        """The chat request; `cap` is this request's own max_output_tokens (request_cap), default the cap."""
+    def chat_body(
+        self, model: str, messages: list[dict], token_ids: bool = False, request_cap: int | None = None
+    ) -> dict:
+        """The chat request; `request_cap` is this request's own cap (request_cap()), default the config's cap."""
         extra = {"return_token_ids": True} if token_ids else {}
         return {
             **extra,
             "model": model,
             "messages": messages,
-            "max_completion_tokens": self.max_output_tokens if cap is None else cap,
+            "max_completion_tokens": self.max_output_tokens if request_cap is None else request_cap,
             **self.sampling(),
             "chat_template_kwargs": self.template_kwargs(),
             "separate_reasoning": True,
@@ -393,20 +396,22 @@ class QualitySettings(Settings):
     cap_saturation_percentile: float = Field(
         0.99, description="cap_saturation fails when this percentile of completion_tokens reaches the cap."
     )
-    cap_mismatch_rate_max: float = Field(
+    cap_hit_agreement_rate_max: float = Field(
         0.0, description="Rows where 'at the cap' and finish_reason 'length' disagree."
     )
     silent_clamp_rate_max: float = Field(
         0.0, description="Rows that finished 'length' below their own max_output_tokens."
     )
     context_overflow_rate_max: float = Field(0.0, description="Completion rows generated with prompt + cap > context.")
-    overflow_reject_rate_max: float = Field(
+    context_overflow_reject_rate_max: float = Field(
         0.01, description="Prompts of a config rejected because prompt + cap > context."
     )
-    missing_rate_max: float = Field(0.0, description="Accounting: prompts with no completion, reject or failure row.")
-    duplicate_rate_max: float = Field(0.0, description="Extra rows on (prompt_id, config_hash).")
+    accounting_rate_max: float = Field(
+        0.0, description="Accounting: prompts with no completion, reject or failure row."
+    )
+    duplicates_rate_max: float = Field(0.0, description="Extra rows on (prompt_id, config_hash).")
     empty_content_rate_max: float = Field(0.0, description="Rows with an empty answer.")
-    think_marker_rate_max: float = Field(0.0, description="Rows with a think marker leaked into the answer.")
+    think_markers_rate_max: float = Field(0.0, description="Rows with a think marker leaked into the answer.")
     reasoning_misrouted_rate_max: float = Field(
         0.0, description="enable_thinking rows whose reasoning did not reach reasoning_content."
     )
@@ -416,7 +421,7 @@ class QualitySettings(Settings):
         description="The drafter trainer: its window max_length (what the checks judge "
         "truncation against) and the export form.",
     )
-    past_window_rate_max: float = Field(
+    window_complete_rate_max: float = Field(
         0.02,
         description="window_complete warns above this share of decoded tokens past the trainer's window: "
         "GPU time no training step reads.",

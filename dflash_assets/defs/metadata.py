@@ -11,14 +11,14 @@ def keys(group: type) -> set[str]:
     return {v for k, v in vars(group).items() if k.isupper()}
 
 
-class ShardRun:
+class ShardRunKeys:
     """What `completions` records per shard (defs/completions/assets.py shard_metadata), read back by the demo's
     table (demo/run.py) and the cap plan's throughput (defs/quality/assets.py fleet_throughput)."""
 
     ROW_COUNT = "dagster/row_count"  # all_turns: a row per turn; COMPLETED counts conversations
     CONFIG_HASH = "config_hash"
     MODEL = "model"
-    MAX_OUTPUT_TOKENS = "max_output_tokens"
+    CONFIG_CAP = "config_cap"  # the config's cap (GenerationSettings.max_output_tokens)
     PROMPTS = "prompts"
     COMPLETED = "completed"
     ALREADY_DONE = "already_done"
@@ -36,7 +36,7 @@ class ShardRun:
     FLEET_TUNING = "fleet_tuning"  # the run's /v1/loads advice, on each shard of the run
 
 
-class CheckRun:
+class CheckKeys:
     """What each quality check result carries (defs/quality/checks.py), read back by the demo (demo/run.py)."""
 
     SCOPE = "scope"  # for people: the shards checked, or "all shards"
@@ -45,7 +45,7 @@ class CheckRun:
     SUMMARY = "summary"
 
 
-class PromptShardRun:
+class PromptShardKeys:
     """What `prompt_shards` records per shard (defs/prompts/assets.py), read back by the demo's table."""
 
     ROW_COUNT = "dagster/row_count"
@@ -54,7 +54,7 @@ class PromptShardRun:
     REJECTED = "rejected"
 
 
-class ReportRun:
+class ReportKeys:
     """What `length_quality_report` records per shard (defs/quality/assets.py report_metadata), read back by the
     demo's table."""
 
@@ -63,7 +63,7 @@ class ReportRun:
     P50, P90, P99 = "p50", "p90", "p99"
 
 
-class ContinueRun:
+class ContinuationKeys:
     """What `continued_completions` records per shard (defs/continuation/assets.py), read back by `dflash
     continue`'s table (demo/run.py)."""
 
@@ -76,7 +76,7 @@ class ContinueRun:
     SAVED_SHARE = "saved_share"
 
 
-class TrainingSetRun:
+class TrainingSetKeys:
     """What `drafter_training_set` records (defs/training/assets.py), read back by the demo's last lines."""
 
     ROW_COUNT = "dagster/row_count"

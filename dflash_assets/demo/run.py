@@ -29,7 +29,14 @@ from dflash_assets.definitions import defs
 from dflash_assets.defs import pools
 from dflash_assets.defs.completions.jobs import shard_pipeline_job
 from dflash_assets.defs.continuation.jobs import continue_job
-from dflash_assets.defs.metadata import CheckRun, ContinueRun, PromptShardRun, ReportRun, ShardRun, TrainingSetRun
+from dflash_assets.defs.metadata import (
+    CheckKeys,
+    ContinuationKeys,
+    PromptShardKeys,
+    ReportKeys,
+    ShardRunKeys,
+    TrainingSetKeys,
+)
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
 from dflash_assets.defs.prompts.sensors import missing_shards
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
@@ -95,7 +102,7 @@ class Window:
     def resources(self) -> dict:
         return {"quality": {"config": {"trainer": {"max_length": self.trainer_max_length}}}}
 
-    def thresholds(self):
+    def quality(self):
         from dflash_assets.settings import QualitySettings
 
         return QualitySettings(trainer=TrainerSettings(max_length=self.trainer_max_length))
@@ -255,29 +262,29 @@ def run_shards(
                 no_figures += [shard for shard in chunk if shard not in comp]
             for shard in chunk:
                 s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
-                failing = [e for e in checks if not e.passed and shard in e.metadata[CheckRun.FAILING_SHARDS].value]
+                failing = [e for e in checks if not e.passed and shard in e.metadata[CheckKeys.FAILING_SHARDS].value]
                 for e in failing:
                     failed_checks.setdefault(f"{e.check_name} ({e.severity.value})", []).append(shard)
                     if e.blocking and e.severity == dg.AssetCheckSeverity.ERROR:
                         stops.checks.setdefault(e.check_name, []).append(shard)
-                if c.get(ShardRun.CONFIG_HASH):
-                    stops.config_hashes.add(c[ShardRun.CONFIG_HASH])
+                if c.get(ShardRunKeys.CONFIG_HASH):
+                    stops.config_hashes.add(c[ShardRunKeys.CONFIG_HASH])
                 rejected = (
-                    s.get(PromptShardRun.REJECTED, 0)
-                    + c.get(ShardRun.REJECTED_PREFLIGHT, 0)
-                    + c.get(ShardRun.REJECTED_SERVER, 0)
+                    s.get(PromptShardKeys.REJECTED, 0)
+                    + c.get(ShardRunKeys.REJECTED_PREFLIGHT, 0)
+                    + c.get(ShardRunKeys.REJECTED_SERVER, 0)
                 )
                 table.add_row(
                     shard,
-                    str(s.get(PromptShardRun.LINES, "-")),
+                    str(s.get(PromptShardKeys.LINES, "-")),
                     str(rejected),
-                    str(c.get(ShardRun.PROMPTS, "-")),
-                    str(c.get(ShardRun.COMPLETED, "-")),
-                    str(c[ShardRun.COMPLETED] - c[ShardRun.ALREADY_DONE]) if c else "-",
-                    str(c.get(ShardRun.FAILED, "-")),
-                    str(r.get(ReportRun.TRUNCATION_RATE, "-")),
-                    str(r.get(ReportRun.CUT_INSIDE_WINDOW_RATE, "-")),
-                    *(str(r.get(k, "-")) for k in (ReportRun.P50, ReportRun.P90, ReportRun.P99)),
+                    str(c.get(ShardRunKeys.PROMPTS, "-")),
+                    str(c.get(ShardRunKeys.COMPLETED, "-")),
+                    str(c[ShardRunKeys.COMPLETED] - c[ShardRunKeys.ALREADY_DONE]) if c else "-",
+                    str(c.get(ShardRunKeys.FAILED, "-")),
+                    str(r.get(ReportKeys.TRUNCATION_RATE, "-")),
+                    str(r.get(ReportKeys.CUT_INSIDE_WINDOW_RATE, "-")),
+                    *(str(r.get(k, "-")) for k in (ReportKeys.P50, ReportKeys.P90, ReportKeys.P99)),
                     f"{len(checks) - len(failing)}/{len(checks)}",
                 )
             if not result.success:
@@ -339,19 +346,17 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
     if not stops.checks or stops.errors:
         return stops.exit_status()
     root = data_dir().resolved()
-    thresholds = window.thresholds()
+    quality = window.quality()
     for config_hash in sorted(stops.config_hashes):
         outcomes = [
-            o
-            for o in run_checks(root, config_hash=config_hash, thresholds=thresholds, names=stops.checks)
-            if not o.passed
+            o for o in run_checks(root, config_hash=config_hash, quality=quality, names=stops.checks) if not o.passed
         ]
         for o in outcomes:
             headline = re.sub(r"[*`]", "", o.summary_md.split("\n\n")[0])
             say(
                 f"[red]Stopped by the blocking check {o.name}[/] (shards {', '.join(stops.checks[o.name])}): {headline}"
             )
-        answers = cap_answers(root, thresholds, config_hash)
+        answers = cap_answers(root, quality, config_hash)
         if not answers or "truncation_rate" not in stops.checks:
             say(
                 "Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
@@ -385,7 +390,7 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
 
     for config_hash in sorted(stops.config_hashes):
         (o,) = run_checks(
-            data_dir().resolved(), config_hash=config_hash, thresholds=window.thresholds(), names=["window_complete"]
+            data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["window_complete"]
         )
         m = o.metadata
         if not m["window_complete_rows"] and not m["decoded_past_window_tokens"]:
@@ -436,7 +441,7 @@ def run_demo(
         )
         if export.success:
             meta = next(iter(_meta(export, "drafter_training_set").values()))
-            t = TrainingSetRun
+            t = TrainingSetKeys
             verbatim(
                 console,
                 f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
@@ -567,7 +572,7 @@ def run_continue(
             if not m:
                 table.add_row(shard, *"------")
                 continue
-            k = ContinueRun
+            k = ContinuationKeys
             stops.config_hashes.add(m[k.CONFIG_HASH])
             reused += m[k.TOKENS_REUSED]
             total += m[k.TOKENS_REUSED] + m[k.TOKENS_GENERATED]
@@ -590,7 +595,7 @@ def run_continue(
             highlight=False,
         )
     for config_hash in sorted(stops.config_hashes):
-        for answer in cap_answers(data_dir().resolved(), window.thresholds(), config_hash):
+        for answer in cap_answers(data_dir().resolved(), window.quality(), config_hash):
             print_answer(answer, console)
     if stops.preflight:
         console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)

@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from dflash_assets.generation.plan import ShardRun
+from dflash_assets.generation.plan import ShardResult
 from dflash_assets.generation.slots import Slot
 from dflash_assets.rules import stopped_early
 from dflash_assets.store.parts import PartStore
@@ -26,7 +26,7 @@ def generated_tokens(row: dict) -> int:
 class ShardOutput:
     """Where one shard's results go, what has not been committed yet, and the shard's own figures."""
 
-    run: ShardRun
+    run: ShardResult
     store: PartStore
     server_rejects: PartStore
     turn_rejects: PartStore | None = None  # a later turn's preflight rejects (all_turns), committed as parts

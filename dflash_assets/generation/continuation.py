@@ -44,7 +44,7 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.engine import window_columns
-from dflash_assets.generation.plan import ShardRun, preflight, prompt_batches, reject_row
+from dflash_assets.generation.plan import ShardResult, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.send import Dispatch, watch_of
@@ -79,7 +79,7 @@ PLAN_COLUMNS = {
 
 
 @dataclass
-class ContinuationRun(ShardRun):
+class ContinuationResult(ShardResult):
     """What continuing one shard did; `prompts == completed + rejected + failed + left` for the new config."""
 
     parent_config_hash: str = ""
@@ -160,20 +160,20 @@ def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
     """The parent's GenerationSettings, rebuilt from what its rows record and checked against its hash."""
     first = plan[0]
     recorded = {k: first[k] for k in SAMPLING_PARAMS if first.get(k) is not None}
-    config = GenerationSettings(
+    generation = GenerationSettings(
         **({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
         enable_thinking=first["enable_thinking"],
         **recorded,
     )
-    if config.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
+    if generation.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
         raise SettingsError(
-            f"config {parent} cannot be rebuilt from its rows ({config}, model {first['model']!r} "
-            f"hash to {config.config_hash(first['model'])}); it cannot be continued"
+            f"config {parent} cannot be rebuilt from its rows ({generation}, model {first['model']!r} "
+            f"hash to {generation.config_hash(first['model'])}); it cannot be continued"
         )
-    return config
+    return generation
 
 
-def _copied(row: dict, config_hash: str, config: GenerationSettings) -> dict:
+def _copied(row: dict, config_hash: str, generation: GenerationSettings) -> dict:
     """A stopped row is complete at any larger cap: the same completion, recorded under the new config (with the
     cap its request would have had there).
 
@@ -181,8 +181,8 @@ def _copied(row: dict, config_hash: str, config: GenerationSettings) -> dict:
     return {
         **row,
         "config_hash": config_hash,
-        "max_output_tokens": config.request_cap(row["prompt_tokens"]),
-        **window_columns(config),
+        "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
+        **window_columns(generation),
         "parent_config_hash": row["config_hash"],
         "tokens_reused": row["completion_tokens"],
     }
@@ -194,7 +194,7 @@ def _continued(
     slot: Slot,
     reasoning: Reasoning,
     config_hash: str,
-    config: GenerationSettings,
+    generation: GenerationSettings,
     attempt: int,
     latency: float,
     text: str,
@@ -211,8 +211,8 @@ def _continued(
         **row,
         "config_hash": config_hash,
         "finish_reason": finish["type"],
-        "max_output_tokens": config.request_cap(row["prompt_tokens"]),
-        **window_columns(config),
+        "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
+        **window_columns(generation),
         "completion_tokens": len(ids),
         "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
         "server_context_length": slot.info.context_length,
@@ -246,7 +246,7 @@ async def _by_text(
     attempt: int,
     reasoning: Reasoning,
     messages_json: str,
-    config: GenerationSettings,
+    generation: GenerationSettings,
     config_hash: str,
     drift: list[int],
     watch: Watch | None = None,
@@ -256,9 +256,9 @@ async def _by_text(
     import json
 
     raw = _raw_text_without_ids(row, reasoning)
-    body = config.chat_body(slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
+    body = generation.chat_body(slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
     body |= {
-        "max_completion_tokens": config.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
+        "max_completion_tokens": generation.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
         "continue_final_message": True,
         "separate_reasoning": False,
     }
@@ -276,8 +276,8 @@ async def _by_text(
         **row,
         "config_hash": config_hash,
         "finish_reason": choice["finish_reason"],
-        "max_output_tokens": config.request_cap(row["prompt_tokens"]),
-        **window_columns(config),
+        "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
+        **window_columns(generation),
         "completion_tokens": row["completion_tokens"] + new,
         "reasoning_tokens": (row["reasoning_tokens"] or 0) + (0 if closed_before else new_reasoning),
         "server_context_length": slot.info.context_length,
@@ -302,20 +302,20 @@ async def continue_shard(
     fleet: Fleet,
     parent_config_hash: str,
     new_cap: int,
-    settings: DispatchSettings = DispatchSettings(),
+    dispatch: DispatchSettings = DispatchSettings(),
     *,
     log: Callable[[str], None] = print,
     to_window: int | None = None,
     runaway: RunawaySettings | None = None,
-) -> ContinuationRun:
+) -> ContinuationResult:
     """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows.
 
     `to_window`: the parent is a window-policy config; continue it to this larger trainer window instead (each row
     to its own request cap there; `new_cap` is then ignored). With `settings.stream`, every request is streamed and
     watched (stalls, and loops by the `runaway` rules)."""
     data_dir = open_storage(data_dir)
-    settings.validate()
-    watch = watch_of(settings, runaway)
+    dispatch.validate()
+    watch = watch_of(dispatch, runaway)
     started = time.monotonic()
     prompts = prompt_store(data_dir, shard)
     store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
@@ -340,8 +340,8 @@ async def continue_shard(
                 raise SettingsError(
                     f"new window {to_window} must be larger than the parent's window {parent.trainer_max_length}"
                 )
-            config = parent.model_copy(update={"trainer_max_length": to_window})
-            new_cap = config.max_output_tokens
+            generation = parent.model_copy(update={"trainer_max_length": to_window})
+            new_cap = generation.max_output_tokens
         elif new_cap <= parent.max_output_tokens:
             raise SettingsError(f"new cap {new_cap} must be larger than the parent's cap {parent.max_output_tokens}")
         if fleet.model != plan[0]["model"]:
@@ -355,15 +355,15 @@ async def continue_shard(
                 f"the way {', '.join(str(p) for p in PARSERS)} split it"
             )
         if to_window is None:
-            config = parent.model_copy(update={"max_output_tokens": new_cap})
-        config_hash = config.config_hash(fleet.model)
+            generation = parent.model_copy(update={"max_output_tokens": new_cap})
+        config_hash = generation.config_hash(fleet.model)
         # a file name of our own, so a generation run's rejects and failures of the same config are never replaced
         own_file = f"{config_hash}-from-{parent_config_hash}.parquet"
-        run = ContinuationRun(
+        run = ContinuationResult(
             shard,
             config_hash,
             fleet.model,
-            notes=check_fleet(fleet.infos, config.enable_thinking),
+            notes=check_fleet(fleet.infos, generation.enable_thinking),
             parent_config_hash=parent_config_hash,
             parent_cap=parent.max_output_tokens,
             new_cap=new_cap,
@@ -393,15 +393,15 @@ async def continue_shard(
             r["line"] = lines.get(r["prompt_id"])
             r["prompt_tokens"] = r["n_prompt_ids"] or r["prompt_tokens"]  # exact when the ids are there
         over = {
-            r["prompt_id"]: reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length)
-            for r, problem in preflight(exact, budget, config if config.windowed else new_cap)
+            r["prompt_id"]: reject_row(r, "preflight", problem, generation, config_hash, shard, budget.context_length)
+            for r, problem in preflight(exact, budget, generation)
         }
         preflight_rejects.replace(list(over.values()), own_file)
         # a cut row whose request would not grow (the window policy's cap reached already) stays as it is: copied
         grows = {
             r["prompt_id"]
             for r in exact
-            if config.request_cap(r["prompt_tokens"]) > (r["n_output_ids"] or r["completion_tokens"] or 0)
+            if generation.request_cap(r["prompt_tokens"]) > (r["n_output_ids"] or r["completion_tokens"] or 0)
         }
         copies = {
             r["prompt_id"]
@@ -420,8 +420,8 @@ async def continue_shard(
             f"a generation run), {len(over)} rejected in preflight"
         )
 
-        for batch in rows_of(store, parent_config_hash, wanted=copies, batch_size=settings.commit_rows):
-            store.commit([_copied(r, config_hash, config) for r in batch])
+        for batch in rows_of(store, parent_config_hash, wanted=copies, batch_size=dispatch.commit_rows):
+            store.commit([_copied(r, config_hash, generation) for r in batch])
             run.copied += len(batch)
 
         # whether a parent's output closed its thought is read from its ids: </think> as the server tokenizes it
@@ -437,30 +437,30 @@ async def continue_shard(
 
         async def send(row: dict, slot: Slot, attempt: int) -> dict:
             reasoning = Reasoning.of(
-                slot.info.reasoning_parser, config.enable_thinking, end_ids, slot.info.always_thinks
+                slot.info.reasoning_parser, generation.enable_thinking, end_ids, slot.info.always_thinks
             )
             if row["output_ids"] is None:
                 return await _by_text(
-                    row, slot, attempt, reasoning, messages[row["prompt_id"]], config, config_hash, drift, watch
+                    row, slot, attempt, reasoning, messages[row["prompt_id"]], generation, config_hash, drift, watch
                 )
             # the rest of the new cap: new_cap - old_cap for a row cut at its cap, and a row the server clamped
             # short of its cap still ends where a fresh run at the new cap would
             sampling = {
-                "max_new_tokens": config.request_cap(row["prompt_tokens"]) - len(row["output_ids"]),
-                **config.sampling(),
+                "max_new_tokens": generation.request_cap(row["prompt_tokens"]) - len(row["output_ids"]),
+                **generation.sampling(),
             }
             t0 = time.monotonic()
             resp = await slot.client.generate(
                 {"input_ids": row["prompt_token_ids"] + row["output_ids"], "sampling_params": sampling}, watch
             )
             text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
-            return _continued(row, resp, slot, reasoning, config_hash, config, attempt, time.monotonic() - t0, text)
+            return _continued(row, resp, slot, reasoning, config_hash, generation, attempt, time.monotonic() - t0, text)
 
         def refuse(row: dict, reason: str, context: int) -> dict:
-            return reject_row(row, "server", reason, config, config_hash, shard, context)
+            return reject_row(row, "server", reason, generation, config_hash, shard, context)
 
         output = ShardOutput(run, store, server_rejects)
-        await Dispatch(fleet, settings, {shard: output}, send, refuse, log).run(to_send(), len(to_continue))
+        await Dispatch(fleet, dispatch, {shard: output}, send, refuse, log).run(to_send(), len(to_continue))
         output.close(failures, own_file)
         run.continued = sum(s["completed"] for s in run.servers.values())
         if drift:
@@ -476,7 +476,7 @@ async def continue_shard(
 
 
 def _account(
-    run: ContinuationRun, data_dir: Storage, shard: str, store: PartStore, prompt_ids: set[str], failed: list[dict]
+    run: ContinuationResult, data_dir: Storage, shard: str, store: PartStore, prompt_ids: set[str], failed: list[dict]
 ) -> None:
     """The new config's figures from what is committed, each prompt in the first class that applies."""
     h = run.config_hash

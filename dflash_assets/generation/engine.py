@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
-from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardRun, plan_remaining, plan_shard, reject_row
+from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan_remaining, plan_shard, reject_row
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.generation.send import Dispatch, watch_of
@@ -34,7 +34,7 @@ from dflash_assets.store.stores import committed_ids, completion_store, failure_
 # the engine's public names, wherever they are defined
 __all__ = [
     "OVERFLOW_FAIL_SHARE",
-    "ShardRun",
+    "ShardResult",
     "committed_ids",
     "completion_store",
     "failure_store",
@@ -50,7 +50,7 @@ def row_of(
     prompt: dict,
     resp: dict,
     slot: Slot,
-    config: GenerationSettings,
+    generation: GenerationSettings,
     config_hash: str,
     shard: str,
     attempt: int,
@@ -71,13 +71,13 @@ def row_of(
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
         "reasoning_tokens": reasoning_tokens or 0,
-        "max_output_tokens": config.max_output_tokens if cap is None else cap,
-        **window_columns(config),
+        "max_output_tokens": generation.max_output_tokens if cap is None else cap,
+        **window_columns(generation),
         "server_context_length": slot.info.context_length,
         "server_url": slot.url,
         "model": slot.info.model,
-        **config.sampling(),
-        "enable_thinking": config.enable_thinking,
+        **generation.sampling(),
+        "enable_thinking": generation.enable_thinking,
         "content": choice["message"].get("content") or "",
         "reasoning_content": choice["message"].get("reasoning_content"),
         "latency_s": latency,
@@ -91,12 +91,12 @@ def row_of(
     }
 
 
-def window_columns(config: GenerationSettings) -> dict:
+def window_columns(generation: GenerationSettings) -> dict:
     """What a row records of the window policy: the config's cap and the window (null under a fixed cap)."""
-    windowed = config.windowed
+    windowed = generation.windowed
     return {
-        "policy_cap": config.max_output_tokens if windowed else None,
-        "trainer_max_length": config.trainer_max_length if windowed else None,
+        "policy_cap": generation.max_output_tokens if windowed else None,
+        "trainer_max_length": generation.trainer_max_length if windowed else None,
     }
 
 
@@ -104,14 +104,14 @@ async def generate_shards(
     data_dir: str | Path,
     shards: list[str],
     fleet: Fleet,
-    config: GenerationSettings,
-    settings: DispatchSettings = DispatchSettings(),
+    generation: GenerationSettings,
+    dispatch: DispatchSettings = DispatchSettings(),
     *,
     preflight_policy: str = "reject",
     log: Callable[[str], None] = print,
     on_answer: Callable[[int, int], None] | None = None,
     runaway: RunawaySettings | None = None,
-) -> list[ShardRun]:
+) -> list[ShardResult]:
     """Generate several shards (a backfill's range) through ONE dispatcher, in order.
 
     The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
@@ -120,25 +120,25 @@ async def generate_shards(
     `settings.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
     """
     data_dir = open_storage(data_dir)
-    config.validate()
-    settings.validate()
+    generation.validate()
+    dispatch.validate()
     if preflight_policy not in ("reject", "fail"):
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
-    fleet_notes = check_fleet(fleet.infos, config.enable_thinking)
+    fleet_notes = check_fleet(fleet.infos, generation.enable_thinking)
     missing = [s for s in shards if not prompt_store(data_dir, s).parts()]
     if missing:
         raise FileNotFoundError(
             f"shard(s) {', '.join(missing)} have no prompt_shards file under {data_dir}; "
             f"materialise prompt_shards for them first"
         )
-    model, config_hash = fleet.model, config.config_hash(fleet.model)
-    all_turns = config.regenerate == "all_turns"
+    model, config_hash = fleet.model, generation.config_hash(fleet.model)
+    all_turns = generation.regenerate == "all_turns"
     with ExitStack() as locks:
         plans = []
         for shard in shards:  # every shard is planned (and preflighted) before anything is sent
             locks.enter_context(completion_store(data_dir, shard).lock())
             plan = plan_conversations if all_turns else plan_shard
-            plans.append(await plan(data_dir, shard, fleet, config, settings, preflight_policy, log))
+            plans.append(await plan(data_dir, shard, fleet, generation, dispatch, preflight_policy, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
         outputs = {
             p.run.shard: ShardOutput(
@@ -150,39 +150,39 @@ async def generate_shards(
             for p in plans
         }
 
-        token_ids = stores_token_ids(settings.store_token_ids, config.cap_policy)
+        token_ids = stores_token_ids(dispatch.store_token_ids, generation.cap_policy)
 
         def make_row(prompt: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> dict:
             return row_of(
                 prompt,
                 resp,
                 slot,
-                config,
+                generation,
                 config_hash,
                 prompt["shard"],
                 attempt,
                 latency,
-                config.request_cap(prompt["prompt_tokens"]),
+                generation.request_cap(prompt["prompt_tokens"]),
             )
 
-        watch = watch_of(settings, runaway)
+        watch = watch_of(dispatch, runaway)
 
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
             messages = last_turn_request(json.loads(prompt["messages_json"]))
-            body = config.chat_body(model, messages, token_ids, config.request_cap(prompt["prompt_tokens"]))
+            body = generation.chat_body(model, messages, token_ids, generation.request_cap(prompt["prompt_tokens"]))
             t0 = time.monotonic()
             resp = await slot.client.chat(body, watch)
             return make_row(prompt, resp, slot, attempt, time.monotonic() - t0)
 
         def refuse(prompt: dict, reason: str, context: int) -> dict:
-            return reject_row(prompt, "server", reason, config, config_hash, prompt["shard"], context)
+            return reject_row(prompt, "server", reason, generation, config_hash, prompt["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        turns = turn_sender(fleet, config, token_ids, make_row, watch) if all_turns else None
+        turns = turn_sender(fleet, generation, token_ids, make_row, watch) if all_turns else None
         dispatch = (
-            Dispatch(fleet, settings, outputs, turns, refuse, log, follow_up=next_turn, on_answer=on_answer)
+            Dispatch(fleet, dispatch, outputs, turns, refuse, log, follow_up=next_turn, on_answer=on_answer)
             if all_turns
-            else Dispatch(fleet, settings, outputs, send, refuse, log, on_answer=on_answer)
+            else Dispatch(fleet, dispatch, outputs, send, refuse, log, on_answer=on_answer)
         )
         await dispatch.run(items, sum(len(p.todo) for p in plans))
         for output in outputs.values():
@@ -198,21 +198,21 @@ async def generate_shard(
     data_dir: str | Path,
     shard: str,
     fleet: Fleet,
-    config: GenerationSettings,
-    settings: DispatchSettings = DispatchSettings(),
+    generation: GenerationSettings,
+    dispatch: DispatchSettings = DispatchSettings(),
     *,
     preflight_policy: str = "reject",
     log: Callable[[str], None] = print,
     on_answer: Callable[[int, int], None] | None = None,
     runaway: RunawaySettings | None = None,
-) -> ShardRun:
+) -> ShardResult:
     """Generate the completions of one shard (see generate_shards)."""
     [run] = await generate_shards(
         data_dir,
         [shard],
         fleet,
-        config,
-        settings,
+        generation,
+        dispatch,
         preflight_policy=preflight_policy,
         log=log,
         on_answer=on_answer,

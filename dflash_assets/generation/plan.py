@@ -26,7 +26,7 @@ PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
 
 
 @dataclass
-class ShardRun:
+class ShardResult:
     """What a run of one shard did; `prompts == completed + rejected + failed` once it has finished.
 
     Every figure is this shard's own: its notes, its servers' share of its rows, its time from its first
@@ -65,7 +65,7 @@ class ShardRun:
 
 
 def reject_row(
-    prompt: dict, stage: str, reason: str, config: GenerationSettings, config_hash: str, shard: str, context: int
+    prompt: dict, stage: str, reason: str, generation: GenerationSettings, config_hash: str, shard: str, context: int
 ) -> dict:
     """A row of the rejects table for one prompt of this config (stage "preflight" or "server"), with the cap
     its request had (its own under the window policy)."""
@@ -78,7 +78,7 @@ def reject_row(
         "config_hash": config_hash,
         "reason": reason,
         "prompt_tokens": tokens,
-        "max_output_tokens": config.request_cap(tokens) if tokens is not None else config.max_output_tokens,
+        "max_output_tokens": generation.request_cap(tokens) if tokens is not None else generation.max_output_tokens,
         "server_context_length": context,
         "created_at": datetime.now(UTC),
         "turn": prompt.get("turn"),
@@ -116,37 +116,33 @@ async def recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwar
 
 
 def preflight(
-    rows: list[dict], budget: Budget, cap: int | GenerationSettings, policy: str = "reject"
+    rows: list[dict], budget: Budget, generation: GenerationSettings, policy: str = "reject"
 ) -> list[tuple[dict, str]]:
-    """(row, why) for every row whose prompt_tokens + cap the fleet cannot honour; `cap` is one cap, or a config
-    whose request_cap gives each row its own (the window policy), and whose window refuses a prompt that fills it.
+    """(row, why) for every row whose prompt_tokens + request cap the fleet cannot honour: each row's request cap is
+    `generation.request_cap` (its own under the window policy), and the window refuses a prompt that fills it.
 
     Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow:
     then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts. A prompt that fills
     the window is the prompt's fault, not the fleet's: it never counts towards that share."""
-    config = cap if isinstance(cap, GenerationSettings) else None
-    cap_of = config.request_cap if config else (lambda _tokens: cap)
-    full = [(r, problem) for r in rows if config and (problem := config.window_problem(r["prompt_tokens"]))]
+    full = [(r, problem) for r in rows if (problem := generation.window_problem(r["prompt_tokens"]))]
     refused = {id(r) for r, _ in full}
     over = [
         (r, problem)
         for r in rows
-        if id(r) not in refused and (problem := budget.problem(r["prompt_tokens"], cap_of(r["prompt_tokens"])))
+        if id(r) not in refused
+        and (problem := budget.problem(r["prompt_tokens"], generation.request_cap(r["prompt_tokens"])))
     ]
-    cap = config.max_output_tokens if config else cap
     if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
-        raise overflow_error(budget, cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
+        config_cap = generation.max_output_tokens
+        raise overflow_error(budget, config_cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
     return full + over
-    if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
-        raise overflow_error(budget, cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
-    return over
 
 
 @dataclass
 class ShardPlan:
     """One shard, planned under its lock: its figures so far, and what is left to send."""
 
-    run: ShardRun
+    run: ShardResult
     prompts: PartStore
     todo: dict[str, dict]
 
@@ -163,14 +159,14 @@ async def plan_shard(
     data_dir: Storage,
     shard: str,
     fleet: Fleet,
-    config: GenerationSettings,
-    settings: DispatchSettings,
+    generation: GenerationSettings,
+    dispatch: DispatchSettings,
     preflight_policy: str,
     log: Callable[[str], None],
 ) -> ShardPlan:
     """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
-    config_hash = config.config_hash(fleet.model)
-    run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos), window=config.window)
+    config_hash = generation.config_hash(fleet.model)
+    run = ShardResult(shard, config_hash, fleet.model, infos=list(fleet.infos), window=generation.window)
     prompts = prompt_store(data_dir, shard)
     store, server_rejects = completion_store(data_dir, shard), reject_store(data_dir, shard, "server")
     store.recover()
@@ -179,24 +175,27 @@ async def plan_shard(
     refused = committed_ids(server_rejects, config_hash)
     run.already_done, run.rejected_server = len(done), len(refused)
     run.prompts, todo = plan_remaining(prompts, done | refused)
-    kwargs_json = canonical_json(config.template_kwargs())
+    kwargs_json = canonical_json(generation.template_kwargs())
     stale = {i: r for i, r in todo.items() if r["template_kwargs_json"] != kwargs_json}
     if stale:
-        await recount(fleet, prompts, stale, config.template_kwargs())
+        await recount(fleet, prompts, stale, generation.template_kwargs())
         log(f"shard {shard}: {len(stale)} prompts were counted with other chat_template_kwargs; recounted")
     budget = Budget.of(fleet.infos)
-    cap = config.max_output_tokens
-    over = preflight(list(todo.values()), budget, config, preflight_policy)
+    config_cap = generation.max_output_tokens
+    over = preflight(list(todo.values()), budget, generation, preflight_policy)
     reject_store(data_dir, shard, "preflight").replace(
-        [reject_row(r, "preflight", problem, config, config_hash, shard, budget.context_length) for r, problem in over],
+        [
+            reject_row(r, "preflight", problem, generation, config_hash, shard, budget.context_length)
+            for r, problem in over
+        ],
         f"{config_hash}.parquet",
     )
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r["prompt_id"]]
-    policy = f", window {config.trainer_max_length}" if config.windowed else ""
+    policy = f", window {generation.trainer_max_length}" if generation.windowed else ""
     log(
-        f"shard {shard} config {config_hash} (cap {cap}{policy}): {run.prompts} prompts, {len(done)} already done, "
+        f"shard {shard} config {config_hash} (cap {config_cap}{policy}): {run.prompts} prompts, {len(done)} already done, "
         f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
         f"{len(todo)} to generate on {len(fleet.clients)} servers"
     )

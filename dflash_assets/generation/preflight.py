@@ -46,26 +46,26 @@ class Budget:
         """The largest prompt + max_output_tokens the servers grant in full."""
         return self.max_req_len - 1 if self.kv_bound else self.context_length - CONTEXT_MARGIN
 
-    def problem(self, prompt_tokens: int, cap: int) -> str | None:
-        """Why this prompt cannot be sent with this cap, naming the numbers; None if it fits."""
+    def problem(self, prompt_tokens: int, request_cap: int) -> str | None:
+        """Why this prompt cannot be sent with this request cap, naming the numbers; None if it fits."""
         if prompt_tokens >= self.max_req_input_len:
             return (
                 f"prompt of {prompt_tokens} tokens is at or over the server's input limit of "
                 f"{self.max_req_input_len} tokens (context length {self.context_length})"
             )
         if self.kv_bound:
-            if prompt_tokens + cap <= self.total_limit:
+            if prompt_tokens + request_cap <= self.total_limit:
                 return None
             return (
-                f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
+                f"prompt of {prompt_tokens} tokens + max_output_tokens {request_cap} = {prompt_tokens + request_cap} "
                 f"exceeds the {self.total_limit} tokens the server grants a request: its KV pool holds "
                 f"{self.kv_pool} tokens, fewer than its context length {self.context_length}, and SGLang "
-                f"would cut the output below the cap silently"
+                f"would cut the output below the request_cap silently"
             )
-        if not overflows(prompt_tokens, cap, self.context_length):
+        if not overflows(prompt_tokens, request_cap, self.context_length):
             return None
         return (
-            f"prompt of {prompt_tokens} tokens + max_output_tokens {cap} = {prompt_tokens + cap} "
+            f"prompt of {prompt_tokens} tokens + max_output_tokens {request_cap} = {prompt_tokens + request_cap} "
             f"exceeds the server context length {self.context_length} minus a safety margin of "
             f"{CONTEXT_MARGIN} tokens"
         )
@@ -106,21 +106,23 @@ def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[
     return notes
 
 
-def overflow_error(budget: Budget, cap: int, overflowing: int, total: int, largest_prompt: int) -> PreflightError:
+def overflow_error(
+    budget: Budget, config_cap: int, overflowing: int, total: int, largest_prompt: int
+) -> PreflightError:
     if budget.kv_bound:
         return PreflightError(
             f"{overflowing} of {total} prompts do not fit: the servers grant a request at most "
             f"{budget.total_limit} tokens (prompt + output) because their KV pool holds {budget.kv_pool} tokens, "
-            f"fewer than the context length {budget.context_length}; max_output_tokens is {cap}, so a prompt may "
-            f"have at most {budget.total_limit - cap} tokens; the largest prompt has {largest_prompt}. Nothing was "
+            f"fewer than the context length {budget.context_length}; max_output_tokens is {config_cap}, so a prompt may "
+            f"have at most {budget.total_limit - config_cap} tokens; the largest prompt has {largest_prompt}. Nothing was "
             f"sent. Lower max_output_tokens or give the servers a KV pool of at least "
-            f"{context_needed(largest_prompt, cap)} tokens (a higher --mem-fraction-static, or "
+            f"{context_needed(largest_prompt, config_cap)} tokens (a higher --mem-fraction-static, or "
             f"--max-total-tokens unset)."
         )
     return PreflightError(
         f"{overflowing} of {total} prompts do not fit: the servers' context length is {budget.context_length} "
-        f"tokens and max_output_tokens is {cap}, so a prompt may have at most "
-        f"{budget.context_length - CONTEXT_MARGIN - cap} tokens; the largest prompt has {largest_prompt}. "
+        f"tokens and max_output_tokens is {config_cap}, so a prompt may have at most "
+        f"{budget.context_length - CONTEXT_MARGIN - config_cap} tokens; the largest prompt has {largest_prompt}. "
         f"Nothing was sent. Lower max_output_tokens or restart the servers with "
-        f"--context-length {context_needed(largest_prompt, cap)} or more."
+        f"--context-length {context_needed(largest_prompt, config_cap)} or more."
     )

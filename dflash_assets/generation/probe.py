@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.continuation import continue_shard, rows_of
-from dflash_assets.generation.engine import ShardRun, generate_shard
+from dflash_assets.generation.engine import ShardResult, generate_shard
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
 from dflash_assets.store.schema import PROMPT_SCHEMA
@@ -98,11 +98,11 @@ def high_cap(fleet: Fleet, sample: list[dict], log: Callable[[str], None], probe
 
 
 @dataclass(frozen=True)
-class ProbeRun:
+class ProbeResult:
     prompts_total: int
     sampled: int
     cap: int
-    run: ShardRun
+    run: ShardResult
     mode: str = ProbeSettings().mode  # "prompts" (prompts_total = prompts) or "cut_rows" (= cut rows)
 
 
@@ -132,15 +132,15 @@ async def run_probe(
     data_dir: str | Path,
     shards: list[str],
     fleet: Fleet,
-    config: GenerationSettings,
+    generation: GenerationSettings,
     *,
     size: int | None = None,
     share: float = SHARE,
     minimum: int = MIN_PROMPTS,
     seed: int = SEED,
-    settings: DispatchSettings = DispatchSettings(),
+    dispatch: DispatchSettings = DispatchSettings(),
     log: Callable[[str], None] = print,
-) -> ProbeRun:
+) -> ProbeResult:
     """Sample the prompts of `shards`, write them as the probe's shard, generate them at `config`'s cap (0: the
     largest the fleet's context allows for the sample) through the engine. A re-run with the same sample and
     config resumes, as any shard does."""
@@ -151,13 +151,13 @@ async def run_probe(
             f"materialise prompt_shards first"
         )
     sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
-    config = config.model_copy(update={"cap_policy": "fixed"})  # it measures lengths: never sized to a window
-    cap = config.max_output_tokens or high_cap(fleet, sample, log)
-    config = config.model_copy(update={"max_output_tokens": cap})
+    generation = generation.model_copy(update={"cap_policy": "fixed"})  # it measures lengths: never sized to a window
+    cap = generation.max_output_tokens or high_cap(fleet, sample, log)
+    generation = generation.model_copy(update={"max_output_tokens": cap})
     write_probe_shard(data_dir, sample)
     log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {seed}) at cap {cap}")
-    run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, config, settings, log=log)
-    return ProbeRun(len(prompts), len(sample), cap, run)
+    run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, generation, dispatch, log=log)
+    return ProbeResult(len(prompts), len(sample), cap, run)
 
 
 async def run_cut_rows_probe(
@@ -171,9 +171,9 @@ async def run_cut_rows_probe(
     share: float = SHARE,
     minimum: int = MIN_PROMPTS,
     seed: int = SEED,
-    settings: DispatchSettings = DispatchSettings(),
+    dispatch: DispatchSettings = DispatchSettings(),
     log: Callable[[str], None] = print,
-) -> ProbeRun:
+) -> ProbeResult:
     """The continuation probe: a seeded sample (stratified as `sample_prompts`) of `cut_rows` ({shard,
     prompt_id} of the run's honest cut rows of `parent_config_hash`, chosen by the caller: runaways are the
     quality layer's call), copied with their parent rows into the probe's `cut_rows` shard and continued there
@@ -201,5 +201,5 @@ async def run_cut_rows_probe(
         f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent_config_hash} "
         f"(seed {seed}) continued to cap {cap}"
     )
-    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent_config_hash, cap, settings, log=log)
-    return ProbeRun(len(eligible), len(sample), cap, run, mode="cut_rows")
+    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent_config_hash, cap, dispatch, log=log)
+    return ProbeResult(len(eligible), len(sample), cap, run, mode="cut_rows")

@@ -29,21 +29,21 @@ Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context lengt
 FollowUp = Callable[[dict, dict], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
 
 
-def watch_of(settings: DispatchSettings, rules: RunawaySettings | None = None) -> Watch | None:
+def watch_of(dispatch: DispatchSettings, runaway: RunawaySettings | None = None) -> Watch | None:
     """How every request is watched while it streams (None: `stream` is off, one blocking POST each). The runaway
     rule is the checks' own (`rules`, the quality resource's; None: the defaults), applied to the text so far."""
     # imported here: quality/ reads generation/ (schemas, turns), which imports this module
     from dflash_assets.quality.runaway import is_runaway, loop_start
 
-    if not settings.stream:
+    if not dispatch.stream:
         return None
-    rules = rules or RunawaySettings()
+    runaway = runaway or RunawaySettings()
     return Watch(
-        settings.stall_timeout_s,
-        settings.first_token_timeout_s,
-        settings.runaway_check_tokens,
-        looping=partial(is_runaway, rules=rules),
-        loop_start=partial(loop_start, rules=rules),
+        dispatch.stall_timeout_s,
+        dispatch.first_token_timeout_s,
+        dispatch.runaway_check_tokens,
+        looping=partial(is_runaway, runaway=runaway),
+        loop_start=partial(loop_start, runaway=runaway),
     )
 
 
@@ -64,7 +64,7 @@ class Dispatch:
     def __init__(
         self,
         fleet: Fleet,
-        settings: DispatchSettings,
+        dispatch: DispatchSettings,
         outputs: dict[str, ShardOutput],
         send: Send,
         refuse: Refuse,
@@ -73,16 +73,16 @@ class Dispatch:
         follow_up: FollowUp | None = None,
         on_answer: Callable[[int, int], None] | None = None,
     ):
-        self.fleet, self.settings, self.outputs = fleet, settings, outputs
+        self.fleet, self.dispatch, self.outputs = fleet, dispatch, outputs
         self.send, self.refuse, self.follow_up, self.log, self.on_answer = send, refuse, follow_up, log, on_answer
         self.slots = SlotPicker(
             fleet.clients,
             fleet.infos,
-            max_in_flight_per_server=settings.max_in_flight_per_server,
-            waiting_margin=settings.waiting_margin,
-            eject_after=settings.eject_after,
-            no_server_timeout_s=settings.no_server_timeout_s,
-            max_imbalance=settings.same_server_max_imbalance,
+            max_in_flight_per_server=dispatch.max_in_flight_per_server,
+            waiting_margin=dispatch.waiting_margin,
+            eject_after=dispatch.eject_after,
+            no_server_timeout_s=dispatch.no_server_timeout_s,
+            max_imbalance=dispatch.same_server_max_imbalance,
         )
         self.ready: deque[dict] = deque()  # follow-up items, sent first
         self.answered = self.total = 0
@@ -93,7 +93,7 @@ class Dispatch:
         self.total = total
         tasks: set[asyncio.Task] = set()
         exhausted = False
-        every = self.settings.load_sample_s
+        every = self.dispatch.load_sample_s
         sampler = LoadSampler(self.fleet.clients, every) if every > 0 else None
         if sampler:
             await sampler.start()
@@ -157,8 +157,8 @@ class Dispatch:
             output.done(time.monotonic(), output.run.last_sent_at is not None)
 
     async def _attempts(self, item: dict, output: ShardOutput) -> dict | None:
-        settings, error, stalled_on = self.settings, None, frozenset()
-        for attempt in range(1, settings.max_attempts + 1):
+        dispatch, error, stalled_on = self.dispatch, None, frozenset()
+        for attempt in range(1, dispatch.max_attempts + 1):
             slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None, stalled_on)
             try:
                 row = await self.send(item, slot, attempt)
@@ -176,7 +176,7 @@ class Dispatch:
                     slot.stalls += 1
                     stalled_on |= {slot.url}
                     continue
-                delay = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** (attempt - 1))
+                delay = min(dispatch.backoff_max_s, dispatch.backoff_base_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
             self.slots.release(slot, ok=True)
@@ -190,7 +190,7 @@ class Dispatch:
                 "prompt_id": item["prompt_id"],
                 "config_hash": output.run.config_hash,
                 "error": str(error),
-                "attempts": settings.max_attempts,
+                "attempts": dispatch.max_attempts,
                 "created_at": datetime.now(UTC),
                 "turn": item.get("turn"),
             }
@@ -205,9 +205,9 @@ class Dispatch:
 
     async def _maybe_commit(self) -> None:
         now, pending = time.monotonic(), sum(o.pending for o in self.outputs.values())
-        if pending >= self.settings.commit_rows or (pending and now - self.last_commit >= self.settings.commit_seconds):
+        if pending >= self.dispatch.commit_rows or (pending and now - self.last_commit >= self.dispatch.commit_seconds):
             await self.commit()
-        if now - self.last_progress >= self.settings.progress_seconds:
+        if now - self.last_progress >= self.dispatch.progress_seconds:
             self.progress()
             self.last_progress = now
 

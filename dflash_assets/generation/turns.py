@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
-from dflash_assets.generation.plan import ShardRun, preflight, prompt_batches, reject_row
+from dflash_assets.generation.plan import ShardResult, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.generation.send import Rejected
 from dflash_assets.generation.slots import Slot
@@ -127,7 +127,7 @@ def _rejected_turns(stores: list[PartStore], config_hash: str) -> dict[str, dict
 class ConversationPlan:
     """One shard under all_turns: the state of every conversation, and the next turn of those not over."""
 
-    run: ShardRun
+    run: ShardResult
     prompts: PartStore
     todo: dict[str, Conversation]
     prompt_tokens: dict[str, int] = field(default_factory=dict)  # the next turn's request, counted at planning
@@ -172,24 +172,24 @@ async def plan_conversations(
     data_dir: Storage,
     shard: str,
     fleet: Fleet,
-    config: GenerationSettings,
-    settings: DispatchSettings,
+    generation: GenerationSettings,
+    dispatch: DispatchSettings,
     preflight_policy: str,
     log: Callable[[str], None],
 ) -> ConversationPlan:
     """Resume and preflight one shard under all_turns (its lock is held): each conversation goes on from its last
     committed turn. That next turn is preflighted now (its history is known); later turns when they are sent."""
-    config_hash = config.config_hash(fleet.model)
-    run = ShardRun(shard, config_hash, fleet.model, infos=list(fleet.infos), window=config.window)
+    config_hash = generation.config_hash(fleet.model)
+    run = ShardResult(shard, config_hash, fleet.model, infos=list(fleet.infos), window=generation.window)
     preflight_rejects = reject_store(data_dir, shard, "preflight")
     for store in (completion_store(data_dir, shard), reject_store(data_dir, shard, "server"), preflight_rejects):
         store.recover()
-    states = conversations(data_dir, shard, config_hash, config.window)
+    states = conversations(data_dir, shard, config_hash, generation.window)
     run.prompts = len(states)
     todo = {pid: c for pid, c in states.items() if c.over is None}
     run.already_done = len(states) - len(todo)
     plan = ConversationPlan(run, prompt_store(data_dir, shard), todo)
-    gate, kwargs = asyncio.Semaphore(64), config.template_kwargs()
+    gate, kwargs = asyncio.Semaphore(64), generation.template_kwargs()
 
     async def count(i: int, item: dict) -> dict:
         async with gate:
@@ -200,14 +200,14 @@ async def plan_conversations(
 
     next_turns = await asyncio.gather(*(count(i, item) for i, item in enumerate(plan.to_send())))
     budget = Budget.of(fleet.infos)
-    over = preflight(next_turns, budget, config, preflight_policy)
+    over = preflight(next_turns, budget, generation, preflight_policy)
     preflight_rejects.commit(
         [
             reject_row(
                 r,
                 "preflight",
                 f"turn {r['turn']} of {r['turns']}: {problem}",
-                config,
+                generation,
                 config_hash,
                 shard,
                 budget.context_length,
@@ -220,7 +220,7 @@ async def plan_conversations(
     plan.prompt_tokens = {r["prompt_id"]: r["prompt_tokens"] for r in next_turns}
     turns_done = sum(len(c.answers) for c in states.values())
     log(
-        f"shard {shard} config {config_hash} (cap {config.max_output_tokens}, all turns): {run.prompts} "
+        f"shard {shard} config {config_hash} (cap {generation.max_output_tokens}, all turns): {run.prompts} "
         f"conversations, {run.already_done} already over, {turns_done} turns already committed, {len(over)} "
         f"rejected in preflight, {len(todo)} to go on with ({sum(c.turns - len(c.answers) for c in todo.values())} "
         f"turns at most) on {len(fleet.clients)} servers"
@@ -229,31 +229,33 @@ async def plan_conversations(
 
 
 def turn_sender(
-    fleet: Fleet, config: GenerationSettings, token_ids: bool, make_row: TURN_ROW, watch: Watch | None = None
+    fleet: Fleet, generation: GenerationSettings, token_ids: bool, make_row: TURN_ROW, watch: Watch | None = None
 ):
     """The Send of all_turns: each turn preflighted when it is sent (its history is known only then), streamed
     and watched with `watch` (None: not streamed)."""
     budget = Budget.of(fleet.infos)
-    config_hash = config.config_hash(fleet.model)
+    config_hash = generation.config_hash(fleet.model)
 
     async def send(item: dict, slot: Slot, attempt: int) -> dict:
         messages = history(item)
         if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
-            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, config.template_kwargs())
-        cap = config.request_cap(item["prompt_tokens"])
-        if problem := config.window_problem(item["prompt_tokens"]) or budget.problem(item["prompt_tokens"], cap):
+            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, generation.template_kwargs())
+        request_cap = generation.request_cap(item["prompt_tokens"])
+        if problem := generation.window_problem(item["prompt_tokens"]) or budget.problem(
+            item["prompt_tokens"], request_cap
+        ):
             raise Rejected(
                 reject_row(
                     item,
                     "preflight",
                     f"turn {item['turn']} of {item['turns']}: {problem}",
-                    config,
+                    generation,
                     config_hash,
                     item["shard"],
                     budget.context_length,
                 )
             )
-        body = config.chat_body(fleet.model, messages, token_ids, cap)
+        body = generation.chat_body(fleet.model, messages, token_ids, request_cap)
         t0 = time.monotonic()
         resp = await slot.client.chat(body, watch)
         return make_row(item, resp, slot, attempt, time.monotonic() - t0) | {
@@ -281,7 +283,7 @@ def next_turn(item: dict, row: dict) -> dict | None:
     }  # the server whose prefix cache holds this history
 
 
-def account(run: ShardRun, data_dir: Storage, output: ShardOutput) -> None:
+def account(run: ShardResult, data_dir: Storage, output: ShardOutput) -> None:
     """The shard's figures under all_turns, from what is committed: each conversation in one class.
 
     completed: over with every turn done or cut short (a truncated conversation is reported by its turn);

@@ -44,7 +44,7 @@ ORDER BY pr.shard, pr.config_hash NULLS FIRST
 FIGURES = ("prompts", "completed", "rejected", "failed", "missing", "orphan_completions")
 
 
-def accounting(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def accounting(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """prompts = completed + rejected + failed + missing, per (shard, config); fails on missing or orphans.
 
     - prompts of a shard: its rows in prompt_shards plus its source-stage rejects (lines that never became a
@@ -59,7 +59,7 @@ def accounting(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
       prompt_shards invariant), and a repeated prompt row would show up here as missing.
     - orphan completions: distinct (shard, prompt_id, config_hash) completion keys with no prompt row in
       that shard; they cannot be traced to a prompt (nor exported), so they fail the check too.
-    The check fails when any pair's missing share exceeds missing_rate_max (default 0: any missing fails).
+    The check fails when any pair's missing share exceeds accounting_rate_max (default 0: any missing fails).
     """
     result = con.execute(PER_PAIR).fetchall()
     sums = dict.fromkeys(FIGURES, 0)
@@ -72,7 +72,7 @@ def accounting(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
         totals[:-1] = [a + b for a, b in zip(totals, figures)]
         totals[-1] += 1
         prompts, completed, rejected, failed, missing, orphans = figures
-        if share(missing, prompts) > t.missing_rate_max or orphans:
+        if share(missing, prompts) > quality.accounting_rate_max or orphans:
             where = f"shard `{shard}`, config `{cfg}`" if cfg is not None else f"shard `{shard}`, no config"
             line = (
                 f"{where}: {num(prompts)} prompts = {num(completed)} completed + {num(rejected)} rejected + "
@@ -98,7 +98,7 @@ def accounting(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
         )
     if bad:
         lines.append(
-            f"{plural(len(bad), 'pair')} do not add up (missing over {pct(t.missing_rate_max)} or orphans):\n"
+            f"{plural(len(bad), 'pair')} do not add up (missing over {pct(quality.accounting_rate_max)} or orphans):\n"
             + bullets(bad)
         )
     metadata: dict[str, MetadataValue] = {"pairs": len(result), **sums, "failing_pairs": len(bad)}

@@ -95,19 +95,19 @@ def recommended_cap(
 
 
 def cap_answers(
-    data_dir: str | Path, thresholds: QualitySettings = QualitySettings(), config_hash: str | None = None
+    data_dir: str | Path, quality: QualitySettings = QualitySettings(), config_hash: str | None = None
 ) -> list[CapAnswer]:
     """One answer per config of the data dir (or the one asked for), the most rows first (rules.most_rows_first)."""
-    report = length_quality(data_dir, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
+    report = length_quality(data_dir, max_length=quality.trainer.max_length, runaway=quality.runaway)
     by_hash = {row["config_hash"]: row for row in report["by_config"]}
-    order = most_rows_first((h, r["rows"], r["max_output_tokens"]) for h, r in by_hash.items())
+    order = most_rows_first((h, r["rows"], r["config_cap"]) for h, r in by_hash.items())
     answers = []
     for row in (by_hash[h] for h, _, _ in order):  # the plan's and the export's choice leads
         if config_hash and row["config_hash"] != config_hash:
             continue
         plan, error, wp = None, None, None
         try:
-            plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100, runaway=thresholds.runaway)
+            plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100, runaway=quality.runaway)
         except PlanError as e:
             error = str(e)
         if plan is not None:
@@ -115,16 +115,16 @@ def cap_answers(
                 data_dir,
                 row["config_hash"],
                 plan.cap,
-                thresholds.trainer,
+                quality.trainer,
                 plan.fit,
-                thresholds.runaway,
+                quality.runaway,
                 candidates=[e.cap for e in plan.estimates],
             )
         ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
         answers.append(
             CapAnswer(
                 config_hash=row["config_hash"],
-                cap=row["max_output_tokens"],
+                cap=row["config_cap"],
                 rows=row["rows"],
                 truncated=row["truncated_rows"],
                 truncation_rate=row["truncation_rate"],
@@ -134,13 +134,11 @@ def cap_answers(
                 max=row["max"],
                 plan=plan,
                 plan_error=error,
-                recommended=recommended_cap(
-                    plan, thresholds.truncation_rate_max, row["cut_inside_window_rows"], ceiling
-                )
+                recommended=recommended_cap(plan, quality.truncation_rate_max, row["cut_inside_window_rows"], ceiling)
                 if plan
                 else None,
                 window_plan=wp,
-                max_length=thresholds.trainer.max_length,
+                max_length=quality.trainer.max_length,
                 cut_inside_window=row["cut_inside_window_rows"],
                 window_complete=row["window_complete_rows"],
                 window_complete_tokens=row["window_complete_tokens"],

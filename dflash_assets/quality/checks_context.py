@@ -37,9 +37,9 @@ ORDER BY a.config_hash
 """
 
 
-def context_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def context_overflow(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Fails when any config has completion rows over the context (share > context_overflow_rate_max) or
-    rejects more of its attempted prompts for overflow than overflow_reject_rate_max.
+    rejects more of its attempted prompts for overflow than context_overflow_reject_rate_max.
 
     Attempted prompts of a config: distinct (shard, prompt_id) with a completion, a preflight/server reject or
     a failure under it. A reject counts as an overflow by its recorded numbers, whatever its reason text says.
@@ -52,8 +52,8 @@ def context_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Find
         label = f"config `{config_hash}` (max_output_tokens {'/'.join(str(c) for c in caps)})"
         for key, value in zip(sums, (attempted, rows, over_rows, over_prompts)):
             sums[key] += value
-        bad_rows = share(over_rows, rows) > t.context_overflow_rate_max
-        bad_rejects = share(over_prompts, attempted) > t.overflow_reject_rate_max
+        bad_rows = share(over_rows, rows) > quality.context_overflow_rate_max
+        bad_rejects = share(over_prompts, attempted) > quality.context_overflow_reject_rate_max
         failing += bad_rows or bad_rejects
         if over_prompts:
             lines.append(
@@ -71,8 +71,8 @@ def context_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Find
     head = (
         f"{num(sums['over_rows'])} completion rows and {num(sums['over_prompts'])} rejected prompts have "
         f"{OVERFLOW_SQL}; {failing} of {len(result)} configs fail "
-        f"(limits: {pct(t.context_overflow_rate_max)} of completion rows, "
-        f"{pct(t.overflow_reject_rate_max)} of attempted prompts rejected)."
+        f"(limits: {pct(quality.context_overflow_rate_max)} of completion rows, "
+        f"{pct(quality.context_overflow_reject_rate_max)} of attempted prompts rejected)."
     )
     metadata: dict[str, MetadataValue] = {
         "configs": len(result),
@@ -83,8 +83,8 @@ def context_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Find
         "completion_overflow_rate": share(sums["over_rows"], sums["rows"]),
         "rejected_overflow_prompts": sums["over_prompts"],
         "rejected_overflow_rate": share(sums["over_prompts"], sums["attempted"]),
-        "threshold_completion_rows": t.context_overflow_rate_max,
-        "threshold_rejected_prompts": t.overflow_reject_rate_max,
+        "threshold_completion_rows": quality.context_overflow_rate_max,
+        "threshold_rejected_prompts": quality.context_overflow_reject_rate_max,
     }
     # regenerate: all_turns preflights each turn when it is sent: which turn of a conversation did not fit
     by_turn = con.execute(

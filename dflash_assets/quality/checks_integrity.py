@@ -9,7 +9,7 @@ from dflash_assets.quality.rates import GroupCount, rate_finding
 from dflash_assets.settings import QualitySettings
 
 
-def config_consistency(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def config_consistency(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Fails when the scope holds more than one config (config_hash, max_output_tokens), naming the shards
     that mix configs inside themselves and the row counts of each config: old 4096 rows beside new 8192 rows.
     """
@@ -53,7 +53,7 @@ def config_consistency(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Fi
     return Finding(len(configs) <= 1, "\n\n".join(lines), metadata)
 
 
-def duplicates(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def duplicates(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Extra rows on (prompt_id, turn, config_hash): rows beyond the first per key, as a share of rows, per
     config_hash (turn is null for one row per prompt; all_turns has a row per turn). A committed part is the only
     ledger, so a duplicate means a part was committed twice or a resume re-ran it.
@@ -72,7 +72,7 @@ def duplicates(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
         "duplicate",
         "are extra copies of a (prompt_id, config_hash) already present",
         groups,
-        t.duplicate_rate_max,
+        quality.duplicates_rate_max,
         why="A part was committed twice or a resume regenerated done prompts; the export keeps the first copy.",
     )
     summary = finding.summary_md

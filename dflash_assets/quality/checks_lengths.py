@@ -18,17 +18,17 @@ from dflash_assets.rules import percentile_sql
 from dflash_assets.settings import QualitySettings
 
 
-def truncation_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def truncation_rate(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Share of rows cut inside the trainer's window (finish_reason = 'length' and prompt + completion <
     max_length: the trainer reads an end the model did not choose), judged per config and per shard (any group
     over fails). Rows cut at or past the window are window-complete: counted beside it, never over the limit."""
-    window = t.trainer.max_length
+    window = quality.trainer.max_length
     configs = group_counts(con, "cut_inside_window", by="config")
     shards = group_counts(con, "cut_inside_window", by="shard")
     rows, inside = totals(configs)
     cut = totals(group_counts(con, "truncated"))[1]
     complete = totals(group_counts(con, "window_complete"))[1]
-    rate, limit = share(inside, rows), t.truncation_rate_max
+    rate, limit = share(inside, rows), quality.truncation_rate_max
     configs_over = [g for g in worst_first(configs) if g.rate > limit]
     shards_over = [g for g in worst_first(shards) if g.rate > limit]
     lines = [
@@ -36,7 +36,7 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Findi
         f"(finish_reason = 'length', prompt + completion < {num(window)}), {verdict(rate, limit)}; "
         f"{plural(complete, 'row')} ({pct(share(complete, rows))}) were cut at or past it: window-complete, "
         f"read by the trainer as a complete answer is. {pct(share(cut, rows))} hit the cap in all.",
-        f"The window is {t.trainer.named()}.",
+        f"The window is {quality.trainer.named()}.",
     ]
     if configs_over:
         lines.append("Configs over the threshold:\n" + bullets([group_line(g) for g in configs_over]))
@@ -69,25 +69,25 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Findi
     return Finding(not configs_over and not shards_over, "\n\n".join(lines), metadata)
 
 
-def window_complete(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def window_complete(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Rows cut at or past the trainer's window (window-complete: exported, the trainer reads them whole) and the
-    decoded tokens past the window, which no training step reads; warns when those exceed past_window_rate_max of
+    decoded tokens past the window, which no training step reads; warns when those exceed window_complete_rate_max of
     all decoded tokens (a cap larger than the window needs: cap_policy window decodes only what is read)."""
-    window = t.trainer.max_length
+    window = quality.trainer.max_length
     rows, complete, complete_tokens, decoded, trained = con.execute(
         "SELECT count(*), count(*) FILTER (WHERE window_complete), "
         "coalesce(sum(trained_tokens) FILTER (WHERE window_complete), 0), "
         "coalesce(sum(completion_tokens), 0), coalesce(sum(trained_tokens), 0) FROM completions"
     ).fetchone()
     past = decoded - trained
-    rate, limit = share(past, decoded), t.past_window_rate_max
+    rate, limit = share(past, decoded), quality.window_complete_rate_max
     ratio = f"{decoded / trained:.2f}" if trained else "-"
     lines = [
         f"{plural(complete, 'row')} ({pct(share(complete, rows))} of {num(rows)}) were cut at or past the "
         f"trainer's window max_length {num(window)}: window-complete, exported, {num(complete_tokens)} trained "
         f"tokens. {num(past)} of {num(decoded)} decoded tokens ({pct(rate)}) lie past the window, "
         f"{verdict(rate, limit)}; decoded per trained token {ratio} (the floor is 1.00).",
-        f"The window is {t.trainer.named()}.",
+        f"The window is {quality.trainer.named()}.",
     ]
     if rate > limit:
         lines.append(
@@ -110,14 +110,14 @@ def window_complete(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Findi
     return Finding(rate <= limit, "\n\n".join(lines), metadata)
 
 
-def cap_saturation(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def cap_saturation(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """A high percentile of completion_tokens equal to the cap is the tell-tale of a cap too low for the prompts.
 
     Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION), always an observed value, so when more than 10%
     of rows stop at the cap, P90 = P99 = the cap exactly, as in the story. Pq reaching the cap means more than
     (1 - q) of rows did.
     """
-    q = t.cap_saturation_percentile
+    q = quality.cap_saturation_percentile
     result = con.execute(
         "SELECT config_hash, config_cap, count(*), "
         "count(*) FILTER (WHERE completion_tokens >= max_output_tokens), "
@@ -149,7 +149,7 @@ def cap_saturation(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Findin
     return Finding(not saturated, head + ("\n\n" + bullets(lines) if lines else ""), metadata)
 
 
-def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def cap_hit_agreement(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """`completion_tokens >= max_output_tokens` must agree with finish_reason = 'length', both ways.
 
     'length' below the cap means the server cut earlier than asked (a silent clamp to its context length);
@@ -160,7 +160,7 @@ def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Fin
         "mismatch",
         "disagree between completion_tokens >= max_output_tokens and finish_reason = 'length'",
         both,
-        t.cap_mismatch_rate_max,
+        quality.cap_hit_agreement_rate_max,
     )
     n_a, n_b = totals(group_counts(con, "at_cap_not_length"))[1], totals(group_counts(con, "length_under_cap"))[1]
     detail = (
@@ -171,7 +171,7 @@ def cap_hit_agreement(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Fin
     return Finding(finding.passed, finding.summary_md + ("\n\n" + detail if n_a or n_b else ""), metadata)
 
 
-def silent_clamp(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def silent_clamp(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Rows that finished 'length' below their own max_output_tokens: a cap nobody asked for.
 
     SGLang 0.5.23's scheduler lowers max_new_tokens to max_req_len - prompt - 1 without an error
@@ -181,32 +181,32 @@ def silent_clamp(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
         "clamped",
         "finished 'length' below their max_output_tokens (the server cut them short)",
         group_counts(con, "length_under_cap"),
-        t.silent_clamp_rate_max,
+        quality.silent_clamp_rate_max,
         why="These rows record a cap they did not get: the server's KV pool (/server_info max_total_num_tokens) "
         "or context length was smaller than prompt + max_output_tokens. Regenerate them on servers whose "
         "max_req_input_len + 5 covers prompt + max_output_tokens + 1.",
     )
 
 
-def max_length_overflow(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def max_length_overflow(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Share of rows whose prompt_tokens + completion_tokens exceed the trainer's max_length: it cuts them."""
     result = con.execute(
         "SELECT config_hash, config_cap, count(*), count(*) FILTER (WHERE over), "
         "count(*) FILTER (WHERE finish_reason = 'stop'), count(*) FILTER (WHERE finish_reason = 'stop' AND over) "
         "FROM (SELECT *, prompt_tokens + completion_tokens > $m AS over FROM completions) "
         "GROUP BY config_hash, config_cap ORDER BY config_hash, config_cap",
-        {"m": t.trainer.max_length},
+        {"m": quality.trainer.max_length},
     ).fetchall()
     finding = rate_finding(
         "over_max_length",
-        f"exceed the trainer's window max_length {num(t.trainer.max_length)} (prompt_tokens + completion_tokens)",
+        f"exceed the trainer's window max_length {num(quality.trainer.max_length)} (prompt_tokens + completion_tokens)",
         [GroupCount(config_label(h, cap), f"{h}/{cap}", rows, over) for h, cap, rows, over, _, _ in result],
-        t.max_length_overflow_rate_max,
+        quality.max_length_overflow_rate_max,
         why=f"The trainer truncates these rows: raise its max_length or expect their tails to be lost. The window "
-        f"is {t.trainer.named()}.",
+        f"is {quality.trainer.named()}.",
     )
     metadata = finding.metadata | {
-        "max_length": t.trainer.max_length,
+        "max_length": quality.trainer.max_length,
         "stop_rows": sum(r[4] for r in result),  # the rows that can reach training
         "stop_over_max_length_rows": sum(r[5] for r in result),
     }

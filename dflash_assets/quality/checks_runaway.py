@@ -7,7 +7,7 @@ from dflash_assets.quality.rates import group_counts, group_line, totals, worst_
 from dflash_assets.settings import QualitySettings
 
 
-def runaway_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
+def runaway_rate(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Share of rows cut while looping (the tail repeats itself), per config and per shard: at the cap, or stopped
     early while streaming (finish_reason 'runaway', short of the cap).
 
@@ -20,7 +20,7 @@ def runaway_rate(con: duckdb.DuckDBPyConnection, t: QualitySettings) -> Finding:
     stopped = totals(group_counts(con, "runaway_stopped", by="config"))[1]
     truncated = totals(group_counts(con, "truncated", by="config"))[1] + stopped  # cut at the cap, or stopped
     honest = truncated - runaways  # the cap's cuts that do not loop
-    rate, limit = share(runaways, rows), t.runaway_rate_max
+    rate, limit = share(runaways, rows), quality.runaway_rate_max
     over = [g for g in worst_first(configs) if g.rate > limit] + [g for g in worst_first(shards) if g.rate > limit]
     lines = [
         f"**{pct(rate)}** of {num(rows)} rows ({num(runaways)}) were cut at the cap while repeating themselves "

@@ -137,14 +137,14 @@ def print_answer(answer: CapAnswer, console: Console) -> None:
 
 
 def print_answers(
-    data_dir: str | Path, console: Console | None = None, thresholds: QualitySettings = QualitySettings()
+    data_dir: str | Path, console: Console | None = None, quality: QualitySettings = QualitySettings()
 ) -> list[CapAnswer]:
     """`dflash report`'s first screen: per config, the answer to "are we maxing out, what should the cap be?"."""
     console = console or Console()
-    answers = cap_answers(data_dir, thresholds)
+    answers = cap_answers(data_dir, quality)
     console.print(
         f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, "
-        f"truncation limit {pct(thresholds.truncation_rate_max)} inside {thresholds.trainer.named()})",
+        f"truncation limit {pct(quality.truncation_rate_max)} inside {quality.trainer.named()})",
         highlight=False,
     )
     for answer in answers:
@@ -156,17 +156,17 @@ def print_report(
     data_dir: str | Path,
     console: Console | None = None,
     shard: str | None = None,
-    thresholds: QualitySettings = QualitySettings(),
+    quality: QualitySettings = QualitySettings(),
     checks: bool = True,
 ) -> dict[str, Any]:
     """Print the length-quality summary (and the check results) as rich tables; return the report dict."""
     console = console or Console()
-    report = length_quality(data_dir, shard, max_length=thresholds.trainer.max_length, runaway=thresholds.runaway)
+    report = length_quality(data_dir, shard, max_length=quality.trainer.max_length, runaway=quality.runaway)
     scope = f"shard {shard}" if shard else "all shards"
     console.print(_table(f"Length quality, {scope}", LENGTH_COLUMNS, [_length_cells(report)]))
     console.print(
         f"Percentiles: {PERCENTILE_DEFINITION}. Cut inside the window / window-complete: judged against "
-        f"{thresholds.trainer.named()}.",
+        f"{quality.trainer.named()}.",
         highlight=False,
     )
     console.print(
@@ -174,7 +174,7 @@ def print_report(
             "By config",
             ("config", "cap", "shards", *LENGTH_COLUMNS),
             [
-                [str(r["config_hash"]), _n(r["max_output_tokens"]), _n(r["shards"]), *_length_cells(r)]
+                [str(r["config_hash"]), _n(r["config_cap"]), _n(r["shards"]), *_length_cells(r)]
                 for r in report["by_config"]
             ],
         )
@@ -213,7 +213,7 @@ def print_report(
         )
     )
     if checks:
-        outcomes = run_checks(data_dir, shard, thresholds=thresholds)
+        outcomes = run_checks(data_dir, shard, quality=quality)
         console.print(
             _table(
                 "Checks",

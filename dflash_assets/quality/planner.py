@@ -550,7 +550,7 @@ ROW_QUERY = (
 def read_probe(
     data_dir: str | Path,
     like: dict | None = None,
-    rules: RunawaySettings = RunawaySettings(),
+    runaway: RunawaySettings = RunawaySettings(),
     notes: list[str] | None = None,
     parent: str | None = None,
 ) -> ProbeSample | None:
@@ -563,7 +563,7 @@ def read_probe(
 
     root = probe_root(data_dir)
     with duckdb.connect(":memory:") as con:
-        register_runaway(con, rules)
+        register_runaway(con, runaway)
         if parent is not None:
             src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, CUT_ROWS_SHARD)
             sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, CUT_ROWS_SHARD)
@@ -576,7 +576,7 @@ def read_probe(
                 config_hash, cap = found[0]
                 rows = con.execute(
                     ROW_QUERY.format(
-                        runaway=runaway_sql(rules),
+                        runaway=runaway_sql(runaway),
                         src=src,
                         where=f"config_hash = $config AND parent_config_hash = $parent AND prompt_id IN (SELECT prompt_id "
                         f"FROM {sample})",
@@ -609,7 +609,7 @@ def read_probe(
         config_hash, cap = matching[0][:2]
         rows = con.execute(
             ROW_QUERY.format(
-                runaway=runaway_sql(rules),
+                runaway=runaway_sql(runaway),
                 src=src,
                 where=f"config_hash = $config AND prompt_id IN (SELECT prompt_id FROM {sample})",
             ),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_assets.generation.probe import ProbeRun, probe_root, run_cut_rows_probe, run_probe
+from dflash_assets.generation.probe import ProbeResult, probe_root, run_cut_rows_probe, run_probe
 from dflash_assets.quality.answer import recommended_cap
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import (
@@ -24,20 +24,20 @@ async def run_length_probe(
     data_dir: str | Path,
     shards: list[str],
     fleet,
-    config: GenerationSettings,
+    generation: GenerationSettings,
     probe: ProbeSettings,
-    settings: DispatchSettings = DispatchSettings(),
+    dispatch: DispatchSettings = DispatchSettings(),
     log=print,
     runaway: RunawaySettings = RunawaySettings(),
-) -> ProbeRun:
+) -> ProbeResult:
     """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at
     `config`'s cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config (the one the plan is
     for: the most rows) continued to that cap, with the run's own sampling (its rows record it)."""
     common = dict(
-        size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, settings=settings, log=log
+        size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, dispatch=dispatch, log=log
     )
     if probe.mode == "prompts":
-        return await run_probe(data_dir, shards, fleet, config, **common)
+        return await run_probe(data_dir, shards, fleet, generation, **common)
     try:
         parent, cap, cut = honest_cut_rows(data_dir, runaway=runaway)
     except PlanError as e:
@@ -46,7 +46,7 @@ async def run_length_probe(
     log(
         f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
     )
-    return await run_cut_rows_probe(data_dir, parent, cut, fleet, config.max_output_tokens, **common)
+    return await run_cut_rows_probe(data_dir, parent, cut, fleet, generation.max_output_tokens, **common)
 
 
 def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
@@ -56,7 +56,7 @@ def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
 
 
 def probe_summary(
-    result: ProbeRun,
+    result: ProbeResult,
     data_dir: str | Path,
     urls: list[str],
     shards: list[str],

@@ -1,7 +1,7 @@
 """The common shape of most checks: count the rows that match a defect, per config or per shard, judge the share.
 
 Every per-row predicate a rate check counts is defined once, in ROW_PREDICATES. The first count builds a
-`facts` temp table holding each predicate's count per (shard, config_hash, max_output_tokens) in one pass
+`facts` temp table holding each predicate's count per (shard, config_hash, config_cap) in one pass
 over `completions`; every later count is a roll-up of that small table instead of another full scan.
 """
 
@@ -37,9 +37,9 @@ ROW_PREDICATES = {
     "misrouted": "enable_thinking AND finish_reason = 'length' AND reasoning_empty AND NOT content_empty",
 }
 GROUPINGS = {
-    # a config is a (config_hash, max_output_tokens) pair: a hash that maps to two caps shows up as two configs
-    # (the facts table's max_output_tokens is the config's cap: under the window policy each row asks its own)
-    "config": "config_hash, max_output_tokens",
+    # a config is a (config_hash, config_cap) pair: a hash that maps to two caps shows up as two configs
+    # (config_cap is the config's cap; under the window policy each row's max_output_tokens is its request cap)
+    "config": "config_hash, config_cap",
     "shard": "shard",
 }
 
@@ -59,7 +59,7 @@ class GroupCount:
 def _ensure_facts(con: duckdb.DuckDBPyConnection) -> None:
     counts = ", ".join(f"count(*) FILTER (WHERE {sql}) AS {name}" for name, sql in ROW_PREDICATES.items())
     con.execute(
-        f"CREATE TEMP TABLE IF NOT EXISTS facts AS SELECT shard, config_hash, config_cap AS max_output_tokens, "
+        f"CREATE TEMP TABLE IF NOT EXISTS facts AS SELECT shard, config_hash, config_cap, "
         f"{counts} FROM completions GROUP BY ALL"
     )
 

@@ -36,10 +36,10 @@ class CheckSpec:
     blocking: bool
     default_severity: Severity
 
-    def run(self, con: duckdb.DuckDBPyConnection, thresholds: QualitySettings = QualitySettings()) -> CheckOutcome:
+    def run(self, con: duckdb.DuckDBPyConnection, quality: QualitySettings = QualitySettings()) -> CheckOutcome:
         """Run over a connection from open_quality_db; the severity is the thresholds' override or the default."""
-        found = self.fn(con, thresholds)
-        severity = thresholds.severity.get(self.name, self.default_severity)
+        found = self.fn(con, quality)
+        severity = quality.severity.get(self.name, self.default_severity)
         return CheckOutcome(self.name, found.passed, severity, found.summary_md, found.metadata, self.blocking)
 
 
@@ -72,16 +72,16 @@ def run_checks(
     data_dir: str | Path,
     shard: str | None = None,
     config_hash: str | None = None,
-    thresholds: QualitySettings = QualitySettings(),
+    quality: QualitySettings = QualitySettings(),
     names: Iterable[str] | None = None,
 ) -> list[CheckOutcome]:
     """Run every check (or those in `names`, in registry order) over one scan of the data dir."""
     wanted = set(CHECKS_BY_NAME) if names is None else set(names)
-    unknown = (wanted | set(thresholds.severity)) - set(CHECKS_BY_NAME)
+    unknown = (wanted | set(quality.severity)) - set(CHECKS_BY_NAME)
     if unknown:
         raise ValueError(f"unknown check names {sorted(unknown)}; the checks are {list(CHECKS_BY_NAME)}")
-    with open_quality_db(data_dir, shard, config_hash, thresholds.runaway, thresholds.trainer.max_length) as con:
-        return [spec.run(con, thresholds) for spec in CHECKS if spec.name in wanted]
+    with open_quality_db(data_dir, shard, config_hash, quality.runaway, quality.trainer.max_length) as con:
+        return [spec.run(con, quality) for spec in CHECKS if spec.name in wanted]
 
 
 def gate_passed(outcomes: Iterable[CheckOutcome]) -> bool:

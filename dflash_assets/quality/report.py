@@ -120,9 +120,7 @@ def length_quality_of(
             )
         ),
         "max_length": max_length,
-        "by_config": _grouped(
-            con, "config_hash, config_cap AS max_output_tokens", CONFIG, ", count(DISTINCT shard) AS shards"
-        ),
+        "by_config": _grouped(con, "config_hash, config_cap", CONFIG, ", count(DISTINCT shard) AS shards"),
         "by_shard": _grouped(
             con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
         ),

@@ -14,37 +14,37 @@ import pyarrow as pa
 from dflash_assets.settings import RunawaySettings
 
 
-def is_runaway(text: str | None, rules: RunawaySettings = RunawaySettings()) -> bool:
+def is_runaway(text: str | None, runaway: RunawaySettings = RunawaySettings()) -> bool:
     """True when the end of `text` repeats itself by either rule. The tail's first line and word may be cut
     mid-way by the window, so they are left out of the counts."""
     # (a loop of a phrase with no newline, or of a paragraph, is caught by the n-grams; of a short line, by both)
     if not text:
         return False
-    tail = text[-rules.tail_chars :].rstrip()
+    tail = text[-runaway.tail_chars :].rstrip()
     # A loop reaches the cap, so the end of the text recurs earlier in its tail: the last line (or its last
     # characters) found once more. Checked first, at C speed: prose stops here, and this runs on every cut row.
-    end = tail[tail.rfind("\n") + 1 :].strip()[-rules.end_chars :]
+    end = tail[tail.rfind("\n") + 1 :].strip()[-runaway.end_chars :]
     if not end or tail.find(end) >= len(tail) - len(end):
         return False
     lines = [line.strip() for line in tail.splitlines() if line.strip()][1:]
-    if len(lines) >= rules.min_line_repeats:
+    if len(lines) >= runaway.min_line_repeats:
         top = Counter(lines).most_common(1)[0][1]
-        if top >= rules.min_line_repeats and top / len(lines) >= rules.repeated_line_share:
+        if top >= runaway.min_line_repeats and top / len(lines) >= runaway.repeated_line_share:
             return True
-    words, n = tail.split()[1:], rules.ngram_words
+    words, n = tail.split()[1:], runaway.ngram_words
     grams = len(words) - n + 1
-    if grams < rules.min_ngrams:
+    if grams < runaway.min_ngrams:
         return False
     distinct = len(set(zip(*(words[i:] for i in range(n)))))
-    return 1 - distinct / grams >= rules.repeated_ngram_share
+    return 1 - distinct / grams >= runaway.repeated_ngram_share
 
 
-def loop_start(text: str, rules: RunawaySettings = RunawaySettings()) -> int:
+def loop_start(text: str, runaway: RunawaySettings = RunawaySettings()) -> int:
     """Where the repetition that ends `text` began, as a character offset (len(text) when none is found): the
     start of the longest end of the text that repeats with the period of its last line (the `end` is_runaway
     looks for). Exact repetition only: a loop that drifts a little is found later than it began."""
     tail = text.rstrip()
-    end = tail[tail.rfind("\n") + 1 :].strip()[-rules.end_chars :]
+    end = tail[tail.rfind("\n") + 1 :].strip()[-runaway.end_chars :]
     last = tail.rfind(end) if end else -1
     prev = tail.rfind(end, 0, last) if last > 0 else -1
     if prev < 0:
@@ -57,11 +57,11 @@ def loop_start(text: str, rules: RunawaySettings = RunawaySettings()) -> int:
     return start
 
 
-def register_runaway(con: duckdb.DuckDBPyConnection, rules: RunawaySettings = RunawaySettings()) -> None:
+def register_runaway(con: duckdb.DuckDBPyConnection, runaway: RunawaySettings = RunawaySettings()) -> None:
     """`is_runaway(tail VARCHAR) -> BOOLEAN` on `con`, judged by `rules`. Vectorised (a batch of rows per call
     through Arrow): a call per row would cost more than the test itself."""
 
     def batch(tails: pa.Array) -> pa.Array:
-        return pa.array([is_runaway(t, rules) for t in tails.to_pylist()], pa.bool_())
+        return pa.array([is_runaway(t, runaway) for t in tails.to_pylist()], pa.bool_())
 
     con.create_function("is_runaway", batch, ["VARCHAR"], "BOOLEAN", type="arrow", null_handling="special")

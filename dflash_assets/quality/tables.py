@@ -62,13 +62,13 @@ def window_flags_sql(max_length: int) -> str:
     )
 
 
-def runaway_sql(rules: RunawaySettings) -> str:
+def runaway_sql(runaway: RunawaySettings) -> str:
     """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
     judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking.
     A row stopped while streaming was judged by the same rules then (rules.RUNAWAY_FINISH): it is one."""
     tail = (
         f"CASE WHEN {blank_sql('content')} "
-        f"THEN right(reasoning_content, {rules.tail_chars}) ELSE right(content, {rules.tail_chars}) END"
+        f"THEN right(reasoning_content, {runaway.tail_chars}) ELSE right(content, {runaway.tail_chars}) END"
     )
     return (
         f"CASE WHEN {STOPPED_EARLY_SQL} THEN true "

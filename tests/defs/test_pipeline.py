@@ -7,7 +7,7 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.defs.metadata import CheckRun, PromptShardRun, ReportRun, ShardRun, TrainingSetRun, keys
+from dflash_assets.defs.metadata import CheckKeys, PromptShardKeys, ReportKeys, ShardRunKeys, TrainingSetKeys, keys
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.defs.resources import FleetResource, PromptSourceResource, QualityResource
@@ -52,15 +52,15 @@ def test_two_partitions_materialise_end_to_end(tmp_path, fleet_urls):
     servers = json.loads(json.dumps(meta["servers"].value))
     assert set(servers) == set(fleet_urls), "work was spread over both servers"
     # exactly the keys its readers (the demo, the cap plan) take from defs/metadata.py; by_turn is all_turns' only
-    assert set(meta) == keys(ShardRun) - {ShardRun.BY_TURN}
+    assert set(meta) == keys(ShardRunKeys) - {ShardRunKeys.BY_TURN}
     report = results[0].asset_materializations_for_node("length_quality_report")[0]
     assert report.partition == "00000"
     # and the keys the demo's table reads from the other assets
-    assert keys(ReportRun) <= set(report.metadata)
-    assert keys(PromptShardRun) <= set(results[0].asset_materializations_for_node("prompt_shards")[0].metadata)
+    assert keys(ReportKeys) <= set(report.metadata)
+    assert keys(PromptShardKeys) <= set(results[0].asset_materializations_for_node("prompt_shards")[0].metadata)
     checks = results[0].get_asset_check_evaluations()
     assert len(checks) == len(CHECKS) and all(
-        e.metadata[CheckRun.FAILING_SHARDS].value == ([] if e.passed else ["00000"]) for e in checks
+        e.metadata[CheckKeys.FAILING_SHARDS].value == ([] if e.passed else ["00000"]) for e in checks
     )
     # every completion row records the config that made it
     cols = duckdb.sql(
@@ -271,7 +271,7 @@ def test_training_set_is_refused_while_a_blocking_check_fails_and_written_once_c
     assert first["id"].endswith(f"@{high_hash}")
     assert [m["role"] for m in first["conversations"]] == ["user", "assistant"]
     assert first["conversations"][-1]["reasoning_content"] and "</think>" not in first["conversations"][-1]["content"]
-    assert keys(TrainingSetRun) <= set(meta), "every key the demo reads back (defs/metadata.py) is written"
+    assert keys(TrainingSetKeys) <= set(meta), "every key the demo reads back (defs/metadata.py) is written"
     manifest = meta["manifest"].value
     assert manifest["rows"] + sum(manifest["excluded"].values()) == 80, manifest
 

@@ -13,7 +13,7 @@ import duckdb
 import pytest
 
 from dflash_assets.defs.continuation.assets import continued_completions
-from dflash_assets.defs.metadata import ContinueRun, keys
+from dflash_assets.defs.metadata import ContinuationKeys, keys
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource
 from dflash_assets.generation.preflight import PreflightError
@@ -177,7 +177,7 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     assert meta["tokens_reused"].value > 0 and 0 < meta["saved_share"].value < 1
     assert meta["accounting"].value == f"{N} prompts = {N} completed + 0 rejected + 0 failed + 0 left"
     assert meta["config_hash"].value == GenerationSettings(max_output_tokens=8192).config_hash(parent.model)
-    assert keys(ContinueRun) <= set(meta), "every key `dflash continue` reads back (defs/metadata.py) is written"
+    assert keys(ContinuationKeys) <= set(meta), "every key `dflash continue` reads back (defs/metadata.py) is written"
 
 
 @pytest.mark.parametrize(

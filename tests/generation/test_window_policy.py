@@ -218,7 +218,7 @@ def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_co
 def test_the_same_cut_rows_block_a_trainer_whose_window_reaches_past_the_cap(story_dir):
     rows = load(story_dir, "completions")
     inside = sum(cut_inside_window(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 8192) for r in rows)
-    (outcome,) = run_checks(story_dir, names=["truncation_rate"], thresholds=window(8192))
+    (outcome,) = run_checks(story_dir, names=["truncation_rate"], quality=window(8192))
     assert not outcome.passed and outcome.metadata["cut_inside_window_rows"] == inside == 183
     assert "Rows cut inside the window are the hardest prompts" in outcome.summary_md
 

@@ -25,7 +25,7 @@ def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
     length = lambda r: cut_inside_window(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 65536)  # noqa: E731
     per_config, per_shard = rates(rows, config_of, length), rates(rows, lambda r: r["shard"], length)
     truncated = sum(map(length, rows))
-    outcome = check(defects_dir, "truncation_rate", thresholds=WIDE)
+    outcome = check(defects_dir, "truncation_rate", quality=WIDE)
     assert not outcome.passed and outcome.blocking and outcome.severity == "ERROR"
     m = outcome.metadata
     assert (m["rows"], m["cut_inside_window_rows"], m["truncated_rows"]) == (len(rows), truncated, truncated)
@@ -40,7 +40,7 @@ def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
 
 def test_truncation_rate_message_names_the_story_figures(story_dir):
     # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window
-    outcome = check(story_dir, "truncation_rate", thresholds=QualitySettings(trainer=TrainerSettings(max_length=8192)))
+    outcome = check(story_dir, "truncation_rate", quality=QualitySettings(trainer=TrainerSettings(max_length=8192)))
     assert not outcome.passed
     assert outcome.summary_md.startswith(
         "**18.30%** of 1,000 rows were cut inside the trainer's window max_length 8,192 (finish_reason = 'length', "
@@ -51,7 +51,7 @@ def test_truncation_rate_message_names_the_story_figures(story_dir):
 
 
 def test_truncation_rate_threshold_is_configurable(story_dir):
-    outcome = check(story_dir, "truncation_rate", thresholds=QualitySettings(truncation_rate_max=0.20))
+    outcome = check(story_dir, "truncation_rate", quality=QualitySettings(truncation_rate_max=0.20))
     assert outcome.passed
     assert "within the 20.00% threshold" in outcome.summary_md
 
@@ -211,7 +211,7 @@ def test_max_length_overflow_share_follows_the_trainer_max_length(defects_dir):
     for max_length in (4096, 8192):
         over = [r for r in rows if r["prompt_tokens"] + r["completion_tokens"] > max_length]
         trainer = TrainerSettings(max_length=max_length)
-        outcome = check(defects_dir, "max_length_overflow", thresholds=QualitySettings(trainer=trainer))
+        outcome = check(defects_dir, "max_length_overflow", quality=QualitySettings(trainer=trainer))
         assert outcome.metadata["over_max_length_rows"] == len(over)
         assert outcome.metadata["over_max_length_rate"] == len(over) / len(rows)
         assert outcome.passed == (len(over) / len(rows) <= 0.05)

@@ -109,14 +109,14 @@ def test_training_gate_is_marked_in_the_registry(tmp_path):
 
 def test_severity_is_configurable_per_check(defects_dir):
     outcome = check(
-        defects_dir, "config_consistency", thresholds=QualitySettings(severity={"config_consistency": "ERROR"})
+        defects_dir, "config_consistency", quality=QualitySettings(severity={"config_consistency": "ERROR"})
     )
     assert outcome.severity == "ERROR" and not outcome.passed
 
 
 def test_unknown_check_names_are_refused(defects_dir):
     with pytest.raises(ValueError, match="unknown check names"):
-        run_checks(defects_dir, thresholds=QualitySettings(severity={"truncation": "WARN"}))
+        run_checks(defects_dir, quality=QualitySettings(severity={"truncation": "WARN"}))
 
 
 def test_clean_data_passes_every_check(clean_dir):

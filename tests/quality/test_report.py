@@ -56,7 +56,7 @@ def test_length_quality_figures_overall_and_by_config_shard_source(defects_dir):
     rows = load(defects_dir, "completions")
     report = length_quality(defects_dir)
     assert stats_of(report) == expected_stats(rows)
-    assert {config_of(e): stats_of(e) for e in report["by_config"]} == grouped(rows, config_of)
+    assert {(e["config_hash"], e["config_cap"]): stats_of(e) for e in report["by_config"]} == grouped(rows, config_of)
     assert {e["shard"]: stats_of(e) for e in report["by_shard"]} == grouped(rows, lambda r: r["shard"])
     assert {e["source"]: stats_of(e) for e in report["by_source"]} == grouped(rows, lambda r: r["source"])
     assert {e["shard"]: e["configs"] for e in report["by_shard"]} == {"s0": "a4096", "s1": "a4096,b8192"}

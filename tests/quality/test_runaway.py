@@ -117,10 +117,10 @@ def test_runaways_on_the_emulator_are_counted_apart_from_honest_truncation(loopi
 
 def test_the_runaway_threshold_and_rules_come_from_the_thresholds(looping_run):
     data, _, loops, _ = looping_run
-    (lenient,) = run_checks(data, names=["runaway_rate"], thresholds=QualitySettings(runaway_rate_max=0.5))
+    (lenient,) = run_checks(data, names=["runaway_rate"], quality=QualitySettings(runaway_rate_max=0.5))
     assert lenient.passed and "within the 50.00% threshold" in lenient.summary_md
     never = QualitySettings(runaway=RunawaySettings(min_line_repeats=10_000, repeated_ngram_share=1.1))
-    (blind,) = run_checks(data, names=["runaway_rate"], thresholds=never)
+    (blind,) = run_checks(data, names=["runaway_rate"], quality=never)
     assert blind.passed and blind.metadata["runaway_rows"] == 0
 
 

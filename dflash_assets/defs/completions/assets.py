@@ -3,7 +3,7 @@
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.defs.metadata import ShardRun
+from dflash_assets.defs.metadata import ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
@@ -49,12 +49,12 @@ def completions(
     quality: QualityResource,
 ) -> None:
     generation, dispatch = GenerationSettings.taken_from(config), DispatchSettings.taken_from(config)
-    thresholds = QualitySettings.taken_from(quality)
+    quality_settings = QualitySettings.taken_from(quality)
     # the pre-tokenized export and the window policy are built from token ids: stored by default for them
     dispatch = dispatch.model_copy(
         update={
             "store_token_ids": stores_token_ids(
-                dispatch.store_token_ids, generation.cap_policy, thresholds.trainer.format
+                dispatch.store_token_ids, generation.cap_policy, quality_settings.trainer.format
             )
         }
     )
@@ -75,7 +75,7 @@ def completions(
                     dispatch,
                     preflight_policy=config.preflight_policy,
                     log=context.log.info,
-                    runaway=thresholds.runaway,
+                    runaway=quality_settings.runaway,
                 ),
             )  # streamed: loops stopped by the checks' own rules
     except PreflightError as e:
@@ -102,7 +102,7 @@ def completions(
             context.log.info(f"fleet tuning, {item.server}: {item.message}")
     context.add_asset_metadata(
         {
-            ShardRun.FLEET_TUNING: dg.MetadataValue.md(
+            ShardRunKeys.FLEET_TUNING: dg.MetadataValue.md(
                 tuning_markdown(loads, advice)
                 if runs[0].load_samples
                 else "no /v1/loads samples (the run was shorter than one interval)"
@@ -111,30 +111,30 @@ def completions(
     )
 
 
-def shard_metadata(run, cap: int) -> dict:
+def shard_metadata(run, config_cap: int) -> dict:
     accounted = run.completed + run.rejected + run.failed
     return {
         # all_turns: a row per turn; completed counts conversations
-        ShardRun.ROW_COUNT: sum(t["rows"] for t in run.by_turn.values()) if run.by_turn else run.completed,
-        ShardRun.CONFIG_HASH: run.config_hash,
-        ShardRun.MODEL: run.model,
-        ShardRun.MAX_OUTPUT_TOKENS: cap,
-        ShardRun.PROMPTS: run.prompts,
-        ShardRun.COMPLETED: run.completed,
-        ShardRun.ALREADY_DONE: run.already_done,
-        ShardRun.REJECTED_PREFLIGHT: run.rejected_preflight,
-        ShardRun.REJECTED_SERVER: run.rejected_server,
-        ShardRun.FAILED: run.failed,
-        ShardRun.ACCOUNTING: f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
+        ShardRunKeys.ROW_COUNT: sum(t["rows"] for t in run.by_turn.values()) if run.by_turn else run.completed,
+        ShardRunKeys.CONFIG_HASH: run.config_hash,
+        ShardRunKeys.MODEL: run.model,
+        ShardRunKeys.CONFIG_CAP: config_cap,
+        ShardRunKeys.PROMPTS: run.prompts,
+        ShardRunKeys.COMPLETED: run.completed,
+        ShardRunKeys.ALREADY_DONE: run.already_done,
+        ShardRunKeys.REJECTED_PREFLIGHT: run.rejected_preflight,
+        ShardRunKeys.REJECTED_SERVER: run.rejected_server,
+        ShardRunKeys.FAILED: run.failed,
+        ShardRunKeys.ACCOUNTING: f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
         f"{run.failed} failed" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
-        ShardRun.NEW_ROWS_TRUNCATED: run.length,
-        ShardRun.NEW_ROWS_RUNAWAY_STOPPED: run.runaways_stopped,  # loops stopped while streaming ('runaway')
-        ShardRun.OUTPUT_TOKENS: run.output_tokens,
-        ShardRun.ELAPSED_S: round(run.elapsed_s, 2),
-        ShardRun.TOKENS_PER_S: round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
-        ShardRun.SERVERS: dg.MetadataValue.json(run.servers),
+        ShardRunKeys.NEW_ROWS_TRUNCATED: run.length,
+        ShardRunKeys.NEW_ROWS_RUNAWAY_STOPPED: run.runaways_stopped,  # loops stopped while streaming ('runaway')
+        ShardRunKeys.OUTPUT_TOKENS: run.output_tokens,
+        ShardRunKeys.ELAPSED_S: round(run.elapsed_s, 2),
+        ShardRunKeys.TOKENS_PER_S: round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
+        ShardRunKeys.SERVERS: dg.MetadataValue.json(run.servers),
         **(
-            {ShardRun.BY_TURN: dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})}
+            {ShardRunKeys.BY_TURN: dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})}
             if run.by_turn
             else {}
         ),

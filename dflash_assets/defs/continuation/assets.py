@@ -4,7 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.metadata import ContinueRun
+from dflash_assets.defs.metadata import ContinuationKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetResource, QualityResource, run_on_fleet
@@ -104,18 +104,20 @@ async def _continue(
     generated = run.new_config_tokens - run.tokens_reused
     return {
         "dagster/row_count": run.completed,
-        ContinueRun.CONFIG_HASH: run.config_hash,
+        ContinuationKeys.CONFIG_HASH: run.config_hash,
         "parent_config_hash": run.parent_config_hash,
         "max_output_tokens": run.new_cap,
         **({"trainer_max_length": window} if window else {}),
         "parent_max_output_tokens": run.parent_cap,
-        ContinueRun.ROWS_CONTINUED: run.continued,
-        ContinueRun.ROWS_COPIED: run.copied,
+        ContinuationKeys.ROWS_CONTINUED: run.continued,
+        ContinuationKeys.ROWS_COPIED: run.copied,
         "rows_without_ids": run.without_ids,
-        ContinueRun.STILL_TRUNCATED: run.length,
-        ContinueRun.TOKENS_REUSED: run.tokens_reused,
-        ContinueRun.TOKENS_GENERATED: generated,
-        ContinueRun.SAVED_SHARE: round(run.tokens_reused / run.new_config_tokens, 4) if run.new_config_tokens else 0.0,
+        ContinuationKeys.STILL_TRUNCATED: run.length,
+        ContinuationKeys.TOKENS_REUSED: run.tokens_reused,
+        ContinuationKeys.TOKENS_GENERATED: generated,
+        ContinuationKeys.SAVED_SHARE: round(run.tokens_reused / run.new_config_tokens, 4)
+        if run.new_config_tokens
+        else 0.0,
         "accounting": f"{run.prompts} prompts = {run.completed} completed + {run.rejected} rejected + "
         f"{run.failed} failed + {run.left} left" + ("" if accounted == run.prompts else f" (MISMATCH: {accounted})"),
         "elapsed_s": round(run.elapsed_s, 2),

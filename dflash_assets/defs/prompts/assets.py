@@ -2,7 +2,7 @@
 
 import dagster as dg
 
-from dflash_assets.defs.metadata import PromptShardRun
+from dflash_assets.defs.metadata import PromptShardKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
 from dflash_assets.generation.shards import build_prompt_shard
@@ -59,10 +59,10 @@ def prompt_shards(
         context.add_asset_metadata(
             partition_key=shard,
             metadata={
-                PromptShardRun.ROW_COUNT: build.prompts,
-                PromptShardRun.LINES: build.lines,
-                PromptShardRun.PROMPTS: build.prompts,
-                PromptShardRun.REJECTED: build.rejected,
+                PromptShardKeys.ROW_COUNT: build.prompts,
+                PromptShardKeys.LINES: build.lines,
+                PromptShardKeys.PROMPTS: build.prompts,
+                PromptShardKeys.REJECTED: build.rejected,
                 "max_prompt_tokens": build.max_prompt_tokens,
                 # the source format detected from the lines' keys (prompts.FORMATS), and how many prompts had each
                 "format": next(iter(build.formats), "none"),

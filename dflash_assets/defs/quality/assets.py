@@ -6,7 +6,7 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.metadata import ReportRun, ShardRun
+from dflash_assets.defs.metadata import ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
@@ -50,11 +50,11 @@ def report_metadata(report: dict, png: bytes) -> dict:
         "pictures": PICTURES,
         "length_survival": dg.MetadataValue.md(report["compact_histogram"]),
         "truncated_rows": report["truncated_rows"],
-        ReportRun.TRUNCATION_RATE: pct(report["truncation_rate"]),
+        ReportKeys.TRUNCATION_RATE: pct(report["truncation_rate"]),
         # against the trainer's window: the blocking share, and the cut rows the trainer reads whole (exported)
         "trainer_max_length": report["max_length"],
         "cut_inside_window_rows": report["cut_inside_window_rows"],
-        ReportRun.CUT_INSIDE_WINDOW_RATE: pct(report["cut_inside_window_rate"]),
+        ReportKeys.CUT_INSIDE_WINDOW_RATE: pct(report["cut_inside_window_rate"]),
         "window_complete_rows": report["window_complete_rows"],
         "window_complete_rate": pct(report["window_complete_rate"]),
         "window_complete_tokens": report["window_complete_tokens"],
@@ -88,20 +88,20 @@ def length_quality_report(
     context: dg.AssetExecutionContext, data_dir: DataDirResource, quality: QualityResource
 ) -> None:
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
-    thresholds = QualitySettings.taken_from(quality)
+    quality_settings = QualitySettings.taken_from(quality)
     for shard in context.partition_keys:
-        report, png = _report_and_histogram(root, shard, thresholds, reports / f"shard={shard}")
+        report, png = _report_and_histogram(root, shard, quality_settings, reports / f"shard={shard}")
         context.add_asset_metadata(
             partition_key=shard,
             metadata={**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))},
         )
 
 
-def _report_and_histogram(root: str, shard: str | None, thresholds: QualitySettings, reports: Path):
+def _report_and_histogram(root: str, shard: str | None, quality_settings: QualitySettings, reports: Path):
     from dflash_assets.quality.histogram import report_and_histogram  # matplotlib: on use
 
     return report_and_histogram(
-        root, reports / "completion_lengths.png", shard, thresholds.trainer.max_length, thresholds.runaway
+        root, reports / "completion_lengths.png", shard, quality_settings.trainer.max_length, quality_settings.runaway
     )
 
 
@@ -111,9 +111,9 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
     rates, servers = [], []
     for r in records:
         meta = r.asset_materialization.metadata
-        if meta.get(ShardRun.TOKENS_PER_S) and meta[ShardRun.TOKENS_PER_S].value > 0:
-            rates.append(meta[ShardRun.TOKENS_PER_S].value)
-            servers.append(len(meta[ShardRun.SERVERS].value) if ShardRun.SERVERS in meta else 1)
+        if meta.get(ShardRunKeys.TOKENS_PER_S) and meta[ShardRunKeys.TOKENS_PER_S].value > 0:
+            rates.append(meta[ShardRunKeys.TOKENS_PER_S].value)
+            servers.append(len(meta[ShardRunKeys.SERVERS].value) if ShardRunKeys.SERVERS in meta else 1)
     if not rates:
         return None, None
     return sorted(rates)[len(rates) // 2], max(servers)
@@ -138,8 +138,8 @@ def length_quality_summary(
     from dflash_assets.quality.probe_advice import probe_advice
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
-    root, thresholds = data_dir.resolved(), QualitySettings.taken_from(quality)
-    report, png = _report_and_histogram(root, None, thresholds, data_dir.local_dir() / "reports")
+    root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
+    report, png = _report_and_histogram(root, None, quality_settings, data_dir.local_dir() / "reports")
     metadata = {
         **report_metadata(report, png.read_bytes()),
         "histogram_path": dg.MetadataValue.path(str(png)),
@@ -162,7 +162,7 @@ def length_quality_summary(
     }
     tokens_per_s, servers = fleet_throughput(context.instance)
     try:
-        plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=thresholds.runaway)
+        plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=quality_settings.runaway)
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:
@@ -170,9 +170,9 @@ def length_quality_summary(
             root,
             plan.config_hash,
             plan.cap,
-            thresholds.trainer,
+            quality_settings.trainer,
             plan.fit,
-            thresholds.runaway,
+            quality_settings.runaway,
             candidates=[e.cap for e in plan.estimates],
             tokens_per_s=tokens_per_s,
             servers=servers,

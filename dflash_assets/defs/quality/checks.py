@@ -10,7 +10,7 @@ the training set, which is downstream of the report.
 
 import dagster as dg
 
-from dflash_assets.defs.metadata import CheckRun
+from dflash_assets.defs.metadata import CheckKeys
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import CHECKS, run_checks
@@ -36,9 +36,9 @@ def completions_quality_checks(
         scopes = [None]
     selected = {key.name for key in context.selected_asset_check_keys}
     by_name: dict[str, list[tuple[str | None, object]]] = {}  # check -> (shard, or None for all shards, outcome)
-    thresholds = QualitySettings.taken_from(quality)
+    quality_settings = QualitySettings.taken_from(quality)
     for shard in scopes:
-        for outcome in run_checks(data_dir.resolved(), shard=shard, thresholds=thresholds, names=selected):
+        for outcome in run_checks(data_dir.resolved(), shard=shard, quality=quality_settings, names=selected):
             by_name.setdefault(outcome.name, []).append((shard, outcome))
     where = lambda shard: f"shard {shard}" if shard else "all shards"  # noqa: E731 - for people, never parsed
     for name, results in by_name.items():
@@ -52,10 +52,10 @@ def completions_quality_checks(
             severity=dg.AssetCheckSeverity(worst.severity),
             description=f"{where(first)}: " + worst.summary_md.split("\n", 1)[0],
             metadata={
-                CheckRun.SCOPE: label,
-                CheckRun.FAILING: ", ".join(where(s) for s, _ in failing) or "none",
-                CheckRun.FAILING_SHARDS: dg.MetadataValue.json([s for s, _ in failing if s]),
-                CheckRun.SUMMARY: dg.MetadataValue.md(
+                CheckKeys.SCOPE: label,
+                CheckKeys.FAILING: ", ".join(where(s) for s, _ in failing) or "none",
+                CheckKeys.FAILING_SHARDS: dg.MetadataValue.json([s for s, _ in failing if s]),
+                CheckKeys.SUMMARY: dg.MetadataValue.md(
                     "\n\n".join(f"**{where(s)}**: {o.summary_md}" for s, o in results)
                 ),
                 **worst.metadata,

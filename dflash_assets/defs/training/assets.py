@@ -4,7 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.metadata import TrainingSetRun
+from dflash_assets.defs.metadata import TrainingSetKeys
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
@@ -61,11 +61,11 @@ def most_rows_config(data_dir) -> str | None:
 def drafter_training_set(
     context: dg.AssetExecutionContext, config: TrainingSetConfig, data_dir: DataDirResource, quality: QualityResource
 ) -> dg.MaterializeResult:
-    root, thresholds = data_dir.resolved(), QualitySettings.taken_from(quality)
+    root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
     chosen = {"": most_rows_config(root), "all": None}.get(config.config_hash, config.config_hash)
     if config.config_hash == "" and chosen is None:
         raise dg.Failure("there are no completions to export")
-    outcomes = run_checks(root, config_hash=chosen, thresholds=thresholds)
+    outcomes = run_checks(root, config_hash=chosen, quality=quality_settings)
     if not gate_passed(outcomes):
         failing = [o for o in outcomes if o.blocking and not o.passed]
         raise dg.Failure(
@@ -77,19 +77,19 @@ def drafter_training_set(
         root,
         data_dir.local_dir() / "training" / (chosen or "all"),
         config_hash=chosen,
-        max_length=thresholds.trainer.max_length,
-        form=config.form or thresholds.trainer.format,
+        max_length=quality_settings.trainer.max_length,
+        form=config.form or quality_settings.trainer.format,
         drop_over_max_length=config.drop_over_max_length,
-        runaway=thresholds.runaway,
+        runaway=quality_settings.runaway,
     )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
     excluded = "\n".join(f"- {line}" for line in exclusion_lines(manifest)) or "nothing was left out"
     return dg.MaterializeResult(
         metadata={
-            TrainingSetRun.ROW_COUNT: manifest["rows"],
-            TrainingSetRun.CONFIG_HASH: chosen or "all",
-            TrainingSetRun.JSONL: dg.MetadataValue.path(str(export.jsonl_path)),
+            TrainingSetKeys.ROW_COUNT: manifest["rows"],
+            TrainingSetKeys.CONFIG_HASH: chosen or "all",
+            TrainingSetKeys.JSONL: dg.MetadataValue.path(str(export.jsonl_path)),
             "parquet": dg.MetadataValue.path(str(export.parquet_path)),
             "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),
             "over_max_length_kept": manifest["over_max_length_kept"],
@@ -97,6 +97,6 @@ def drafter_training_set(
             "trainer": f"max_length {manifest['max_length']}, form {manifest['form']} "
             f"(change: {manifest['trainer']['how_to_change']})",
             "exclusions": dg.MetadataValue.md(excluded),
-            TrainingSetRun.MANIFEST: dg.MetadataValue.json(manifest),
+            TrainingSetKeys.MANIFEST: dg.MetadataValue.json(manifest),
         }
     )
