@@ -44,9 +44,9 @@ DEMO_DEFAULTS = {**SHARD_RUN_DEFAULTS, "max_output_tokens": 16384}
 def _completions_config(command: str, args: argparse.Namespace) -> dict | None:
     """The `completions` run config of the flags (every generation and dispatch setting), or None when one is bad
     (said on stderr)."""
-    generation, dispatch = GenerationSettings.taken_from(args), DispatchSettings.taken_from(args)
-    if _refused(command, generation, dispatch):
+    if (groups := _settings(command, args, GenerationSettings, DispatchSettings)) is None:
         return None
+    generation, dispatch = groups
     return {**generation.model_dump(), **dispatch.model_dump()}
 
 
@@ -110,15 +110,16 @@ def _emulator(argv: list[str]) -> int:
     return main(argv)
 
 
-def _refused(command: str, *settings) -> bool:
-    """Validate settings before any work; a bad one is a one-line error naming it (exit 2)."""
+def _settings(
+    command: str, args: argparse.Namespace, *models: type[Settings], skip: tuple[str, ...] = ()
+) -> list | None:
+    """Each settings group of the flags (but `skip`), checked as it is built, before any work; None when one is
+    bad, said in one line on stderr naming it (the caller exits 2)."""
     try:
-        for each in settings:
-            each.validate()
+        return [model.taken_from(args, skip) for model in models]
     except SettingsError as e:
         print(f"dflash {command}: {e}", file=sys.stderr)
-        return True
-    return False
+        return None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -128,9 +129,9 @@ def _generate(args: argparse.Namespace) -> int:
     from dflash_assets.fleet.fleet import connected
     from dflash_assets.generation.engine import generate_shard
 
-    config, settings = GenerationSettings.taken_from(args), DispatchSettings.taken_from(args)
-    if _refused("generate", config, settings):
+    if (groups := _settings("generate", args, GenerationSettings, DispatchSettings)) is None:
         return 2
+    generation, dispatch = groups
     urls = args.urls
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -142,8 +143,8 @@ def _generate(args: argparse.Namespace) -> int:
                 args.data_dir,
                 args.shard,
                 fleet,
-                config,
-                settings,
+                generation,
+                dispatch,
                 log=progress.console.print,
                 on_answer=lambda done, total: progress.update(task, completed=done, total=total),
             )
@@ -173,10 +174,12 @@ def _probe(args: argparse.Namespace) -> int:
     from dflash_assets.generation.probe import prompt_shard_keys
     from dflash_assets.quality.probe_summary import probe_summary, run_length_probe
 
-    probe, config = ProbeSettings.taken_from(args), GenerationSettings.taken_from(args)
-    settings = DispatchSettings.taken_from(args)
-    if _refused("probe", probe, settings):  # config: validated by run_probe, once its cap is known
+    # the probe's cap is ProbeSettings.max_output_tokens (0: the largest the context allows), not the run's
+    if (groups := _settings("probe", args, ProbeSettings, DispatchSettings)) is None:
         return 2
+    if (sampling := _settings("probe", args, GenerationSettings, skip=("max_output_tokens",))) is None:
+        return 2
+    (probe, dispatch), (generation,) = groups, sampling
     shards = [s for s in (args.shards or "").split(",") if s] or prompt_shard_keys(args.data_dir)
     if not shards:
         print(
@@ -189,7 +192,7 @@ def _probe(args: argparse.Namespace) -> int:
 
     async def go():
         async with connected(urls, Deployment.API_KEY.value() or None) as fleet:
-            return await run_length_probe(args.data_dir, shards, fleet, config, probe, settings, log=print)
+            return await run_length_probe(args.data_dir, shards, fleet, generation, probe, dispatch, log=print)
 
     try:
         result = asyncio.run(go())
@@ -273,8 +276,12 @@ def _report(args: argparse.Namespace) -> int:
         return 2
     from dflash_assets.quality.console import console_for_output, print_answers, verbatim
 
+    try:
+        quality = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
+    except SettingsError as e:
+        print(f"dflash report: {e}", file=sys.stderr)
+        return 2
     console = console_for_output()
-    quality = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
     answers = print_answers(data_dir, console, quality)
     pictures = _report_pictures(data_dir, answers)
     for picture in pictures:
@@ -345,6 +352,7 @@ def settings_flags(
             continue
         flag, default = "--" + name.replace("_", "-"), (defaults or {}).get(name, field.default)
         kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
+        kind = str if typing.get_origin(field.annotation) is typing.Literal else kind  # its values: the settings
         kind = _json_object if kind is dict else kind
         shown = "" if default in (None, "") else f" (default {default})"
         if kind is bool:

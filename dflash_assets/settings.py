@@ -24,32 +24,108 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, ClassVar, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field
+import annotated_types
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_assets.rules import fills_window, window_cap
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
-FLEET_MODES = ("emulated", "attach", "launch")
+
+# The values a choice field takes: the field's type, and the CLI's argparse choices (get_args(CapPolicy))
+CapPolicy = Literal["fixed", "window"]  # GenerationSettings.cap_policy
+Regenerate = Literal["last_turn", "all_turns"]  # GenerationSettings.regenerate
+TrainerFormat = Literal["conversations", "messages", "pretokenized"]  # TrainerSettings.format
+ProbeMode = Literal["prompts", "cut_rows"]  # ProbeSettings.mode
+FleetMode = Literal["emulated", "attach", "launch"]  # FleetSettings.mode
+Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
+FLEET_MODES = get_args(FleetMode)
+TRAINER_FORMATS = get_args(TrainerFormat)
+CAP_POLICIES = get_args(CapPolicy)
+REGENERATE = get_args(Regenerate)
+PROBE_MODES = get_args(ProbeMode)
+SEVERITIES = get_args(Severity)
 
 
 class SettingsError(ValueError):
     """Bad settings, found before any work starts."""
 
 
+def _number(bound: Any) -> str:
+    return str(int(bound)) if isinstance(bound, float) and bound.is_integer() else str(bound)
+
+
+def _rule(field: Any) -> str:
+    """What a field's constraints ask, in words: 'a positive integer', '>= 0', 'in (0, 1]'."""
+    low = high = None
+    for c in field.metadata:
+        if isinstance(c, annotated_types.Gt | annotated_types.Ge):
+            low = ("(", c.gt) if isinstance(c, annotated_types.Gt) else ("[", c.ge)
+        elif isinstance(c, annotated_types.Lt | annotated_types.Le):
+            high = (")", c.lt) if isinstance(c, annotated_types.Lt) else ("]", c.le)
+    hint = f" ({field.json_schema_extra['zero']})" if isinstance(field.json_schema_extra, dict) else ""
+    if low and high:
+        return f"in {low[0]}{_number(low[1])}, {_number(high[1])}{high[0]}{hint}"
+    if low == ("(", 0) and field.annotation is int:
+        return "a positive integer" + hint
+    if low:
+        return f"{'>' if low[0] == '(' else '>='} {_number(low[1])}{hint}"
+    if high:
+        return f"{'<' if high[0] == ')' else '<='} {_number(high[1])}{hint}"
+    return ""
+
+
+def problems_of(model: type[BaseModel], error: ValidationError) -> str:
+    """pydantic's ValidationError as one line of our own: each bad field named by its path, with what it must be
+    and what it got ("top_p must be in (0, 1], got 1.5"); a model's own rule (a validator) in its own words."""
+    out = []
+    for e in error.errors():
+        if e["type"] == "value_error":  # a validator's ValueError: its message is the sentence
+            out.append(str(e["ctx"]["error"]))
+            continue
+        owner: Any = model
+        for part in e["loc"][:-1]:  # a nested group: the field's own model says what it must be
+            annotation = owner.model_fields[part].annotation if part in getattr(owner, "model_fields", {}) else None
+            owner = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        leaf = e["loc"][-1] if e["loc"] else ""
+        field = owner.model_fields.get(leaf) if owner is not None and hasattr(owner, "model_fields") else None
+        name = " ".join(str(p) for p in e["loc"])
+        subject = getattr(model, "subject", "")
+        if field is not None and get_origin(field.annotation) is Literal:
+            rule = "one of " + ", ".join(get_args(field.annotation))
+        elif field is not None and e["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            rule = _rule(field)
+        else:
+            rule = e["msg"][0].lower() + e["msg"][1:]
+            out.append(f"{subject}{name}: {rule}, got {e.get('input')!r}")
+            continue
+        out.append(f"{subject}{name} must be {rule}, got {e.get('input')!r}")
+    return getattr(model, "heading", "") + "; ".join(out)
+
+
 class Settings(BaseModel):
+    """A group of settings, checked when it is built: a bad value raises SettingsError, naming it (problems_of)."""
+
     # frozen: a settings object is a value (hashable, safe to share between shards and tasks)
     model_config = ConfigDict(frozen=True)
+    subject: ClassVar[str] = ""  # what each field name is prefixed with in a problem ("trainer max_length ...")
+    heading: ClassVar[str] = ""  # what the line of problems starts with
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise SettingsError(problems_of(type(self), e)) from None
 
     @classmethod
-    def taken_from(cls, source: object):
+    def taken_from(cls, source: object, skip: tuple[str, ...] = ()):
         """This group's fields, read off an object that carries them (a Dagster config or resource, parsed CLI
-        flags); a field the object does not carry keeps its default, a nested group is taken from its own form
-        (a resource's TrainerConfig gives a TrainerSettings)."""
+        flags); a field the object does not carry, or in `skip`, keeps its default, a nested group is taken from
+        its own form (a resource's TrainerConfig gives a TrainerSettings)."""
         values = {}
         for name, field in cls.model_fields.items():
-            if not hasattr(source, name):
+            if not hasattr(source, name) or name in skip:
                 continue
             value, kind = getattr(source, name), field.annotation
             if isinstance(kind, type) and issubclass(kind, Settings) and type(value) is not kind:
@@ -58,9 +134,6 @@ class Settings(BaseModel):
         return cls(**values)
 
 
-TRAINER_FORMATS = ("conversations", "messages", "pretokenized")  # TrainerSettings.format
-CAP_POLICIES = ("fixed", "window")  # GenerationSettings.cap_policy
-REGENERATE = ("last_turn", "all_turns")  # GenerationSettings.regenerate
 SAMPLING_PARAMS = (
     "temperature",
     "top_p",
@@ -80,27 +153,21 @@ class TrainerSettings(Settings):
     qwen3.6-27b DFlash recipes, 4096 for the online ones); speculators slices to --seq-length (default 8192).
     Whatever lies past the window is never trained on (docs/trainer-window.md)."""
 
+    subject: ClassVar[str] = "trainer "
+
     max_length: int = Field(
         4096,
+        gt=0,
         description="The trainer's window in tokens, counted as the trainer counts it: the rendered sample, "
         "prompt plus assistant (SpecForge data.max_length; speculators --seq-length).",
     )
-    format: str = Field(
+    format: TrainerFormat = Field(
         "conversations",
         description="The export form: 'conversations' (SpecForge's {id, status, conversations}), "
         "'messages' (OpenAI's {id, messages}) or 'pretokenized' ({id, input_ids, "
         "loss_mask} from the server's own token ids, read as is by SpecForge's online "
         "trainer and speculators).",
     )
-
-    def validate(self) -> None:  # noqa: D102
-        problems = []
-        if self.max_length < 1:
-            problems.append(f"trainer max_length must be a positive integer, got {self.max_length}")
-        if self.format not in TRAINER_FORMATS:
-            problems.append(f"trainer format must be one of {', '.join(TRAINER_FORMATS)}, got {self.format!r}")
-        if problems:
-            raise SettingsError("; ".join(problems))
 
     def named(self) -> str:
         """The window as every report names it, with how to change it."""
@@ -114,25 +181,29 @@ class GenerationSettings(Settings):
     """The settings that decide what a completion is; rows record all of them, and every one that changes the
     output is in the config hash (config_hash: the name of the Parquet column, kept for the data people have)."""
 
-    max_output_tokens: int = Field(4096, description="The cap: max_completion_tokens of every request.")
-    temperature: float = Field(0.6, description="Sampling temperature (>= 0).")
-    top_p: float = Field(0.95, description="Nucleus sampling, in (0, 1].")
+    heading: ClassVar[str] = "invalid generation config: "
+
+    max_output_tokens: int = Field(
+        4096, gt=0, description="The config's cap: max_completion_tokens of every request (the window policy: at most)."
+    )
+    temperature: float = Field(0.6, ge=0, description="Sampling temperature (>= 0).")
+    top_p: float = Field(0.95, gt=0, le=1, description="Nucleus sampling, in (0, 1].")
     top_k: int = Field(20, description="Top-k sampling; -1 turns it off.")
     # sent explicitly too: left out, the chat route takes them from the model's generation_config.json
     # (protocol.py to_sampling_params) while /generate uses SamplingParams' defaults, and a continued row
     # would be sampled unlike its parent
-    min_p: float = Field(0.0, description="Min-p sampling, in [0, 1].")
-    repetition_penalty: float = Field(1.0, description="Repetition penalty, in (0, 2] (1 = off).")
-    presence_penalty: float = Field(0.0, description="Presence penalty, in [-2, 2].")
-    frequency_penalty: float = Field(0.0, description="Frequency penalty, in [-2, 2].")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling, in [0, 1].")
+    repetition_penalty: float = Field(1.0, gt=0, le=2, description="Repetition penalty, in (0, 2] (1 = off).")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="Presence penalty, in [-2, 2].")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="Frequency penalty, in [-2, 2].")
     enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
-    regenerate: str = Field(
+    regenerate: Regenerate = Field(
         "last_turn",
         description="Which assistant turns are generated: 'last_turn' (the final one, or a new answer "
         "to a final user turn) or 'all_turns' (every one, in order, each conditioned on "
         "the regenerated ones before it).",
     )
-    cap_policy: str = Field(
+    cap_policy: CapPolicy = Field(
         "fixed",
         description="'fixed': every request asks max_output_tokens; 'window': each request asks "
         "min(max_output_tokens, trainer_max_length - prompt_tokens + overshoot), the tokens "
@@ -140,10 +211,12 @@ class GenerationSettings(Settings):
     )
     trainer_max_length: int = Field(
         TrainerSettings().max_length,
+        gt=0,
         description="cap_policy window: the trainer's window the requests are sized to (TrainerSettings.max_length).",
     )
     overshoot: int = Field(
         16,
+        ge=0,
         description="cap_policy window: tokens asked past the window, so that after the trainer re-renders "
         "and re-tokenizes the sample its window still ends inside generated text (never on a "
         "closing tag the model did not write).",
@@ -154,35 +227,19 @@ class GenerationSettings(Settings):
         "/v1/tokenize (a JSON object on the command line).",
     )
 
-    def validate(self) -> None:
-        problems = []
-        if not isinstance(self.max_output_tokens, int) or self.max_output_tokens <= 0:
-            problems.append(f"max_output_tokens must be a positive integer, got {self.max_output_tokens!r}")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k == 0 or self.top_k < -1:
-            problems.append(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not 0 < self.repetition_penalty <= 2:
-            problems.append(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if self.regenerate not in REGENERATE:
-            problems.append(f"regenerate must be one of {', '.join(REGENERATE)}, got {self.regenerate!r}")
-        if self.cap_policy not in CAP_POLICIES:
-            problems.append(f"cap_policy must be one of {', '.join(CAP_POLICIES)}, got {self.cap_policy!r}")
-        if self.trainer_max_length < 1:
-            problems.append(f"trainer_max_length must be a positive integer, got {self.trainer_max_length!r}")
-        if self.overshoot < 0:
-            problems.append(f"overshoot must be >= 0, got {self.overshoot!r}")
-        if "enable_thinking" in self.chat_template_kwargs:
-            problems.append("set enable_thinking with its own setting, not inside chat_template_kwargs")
-        if problems:
-            raise SettingsError("invalid generation config: " + "; ".join(problems))
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, top_k: int) -> int:
+        if top_k == 0 or top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {top_k!r}")
+        return top_k
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_setting(cls, kwargs: dict) -> dict:
+        if "enable_thinking" in kwargs:
+            raise ValueError("set enable_thinking with its own setting, not inside chat_template_kwargs")
+        return kwargs
 
     def template_kwargs(self) -> dict:
         """The chat_template_kwargs sent with every request (and with /v1/tokenize)."""
@@ -248,17 +305,19 @@ class DispatchSettings(Settings):
     """How hard to drive the fleet. None of this changes a completion, so none of it is hashed."""
 
     max_in_flight_per_server: int = Field(
-        0, description="Requests in flight per server; 0 = the server's own max_running_requests + waiting_margin."
+        0,
+        ge=0,
+        description="Requests in flight per server; 0 = the server's own max_running_requests + waiting_margin.",
     )
     waiting_margin: int = Field(
         2, description="Requests queued at each server beyond its running slots, so its slots never idle."
     )
-    max_attempts: int = Field(4, description="Attempts per request on retryable errors (5xx, timeouts).")
+    max_attempts: int = Field(4, ge=1, description="Attempts per request on retryable errors (5xx, timeouts).")
     backoff_base_s: float = Field(0.5, description="First retry delay; doubles each attempt (with jitter).")
     backoff_max_s: float = Field(30.0, description="The longest retry delay.")
     eject_after: int = Field(3, description="Consecutive retryable failures before a server is ejected and probed.")
-    commit_rows: int = Field(512, description="Commit a Parquet part every this many rows ...")
-    commit_seconds: float = Field(10.0, description="... or every this many seconds.")
+    commit_rows: int = Field(512, ge=1, description="Commit a Parquet part every this many rows ...")
+    commit_seconds: float = Field(10.0, gt=0, description="... or every this many seconds.")
     progress_seconds: float = Field(30.0, description="A progress line in the run log every this many seconds.")
     store_token_ids: bool = Field(
         False,
@@ -286,37 +345,23 @@ class DispatchSettings(Settings):
     )
     stall_timeout_s: float = Field(
         60.0,
+        gt=0,
         description="stream: a request whose stream sends no token for this long is closed (SGLang aborts "
         "it) and retried on another server.",
     )
     first_token_timeout_s: float = Field(
         900.0,
+        gt=0,
         description="stream: the same, before the first token (a request queued behind a busy server's "
         "running ones waits longer than a decode step).",
     )
     runaway_check_tokens: int = Field(
         256,
+        ge=0,
+        json_schema_extra={"zero": "0: off"},
         description="stream: apply the runaway rules to the streamed text every this many tokens; a loop is "
         "stopped and committed with finish_reason 'runaway' (0: off, runaways decode to the cap).",
     )
-
-    def validate(self) -> None:  # noqa: D102  (pydantic v2 has no instance validate: ours checks the values)
-        if self.stall_timeout_s <= 0 or self.first_token_timeout_s <= 0:
-            raise SettingsError(
-                f"stall_timeout_s and first_token_timeout_s must be > 0, got {self.stall_timeout_s} "
-                f"and {self.first_token_timeout_s}"
-            )
-        if self.runaway_check_tokens < 0:
-            raise SettingsError(f"runaway_check_tokens must be >= 0 (0: off), got {self.runaway_check_tokens}")
-        if self.max_in_flight_per_server < 0:
-            raise SettingsError(f"max_in_flight_per_server must be >= 0, got {self.max_in_flight_per_server}")
-        if self.max_attempts < 1:
-            raise SettingsError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        if self.commit_rows < 1 or self.commit_seconds <= 0:
-            raise SettingsError("commit_rows must be >= 1 and commit_seconds > 0")
-
-
-PROBE_MODES = ("prompts", "cut_rows")  # ProbeSettings.mode
 
 
 class ProbeSettings(Settings):
@@ -324,35 +369,26 @@ class ProbeSettings(Settings):
     GenerationSettings, which must match the run the plan is for."""
 
     max_output_tokens: int = Field(
-        0, description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts."
+        0,
+        ge=0,
+        json_schema_extra={"zero": "0: the largest the context allows"},
+        description="The probe's cap; 0 = the largest the fleet's context allows for the sampled prompts.",
     )
-    size: int = Field(0, description="Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.")
-    share: float = Field(0.01, description="Share of the prompts to sample when size is 0.")
-    min_prompts: int = Field(500, description="At least this many prompts when size is 0.")
+    size: int = Field(
+        0,
+        ge=0,
+        json_schema_extra={"zero": "0: from share and min_prompts"},
+        description="Prompts in the probe; 0 = the larger of min_prompts and share of all prompts.",
+    )
+    share: float = Field(0.01, gt=0, le=1, description="Share of the prompts to sample when size is 0.")
+    min_prompts: int = Field(500, ge=1, description="At least this many prompts when size is 0.")
     seed: int = Field(0, description="Seed of the random sample: the same prompts and seed give the same sample.")
-    mode: str = Field(
+    mode: ProbeMode = Field(
         "prompts",
         description="What the probe samples: 'prompts' (random prompts generated at the "
         "probe's cap) or 'cut_rows' (the run's honest cut rows, continued to "
         "it: every row informs the tail; needs a run at a smaller cap).",
     )
-
-    def validate(self) -> None:  # noqa: D102
-        problems = []
-        if self.mode not in PROBE_MODES:
-            problems.append(f"mode must be one of {', '.join(PROBE_MODES)}, got {self.mode!r}")
-        if self.max_output_tokens < 0:
-            problems.append(
-                f"max_output_tokens must be >= 0 (0: the largest the context allows), got {self.max_output_tokens}"
-            )
-        if self.size < 0:
-            problems.append(f"size must be >= 0 (0: from share and min_prompts), got {self.size}")
-        if not 0 < self.share <= 1:
-            problems.append(f"share must be in (0, 1], got {self.share}")
-        if self.min_prompts < 1:
-            problems.append(f"min_prompts must be >= 1, got {self.min_prompts}")
-        if problems:
-            raise SettingsError("; ".join(problems))
 
 
 class RunawaySettings(Settings):
@@ -374,10 +410,6 @@ class RunawaySettings(Settings):
         description="The end that must recur for either rule to count: the last line, or "
         "its last this many characters.",
     )
-
-
-Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
-SEVERITIES = get_args(Severity)  # QualitySettings.severity's values
 
 
 class QualitySettings(Settings):
@@ -439,11 +471,13 @@ class QualitySettings(Settings):
         {}, description="Check name -> 'ERROR' or 'WARN': overrides a check's own severity."
     )
 
-    def validate(self) -> None:  # noqa: D102
-        self.trainer.validate()
-        bad = {name: level for name, level in self.severity.items() if level not in SEVERITIES}
-        if bad:
-            raise SettingsError(f"severity must be one of {', '.join(SEVERITIES)}, got {bad}")
+    @field_validator("severity")
+    @classmethod
+    def _severities(cls, severity: dict[str, str]) -> dict[str, str]:
+        # dict[str, Severity] would do it, but Dagster's config has no map of enums: the resource keeps str values
+        if bad := {name: level for name, level in severity.items() if level not in SEVERITIES}:
+            raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {bad}")
+        return severity
 
 
 class ServerSettings(Settings):
@@ -488,14 +522,22 @@ class LaunchSettings(ServerSettings):
 class FleetSettings(Settings):
     """How the pipeline reaches its servers. The API key is not here: it comes from DFLASH_API_KEY only."""
 
-    mode: str = Field("emulated", description="'emulated', 'attach' or 'launch'.")
+    subject: ClassVar[str] = "fleet "
+
+    mode: FleetMode = Field("emulated", description="'emulated', 'attach' or 'launch'.")
     urls: str = Field("", description="attach: comma-separated base URLs (or one router / gateway URL).")
-    num_servers: int = Field(2, description="emulated: how many emulator servers.")
+    num_servers: int = Field(2, ge=1, description="emulated: how many emulator servers.")
     emulator_args: str = Field(
         "--reasoning-parser qwen3", description="emulated: emulator flags, e.g. add '--decode-tokens-per-s 4000'."
     )
     health_timeout_s: float = Field(120.0, description="Seconds to wait for every server's /health at connect.")
     request_timeout_s: float = Field(3600.0, description="Seconds one request may take (a long generation).")
+
+    @model_validator(mode="after")
+    def _attach_needs_urls(self) -> FleetSettings:
+        if self.mode == "attach" and not self.urls.strip():
+            raise ValueError("fleet mode 'attach' needs at least one server URL (set DFLASH_FLEET_URLS)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -529,3 +571,4 @@ class Deployment:
     BASE_PORT = EnvSetting("DFLASH_BASE_PORT", str(LaunchSettings().base_port))
     SGLANG_COMMAND = EnvSetting("DFLASH_SGLANG_COMMAND", LaunchSettings().command)
     API_KEY = EnvSetting("DFLASH_API_KEY", "")
+    S3_ENDPOINT = EnvSetting("DFLASH_S3_ENDPOINT", "")  # s3:// data dirs (store/storage.py), before AWS_ENDPOINT_URL

@@ -323,7 +323,7 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
     assert {GenerationSettings(**settings).config_hash(MODEL): settings for settings in pinned.values()} == pinned
 
 
-def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refused_when_the_resource_starts(capsys):
+def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refused_when_the_resource_is_built(capsys):
     import pytest
 
     from dflash_assets.settings import SettingsError
@@ -340,10 +340,10 @@ def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refuse
         generate("high")
     assert "argument --chat-template-kwargs: not JSON" in capsys.readouterr().err
     with pytest.raises(SettingsError, match="set enable_thinking with its own setting"):
-        GenerationSettings.taken_from(generate('{"enable_thinking": false}')).validate()
+        GenerationSettings.taken_from(generate('{"enable_thinking": false}'))
     for bad, message in (
         ({"severity": {"runaway_rate": "FATAL"}}, "severity must be one of ERROR, WARN"),
         ({"trainer": {"format": "sharegpt"}}, "trainer format must be one of"),
     ):
         with pytest.raises(SettingsError, match=message):
-            QualityResource(**bad).setup_for_execution(dg.build_init_resource_context())
+            QualityResource(**bad)

@@ -17,13 +17,13 @@ from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, on_fleet
 from dflash_assets.generation.prompts import FieldMapping
 from dflash_assets.settings import (
-    FLEET_MODES,
     Deployment,
     EnvSetting,
     FleetSettings,
     LaunchSettings,
     QualitySettings,
     RunawaySettings,
+    SettingsError,
     TrainerSettings,
 )
 
@@ -34,8 +34,24 @@ T = TypeVar("T")
 FLEET_RETRY = dg.RetryPolicy(max_retries=2, delay=10, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
 
 
+class Refused:
+    """Put first in a run config class made of settings models: Dagster builds the config when the step starts, the
+    settings check it then (settings.py), and a bad value fails the step with the settings' one line, not retried."""
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except SettingsError as e:
+            raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
+
+
 class LaunchConfig(dg.Config, LaunchSettings):
     """`launch` mode: settings.LaunchSettings as the fleet resource's nested config."""
+
+
+def _as_given(name: str):
+    """A FleetSettings field with its default and description but not its checks (they run at the start)."""
+    return Field(FleetSettings.model_fields[name].default, description=FleetSettings.model_fields[name].description)
 
 
 class FleetResource(dg.ConfigurableResource, FleetSettings):
@@ -50,20 +66,19 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
     run config, a log line or metadata.
     """
 
+    # set from the environment, and an EnvVar is a placeholder str or int until run launch: FleetSettings checks
+    # the values the run resolves when the resource starts (validate_settings)
+    mode: str = _as_given("mode")
+    num_servers: int = _as_given("num_servers")
     api_key: str | None = Field(None, description="Set from the DFLASH_API_KEY environment variable only.")
     launch: LaunchConfig = LaunchConfig()
 
     _urls: list[str] = PrivateAttr(default_factory=list)
 
     def validate_settings(self) -> None:
-        if self.mode not in FLEET_MODES:
-            raise ValueError(f"unknown fleet mode {self.mode!r}: expected one of {', '.join(FLEET_MODES)}")
-        if self.mode == "attach" and not self.urls.strip():
-            raise ValueError("fleet mode 'attach' needs at least one server URL (set DFLASH_FLEET_URLS)")
-        if self.mode == "attach":
+        """The resolved values, checked by FleetSettings (SettingsError), and attach's URLs by the fleet's parser."""
+        if FleetSettings.taken_from(self).mode == "attach":
             self.url_list()  # a malformed URL is refused here, naming it, before any work
-        if self.mode == "emulated" and self.num_servers < 1:
-            raise ValueError(f"num_servers must be >= 1, got {self.num_servers}")
 
     def url_list(self) -> list[str]:
         return parse_urls(self.urls)
@@ -199,6 +214,3 @@ class QualityResource(dg.ConfigurableResource, QualitySettings):
 
     trainer: TrainerConfig = _nested("trainer", TrainerConfig)
     runaway: RunawayConfig = _nested("runaway", RunawayConfig)
-
-    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
-        QualitySettings.taken_from(self).validate()  # a bad trainer format or severity, named, before any work

@@ -314,7 +314,6 @@ async def continue_shard(
     to its own request cap there; `new_cap` is then ignored). With `settings.stream`, every request is streamed and
     watched (stalls, and loops by the `runaway` rules)."""
     data_dir = open_storage(data_dir)
-    dispatch.validate()
     watch = watch_of(dispatch, runaway)
     started = time.monotonic()
     prompts = prompt_store(data_dir, shard)

@@ -120,8 +120,6 @@ async def generate_shards(
     `settings.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
     """
     data_dir = open_storage(data_dir)
-    generation.validate()
-    dispatch.validate()
     if preflight_policy not in ("reject", "fail"):
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
     fleet_notes = check_fleet(fleet.infos, generation.enable_thinking)

@@ -134,6 +134,7 @@ async def run_probe(
     fleet: Fleet,
     generation: GenerationSettings,
     *,
+    probe_cap: int = 0,
     size: int | None = None,
     share: float = SHARE,
     minimum: int = MIN_PROMPTS,
@@ -141,9 +142,9 @@ async def run_probe(
     dispatch: DispatchSettings = DispatchSettings(),
     log: Callable[[str], None] = print,
 ) -> ProbeResult:
-    """Sample the prompts of `shards`, write them as the probe's shard, generate them at `config`'s cap (0: the
-    largest the fleet's context allows for the sample) through the engine. A re-run with the same sample and
-    config resumes, as any shard does."""
+    """Sample the prompts of `shards`, write them as the probe's shard, generate them with `generation`'s sampling
+    at `probe_cap` (0: the largest the fleet's context allows for the sample) through the engine. A re-run with the
+    same sample and config resumes, as any shard does."""
     prompts = read_prompts(data_dir, shards)
     if not prompts:
         raise FileNotFoundError(
@@ -151,9 +152,9 @@ async def run_probe(
             f"materialise prompt_shards first"
         )
     sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
-    generation = generation.model_copy(update={"cap_policy": "fixed"})  # it measures lengths: never sized to a window
-    cap = generation.max_output_tokens or high_cap(fleet, sample, log)
-    generation = generation.model_copy(update={"max_output_tokens": cap})
+    cap = probe_cap or high_cap(fleet, sample, log)
+    # it measures lengths: never sized to a window
+    generation = generation.model_copy(update={"cap_policy": "fixed", "max_output_tokens": cap})
     write_probe_shard(data_dir, sample)
     log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {seed}) at cap {cap}")
     run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, generation, dispatch, log=log)

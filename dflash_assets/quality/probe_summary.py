@@ -31,13 +31,13 @@ async def run_length_probe(
     runaway: RunawaySettings = RunawaySettings(),
 ) -> ProbeResult:
     """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at
-    `config`'s cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config (the one the plan is
+    the probe's cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config (the one the plan is
     for: the most rows) continued to that cap, with the run's own sampling (its rows record it)."""
     common = dict(
         size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, dispatch=dispatch, log=log
     )
     if probe.mode == "prompts":
-        return await run_probe(data_dir, shards, fleet, generation, **common)
+        return await run_probe(data_dir, shards, fleet, generation, probe_cap=probe.max_output_tokens, **common)
     try:
         parent, cap, cut = honest_cut_rows(data_dir, runaway=runaway)
     except PlanError as e:
@@ -46,7 +46,7 @@ async def run_length_probe(
     log(
         f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
     )
-    return await run_cut_rows_probe(data_dir, parent, cut, fleet, generation.max_output_tokens, **common)
+    return await run_cut_rows_probe(data_dir, parent, cut, fleet, probe.max_output_tokens, **common)
 
 
 def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:

@@ -57,9 +57,12 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from dflash_assets.settings import Deployment
+
 URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 COPY_LIMIT = 4 * 1024**3  # S3 CopyObject copies at most 5 GiB in one atomic request; keep a margin
-ENDPOINT_VARS = ("DFLASH_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+# ours first (settings.Deployment.S3_ENDPOINT), then the AWS SDK's own, which the AWS documentation defines
+ENDPOINT_VARS = (Deployment.S3_ENDPOINT.name, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
 def is_uri(data_dir: str | os.PathLike) -> bool:

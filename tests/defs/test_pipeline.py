@@ -193,14 +193,14 @@ def test_prompt_over_the_context_length_is_rejected_at_the_shard(tmp_path):
 @pytest.mark.parametrize(
     "fleet,message",
     [
-        ({"mode": "kubernetes"}, "unknown fleet mode 'kubernetes': expected one of emulated, attach, launch"),
-        ({"mode": "attach", "urls": ""}, "fleet mode 'attach' needs at least one server URL"),
+        # the mode as the environment gives it (an EnvVar is resolved at run launch): checked when the fleet starts
+        ({"mode": "kubernetes"}, "fleet mode must be one of emulated, attach, launch, got 'kubernetes'"),
         ({"mode": "attach", "urls": "10.0.0.5:30000"}, "server URL '10.0.0.5:30000' must look like http://host:port"),
     ],
 )
 def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
     write_prompts(tmp_path / "prompts.jsonl", questions(3))
-    res = resources(tmp_path, "", 3) | {"fleet": FleetResource(**fleet)}
+    res = resources(tmp_path, "http://127.0.0.1:9", 3) | {"fleet": FleetResource(**fleet)}  # this fleet replaced
     with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         result = run_shard(instance, res, "00000", cap=100)
@@ -208,6 +208,17 @@ def test_bad_fleet_settings_fail_before_any_work(tmp_path, fleet, message):
     errors = " ".join(str(e.event_specific_data.error) for e in result.all_events if e.is_failure)
     assert message in errors
     assert not (tmp_path / "data").exists()
+
+
+def test_fleet_settings_are_checked_where_they_are_built():
+    from dflash_assets.settings import FleetSettings, SettingsError
+
+    with pytest.raises(SettingsError, match="fleet mode 'attach' needs at least one server URL"):
+        FleetResource(mode="attach", urls="")
+    with pytest.raises(SettingsError, match="^fleet mode must be one of emulated, attach, launch, got 'kubernetes'$"):
+        FleetSettings(mode="kubernetes")
+    with pytest.raises(SettingsError, match="^fleet num_servers must be >= 1, got 0$"):
+        FleetSettings(num_servers=0)
 
 
 @pytest.mark.parametrize(

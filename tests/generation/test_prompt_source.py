@@ -139,7 +139,7 @@ def test_shard_size_must_be_positive(tmp_path):
 )
 def test_bad_generation_config_is_refused_before_any_work(kwargs, message):
     with pytest.raises(SettingsError) as err:
-        GenerationSettings(**kwargs).validate()
+        GenerationSettings(**kwargs)
     assert message in str(err.value)
 
 

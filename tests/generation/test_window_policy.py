@@ -118,7 +118,7 @@ def test_a_bad_cap_policy_is_refused_by_name():
     from dflash_assets.settings import SettingsError
 
     with pytest.raises(SettingsError, match="cap_policy must be one of fixed, window, got 'windowed'"):
-        GenerationSettings(cap_policy="windowed").validate()
+        GenerationSettings(cap_policy="windowed")
 
 
 def test_all_turns_stops_a_conversation_once_a_turn_fills_the_window(tmp_path, fleet_urls):
@@ -168,9 +168,9 @@ def test_a_bad_trainer_setting_is_refused_by_name():
     with pytest.raises(
         SettingsError, match="trainer format must be one of conversations, messages, pretokenized, got 'sharegpt'"
     ):
-        TrainerSettings(format="sharegpt").validate()
+        TrainerSettings(format="sharegpt")
     with pytest.raises(SettingsError, match="trainer max_length must be a positive integer, got 0"):
-        TrainerSettings(max_length=0).validate()
+        TrainerSettings(max_length=0)
 
 
 # ---- part 3: truncation judged against the window ----------------------------------------------------------------

@@ -7,16 +7,23 @@ from dflash_assets.defs.metadata import ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetResource, QualityResource, run_on_fleet
+from dflash_assets.defs.resources import (
+    FLEET_RETRY,
+    DataDirResource,
+    FleetResource,
+    QualityResource,
+    Refused,
+    run_on_fleet,
+)
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.rules import stores_token_ids
-from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, SettingsError
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 
 
-class CompletionsConfig(dg.Config, GenerationSettings, DispatchSettings):
+class CompletionsConfig(Refused, dg.Config, GenerationSettings, DispatchSettings):
     """completions' run config: the generation settings (every row records them; a change is a new config), how
     hard to drive the fleet, and what preflight does with a misfit."""
 
@@ -58,11 +65,6 @@ def completions(
             )
         }
     )
-    try:
-        generation.validate()
-        dispatch.validate()
-    except SettingsError as e:
-        raise dg.Failure(str(e), allow_retries=False) from None
     try:
         with holding(context, context.partition_keys):  # the shards' pools and the fleet's
             runs = run_on_fleet(

@@ -7,14 +7,21 @@ from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.metadata import ContinuationKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
-from dflash_assets.defs.resources import FLEET_RETRY, DataDirResource, FleetResource, QualityResource, run_on_fleet
+from dflash_assets.defs.resources import (
+    FLEET_RETRY,
+    DataDirResource,
+    FleetResource,
+    QualityResource,
+    Refused,
+    run_on_fleet,
+)
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.continuation import continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.settings import DispatchSettings, QualitySettings, RunawaySettings, SettingsError
 
 
-class ContinuationConfig(dg.Config, DispatchSettings):
+class ContinuationConfig(Refused, dg.Config, DispatchSettings):
     """Which config to continue, to which cap. The rows land under the new cap's own config hash."""
 
     parent_config_hash: str = Field(

@@ -4,14 +4,14 @@ import dagster as dg
 
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
-from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource, run_on_fleet
+from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource, Refused, run_on_fleet
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.probe import probe_root, prompt_shard_keys
 from dflash_assets.quality.probe_summary import run_length_probe
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, SettingsError
 
 
-class LengthProbeConfig(dg.Config, ProbeSettings, GenerationSettings, DispatchSettings):
+class LengthProbeConfig(Refused, dg.Config, ProbeSettings, GenerationSettings, DispatchSettings):
     """The sample and its cap (settings.ProbeSettings; its max_output_tokens, 0 = the largest the context allows,
     takes the place of the run's cap: ProbeSettings comes first), the run's sampling, which must match the run the
     plan is for (same defaults), and how hard to drive the fleet."""
@@ -42,11 +42,10 @@ def length_probe(
     shards = prompt_shard_keys(root)
     if not shards:
         raise dg.Failure("no prompt shards to sample: materialise prompt_shards first")
-    generation, sample = GenerationSettings.taken_from(config), ProbeSettings.taken_from(config)
-    dispatch = DispatchSettings.taken_from(config)
+    # the probe's cap is ProbeSettings.max_output_tokens (0: the largest the context allows), not the run's
+    generation = GenerationSettings.taken_from(config, skip=("max_output_tokens",))
+    sample, dispatch = ProbeSettings.taken_from(config), DispatchSettings.taken_from(config)
     try:
-        dispatch.validate()
-        sample.validate()
         with holding(context):  # the fleet's pool
             probe = run_on_fleet(
                 fleet,
