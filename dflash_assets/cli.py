@@ -168,11 +168,12 @@ def _generate(args: argparse.Namespace) -> int:
 def _probe(args: argparse.Namespace) -> int:
     """The length probe without Dagster: the same code path (generation/probe.py) the `length_probe` asset adapts."""
     import asyncio
+    from functools import partial
 
     from dflash_assets.fleet.fleet import connected
     from dflash_assets.generation.preflight import PreflightError
-    from dflash_assets.generation.probe import prompt_shard_keys
-    from dflash_assets.quality.probe_summary import probe_summary, run_length_probe
+    from dflash_assets.generation.probe import prompt_shard_keys, run_length_probe
+    from dflash_assets.quality.probe_summary import cut_rows_for_probe, probe_summary
 
     # the probe's cap is ProbeSettings.max_output_tokens (0: the largest the context allows), not the run's
     if (groups := _settings("probe", args, ProbeSettings, DispatchSettings)) is None:
@@ -192,7 +193,16 @@ def _probe(args: argparse.Namespace) -> int:
 
     async def go():
         async with connected(urls, Deployment.API_KEY.value() or None) as fleet:
-            return await run_length_probe(args.data_dir, shards, fleet, generation, probe, dispatch, log=print)
+            return await run_length_probe(
+                args.data_dir,
+                shards,
+                fleet,
+                generation,
+                probe,
+                dispatch,
+                log=print,
+                cut_rows=partial(cut_rows_for_probe, args.data_dir),
+            )
 
     try:
         result = asyncio.run(go())

@@ -285,21 +285,6 @@ class GenerationSettings(Settings):
         """Every sampling parameter, as both routes take them (chat body fields, /generate sampling_params)."""
         return {name: getattr(self, name) for name in SAMPLING_PARAMS}
 
-    def chat_body(
-        self, model: str, messages: list[dict], token_ids: bool = False, request_cap: int | None = None
-    ) -> dict:
-        """The chat request; `request_cap` is this request's own cap (request_cap()), default the config's cap."""
-        extra = {"return_token_ids": True} if token_ids else {}
-        return {
-            **extra,
-            "model": model,
-            "messages": messages,
-            "max_completion_tokens": self.max_output_tokens if request_cap is None else request_cap,
-            **self.sampling(),
-            "chat_template_kwargs": self.template_kwargs(),
-            "separate_reasoning": True,
-        }
-
 
 class DispatchSettings(Settings):
     """How hard to drive the fleet. None of this changes a completion, so none of it is hashed."""
@@ -392,7 +377,7 @@ class ProbeSettings(Settings):
 
 
 class RunawaySettings(Settings):
-    """What counts as a runaway (quality/runaway.py judges by these). Prose repeats almost no 8-word sequence
+    """What counts as a runaway (generation/runaway.py judges by these). Prose repeats almost no 8-word sequence
     within a few kB; a loop repeats nearly all."""
 
     tail_chars: int = Field(4000, description="The end of the output that is judged, in characters.")

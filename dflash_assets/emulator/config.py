@@ -24,6 +24,13 @@ from decimal import Decimal
 from .model import LengthModel
 from .sglang_flags import FLAGS
 
+# Set to its own pid by whoever starts an emulator for its own use (start_emulator): the emulator stops when that
+# process is gone (even when it was gone before the server listened, and when it is not the server's own parent, as
+# for the tests' servers forked by a fork server), so a SIGKILLed run or test leaves no server behind (it runs in a
+# session of its own, away from the starter's signals). A standalone `dflash emulator` does not set it and outlives
+# its shell, as `sglang serve` does.
+EXIT_WITH_PARENT = "DFLASH_EMULATOR_EXIT_WITH_PARENT"
+
 VERSION = "0.5.23"
 REASONING_PARSERS = ["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "gpt-oss"]
 # A hybrid (Gated-DeltaNet) model holds 3 mamba state slots per running request

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Self
 
+from .config import EXIT_WITH_PARENT
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -97,14 +99,6 @@ class EmulatorProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-# Set to its own pid by whoever starts an emulator for its own use (start_emulator): the emulator stops when that
-# process is gone (even when it was gone before the server listened, and when it is not the server's own parent, as
-# for the tests' servers forked by a fork server), so a SIGKILLed run or test leaves no server behind (it runs in a
-# session of its own, away from the starter's signals). A standalone `dflash emulator` does not set it and outlives
-# its shell, as `sglang serve` does.
-EXIT_WITH_PARENT = "DFLASH_EMULATOR_EXIT_WITH_PARENT"
 
 
 def start_emulator(

@@ -19,13 +19,12 @@ from aiohttp import web
 
 from . import model
 from . import tokenizer as tok
-from .config import VERSION, EmulatorSetup
+from .config import EXIT_WITH_PARENT, VERSION, EmulatorSetup
 from .engine import Engine
 from .faults import Faults, from_args
 from .info import health, loads, metrics, model_card, model_info, models, ready, server_info
 from .native import handle_generate
 from .openai import handle_chat, handle_detokenize, handle_tokenize
-from .process import EXIT_WITH_PARENT
 from .responses import json_response
 from .state import STATE, ServerState
 

@@ -47,6 +47,7 @@ from dflash_assets.generation.engine import window_columns
 from dflash_assets.generation.plan import ShardResult, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
+from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Dispatch, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.rules import RUNAWAY_FINISH, most_rows_first
@@ -256,7 +257,7 @@ async def _by_text(
     import json
 
     raw = _raw_text_without_ids(row, reasoning)
-    body = generation.chat_body(slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
+    body = chat_body(generation, slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
     body |= {
         "max_completion_tokens": generation.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
         "continue_final_message": True,

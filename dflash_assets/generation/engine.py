@@ -23,6 +23,7 @@ from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan_remaining, plan_shard, reject_row
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import last_turn_request
+from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Dispatch, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
@@ -167,7 +168,7 @@ async def generate_shards(
 
         async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
             messages = last_turn_request(json.loads(prompt["messages_json"]))
-            body = generation.chat_body(model, messages, token_ids, generation.request_cap(prompt["prompt_tokens"]))
+            body = chat_body(generation, model, messages, token_ids, generation.request_cap(prompt["prompt_tokens"]))
             t0 = time.monotonic()
             resp = await slot.client.chat(body, watch)
             return make_row(prompt, resp, slot, attempt, time.monotonic() - t0)

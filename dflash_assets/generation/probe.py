@@ -204,3 +204,35 @@ async def run_cut_rows_probe(
     )
     run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent_config_hash, cap, dispatch, log=log)
     return ProbeResult(len(eligible), len(sample), cap, run, mode="cut_rows")
+
+
+CutRows = tuple[str, int, list[dict]]  # (the parent config, its cap, {shard, prompt_id} of its honest cut rows)
+
+
+async def run_length_probe(
+    data_dir: str | Path,
+    shards: list[str],
+    fleet: Fleet,
+    generation: GenerationSettings,
+    probe: ProbeSettings,
+    dispatch: DispatchSettings = DispatchSettings(),
+    log: Callable[[str], None] = print,
+    cut_rows: Callable[[], CutRows] | None = None,
+) -> ProbeResult:
+    """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at the
+    probe's cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config that `cut_rows` gives
+    (the quality layer chooses them: quality.probe_summary.cut_rows_for_probe) continued to that cap, with the
+    run's own sampling (its rows record it)."""
+    common = dict(
+        size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, dispatch=dispatch, log=log
+    )
+    if probe.mode == "prompts":
+        return await run_probe(data_dir, shards, fleet, generation, probe_cap=probe.max_output_tokens, **common)
+    if cut_rows is None:
+        raise SettingsError("the length probe's mode cut_rows needs the run's honest cut rows, and none were given")
+    parent, cap, cut = cut_rows()
+    cut = [r for r in cut if r["shard"] in set(shards)]
+    log(
+        f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
+    )
+    return await run_cut_rows_probe(data_dir, parent, cut, fleet, probe.max_output_tokens, **common)

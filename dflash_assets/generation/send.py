@@ -21,6 +21,7 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
+from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import Slot, SlotPicker
 from dflash_assets.settings import DispatchSettings, RunawaySettings
 
@@ -31,10 +32,7 @@ FollowUp = Callable[[dict, dict], "dict | None"]  # (item, its row) -> the next 
 
 def watch_of(dispatch: DispatchSettings, runaway: RunawaySettings | None = None) -> Watch | None:
     """How every request is watched while it streams (None: `stream` is off, one blocking POST each). The runaway
-    rule is the checks' own (`rules`, the quality resource's; None: the defaults), applied to the text so far."""
-    # imported here: quality/ reads generation/ (schemas, turns), which imports this module
-    from dflash_assets.quality.runaway import is_runaway, loop_start
-
+    rule is the checks' own (`runaway`, the quality resource's; None: the defaults), applied to the text so far."""
     if not dispatch.stream:
         return None
     runaway = runaway or RunawaySettings()

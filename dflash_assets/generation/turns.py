@@ -31,6 +31,7 @@ from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.plan import ShardResult, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget
+from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Rejected
 from dflash_assets.generation.slots import Slot
 from dflash_assets.rules import fills_window
@@ -255,7 +256,7 @@ def turn_sender(
                     budget.context_length,
                 )
             )
-        body = generation.chat_body(fleet.model, messages, token_ids, request_cap)
+        body = chat_body(generation, fleet.model, messages, token_ids, request_cap)
         t0 = time.monotonic()
         resp = await slot.client.chat(body, watch)
         return make_row(item, resp, slot, attempt, time.monotonic() - t0) | {

@@ -1,4 +1,4 @@
-"""Runaway generations: rows the cap cut while they were repeating themselves (runaway.py says how that is told)."""
+"""Runaway generations: rows the cap cut while they were repeating themselves (generation/runaway.py says how that is told)."""
 
 import duckdb
 

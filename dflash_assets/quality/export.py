@@ -52,7 +52,7 @@ from dflash_assets.store.storage import is_uri, open_storage
 EXCLUSION_REASONS = (
     "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
     "runaway",  # a loop: stopped while streaming (finish_reason 'runaway'), or cut past the window while looping
-    #             (runaway.py): the loop may start inside the window
+    #             (generation/runaway.py): the loop may start inside the window
     "not_stop",  # any other finish_reason than 'stop' or 'length' (abort, null)
     "empty_content",  # a stopped row, or a cut one without reasoning either
     "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content

@@ -5,7 +5,7 @@ the rows ("rows"); between the current cap and a length probe's cap it is measur
 probe_estimates.py); beyond both it comes from a model ("model"), described next, and says so, with the range
 the rows alone support (`bounds`: no fewer than the runaways, no more than what the current cap cut).
 
-Runaway rows (cut while looping, runaway.py) are kept out of the tail: they would loop to any cap, so they are
+Runaway rows (cut while looping, generation/runaway.py) are kept out of the tail: they would loop to any cap, so they are
 counted as cut at every cap and cost the whole cap in tokens, apart from the honest tail below.
 
 The rows of one config are lengths right-censored at its cap: a `finish_reason = 'length'` row says only
@@ -362,7 +362,7 @@ def plan_from_lengths(
     """The plan from one config's rows: completion_tokens, whether each was cut (finish_reason 'length'),
     the cap they were made with and (for the context columns) their prompt_tokens.
 
-    `runaway` flags the cut rows that loop (runaway.py): they are kept out of the tail. `probe` (rows at a
+    `runaway` flags the cut rows that loop (generation/runaway.py): they are kept out of the tail. `probe` (rows at a
     larger cap) measures the caps up to its own. `fit_from` is a quantile of the observed lengths: the tail is
     fitted to the rows above it only. `prompts` scales the totals from these rows to a whole run. `bootstrap`
     replicates give the intervals.

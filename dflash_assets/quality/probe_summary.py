@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_assets.generation.probe import ProbeResult, probe_root, run_cut_rows_probe, run_probe
+from dflash_assets.generation.probe import CutRows, ProbeResult, probe_root
 from dflash_assets.quality.answer import recommended_cap
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import (
@@ -17,36 +17,16 @@ from dflash_assets.quality.planner import (
     plan_caps,
 )
 from dflash_assets.quality.probe_estimates import precision_text, probe_label
-from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, RunawaySettings
+from dflash_assets.settings import QualitySettings, RunawaySettings
 
 
-async def run_length_probe(
-    data_dir: str | Path,
-    shards: list[str],
-    fleet,
-    generation: GenerationSettings,
-    probe: ProbeSettings,
-    dispatch: DispatchSettings = DispatchSettings(),
-    log=print,
-    runaway: RunawaySettings = RunawaySettings(),
-) -> ProbeResult:
-    """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at
-    the probe's cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config (the one the plan is
-    for: the most rows) continued to that cap, with the run's own sampling (its rows record it)."""
-    common = dict(
-        size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, dispatch=dispatch, log=log
-    )
-    if probe.mode == "prompts":
-        return await run_probe(data_dir, shards, fleet, generation, probe_cap=probe.max_output_tokens, **common)
+def cut_rows_for_probe(data_dir: str | Path, runaway: RunawaySettings = RunawaySettings()) -> CutRows:
+    """The run's honest cut rows (the config the plan is for: the most rows), runaways left out: which rows the
+    continuation probe measures is the quality layer's call (generation/probe.py run_length_probe continues them)."""
     try:
-        parent, cap, cut = honest_cut_rows(data_dir, runaway=runaway)
+        return honest_cut_rows(data_dir, runaway=runaway)
     except PlanError as e:
         raise FileNotFoundError(str(e)) from None
-    cut = [r for r in cut if r["shard"] in set(shards)]
-    log(
-        f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
-    )
-    return await run_cut_rows_probe(data_dir, parent, cut, fleet, probe.max_output_tokens, **common)
 
 
 def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:

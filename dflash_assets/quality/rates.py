@@ -22,7 +22,7 @@ ROW_PREDICATES = {
     # the trainer reads as it reads a complete answer
     "cut_inside_window": "cut_inside_window",
     "window_complete": "window_complete",
-    "runaway": "runaway",  # cut while repeating itself: at the cap (in truncated) or stopped early (runaway.py)
+    "runaway": "runaway",  # cut while repeating itself: at the cap (in truncated) or stopped early (generation/runaway.py)
     "runaway_stopped": STOPPED_EARLY_SQL,  # stopped while streaming, short of the cap (rules.RUNAWAY_FINISH)
     # the cap and the finish reason must agree: at the cap but not 'length', or 'length' below the cap
     "at_cap_not_length": _AT_CAP_NOT_LENGTH,

@@ -135,10 +135,3 @@ def length_quality_of(
             "max_length": max_length,
         },
     }
-
-
-def print_report(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Alias of `console.print_report` (the terminal report), imported on use: rich stays out of this module."""
-    from dflash_assets.quality.console import print_report as print_tables
-
-    return print_tables(*args, **kwargs)

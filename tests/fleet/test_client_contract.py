@@ -18,6 +18,7 @@ import pytest
 from dflash_assets.fleet.client import ServerClient, error_message
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.tuning import MAMBA_USAGE_METRIC
+from dflash_assets.generation.request import chat_body
 from dflash_assets.settings import GenerationSettings
 from tests.support.sglang_wheel import class_fields, function, sglang_dir, sglang_verdict, tree
 
@@ -160,7 +161,7 @@ def test_every_metric_the_client_reads_is_exported_by_0_5_23():
 
 def test_the_chat_body_the_client_sends_has_only_fields_0_5_23_takes():
     accepted = class_fields("entrypoints/openai/protocol.py", "ChatCompletionRequest")
-    body = GenerationSettings().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True)
+    body = chat_body(GenerationSettings(), "m", [{"role": "user", "content": "hi"}], token_ids=True)
     # the model accepts extra fields silently: a misspelt one would be ignored, so every name must be known
     assert not set(body) - accepted, sorted(set(body) - accepted)
 
@@ -204,7 +205,7 @@ def test_the_emulators_answers_carry_only_0_5_23s_fields_and_every_one_the_clien
 
     _, chat = server.post(
         "/v1/chat/completions",
-        GenerationSettings(max_output_tokens=32).chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
+        chat_body(GenerationSettings(max_output_tokens=32), "m", [{"role": "user", "content": "hi"}], token_ids=True),
     )
     choice, usage = chat["choices"][0], chat["usage"]
     assert set(chat) <= class_fields(protocol, "ChatCompletionResponse")

@@ -13,6 +13,7 @@ import ast
 import pytest
 
 from dflash_assets.fleet.stream import Watch, chat_stream_body
+from dflash_assets.generation.request import chat_body
 from dflash_assets.settings import GenerationSettings
 from tests.support.sglang_wheel import class_fields, function
 
@@ -44,7 +45,7 @@ def test_every_chunk_field_the_client_reads_is_in_0_5_23s_stream_models(model):
 
 def test_the_streamed_chat_body_has_only_fields_0_5_23_takes():
     body = chat_stream_body(
-        GenerationSettings().chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
+        chat_body(GenerationSettings(), "m", [{"role": "user", "content": "hi"}], token_ids=True),
         Watch(check_every_tokens=64, looping=bool),
     )
     assert set(body) <= class_fields(PROTOCOL, "ChatCompletionRequest")
@@ -98,7 +99,7 @@ def test_0_5_23_aborts_a_streamed_request_whose_client_goes_away():
 def test_the_emulators_chat_stream_is_0_5_23s_chunks_with_every_field_the_client_reads(emulator):
     server = emulator("--reasoning-parser", "qwen3", "--length-median", "40", "--stream-interval", "4")
     body = chat_stream_body(
-        GenerationSettings(max_output_tokens=1024).chat_body("m", [{"role": "user", "content": "hi"}], token_ids=True),
+        chat_body(GenerationSettings(max_output_tokens=1024), "m", [{"role": "user", "content": "hi"}], token_ids=True),
         Watch(check_every_tokens=8, looping=bool),
     )
     status, events = server.sse("/v1/chat/completions", body)
@@ -132,7 +133,7 @@ def test_the_emulators_chat_stream_is_0_5_23s_chunks_with_every_field_the_client
 def test_without_include_usage_no_usage_chunk_comes(emulator):
     server = emulator("--reasoning-parser", "qwen3", "--length-median", "20")
     body = {
-        **GenerationSettings(max_output_tokens=32).chat_body("m", [{"role": "user", "content": "hi"}]),
+        **chat_body(GenerationSettings(max_output_tokens=32), "m", [{"role": "user", "content": "hi"}]),
         "stream": True,
     }
     _, events = server.sse("/v1/chat/completions", body)

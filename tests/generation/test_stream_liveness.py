@@ -13,6 +13,7 @@ import pytest
 from dflash_assets.fleet.client import ServerClient, ServerError
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.stream import Watch
+from dflash_assets.generation.request import chat_body
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from tests.support.http import aborted, settled
 from tests.support.shards import generate, make_shard, rows
@@ -68,7 +69,7 @@ def test_a_stream_silent_for_stall_timeout_is_closed_and_the_server_aborts_it(em
     async def call():
         async with open_session() as session:
             client = ServerClient(session, server.emu.url)
-            body = GenerationSettings(max_output_tokens=512).chat_body("m", [{"role": "user", "content": "hi"}])
+            body = chat_body(GenerationSettings(max_output_tokens=512), "m", [{"role": "user", "content": "hi"}])
             with pytest.raises(ServerError) as e:
                 await client.chat(body, Watch(stall_timeout_s=0.3))
             return e.value

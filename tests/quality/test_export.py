@@ -6,9 +6,9 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
+from dflash_assets.generation.runaway import is_runaway
 from dflash_assets.quality import EXCLUSION_REASONS, export_training_set
 from dflash_assets.quality.export import WINDOW_CUT_CONTENT
-from dflash_assets.quality.runaway import is_runaway
 from dflash_assets.quality.trainer_format import has_think_marker, row_problem
 from tests.support.quality_data import CONFIG_A, blank, completion, load, prompt, write
 

@@ -9,9 +9,9 @@ import pytest
 from dflash_assets.emulator import model, tokenizer
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.runaway import is_runaway
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import length_quality, run_checks
-from dflash_assets.quality.runaway import is_runaway
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, RunawaySettings
 from tests.support.forks import start_emulator
 

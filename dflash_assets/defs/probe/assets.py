@@ -1,13 +1,15 @@
 """length_probe: a seeded random sample of the prompts generated at a high cap, the measurement the cap plan uses."""
 
+from functools import partial
+
 import dagster as dg
 
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource, Refused, run_on_fleet
 from dflash_assets.generation.preflight import PreflightError
-from dflash_assets.generation.probe import probe_root, prompt_shard_keys
-from dflash_assets.quality.probe_summary import run_length_probe
+from dflash_assets.generation.probe import probe_root, prompt_shard_keys, run_length_probe
+from dflash_assets.quality.probe_summary import cut_rows_for_probe
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, SettingsError
 
 
@@ -57,9 +59,10 @@ def length_probe(
                     sample,
                     dispatch,
                     log=context.log.info,
-                    runaway=QualitySettings.taken_from(quality).runaway,
+                    # mode cut_rows: the honest cut rows, without the runaways the plan leaves out
+                    cut_rows=partial(cut_rows_for_probe, root, QualitySettings.taken_from(quality).runaway),
                 ),
-            )  # mode cut_rows: the runaways the plan leaves out
+            )
     except (SettingsError, FileNotFoundError) as e:
         raise dg.Failure(str(e)) from None
     except PreflightError as e:
