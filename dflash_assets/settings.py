@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args, get_origin
@@ -39,6 +40,8 @@ Regenerate = Literal["last_turn", "all_turns"]  # GenerationSettings.regenerate
 TrainerFormat = Literal["conversations", "messages", "pretokenized"]  # TrainerSettings.format
 ProbeMode = Literal["prompts", "cut_rows"]  # ProbeSettings.mode
 FleetMode = Literal["emulated", "attach", "launch"]  # FleetSettings.mode
+# a check renamed to what it measures -> its new name; severity overrides may still name the old one
+RENAMED_CHECKS = {"window_complete": "decoded_past_window"}
 Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
 FLEET_MODES = get_args(FleetMode)
 TRAINER_FORMATS = get_args(TrainerFormat)
@@ -438,9 +441,9 @@ class QualitySettings(Settings):
         description="The drafter trainer: its window max_length (what the checks judge "
         "truncation against) and the export form.",
     )
-    window_complete_rate_max: float = Field(
+    decoded_past_window_rate_max: float = Field(
         0.02,
-        description="window_complete warns above this share of decoded tokens past the trainer's window: "
+        description="decoded_past_window warns above this share of decoded tokens past the trainer's window: "
         "GPU time no training step reads.",
     )
     max_length_overflow_rate_max: float = Field(
@@ -462,7 +465,14 @@ class QualitySettings(Settings):
         # dict[str, Severity] would do it, but Dagster's config has no map of enums: the resource keeps str values
         if bad := {name: level for name, level in severity.items() if level not in SEVERITIES}:
             raise ValueError(f"severity must be one of {', '.join(SEVERITIES)}, got {bad}")
-        return severity
+        for old in set(severity) & set(RENAMED_CHECKS):  # an override written for a check's old name still holds
+            warnings.warn(
+                f"severity names the check {old!r}, now {RENAMED_CHECKS[old]!r}: the override applies to "
+                f"{RENAMED_CHECKS[old]!r}; rename it there",
+                FutureWarning,
+                stacklevel=2,
+            )
+        return {RENAMED_CHECKS.get(name, name): level for name, level in severity.items()}
 
 
 class ServerSettings(Settings):

@@ -126,13 +126,13 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
             defaults_of(where, form, model, skip, *own)
     # the quality resource gives the checks every limit it carries, nested groups as settings
     custom = QualityResource(
-        window_complete_rate_max=0.5,
+        decoded_past_window_rate_max=0.5,
         trainer={"max_length": 2048},
         runaway={"tail_chars": 10},
         severity={"runaway_rate": "ERROR"},
     )
     assert QualitySettings.taken_from(custom) == QualitySettings(
-        window_complete_rate_max=0.5,
+        decoded_past_window_rate_max=0.5,
         trainer=TrainerSettings(max_length=2048),
         runaway=RunawaySettings(tail_chars=10),
         severity={"runaway_rate": "ERROR"},

@@ -390,7 +390,7 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
 
     for config_hash in sorted(stops.config_hashes):
         (o,) = run_checks(
-            data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["window_complete"]
+            data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["decoded_past_window"]
         )
         m = o.metadata
         if not m["window_complete_rows"] and not m["decoded_past_window_tokens"]:

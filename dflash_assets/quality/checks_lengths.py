@@ -69,10 +69,11 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, quality: QualitySettings) ->
     return Finding(not configs_over and not shards_over, "\n\n".join(lines), metadata)
 
 
-def window_complete(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
-    """Rows cut at or past the trainer's window (window-complete: exported, the trainer reads them whole) and the
-    decoded tokens past the window, which no training step reads; warns when those exceed window_complete_rate_max of
-    all decoded tokens (a cap larger than the window needs: cap_policy window decodes only what is read)."""
+def decoded_past_window(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
+    """Decoded tokens past the trainer's window, which no training step reads, beside the rows cut at or past it
+    (window-complete: exported, the trainer reads them whole); warns when the tokens past the window exceed
+    decoded_past_window_rate_max of all decoded tokens (a cap larger than the window needs: cap_policy window
+    decodes only what is read). Formerly window_complete (severity overrides may still name it)."""
     window = quality.trainer.max_length
     rows, complete, complete_tokens, decoded, trained = con.execute(
         "SELECT count(*), count(*) FILTER (WHERE window_complete), "
@@ -80,13 +81,13 @@ def window_complete(con: duckdb.DuckDBPyConnection, quality: QualitySettings) ->
         "coalesce(sum(completion_tokens), 0), coalesce(sum(trained_tokens), 0) FROM completions"
     ).fetchone()
     past = decoded - trained
-    rate, limit = share(past, decoded), quality.window_complete_rate_max
+    rate, limit = share(past, decoded), quality.decoded_past_window_rate_max
     ratio = f"{decoded / trained:.2f}" if trained else "-"
     lines = [
-        f"{plural(complete, 'row')} ({pct(share(complete, rows))} of {num(rows)}) were cut at or past the "
-        f"trainer's window max_length {num(window)}: window-complete, exported, {num(complete_tokens)} trained "
-        f"tokens. {num(past)} of {num(decoded)} decoded tokens ({pct(rate)}) lie past the window, "
-        f"{verdict(rate, limit)}; decoded per trained token {ratio} (the floor is 1.00).",
+        f"{num(past)} of {num(decoded)} decoded tokens ({pct(rate)}) lie past the trainer's window max_length "
+        f"{num(window)}, {verdict(rate, limit)}; decoded per trained token {ratio} (the floor is 1.00). "
+        f"{plural(complete, 'row')} ({pct(share(complete, rows))} of {num(rows)}) were cut at or past the window: "
+        f"window-complete, exported, {num(complete_tokens)} trained tokens.",
         f"The window is {quality.trainer.named()}.",
     ]
     if rate > limit:

@@ -13,10 +13,10 @@ from dflash_assets.quality.checks_integrity import config_consistency, duplicate
 from dflash_assets.quality.checks_lengths import (
     cap_hit_agreement,
     cap_saturation,
+    decoded_past_window,
     max_length_overflow,
     silent_clamp,
     truncation_rate,
-    window_complete,
 )
 from dflash_assets.quality.checks_runaway import runaway_rate
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
@@ -50,7 +50,7 @@ def _spec(fn: CheckFn, blocking: bool, severity: Severity | None = None) -> Chec
 
 CHECKS: list[CheckSpec] = [
     _spec(truncation_rate, blocking=True),
-    _spec(window_complete, blocking=False),
+    _spec(decoded_past_window, blocking=False),
     _spec(cap_saturation, blocking=False),
     _spec(cap_hit_agreement, blocking=False),
     _spec(silent_clamp, blocking=True),

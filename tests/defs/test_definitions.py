@@ -45,7 +45,7 @@ CHECKED = {
         "truncated_thinking",
         "max_length_overflow",
         "runaway_rate",
-        "window_complete",
+        "decoded_past_window",
     }
 }
 # job -> (the folder of its jobs.py, the assets it materialises, the assets whose checks it runs, partitioned)

@@ -190,7 +190,7 @@ def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_co
         r for r in rows if window_complete(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 4096)
     ]
     assert len(complete) == 183 == sum(r["finish_reason"] == "length" for r in rows)
-    outcome, warn = run_checks(story_dir, names=["truncation_rate", "window_complete"])
+    outcome, warn = run_checks(story_dir, names=["truncation_rate", "decoded_past_window"])
     assert outcome.passed and outcome.blocking
     m = outcome.metadata
     assert (m["max_length"], m["cut_inside_window_rows"], m["window_complete_rows"], m["truncated_rows"]) == (
@@ -213,6 +213,11 @@ def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_co
     assert warn.metadata["trained_tokens"] == sum(
         trained_tokens(r["prompt_tokens"], r["completion_tokens"], 4096) for r in rows
     )
+    # named for what it measures: its text leads with the decoded tokens past the window, then the rows cut past it
+    past = sum(r["completion_tokens"] for r in rows) - warn.metadata["trained_tokens"]
+    assert warn.name == "decoded_past_window" and warn.metadata["decoded_past_window_tokens"] == past
+    assert warn.summary_md.startswith(f"{past:,} of ")
+    assert "183 rows (18.30% of 1,000) were cut at or past the window: window-complete" in warn.summary_md
 
 
 def test_the_same_cut_rows_block_a_trainer_whose_window_reaches_past_the_cap(story_dir):

@@ -114,6 +114,13 @@ def test_severity_is_configurable_per_check(defects_dir):
     assert outcome.severity == "ERROR" and not outcome.passed
 
 
+def test_a_severity_override_of_the_checks_old_name_applies_to_its_new_name_with_a_warning(defects_dir):
+    with pytest.warns(FutureWarning, match="'window_complete', now 'decoded_past_window'"):
+        quality = QualitySettings(severity={"window_complete": "ERROR"})
+    assert quality.severity == {"decoded_past_window": "ERROR"}
+    assert check(defects_dir, "decoded_past_window", quality=quality).severity == "ERROR"
+
+
 def test_unknown_check_names_are_refused(defects_dir):
     with pytest.raises(ValueError, match="unknown check names"):
         run_checks(defects_dir, quality=QualitySettings(severity={"truncation": "WARN"}))
