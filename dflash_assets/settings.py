@@ -548,14 +548,15 @@ class EnvSetting:
 
 class Deployment:
     """The environment variables of a deployment (docs/settings.md). Resources read them as Dagster EnvVars at
-    run launch; the two that shape the definitions themselves (a schedule's cron, a backfill's runs) are read
-    when the code location loads, because Dagster fixes them there (see defs/partitions.py)."""
+    run launch; the three that shape the definitions themselves (a schedule's cron, a backfill's runs, the retry
+    delay) are read when the code location loads, because Dagster fixes them there (see defs/partitions.py)."""
 
     DATA_DIR = EnvSetting("DFLASH_DATA_DIR", "data")
     LOCAL_DIR = EnvSetting("DFLASH_LOCAL_DIR", "data")
     PROMPTS = EnvSetting("DFLASH_PROMPTS", str(DEMO_PROMPTS))
     SHARD_SIZE = EnvSetting("DFLASH_SHARD_SIZE", "100")
     SHARDS_PER_RUN = EnvSetting("DFLASH_SHARDS_PER_RUN", "8")
+    RETRY_DELAY_S = EnvSetting("DFLASH_RETRY_DELAY_S", "10")  # a failed generating step's first retry waits this
     CHECKS_CRON = EnvSetting("DFLASH_CHECKS_CRON", "0 * * * *")
     FLEET_MODE = EnvSetting("DFLASH_FLEET_MODE", FleetSettings().mode)
     FLEET_URLS = EnvSetting("DFLASH_FLEET_URLS", FleetSettings().urls)

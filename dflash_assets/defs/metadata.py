@@ -83,3 +83,12 @@ class TrainingSetKeys:
     CONFIG_HASH = "config_hash"
     JSONL = "jsonl"
     MANIFEST = "manifest"
+
+
+class StepStopKeys:
+    """What a step that stopped on a fault records in its failure (defs/faults.py, and the config refusals), read back
+    by the demo (demo/run.py): a failed step records no materialisation, so its table takes the recount from here."""
+
+    CAUSE = "cause"  # "config": a setting to fix; "exhausted": the disk (or open files) ran out; "retried"
+    COMMITTED_ROWS = "committed_rows"  # the recount of the step's shards when it stopped (the run's config)
+    COMMITTED_BY_SHARD = "committed_by_shard"  # JSON {shard: rows}

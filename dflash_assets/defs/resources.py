@@ -13,6 +13,7 @@ from typing import TypeVar
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
+from dflash_assets.defs.metadata import StepStopKeys
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, on_fleet
 from dflash_assets.generation.prompts import FieldMapping
@@ -30,8 +31,14 @@ from dflash_assets.settings import (
 T = TypeVar("T")
 
 # A failed step (servers gone past no_server_timeout_s, a crash) is retried: the ledger makes a retry free, it
-# only sends what is not committed. Bad config and preflight refusals raise Failure(allow_retries=False).
-FLEET_RETRY = dg.RetryPolicy(max_retries=2, delay=10, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
+# only sends what is not committed. Bad config, preflight refusals and a full disk raise Failure(allow_retries=False)
+# (defs/faults.py). The delay (DFLASH_RETRY_DELAY_S, then doubled) is read when the code location loads.
+FLEET_RETRY = dg.RetryPolicy(
+    max_retries=2,
+    delay=float(Deployment.RETRY_DELAY_S.value()),
+    backoff=dg.Backoff.EXPONENTIAL,
+    jitter=dg.Jitter.PLUS_MINUS,
+)
 
 
 class Refused:
@@ -42,7 +49,7 @@ class Refused:
         try:
             super().__init__(**data)
         except SettingsError as e:
-            raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
+            raise dg.Failure(str(e), metadata={StepStopKeys.CAUSE: "config"}, allow_retries=False) from None
 
 
 class LaunchConfig(dg.Config, LaunchSettings):

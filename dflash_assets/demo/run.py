@@ -35,6 +35,7 @@ from dflash_assets.defs.metadata import (
     PromptShardKeys,
     ReportKeys,
     ShardRunKeys,
+    StepStopKeys,
     TrainingSetKeys,
 )
 from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
@@ -76,6 +77,7 @@ class Failure:
     run_id: str
     detail: tuple[str, ...] = ()  # e.g. the last lines an emulator or sglang server wrote before it exited
     passing: bool = False  # re-running may cure it (a server down, a timeout), so say so
+    says_next: bool = False  # the message ends with the next command itself (a full disk: free space, then...)
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,8 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
                 continue  # the evaluations say which checks and where
             error = _own_error(error)
             message = (user.description if user and user.description else _line(error)).strip()
-            if message.startswith("preflight: ") or (
-                user and user.metadata.get("cause") and user.metadata["cause"].value == "config"
-            ):
+            cause = user.metadata[StepStopKeys.CAUSE].value if user and StepStopKeys.CAUSE in user.metadata else None
+            if message.startswith("preflight: ") or cause == "config":
                 stops.preflight.append(message.removeprefix("preflight: "))
             else:
                 stops.errors.append(
@@ -165,7 +166,8 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
                         f"{where}, step {event.step_key}",
                         message.splitlines()[0],
                         result.run_id,
-                        passing=error.cls_name in PASSING,
+                        passing=cause != "exhausted" and _cause_of(error).cls_name in PASSING,
+                        says_next=cause == "exhausted",
                     )
                 )
         elif event.is_run_failure and not failed_steps and event.job_failure_data.error is not None:
@@ -181,11 +183,26 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             )
 
 
+WRAPPERS = ("DagsterExecutionStepExecutionError", "DagsterResourceFunctionError")
+RETRIES_RAN_OUT = "RetryRequestedFromPolicy"  # "Exceeded max_retries of N"; its cause is the last attempt's error
+
+
 def _own_error(error):
-    """Dagster's wrappers (step execution, resource init) off: the user code's own error says what went wrong."""
-    while error.cause and error.cls_name in ("DagsterExecutionStepExecutionError", "DagsterResourceFunctionError"):
+    """Dagster's wrappers (step execution, resource init, retries run out) off: the user code's own error says what
+    went wrong; when retries ran out, the last attempt's, "after N attempts"."""
+    attempts = None
+    while error.cause and error.cls_name in (*WRAPPERS, RETRIES_RAN_OUT):
+        if error.cls_name == RETRIES_RAN_OUT and (ran_out := re.search(r"max_retries of (\d+)", error.message)):
+            attempts = int(ran_out.group(1)) + 1
         error = error.cause
+    if attempts is not None:
+        error = error._replace(message=f"{_line(error).split(': ', 1)[-1].splitlines()[0]}, after {attempts} attempts")
     return error
+
+
+def _cause_of(error):
+    """A Failure raised for a step's last attempt (defs/faults.py) names its cause's class: judge by that."""
+    return error.cause if error.cls_name == "Failure" and error.cause else error
 
 
 def _line(error) -> str:
@@ -244,6 +261,7 @@ def run_shards(
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     failed_checks: dict[str, list[str]] = {}
     no_figures: list[str] = []
+    recounted: list[str] = []  # their completions step stopped: done is the recount its failure recorded
     runs = [shards[i : i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
     with Progress(
         TextColumn("{task.description}"),
@@ -258,8 +276,10 @@ def run_shards(
             result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk)
             source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
             report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
+            stopped = {} if result.success else _committed_when_stopped(result)
             if not result.success:
-                no_figures += [shard for shard in chunk if shard not in comp]
+                no_figures += [shard for shard in chunk if shard not in comp and shard not in stopped]
+                recounted += [shard for shard in chunk if shard not in comp and shard in stopped]
             for shard in chunk:
                 s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
                 failing = [e for e in checks if not e.passed and shard in e.metadata[CheckKeys.FAILING_SHARDS].value]
@@ -279,7 +299,7 @@ def run_shards(
                     str(s.get(PromptShardKeys.LINES, "-")),
                     str(rejected),
                     str(c.get(ShardRunKeys.PROMPTS, "-")),
-                    str(c.get(ShardRunKeys.COMPLETED, "-")),
+                    str(c.get(ShardRunKeys.COMPLETED, stopped.get(shard, "-"))),
                     str(c[ShardRunKeys.COMPLETED] - c[ShardRunKeys.ALREADY_DONE]) if c else "-",
                     str(c.get(ShardRunKeys.FAILED, "-")),
                     str(r.get(ReportKeys.TRUNCATION_RATE, "-")),
@@ -297,11 +317,28 @@ def run_shards(
             f"committed any (the cause is below)",
             highlight=False,
         )
+    if recounted:
+        console.print(
+            f"  shard(s) {', '.join(recounted)}: done is what their run committed before it stopped (recounted from "
+            f"the data dir; the cause is below)",
+            highlight=False,
+        )
     for name, where in sorted(failed_checks.items()):
         console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
     if failed_checks:
         console.print("  (a blocking check that fails with ERROR stops the training set; WARN asks you to look)")
     return stops
+
+
+def _committed_when_stopped(result: dg.ExecuteInProcessResult) -> dict[str, int]:
+    """shard -> rows its failed completions step had committed (the recount in the failure's metadata)."""
+    counts: dict[str, int] = {}
+    for event in result.all_events:
+        if event.is_step_failure and event.step_key == "completions":
+            user = event.step_failure_data.user_failure_data
+            if user and StepStopKeys.COMMITTED_BY_SHARD in user.metadata:
+                counts |= user.metadata[StepStopKeys.COMMITTED_BY_SHARD].value
+    return counts
 
 
 def data_dir() -> DataDirResource:
@@ -328,7 +365,9 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         for error in others:
             say(f"Also failed: {error.where}: {error.message}")
         say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
-        if first.passing:
+        if first.says_next:
+            pass  # its line ends with the next command
+        elif first.passing:
             say(
                 "Next: the cause can pass (a server down, a timeout): run the same command again; committed "
                 "completions are kept, only the rest runs."

@@ -48,7 +48,7 @@ import socket
 import tempfile
 import uuid
 from collections.abc import Iterable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
 
@@ -83,13 +83,26 @@ def write_atomic(table: pa.Table, path: Path, metadata: dict[bytes, bytes] | Non
     if metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with removed_on_error(tmp):
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
+
+
+@contextmanager
+def removed_on_error(tmp: Path):
+    """A temporary file that could not be written whole (a full disk, a quota) is removed at once, never renamed
+    into place: the space it took is given back, and nothing half-written is left for `recover` to find."""
+    try:
+        yield
+    except BaseException:
+        with suppress(OSError):  # a read-only filesystem cannot remove it either: recover() will
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager
@@ -212,13 +225,14 @@ class LocalStorage(Storage):
 
     def write_streamed(self, path: Path, schema: pa.Schema, tables: Iterable[pa.Table]) -> Path:
         tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            with pq.ParquetWriter(f, schema, compression="zstd") as writer:
-                for table in tables:
-                    writer.write_table(table)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with removed_on_error(tmp):
+            with open(tmp, "wb") as f:
+                with pq.ParquetWriter(f, schema, compression="zstd") as writer:
+                    for table in tables:
+                        writer.write_table(table)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
         fsync_dir(path.parent)
         return path
 

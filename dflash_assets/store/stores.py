@@ -1,8 +1,9 @@
 """Each shard's stores in the data dir: prompts, completions, rejects (by stage) and failures, each a PartStore."""
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
@@ -39,3 +40,22 @@ def failure_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
 def committed_ids(store: PartStore, config_hash: str) -> set[str]:
     table = store.read(["prompt_id", "config_hash"])
     return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
+
+
+def committed_rows(
+    data_dir: str | Path | Storage, shards: list[str] | None = None, config_hash: str | None = None
+) -> dict[str, int]:
+    """Completion rows committed per shard (every shard when None; of one config, when given): a recount of the
+    committed parts."""
+    storage = open_storage(data_dir)
+    if shards is None:
+        infos = storage.fs.get_file_info(pafs.FileSelector(str(storage.root / "completions"), allow_not_found=True))
+        shards = sorted(
+            PurePosixPath(i.path).name.removeprefix("shard=") for i in infos if i.type == pafs.FileType.Directory
+        )
+    counts = {}
+    for shard in shards:
+        table = completion_store(storage, shard).read(["config_hash"])
+        mine = table.num_rows if config_hash is None else pc.sum(pc.equal(table["config_hash"], config_hash)).as_py()
+        counts[shard] = mine or 0
+    return counts

@@ -3,6 +3,7 @@
 import dagster as dg
 from pydantic import Field
 
+from dflash_assets.defs.faults import named_stops
 from dflash_assets.defs.metadata import ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
@@ -21,6 +22,7 @@ from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
+from dflash_assets.store.stores import committed_rows
 
 
 class CompletionsConfig(Refused, dg.Config, GenerationSettings, DispatchSettings):
@@ -65,23 +67,30 @@ def completions(
             )
         }
     )
-    try:
-        with holding(context, context.partition_keys):  # the shards' pools and the fleet's
-            runs = run_on_fleet(
-                fleet,
-                lambda f: generate_shards(
-                    data_dir.resolved(),
-                    context.partition_keys,
-                    f,
-                    generation,
-                    dispatch,
-                    preflight_policy=config.preflight_policy,
-                    log=context.log.info,
-                    runaway=quality_settings.runaway,
-                ),
-            )  # streamed: loops stopped by the checks' own rules
-    except PreflightError as e:
-        raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
+    config_hash: list[str] = []  # the run's, once the fleet has said its model: what a stop recounts
+
+    async def generate(f):
+        config_hash.append(generation.config_hash(f.model))
+        return await generate_shards(
+            data_dir.resolved(),
+            context.partition_keys,
+            f,
+            generation,
+            dispatch,
+            preflight_policy=config.preflight_policy,
+            log=context.log.info,
+            runaway=quality_settings.runaway,
+        )  # streamed: loops stopped by the checks' own rules
+
+    def committed() -> dict[str, int]:
+        return committed_rows(data_dir.resolved(), context.partition_keys, (config_hash or [None])[-1])
+
+    with named_stops(context, data_dir, committed, FLEET_RETRY):
+        try:
+            with holding(context, context.partition_keys):  # the shards' pools and the fleet's
+                runs = run_on_fleet(fleet, generate)
+        except PreflightError as e:
+            raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
         context.log.warning(note)
     for run in runs:

@@ -4,7 +4,8 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.metadata import ContinuationKeys
+from dflash_assets.defs.faults import named_stops
+from dflash_assets.defs.metadata import ContinuationKeys, StepStopKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.resources import (
@@ -62,8 +63,8 @@ def continued_completions(
                 await _continue(context, shard, config, connected, data_dir, runaway), partition_key=shard
             )
 
-    with holding(context, context.partition_keys):  # the shards' pools and the fleet's
-        run_on_fleet(fleet, each)
+    with named_stops(context, data_dir, retry=FLEET_RETRY), holding(context, context.partition_keys):
+        run_on_fleet(fleet, each)  # under the shards' pools and the fleet's
 
 
 async def _continue(
@@ -94,7 +95,7 @@ async def _continue(
             runaway=runaway,
         )  # the checks' own rules
     except SettingsError as e:
-        raise dg.Failure(str(e), metadata={"cause": "config"}, allow_retries=False) from None
+        raise dg.Failure(str(e), metadata={StepStopKeys.CAUSE: "config"}, allow_retries=False) from None
     except PreflightError as e:
         raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
     for note in run.notes:

@@ -2,6 +2,7 @@
 
 import dagster as dg
 
+from dflash_assets.defs.faults import named_stops
 from dflash_assets.defs.metadata import PromptShardKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
@@ -51,7 +52,9 @@ def prompt_shards(
                 break  # past the end of the source: the shards after it are too
         return builds
 
-    for shard, build in run_on_fleet(fleet, build_range):
+    with named_stops(context, data_dir):
+        builds = run_on_fleet(fleet, build_range)
+    for shard, build in builds:
         if build.lines == 0:
             raise dg.Failure(f"shard {shard} is past the end of {prompt_source.path}: it has no lines")
         reasons = "\n".join(f"| {k} | {v} |" for k, v in sorted(build.reasons.items(), key=lambda kv: -kv[1]))

@@ -6,12 +6,14 @@ from pathlib import Path
 import dagster as dg
 
 from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.faults import named_stops
 from dflash_assets.defs.metadata import ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality.outcome import pct
 from dflash_assets.settings import QualitySettings
+from dflash_assets.store.stores import committed_rows
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
@@ -90,7 +92,8 @@ def length_quality_report(
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     quality_settings = QualitySettings.taken_from(quality)
     for shard in context.partition_keys:
-        report, png = _report_and_histogram(root, shard, quality_settings, reports / f"shard={shard}")
+        with named_stops(context, data_dir, lambda: committed_rows(root, context.partition_keys)):
+            report, png = _report_and_histogram(root, shard, quality_settings, reports / f"shard={shard}")
         context.add_asset_metadata(
             partition_key=shard,
             metadata={**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))},
@@ -139,7 +142,9 @@ def length_quality_summary(
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
     root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
-    report, png = _report_and_histogram(root, None, quality_settings, data_dir.local_dir() / "reports")
+    stops = lambda: named_stops(context, data_dir, lambda: committed_rows(root))  # noqa: E731 - twice below
+    with stops():
+        report, png = _report_and_histogram(root, None, quality_settings, data_dir.local_dir() / "reports")
     metadata = {
         **report_metadata(report, png.read_bytes()),
         "histogram_path": dg.MetadataValue.path(str(png)),
@@ -184,7 +189,8 @@ def length_quality_summary(
             )
         )
         picture = data_dir.local_dir() / "reports" / "cap_plan.png"
-        picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at)))
+        with stops():
+            picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at)))
         advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
         metadata["cap_plan_at_a_glance"] = plan_glance(plan)
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)

@@ -4,6 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.faults import named_stops
 from dflash_assets.defs.metadata import TrainingSetKeys
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
@@ -12,6 +13,7 @@ from dflash_assets.quality.export import exclusion_lines
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import MOST_ROWS_ORDER_SQL
 from dflash_assets.settings import QualitySettings
+from dflash_assets.store.stores import committed_rows
 
 
 class TrainingSetConfig(dg.Config):
@@ -73,15 +75,16 @@ def drafter_training_set(
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
             metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing},
         )
-    export = export_training_set(
-        root,
-        data_dir.local_dir() / "training" / (chosen or "all"),
-        config_hash=chosen,
-        max_length=quality_settings.trainer.max_length,
-        form=config.form or quality_settings.trainer.format,
-        drop_over_max_length=config.drop_over_max_length,
-        runaway=quality_settings.runaway,
-    )
+    with named_stops(context, data_dir, lambda: committed_rows(root, config_hash=chosen)):
+        export = export_training_set(
+            root,
+            data_dir.local_dir() / "training" / (chosen or "all"),
+            config_hash=chosen,
+            max_length=quality_settings.trainer.max_length,
+            form=config.form or quality_settings.trainer.format,
+            drop_over_max_length=config.drop_over_max_length,
+            runaway=quality_settings.runaway,
+        )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
     excluded = "\n".join(f"- {line}" for line in exclusion_lines(manifest)) or "nothing was left out"

@@ -1,0 +1,80 @@
+"""How a step stops on a fault: named in one line, and retried only where a retry can cure it.
+
+Dagster's RetryPolicy retries every exception alike and, when its retries run out, says only "Exceeded max_retries
+of N" (the step error is `RetryRequestedFromPolicy`, the last attempt's exception its cause). So a step that writes
+the data dir runs inside `named_stops`:
+- a resource ran out (a full disk, a quota, a read-only filesystem, open files: store/exhaustion.py) stops at once,
+  `Failure(allow_retries=False)`: every attempt would fail alike. Its line names the path, what ran out, what is left
+  and the next command, with the committed rows it keeps;
+- on the final attempt of a retried step, the attempt's own exception (its type, message and first cause) is
+  raised as the Failure, "after N attempts", so the UI's text and the terminal's are the cause, never the wrapper.
+Either way the failure's metadata holds the recount of the step's committed rows: a failed step records no
+materialisation, and the demo's table reads them from there (defs/metadata.py StepStopKeys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dagster as dg
+
+from dflash_assets.defs.metadata import StepStopKeys
+from dflash_assets.defs.resources import DataDirResource
+from dflash_assets.store.exhaustion import exhaustion
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def cause_line(e: BaseException) -> str:
+    """An exception as a person reads it: its type and first line, and its first cause's."""
+    cause = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return first_line(e) + (f" (caused by {first_line(cause)})" if cause is not None else "")
+
+
+@contextmanager
+def named_stops(
+    context: dg.AssetExecutionContext,
+    data_dir: DataDirResource,
+    committed: Callable[[], dict[str, int]] | None = None,
+    retry: dg.RetryPolicy | None = None,
+) -> Iterator[None]:
+    """Run the step's body; turn an exhaustion, and the last attempt's failure under `retry`, into a named Failure.
+
+    `committed()`: the step's committed rows per shard, recounted from the data dir when it stops."""
+    try:
+        yield
+    except dg.Failure:
+        raise  # already said (a config refusal, the preflight)
+    except Exception as e:
+        root = data_dir.resolved()
+        found = exhaustion(e, root if isinstance(root, Path) else data_dir.local_dir())
+        final = retry is not None and context.retry_number >= retry.max_retries
+        if found is None and not final:
+            raise  # Dagster retries it
+        counts = _recount(committed)
+        rows = sum(counts.values()) if counts is not None else None
+        if found is not None:
+            message, cause = found.line(rows), "exhausted"
+        else:
+            message, cause = f"{cause_line(e)}, after {context.retry_number + 1} attempts", "retried"
+        metadata = {StepStopKeys.CAUSE: cause}
+        if counts is not None:
+            metadata |= {
+                StepStopKeys.COMMITTED_ROWS: rows,
+                StepStopKeys.COMMITTED_BY_SHARD: dg.MetadataValue.json(counts),
+            }
+        raise dg.Failure(message, metadata=metadata, allow_retries=False) from e
+
+
+def _recount(committed: Callable[[], dict[str, int]] | None) -> dict[str, int] | None:
+    if committed is None:
+        return None
+    try:
+        return committed()
+    except Exception:  # noqa: BLE001 - the stop is said either way; the count is a courtesy (EMFILE can block it)
+        return None
