@@ -160,23 +160,28 @@ def webserver(
     )
     server = Webserver(port, proc, log_path)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                entries = server.gql(LOCATION_STATUS)["workspaceOrError"]["locationEntries"]
-                if entries and all(e["loadStatus"] == "LOADED" for e in entries):
-                    break
-            except Exception:  # noqa: BLE001, S110 - not listening yet, or the location is still loading
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"dagster-webserver did not load {WORKSPACE.name} within {timeout_s:.0f}s "
-                    f"(exit {proc.poll()}):\n{log_tail(log_path)}"
-                )
-            time.sleep(0.5)
+        wait_loaded(server, "dagster-webserver", timeout_s)
         yield server
     finally:
         stop_group(proc)
+
+
+def wait_loaded(server: Webserver, what: str, timeout_s: float) -> None:
+    """Until the webserver answers and its code location is LOADED."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            entries = server.gql(LOCATION_STATUS)["workspaceOrError"]["locationEntries"]
+            if entries and all(e["loadStatus"] == "LOADED" for e in entries):
+                return
+        except Exception:  # noqa: BLE001, S110 - not listening yet, or the location is still loading
+            pass
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(
+                f"{what} did not load {WORKSPACE.name} within {timeout_s:.0f}s "
+                f"(exit {server.proc.poll()}):\n{log_tail(server.log_path)}"
+            )
+        time.sleep(0.5)
 
 
 # The backfill daemon sleeps DEFAULT_DAEMON_INTERVAL_SECONDS (30 s) between iterations, and a backfill needs two
@@ -298,3 +303,43 @@ def materialize_shards(
         raise RuntimeError(f"materialising {plan} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return {r["shard"]: r for r in results}
+
+
+# `dagster dev` starts its daemon itself, as `python -m dagster._daemon run`, so the backfill interval is shortened
+# there by a sitecustomize on that process's PYTHONPATH, which applies the same patch as _DAEMON_MAIN to the daemon
+# only (every other process of the group starts as it always does).
+_DEV_SITECUSTOMIZE = """
+import os, sys
+if sys.orig_argv[1:3] == ["-m", "dagster._daemon"] and os.environ.get("DFLASH_TEST_DAEMON_INTERVAL_S"):
+    import dagster._daemon.controller as controller
+    controller.DEFAULT_DAEMON_INTERVAL_SECONDS = float(os.environ["DFLASH_TEST_DAEMON_INTERVAL_S"])
+"""
+
+
+@contextmanager
+def dagster_dev(
+    home: Path, env: dict[str, str], *, log_dir: Path, port: int | None = None, backfill_interval_s: float = 2.0
+) -> Iterator[tuple[Webserver, subprocess.Popen]]:
+    """`dagster dev -w workspace.yaml` (webserver, daemon, code server, and the runs they launch: one process group)
+    on `home`, up once the code location is loaded and the daemon healthy; (its webserver, the group's leader)."""
+    site = log_dir / "dev-site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_DEV_SITECUSTOMIZE)
+    env = env | {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])),
+        "DFLASH_TEST_DAEMON_INTERVAL_S": str(backfill_interval_s),
+    }
+    port = port or free_port()
+    log_path = log_dir / "dagster-dev.log"
+    proc = start_group(
+        [sys.executable, "-m", "dagster", "dev", "-w", str(WORKSPACE), "-h", "127.0.0.1", "-p", str(port)],
+        env,
+        log_path,
+    )
+    server = Webserver(port, proc, log_path)
+    try:
+        wait_loaded(server, "dagster dev", 180.0)
+        wait_daemon_healthy(server, proc, timeout_s=180.0)
+        yield server, proc
+    finally:
+        stop_group(proc)
