@@ -365,8 +365,8 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         for error in others:
             say(f"Also failed: {error.where}: {error.message}")
         say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
-        if first.says_next:
-            pass  # its line ends with the next command
+        if first.says_next:  # its line ends with the next command (a full disk: free space, then ...)
+            pass
         elif first.passing:
             say(
                 "Next: the cause can pass (a server down, a timeout): run the same command again; committed "

@@ -10,7 +10,6 @@ the cost).
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import dagster as dg
@@ -21,22 +20,15 @@ from dagster._core.instance.ref import InstanceRef
 
 from tests.cli.test_kill_resume import accepted_prompt_ids, completion_rows
 from tests.support.cli import demo_slice, dflash, home
+from tests.support.tmpfs import remount, tmpfs
 
 pytestmark = pytest.mark.long
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MB tmpfs at tmp_path/data (unique per test, so safe under pytest-xdist), unmounted after."""
-    path = tmp_path / "data"
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "data", "1m") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def done_column(stdout: str) -> dict[str, int]:
@@ -80,7 +72,7 @@ def test_a_full_data_dir_stops_the_run_at_once_named_and_the_same_command_finish
     for path in (p for p in files if p.suffix == ".parquet"):
         pq.read_table(path)
 
-    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    remount(small_disk, "size=64m")
     again = dflash("demo", env=env, cwd=tmp_path, timeout=600)
     assert again.returncode in (0, 3), again.stdout + again.stderr
     rows = completion_rows(small_disk)

@@ -14,20 +14,13 @@ import pytest
 from dflash_assets.store.exhaustion import exhausted_error, exhaustion
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import FAILURE_SCHEMA
+from tests.support.tmpfs import remount, tmpfs
 
 
 @pytest.fixture
-def tmpfs(tmp_path):
-    """A 256 KiB tmpfs of this test's own (skipped where it cannot be mounted), unmounted after."""
-    path = tmp_path / "data"
-    path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+def small_disk(tmp_path):
+    with tmpfs(tmp_path / "data", "256k") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def rows(n: int, size: int) -> list[dict]:
@@ -39,27 +32,27 @@ def store(root) -> PartStore:
     return PartStore(root, "failures", "00000", FAILURE_SCHEMA)
 
 
-def test_a_part_that_fills_the_disk_is_removed_and_the_stop_says_where_and_what_is_left(tmpfs):
-    parts = store(tmpfs)
+def test_a_part_that_fills_the_disk_is_removed_and_the_stop_says_where_and_what_is_left(small_disk):
+    parts = store(small_disk)
     parts.commit(rows(5, 1000))
     with pytest.raises(OSError) as raised:
         parts.commit(rows(50, 10_000))  # ~1 MB of text on 256 KiB
     assert exhausted_error(raised.value).errno == errno.ENOSPC
     assert not [p for p in parts.dir.iterdir() if p.name.endswith(".tmp")], "the unfinished part was left behind"
     assert parts.read().num_rows == 5  # the committed part reads back, whole
-    line = exhaustion(raised.value, tmpfs).line(5)
-    assert line.startswith(f"no space left on device on {tmpfs} (") and " free of 256.0 KiB)" in line, line
+    line = exhaustion(raised.value, small_disk).line(5)
+    assert line.startswith(f"no space left on device on {small_disk} (") and " free of 256.0 KiB)" in line, line
     assert line.endswith("free space, then run the same command again (5 committed rows are kept)"), line
 
 
-def test_a_read_only_data_dir_is_named_as_such(tmpfs):
-    parts = store(tmpfs)
+def test_a_read_only_data_dir_is_named_as_such(small_disk):
+    parts = store(small_disk)
     parts.commit(rows(2, 100))
-    subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
+    remount(small_disk, "ro")
     with pytest.raises(OSError) as raised:
         parts.commit(rows(2, 100))
-    line = exhaustion(raised.value, tmpfs).line(None)
-    assert line.startswith(f"read-only file system on {tmpfs} (") and "make it writable" in line, line
+    line = exhaustion(raised.value, small_disk).line(None)
+    assert line.startswith(f"read-only file system on {small_disk} (") and "make it writable" in line, line
     assert line.endswith("(the committed rows are kept)")
     assert parts.read().num_rows == 2
 
