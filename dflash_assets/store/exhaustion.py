@@ -45,7 +45,7 @@ class Exhaustion:
     """What ran out where: the line a person reads."""
 
     errno: int
-    path: str  # the data dir (or the file the error names, when it lies elsewhere)
+    path: str  # the directory the error names (the one that could not be written), else the data dir
     left: str  # what is left of it: "0 B free of 2.0 MiB", "1024 of 1024 files open"
 
     @property
@@ -61,14 +61,15 @@ class Exhaustion:
 
 
 def exhaustion(exc: BaseException, data_dir: str | os.PathLike) -> Exhaustion | None:
-    """The exhaustion under `exc`, if any, measured on the data dir (or the path the error names outside it)."""
+    """The exhaustion under `exc`, if any, measured where it happened: the directory the error names (pyarrow's
+    errors name none: then the data dir)."""
     found = exhausted_error(exc)
     if found is None:
         return None
     path = Path(os.fspath(data_dir))
-    named = Path(os.fsdecode(found.filename)) if isinstance(found.filename, str | bytes) else None
-    if named is not None and path not in (named, *named.parents):
-        path = named
+    if isinstance(found.filename, str | bytes):
+        named = Path(os.fsdecode(found.filename))
+        path = named if named.is_dir() else named.parent  # a file's, or a directory that could not be made
     return Exhaustion(found.errno, str(path), left(found.errno, path))
 
 

@@ -14,7 +14,7 @@ import pytest
 @contextmanager
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     """`path` (made here) as a tmpfs of `size` ("2m", "256k") for the block; `remount(path, size)` grows it."""
-    path.mkdir()
+    path.mkdir(parents=True)
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
