@@ -36,7 +36,7 @@ DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 
 # The values a choice field takes: the field's type, and the CLI's argparse choices (get_args(CapPolicy))
 CapPolicy = Literal["fixed", "window"]  # GenerationSettings.cap_policy
-Regenerate = Literal["last_turn", "all_turns"]  # GenerationSettings.regenerate
+Regenerate = Literal["auto", "last_turn", "all_turns"]  # GenerationSettings.regenerate
 TrainerFormat = Literal["conversations", "messages", "pretokenized"]  # TrainerSettings.format
 ProbeMode = Literal["prompts", "cut_rows"]  # ProbeSettings.mode
 FleetMode = Literal["emulated", "attach", "launch"]  # FleetSettings.mode
@@ -201,10 +201,13 @@ class GenerationSettings(Settings):
     frequency_penalty: float = Field(0.0, ge=-2, le=2, description="Frequency penalty, in [-2, 2].")
     enable_thinking: bool = Field(True, description="chat_template_kwargs.enable_thinking (Qwen3 thinking traces).")
     regenerate: Regenerate = Field(
-        "last_turn",
-        description="Which assistant turns are generated: 'last_turn' (the final one, or a new answer "
-        "to a final user turn) or 'all_turns' (every one, in order, each conditioned on "
-        "the regenerated ones before it).",
+        "auto",
+        description="Which assistant turns are generated: 'auto' (every assistant turn of a conversation, in "
+        "order, when the prompt source's prompts carry earlier assistant turns, as SpecForge's and "
+        "speculators' regeneration do; else last_turn, the config of a single-turn source as it always "
+        "was), 'last_turn' (the final one, or a new answer to a final user turn: the source's earlier "
+        "answers stay in the history, and a trainer that puts loss on every turn learns them) or "
+        "'all_turns' (every one, in order, each conditioned on the regenerated ones before it).",
     )
     cap_policy: CapPolicy = Field(
         "fixed",
@@ -248,8 +251,21 @@ class GenerationSettings(Settings):
         """The chat_template_kwargs sent with every request (and with /v1/tokenize)."""
         return {**self.chat_template_kwargs, "enable_thinking": self.enable_thinking}
 
+    def resolved(self, carries_history: bool) -> GenerationSettings:
+        """regenerate 'auto' made what it does for a source (`carries_history`: some prompt of it holds an assistant
+        turn before its last user turn): all_turns there, last_turn else. Other modes are kept as they are."""
+        if self.regenerate != "auto":
+            return self
+        return self.model_copy(update={"regenerate": "all_turns" if carries_history else "last_turn"})
+
     def config_hash(self, model: str) -> str:
-        """12 hex chars over the model and every setting that changes the output (not concurrency)."""
+        """12 hex chars over the model and every setting that changes the output (not concurrency), of the resolved
+        mode: a single-turn source under 'auto' is last_turn and keeps the hashes it always had."""
+        if self.regenerate == "auto":
+            raise SettingsError(
+                "regenerate 'auto' has no config hash until it is resolved against the prompt source "
+                "(GenerationSettings.resolved)"
+            )
         settings = self.model_dump()
         if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
             del settings["regenerate"]

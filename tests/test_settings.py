@@ -320,7 +320,26 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
         },
         "db70f813f2be": {"chat_template_kwargs": {"reasoning_effort": "high"}},
     }
-    assert {GenerationSettings(**settings).config_hash(MODEL): settings for settings in pinned.values()} == pinned
+    # the default regenerate: auto, resolved for a source of single-turn prompts, is last_turn: the same hashes
+    assert {
+        GenerationSettings(**settings).resolved(False).config_hash(MODEL): settings for settings in pinned.values()
+    } == pinned
+
+
+def test_regenerate_auto_is_all_turns_on_a_multi_turn_source_and_the_old_hash_on_a_single_turn_one():
+    import pytest
+
+    from dflash_assets.settings import GenerationSettings, SettingsError
+
+    auto = GenerationSettings()
+    assert auto.regenerate == "auto"
+    assert auto.resolved(False).regenerate == "last_turn" and auto.resolved(True).regenerate == "all_turns"
+    assert auto.resolved(False).config_hash(MODEL) == "e81c2cd6b058"  # today's demo config: its data dirs resume
+    assert auto.resolved(True).config_hash(MODEL) == GenerationSettings(regenerate="all_turns").config_hash(MODEL)
+    assert auto.resolved(True).config_hash(MODEL) != "e81c2cd6b058"  # a multi-turn source: a new config
+    assert GenerationSettings(regenerate="last_turn").resolved(True).regenerate == "last_turn"  # a choice stays
+    with pytest.raises(SettingsError, match="regenerate 'auto' has no config hash until it is resolved"):
+        auto.config_hash(MODEL)
 
 
 def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refused_when_the_resource_is_built(capsys):
@@ -334,7 +353,8 @@ def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refuse
         )
 
     assert (
-        GenerationSettings.taken_from(generate('{"reasoning_effort": "high"}')).config_hash(MODEL) == "db70f813f2be"
+        GenerationSettings.taken_from(generate('{"reasoning_effort": "high"}')).resolved(False).config_hash(MODEL)
+        == "db70f813f2be"
     )  # the hash pinned above
     with pytest.raises(SystemExit):
         generate("high")

@@ -416,6 +416,31 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
     return stops.exit_status()
 
 
+def regenerate_text(regenerate: str) -> str | None:
+    """What `regenerate` does to the source's multi-turn prompts, said before anything runs; None for a source without
+    any (auto is last_turn there: the same config as ever) and for all_turns."""
+    from dflash_assets.generation.prompts import SourceError, source_turns
+
+    try:
+        turns = source_turns(Deployment.PROMPTS.value())
+    except SourceError:
+        return None  # the run says what is wrong with the source
+    if not turns.with_history or regenerate == "all_turns":
+        return None
+    share = f"{turns.with_history:,} of {turns.prompts:,} prompts carry earlier assistant turns"
+    if regenerate == "auto":
+        return (
+            f"regenerate auto: all_turns, since {share}: every assistant turn is regenerated, in order, so the "
+            f"trainer learns only the target model's answers (the default was last_turn, which kept the source's "
+            f"answers in the history, and SpecForge trains on every assistant turn: docs/multi-turn.md)"
+        )
+    return (
+        f"regenerate last_turn: {share}, whose earlier answers are the source's own text. SpecForge puts loss on "
+        f"every assistant turn: set its data.train_only_last_turn: true, or it learns them (off-policy); the "
+        f"manifest counts these rows. --regenerate auto regenerates every turn"
+    )
+
+
 def policy_text(window: Window) -> str:
     policy = f"cap_policy window (+{window.overshoot} overshoot), " if window.cap_policy == "window" else ""
     return f"{policy}trainer's window max_length {window.trainer_max_length}"
@@ -464,6 +489,8 @@ def run_demo(
         f"data in {os.environ['DFLASH_DATA_DIR']}/",
         highlight=False,
     )
+    if said := regenerate_text(completions["regenerate"]):
+        console.print(said, highlight=False)
     stops = run_shards(instance, shards, completions, console, verbose)
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
@@ -534,6 +561,8 @@ def run_backfill(
         f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
         highlight=False,
     )
+    if said := regenerate_text(completions["regenerate"]):
+        console.print(said, highlight=False)
     stops = run_shards(instance, chosen, completions, console, verbose)
     command = f"dflash backfill --from {first} --to {last}"
     if not stops.checks and not stops.errors and not stops.preflight:

@@ -186,16 +186,58 @@ def message_text(content) -> str:
     return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
 
 
+def _split_reasoning(message: dict) -> tuple[str, str]:
+    """(reasoning, content) of an assistant message as Qwen3's template reads it: `reasoning_content` when it is a
+    string, else the part of the content before `</think>` (the content then keeps what follows it)."""
+    content = message_text(message.get("content"))
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str):
+        return reasoning, content
+    if THINK_END in content:
+        before, after = content.split(THINK_END)[0], content.split(THINK_END)[-1]
+        return before.rstrip("\n").split(THINK)[-1].lstrip("\n"), after.lstrip("\n")
+    return "", content
+
+
+def _last_query(messages: Sequence[dict]) -> int:
+    """The index of the last user turn that is not a tool response (Qwen3's `ns.last_query_index`)."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        text = m.get("content")
+        if m.get("role") == "user" and isinstance(text, str):
+            if not (text.startswith("<tool_response>") and text.endswith("</tool_response>")):
+                return i
+    return len(messages) - 1
+
+
 def apply_chat_template(
     messages: Sequence[dict],
     *,
     add_generation_prompt: bool = True,
     enable_thinking: bool = True,
 ) -> str:
-    """Render messages as Qwen3.5 does: `<|im_start|>{role}\\n{content}<|im_end|>\\n`
-    per message, then the assistant header, pre-opening `<think>\\n` when thinking
-    or an empty think block when not."""
-    parts = [f"{IM_START}{m.get('role', '')}\n{message_text(m.get('content'))}{IM_END}\n" for m in messages]
+    """Render messages as Qwen3's chat template does (the assistant branch of Qwen3's `tokenizer_config.json`),
+    with Qwen3.5's generation prompt:
+    - a system or user turn: `<|im_start|>{role}\\n{content}<|im_end|>\\n`;
+    - an assistant turn after the last user turn, when it is the last message or has reasoning:
+      `<|im_start|>assistant\\n<think>\\n` + reasoning.strip('\\n') + `\\n</think>\\n\\n` + content.lstrip('\\n')
+      + `<|im_end|>\\n` (reasoning: `reasoning_content`, or what the content holds before `</think>`);
+    - an earlier assistant turn (before the last user turn): its content only, its reasoning dropped: what Qwen3
+      keeps of a dialogue's earlier answers;
+    - then the assistant header, pre-opening `<think>\\n` when thinking or an empty think block when not."""
+    last_query = _last_query(messages)
+    parts = []
+    for i, m in enumerate(messages):
+        role = m.get("role", "")
+        if role != "assistant":
+            parts.append(f"{IM_START}{role}\n{message_text(m.get('content'))}{IM_END}\n")
+            continue
+        reasoning, content = _split_reasoning(m)
+        if i > last_query and (i == len(messages) - 1 or reasoning):
+            body = f"{THINK}\n{reasoning.strip(chr(10))}\n{THINK_END}\n\n{content.lstrip(chr(10))}"
+        else:
+            body = content
+        parts.append(f"{IM_START}assistant\n{body}{IM_END}\n")
     if add_generation_prompt:
         parts.append(GENERATION_PROMPT + (THINK_OPEN if enable_thinking else THINK_SKIPPED))
     return "".join(parts)

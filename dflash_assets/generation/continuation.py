@@ -164,6 +164,7 @@ def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
     generation = GenerationSettings(
         **({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
         enable_thinking=first["enable_thinking"],
+        regenerate="last_turn",  # a row per prompt: an all_turns parent hashes otherwise, and is refused below
         **recorded,
     )
     if generation.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs

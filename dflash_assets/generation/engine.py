@@ -22,14 +22,14 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan_remaining, plan_shard, reject_row
 from dflash_assets.generation.preflight import check_fleet
-from dflash_assets.generation.prompts import last_turn_request
+from dflash_assets.generation.prompts import carries_history, last_turn_request
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Dispatch, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
-from dflash_assets.store.storage import open_storage
+from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import committed_ids, completion_store, failure_store, prompt_store, reject_store
 
 # the engine's public names, wherever they are defined
@@ -101,6 +101,19 @@ def window_columns(generation: GenerationSettings) -> dict:
     }
 
 
+def resolve_regenerate(data_dir: Storage, generation: GenerationSettings) -> GenerationSettings:
+    """`regenerate: auto` for a caller that names no prompt source (`dflash generate`, a script): resolved over every
+    prompt shard built in the data dir. The `completions` asset resolves it over the whole source instead
+    (prompts.source_turns), before any shard of a backfill is built; both agree once every shard is."""
+    if generation.regenerate != "auto":
+        return generation
+    root = data_dir.root / "prompt_shards"
+    parts = [p for p in data_dir.walk(root) if p.suffix == ".parquet"] if data_dir.exists(root) else []
+    batches = data_dir.dataset(parts, partitioning=None).to_batches(columns=["messages_json"]) if parts else []
+    found = any(carries_history(json.loads(m)) for batch in batches for m in batch.column(0).to_pylist())
+    return generation.resolved(found)
+
+
 async def generate_shards(
     data_dir: str | Path,
     shards: list[str],
@@ -121,6 +134,7 @@ async def generate_shards(
     `settings.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
     """
     data_dir = open_storage(data_dir)
+    generation = resolve_regenerate(data_dir, generation)
     if preflight_policy not in ("reject", "fail"):
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
     fleet_notes = check_fleet(fleet.infos, generation.enable_thinking)

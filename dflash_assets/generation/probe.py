@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.continuation import continue_shard, rows_of
-from dflash_assets.generation.engine import ShardResult, generate_shard
+from dflash_assets.generation.engine import ShardResult, generate_shard, resolve_regenerate
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
 from dflash_assets.store.schema import PROMPT_SCHEMA
@@ -155,6 +155,7 @@ async def run_probe(
     cap = probe_cap or high_cap(fleet, sample, log)
     # it measures lengths: never sized to a window
     generation = generation.model_copy(update={"cap_policy": "fixed", "max_output_tokens": cap})
+    generation = resolve_regenerate(open_storage(data_dir), generation)  # the run's mode (its shards), not the sample's
     write_probe_shard(data_dir, sample)
     log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {seed}) at cap {cap}")
     run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, generation, dispatch, log=log)

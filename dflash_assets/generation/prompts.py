@@ -18,6 +18,7 @@ assistant turn is the one regenerated).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -99,6 +100,43 @@ def last_turn_request(messages: list[dict]) -> list[dict]:
     while end and messages[end - 1]["role"] == "assistant":
         end -= 1
     return messages[:end]
+
+
+def carries_history(messages: list[dict]) -> bool:
+    """Whether a conversation holds an assistant turn before its last user turn: an answer of the source's own that
+    `regenerate: last_turn` keeps in the history, and that a trainer with loss on every turn learns from."""
+    return any(m["role"] == "assistant" for m in last_turn_request(messages))
+
+
+@dataclass(frozen=True)
+class SourceTurns:
+    """What `regenerate: auto` resolves by: the source's prompts, and how many carry earlier assistant turns."""
+
+    prompts: int
+    with_history: int
+    complete: bool = True  # False: the scan stopped at the first prompt with history (`first_only`)
+
+
+@functools.lru_cache(maxsize=8)
+def _source_turns(path: str, size: int, mtime_ns: int, mapping: FieldMapping | None, first_only: bool) -> SourceTurns:
+    prompts = with_history = 0
+    for item in read_shard(Path(path), 0, 2**62, mapping):
+        if isinstance(item, Prompt):
+            prompts += 1
+            if carries_history(item.messages):
+                with_history += 1
+                if first_only:
+                    return SourceTurns(prompts, with_history, complete=False)
+    return SourceTurns(prompts, with_history)
+
+
+def source_turns(path: str | Path, mapping: FieldMapping | None = None, first_only: bool = False) -> SourceTurns:
+    """Scan the whole source (cached per file size and mtime): its valid prompts and those carrying history.
+    `first_only` stops at the first one that does (enough to resolve `auto`)."""
+    path = Path(path)
+    _check_file(path)
+    stat = path.stat()
+    return _source_turns(str(path.resolve()), stat.st_size, stat.st_mtime_ns, mapping, first_only)
 
 
 def shard_key(index: int) -> str:

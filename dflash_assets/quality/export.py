@@ -30,7 +30,7 @@ import hashlib
 import itertools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,19 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_assets.generation.prompts import last_turn_request
+from dflash_assets.generation.prompts import carries_history, last_turn_request
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source, runaway_sql, window_flags_sql
-from dflash_assets.quality.trainer_format import FORMS, STATUS, has_think_marker
+from dflash_assets.quality.trainer_format import (
+    FORMS,
+    STATUS,
+    VALIDATOR,
+    flags_text,
+    has_think_marker,
+    recipe_flags,
+    row_problem,
+)
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
@@ -61,6 +69,9 @@ EXCLUSION_REASONS = (
     "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from
     "no_token_ids",  # pretokenized form only: the row was generated without store_token_ids
+    "recipe_validation",  # conversations / messages forms: SpecForge's validator with its recipe's flags would stop
+    #                       at the row (trainer_format.row_problem): e.g. under last_turn with thinking, the source's
+    #                       earlier answers, which have no reasoning_content
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
 )
 ROW_GROUP = 8192
@@ -139,7 +150,7 @@ WHERE history_think_marker(messages_json)
 KEPT = """
 SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
     g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
-    c.reasoning_content, g.window_cut_in_thinking, {ids},
+    c.reasoning_content, g.window_cut_in_thinking, {ids}, g.filename, g.file_row_number, c.enable_thinking,
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
 JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
@@ -224,6 +235,19 @@ def pretokenized(row: dict[str, Any], max_length: int | None) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Written:
+    """What _write_rows wrote, and what it left out on its way (the manifest's figures)."""
+
+    lines: int = 0  # JSONL lines written
+    consumed: int = 0  # kept rows they hold
+    not_whole: int = 0  # conversations left out because a turn of theirs did not pass
+    refused: dict[str, int] = field(default_factory=dict)  # validator's words -> rows left out (recipe_validation)
+    refused_rows: list[tuple[str, int]] = field(default_factory=list)  # (filename, file_row_number) of those rows
+    thinking: set[bool] = field(default_factory=set)  # enable_thinking of the rows judged: the recipe's flags
+    source_answers: dict[str, int] = field(default_factory=lambda: {"written": 0, "left_out": 0})
+
+
 def _write_rows(
     con: duckdb.DuckDBPyConnection,
     query: str,
@@ -231,12 +255,11 @@ def _write_rows(
     parquet_tmp: Path,
     form: str,
     max_length: int | None = None,
-) -> tuple[int, int, int]:
-    """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes.
-
-    Returns (lines written, kept rows they hold, conversations left out because a turn of theirs did not pass)."""
-    written = consumed = incomplete = 0
-    pending, schema = [], export_schema(form)
+) -> Written:
+    """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes. In the
+    conversations and messages forms every line is first judged by SpecForge's validator with its recipe's flags
+    for the row's config (trainer_format.recipe_flags): a line it would stop at is left out, never written."""
+    done, pending, schema = Written(), [], export_schema(form)
     with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, schema) as parquet:
 
         def flush(rows: list[dict[str, Any]]) -> None:
@@ -245,36 +268,93 @@ def _write_rows(
         for group in _kept_groups(con, query):
             if form == "pretokenized":  # a sample per row (per turn under all_turns): its own ids, cut at the window
                 for row in group:
-                    consumed += 1
+                    done.consumed += 1
+                    if row["turn"] is None and carries_history(json.loads(row["messages_json"])):
+                        done.source_answers["written"] += 1  # in the prompt's ids: loss 0
                     sample = pretokenized(row, max_length)
                     jsonl.write(json.dumps(sample, separators=(",", ":")).encode("utf-8") + b"\n")
                     pending.append({k: row.get(k) for k in schema.names} | sample | {"status": STATUS})
-                    written += 1
+                    done.lines += 1
                     if len(pending) == ROW_GROUP:
                         flush(pending)
                         pending = []
                 continue
             for rows in [group] if group[0]["turn"] is not None else [[r] for r in group]:
-                consumed += len(rows)
+                done.consumed += len(rows)
                 conversation = _conversation(rows)
                 if conversation is None:
-                    incomplete += 1
+                    done.not_whole += 1
                     continue
                 row = rows[-1] | {"completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
-                line = (
-                    {"id": row["id"], "status": STATUS, "conversations": conversation}
-                    if form == "conversations"
-                    else {"id": row["id"], "messages": conversation}
-                )
+                history = row["turn"] is None and carries_history(json.loads(row["messages_json"]))
+                thinking = bool(row["enable_thinking"])
+                done.thinking.add(thinking)
+                judged = {"id": row["id"], "status": STATUS, "conversations": conversation}
+                if problem := row_problem(judged, **recipe_flags(thinking)):
+                    done.refused[problem] = done.refused.get(problem, 0) + len(rows)
+                    done.refused_rows += [(r["filename"], r["file_row_number"]) for r in rows]
+                    done.source_answers["left_out"] += history
+                    continue
+                done.source_answers["written"] += history
+                line = judged if form == "conversations" else {"id": row["id"], "messages": conversation}
                 jsonl.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
                 pending.append({k: row.get(k) for k in schema.names} | {"status": STATUS, form: conversation})
-                written += 1
+                done.lines += 1
                 if len(pending) == ROW_GROUP:
                     flush(pending)
                     pending = []
         if pending:
             flush(pending)
-    return written, consumed, incomplete
+    return done
+
+
+def _refuse(con: duckdb.DuckDBPyConnection, rows: list[tuple[str, int]]) -> None:
+    """The rows the validator would stop at take their reason in `graded`, so every count of the manifest has them."""
+    if rows:
+        con.execute("CREATE TEMP TABLE refused (filename VARCHAR, file_row_number BIGINT)")
+        con.executemany("INSERT INTO refused VALUES (?, ?)", rows)
+        con.execute(
+            "UPDATE graded SET reason = 'recipe_validation' FROM refused r "
+            "WHERE graded.filename = r.filename AND graded.file_row_number = r.file_row_number"
+        )
+
+
+def _recipe(done: Written, form: str) -> dict[str, Any]:
+    """The manifest's word on SpecForge's recipe: the validator and flags the text forms were judged by."""
+    if form == "pretokenized":
+        return {"validator": None, "note": "pre-tokenized samples are read as is: no validator runs on them"}
+    flags = sorted({flags_text(t) for t in done.thinking}) or [flags_text(True)]
+    return {
+        "validator": VALIDATOR,
+        "flags": flags[0] if len(flags) == 1 else flags,  # two: configs with and without thinking, one file
+        "left_out": dict(sorted(done.refused.items())),
+    }
+
+
+def _source_answers(done: Written, form: str) -> dict[str, Any]:
+    """regenerate last_turn rows whose history keeps the source's own earlier answers: text the target never wrote."""
+    written, left_out = done.source_answers["written"], done.source_answers["left_out"]
+    if form == "pretokenized":
+        note = "their history is in the prompt ids, with loss 0: the trainer learns only the regenerated answer"
+    elif written:
+        note = (
+            "SpecForge puts loss on every assistant turn (data.train_only_last_turn: false): set "
+            "data.train_only_last_turn: true, or it learns the source's answers; regenerate: auto regenerates them"
+        )
+    else:
+        note = "no such row was written" + (
+            " (the source's answers have no reasoning_content: the recipe's --expect-reasoning refuses them; "
+            "regenerate: auto regenerates every turn)"
+            if left_out
+            else ""
+        )
+    return {
+        "rows": written + left_out,
+        "written": written,
+        "left_out": left_out,
+        "train_only_last_turn": bool(written) and form != "pretokenized",
+        "note": note,
+    }
 
 
 def export_training_set(
@@ -338,13 +418,14 @@ def export_training_set(
             )
             ids = "c.prompt_token_ids, c.output_ids" if form == "pretokenized" else "NULL AS prompt_token_ids"
             query = KEPT.format(completions=completions, ids=ids)
-            rows, consumed, incomplete = _write_rows(
-                con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], form, max_length
-            )
-            manifest = _manifest(con, config_hash, max_length, consumed) | {
+            done = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], form, max_length)
+            _refuse(con, done.refused_rows)
+            manifest = _manifest(con, config_hash, max_length, done.consumed - len(done.refused_rows)) | {
                 "form": form,
-                "rows": rows,
-                "conversations_not_whole": incomplete,
+                "rows": done.lines,
+                "conversations_not_whole": done.not_whole,
+                "recipe": _recipe(done, form),
+                "source_answers": _source_answers(done, form),
             }
             manifest["drop_over_max_length"] = params["drop_long"]
             manifest["over_max_length_kept"] = (
@@ -420,6 +501,16 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
         lines.append(
             f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
             f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}"
+        )
+    recipe = manifest.get("recipe") or {}
+    if recipe.get("left_out"):
+        words = "; ".join(f"{n} {problem!r}" for problem, n in recipe["left_out"].items())
+        lines.append(f"recipe_validation: SpecForge's validator with {recipe['flags']} would stop at: {words}")
+    answers = manifest.get("source_answers") or {}
+    if answers.get("rows"):
+        lines.append(
+            f"{num(answers['rows'])} rows keep the source's own earlier answers in their history (regenerate "
+            f"last_turn), {num(answers['written'])} written: {answers['note']}"
         )
     if manifest.get("window_complete_kept"):
         lines.append(

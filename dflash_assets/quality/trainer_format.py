@@ -1,15 +1,20 @@
 """The drafter trainers' data format, as facts in our own code: what a training row must look like.
 
-SpecForge's `scripts/validate_regenerated_data.py` (with `scripts/conversation_validation.py`; read at
-sgl-project/SpecForge a6b6b02, August 2026), run with `--expect-reasoning --strict-think-markers`, accepts a
-JSONL line when:
-- `id` is a non-empty string and `status` is "success";
-- `conversations` is a non-empty list of objects, each with non-empty string `content`;
-- optional system turns come first, then user and assistant alternate from the user, and the last is the
-  assistant's (any other role is refused);
-- every assistant turn's `reasoning_content` is a string or null, and with --expect-reasoning a non-empty one;
-- with --strict-think-markers no assistant `content` or `reasoning_content` holds `<think>` or `</think>`
-  (case-insensitive).
+SpecForge's `scripts/validate_regenerated_data.py` (`validate_row`, with `validate_conversation` and
+`has_think_marker` of `scripts/conversation_validation.py`; read at sgl-project/SpecForge
+a6b6b0230009d15ec2a97a57384e6f53f0f96946, 8 August 2026), rule for rule and in its order, with its own words. Its
+recipe (`examples/data_regeneration/run_qwen_sharegpt_regeneration.sh`) runs it with `--expect-reasoning
+--strict-think-markers` for a thinking model (qwen3.6-27b) and `--expect-non-reasoning --strict-think-markers`
+without thinking (qwen3-8b): `recipe_flags`. A JSONL line is accepted when:
+- it is a JSON object; `id` is a non-empty string and `status` is "success";
+- `conversations` is a non-empty list of objects, each with a non-empty string `content`; system turns may come
+  before the first user turn; then user and assistant alternate from the user (any other role is refused);
+- every assistant turn's `reasoning_content` is a string or null; with --expect-non-reasoning an empty one, with
+  --expect-reasoning a non-empty one;
+- with --strict-think-markers no assistant `content` nor `reasoning_content` holds `<think>` or `</think>`
+  (case-insensitive);
+- there is an assistant turn, and the last message is the assistant's.
+The first line that fails aborts the whole file, so the export leaves such a row out and names why (export.py).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 from dflash_assets.settings import TRAINER_FORMATS
 
 STATUS = "success"
+# what the export names as the validator it keeps equal (its manifest says it, beside the flags)
+VALIDATOR = "SpecForge scripts/validate_regenerated_data.py (sgl-project/SpecForge a6b6b02)"
 THINK_MARKERS = ("<think>", "</think>")
 
 # the export's forms: SpecForge's conversations, the OpenAI messages form, and {id, input_ids, loss_mask}
@@ -42,8 +49,22 @@ def think_marker_sql(*columns: str) -> str:
     return " OR ".join(f"coalesce(regexp_matches({c}, '{pattern}'), false)" for c in columns)
 
 
+def recipe_flags(enable_thinking: bool) -> dict[str, bool]:
+    """The validator flags of SpecForge's own recipe for a config, as row_problem's keywords."""
+    return {
+        "expect_reasoning": enable_thinking,
+        "expect_non_reasoning": not enable_thinking,
+        "strict_think_markers": True,
+    }
+
+
+def flags_text(enable_thinking: bool) -> str:
+    """The same flags as they are typed: `--expect-reasoning --strict-think-markers`."""
+    return " ".join("--" + k.replace("_", "-") for k, on in recipe_flags(enable_thinking).items() if on)
+
+
 def conversation_problem(messages: Any) -> str | None:
-    """Why `messages` is not a trainable conversation (system*, then user/assistant alternating), or None."""
+    """Why `messages` is not a conversation the validator takes (validate_conversation), or None."""
     if not isinstance(messages, list) or not messages:
         return "conversations must be a non-empty list"
     expected, saw_user = "user", False
@@ -62,13 +83,22 @@ def conversation_problem(messages: Any) -> str | None:
         saw_user, expected = True, "assistant" if role == "user" else "user"
     if not saw_user:
         return "conversation has no user message"
-    if messages[-1].get("role") != "assistant":
-        return "conversation must end with an assistant message"
     return None
 
 
-def row_problem(row: dict, *, expect_reasoning: bool = True, strict_think_markers: bool = True) -> str | None:
-    """Why one exported JSONL row (conversations form) would be refused by the trainer's validator, or None."""
+def row_problem(
+    row: Any,
+    *,
+    expect_reasoning: bool = True,
+    expect_non_reasoning: bool = False,
+    strict_think_markers: bool = True,
+) -> str | None:
+    """Why one JSONL row (conversations form) would stop SpecForge's validator (validate_row), or None. The
+    defaults are the qwen3.6-27b recipe's flags; recipe_flags(enable_thinking) gives either recipe's."""
+    if expect_reasoning and expect_non_reasoning:
+        raise ValueError("expect_non_reasoning and expect_reasoning are mutually exclusive")
+    if not isinstance(row, dict):
+        return "expected a JSON object"
     if not isinstance(row.get("id"), str) or not row["id"].strip():
         return "id must be a non-empty string"
     if row.get("status") != STATUS:
@@ -76,16 +106,24 @@ def row_problem(row: dict, *, expect_reasoning: bool = True, strict_think_marker
     messages = row.get("conversations")
     if problem := conversation_problem(messages):
         return problem
+    assistants = 0
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m.get("role") != "assistant":
             continue
+        assistants += 1
         reasoning = m.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             return f"assistant message {i} reasoning_content must be a string or null"
+        if expect_non_reasoning and reasoning and reasoning.strip():
+            return f"assistant message {i} has non-empty reasoning_content"
         if expect_reasoning and (not isinstance(reasoning, str) or not reasoning.strip()):
             return f"assistant message {i} has empty reasoning_content"
-        if strict_think_markers and (
-            has_think_marker(m["content"]) or (isinstance(reasoning, str) and has_think_marker(reasoning))
-        ):
+        if strict_think_markers and has_think_marker(m["content"]):
             return f"assistant message {i} contains a thinking marker"
+        if strict_think_markers and isinstance(reasoning, str) and has_think_marker(reasoning):
+            return f"assistant message {i} reasoning_content contains a thinking marker"
+    if not assistants:
+        return "conversation has no assistant message"
+    if messages[-1].get("role") != "assistant":
+        return "conversation must end with an assistant message"
     return None

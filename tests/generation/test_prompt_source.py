@@ -144,10 +144,10 @@ def test_bad_generation_config_is_refused_before_any_work(kwargs, message):
 
 
 def test_config_hash_covers_what_changes_the_output():
-    base = GenerationSettings()
-    assert base.config_hash("m") == GenerationSettings().config_hash("m")
-    assert base.config_hash("m") != GenerationSettings(max_output_tokens=8192).config_hash("m")
-    assert base.config_hash("m") != GenerationSettings(enable_thinking=False).config_hash("m")
+    base = GenerationSettings(regenerate="last_turn")
+    assert base.config_hash("m") == GenerationSettings(regenerate="last_turn").config_hash("m")
+    assert base.config_hash("m") != base.model_copy(update={"max_output_tokens": 8192}).config_hash("m")
+    assert base.config_hash("m") != base.model_copy(update={"enable_thinking": False}).config_hash("m")
     assert base.config_hash("m") != base.config_hash("other-model")
 
 

@@ -53,10 +53,10 @@ def test_fresh_and_continued_rows_are_sampled_with_the_config_on_both_routes(tmp
 
 
 def test_every_sampling_parameter_is_in_the_config_hash():
-    base = GenerationSettings()
+    base = GenerationSettings(regenerate="last_turn")
     for name in SAMPLING_PARAMS:
         value = base.sampling()[name]  # a step of the setting's own type (top_k is an integer)
-        changed = GenerationSettings(**{**base.sampling(), name: value + (1 if isinstance(value, int) else 0.01)})
+        changed = base.model_copy(update={name: value + (1 if isinstance(value, int) else 0.01)})
         assert changed.config_hash("m") != base.config_hash("m"), name
 
 

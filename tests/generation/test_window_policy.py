@@ -47,7 +47,7 @@ def make_shard(data_dir, urls, n=30, long_prompts=2, turns=1) -> None:
 def window_config(**kw) -> GenerationSettings:
     return GenerationSettings(
         max_output_tokens=8192, cap_policy="window", trainer_max_length=L, overshoot=OVERSHOOT, **kw
-    )
+    ).resolved(False)
 
 
 def rows(data_dir, where="true"):
@@ -101,10 +101,10 @@ def test_a_prompt_that_fills_the_window_is_a_reject_with_its_reason(window_run):
 
 def test_the_window_and_the_overshoot_are_in_the_config_hash_and_a_fixed_caps_hash_is_unchanged():
     model = "emulated/qwen3-27b"
-    fixed = GenerationSettings(max_output_tokens=8192)
+    fixed = GenerationSettings(max_output_tokens=8192).resolved(False)
     assert fixed.config_hash(model) == GenerationSettings(
         max_output_tokens=8192, trainer_max_length=2048, overshoot=3
-    ).config_hash(model)
+    ).resolved(False).config_hash(model)
     hashes = {
         window_config().config_hash(model),
         fixed.config_hash(model),

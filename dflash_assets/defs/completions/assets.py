@@ -12,6 +12,7 @@ from dflash_assets.defs.resources import (
     FLEET_RETRY,
     DataDirResource,
     FleetResource,
+    PromptSourceResource,
     QualityResource,
     Refused,
     run_on_fleet,
@@ -19,6 +20,7 @@ from dflash_assets.defs.resources import (
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.generation.prompts import SourceError, source_turns
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
@@ -56,8 +58,25 @@ def completions(
     fleet: FleetResource,
     data_dir: DataDirResource,
     quality: QualityResource,
+    prompt_source: PromptSourceResource,
 ) -> None:
     generation, dispatch = GenerationSettings.taken_from(config), DispatchSettings.taken_from(config)
+    if generation.regenerate == "auto":  # over the whole source, so every shard of a backfill is the same config
+        try:
+            turns = source_turns(prompt_source.resolved(), prompt_source.mapping(), first_only=True)
+        except (SourceError, ValueError) as e:
+            raise dg.Failure(str(e), allow_retries=False) from None
+        generation = generation.resolved(turns.with_history > 0)
+        context.log.info(
+            f"regenerate auto: {generation.regenerate} ("
+            + (
+                f"prompt {turns.prompts} of the source carries earlier assistant turns: every assistant turn is "
+                f"regenerated, in order, so the trainer learns only the target model's answers"
+                if turns.with_history
+                else "no prompt of the source carries an earlier assistant turn"
+            )
+            + ")"
+        )
     quality_settings = QualitySettings.taken_from(quality)
     # the pre-tokenized export and the window policy are built from token ids: stored by default for them
     dispatch = dispatch.model_copy(
