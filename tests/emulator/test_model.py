@@ -76,6 +76,32 @@ def test_chat_template_is_qwen35_style():
     assert tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
 
 
+def test_the_chat_template_renders_thinking_and_history_as_qwen3_documents_it():
+    """Qwen3's template: the answer after the last user turn is `<think>\\n` + reasoning.strip('\\n') +
+    `\\n</think>\\n\\n` + content.lstrip('\\n'); an earlier answer keeps its content only (its reasoning, given
+    as reasoning_content or inside the content before `</think>`, is dropped); a request's prompt is unchanged."""
+    history = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "\nthought one\n"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "<think>\nthought two\n</think>\n\na2"},
+        {"role": "user", "content": "q3"},
+    ]
+    prompt = tok.apply_chat_template(history)
+    assert prompt == (
+        "<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\na1<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n"
+        "<|im_start|>assistant\na2<|im_end|>\n<|im_start|>user\nq3<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    answered = [*history, {"role": "assistant", "content": "\n\na3", "reasoning_content": "thought three"}]
+    rendered = tok.apply_chat_template(answered, add_generation_prompt=False)
+    assert rendered == prompt.removesuffix("<think>\n") + "<think>\nthought three\n</think>\n\na3<|im_end|>\n"
+    # a reasoning that already ends with newlines gets exactly one before </think>; none at all, an empty block
+    for reasoning, block in (("r\n\n", "<think>\nr\n</think>\n\n"), (None, "<think>\n\n</think>\n\n")):
+        last = {"role": "assistant", "content": "a", "reasoning_content": reasoning}
+        text = tok.apply_chat_template([{"role": "user", "content": "q"}, last], add_generation_prompt=False)
+        assert text == f"<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n{block}a<|im_end|>\n"
+
+
 def test_completion_is_a_function_of_the_prompt():
     a = model.generate(model.plan_completion(chat_ids("alpha"), LENGTHS), 1 << 20)
     b = model.generate(model.plan_completion(chat_ids("alpha"), LENGTHS), 1 << 20)

@@ -72,15 +72,20 @@ def test_every_window_rows_input_ids_are_the_first_l_ids_of_the_8192_row(runs, t
 
 
 def render_as_specforge(record: dict, prompt_messages: list[dict]) -> list[int]:
-    """The conversations record as SpecForge's ThinkingParser renders and tokenizes it (parse.py ~272-278): the chat
-    template over the messages, the assistant turn with its reasoning_content in a think block as the Qwen3
-    template writes it, tokenized with truncation at max_length. Here the template and tokenizer are the emulator's
-    (the model the rows came from)."""
-    *prompt, answer = record["conversations"]
-    assert prompt == last_turn_request(prompt_messages)
-    text = tok.apply_chat_template(prompt, add_generation_prompt=True, enable_thinking=True)  # ends "<think>\n"
-    text += (answer.get("reasoning_content") or "") + tok.THINK_END + answer["content"] + tok.IM_END + "\n"
-    return tok.encode(text)[:L]
+    """The conversations record as SpecForge's ThinkingParser renders and tokenizes it (parse.py, `apply_chat_template`
+    with add_generation_prompt=False over the whole conversation, tokenized with truncation at max_length). Here the
+    template and tokenizer are the emulator's, which render thinking and history as Qwen3's template does."""
+    assert record["conversations"][:-1] == last_turn_request(prompt_messages)
+    return tok.encode(tok.apply_chat_template(record["conversations"], add_generation_prompt=False))[:L]
+
+
+def as_the_template_writes(ids: list[int]) -> list[int]:
+    """The server's ids as Qwen3's template writes them back: reasoning.strip('\\n') + '\\n</think>', so one "\\n"
+    before `</think>` where the model's thought did not end with one (the emulator's never does)."""
+    if tok.THINK_END_ID not in ids:
+        return ids
+    at = ids.index(tok.THINK_END_ID)
+    return ids if tok.decode(ids[:at]).endswith("\n") else ids[:at] + tok.encode("\n") + ids[at:]
 
 
 def test_the_conversations_form_rendered_as_specforge_reads_it_gives_the_same_first_l_tokens(runs, tmp_path):
@@ -101,8 +106,10 @@ def test_the_conversations_form_rendered_as_specforge_reads_it_gives_the_same_fi
     for pid, record in records.items():
         tokens = render_as_specforge(record, messages[pid])
         assert tokens == render_as_specforge(fixed_records[pid], messages[pid]), pid
-        ids = (full[pid]["prompt_token_ids"] + full[pid]["output_ids"])[:L]
-        # the server's own ids, no re-tokenization drift (a shorter row: then the template's "\n" after <|im_end|>)
+        ids = as_the_template_writes(full[pid]["prompt_token_ids"] + full[pid]["output_ids"])[:L]
+        # the server's own ids but for the template's "\n" before </think>: the conversations form is what the
+        # trainer's template makes of it (the pre-tokenized form is the ids themselves); a shorter row: then the
+        # template's "\n" after <|im_end|>
         assert tokens[: len(ids)] == ids and len(tokens) - len(ids) in (0, 1), pid
         assert WINDOW_CUT_CONTENT not in tok.decode(tokens)  # the placeholder is never inside the window
 
