@@ -410,6 +410,10 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         first = ""
         if best.fits_context is False:
             first = f"restart the servers with --context-length {best.context_needed_max}, then "
+        if answer.plan is not None and answer.plan.by_turn:  # all_turns: a cut turn ended its conversation
+            say(f"Next: {first}generate every conversation again at the new cap (the turns after a cut one were never")
+            verbatim(console, f"  generated, so cut turns are not continued): {rerun(best.cap)}")
+            continue
         say(f"Next: {first}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
         verbatim(console, f"  dflash continue --to {best.cap}")
         verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")

@@ -71,6 +71,7 @@ PLAN_COLUMNS = {
         "enable_thinking",
         "policy_cap",
         "trainer_max_length",
+        "turn",
         *SAMPLING_PARAMS,
     )
 } | {
@@ -160,11 +161,17 @@ def _window_settings(plan: list[dict]) -> dict:
 def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
     """The parent's GenerationSettings, rebuilt from what its rows record and checked against its hash."""
     first = plan[0]
+    if first.get("turn") is not None:
+        raise SettingsError(
+            f"config {parent} regenerates every assistant turn (regenerate all_turns): its cut turns cannot be "
+            f"continued, since the turns after a cut one were never generated; generate again at the larger cap "
+            f"(dflash demo/backfill --max-output-tokens N), or continue a --regenerate last_turn config"
+        )
     recorded = {k: first[k] for k in SAMPLING_PARAMS if first.get(k) is not None}
     generation = GenerationSettings(
         **({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
         enable_thinking=first["enable_thinking"],
-        regenerate="last_turn",  # a row per prompt: an all_turns parent hashes otherwise, and is refused below
+        regenerate="last_turn",  # a row per prompt (an all_turns parent is refused above)
         **recorded,
     )
     if generation.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs

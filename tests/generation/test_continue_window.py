@@ -119,7 +119,18 @@ def test_dflash_continue_to_window_grows_the_demos_window_through_dagster(tmp_pa
         "DFLASH_SHARD_SIZE": "30",
         "DFLASH_NUM_SERVERS": "1",
     }
-    demo = dflash("demo", "--cap-policy", "window", "--trainer-max-length", "2048", env=env, cwd=tmp_path)
+    # a row per prompt: the slice's multi-turn prompts would make regenerate auto all_turns, which is not continued
+    demo = dflash(
+        "demo",
+        "--cap-policy",
+        "window",
+        "--trainer-max-length",
+        "2048",
+        "--regenerate",
+        "last_turn",
+        env=env,
+        cwd=tmp_path,
+    )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     grown = dflash("continue", "--to-window", "4096", env=env, cwd=tmp_path)
     assert grown.returncode == 0, grown.stdout + grown.stderr
