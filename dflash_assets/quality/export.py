@@ -502,6 +502,11 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
             f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
             f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}"
         )
+    if manifest.get("conversations_not_whole"):
+        lines.append(
+            f"conversations_not_whole: {num(manifest['conversations_not_whole'])} conversations (regenerate all_turns) "
+            f"whose turns did not all pass, or were not all generated (a turn cut at the cap ends its conversation)"
+        )
     recipe = manifest.get("recipe") or {}
     if recipe.get("left_out"):
         words = "; ".join(f"{n} {problem!r}" for problem, n in recipe["left_out"].items())

@@ -16,16 +16,20 @@ first L tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
+from dflash_assets.generation.plan import prompt_batches
+from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import DEFAULT_CANDIDATES, TailFit
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import percentile
 from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
+from dflash_assets.store.stores import prompt_store
 
 GRID = 256  # points of the numerical integral of the tail, per row
 
@@ -46,6 +50,59 @@ class TrainedEstimate:
 
 
 @dataclass(frozen=True)
+class TurnsCost:
+    """What regenerating every assistant turn costs against regenerating the last one, on a multi-turn config's
+    measured lengths. Decoded tokens only: a follow-up turn's prompt is mostly prefix-cached (docs/multi-turn.md)."""
+
+    mode: str  # the config's: "all_turns" or "last_turn"
+    conversations: int
+    all_turns: float  # decoded tokens under all_turns
+    last_turn: float  # under last_turn: the last answer of each conversation
+    basis: str  # "rows": both read from the rows; "model": one side estimated (the mean answer per turn)
+    tokens_per_s: float | None = None
+    servers: int | None = None
+
+    def hours(self, decoded: float) -> str:
+        if not self.tokens_per_s:
+            return ""
+        hours = decoded / self.tokens_per_s / 3600
+        return f" ({hours * self.servers:,.1f} GPU-h)" if self.servers else f" ({hours:,.1f} h)"
+
+    def line(self) -> str:
+        ratio = f"{self.all_turns / self.last_turn:.2f}x" if self.last_turn else "-"
+        model = " (model: the mean answer for the turns not generated)" if self.basis == "model" else ""
+        return (
+            f"regenerate, over {num(self.conversations)} conversations (this config: {self.mode}): all_turns "
+            f"decodes {num(round(self.all_turns))} tokens{self.hours(self.all_turns)}, last_turn "
+            f"{num(round(self.last_turn))}{self.hours(self.last_turn)}: {ratio}, the price of training only on the "
+            f"target model's own answers{model}"
+        )
+
+
+def turns_cost(rows: list[dict], user_turns: dict[str, int], **throughput) -> TurnsCost | None:
+    """The cost from a config's rows ({prompt_id, turn, turns, completion_tokens}) and the user turns of each
+    prompt; None when no prompt has more than one (nothing to compare)."""
+    if not rows or max(user_turns.values(), default=1) < 2:
+        return None
+    decoded = sum(r["completion_tokens"] or 0 for r in rows)
+    if rows[0]["turn"] is not None:  # all_turns: last_turn would decode each conversation's final answer
+        last = {r["prompt_id"]: r["completion_tokens"] or 0 for r in rows if r["turn"] == r["turns"]}
+        ids = {r["prompt_id"] for r in rows}
+        mean = sum(last.values()) / len(last) if last else decoded / len(rows)
+        return TurnsCost(
+            "all_turns",
+            len(ids),
+            decoded,
+            sum(last.values()) + mean * (len(ids) - len(last)),
+            "rows" if len(last) == len(ids) else "model",
+            **throughput,
+        )
+    mean = decoded / len(rows)  # last_turn: all_turns would also decode the earlier answers, at the mean length
+    earlier = sum(max(user_turns.get(r["prompt_id"], 1) - 1, 0) for r in rows)
+    return TurnsCost("last_turn", len(rows), decoded + mean * earlier, decoded, "model", **throughput)
+
+
+@dataclass(frozen=True)
 class WindowPlan:
     max_length: int
     overshoot: int
@@ -60,6 +117,7 @@ class WindowPlan:
     tokens_per_s: float | None = None
     notes: list[str] = field(default_factory=list)
     prompt_p50: int = 0  # the median prompt: the window sits at max_length - prompt_p50 completion tokens for it
+    turns: TurnsCost | None = None  # a multi-turn source: all_turns against last_turn
 
     @property
     def window_at(self) -> int:
@@ -210,14 +268,21 @@ def window_plan(
     runaway: RunawaySettings = RunawaySettings(),
     **kwargs,
 ) -> WindowPlan:
-    """plan_window over one config's committed rows (stopped or cut) of a data dir."""
+    """plan_window over one config's committed rows (stopped or cut) of a data dir, with what all_turns costs against
+    last_turn when its prompts are multi-turn."""
     with open_quality_db(data_dir, config_hash=config_hash, runaway=runaway, max_length=trainer.max_length) as con:
         rows = con.execute(
             "SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AS cut, runaway "
             "FROM completions WHERE finish_reason IN ('stop', 'length') AND completion_tokens IS NOT "
             "NULL AND prompt_tokens IS NOT NULL"
         ).fetchnumpy()
-    return plan_window(
+        turn_rows = con.execute(
+            "SELECT c.prompt_id, c.turn, k.turns, c.completion_tokens FROM completions c LEFT JOIN (SELECT prompt_id, "
+            "max(turn) AS turns FROM completions GROUP BY ALL) k USING (prompt_id) WHERE c.completion_tokens IS NOT "
+            "NULL"
+        ).fetchall()
+        shards = [s for (s,) in con.execute("SELECT DISTINCT shard FROM completions ORDER BY 1").fetchall()]
+    plan = plan_window(
         rows["prompt_tokens"],
         rows["completion_tokens"],
         rows["cut"],
@@ -227,6 +292,22 @@ def window_plan(
         fit=fit,
         **kwargs,
     )
+    user_turns = _user_turns(data_dir, shards)
+    # all_turns rows carry `turns` (the conversation's length); the query's max(turn) stands in where it is missing
+    rows_of = [
+        {"prompt_id": p, "turn": t, "turns": user_turns.get(p, k), "completion_tokens": n} for p, t, k, n in turn_rows
+    ]
+    cost = turns_cost(rows_of, user_turns, tokens_per_s=kwargs.get("tokens_per_s"), servers=kwargs.get("servers"))
+    return replace(plan, turns=cost)
+
+
+def _user_turns(data_dir: str | Path, shards: list[str]) -> dict[str, int]:
+    """prompt_id -> its user turns, from the prompt shards' messages."""
+    found = {}
+    for shard in shards:
+        for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
+            found.update((r["prompt_id"], len(split_turns(json.loads(r["messages_json"]))[1])) for r in batch)
+    return found
 
 
 def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
@@ -254,6 +335,8 @@ def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
     if len(plan.estimates) > 1:  # the story's bump: to twice the cap when it is a candidate
         to = next((e.cap for e in plan.estimates if e.cap == 2 * plan.cap), plan.estimates[1].cap)
         lines.append("  " + plan.raising(plan.cap, to))
+    if plan.turns is not None:
+        lines.append("  " + plan.turns.line())
     if plan.cut_inside_window == 0:
         lines.append(
             f"  every cut row lies at or past the window: window-complete, so a larger cap adds no trained "

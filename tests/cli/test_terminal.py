@@ -51,9 +51,11 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
     cap = int(recommended.group(1).replace(",", ""))
     # never past the trainer's window: at 8192 every row reaches it, so its cut rows are window-complete
     assert 4096 < cap <= 8192 and f"{recommended.group(1)} " in out  # the plan's row for it
-    # the next command repeats the run's own settings (the window it was given), so it makes the same config
-    assert f"dflash continue --to {cap}" in out
+    # the next command repeats the run's own settings (the window it was given), so it makes the same config; the
+    # demo's multi-turn prompts make regenerate auto all_turns, whose cut turns are generated again, not continued
+    assert "cut turns are not continued): dflash demo --trainer-max-length 8192 --max-output-tokens" in flat
     assert f"dflash demo --trainer-max-length 8192 --max-output-tokens {cap}" in out, out
+    assert "dflash continue --to" not in out
     assert "training set: not written while a blocking check fails" in out
     # the per-shard table has its figures: cut, P90 and P99 of every shard
     for shard in ("00000", "00001", "00002", "00003"):
@@ -142,13 +144,14 @@ def not_sglang():
 
 
 def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_exclusion(tmp_path):
-    # two shards of the demo's prompts (their long answers are the demo's), on one server
+    # two shards of the demo's prompts (their long answers are the demo's), on one server; a row per prompt
+    # (last_turn: under all_turns a training row is a conversation, whose length is not one row's)
     env = home(tmp_path, "home") | {
         "DFLASH_PROMPTS": str(demo_slice(tmp_path, 200)),
         "DFLASH_SHARD_SIZE": "100",
         "DFLASH_NUM_SERVERS": "1",
     }
-    done = dflash("demo", env=env, cwd=tmp_path)
+    done = dflash("demo", "--regenerate", "last_turn", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "Stopped" not in out and "Failed" not in out
@@ -217,8 +220,31 @@ def rows_before(env) -> int:
     ).fetchall()[0][0]
 
 
-def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many_tokens_it_reused(demo_at_4096):
+def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many_tokens_it_reused(
+    demo_at_4096, tmp_path
+):
     env, demo = demo_at_4096
+    refused = dflash("continue", "--to", "8192", env=env, cwd=env["CWD"])  # the demo's all_turns config
+    assert refused.returncode == 2 and "regenerates every assistant turn (regenerate all_turns)" in " ".join(
+        refused.stdout.split()
+    ), refused.stdout
+    # a row per prompt (last_turn): one shard of the demo's prompts, the story's cap, a trainer reading 8192
+    env = home(tmp_path, "home") | {
+        "DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)),
+        "DFLASH_SHARD_SIZE": "100",
+        "DFLASH_NUM_SERVERS": "1",
+    }
+    demo = dflash(
+        "demo",
+        "--max-output-tokens",
+        "4096",
+        "--trainer-max-length",
+        "8192",
+        "--regenerate",
+        "last_turn",
+        env=env,
+        cwd=tmp_path,
+    )
     cap = re.search(r"dflash continue --to (\d+)", demo.stdout).group(1)
     result = dflash("continue", "--to", cap, env=env, cwd=env["CWD"])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -379,3 +379,29 @@ def test_the_openai_messages_form_holds_the_same_conversations(exported):
         ValueError, match="export form must be one of conversations, messages, pretokenized, got 'sharegpt'"
     ):
         export_training_set(exported[0] / "data", exported[0] / "bad", form="sharegpt")
+
+
+def test_the_trained_tokens_plan_says_what_all_turns_costs_against_last_turn_on_the_measured_lengths(modes):
+    from dflash_assets.quality.window_plan import window_plan, window_plan_lines
+
+    measured = {}
+    for regenerate in ("auto", "last_turn"):
+        data, _ = modes[regenerate, True]
+        rows = duckdb.sql(
+            f"select config_hash, prompt_id, turn, completion_tokens from "
+            f"read_parquet('{data}/completions/**/*.parquet', union_by_name = true)"
+        ).fetchall()
+        plan = window_plan(data, rows[0][0], 8192, tokens_per_s=1000.0, servers=2)
+        measured[regenerate] = plan.turns, rows, window_plan_lines(plan)
+    cost, rows, said = measured["auto"]
+    user_turns = {r["id"]: sum(m["from"] == "human" for m in r["conversations"]) for r in SHAREGPT}
+    last = sum(n for _, pid, turn, n in rows if turn == user_turns[pid])  # each conversation's final answer
+    assert (cost.mode, cost.conversations, cost.basis) == ("all_turns", len(SHAREGPT), "rows")
+    assert (cost.all_turns, cost.last_turn) == (sum(r[3] for r in rows), last) and cost.all_turns > 1.5 * last
+    hours = cost.all_turns / 1000 / 3600 * 2
+    assert f"all_turns decodes {cost.all_turns:,} tokens ({hours:,.1f} GPU-h), last_turn {last:,}" in "\n".join(said)
+    cost, rows, said = measured["last_turn"]
+    decoded, earlier = sum(r[3] for r in rows), sum(user_turns[pid] - 1 for _, pid, _, _ in rows)
+    assert (cost.mode, cost.basis, cost.last_turn) == ("last_turn", "model", decoded)
+    assert cost.all_turns == pytest.approx(decoded + decoded / len(rows) * earlier)
+    assert any("the mean answer for the turns not generated" in line for line in said)
