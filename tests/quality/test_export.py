@@ -40,6 +40,9 @@ def graded(data_dir, config=None, max_length=None, window=4096):
             key = (r["prompt_id"], r["config_hash"])
             result[i] = "duplicate" if key in kept_keys else None
             kept_keys.add(key)
+    for i, r in rows:  # SpecForge's recipe: reasoning on every answer with thinking, none without
+        if result[i] is None and blank(r["reasoning_content"]) == r["enable_thinking"]:
+            result[i] = "recipe_validation"
     return [(r, result[i]) for i, r in rows]
 
 
@@ -211,14 +214,25 @@ def test_export_excludes_what_the_trainers_strict_think_markers_refuses_any_case
     write(tmp_path / "data", "completions", "00000", rows)
     export = export_training_set(tmp_path / "data", tmp_path / "out", max_length=None)
     lines = read_jsonl(export.jsonl_path)
-    assert [line["id"] for line in lines] == ["00000-p0003@a4096", "00000-p0004@a4096", "00000-p0006@a4096"]
-    # (the kept multi-turn row's history answer has no reasoning: it passes without --expect-reasoning only)
-    assert [(line["id"], row_problem(line, expect_reasoning=False, strict_think_markers=True)) for line in lines] == [
-        (line["id"], None) for line in lines
-    ]
+    assert [line["id"] for line in lines] == ["00000-p0003@a4096", "00000-p0004@a4096"]
+    assert [(line["id"], row_problem(line)) for line in lines] == [(line["id"], None) for line in lines]
+    # the multi-turn row without a marker keeps the source's answer, which has no reasoning: with thinking the
+    # recipe's --expect-reasoning would stop at it, so it is left out too, in the validator's words
     assert [(e["reason"], e["rows"], e["share_of_rows"]) for e in export.manifest["exclusions"]] == [
-        ("think_marker", 4, round(4 / 7, 4))
+        ("think_marker", 4, round(4 / 7, 4)),
+        ("recipe_validation", 1, round(1 / 7, 4)),
     ]
+    assert export.manifest["recipe"]["left_out"] == {"assistant message 1 has empty reasoning_content": 1}
+    assert export.manifest["source_answers"] | {"note": ""} == {
+        "rows": 1,
+        "written": 0,
+        "left_out": 1,
+        "train_only_last_turn": False,
+        "note": "",
+    }
     # the exported rows, with a marker put back in reasoning, are what the trainer would refuse
     marked = lines[0]["conversations"][:-1] + [lines[0]["conversations"][-1] | {"reasoning_content": "</THINK>"}]
-    assert row_problem(lines[0] | {"conversations": marked}) == "assistant message 2 contains a thinking marker"
+    assert (
+        row_problem(lines[0] | {"conversations": marked})
+        == "assistant message 2 reasoning_content contains a thinking marker"
+    )

@@ -157,29 +157,29 @@ def test_the_sql_marker_flag_is_the_validators_python_rule_on_tricky_text():
     ).fetchall() == [(False,)]
 
 
+def generate_source(url: str, records: list[dict], data, config: GenerationSettings, token_ids: bool = False):
+    """`records` as a JSONL source beside `data`, its one prompt shard built and generated under `config`."""
+    src = data.parent / f"{data.name}.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    kwargs = {"enable_thinking": config.enable_thinking}
+
+    async def go():
+        async with connected([url]) as fleet:
+            await build_prompt_shard(src, 0, "00000", 100, data, fleet, kwargs)
+            settings = DispatchSettings(load_sample_s=0, store_token_ids=token_ids)
+            await generate_shard(data, "00000", fleet, config, settings, log=lambda m: None)
+
+    asyncio.run(go())
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from tests.support.forks import start_emulator
 
     tmp = tmp_path_factory.mktemp("roundtrip")
-    src = tmp / "source.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in SOURCE))
     args = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "50000", "--length-median", "150"]
-
-    async def go(url):
-        async with connected([url]) as fleet:
-            await build_prompt_shard(src, 0, "00000", 100, tmp / "data", fleet, {"enable_thinking": True})
-            await generate_shard(
-                tmp / "data",
-                "00000",
-                fleet,
-                GenerationSettings(max_output_tokens=8192),
-                DispatchSettings(load_sample_s=0),
-                log=lambda m: None,
-            )
-
     with start_emulator(args) as emu:
-        asyncio.run(go(emu.url))
+        generate_source(emu.url, SOURCE, tmp / "data", GenerationSettings(max_output_tokens=8192))
     return (
         tmp,
         export_training_set(tmp / "data", tmp / "out", max_length=None),
@@ -233,28 +233,19 @@ def modes(tmp_path_factory):
     from tests.support.forks import start_emulator
 
     tmp = tmp_path_factory.mktemp("modes")
-    src = tmp / "sharegpt.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in SHAREGPT))
     args = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "50000", "--length-median", "120"]
     out = {}
-
-    async def go(url, data, regenerate, thinking):
-        async with connected([url]) as fleet:
-            await build_prompt_shard(src, 0, "00000", 100, data, fleet, {"enable_thinking": thinking})
-            config = GenerationSettings(max_output_tokens=8192, regenerate=regenerate, enable_thinking=thinking)
-            await generate_shard(
-                data, "00000", fleet, config, DispatchSettings(load_sample_s=0, store_token_ids=True), log=print
-            )
-
     with start_emulator(args) as emu:
         for regenerate, thinking in MODES:
             data = tmp / f"{regenerate}-{thinking}"
-            asyncio.run(go(emu.url, data, regenerate, thinking))
+            config = GenerationSettings(max_output_tokens=8192, regenerate=regenerate, enable_thinking=thinking)
+            generate_source(emu.url, SHAREGPT, data, config, token_ids=True)
+            forms = ("conversations", "messages", "pretokenized")
             out[regenerate, thinking] = (
                 data,
                 {
                     form: export_training_set(data, data.parent / f"{data.name}-{form}", max_length=None, form=form)
-                    for form in ("conversations", "messages", "pretokenized")
+                    for form in forms
                 },
             )
     return out
