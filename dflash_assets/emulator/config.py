@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="The stall comes after this many output tokens are out (mid-stream), not before serving.",
     )
     emu.add_argument(
+        "--fault-half-open",
+        action="store_true",
+        help="A stalled request does not see its client go (a half-open connection): it holds its slot until the "
+        "stall ends or POST /abort_request names its rid.",
+    )
+    emu.add_argument(
         "--fault-hold",
         action="store_true",
         help="Hold generation requests until the hold is cleared (POST /_emulator/faults {\"hold\": null}).",

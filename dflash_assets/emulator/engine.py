@@ -25,8 +25,9 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from . import detokenizer, model
 from . import tokenizer as tok
@@ -43,6 +44,7 @@ from .scheduler import QueueFull, Scheduler
 # with instant decode, where timing says nothing, bigger chunks keep the CPU cost low.
 STREAM_CHUNK_TOKENS = 32
 INSTANT_STREAM_CHUNK_TOKENS = 256
+T = TypeVar("T")
 HOLD_POLL_S = 0.05  # how often a held request looks whether the hold was cleared
 
 
@@ -164,11 +166,23 @@ class Engine:
         # tokenizer-side counters for /metrics: (is_streaming) -> value
         self.counters = {"prompt_tokens": {}, "generation_tokens": {}, "requests": {}}
         self.num_aborted = 0
+        self.abort_events: dict[str, asyncio.Event] = {}  # rid -> set by /abort_request, for requests running now
+        self.abort_requests: list[dict] = []  # every /abort_request: its rid, and whether a request had it
+        self.stalled_rids: list[str] = []  # the requests the stall fault held, in arrival order
+        self.detached: set[asyncio.Task] = set()  # half-open streams still running for a client that left
         self.sampled: deque = deque(maxlen=1000)  # the last requests' resolved sampling parameters
         self.e2e_sum = 0.0
         self.e2e_count = 0
 
     # ---- 1. tokenizer manager ----
+
+    def abort_request(self, rid: str, abort_all: bool = False) -> None:
+        """tokenizer_manager.abort_request (POST /abort_request): the request with this rid, or all, ends with a
+        status-less abort (FINISH_ABORT()); an empty rid without abort_all is ignored, as 0.5.23 ignores it."""
+        targets = list(self.abort_events) if abort_all else [rid] if rid and rid in self.abort_events else []
+        self.abort_requests.append({"rid": rid, "abort_all": abort_all, "running": bool(targets)})
+        for target in targets:
+            self.abort_events[target].set()
 
     def record_sampling(self, req: Request) -> None:
         """What a request is sampled with once both routes have filled in their defaults (SamplingParams'
@@ -210,23 +224,37 @@ class Engine:
 
     async def run(self, req: Request, verdict: Verdict = NO_FAULT) -> AsyncIterator[Output]:
         """Outputs of one validated request: progress chunks when streaming, then
-        the final one (finished, or an abort)."""
-        ids = req.input_ids
-        sp = req.sampling
-        max_new = sp.get("max_new_tokens")
-        max_new = max(0, min(1 << 30 if max_new is None else max_new, self.cfg.max_req_len - len(ids) - 1))
-        if len(ids) >= self.cfg.max_req_input_len:
+        the final one (finished, or an abort: /abort_request naming its rid ends it so)."""
+        if len(req.input_ids) >= self.cfg.max_req_input_len:
             if not self.cfg.allow_auto_truncate:
                 yield self._abort(
                     req,
-                    f"Input length ({len(ids)} tokens) exceeds the maximum allowed length "
+                    f"Input length ({len(req.input_ids)} tokens) exceeds the maximum allowed length "
                     f"({self.cfg.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.",
                     400,
                 )
                 return
-            ids = req.input_ids = ids[: self.cfg.max_req_input_len]
-        if verdict.stall and not verdict.stall_after:
-            await asyncio.sleep(verdict.stall)
+            req.input_ids = req.input_ids[: self.cfg.max_req_input_len]
+        aborted = self.abort_events[req.rid] = asyncio.Event()
+        outputs = self._run(req, verdict, aborted)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()  # its slot is freed now, not when it is collected
+            if self.abort_events.get(req.rid) is aborted:
+                del self.abort_events[req.rid]
+
+    async def _run(self, req: Request, verdict: Verdict, aborted: asyncio.Event) -> AsyncIterator[Output]:
+        ids = req.input_ids
+        sp = req.sampling
+        max_new = sp.get("max_new_tokens")
+        max_new = max(0, min(1 << 30 if max_new is None else max_new, self.cfg.max_req_len - len(ids) - 1))
+        if verdict.stall:
+            self.stalled_rids.append(req.rid)
+        if verdict.stall and not verdict.stall_after and await _stalled(verdict.stall, aborted):
+            yield self._abort(req, "Aborted", None)
+            return
         while verdict.hold and self.faults.held:
             await asyncio.sleep(HOLD_POLL_S)
         if verdict.fail:
@@ -263,11 +291,18 @@ class Engine:
                 done = k
                 yield Output(gen.output_ids[:k], text, None, len(ids), self._reasoning(req, gen, k))
                 if stall_at is not None and k >= stall_at:
-                    await _stall(ticket, verdict.stall)
                     stall_at = None
-            if stall_at is not None and stall_at < n:  # not streamed (or past the last event): it hangs all the same
+                    if await _stall(ticket, verdict.stall, aborted):
+                        break
+                if aborted.is_set():
+                    break
+            if stall_at is not None and stall_at < n and not aborted.is_set():  # not streamed: it hangs all the same
                 await _sleep_until(ticket.time_of_token(stall_at))
-                await _stall(ticket, verdict.stall)
+                await _stall(ticket, verdict.stall, aborted)
+            if aborted.is_set():  # /abort_request: FINISH_ABORT() without a status, the slot freed
+                finished = True
+                yield self._abort(req, "Aborted", None)
+                return
             await _sleep_until(ticket.time_of_token(n))
             if sched.prefix_cache:
                 sched.prefix_cache.insert(ids + gen.output_ids)
@@ -365,10 +400,40 @@ def sp_skip(sp: dict) -> bool:
     return True if v is None else bool(v)
 
 
-async def _stall(ticket, seconds: float) -> None:
-    """The request makes no progress for `seconds`; what is left of its decode comes after."""
-    await asyncio.sleep(seconds)
+async def _stalled(seconds: float, aborted: asyncio.Event) -> bool:
+    """No progress for `seconds`, or until /abort_request names the request: True when it was aborted."""
+    try:
+        await asyncio.wait_for(aborted.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _stall(ticket, seconds: float, aborted: asyncio.Event) -> bool:
+    """The request makes no progress for `seconds`; what is left of its decode comes after. True: aborted."""
+    if await _stalled(seconds, aborted):
+        return True
     ticket.start += seconds
+    return False
+
+
+async def unseen_disconnect(engine: Engine, serving: Awaitable[T]) -> T:
+    """The half-open fault: `serving` (a stream's handler) goes on when its client goes, as behind a connection
+    whose close never reaches the server; the request holds its slot until it ends (its stall's end, or
+    /abort_request), and its next write fails then."""
+    task = asyncio.ensure_future(serving)
+    engine.detached.add(task)
+    task.add_done_callback(_forget(engine.detached))
+    return await asyncio.shield(task)
+
+
+def _forget(tasks: set[asyncio.Task]) -> Callable[[asyncio.Task], None]:
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # a write to the gone client fails: retrieved, not logged as never retrieved
+
+    return done
 
 
 async def _sleep_until(deadline: float) -> None:

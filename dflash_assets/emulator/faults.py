@@ -20,6 +20,9 @@ Settings (all optional):
     stall_after_tokens: K  the stall comes mid-stream, once K output tokens are out (a stream that
                        started, then went silent: a stuck scheduler or a half-open connection), not
                        before serving; a client that closes the stream meanwhile aborts the request
+    half_open: bool    a stalled request does not see its client go (a half-open connection: the socket
+                       stays open and silent on the server's side), so it holds its slot until the stall
+                       ends or POST /abort_request names its rid
     slow_factor: F     decode takes F times longer (a throttled or noisy GPU)
     hold: bool         a generation request is accepted, then held until hold is cleared (a test
                        that needs work to be certainly in flight at some moment releases it then)
@@ -49,6 +52,7 @@ class FaultSettings:
     stall_seconds: float | None = None
     stall_next: int | None = None
     stall_after_tokens: int | None = None
+    half_open: bool | None = None
     slow_factor: float | None = None
     unhealthy: bool | None = None
     hold: bool | None = None
@@ -64,6 +68,7 @@ class Verdict:
     fail: str | None = None  # a 503 with this message
     stall: float = 0.0
     stall_after: int = 0  # output tokens out before the stall (0: before serving)
+    half_open: bool = False  # the stalled request does not see its client go
     hold: bool = False  # wait until the hold setting is cleared
     abort: bool = False  # finish with a status-less abort (HTTP 200, finish_reason "abort")
 
@@ -135,7 +140,7 @@ class Faults:
             if s.stall_next is not None:
                 s.stall_next -= 1
             self.injected["stall"] += 1
-            return Verdict(stall=s.stall_seconds, stall_after=s.stall_after_tokens or 0)
+            return Verdict(stall=s.stall_seconds, stall_after=s.stall_after_tokens or 0, half_open=bool(s.half_open))
         return NO_FAULT
 
     def tokenize_fails(self) -> bool:
@@ -156,6 +161,7 @@ def from_args(args) -> Faults:
             stall_seconds=args.fault_stall_seconds,
             stall_next=args.fault_stall_next,
             stall_after_tokens=args.fault_stall_after_tokens,
+            half_open=args.fault_half_open or None,
             slow_factor=args.fault_slow_factor,
             hold=args.fault_hold or None,
         )

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from . import tokenizer as tok
 from .contract import generate_contract_error
-from .engine import Engine, Output, Request, TokenizerError
+from .engine import Engine, Output, Request, TokenizerError, unseen_disconnect
 from .faults import Verdict
 from .responses import (
     SSE_DONE,
@@ -132,7 +132,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return contract_error(err)
     verdict = st.judge()
     if body.get("stream"):
-        return await _stream(request, engine, body, verdict)
+        serving = _stream(request, engine, body, verdict)
+        return await (unseen_disconnect(engine, serving) if verdict.half_open else serving)
     try:
         reqs, single = build_requests(body, st.cfg.args.preferred_sampling_params)
         for r in reqs:

@@ -18,7 +18,7 @@ import uuid
 from aiohttp import web
 
 from . import tokenizer as tok
-from .engine import Engine, Output, Request, TokenizerError
+from .engine import Engine, Output, Request, TokenizerError, unseen_disconnect
 from .faults import QUEUE_FULL
 from .native import meta_info
 from .responses import (
@@ -325,7 +325,8 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     if stream:
         if n != 1:
             return openai_error("emulator: streaming with n > 1 is not emulated", "BadRequest")
-        return await _stream(request, chat, reqs[0], verdict)
+        serving = _stream(request, chat, reqs[0], verdict)
+        return await (unseen_disconnect(engine, serving) if verdict.half_open else serving)
     outs = await asyncio.gather(*(_last(engine, r, verdict) for r in reqs))
     for out in outs:
         if out.aborted and out.finish["status_code"] is not None:  # a status-less abort is an HTTP 200

@@ -25,12 +25,13 @@ from .faults import Faults, from_args
 from .info import health, loads, metrics, model_card, model_info, models, ready, server_info
 from .native import handle_generate
 from .openai import handle_chat, handle_detokenize, handle_tokenize
-from .responses import json_response
+from .responses import json_response, read_json, validation_error
 from .state import STATE, ServerState
 
 log = logging.getLogger("dflash_assets.emulator")
 READY_LINE = "The server is fired up and ready to roll!"
 _OPEN_PREFIXES = ("/health", "/ready", "/metrics")
+_ADMIN_OPTIONAL = frozenset({"/abort_request"})
 
 
 class InjectedCrash(Exception):
@@ -39,7 +40,10 @@ class InjectedCrash(Exception):
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
-    key = request.app[STATE].cfg.args.api_key
+    args = request.app[STATE].cfg.args
+    key = args.api_key
+    if request.path in _ADMIN_OPTIONAL:  # auth.py AuthLevel.ADMIN_OPTIONAL: the admin key alone, when one is set
+        key = args.admin_api_key or key
     if key and request.method != "OPTIONS" and not request.path.startswith(_OPEN_PREFIXES):
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), key.encode()):
@@ -112,10 +116,24 @@ def create_app(cfg: EmulatorSetup, *, faults: Faults | None = None, on_crash=cra
         r.add_post(path, handle_detokenize)
     if cfg.enable_metrics:  # without --enable-metrics there is no /metrics route (404)
         r.add_get("/metrics", metrics)
+    r.add_post("/abort_request", abort_request)
     r.add_route("*", "/_emulator/faults", fault_route)
     r.add_get("/_emulator/stats", stats_route)
     r.add_get("/_emulator/routes", routes_route)
     return app
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    """http_server.abort_request: the body is an AbortReq (`rid`, `abort_all`); 200 with an empty body, whether or
+    not a request had that rid (tokenizer_manager.abort_request ignores an unknown or empty one)."""
+    body = await read_json(request, require_json_content_type=False)
+    if isinstance(body, web.Response):
+        return body
+    rid, abort_all = (body.get("rid"), body.get("abort_all", False)) if isinstance(body, dict) else (None, None)
+    if not isinstance(body, dict) or not isinstance(rid, str | None) or not isinstance(abort_all, bool):
+        return validation_error([{"type": "model_type", "loc": ["body"], "msg": "Input should be an AbortReq"}])
+    request.app[STATE].engine.abort_request(rid or "", abort_all)
+    return web.Response(status=200)
 
 
 async def routes_route(request: web.Request) -> web.Response:
@@ -126,7 +144,8 @@ async def routes_route(request: web.Request) -> web.Response:
 async def stats_route(request: web.Request) -> web.Response:
     """Emulator-only: each DP rank's running-request count at every change, as (monotonic seconds, running)
     pairs, and max_running_requests — the exact slot occupancy benchmarks integrate (not an SGLang route);
-    and the sampling parameters the last requests were resolved to, on either route."""
+    and the sampling parameters the last requests were resolved to, on either route; the rids the stall fault
+    held, every /abort_request (its rid, and whether a running request had it) and the aborts counted."""
     engine = request.app[STATE].engine
     return web.json_response(
         {
@@ -136,6 +155,9 @@ async def stats_route(request: web.Request) -> web.Response:
                 for s in engine.schedulers
             ],
             "sampled": list(engine.sampled),
+            "stalled_rids": engine.stalled_rids,
+            "abort_requests": engine.abort_requests,
+            "num_aborted": engine.num_aborted,
         }
     )
 

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.support.forks import start_emulator
+from tests.support.http import aborted, settled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,3 +111,45 @@ def test_crash_in_an_in_process_emulator_stops_serving(emulator):
     while time.monotonic() < deadline and http.emu._thread.is_alive():
         time.sleep(0.05)
     assert http.emu.crashed and not http.emu._thread.is_alive()
+
+
+def _abandoned_stream(url: str, rid: str) -> None:
+    """A streamed chat request with `rid` whose client reads its first event, then closes the connection."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=10)
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 64, "stream": True, "rid": rid}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()
+
+
+def test_a_half_open_stall_holds_its_slot_after_the_client_goes_until_abort_request_names_its_rid(emulator):
+    http = emulator(
+        *("--fault-stall-seconds", "3600", "--fault-stall-after-tokens", "2", "--fault-stall-next", "1"),
+        *("--fault-half-open", "--enable-metrics"),
+    )
+    _abandoned_stream(http.emu.url, "held-1")
+    assert gen(http)[0] == 200, "a later request is served while the abandoned one stays"
+    assert http.get("/v1/loads")[1]["loads"][0]["num_running_reqs"] == 1, "the close was not seen: the slot is held"
+    assert http.post("/abort_request", {"rid": "someone-else"}) == (200, "")
+    assert http.post("/abort_request", {"rid": "held-1"}) == (200, "")
+    assert settled(http)["num_running_reqs"] == 0
+    _, stats = http.get("/_emulator/stats")
+    assert stats["stalled_rids"] == ["held-1"]
+    assert stats["abort_requests"] == [
+        {"rid": "someone-else", "abort_all": False, "running": False},
+        {"rid": "held-1", "abort_all": False, "running": True},
+    ]
+    assert aborted(http) == 1
+    assert http.post("/abort_request", {"rid": 7})[0] == 400, "an AbortReq's rid is a string"
+
+
+def test_abort_request_takes_the_admin_key_alone_once_one_is_set(emulator):
+    http = emulator("--api-key", "user-key", "--admin-api-key", "admin-key")
+    assert http.post("/abort_request", {"rid": "r"}, headers={"Authorization": "Bearer user-key"})[0] == 401
+    assert http.post("/abort_request", {"rid": "r"}, headers={"Authorization": "Bearer admin-key"}) == (200, "")
+    assert http.get("/v1/models", headers={"Authorization": "Bearer user-key"})[0] == 200

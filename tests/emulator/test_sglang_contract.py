@@ -19,7 +19,7 @@ import pytest
 from dflash_assets.emulator import contract
 from dflash_assets.emulator import tokenizer as tok
 from dflash_assets.emulator.sglang_flags import FLAGS
-from tests.support.sglang_wheel import sglang_dir, sglang_verdict
+from tests.support.sglang_wheel import class_fields, function, sglang_dir, sglang_verdict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,6 +145,23 @@ def test_stream_aborts_and_errors_decode_as_sglangs_types(api, emulator):
     _, events = http.sse("/generate", {"input_ids": list(range(300, 340)), "stream": True})
     err = api.GenerateStreamError.from_json_value(events[0])
     assert err.error.code == 400 and err.error.message.startswith("The input (40 tokens) is longer")
+
+
+# ---- POST /abort_request: what a stalled stream's client sends ----
+
+
+def test_abort_request_is_an_admin_optional_route_whose_body_is_an_abort_req_and_requests_take_a_rid(emulator):
+    route = function("entrypoints/http_server.py", "abort_request")
+    decorators = [ast.unparse(d) for d in route.decorator_list]
+    assert decorators == ["app.post('/abort_request')", "auth_level(AuthLevel.ADMIN_OPTIONAL)"]
+    assert "rid=obj.rid" in ast.unparse(route) and "status_code=200" in ast.unparse(route)
+    sent = {"rid"}  # fleet/client.py ServerClient.abort
+    assert sent <= class_fields("managers/io_struct.py", "AbortReq") >= {"rid", "abort_all"}
+    assert "rid" in class_fields("entrypoints/openai/protocol.py", "ChatCompletionRequest")
+    assert "rid" in class_fields("managers/io_struct.py", "GenerateReqInput")
+    http = emulator()
+    assert http.post("/abort_request", {"rid": "not-running"}) == (200, "")
+    assert http.post("/abort_request", {"rid": "", "abort_all": True}) == (200, "")
 
 
 # ---- the `sglang serve` flag table ----
