@@ -124,9 +124,7 @@ def _settings(
 
 def _generate(args: argparse.Namespace) -> int:
     """One shard's completions without Dagster: the same engine the `completions` asset adapts."""
-    import asyncio
-
-    from dflash_assets.fleet.fleet import connected
+    from dflash_assets.fleet.fleet import connected, run
     from dflash_assets.generation.engine import generate_shard
 
     if (groups := _settings("generate", args, GenerationSettings, DispatchSettings)) is None:
@@ -157,20 +155,19 @@ def _generate(args: argparse.Namespace) -> int:
         transient=True,
         disable=not sys.stdout.isatty(),
     ) as progress:
-        run = asyncio.run(go(progress))
+        shard = run(go(progress))
     print(
-        f"shard {run.shard} config {run.config_hash}: {run.prompts} prompts = {run.completed} completed + "
-        f"{run.rejected} rejected + {run.failed} failed ({run.elapsed_s:.1f}s)"
+        f"shard {shard.shard} config {shard.config_hash}: {shard.prompts} prompts = {shard.completed} completed + "
+        f"{shard.rejected} rejected + {shard.failed} failed ({shard.elapsed_s:.1f}s)"
     )
-    return 0 if run.failed == 0 else 1
+    return 0 if shard.failed == 0 else 1
 
 
 def _probe(args: argparse.Namespace) -> int:
     """The length probe without Dagster: the same code path (generation/probe.py) the `length_probe` asset adapts."""
-    import asyncio
     from functools import partial
 
-    from dflash_assets.fleet.fleet import connected
+    from dflash_assets.fleet.fleet import connected, run
     from dflash_assets.generation.preflight import PreflightError
     from dflash_assets.generation.probe import prompt_shard_keys, run_length_probe
     from dflash_assets.quality.probe_summary import cut_rows_for_probe, probe_summary
@@ -205,7 +202,7 @@ def _probe(args: argparse.Namespace) -> int:
             )
 
     try:
-        result = asyncio.run(go())
+        result = run(go())
     except (SettingsError, PreflightError, FileNotFoundError) as e:
         print(f"dflash probe: {e}", file=sys.stderr)
         return 2

@@ -6,16 +6,19 @@ Errors are classified once, here, so every caller's retry loop does the right th
   retry loop swallows it and the run stops, saying so);
 - anything else, a timeout, a dropped connection, or an HTTP 200 whose finish_reason is "abort" (0.5.23 sends
   status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError, retryable);
-- a streamed request that went silent (fleet/stream.py Watch): the server's too, marked `stalled`.
+- a streamed request that went silent (fleet/stream.py Watch): the server's too, marked `stalled`, after a
+  `POST /abort_request` with its rid.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from dflash_assets.fleet.stream import ChatAnswer, GenerateAnswer, Silence, StreamError, Watch, chat_stream_body
 from dflash_assets.settings import FleetSettings
@@ -28,7 +31,19 @@ INPUT_LEN_RESERVE = 5  # tp_worker.py: max_req_input_len = max_req_len - 5
 # after asyncio.sleep(1), answers 200 once the scheduler answers, and 503 itself after SGLANG_HEALTH_CHECK_TIMEOUT
 # (20 s). A probe must outwait that, or a busy healthy server looks dead.
 HEALTH_PROBE_TIMEOUT_S = 25.0
+ABORT_TIMEOUT_S = 5.0  # a stalled request's /abort_request: best effort, the retry waits for it no longer
+DRAIN_S = 1.0  # how long the end of a streamed body may take after its `data: [DONE]`
 TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is retried, never made a reject
+
+
+# JSON en/decoded on raw bytes (msgspec: several times json's speed on the bodies of every request and answer)
+_encode, _decode = msgspec.json.encode, msgspec.json.decode
+
+
+async def _json_body(resp: aiohttp.ClientResponse) -> Any:
+    """An application/json body as aiohttp's resp.json() reads it (None when empty), decoded from its bytes."""
+    raw = await resp.read()
+    return _decode(raw) if raw.strip() else None
 
 
 class ServerError(Exception):
@@ -126,6 +141,20 @@ def error_message(body: Any) -> str:
     return str(body)[:500]
 
 
+async def _drained(resp: aiohttp.ClientResponse) -> bool:
+    """Read what follows `data: [DONE]` (the chunked body's last chunk, which may come in a read of its own), so
+    the connection goes back to the pool: released before its end, aiohttp closes it, and the next request pays a
+    new connection. False (the connection is then closed) when the server keeps the body open past DRAIN_S."""
+    if resp.content.at_eof():
+        return True
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            await resp.content.read()
+    except TimeoutError:
+        return False
+    return resp.content.at_eof()
+
+
 class ServerClient:
     """One server, spoken to through a shared aiohttp session (one connection pool for the fleet)."""
 
@@ -139,6 +168,7 @@ class ServerClient:
         self.session = session
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._json_headers = {**self._headers, "Content-Type": "application/json"}
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
 
     def __repr__(self) -> str:  # never shows the key
@@ -147,11 +177,10 @@ class ServerClient:
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None = None) -> Any:
         t = aiohttp.ClientTimeout(total=timeout) if timeout else self._timeout
         try:
-            async with self.session.request(
-                method, self.url + path, json=json, headers=self._headers, timeout=t
-            ) as resp:
+            data, headers = (None, self._headers) if json is None else (_encode(json), self._json_headers)
+            async with self.session.request(method, self.url + path, data=data, headers=headers, timeout=t) as resp:
                 if resp.content_type == "application/json":
-                    body = await resp.json()
+                    body = await _json_body(resp)
                 else:
                     body = await resp.text()
                 if resp.status == 200:
@@ -171,29 +200,35 @@ class ServerClient:
 
     async def _stream(self, path: str, body: dict, answer: ChatAnswer | GenerateAnswer, watch: Watch) -> dict:
         """POST a streamed request and assemble its answer; closes the stream early on a stall or a loop (the
-        connection is dropped, which makes SGLang abort the request)."""
+        connection is dropped, which makes SGLang abort the request). A stall is aborted by its `rid` too (a fresh
+        one per attempt): a half-open connection hides the close from the server, which would decode on for nobody."""
         silence = Silence(watch)
+        rid = uuid.uuid4().hex
+        body = {**body, "rid": rid}
         try:
             async with (
                 silence,
-                self.session.post(self.url + path, json=body, headers=self._headers, timeout=self._timeout) as resp,
+                self.session.post(
+                    self.url + path, data=_encode(body), headers=self._json_headers, timeout=self._timeout
+                ) as resp,
             ):
                 if resp.status != 200:
                     self._refused(
                         resp.status,
                         "POST",
                         path,
-                        await resp.json() if resp.content_type == "application/json" else await resp.text(),
+                        await _json_body(resp) if resp.content_type == "application/json" else await resp.text(),
                     )
-                stopped = done = False
+                stopped = drained = False
                 try:
                     async for event in silence.events(resp):
                         if answer.add(event):
                             stopped = True  # a loop: stop decoding it
                             break
-                    done = True
+                    else:
+                        drained = await _drained(resp)
                 finally:
-                    if not done or stopped:
+                    if not drained:
                         resp.close()  # not back to the pool: the server must see the client go
                 return answer.response(stopped)
         except (ServerError, ServerAccessError):
@@ -203,12 +238,22 @@ class ServerClient:
             raise ServerError(self.url, e.message, status=code, retryable=code not in PROMPT_FAULT) from None
         except TimeoutError:
             if silence.expired:
+                await self.abort(rid)
                 raise ServerError(
                     self.url, f"POST {path}: {silence.why()}, the stream was closed", retryable=True, stalled=True
                 ) from None
             raise ServerError(self.url, f"POST {path} timed out", retryable=True) from None
         except (aiohttp.ClientError, OSError, ValueError) as e:
             raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}", retryable=True) from None
+
+    async def abort(self, rid: str) -> bool:
+        """POST /abort_request for one request: best effort, so False when it did not get through (0.5.23 refuses
+        the normal API key there once --admin-api-key is set: http_server.abort_request is ADMIN_OPTIONAL)."""
+        try:
+            await self._request("POST", "/abort_request", json={"rid": rid}, timeout=ABORT_TIMEOUT_S)
+        except (ServerError, ServerAccessError):
+            return False
+        return True
 
     async def healthy(self, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
         try:

@@ -20,6 +20,17 @@ from dflash_assets.settings import FleetSettings
 
 T = TypeVar("T")
 
+try:  # one event-loop wake-up costs ~14 µs on uvloop against ~36 µs on asyncio's own loop (docs/streaming.md)
+    from uvloop import new_event_loop
+except ImportError:  # Windows: asyncio's loop
+    new_event_loop = asyncio.new_event_loop
+
+
+def run(main: Awaitable[T]) -> T:
+    """`asyncio.run(main)` on uvloop: how every run talks to its fleet outside an event loop."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
+
 
 @dataclass
 class Fleet:
@@ -81,7 +92,7 @@ def on_fleet(urls: list[str], work: Callable[[Fleet], Awaitable[T]], api_key: st
         async with connected(urls, api_key, **kw) as fleet:
             return await work(fleet)
 
-    return asyncio.run(go())
+    return run(go())
 
 
 def read_info(url: str, api_key: str | None = None) -> ServerInfo:

@@ -15,7 +15,7 @@ from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.request import chat_body
 from dflash_assets.settings import DispatchSettings, GenerationSettings
-from tests.support.http import aborted, settled
+from tests.support.http import Http, aborted, settled
 from tests.support.shards import generate, make_shard, rows
 
 pytestmark = pytest.mark.timeout(180)
@@ -107,3 +107,25 @@ def test_a_request_with_no_first_token_for_first_token_timeout_is_retried_elsewh
     )
     retried = [r for r in done if r[2] > 1]
     assert len(retried) == 2 and {r[1] for r in retried} == {urls[1]}
+
+
+def test_a_stall_on_a_half_open_connection_is_aborted_by_its_rid_and_its_row_written_once(tmp_path, emulator):
+    # the half-open fault: the stalled server never sees the client close, so only POST /abort_request frees the slot
+    stalling, urls, run, done = run_beside_a_healthy_server(
+        tmp_path,
+        emulator,
+        *("--fault-stall-seconds", HOUR, "--fault-stall-after-tokens", "8", "--fault-stall-next", "2"),
+        "--fault-half-open",
+    )
+    _, stats = stalling.get("/_emulator/stats")
+    assert len(stats["stalled_rids"]) == 2
+    assert stats["abort_requests"] == [
+        {"rid": rid, "abort_all": False, "running": True} for rid in stats["stalled_rids"]
+    ]
+    assert settled(stalling)["num_running_reqs"] == 0, "the abort freed the slots the close did not"
+    assert aborted(stalling) == 2
+    retried = [r for r in done if r[2] > 1]
+    assert len(retried) == 2 and {r[1] for r in retried} == {urls[1]}, "each stalled row retried on the other server"
+    assert run.servers[urls[0]]["stalls"] == 2
+    _, healthy = Http(urls[1]).get("/_emulator/stats")
+    assert not {r["rid"] for r in healthy["sampled"]} & set(stats["stalled_rids"]), "a fresh rid for each attempt"
