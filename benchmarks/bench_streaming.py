@@ -8,8 +8,12 @@
   runaway rows stopped, and what the runaways cost against today (goal <= 10%).
 - stall: a stream that goes silent after its first tokens: seconds from the stall to the retry, against today's
   wait (request_timeout_s); a run with such stalls: rows lost and rows committed twice (goal 0).
-- cpu: the client's CPU per million streamed tokens, blocking and streamed, at --stream-interval 1, 2, 4, 8, and
+- cpu: the client's CPU per million streamed tokens, blocking and streamed, at --stream-interval 1, 4, 16, 32, and
   the cores the story's fleet (7 servers x 3,500 tok/s = 24,500 tok/s) needs (goal <= 0.5).
+- backfill: `dflash backfill` of 20,000 and 100,000 prompts streamed and `--no-stream`, side by side (alternating,
+  twice each), on two emulated servers with instant decode and short answers at the emulator's default event size:
+  the CPU seconds of the dflash process (the figure to compare on a shared machine), completions/s and peak RSS
+  (goal: streamed within 10% of --no-stream). Not in the default sections (about 25 minutes on 2 cores).
 - false_positives: honest long rows (no loops, cap 32768): the share the runaway rule stops early (expected 0).
 Each section prints its figures beside its goal.
 """
@@ -19,8 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -241,6 +249,68 @@ def cpu(n: int, intervals: list[int]) -> dict[float, int]:
     return fits
 
 
+# short answers, instant decode: the client's cost per request is what is measured, not the decode
+SHORT = ["--reasoning-parser", "qwen3", "--length-median", "200", "--length-sigma", "0.8", "--length-max", "2000"]
+
+
+def backfill_once(tmp: Path, src: Path, urls: list[str], streamed: bool, shard_size: int) -> dict:
+    """One `dflash backfill` of `src` in attach mode on a fresh data dir and instance: its own CPU, wall, peak RSS."""
+    run = tmp / f"backfill-{time.monotonic_ns()}"
+    (run / "home").mkdir(parents=True)
+    env = os.environ | {
+        "DAGSTER_HOME": str(run / "home"),
+        "DFLASH_DATA_DIR": str(run / "data"),
+        "DFLASH_FLEET_MODE": "attach",
+        "DFLASH_FLEET_URLS": ",".join(urls),
+    }
+    argv = [sys.executable, "-m", "dflash_assets.cli", "backfill", "--prompts", str(src), "--shard-size"]
+    argv += [str(shard_size)] + ([] if streamed else ["--no-stream"])
+    t0 = time.monotonic()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"dflash backfill failed: {proc.stderr.read()[-2000:]}")
+    rows = duckdb.sql(f"SELECT count(*) FROM read_parquet('{run}/data/completions/**/*.parquet')").fetchall()[0][0]
+    shutil.rmtree(run)
+    return {"cpu": usage.ru_utime + usage.ru_stime, "wall": wall, "rss_mb": usage.ru_maxrss / 1024, "rows": rows}
+
+
+def backfill(tmp: Path, sizes: list[int], shard_size: int, repeats: int) -> None:
+    print(
+        f"dflash backfill, streamed beside --no-stream (2 emulated servers, instant decode, answers median 200 "
+        f"tokens, the default event size; shards of {shard_size:,}; alternating, {repeats} each)",
+        flush=True,
+    )
+    with start_emulator(SHORT) as one, start_emulator(SHORT) as two:
+        for n in sizes:
+            src = tmp / f"backfill{n}.jsonl"
+            src.write_text(
+                "".join(
+                    json.dumps({"id": f"p{i:07d}", "prompt": f"Prompt {i}: item {i % 97}."}) + "\n" for i in range(n)
+                )
+            )
+            runs: dict[bool, list[dict]] = {False: [], True: []}
+            for _ in range(repeats):
+                for streamed in (False, True):
+                    r = backfill_once(tmp, src, [one.url, two.url], streamed, shard_size)
+                    assert r["rows"] == n, r
+                    runs[streamed].append(r)
+            for streamed in (False, True):
+                name = "streamed" if streamed else "--no-stream"
+                each = runs[streamed]
+                say(
+                    f"{n:,} prompts, {name}",
+                    ", ".join(f"{r['cpu']:.1f}" for r in each)
+                    + " CPU-s ("
+                    + ", ".join(f"{n / r['wall']:.0f}" for r in each)
+                    + f" completions/s; peak RSS {max(r['rss_mb'] for r in each):.0f} MB)",
+                )
+            block = statistics.mean(r["cpu"] for r in runs[False])
+            stream = statistics.mean(r["cpu"] for r in runs[True])
+            say(f"{n:,} prompts, streamed / --no-stream CPU", f"{stream / block:.2f}x", "<= 1.10x")
+
+
 def false_positives(tmp: Path, n: int) -> None:
     print("false positives: honest long rows (no loops, cap 32768, median 6000)", flush=True)
     flags = BASE + [
@@ -274,7 +344,10 @@ def main() -> None:
     parser.add_argument("--stall-timeout-s", type=float, default=10.0)
     parser.add_argument("--request-timeout-s", type=float, default=20.0, help="today's wait, measured short")
     parser.add_argument("--cpu-requests", type=int, default=60)
-    parser.add_argument("--intervals", default="1,2,4,8")
+    parser.add_argument("--intervals", default="1,4,16,32")
+    parser.add_argument("--backfill-prompts", default="20000,100000")
+    parser.add_argument("--backfill-shard-size", type=int, default=2500)
+    parser.add_argument("--backfill-repeats", type=int, default=2)
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -286,6 +359,9 @@ def main() -> None:
                 stall(tmp, 60, a.stall_timeout_s, a.request_timeout_s)
             elif section == "cpu":
                 cpu(a.cpu_requests, [int(i) for i in a.intervals.split(",")])
+            elif section == "backfill":
+                sizes = [int(n) for n in a.backfill_prompts.split(",")]
+                backfill(tmp, sizes, a.backfill_shard_size, a.backfill_repeats)
             elif section == "false_positives":
                 false_positives(tmp, 100)
             else:
