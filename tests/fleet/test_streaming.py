@@ -8,12 +8,15 @@ order), with --non-ascii so that a streamed event can end inside a character, an
 import json
 import shutil
 
+import aiohttp
 import duckdb
 import pytest
 
-from dflash_assets.fleet.fleet import on_fleet
+from dflash_assets.fleet.client import ServerClient
+from dflash_assets.fleet.fleet import on_fleet, run
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.send import watch_of
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from tests.support.forks import start_emulator
@@ -155,3 +158,27 @@ def test_stream_off_sends_blocking_requests_and_stream_on_streamed_ones(tmp_path
         if line.startswith("sglang:num_requests_total{")
     }
     assert counts == {"false": N, "true": N}
+
+
+def test_a_finished_stream_gives_its_connection_back_to_the_pool(emulator):
+    """A stream is read to its body's end after data: [DONE] (its last chunk may come in a read of its own), so 40
+    streams one after the other share one connection: released before the end, aiohttp closes it instead."""
+    emu = emulator(*FLAGS)
+    body = GenerationSettings(max_output_tokens=64).chat_body("m", [{"role": "user", "content": "x"}], token_ids=True)
+
+    async def connections() -> int:
+        made = 0
+
+        async def counted(*_) -> None:
+            nonlocal made
+            made += 1
+
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(counted)
+        async with aiohttp.ClientSession(trace_configs=[trace]) as session:
+            client = ServerClient(session, emu.emu.url)
+            for _ in range(40):
+                assert (await client.chat(body, watch_of(DispatchSettings())))["choices"][0]["finish_reason"]
+        return made
+
+    assert run(connections()) == 1
