@@ -13,7 +13,7 @@ Errors are classified once, here, so every caller's retry loop does the right th
 from __future__ import annotations
 
 import asyncio
-import uuid
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,7 +203,7 @@ class ServerClient:
         connection is dropped, which makes SGLang abort the request). A stall is aborted by its `rid` too (a fresh
         one per attempt): a half-open connection hides the close from the server, which would decode on for nobody."""
         silence = Silence(watch)
-        rid = uuid.uuid4().hex
+        rid = os.urandom(16).hex()  # what uuid4().hex holds, without building a UUID per request
         body = {**body, "rid": rid}
         try:
             async with (
