@@ -40,6 +40,7 @@ from dflash_assets.fleet.client import ServerClient, ServerError
 from dflash_assets.fleet.fleet import connected, open_session
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import watch_of
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.tables import register_runaway, runaway_sql
@@ -144,7 +145,7 @@ def stall(tmp: Path, n: int, stall_timeout_s: float, request_timeout_s: float) -
     after, rate = 32, 2000.0
     flags = BASE + ["--length-median", "300", "--length-sigma", "0.4", "--decode-tokens-per-s", str(rate)]
     fault = ["--fault-stall-seconds", "3600", "--fault-stall-after-tokens", str(after)]
-    body = GenerationSettings(max_output_tokens=1024).chat_body("m", [{"role": "user", "content": "a stalled one"}])
+    body = chat_body(GenerationSettings(max_output_tokens=1024), "m", [{"role": "user", "content": "a stalled one"}])
 
     async def abandoned(url: str, watch: Watch | None, timeout: float) -> float:
         async with open_session() as session:
@@ -201,7 +202,7 @@ def cpu(n: int, intervals: list[int]) -> dict[float, int]:
             async def one(i: int) -> None:
                 nonlocal tokens
                 async with gate:
-                    resp = await client.chat(body.chat_body("m", [{"role": "user", "content": f"cpu {i}"}]), watch)
+                    resp = await client.chat(chat_body(body, "m", [{"role": "user", "content": f"cpu {i}"}]), watch)
                     tokens += resp["usage"]["completion_tokens"]
 
             c0 = cpu_s()

@@ -16,6 +16,7 @@ from dflash_assets.fleet.client import ServerClient
 from dflash_assets.fleet.fleet import on_fleet, run
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
+from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import watch_of
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings
@@ -164,7 +165,7 @@ def test_a_finished_stream_gives_its_connection_back_to_the_pool(emulator):
     """A stream is read to its body's end after data: [DONE] (its last chunk may come in a read of its own), so 40
     streams one after the other share one connection: released before the end, aiohttp closes it instead."""
     emu = emulator(*FLAGS)
-    body = GenerationSettings(max_output_tokens=64).chat_body("m", [{"role": "user", "content": "x"}], token_ids=True)
+    body = chat_body(GenerationSettings(max_output_tokens=64), "m", [{"role": "user", "content": "x"}], token_ids=True)
 
     async def connections() -> int:
         made = 0
