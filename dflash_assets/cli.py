@@ -358,7 +358,7 @@ def settings_flags(
         if name in skip:
             continue
         flag, default = "--" + name.replace("_", "-"), (defaults or {}).get(name, field.default)
-        kind = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
+        kind: typing.Any = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
         kind = str if typing.get_origin(field.annotation) is typing.Literal else kind  # its values: the settings
         kind = _json_object if kind is dict else kind
         shown = "" if default in (None, "") else f" (default {default})"

@@ -7,7 +7,8 @@ import dagster as dg
 
 from dflash_assets.settings import Deployment
 
-shard_partitions = dg.DynamicPartitionsDefinition(name="shards")
+SHARDS = "shards"  # the dynamic partitions' name (the instance keys them by it)
+shard_partitions = dg.DynamicPartitionsDefinition(name=SHARDS)
 
 # A backfill runs up to this many shards per run, and completions streams their prompts through one
 # dispatcher, so the servers' slots do not drain at every shard boundary (the `sglang_fleet` pool in

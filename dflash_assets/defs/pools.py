@@ -27,7 +27,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -96,7 +96,9 @@ def judge(instance: dg.DagsterInstance, run_id: str) -> Holder:
     if pid is None:
         return Holder(run_id, ended=False, dead=False, pid=None, host=None)
     started = run.tags.get(START_TAG)
-    dead = host == socket.gethostname() and not is_ours(int(pid), float(started) if started != "None" else None)
+    dead = host == socket.gethostname() and not is_ours(
+        int(pid), float(started) if started not in (None, "None") else None
+    )
     return Holder(run_id, ended=False, dead=dead, pid=int(pid), host=host)
 
 
@@ -193,7 +195,7 @@ def _claim(context: dg.AssetExecutionContext, pool: str, holder_key: str) -> Non
 
 
 @contextmanager
-def holding(context: dg.AssetExecutionContext, shards: list[str] = (), fleet: bool = True) -> Iterator[None]:
+def holding(context: dg.AssetExecutionContext, shards: Sequence[str] = (), fleet: bool = True) -> Iterator[None]:
     """Hold a slot of each shard's pool and of the fleet's for this step; wait (idle) while others hold them."""
     instance, run_id = context.instance, context.run.run_id
     if context.run.tags.get(PID_TAG) != str(os.getpid()):

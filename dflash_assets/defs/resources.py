@@ -75,7 +75,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
 
     # set from the environment, and an EnvVar is a placeholder str or int until run launch: FleetSettings checks
     # the values the run resolves when the resource starts (validate_settings)
-    mode: str = _as_given("mode")
+    mode: str = _as_given("mode")  # type: ignore[assignment]  # the FleetMode the start checks
     num_servers: int = _as_given("num_servers")
     api_key: str | None = Field(None, description="Set from the DFLASH_API_KEY environment variable only.")
     launch: LaunchConfig = LaunchConfig()
@@ -93,6 +93,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
     @contextmanager
     def yield_for_execution(self, context: dg.InitResourceContext):
         self.validate_settings()
+        info = context.log.info if context.log else print
         with ExitStack() as stack:
             if self.mode == "emulated":
                 from dflash_assets.emulator.process import start_emulator
@@ -105,12 +106,12 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 except (RuntimeError, TimeoutError) as e:  # its message ends with the server's own last lines
                     raise RuntimeError(f"the emulated fleet did not start ({self.emulator_args}): {e}") from None
                 self._urls = [s.url for s in servers]
-                context.log.info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
+                info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
             elif self.mode == "launch":
                 from dflash_assets.fleet.launcher import build_spec, default_fleet_dir, up
 
                 spec = build_spec(LaunchSettings.taken_from(self.launch))
-                self._urls = [r.url for r in up(spec, default_fleet_dir(), on_event=context.log.info)]
+                self._urls = [r.url for r in up(spec, default_fleet_dir(), on_event=info)]
             else:
                 self._urls = self.url_list()
             yield self
@@ -172,7 +173,8 @@ def from_env() -> dict:
 
     d = Deployment
     return {
-        "fleet": FleetResource(
+        # the pydantic plugin misses the inherited fields of a ConfigurableResource that redeclares some
+        "fleet": FleetResource(  # type: ignore[call-arg]
             mode=env(d.FLEET_MODE),
             urls=env(d.FLEET_URLS),
             num_servers=env(d.NUM_SERVERS, int),

@@ -80,7 +80,7 @@ def main(path: Path = DEFAULT_PATH, n: int = 393) -> None:
         text = rng.choice(templates).format(n=rng.randint(3, 40), t=rng.choice(TOPICS))
         if rng.random() < 0.2:  # some long prompts: pasted context
             text += "\n\nContext:\n" + " ".join(rng.choice(TOPICS) for _ in range(rng.randint(50, 400)))
-        record = {"id": f"demo-{i:04d}", "source": source}
+        record: dict[str, object] = {"id": f"demo-{i:04d}", "source": source}
         if rng.random() < 0.5:
             record["prompt"] = text
         else:

@@ -38,7 +38,7 @@ from dflash_assets.defs.metadata import (
     StepStopKeys,
     TrainingSetKeys,
 )
-from dflash_assets.defs.partitions import SHARDS_PER_RUN, shard_partitions
+from dflash_assets.defs.partitions import SHARDS, SHARDS_PER_RUN
 from dflash_assets.defs.prompts.sensors import missing_shards
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.training.jobs import training_job
@@ -153,7 +153,7 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
         if event.is_step_failure:
             failed_steps = True
             error, user = event.step_failure_data.error, event.step_failure_data.user_failure_data
-            if error.cls_name == "DagsterAssetCheckFailedError":
+            if error is None or error.cls_name == "DagsterAssetCheckFailedError":
                 continue  # the evaluations say which checks and where
             error = _own_error(error)
             message = (user.description if user and user.description else _line(error)).strip()
@@ -227,10 +227,17 @@ COLUMNS = (
 )
 
 
+def _listed(value: dg.MetadataValue) -> list:
+    """A JSON list metadata value (CheckKeys.FAILING_SHARDS), as a list."""
+    listed = value.value
+    return listed if isinstance(listed, list) else []
+
+
 def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
     """partition -> metadata of the asset's materialisations in a run."""
     return {
-        m.partition: {k: v.value for k, v in m.metadata.items()} for m in result.asset_materializations_for_node(asset)
+        str(m.partition): {k: v.value for k, v in m.metadata.items()}
+        for m in result.asset_materializations_for_node(asset)
     }
 
 
@@ -240,8 +247,8 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
     source = PromptSourceResource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
     new = missing_shards(instance, source)
     if new:
-        instance.add_dynamic_partitions(shard_partitions.name, new)
-    return instance.get_dynamic_partitions(shard_partitions.name)
+        instance.add_dynamic_partitions(SHARDS, new)
+    return list(instance.get_dynamic_partitions(SHARDS))
 
 
 def run_shards(
@@ -282,7 +289,7 @@ def run_shards(
                 recounted += [shard for shard in chunk if shard not in comp and shard in stopped]
             for shard in chunk:
                 s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
-                failing = [e for e in checks if not e.passed and shard in e.metadata[CheckKeys.FAILING_SHARDS].value]
+                failing = [e for e in checks if not e.passed and shard in _listed(e.metadata[CheckKeys.FAILING_SHARDS])]
                 for e in failing:
                     failed_checks.setdefault(f"{e.check_name} ({e.severity.value})", []).append(shard)
                     if e.blocking and e.severity == dg.AssetCheckSeverity.ERROR:
@@ -407,14 +414,14 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         best = answer.recommended
         if best is None:
             continue
-        first = ""
+        before = ""
         if best.fits_context is False:
-            first = f"restart the servers with --context-length {best.context_needed_max}, then "
+            before = f"restart the servers with --context-length {best.context_needed_max}, then "
         if answer.plan is not None and answer.plan.by_turn:  # all_turns: a cut turn ended its conversation
-            say(f"Next: {first}generate every conversation again at the new cap (the turns after a cut one were never")
+            say(f"Next: {before}generate every conversation again at the new cap (the turns after a cut one were never")
             verbatim(console, f"  generated, so cut turns are not continued): {rerun(best.cap)}")
             continue
-        say(f"Next: {first}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
+        say(f"Next: {before}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
         verbatim(console, f"  dflash continue --to {best.cap}")
         verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
     return stops.exit_status()
@@ -460,7 +467,7 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
         (o,) = run_checks(
             data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["decoded_past_window"]
         )
-        m = o.metadata
+        m: dict = o.metadata
         if not m["window_complete_rows"] and not m["decoded_past_window_tokens"]:
             continue
         console.print(

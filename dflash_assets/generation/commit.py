@@ -72,7 +72,7 @@ class ShardOutput:
         # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
         # never a rejected prompt twice
         await asyncio.to_thread(self.server_rejects.commit, server)
-        if before_sending:
+        if before_sending and self.turn_rejects is not None:
             await asyncio.to_thread(self.turn_rejects.commit, before_sending)
         await asyncio.to_thread(self.store.commit, batch)
         self.run.length += sum(r["finish_reason"] == "length" for r in batch)

@@ -320,17 +320,17 @@ async def continue_shard(
     """Continue the truncated rows of `parent_config_hash` in `shard` to `new_cap`; copy its stopped rows.
 
     `to_window`: the parent is a window-policy config; continue it to this larger trainer window instead (each row
-    to its own request cap there; `new_cap` is then ignored). With `settings.stream`, every request is streamed and
+    to its own request cap there; `new_cap` is then ignored). With `dispatch.stream`, every request is streamed and
     watched (stalls, and loops by the `runaway` rules)."""
-    data_dir = open_storage(data_dir)
+    storage = open_storage(data_dir)
     watch = watch_of(dispatch, runaway)
     started = time.monotonic()
-    prompts = prompt_store(data_dir, shard)
-    store, failures = completion_store(data_dir, shard), failure_store(data_dir, shard)
-    server_rejects = reject_store(data_dir, shard, "server")
-    preflight_rejects = reject_store(data_dir, shard, "preflight")
+    prompts = prompt_store(storage, shard)
+    store, failures = completion_store(storage, shard), failure_store(storage, shard)
+    server_rejects = reject_store(storage, shard, "server")
+    preflight_rejects = reject_store(storage, shard, "preflight")
     if not prompts.parts():
-        raise FileNotFoundError(f"shard {shard} has no prompt_shards file under {data_dir}")
+        raise FileNotFoundError(f"shard {shard} has no prompt_shards file under {storage}")
     with store.lock():
         store.recover()
         server_rejects.recover()
@@ -478,7 +478,7 @@ async def continue_shard(
                 f"their output differed from the generated token count in {len(off)} of them"
                 + (f" (by {min(off)} to {max(off)} tokens)" if off else "")
             )
-        _account(run, data_dir, shard, store, set(lines), output.failed)
+        _account(run, storage, shard, store, set(lines), output.failed)
     run.elapsed_s = time.monotonic() - started
     return run
 

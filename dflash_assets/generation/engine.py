@@ -131,17 +131,17 @@ async def generate_shards(
     The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
     servers' slots do not drain at shard boundaries; each shard still has its own lock, parts, rejects,
     failures, compaction and figures. `data_dir` is a local path or an `s3://bucket/prefix` URI. With
-    `settings.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
+    `dispatch.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
     """
-    data_dir = open_storage(data_dir)
-    generation = resolve_regenerate(data_dir, generation)
+    storage = open_storage(data_dir)
+    generation = resolve_regenerate(storage, generation)
     if preflight_policy not in ("reject", "fail"):
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
     fleet_notes = check_fleet(fleet.infos, generation.enable_thinking)
-    missing = [s for s in shards if not prompt_store(data_dir, s).parts()]
+    missing = [s for s in shards if not prompt_store(storage, s).parts()]
     if missing:
         raise FileNotFoundError(
-            f"shard(s) {', '.join(missing)} have no prompt_shards file under {data_dir}; "
+            f"shard(s) {', '.join(missing)} have no prompt_shards file under {storage}; "
             f"materialise prompt_shards for them first"
         )
     model, config_hash = fleet.model, generation.config_hash(fleet.model)
@@ -149,16 +149,16 @@ async def generate_shards(
     with ExitStack() as locks:
         plans = []
         for shard in shards:  # every shard is planned (and preflighted) before anything is sent
-            locks.enter_context(completion_store(data_dir, shard).lock())
+            locks.enter_context(completion_store(storage, shard).lock())
             plan = plan_conversations if all_turns else plan_shard
-            plans.append(await plan(data_dir, shard, fleet, generation, dispatch, preflight_policy, log))
+            plans.append(await plan(storage, shard, fleet, generation, dispatch, preflight_policy, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
         outputs = {
             p.run.shard: ShardOutput(
                 p.run,
-                completion_store(data_dir, p.run.shard),
-                reject_store(data_dir, p.run.shard, "server"),
-                reject_store(data_dir, p.run.shard, "preflight"),
+                completion_store(storage, p.run.shard),
+                reject_store(storage, p.run.shard, "server"),
+                reject_store(storage, p.run.shard, "preflight"),
             )
             for p in plans
         }
@@ -191,17 +191,25 @@ async def generate_shards(
             return reject_row(prompt, "server", reason, generation, config_hash, prompt["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        turns = turn_sender(fleet, generation, token_ids, make_row, watch) if all_turns else None
-        dispatch = (
-            Dispatch(fleet, dispatch, outputs, turns, refuse, log, follow_up=next_turn, on_answer=on_answer)
+        dispatcher = (
+            Dispatch(
+                fleet,
+                dispatch,
+                outputs,
+                turn_sender(fleet, generation, token_ids, make_row, watch),
+                refuse,
+                log,
+                follow_up=next_turn,
+                on_answer=on_answer,
+            )
             if all_turns
             else Dispatch(fleet, dispatch, outputs, send, refuse, log, on_answer=on_answer)
         )
-        await dispatch.run(items, sum(len(p.todo) for p in plans))
+        await dispatcher.run(items, sum(len(p.todo) for p in plans))
         for output in outputs.values():
-            output.close(failure_store(data_dir, output.run.shard), f"{config_hash}.parquet")
+            output.close(failure_store(storage, output.run.shard), f"{config_hash}.parquet")
             if all_turns:
-                account(output.run, data_dir, output)
+                account(output.run, storage, output)
             else:
                 output.run.completed = len(committed_ids(output.store, config_hash))
     return [p.run for p in plans]

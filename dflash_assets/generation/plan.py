@@ -94,7 +94,7 @@ def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int
 
 def plan_remaining(prompts: PartStore, finished: set[str]) -> tuple[int, dict[str, dict]]:
     """(prompts in the shard, {prompt_id: plan row} of those not finished), from the small columns only."""
-    total, todo = 0, {}
+    total, todo = 0, dict[str, dict]()
     for batch in prompt_batches(prompts, PLAN_COLUMNS):
         total += len(batch)
         todo.update((r["prompt_id"], r) for r in batch if r["prompt_id"] not in finished)

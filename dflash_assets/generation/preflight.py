@@ -44,7 +44,9 @@ class Budget:
     @property
     def total_limit(self) -> int:
         """The largest prompt + max_output_tokens the servers grant in full."""
-        return self.max_req_len - 1 if self.kv_bound else self.context_length - CONTEXT_MARGIN
+        if self.kv_bound and self.max_req_len is not None:
+            return self.max_req_len - 1
+        return self.context_length - CONTEXT_MARGIN
 
     def problem(self, prompt_tokens: int, request_cap: int) -> str | None:
         """Why this prompt cannot be sent with this request cap, naming the numbers; None if it fits."""

@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.continuation import continue_shard, rows_of
@@ -207,6 +208,15 @@ async def run_cut_rows_probe(
     return ProbeResult(len(eligible), len(sample), cap, run, mode="cut_rows")
 
 
+class Sample(TypedDict):
+    """How the probe's prompts are sampled (ProbeSettings, as run_probe and run_cut_rows_probe take it)."""
+
+    size: int
+    share: float
+    minimum: int
+    seed: int
+
+
 CutRows = tuple[str, int, list[dict]]  # (the parent config, its cap, {shard, prompt_id} of its honest cut rows)
 
 
@@ -224,11 +234,11 @@ async def run_length_probe(
     probe's cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config that `cut_rows` gives
     (the quality layer chooses them: quality.probe_summary.cut_rows_for_probe) continued to that cap, with the
     run's own sampling (its rows record it)."""
-    common = dict(
-        size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed, dispatch=dispatch, log=log
-    )
+    sample = Sample(size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed)
     if probe.mode == "prompts":
-        return await run_probe(data_dir, shards, fleet, generation, probe_cap=probe.max_output_tokens, **common)
+        return await run_probe(
+            data_dir, shards, fleet, generation, probe_cap=probe.max_output_tokens, **sample, dispatch=dispatch, log=log
+        )
     if cut_rows is None:
         raise SettingsError("the length probe's mode cut_rows needs the run's honest cut rows, and none were given")
     parent, cap, cut = cut_rows()
@@ -236,4 +246,6 @@ async def run_length_probe(
     log(
         f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
     )
-    return await run_cut_rows_probe(data_dir, parent, cut, fleet, probe.max_output_tokens, **common)
+    return await run_cut_rows_probe(
+        data_dir, parent, cut, fleet, probe.max_output_tokens, **sample, dispatch=dispatch, log=log
+    )

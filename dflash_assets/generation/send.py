@@ -102,12 +102,13 @@ class Dispatch:
                     if self.ready:  # a follow-up: its shard counted it in flight when it was queued
                         item = self.ready.popleft()
                         self.outputs[item["shard"]].run.follow_up_sent_at = now
-                    elif (item := next(items, None)) is None:
+                    elif (queued := next(items, None)) is None:
                         exhausted = True
                         for output in self.outputs.values():
                             output.close_sending(now)
                         continue
                     else:
+                        item = queued
                         self._moved_to(item["shard"], now)
                         self.outputs[item["shard"]].sent(now)
                     tasks.add(asyncio.create_task(self._one(item)))
@@ -155,7 +156,7 @@ class Dispatch:
             output.done(time.monotonic(), output.run.last_sent_at is not None)
 
     async def _attempts(self, item: dict, output: ShardOutput) -> dict | None:
-        dispatch, error, stalled_on = self.dispatch, None, frozenset()
+        dispatch, error, stalled_on = self.dispatch, None, frozenset[str]()
         for attempt in range(1, dispatch.max_attempts + 1):
             slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None, stalled_on)
             try:

@@ -118,14 +118,14 @@ async def build_prompt_shard(
     reject_store(data_dir, shard, "source").replace(rejects, "rejects.parquet")
     reasons: dict[str, int] = {}
     for r in rejects:
-        kind = reason_kind(r["reason"])
+        kind = reason_kind(str(r["reason"]))
         reasons[kind] = reasons.get(kind, 0) + 1
     return ShardBuild(
         shard,
         len(items),
         len(prompts),
         len(rejects),
-        max((p["prompt_tokens"] for p in prompts), default=0),
+        max((int(p["prompt_tokens"]) for p in prompts), default=0),
         reasons,
         format_counts([r[0] for r in results if not isinstance(r, SourceReject)]),
     )

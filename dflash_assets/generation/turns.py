@@ -90,9 +90,11 @@ def conversation(
     return Conversation(turns, tuple(answers), "done")
 
 
-def _committed_turns(store: PartStore, config_hash: str) -> dict[str, dict[int, tuple[str, str]]]:
+def _committed_turns(
+    store: PartStore, config_hash: str
+) -> dict[str, dict[int, tuple[str, str, int | None, int | None]]]:
     parts = store.parts()
-    found: dict[str, dict[int, tuple[str, str]]] = {}
+    found: dict[str, dict[int, tuple[str, str, int | None, int | None]]] = {}
     if not parts:
         return found
     where = (pc.field("config_hash") == config_hash) & pc.field("turn").is_valid()

@@ -261,7 +261,7 @@ def plan_window(
 
 def window_plan(
     data_dir: str | Path,
-    config_hash: str,
+    config_hash: str | None,
     cap: int,
     trainer: TrainerSettings = TrainerSettings(),
     fit: TailFit | None = None,

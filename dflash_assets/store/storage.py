@@ -209,21 +209,23 @@ class LocalStorage(Storage):
         self.uri = str(root)
         self.fs = pafs.LocalFileSystem()
 
-    def files(self, folder: Path) -> list[Path]:
-        if not folder.is_dir():
+    # the local paths are Paths; the interface says PurePath (an S3 key is one), so each method takes its Path of it
+    def files(self, folder: PurePath) -> list[PurePath]:
+        if not (folder := Path(folder)).is_dir():
             return []
         return sorted((p for p in folder.iterdir() if p.is_file()), key=lambda p: p.name)
 
-    def walk(self, folder: Path) -> list[Path]:
-        return [p for p in folder.rglob("*") if p.is_file()] if folder.exists() else []
+    def walk(self, folder: PurePath) -> list[PurePath]:
+        return [p for p in Path(folder).rglob("*") if p.is_file()] if Path(folder).exists() else []
 
-    def exists(self, path: Path) -> bool:
-        return path.exists()
+    def exists(self, path: PurePath) -> bool:
+        return Path(path).exists()
 
-    def write_table(self, table: pa.Table, path: Path) -> Path:
-        return write_atomic(table, path)
+    def write_table(self, table: pa.Table, path: PurePath) -> PurePath:
+        return write_atomic(table, Path(path))
 
-    def write_streamed(self, path: Path, schema: pa.Schema, tables: Iterable[pa.Table]) -> Path:
+    def write_streamed(self, path: PurePath, schema: pa.Schema, tables: Iterable[pa.Table]) -> PurePath:
+        path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
         with removed_on_error(tmp):
             with open(tmp, "wb") as f:
@@ -236,21 +238,21 @@ class LocalStorage(Storage):
         fsync_dir(path.parent)
         return path
 
-    def delete(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+    def delete(self, path: PurePath) -> None:
+        Path(path).unlink(missing_ok=True)
 
-    def sync(self, folder: Path) -> None:
-        if folder.is_dir():
-            fsync_dir(folder)
+    def sync(self, folder: PurePath) -> None:
+        if Path(folder).is_dir():
+            fsync_dir(Path(folder))
 
-    def lock(self, folder: Path):
+    def lock(self, folder: PurePath):
         """flock is released by the kernel when the process dies, so kill -9 never leaves a stale lock."""
-        return flock(folder / ".lock", str(folder))
+        return flock(Path(folder) / ".lock", str(folder))
 
 
 def s3_filesystem() -> pafs.S3FileSystem:
     """An S3FileSystem for the endpoint in the environment (AWS itself when none is set)."""
-    kwargs = {}
+    kwargs: dict[str, str] = {}
     endpoint = next((os.environ[v] for v in ENDPOINT_VARS if os.environ.get(v)), None)
     if endpoint:
         parts = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
@@ -272,7 +274,7 @@ class S3Storage(Storage):
     """An S3-compatible prefix: whole-object writes under the final name, local flock (one writer host)."""
 
     def __init__(self, uri: str):
-        bucket_and_prefix = URI.match(uri).group(2).strip("/")
+        bucket_and_prefix = match.group(2).strip("/") if (match := URI.match(uri)) else ""
         if not bucket_and_prefix:
             raise ValueError(f"data dir {uri!r} names no bucket: expected s3://bucket[/prefix]")
         self.uri = f"s3://{bucket_and_prefix}"

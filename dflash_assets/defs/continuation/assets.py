@@ -78,10 +78,11 @@ async def _continue(
     cap, window = config.new_max_output_tokens, config.to_window or None
     parent = config.parent_config_hash
     if parent == "latest":
-        parent = latest_parent(data_dir.resolved(), shard, cap, window)
-        if parent is None:
+        latest = latest_parent(data_dir.resolved(), shard, cap, window)
+        if latest is None:
             below = f"of the window policy at a window below {window}" if window else f"capped below {cap}"
             raise dg.Failure(f"shard {shard} has no completions {below} to continue", allow_retries=False)
+        parent = latest
     try:
         run = await continue_shard(
             data_dir.resolved(),

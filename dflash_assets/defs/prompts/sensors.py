@@ -2,14 +2,14 @@
 
 import dagster as dg
 
-from dflash_assets.defs.partitions import shard_partitions
+from dflash_assets.defs.partitions import SHARDS, shard_partitions
 from dflash_assets.defs.resources import PromptSourceResource
 from dflash_assets.generation.prompts import SourceError, shard_keys
 
 
 def missing_shards(instance: dg.DagsterInstance, prompt_source: PromptSourceResource) -> list[str]:
     keys = shard_keys(prompt_source.resolved(), prompt_source.shard_size)
-    existing = set(instance.get_dynamic_partitions(shard_partitions.name))
+    existing = set(instance.get_dynamic_partitions(SHARDS))
     return [k for k in keys if k not in existing]
 
 

@@ -100,7 +100,7 @@ def length_quality_report(
         )
 
 
-def _report_and_histogram(root: str, shard: str | None, quality_settings: QualitySettings, reports: Path):
+def _report_and_histogram(root: str | Path, shard: str | None, quality_settings: QualitySettings, reports: Path):
     from dflash_assets.quality.histogram import report_and_histogram  # matplotlib: on use
 
     return report_and_histogram(
@@ -113,10 +113,12 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
     records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=completions.key), limit=20).records
     rates, servers = [], []
     for r in records:
-        meta = r.asset_materialization.metadata
-        if meta.get(ShardRunKeys.TOKENS_PER_S) and meta[ShardRunKeys.TOKENS_PER_S].value > 0:
-            rates.append(meta[ShardRunKeys.TOKENS_PER_S].value)
-            servers.append(len(meta[ShardRunKeys.SERVERS].value) if ShardRunKeys.SERVERS in meta else 1)
+        meta = r.asset_materialization.metadata if r.asset_materialization else {}
+        rate = meta[ShardRunKeys.TOKENS_PER_S].value if ShardRunKeys.TOKENS_PER_S in meta else None
+        if isinstance(rate, int | float) and rate > 0:
+            rates.append(float(rate))
+            listed = meta[ShardRunKeys.SERVERS].value if ShardRunKeys.SERVERS in meta else None
+            servers.append(len(listed) if isinstance(listed, list | tuple | dict) else 1)
     if not rates:
         return None, None
     return sorted(rates)[len(rates) // 2], max(servers)

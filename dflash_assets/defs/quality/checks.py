@@ -13,7 +13,7 @@ import dagster as dg
 from dflash_assets.defs.metadata import CheckKeys
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
-from dflash_assets.quality import CHECKS, run_checks
+from dflash_assets.quality import CHECKS, CheckOutcome, run_checks
 from dflash_assets.settings import QualitySettings
 
 
@@ -35,7 +35,7 @@ def completions_quality_checks(
     else:
         scopes = [None]
     selected = {key.name for key in context.selected_asset_check_keys}
-    by_name: dict[str, list[tuple[str | None, object]]] = {}  # check -> (shard, or None for all shards, outcome)
+    by_name: dict[str, list[tuple[str | None, CheckOutcome]]] = {}  # check -> (shard, or None for all shards, outcome)
     quality_settings = QualitySettings.taken_from(quality)
     for shard in scopes:
         for outcome in run_checks(data_dir.resolved(), shard=shard, quality=quality_settings, names=selected):

@@ -18,5 +18,7 @@ def completions_landed_sensor(context: dg.SensorEvaluationContext, asset_event: 
     materialization = asset_event.asset_materialization
     yield dg.RunRequest(
         run_key=f"{asset_event.run_id}:{asset_event.timestamp}",
-        tags={"dflash/trigger": f"completions {materialization.partition or ''}".strip()},
+        tags={
+            "dflash/trigger": f"completions {(materialization.partition if materialization else None) or ''}".strip()
+        },
     )
