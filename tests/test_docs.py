@@ -103,3 +103,29 @@ def test_no_doc_line_is_wider_than_120_characters():
         if len(line) > 120
     ]
     assert not wide, wide
+
+
+def section(path: Path, heading: str) -> str:
+    """The text under `## heading`, up to the next heading of its level."""
+    text = prose(path)
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def test_the_settings_doc_counts_the_quality_limits_and_lists_every_field_of_the_completions_run_config():
+    from dflash_assets.defs.completions.assets import CompletionsConfig
+    from dflash_assets.settings import Deployment, EnvSetting, QualitySettings
+
+    doc = ROOT / "docs" / "settings.md"
+    limits = [n for n in QualitySettings.model_fields if n.endswith(("_max", "_percentile"))]
+    assert f"({len(limits)} rates and percentiles" in re.sub(r"\s+", " ", prose(doc))
+    for heading, fields in (
+        ("`completions` run config", CompletionsConfig.model_fields),
+        ("`quality` resource", QualitySettings.model_fields),
+    ):
+        listed = set(re.findall(r"`(\w+)`", section(doc, heading)))
+        assert not set(fields) - listed, f"{heading}: not listed: {sorted(set(fields) - listed)}"
+    variables = [s.name for s in vars(Deployment).values() if isinstance(s, EnvSetting)]
+    table = set(re.findall(r"^\| `(\w+)` \|", section(doc, "Environment variables"), flags=re.M))
+    assert not set(variables) - table, f"environment variables not in the table: {set(variables) - table}"
