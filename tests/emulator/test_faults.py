@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,6 +9,7 @@ import pytest
 
 from tests.support.forks import start_emulator
 from tests.support.http import aborted, settled
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,8 +48,9 @@ def test_a_stall_holds_the_next_request_while_later_ones_are_answered(emulator):
     http.post("/_emulator/faults", {"stall_seconds": 5, "stall_next": 1})
     with ThreadPoolExecutor(1) as pool:
         stalled = pool.submit(gen, http)
-        while http.get("/_emulator/faults")[1]["injected"]["stall"] < 1:
-            time.sleep(0.02)
+        wait_for(
+            "the stall to hold a request", lambda: http.get("/_emulator/faults")[1]["injected"]["stall"], every_s=0.02
+        )
         assert gen(http)[0] == 200  # only the next request stalls: this one is answered ...
         assert not stalled.done()  # ... while the stalled one is still held
         status, body = stalled.result(timeout=30)
@@ -60,8 +61,9 @@ def test_a_hold_keeps_requests_in_flight_until_it_is_cleared(emulator):
     http = emulator("--fault-hold")
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(gen, http)
-        while http.get("/_emulator/faults")[1]["injected"]["hold"] < 1:
-            time.sleep(0.02)
+        wait_for(
+            "the hold to keep a request", lambda: http.get("/_emulator/faults")[1]["injected"]["hold"], every_s=0.02
+        )
         assert not held.done()  # arrived and held: no answer while the hold is set
         assert http.post("/_emulator/faults", {"hold": None})[0] == 200
         assert held.result(timeout=30)[0] == 200
@@ -107,9 +109,7 @@ def test_crash_in_an_in_process_emulator_stops_serving(emulator):
     http.post("/_emulator/faults", {"crash_after": 0})
     with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
         gen(http, timeout=5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and http.emu._thread.is_alive():
-        time.sleep(0.05)
+    wait_for("the crashed emulator to stop serving", lambda: not http.emu._thread.is_alive(), 5, every_s=0.05)
     assert http.emu.crashed and not http.emu._thread.is_alive()
 
 

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from dflash_assets.fleet.launcher import FleetError, FleetSpec, down, up
 from dflash_assets.fleet.server_args import EMULATOR, ServerCommand
 from dflash_assets.fleet.status import fleet_status, status_table
 from tests.support.cli import free_base_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -58,12 +58,7 @@ def environ_of(pid: int) -> dict[str, str]:
 
 
 def wait_gone(pid: int, proc_start: int | None, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not processes.is_ours(pid, proc_start):
-            return True
-        time.sleep(0.05)
-    return False
+    return wait_for(f"pid {pid} to be gone", lambda: not processes.is_ours(pid, proc_start), timeout_s, every_s=0.05)
 
 
 def test_up_starts_one_server_per_gpu_and_a_second_up_reuses_them(fleet_dir):
@@ -161,10 +156,8 @@ def test_down_stops_the_whole_process_group(fleet_dir):
             )
         },
     )
-    deadline = time.monotonic() + 5
-    while len([p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgrp(p) == leader.pid]) < 3:
-        assert time.monotonic() < deadline, "the children did not start"
-        time.sleep(0.05)
+    group = lambda: [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgrp(p) == leader.pid]  # noqa: E731
+    wait_for("the children to start", lambda: len(group()) >= 3, 5, every_s=0.05)
     down(fleet_dir, timeout_s=5)
     assert not processes.group_alive(leader.pid)
 

@@ -13,6 +13,7 @@ import pytest
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.shards import build_prompt_shard
 from tests.support.cli import Command, start
+from tests.support.waiting import wait_for
 
 PROMPTS = 160
 
@@ -72,11 +73,14 @@ def test_kill_9_at_random_moments_loses_nothing_and_duplicates_nothing(tmp_path,
     committed = [0]
     for kill in range(4):
         proc = generate(tmp_path, fleet_urls, f"kill{kill}.txt")
+
         # every kill lands after this process has committed a part of its own (so it cuts into committed work,
         # not only into start-up), at a random moment after that commit
-        while len(rows(tmp_path)) <= committed[-1]:
+        def own_part(proc=proc, kill=kill) -> bool:
             assert proc.poll() is None, (tmp_path / f"kill{kill}.txt").read_text()
-            time.sleep(0.02)
+            return len(rows(tmp_path)) > committed[-1]
+
+        wait_for(f"run {kill} to commit a part of its own", own_part, 120, every_s=0.02)
         time.sleep(rng.uniform(0.0, 0.3))
         assert proc.poll() is None, "the run finished before the kill: nothing was interrupted"
         os.kill(proc.pid, signal.SIGKILL)
