@@ -25,7 +25,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -77,6 +77,13 @@ class Output:
     reasoning_tokens: int = 0
     e2e_latency: float | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled again)
+
+    @property
+    def done(self) -> dict:
+        """The finish_reason of an output that has one (a finished or aborted request)."""
+        if self.finish is None:
+            raise RuntimeError("the request is still running: it has no finish_reason yet")
+        return self.finish
 
     @property
     def completion_tokens(self) -> int:
@@ -164,7 +171,7 @@ class Engine:
         self._round_robin = itertools.cycle(self.schedulers)
         self.stream_interval = a.stream_interval  # None: not given
         # tokenizer-side counters for /metrics: (is_streaming) -> value
-        self.counters = {"prompt_tokens": {}, "generation_tokens": {}, "requests": {}}
+        self.counters: dict[str, dict] = {"prompt_tokens": {}, "generation_tokens": {}, "requests": {}}
         self.num_aborted = 0
         self.abort_events: dict[str, asyncio.Event] = {}  # rid -> set by /abort_request, for requests running now
         self.abort_requests: list[dict] = []  # every /abort_request: its rid, and whether a request had it
@@ -222,7 +229,7 @@ class Engine:
 
     # ---- 2. scheduler and model ----
 
-    async def run(self, req: Request, verdict: Verdict = NO_FAULT) -> AsyncIterator[Output]:
+    async def run(self, req: Request, verdict: Verdict = NO_FAULT) -> AsyncGenerator[Output, None]:
         """Outputs of one validated request: progress chunks when streaming, then
         the final one (finished, or an abort: /abort_request naming its rid ends it so)."""
         if len(req.input_ids) >= self.cfg.max_req_input_len:

@@ -33,7 +33,7 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SamplingParams default; /generate has n
 
 
 def meta_info(req: Request, out: Output, *, stamp: bool) -> dict:
-    m = {
+    m: dict[str, object] = {
         "id": req.rid,
         "finish_reason": out.finish,
         "prompt_tokens": out.prompt_tokens,
@@ -71,10 +71,11 @@ def build_requests(body: dict, preferred: dict | None) -> tuple[list[Request], b
         prompts = [tok.encode(text)] if isinstance(text, str) else [tok.encode(t) for t in text]
         single = isinstance(text, str)
     else:
-        if len(input_ids) == 0:
+        ids = input_ids or []  # not None here: one of text and input_ids is given
+        if len(ids) == 0:
             raise TokenizerError("input_ids cannot be empty.")
-        single = isinstance(input_ids[0], int)
-        prompts = [list(input_ids)] if single else [list(x) for x in input_ids]
+        single = isinstance(ids[0], int)
+        prompts = [list(ids)] if single else [list(x) for x in ids]
     sps = body.get("sampling_params") or {}
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     n = (sps[0].get("n") or 1) if sps else 1
@@ -105,6 +106,8 @@ async def _final(engine: Engine, req: Request, verdict: Verdict) -> Output:
     last = None
     async for out in engine.run(req, verdict):
         last = out
+    if last is None:
+        raise RuntimeError("the engine gave no output for the request")
     return last
 
 
@@ -142,8 +145,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return generate_error(str(e))
     outs = await asyncio.gather(*(_final(engine, r, verdict) for r in reqs))
     for out in outs:
-        if out.aborted and out.finish["status_code"] is not None:  # tokenizer_manager._handle_abort_finish_reason
-            status, message = out.finish["status_code"], out.finish["message"]
+        if out.aborted and out.done["status_code"] is not None:  # tokenizer_manager._handle_abort_finish_reason
+            status, message = out.done["status_code"], out.done["message"]
             return generate_error(message) if status == 400 else http_exception(message, status)
     results = [
         out_json(

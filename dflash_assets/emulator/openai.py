@@ -268,7 +268,7 @@ def sglext_ids(headers, cfg, body: dict, reqs: list[Request], outs: list[Output]
 
 
 def _abort_response(out: Output) -> web.Response:
-    status, message = out.finish["status_code"], out.finish["message"]
+    status, message = out.done["status_code"], out.done["message"]
     return openai_error(message) if status == 400 else http_exception(message, status)
 
 
@@ -329,7 +329,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         return await (unseen_disconnect(engine, serving) if verdict.half_open else serving)
     outs = await asyncio.gather(*(_last(engine, r, verdict) for r in reqs))
     for out in outs:
-        if out.aborted and out.finish["status_code"] is not None:  # a status-less abort is an HTTP 200
+        if out.aborted and out.done["status_code"] is not None:  # a status-less abort is an HTTP 200
             return _abort_response(out)
     reply = _response(cfg, chat, reqs, outs)
     ext = sglext_ids(request.headers, cfg, body, reqs, outs)
@@ -342,6 +342,8 @@ async def _last(engine: Engine, req: Request, verdict) -> Output:
     out = None
     async for out in engine.run(req, verdict):  # noqa: B007 (the last one is returned)
         pass
+    if out is None:
+        raise RuntimeError("the engine gave no output for the request")
     return out
 
 
@@ -354,8 +356,8 @@ def _response(cfg, chat: ChatContext, reqs: list[Request], outs: list[Output]) -
             "index": i,
             "message": {"role": "assistant", "content": text or "", "reasoning_content": reasoning or None},
             "logprobs": None,
-            "finish_reason": out.finish["type"],
-            "matched_stop": out.finish.get("matched"),
+            "finish_reason": out.done["type"],
+            "matched_stop": out.done.get("matched"),
         }
         if body.get("return_prompt_token_ids") or body.get("return_token_ids"):
             choice["prompt_token_ids"] = req.input_ids
@@ -407,9 +409,9 @@ async def _write_stream(request: web.Request, chat: ChatContext, req: Request, o
     first = await outputs.__anext__()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await resp.prepare(request)
-    if first.aborted and first.finish["status_code"] is not None:  # a scheduler abort with a status: error chunk
-        code = first.finish["status_code"]
-        err = openai_error_body(first.finish["message"], HTTP_STATUS_NAMES.get(code, str(code)), code)
+    if first.aborted and first.done["status_code"] is not None:  # a scheduler abort with a status: error chunk
+        code = first.done["status_code"]
+        err = openai_error_body(first.done["message"], HTTP_STATUS_NAMES.get(code, str(code)), code)
         await resp.write(b"data: " + dumps({"error": err}).encode() + b"\n\n")
         await resp.write(SSE_DONE)
         return resp

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import BinaryIO, Self
 
 from .config import EXIT_WITH_PARENT
 
@@ -48,7 +48,7 @@ class EmulatorProcess:
         self.port = port
         self.log_path = log_path
         self._own_log = own_log  # a temp file we made: removed once the server serves (forget_log_path), read on stop
-        self._log_file = None  # that file, still open, after its name is gone
+        self._log_file: BinaryIO | None = None  # that file, still open, after its name is gone
         self._log_text: str | None = None
 
     @property
@@ -213,7 +213,8 @@ class EmulatorThread:
         from .server import InjectedCrash
 
         self.crashed = True
-        self._stop.set()
+        if self._stop is not None:
+            self._stop.set()
         raise InjectedCrash()
 
     def start(self, timeout: float = 10.0) -> EmulatorThread:

@@ -14,6 +14,7 @@ from dflash_assets.quality.outcome import (
     verdict,
 )
 from dflash_assets.quality.rates import GroupCount, group_counts, group_line, rate_finding, totals, worst_first
+from dflash_assets.quality.tables import one
 from dflash_assets.rules import percentile_sql
 from dflash_assets.settings import QualitySettings
 
@@ -75,11 +76,12 @@ def decoded_past_window(con: duckdb.DuckDBPyConnection, quality: QualitySettings
     decoded_past_window_rate_max of all decoded tokens (a cap larger than the window needs: cap_policy window
     decodes only what is read). Formerly window_complete (severity overrides may still name it)."""
     window = quality.trainer.max_length
-    rows, complete, complete_tokens, decoded, trained = con.execute(
+    rows, complete, complete_tokens, decoded, trained = one(
+        con,
         "SELECT count(*), count(*) FILTER (WHERE window_complete), "
         "coalesce(sum(trained_tokens) FILTER (WHERE window_complete), 0), "
-        "coalesce(sum(completion_tokens), 0), coalesce(sum(trained_tokens), 0) FROM completions"
-    ).fetchone()
+        "coalesce(sum(completion_tokens), 0), coalesce(sum(trained_tokens), 0) FROM completions",
+    )
     past = decoded - trained
     rate, limit = share(past, decoded), quality.decoded_past_window_rate_max
     ratio = f"{decoded / trained:.2f}" if trained else "-"

@@ -74,6 +74,8 @@ def _headline(summary_md: str) -> str:
 def plan_table(answer: CapAnswer) -> Table:
     """The cap plan at the current cap and the larger candidates: share cut, output tokens, context needed."""
     plan = answer.plan
+    if plan is None:
+        raise ValueError(f"config {answer.config_hash} has no cap plan to tabulate")
     fits = f"fits {num(plan.context_length)}" if plan.context_length else "fits context"
     table = Table(box=None, pad_edge=False, padding=(0, 2), title_justify="left")
     for key in ("cap", "cut at the cap", "output tokens vs now", "context needed", fits):

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from dflash_assets.generation.prompts import carries_history, last_turn_request
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.runaway import register_runaway
-from dflash_assets.quality.tables import COMPLETION_FLAGS, parquet_source, runaway_sql, window_flags_sql
+from dflash_assets.quality.tables import COMPLETION_FLAGS, one, parquet_source, runaway_sql, window_flags_sql
 from dflash_assets.quality.trainer_format import (
     FORMS,
     STATUS,
@@ -429,18 +429,20 @@ def export_training_set(
             }
             manifest["drop_over_max_length"] = params["drop_long"]
             manifest["over_max_length_kept"] = (
-                con.execute(
+                one(
+                    con,
                     "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > $m",
                     {"m": max_length},
-                ).fetchone()[0]
+                )[0]
                 if max_length is not None
                 else 0
             )
             manifest["exclusions"] = _exclusions(con)
-            manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = con.execute(
+            manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = one(
+                con,
                 "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "
-                "FROM graded WHERE reason IS NULL"
-            ).fetchone()
+                "FROM graded WHERE reason IS NULL",
+            )
             manifest["trainer"] = {
                 "max_length": max_length,
                 "format": form,
@@ -463,9 +465,7 @@ def export_training_set(
 def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, Any]]:
     """Each reason that removed rows: rows and completion tokens removed (and their shares of all graded rows),
     and the sources it removed the most rows from, with the share of that source's rows it took."""
-    total_rows, total_tokens = con.execute(
-        "SELECT count(*), coalesce(sum(completion_tokens), 0) FROM graded"
-    ).fetchone()
+    total_rows, total_tokens = one(con, "SELECT count(*), coalesce(sum(completion_tokens), 0) FROM graded")
     out = []
     for reason, rows, tokens in con.execute(
         "SELECT reason, count(*), coalesce(sum(completion_tokens), 0) FROM graded WHERE reason IS NOT NULL "
@@ -551,7 +551,7 @@ def _manifest(con: duckdb.DuckDBPyConnection, config_hash: str | None, max_lengt
         "config_hashes": sorted({str(h) for h, _, _ in kept}),
         "max_length": max_length,
         "id_format": "<prompt_id>@<config_hash>",
-        "input_rows": con.execute("SELECT count(*) FROM graded").fetchone()[0],
+        "input_rows": one(con, "SELECT count(*) FROM graded")[0],
         "rows": rows,
         "rows_by_config": by_config_rows,
         "rows_by_source": {str(s): n for s, n in counts("source", "reason IS NULL")},

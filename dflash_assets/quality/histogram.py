@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from dflash_assets.quality.pictures import new_figure, png
 from dflash_assets.quality.report import length_quality_of
-from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.quality.tables import one, open_quality_db
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 
 
@@ -130,7 +130,7 @@ def report_and_histogram(
     the rows (the length_quality assets draw both)."""
     with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
         report, configs = length_quality_of(con, shard, max_length), series_of(con)
-        (prompt,) = con.execute("SELECT median(prompt_tokens)::BIGINT FROM completions").fetchone() or (None,)
+        (prompt,) = one(con, "SELECT median(prompt_tokens)::BIGINT FROM completions") or (None,)
     # the window's reach on the completion axis, for the median prompt: a completion past it is never trained on
     report["compact_histogram"] = compact_markdown(configs, max_length - prompt if prompt is not None else None)
     return report, write_histogram(configs, path, shard)

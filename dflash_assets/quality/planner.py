@@ -41,7 +41,7 @@ from dflash_assets.quality.probe_estimates import (
     wilson,
 )
 from dflash_assets.quality.runaway import register_runaway
-from dflash_assets.quality.tables import parquet_source, runaway_sql
+from dflash_assets.quality.tables import one, parquet_source, runaway_sql
 from dflash_assets.rules import CUT_SQL, MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
 from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
@@ -642,9 +642,9 @@ def honest_cut_rows(
             raise PlanError(
                 f"no rows of config `{config_hash}`; configs present: {', '.join(f'`{h}`' for h, _ in configs)}"
             )
-        cap = con.execute(
-            f"SELECT max(max_output_tokens) FROM {src} WHERE config_hash = $config", {"config": config_hash}
-        ).fetchone()[0]
+        cap = one(
+            con, f"SELECT max(max_output_tokens) FROM {src} WHERE config_hash = $config", {"config": config_hash}
+        )[0]
         rows = con.execute(
             f"SELECT shard, prompt_id FROM {src} WHERE config_hash = $config AND finish_reason = "
             f"'length' AND NOT ({runaway_sql(runaway)})",

@@ -11,16 +11,14 @@ from dflash_assets.generation.probe import probe_size
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import CapPlan, _hours, _predict, _tokens
 from dflash_assets.quality.probe_estimates import ProbePrecision
-from dflash_assets.quality.tables import parquet_source
+from dflash_assets.quality.tables import one, parquet_source
 from dflash_assets.rules import CONTEXT_MARGIN
 from dflash_assets.store.schema import PROMPT_SCHEMA
 
 
 def prompt_count(data_dir: str | Path) -> int:
     with duckdb.connect(":memory:") as con:
-        return con.execute(
-            f"SELECT count(*) FROM {parquet_source(con, data_dir, 'prompt_shards', PROMPT_SCHEMA)}"
-        ).fetchone()[0]
+        return one(con, f"SELECT count(*) FROM {parquet_source(con, data_dir, 'prompt_shards', PROMPT_SCHEMA)}")[0]
 
 
 def probe_tokens_per_prompt(plan: CapPlan, probe_cap: int) -> float:

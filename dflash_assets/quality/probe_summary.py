@@ -67,11 +67,11 @@ def probe_summary(
         "probe": f"measured ({probe_label(plan.probe)})" if continued else "measured (probe)",
         "model": "model (lognormal tail)",
     }
-    for e in plan.estimates:
-        r = e.truncation_rate
+    for estimate in plan.estimates:
+        r = estimate.truncation_rate
         lines.append(
-            f"{num(e.cap):>8}  {f'{pct(r.value)} ({pct(r.low)}–{pct(r.high)})':<24} "
-            f"{pct(e.runaway_rate.value):>9}  {label[e.basis]}"
+            f"{num(estimate.cap):>8}  {f'{pct(r.value)} ({pct(r.low)}–{pct(r.high)})':<24} "
+            f"{pct(estimate.runaway_rate.value):>9}  {label[estimate.basis]}"
         )
     if plan.probe_precision:
         lines += ["", f"precision: {precision_text(plan.probe_precision, plan.cap)}"]

@@ -3,6 +3,7 @@
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import duckdb
 
@@ -39,7 +40,8 @@ class CheckSpec:
     def run(self, con: duckdb.DuckDBPyConnection, quality: QualitySettings = QualitySettings()) -> CheckOutcome:
         """Run over a connection from open_quality_db; the severity is the thresholds' override or the default."""
         found = self.fn(con, quality)
-        severity = quality.severity.get(self.name, self.default_severity)
+        # QualitySettings checked the overrides' values: each is a Severity
+        severity = cast(Severity, quality.severity.get(self.name, self.default_severity))
         return CheckOutcome(self.name, found.passed, severity, found.summary_md, found.metadata, self.blocking)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import duckdb
 
 from dflash_assets.quality.outcome import share
-from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.quality.tables import one, open_quality_db
 from dflash_assets.rules import CUT_SQL, OVERFLOW_SQL, PERCENTILE_DEFINITION, STOPPED_EARLY_SQL, percentile_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 
@@ -89,15 +89,17 @@ def length_quality_of(
     buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")
     for b in buckets:
         b["bucket"] = labels[b["bucket"]]
-    completion_over, over_max_length = con.execute(
+    completion_over, over_max_length = one(
+        con,
         f"SELECT count(*) FILTER (WHERE {OVERFLOW_SQL}), "
         "count(*) FILTER (WHERE prompt_tokens + completion_tokens > $m) FROM completions",
         {"m": max_length},
-    ).fetchone()
-    rejects_over = con.execute(
+    )
+    rejects_over = one(
+        con,
         f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "
-        f"WHERE stage <> 'source' AND {OVERFLOW_SQL})"
-    ).fetchone()[0]
+        f"WHERE stage <> 'source' AND {OVERFLOW_SQL})",
+    )[0]
     return {
         "scope": {"shard": shard},
         "percentile_definition": PERCENTILE_DEFINITION,

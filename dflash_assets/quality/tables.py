@@ -53,6 +53,14 @@ COMPLETION_FLAGS = f"""
     {blank_sql('reasoning_content')} AS reasoning_empty"""
 
 
+def one(con: duckdb.DuckDBPyConnection, sql: str, params: object = None) -> tuple:
+    """The row of a query that gives exactly one (an aggregate: DuckDB's fetchone() is None only for no row)."""
+    row = con.execute(sql, params).fetchone()
+    if row is None:
+        raise RuntimeError(f"the query gave no row: {sql}")
+    return row
+
+
 def window_flags_sql(max_length: int) -> str:
     """The window's flags of a completion row (over a select that has `runaway`)."""
     return (
