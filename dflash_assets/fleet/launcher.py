@@ -115,7 +115,8 @@ def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events
     wanted = spec.servers()
     with registry.locked(fleet_dir):
         records = registry.load(fleet_dir)
-        plan, refusals = {}, []
+        plan: dict = {}
+        refusals: list = []
         for name, args in wanted.items():
             plan[name] = _decide(name, args, records.get(name), spec, key, replace, refusals)
         if refusals:  # all or nothing: refuse before touching any server

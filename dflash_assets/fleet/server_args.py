@@ -16,6 +16,7 @@ import hashlib
 import json
 import sys
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from dflash_assets.settings import LaunchSettings, ServerSettings
 
@@ -155,7 +156,8 @@ class ServerCommand:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ServerCommandError(f"unknown server args: {', '.join(unknown)}")
-        return cls(**{k: tuple(v) if k in ("gpus", "extra_args") else v for k, v in data.items()})
+        values: dict[str, Any] = {k: tuple(v) if k in ("gpus", "extra_args") else v for k, v in data.items()}
+        return cls(**values)
 
 
 def args_hash(args: ServerCommand, command: tuple[str, ...] | list[str] = SGLANG_SERVE) -> str:

@@ -91,9 +91,9 @@ class Runaway:
             return False
         self.next_check = tokens + w.check_every_tokens
         whole = text()
-        if not w.looping(whole):
+        if w.looping is None or not w.looping(whole):
             return False
-        start = w.loop_start(whole) if w.loop_start else len(whole)
+        start = w.loop_start(whole) if w.loop_start is not None else len(whole)
         self.loop_start_tokens = self.positions.at(start)
         return True
 
@@ -112,8 +112,9 @@ class Silence:
         await self._timer.__aenter__()
         return self
 
-    async def __aexit__(self, *exc) -> bool | None:
-        return await self._timer.__aexit__(*exc)
+    async def __aexit__(self, *exc) -> None:  # asyncio.Timeout suppresses nothing: it raises TimeoutError itself
+        if self._timer is not None:
+            await self._timer.__aexit__(*exc)
 
     @property
     def expired(self) -> bool:
@@ -131,10 +132,12 @@ class Silence:
         """The JSON events of an SSE response, until [DONE]; each read moves the deadline. Read by whatever the
         socket holds (one await for the events a read brings, not two per event as line by line)."""
         loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
+        if timer is None:
+            raise RuntimeError("Silence.events reads inside `async with silence:` only")
         rest = b""
         async for data in resp.content.iter_any():
             now = loop.time()
-            if not self.started or timer.when() - now < stall:  # cheap: the timer moves rarely
+            if not self.started or (timer.when() or now) - now < stall:  # cheap: the timer moves rarely
                 timer.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
                 self.started = True
             *whole, rest = (rest + data).split(b"\n\n")

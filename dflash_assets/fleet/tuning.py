@@ -84,7 +84,7 @@ class LoadSampler:
     def __init__(self, clients: Sequence[ServerClient], interval_s: float = 1.0, max_samples: int = 3600):
         self.clients = list(clients)
         self.interval_s = interval_s
-        self._samples = {c.url: deque(maxlen=max_samples) for c in self.clients}
+        self._samples: dict[str, deque[LoadSample]] = {c.url: deque(maxlen=max_samples) for c in self.clients}
         self._metrics: dict[str, bool] = {}  # url -> whether its /metrics answered
         self._task: asyncio.Task | None = None
         self._t0 = time.monotonic()
