@@ -58,8 +58,10 @@ def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | No
     cap_colors: dict[int, object] = {}
     for h, cap, rows, values in configs:
         label = f"{h} (cap {cap}): {rows:,} rows"
-        _, _, patches = ax.hist(values, bins=edges, histtype="step", linewidth=1.5, label=label)
-        cap_colors.setdefault(cap, patches[0].get_edgecolor())
+        # matplotlib's stubs: bins takes any array (not only a Sequence); a step histogram's patches are a list
+        _, _, patches = ax.hist(values, bins=edges, histtype="step", linewidth=1.5, label=label)  # type: ignore[arg-type]
+        if cap is not None:
+            cap_colors.setdefault(cap, patches[0].get_edgecolor())  # type: ignore[index, union-attr]
     for cap in caps:  # dashed, in the colour of the (first) config that has this cap
         ax.axvline(cap + 0.5, color=cap_colors[cap], linestyle="--", linewidth=1, label=f"cap {cap}")
     ax.set_xlabel("completion_tokens")

@@ -159,14 +159,14 @@ def open_quality_db(
     `max_length` is the trainer's window the rows are judged against."""
     con = duckdb.connect(":memory:")
     register_runaway(con, runaway)
-    data_dir = open_storage(data_dir)  # one filesystem for the four tables
+    storage = open_storage(data_dir)  # one filesystem for the four tables
     params = {"shard": shard, "config": config_hash}
     # the scope itself, for checks whose meaning depends on it (accounting: which configs a shard owes)
     con.execute("SET VARIABLE scope_config = $config::VARCHAR", {"config": config_hash})
     shard_ok = "($shard IS NULL OR shard = $shard)"
     config_ok = "($config IS NULL OR config_hash = $config)"
 
-    src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
+    src = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, shard)
     con.execute("SET VARIABLE trainer_max_length = $m", {"m": max_length})
     con.execute(
         f"CREATE TEMP TABLE completions AS SELECT *, {window_flags_sql(max_length)} FROM ("
@@ -174,20 +174,20 @@ def open_quality_db(
         f"FROM {src} WHERE {shard_ok} AND {config_ok})",
         params,
     )
-    src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA, shard)
+    src = parquet_source(con, storage, "rejects", REJECT_SCHEMA, shard)
     con.execute(
         "CREATE TEMP TABLE rejects AS SELECT shard, stage, line, prompt_id, config_hash, reason, prompt_tokens, "
         f"max_output_tokens, server_context_length, turn FROM {src} "
         f"WHERE {shard_ok} AND ({config_ok} OR stage = 'source')",
         params,
     )
-    src = parquet_source(con, data_dir, "failures", FAILURE_SCHEMA, shard)
+    src = parquet_source(con, storage, "failures", FAILURE_SCHEMA, shard)
     con.execute(
         f"CREATE TEMP TABLE failures AS SELECT shard, prompt_id, config_hash, error, attempts FROM {src} "
         f"WHERE {shard_ok} AND {config_ok}",
         params,
     )
-    src = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA, shard)
+    src = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard)
     con.execute(
         f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard FROM {src} WHERE {shard_ok}",
         {"shard": shard},

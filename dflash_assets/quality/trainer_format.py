@@ -107,7 +107,7 @@ def row_problem(
     if problem := conversation_problem(messages):
         return problem
     assistants = 0
-    for i, m in enumerate(messages):
+    for i, m in enumerate(messages or []):  # a list here: conversation_problem refused anything else
         if m.get("role") != "assistant":
             continue
         assistants += 1
