@@ -359,7 +359,8 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
 
-    say = lambda text="": console.print(text, highlight=False)  # noqa: E731 - figures, not syntax, to colour
+    # figures, not syntax, to colour; a soft wrap: a path or a command in these lines is never broken in two
+    say = lambda text="": console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
     if stops.errors:  # the first cause first; the same cause again is counted, not repeated
         first = stops.errors[0]
         say(f"[red]Failed[/]: {first.where}: {first.message}")

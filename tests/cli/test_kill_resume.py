@@ -37,15 +37,16 @@ SHARDS, SHARD_SIZE = 4, 6
 BOUND_S = 240  # a bound on a slow machine, never a timing the test relies on
 
 
-def completion_rows(data: Path) -> list[tuple[str, str]]:
-    """The committed rows while a run may be compacting: a part listed here can be deleted (its rows moved into the
+def completion_rows(data: Path) -> list[tuple[str, str, int | None]]:
+    """(prompt_id, config_hash, turn) of the committed rows (a row is one turn under all_turns, the default for a
+    multi-turn source), while a run may be compacting: a part listed here can be deleted (its rows moved into the
     compacted file) before it is read, so a vanished file means list again."""
     while True:
         files = sorted(str(p) for p in (data / "completions").rglob("*.parquet"))
         if not files:
             return []
         try:
-            return duckdb.sql(f"select prompt_id, config_hash from read_parquet({files!r})").fetchall()
+            return duckdb.sql(f"select prompt_id, config_hash, turn from read_parquet({files!r})").fetchall()
         except duckdb.IOException:
             if all(Path(f).exists() for f in files):
                 raise
@@ -121,7 +122,7 @@ def test_demo_killed_twice_mid_completions_then_run_again_finishes_with_every_pr
         assert again.wait(timeout=BOUND_S * 2) in (0, 3), (tmp_path / "again.txt").read_text()
     text = (tmp_path / "again.txt").read_text()
     rows = completion_rows(data)
-    assert len(rows) == len(set(rows)), "a kill -9 left duplicate (prompt_id, config_hash) rows"
+    assert len(rows) == len(set(rows)), "a kill -9 left duplicate (prompt_id, config_hash, turn) rows"
     assert {r[0] for r in rows} == accepted_prompt_ids(data), "a prompt was lost"
     assert len({r[1] for r in rows}) == 1
     # the killed runs: failed through the instance, with the reason, and the next command said so
