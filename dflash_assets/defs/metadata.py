@@ -43,6 +43,8 @@ class CheckKeys:
     FAILING = "failing"  # for people: "shard 00001, shard 00004", or "none"
     FAILING_SHARDS = "failing_shards"  # for code: a JSON list of the shard keys that fail (a shard-less run: [])
     SUMMARY = "summary"
+    JUDGED = "judged"  # for people: the config(s) judged (a shard run: the one its completions wrote)
+    VERDICTS = "verdicts"  # for code: a JSON list of {shard, config_hash, passed, superseded}, one per judgement
 
 
 class PromptShardKeys:

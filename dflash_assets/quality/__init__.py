@@ -6,7 +6,15 @@ as metadata; `dflash report` calls print_report.
 
 from dflash_assets.quality.export import EXCLUSION_REASONS, TrainingExport, export_training_set
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
-from dflash_assets.quality.registry import CHECKS, CHECKS_BY_NAME, CheckSpec, gate_passed, run_checks
+from dflash_assets.quality.registry import (
+    CHECKS,
+    CHECKS_BY_NAME,
+    CheckSpec,
+    ConfigVerdict,
+    gate_passed,
+    judge_each_config,
+    run_checks,
+)
 from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
 from dflash_assets.quality.tables import open_quality_db
 
@@ -17,6 +25,7 @@ __all__ = [
     "PERCENTILE_DEFINITION",
     "CheckOutcome",
     "CheckSpec",
+    "ConfigVerdict",
     "Finding",
     "Severity",
     "TrainingExport",
@@ -24,6 +33,7 @@ __all__ = [
     "completion_histogram_png",
     "export_training_set",
     "gate_passed",
+    "judge_each_config",
     "length_quality",
     "open_quality_db",
     "print_report",

@@ -1,5 +1,7 @@
 """Accounting: every prompt of a shard ends up completed, rejected or failed under each config, none missing."""
 
+from dataclasses import dataclass
+
 import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, num, pct, plural, share
@@ -12,10 +14,13 @@ WITH source_rejects AS (
     SELECT shard, count(*) AS n FROM prompts GROUP BY ALL
 ), shards AS (
     SELECT shard FROM prompt_rows UNION SELECT shard FROM rejects UNION SELECT shard FROM outcomes
+), every_outcome AS (
+    SELECT * FROM outcomes UNION ALL SELECT * FROM other_outcomes
 ), pairs AS (
-    SELECT DISTINCT s.shard, coalesce(getvariable('scope_config'), o.config_hash) AS config_hash
+    SELECT DISTINCT s.shard, coalesce(getvariable('scope_config'), o.config_hash) AS config_hash, true AS judged
     FROM shards s LEFT JOIN (SELECT DISTINCT shard, config_hash FROM outcomes) o
         ON o.shard = s.shard AND getvariable('scope_config') IS NULL
+    UNION ALL SELECT DISTINCT shard, config_hash, false FROM other_outcomes
 ), classified AS (
     SELECT shard, config_hash,
         count(*) FILTER (WHERE known AND outcome = 1) AS completed,
@@ -24,10 +29,10 @@ WITH source_rejects AS (
         count(*) FILTER (WHERE NOT known AND outcome = 1) AS orphans
     FROM (
         SELECT o.*, EXISTS (SELECT 1 FROM prompts p WHERE p.shard = o.shard AND p.prompt_id = o.prompt_id) AS known
-        FROM outcomes o
+        FROM every_outcome o
     ) GROUP BY ALL
 )
-SELECT pr.shard, pr.config_hash,
+SELECT pr.judged, pr.shard, pr.config_hash,
     coalesce(pw.n, 0) + coalesce(sr.n, 0) AS prompts,
     coalesce(c.completed, 0),
     coalesce(c.rejected, 0) + coalesce(sr.n, 0),
@@ -38,8 +43,11 @@ FROM pairs pr
 LEFT JOIN prompt_rows pw ON pw.shard = pr.shard
 LEFT JOIN source_rejects sr ON sr.shard = pr.shard
 LEFT JOIN classified c ON c.shard = pr.shard AND c.config_hash IS NOT DISTINCT FROM pr.config_hash
-ORDER BY pr.shard, pr.config_hash NULLS FIRST
+ORDER BY pr.judged DESC, pr.shard, pr.config_hash NULLS FIRST
 """
+
+# configs in the order they were first written (config_writes), the one that followed each
+WRITE_ORDER = "SELECT config_hash FROM config_writes ORDER BY first_written, last_written, config_hash"
 
 FIGURES = ("prompts", "completed", "rejected", "failed", "missing", "orphan_completions")
 
@@ -60,8 +68,15 @@ def accounting(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Find
     - orphan completions: distinct (shard, prompt_id, config_hash) completion keys with no prompt row in
       that shard; they cannot be traced to a prompt (nor exported), so they fail the check too.
     The check fails when any pair's missing share exceeds accounting_rate_max (default 0: any missing fails).
+
+    Superseded: with a config scope (the config being judged, the run's own), every other config of the scope's
+    shards that does not add up is `superseded`: reported with its counts and the config that followed it (the
+    next one first written after it, if any), and it never fails the check. It only ever fails its
+    own judgement, when it is the config judged (its own export).
     """
-    result = con.execute(PER_PAIR).fetchall()
+    everything = con.execute(PER_PAIR).fetchall()
+    result = [row[1:] for row in everything if row[0]]
+    superseded = superseded_configs([row[1:] for row in everything if not row[0]], con, quality)
     sums = dict.fromkeys(FIGURES, 0)
     per_config: dict[str, list[int]] = {}
     bad: list[str] = []
@@ -101,5 +116,56 @@ def accounting(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Find
             f"{plural(len(bad), 'pair')} do not add up (missing over {pct(quality.accounting_rate_max)} or orphans):\n"
             + bullets(bad)
         )
-    metadata: dict[str, MetadataValue] = {"pairs": len(result), **sums, "failing_pairs": len(bad)}
+    if superseded:
+        lines.append(
+            f"{plural(len(superseded), 'other config')} superseded (incomplete, not the one judged; blocks "
+            "nothing):\n" + bullets([s.line() for s in superseded])
+        )
+    metadata: dict[str, MetadataValue] = {
+        "pairs": len(result),
+        **sums,
+        "failing_pairs": len(bad),
+        "superseded_configs": len(superseded),
+        "superseded": ", ".join(s.config_hash for s in superseded),
+    }
     return Finding(not bad, "\n\n".join(lines), metadata)
+
+
+@dataclass(frozen=True)
+class Superseded:
+    """An incomplete config that is not the one judged: its counts over the scope's shards, and what followed it."""
+
+    config_hash: str
+    shards: int
+    prompts: int
+    completed: int
+    rejected: int
+    failed: int
+    missing: int
+    followed_by: str | None
+
+    def line(self) -> str:
+        after = f"followed by config `{self.followed_by}`" if self.followed_by else "no config followed it"
+        return (
+            f"config `{self.config_hash}`, superseded ({after}): over {plural(self.shards, 'shard')} "
+            f"{num(self.prompts)} prompts = {num(self.completed)} completed + {num(self.rejected)} rejected + "
+            f"{num(self.failed)} failed + {num(self.missing)} missing"
+        )
+
+
+def superseded_configs(
+    pairs: list[tuple], con: duckdb.DuckDBPyConnection, quality: QualitySettings
+) -> list[Superseded]:
+    """The other configs' (shard, config) pairs that do not add up, summed per config, in the order written."""
+    order = [h for (h,) in con.execute(WRITE_ORDER).fetchall()]
+    incomplete: dict[str, list[int]] = {}
+    for _shard, cfg, *figures in pairs:
+        prompts, completed, rejected, failed, missing, _orphans = figures
+        if share(missing, prompts) > quality.accounting_rate_max:
+            totals = incomplete.setdefault(cfg, [0] * 6)
+            totals[:] = [a + b for a, b in zip(totals, [1, prompts, completed, rejected, failed, missing])]
+    out = []
+    for cfg in sorted(incomplete, key=lambda h: (order.index(h) if h in order else len(order), h)):
+        later = order[order.index(cfg) + 1 :] if cfg in order else []
+        out.append(Superseded(cfg, *incomplete[cfg], later[0] if later else None))
+    return out

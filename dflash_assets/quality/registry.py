@@ -7,7 +7,7 @@ from typing import cast
 
 import duckdb
 
-from dflash_assets.quality.accounting import accounting
+from dflash_assets.quality.accounting import WRITE_ORDER, accounting
 from dflash_assets.quality.checks_content import empty_content, reasoning_misrouted, think_markers, truncated_thinking
 from dflash_assets.quality.checks_context import context_overflow
 from dflash_assets.quality.checks_integrity import config_consistency, duplicates
@@ -84,6 +84,37 @@ def run_checks(
         raise ValueError(f"unknown check names {sorted(unknown)}; the checks are {list(CHECKS_BY_NAME)}")
     with open_quality_db(data_dir, shard, config_hash, quality.runaway, quality.trainer.max_length) as con:
         return [spec.run(con, quality) for spec in CHECKS if spec.name in wanted]
+
+
+@dataclass(frozen=True)
+class ConfigVerdict:
+    """One config's outcomes, judged as the run's own config. `superseded`: incomplete while a newer config was
+    written; reported apart, it never fails a check result of the run (it still fails its own export)."""
+
+    config_hash: str | None
+    outcomes: list[CheckOutcome]
+    superseded: bool = False
+
+
+def judge_each_config(
+    data_dir: str | Path,
+    shard: str | None = None,
+    quality: QualitySettings = QualitySettings(),
+    names: Iterable[str] | None = None,
+) -> list[ConfigVerdict]:
+    """What a run with no config of its own (a checks-only run) judges: every config of the scope on its own, in
+    the order written. The configs the newest one's accounting calls superseded are marked so. A scope without a
+    config (nothing generated yet) is judged once, as run_checks does it."""
+    with open_quality_db(data_dir, shard) as con:
+        order = [h for (h,) in con.execute(WRITE_ORDER).fetchall()]
+    if not order:
+        return [ConfigVerdict(None, run_checks(data_dir, shard, None, quality, names))]
+    verdicts = {h: run_checks(data_dir, shard, h, quality, names) for h in order}
+    newest = next((o for o in verdicts[order[-1]] if o.name == "accounting"), None)
+    if newest is None:
+        (newest,) = run_checks(data_dir, shard, order[-1], quality, ["accounting"])
+    superseded = set(str(newest.metadata["superseded"]).split(", "))
+    return [ConfigVerdict(h, verdicts[h], h in superseded) for h in order]
 
 
 def gate_passed(outcomes: Iterable[CheckOutcome]) -> bool:

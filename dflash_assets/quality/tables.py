@@ -19,9 +19,14 @@ Tables (every one exists, empty when its directory has no files yet):
     prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
     outcomes     one row per (shard, config_hash, prompt_id) with any row in completions, preflight/server
                  rejects or failures: `outcome` 1 completed, 2 rejected, 3 failed (the first that applies)
+    other_outcomes  the same for every config but the scope's (empty without a config scope): what accounting
+                 reports as superseded
+    config_writes   config_hash, first_written, last_written of every config in the shard scope (whatever the
+                 config scope): its completion, preflight/server reject and failure rows' created_at
 
 Scope: `shard` reads only `<table>/shard=<key>/`; `config_hash` keeps that config's rows (and every
-source-stage reject, which comes before any config).
+source-stage reject, which comes before any config): the config being judged, the run's own. The other configs
+of the shards are only counted (other_outcomes, config_writes), never pooled into a figure.
 """
 
 from pathlib import Path
@@ -92,6 +97,27 @@ SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
     UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM rejects WHERE stage <> 'source'
     UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM failures
 ) GROUP BY ALL
+"""
+
+OTHER_OUTCOMES = """
+CREATE TEMP TABLE other_outcomes AS
+SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
+    SELECT shard, config_hash, prompt_id, 1 AS outcome FROM {completions}
+    UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM {rejects} WHERE stage <> 'source'
+    UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM {failures}
+) WHERE getvariable('scope_config') IS NOT NULL AND config_hash IS DISTINCT FROM getvariable('scope_config')
+    AND ($shard IS NULL OR shard = $shard)
+GROUP BY ALL
+"""
+
+CONFIG_WRITES = """
+CREATE TEMP TABLE config_writes AS
+SELECT config_hash, min(created_at) AS first_written, max(created_at) AS last_written FROM (
+    SELECT shard, config_hash, created_at FROM {completions}
+    UNION ALL SELECT shard, config_hash, created_at FROM {rejects} WHERE stage <> 'source'
+    UNION ALL SELECT shard, config_hash, created_at FROM {failures}
+) WHERE $shard IS NULL OR shard = $shard
+GROUP BY ALL
 """
 
 
@@ -166,7 +192,15 @@ def open_quality_db(
     shard_ok = "($shard IS NULL OR shard = $shard)"
     config_ok = "($config IS NULL OR config_hash = $config)"
 
-    src = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, shard)
+    sources = {
+        table: parquet_source(con, storage, table, schema, shard)
+        for table, schema in (
+            ("completions", COMPLETION_SCHEMA),
+            ("rejects", REJECT_SCHEMA),
+            ("failures", FAILURE_SCHEMA),
+        )
+    }
+    src = sources["completions"]
     con.execute("SET VARIABLE trainer_max_length = $m", {"m": max_length})
     con.execute(
         f"CREATE TEMP TABLE completions AS SELECT *, {window_flags_sql(max_length)} FROM ("
@@ -174,14 +208,14 @@ def open_quality_db(
         f"FROM {src} WHERE {shard_ok} AND {config_ok})",
         params,
     )
-    src = parquet_source(con, storage, "rejects", REJECT_SCHEMA, shard)
+    src = sources["rejects"]
     con.execute(
         "CREATE TEMP TABLE rejects AS SELECT shard, stage, line, prompt_id, config_hash, reason, prompt_tokens, "
         f"max_output_tokens, server_context_length, turn FROM {src} "
         f"WHERE {shard_ok} AND ({config_ok} OR stage = 'source')",
         params,
     )
-    src = parquet_source(con, storage, "failures", FAILURE_SCHEMA, shard)
+    src = sources["failures"]
     con.execute(
         f"CREATE TEMP TABLE failures AS SELECT shard, prompt_id, config_hash, error, attempts FROM {src} "
         f"WHERE {shard_ok} AND {config_ok}",
@@ -193,4 +227,6 @@ def open_quality_db(
         {"shard": shard},
     )
     con.execute(OUTCOMES)
+    con.execute(OTHER_OUTCOMES.format(**sources), {"shard": shard})
+    con.execute(CONFIG_WRITES.format(**sources), {"shard": shard})
     return con

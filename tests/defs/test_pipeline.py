@@ -373,8 +373,12 @@ def test_raising_the_cap_keeps_the_old_rows_tagged_and_adds_the_new_configs_besi
     assert set(before) <= set(after), "the 4096 rows are kept as they were"
     meta = second.asset_materializations_for_node("completions")[0].metadata
     assert meta["already_done"].value == 0 and meta["completed"].value == 30
+    # the run judges the config it wrote, alone: the 4096 rows beside it are never pooled into its figures
     mix = [e for e in second.get_asset_check_evaluations() if e.check_name == "config_consistency"][0]
-    assert not mix.passed and mix.severity == dg.AssetCheckSeverity.WARN
+    assert mix.passed and mix.metadata["judged"].text == meta["config_hash"].text, mix.metadata
+    assert mix.metadata["verdicts"].value == [
+        {"shard": "00000", "config_hash": meta["config_hash"].text, "passed": True, "superseded": False}
+    ]
 
 
 def test_the_api_key_never_reaches_the_event_log_metadata_or_run_config(tmp_path, monkeypatch):

@@ -172,3 +172,60 @@ def test_parts_a_compaction_already_holds_are_read_once(tmp_path):
     assert outcomes["duplicates"].passed
     assert outcomes["truncation_rate"].metadata["rows"] == 10
     assert export_training_set(tmp_path, tmp_path / "out").manifest["rows"] == 10
+
+
+def story_configs(data_dir, shards=("s0", "s1")):
+    """The story's configs in two shards: a4096 killed part-way (6 of 10 prompts of s1 done), then b8192 run to
+    the end; c8192 wrote between them and stopped after 2 prompts of s1. Written in that order (created_at)."""
+    from datetime import timedelta
+
+    from tests.support.quality_data import CONFIG_B, CONFIG_C, T0
+
+    for shard in shards:
+        ps = [prompt(shard, i, 100, "gsm8k") for i in range(10)]
+        write(data_dir, "prompt_shards", shard, ps)
+        done_a = ps if shard == "s0" else ps[:6]
+        rows = [completion(p, CONFIG_A, 50) for p in done_a]
+        rows += [completion(p, CONFIG_C, 50, created_at=T0 + timedelta(hours=1)) for p in ps[:2] if shard == "s1"]
+        rows += [completion(p, CONFIG_B, 50, created_at=T0 + timedelta(hours=2)) for p in ps]
+        write(data_dir, "completions", shard, rows)
+    return data_dir
+
+
+def test_an_incomplete_config_that_is_not_the_one_judged_is_superseded_with_its_counts_and_blocks_nothing(tmp_path):
+    data_dir = story_configs(tmp_path)
+    outcomes = run_checks(data_dir, config_hash="b8192")
+    (accounting,) = [o for o in outcomes if o.name == "accounting"]
+    assert accounting.passed and gate_passed(outcomes), accounting.summary_md
+    m = accounting.metadata
+    assert (m["superseded_configs"], m["superseded"], m["missing"], m["failing_pairs"]) == (2, "a4096, c8192", 0, 0)
+    # each with its own counts (only the shard where it is incomplete) and the config written after it
+    assert (
+        "config `a4096`, superseded (followed by config `c8192`): over 1 shard 10 prompts = 6 completed + "
+        "0 rejected + 0 failed + 4 missing"
+    ) in accounting.summary_md, accounting.summary_md
+    assert (
+        "config `c8192`, superseded (followed by config `b8192`): over 1 shard 10 prompts = 2 completed + "
+        "0 rejected + 0 failed + 8 missing"
+    ) in accounting.summary_md, accounting.summary_md
+    # the judged config's own figures are its own: 20 prompts, all completed, none pooled from the others
+    assert (m["pairs"], m["prompts"], m["completed"]) == (2, 20, 20)
+
+
+def test_a_superseded_config_judged_itself_fails_its_own_accounting_and_a_complete_one_is_not_superseded(tmp_path):
+    data_dir = story_configs(tmp_path)
+    accounting = check(data_dir, "accounting", config_hash="a4096")
+    assert not accounting.passed and accounting.metadata["missing"] == 4, accounting.summary_md
+    assert pair_line("s1", "a4096", (10, 6, 0, 0, 4, 0)) in accounting.summary_md
+    # c8192 is incomplete too and not judged: superseded, followed by b8192; b8192 is complete: not listed
+    assert accounting.metadata["superseded"] == "c8192", accounting.summary_md
+    assert "config `b8192`, superseded" not in accounting.summary_md
+    # judged per shard, a shard where the config is complete is complete, and there nothing is superseded
+    s0 = check(data_dir, "accounting", shard="s0", config_hash="b8192")
+    assert s0.passed and s0.metadata["superseded_configs"] == 0, s0.summary_md
+
+
+def test_without_a_config_to_judge_every_config_is_judged_and_none_is_superseded(tmp_path):
+    accounting = check(story_configs(tmp_path), "accounting")
+    assert not accounting.passed and accounting.metadata["superseded_configs"] == 0
+    assert accounting.metadata["failing_pairs"] == 2, accounting.summary_md  # a4096 and c8192 in s1

@@ -1,6 +1,9 @@
 """The quality gate, as asset checks on length_quality_report: every check of `quality.CHECKS` from one DuckDB pass.
 
-In a shard's run the checks look at that shard; in a checks-only run (the schedule) at every shard.
+A shard's run judges the config that run wrote (read from the same run's `completions` materialisations); a
+checks-only run (the sensor, the schedule) judges every config on its own and reports each one apart. Either way
+a config's failure is its own: an incomplete config that is not the one judged is `superseded` (accounting says
+so, with its counts) and never fails another's result.
 They sit on length_quality_report, the shard's measured figures they judge, not on completions: a blocking
 check stops only the assets downstream of the asset it checks (Dagster wires the failed check step in front
 of them), so on completions it stopped the report itself, on exactly the shards whose figures a person needs.
@@ -10,11 +13,22 @@ the training set, which is downstream of the report.
 
 import dagster as dg
 
-from dflash_assets.defs.metadata import CheckKeys
+from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.metadata import CheckKeys, ShardRunKeys
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
-from dflash_assets.quality import CHECKS, CheckOutcome, run_checks
+from dflash_assets.quality import CHECKS, CheckOutcome, ConfigVerdict, judge_each_config, run_checks
 from dflash_assets.settings import QualitySettings
+
+
+def configs_written_by_run(context: dg.AssetCheckExecutionContext) -> dict[str, str]:
+    """shard -> the config_hash this run's `completions` wrote there (its materialisations' metadata)."""
+    written = {}
+    for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION):
+        m = entry.asset_materialization
+        if m and m.asset_key == completions.key and m.partition and ShardRunKeys.CONFIG_HASH in m.metadata:
+            written[m.partition] = m.metadata[ShardRunKeys.CONFIG_HASH].value
+    return written
 
 
 @dg.multi_asset_check(
@@ -35,29 +49,56 @@ def completions_quality_checks(
     else:
         scopes = [None]
     selected = {key.name for key in context.selected_asset_check_keys}
-    by_name: dict[str, list[tuple[str | None, CheckOutcome]]] = {}  # check -> (shard, or None for all shards, outcome)
-    quality_settings = QualitySettings.taken_from(quality)
+    quality_settings, root = QualitySettings.taken_from(quality), data_dir.resolved()
+    written = configs_written_by_run(context) if scopes != [None] else {}
+    verdicts: list[tuple[str | None, ConfigVerdict]] = []
     for shard in scopes:
-        for outcome in run_checks(data_dir.resolved(), shard=shard, quality=quality_settings, names=selected):
-            by_name.setdefault(outcome.name, []).append((shard, outcome))
-    where = lambda shard: f"shard {shard}" if shard else "all shards"  # noqa: E731 - for people, never parsed
+        if shard in written:  # the run's own config; every other incomplete one is superseded
+            verdicts.append(
+                (
+                    shard,
+                    ConfigVerdict(written[shard], run_checks(root, shard, written[shard], quality_settings, selected)),
+                )
+            )
+        else:  # no config of its own here: every config, each judged apart
+            verdicts += [(shard, v) for v in judge_each_config(root, shard, quality_settings, selected)]
+    by_name: dict[str, list[tuple[str | None, ConfigVerdict, CheckOutcome]]] = {}
+    for shard, verdict in verdicts:
+        for outcome in verdict.outcomes:
+            by_name.setdefault(outcome.name, []).append((shard, verdict, outcome))
+    shard_text = lambda shard: f"shard {shard}" if shard else "all shards"  # noqa: E731 - for people, never parsed
+    where = lambda shard, v: shard_text(shard) + (f", config {v.config_hash}" if v.config_hash else "")  # noqa: E731
+    configs = ", ".join(dict.fromkeys(v.config_hash or "(none)" for _, v in verdicts))
     for name, results in by_name.items():
-        failing = [(shard, o) for shard, o in results if not o.passed]
-        first, worst = failing[0] if failing else results[0]
-        label = ", ".join(where(s) for s, _ in results) if len(results) <= 3 else f"{len(results)} shards"
+        failing = [(s, v, o) for s, v, o in results if not o.passed and not v.superseded]
+        first, verdict, worst = failing[0] if failing else results[-1]
+        shards = list(dict.fromkeys(s for s, _, _ in results))
+        label = ", ".join(shard_text(s) for s in shards) if len(shards) <= 3 else f"{len(shards)} shards"
         yield dg.AssetCheckResult(
             check_name=name,
             asset_key=length_quality_report.key,
             passed=not failing,
             severity=dg.AssetCheckSeverity(worst.severity),
-            description=f"{where(first)}: " + worst.summary_md.split("\n", 1)[0],
+            description=f"{where(first, verdict)}: " + worst.summary_md.split("\n", 1)[0],
             metadata={
+                **worst.metadata,  # the worst judgement's own figures; the run's keys below never give way to them
                 CheckKeys.SCOPE: label,
-                CheckKeys.FAILING: ", ".join(where(s) for s, _ in failing) or "none",
-                CheckKeys.FAILING_SHARDS: dg.MetadataValue.json([s for s, _ in failing if s]),
-                CheckKeys.SUMMARY: dg.MetadataValue.md(
-                    "\n\n".join(f"**{where(s)}**: {o.summary_md}" for s, o in results)
+                CheckKeys.JUDGED: configs,
+                CheckKeys.FAILING: ", ".join(where(s, v) for s, v, _ in failing) or "none",
+                CheckKeys.FAILING_SHARDS: dg.MetadataValue.json(list(dict.fromkeys(s for s, _, _ in failing if s))),
+                CheckKeys.VERDICTS: dg.MetadataValue.json(
+                    [
+                        {"shard": s, "config_hash": v.config_hash, "passed": o.passed, "superseded": v.superseded}
+                        for s, v, o in results
+                    ]
                 ),
-                **worst.metadata,
+                CheckKeys.SUMMARY: dg.MetadataValue.md(
+                    "\n\n".join(
+                        f"**{where(s, v)}**"
+                        + (" (superseded: reported apart, blocks nothing)" if v.superseded else "")
+                        + f": {o.summary_md}"
+                        for s, v, o in results
+                    )
+                ),
             },
         )
