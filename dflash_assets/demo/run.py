@@ -39,7 +39,7 @@ from dflash_assets.defs.metadata import (
     TrainingSetKeys,
 )
 from dflash_assets.defs.partitions import SHARDS, SHARDS_PER_RUN
-from dflash_assets.defs.prompts.sensors import missing_shards
+from dflash_assets.defs.prompts.sensors import shard_changes
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.quality.console import console_for_output, verbatim
@@ -241,14 +241,30 @@ def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
     }
 
 
-def known_shards(instance: dg.DagsterInstance) -> list[str]:
-    """Add a partition for every shard of the prompt source, and return all of them."""
+def prompt_source() -> PromptSourceResource:
     # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
-    source = PromptSourceResource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
-    new = missing_shards(instance, source)
+    return PromptSourceResource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
+
+
+def known_shards(instance: dg.DagsterInstance) -> list[str]:
+    """The shards of the prompt source: the instance's partitions made to follow it (defs/prompts/sensors.py)."""
+    keys, new, past_end = shard_changes(instance, prompt_source(), data_dir())
     if new:
         instance.add_dynamic_partitions(SHARDS, new)
-    return list(instance.get_dynamic_partitions(SHARDS))
+    for key in past_end:
+        instance.delete_dynamic_partition(SHARDS, key)
+    return keys
+
+
+def source_refused(command: str, console: Console) -> bool:
+    """Say (one line, exit 2) why the prompt source may not write into the data dir, before anything is written."""
+    from dflash_assets.generation.shards import source_refusal
+
+    source = prompt_source()
+    refusal = source_refusal(source.resolved(), source.shard_size, data_dir().resolved())
+    if refusal:
+        console.print(f"[red]dflash {command}:[/] {refusal}", highlight=False, soft_wrap=True)
+    return refusal is not None
 
 
 def run_shards(
@@ -492,6 +508,8 @@ def run_demo(
     """The whole pipeline over every shard; `again(overrides)`: the flags that repeat `completions`, changed by
     `overrides`, in the next command."""
     console = console or console_for_output()
+    if source_refused("demo", console):
+        return BAD_CONFIG
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
     window = Window.of(completions)
@@ -556,6 +574,8 @@ def run_backfill(
     again: Callable[[dict], str] = lambda overrides: "",
 ) -> int:
     console = console or console_for_output()
+    if source_refused("backfill", console):
+        return BAD_CONFIG
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
     first, last = first or shards[0], last or shards[-1]

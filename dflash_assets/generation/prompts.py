@@ -405,6 +405,32 @@ def read_shard(
         yield item
 
 
+def shard_fingerprint(path: Path, index: int, shard_size: int, lines: int | None = None) -> tuple[int, str]:
+    """(lines, fingerprint) of shard `index`: a hash of its raw lines (JSONL bytes, or Parquet rows as canonical
+    JSON), or of only its first `lines` of them: what a prompt shard records of its source (store/source.py)."""
+    path = Path(path)
+    _check_file(path)
+    start = index * shard_size
+    stop = start + (shard_size if lines is None else min(lines, shard_size))
+    digest, n = hashlib.sha256(), 0
+    if path.suffix == ".parquet":
+        pf, row = _parquet_file(path), 0
+        for batch in pf.iter_batches(batch_size=4096):
+            for record in batch.to_pylist():
+                if start <= row < stop:
+                    digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
+                    n += 1
+                row += 1
+            if row >= stop:
+                break
+    else:
+        with path.open("rb") as f:
+            for raw in itertools.islice(f, start, stop):
+                digest.update(raw.rstrip(b"\r\n") + b"\n")  # a final line without its newline is the same line
+                n += 1
+    return n, digest.hexdigest()[:16]
+
+
 def format_counts(items: list[Prompt | SourceReject]) -> dict[str, int]:
     """How many prompts of each format a shard held (the detected format, shown in prompt_shards metadata)."""
     counts: dict[str, int] = {}

@@ -18,8 +18,48 @@ from dflash_assets.generation.prompts import (
     canonical_json,
     format_counts,
     read_shard,
+    shard_fingerprint,
+    shard_keys,
 )
+from dflash_assets.store.source import ShardSource, has_completions, recorded_sources
+from dflash_assets.store.storage import open_storage
 from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject_store
+
+
+def source_refusal(source: Path, shard_size: int, data_dir: str | Path, shards: list[str] | None = None) -> str | None:
+    """Why `source` cut at `shard_size` may not write into `data_dir` (one line, with the fix), or None.
+
+    A data dir belongs to the prompt source its shards record (store/source.py): another path is refused outright;
+    the same path is refused where a shard that has completions would change under them (other lines, another
+    shard size). A source that grew (more lines, the same first ones) only adds shards. `shards`: only these.
+    """
+    source, where = Path(source).resolve(), open_storage(data_dir)
+    recorded = recorded_sources(where)
+    fix = f"set DFLASH_DATA_DIR to a new directory for {source}"
+    others = sorted({r.path for r in recorded.values()} - {str(source)})
+    if others:
+        return (
+            f"data dir {where} holds the prompt shards of {others[0]}, not of {source}: a data dir belongs to one "
+            f"prompt source; {fix} (or give --prompts {others[0]} to go on with it)"
+        )
+    keys = set(shard_keys(source, shard_size))
+    for shard, record in recorded.items():
+        if (shards is not None and shard not in shards) or not has_completions(where, shard):
+            continue  # a shard without completions is rebuilt from the source as it is now
+        if record.shard_size != shard_size:
+            return (
+                f"data dir {where}: its shards of {source} were cut at DFLASH_SHARD_SIZE {record.shard_size}, not "
+                f"{shard_size}, and shard {shard} has completions; set DFLASH_SHARD_SIZE={record.shard_size}, or "
+                f"{fix} cut at {shard_size}"
+            )
+        now = shard_fingerprint(source, int(shard), shard_size, record.lines) if shard in keys else (0, "none")
+        if now != (record.lines, record.fingerprint):
+            return (
+                f"data dir {where}: the lines of shard {shard} changed under its completions: {source} as recorded "
+                f"({record.lines} lines, fingerprint {record.fingerprint}) is not {source} as it is now ({now[0]} of "
+                f"them, fingerprint {now[1]}); restore the file, or {fix} as it is now"
+            )
+    return None
 
 
 @dataclass(frozen=True)
@@ -114,7 +154,9 @@ async def build_prompt_shard(
         for r in results
         if isinstance(r, SourceReject)
     ]
-    prompt_store(data_dir, shard).replace(prompts, "prompts.parquet")
+    lines, fingerprint = shard_fingerprint(source, index, shard_size)
+    record = ShardSource(str(Path(source).resolve()), shard_size, lines, fingerprint)
+    prompt_store(data_dir, shard).replace(prompts, "prompts.parquet", record.metadata())
     reject_store(data_dir, shard, "source").replace(rejects, "rejects.parquet")
     reasons: dict[str, int] = {}
     for r in rejects:

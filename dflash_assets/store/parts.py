@@ -105,11 +105,13 @@ class PartStore:
         self.storage.sync(self.dir)
         return out
 
-    def replace(self, rows: list[dict], name: str) -> None:
-        """A whole-file table (rejects, failures): replace `name` atomically, or remove it when empty."""
+    def replace(self, rows: list[dict], name: str, metadata: dict[bytes, bytes] | None = None) -> None:
+        """A whole-file table (rejects, failures): replace `name` atomically, or remove it when empty. `metadata`
+        goes into the file's Parquet schema, committed with its rows (store/source.py)."""
         path = self.dir / name
         if rows:
-            self.storage.write_table(pa.Table.from_pylist(rows, schema=self.schema), path)
+            schema = self.schema.with_metadata(metadata) if metadata else self.schema
+            self.storage.write_table(pa.Table.from_pylist(rows, schema=schema), path)
         elif self.storage.exists(path):
             self.storage.delete(path)
             self.storage.sync(self.dir)

@@ -6,7 +6,7 @@ from dflash_assets.defs.faults import named_stops
 from dflash_assets.defs.metadata import PromptShardKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
-from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.generation.shards import build_prompt_shard, source_refusal
 from dflash_assets.settings import GenerationSettings
 
 
@@ -27,6 +27,12 @@ def prompt_shards(
     bad = [shard for shard in context.partition_keys if not shard.isdigit()]
     if bad:
         raise dg.Failure(f"shard key {bad[0]!r} is not a shard number such as '00003'")
+    # before anything is written: a data dir belongs to one prompt source (store/source.py)
+    refusal = source_refusal(
+        prompt_source.resolved(), prompt_source.shard_size, data_dir.resolved(), list(context.partition_keys)
+    )
+    if refusal:
+        raise dg.Failure(refusal, allow_retries=False, metadata={"cause": "config"})
 
     async def build_range(connected):
         # one connection for the whole range: connecting waits for every server's /health (>= 1 s on 0.5.23),
