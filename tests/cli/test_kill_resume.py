@@ -17,6 +17,7 @@ import os
 import signal
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import dagster as dg
@@ -25,6 +26,9 @@ import psutil
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
+from dflash_assets.defs.resources import DataDirResource, QualityResource
+from dflash_assets.defs.training.assets import drafter_training_set
+from dflash_assets.quality import CHECKS
 from tests.support.cli import Command, start
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 from tests.support.forks import start_emulator
@@ -132,18 +136,92 @@ def test_demo_killed_twice_mid_completions_then_run_again_finishes_with_every_pr
     assert not [r for r in runs(home) if not r.is_finished], "a run is left STARTED"
 
 
-def test_the_story_a_killed_backfill_then_the_bump_to_8192_stops_in_preflight_naming_the_context(tmp_path, project):
+def test_the_story_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384_finishes_8192_4096_superseded(
+    tmp_path, project
+):
     home, data, env = project
-    with start_emulator([*SLOW, "--context-length", "8192"]) as emu:
-        env = {**env, "DFLASH_FLEET_URLS": emu.url}
-        kill_mid_completions(["backfill", "--max-output-tokens", "4096"], env, data, emu.url, tmp_path / "kill.txt")
+    with (
+        start_emulator([*SLOW, "--context-length", "8192"]) as a,
+        start_emulator([*SLOW, "--context-length", "8192"]) as b,
+    ):
+        env = {**env, "DFLASH_FLEET_URLS": f"{a.url},{b.url}"}
+        before = len(completion_rows(data))
+        # a part per row: the kill lands after the first, with the rest of its shard in flight or queued
+        killed = start(
+            "backfill", "--max-output-tokens", "4096", "--commit-rows", "1", out=tmp_path / "kill.txt", env=env
+        )
+        wait_until(
+            lambda: len(completion_rows(data)) > before,
+            "a part of completions committed",
+            killed,
+            tmp_path / "kill.txt",
+        )
+        for url in (a.url, b.url):
+            set_faults(url, {"hold": True})  # what is in flight stays in flight: the kill lands mid-shard
+        kill_group(killed)
         bump = start("backfill", "--max-output-tokens", "8192", out=tmp_path / "bump.txt", env=env)
         status = bump.wait(timeout=BOUND_S)
     text = (tmp_path / "bump.txt").read_text()
     assert status == 2, text
     assert "Stopped before any request was sent" in text and "Next: restart the servers with --context-length" in text
+    (old,) = {r[1] for r in completion_rows(data)}
+    old_rows = len(completion_rows(data))
+    assert 0 < old_rows < SHARDS * SHARD_SIZE, old_rows
+    # the servers relaunched at 16384 (fast, answers under 3,000 tokens), the 8192 backfill run to the end
+    fast = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
+    with (
+        start_emulator([*fast, "--context-length", "16384"]) as a,
+        start_emulator([*fast, "--context-length", "16384"]) as b,
+    ):
+        env = {**env, "DFLASH_FLEET_URLS": f"{a.url},{b.url}"}
+        relaunch = start("backfill", "--max-output-tokens", "8192", out=tmp_path / "relaunch.txt", env=env)
+        status = relaunch.wait(timeout=BOUND_S)
+    text = (tmp_path / "relaunch.txt").read_text()
+    assert status == 0, text  # no blocking check of the 8192 config fails, and the 4096 one stops nothing
     rows = completion_rows(data)
-    assert len(rows) == len(set(rows)) and {r[1] for r in rows} and len({r[1] for r in rows}) == 1
+    new = [pid for pid, config in rows if config != old]
+    assert len(new) == len(set(new)) and set(new) == accepted_prompt_ids(data), "every prompt once at 8192"
+    (config,) = {c for _, c in rows} - {old}
+    # the relaunch's check step judged the 8192 config it wrote, and reported the 4096 one superseded with its counts
+    with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        last = [
+            r for r in instance.get_runs() if r.job_name == "shard_pipeline" and r.status == dg.DagsterRunStatus.SUCCESS
+        ]
+        evaluations = [
+            e.dagster_event.event_specific_data
+            for r in last
+            for e in instance.all_logs(r.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        ]
+        blocking = {c.name for c in CHECKS if c.blocking}
+        judged = [e for e in evaluations if e.check_name in blocking]
+        assert judged and all(e.passed for e in judged), [(e.check_name, e.description) for e in judged if not e.passed]
+        assert {e.metadata["judged"].text for e in judged} == {config}
+        superseded = [e for e in evaluations if e.check_name == "accounting" and e.metadata["superseded"].text]
+        assert superseded and {e.metadata["superseded"].text for e in superseded} == {old}
+        by_shard = Counter(shard_of(pid) for pid, c in completion_rows(data) if c == old)
+        assert any(done < SHARD_SIZE for done in by_shard.values()), by_shard
+        summaries = "\n".join(e.metadata["summary"].value for e in superseded)
+        for shard, done in by_shard.items():
+            if done < SHARD_SIZE:
+                assert f"**shard {shard}, config {config}**" in summaries, summaries
+                assert (
+                    f"config `{old}`, superseded (followed by config `{config}`): over 1 shard {SHARD_SIZE} prompts = "
+                    f"{done} completed + 0 rejected + 0 failed + {SHARD_SIZE - done} missing"
+                ) in summaries, summaries
+        # the training set of the 8192 config: the gated export, materialised as `dflash demo` does, passes its gate
+        export = dg.materialize(
+            [drafter_training_set],
+            instance=instance,
+            resources={"data_dir": DataDirResource(path=str(data)), "quality": QualityResource()},
+            run_config={"ops": {"drafter_training_set": {"config": {"config_hash": config}}}},
+        )
+    meta = export.asset_materializations_for_node("drafter_training_set")[0].metadata
+    assert meta["dagster/row_count"].value == len(new) and meta["config_hash"].text == config
+
+
+def shard_of(prompt_id: str) -> str:
+    """The shard of a prompt of the project's source: line i of it is prompt k<i>, in shard i // SHARD_SIZE."""
+    return f"{int(prompt_id.removeprefix('k')) // SHARD_SIZE:05d}"
 
 
 def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_when_the_holder_is_killed(

@@ -67,6 +67,8 @@ def drafter_training_set(
     chosen = {"": most_rows_config(root), "all": None}.get(config.config_hash, config.config_hash)
     if config.config_hash == "" and chosen is None:
         raise dg.Failure("there are no completions to export")
+    # the config exported is the config judged, as in a shard run: another incomplete one is superseded, never
+    # blocking it; 'all' judges every config (an incomplete one blocks it: its rows would be exported too)
     outcomes = run_checks(root, config_hash=chosen, quality=quality_settings)
     if not gate_passed(outcomes):
         failing = [o for o in outcomes if o.blocking and not o.passed]
