@@ -422,3 +422,35 @@ def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
     assert [r.job_name for r in first.run_requests] == [None]
     assert first.run_requests[0].tags["dflash/trigger"] == "completions 00000"
     assert again.run_requests == [], "the same materialisation does not trigger twice"
+
+
+def test_a_checks_only_run_judges_every_config_apart_and_a_superseded_one_fails_no_result(tmp_path):
+    from dflash_assets.defs.quality.assets import length_quality_report
+    from dflash_assets.defs.quality.checks import completions_quality_checks
+    from dflash_assets.defs.resources import DataDirResource
+    from tests.support.quality_data import story_configs
+
+    story_configs(tmp_path / "data")  # a4096 and c8192 left incomplete in s1, then b8192 run to the end
+    checks = dg.Definitions(
+        assets=[length_quality_report],
+        asset_checks=[completions_quality_checks],
+        jobs=[dg.define_asset_job("checks", selection=dg.AssetSelection.checks_for_assets(length_quality_report))],
+        resources={"data_dir": DataDirResource(path=str(tmp_path / "data")), "quality": QualityResource()},
+    )
+    with dagster_run.instance() as instance:
+        result = checks.resolve_job_def("checks").execute_in_process(instance=instance)
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    accounting = evaluations["accounting"]
+    assert accounting.passed, accounting.description
+    assert accounting.metadata[CheckRun.JUDGED].text == "a4096, c8192, b8192"  # in the order written
+    assert accounting.metadata[CheckRun.VERDICTS].value == [
+        {"shard": None, "config_hash": "a4096", "passed": False, "superseded": True},
+        {"shard": None, "config_hash": "c8192", "passed": False, "superseded": True},
+        {"shard": None, "config_hash": "b8192", "passed": True, "superseded": False},
+    ]
+    summary = accounting.metadata[CheckRun.SUMMARY].value
+    assert "**all shards, config a4096** (superseded: reported apart, blocks nothing)" in summary, summary
+    assert "config `a4096`, superseded (followed by config `c8192`)" in summary
+    # every config judged apart: none of them pooled, so none mixes configs
+    assert evaluations["config_consistency"].passed
+    assert all(e.passed for e in evaluations.values() if e.check_name in {c.name for c in CHECKS if c.blocking})

@@ -8,7 +8,7 @@ from dflash_assets.quality import CHECKS, export_training_set, gate_passed, run_
 from dflash_assets.settings import QualitySettings
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA
-from tests.support.quality_data import CONFIG_A, completion, load, prompt, write
+from tests.support.quality_data import CONFIG_A, completion, load, prompt, story_configs, write
 
 
 def expected_accounting(data_dir, config=None):
@@ -172,24 +172,6 @@ def test_parts_a_compaction_already_holds_are_read_once(tmp_path):
     assert outcomes["duplicates"].passed
     assert outcomes["truncation_rate"].metadata["rows"] == 10
     assert export_training_set(tmp_path, tmp_path / "out").manifest["rows"] == 10
-
-
-def story_configs(data_dir, shards=("s0", "s1")):
-    """The story's configs in two shards: a4096 killed part-way (6 of 10 prompts of s1 done), then b8192 run to
-    the end; c8192 wrote between them and stopped after 2 prompts of s1. Written in that order (created_at)."""
-    from datetime import timedelta
-
-    from tests.support.quality_data import CONFIG_B, CONFIG_C, T0
-
-    for shard in shards:
-        ps = [prompt(shard, i, 100, "gsm8k") for i in range(10)]
-        write(data_dir, "prompt_shards", shard, ps)
-        done_a = ps if shard == "s0" else ps[:6]
-        rows = [completion(p, CONFIG_A, 50) for p in done_a]
-        rows += [completion(p, CONFIG_C, 50, created_at=T0 + timedelta(hours=1)) for p in ps[:2] if shard == "s1"]
-        rows += [completion(p, CONFIG_B, 50, created_at=T0 + timedelta(hours=2)) for p in ps]
-        write(data_dir, "completions", shard, rows)
-    return data_dir
 
 
 def test_an_incomplete_config_that_is_not_the_one_judged_is_superseded_with_its_counts_and_blocks_nothing(tmp_path):

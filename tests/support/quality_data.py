@@ -181,6 +181,20 @@ def build_story(data_dir: Path) -> Path:
     return data_dir
 
 
+def story_configs(data_dir, shards=("s0", "s1")):
+    """The story's configs in two shards: a4096 killed part-way (6 of 10 prompts of s1 done), then b8192 run to
+    the end; c8192 wrote between them and stopped after 2 prompts of s1. Written in that order (created_at)."""
+    for shard in shards:
+        ps = [prompt(shard, i, 100, "gsm8k") for i in range(10)]
+        write(data_dir, "prompt_shards", shard, ps)
+        done_a = ps if shard == "s0" else ps[:6]
+        rows = [completion(p, CONFIG_A, 50) for p in done_a]
+        rows += [completion(p, CONFIG_C, 50, created_at=T0 + timedelta(hours=1)) for p in ps[:2] if shard == "s1"]
+        rows += [completion(p, CONFIG_B, 50, created_at=T0 + timedelta(hours=2)) for p in ps]
+        write(data_dir, "completions", shard, rows)
+    return data_dir
+
+
 def load(data_dir: Path, table: str) -> list[dict]:
     """Every row of a table, read with pyarrow, no DuckDB involved."""
     files = sorted((data_dir / table).rglob("*.parquet"))
