@@ -474,6 +474,20 @@ def policy_text(window: Window) -> str:
     return f"{policy}trainer's window max_length {window.trainer_max_length}"
 
 
+def print_superseded(stops: Stops, console: Console, window: Window) -> None:
+    """One line per other config left incomplete beside the run's own: superseded, with its counts, blocking nothing
+    (accounting's judgement of the run's config over every shard, quality/accounting.py)."""
+    from dflash_assets.quality import run_checks
+
+    for config_hash in sorted(stops.config_hashes):
+        (o,) = run_checks(
+            data_dir().resolved(), config_hash=config_hash, thresholds=window.thresholds(), names=["accounting"]
+        )
+        for line in o.summary_md.splitlines():
+            if ", superseded (" in line:
+                console.print(f"  {re.sub(r'[*`]', '', line.removeprefix('- '))}; it blocks nothing", highlight=False)
+
+
 def print_window_answer(stops: Stops, console: Console, window: Window, rerun: str) -> None:
     """When no check stopped the run: whether the cut rows matter to this trainer, and what decoding past the
     window cost (the window policy's command when it cost anything)."""
@@ -522,6 +536,7 @@ def run_demo(
     if said := regenerate_text(completions["regenerate"]):
         console.print(said, highlight=False)
     stops = run_shards(instance, shards, completions, console, verbose)
+    print_superseded(stops, console, window)
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
     elif not stops.preflight:
@@ -596,6 +611,7 @@ def run_backfill(
     if said := regenerate_text(completions["regenerate"]):
         console.print(said, highlight=False)
     stops = run_shards(instance, chosen, completions, console, verbose)
+    print_superseded(stops, console, window)
     command = f"dflash backfill --from {first} --to {last}"
     if not stops.checks and not stops.errors and not stops.preflight:
         print_window_answer(

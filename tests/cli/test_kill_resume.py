@@ -182,6 +182,13 @@ def test_the_story_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384
     new = [pid for pid, config in rows if config != old]
     assert len(new) == len(set(new)) and set(new) == accepted_prompt_ids(data), "every prompt once at 8192"
     (config,) = {c for _, c in rows} - {old}
+    # the terminal says so below its table, with the 4096 config's counts over every shard it left incomplete
+    left = {s: n for s, n in Counter(shard_of(pid) for pid, c in rows if c == old).items() if n < SHARD_SIZE}
+    assert (
+        f"config {old}, superseded (followed by config {config}): over {len(left)} shard"
+        f"{'s' if len(left) > 1 else ''} {len(left) * SHARD_SIZE} prompts = {sum(left.values())} completed + "
+        f"0 rejected + 0 failed + {len(left) * SHARD_SIZE - sum(left.values())} missing; it blocks nothing"
+    ) in " ".join(text.split()), text
     # the relaunch's check step judged the 8192 config it wrote, and reported the 4096 one superseded with its counts
     with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
         last = [
