@@ -258,10 +258,14 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
 
 def source_refused(command: str, console: Console) -> bool:
     """Say (one line, exit 2) why the prompt source may not write into the data dir, before anything is written."""
+    from dflash_assets.generation.prompts import SourceError
     from dflash_assets.generation.shards import source_refusal
 
     source = prompt_source()
-    refusal = source_refusal(source.resolved(), source.shard_size, data_dir().resolved())
+    try:
+        refusal = source_refusal(source.resolved(), source.shard_size, data_dir().resolved())
+    except (SourceError, ValueError) as e:  # no source, an empty one, a bad shard size
+        refusal = str(e)
     if refusal:
         console.print(f"[red]dflash {command}:[/] {refusal}", highlight=False, soft_wrap=True)
     return refusal is not None

@@ -21,6 +21,7 @@ from dflash_assets.generation.prompts import (
     shard_fingerprint,
     shard_keys,
 )
+from dflash_assets.settings import Deployment
 from dflash_assets.store.source import ShardSource, has_completions, recorded_sources
 from dflash_assets.store.storage import open_storage
 from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject_store
@@ -35,7 +36,8 @@ def source_refusal(source: Path, shard_size: int, data_dir: str | Path, shards: 
     """
     source, where = Path(source).resolve(), open_storage(data_dir)
     recorded = recorded_sources(where)
-    fix = f"set DFLASH_DATA_DIR to a new directory for {source}"
+    data_dir_var, shard_size_var = Deployment.DATA_DIR.name, Deployment.SHARD_SIZE.name
+    fix = f"set {data_dir_var} to a new directory for {source}"
     others = sorted({r.path for r in recorded.values()} - {str(source)})
     if others:
         return (
@@ -48,8 +50,8 @@ def source_refusal(source: Path, shard_size: int, data_dir: str | Path, shards: 
             continue  # a shard without completions is rebuilt from the source as it is now
         if record.shard_size != shard_size:
             return (
-                f"data dir {where}: its shards of {source} were cut at DFLASH_SHARD_SIZE {record.shard_size}, not "
-                f"{shard_size}, and shard {shard} has completions; set DFLASH_SHARD_SIZE={record.shard_size}, or "
+                f"data dir {where}: its shards of {source} were cut at {shard_size_var} {record.shard_size}, not "
+                f"{shard_size}, and shard {shard} has completions; set {shard_size_var}={record.shard_size}, or "
                 f"{fix} cut at {shard_size}"
             )
         now = shard_fingerprint(source, int(shard), shard_size, record.lines) if shard in keys else (0, "none")
