@@ -485,7 +485,7 @@ def print_superseded(stops: Stops, console: Console, window: Window) -> None:
 
     for config_hash in sorted(stops.config_hashes):
         (o,) = run_checks(
-            data_dir().resolved(), config_hash=config_hash, thresholds=window.thresholds(), names=["accounting"]
+            data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["accounting"]
         )
         for line in o.summary_md.splitlines():
             if ", superseded (" in line:

@@ -442,13 +442,13 @@ def test_a_checks_only_run_judges_every_config_apart_and_a_superseded_one_fails_
     evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
     accounting = evaluations["accounting"]
     assert accounting.passed, accounting.description
-    assert accounting.metadata[CheckRun.JUDGED].text == "a4096, c8192, b8192"  # in the order written
-    assert accounting.metadata[CheckRun.VERDICTS].value == [
+    assert accounting.metadata[CheckKeys.JUDGED].text == "a4096, c8192, b8192"  # in the order written
+    assert accounting.metadata[CheckKeys.VERDICTS].value == [
         {"shard": None, "config_hash": "a4096", "passed": False, "superseded": True},
         {"shard": None, "config_hash": "c8192", "passed": False, "superseded": True},
         {"shard": None, "config_hash": "b8192", "passed": True, "superseded": False},
     ]
-    summary = accounting.metadata[CheckRun.SUMMARY].value
+    summary = accounting.metadata[CheckKeys.SUMMARY].value
     assert "**all shards, config a4096** (superseded: reported apart, blocks nothing)" in summary, summary
     assert "config `a4096`, superseded (followed by config `c8192`)" in summary
     # every config judged apart: none of them pooled, so none mixes configs
