@@ -179,11 +179,11 @@ def test_the_story_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384
     text = (tmp_path / "relaunch.txt").read_text()
     assert status == 0, text  # no blocking check of the 8192 config fails, and the 4096 one stops nothing
     rows = completion_rows(data)
-    new = [pid for pid, config in rows if config != old]
+    new = [pid for pid, config, _ in rows if config != old]
     assert len(new) == len(set(new)) and set(new) == accepted_prompt_ids(data), "every prompt once at 8192"
-    (config,) = {c for _, c in rows} - {old}
+    (config,) = {c for _, c, _ in rows} - {old}
     # the terminal says so below its table, with the 4096 config's counts over every shard it left incomplete
-    left = {s: n for s, n in Counter(shard_of(pid) for pid, c in rows if c == old).items() if n < SHARD_SIZE}
+    left = {s: n for s, n in Counter(shard_of(pid) for pid, c, _ in rows if c == old).items() if n < SHARD_SIZE}
     assert (
         f"config {old}, superseded (followed by config {config}): over {len(left)} shard"
         f"{'s' if len(left) > 1 else ''} {len(left) * SHARD_SIZE} prompts = {sum(left.values())} completed + "
@@ -205,7 +205,7 @@ def test_the_story_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384
         assert {e.metadata["judged"].text for e in judged} == {config}
         superseded = [e for e in evaluations if e.check_name == "accounting" and e.metadata["superseded"].text]
         assert superseded and {e.metadata["superseded"].text for e in superseded} == {old}
-        by_shard = Counter(shard_of(pid) for pid, c in completion_rows(data) if c == old)
+        by_shard = Counter(shard_of(pid) for pid, c, _ in completion_rows(data) if c == old)
         assert any(done < SHARD_SIZE for done in by_shard.values()), by_shard
         summaries = "\n".join(e.metadata["summary"].value for e in superseded)
         for shard, done in by_shard.items():
