@@ -20,6 +20,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Any
 
 from .model import LengthModel
 from .sglang_flags import FLAGS
@@ -56,7 +57,7 @@ def human_readable_int(value: str) -> int:
 
 
 # Flags whose values the emulator uses: dest -> argparse kwargs (replacing the generic entry).
-_TYPED = {
+_TYPED: dict[str, dict[str, Any]] = {
     "model_path": {"required": True},
     "host": {"default": "127.0.0.1"},
     "port": {"type": int, "default": 30000},

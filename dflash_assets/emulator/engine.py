@@ -25,7 +25,7 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
@@ -252,7 +252,7 @@ class Engine:
             if self.abort_events.get(req.rid) is aborted:
                 del self.abort_events[req.rid]
 
-    async def _run(self, req: Request, verdict: Verdict, aborted: asyncio.Event) -> AsyncIterator[Output]:
+    async def _run(self, req: Request, verdict: Verdict, aborted: asyncio.Event) -> AsyncGenerator[Output, None]:
         ids = req.input_ids
         sp = req.sampling
         max_new = sp.get("max_new_tokens")

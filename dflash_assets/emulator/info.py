@@ -236,13 +236,13 @@ async def metrics(request: web.Request) -> web.Response:
         ),
         ("sglang:context_len", "The context length of the model.", lambda s: cfg.context_len),
     ]
-    if cfg.max_mamba_cache_size:  # a hybrid model: its state slots, held per running request (no prefix reuse)
+    if mamba := cfg.max_mamba_cache_size:  # a hybrid model: its state slots, held per running request (no prefix reuse)
         slots = mamba_ratio(cfg.args)
         gauges.append(
             (
                 "sglang:mamba_usage",
                 "The token usage for Mamba layers.",
-                lambda s: round(min(1.0, len(s.running) * slots / cfg.max_mamba_cache_size), 4),
+                lambda s: round(min(1.0, len(s.running) * slots / mamba), 4),
             )
         )
     for name, doc, fn in gauges:

@@ -31,8 +31,10 @@ import itertools
 import math
 import struct
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
+from typing import cast
 
 from . import tokenizer as tok
 
@@ -95,10 +97,10 @@ def _stream() -> tuple[list[int], str, array, array]:
 
     # every server process builds this at its start: each word's two tokens (inside a sentence, and capitalised
     # to start one) are looked up once, not per word of the stream
-    def tokens(words: list[str]) -> tuple[list[int], list[int]]:
+    def tokens(words: Sequence[str]) -> tuple[list[int], list[int]]:
         return [tok.VOCAB[" " + w] for w in words], [tok.VOCAB[" " + w[:1].upper() + w[1:]] for w in words]
 
-    (common, common_first), (words, words_first) = tokens(tok.WORDS[: tok.N_COMMON_WORDS]), tokens(list(tok.WORDS))
+    (common, common_first), (words, words_first) = tokens(tok.WORDS[: tok.N_COMMON_WORDS]), tokens(tok.WORDS)
     state = 0x9E3779B97F4A7C15
     ids = array("i")
     append = ids.append
@@ -345,7 +347,7 @@ def _loop_piece(phase: int, n: int) -> tuple[list[int], str]:
     return (line * reps)[lo : lo + n], "".join((pieces * reps)[lo : lo + n])
 
 
-def _segments(plan: Plan) -> list[tuple[int, int, object]]:
+def _segments(plan: Plan) -> list[tuple[int, int, int | tuple]]:
     """(start, stop, source) pieces of the completion: a stream offset, a special id, or the loop."""
     if plan.looping:  # reasoning (when thinking) that never closes: the line repeats to the end
         return [(0, plan.total - 1, ("loop",)), (plan.total - 1, plan.total, ("special", tok.IM_END_ID, ""))]
@@ -377,7 +379,8 @@ def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str
     text: list[str] = []
     segments = _segments(plan)
     last_answer_start = segments[-2][0]
-    beyond = ("loop",) if plan.looping else segments[-2][2] + plan.total - 1 - last_answer_start
+    answer_source = segments[-2][2]  # the answer's stream offset, unless it loops
+    beyond: int | tuple = ("loop",) if plan.looping else cast(int, answer_source) + plan.total - 1 - last_answer_start
     segments.append((plan.total, max(stop, plan.total), beyond))
     for seg_start, seg_stop, source in segments:
         lo, hi = max(start, seg_start), min(stop, seg_stop)

@@ -251,7 +251,7 @@ def usage(outs: list[Output], cache_report: bool) -> dict:
 def sglext_ids(headers, cfg, body: dict, reqs: list[Request], outs: list[Output]) -> dict:
     """`sglext.input_ids` / `sglext.output_ids` (response level), asked for by the
     request, the x-sglext-return-*-ids headers or --return-input-ids/--return-output-ids."""
-    ext = {}
+    ext: dict[str, list] = {}
     if (
         body.get("return_input_ids_in_sglext")
         or headers.get("x-sglext-return-input-ids") == "1"

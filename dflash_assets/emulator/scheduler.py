@@ -29,7 +29,7 @@ class Ticket:
     input_len: int
     output_len: int
     arrival: float = field(default_factory=time.monotonic)
-    admitted: asyncio.Future | None = None
+    admitted: asyncio.Future | _Done | None = None
     start: float = 0.0  # when admitted (monotonic)
     prefill_s: float = 0.0
     cached: int = 0  # prompt tokens served from the prefix cache
@@ -95,7 +95,7 @@ class Scheduler:
         if t.admitted is None:
             t.admitted = asyncio.get_running_loop().create_future()
             self._pump()
-        if not t.admitted.done():
+        if isinstance(t.admitted, asyncio.Future) and not t.admitted.done():  # a _Done is done
             await t.admitted
 
     def _mark(self) -> None:
@@ -133,7 +133,7 @@ class Scheduler:
             self.total_prefill_busy_s += head.prefill_s
             if head.admitted is None:
                 head.admitted = _DONE
-            elif not head.admitted.done():
+            elif isinstance(head.admitted, asyncio.Future) and not head.admitted.done():  # a _Done is done
                 head.admitted.set_result(None)
 
     # ---- load, as the scheduler's LoadSnapshot reports it ----

@@ -56,7 +56,7 @@ async def auth_middleware(request: web.Request, handler):
         raise asyncio.CancelledError() from None
 
 
-ROUTES = web.AppKey("emulator_routes", Counter)
+ROUTES = web.AppKey("emulator_routes", Counter[str])
 
 
 @web.middleware
@@ -138,7 +138,8 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def routes_route(request: web.Request) -> web.Response:
     """Emulator-only: {"METHOD /path STATUS": count} of every request served so far (see route_log)."""
-    return web.json_response(dict(request.app[ROUTES]))
+    routes: Counter[str] = request.app[ROUTES]
+    return web.json_response(dict(routes))
 
 
 async def stats_route(request: web.Request) -> web.Response:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 IM_START, IM_END, THINK, THINK_END, ENDOFTEXT = (
     "<|im_start|>",
@@ -121,7 +122,7 @@ def _encode_plain(segment: str, out: list[int]) -> None:
     pieces = _PRETOKEN.findall(segment)
     ids = list(map(_vocab_get, pieces))
     if None not in ids:
-        out += ids
+        out += cast(list[int], ids)  # no None in it
         return
     for piece, tid in zip(pieces, ids):
         if tid is None:

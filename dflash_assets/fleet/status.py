@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,7 +62,9 @@ def fleet_status(
 
 async def probe(records: list[ServerRecord], urls: list[str], api_key: str | None) -> list[ServerStatus]:
     async with open_session() as session:
-        jobs = [_probe_launched(ServerClient(session, r.url, api_key), r) for r in records]
+        jobs: list[Awaitable[ServerStatus | list[ServerStatus]]] = [
+            _probe_launched(ServerClient(session, r.url, api_key), r) for r in records
+        ]
         jobs += [_probe_attached(ServerClient(session, u, api_key), api_key) for u in urls]
         rows = await asyncio.gather(*jobs)
         return [s for row in rows for s in (row if isinstance(row, list) else [row])]
@@ -96,10 +98,14 @@ async def _probe_attached(client: ServerClient, api_key: str | None) -> list[Ser
     for w, row in zip(listed, workers):
         if not w.healthy:  # the gateway's own view, next to what this host sees
             row.error = "; ".join(filter(None, [f"the gateway marks it unhealthy ({w.status})", row.error]))
-    answered = [w for w in workers if w.healthy and w.max_running_requests is not None]
+    answered = [
+        (w.context_length, w.max_running_requests)
+        for w in workers
+        if w.healthy and w.context_length is not None and w.max_running_requests is not None  # set together
+    ]
     if answered:
-        status.context_length = min(w.context_length for w in answered)
-        status.max_running_requests = sum(w.max_running_requests for w in answered)
+        status.context_length = min(context for context, _ in answered)
+        status.max_running_requests = sum(running for _, running in answered)
     healthy = sum(w.healthy for w in listed)
     status.error = (f"{len(listed)} workers, {healthy} healthy" if listed else "it lists no worker") + (
         f"; {len(answered)} answer this host" if len(answered) != healthy else ""

@@ -376,6 +376,7 @@ def _server_rules(
         room = math.floor(r * th.kv_target / max(kv, 1e-3)) if kv is not None else None
         target = max(r + 1, min(room or 10**9, int(r * th.max_raise_factor)))
         kv_note = f"the KV pool has room for about {room} at {th.kv_target:.0%} usage" if room else "KV usage unknown"
+        mamba_slots = slots_per_request * target if slots_per_request is not None else None  # a hybrid model's
         found.append(
             advice(
                 "slots_pinned",
@@ -384,15 +385,15 @@ def _server_rules(
                     f"{seen}, while KV usage peaked at {_pct(kv)}: the slots are the limit. Raise --max-running-requests "
                     f"to about {target} ({kv_note})"
                     + (
-                        f" and --max-mamba-cache-size to at least {slots_per_request * target} ({slots_per_request} state "
+                        f" and --max-mamba-cache-size to at least {mamba_slots} ({slots_per_request} state "
                         f"slots per running request on this server)"
-                        if hybrid
+                        if mamba_slots is not None
                         else ""
                     )
                     + "; the client's default in-flight (max_running_requests + 2) follows"
                 ),
                 suggested_max_running_requests=target,
-                **({"suggested_max_mamba_cache_size": slots_per_request * target} if hybrid else {}),
+                **({"suggested_max_mamba_cache_size": mamba_slots} if mamba_slots is not None else {}),
             )
         )
     if (

@@ -190,16 +190,16 @@ def unwritable(text: str) -> str | None:
     return None
 
 
-def _text(value, what: str) -> tuple[str | None, str | None]:
-    """(the string, None) or (None, why it is not a usable non-empty string)."""
+def _text(value, what: str) -> tuple[str, str | None]:
+    """(the string, None) or ("", why it is not a usable non-empty string)."""
     if not isinstance(value, str):
-        return None, f"{what} must be a string, got {type(value).__name__}"
+        return "", f"{what} must be a string, got {type(value).__name__}"
     if not value.strip():
-        return None, f"{what} is empty"
+        return "", f"{what} is empty"
     if "\x00" in value:
-        return None, f"{what} contains a NUL byte"
+        return "", f"{what} contains a NUL byte"
     if bad := unwritable(value):
-        return None, f"{what} holds {bad}"
+        return "", f"{what} holds {bad}"
     return value, None
 
 
@@ -216,40 +216,42 @@ def _record_format(record: dict, mapping: FieldMapping | None) -> tuple[str | No
     return None, None
 
 
-def _turns(raw, field_name: str) -> tuple[list[dict] | None, str, str | None]:
-    """(messages as {role, content}, "role" or "from" keys, None) or (None, _, the reason)."""
+def _turns(raw, field_name: str) -> tuple[list[dict], str | None, str | None]:
+    """(messages as {role, content}, "role" or "from" keys, None) or ([], _, the reason)."""
     if not isinstance(raw, list):
-        return None, "", f"{field_name!r} must be a list, got {type(raw).__name__}"
+        return [], "", f"{field_name!r} must be a list, got {type(raw).__name__}"
     if not raw:
-        return None, "", f"{field_name!r} is empty"
-    clean, style = [], None
+        return [], "", f"{field_name!r} is empty"
+    clean: list[dict] = []
+    style: str | None = None
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
-            return None, "", f"message {i} is not an object"
+            return [], "", f"message {i} is not an object"
         m = {k: v for k, v in m.items() if v is not None}  # a Parquet struct holds every key, unused ones null
         keys = "from" if "from" in m or "value" in m else "role"
         if "from" in m and "role" in m:
-            return None, "", f"message {i} has both 'role' and 'from'"
+            return [], "", f"message {i} has both 'role' and 'from'"
         if style is None:
             style = keys
         elif keys != style:
             return (
-                None,
+                [],
                 "",
                 (f"message {i} uses {_style(keys)} but message 0 uses {_style(style)}: mixed keys in one conversation"),
             )
+        role: str | None
         if keys == "from":
             speaker = m.get("from")
             if speaker not in SPEAKERS:
-                return None, "", (f"message {i} has unknown speaker {speaker!r} (expected one of {sorted(SPEAKERS)})")
+                return [], "", (f"message {i} has unknown speaker {speaker!r} (expected one of {sorted(SPEAKERS)})")
             role, content = SPEAKERS[speaker], m.get("value")
         else:
             role, content = m.get("role"), m.get("content")
             if role not in ROLES:
-                return None, "", f"message {i} has unknown role {role!r} (expected one of {list(ROLES)})"
+                return [], "", f"message {i} has unknown role {role!r} (expected one of {list(ROLES)})"
         content, why = _text(content, f"message {i} content")
         if why:
-            return None, "", why
+            return [], "", why
         clean.append({"role": role, "content": content})
     return clean, style, _shape_problem(clean)
 
@@ -288,17 +290,18 @@ def parse_record(record, line: int, default_source: str, mapping: FieldMapping |
             )
         given_id = str(given_id)
         if not given_id.strip() or (bad := unwritable(given_id)):
-            why = "is empty" if not given_id.strip() else f"holds {bad}"
-            return SourceReject(line, f"line {line}: {id_key} {why}")
+            fault = "is empty" if not given_id.strip() else f"holds {bad}"
+            return SourceReject(line, f"line {line}: {id_key} {fault}")
 
     def reject(reason: str) -> SourceReject:
         return SourceReject(line, f"line {line}: {reason}", given_id)
 
     if fmt is None:
         return reject("none of 'messages', 'conversations', 'prompt' or 'custom_id' + 'body' is present")
-    name = {"openai_batch": "body.messages", "mapped": mapping.messages_field if mapping else ""}.get(fmt, fmt)
+    name = {"openai_batch": "body.messages", "mapped": (mapping.messages_field or "") if mapping else ""}.get(fmt, fmt)
     if raw is None:
         return reject(f"{name!r} is missing or null")
+    style: str | None
     if fmt == "prompt":
         text, why = _text(raw, "'prompt'")
         if why:

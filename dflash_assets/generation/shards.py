@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
@@ -125,7 +126,7 @@ async def build_prompt_shard(
 
     results = await asyncio.gather(*(admit(i) for i in items))
     kwargs_json = canonical_json(template_kwargs)
-    prompts = [
+    prompts: list[dict[str, Any]] = [
         {
             "prompt_id": p.prompt_id,
             "shard": shard,

@@ -243,14 +243,16 @@ def measure_with_probe(
         )  # the probe's rows, resampled
         p0, r, mean0 = run_side(draws)
         ok = (w * (above & ~ploop)).sum(1) > 0
-        boot = estimate(p0[ok], r[ok], mean0[ok], w[ok])
+        boot_rate, boot_runaway, boot_tokens = estimate(p0[ok], r[ok], mean0[ok], w[ok])
     else:
-        boot = tuple(np.empty((0, len(caps))) for _ in range(3))
+        boot_rate, boot_runaway, boot_tokens = (np.empty((0, len(caps))) for _ in range(3))
     return Measured(
         rate,
         runaway,
         tokens,
-        *boot,
+        boot_rate,
+        boot_runaway,
+        boot_tokens,
         rows_above=int(above.sum()),
         probe_runaways=int(runaway_above.sum()),
         score_low=score_low,

@@ -20,7 +20,7 @@ The first line that fails aborts the whole file, so the export leaves such a row
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 from dflash_assets.settings import TRAINER_FORMATS
 
@@ -107,7 +107,8 @@ def row_problem(
     if problem := conversation_problem(messages):
         return problem
     assistants = 0
-    for i, m in enumerate(messages or []):  # a list here: conversation_problem refused anything else
+    messages = cast(list, messages)  # a list here: conversation_problem refused anything else
+    for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
         assistants += 1

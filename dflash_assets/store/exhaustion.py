@@ -64,7 +64,7 @@ def exhaustion(exc: BaseException, data_dir: str | os.PathLike) -> Exhaustion | 
     """The exhaustion under `exc`, if any, measured where it happened: the directory the error names (pyarrow's
     errors name none: then the data dir)."""
     found = exhausted_error(exc)
-    if found is None:
+    if found is None or found.errno is None:  # exhausted_error finds only errnos in EXHAUSTED: never None
         return None
     path = Path(os.fspath(data_dir))
     if isinstance(found.filename, str | bytes):
