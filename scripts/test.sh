@@ -15,9 +15,11 @@ uv sync --locked --compile-bytecode
 uv run --locked python -m compileall -q -j 0 dflash_assets tests benchmarks scripts >/dev/null
 uv pip install --no-deps sglang==0.5.23
 
-# the field's habits before the tests: ruff (lint, imports, format: [tool.ruff] in pyproject.toml)
+# the field's habits before the tests: ruff (lint, imports, format: [tool.ruff] in pyproject.toml), then mypy
+# on dflash_assets/ ([tool.mypy]: the pydantic plugin, check_untyped_defs)
 uv run --locked ruff check --quiet .
 uv run --locked ruff format --check --quiet .
+uv run --locked mypy
 
 if [ ! -x /usr/bin/chromium ]; then
   if [ "$(id -u)" -eq 0 ]; then

@@ -62,7 +62,7 @@ def named_stops(
             message, cause = found.line(rows), "exhausted"
         else:
             message, cause = f"{cause_line(e)}, after {context.retry_number + 1} attempts", "retried"
-        metadata = {StepStopKeys.CAUSE: cause}
+        metadata: dict[str, str | int | None | dg.MetadataValue] = {StepStopKeys.CAUSE: cause}
         if counts is not None:
             metadata |= {
                 StepStopKeys.COMMITTED_ROWS: rows,

@@ -364,7 +364,9 @@ def _committed_when_stopped(result: dg.ExecuteInProcessResult) -> dict[str, int]
         if event.is_step_failure and event.step_key == "completions":
             user = event.step_failure_data.user_failure_data
             if user and StepStopKeys.COMMITTED_BY_SHARD in user.metadata:
-                counts |= user.metadata[StepStopKeys.COMMITTED_BY_SHARD].value
+                by_shard = user.metadata[StepStopKeys.COMMITTED_BY_SHARD].value
+                if isinstance(by_shard, dict):  # a JSON value: defs/faults.py writes the recount's dict
+                    counts |= by_shard
     return counts
 
 

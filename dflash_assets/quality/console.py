@@ -94,7 +94,7 @@ def plan_table(answer: CapAnswer) -> Table:
             _n(e.context_needed_max),
             (
                 "-"
-                if e.fits_context is None
+                if e.prompts_over_context is None  # None with fits_context
                 else "yes"
                 if e.fits_context
                 else f"no: {num(e.prompts_over_context)} prompts over"

@@ -384,7 +384,7 @@ def export_training_set(
             f"out_dir {out_dir!s} must be a local directory (the training set is written, fsynced and "
             f"renamed there; copy it to an object store afterwards if the trainer reads from one)"
         )
-    data_dir = open_storage(data_dir)  # one filesystem for both tables
+    storage = open_storage(data_dir)  # one filesystem for both tables
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
@@ -398,12 +398,12 @@ def export_training_set(
     }
     try:
         with duckdb.connect(":memory:") as con:
-            prompts = parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA)
+            prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
             con.execute(f"CREATE TEMP TABLE prompts AS SELECT shard, prompt_id, line, messages_json FROM {prompts}")
             con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
             con.execute(HISTORY_MARKERS)
             # a row's file and position identify it between grading and writing, and order duplicates
-            completions = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, row_position=True)
+            completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
             register_runaway(con, runaway)
             con.execute(
                 GRADE.format(

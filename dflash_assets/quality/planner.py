@@ -261,6 +261,8 @@ def _predict(
         over += k * ~beyond
         tokens += k * np.where(beyond, 0.0, caps)
         if beyond.any():
+            if fit is None:
+                raise ValueError("rows cut below a cap need a tail fit to predict it")  # the callers fit one
             mu, sigma = fit
             lc, lv = np.log(caps[beyond]), math.log(v)
             qv, qc = _sf(lv, mu, sigma), _sf(lc, mu, sigma)
@@ -329,8 +331,8 @@ def _bootstrap(
         tokens.append(t)
         loops.append(bk[bl].sum() / n)
     shape = (-1, len(caps))
-    tails = np.array(tails).reshape(len(tails), len(grid))
-    return np.array(shares).reshape(shape), np.array(tokens).reshape(shape), tails, np.array(loops)
+    tail_grid = np.array(tails).reshape(len(tails), len(grid))
+    return np.array(shares).reshape(shape), np.array(tokens).reshape(shape), tail_grid, np.array(loops)
 
 
 def _interval(point: float, samples: np.ndarray, scale: float = 1.0) -> Estimate:
@@ -447,7 +449,7 @@ def plan_from_lengths(
     for i, c in enumerate(caps.tolist()):
         rate, tok = _interval(float(over[i] / n), boot_shares[:, i]), _interval(float(tokens[i]), boot_tokens[:, i])
         loops, basis = loop_share, "rows" if c <= cap or not honest_cut else "model"
-        if measured is not None and c > cap and not model_rows[i] and c <= probe.cap:
+        if measured is not None and probe is not None and c > cap and not model_rows[i] and c <= probe.cap:
             rate = _interval(float(measured.rate[k]), measured.boot_rate[:, k])
             rate = replace(
                 rate,
@@ -473,7 +475,7 @@ def plan_from_lengths(
         hours = Estimate(*(v / tokens_per_s / 3600 for v in (tok.value, tok.low, tok.high))) if tokens_per_s else None
         over_ctx = None
         if context_length is not None and pt is not None:
-            over_ctx = int(overflows(pt, c, context_length).sum())
+            over_ctx = int(np.count_nonzero(overflows(pt, c, context_length)))  # pt is an array: one per prompt
         estimates.append(
             CapEstimate(
                 cap=c,
@@ -772,7 +774,9 @@ def _span(e: Estimate, fmt) -> str:
 
 
 def _needed(e: CapEstimate) -> str:
-    return "-" if e.context_needed_max is None else f"{num(e.context_needed_max)} / {num(e.context_needed_p99)}"
+    if e.context_needed_max is None or e.context_needed_p99 is None:  # both or neither
+        return "-"
+    return f"{num(e.context_needed_max)} / {num(e.context_needed_p99)}"
 
 
 def turn_markdown(plan: CapPlan) -> list[str]:
@@ -862,7 +866,7 @@ def plan_markdown(plan: CapPlan) -> str:
         time_ = f"{_span(e.hours, _hours)} | " if e.hours else ""
         fits = (
             "-"
-            if e.fits_context is None
+            if e.prompts_over_context is None  # None with fits_context
             else "yes"
             if e.fits_context
             else f"no: {num(e.prompts_over_context)} rows over"

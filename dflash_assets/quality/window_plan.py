@@ -238,7 +238,7 @@ def plan_window(
     floor = window.trained
     # the smallest cap that lets every prompt reach the window: past it a larger cap buys only untrained tokens
     ceiling = int(room.max()) if n else cap
-    enough = [e for e in estimates if e.cap >= ceiling]
+    enough = [e for e in estimates if e.cap is not None and e.cap >= ceiling]  # every one has a cap
     recommended = window if not inside.any() else (enough[0] if enough else estimates[-1])
     if inside.any() and fit is None:
         notes.append("rows were cut inside the window but none honestly (all runaways): nothing to extrapolate")
@@ -303,7 +303,7 @@ def window_plan(
 
 def _user_turns(data_dir: str | Path, shards: list[str]) -> dict[str, int]:
     """prompt_id -> its user turns, from the prompt shards' messages."""
-    found = {}
+    found: dict[str, int] = {}
     for shard in shards:
         for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
             found.update((r["prompt_id"], len(split_turns(json.loads(r["messages_json"]))[1])) for r in batch)
@@ -332,8 +332,9 @@ def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
         f"first {num(plan.max_length)} tokens = {num(round(plan.floor))}):"
     ]
     lines += [f"  {row(e)}" for e in plan.estimates] + [f"  {row(plan.window)}"]
-    if len(plan.estimates) > 1:  # the story's bump: to twice the cap when it is a candidate
-        to = next((e.cap for e in plan.estimates if e.cap == 2 * plan.cap), plan.estimates[1].cap)
+    caps = [e.cap for e in plan.estimates if e.cap is not None]  # all of them: only the window policy has none
+    if len(caps) > 1:  # the story's bump: to twice the cap when it is a candidate
+        to = 2 * plan.cap if 2 * plan.cap in caps else caps[1]
         lines.append("  " + plan.raising(plan.cap, to))
     if plan.turns is not None:
         lines.append("  " + plan.turns.line())

@@ -102,7 +102,7 @@ def completions(
         )  # streamed: loops stopped by the checks' own rules
 
     def committed() -> dict[str, int]:
-        return committed_rows(data_dir.resolved(), context.partition_keys, (config_hash or [None])[-1])
+        return committed_rows(data_dir.resolved(), context.partition_keys, config_hash[-1] if config_hash else None)
 
     with named_stops(context, data_dir, committed, FLEET_RETRY):
         try:
