@@ -167,5 +167,6 @@ def superseded_configs(
     out = []
     for cfg in sorted(incomplete, key=lambda h: (order.index(h) if h in order else len(order), h)):
         later = order[order.index(cfg) + 1 :] if cfg in order else []
-        out.append(Superseded(cfg, *incomplete[cfg], later[0] if later else None))
+        shards, prompts, completed, rejected, failed, missing = incomplete[cfg]
+        out.append(Superseded(cfg, shards, prompts, completed, rejected, failed, missing, later[0] if later else None))
     return out

@@ -40,6 +40,8 @@ def shard_partitions_sensor(
         return dg.SensorResult(skip_reason=str(e))
     if not new and not past_end:
         return dg.SensorResult(skip_reason="the shard partitions are those of the prompt source")
-    requests = [shard_partitions.build_add_request(new)] if new else []
+    requests: list[dg.AddDynamicPartitionsRequest | dg.DeleteDynamicPartitionsRequest] = (
+        [shard_partitions.build_add_request(new)] if new else []
+    )
     requests += [shard_partitions.build_delete_request(past_end)] if past_end else []
     return dg.SensorResult(dynamic_partitions_requests=requests)
