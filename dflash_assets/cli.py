@@ -9,13 +9,14 @@ import typing
 from pathlib import Path
 
 from dflash_assets.settings import (
-    WINDOW_FIELDS,
+    TRAINER_FLAGS,
     Deployment,
     DispatchSettings,
     GenerationSettings,
     LaunchSettings,
     ProbeSettings,
     QualitySettings,
+    RequestSettings,
     Settings,
     SettingsError,
     TrainerSettings,
@@ -41,18 +42,38 @@ SHARD_RUN_DEFAULTS = {"store_token_ids": True}
 DEMO_DEFAULTS = {**SHARD_RUN_DEFAULTS, "max_output_tokens": 16384}
 
 
-def _completions_config(command: str, args: argparse.Namespace) -> dict | None:
-    """The `completions` run config of the flags (every generation and dispatch setting), or None when one is bad
-    (said on stderr)."""
-    if (groups := _settings(command, args, GenerationSettings, DispatchSettings)) is None:
+def _completions_config(command: str, args: argparse.Namespace) -> tuple[dict, TrainerSettings] | None:
+    """The `completions` run config of the flags (every request and dispatch setting) and the trainer's settings
+    (its window, which the window policy sizes requests to, and its form), or None when one is bad (said on
+    stderr)."""
+    if (groups := _run_settings(command, args)) is None:
         return None
-    generation, dispatch = groups
-    return {**generation.model_dump(), **dispatch.model_dump()}
+    trainer, generation, dispatch = groups
+    return {**RequestSettings.taken_from(generation).model_dump(), **dispatch.model_dump()}, trainer
+
+
+def _run_settings(
+    command: str, args: argparse.Namespace
+) -> tuple[TrainerSettings, GenerationSettings, DispatchSettings] | None:
+    """The trainer's settings of the --trainer-* flags, the generation settings sized to its window and the dispatch
+    settings; None when one is bad, said in one line on stderr (the caller exits 2)."""
+    try:
+        trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
+        return trainer, GenerationSettings.of(args, trainer), DispatchSettings.taken_from(args)
+    except SettingsError as e:
+        print(f"dflash {command}: {e}", file=sys.stderr)
+        return None
+
+
+def trainer_flags(trainer: TrainerSettings) -> dict:
+    """The trainer's settings under their flags' names (trainer_max_length: --trainer-max-length)."""
+    return {TRAINER_FLAGS + name: value for name, value in trainer.model_dump().items()}
 
 
 def repeated_flags(command: str, config: dict) -> str:
-    """The flags that give `config` again, leaving out the cap and what the command's defaults already give: the
-    next command a run suggests (another cap) must generate with the same settings, or it makes another config."""
+    """The flags that give `config` again (trainer_flags among them), leaving out the cap and what the command's
+    defaults already give: the next command a run suggests (another cap) must generate with the same settings, or
+    it makes another config, and be judged and exported for the same trainer."""
     import json
     import shlex
 
@@ -68,28 +89,36 @@ def repeated_flags(command: str, config: dict) -> str:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if (config := _completions_config("demo", args)) is None:
+    if (given := _completions_config("demo", args)) is None:
         return 2
+    config, trainer = given
     _instance_environment(args)
     from dflash_assets.demo.run import run_demo
 
+    flags = {**config, **trainer_flags(trainer)}
     return run_demo(
-        config, verbose=args.verbose, again=lambda overrides: repeated_flags("demo", {**config, **overrides})
+        config,
+        trainer=trainer,
+        verbose=args.verbose,
+        again=lambda overrides: repeated_flags("demo", {**flags, **overrides}),
     )
 
 
 def _backfill(args: argparse.Namespace) -> int:
-    if (config := _completions_config("backfill", args)) is None:
+    if (given := _completions_config("backfill", args)) is None:
         return 2
+    config, trainer = given
     _instance_environment(args)
     from dflash_assets.demo.run import run_backfill
 
+    flags = {**config, **trainer_flags(trainer)}
     return run_backfill(
         args.first,
         args.last,
         config,
+        trainer=trainer,
         verbose=args.verbose,
-        again=lambda overrides: repeated_flags("backfill", {**config, **overrides}),
+        again=lambda overrides: repeated_flags("backfill", {**flags, **overrides}),
     )
 
 
@@ -127,9 +156,9 @@ def _generate(args: argparse.Namespace) -> int:
     from dflash_assets.fleet.fleet import connected, run
     from dflash_assets.generation.engine import generate_shard
 
-    if (groups := _settings("generate", args, GenerationSettings, DispatchSettings)) is None:
+    if (groups := _run_settings("generate", args)) is None:
         return 2
-    generation, dispatch = groups
+    _, generation, dispatch = groups
     urls = args.urls
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -284,7 +313,7 @@ def _report(args: argparse.Namespace) -> int:
     from dflash_assets.quality.console import console_for_output, print_answers, verbatim
 
     try:
-        quality = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
+        quality = QualitySettings(trainer=TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS))
     except SettingsError as e:
         print(f"dflash report: {e}", file=sys.stderr)
         return 2
@@ -350,14 +379,16 @@ def settings_flags(
     required: tuple[str, ...] = (),
     skip: tuple[str, ...] = (),
     defaults: dict | None = None,
+    prefix: str = "",
 ) -> None:
     """One flag per field of a settings model (`max_output_tokens` -> `--max-output-tokens`), with the model's
     default and description: the defaults are settings.py's, never written here, except a command's own
-    `defaults` (the demo's cap). `skip`: fields another model already gave a flag."""
+    `defaults` (the demo's cap). `skip`: fields another model already gave a flag. `prefix`: the group's flags
+    name it (TrainerSettings: `--trainer-max-length`); `Settings.taken_from(args, prefix)` reads them back."""
     for name, field in model.model_fields.items():
         if name in skip:
             continue
-        flag, default = "--" + name.replace("_", "-"), (defaults or {}).get(name, field.default)
+        flag, default = "--" + (prefix + name).replace("_", "-"), (defaults or {}).get(name, field.default)
         kind: typing.Any = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
         kind = str if typing.get_origin(field.annotation) is typing.Literal else kind  # its values: the settings
         kind = _json_object if kind is dict else kind
@@ -398,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     backfill.add_argument("--from", dest="first", help="first shard key (default: the first)")
     backfill.add_argument("--to", dest="last", help="last shard key (default: the last)")
     for p, defaults in ((demo, DEMO_DEFAULTS), (backfill, SHARD_RUN_DEFAULTS)):
-        settings_flags(p, GenerationSettings, defaults=defaults)
+        settings_flags(p, RequestSettings, defaults=defaults)
         settings_flags(p, DispatchSettings, defaults=defaults)
+        settings_flags(p, TrainerSettings, prefix=TRAINER_FLAGS)
         p.add_argument(
             "--prompts",
             help="a JSONL or Parquet prompt source (default: DFLASH_PROMPTS, else the bundled demo prompts)",
@@ -456,8 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--shard", required=True, help="shard key, e.g. 00003")
     gen.add_argument("--urls", required=True, type=_urls, help="comma-separated server base URLs")
     gen.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
-    settings_flags(gen, GenerationSettings)
+    settings_flags(gen, RequestSettings)
     settings_flags(gen, DispatchSettings)
+    settings_flags(gen, TrainerSettings, skip=("format", "chat_template"), prefix=TRAINER_FLAGS)  # the window only
 
     probe = sub.add_parser(
         "probe",
@@ -472,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--shards", help="comma-separated shard keys to sample (default: every prompt shard)")
     settings_flags(probe, ProbeSettings)
     # the probe's own cap, above; it measures lengths, so its requests are never sized to a window
-    settings_flags(probe, GenerationSettings, skip=("max_output_tokens", *WINDOW_FIELDS))
+    settings_flags(probe, RequestSettings, skip=("max_output_tokens", "cap_policy", "overshoot"))
     settings_flags(probe, DispatchSettings)
 
     fleet = sub.add_parser(
@@ -505,13 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads the Parquet files directly; works without the webserver.",
     )
     report.add_argument("--data-dir", help="default: DFLASH_DATA_DIR, else data/")
-    window = TrainerSettings().max_length
-    report.add_argument(
-        "--trainer-max-length",
-        type=int,
-        default=window,
-        help=f"the trainer's window the cut rows are judged against (default {window})",
-    )
+    settings_flags(report, TrainerSettings, prefix=TRAINER_FLAGS)  # the window fixed-cap rows are judged against
     report.add_argument(
         "--open", action="store_true", help="open the pictures (length histogram, cap plan survival curve) in a browser"
     )

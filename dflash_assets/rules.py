@@ -93,13 +93,24 @@ def most_rows_first(configs: Iterable[tuple[str, int, int]]) -> list[tuple[str, 
 #   the model did not choose. That is the truncation that blocks.
 # - cut at or past the window: window-complete. The trainer reads it exactly as it reads the complete answer.
 # The same rule holds for every cap policy: at cap 4096 with a 4096 window every cut lies past the window.
-def cut_inside_window_sql(max_length: int) -> str:
-    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens < {int(max_length)})"
+# In SQL the window is a number or an expression over the row (each row judged by its own window: ROW_WINDOW_SQL).
+def _window_sql(max_length: int | str) -> str:
+    return f"({max_length})" if isinstance(max_length, str) else str(int(max_length))
 
 
-def window_complete_sql(max_length: int) -> str:
+def row_window_sql(max_length: int) -> str:
+    """The window a completion row is judged by: the one its requests were sized to (cap_policy window rows
+    record trainer_max_length), else the trainer's window in force (a fixed-cap row records none)."""
+    return f"coalesce(trainer_max_length, {int(max_length)})"
+
+
+def cut_inside_window_sql(max_length: int | str) -> str:
+    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens < {_window_sql(max_length)})"
+
+
+def window_complete_sql(max_length: int | str) -> str:
     """Cut at or past the window (runaways included: the caller leaves them out where they must stay out)."""
-    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens >= {int(max_length)})"
+    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens >= {_window_sql(max_length)})"
 
 
 def cut_inside_window(finish_reason: str | None, prompt_tokens: int, completion_tokens: int, max_length: int) -> bool:
@@ -112,8 +123,8 @@ def window_complete(finish_reason: str | None, prompt_tokens: int, completion_to
 
 # Trained tokens: the generated tokens of a row that fall inside the window, min(completion, max_length - prompt)
 # (never negative). Decoded per trained token is the figure the pipeline is measured by (the floor is 1.00).
-def trained_tokens_sql(max_length: int) -> str:
-    return f"greatest(0, least(completion_tokens, {int(max_length)} - prompt_tokens))"
+def trained_tokens_sql(max_length: int | str) -> str:
+    return f"greatest(0, least(completion_tokens, {_window_sql(max_length)} - prompt_tokens))"
 
 
 def trained_tokens(prompt_tokens: int, completion_tokens: int, max_length: int) -> int:
@@ -121,8 +132,13 @@ def trained_tokens(prompt_tokens: int, completion_tokens: int, max_length: int) 
 
 
 def fills_window(prompt_tokens: int, max_length: int) -> bool:
-    """The prompt alone fills the window: the trainer would read no answer (a reject under the window policy)."""
+    """The prompt alone fills the window: the trainer would read no answer (a reject under the window policy, a
+    sample with no trainable token under a fixed cap, which the export leaves out: no_trainable_tokens)."""
     return prompt_tokens >= max_length
+
+
+def fills_window_sql(max_length: int | str, prompt_tokens: str = "prompt_tokens") -> str:
+    return f"({prompt_tokens} >= {_window_sql(max_length)})"
 
 
 def window_cap(cap: int, max_length: int, prompt_tokens: int, overshoot: int) -> int:

@@ -122,15 +122,16 @@ class Settings(BaseModel):
             raise SettingsError(problems_of(type(self), e)) from None
 
     @classmethod
-    def taken_from(cls, source: object, skip: tuple[str, ...] = ()):
+    def taken_from(cls, source: object, skip: tuple[str, ...] = (), prefix: str = ""):
         """This group's fields, read off an object that carries them (a Dagster config or resource, parsed CLI
-        flags); a field the object does not carry, or in `skip`, keeps its default, a nested group is taken from
-        its own form (a resource's TrainerConfig gives a TrainerSettings)."""
+        flags, where a group's flags may carry a `prefix`: --trainer-max-length); a field the object does not carry,
+        or in `skip`, keeps its default, a nested group is taken from its own form (a resource's TrainerConfig gives
+        a TrainerSettings)."""
         values = {}
         for name, field in cls.model_fields.items():
-            if not hasattr(source, name) or name in skip:
+            if not hasattr(source, prefix + name) or name in skip:
                 continue
-            value, kind = getattr(source, name), field.annotation
+            value, kind = getattr(source, prefix + name), field.annotation
             if isinstance(kind, type) and issubclass(kind, Settings) and type(value) is not kind:
                 value = kind.taken_from(value)
             values[name] = value
@@ -147,6 +148,7 @@ SAMPLING_PARAMS = (
     "frequency_penalty",
 )  # GenerationSettings' sampling, recorded per row under these names
 WINDOW_FIELDS = ("cap_policy", "trainer_max_length", "overshoot")  # GenerationSettings: how the window sizes requests
+TRAINER_FLAGS = "trainer_"  # TrainerSettings' flags: --trainer-max-length, --trainer-format (dest trainer_max_length)
 
 
 class TrainerSettings(Settings):
@@ -171,6 +173,12 @@ class TrainerSettings(Settings):
         "loss_mask} from the server's own token ids, read as is by SpecForge's online "
         "trainer and speculators).",
     )
+    chat_template: str = Field(
+        "qwen3.5",
+        description="The chat template SpecForge renders the conversations form with (data.chat_template: "
+        "'qwen3.5' in its qwen3.6-27b DFlash recipes; 'qwen3-instruct' for thinking off), written "
+        "into the trainer's settings beside the export.",
+    )
 
     def named(self) -> str:
         """The window as every report names it, with how to change it."""
@@ -180,9 +188,10 @@ class TrainerSettings(Settings):
         )
 
 
-class GenerationSettings(Settings):
-    """The settings that decide what a completion is; rows record all of them, and every one that changes the
-    output is in the config hash (config_hash: the name of the Parquet column, kept for the data people have)."""
+class RequestSettings(Settings):
+    """What a completion is, as a person sets it: the completions config and the flags are built from these. The
+    trainer's window the window policy sizes requests to is not one of them: it is TrainerSettings.max_length, the
+    one window (GenerationSettings.of puts the two together)."""
 
     heading: ClassVar[str] = "invalid generation config: "
 
@@ -212,13 +221,8 @@ class GenerationSettings(Settings):
     cap_policy: CapPolicy = Field(
         "fixed",
         description="'fixed': every request asks max_output_tokens; 'window': each request asks "
-        "min(max_output_tokens, trainer_max_length - prompt_tokens + overshoot), the tokens "
+        "min(max_output_tokens, the trainer's max_length - prompt_tokens + overshoot), the tokens "
         "the trainer's window reads, and a prompt that fills the window is rejected.",
-    )
-    trainer_max_length: int = Field(
-        TrainerSettings().max_length,
-        gt=0,
-        description="cap_policy window: the trainer's window the requests are sized to (TrainerSettings.max_length).",
     )
     overshoot: int = Field(
         16,
@@ -246,6 +250,26 @@ class GenerationSettings(Settings):
         if "enable_thinking" in kwargs:
             raise ValueError("set enable_thinking with its own setting, not inside chat_template_kwargs")
         return kwargs
+
+
+class GenerationSettings(RequestSettings):
+    """The settings that decide what a completion is; rows record all of them, and every one that changes the
+    output is in the config hash (config_hash: the name of the Parquet column, kept for the data people have).
+
+    `trainer_max_length` is TrainerSettings.max_length, never a setting of its own: the completions asset, the CLI
+    and the continuation set it from the trainer's settings (`of`); a library caller passes it."""
+
+    trainer_max_length: int = Field(
+        TrainerSettings().max_length,
+        gt=0,
+        description="cap_policy window: the trainer's window the requests are sized to: TrainerSettings.max_length "
+        "(--trainer-max-length, the quality resource's trainer.max_length).",
+    )
+
+    @classmethod
+    def of(cls, source: object, trainer: TrainerSettings) -> GenerationSettings:
+        """The request settings `source` carries (a completions config, flags), sized to the trainer's window."""
+        return cls.taken_from(source).model_copy(update={"trainer_max_length": trainer.max_length})
 
     def template_kwargs(self) -> dict:
         """The chat_template_kwargs sent with every request (and with /v1/tokenize)."""

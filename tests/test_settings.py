@@ -38,6 +38,7 @@ from dflash_assets.settings import (
     LaunchSettings,
     ProbeSettings,
     QualitySettings,
+    RequestSettings,
     RunawaySettings,
     ServerSettings,
     Settings,
@@ -80,6 +81,12 @@ def dump(value):
 
 PROBE_SAMPLING = ("max_output_tokens",)  # the probe's own cap (ProbeSettings.max_output_tokens) takes its place
 PROBE_CLI_SAMPLING = (*PROBE_SAMPLING, *WINDOW_FIELDS)  # and `dflash probe` measures lengths: never windowed
+TRAINER_FLAGS = {f"trainer_{name}": value for name, value in TrainerSettings().model_dump().items()}
+
+
+def trainer_flags(args: dict) -> dict:
+    """The TrainerSettings fields a command's --trainer-* flags give."""
+    return {name.removeprefix("trainer_"): value for name, value in args.items() if name in TRAINER_FLAGS}
 
 
 def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the_same_defaults(monkeypatch):
@@ -91,19 +98,24 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
             cli("generate", "--shard", "0", "--urls", "http://x"),
             [(GenerationSettings, ()), (DispatchSettings, ())],
         ),
+        "dflash generate --trainer-*": (
+            trainer_flags(cli("generate", "--shard", "0", "--urls", "http://x")),
+            [(TrainerSettings, ("format", "chat_template"))],
+        ),
+        "dflash report --trainer-*": (trainer_flags(cli("report")), [(TrainerSettings, ())]),
         "dflash probe": (
             cli("probe", "--urls", "http://x"),
-            [(ProbeSettings, ()), (GenerationSettings, PROBE_CLI_SAMPLING), (DispatchSettings, ())],
+            [(ProbeSettings, ()), (RequestSettings, PROBE_CLI_SAMPLING), (DispatchSettings, ())],
         ),
         "dflash fleet up": (cli("fleet", "up", "--model-path", MODEL), [(LaunchSettings, ("model_path",))]),
-        "CompletionsConfig": (launchpad(CompletionsConfig), [(GenerationSettings, ()), (DispatchSettings, ())]),
+        "CompletionsConfig": (launchpad(CompletionsConfig), [(RequestSettings, ()), (DispatchSettings, ())]),
         "CompletionsConfig()": (
-            built(CompletionsConfig(), GenerationSettings) | built(CompletionsConfig(), DispatchSettings),
-            [(GenerationSettings, ()), (DispatchSettings, ())],
+            built(CompletionsConfig(), RequestSettings) | built(CompletionsConfig(), DispatchSettings),
+            [(RequestSettings, ()), (DispatchSettings, ())],
         ),
         "LengthProbeConfig": (
             launchpad(LengthProbeConfig),
-            [(ProbeSettings, ()), (GenerationSettings, PROBE_SAMPLING), (DispatchSettings, ())],
+            [(ProbeSettings, ()), (RequestSettings, PROBE_SAMPLING), (DispatchSettings, ())],
         ),
         "ContinuationConfig": (launchpad(ContinuationConfig), [(DispatchSettings, ())]),
         "LaunchConfig": (launchpad(LaunchConfig), [(LaunchSettings, ())]),
@@ -120,7 +132,8 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
         "from_env() quality": (built(from_env()["quality"], QualitySettings), [(QualitySettings, ())]),
     }
     for command, own in (("demo", DEMO_DEFAULTS), ("backfill", SHARD_RUN_DEFAULTS)):  # their documented own
-        forms[f"dflash {command}"] = (cli(command), [(GenerationSettings, (), own), (DispatchSettings, (), own)])
+        forms[f"dflash {command}"] = (cli(command), [(RequestSettings, (), own), (DispatchSettings, (), own)])
+        forms[f"dflash {command} --trainer-*"] = (trainer_flags(cli(command)), [(TrainerSettings, ())])
     for where, (form, models) in forms.items():
         for model, skip, *own in models:
             defaults_of(where, form, model, skip, *own)
@@ -138,6 +151,9 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
         severity={"runaway_rate": "ERROR"},
     )
     assert cli("report")["trainer_max_length"] == TrainerSettings().max_length
+    # one window: no config of Dagster holds one of its own (the completions asset reads the quality resource's)
+    for config in (CompletionsConfig, LengthProbeConfig):
+        assert "trainer_max_length" not in config.model_fields, config.__name__
 
 
 def test_the_libraries_that_connect_without_a_resource_take_the_settings_defaults():
@@ -293,9 +309,7 @@ def test_the_settings_and_the_plain_libraries_load_without_dagster():
 def test_the_length_probes_launchpad_offers_only_settings_the_probe_reads():
     # its sample and cap, the run's sampling, how hard to drive the fleet: nothing that the probe ignores
     offered = set(LengthProbeConfig.to_fields_dict())
-    read = {
-        name for settings in (ProbeSettings, GenerationSettings, DispatchSettings) for name in settings.model_fields
-    }
+    read = {name for settings in (ProbeSettings, RequestSettings, DispatchSettings) for name in settings.model_fields}
     assert offered == read, f"offered, not read: {offered - read}; read, not offered: {read - offered}"
 
 
@@ -324,6 +338,16 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
     assert {
         GenerationSettings(**settings).resolved(False).config_hash(MODEL): settings for settings in pinned.values()
     } == pinned
+    # the window is the trainer's (one setting): the completions config (launchpad) or the flags with the trainer's
+    # window give today's window-policy hash, so data dirs made when the completions config held a copy resume
+    trainer = TrainerSettings(max_length=2048)
+    launchpad_config = CompletionsConfig(cap_policy="window", overshoot=8)
+    assert GenerationSettings.of(launchpad_config, trainer).resolved(False).config_hash(MODEL) == "d9fda1ee40a0"
+    flags = build_parser().parse_args(
+        ["backfill", "--cap-policy", "window", "--overshoot", "8", "--trainer-max-length", "2048"]
+    )
+    from_flags = GenerationSettings.of(flags, TrainerSettings.taken_from(flags, prefix="trainer_"))
+    assert from_flags.resolved(False).config_hash(MODEL) == "d9fda1ee40a0"
 
 
 def test_regenerate_auto_is_all_turns_on_a_multi_turn_source_and_the_old_hash_on_a_single_turn_one():

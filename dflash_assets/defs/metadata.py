@@ -34,6 +34,7 @@ class ShardRunKeys:
     SERVERS = "servers"
     BY_TURN = "by_turn"
     FLEET_TUNING = "fleet_tuning"  # the run's /v1/loads advice, on each shard of the run
+    PROMPTS_FILLING_WINDOW = "prompts_filling_window"  # cap_policy fixed: prompts sent that fill the trainer's window
 
 
 class CheckKeys:
@@ -85,6 +86,7 @@ class TrainingSetKeys:
     CONFIG_HASH = "config_hash"
     JSONL = "jsonl"
     MANIFEST = "manifest"
+    TRAINER_SETTINGS = "trainer_settings"  # specforge_data.yaml beside the manifest (quality/trainer_settings.py)
 
 
 class StepStopKeys:

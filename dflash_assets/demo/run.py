@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import dagster as dg
 from rich import box
@@ -42,9 +43,11 @@ from dflash_assets.defs.partitions import SHARDS, SHARDS_PER_RUN
 from dflash_assets.defs.prompts.sensors import shard_changes
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.training.jobs import training_job
+from dflash_assets.generation.plan import filling_window_note
 from dflash_assets.quality.console import console_for_output, verbatim
 from dflash_assets.quality.export import exclusion_lines
-from dflash_assets.settings import WINDOW_FIELDS, Deployment, GenerationSettings, TrainerSettings
+from dflash_assets.quality.trainer_settings import trainer_settings_line
+from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
 
@@ -82,32 +85,30 @@ class Failure:
 
 @dataclass(frozen=True)
 class Window:
-    """demo/backfill's --cap-policy, --trainer-max-length and --overshoot: how requests are sized, and the trainer's
-    window the checks, the answer and the export judge by (one flag sets both). Defaults: GenerationSettings'."""
+    """demo/backfill's --cap-policy and --overshoot (how requests are sized) and the trainer's settings
+    (--trainer-max-length, --trainer-format, ...): the one window the requests are sized to and the checks, the
+    answer and the export judge by, set in the quality resource alone. Defaults: the settings'."""
 
     cap_policy: str = GenerationSettings().cap_policy
-    trainer_max_length: int = GenerationSettings().trainer_max_length
     overshoot: int = GenerationSettings().overshoot
+    trainer: TrainerSettings = TrainerSettings()
 
     @classmethod
-    def of(cls, completions: dict) -> Window:
-        """The window of a completions run config (the CLI's flags)."""
-        return cls(**{name: completions[name] for name in WINDOW_FIELDS})
+    def of(cls, completions: dict, trainer: TrainerSettings = TrainerSettings()) -> Window:
+        """The window of a completions run config (the CLI's flags) and the trainer's settings."""
+        return cls(completions["cap_policy"], completions["overshoot"], trainer)
 
-    def completions(self) -> dict:
-        return {
-            "cap_policy": self.cap_policy,
-            "trainer_max_length": self.trainer_max_length,
-            "overshoot": self.overshoot,
-        }
+    @property
+    def trainer_max_length(self) -> int:
+        return self.trainer.max_length
 
     def resources(self) -> dict:
-        return {"quality": {"config": {"trainer": {"max_length": self.trainer_max_length}}}}
+        return {"quality": {"config": {"trainer": self.trainer.model_dump()}}}
 
     def quality(self):
         from dflash_assets.settings import QualitySettings
 
-        return QualitySettings(trainer=TrainerSettings(max_length=self.trainer_max_length))
+        return QualitySettings(trainer=self.trainer)
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Stops:
     preflight: list[str] = field(default_factory=list)  # the preflight's or the config's refusals (with numbers)
     errors: list[Failure] = field(default_factory=list)  # in the order they happened: the first is the cause
     config_hashes: set[str] = field(default_factory=set)
+    filling_window: int = 0  # cap_policy fixed: prompts sent although they fill the trainer's window
 
     def exit_status(self) -> int:
         return FAILED if self.errors else BAD_CONFIG if self.preflight else STOPPED_BY_CHECK if self.checks else DONE
@@ -272,11 +274,16 @@ def source_refused(command: str, console: Console) -> bool:
 
 
 def run_shards(
-    instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console, verbose: bool = False
+    instance: dg.DagsterInstance,
+    shards: list[str],
+    completions: dict,
+    console: Console,
+    verbose: bool = False,
+    window: Window = Window(),
 ) -> Stops:
     """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
-    flags; its trainer's window is the checks' too); print a table; return what stopped runs."""
-    window = Window.of(completions)
+    flags) and `window`'s trainer as the quality resource's (the checks' window, and the requests'); print a table;
+    return what stopped runs."""
     run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": completions}}}
     stops = Stops()
     table = Table(
@@ -316,6 +323,7 @@ def run_shards(
                         stops.checks.setdefault(e.check_name, []).append(shard)
                 if c.get(ShardRunKeys.CONFIG_HASH):
                     stops.config_hashes.add(c[ShardRunKeys.CONFIG_HASH])
+                stops.filling_window += c.get(ShardRunKeys.PROMPTS_FILLING_WINDOW, 0)
                 rejected = (
                     s.get(PromptShardKeys.REJECTED, 0)
                     + c.get(ShardRunKeys.REJECTED_PREFLIGHT, 0)
@@ -350,6 +358,8 @@ def run_shards(
             f"the data dir; the cause is below)",
             highlight=False,
         )
+    if stops.filling_window:  # preflight counted them before any request
+        verbatim(console, f"  {filling_window_note(stops.filling_window, window.trainer_max_length)}")
     for name, where in sorted(failed_checks.items()):
         console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
     if failed_checks:
@@ -524,15 +534,16 @@ def run_demo(
     console: Console | None = None,
     verbose: bool = False,
     again: Callable[[dict], str] = lambda overrides: "",
+    trainer: TrainerSettings = TrainerSettings(),
 ) -> int:
-    """The whole pipeline over every shard; `again(overrides)`: the flags that repeat `completions`, changed by
-    `overrides`, in the next command."""
+    """The whole pipeline over every shard for `trainer`; `again(overrides)`: the flags that repeat `completions`
+    and the trainer's, changed by `overrides`, in the next command."""
     console = console or console_for_output()
     if source_refused("demo", console):
         return BAD_CONFIG
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
-    window = Window.of(completions)
+    window = Window.of(completions, trainer)
     console.print(
         f"dflash demo: {len(shards)} shards (cap {completions['max_output_tokens']} tokens, "
         f"{policy_text(window)}), DAGSTER_HOME={os.environ['DAGSTER_HOME']}, "
@@ -541,7 +552,7 @@ def run_demo(
     )
     if said := regenerate_text(completions["regenerate"]):
         console.print(said, highlight=False)
-    stops = run_shards(instance, shards, completions, console, verbose)
+    stops = run_shards(instance, shards, completions, console, verbose, window)
     print_superseded(stops, console, window)
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
@@ -566,6 +577,7 @@ def run_demo(
             )
             for line in exclusion_lines(meta[t.MANIFEST]) or ["nothing"]:
                 console.print(f"  {line}", highlight=False)
+            verbatim(console, trainer_settings_line(meta[t.MANIFEST], Path(meta[t.JSONL]).parent))
         elif stops.checks:
             console.print("drafter training set: not written while a blocking check fails")
         else:
@@ -593,6 +605,7 @@ def run_backfill(
     console: Console | None = None,
     verbose: bool = False,
     again: Callable[[dict], str] = lambda overrides: "",
+    trainer: TrainerSettings = TrainerSettings(),
 ) -> int:
     console = console or console_for_output()
     if source_refused("backfill", console):
@@ -607,7 +620,7 @@ def run_backfill(
         )
         return BAD_CONFIG
     chosen = shards[shards.index(first) : shards.index(last) + 1]
-    window = Window.of(completions)
+    window = Window.of(completions, trainer)
     console.print(
         f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
         f"up to {SHARDS_PER_RUN} shards per run, {policy_text(window)}, "
@@ -616,7 +629,7 @@ def run_backfill(
     )
     if said := regenerate_text(completions["regenerate"]):
         console.print(said, highlight=False)
-    stops = run_shards(instance, chosen, completions, console, verbose)
+    stops = run_shards(instance, chosen, completions, console, verbose, window)
     print_superseded(stops, console, window)
     command = f"dflash backfill --from {first} --to {last}"
     if not stops.checks and not stops.errors and not stops.preflight:
@@ -662,7 +675,7 @@ def run_continue(
         f"where they stopped",
         highlight=False,
     )
-    window = Window("window", to_window) if to_window else Window()
+    window = Window("window", trainer=TrainerSettings(max_length=to_window)) if to_window else Window()
     run_config = {
         **quiet(verbose),
         "resources": window.resources(),

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.preflight import Budget, overflow_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
+from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.storage import Storage
@@ -58,10 +59,19 @@ class ShardResult:
     infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
     load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
     window: int | None = None  # cap_policy window: the trainer's window the requests were sized to
+    filling_window: int = 0  # cap_policy fixed: prompts sent whose prompt fills the trainer's window
 
     @property
     def rejected(self) -> int:
         return self.rejected_preflight + self.rejected_server
+
+
+def filling_window_note(prompts: int, max_length: int) -> str:
+    """What preflight says of prompts a fixed cap sends although they fill the trainer's window."""
+    return (
+        f"{prompts:,} prompts fill the trainer's window: their answers would never be trained on; "
+        f"`--cap-policy window` rejects them (prompt_tokens >= max_length {max_length:,})"
+    )
 
 
 def reject_row(
@@ -193,6 +203,11 @@ async def plan_shard(
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r["prompt_id"]]
+    if not generation.windowed:  # the window policy refused them above; a fixed cap decodes them for nothing trained
+        window = generation.trainer_max_length
+        run.filling_window = sum(fills_window(r["prompt_tokens"], window) for r in todo.values())
+        if run.filling_window:
+            run.notes.append(f"shard {shard}: {filling_window_note(run.filling_window, window)}")
     policy = f", window {generation.trainer_max_length}" if generation.windowed else ""
     log(
         f"shard {shard} config {config_hash} (cap {config_cap}{policy}): {run.prompts} prompts, {len(done)} already done, "

@@ -14,7 +14,7 @@ from dflash_assets.quality.outcome import (
     verdict,
 )
 from dflash_assets.quality.rates import GroupCount, group_counts, group_line, rate_finding, totals, worst_first
-from dflash_assets.quality.tables import one
+from dflash_assets.quality.tables import judged_window, one
 from dflash_assets.rules import percentile_sql
 from dflash_assets.settings import QualitySettings
 
@@ -22,8 +22,9 @@ from dflash_assets.settings import QualitySettings
 def truncation_rate(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Share of rows cut inside the trainer's window (finish_reason = 'length' and prompt + completion <
     max_length: the trainer reads an end the model did not choose), judged per config and per shard (any group
-    over fails). Rows cut at or past the window are window-complete: counted beside it, never over the limit."""
-    window = quality.trainer.max_length
+    over fails). Rows cut at or past the window are window-complete: counted beside it, never over the limit.
+    A window-policy config is judged by the window its rows recorded (tables.judged_window), and says so."""
+    window, recorded = judged_window(con, quality.trainer.max_length)
     configs = group_counts(con, "cut_inside_window", by="config")
     shards = group_counts(con, "cut_inside_window", by="shard")
     rows, inside = totals(configs)
@@ -37,7 +38,7 @@ def truncation_rate(con: duckdb.DuckDBPyConnection, quality: QualitySettings) ->
         f"(finish_reason = 'length', prompt + completion < {num(window)}), {verdict(rate, limit)}; "
         f"{plural(complete, 'row')} ({pct(share(complete, rows))}) were cut at or past it: window-complete, "
         f"read by the trainer as a complete answer is. {pct(share(cut, rows))} hit the cap in all.",
-        f"The window is {quality.trainer.named()}.",
+        recorded or f"The window is {quality.trainer.named()}.",
     ]
     if configs_over:
         lines.append("Configs over the threshold:\n" + bullets([group_line(g) for g in configs_over]))
@@ -75,7 +76,7 @@ def decoded_past_window(con: duckdb.DuckDBPyConnection, quality: QualitySettings
     (window-complete: exported, the trainer reads them whole); warns when the tokens past the window exceed
     decoded_past_window_rate_max of all decoded tokens (a cap larger than the window needs: cap_policy window
     decodes only what is read). Formerly window_complete (severity overrides may still name it)."""
-    window = quality.trainer.max_length
+    window, recorded = judged_window(con, quality.trainer.max_length)
     rows, complete, complete_tokens, decoded, trained = one(
         con,
         "SELECT count(*), count(*) FILTER (WHERE window_complete), "
@@ -90,7 +91,7 @@ def decoded_past_window(con: duckdb.DuckDBPyConnection, quality: QualitySettings
         f"{num(window)}, {verdict(rate, limit)}; decoded per trained token {ratio} (the floor is 1.00). "
         f"{plural(complete, 'row')} ({pct(share(complete, rows))} of {num(rows)}) were cut at or past the window: "
         f"window-complete, exported, {num(complete_tokens)} trained tokens.",
-        f"The window is {quality.trainer.named()}.",
+        recorded or f"The window is {quality.trainer.named()}.",
     ]
     if rate > limit:
         lines.append(
@@ -193,23 +194,23 @@ def silent_clamp(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Fi
 
 def max_length_overflow(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Share of rows whose prompt_tokens + completion_tokens exceed the trainer's max_length: it cuts them."""
+    window, recorded = judged_window(con, quality.trainer.max_length)
     result = con.execute(
         "SELECT config_hash, config_cap, count(*), count(*) FILTER (WHERE over), "
         "count(*) FILTER (WHERE finish_reason = 'stop'), count(*) FILTER (WHERE finish_reason = 'stop' AND over) "
-        "FROM (SELECT *, prompt_tokens + completion_tokens > $m AS over FROM completions) "
-        "GROUP BY config_hash, config_cap ORDER BY config_hash, config_cap",
-        {"m": quality.trainer.max_length},
+        "FROM (SELECT *, prompt_tokens + completion_tokens > judged_window AS over FROM completions) "
+        "GROUP BY config_hash, config_cap ORDER BY config_hash, config_cap"
     ).fetchall()
     finding = rate_finding(
         "over_max_length",
-        f"exceed the trainer's window max_length {num(quality.trainer.max_length)} (prompt_tokens + completion_tokens)",
+        f"exceed the trainer's window max_length {num(window)} (prompt_tokens + completion_tokens)",
         [GroupCount(config_label(h, cap), f"{h}/{cap}", rows, over) for h, cap, rows, over, _, _ in result],
         quality.max_length_overflow_rate_max,
-        why=f"The trainer truncates these rows: raise its max_length or expect their tails to be lost. The window "
-        f"is {quality.trainer.named()}.",
+        why="The trainer truncates these rows: raise its max_length or expect their tails to be lost. "
+        + (recorded or f"The window is {quality.trainer.named()}."),
     )
     metadata = finding.metadata | {
-        "max_length": quality.trainer.max_length,
+        "max_length": window,
         "stop_rows": sum(r[4] for r in result),  # the rows that can reach training
         "stop_over_max_length_rows": sum(r[5] for r in result),
     }

@@ -9,12 +9,16 @@ manifest means a complete export):
                            form="pretokenized", {"id", "input_ids", "loss_mask"} from the stored token ids
     training_set.parquet   the same rows with provenance columns, the conversation as list<struct>
     manifest.json          row counts by config and source, excluded counts by reason, config hashes, sha256s
+    specforge_data.yaml    what the trainer must set to read the file as it was meant (trainer_settings.py):
+    speculators_flags.txt  SpecForge's `data:` block, speculators' flags (--seq-length)
 Rows come in (shard, prompt_id, config_hash) order and nothing time-dependent is written, so the same inputs
 give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported
 (pre-tokenized all_turns rows, one sample per turn: "<prompt_id>@<config_hash>#<turn>").
 
-The trainer's window (TrainerSettings.max_length) decides what a cut row is (rules.py): cut inside the window it
-is excluded ("truncated"); cut at or past it, it is window-complete and exported, because the trainer reads it
+The trainer's window decides what a cut row is (rules.py): the window a cap_policy window config's rows recorded,
+else TrainerSettings.max_length (a fixed cap records none); the manifest says which, and a window-policy config is
+never exported at another window than its own. A row whose prompt fills its window has no trainable token: it is
+excluded ("no_trainable_tokens"). Cut inside the window a row is excluded ("truncated"); cut at or past it, it is window-complete and exported, because the trainer reads it
 exactly as it reads the complete answer; a runaway stays out ("runaway") even past the window, since its loop can
 start inside it. Two forms of a window-complete row:
 - pretokenized: prompt ids then output ids, loss 0 on the prompt and 1 on generated tokens, cut at the window:
@@ -51,13 +55,16 @@ from dflash_assets.quality.trainer_format import (
     recipe_flags,
     row_problem,
 )
-from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL
+from dflash_assets.quality.trainer_settings import TRAINER_SETTINGS_FILES, write_trainer_settings
+from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.store.storage import is_uri, open_storage
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
+    "no_trainable_tokens",  # the prompt fills the window (rules.fills_window): the trainer would read no answer
+    #                         (an all-zero loss mask); the conversations forms judge a conversation by its first turn
     "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
     "runaway",  # a loop: stopped while streaming (finish_reason 'runaway'), or cut past the window while looping
     #             (generation/runaway.py): the loop may start inside the window
@@ -74,6 +81,11 @@ EXCLUSION_REASONS = (
     #                       earlier answers, which have no reasoning_content
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
 )
+# What a reason means to the trainer, where the name alone does not say it (exclusion_lines).
+REASON_NOTES = {
+    "no_trainable_tokens": " (the prompt fills the trainer's window: the sample's loss mask would be all zero, and "
+    "its answer was decoded for nothing; --cap-policy window rejects such prompts before any request)",
+}
 ROW_GROUP = 8192
 # The content of a window-complete row cut inside its thinking (conversations and messages forms): past the window,
 # never read by the trainer, and non-empty so that SpecForge's validator accepts the file.
@@ -114,8 +126,9 @@ GRADE = """
 CREATE TEMP TABLE graded AS
 WITH c AS (
     SELECT filename, file_row_number, shard, prompt_id, config_hash, turn, source, max_output_tokens, config_cap,
-        prompt_tokens, completion_tokens, created_at, window_complete,
+        prompt_tokens, completion_tokens, created_at, window_complete, judged_window,
         window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
+            WHEN {fills_window} THEN 'no_trainable_tokens'
             WHEN cut_inside_window THEN 'truncated'
             WHEN finish_reason = 'length' AND runaway OR {stopped_early} THEN 'runaway'
             WHEN finish_reason IS DISTINCT FROM 'stop' AND finish_reason IS DISTINCT FROM 'length' THEN 'not_stop'
@@ -124,7 +137,7 @@ WITH c AS (
                 SELECT 1 FROM history_markers h WHERE h.shard = c0.shard AND h.prompt_id = c0.prompt_id)
                 THEN 'think_marker'
             WHEN {overflow} THEN 'context_overflow'
-            WHEN $drop_long AND prompt_tokens + completion_tokens > $max_length THEN 'over_max_length'
+            WHEN $drop_long AND prompt_tokens + completion_tokens > judged_window THEN 'over_max_length'
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
                 THEN 'no_prompt'
             WHEN $pretokenized AND (prompt_token_ids IS NULL OR output_ids IS NULL) THEN 'no_token_ids'
@@ -150,7 +163,7 @@ WHERE history_think_marker(messages_json)
 KEPT = """
 SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
     g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
-    c.reasoning_content, g.window_cut_in_thinking, {ids}, g.filename, g.file_row_number, c.enable_thinking,
+    c.reasoning_content, g.window_cut_in_thinking, g.judged_window, {ids}, g.filename, g.file_row_number, c.enable_thinking,
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
 JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
@@ -254,11 +267,11 @@ def _write_rows(
     jsonl_tmp: Path,
     parquet_tmp: Path,
     form: str,
-    max_length: int | None = None,
 ) -> Written:
     """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes. In the
     conversations and messages forms every line is first judged by SpecForge's validator with its recipe's flags
-    for the row's config (trainer_format.recipe_flags): a line it would stop at is left out, never written."""
+    for the row's config (trainer_format.recipe_flags): a line it would stop at is left out, never written. A
+    pre-tokenized sample is cut at its row's window (judged_window)."""
     done, pending, schema = Written(), [], export_schema(form)
     with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, schema) as parquet:
 
@@ -271,7 +284,7 @@ def _write_rows(
                     done.consumed += 1
                     if row["turn"] is None and carries_history(json.loads(row["messages_json"])):
                         done.source_answers["written"] += 1  # in the prompt's ids: loss 0
-                    sample = pretokenized(row, max_length)
+                    sample = pretokenized(row, row["judged_window"])
                     jsonl.write(json.dumps(sample, separators=(",", ":")).encode("utf-8") + b"\n")
                     pending.append({k: row.get(k) for k in schema.names} | sample | {"status": STATUS})
                     done.lines += 1
@@ -365,14 +378,17 @@ def export_training_set(
     form: str = TrainerSettings().format,
     drop_over_max_length: bool = False,
     runaway: RunawaySettings = RunawaySettings(),
+    chat_template: str = TrainerSettings().chat_template,
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
     `form` is "conversations" (SpecForge's {id, status, conversations}), "messages" (OpenAI's {id, messages}) or
     "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at max_length).
 
-    `max_length` is the trainer's window (None: no limit): rows cut at or past it are window-complete and kept,
-    rows cut inside it are excluded (module doc). Rows that stopped and are longer than it are kept by default: they
+    `max_length` is the trainer's window in force (None: no limit), by which fixed-cap rows are judged; a
+    window-policy config's rows are judged and cut at the window they recorded, and the manifest says so
+    (`window`). Rows whose prompt fills the window are excluded (no_trainable_tokens), rows cut at or past it are
+    window-complete and kept, rows cut inside it are excluded (module doc). Rows that stopped and are longer than it are kept by default: they
     are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic work needs most,
     and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
     The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
@@ -388,11 +404,12 @@ def export_training_set(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
+    for name in TRAINER_SETTINGS_FILES:  # a later export of another form or window must not leave stale ones
+        (out / name).unlink(missing_ok=True)
     tmps = {name: out / f".{name}.tmp" for name in paths}
     export_schema(form)  # refuses an unknown form before anything is written
     params = {
         "config": config_hash,
-        "max_length": max_length,
         "pretokenized": form == "pretokenized",
         "drop_long": drop_over_max_length and max_length is not None,
     }
@@ -413,30 +430,33 @@ def export_training_set(
                     stopped_early=STOPPED_EARLY_SQL,
                     runaway=runaway_sql(runaway),
                     window=window_flags_sql(NO_LIMIT if max_length is None else max_length),
+                    fills_window=fills_window_sql(
+                        "judged_window",
+                        "CASE WHEN $pretokenized THEN prompt_tokens "
+                        "ELSE min(prompt_tokens) OVER (PARTITION BY shard, prompt_id, config_hash) END",
+                    ),
                 ),
                 params,
             )
             ids = "c.prompt_token_ids, c.output_ids" if form == "pretokenized" else "NULL AS prompt_token_ids"
             query = KEPT.format(completions=completions, ids=ids)
-            done = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], form, max_length)
+            done = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], form)
             _refuse(con, done.refused_rows)
-            manifest = _manifest(con, config_hash, max_length, done.consumed - len(done.refused_rows)) | {
+            window = _window(con, max_length)
+            manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
                 "form": form,
                 "rows": done.lines,
                 "conversations_not_whole": done.not_whole,
+                "window": window,
                 "recipe": _recipe(done, form),
                 "source_answers": _source_answers(done, form),
             }
             manifest["drop_over_max_length"] = params["drop_long"]
-            manifest["over_max_length_kept"] = (
-                one(
-                    con,
-                    "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > $m",
-                    {"m": max_length},
-                )[0]
-                if max_length is not None
-                else 0
-            )
+            manifest["over_max_length_kept"] = one(
+                con,
+                "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > "
+                f"judged_window AND judged_window < {NO_LIMIT}",
+            )[0]
             manifest["exclusions"] = _exclusions(con)
             manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = one(
                 con,
@@ -444,7 +464,7 @@ def export_training_set(
                 "FROM graded WHERE reason IS NULL",
             )
             manifest["trainer"] = {
-                "max_length": max_length,
+                "max_length": window["max_length"],
                 "format": form,
                 "how_to_change": "trainer.max_length and trainer.format of the quality resource (Dagster), or "
                 "dflash demo/backfill --trainer-max-length; the form also by the drafter_training_set "
@@ -454,12 +474,39 @@ def export_training_set(
         for name in ("training_set.jsonl", "training_set.parquet"):
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
+        manifest["trainer_settings"] = write_trainer_settings(
+            out, paths["training_set.jsonl"], form, window["max_length"], chat_template, done.source_answers["written"]
+        )
         tmps["manifest.json"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _commit(tmps["manifest.json"], paths["manifest.json"])
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
     return TrainingExport(paths["training_set.jsonl"], paths["training_set.parquet"], paths["manifest.json"], manifest)
+
+
+def _window(con: duckdb.DuckDBPyConnection, max_length: int | None) -> dict[str, Any]:
+    """The window the export judged and cut by, and why: the trainer's in force (`max_length`) for fixed-cap
+    configs, the recorded one for a window-policy config (said, when it is not the setting's: never mixed
+    silently). Several configs of several windows (config_hash 'all'): each by its own, listed by config."""
+    by_config = {
+        h: (None if w >= NO_LIMIT else int(w))
+        for h, w in con.execute("SELECT DISTINCT config_hash, judged_window FROM graded ORDER BY ALL").fetchall()
+    }
+    windows = set(by_config.values())
+    window = windows.pop() if len(windows) == 1 else max_length
+    other = {h: w for h, w in by_config.items() if w != max_length}
+    note = None
+    if other:
+        said = ", ".join(f"config {h} at {w:,}" for h, w in other.items())
+        setting = f"{max_length:,}" if max_length is not None else "none"
+        note = (
+            f"exported at the window its requests were sized to (cap_policy window): {said}; the trainer setting in "
+            f"force says {setting}. Set the trainer's max_length to {window:,} to read it as it was made"
+            if window is not None and len(set(other.values())) == 1 and len(other) == len(by_config)
+            else f"configs of several windows, each exported at its own: {said}; the trainer setting says {setting}"
+        )
+    return {"max_length": window, "trainer_setting": max_length, "by_config": by_config, "note": note}
 
 
 def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, Any]]:
@@ -493,7 +540,7 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
     """The exclusions for people: one line per reason, then the long rows that were kept."""
     from dflash_assets.quality.outcome import num, pct
 
-    lines = []
+    lines = [f"window: {note}" for note in [manifest.get("window", {}).get("note")] if note]
     for e in manifest.get("exclusions", []):
         worst = ", ".join(
             f"{s['source']} {num(s['rows'])} ({pct(s['share_of_source'])} of its rows)" for s in e["sources"]
@@ -501,6 +548,7 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
         lines.append(
             f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
             f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}"
+            + (f"{REASON_NOTES[e['reason']]}" if e["reason"] in REASON_NOTES else "")
         )
     if manifest.get("conversations_not_whole"):
         lines.append(

@@ -11,7 +11,7 @@ from typing import Any
 import duckdb
 
 from dflash_assets.quality.outcome import share
-from dflash_assets.quality.tables import one, open_quality_db
+from dflash_assets.quality.tables import judged_window, one, open_quality_db
 from dflash_assets.rules import CUT_SQL, OVERFLOW_SQL, PERCENTILE_DEFINITION, STOPPED_EARLY_SQL, percentile_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 
@@ -92,9 +92,9 @@ def length_quality_of(
     completion_over, over_max_length = one(
         con,
         f"SELECT count(*) FILTER (WHERE {OVERFLOW_SQL}), "
-        "count(*) FILTER (WHERE prompt_tokens + completion_tokens > $m) FROM completions",
-        {"m": max_length},
+        "count(*) FILTER (WHERE prompt_tokens + completion_tokens > judged_window) FROM completions",
     )
+    max_length = judged_window(con, max_length)[0]  # a window-policy config's own, when it is the whole scope
     rejects_over = one(
         con,
         f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "

@@ -11,8 +11,10 @@ Tables (every one exists, empty when its directory has no files yet):
                  max_output_tokens, server_context_length, enable_thinking, plus the flags content_empty,
                  think_marker (content or reasoning, any case: trainer_format.py), reasoning_empty and runaway
                  (a cut row whose output ends in a loop, generation/runaway.py); judged against the trainer's window
-                 max_length (rules.py): cut_inside_window, window_complete (cut at or past it, not a runaway),
-                 trained_tokens; and config_cap, the config's cap (policy_cap under the window policy, whose
+                 max_length (rules.py), each row by its own (judged_window: the window a cap_policy window row
+                 recorded, else the trainer's window in force): cut_inside_window, window_complete (cut at or past
+                 it, not a runaway), trained_tokens; and config_cap, the config's cap (policy_cap under the window
+                 policy, whose
                  rows each record their own max_output_tokens)
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
@@ -40,6 +42,7 @@ from dflash_assets.rules import (
     STOPPED_EARLY_SQL,
     blank_sql,
     cut_inside_window_sql,
+    row_window_sql,
     trained_tokens_sql,
     window_complete_sql,
 )
@@ -50,7 +53,8 @@ from dflash_assets.store.storage import Storage, open_storage
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
-    server_context_length, enable_thinking, turn, coalesce(policy_cap, max_output_tokens) AS config_cap"""
+    server_context_length, enable_thinking, turn, coalesce(policy_cap, max_output_tokens) AS config_cap,
+    trainer_max_length"""
 
 COMPLETION_FLAGS = f"""
     {blank_sql('content')} AS content_empty,
@@ -67,11 +71,42 @@ def one(con: duckdb.DuckDBPyConnection, sql: str, params: object = None) -> tupl
 
 
 def window_flags_sql(max_length: int) -> str:
-    """The window's flags of a completion row (over a select that has `runaway`)."""
+    """The window's flags of a completion row (over a select that has `runaway` and `trainer_max_length`), judged
+    by the row's own window: the one a window-policy config recorded, else `max_length`, the trainer's in force."""
+    window = row_window_sql(max_length)
     return (
-        f"{cut_inside_window_sql(max_length)} AS cut_inside_window, "
-        f"{window_complete_sql(max_length)} AND NOT runaway AS window_complete, "
-        f"{trained_tokens_sql(max_length)} AS trained_tokens"
+        f"{window} AS judged_window, "
+        f"{cut_inside_window_sql(window)} AS cut_inside_window, "
+        f"{window_complete_sql(window)} AND NOT runaway AS window_complete, "
+        f"{trained_tokens_sql(window)} AS trained_tokens"
+    )
+
+
+def recorded_windows(con: duckdb.DuckDBPyConnection, max_length: int) -> dict[int, int]:
+    """The windows the rows in scope are judged by, other than `max_length` (the trainer's in force), with their
+    rows: window-policy configs sized to another window, judged by theirs (never silently at the setting's)."""
+    return dict(
+        con.execute(
+            "SELECT judged_window, count(*) FROM completions WHERE judged_window <> $m GROUP BY ALL ORDER BY ALL",
+            {"m": max_length},
+        ).fetchall()
+    )
+
+
+def judged_window(con: duckdb.DuckDBPyConnection, max_length: int) -> tuple[int, str]:
+    """(the window the rows in scope are judged by, a sentence saying so when it is not the trainer's setting).
+    One recorded window for every row: that one; a mix: the setting's, and the sentence names the others."""
+    other = recorded_windows(con, max_length)
+    if not other:
+        return max_length, ""
+    rows = con.execute("SELECT count(*) FROM completions").fetchone()[0]
+    (only, n), *more = other.items()
+    window = only if not more and n == rows else max_length
+    said = ", ".join(f"{n:,} rows at {w:,}" for w, n in other.items())
+    return window, (
+        f"Window-policy rows are judged by the window their requests were sized to ({said}), not by the trainer "
+        f"setting's {max_length:,}; to train them at another window, generate at it (or grow it: dflash continue "
+        f"--to-window)."
     )
 
 

@@ -117,6 +117,8 @@ class WindowPlan:
     tokens_per_s: float | None = None
     notes: list[str] = field(default_factory=list)
     prompt_p50: int = 0  # the median prompt: the window sits at max_length - prompt_p50 completion tokens for it
+    filling: int = 0  # rows whose prompt fills the window: decoded at every cap, never trained (no room)
+    filling_decoded: int = 0  # their decoded tokens at the current cap
     turns: TurnsCost | None = None  # a multi-turn source: all_turns against last_turn
 
     @property
@@ -256,6 +258,8 @@ def plan_window(
         tokens_per_s,
         notes,
         percentile(p, 0.5) if n else 0,
+        int((room == 0).sum()),
+        int(length[room == 0].sum()),
     )
 
 
@@ -332,6 +336,11 @@ def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
         f"first {num(plan.max_length)} tokens = {num(round(plan.floor))}):"
     ]
     lines += [f"  {row(e)}" for e in plan.estimates] + [f"  {row(plan.window)}"]
+    if plan.filling:
+        lines.append(
+            f"  {num(plan.filling)} prompts fill the window: their {num(plan.filling_decoded)} decoded tokens are "
+            f"counted decoded, none trained (the window policy rejects such prompts before any request)"
+        )
     caps = [e.cap for e in plan.estimates if e.cap is not None]  # all of them: only the window policy has none
     if len(caps) > 1:  # the story's bump: to twice the cap when it is a candidate
         to = 2 * plan.cap if 2 * plan.cap in caps else caps[1]

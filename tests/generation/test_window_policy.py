@@ -299,7 +299,7 @@ def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway
 
 
 def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_settings():
-    from dflash_assets.cli import _completions_config, build_parser, repeated_flags
+    from dflash_assets.cli import _completions_config, build_parser, repeated_flags, trainer_flags
     from dflash_assets.demo.run import Window
 
     for argv in (["demo"], ["backfill"], ["generate", "--shard", "0", "--urls", "http://x"]):
@@ -309,11 +309,17 @@ def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_
             2048,
             GenerationSettings().overshoot,
         )
-    args = build_parser().parse_args(["demo", "--cap-policy", "window", "--trainer-max-length", "2048"])
-    config = _completions_config("demo", args)
-    window = Window.of(config)
-    assert window == Window("window", 2048, GenerationSettings().overshoot)
+    args = build_parser().parse_args(
+        ["demo", "--cap-policy", "window", "--trainer-max-length", "2048", "--trainer-format", "pretokenized"]
+    )
+    config, trainer = _completions_config("demo", args)
+    window = Window.of(config, trainer)
+    assert window == Window("window", GenerationSettings().overshoot, trainer)
+    assert trainer == TrainerSettings(max_length=2048, format="pretokenized")
+    assert "trainer_max_length" not in config  # one window: the quality resource's, which the requests read
     # the next command repeats them (and only what differs from the command's defaults)
-    assert repeated_flags("demo", config) == " --cap-policy window --trainer-max-length 2048"
-    assert repeated_flags("demo", _completions_config("demo", build_parser().parse_args(["demo"]))) == ""
-    assert window.resources() == {"quality": {"config": {"trainer": {"max_length": 2048}}}}
+    assert repeated_flags("demo", {**config, **trainer_flags(trainer)}) == (
+        " --cap-policy window --trainer-max-length 2048 --trainer-format pretokenized"
+    )
+    assert repeated_flags("demo", _completions_config("demo", build_parser().parse_args(["demo"]))[0]) == ""
+    assert window.resources() == {"quality": {"config": {"trainer": trainer.model_dump()}}}

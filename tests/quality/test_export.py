@@ -24,6 +24,7 @@ def graded(data_dir, config=None, max_length=None, window=4096):
         cut = r["finish_reason"] == "length"
         tail = r["reasoning_content"] if blank(r["content"]) else r["content"]
         reasons = [
+            ("no_trainable_tokens", r["prompt_tokens"] >= window),  # the prompt fills the window
             ("truncated", cut and r["prompt_tokens"] + r["completion_tokens"] < window),
             ("runaway", cut and is_runaway(tail)),
             ("not_stop", r["finish_reason"] not in ("stop", "length")),
@@ -133,6 +134,8 @@ def test_export_is_byte_identical_when_rerun(defects_dir, export, tmp_path):
 def test_export_is_written_atomically_without_leftovers(export):
     assert sorted(p.name for p in export.jsonl_path.parent.iterdir()) == [
         "manifest.json",
+        "specforge_data.yaml",
+        "speculators_flags.txt",
         "training_set.jsonl",
         "training_set.parquet",
     ]

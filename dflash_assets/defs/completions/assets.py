@@ -22,14 +22,15 @@ from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.prompts import SourceError, source_turns
 from dflash_assets.rules import stores_token_ids
-from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings
+from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, RequestSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.store.stores import committed_rows
 
 
-class CompletionsConfig(Refused, dg.Config, GenerationSettings, DispatchSettings):
+class CompletionsConfig(Refused, dg.Config, RequestSettings, DispatchSettings):
     """completions' run config: the generation settings (every row records them; a change is a new config), how
-    hard to drive the fleet, and what preflight does with a misfit."""
+    hard to drive the fleet, and what preflight does with a misfit. The window the window policy sizes requests to
+    is the quality resource's trainer.max_length: the one window, which the checks and the export judge by too."""
 
     preflight_policy: str = Field(
         "reject",
@@ -60,7 +61,9 @@ def completions(
     quality: QualityResource,
     prompt_source: PromptSourceResource,
 ) -> None:
-    generation, dispatch = GenerationSettings.taken_from(config), DispatchSettings.taken_from(config)
+    quality_settings = QualitySettings.taken_from(quality)
+    generation = GenerationSettings.of(config, quality_settings.trainer)  # the window: the trainer's, the one
+    dispatch = DispatchSettings.taken_from(config)
     if generation.regenerate == "auto":  # over the whole source, so every shard of a backfill is the same config
         try:
             turns = source_turns(prompt_source.resolved(), prompt_source.mapping(), first_only=True)
@@ -77,7 +80,6 @@ def completions(
             )
             + ")"
         )
-    quality_settings = QualitySettings.taken_from(quality)
     # the pre-tokenized export and the window policy are built from token ids: stored by default for them
     dispatch = dispatch.model_copy(
         update={
@@ -163,6 +165,7 @@ def shard_metadata(run, config_cap: int) -> dict:
         ShardRunKeys.ELAPSED_S: round(run.elapsed_s, 2),
         ShardRunKeys.TOKENS_PER_S: round(run.output_tokens / run.elapsed_s, 1) if run.elapsed_s else 0.0,
         ShardRunKeys.SERVERS: dg.MetadataValue.json(run.servers),
+        ShardRunKeys.PROMPTS_FILLING_WINDOW: run.filling_window,
         **(
             {ShardRunKeys.BY_TURN: dg.MetadataValue.json({str(k): v for k, v in run.by_turn.items()})}
             if run.by_turn

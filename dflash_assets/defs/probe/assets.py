@@ -10,10 +10,17 @@ from dflash_assets.defs.resources import DataDirResource, FleetResource, Quality
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.probe import probe_root, prompt_shard_keys, run_length_probe
 from dflash_assets.quality.probe_summary import cut_rows_for_probe
-from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, QualitySettings, SettingsError
+from dflash_assets.settings import (
+    DispatchSettings,
+    GenerationSettings,
+    ProbeSettings,
+    QualitySettings,
+    RequestSettings,
+    SettingsError,
+)
 
 
-class LengthProbeConfig(Refused, dg.Config, ProbeSettings, GenerationSettings, DispatchSettings):
+class LengthProbeConfig(Refused, dg.Config, ProbeSettings, RequestSettings, DispatchSettings):
     """The sample and its cap (settings.ProbeSettings; its max_output_tokens, 0 = the largest the context allows,
     takes the place of the run's cap: ProbeSettings comes first), the run's sampling, which must match the run the
     plan is for (same defaults), and how hard to drive the fleet."""

@@ -86,6 +86,7 @@ def drafter_training_set(
             form=config.form or quality_settings.trainer.format,
             drop_over_max_length=config.drop_over_max_length,
             runaway=quality_settings.runaway,
+            chat_template=quality_settings.trainer.chat_template,
         )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
@@ -101,6 +102,9 @@ def drafter_training_set(
             "window_complete_kept": manifest["window_complete_kept"],
             "trainer": f"max_length {manifest['max_length']}, form {manifest['form']} "
             f"(change: {manifest['trainer']['how_to_change']})",
+            TrainingSetKeys.TRAINER_SETTINGS: dg.MetadataValue.path(
+                str(export.manifest_path.parent / manifest["trainer_settings"]["specforge"])
+            ),
             "exclusions": dg.MetadataValue.md(excluded),
             TrainingSetKeys.MANIFEST: dg.MetadataValue.json(manifest),
         }
