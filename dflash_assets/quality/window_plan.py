@@ -338,7 +338,7 @@ def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
     lines += [f"  {row(e)}" for e in plan.estimates] + [f"  {row(plan.window)}"]
     if plan.filling:
         lines.append(
-            f"  {num(plan.filling)} prompts fill the window: their {num(plan.filling_decoded)} decoded tokens are "
+            f"  prompts that fill the window: {num(plan.filling)}, their {num(plan.filling_decoded)} decoded tokens "
             f"counted decoded, none trained (the window policy rejects such prompts before any request)"
         )
     caps = [e.cap for e in plan.estimates if e.cap is not None]  # all of them: only the window policy has none

@@ -244,12 +244,49 @@ def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emu
 def test_the_next_command_a_run_suggests_repeats_the_settings_it_was_given(command):
     import shlex
 
-    from dflash_assets.cli import _completions_config, build_parser, repeated_flags
+    from dflash_assets.cli import _completions_config, build_parser, repeated_flags, trainer_flags
 
     given = ["--temperature", "0.3", "--regenerate", "all_turns", "--eject-after", "5", "--no-store-token-ids"]
-    config = _completions_config(command, build_parser().parse_args([command, *given, "--max-output-tokens", "4096"]))
-    again = repeated_flags(command, config)
+    given += ["--trainer-max-length", "2048", "--trainer-format", "pretokenized"]  # the trainer's, too
+    config, trainer = _completions_config(
+        command, build_parser().parse_args([command, *given, "--max-output-tokens", "4096"])
+    )
+    again = repeated_flags(command, {**config, **trainer_flags(trainer)})
     assert again == " " + " ".join(given)  # the cap is the next command's own; defaults are left out
     suggested = build_parser().parse_args([command, *shlex.split(again), "--max-output-tokens", "4096"])
-    assert _completions_config(command, suggested) == config
-    assert repeated_flags(command, _completions_config(command, build_parser().parse_args([command]))) == ""
+    assert _completions_config(command, suggested) == (config, trainer)
+    config, trainer = _completions_config(command, build_parser().parse_args([command]))
+    assert repeated_flags(command, {**config, **trainer_flags(trainer)}) == ""
+
+
+def test_the_demo_takes_the_trainers_form_and_window_and_writes_the_pretokenized_file(tmp_path):
+    import json
+
+    import dagster as dg
+
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"trainer test {i}"}) + "\n" for i in range(6)))
+    home, data = tmp_path / "home", tmp_path / "data"
+    demo = dflash(
+        *("demo", "--prompts", str(src), "--shard-size", "6", "--servers", "1"),
+        *("--trainer-format", "pretokenized", "--cap-policy", "window", "--trainer-max-length", "2048"),
+        env={"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data)},
+        timeout=300,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    (out,) = (data / "training").iterdir()
+    samples = [json.loads(line) for line in (out / "training_set.jsonl").read_text().splitlines()]
+    assert len(samples) == 6 and all(set(s) == {"id", "input_ids", "loss_mask"} for s in samples)
+    assert all(len(s["input_ids"]) <= 2048 and 1 in s["loss_mask"] for s in samples)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["form"], manifest["max_length"]) == ("pretokenized", 2048)
+    # the trainer's settings beside it, named on the terminal
+    spec = (out / "specforge_data.yaml").read_text()
+    assert f'  prompts_path: "{out / "training_set.jsonl"}"\n  max_length: 2048\n' in spec
+    assert str(out / "specforge_data.yaml") in demo.stdout.replace("\n", "")
+    # one window: the trainer's settings went to the quality resource only; the requests were sized to it
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        run = instance.get_runs()[-1]  # the first: the shard's run
+    assert run.run_config["resources"]["quality"]["config"]["trainer"]["max_length"] == 2048
+    assert run.run_config["resources"]["quality"]["config"]["trainer"]["format"] == "pretokenized"
+    assert "trainer_max_length" not in run.run_config["ops"]["completions"]["config"]

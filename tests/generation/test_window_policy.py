@@ -260,16 +260,23 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
 # ---- the terminal at the story's moment --------------------------------------------------------------------------
 
 
-def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(tmp_path):
+@pytest.fixture(scope="module")
+def story_demo(tmp_path_factory):
+    """`dflash demo --max-output-tokens 4096` on the demo's first shard (a fifth of its rows are cut at 4096, as in
+    the whole demo; five of its prompts are longer than the 4096 window), on one server: (result, env)."""
     from tests.support.cli import demo_slice, dflash, home
 
-    # the demo's first shard (a fifth of its rows are cut at 4096, as in the whole demo), on one server
+    tmp_path = tmp_path_factory.mktemp("story")
     env = home(tmp_path, "home") | {
         "DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)),
         "DFLASH_SHARD_SIZE": "100",
         "DFLASH_NUM_SERVERS": "1",
     }
-    result = dflash("demo", "--max-output-tokens", "4096", env=env, cwd=tmp_path)
+    return dflash("demo", "--max-output-tokens", "4096", env=env, cwd=tmp_path), env
+
+
+def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(story_demo):
+    result, env = story_demo
     out = re.sub(r"\s+", " ", result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     data = env["DFLASH_DATA_DIR"]
@@ -278,10 +285,14 @@ def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway
         f"'{data}/completions/**/*.parquet')"
     ).fetchall()[0]
     manifest = json.loads(next(Path(data).glob("training/*/manifest.json")).read_text())
+    past = duckdb.sql(
+        f"select count(*) filter (where finish_reason = 'length' and prompt_tokens >= 4096) from read_parquet("
+        f"'{data}/completions/**/*.parquet')"
+    ).fetchall()[0][0]  # cut, but with no trainable token: left out for that (the test below)
     assert (
         cut
         and manifest["excluded"]["truncated"] == 0
-        and manifest["window_complete_kept"] + manifest["excluded"]["runaway"] == cut
+        and manifest["window_complete_kept"] + manifest["excluded"]["runaway"] + past == cut
     )
     assert manifest["trainer"]["max_length"] == 4096 and "--trainer-max-length" in manifest["trainer"]["how_to_change"]
     assert f"{manifest['window_complete_kept']} rows" in out
@@ -323,3 +334,95 @@ def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_
     )
     assert repeated_flags("demo", _completions_config("demo", build_parser().parse_args(["demo"]))[0]) == ""
     assert window.resources() == {"quality": {"config": {"trainer": trainer.model_dump()}}}
+
+
+# ---- no sample without a trainable token (issue 31) ---------------------------------------------------------------
+
+
+def test_the_defaults_leave_out_the_prompts_that_fill_the_window_and_preflight_says_so_before_any_request(
+    story_demo, tmp_path
+):
+    from dflash_assets.quality import export_training_set
+
+    result, env = story_demo
+    data = env["DFLASH_DATA_DIR"]
+    (filling,) = duckdb.sql(
+        f"select count(*) from read_parquet('{data}/completions/**/*.parquet') where prompt_tokens >= 4096"
+    ).fetchall()[0]
+    assert filling == 5, "the demo's first shard holds prompts longer than the default window"
+    # preflight counted them before sending (fixed cap: it sends them) and said what they cost and what refuses them
+    assert (
+        f"{filling} prompts fill the trainer's window: their answers would never be trained on; "
+        f"`--cap-policy window` rejects them"
+    ) in result.stdout
+    manifest = json.loads(next(Path(data).glob("training/*/manifest.json")).read_text())
+    assert manifest["excluded"]["no_trainable_tokens"] == filling
+    assert f"no_trainable_tokens: {filling} rows" in re.sub(r"\s+", " ", result.stdout)
+    # the pre-tokenized form of the same rows at the defaults: every sample has a token to train on
+    export = export_training_set(data, tmp_path / "pretokenized", form="pretokenized")
+    samples = [json.loads(line) for line in export.jsonl_path.read_text().splitlines()]
+    assert samples and all(1 in s["loss_mask"] for s in samples)
+    assert export.manifest["excluded"]["no_trainable_tokens"] == filling
+    assert export.manifest["rows"] + sum(export.manifest["excluded"].values()) == export.manifest["input_rows"]
+    # the trainer's settings beside the manifest, and where they are on the terminal
+    spec = (export.manifest_path.parent / "specforge_data.yaml").read_text()
+    assert "data:\n" in spec and "  max_length: 4096\n" in spec and f'prompts_path: "{export.jsonl_path}"' in spec
+    assert "--seq-length 4096" in (export.manifest_path.parent / "speculators_flags.txt").read_text()
+    assert "specforge_data.yaml" in result.stdout and "speculators_flags.txt" in result.stdout
+
+
+# ---- one window (issue 31): the trainer's, from the request to the export ----------------------------------------
+
+
+def test_a_window_policy_at_2048_set_in_dagster_alone_is_sized_judged_and_exported_at_2048(tmp_path, fleet_urls):
+    import dagster as dg
+
+    from dflash_assets.defs.partitions import shard_partitions
+    from dflash_assets.defs.resources import QualityResource
+    from dflash_assets.defs.training.assets import drafter_training_set
+    from dflash_assets.quality import run_checks
+    from tests.support import dagster_run
+    from tests.support.shards import questions, write_prompts
+
+    write_prompts(tmp_path / "prompts.jsonl", questions(30))
+    # the launchpad: the quality resource's trainer.max_length (the one window) and cap_policy window, nothing else
+    res = dagster_run.resources(tmp_path, fleet_urls, 30) | {"quality": QualityResource(trainer={"max_length": 2048})}
+    with dagster_run.instance() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        run = dg.materialize(
+            [*dagster_run.ASSETS, drafter_training_set],
+            partition_key="00000",
+            instance=instance,
+            resources=res,
+            raise_on_error=False,
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 8192, "cap_policy": "window"}}}},
+        )
+        assert run.success
+        stored = rows(tmp_path / "data")
+        assert {r[6] for r in stored} == {2048}, "the requests were sized to the trainer's window"
+        cut = [r for r in stored if r[1] == "length"]
+        assert cut and all(r[2] + r[3] == 2048 + GenerationSettings().overshoot for r in cut)
+        (truncation,) = [e for e in run.get_asset_check_evaluations() if e.check_name == "truncation_rate"]
+        assert truncation.passed and truncation.metadata["max_length"].value == 2048
+        manifest = run.asset_materializations_for_node("drafter_training_set")[0].metadata["manifest"].value
+        assert manifest["max_length"] == 2048 and manifest["window_complete_kept"] == len(cut)
+        assert manifest["excluded"]["truncated"] == 0 and manifest["window"]["note"] is None
+        # later, the checks and the export with the quality resource at its default (4096): this config is judged
+        # and exported at the window its rows recorded, and says so; never at 4096, where every cut row would lie
+        # inside the window and block
+        (judged,) = run_checks(tmp_path / "data", quality=QualitySettings(), names=["truncation_rate"])
+        assert judged.passed and judged.metadata["max_length"] == 2048
+        assert "judged by the window their requests were sized to" in judged.summary_md and "4,096" in judged.summary_md
+        again = dg.materialize(
+            [drafter_training_set],
+            instance=instance,
+            resources=dagster_run.resources(tmp_path, fleet_urls, 30),
+            raise_on_error=False,
+        )
+    assert again.success
+    manifest = again.asset_materializations_for_node("drafter_training_set")[0].metadata["manifest"].value
+    assert manifest["max_length"] == 2048 and manifest["excluded"]["truncated"] == 0
+    assert "exported at the window its requests were sized to" in manifest["window"]["note"]
+    assert "the trainer setting in force says 4,096" in manifest["window"]["note"]
+    spec = next((tmp_path / "data" / "training").glob("*/specforge_data.yaml")).read_text()
+    assert "  max_length: 2048\n" in spec

@@ -80,6 +80,20 @@ def test_a_runaway_is_decoded_to_any_cap_and_never_trained():
     assert plan.window.trained == 900 and plan.window.decoded == 900 + min(4000, 2048 - 100 + 16)
 
 
+def test_a_prompt_that_fills_the_window_is_decoded_at_every_cap_and_never_trained():
+    # a 5,000-token prompt under a 4,096 window (the demo has 25 such): its answer is GPU time for nothing
+    p = np.array([100, 5000])
+    length = np.array([900, 1200])
+    cut = np.array([False, False])
+    plan = plan_window(p, length, cut, np.zeros(2, bool), 4096, 4096, candidates=(4096, 8192))
+    assert plan.at(4096).decoded == 900 + 1200 and plan.at(4096).trained == 900
+    assert (plan.filling, plan.filling_decoded) == (1, 1200)
+    assert plan.window.decoded == 900 and plan.window.trained == 900  # the window policy rejects it
+    assert "prompts that fill the window: 1, their 1,200 decoded tokens counted decoded, none trained" in "\n".join(
+        window_plan_lines(plan)
+    )
+
+
 def test_the_picture_marks_the_window(story_dir):
     (answer,) = cap_answers(story_dir, QualitySettings(trainer=TrainerSettings(max_length=8192)))
     plain, marked = cap_plan_png(answer.plan), cap_plan_png(answer.plan, (8192, answer.window_plan.window_at))
