@@ -91,7 +91,8 @@ def most_rows_first(configs: Iterable[tuple[str, int, int]]) -> list[tuple[str, 
 # data.max_length, speculators --seq-length), and drops the rest. So a row the cap cut is judged against the window:
 # - cut inside the window (finish_reason 'length' and prompt + completion < max_length): the trainer reads an end
 #   the model did not choose. That is the truncation that blocks.
-# - cut at or past the window: window-complete. The trainer reads it exactly as it reads the complete answer.
+# - cut at or past the window: window-complete. The trainer reads it exactly as it reads the complete answer (unless
+#   the prompt alone fills the window: then it reads no answer at all, and the export leaves it out).
 # The same rule holds for every cap policy: at cap 4096 with a 4096 window every cut lies past the window.
 # In SQL the window is a number or an expression over the row (each row judged by its own window: ROW_WINDOW_SQL).
 def _window_sql(max_length: int | str) -> str:
@@ -109,8 +110,10 @@ def cut_inside_window_sql(max_length: int | str) -> str:
 
 
 def window_complete_sql(max_length: int | str) -> str:
-    """Cut at or past the window (runaways included: the caller leaves them out where they must stay out)."""
-    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens >= {_window_sql(max_length)})"
+    """Cut at or past the window with some of its answer inside it (runaways included: the caller leaves them out
+    where they must stay out; a prompt that fills the window has no answer inside it: fills_window)."""
+    window = _window_sql(max_length)
+    return f"(finish_reason = 'length' AND prompt_tokens + completion_tokens >= {window} AND prompt_tokens < {window})"
 
 
 def cut_inside_window(finish_reason: str | None, prompt_tokens: int, completion_tokens: int, max_length: int) -> bool:
@@ -118,7 +121,7 @@ def cut_inside_window(finish_reason: str | None, prompt_tokens: int, completion_
 
 
 def window_complete(finish_reason: str | None, prompt_tokens: int, completion_tokens: int, max_length: int) -> bool:
-    return finish_reason == "length" and prompt_tokens + completion_tokens >= max_length
+    return finish_reason == "length" and prompt_tokens + completion_tokens >= max_length > prompt_tokens
 
 
 # Trained tokens: the generated tokens of a row that fall inside the window, min(completion, max_length - prompt)

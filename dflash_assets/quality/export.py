@@ -18,9 +18,9 @@ give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when
 The trainer's window decides what a cut row is (rules.py): the window a cap_policy window config's rows recorded,
 else TrainerSettings.max_length (a fixed cap records none); the manifest says which, and a window-policy config is
 never exported at another window than its own. A row whose prompt fills its window has no trainable token: it is
-excluded ("no_trainable_tokens"). Cut inside the window a row is excluded ("truncated"); cut at or past it, it is window-complete and exported, because the trainer reads it
-exactly as it reads the complete answer; a runaway stays out ("runaway") even past the window, since its loop can
-start inside it. Two forms of a window-complete row:
+excluded ("no_trainable_tokens"). Cut inside the window a row is excluded ("truncated"); cut at or past it, it is
+window-complete and exported, because the trainer reads it exactly as it reads the complete answer; a runaway stays
+out ("runaway") even past the window, since its loop can start inside it. Two forms of a window-complete row:
 - pretokenized: prompt ids then output ids, loss 0 on the prompt and 1 on generated tokens, cut at the window:
   exactly the server's own tokens, nothing re-tokenized.
 - conversations / messages: a row cut inside its thinking has an empty content, which SpecForge's validator
@@ -388,9 +388,9 @@ def export_training_set(
     `max_length` is the trainer's window in force (None: no limit), by which fixed-cap rows are judged; a
     window-policy config's rows are judged and cut at the window they recorded, and the manifest says so
     (`window`). Rows whose prompt fills the window are excluded (no_trainable_tokens), rows cut at or past it are
-    window-complete and kept, rows cut inside it are excluded (module doc). Rows that stopped and are longer than it are kept by default: they
-    are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic work needs most,
-    and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
+    window-complete and kept, rows cut inside it are excluded (module doc). Rows that stopped and are longer than it
+    are kept by default: they are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic
+    work needs most, and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
     The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
     sources it takes most from, so that what is left out is a visible decision.
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
@@ -467,7 +467,8 @@ def export_training_set(
                 "max_length": window["max_length"],
                 "format": form,
                 "how_to_change": "trainer.max_length and trainer.format of the quality resource (Dagster), or "
-                "dflash demo/backfill --trainer-max-length; the form also by the drafter_training_set "
+                "dflash demo/backfill --trainer-max-length, --trainer-format; the form also by the "
+                "drafter_training_set "
                 "config's form",
                 "window_cut_content": WINDOW_CUT_CONTENT if form != "pretokenized" else None,
             }

@@ -9,13 +9,12 @@ a lock the writer needs.
 Tables (every one exists, empty when its directory has no files yet):
     completions  prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens,
                  max_output_tokens, server_context_length, enable_thinking, plus the flags content_empty,
-                 think_marker (content or reasoning, any case: trainer_format.py), reasoning_empty and runaway
-                 (a cut row whose output ends in a loop, generation/runaway.py); judged against the trainer's window
+                 think_marker (content or reasoning, any case: trainer_format.py), reasoning_empty and runaway (a
+                 cut row whose output ends in a loop, generation/runaway.py); judged against the trainer's window
                  max_length (rules.py), each row by its own (judged_window: the window a cap_policy window row
                  recorded, else the trainer's window in force): cut_inside_window, window_complete (cut at or past
                  it, not a runaway), trained_tokens; and config_cap, the config's cap (policy_cap under the window
-                 policy, whose
-                 rows each record their own max_output_tokens)
+                 policy, whose rows each record their own max_output_tokens)
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
     prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
