@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -72,6 +72,17 @@ def filling_window_note(prompts: int, max_length: int) -> str:
         f"{prompts:,} prompts fill the trainer's window: their answers would never be trained on; "
         f"`--cap-policy window` rejects them (prompt_tokens >= max_length {max_length:,})"
     )
+
+
+def count_filling_window(run: ShardResult, rows: Iterable[dict], generation: GenerationSettings) -> None:
+    """Under a fixed cap, the prompts about to be sent that fill the trainer's window (the window policy refuses
+    them in preflight): counted before any request and said in the shard's notes; they decode for nothing trained."""
+    if generation.windowed:
+        return
+    window = generation.trainer_max_length
+    run.filling_window = sum(fills_window(r["prompt_tokens"], window) for r in rows)
+    if run.filling_window:
+        run.notes.append(f"shard {run.shard}: {filling_window_note(run.filling_window, window)}")
 
 
 def reject_row(
@@ -203,11 +214,7 @@ async def plan_shard(
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r["prompt_id"]]
-    if not generation.windowed:  # the window policy refused them above; a fixed cap decodes them for nothing trained
-        window = generation.trainer_max_length
-        run.filling_window = sum(fills_window(r["prompt_tokens"], window) for r in todo.values())
-        if run.filling_window:
-            run.notes.append(f"shard {shard}: {filling_window_note(run.filling_window, window)}")
+    count_filling_window(run, todo.values(), generation)
     policy = f", window {generation.trainer_max_length}" if generation.windowed else ""
     log(
         f"shard {shard} config {config_hash} (cap {config_cap}{policy}): {run.prompts} prompts, {len(done)} already done, "

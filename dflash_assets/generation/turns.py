@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
-from dflash_assets.generation.plan import ShardResult, preflight, prompt_batches, reject_row
+from dflash_assets.generation.plan import ShardResult, count_filling_window, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Rejected
@@ -220,6 +220,7 @@ async def plan_conversations(
     )
     for r, _ in over:
         del todo[r["prompt_id"]]
+    count_filling_window(run, [r for r in next_turns if r["prompt_id"] in todo], generation)  # their next turns
     plan.prompt_tokens = {r["prompt_id"]: r["prompt_tokens"] for r in next_turns}
     turns_done = sum(len(c.answers) for c in states.values())
     log(

@@ -346,23 +346,30 @@ def test_the_defaults_leave_out_the_prompts_that_fill_the_window_and_preflight_s
 
     result, env = story_demo
     data = env["DFLASH_DATA_DIR"]
-    (filling,) = duckdb.sql(
-        f"select count(*) from read_parquet('{data}/completions/**/*.parquet') where prompt_tokens >= 4096"
+    rows = f"read_parquet('{data}/completions/**/*.parquet')"
+    # a prompt fills the window when its first turn does (regenerate auto: the demo's multi-turn prompts are
+    # regenerated turn by turn, each later turn's prompt longer); a row has no trainable token when its own prompt does
+    first, past, in_conversations = duckdb.sql(
+        f"select count(*) filter (where coalesce(turn, 1) = 1 and prompt_tokens >= 4096), "
+        f"count(*) filter (where prompt_tokens >= 4096), "
+        f"(select count(*) from {rows} r where (select min(prompt_tokens) from {rows} q where q.prompt_id = "
+        f"r.prompt_id) >= 4096) from {rows}"
     ).fetchall()[0]
-    assert filling == 5, "the demo's first shard holds prompts longer than the default window"
+    assert first >= 5, "the demo's first shard holds prompts longer than the default window"
     # preflight counted them before sending (fixed cap: it sends them) and said what they cost and what refuses them
     assert (
-        f"{filling} prompts fill the trainer's window: their answers would never be trained on; "
+        f"{first} prompts fill the trainer's window: their answers would never be trained on; "
         f"`--cap-policy window` rejects them"
     ) in result.stdout
+    # the conversations form (the default) leaves out every conversation whose first prompt fills the window
     manifest = json.loads(next(Path(data).glob("training/*/manifest.json")).read_text())
-    assert manifest["excluded"]["no_trainable_tokens"] == filling
-    assert f"no_trainable_tokens: {filling} rows" in re.sub(r"\s+", " ", result.stdout)
+    assert manifest["excluded"]["no_trainable_tokens"] == in_conversations >= first
+    assert f"no_trainable_tokens: {in_conversations} rows" in re.sub(r"\s+", " ", result.stdout)
     # the pre-tokenized form of the same rows at the defaults: every sample has a token to train on
     export = export_training_set(data, tmp_path / "pretokenized", form="pretokenized")
     samples = [json.loads(line) for line in export.jsonl_path.read_text().splitlines()]
     assert samples and all(1 in s["loss_mask"] for s in samples)
-    assert export.manifest["excluded"]["no_trainable_tokens"] == filling
+    assert export.manifest["excluded"]["no_trainable_tokens"] == past  # a sample per row: each by its own prompt
     assert export.manifest["rows"] + sum(export.manifest["excluded"].values()) == export.manifest["input_rows"]
     # the trainer's settings beside the manifest, and where they are on the terminal
     spec = (export.manifest_path.parent / "specforge_data.yaml").read_text()
