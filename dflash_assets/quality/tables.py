@@ -98,7 +98,7 @@ def judged_window(con: duckdb.DuckDBPyConnection, max_length: int) -> tuple[int,
     other = recorded_windows(con, max_length)
     if not other:
         return max_length, ""
-    rows = con.execute("SELECT count(*) FROM completions").fetchone()[0]
+    (rows,) = one(con, "SELECT count(*) FROM completions")
     (only, n), *more = other.items()
     window = only if not more and n == rows else max_length
     said = ", ".join(f"{n:,} rows at {w:,}" for w, n in other.items())
