@@ -1,0 +1,122 @@
+"""A newcomer's mistakes (issue 33's table): each gets one line on the terminal, what was given, what is wrong and
+the fix, never a traceback or the whole usage; exit 2 for bad input, 1 (re-runnable) for a fleet that is down."""
+
+import asyncio
+
+import pytest
+
+from dflash_assets.fleet.client import ServerClient, ServerError
+from dflash_assets.fleet.fleet import open_session, wait_healthy
+from tests.support.cli import dflash, free_base_port, home
+from tests.support.shards import FAST, make_shard
+
+
+def one_line(result) -> str:
+    """The command's only line of output (stderr), checked to be alone and free of a stack trace."""
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert len(lines) == 1, result.stdout + result.stderr
+    assert "Traceback" not in lines[0] and "usage:" not in lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A data dir with prompt shard 00000 (and nothing else), built on an emulator that is gone by the tests."""
+    from dflash_assets.emulator.process import run_emulator_in_thread
+
+    data = tmp_path_factory.mktemp("mistakes") / "data"
+    emu = run_emulator_in_thread(FAST)
+    try:
+        make_shard(data, [emu.url])
+    finally:
+        emu.stop()
+    return data
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_base_port(1)}"
+
+
+@pytest.mark.parametrize("given", ["nope.jsonl", "."])
+def test_a_prompt_file_that_cannot_be_read_is_named_with_the_fix_and_exits_2(tmp_path, given):
+    env = home(tmp_path, "home")
+    result = dflash("demo", "--prompts", given, env=env, cwd=tmp_path)
+    line = one_line(result)
+    assert result.returncode == 2, line
+    what = "does not exist" if given == "nope.jsonl" else "is not a file"
+    assert f"dflash demo: prompt source {(tmp_path / given).resolve()} {what} (given by --prompts)" in line, line
+    assert line.endswith("give a JSONL or Parquet file of prompts"), line
+
+
+def test_a_shard_outside_the_data_dir_is_named_with_the_shards_there_before_any_wait(data_dir):
+    result = dflash("generate", "--shard", "00099", "--urls", dead_url(), "--data-dir", str(data_dir))
+    line = one_line(result)  # and no "waiting for": the servers are not waited for
+    assert result.returncode == 2, line
+    assert f"dflash generate: no shard 00099 under {data_dir}: the shards there are 00000 (1)" in line, line
+    probe = dflash("probe", "--shards", "00000,00099", "--urls", dead_url(), "--data-dir", str(data_dir))
+    assert probe.returncode == 2 and "no shard 00099" in one_line(probe)
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["demo", "--max-output-tokens", "lots"], "dflash demo: --max-output-tokens takes a whole number, got 'lots'"),
+        (["demo", "--temperature", "hot"], "dflash demo: --temperature takes a number, got 'hot'"),
+        (
+            ["backfill", "--cap-policy", "tight"],
+            "dflash backfill: --cap-policy takes one of fixed, window, got 'tight'",
+        ),
+        (["probe", "--urls", "http://127.0.0.1:1", "--mode", "x"], "--mode takes one of prompts, cut_rows, got 'x'"),
+        (["nonsense"], "dflash: 'nonsense' is not a command; the commands are demo, backfill, continue"),
+    ],
+)
+def test_a_malformed_flag_value_is_the_one_flag_its_values_and_help(args, said):
+    result = dflash(*args)
+    line = one_line(result)
+    assert result.returncode == 2 and said in line, line
+    assert line.endswith("--help` for more"), line
+
+
+def test_help_lists_the_values_of_every_setting_that_has_a_fixed_set():
+    from dflash_assets.cli import build_parser
+    from dflash_assets.settings import CAP_POLICIES, PROBE_MODES, REGENERATE
+
+    usage = build_parser()._subparsers._group_actions[0].choices  # demo, backfill, ... by name
+    demo, probe = usage["demo"].format_help(), usage["probe"].format_help()
+    assert "--cap-policy {" + ",".join(CAP_POLICIES) + "}" in demo
+    assert "--regenerate {" + ",".join(REGENERATE) + "}" in demo
+    assert "--mode {" + ",".join(PROBE_MODES) + "}" in probe
+
+
+def test_a_fleet_that_refuses_every_connection_is_said_at_once_and_ends_at_connect_refused_s(data_dir):
+    url = dead_url()
+    args = ["generate", "--shard", "00000", "--urls", url, "--data-dir", str(data_dir), "--connect-refused-s", "1"]
+    result = dflash(*args)
+    assert result.returncode == 1, result.stdout + result.stderr  # re-runnable: the servers can come back
+    out = result.stdout + result.stderr
+    assert "Traceback" not in out and "not healthy after" not in out, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[0] == f"waiting for {url}/health (0 s of 120 s) ...", out  # said at once, with the limit
+    assert lines[-1].startswith(
+        f"dflash generate: nothing listens at {url}/health: the connection was refused for 1 s (connect_refused_s)"
+    ), out
+    assert lines[-1].endswith("run the same command again once the servers answer (committed completions are kept)")
+    verbose = dflash(*args, "--verbose")
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr  # the stack trace, when asked for
+
+
+def test_only_refused_connections_end_the_wait_early_a_server_answering_503_is_waited_for(emulator):
+    loading = emulator("--startup-delay", "1.5", "--health-delay", "0")  # 503 while "loading", then healthy
+    said = []
+
+    async def wait(urls):
+        async with open_session() as session:
+            clients = [ServerClient(session, u) for u in urls]
+            return await wait_healthy(clients, 60, refused_s=0.3, say=said.append)
+
+    assert asyncio.run(wait([loading.emu.url])) > 1  # waited on, past refused_s, until it answered
+    assert said == [f"waiting for {loading.emu.url}/health (0 s of 60 s) ..."]
+    refused = dead_url()
+    with pytest.raises(ServerError) as raised:
+        asyncio.run(wait([emulator("--health-delay", "0").emu.url, refused]))
+    assert raised.value.refused and f"nothing listens at {refused}/health:" in raised.value.message
