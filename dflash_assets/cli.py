@@ -52,10 +52,15 @@ def usage_problem(message: str) -> str:
     return message.removeprefix("argument ")
 
 
+# the project's instance settings (telemetry and the community modal off, the run queue, the fleet's pool)
+PROJECT_DAGSTER_YAML = Path(__file__).resolve().parent.parent / "dagster_home" / "dagster.yaml"
+
+
 def _instance_environment(args: argparse.Namespace) -> None:
     """Settings go to the environment before Dagster is imported: definitions read them at load."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
+    _set_up_instance(home)
     os.environ.setdefault(Deployment.DATA_DIR.name, Deployment.DATA_DIR.default)
     if args.prompts:
         os.environ[Deployment.PROMPTS.name] = str(Path(args.prompts).resolve())
@@ -64,6 +69,17 @@ def _instance_environment(args: argparse.Namespace) -> None:
         os.environ[Deployment.SHARD_SIZE.name] = str(args.shard_size)
     if args.servers:
         os.environ[Deployment.NUM_SERVERS.name] = str(args.servers)
+
+
+def _set_up_instance(home: Path) -> None:
+    """An empty DAGSTER_HOME gets the project's dagster.yaml, said in one line (Dagster would warn and default)."""
+    if not PROJECT_DAGSTER_YAML.is_file() or any(home.iterdir()):
+        return  # an instance already there keeps its own settings; an installed wheel has no project file
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    print(
+        f"DAGSTER_HOME={home} was empty: wrote the project's dagster.yaml there (telemetry off, the run queue, "
+        f"the fleet's concurrency pool)"
+    )
 
 
 def _readable_source(path: Path, given_by: str) -> None:
@@ -350,6 +366,7 @@ def _report(args: argparse.Namespace) -> int:
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
     from dflash_assets.quality.console import console_for_output, print_answers, verbatim
+    from dflash_assets.quality.rejects import read_rejects
 
     try:
         quality = QualitySettings(trainer=TrainerSettings(max_length=args.trainer_max_length))
@@ -359,6 +376,8 @@ def _report(args: argparse.Namespace) -> int:
     console = console_for_output()
     answers = print_answers(data_dir, console, quality)
     pictures = _report_pictures(data_dir, answers)
+    for line in read_rejects(data_dir).lines(f"{data_dir}/rejects/"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for picture in pictures:
         verbatim(console, f"picture: {picture}")
     if args.open:

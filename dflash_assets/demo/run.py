@@ -44,6 +44,7 @@ from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.quality.console import console_for_output, verbatim
 from dflash_assets.quality.export import exclusion_lines
+from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.settings import WINDOW_FIELDS, Deployment, GenerationSettings, TrainerSettings
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
@@ -318,6 +319,9 @@ def run_shards(
                 record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
             progress.advance(task, len(chunk))
     console.print(table)
+    rejects = read_rejects(data_dir().resolved(), shards)
+    for line in rejects.lines(f"{data_dir().resolved()}/rejects/ (dflash report counts them by stage and reason)"):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)  # a path is copied whole
     if no_figures:
         console.print(
             f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "

@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from dflash_assets.generation.prompts import carries_history, last_turn_request
 from dflash_assets.generation.turns import split_turns
+from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, one, parquet_source, runaway_sql, window_flags_sql
 from dflash_assets.quality.trainer_format import (
@@ -438,6 +439,10 @@ def export_training_set(
                 else 0
             )
             manifest["exclusions"] = _exclusions(con)
+            # the prompts that never became rows: the source's lines, the preflight's and the servers' refusals
+            rejects = read_rejects(data_dir, config_hash=config_hash)
+            manifest["rejected"] = rejects.total
+            manifest["rejected_by_stage_and_reason"] = rejects.by_stage_and_reason()
             manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = one(
                 con,
                 "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "

@@ -120,3 +120,63 @@ def test_only_refused_connections_end_the_wait_early_a_server_answering_503_is_w
     with pytest.raises(ServerError) as raised:
         asyncio.run(wait([emulator("--health-delay", "0").emu.url, refused]))
     assert raised.value.refused and f"nothing listens at {refused}/health:" in raised.value.message
+
+
+def test_a_source_with_two_bad_lines_shows_both_with_their_lines_on_the_terminal_the_manifest_the_report_and_ui(
+    tmp_path,
+):
+    import json
+
+    import dagster as dg
+
+    lines = [json.dumps({"id": f"s{i}", "conversations": [{"from": "human", "value": f"q {i}"}]}) for i in range(20)]
+    lines[10] = '{"id": "bad", "conversations": [{"from": "human", "value": "unterminated'
+    lines[19] = json.dumps({"id": "empty", "conversations": []})
+    src = tmp_path / "sharegpt.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": " ".join(FAST)}
+    data = env["DFLASH_DATA_DIR"]
+    demo = dflash("demo", "--prompts", str(src), "--shard-size", "20", "--servers", "1", env=env, cwd=tmp_path)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    out = demo.stdout
+    assert "rejected 2, by reason: '…' is empty (source) 1, invalid JSON (source) 1; the first:" in out, out
+    assert "shard 00000 line 11: invalid JSON: Unterminated string starting at (column 60)" in out, out
+    assert "shard 00000 line 20: 'conversations' is empty" in out, out
+    assert f"every reject, with its line and reason: {data}/rejects/" in out, out
+    [manifest] = (tmp_path / "home-data" / "training").glob("*/manifest.json")
+    manifest = json.loads(manifest.read_text())
+    assert manifest["rejected"] == 2
+    assert manifest["rejected_by_stage_and_reason"] == [
+        {"stage": "source", "reason": "'…' is empty", "rows": 1},
+        {"stage": "source", "reason": "invalid JSON", "rows": 1},
+    ]
+    report = dflash("report", "--data-dir", data)
+    assert report.returncode == 0 and "shard 00000 line 11: invalid JSON" in report.stdout, report.stdout
+    with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey("length_quality_report"))
+        table = event.asset_materialization.metadata["rejects"].value
+    assert "| source | invalid JSON | 1 |" in table and "| 00000 | 20 | 'conversations' is empty |" in table, table
+
+
+def test_an_empty_dagster_home_gets_the_projects_dagster_yaml_and_no_dagster_warning(tmp_path):
+    import yaml
+
+    from dflash_assets.cli import PROJECT_DAGSTER_YAML
+
+    fresh = tmp_path / "fresh-home"
+    env = {"DAGSTER_HOME": str(fresh), "DFLASH_DATA_DIR": str(tmp_path / "data")}
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "one"}\n')
+    result = dflash("backfill", "--from", "00009", "--prompts", str(src), env=env, cwd=tmp_path)  # bad on purpose
+    assert result.returncode == 2, result.stdout + result.stderr
+    out = result.stdout + result.stderr
+    assert out.splitlines()[0] == (
+        f"DAGSTER_HOME={fresh} was empty: wrote the project's dagster.yaml there (telemetry off, the run queue, the "
+        f"fleet's concurrency pool)"
+    ), out
+    assert "No dagster instance configuration file" not in out and "Telemetry" not in out, out
+    written = yaml.safe_load((fresh / "dagster.yaml").read_text())
+    assert written == yaml.safe_load(PROJECT_DAGSTER_YAML.read_text())
+    assert written["telemetry"] == {"enabled": False} and written["nux"] == {"enabled": False}
+    again = dflash("backfill", "--from", "00009", "--prompts", str(src), env=env, cwd=tmp_path)
+    assert "was empty" not in again.stdout  # an instance already there keeps its own settings
