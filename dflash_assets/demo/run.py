@@ -545,7 +545,7 @@ def run_demo(
         console,
         "The UI (event log, reports, checks):  DAGSTER_HOME="
         + os.environ["DAGSTER_HOME"]
-        + " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000",
+        + " uv run dg dev   then http://127.0.0.1:3000",
     )
     return print_stop(stops, console, lambda cap: f"dflash demo{again({})} --max-output-tokens {cap}", window)
 
