@@ -105,6 +105,19 @@ def test_a_fleet_that_refuses_every_connection_is_said_at_once_and_ends_at_conne
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr  # the stack trace, when asked for
 
 
+def test_an_error_inside_a_command_is_its_first_line_and_the_stack_trace_only_with_verbose(tmp_path):
+    part = tmp_path / "data" / "completions" / "shard=00000" / "part-0.parquet"
+    part.parent.mkdir(parents=True)
+    part.write_text("not parquet")  # a part someone wrote by hand
+    result = dflash("report", "--data-dir", str(tmp_path / "data"))
+    line = one_line(result)
+    assert result.returncode == 1, line
+    assert line.startswith("dflash report: InvalidInputException: ") and str(part) in line, line
+    assert line.endswith("(`dflash report ... --verbose` prints the stack trace)"), line
+    verbose = dflash("report", "--data-dir", str(tmp_path / "data"), "--verbose")
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
 def test_only_refused_connections_end_the_wait_early_a_server_answering_503_is_waited_for(emulator):
     loading = emulator("--startup-delay", "1.5", "--health-delay", "0")  # 503 while "loading", then healthy
     said = []
