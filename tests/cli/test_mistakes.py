@@ -193,4 +193,3 @@ def test_an_empty_dagster_home_gets_the_projects_dagster_yaml_and_no_dagster_war
     assert written["telemetry"] == {"enabled": False} and written["nux"] == {"enabled": False}
     again = dflash("backfill", "--from", "00009", "--prompts", str(src), env=env, cwd=tmp_path)
     assert "was empty" not in again.stdout  # an instance already there keeps its own settings
-

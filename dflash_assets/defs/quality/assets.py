@@ -99,7 +99,7 @@ def length_quality_report(
             partition_key=shard,
             metadata={
                 **report_metadata(report, png.read_bytes()),
-                ReportRun.REJECTS: dg.MetadataValue.md(read_rejects(root, [shard]).markdown()),
+                ReportKeys.REJECTS: dg.MetadataValue.md(read_rejects(root, [shard]).markdown()),
                 "histogram_path": dg.MetadataValue.path(str(png)),
             },
         )
