@@ -43,7 +43,7 @@ from dflash_assets.defs.prompts.sensors import missing_shards
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.quality.console import console_for_output, verbatim
-from dflash_assets.quality.export import exclusion_lines
+from dflash_assets.quality.export import kept_lines, left_out_lines
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.settings import WINDOW_FIELDS, Deployment, GenerationSettings, TrainerSettings
 
@@ -526,10 +526,16 @@ def run_demo(
             verbatim(
                 console,
                 f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
-                f"in {meta[t.JSONL]} (manifest beside it); left out, by reason:",
+                f"in {meta[t.JSONL]} (manifest beside it)",
             )
-            for line in exclusion_lines(meta[t.MANIFEST]) or ["nothing"]:
-                console.print(f"  {line}", highlight=False)
+            left_out, kept = left_out_lines(meta[t.MANIFEST]), kept_lines(meta[t.MANIFEST])
+            for heading, lines in (("left out, by reason:", left_out), ("kept, with a note:", kept)):
+                if lines:
+                    console.print(f"  {heading}", highlight=False)
+                for line in lines:
+                    console.print(f"    {line}", highlight=False)
+            if not left_out:
+                console.print("  left out: nothing", highlight=False)
         elif stops.checks:
             console.print("drafter training set: not written while a blocking check fails")
         else:

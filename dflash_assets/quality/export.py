@@ -496,6 +496,11 @@ def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, 
 
 def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
     """The exclusions for people: one line per reason, then the long rows that were kept."""
+    return left_out_lines(manifest) + kept_lines(manifest)
+
+
+def left_out_lines(manifest: dict[str, Any]) -> list[str]:
+    """One line per reason rows were left out: rows, shares of rows and tokens, the sources it took most from."""
     from dflash_assets.quality.outcome import num, pct
 
     lines = []
@@ -516,6 +521,15 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
     if recipe.get("left_out"):
         words = "; ".join(f"{n} {problem!r}" for problem, n in recipe["left_out"].items())
         lines.append(f"recipe_validation: SpecForge's validator with {recipe['flags']} would stop at: {words}")
+    return lines
+
+
+def kept_lines(manifest: dict[str, Any]) -> list[str]:
+    """The rows kept that a person should know about: rows with the source's own answers in their history,
+    window-complete rows, rows longer than the window."""
+    from dflash_assets.quality.outcome import num
+
+    lines = []
     answers = manifest.get("source_answers") or {}
     if answers.get("rows"):
         lines.append(

@@ -156,6 +156,10 @@ def test_a_source_with_two_bad_lines_shows_both_with_their_lines_on_the_terminal
     assert "shard 00000 line 11: invalid JSON: Unterminated string starting at (column 60)" in out, out
     assert "shard 00000 line 20: 'conversations' is empty" in out, out
     assert f"every reject, with its line and reason: {data}/rejects/" in out, out
+    # the export's summary: "left out" only above rows left out (none here), "kept, with a note" above rows kept
+    assert "left out, by reason:" not in out and "  left out: nothing" in out, out
+    kept = [line for line in out.splitlines() if line.startswith("    kept ")]
+    assert kept and out.index("  kept, with a note:") < out.index(kept[0]), out
     [manifest] = (tmp_path / "home-data" / "training").glob("*/manifest.json")
     manifest = json.loads(manifest.read_text())
     assert manifest["rejected"] == 2
