@@ -544,6 +544,7 @@ class FleetSettings(Settings):
     health_timeout_s: float = Field(120.0, description="Seconds to wait for every server's /health at connect.")
     connect_refused_s: float = Field(
         10.0,
+        ge=0,
         description="Stop waiting at connect once every server has refused the connection for this long: nothing "
         "listens there (a URL or a port is wrong, or the servers are down). SGLang binds its port only once "
         "the model has loaded, so attaching to servers still starting needs more (0: wait health_timeout_s).",
