@@ -646,6 +646,7 @@ def _failed(args: argparse.Namespace, error: Exception) -> int:
     from dflash_assets.generation.preflight import PreflightError
     from dflash_assets.generation.prompts import SourceError
     from dflash_assets.generation.slots import FleetDown
+    from dflash_assets.store.exhaustion import exhaustion
 
     command = " ".join(["dflash", args.subcommand, *([args.fleet_command] if args.subcommand == "fleet" else [])])
     if args.verbose:
@@ -653,6 +654,10 @@ def _failed(args: argparse.Namespace, error: Exception) -> int:
     bad = isinstance(error, BadInput | SettingsError | SourceError | PreflightError | AttachError)
     down = isinstance(error, ServerError | FleetDown)
     text = (error.message if isinstance(error, ServerError) else str(error) or type(error).__name__).splitlines()[0]
+    data_dir = getattr(args, "data_dir", None) or Deployment.DATA_DIR.value()
+    if (ran_out := exhaustion(error, data_dir)) is not None:  # a full disk: where, what is left, what to do
+        print(f"{command}: {ran_out.line(None)}", file=sys.stderr)
+        return 1
     if not bad and not down:
         text = f"{type(error).__name__}: {text}"
     if down:

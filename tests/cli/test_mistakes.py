@@ -118,6 +118,23 @@ def test_an_error_inside_a_command_is_its_first_line_and_the_stack_trace_only_wi
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
 
 
+def test_a_report_that_cannot_write_its_pictures_is_the_data_dirs_line_not_a_stack_trace(tmp_path, emulator):
+    from tests.support.shards import generate
+    from tests.support.tmpfs import remount, tmpfs
+
+    server = emulator(*FAST)
+    data = tmp_path / "data"
+    make_shard(data, [server.emu.url])
+    generate(data, [server.emu.url], 4096)
+    with tmpfs(data / "reports", "256k") as reports:
+        remount(reports, "ro")
+        result = dflash("report", "--data-dir", str(data))
+    line = next(line for line in result.stderr.splitlines() if line.startswith("dflash report: "))
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert line.startswith(f"dflash report: read-only file system on {reports}"), line
+    assert line.endswith("make it writable, then run the same command again (the committed rows are kept)"), line
+
+
 def test_only_refused_connections_end_the_wait_early_a_server_answering_503_is_waited_for(emulator):
     loading = emulator("--startup-delay", "1.5", "--health-delay", "0")  # 503 while "loading", then healthy
     said = []
