@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -12,6 +13,7 @@ from dflash_assets.settings import (
     TRAINER_FLAGS,
     Deployment,
     DispatchSettings,
+    FleetSettings,
     GenerationSettings,
     LaunchSettings,
     ProbeSettings,
@@ -23,17 +25,72 @@ from dflash_assets.settings import (
 )
 
 
+class BadInput(Exception):
+    """Input or settings that cannot work, found before any work: one line, exit 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """A usage error is one line: the wrong flag, what it takes, and `--help` for more; never the whole usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {usage_problem(message)}; `{self.prog} --help` for more\n")
+
+
+KINDS = {"int": "a whole number", "float": "a number"}
+
+
+def usage_problem(message: str) -> str:
+    """argparse's message, said as what was given and what the flag takes."""
+    if m := re.fullmatch(r"argument (\S+): invalid (\w+) value: (.+)", message):
+        flag, kind, value = m.groups()
+        return f"{flag} takes {KINDS.get(kind, kind)}, got {value}"
+    if m := re.fullmatch(r"argument (\S+): invalid choice: (.+?) \(choose from (.+)\)", message):
+        flag, value, choices = m.groups()
+        choices = choices.replace("'", "")
+        if not flag.startswith("-"):  # a subcommand
+            return f"{value} is not a command; the commands are {choices}"
+        return f"{flag} takes one of {choices}, got {value}"
+    return message.removeprefix("argument ")
+
+
+# the project's instance settings (telemetry and the community modal off, the run queue, the fleet's pool)
+PROJECT_DAGSTER_YAML = Path(__file__).resolve().parent.parent / "dagster_home" / "dagster.yaml"
+
+
 def _instance_environment(args: argparse.Namespace) -> None:
     """Settings go to the environment before Dagster is imported: definitions read them at load."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
+    _set_up_instance(home)
     os.environ.setdefault(Deployment.DATA_DIR.name, Deployment.DATA_DIR.default)
     if args.prompts:
         os.environ[Deployment.PROMPTS.name] = str(Path(args.prompts).resolve())
+    _readable_source(Path(Deployment.PROMPTS.value()), "--prompts" if args.prompts else Deployment.PROMPTS.name)
     if args.shard_size:
         os.environ[Deployment.SHARD_SIZE.name] = str(args.shard_size)
     if args.servers:
         os.environ[Deployment.NUM_SERVERS.name] = str(args.servers)
+
+
+def _set_up_instance(home: Path) -> None:
+    """An empty DAGSTER_HOME gets the project's dagster.yaml, said in one line (Dagster would warn and default)."""
+    if not PROJECT_DAGSTER_YAML.is_file() or any(home.iterdir()):
+        return  # an instance already there keeps its own settings; an installed wheel has no project file
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    print(
+        f"DAGSTER_HOME={home} was empty: wrote the project's dagster.yaml there (telemetry off, the run queue, "
+        f"the fleet's concurrency pool)"
+    )
+
+
+def _readable_source(path: Path, given_by: str) -> None:
+    """A prompt source that cannot be read stops the command at once, saying which and how to fix it."""
+    from dflash_assets.generation.prompts import SourceError, check_source
+
+    try:
+        check_source(path)
+    except SourceError as e:
+        raise BadInput(f"{e} (given by {given_by}): give a JSONL or Parquet file of prompts") from None
 
 
 # `dflash demo` and `dflash backfill` store token ids (`dflash continue` takes cut rows on by them); the demo's cap
@@ -153,19 +210,20 @@ def _settings(
 
 def _generate(args: argparse.Namespace) -> int:
     """One shard's completions without Dagster: the same engine the `completions` asset adapts."""
-    from dflash_assets.fleet.fleet import connected, run
+    from dflash_assets.fleet.fleet import run
     from dflash_assets.generation.engine import generate_shard
 
     if (groups := _run_settings("generate", args)) is None:
         return 2
     _, generation, dispatch = groups
+    _known_shards(args.data_dir, [args.shard])
     urls = args.urls
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     async def go(progress: Progress):
         task = progress.add_task(f"shard {args.shard}", total=None)
-        async with connected(urls, Deployment.API_KEY.value() or None) as fleet:
+        async with _connected(urls, args) as fleet:
             return await generate_shard(
                 args.data_dir,
                 args.shard,
@@ -196,9 +254,9 @@ def _probe(args: argparse.Namespace) -> int:
     """The length probe without Dagster: the same code path (generation/probe.py) the `length_probe` asset adapts."""
     from functools import partial
 
-    from dflash_assets.fleet.fleet import connected, run
+    from dflash_assets.fleet.fleet import run
     from dflash_assets.generation.preflight import PreflightError
-    from dflash_assets.generation.probe import prompt_shard_keys, run_length_probe
+    from dflash_assets.generation.probe import run_length_probe
     from dflash_assets.quality.probe_summary import cut_rows_for_probe, probe_summary
 
     # the probe's cap is ProbeSettings.max_output_tokens (0: the largest the context allows), not the run's
@@ -207,18 +265,11 @@ def _probe(args: argparse.Namespace) -> int:
     if (sampling := _settings("probe", args, GenerationSettings, skip=("max_output_tokens",))) is None:
         return 2
     (probe, dispatch), (generation,) = groups, sampling
-    shards = [s for s in (args.shards or "").split(",") if s] or prompt_shard_keys(args.data_dir)
-    if not shards:
-        print(
-            f"dflash probe: no prompt shards under {args.data_dir}: build them first (dflash backfill, or the "
-            f"prompt_shards asset)",
-            file=sys.stderr,
-        )
-        return 2
+    shards = _known_shards(args.data_dir, [s for s in (args.shards or "").split(",") if s])
     urls = args.urls
 
     async def go():
-        async with connected(urls, Deployment.API_KEY.value() or None) as fleet:
+        async with _connected(urls, args) as fleet:
             return await run_length_probe(
                 args.data_dir,
                 shards,
@@ -237,6 +288,39 @@ def _probe(args: argparse.Namespace) -> int:
         return 2
     print(probe_summary(result, args.data_dir, urls, shards))
     return 0 if result.run.failed == 0 else 1
+
+
+def _known_shards(data_dir: str, asked: list[str]) -> list[str]:
+    """The prompt shards of a data dir, or `asked` when each is one of them; else BadInput naming the first that is
+    not and the ones there are (before any server is waited for)."""
+    from dflash_assets.generation.probe import prompt_shard_keys
+
+    there = prompt_shard_keys(data_dir)
+    build = "build them first: dflash backfill, or the prompt_shards asset"
+    if not there:
+        raise BadInput(f"no prompt shards under {data_dir}: {build} (or give --data-dir a data dir that has them)")
+    if missing := [s for s in asked if s not in there]:
+        listed = f"{there[0]}..{there[-1]}" if len(there) > 2 else ", ".join(there)
+        raise BadInput(
+            f"no shard {missing[0]} under {data_dir}: the shards there are {listed} ({len(there)}); give one "
+            f"of them, or {build}"
+        )
+    return asked or there
+
+
+def _connected(urls: list[str], args: argparse.Namespace):
+    """The fleet of --urls, its wait for /health said on stderr."""
+    from dflash_assets.fleet.fleet import connected
+
+    fleet = FleetSettings.taken_from(args, ATTACHED)
+    return connected(
+        urls,
+        Deployment.API_KEY.value() or None,
+        health_timeout_s=fleet.health_timeout_s,
+        request_timeout_s=fleet.request_timeout_s,
+        connect_refused_s=fleet.connect_refused_s,
+        say=lambda text: print(text, file=sys.stderr, flush=True),
+    )
 
 
 def _fleet(args: argparse.Namespace) -> int:
@@ -311,6 +395,7 @@ def _report(args: argparse.Namespace) -> int:
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
     from dflash_assets.quality.console import console_for_output, print_answers, verbatim
+    from dflash_assets.quality.rejects import read_rejects
 
     try:
         quality = QualitySettings(trainer=TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS))
@@ -320,6 +405,8 @@ def _report(args: argparse.Namespace) -> int:
     console = console_for_output()
     answers = print_answers(data_dir, console, quality)
     pictures = _report_pictures(data_dir, answers)
+    for line in read_rejects(data_dir).lines(f"{data_dir}/rejects/"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     for picture in pictures:
         verbatim(console, f"picture: {picture}")
     if args.open:
@@ -390,7 +477,9 @@ def settings_flags(
             continue
         flag, default = "--" + (prefix + name).replace("_", "-"), (defaults or {}).get(name, field.default)
         kind: typing.Any = next((t for t in typing.get_args(field.annotation) if t is not type(None)), field.annotation)
-        kind = str if typing.get_origin(field.annotation) is typing.Literal else kind  # its values: the settings
+        # a Literal's values are argparse's choices: --help lists them, a wrong one is a one-line usage error
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        kind = str if choices else kind
         kind = _json_object if kind is dict else kind
         shown = "" if default in (None, "") else f" (default {default})"
         if kind is bool:
@@ -401,14 +490,18 @@ def settings_flags(
             parser.add_argument(
                 flag,
                 type=kind,
+                choices=choices,
                 default=None if name in required else default,
                 required=name in required,
                 help=(field.description or "") + shown,
             )
 
 
+ATTACHED = ("mode", "urls", "num_servers", "emulator_args")  # FleetSettings a command on --urls has no use for
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash", description=__doc__)
+    parser = Parser(prog="dflash", description=__doc__)
     sub = parser.add_subparsers(dest="subcommand", required=True)  # `--command` is a launch setting
 
     demo = sub.add_parser(
@@ -491,6 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     settings_flags(gen, RequestSettings)
     settings_flags(gen, DispatchSettings)
     settings_flags(gen, TrainerSettings, skip=("format", "chat_template"), prefix=TRAINER_FLAGS)  # the window only
+    settings_flags(gen, FleetSettings, skip=ATTACHED)
+    gen.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
 
     probe = sub.add_parser(
         "probe",
@@ -507,6 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
     # the probe's own cap, above; it measures lengths, so its requests are never sized to a window
     settings_flags(probe, RequestSettings, skip=("max_output_tokens", "cap_policy", "overshoot"))
     settings_flags(probe, DispatchSettings)
+    settings_flags(probe, FleetSettings, skip=ATTACHED)
+    probe.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
 
     fleet = sub.add_parser(
         "fleet",
@@ -515,6 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
         "every run, and later `up`s reuse them while healthy with the same args.",
     )
     fleet.add_argument("--fleet-dir", help="registry and logs (default: $DAGSTER_HOME/fleet)")
+    fleet.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
     fsub = fleet.add_subparsers(dest="fleet_command", required=True)
     fup = fsub.add_parser("up", help="start (or reuse) one server per GPU and wait until healthy")
     fup.add_argument("--replace", action="store_true", help="replace servers whose args differ")
@@ -542,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--open", action="store_true", help="open the pictures (length histogram, cap plan survival curve) in a browser"
     )
+    report.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
     return parser
 
 
@@ -550,17 +649,50 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["emulator"]:
         return _emulator(argv[1:])
     args = build_parser().parse_args(argv)
-    if args.subcommand in ("demo", "backfill"):
-        return _demo(args) if args.subcommand == "demo" else _backfill(args)
-    if args.subcommand == "continue":
-        return _continue(args)
-    if args.subcommand == "generate":
-        return _generate(args)
-    if args.subcommand == "probe":
-        return _probe(args)
-    if args.subcommand == "fleet":
-        return _fleet(args)
-    return _report(args)
+    command = {
+        "demo": _demo,
+        "backfill": _backfill,
+        "continue": _continue,
+        "generate": _generate,
+        "probe": _probe,
+        "fleet": _fleet,
+        "report": _report,
+    }[args.subcommand]
+    try:
+        return command(args)
+    except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's event log)
+        return _failed(args, e)
+
+
+def _failed(args: argparse.Namespace, error: Exception) -> int:
+    """An error that stopped a command, in one line on stderr: exit 2 for bad input or settings, else 1."""
+    import traceback
+
+    from dflash_assets.fleet.attach import AttachError
+    from dflash_assets.fleet.client import ServerError
+    from dflash_assets.generation.preflight import PreflightError
+    from dflash_assets.generation.prompts import SourceError
+    from dflash_assets.generation.slots import FleetDown
+    from dflash_assets.store.exhaustion import exhaustion
+
+    command = " ".join(["dflash", args.subcommand, *([args.fleet_command] if args.subcommand == "fleet" else [])])
+    if args.verbose:
+        traceback.print_exception(error, file=sys.stderr)
+    bad = isinstance(error, BadInput | SettingsError | SourceError | PreflightError | AttachError)
+    down = isinstance(error, ServerError | FleetDown)
+    text = (error.message if isinstance(error, ServerError) else str(error) or type(error).__name__).splitlines()[0]
+    data_dir = getattr(args, "data_dir", None) or Deployment.DATA_DIR.value()
+    if (ran_out := exhaustion(error, data_dir)) is not None:  # a full disk: where, what is left, what to do
+        print(f"{command}: {ran_out.line(None)}", file=sys.stderr)
+        return 1
+    if not bad and not down:
+        text = f"{type(error).__name__}: {text}"
+    if down:
+        text += "; run the same command again once the servers answer (committed completions are kept)"
+    elif not bad and not args.verbose:
+        text += f" (`{command} ... --verbose` prints the stack trace)"
+    print(f"{command}: {text}", file=sys.stderr)
+    return 2 if bad else 1
 
 
 if __name__ == "__main__":

@@ -566,6 +566,13 @@ class FleetSettings(Settings):
         "--reasoning-parser qwen3", description="emulated: emulator flags, e.g. add '--decode-tokens-per-s 4000'."
     )
     health_timeout_s: float = Field(120.0, description="Seconds to wait for every server's /health at connect.")
+    connect_refused_s: float = Field(
+        10.0,
+        ge=0,
+        description="Stop waiting at connect once every server has refused the connection for this long: nothing "
+        "listens there (a URL or a port is wrong, or the servers are down). SGLang binds its port only once "
+        "the model has loaded, so attaching to servers still starting needs more (0: wait health_timeout_s).",
+    )
     request_timeout_s: float = Field(3600.0, description="Seconds one request may take (a long generation).")
 
     @model_validator(mode="after")

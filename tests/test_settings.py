@@ -382,7 +382,7 @@ def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refuse
     )  # the hash pinned above
     with pytest.raises(SystemExit):
         generate("high")
-    assert "argument --chat-template-kwargs: not JSON" in capsys.readouterr().err
+    assert "dflash generate: --chat-template-kwargs: not JSON" in capsys.readouterr().err
     with pytest.raises(SettingsError, match="set enable_thinking with its own setting"):
         GenerationSettings.taken_from(generate('{"enable_thinking": false}'))
     for bad, message in (

@@ -62,6 +62,7 @@ class ReportKeys:
     demo's table."""
 
     TRUNCATION_RATE = "truncation_rate"
+    REJECTS = "rejects"  # the shard's rejects by stage and reason, and the first with their lines (Markdown)
     CUT_INSIDE_WINDOW_RATE = "cut_inside_window_rate"
     P50, P90, P99 = "p50", "p90", "p99"
 

@@ -201,6 +201,8 @@ def run_on_fleet(fleet: FleetResource, work: Callable[[Fleet], Awaitable[T]]) ->
         fleet.api_key or None,
         health_timeout_s=fleet.health_timeout_s,
         request_timeout_s=fleet.request_timeout_s,
+        connect_refused_s=fleet.connect_refused_s,
+        say=dg.get_dagster_logger().info,  # the run's event log hears the wait for /health
     )
 
 

@@ -45,7 +45,8 @@ from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.generation.plan import filling_window_note
 from dflash_assets.quality.console import console_for_output, verbatim
-from dflash_assets.quality.export import exclusion_lines
+from dflash_assets.quality.export import kept_lines, left_out_lines
+from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.trainer_settings import trainer_settings_line
 from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
 
@@ -346,6 +347,9 @@ def run_shards(
                 record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
             progress.advance(task, len(chunk))
     console.print(table)
+    rejects = read_rejects(data_dir().resolved(), shards)
+    for line in rejects.lines(f"{data_dir().resolved()}/rejects/ (dflash report counts them by stage and reason)"):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)  # a path is copied whole
     if no_figures:
         console.print(
             f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
@@ -573,10 +577,16 @@ def run_demo(
             verbatim(
                 console,
                 f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
-                f"in {meta[t.JSONL]} (manifest beside it); left out, by reason:",
+                f"in {meta[t.JSONL]} (manifest beside it)",
             )
-            for line in exclusion_lines(meta[t.MANIFEST]) or ["nothing"]:
-                console.print(f"  {line}", highlight=False)
+            left_out, kept = left_out_lines(meta[t.MANIFEST]), kept_lines(meta[t.MANIFEST])
+            for heading, lines in (("left out, by reason:", left_out), ("kept, with a note:", kept)):
+                if lines:
+                    console.print(f"  {heading}", highlight=False)
+                for line in lines:
+                    console.print(f"    {line}", highlight=False)
+            if not left_out:
+                console.print("  left out: nothing", highlight=False)
             verbatim(console, trainer_settings_line(meta[t.MANIFEST], Path(meta[t.JSONL]).parent))
         elif stops.checks:
             console.print("drafter training set: not written while a blocking check fails")
@@ -593,7 +603,7 @@ def run_demo(
         console,
         "The UI (event log, reports, checks):  DAGSTER_HOME="
         + os.environ["DAGSTER_HOME"]
-        + " uv run dagster dev -w workspace.yaml   then http://127.0.0.1:3000",
+        + " uv run dg dev   then http://127.0.0.1:3000",
     )
     return print_stop(stops, console, lambda cap: f"dflash demo{again({})} --max-output-tokens {cap}", window)
 

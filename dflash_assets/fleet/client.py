@@ -49,13 +49,23 @@ async def _json_body(resp: aiohttp.ClientResponse) -> Any:
 class ServerError(Exception):
     """A request the server did not complete. `retryable` tells the dispatcher what to do with it."""
 
-    def __init__(self, url: str, message: str, *, status: int | None = None, retryable: bool, stalled: bool = False):
+    def __init__(
+        self,
+        url: str,
+        message: str,
+        *,
+        status: int | None = None,
+        retryable: bool,
+        stalled: bool = False,
+        refused: bool = False,
+    ):
         super().__init__(f"{url}: {message}")
         self.url = url
         self.status = status
         self.message = message
         self.retryable = retryable
         self.stalled = stalled  # a stream closed for silence (Watch.stall_timeout_s): retried on another server
+        self.refused = refused  # the connection was refused: nothing listens at the URL (yet)
 
 
 class ServerAccessError(RuntimeError):
@@ -191,7 +201,10 @@ class ServerClient:
         except TimeoutError:
             raise ServerError(self.url, f"{method} {path} timed out", retryable=True) from None
         except (aiohttp.ClientError, OSError) as e:
-            raise ServerError(self.url, f"{method} {path} failed: {type(e).__name__}: {e}", retryable=True) from None
+            refused = isinstance(getattr(e, "os_error", e), ConnectionRefusedError)
+            raise ServerError(
+                self.url, f"{method} {path} failed: {type(e).__name__}: {e}", retryable=True, refused=refused
+            ) from None
 
     def _refused(self, status: int, method: str, path: str, body: Any) -> None:
         if status in ACCESS_FAULT:
@@ -256,11 +269,15 @@ class ServerClient:
         return True
 
     async def healthy(self, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
+        return await self.health_problem(timeout) is None
+
+    async def health_problem(self, timeout: float = HEALTH_PROBE_TIMEOUT_S) -> ServerError | ServerAccessError | None:
+        """Why GET /health did not answer 200 (a refused connection says `refused`), or None when it did."""
         try:
             await self._request("GET", "/health", timeout=timeout)
-            return True
-        except (ServerError, ServerAccessError):
-            return False
+            return None
+        except (ServerError, ServerAccessError) as e:
+            return e
 
     async def _optional(self, path: str, timeout: float = 30) -> Any:
         """A route a router / gateway (or a server without --enable-metrics) does not have: None on a 404."""

@@ -52,11 +52,53 @@ def open_session(total_connections: int = 0) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
 
-async def wait_healthy(client: ServerClient, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await client.healthy():
-        if time.monotonic() > deadline:
-            raise ServerError(client.url, f"not healthy after {timeout_s:.0f}s (GET /health)", retryable=False)
+WAIT_SAY_EVERY_S = 5.0  # a wait for /health is said at once, then this often
+
+
+async def wait_healthy(
+    clients: list[ServerClient],
+    timeout_s: float,
+    refused_s: float = FleetSettings().connect_refused_s,
+    say: Callable[[str], None] | None = None,
+) -> int:
+    """Poll every server's /health until each answers; the number of polling rounds. Said at once and every few
+    seconds (which URLs, for how long, the limit). Stops after `timeout_s`, or sooner when every server still
+    waited for has refused the connection for `refused_s` (0: never sooner): nothing listens there."""
+    start = time.monotonic()
+    pending, said, rounds = list(clients), None, 0
+    refused_since: dict[str, float] = {}  # URL -> when it first refused the connection (this streak)
+    while True:
+        rounds += 1
+        problems = await asyncio.gather(*(c.health_problem() for c in pending))
+        now = time.monotonic()
+        waiting = [(c, p) for c, p in zip(pending, problems, strict=True) if p is not None]
+        if not waiting:
+            return rounds
+        pending = [c for c, _ in waiting]
+        for client, problem in waiting:
+            if getattr(problem, "refused", False):
+                refused_since.setdefault(client.url, now)
+            else:
+                refused_since.pop(client.url, None)
+        urls = ", ".join(c.url + "/health" for c in pending)
+        waited = now - start
+        if refused_s > 0 and all(now - refused_since.get(c.url, now) >= refused_s for c in pending):
+            raise ServerError(
+                pending[0].url,
+                f"nothing listens at {urls}: the connection was refused for {refused_s:g} s "
+                f"(connect_refused_s); start the servers or check the URLs and ports",
+                retryable=True,
+                refused=True,
+            )
+        if waited > timeout_s:
+            raise ServerError(
+                pending[0].url,
+                f"not healthy after {timeout_s:.0f}s (GET {urls}): {waiting[0][1]}; check the servers' logs",
+                retryable=False,
+            )
+        if say is not None and (said is None or now - said >= WAIT_SAY_EVERY_S):
+            said = now
+            say(f"waiting for {urls} ({waited:.0f} s of {timeout_s:.0f} s) ...")
         await asyncio.sleep(0.2)
 
 
@@ -67,14 +109,16 @@ async def connected(
     *,
     health_timeout_s: float = FleetSettings().health_timeout_s,
     request_timeout_s: float = FleetSettings().request_timeout_s,
+    connect_refused_s: float = FleetSettings().connect_refused_s,
+    say: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Fleet]:
-    """Connect to every server, wait until each is healthy and read what it says about itself; the fleet, its
-    session closed when the block ends, however it ends."""
+    """Connect to every server, wait until each is healthy (`say` hears the wait) and read what it says about
+    itself; the fleet, its session closed when the block ends, however it ends."""
     if not urls:
         raise ValueError("the fleet has no servers")
     async with open_session() as session:
         clients = [ServerClient(session, u, api_key, request_timeout_s) for u in urls]
-        await asyncio.gather(*(wait_healthy(c, health_timeout_s) for c in clients))
+        await wait_healthy(clients, health_timeout_s, connect_refused_s, say)
         clients = list(await asyncio.gather(*(_behind_gateway(c, api_key, request_timeout_s) for c in clients)))
         infos = list(await asyncio.gather(*(c.info() for c in clients)))
         yield Fleet(clients, infos, session)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dflash_assets.fleet import processes, registry
 from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
-from dflash_assets.fleet.fleet import open_session
+from dflash_assets.fleet.fleet import WAIT_SAY_EVERY_S, open_session
 from dflash_assets.fleet.registry import ServerRecord
 from dflash_assets.fleet.server_args import COMMANDS, SGLANG_SERVE, ServerCommand, args_hash, diff
 from dflash_assets.settings import Deployment, LaunchSettings, ServerSettings
@@ -139,7 +139,7 @@ def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events
             say(f"{name}: {DONE[action]}: pid {rec.pid}, {rec.url}, GPU {','.join(map(str, rec.gpus)) or '-'}")
     # Waited for outside the lock, so `down` can still stop a server that never gets healthy.
     ours = [records[n] for n in wanted]
-    asyncio.run(_wait_healthy(ours, key, spec.health_timeout_s))
+    asyncio.run(_wait_healthy(ours, key, spec.health_timeout_s, say))
     return ours
 
 
@@ -232,19 +232,26 @@ async def _rejects_key(url: str, key: str) -> bool:
     return False
 
 
-async def _wait_healthy(records: list[ServerRecord], key: str | None, timeout_s: float) -> None:
+async def _wait_healthy(records: list[ServerRecord], key: str | None, timeout_s: float, say: Callable) -> None:
     async with open_session() as session:
         results = await asyncio.gather(
-            *(_wait_one(ServerClient(session, r.url, key), r, key, timeout_s) for r in records), return_exceptions=True
+            *(_wait_one(ServerClient(session, r.url, key), r, key, timeout_s, say) for r in records),
+            return_exceptions=True,
         )
     errors = [str(e) for e in results if isinstance(e, BaseException)]
     if errors:
         raise FleetError("\n\n".join(errors))
 
 
-async def _wait_one(client: ServerClient, rec: ServerRecord, key: str | None, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+async def _wait_one(client: ServerClient, rec: ServerRecord, key: str | None, timeout_s: float, say: Callable) -> None:
+    """Until the server answers /health, said at once and every WAIT_SAY_EVERY_S; a launched server that is still
+    loading its model refuses connections (SGLang binds its port after), so only its exit or the timeout end this."""
+    start = time.monotonic()
+    deadline, said = start + timeout_s, None
     while not await client.healthy(timeout=30):
+        if said is None or time.monotonic() - said >= WAIT_SAY_EVERY_S:
+            said = time.monotonic()
+            say(f"waiting for {rec.url}/health ({said - start:.0f} s of {timeout_s:.0f} s) ...")
         if not processes.is_ours(rec.pid, rec.proc_start):
             code = processes.exit_code(rec.pid)
             raise FleetError(

@@ -143,6 +143,16 @@ def shard_key(index: int) -> str:
     return f"{index:05d}"
 
 
+def check_source(path: Path) -> None:
+    """A prompt source that cannot be read is refused (SourceError) before any work, naming it."""
+    path = Path(path)
+    _check_file(path)
+    try:
+        path.open("rb").close()
+    except OSError as e:
+        raise SourceError(f"prompt source {path} is unreadable: {e.strerror}") from None
+
+
 def _check_file(path: Path) -> None:
     if not path.exists():
         raise SourceError(f"prompt source {path} does not exist")

@@ -44,6 +44,7 @@ import pyarrow.parquet as pq
 
 from dflash_assets.generation.prompts import carries_history, last_turn_request
 from dflash_assets.generation.turns import split_turns
+from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, one, parquet_source, runaway_sql, window_flags_sql
 from dflash_assets.quality.trainer_format import (
@@ -458,6 +459,10 @@ def export_training_set(
                 f"judged_window AND judged_window < {NO_LIMIT}",
             )[0]
             manifest["exclusions"] = _exclusions(con)
+            # the prompts that never became rows: the source's lines, the preflight's and the servers' refusals
+            rejects = read_rejects(data_dir, config_hash=config_hash)
+            manifest["rejected"] = rejects.total
+            manifest["rejected_by_stage_and_reason"] = rejects.by_stage_and_reason()
             manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = one(
                 con,
                 "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "
@@ -539,6 +544,11 @@ def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, 
 
 def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
     """The exclusions for people: one line per reason, then the long rows that were kept."""
+    return left_out_lines(manifest) + kept_lines(manifest)
+
+
+def left_out_lines(manifest: dict[str, Any]) -> list[str]:
+    """One line per reason rows were left out: rows, shares of rows and tokens, the sources it took most from."""
     from dflash_assets.quality.outcome import num, pct
 
     lines = [f"window: {note}" for note in [manifest.get("window", {}).get("note")] if note]
@@ -560,6 +570,15 @@ def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
     if recipe.get("left_out"):
         words = "; ".join(f"{n} {problem!r}" for problem, n in recipe["left_out"].items())
         lines.append(f"recipe_validation: SpecForge's validator with {recipe['flags']} would stop at: {words}")
+    return lines
+
+
+def kept_lines(manifest: dict[str, Any]) -> list[str]:
+    """The rows kept that a person should know about: rows with the source's own answers in their history,
+    window-complete rows, rows longer than the window."""
+    from dflash_assets.quality.outcome import num
+
+    lines = []
     answers = manifest.get("source_answers") or {}
     if answers.get("rows"):
         lines.append(

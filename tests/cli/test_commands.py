@@ -65,7 +65,7 @@ def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
             ["demo", "--max-output-tokens", "0"],
             "dflash demo: invalid generation config: max_output_tokens must be a positive integer, got 0",
         ),
-        (["backfill", "--regenerate", "every"], "regenerate must be one of auto, last_turn, all_turns, got 'every'"),
+        (["backfill", "--regenerate", "every"], "--regenerate takes one of auto, last_turn, all_turns, got 'every'"),
         (["backfill", "--max-attempts", "0"], "dflash backfill: max_attempts must be >= 1, got 0"),
         (
             ["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1,http://127.0.0.1:1/"],
@@ -73,7 +73,7 @@ def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
         ),
         (["probe", "--urls", "http://me:secret@127.0.0.1:1"], "server URL #1 carries credentials"),
         (["generate", "--shard", "00000", "--urls", "http://127.0.0.1:1", "--top-p", "2"], "top_p must be in (0, 1]"),
-        (["nonsense"], "invalid choice: 'nonsense'"),
+        (["nonsense"], "'nonsense' is not a command"),
     ],
 )
 def test_bad_arguments_give_a_clear_error(tmp_path, args, message):

@@ -162,7 +162,7 @@ def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_row
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--mode", "all"], "mode must be one of prompts, cut_rows, got 'all'"),
+        (["--mode", "all"], "--mode takes one of prompts, cut_rows, got 'all'"),
         (["--share", "2"], "share must be in (0, 1], got 2.0"),
         (["--max-output-tokens", "-1"], "max_output_tokens must be >= 0 (0: the largest the context allows), got -1"),
         (["--data-dir", "/nonexistent/nowhere"], "no prompt shards under /nonexistent/nowhere: build them first"),

@@ -25,11 +25,11 @@ from pathlib import Path
 import yaml
 from dagster_graphql import DagsterGraphQLClient
 
+from dflash_assets.cli import PROJECT_DAGSTER_YAML  # the instance settings `dflash` writes into an empty home
 from dflash_assets.emulator.process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKSPACE = ROOT / "workspace.yaml"
-PROJECT_DAGSTER_YAML = ROOT / "dagster_home" / "dagster.yaml"
 ARTIFACTS = ROOT / "test-artifacts"
 LOCATION = "dflash_assets"
 

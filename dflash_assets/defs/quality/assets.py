@@ -12,6 +12,7 @@ from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality.outcome import pct
+from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.settings import QualitySettings
 from dflash_assets.store.stores import committed_rows
 
@@ -96,7 +97,11 @@ def length_quality_report(
             report, png = _report_and_histogram(root, shard, quality_settings, reports / f"shard={shard}")
         context.add_asset_metadata(
             partition_key=shard,
-            metadata={**report_metadata(report, png.read_bytes()), "histogram_path": dg.MetadataValue.path(str(png))},
+            metadata={
+                **report_metadata(report, png.read_bytes()),
+                ReportKeys.REJECTS: dg.MetadataValue.md(read_rejects(root, [shard]).markdown()),
+                "histogram_path": dg.MetadataValue.path(str(png)),
+            },
         )
 
 
