@@ -311,7 +311,7 @@ def test_a_completions_partition_page_shows_keys_status_and_provenance(seeded, p
         "Materialized",
         "shard_pipeline",
         "config_hash",
-        "max_output_tokens",
+        "config_cap",
         "16384",
         re.compile(r"4 prompts = 4 completed \+ 0 rejected \+ 0 failed"),
     )
