@@ -1,4 +1,5 @@
-"""`dflash`: the demo, the emulator, the quality report, the length probe and the fleet, from a terminal."""
+"""`dflash`: the demo, the emulator, the quality report, the configs and their export, the length probe and the
+fleet, from a terminal."""
 
 from __future__ import annotations
 
@@ -188,6 +189,43 @@ def _continue(args: argparse.Namespace) -> int:
             "dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's window)"
         )
     return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose, to_window=args.to_window)
+
+
+def _configs(args: argparse.Namespace) -> int:
+    """The configs of a data dir side by side (store/configs.py), the latest first."""
+    from dflash_assets.quality.console import configs_table, console_for_output
+    from dflash_assets.store.configs import list_configs
+
+    data_dir = args.data_dir or Deployment.DATA_DIR.value()
+    try:
+        trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
+    except SettingsError as e:
+        print(f"dflash configs: {e}", file=sys.stderr)
+        return 2
+    configs = list_configs(data_dir, trainer.max_length)
+    if not configs:
+        print(f"dflash configs: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
+        return 2
+    console = console_for_output()
+    console.print(configs_table(configs))
+    console.print(
+        f"latest (the export's default when no run names its own): {configs[0].config_hash}. "
+        f"Export one: dflash export --config HASH",
+        highlight=False,
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    _instance_environment(args)
+    from dflash_assets.demo.run import Window, run_export
+
+    try:
+        trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
+    except SettingsError as e:
+        print(f"dflash export: {e}", file=sys.stderr)
+        return 2
+    return run_export(args.config, verbose=args.verbose, window=Window(trainer=trainer))
 
 
 def _emulator(argv: list[str]) -> int:
@@ -573,6 +611,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cont.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
 
+    configs = sub.add_parser(
+        "configs",
+        help="list the configs of a data dir side by side: cap and policy, rows, complete or not, last written",
+        description="Reads the rows' own provenance (small columns only); the latest, the most recently "
+        "written, first: what `dflash export` takes by default.",
+    )
+    configs.add_argument("--data-dir", help="default: DFLASH_DATA_DIR, else data/")
+    configs.add_argument("--verbose", action="store_true", help="print the stack trace of an error")
+    export = sub.add_parser(
+        "export",
+        help="write the training set of one config (gated by the blocking checks), as the UI does",
+        description="Materialises drafter_training_set (and length_quality_summary) of one config through "
+        "Dagster on the instance in DAGSTER_HOME: the same asset and checks as the UI.",
+    )
+    export.add_argument(
+        "--config", default="latest", help="a config hash, latest (the most recently written: default) or all"
+    )
+    export.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
+    export.add_argument("--prompts", help=argparse.SUPPRESS)
+    export.add_argument("--shard-size", type=int, help=argparse.SUPPRESS)
+    export.add_argument("--servers", type=int, help=argparse.SUPPRESS)
+    settings_flags(configs, TrainerSettings, skip=("format", "chat_template"), prefix=TRAINER_FLAGS)  # the window
+    settings_flags(export, TrainerSettings, prefix=TRAINER_FLAGS)  # the window and the form, as demo's
+
     gen = sub.add_parser(
         "generate",
         help="generate one shard's completions without Dagster (the same engine)",
@@ -654,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         "backfill": _backfill,
         "continue": _continue,
         "generate": _generate,
+        "configs": _configs,
+        "export": _export,
         "probe": _probe,
         "fleet": _fleet,
         "report": _report,

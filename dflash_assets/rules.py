@@ -8,6 +8,7 @@ layer may use this module.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 
 import numpy as np
 
@@ -75,15 +76,17 @@ def percentile(values: Sequence[int] | np.ndarray, q: float) -> int:
     return int(np.quantile(np.asarray(values), q, method="inverted_cdf"))
 
 
-# ---- the config with the most rows -----------------------------------------------------------------------------
-# Ties go to the larger cap (continuing from it reuses the most tokens), then to the smaller hash, so the choice
-# never depends on file order.
-MOST_ROWS_ORDER_SQL = "count(*) DESC, max(max_output_tokens) DESC, config_hash"
+# ---- the latest config ----------------------------------------------------------------------------------------
+# `latest` is the config most recently written: the largest created_at of its committed rows. It is what the export,
+# the continuation's parent, the cap plan and the probe take when no config is named (never "the most rows": a new
+# config has fewer rows than the old one until it is done, and the window policy rejects prompts). Ties go to the
+# larger cap, then to the smaller hash, so the choice never depends on file order.
+LATEST_ORDER_SQL = "max(created_at) DESC NULLS LAST, max(coalesce(policy_cap, max_output_tokens)) DESC, config_hash"
 
 
-def most_rows_first(configs: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
-    """(config_hash, rows, max_output_tokens) tuples, the config with the most rows first."""
-    return sorted(configs, key=lambda c: (-c[1], -c[2], c[0]))
+def latest_first(configs: Iterable[tuple[str, datetime | None, int]]) -> list[tuple[str, datetime | None, int]]:
+    """(config_hash, last written, cap) tuples, the most recently written config first."""
+    return sorted(configs, key=lambda c: (-(c[1].timestamp() if c[1] else float("-inf")), -(c[2] or 0), c[0]))
 
 
 # ---- the trainer's window ----------------------------------------------------------------------------------------

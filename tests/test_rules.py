@@ -4,15 +4,15 @@ import duckdb
 import numpy as np
 import pytest
 
-from dflash_assets.defs.training.assets import most_rows_config
 from dflash_assets.fleet.client import ServerInfo
 from dflash_assets.generation.continuation import latest_parent
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.answer import cap_answers
 from dflash_assets.quality.planner import plan_caps
-from dflash_assets.rules import CONTEXT_MARGIN, most_rows_first, overflows, percentile, percentile_sql
-from tests.support.quality_data import CONFIG_A, completion, prompt, write
+from dflash_assets.rules import CONTEXT_MARGIN, latest_first, overflows, percentile, percentile_sql
+from dflash_assets.store.configs import latest_config
+from tests.support.quality_data import CONFIG_A, T0, completion, prompt, write
 
 CONTEXT = 16384
 CAP = CONFIG_A["max_output_tokens"]
@@ -50,16 +50,17 @@ def test_percentiles_are_nearest_rank_in_python_and_in_sql(q, rank):
     assert sql == sorted(values)[rank - 1]
 
 
-def test_the_config_with_the_most_rows_is_the_same_choice_everywhere_ties_to_the_larger_cap(tmp_path):
-    ps = [prompt("s0", i, 100, "code") for i in range(4)]
-    small = dict(CONFIG_A, config_hash="a-small", max_output_tokens=2048)
-    large = dict(CONFIG_A, config_hash="z-large", max_output_tokens=3072)
+def test_latest_is_the_most_recently_written_config_everywhere_never_the_most_rows(tmp_path):
+    ps = [prompt("s0", i, 100, "code") for i in range(6)]
+    old = dict(CONFIG_A, config_hash="a-old", max_output_tokens=2048)
+    new = dict(CONFIG_A, config_hash="z-new", max_output_tokens=3072)
     write(tmp_path, "prompt_shards", "s0", ps)
-    write(tmp_path, "completions", "s0", [completion(p, small, 50) for p in ps[:2]], part="part-0000")
-    write(tmp_path, "completions", "s0", [completion(p, large, 50) for p in ps[2:]], part="part-0001")
-    # two rows each: the larger cap wins, although its hash sorts last
-    assert most_rows_first([("a-small", 2, 2048), ("z-large", 2, 3072)])[0][0] == "z-large"
-    assert most_rows_config(tmp_path) == "z-large"
-    assert latest_parent(tmp_path, "s0", 4096) == "z-large"
-    assert "config `z-large` chosen by default" in plan_caps(tmp_path, fit_from=0.0, bootstrap=0).notes[0]
-    assert [a.config_hash for a in cap_answers(tmp_path)] == ["z-large", "a-small"]  # `dflash report` leads with it
+    # the old config has more rows, the new one the last row written (created_at: T0 + the prompt's line)
+    write(tmp_path, "completions", "s0", [completion(p, old, 50) for p in ps[:4]], part="part-0000")
+    write(tmp_path, "completions", "s0", [completion(p, new, 50) for p in ps[4:]], part="part-0001")
+    assert latest_config(tmp_path) == "z-new"  # the export's default launched alone
+    assert latest_parent(tmp_path, "s0", 4096) == "z-new"  # the continuation's parent_config_hash 'latest'
+    assert "config `z-new` chosen by default: the latest" in plan_caps(tmp_path, fit_from=0.0, bootstrap=0).notes[0]
+    assert [a.config_hash for a in cap_answers(tmp_path)] == ["z-new", "a-old"]  # `dflash report` leads with it
+    # written at the same moment: the larger cap wins, although its hash sorts last
+    assert latest_first([("a-small", T0, 2048), ("z-large", T0, 3072)])[0][0] == "z-large"

@@ -61,6 +61,8 @@ class ReportKeys:
     """What `length_quality_report` records per shard (defs/quality/assets.py report_metadata), read back by the
     demo's table."""
 
+    CONFIG_HASH = "config_hash"  # whose figures the headline is: the run's config, else the shard's latest
+    CHOSEN_BY = "config_chosen_by"  # run | latest | explicit
     TRUNCATION_RATE = "truncation_rate"
     REJECTS = "rejects"  # the shard's rejects by stage and reason, and the first with their lines (Markdown)
     CUT_INSIDE_WINDOW_RATE = "cut_inside_window_rate"
@@ -85,6 +87,7 @@ class TrainingSetKeys:
 
     ROW_COUNT = "dagster/row_count"
     CONFIG_HASH = "config_hash"
+    CHOSEN_BY = "config_chosen_by"  # run | latest | explicit: how the config was chosen (also in the manifest)
     JSONL = "jsonl"
     MANIFEST = "manifest"
     TRAINER_SETTINGS = "trainer_settings"  # specforge_data.yaml beside the manifest (quality/trainer_settings.py)
@@ -94,6 +97,8 @@ class StepStopKeys:
     """What a step that stopped on a fault records in its failure (defs/faults.py, and the config refusals), read back
     by the demo (demo/run.py): a failed step records no materialisation, so its table takes the recount from here."""
 
-    CAUSE = "cause"  # "config": a setting to fix; "exhausted": the disk (or open files) ran out; "retried"
+    CAUSE = "cause"  # "config": a setting to fix; "exhausted": the disk (or open files) ran out; "retried"; "check":
+    # a blocking check stopped the export (exit 3)
+    FAILING_CHECKS = "failing_checks"  # JSON list of the blocking checks that stopped the export
     COMMITTED_ROWS = "committed_rows"  # the recount of the step's shards when it stopped (the run's config)
     COMMITTED_BY_SHARD = "committed_by_shard"  # JSON {shard: rows}

@@ -51,6 +51,7 @@ from dflash_assets.quality.trainer_settings import trainer_settings_line
 from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
+ALL_SHARDS = "all shards"  # where the export's gate judged a config
 
 
 def quiet(verbose: bool) -> dict:
@@ -122,6 +123,11 @@ class Stops:
     config_hashes: set[str] = field(default_factory=set)
     filling_window: int = 0  # cap_policy fixed: prompts sent although they fill the trainer's window
 
+    @property
+    def config_hash(self) -> str | None:
+        """The run's own config (a command generates one): what its table, its checks and its export are of."""
+        return min(self.config_hashes) if self.config_hashes else None
+
     def exit_status(self) -> int:
         return FAILED if self.errors else BAD_CONFIG if self.preflight else STOPPED_BY_CHECK if self.checks else DONE
 
@@ -161,6 +167,10 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             error = _own_error(error)
             message = (user.description if user and user.description else _line(error)).strip()
             cause = user.metadata[StepStopKeys.CAUSE].value if user and StepStopKeys.CAUSE in user.metadata else None
+            if cause == "check":
+                for name in user.metadata[StepStopKeys.FAILING_CHECKS].value:  # the export's gate, over all shards
+                    stops.checks.setdefault(name, []).append(ALL_SHARDS)
+                continue
             if message.startswith("preflight: ") or cause == "config":
                 stops.preflight.append(message.removeprefix("preflight: "))
             else:
@@ -346,10 +356,14 @@ def run_shards(
             if not result.success:
                 record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
             progress.advance(task, len(chunk))
+    table.title = (
+        f"completions of config {stops.config_hash} by shard " if stops.config_hash else "completions by shard "
+    ) + str(table.title).removeprefix("completions by shard ")
     console.print(table)
     rejects = read_rejects(data_dir().resolved(), shards)
     for line in rejects.lines(f"{data_dir().resolved()}/rejects/ (dflash report counts them by stage and reason)"):
         console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)  # a path is copied whole
+    print_other_configs(stops.config_hash, window, console)
     if no_figures:
         console.print(
             f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
@@ -382,6 +396,78 @@ def _committed_when_stopped(result: dg.ExecuteInProcessResult) -> dict[str, int]
                 if isinstance(by_shard, dict):  # a JSON value: defs/faults.py writes the recount's dict
                     counts |= by_shard
     return counts
+
+
+def print_other_configs(run_config: str | None, window: Window, console: Console) -> None:
+    """The data dir's other configs, one line each: beside the run's own figures, never pooled into them."""
+    from dflash_assets.store.configs import list_configs
+
+    others = [c for c in list_configs(data_dir().resolved(), window.trainer_max_length) if c.config_hash != run_config]
+    if others:
+        console.print("also in this data dir (not in the figures above; `dflash configs` compares them):")
+        for c in others:
+            console.print(f"  {c.line()}", highlight=False)
+
+
+def export(
+    instance: dg.DagsterInstance,
+    config_hash: str,
+    chosen_by: str,
+    window: Window,
+    console: Console,
+    stops: Stops,
+    verbose: bool = False,
+) -> bool:
+    """The gated export of one config (the drafter_training_set asset and its checks, with the summary of the same
+    config, as the UI runs them): the files' place on success, else what stopped it, in `stops`."""
+    choice = {"config": {"config_hash": config_hash, "chosen_by": chosen_by}}
+    result = execute(
+        training_job.name,
+        instance,
+        {
+            **quiet(verbose),
+            "resources": window.resources(),
+            "ops": {"drafter_training_set": choice, "length_quality_summary": choice},
+        },
+        console,
+    )
+    if result.success:
+        meta = next(iter(_meta(result, "drafter_training_set").values()))
+        t = TrainingSetKeys
+        verbatim(
+            console,
+            f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
+            f"(chosen by: {meta[t.CHOSEN_BY]}) in {meta[t.JSONL]} (manifest beside it)",
+        )
+        left_out, kept = left_out_lines(meta[t.MANIFEST]), kept_lines(meta[t.MANIFEST])
+        for heading, lines in (("left out, by reason:", left_out), ("kept, with a note:", kept)):
+            if lines:
+                console.print(f"  {heading}", highlight=False)
+            for line in lines:
+                console.print(f"    {line}", highlight=False)
+        if not left_out:
+            console.print("  left out: nothing", highlight=False)
+        verbatim(console, trainer_settings_line(meta[t.MANIFEST], Path(meta[t.JSONL]).parent))
+        return True
+    if config_hash != "all":
+        stops.config_hashes.add(config_hash)
+    if stops.checks:  # the shard runs' checks already said which
+        console.print(f"drafter training set: not written while a blocking check fails on config {config_hash}")
+        return False
+    record_failures(result, "training export", stops)
+    if stops.checks:
+        console.print(f"drafter training set: not written: a blocking check fails on config {config_hash}")
+    return False
+
+
+def export_run_config(
+    instance: dg.DagsterInstance, stops: Stops, window: Window, console: Console, verbose: bool = False
+) -> None:
+    """A shard command's last step: the export of the config it ran (never another one of the data dir)."""
+    if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
+        console.print("drafter training set: not written: the shard runs failed (the cause is below)")
+    elif not stops.preflight and stops.config_hash:
+        export(instance, stops.config_hash, "run", window, console, stops, verbose)
 
 
 def data_dir() -> DataDirResource:
@@ -436,9 +522,9 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         ]
         for o in outcomes:
             headline = re.sub(r"[*`]", "", o.summary_md.split("\n\n")[0])
-            say(
-                f"[red]Stopped by the blocking check {o.name}[/] (shards {', '.join(stops.checks[o.name])}): {headline}"
-            )
+            where = stops.checks[o.name]
+            where = ALL_SHARDS if ALL_SHARDS in where else f"shards {', '.join(where)}"
+            say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline}")
         answers = cap_answers(root, quality, config_hash)
         if not answers or "truncation_rate" not in stops.checks:
             say(
@@ -558,40 +644,7 @@ def run_demo(
         console.print(said, highlight=False)
     stops = run_shards(instance, shards, completions, console, verbose, window)
     print_superseded(stops, console, window)
-    if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
-        console.print("drafter training set: not written: the shard runs failed (the cause is below)")
-    elif not stops.preflight:
-        export = execute(
-            training_job.name,
-            instance,
-            {
-                **quiet(verbose),
-                "resources": window.resources(),
-                "ops": {"drafter_training_set": {"config": {"config_hash": ""}}},
-            },
-            console,
-        )
-        if export.success:
-            meta = next(iter(_meta(export, "drafter_training_set").values()))
-            t = TrainingSetKeys
-            verbatim(
-                console,
-                f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
-                f"in {meta[t.JSONL]} (manifest beside it)",
-            )
-            left_out, kept = left_out_lines(meta[t.MANIFEST]), kept_lines(meta[t.MANIFEST])
-            for heading, lines in (("left out, by reason:", left_out), ("kept, with a note:", kept)):
-                if lines:
-                    console.print(f"  {heading}", highlight=False)
-                for line in lines:
-                    console.print(f"    {line}", highlight=False)
-            if not left_out:
-                console.print("  left out: nothing", highlight=False)
-            verbatim(console, trainer_settings_line(meta[t.MANIFEST], Path(meta[t.JSONL]).parent))
-        elif stops.checks:
-            console.print("drafter training set: not written while a blocking check fails")
-        else:
-            record_failures(export, "training export", stops)
+    export_run_config(instance, stops, window, console, verbose)
     if not stops.checks and not stops.errors and not stops.preflight:
         print_window_answer(
             stops,
@@ -641,6 +694,7 @@ def run_backfill(
         console.print(said, highlight=False)
     stops = run_shards(instance, chosen, completions, console, verbose, window)
     print_superseded(stops, console, window)
+    export_run_config(instance, stops, window, console, verbose)
     command = f"dflash backfill --from {first} --to {last}"
     if not stops.checks and not stops.errors and not stops.preflight:
         print_window_answer(
@@ -748,8 +802,37 @@ def run_continue(
     if stops.errors:
         return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}", window)
     console.print(
-        "Next: `dflash report` for the checks over the new config; the training export takes the config "
-        "with the most rows, or name it (drafter_training_set config_hash).",
+        "Next: `dflash report` for the checks over the new config, then `dflash export` (the latest config, the "
+        "one just continued; `dflash configs` lists them all).",
         highlight=False,
     )
     return DONE
+
+
+def run_export(config: str, console: Console | None = None, verbose: bool = False, window: Window = Window()) -> int:
+    """`dflash export`: the gated export of one config (a hash, `latest` or `all`) through the same asset and
+    checks as the UI; where the files are, or what stopped it (exit 3 for a blocking check)."""
+    from dflash_assets.store.configs import list_configs
+
+    console = console or console_for_output()
+    root = data_dir().resolved()
+    configs = list_configs(root, window.trainer_max_length)
+    if not configs:
+        console.print(f"[red]dflash export:[/] no completions under {root}: run dflash demo or dflash backfill first")
+        return BAD_CONFIG
+    hashes = [c.config_hash for c in configs]
+    if config not in ("latest", "all", *hashes):
+        console.print(
+            f"[red]dflash export:[/] no config {config} under {root}; give one of {', '.join(hashes)} "
+            f"(`dflash configs` compares them), latest or all",
+            highlight=False,
+        )
+        return BAD_CONFIG
+    chosen = hashes[0] if config == "latest" else config
+    console.print(
+        f"dflash export: config {chosen}" + (" (latest: the most recently written)" if config == "latest" else ""),
+        highlight=False,
+    )
+    stops = Stops()
+    export(dg.DagsterInstance.get(), chosen, "latest" if config == "latest" else "explicit", window, console, stops)
+    return print_stop(stops, console, lambda cap: f"dflash backfill --max-output-tokens {cap}", window)

@@ -50,8 +50,9 @@ from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Dispatch, watch_of
 from dflash_assets.generation.slots import Slot
-from dflash_assets.rules import RUNAWAY_FINISH, most_rows_first
+from dflash_assets.rules import RUNAWAY_FINISH
 from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
+from dflash_assets.store.configs import latest_order
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.store.storage import Storage, open_storage
@@ -111,32 +112,16 @@ def rows_of(
             yield batch.to_pylist()
 
 
-def configs_in_shard(data_dir: str | Path | Storage, shard: str) -> list[tuple[str, int, int]]:
-    """(config_hash, rows, max_output_tokens) of every config with rows in the shard, most rows first."""
-    table = completion_store(data_dir, shard).read(["config_hash", "max_output_tokens"])
-    if not table.num_rows:
-        return []
-    counts = table.group_by("config_hash").aggregate([("config_hash", "count"), ("max_output_tokens", "max")])
-    found = zip(
-        counts["config_hash"].to_pylist(),
-        counts["config_hash_count"].to_pylist(),
-        counts["max_output_tokens_max"].to_pylist(),
-    )
-    return most_rows_first(found)
-
-
 def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_window: int | None = None) -> str | None:
-    """The config with the most rows in the shard among those below `new_cap` (ties as rules.most_rows_first
-    breaks them). Below the cap, so a finished continuation is never its own parent. With `to_window`: among the
+    """`latest`: the most recently written config with rows in the shard (rules.latest_first) among those capped
+    below `new_cap`. Below the cap, so a finished continuation is never its own parent. With `to_window`: among the
     window-policy configs of a smaller window."""
+    order = latest_order(data_dir, shard)
     if to_window is None:
-        return next((h for h, _, cap in configs_in_shard(data_dir, shard) if cap < new_cap), None)
+        return next((h for h, cap in order if cap < new_cap), None)
     table = completion_store(data_dir, shard).read(["config_hash", "trainer_max_length"])
     windows = dict(zip(*table.group_by("config_hash").aggregate([("trainer_max_length", "max")]).to_pydict().values()))
-    return next(
-        (h for h, _, _ in configs_in_shard(data_dir, shard) if windows.get(h) is not None and windows[h] < to_window),
-        None,
-    )
+    return next((h for h, _ in order if windows.get(h) is not None and windows[h] < to_window), None)
 
 
 def _window_settings(plan: list[dict]) -> dict:

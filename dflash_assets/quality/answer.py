@@ -13,8 +13,8 @@ from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planner import CapEstimate, CapPlan, PlanError, plan_caps
 from dflash_assets.quality.report import length_quality
 from dflash_assets.quality.window_plan import WindowPlan, window_plan
-from dflash_assets.rules import most_rows_first
 from dflash_assets.settings import QualitySettings, TrainerSettings
+from dflash_assets.store.configs import latest_order
 
 
 @dataclass(frozen=True)
@@ -97,12 +97,12 @@ def recommended_cap(
 def cap_answers(
     data_dir: str | Path, quality: QualitySettings = QualitySettings(), config_hash: str | None = None
 ) -> list[CapAnswer]:
-    """One answer per config of the data dir (or the one asked for), the most rows first (rules.most_rows_first)."""
+    """One answer per config of the data dir (or the one asked for), each of its own rows, the latest (the most
+    recently written: rules.latest_first) first."""
     report = length_quality(data_dir, max_length=quality.trainer.max_length, runaway=quality.runaway)
     by_hash = {row["config_hash"]: row for row in report["by_config"]}
-    order = most_rows_first((h, r["rows"], r["config_cap"]) for h, r in by_hash.items())
     answers = []
-    for row in (by_hash[h] for h, _, _ in order):  # the plan's and the export's choice leads
+    for row in (by_hash[h] for h, _ in latest_order(data_dir) if h in by_hash):  # the export's default leads
         if config_hash and row["config_hash"] != config_hash:
             continue
         plan, error, wp = None, None, None

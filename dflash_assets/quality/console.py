@@ -66,6 +66,17 @@ def _table(title: str, keys: tuple[str, ...], rows: list[list[str]]) -> Table:
     return table
 
 
+def configs_table(configs: list) -> Table:
+    """`dflash configs`: the configs of a data dir (store.configs.list_configs) side by side, the latest first."""
+    from dflash_assets.store.configs import TABLE_COLUMNS
+
+    table = _table("Configs of the data dir (the latest, the most recently written, first)", TABLE_COLUMNS, [])
+    for i, c in enumerate(configs):
+        cells = c.cells()
+        table.add_row(cells[0] + (" (latest)" if i == 0 else ""), *cells[1:])
+    return table
+
+
 def _headline(summary_md: str) -> str:
     """The first paragraph of a check summary without Markdown emphasis."""
     return re.sub(r"[*`]", "", summary_md.split("\n\n")[0])
@@ -145,7 +156,7 @@ def print_answers(
     console = console or Console()
     answers = cap_answers(data_dir, quality)
     console.print(
-        f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, "
+        f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, the latest first, "
         f"truncation limit {pct(quality.truncation_rate_max)} inside {quality.trainer.named()})",
         highlight=False,
     )
@@ -165,7 +176,8 @@ def print_report(
     console = console or Console()
     report = length_quality(data_dir, shard, max_length=quality.trainer.max_length, runaway=quality.runaway)
     scope = f"shard {shard}" if shard else "all shards"
-    console.print(_table(f"Length quality, {scope}", LENGTH_COLUMNS, [_length_cells(report)]))
+    pooled = " (all configs)"  # these tables pool the configs; the answers above and By config are each config's
+    console.print(_table(f"Length quality, {scope}, all configs pooled", LENGTH_COLUMNS, [_length_cells(report)]))
     console.print(
         f"Percentiles: {PERCENTILE_DEFINITION}. Cut inside the window / window-complete: judged against "
         f"{quality.trainer.named()}.",
@@ -173,7 +185,7 @@ def print_report(
     )
     console.print(
         _table(
-            "By config",
+            "By config (each config's own rows)",
             ("config", "cap", "shards", *LENGTH_COLUMNS),
             [
                 [str(r["config_hash"]), _n(r["config_cap"]), _n(r["shards"]), *_length_cells(r)]
@@ -183,21 +195,21 @@ def print_report(
     )
     console.print(
         _table(
-            "By shard",
+            "By shard" + pooled,
             ("shard", "configs", *LENGTH_COLUMNS),
             [[str(r["shard"]), str(r["configs"]), *_length_cells(r)] for r in report["by_shard"]],
         )
     )
     console.print(
         _table(
-            "By prompt length",
+            "By prompt length" + pooled,
             ("prompt tokens", *LENGTH_COLUMNS),
             [[r["bucket"], *_length_cells(r)] for r in report["by_prompt_length"]],
         )
     )
     console.print(
         _table(
-            "By source",
+            "By source" + pooled,
             ("source", *LENGTH_COLUMNS),
             [[str(r["source"]), *_length_cells(r)] for r in report["by_source"]],
         )
@@ -218,7 +230,7 @@ def print_report(
         outcomes = run_checks(data_dir, shard, quality=quality)
         console.print(
             _table(
-                "Checks",
+                "Checks (all configs)",
                 ("check", "gate", "severity", "result", "summary"),
                 [
                     [

@@ -380,8 +380,12 @@ def export_training_set(
     drop_over_max_length: bool = False,
     runaway: RunawaySettings = RunawaySettings(),
     chat_template: str = TrainerSettings().chat_template,
+    chosen_by: str = "explicit",
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
+
+    `chosen_by` says in the manifest how the config was chosen: "run" (the config the run generated), "latest" (the
+    most recently written, rules.latest_first) or "explicit" (named).
 
     `form` is "conversations" (SpecForge's {id, status, conversations}), "messages" (OpenAI's {id, messages}) or
     "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at max_length).
@@ -447,6 +451,7 @@ def export_training_set(
             manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
                 "form": form,
                 "rows": done.lines,
+                "chosen_by": chosen_by,
                 "conversations_not_whole": done.not_whole,
                 "window": window,
                 "recipe": _recipe(done, form),

@@ -25,10 +25,14 @@ def series(data_dir: str | Path, shard: str | None = None) -> list[tuple[str, in
         return series_of(con)
 
 
-def series_of(con: duckdb.DuckDBPyConnection) -> list[tuple[str, int | None, int, np.ndarray]]:
-    """`series` of a database open_quality_db opened (the report's, which it shares)."""
+def series_of(
+    con: duckdb.DuckDBPyConnection, config_hash: str | None = None
+) -> list[tuple[str, int | None, int, np.ndarray]]:
+    """`series` of a database open_quality_db opened (the report's, which it shares): of one config, or of each."""
     configs = con.execute(
-        "SELECT config_hash, config_cap, count(*) FROM completions GROUP BY ALL ORDER BY ALL"
+        "SELECT config_hash, config_cap, count(*) FROM completions WHERE $h IS NULL OR config_hash = $h "
+        "GROUP BY ALL ORDER BY ALL",
+        {"h": config_hash},
     ).fetchall()
     return [
         (
@@ -66,7 +70,8 @@ def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | No
         ax.axvline(cap + 0.5, color=cap_colors[cap], linestyle="--", linewidth=1, label=f"cap {cap}")
     ax.set_xlabel("completion_tokens")
     ax.set_ylabel("rows")
-    ax.set_title(f"Completion lengths ({'shard ' + shard if shard else 'all shards'})")
+    which = f"config {configs[0][0]}" if len({h for h, *_ in configs}) == 1 else "each config"
+    ax.set_title(f"Completion lengths of {which} ({'shard ' + shard if shard else 'all shards'})")
     if configs:
         ax.legend(loc="best", fontsize="small")
     return fig
@@ -127,12 +132,18 @@ def report_and_histogram(
     shard: str | None = None,
     max_length: int = TrainerSettings().max_length,
     runaway: RunawaySettings = RunawaySettings(),
+    config_hash: str | None = None,
 ) -> tuple[dict[str, Any], Path]:
-    """`report.length_quality` of `shard` (None: all shards) and its histogram written to `path`, from one read of
-    the rows (the length_quality assets draw both)."""
+    """`report.length_quality` of `shard` (None: all shards) and of `config_hash` (None: all configs), and its
+    histogram of the same config written to `path`, from one read of the rows (the length_quality assets draw both)."""
     with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
-        report, configs = length_quality_of(con, shard, max_length), series_of(con)
-        (prompt,) = one(con, "SELECT median(prompt_tokens)::BIGINT FROM completions") or (None,)
+        report = length_quality_of(con, shard, max_length, config_hash=config_hash)
+        configs = series_of(con, config_hash)
+        (prompt,) = one(
+            con,
+            "SELECT median(prompt_tokens)::BIGINT FROM completions WHERE $h IS NULL OR config_hash = $h",
+            {"h": config_hash},
+        ) or (None,)
     # the window's reach on the completion axis, for the median prompt: a completion past it is never trained on
     report["compact_histogram"] = compact_markdown(configs, max_length - prompt if prompt is not None else None)
     return report, write_histogram(configs, path, shard)

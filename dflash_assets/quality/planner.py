@@ -42,7 +42,7 @@ from dflash_assets.quality.probe_estimates import (
 )
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import one, parquet_source, runaway_sql
-from dflash_assets.rules import CUT_SQL, MOST_ROWS_ORDER_SQL, context_needed, overflows, percentile
+from dflash_assets.rules import CUT_SQL, LATEST_ORDER_SQL, context_needed, overflows, percentile
 from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 
@@ -625,14 +625,14 @@ def read_probe(
 def honest_cut_rows(
     data_dir: str | Path, config_hash: str | None = None, runaway: RunawaySettings = RunawaySettings()
 ) -> tuple[str, int, list[dict]]:
-    """What a continuation probe samples: the config (by default the one with the most rows, as plan_caps
-    chooses), its cap and its honest cut rows ({shard, prompt_id}: finish_reason 'length', runaways left out,
+    """What a continuation probe samples: the config (by default the latest, the most recently written, as
+    plan_caps chooses), its cap and its honest cut rows ({shard, prompt_id}: finish_reason 'length', runaways left out,
     as the plan leaves them out of the tail)."""
     with duckdb.connect(":memory:") as con:
         register_runaway(con, runaway)
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA)
         configs = con.execute(
-            f"SELECT config_hash, count(*) FROM {src} GROUP BY 1 ORDER BY {MOST_ROWS_ORDER_SQL}"
+            f"SELECT config_hash, count(*) FROM {src} GROUP BY 1 ORDER BY {LATEST_ORDER_SQL}"
         ).fetchall()
         if not configs:
             raise PlanError(
@@ -669,7 +669,7 @@ def plan_caps(
     """The cap plan of one config's committed completion rows (all shards, or one), with the length probe's
     rows when there is a probe of the same model and sampling (`use_probe=False` plans without it).
 
-    `config_hash=None` plans the config with the most rows and says so in the notes. Without any completion
+    `config_hash=None` plans the latest config (the most recently written) and says so in the notes. Without any completion
     rows the probe's own rows are planned. `context_length=None` uses the smallest server context length the
     rows were made on. Other keyword arguments go to `plan_from_lengths` (prompts, fit_from, bootstrap, seed).
     """
@@ -679,7 +679,7 @@ def plan_caps(
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
         scope = "($shard IS NULL OR shard = $shard)"
         configs = con.execute(
-            f"SELECT config_hash, count(*) FROM {src} WHERE {scope} GROUP BY 1 ORDER BY {MOST_ROWS_ORDER_SQL}",
+            f"SELECT config_hash, count(*) FROM {src} WHERE {scope} GROUP BY 1 ORDER BY {LATEST_ORDER_SQL}",
             {"shard": shard},
         ).fetchall()
         if not configs:
@@ -707,7 +707,8 @@ def plan_caps(
             config_hash = configs[0][0]
             others = f"; the others: {', '.join(f'`{h}` ({num(c)})' for h, c in configs[1:])}" if configs[1:] else ""
             notes.append(
-                f"config `{config_hash}` chosen by default: it has the most rows ({num(configs[0][1])}){others}"
+                f"config `{config_hash}` chosen by default: the latest, the most recently written "
+                f"({num(configs[0][1])} rows){others}"
             )
         elif config_hash not in {h for h, _ in configs}:
             raise PlanError(

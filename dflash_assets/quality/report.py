@@ -45,10 +45,16 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _grouped(
-    con: duckdb.DuckDBPyConnection, select: str, group: str, extra: str = "", where: str = "true"
+    con: duckdb.DuckDBPyConnection,
+    select: str,
+    group: str,
+    extra: str = "",
+    where: str = "true",
+    params: dict | None = None,
 ) -> list[dict[str, Any]]:
     cur = con.execute(
-        f"SELECT {select}, {STATS}{extra} FROM completions WHERE {where} GROUP BY {group} ORDER BY {group}"
+        f"SELECT {select}, {STATS}{extra} FROM completions WHERE {where} GROUP BY {group} ORDER BY {group}",
+        params or {},
     )
     names = [d[0] for d in cur.description]
     return [_stats(dict(zip(names, values))) for values in cur.fetchall()]
@@ -68,40 +74,56 @@ def length_quality(
     max_length: int = TrainerSettings().max_length,
     prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS,
     runaway: RunawaySettings = RunawaySettings(),
+    config_hash: str | None = None,
 ) -> dict[str, Any]:
-    """Rows, truncation rate and completion-token P50/P90/P95/P99/max, overall and by config, shard, prompt
-    length bucket (server-counted prompt_tokens), source dataset and turn (all_turns), plus overflow counts.
+    """Rows, truncation rate and completion-token P50/P90/P95/P99/max of one config (`config_hash`; None: all
+    configs pooled, labelled so), overall and by shard, prompt length bucket (server-counted prompt_tokens), source
+    dataset and turn (all_turns), plus overflow counts; `by_config` lists every config side by side.
 
     With `shard=None` it is the summary over all shards (`by_shard` lists each one). `runaway` says what counts
     as a runaway row (the thresholds' rules).
     """
     with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
-        return length_quality_of(con, shard, max_length, prompt_buckets)
+        return length_quality_of(con, shard, max_length, prompt_buckets, config_hash)
 
 
 def length_quality_of(
-    con: duckdb.DuckDBPyConnection, shard: str | None, max_length: int, prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS
+    con: duckdb.DuckDBPyConnection,
+    shard: str | None,
+    max_length: int,
+    prompt_buckets: tuple[int, ...] = PROMPT_BUCKETS,
+    config_hash: str | None = None,
 ) -> dict[str, Any]:
     """`length_quality` of a database open_quality_db opened for `shard` and `max_length` (which another reader
     of the same rows, the histogram, can share)."""
-    overall = [{k: v for k, v in g.items() if k != "whole"} for g in _grouped(con, "1 AS whole", "whole")]
+    of = "true" if config_hash is None else "config_hash = $config"
+    params = {} if config_hash is None else {"config": config_hash}
+    grouped = lambda select, group, extra="", where="true": _grouped(  # noqa: E731 - the config's rows only
+        con, select, group, extra, f"({where}) AND {of}", params
+    )
+    overall = [{k: v for k, v in g.items() if k != "whole"} for g in grouped("1 AS whole", "whole")]
     bucket_case, labels = _bucket_sql(prompt_buckets)
-    buckets = _grouped(con, f"{bucket_case} AS bucket", "bucket")
+    buckets = grouped(f"{bucket_case} AS bucket", "bucket")
     for b in buckets:
         b["bucket"] = labels[b["bucket"]]
     completion_over, over_max_length = one(
         con,
         f"SELECT count(*) FILTER (WHERE {OVERFLOW_SQL}), "
-        "count(*) FILTER (WHERE prompt_tokens + completion_tokens > judged_window) FROM completions",
+        f"count(*) FILTER (WHERE prompt_tokens + completion_tokens > judged_window) FROM completions WHERE {of}",
+        params,
     )
     max_length = judged_window(con, max_length)[0]  # a window-policy config's own, when it is the whole scope
     rejects_over = one(
         con,
         f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "
-        f"WHERE stage <> 'source' AND {OVERFLOW_SQL})",
+        f"WHERE stage <> 'source' AND {OVERFLOW_SQL} AND {of})",
+        params,
     )[0]
     return {
-        "scope": {"shard": shard},
+        "scope": {"shard": shard, "config_hash": config_hash},
+        # whose figures the headline, the buckets, sources, turns, shards and overflows are: None is all configs
+        "config_hash": config_hash,
+        "config_label": f"config {config_hash}" if config_hash else "all configs",
         "percentile_definition": PERCENTILE_DEFINITION,
         **(
             overall[0]
@@ -123,13 +145,13 @@ def length_quality_of(
         ),
         "max_length": max_length,
         "by_config": _grouped(con, "config_hash, config_cap", CONFIG, ", count(DISTINCT shard) AS shards"),
-        "by_shard": _grouped(
-            con, "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
+        "by_shard": grouped(
+            "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
         ),
         "by_prompt_length": buckets,
-        "by_source": _grouped(con, "source", "source"),
+        "by_source": grouped("source", "source"),
         # regenerate: all_turns: turn k of every conversation (empty when every row is one per prompt)
-        "by_turn": _grouped(con, "turn", "turn", where="turn IS NOT NULL"),
+        "by_turn": grouped("turn", "turn", where="turn IS NOT NULL"),
         "overflow": {
             "completion_rows_over_context": completion_over,
             "rejected_prompts_over_context": rejects_over,

@@ -46,9 +46,9 @@ from dflash_assets.rules import (
     window_complete_sql,
 )
 from dflash_assets.settings import RunawaySettings, TrainerSettings
-from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, open_storage
+from dflash_assets.store.stores import committed_parts
 
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
@@ -163,16 +163,7 @@ def parquet_files(data_dir: str | Path | Storage, table: str, shard: str | None 
     never read as duplicated rows. On an object store the names are `s3://` URIs (see `parquet_source`).
     """
     storage = open_storage(data_dir)
-    root = storage.root / table
-    base = root if shard is None else root / f"shard={shard}"
-    folders = sorted({p.parent for p in storage.walk(base) if p.suffix == ".parquet"})
-    files: list[str] = []
-    for folder in folders:
-        key = folder.relative_to(root).as_posix()  # shard=<key> or shard=<key>/stage=<stage>
-        if key.startswith("shard="):
-            store = PartStore(storage, table, key.removeprefix("shard="), None)
-            files += (storage.duckdb_path(p) for p in store.parts())
-    return sorted(files)
+    return sorted(storage.duckdb_path(p) for p in committed_parts(storage, table, shard))
 
 
 def parquet_source(

@@ -1,6 +1,6 @@
 """Each shard's stores in the data dir: prompts, completions, rejects (by stage) and failures, each a PartStore."""
 
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -59,3 +59,18 @@ def committed_rows(
         mine = table.num_rows if config_hash is None else pc.sum(pc.equal(table["config_hash"], config_hash)).as_py()
         counts[shard] = mine or 0
     return counts
+
+
+def committed_parts(data_dir: str | Path | Storage, table: str, shard: str | None = None) -> list[PurePath]:
+    """The committed Parquet parts of one table (or one shard of it), in a stable order: folder by folder, each
+    PartStore's own rule (no temp files, no part a compacted file already holds)."""
+    storage = open_storage(data_dir)
+    root = storage.root / table
+    base = root if shard is None else root / f"shard={shard}"
+    folders = sorted({p.parent for p in storage.walk(base) if p.suffix == ".parquet"})
+    parts: list[PurePath] = []
+    for folder in folders:
+        key = folder.relative_to(root).as_posix()  # shard=<key> or shard=<key>/stage=<stage>
+        if key.startswith("shard="):
+            parts += PartStore(storage, table, key.removeprefix("shard="), None).parts()
+    return sorted(parts)

@@ -209,13 +209,16 @@ def write_rows(data_dir, config_hash: str, lengths: np.ndarray, cap: int, shard:
     completion_store(data_dir, shard).commit(rows)
 
 
-def test_without_a_config_the_one_with_the_most_rows_is_planned_and_named(tmp_path):
-    write_rows(tmp_path, "small", lognormal_sample(50, seed=9), 8192)
+def test_without_a_config_the_latest_is_planned_and_named_not_the_one_with_the_most_rows(tmp_path):
     write_rows(tmp_path, "big", lognormal_sample(400, seed=10), 4096)
+    write_rows(tmp_path, "small", lognormal_sample(50, seed=9), 8192)  # written after: the latest
     plan = plan_caps(tmp_path, bootstrap=10)
-    assert (plan.config_hash, plan.rows, plan.cap, plan.context_length) == ("big", 400, 4096, 32768)
-    assert "config `big` chosen by default: it has the most rows (400); the others: `small` (50)" in plan.notes[0]
-    assert plan_caps(tmp_path, "small", bootstrap=10).rows == 50
+    assert (plan.config_hash, plan.rows, plan.cap, plan.context_length) == ("small", 50, 8192, 32768)
+    assert (
+        "config `small` chosen by default: the latest, the most recently written (50 rows); the others: `big` (400)"
+        in plan.notes[0]
+    )
+    assert plan_caps(tmp_path, "big", bootstrap=10).rows == 400
     with pytest.raises(PlanError, match="no rows of config `nope`"):
         plan_caps(tmp_path, "nope")
     with pytest.raises(PlanError, match="no completion rows"):

@@ -86,7 +86,7 @@ def test_length_quality_overflow_counts(defects_dir):
 def test_length_quality_of_one_shard(defects_dir):
     rows = [r for r in load(defects_dir, "completions") if r["shard"] == "s0"]
     report = length_quality(defects_dir, shard="s0")
-    assert report["scope"] == {"shard": "s0"}
+    assert report["scope"] == {"shard": "s0", "config_hash": None} and report["config_label"] == "all configs"
     assert stats_of(report) == expected_stats(rows)
 
 

@@ -172,3 +172,18 @@ def shard_metadata(run, config_cap: int) -> dict:
             else {}
         ),
     }
+
+
+def run_config_hash(context: dg.AssetExecutionContext) -> str | None:
+    """The config this run generated: the config_hash its `completions` materialisations record (None when the run
+    materialised no completions: an asset launched alone)."""
+    records = context.instance.get_records_for_run(
+        context.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION
+    ).records
+    for record in records:
+        materialization = record.event_log_entry.asset_materialization
+        if materialization and materialization.asset_key == completions.key:
+            value = materialization.metadata.get(ShardRunKeys.CONFIG_HASH)
+            if value is not None and value.value:
+                return value.value
+    return None

@@ -26,8 +26,8 @@ class ContinuationConfig(Refused, dg.Config, DispatchSettings):
     """Which config to continue, to which cap. The rows land under the new cap's own config hash."""
 
     parent_config_hash: str = Field(
-        description="The config whose truncated rows are continued, or 'latest': the config with the most rows "
-        "in the shard among those capped below the new cap (ties: the larger cap)."
+        description="The config whose truncated rows are continued, or 'latest': the most recently written "
+        "config of the shard among those capped below the new cap (ties: the larger cap)."
     )
     new_max_output_tokens: int = Field(8192, description="The new cap; larger than the parent's.")
     to_window: int = Field(

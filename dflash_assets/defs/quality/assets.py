@@ -4,8 +4,9 @@ import base64
 from pathlib import Path
 
 import dagster as dg
+from pydantic import Field
 
-from dflash_assets.defs.completions.assets import completions
+from dflash_assets.defs.completions.assets import completions, run_config_hash
 from dflash_assets.defs.faults import named_stops
 from dflash_assets.defs.metadata import ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
@@ -14,7 +15,43 @@ from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality.outcome import pct
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.settings import QualitySettings
+from dflash_assets.store.configs import TABLE_COLUMNS, latest_config, latest_order, list_configs
 from dflash_assets.store.stores import committed_rows
+
+
+class ConfigChoice(dg.Config):
+    """Which config a figure or an export is of (a data dir holds several side by side)."""
+
+    config_hash: str = Field(
+        "",
+        description="A config_hash, 'latest' (the most recently written config), 'all' (every config, pooled and "
+        "labelled 'all configs'), or '' for the config this run generated (its completions), else the latest.",
+    )
+    chosen_by: str = Field(
+        "",
+        description="How the caller chose config_hash, as the manifest says it: 'run' when a command passes the "
+        "config it has just generated; '' for what config_hash says (explicit, latest, run).",
+    )
+
+
+def choose_config(context: dg.AssetExecutionContext, root: str, choice: ConfigChoice) -> tuple[str | None, str]:
+    """(the config, None for all; how it was chosen: run | latest | explicit)."""
+    if choice.config_hash == "all":
+        return None, choice.chosen_by or "explicit"
+    if choice.config_hash not in ("", "latest"):
+        return choice.config_hash, choice.chosen_by or "explicit"
+    if choice.config_hash == "" and (run := run_config_hash(context)):
+        return run, "run"
+    return latest_config(root), choice.chosen_by or "latest"
+
+
+def configs_markdown(root: str, max_length: int) -> str:
+    """The configs of the data dir side by side (store/configs.py), the latest first: `dflash configs`' table."""
+    configs = list_configs(root, max_length)
+    if not configs:
+        return "no configs: no completion rows yet"
+    head = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + "---|" * len(TABLE_COLUMNS) + "\n"
+    return head + "\n".join("| " + " | ".join(c.cells()) + " |" for c in configs)
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
@@ -30,8 +67,8 @@ PICTURES = (
 )
 
 
-def report_metadata(report: dict, png: bytes) -> dict:
-    """The figures a person reads first, then the breakdowns, then the picture."""
+def report_metadata(report: dict, png: bytes, chosen_by: str) -> dict:
+    """Whose figures they are, the figures a person reads first, then the breakdowns, then the picture."""
     stats = [
         "rows",
         "truncated_rows",
@@ -46,6 +83,9 @@ def report_metadata(report: dict, png: bytes) -> dict:
         "max",
     ]
     return {
+        ReportKeys.CONFIG_HASH: report["config_hash"] or "all",
+        ReportKeys.CHOSEN_BY: chosen_by,
+        "figures_of": f"{report['config_label']} ({chosen_by}); every config beside it: by_config",
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
         # Dagster 1.13 has no image metadata and shows Markdown inline only under 1,000 characters: a compact SVG
@@ -81,7 +121,8 @@ def report_metadata(report: dict, png: bytes) -> dict:
     deps=[completions],
     group_name="quality",
     kinds={"duckdb", "parquet"},
-    description="Length quality of a shard's completions (DuckDB over its Parquet): rows, truncation rate "
+    description="Length quality of a shard's completions (DuckDB over its Parquet), of one config: the run's, "
+    "else the shard's latest (config_hash says which; by_config lists every config beside it): rows, truncation rate "
     "(finish_reason = 'length'), judged against the trainer's window (cut inside it: blocking; "
     "window-complete: exported), decoded and trained tokens, P50/P90/P95/P99/max completion tokens "
     "by config, prompt length and "
@@ -92,24 +133,34 @@ def length_quality_report(
 ) -> None:
     root, reports = data_dir.resolved(), data_dir.local_dir() / "reports"
     quality_settings = QualitySettings.taken_from(quality)
+    run = run_config_hash(context)
     for shard in context.partition_keys:
+        present = [h for h, _ in latest_order(root, shard)]  # the run's config, else the shard's latest
+        config, chosen_by = (run, "run") if run in present else (present[0] if present else None, "latest")
         with named_stops(context, data_dir, lambda: committed_rows(root, context.partition_keys)):
-            report, png = _report_and_histogram(root, shard, quality_settings, reports / f"shard={shard}")
+            report, png = _report_and_histogram(root, shard, quality_settings, reports / f"shard={shard}", config)
         context.add_asset_metadata(
             partition_key=shard,
             metadata={
-                **report_metadata(report, png.read_bytes()),
+                **report_metadata(report, png.read_bytes(), chosen_by),
                 ReportKeys.REJECTS: dg.MetadataValue.md(read_rejects(root, [shard]).markdown()),
                 "histogram_path": dg.MetadataValue.path(str(png)),
             },
         )
 
 
-def _report_and_histogram(root: str | Path, shard: str | None, quality_settings: QualitySettings, reports: Path):
+def _report_and_histogram(
+    root: str | Path, shard: str | None, quality_settings: QualitySettings, reports: Path, config_hash: str | None
+):
     from dflash_assets.quality.histogram import report_and_histogram  # matplotlib: on use
 
     return report_and_histogram(
-        root, reports / "completion_lengths.png", shard, quality_settings.trainer.max_length, quality_settings.runaway
+        root,
+        reports / "completion_lengths.png",
+        shard,
+        quality_settings.trainer.max_length,
+        quality_settings.runaway,
+        config_hash,
     )
 
 
@@ -134,14 +185,16 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
     group_name="quality",
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
-    description="Length quality over every materialised shard: the same figures as length_quality_report, by "
-    "shard and config, the histogram, and the cap plan: for candidate caps, the truncation rate "
+    description="Length quality over every materialised shard, of one config (the run's, else the latest: its "
+    "config_hash says which; 'all' pools them, labelled 'all configs'): the same figures as "
+    "length_quality_report, by shard, the configs of the data dir side by side (configs, by_config), the "
+    "histogram, and the cap plan: for candidate caps, the truncation rate "
     "(runaways apart), output tokens, time and context length needed, measured by the length probe "
     "where there is one, else from a censored lognormal tail marked as a model, with 95% intervals "
     "and a picture of the observed, probed and fitted survival.",
 )
 def length_quality_summary(
-    context: dg.AssetExecutionContext, data_dir: DataDirResource, quality: QualityResource
+    context: dg.AssetExecutionContext, config: ConfigChoice, data_dir: DataDirResource, quality: QualityResource
 ) -> dg.MaterializeResult:
     from dflash_assets.quality.planner import PlanError, plan_caps, plan_glance, plan_markdown, turn_markdown
     from dflash_assets.quality.planner_plot import cap_plan_png
@@ -149,11 +202,13 @@ def length_quality_summary(
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
     root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
+    chosen, chosen_by = choose_config(context, root, config)
     stops = lambda: named_stops(context, data_dir, lambda: committed_rows(root))  # noqa: E731 - twice below
     with stops():
-        report, png = _report_and_histogram(root, None, quality_settings, data_dir.local_dir() / "reports")
+        report, png = _report_and_histogram(root, None, quality_settings, data_dir.local_dir() / "reports", chosen)
     metadata = {
-        **report_metadata(report, png.read_bytes()),
+        **report_metadata(report, png.read_bytes(), chosen_by),
+        "configs": dg.MetadataValue.md(configs_markdown(root, quality_settings.trainer.max_length)),
         "histogram_path": dg.MetadataValue.path(str(png)),
         "by_shard": dg.MetadataValue.md(
             _table(
@@ -174,7 +229,7 @@ def length_quality_summary(
     }
     tokens_per_s, servers = fleet_throughput(context.instance)
     try:
-        plan = plan_caps(root, tokens_per_s=tokens_per_s, runaway=quality_settings.runaway)
+        plan = plan_caps(root, config_hash=chosen, tokens_per_s=tokens_per_s, runaway=quality_settings.runaway)
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
     else:

@@ -5,23 +5,20 @@ from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.faults import named_stops
-from dflash_assets.defs.metadata import TrainingSetKeys
-from dflash_assets.defs.quality.assets import length_quality_report
+from dflash_assets.defs.metadata import StepStopKeys, TrainingSetKeys
+from dflash_assets.defs.quality.assets import ConfigChoice, choose_config, length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
 from dflash_assets.quality.export import exclusion_lines
-from dflash_assets.quality.tables import open_quality_db
-from dflash_assets.rules import MOST_ROWS_ORDER_SQL
 from dflash_assets.settings import QualitySettings
+from dflash_assets.store.configs import latest_order
 from dflash_assets.store.stores import committed_rows
 
 
-class TrainingSetConfig(dg.Config):
-    config_hash: str = Field(
-        "",
-        description="The generation config to export: a config_hash, '' for the config with the most rows, "
-        "or 'all' for every config (ids are <prompt_id>@<config_hash>).",
-    )
+class TrainingSetConfig(ConfigChoice):
+    """The config to export (config_hash, chosen_by: ConfigChoice; 'all' exports every config, ids
+    <prompt_id>@<config_hash>), and how."""
+
     drop_over_max_length: bool = Field(
         False,
         description="Leave out rows longer than the trainer's max_length. Off by default: they are the "
@@ -37,14 +34,6 @@ class TrainingSetConfig(dg.Config):
     )
 
 
-def most_rows_config(data_dir) -> str | None:
-    with open_quality_db(data_dir) as con:
-        row = con.execute(
-            f"SELECT config_hash FROM completions GROUP BY config_hash ORDER BY {MOST_ROWS_ORDER_SQL} LIMIT 1"
-        ).fetchone()
-    return row[0] if row else None
-
-
 @dg.asset(
     # downstream of the report, whose blocking checks are the gate: in a run that holds both, a failing one
     # stops this asset (and only this one); across runs the asset runs the same checks over all shards itself
@@ -52,7 +41,8 @@ def most_rows_config(data_dir) -> str | None:
     group_name="training",
     kinds={"duckdb", "parquet"},
     owners=["team:dflash"],
-    description="The drafter training set: rows of one config that pass every row-level gate (window-complete "
+    description="The drafter training set: rows of one config (the run's, else the latest, the most recently "
+    "written; or named: config_hash) that pass every row-level gate (window-complete "
     "rows included: cut past the trainer's window, read as whole), as SpecForge-"
     "compatible JSONL ({id, conversations: [..., {role: assistant, content, reasoning_content}]}) or "
     "pre-tokenized {id, input_ids, loss_mask} "
@@ -64,9 +54,12 @@ def drafter_training_set(
     context: dg.AssetExecutionContext, config: TrainingSetConfig, data_dir: DataDirResource, quality: QualityResource
 ) -> dg.MaterializeResult:
     root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
-    chosen = {"": most_rows_config(root), "all": None}.get(config.config_hash, config.config_hash)
-    if config.config_hash == "" and chosen is None:
+    chosen, chosen_by = choose_config(context, root, config)
+    if config.config_hash != "all" and chosen is None:
         raise dg.Failure("there are no completions to export")
+    present = [h for h, _ in latest_order(root)]
+    if chosen is not None and chosen not in present:
+        raise dg.Failure(f"no rows of config {chosen} to export; the configs here: {', '.join(present) or 'none'}")
     # the config exported is the config judged, as in a shard run: another incomplete one is superseded, never
     # blocking it; 'all' judges every config (an incomplete one blocks it: its rows would be exported too)
     outcomes = run_checks(root, config_hash=chosen, quality=quality_settings)
@@ -75,7 +68,11 @@ def drafter_training_set(
         raise dg.Failure(
             f"not exporting config {chosen or 'all'}: {len(failing)} blocking check(s) fail over all shards: "
             + "; ".join(f"{o.name}: {o.summary_md.splitlines()[0]}" for o in failing),
-            metadata={o.name: dg.MetadataValue.md(o.summary_md) for o in failing},
+            metadata={
+                StepStopKeys.CAUSE: "check",  # what the terminal reads: a blocking check stopped it (exit 3), not an error
+                StepStopKeys.FAILING_CHECKS: dg.MetadataValue.json([o.name for o in failing]),
+                **{o.name: dg.MetadataValue.md(o.summary_md) for o in failing},
+            },
         )
     with named_stops(context, data_dir, lambda: committed_rows(root, config_hash=chosen)):
         export = export_training_set(
@@ -87,6 +84,7 @@ def drafter_training_set(
             drop_over_max_length=config.drop_over_max_length,
             runaway=quality_settings.runaway,
             chat_template=quality_settings.trainer.chat_template,
+            chosen_by=chosen_by,
         )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
@@ -95,6 +93,7 @@ def drafter_training_set(
         metadata={
             TrainingSetKeys.ROW_COUNT: manifest["rows"],
             TrainingSetKeys.CONFIG_HASH: chosen or "all",
+            TrainingSetKeys.CHOSEN_BY: chosen_by,
             TrainingSetKeys.JSONL: dg.MetadataValue.path(str(export.jsonl_path)),
             "parquet": dg.MetadataValue.path(str(export.parquet_path)),
             "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),

@@ -1,0 +1,253 @@
+"""The configs of a data dir, side by side: each one's settings, shards, counts and when it was written.
+
+A data dir holds several generation configs of one prompt source (a cap bump, a relaunch, the window policy): that
+is normal. Every row records the config that made it (COMPLETION_SCHEMA's provenance columns), so a config is read
+off its rows, never off a second ledger. Only small columns are read (no text, no token ids): listing the configs
+of a data dir of a million rows reads a few megabytes.
+
+`latest` is the config most recently written (rules.latest_first): the one the export, the continuation's parent,
+the cap plan and the probe take when none is named.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from dflash_assets.rules import cut_inside_window_sql, latest_first, row_window_sql
+from dflash_assets.settings import TrainerSettings
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.storage import Storage, open_storage
+from dflash_assets.store.stores import committed_parts
+
+# what a config is: the settings its rows record (the same for every row of one config_hash)
+SETTINGS = (
+    "model",
+    "enable_thinking",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "parent_config_hash",
+)
+ROW_COLUMNS = [
+    "config_hash",
+    "shard",
+    "prompt_id",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "max_output_tokens",
+    "policy_cap",
+    "trainer_max_length",
+    "server_context_length",
+    "turn",
+    "created_at",
+    *SETTINGS,
+]
+
+
+@dataclass(frozen=True)
+class ShardCounts:
+    """One shard of one config: `prompts = completed + rejected + failed` when the config is complete there."""
+
+    shard: str
+    prompts: int  # the shard's prompts (its prompt_shards file)
+    rows: int  # completion rows (a row per turn under all_turns)
+    completed: int  # prompts with a committed row
+    rejected: int  # prompts refused at preflight or by the server (and without a row)
+    failed: int  # prompts whose retries ran out (and without a row or a reject)
+
+    @property
+    def missing(self) -> int:
+        return self.prompts - self.completed - self.rejected - self.failed
+
+    @property
+    def complete(self) -> bool:
+        return self.missing <= 0
+
+
+@dataclass(frozen=True)
+class Config:
+    """A generation config of the data dir, as its rows record it."""
+
+    config_hash: str
+    cap: int | None  # the config's cap (policy_cap under the window policy, whose rows each ask their own)
+    cap_policy: str  # "fixed" or "window"
+    window: int | None  # the trainer's window a window-policy config sized its requests to (None: fixed cap)
+    settings: dict  # model, sampling, thinking, parent (a continued config), server context lengths
+    first_written: datetime | None  # created_at of its first and last committed row
+    last_written: datetime | None
+    rows: int
+    cut_inside_window: int  # rows cut inside the window they are judged by (rules.row_window_sql)
+    max_length: int  # the trainer's window in force (a window-policy config is judged by its own)
+    shards: tuple[ShardCounts, ...]
+
+    @property
+    def complete(self) -> bool:
+        """Every prompt of its shards accounted for: completed, rejected or failed."""
+        return bool(self.shards) and all(s.complete for s in self.shards)
+
+    @property
+    def cut_inside_window_rate(self) -> float:
+        return self.cut_inside_window / self.rows if self.rows else 0.0
+
+    @property
+    def judged_at(self) -> int:
+        """The window its cut rows are judged by: the one a window-policy config recorded, else `max_length`."""
+        return self.window if self.cap_policy == "window" and self.window else self.max_length
+
+    @property
+    def policy(self) -> str:
+        """The cap and its policy in a few words: "cap 4096", "cap 4096, window 4096 (+32)"."""
+        return f"cap {self.cap}" + (f", window policy {self.window}" if self.cap_policy == "window" else "")
+
+    def cells(self) -> list[str]:
+        """Its row of the configs table (TABLE_COLUMNS): `dflash configs` and length_quality_summary's `configs`."""
+        done = "yes" if self.complete else f"no: {sum(max(0, s.missing) for s in self.shards):,} missing"
+        return [
+            self.config_hash,
+            self.policy,
+            f"{self.judged_at:,}",
+            f"{self.rows:,}",
+            str(len(self.shards)),
+            done,
+            f"{self.cut_inside_window_rate:.2%} ({self.cut_inside_window:,})",
+            _when(self.first_written),
+            _when(self.last_written),
+        ]
+
+    def line(self) -> str:
+        """The config in one line, for a list of the others beside a run's own."""
+        done = "complete" if self.complete else f"incomplete ({sum(max(0, s.missing) for s in self.shards)} missing)"
+        when = _when(self.last_written)
+        return (
+            f"config {self.config_hash} ({self.policy}): {self.rows:,} rows in {len(self.shards)} shard(s), {done}, "
+            f"{self.cut_inside_window_rate:.2%} cut inside the window {self.judged_at:,}, last written {when}"
+        )
+
+
+TABLE_COLUMNS = (
+    "config",
+    "cap and policy",
+    "window",
+    "rows",
+    "shards",
+    "complete",
+    "cut inside window",
+    "first written",
+    "last written",
+)
+
+
+def _when(t: datetime | None) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else "-"
+
+
+def _read(storage: Storage, table: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
+    """Every committed part of a table, only `columns` (parts older than a column read it as null)."""
+    parts = committed_parts(storage, table)
+    if not parts:
+        return pa.schema([schema.field(c) for c in columns]).empty_table()
+    return storage.dataset(parts, schema=schema).to_table(columns=columns)
+
+
+def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettings().max_length) -> list[Config]:
+    """Every config with committed rows, the latest (most recently written) first; `max_length` is the trainer's
+    window the cut rows are judged against."""
+    storage = open_storage(data_dir)
+    with duckdb.connect(":memory:") as con:
+        con.register("completions", _read(storage, "completions", COMPLETION_SCHEMA, ROW_COLUMNS))
+        con.register(
+            "rejects", _read(storage, "rejects", REJECT_SCHEMA, ["shard", "stage", "prompt_id", "config_hash"])
+        )
+        con.register("failures", _read(storage, "failures", FAILURE_SCHEMA, ["shard", "prompt_id", "config_hash"]))
+        con.register("prompts", _read(storage, "prompt_shards", PROMPT_SCHEMA, ["shard", "prompt_id"]))
+        configs = con.execute(
+            f"""SELECT config_hash, max(coalesce(policy_cap, max_output_tokens)) AS cap,
+                bool_or(policy_cap IS NOT NULL) AS window_policy, max(trainer_max_length) AS window,
+                min(created_at) AS first_written, max(created_at) AS last_written, count(*) AS rows,
+                count(*) FILTER (WHERE {cut_inside_window_sql(row_window_sql(max_length))}) AS cut_inside_window,
+                min(server_context_length) AS min_context, max(server_context_length) AS max_context,
+                bool_or(turn IS NOT NULL) AS all_turns,
+                {", ".join(f"any_value({s}) AS {s}" for s in SETTINGS)}
+            FROM completions GROUP BY config_hash"""
+        ).fetchall()
+        names = [d[0] for d in con.description]
+        shards = con.execute(
+            """WITH outcomes AS (
+                SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
+                    SELECT shard, config_hash, prompt_id, 1 AS outcome FROM completions
+                    UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM rejects WHERE stage <> 'source'
+                    UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM failures
+                ) GROUP BY ALL),
+            counts AS (
+                SELECT config_hash, shard, count(*) FILTER (WHERE outcome = 1) AS completed,
+                    count(*) FILTER (WHERE outcome = 2) AS rejected, count(*) FILTER (WHERE outcome = 3) AS failed
+                FROM outcomes GROUP BY ALL),
+            rows AS (SELECT config_hash, shard, count(*) AS rows FROM completions GROUP BY ALL),
+            prompts AS (SELECT shard, count(DISTINCT prompt_id) AS prompts FROM prompts GROUP BY ALL)
+            SELECT c.config_hash, c.shard, coalesce(p.prompts, 0), coalesce(r.rows, 0), completed, rejected, failed
+            FROM counts c LEFT JOIN rows r USING (config_hash, shard) LEFT JOIN prompts p USING (shard)
+            ORDER BY c.config_hash, c.shard"""
+        ).fetchall()
+    by_config: dict[str, list[ShardCounts]] = {}
+    for h, shard, *counts in shards:
+        by_config.setdefault(h, []).append(ShardCounts(shard, *counts))
+    found = []
+    for values in configs:
+        c = dict(zip(names, values))
+        found.append(
+            Config(
+                config_hash=c["config_hash"],
+                cap=c["cap"],
+                cap_policy="window" if c["window_policy"] else "fixed",
+                window=c["window"] if c["window_policy"] else None,
+                settings={
+                    **{s: c[s] for s in SETTINGS},
+                    "server_context_length": c["min_context"]
+                    if c["min_context"] == c["max_context"]
+                    else f"{c['min_context']}-{c['max_context']}",
+                    "regenerate": "all_turns" if c["all_turns"] else "last_turn",
+                },
+                first_written=c["first_written"],
+                last_written=c["last_written"],
+                rows=c["rows"],
+                cut_inside_window=c["cut_inside_window"],
+                max_length=max_length,
+                shards=tuple(by_config.get(c["config_hash"], ())),
+            )
+        )
+    order = [h for h, _, _ in latest_first((c.config_hash, c.last_written, c.cap or 0) for c in found)]
+    return sorted(found, key=lambda c: order.index(c.config_hash))
+
+
+def latest_order(data_dir: str | Path | Storage, shard: str | None = None) -> list[tuple[str, int]]:
+    """(config_hash, cap) of every config with rows (in `shard`, or anywhere), the latest first: what `latest`
+    picks from. Reads three small columns."""
+    storage = open_storage(data_dir)
+    parts = committed_parts(storage, "completions", shard)
+    if not parts:
+        return []
+    written = storage.dataset(parts, schema=COMPLETION_SCHEMA).to_table(
+        columns=["config_hash", "created_at", "max_output_tokens", "policy_cap"]
+    )
+    with duckdb.connect(":memory:") as con:
+        con.register("written", written)
+        rows = con.execute(
+            "SELECT config_hash, max(created_at), max(coalesce(policy_cap, max_output_tokens)) FROM written GROUP BY 1"
+        ).fetchall()
+    return [(h, cap) for h, _, cap in latest_first(rows)]
+
+
+def latest_config(data_dir: str | Path | Storage) -> str | None:
+    """The most recently written config of the data dir, or None when it has no rows."""
+    order = latest_order(data_dir)
+    return order[0][0] if order else None
