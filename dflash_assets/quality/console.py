@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -70,10 +71,15 @@ def configs_table(configs: list) -> Table:
     """`dflash configs`: the configs of a data dir (store.configs.list_configs) side by side, the latest first."""
     from dflash_assets.store.configs import TABLE_COLUMNS
 
-    table = _table("Configs of the data dir (the latest, the most recently written, first)", TABLE_COLUMNS, [])
-    for i, c in enumerate(configs):
-        cells = c.cells()
-        table.add_row(cells[0] + (" (latest)" if i == 0 else ""), *cells[1:])
+    table = Table(
+        title="Configs of the data dir, the latest (the most recently written) first; last written in UTC",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for key in TABLE_COLUMNS:
+        table.add_column(key, justify="left" if key in ("config", "cap, policy") else "right", no_wrap=True)
+    for c in configs:
+        table.add_row(*c.cells())
     return table
 
 

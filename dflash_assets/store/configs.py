@@ -114,41 +114,40 @@ class Config:
         done = "yes" if self.complete else f"no: {sum(max(0, s.missing) for s in self.shards):,} missing"
         return [
             self.config_hash,
-            self.policy,
+            f"{self.cap} fixed" if self.cap_policy == "fixed" else f"{self.cap} window {self.window}",
             f"{self.judged_at:,}",
             f"{self.rows:,}",
             str(len(self.shards)),
             done,
             f"{self.cut_inside_window_rate:.2%} ({self.cut_inside_window:,})",
-            _when(self.first_written),
             _when(self.last_written),
         ]
 
     def line(self) -> str:
         """The config in one line, for a list of the others beside a run's own."""
         done = "complete" if self.complete else f"incomplete ({sum(max(0, s.missing) for s in self.shards)} missing)"
-        when = _when(self.last_written)
+        when = _when(self.last_written) + " UTC"
         return (
             f"config {self.config_hash} ({self.policy}): {self.rows:,} rows in {len(self.shards)} shard(s), {done}, "
             f"{self.cut_inside_window_rate:.2%} cut inside the window {self.judged_at:,}, last written {when}"
         )
 
 
+# "judged at": the trainer's window (max_length) the cut rows are judged against, the same for every config listed
 TABLE_COLUMNS = (
     "config",
-    "cap and policy",
-    "window",
+    "cap, policy",
+    "judged at",
     "rows",
     "shards",
     "complete",
     "cut inside window",
-    "first written",
     "last written",
 )
 
 
 def _when(t: datetime | None) -> str:
-    return t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else "-"
+    return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"  # UTC, as created_at
 
 
 def _read(storage: Storage, table: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
