@@ -211,8 +211,15 @@ def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emu
     ).fetchall()
     assert len(rows) == 6 and set(rows) == {(0.3, 7, 0.1, 0.5, 1, True)}, rows
     with dg.DagsterInstance.from_config(str(home)) as instance:
-        [run] = instance.get_runs()
+        [run] = [r for r in instance.get_runs() if r.job_name == "shard_pipeline"]
     config = run.run_config["ops"]["completions"]["config"]
+    # the backfill ends, as the demo does, with the export of the config it ran
+    [(config_hash,)] = duckdb.sql(
+        f"SELECT DISTINCT config_hash FROM read_parquet('{data}/completions/**/*.parquet')"
+    ).fetchall()
+    manifest = json.loads((data / "training" / config_hash / "manifest.json").read_text())
+    assert (manifest["config_hash"], manifest["chosen_by"]) == (config_hash, "run")
+    assert f"rows of config {config_hash} (chosen by: run) in {data / 'training' / config_hash}" in result.stdout
     assert config["max_in_flight_per_server"] == 3 and config["repetition_penalty"] == 1.0  # the rest: defaults
     # the demo too, on its own emulated fleet; its own defaults stay (token ids stored) unless a flag says otherwise
     demo = dflash(
