@@ -21,8 +21,9 @@ from dflash_assets.settings import QualitySettings, RunawaySettings
 
 
 def cut_rows_for_probe(data_dir: str | Path, runaway: RunawaySettings = RunawaySettings()) -> CutRows:
-    """The run's honest cut rows (the config the plan is for: the most rows), runaways left out: which rows the
-    continuation probe measures is the quality layer's call (generation/probe.py run_length_probe continues them)."""
+    """The run's honest cut rows (the config the plan is for: the latest, the most recently written), runaways left
+    out: which rows the continuation probe measures is the quality layer's call (generation/probe.py
+    run_length_probe continues them)."""
     try:
         return honest_cut_rows(data_dir, runaway=runaway)
     except PlanError as e:
