@@ -167,9 +167,10 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             error = _own_error(error)
             message = (user.description if user and user.description else _line(error)).strip()
             cause = user.metadata[StepStopKeys.CAUSE].value if user and StepStopKeys.CAUSE in user.metadata else None
-            if cause == "check":
-                for name in user.metadata[StepStopKeys.FAILING_CHECKS].value:  # the export's gate, over all shards
-                    stops.checks.setdefault(name, []).append(ALL_SHARDS)
+            if user and cause == "check":
+                failing = user.metadata[StepStopKeys.FAILING_CHECKS].value  # the export's gate, over all shards
+                for name in failing if isinstance(failing, list) else []:
+                    stops.checks.setdefault(str(name), []).append(ALL_SHARDS)
                 continue
             if message.startswith("preflight: ") or cause == "config":
                 stops.preflight.append(message.removeprefix("preflight: "))
@@ -522,8 +523,8 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         ]
         for o in outcomes:
             headline = re.sub(r"[*`]", "", o.summary_md.split("\n\n")[0])
-            where = stops.checks[o.name]
-            where = ALL_SHARDS if ALL_SHARDS in where else f"shards {', '.join(where)}"
+            shards = stops.checks[o.name]
+            where = ALL_SHARDS if ALL_SHARDS in shards else f"shards {', '.join(shards)}"
             say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline}")
         answers = cap_answers(root, quality, config_hash)
         if not answers or "truncation_rate" not in stops.checks:

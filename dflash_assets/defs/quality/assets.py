@@ -34,7 +34,7 @@ class ConfigChoice(dg.Config):
     )
 
 
-def choose_config(context: dg.AssetExecutionContext, root: str, choice: ConfigChoice) -> tuple[str | None, str]:
+def choose_config(context: dg.AssetExecutionContext, root: str | Path, choice: ConfigChoice) -> tuple[str | None, str]:
     """(the config, None for all; how it was chosen: run | latest | explicit)."""
     if choice.config_hash == "all":
         return None, choice.chosen_by or "explicit"
@@ -45,7 +45,7 @@ def choose_config(context: dg.AssetExecutionContext, root: str, choice: ConfigCh
     return latest_config(root), choice.chosen_by or "latest"
 
 
-def configs_markdown(root: str, max_length: int) -> str:
+def configs_markdown(root: str | Path, max_length: int) -> str:
     """The configs of the data dir side by side (store/configs.py), the latest first: `dflash configs`' table."""
     configs = list_configs(root, max_length)
     if not configs:
