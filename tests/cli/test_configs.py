@@ -60,7 +60,11 @@ def test_each_run_of_the_readmes_order_shows_and_exports_its_own_config_and_list
         row = next(line for line in out.splitlines() if line.strip().startswith("00000"))
         cells = row.split()
         assert int(cells[-2]) <= cap, row  # P99 of the run's config is at most its cap
-        assert int(cells[4]) == configs[new]  # done: the run's config's rows, not every config's
+        [(prompts,)] = duckdb.sql(
+            f"select count(distinct prompt_id) from read_parquet('{data}/completions/**/*.parquet', "
+            f"union_by_name = true) where config_hash = '{new}'"
+        ).fetchall()
+        assert int(cells[4]) == prompts  # done: the run's config's prompts, not every config's
         # the training set written is of the run's config, with its rows alone
         said = re.search(rf"drafter training set: (\d+) rows of config {new} (?:\(chosen by: run\) )?in (\S+)", flat)
         assert said, out
