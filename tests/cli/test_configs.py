@@ -143,7 +143,8 @@ def test_dflash_export_ships_the_config_named_and_stops_at_a_blocking_check(read
 
 def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_share(readme_order):
     env, runs = readme_order
-    # judged for a trainer that reads 8192 tokens, so that the cuts lie inside its window
+    # judged for a trainer that reads 8192 tokens, so that the fixed caps' cuts lie inside its window (a window-policy
+    # config is judged by the window it recorded: rules.row_window_sql)
     result = dflash(
         "report", "--data-dir", env["DFLASH_DATA_DIR"], "--trainer-max-length", "8192", env=env, cwd=env["CWD"]
     )
@@ -154,7 +155,7 @@ def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_sh
     assert said[0][0] == latest and len(said) == 3
     recount = duckdb.sql(
         f"select config_hash, count(*), count(*) filter (where finish_reason in ('length', 'runaway')), "
-        f"count(*) filter (where finish_reason = 'length' and prompt_tokens + completion_tokens < 8192) "
+        f"count(*) filter (where finish_reason = 'length' and prompt_tokens + completion_tokens < coalesce(trainer_max_length, 8192)) "
         f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', union_by_name = true) group by 1"
     ).fetchall()
     by_hash = {h: (rows, cut, inside) for h, rows, cut, inside in recount}
