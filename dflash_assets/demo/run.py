@@ -620,6 +620,19 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
             verbatim(console, f"Next time, decode only what the trainer reads: {rerun}")
 
 
+def generate_and_export(
+    instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console, verbose: bool, window: Window
+) -> Stops:
+    """What demo and backfill share: what regenerate does to the source, the shards through Dagster, the configs the
+    run superseded, and the export of the run's own config."""
+    if said := regenerate_text(completions["regenerate"]):
+        console.print(said, highlight=False)
+    stops = run_shards(instance, shards, completions, console, verbose, window)
+    print_superseded(stops, console, window)
+    export_run_config(instance, stops, window, console, verbose)
+    return stops
+
+
 def run_demo(
     completions: dict,
     console: Console | None = None,
@@ -641,11 +654,7 @@ def run_demo(
         f"data in {os.environ['DFLASH_DATA_DIR']}/",
         highlight=False,
     )
-    if said := regenerate_text(completions["regenerate"]):
-        console.print(said, highlight=False)
-    stops = run_shards(instance, shards, completions, console, verbose, window)
-    print_superseded(stops, console, window)
-    export_run_config(instance, stops, window, console, verbose)
+    stops = generate_and_export(instance, shards, completions, console, verbose, window)
     if not stops.checks and not stops.errors and not stops.preflight:
         print_window_answer(
             stops,
@@ -691,11 +700,7 @@ def run_backfill(
         f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
         highlight=False,
     )
-    if said := regenerate_text(completions["regenerate"]):
-        console.print(said, highlight=False)
-    stops = run_shards(instance, chosen, completions, console, verbose, window)
-    print_superseded(stops, console, window)
-    export_run_config(instance, stops, window, console, verbose)
+    stops = generate_and_export(instance, chosen, completions, console, verbose, window)
     command = f"dflash backfill --from {first} --to {last}"
     if not stops.checks and not stops.errors and not stops.preflight:
         print_window_answer(

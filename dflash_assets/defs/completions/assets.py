@@ -174,16 +174,17 @@ def shard_metadata(run, config_cap: int) -> dict:
     }
 
 
+def configs_written_by_run(context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext) -> dict[str, str]:
+    """shard -> the config_hash this run's `completions` wrote there (its materialisations' metadata); empty when
+    the run materialised no completions (an asset or a check launched alone)."""
+    written = {}
+    for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION):
+        m = entry.asset_materialization
+        if m and m.asset_key == completions.key and m.partition and ShardRunKeys.CONFIG_HASH in m.metadata:
+            written[m.partition] = m.metadata[ShardRunKeys.CONFIG_HASH].value
+    return written
+
+
 def run_config_hash(context: dg.AssetExecutionContext) -> str | None:
-    """The config this run generated: the config_hash its `completions` materialisations record (None when the run
-    materialised no completions: an asset launched alone)."""
-    records = context.instance.get_records_for_run(
-        context.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION
-    ).records
-    for record in records:
-        materialization = record.event_log_entry.asset_materialization
-        if materialization and materialization.asset_key == completions.key:
-            value = materialization.metadata.get(ShardRunKeys.CONFIG_HASH)
-            if value is not None and value.value:
-                return value.value
-    return None
+    """The config this run generated (None when it materialised no completions)."""
+    return next(iter(configs_written_by_run(context).values()), None)

@@ -13,22 +13,12 @@ the training set, which is downstream of the report.
 
 import dagster as dg
 
-from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.metadata import CheckKeys, ShardRunKeys
+from dflash_assets.defs.completions.assets import configs_written_by_run
+from dflash_assets.defs.metadata import CheckKeys
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import CHECKS, CheckOutcome, ConfigVerdict, judge_each_config, run_checks
 from dflash_assets.settings import QualitySettings
-
-
-def configs_written_by_run(context: dg.AssetCheckExecutionContext) -> dict[str, str]:
-    """shard -> the config_hash this run's `completions` wrote there (its materialisations' metadata)."""
-    written = {}
-    for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION):
-        m = entry.asset_materialization
-        if m and m.asset_key == completions.key and m.partition and ShardRunKeys.CONFIG_HASH in m.metadata:
-            written[m.partition] = m.metadata[ShardRunKeys.CONFIG_HASH].value
-    return written
 
 
 @dg.multi_asset_check(
