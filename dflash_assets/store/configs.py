@@ -19,24 +19,13 @@ import duckdb
 import pyarrow as pa
 
 from dflash_assets.rules import cut_inside_window_sql, latest_first, row_window_sql
-from dflash_assets.settings import TrainerSettings
+from dflash_assets.settings import SAMPLING_PARAMS, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import committed_parts
 
 # what a config is: the settings its rows record (the same for every row of one config_hash)
-SETTINGS = (
-    "model",
-    "enable_thinking",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "parent_config_hash",
-)
+SETTINGS = ("model", "enable_thinking", *SAMPLING_PARAMS, "parent_config_hash")
 ROW_COLUMNS = [
     "config_hash",
     "shard",
