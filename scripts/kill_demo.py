@@ -6,8 +6,8 @@ Each round starts `dflash demo` (the emulated fleet, decoding slowly, the bundle
 data dir kept across rounds and SIGKILLs its whole process group: at a seeded random 1..max-delay seconds after the
 start, or (every other round) 0..5 s after the round's first new committed part, inside completions. Then one more run
 goes to its end. Printed: where each kill landed (rows committed before and after), the last run's exit status,
-duplicates of (prompt_id, config_hash), prompts without a row, runs the instance still calls STARTED, and the emulator
-processes the killed runs left behind (they stop when their parent dies). Exit status 0 when every figure holds.
+duplicates of (prompt_id, config_hash, turn), prompts without a row, runs the instance still calls STARTED, and the
+emulator processes the killed runs left behind (they stop when their parent dies). Exit status 0 when every figure holds.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def main() -> int:
     with open(work / "final.txt", "w") as out:
         final = demo(env, out)
         status = final.wait(timeout=args.final_timeout)
-    completions = rows(data, "completions", "prompt_id, config_hash")
+    # a row is a prompt's, or one turn's under all_turns (regenerate auto on the demo's multi-turn prompts)
+    completions = rows(data, "completions", "prompt_id, config_hash, turn")
     accepted = {r[0] for r in rows(data, "prompt_shards", "prompt_id")}
     duplicates = len(completions) - len(set(completions))
     missing = accepted - {r[0] for r in completions}
@@ -120,7 +121,7 @@ def main() -> int:
         failed = sum(r.status == dg.DagsterRunStatus.FAILURE for r in instance.get_runs())
     for pid in leaked:  # stop what we found, by pid
         os.kill(pid, signal.SIGKILL)
-    print(f"final run: exit {status} in {time.monotonic() - started:.0f} s (0 done, 3 stopped by a blocking check)")
+    print(f"final run: exit {status} in {time.monotonic() - started:.0f} s (0: done, 3: stopped by a blocking check)")
     print(
         f"rows {len(completions)} for {len(accepted)} accepted prompts: duplicates {duplicates}, "
         f"prompts without a row {len(missing)}"
