@@ -234,12 +234,8 @@ class ServerClient:
                     )
                 stopped = drained = False
                 try:
-                    async for event in silence.events(resp):
-                        if answer.add(event):
-                            stopped = True  # a loop: stop decoding it
-                            break
-                    else:
-                        drained = await _drained(resp)
+                    stopped = await silence.read(resp, answer)  # True: a loop, stop decoding it
+                    drained = not stopped and await _drained(resp)
                 finally:
                     if not drained:
                         resp.close()  # not back to the pool: the server must see the client go

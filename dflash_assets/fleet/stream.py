@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -34,7 +35,8 @@ from dflash_assets.rules import RUNAWAY_FINISH
 from dflash_assets.settings import DispatchSettings
 
 DATA, DONE = b"data: ", b"[DONE]"
-_decode = msgspec.json.decode  # on the event's raw bytes
+DONE_EVENT = DATA + DONE + b"\n\n"
+FOLD_BYTES = 1 << 16  # a stream not watched for runaways is still decoded every this many bytes, to bound memory
 # the timer is moved at most once a quarter of the stall timeout: a stall is noticed after 1 to 1.25 times it
 RESCHEDULE_SHARE = 0.25
 
@@ -128,27 +130,108 @@ class Silence:
             else f"no first token for {self.watch.first_token_timeout_s:g}s"
         )
 
-    async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
-        """The JSON events of an SSE response, until [DONE]; each read moves the deadline. Read by whatever the
-        socket holds (one await for the events a read brings, not two per event as line by line)."""
+    async def read(self, resp: aiohttp.ClientResponse, answer: ChatAnswer | GenerateAnswer) -> bool:
+        """Read an SSE response into `answer` until its `data: [DONE]`; True when the answer stopped it (a loop).
+        Each read moves the deadline. Reads are taken whole (one await for what the socket holds, not two per
+        event as line by line) and their events decoded in batches (Frames): per read while the runaway rule
+        watches, else at the stream's end or every FOLD_BYTES."""
         loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
         if timer is None:
-            raise RuntimeError("Silence.events reads inside `async with silence:` only")
-        rest = b""
+            raise RuntimeError("Silence.read reads inside `async with silence:` only")
+        frames, watching = Frames(), self.watch.watches_runaways
         async for data in resp.content.iter_any():
             now = loop.time()
             if not self.started or (timer.when() or now) - now < stall:  # cheap: the timer moves rarely
                 timer.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
                 self.started = True
-            *whole, rest = (rest + data).split(b"\n\n")
-            for event in whole:
-                for line in event.split(b"\n"):  # `event: <name>` lines (sglext_ids framing) carry no data
-                    if line.startswith(DATA):
-                        payload = line[len(DATA) :]
-                        if payload == DONE:
-                            return
-                        yield _decode(payload)
+            if (frames.add(data) or watching or frames.size >= FOLD_BYTES) and answer.fold(frames.take()):
+                return True
+            if frames.done:
+                return False
+        stopped = answer.fold(frames.take())  # whatever the last reads held
+        if stopped or frames.done:
+            return stopped
         raise aiohttp.ClientPayloadError("the stream ended before data: [DONE]")
+
+
+class Frames:
+    """The `data:` payloads of an SSE body, as its reads bring them: kept as bytes and taken in batches, so a
+    stream's events cost one decode per batch, not a Python object per line. `event: <name>` lines (sglext_ids
+    framing) and the blank lines between events carry no data."""
+
+    def __init__(self) -> None:
+        self.reads: list[bytes] = []
+        self.size = 0  # bytes not taken yet
+        self.rest = b""  # an incomplete last line
+        self.done = False  # `data: [DONE]` was taken: nothing after it is read
+
+    def add(self, data: bytes) -> bool:
+        """Keep one read; True when it ends the stream (SGLang writes `data: [DONE]` on its own, last)."""
+        self.reads.append(data)
+        self.size += len(data)
+        return data.endswith(DONE_EVENT)
+
+    def take(self) -> list[bytes]:
+        """The payloads of the whole lines kept so far, up to `[DONE]`."""
+        if not self.reads:
+            return []
+        *lines, self.rest = (self.rest + b"".join(self.reads)).split(b"\n")
+        self.reads, self.size = [], len(self.rest)
+        payloads = [line[len(DATA) :] for line in lines if line.startswith(DATA)]
+        if DONE in payloads:
+            self.done = True
+            del payloads[payloads.index(DONE) :]
+        return payloads
+
+
+def _batch(payloads: list[bytes]) -> bytes:
+    """The payloads as one JSON array: a single decode for them all."""
+    return b"[" + b",".join(payloads) + b"]"
+
+
+class Delta(msgspec.Struct, gc=False):
+    content: str | None = None
+    reasoning_content: str | None = None
+
+
+class Choice(msgspec.Struct, gc=False):
+    delta: Delta | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+
+class Usage(msgspec.Struct, gc=False):
+    """A chunk's usage: the fields a row reads (generation/engine.make_row, continuation), the rest skipped."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    total_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    prompt_tokens_details: dict | None = None
+    completion_tokens_details: dict | None = None
+
+
+class ChatChunk(msgspec.Struct, gc=False):
+    """What the pipeline reads of a `chat.completion.chunk` (the rest of each event is skipped, not decoded).
+    Structs without gc tracking: a stream's events add nothing for the collector to walk."""
+
+    choices: list[Choice] | None = None
+    usage: Usage | None = None
+    sglext: dict | None = None
+    error: Any = None
+
+
+class GenerateChunk(msgspec.Struct, gc=False):
+    """A /generate event: {text, output_ids, meta_info}, or {error}."""
+
+    text: str | None = None
+    output_ids: list[int] | None = None
+    meta_info: dict | None = None
+    error: Any = None
+
+
+_chat_chunks = msgspec.json.Decoder(list[ChatChunk])
+_generate_chunks = msgspec.json.Decoder(list[GenerateChunk])
 
 
 class ChatAnswer:
@@ -158,8 +241,9 @@ class ChatAnswer:
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.chars = 0
-        self.finish_reason = self.matched_stop = None
-        self.usage: dict | None = None
+        self.finish_reason: str | None = None
+        self.matched_stop: int | str | None = None
+        self.usage: Usage | None = None
         self.sglext: dict = {}
         self.tokens = 0
         self.runaway = Runaway(watch, lambda: self.chars)
@@ -168,37 +252,39 @@ class ChatAnswer:
         """What the runaway rule judges: the answer, or the reasoning while no answer has come (runaway_sql)."""
         return "".join(self.content) if self.content else "".join(self.reasoning)
 
-    def add(self, event: dict) -> bool:
-        """Take one event in; True when the stream is to be stopped (a loop)."""
-        if "error" in event:
-            raise StreamError(event["error"])
-        if event.get("usage"):
-            self.usage = event["usage"]
-            self.tokens = self.usage.get("completion_tokens") or self.tokens
-        if event.get("sglext"):
-            self.sglext = event["sglext"]
-        for choice in event.get("choices") or ():
-            delta = choice.get("delta") or {}
-            thought, answer = delta.get("reasoning_content"), delta.get("content")
-            if thought:
-                self.reasoning.append(thought)
-                if not self.content:
-                    self.chars += len(thought)
-            if answer:
-                if not self.content:  # the answer begins: from now on it is what is judged
-                    self.chars, self.runaway.positions = 0, Tokens()
-                self.content.append(answer)
-                self.chars += len(answer)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason, self.matched_stop = choice["finish_reason"], choice.get("matched_stop")
-                return False
-            if (thought or answer) and self.runaway.looping(self.text, self.tokens):
-                return True
+    def fold(self, payloads: list[bytes]) -> bool:
+        """Take a batch of events in; True when the stream is to be stopped (a loop)."""
+        if not payloads:
+            return False
+        for event in _chat_chunks.decode(_batch(payloads)):
+            if event.error is not None:
+                raise StreamError(event.error)
+            if event.usage is not None:
+                self.usage = event.usage
+                self.tokens = event.usage.completion_tokens or self.tokens
+            if event.sglext:
+                self.sglext = event.sglext
+            for choice in event.choices or ():
+                delta = choice.delta
+                thought, answer = (delta.reasoning_content, delta.content) if delta is not None else (None, None)
+                if thought:
+                    self.reasoning.append(thought)
+                    if not self.content:
+                        self.chars += len(thought)
+                if answer:
+                    if not self.content:  # the answer begins: from now on it is what is judged
+                        self.chars, self.runaway.positions = 0, Tokens()
+                    self.content.append(answer)
+                    self.chars += len(answer)
+                if choice.finish_reason is not None:  # finished: no rule to apply (the sglext and usage follow)
+                    self.finish_reason, self.matched_stop = choice.finish_reason, choice.matched_stop
+                elif (thought or answer) and self.runaway.looping(self.text, self.tokens):
+                    return True
         return False
 
     def response(self, stopped: bool) -> dict:
         ext = self.sglext
-        usage = self.usage or {}
+        usage = msgspec.structs.asdict(self.usage) if self.usage is not None else {}
         if stopped:  # closed by us: the tokens decoded so far (continuous usage), no final usage chunk came
             usage = {**usage, "completion_tokens": self.tokens}
         choice = {
@@ -233,21 +319,24 @@ class GenerateAnswer:
     def text(self) -> str:
         return "".join(self.text_parts)
 
-    def add(self, event: dict) -> bool:
-        if "error" in event:
-            raise StreamError(event["error"])
-        ids, self.meta_info = event.get("output_ids") or [], event.get("meta_info") or {}
-        tokens = self.meta_info.get("completion_tokens", len(self.output_ids) + len(ids))
-        text = event.get("text") or ""
-        if len(ids) == tokens:  # cumulative (SGLang's default): this event holds everything so far
-            self.output_ids, self.text_parts, self.chars = list(ids), [text], len(text)
-        else:  # --incremental-streaming-output: a delta
-            self.output_ids += ids
-            self.text_parts.append(text)
-            self.chars += len(text)
-        if self.meta_info.get("finish_reason") is not None:
+    def fold(self, payloads: list[bytes]) -> bool:
+        if not payloads:
             return False
-        return self.runaway.looping(self.text, len(self.output_ids))
+        for event in _generate_chunks.decode(_batch(payloads)):
+            if event.error is not None:
+                raise StreamError(event.error)
+            ids, self.meta_info = event.output_ids or [], event.meta_info or {}
+            tokens = self.meta_info.get("completion_tokens", len(self.output_ids) + len(ids))
+            text = event.text or ""
+            if len(ids) == tokens:  # cumulative (SGLang's default): this event holds everything so far
+                self.output_ids, self.text_parts, self.chars = list(ids), [text], len(text)
+            else:  # --incremental-streaming-output: a delta
+                self.output_ids += ids
+                self.text_parts.append(text)
+                self.chars += len(text)
+            if self.meta_info.get("finish_reason") is None and self.runaway.looping(self.text, len(self.output_ids)):
+                return True
+        return False
 
     def response(self, stopped: bool) -> dict:
         meta = dict(self.meta_info)
@@ -260,7 +349,8 @@ class GenerateAnswer:
 class StreamError(Exception):
     """An error event inside a 200 stream: `{"error": {"message", "type", "code"}}`."""
 
-    def __init__(self, error: dict):
+    def __init__(self, error: Any):
+        error = error if isinstance(error, dict) else {"message": error}
         super().__init__(str(error.get("message", error)))
         self.message = str(error.get("message", error))
         self.code = error.get("code")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ast
 
+import msgspec
 import pytest
 
-from dflash_assets.fleet.stream import Watch, chat_stream_body
+from dflash_assets.fleet.stream import ChatChunk, Choice, Delta, GenerateChunk, Usage, Watch, chat_stream_body
 from dflash_assets.generation.request import chat_body
 from dflash_assets.settings import GenerationSettings
 from tests.support.sglang_wheel import class_fields, function
@@ -20,16 +21,23 @@ from tests.support.sglang_wheel import class_fields, function
 pytestmark = pytest.mark.timeout(120)
 PROTOCOL = "entrypoints/openai/protocol.py"
 
-# What fleet/stream.py reads from each chunk of a streamed chat completion: model -> fields.
+
+def reads(struct: type, *skip: str) -> set[str]:
+    """The fields fleet/stream.py decodes of a chunk: its msgspec Struct's, less those of another shape."""
+    return {f.name for f in msgspec.structs.fields(struct)} - set(skip)
+
+
+# What fleet/stream.py reads from each chunk of a streamed chat completion: model -> fields (the error event,
+# `{"error": {...}}`, is a shape of its own)
 CHAT_STREAM_READS = {
-    "ChatCompletionStreamResponse": {"choices", "usage", "sglext"},
-    "ChatCompletionResponseStreamChoice": {"delta", "finish_reason", "matched_stop"},
-    "DeltaMessage": {"content", "reasoning_content"},
-    "UsageInfo": {"prompt_tokens", "completion_tokens", "reasoning_tokens", "prompt_tokens_details"},
+    "ChatCompletionStreamResponse": reads(ChatChunk, "error"),
+    "ChatCompletionResponseStreamChoice": reads(Choice),
+    "DeltaMessage": reads(Delta),
+    "UsageInfo": reads(Usage),
     "SglExt": {"input_ids", "output_ids"},
 }
 GENERATE_STREAM_READS = {
-    "GenerateResponse": {"text", "output_ids", "meta_info"},
+    "GenerateResponse": reads(GenerateChunk, "error"),
     "GenerateMetaInfo": {"finish_reason", "completion_tokens"},
 }
 
