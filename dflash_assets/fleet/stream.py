@@ -138,8 +138,8 @@ class Silence:
         loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
         if timer is None:
             raise RuntimeError("Silence.read reads inside `async with silence:` only")
-        frames, watching = Frames(), self.watch.watches_runaways
-        async for data in resp.content.iter_any():
+        frames, watching, content = Frames(), self.watch.watches_runaways, resp.content
+        while data := await content.readany():  # b"" at the end of the body
             now = loop.time()
             if not self.started or (timer.when() or now) - now < stall:  # cheap: the timer moves rarely
                 timer.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
@@ -184,9 +184,14 @@ class Frames:
         return payloads
 
 
-def _batch(payloads: list[bytes]) -> bytes:
-    """The payloads as one JSON array: a single decode for them all."""
-    return b"[" + b",".join(payloads) + b"]"
+def _decoded(decoder: msgspec.json.Decoder, payloads: list[bytes]) -> list:
+    """The events of a batch of payloads, decoded as one JSON array (a single call for them all); an error
+    event among them raises StreamError."""
+    events = decoder.decode(b"[" + b",".join(payloads) + b"]") if payloads else []
+    for event in events:
+        if event.error is not None:
+            raise StreamError(event.error)
+    return events
 
 
 class Delta(msgspec.Struct, gc=False):
@@ -254,11 +259,7 @@ class ChatAnswer:
 
     def fold(self, payloads: list[bytes]) -> bool:
         """Take a batch of events in; True when the stream is to be stopped (a loop)."""
-        if not payloads:
-            return False
-        for event in _chat_chunks.decode(_batch(payloads)):
-            if event.error is not None:
-                raise StreamError(event.error)
+        for event in _decoded(_chat_chunks, payloads):
             if event.usage is not None:
                 self.usage = event.usage
                 self.tokens = event.usage.completion_tokens or self.tokens
@@ -320,11 +321,7 @@ class GenerateAnswer:
         return "".join(self.text_parts)
 
     def fold(self, payloads: list[bytes]) -> bool:
-        if not payloads:
-            return False
-        for event in _generate_chunks.decode(_batch(payloads)):
-            if event.error is not None:
-                raise StreamError(event.error)
+        for event in _decoded(_generate_chunks, payloads):
             ids, self.meta_info = event.output_ids or [], event.meta_info or {}
             tokens = self.meta_info.get("completion_tokens", len(self.output_ids) + len(ids))
             text = event.text or ""
