@@ -6,7 +6,7 @@ is one SGLang emulator attached by URL (DFLASH_FLEET_MODE=attach, DFLASH_FLEET_U
 Backfills are launched with GraphQL `launchPartitionBackfill`, the mutation behind the UI's "Launch
 backfill"; the daemon runs them.
 
-1. A backfill over twice as many shards as the pool limit, one run per shard: every partition materialised,
+1. A backfill over more shards than the pool limit, one run per shard: every partition materialised,
    every check evaluated; the event log shows never more `completions` steps running at once than the limit,
    and steps of the other runs waiting ("waiting for pool sglang_fleet", defs/pools.py). The contention is
    forced, not hoped for: the emulator holds every generation request (its `hold` fault) until the event log
