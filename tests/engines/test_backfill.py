@@ -6,7 +6,7 @@ is one SGLang emulator attached by URL (DFLASH_FLEET_MODE=attach, DFLASH_FLEET_U
 Backfills are launched with GraphQL `launchPartitionBackfill`, the mutation behind the UI's "Launch
 backfill"; the daemon runs them.
 
-1. A backfill over twice as many shards as the pool limit, one run per shard: every partition materialised,
+1. A backfill over more shards than the pool limit, one run per shard: every partition materialised,
    every check evaluated; the event log shows never more `completions` steps running at once than the limit,
    and steps of the other runs waiting ("waiting for pool sglang_fleet", defs/pools.py). The contention is
    forced, not hoped for: the emulator holds every generation request (its `hold` fault) until the event log
@@ -183,14 +183,16 @@ def test_two_runs_of_the_same_shard_at_once_write_it_one_after_the_other(stack):
 
 
 def test_a_run_whose_worker_is_sigkilled_mid_completions_never_blocks_the_next_backfill_of_its_range(stack):
-    # slow decoding, one request at a time, a part per row: the kill lands after a committed row, mid-shard
-    stack.fleet.start(*FAST[:2], "--decode-tokens-per-s", "300", "--length-max", "3000")
+    # slow decoding, one request at a time, a part per row: the kill lands after a committed row, mid-shard, with
+    # what is in flight held there (the emulator's hold), so the dead run certainly left rows to generate
+    stack.fleet.start(*FAST[:2], "--decode-tokens-per-s", "300", "--length-max", "600")
     config = {**IN_PROCESS, "ops": {"completions": {"config": {"commit_rows": 1, "max_in_flight_per_server": 1}}}}
     first = launch_backfill(stack.server, [KILLED_SHARD], "kill: the run worker", config)
     wait = time.monotonic() + BLOCKED_WITHIN_S
     while not completion_rows(stack.data_dir, KILLED_SHARD):
         assert time.monotonic() < wait, f"no row of shard {KILLED_SHARD} committed within {BLOCKED_WITHIN_S}s"
         time.sleep(0.2)
+    stack.fleet.hold(True)
     [run] = backfill_runs(stack.instance, first)
     tags = stack.instance.get_run_by_id(run.run_id).tags
     worker = int(tags["dflash/worker_pid"])  # the run worker the launcher started, as it recorded itself
@@ -198,6 +200,8 @@ def test_a_run_whose_worker_is_sigkilled_mid_completions_never_blocks_the_next_b
     os.kill(worker, signal.SIGKILL)
     committed = completion_rows(stack.data_dir, KILLED_SHARD)
     assert 0 < len(committed) < SHARD_SIZE, committed
+    # the same URL, the hold gone, instant decode: how fast the rest is generated is not what is tested
+    stack.fleet.start(*FAST)
     # the same range again, at once: it must not wait on what the dead run held
     second = launch_backfill(stack.server, [KILLED_SHARD], "kill: the same range again", config)
     backfill = wait_backfill(stack, second)

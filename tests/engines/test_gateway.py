@@ -46,6 +46,7 @@ from dflash_assets.generation.slots import SlotPicker
 from dflash_assets.rules import CONTEXT_MARGIN
 from dflash_assets.settings import DispatchSettings
 from tests.support import waiting
+from tests.support.cli import dflash
 from tests.support.dagster_procs import (
     ARTIFACTS,
     ROOT,
@@ -247,13 +248,7 @@ def test_fleet_status_on_the_gateway_url_shows_the_workers_behind_it(gateway):
     )
     assert [d.max_running_requests for d in direct] == effective
     # the command a user runs: the gateway's row, then its workers indented, and exit 0 (all healthy)
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash_assets.cli", "fleet", "status", "--urls", gateway.url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "250"},
-    )
+    done = dflash("fleet", "status", "--urls", gateway.url, env={"COLUMNS": "250"}, timeout=120)  # forked warm
     assert done.returncode == 0, done.stdout + done.stderr
     lines = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 2}
     assert gateway.url in lines["smg gateway"] and "3 workers, 3 healthy" in lines["smg gateway"], done.stdout

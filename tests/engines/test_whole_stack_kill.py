@@ -2,11 +2,11 @@
 middle of a UI backfill, then started again.
 
 `dagster dev -w workspace.yaml` on a temporary DAGSTER_HOME with the project's dagster.yaml, one emulator attached by
-URL (it is not in dagster dev's process group, as a GPU fleet is not). A backfill of 4 shards, one run per shard, is
+URL (it is not in dagster dev's process group, as a GPU fleet is not). A backfill of 3 shards, one run per shard, is
 launched with GraphQL `launchPartitionBackfill` (the UI's "Launch backfill"). The kill lands where it hurts, forced:
 a part of completions is committed on disk, then the emulator holds every request in flight, and the group is killed
-once every run of the backfill has reached its completions step (the pool's two holders generating, the two others
-waiting for the pool): four runs the instance still calls STARTED, holding slots.
+once every run of the backfill has reached its completions step (the pool's two holders generating, the third
+waiting for the pool): three runs the instance still calls STARTED, holding slots.
 
 On the next start, `dead_runs_sensor` fails the dead runs, with the reason, and frees their slots; the backfill then
 ends with those partitions failed. The rest runs the way a person does it in the UI: the backfill re-executed from
@@ -54,7 +54,8 @@ from tests.support.shards import questions, write_prompts
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 
-SHARDS = [f"{i:05d}" for i in range(4)]
+# one more than the fleet pool's limit (2): runs killed holding its slots and a run killed waiting for one
+SHARDS = [f"{i:05d}" for i in range(3)]
 SHARD_SIZE = 4
 # decoding takes a second or two per row, one row in flight, a part per row: the kill lands mid-shard
 SLOW = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "300", "--length-max", "600"]

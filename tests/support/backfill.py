@@ -37,10 +37,12 @@ from tests.support.shards import questions, write_prompts
 POOL = "sglang_fleet"
 SHARD_ASSETS = ["prompt_shards", "completions", "length_quality_report"]
 SHARD_SIZE = 6
-POOL_SHARDS = [f"{i:05d}" for i in range(4)]  # twice the pool limit
-RESUME_SHARD = "00004"
-SHARED_SHARD = "00005"  # two runs of it at once: one writes, the other waits for it
-KILLED_SHARD = "00006"  # its run worker SIGKILLed mid-completions, then backfilled again
+# one more than the pool limit (dagster.yaml: 2): two runs hold the fleet's slots, the third's step waits for one;
+# a fourth run would assert nothing more and cost a run process (Dagster and the definitions imported, a report drawn)
+POOL_SHARDS = [f"{i:05d}" for i in range(3)]
+RESUME_SHARD = "00003"
+SHARED_SHARD = "00004"  # two runs of it at once: one writes, the other waits for it
+KILLED_SHARD = "00005"  # its run worker SIGKILLed mid-completions, then backfilled again
 # instant decode; outputs under the default 4096 cap, so the truncation check passes with the default config
 FAST = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--length-max", "3000"]
 # How long the held generation steps may wait for a later run to reach the full pool: a bound on a slow
@@ -282,7 +284,7 @@ def run_logs(instance: dg.DagsterInstance, run_id: str, text: str) -> list:
 
 
 def check_pool_backfill(stack: Stack, out: Path = OUT) -> None:
-    """A backfill over twice as many shards as the pool limit, as the UI launches it: every partition materialised,
+    """A backfill over more shards than the pool limit, as the UI launches it: every partition materialised,
     every check evaluated, never more `completions` steps at once than the limit, and steps that waited for it."""
     limit = project_pool_limit()
     assert len(POOL_SHARDS) > limit, "the backfill must be wider than the pool to test it"

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -260,50 +261,32 @@ def add_shard_partitions(server: Webserver, keys: list[str]) -> None:
         assert kind in ("AddDynamicPartitionSuccess", "DuplicateDynamicPartitionError") or raced, result
 
 
-# Materialise shards the way `dflash demo` does (the shard_pipeline job, in process, on the instance in
-# DAGSTER_HOME), in a child process: the definitions read the DFLASH_* settings when they are imported.
-_SEED = """
-import json, sys
-import dagster as dg
-from dflash_assets.definitions import defs
-instance = dg.DagsterInstance.get()
-plan = json.loads(sys.argv[1])
-instance.add_dynamic_partitions("shards", sorted(plan))
-job = defs.resolve_job_def("shard_pipeline")
-for shard, cap in sorted(plan.items()):
-    if cap is None:
-        continue
-    result = job.execute_in_process(
-        partition_key=shard, instance=instance, raise_on_error=False,
-        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap}}},
-                    "loggers": {"console": {"config": {"log_level": "ERROR"}}}})
-    print(json.dumps({"shard": shard, "success": result.success, "run_id": result.run_id,
-                      "checks": {e.check_name: e.passed for e in result.get_asset_check_evaluations()}}))
-"""
-
-
 def materialize_shards(
     env: dict[str, str], plan: dict[str, int | None], log_path: Path, timeout_s: float = 240.0
 ) -> dict[str, dict]:
     """Add the shard partitions of `plan` and run shard_pipeline for each shard whose value (the cap,
-    max_output_tokens) is not None. Returns {shard: {success, run_id, checks}}."""
+    max_output_tokens) is not None, the way `dflash demo` does, in a child process with `env` (the definitions read
+    the DFLASH_* settings when they are imported: tests/support/shard_seed.py), forked warm (tests/support/forks.py:
+    Dagster, matplotlib and the layers below the definitions already imported). Returns {shard: {success, run_id,
+    checks}}."""
     import json
 
-    done = subprocess.run(
-        [sys.executable, "-c", _SEED, json.dumps(plan)],
-        cwd=ROOT,
-        env=env,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    from tests.support.forks import Forked
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"materialising {plan} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    with tempfile.TemporaryDirectory(prefix="dflash-seed-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        child = Forked("tests.support.shard_seed:main", [json.dumps(plan)], env, ROOT, out, err, session=False)
+        try:
+            status = child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            raise
+        stdout, stderr = out.read_text(), err.read_text()
+    log_path.write_text(stdout + stderr)
+    if status != 0:
+        raise RuntimeError(f"materialising {plan} failed (exit {status}):\n{stderr[-3000:]}")
+    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return {r["shard"]: r for r in results}
 
 
