@@ -77,18 +77,21 @@ class Tokens:
 
 
 class Runaway:
-    """The runaway rule applied every `check_every_tokens` tokens of a stream; `length()` is the judged text's."""
+    """The runaway rule applied every `check_every_tokens` tokens of a stream. It holds nothing of the answer it
+    watches (no callback back to it): an answer and its watch would be a reference cycle, which only the garbage
+    collector frees, with the answer's token ids in it, for every streamed request."""
 
-    def __init__(self, watch: Watch, length: Callable[[], int]):
-        self.watch, self.length, self.next_check = watch, length, watch.check_every_tokens
+    def __init__(self, watch: Watch):
+        self.watch, self.next_check = watch, watch.check_every_tokens
         self.positions = Tokens()
         self.loop_start_tokens: int | None = None
 
-    def looping(self, text: Callable[[], str], tokens: int) -> bool:
+    def looping(self, text: Callable[[], str], chars: int, tokens: int) -> bool:
+        """Whether the answer loops, `tokens` decoded and `chars` characters of the judged text arrived."""
         w = self.watch
         if not w.watches_runaways:
             return False
-        self.positions.add(self.length(), tokens)
+        self.positions.add(chars, tokens)
         if tokens < self.next_check:
             return False
         self.next_check = tokens + w.check_every_tokens
@@ -251,7 +254,7 @@ class ChatAnswer:
         self.usage: Usage | None = None
         self.sglext: dict = {}
         self.tokens = 0
-        self.runaway = Runaway(watch, lambda: self.chars)
+        self.runaway = Runaway(watch)
 
     def text(self) -> str:
         """What the runaway rule judges: the answer, or the reasoning while no answer has come (runaway_sql)."""
@@ -279,7 +282,7 @@ class ChatAnswer:
                     self.chars += len(answer)
                 if choice.finish_reason is not None:  # finished: no rule to apply (the sglext and usage follow)
                     self.finish_reason, self.matched_stop = choice.finish_reason, choice.matched_stop
-                elif (thought or answer) and self.runaway.looping(self.text, self.tokens):
+                elif (thought or answer) and self.runaway.looping(self.text, self.chars, self.tokens):
                     return True
         return False
 
@@ -315,7 +318,7 @@ class GenerateAnswer:
         self.output_ids: list[int] = []
         self.meta_info: dict = {}
         self.chars = 0
-        self.runaway = Runaway(watch, lambda: self.chars)
+        self.runaway = Runaway(watch)
 
     def text(self) -> str:
         return "".join(self.text_parts)
@@ -331,7 +334,9 @@ class GenerateAnswer:
                 self.output_ids += ids
                 self.text_parts.append(text)
                 self.chars += len(text)
-            if self.meta_info.get("finish_reason") is None and self.runaway.looping(self.text, len(self.output_ids)):
+            if self.meta_info.get("finish_reason") is None and self.runaway.looping(
+                self.text, self.chars, len(self.output_ids)
+            ):
                 return True
         return False
 
