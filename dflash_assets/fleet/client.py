@@ -20,7 +20,15 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from dflash_assets.fleet.stream import ChatAnswer, GenerateAnswer, Silence, StreamError, Watch, chat_stream_body
+from dflash_assets.fleet.stream import (
+    ChatAnswer,
+    GenerateAnswer,
+    Silence,
+    StreamError,
+    Watch,
+    Watchdog,
+    chat_stream_body,
+)
 from dflash_assets.settings import FleetSettings
 
 UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): the router spreads and queues
@@ -180,6 +188,7 @@ class ServerClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._json_headers = {**self._headers, "Content-Type": "application/json"}
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self._watchdog = Watchdog()  # the deadlines of this client's streams in flight
 
     def __repr__(self) -> str:  # never shows the key
         return f"ServerClient({self.url})"
@@ -215,7 +224,7 @@ class ServerClient:
         """POST a streamed request and assemble its answer; closes the stream early on a stall or a loop (the
         connection is dropped, which makes SGLang abort the request). A stall is aborted by its `rid` too (a fresh
         one per attempt): a half-open connection hides the close from the server, which would decode on for nobody."""
-        silence = Silence(watch)
+        silence = Silence(watch, self._watchdog)
         rid = os.urandom(16).hex()  # what uuid4().hex holds, without building a UUID per request
         body = {**body, "rid": rid}
         try:

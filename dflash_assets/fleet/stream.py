@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +38,8 @@ from dflash_assets.settings import DispatchSettings
 DATA, DONE = b"data: ", b"[DONE]"
 DONE_EVENT = DATA + DONE + b"\n\n"
 FOLD_BYTES = 1 << 16  # a stream not watched for runaways is still decoded every this many bytes, to bound memory
-# the timer is moved at most once a quarter of the stall timeout: a stall is noticed after 1 to 1.25 times it
-RESCHEDULE_SHARE = 0.25
+# the watchdog ticks every quarter of the stall timeout: a stall is noticed after 1 to 1.25 times it
+TICK_SHARE = 0.25
 
 
 _DEFAULTS = DispatchSettings()
@@ -103,28 +104,77 @@ class Runaway:
         return True
 
 
+class Watchdog:
+    """One timer for every watched stream of a client, not one per request moved at its events: each tick (a quarter
+    of the shortest stall timeout among them) it cancels the task of every stream past its deadline, which then reads
+    as a TimeoutError (Silence.__aexit__), and a stall is noticed after 1 to 1.25 times the timeout. It ticks only
+    while streams are in flight."""
+
+    def __init__(self) -> None:
+        self.streams: set[Silence] = set()
+        self.tick = math.inf
+        self._handle: asyncio.TimerHandle | None = None
+
+    def add(self, silence: Silence, loop: asyncio.AbstractEventLoop) -> None:
+        self.streams.add(silence)
+        tick = silence.watch.stall_timeout_s * TICK_SHARE
+        if self._handle is None or tick < self.tick:
+            if self._handle is not None:
+                self._handle.cancel()
+            self.tick = min(self.tick, tick)
+            self._handle = loop.call_later(self.tick, self._check, loop)
+
+    def _check(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        for silence in [s for s in self.streams if s.deadline <= now]:
+            self.streams.discard(silence)
+            silence.expire()
+        if self.streams:
+            self._handle = loop.call_later(self.tick, self._check, loop)
+        else:
+            self._handle, self.tick = None, math.inf
+
+
 class Silence:
     """The deadline of one watched request: `first_token_timeout_s` from its start (the POST, its headers and its
-    first event), then `stall_timeout_s` after every event. Used as `async with silence:` around the request."""
+    first event), then `stall_timeout_s` after every read. Used as `async with silence:` around the request; a
+    request past its deadline is cancelled by the client's Watchdog and ends in TimeoutError, as under
+    asyncio.timeout (whose timer per request, moved as events came, cost more than the rest of the watch)."""
 
-    def __init__(self, watch: Watch):
-        self.watch, self.started = watch, False
-        self._timer: asyncio.Timeout | None = None
+    def __init__(self, watch: Watch, watchdog: Watchdog):
+        self.watch, self.watchdog, self.started = watch, watchdog, False
+        self.deadline = math.inf
+        self._task: asyncio.Task | None = None
+        self._cancelling = 0
+        self._expired = False
 
     async def __aenter__(self) -> Silence:
         loop = asyncio.get_running_loop()
-        self._timer = asyncio.timeout_at(loop.time() + self.watch.first_token_timeout_s)
-        await self._timer.__aenter__()
+        self._task = asyncio.current_task()
+        if self._task is None:
+            raise RuntimeError("Silence watches a task")
+        self._cancelling = self._task.cancelling()
+        self.deadline = loop.time() + self.watch.first_token_timeout_s
+        self.watchdog.add(self, loop)
         return self
 
-    async def __aexit__(self, *exc) -> None:  # asyncio.Timeout suppresses nothing: it raises TimeoutError itself
-        if self._timer is not None:
-            await self._timer.__aexit__(*exc)
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.watchdog.streams.discard(self)
+        # as asyncio.Timeout.__aexit__: the cancel was ours unless another one came too
+        if self._expired and self._task is not None and self._task.uncancel() <= self._cancelling:
+            if exc_type is asyncio.CancelledError:
+                raise TimeoutError from exc
+
+    def expire(self) -> None:
+        """Past the deadline: the request is cancelled where it waits."""
+        if not self._expired and self._task is not None:
+            self._expired = True
+            self._task.cancel()
 
     @property
     def expired(self) -> bool:
         """The request was cut by this deadline (not by any other timeout)."""
-        return self._timer is not None and self._timer.expired()
+        return self._expired
 
     def why(self) -> str:
         return (
@@ -138,15 +188,12 @@ class Silence:
         Each read moves the deadline. Reads are taken whole (one await for what the socket holds, not two per
         event as line by line) and their events decoded in batches (Frames): per read while the runaway rule
         watches, else at the stream's end or every FOLD_BYTES."""
-        loop, stall, timer = asyncio.get_running_loop(), self.watch.stall_timeout_s, self._timer
-        if timer is None:
+        if self._task is None:
             raise RuntimeError("Silence.read reads inside `async with silence:` only")
+        clock, stall = asyncio.get_running_loop().time, self.watch.stall_timeout_s
         frames, watching, content = Frames(), self.watch.watches_runaways, resp.content
         while data := await content.readany():  # b"" at the end of the body
-            now = loop.time()
-            if not self.started or (timer.when() or now) - now < stall:  # cheap: the timer moves rarely
-                timer.reschedule(now + stall * (1 + RESCHEDULE_SHARE))
-                self.started = True
+            self.deadline, self.started = clock() + stall, True
             if (frames.add(data) or watching or frames.size >= FOLD_BYTES) and answer.fold(frames.take()):
                 return True
             if frames.done:
