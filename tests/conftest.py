@@ -32,22 +32,18 @@ def pytest_collection_modifyitems(items):
     """The order in which scripts/test.sh hands whole files to its workers (`--dist loadfile
     --no-loadscope-reorder`): the files marked `long` first, so they start at once, the short ones fill in around
     them and the workers end together; then by number of tests, most first (xdist's own order). In a run with the
-    engines, the engines' long files go first (tests/engines/test_backfill.py, test_celery.py,
-    test_postgres_instance.py, test_whole_stack_kill.py: two to five minutes each), then the fast suite's long
-    files, then the rest: a long file is never handed out among the short ones at the end. Measured on 2 cores: the
-    fast suite by count alone ran a 3-test file of two minutes last, alone for 80 s (6:13; long files first: 5:21).
-    The whole suite: 10:00-13:24 by count (ending on the backfill file, started at 310 s), 11:39 with the backfill,
-    Celery and Postgres files first, 13:11 with the fast suite's long files first; 12:52 with only the backfill and
-    whole-stack files first, which left the Celery, Postgres and kill-resume files (2-4 minutes each) among the
-    last handed out."""
+    engines only the engines' long file goes first (tests/engines/test_backfill.py, six minutes): the others,
+    started with it, starve its servers. Measured on 2 cores: the fast suite by count alone ran a 3-test file of two
+    minutes last, alone for 80 s (6:13; long files first: 5:21). The whole suite: 10:00-13:24 by count (ending on
+    the backfill file, started at 310 s), 11:39 with the backfill, Celery and Postgres files first, 13:11 with the
+    fast suite's long files first."""
     tests_in = Counter(item.path for item in items)
+    engines = any(item.get_closest_marker("engines") for item in items)
 
-    def tier(item) -> int:
-        if item.get_closest_marker("long") is None:
-            return 2
-        return 0 if item.get_closest_marker("engines") else 1
+    def first(item) -> bool:
+        return item.get_closest_marker("long") is not None and (not engines or item.get_closest_marker("engines"))
 
-    items.sort(key=lambda item: (tier(item), -tests_in[item.path]))
+    items.sort(key=lambda item: (not first(item), -tests_in[item.path]))
 
 
 def pytest_collection_finish(session):

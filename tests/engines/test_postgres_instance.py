@@ -19,7 +19,7 @@ from tests.support import backfill
 from tests.support.dagster_procs import ARTIFACTS, PROJECT_DAGSTER_YAML, ROOT
 from tests.support.services import environ
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.long]
+pytestmark = pytest.mark.timeout(420)
 
 DEPLOY_DAGSTER_YAML = ROOT / "deploy" / "dagster.yaml"
 
