@@ -134,6 +134,9 @@ class Watchdog:
         else:
             self._handle, self.tick = None, math.inf
 
+    def discard(self, silence: Silence) -> None:
+        self.streams.discard(silence)
+
 
 class Silence:
     """The deadline of one watched request: `first_token_timeout_s` from its start (the POST, its headers and its
@@ -159,7 +162,7 @@ class Silence:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        self.watchdog.streams.discard(self)
+        self.watchdog.discard(self)
         # as asyncio.Timeout.__aexit__: the cancel was ours unless another one came too
         if self._expired and self._task is not None and self._task.uncancel() <= self._cancelling:
             if exc_type is asyncio.CancelledError:
@@ -376,7 +379,7 @@ class GenerateAnswer:
             tokens = self.meta_info.get("completion_tokens", len(self.output_ids) + len(ids))
             text = event.text or ""
             if len(ids) == tokens:  # cumulative (SGLang's default): this event holds everything so far
-                self.output_ids, self.text_parts, self.chars = list(ids), [text], len(text)
+                self.output_ids, self.text_parts, self.chars = ids, [text], len(text)
             else:  # --incremental-streaming-output: a delta
                 self.output_ids += ids
                 self.text_parts.append(text)
