@@ -126,7 +126,7 @@ class Watchdog:
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()
-        for silence in [s for s in self.streams if s.deadline <= now]:
+        for silence in sorted((s for s in self.streams if s.deadline <= now), key=lambda s: s.deadline):
             self.streams.discard(silence)
             silence.expire()
         if self.streams:
