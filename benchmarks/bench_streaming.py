@@ -310,6 +310,12 @@ def backfill(tmp: Path, sizes: list[int], shard_size: int, repeats: int) -> None
             block = statistics.mean(r["cpu"] for r in runs[False])
             stream = statistics.mean(r["cpu"] for r in runs[True])
             say(f"{n:,} prompts, streamed / --no-stream CPU", f"{stream / block:.2f}x", "<= 1.10x")
+            # each streamed run against the --no-stream run just before it: a shared machine's drift cancels
+            pairs = [s["cpu"] / b["cpu"] for b, s in zip(runs[False], runs[True], strict=True)]
+            say(
+                f"{n:,} prompts, each pair",
+                ", ".join(f"{p:.2f}x" for p in pairs) + f" (median {statistics.median(pairs):.2f}x)",
+            )
 
 
 def false_positives(tmp: Path, n: int) -> None:
