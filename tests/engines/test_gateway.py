@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -364,8 +365,16 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
             "held_on_the_killed_server": held,
             "rows_retried_by_the_client": retried,
             "generation_requests_served_by_live_servers": served,
+            # where every row is, should an assertion below fail: each Parquet file under the data dir, its rows
+            "files": {
+                str(f.relative_to(tmp_path / "data")): duckdb.sql(f"select count(*) from '{f}'").fetchall()[0][0]
+                for f in sorted((tmp_path / "data").rglob("*.parquet"))
+            },
+            "checks": outcome[SHARD].get("checks"),
         },
     )
+    shutil.rmtree(OUT / "killed_server_data", ignore_errors=True)  # kept for a failure's post-mortem: 120 rows
+    shutil.copytree(tmp_path / "data", OUT / "killed_server_data")
     # nothing lost: every prompt is one row or one preflight reject, nothing failed
     assert len(ids) == len(set(ids)) == PROMPTS - 1 and failures == []
     assert [(r[0], r[1]) for r in rejects] == [(LONG, "preflight")] and f"context length {CONTEXT}" in rejects[0][2]
