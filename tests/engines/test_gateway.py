@@ -352,7 +352,11 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
         f"select prompt_id, stage, reason from read_parquet('{tmp_path}/data/rejects/**/*.parquet',"
         f" hive_partitioning = false)"
     ).fetchall()
-    failures = list((tmp_path / "data").glob("failures/**/*.parquet"))
+    failures = [
+        dict(zip(("prompt_id", "attempts", "error"), r))
+        for f in (tmp_path / "data").glob("failures/**/*.parquet")
+        for r in duckdb.sql(f"select prompt_id, attempts, error from '{f}'").fetchall()
+    ]
     ids = [r[0] for r in rows]
     served = {w.url: get(f"{w.url}/_emulator/faults")["requests_seen"] - before[w.url] for w in live}
     retried = sum(1 for r in rows if r[1] > 1)
@@ -364,6 +368,7 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
             "preflight_rejects": len(rejects),
             "held_on_the_killed_server": held,
             "rows_retried_by_the_client": retried,
+            "failures": failures,
             "generation_requests_served_by_live_servers": served,
             # where every row is, should an assertion below fail: each Parquet file under the data dir, its rows
             "files": {
@@ -376,7 +381,8 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
     shutil.rmtree(OUT / "killed_server_data", ignore_errors=True)  # kept for a failure's post-mortem: 120 rows
     shutil.copytree(tmp_path / "data", OUT / "killed_server_data")
     # nothing lost: every prompt is one row or one preflight reject, nothing failed
-    assert len(ids) == len(set(ids)) == PROMPTS - 1 and failures == []
+    assert failures == []
+    assert len(ids) == len(set(ids)) == PROMPTS - 1
     assert [(r[0], r[1]) for r in rejects] == [(LONG, "preflight")] and f"context length {CONTEXT}" in rejects[0][2]
     assert {r[2] for r in rows} == {gateway.url}
     # the lost requests were retried by the client, not inside the gateway (which would have answered them at
