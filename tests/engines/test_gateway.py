@@ -382,8 +382,8 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
     shutil.copytree(tmp_path / "data", OUT / "killed_server_data")
     # nothing lost: every prompt is one row or one preflight reject, nothing failed
     assert failures == []
-    assert len(ids) == len(set(ids)) == PROMPTS - 1
     assert [(r[0], r[1]) for r in rejects] == [(LONG, "preflight")] and f"context length {CONTEXT}" in rejects[0][2]
+    assert len(ids) == len(set(ids)) == PROMPTS - 1
     assert {r[2] for r in rows} == {gateway.url}
     # the lost requests were retried by the client, not inside the gateway (which would have answered them at
     # attempt 1 from a live server)
