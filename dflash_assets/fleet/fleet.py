@@ -17,6 +17,7 @@ import aiohttp
 
 from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
 from dflash_assets.fleet.gateway import gateway_workers, open_gateway
+from dflash_assets.fleet.stream import GatheredConnector
 from dflash_assets.settings import FleetSettings
 
 T = TypeVar("T")
@@ -65,7 +66,8 @@ class Fleet:
 
 def open_session(total_connections: int = 0) -> aiohttp.ClientSession:
     # limit=0 would mean unlimited; the dispatcher bounds requests, so size the pool to match it
-    connector = aiohttp.TCPConnector(limit=total_connections or 1024, limit_per_host=0, ttl_dns_cache=300)
+    # event streams read a tick at a time (fleet/stream.Gather)
+    connector = GatheredConnector(limit=total_connections or 1024, limit_per_host=0, ttl_dns_cache=300)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
 
