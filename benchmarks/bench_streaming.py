@@ -14,6 +14,9 @@
   twice each), on two emulated servers with instant decode and short answers at the emulator's default event size:
   the CPU seconds of the dflash process (the figure to compare on a shared machine), completions/s and peak RSS
   (goal: streamed within 10% of --no-stream). Not in the default sections (about 25 minutes on 2 cores).
+- paced: streams at --stream-interval 1 that decode at 40 tokens/s a request (each token an event of its own in
+  time): the client's CPU and socket reads per request, its reads gathered a tick at a time and not. Not in the
+  default sections (about four minutes).
 - false_positives: honest long rows (no loops, cap 32768): the share the runaway rule stops early (expected 0).
 Each section prints its figures beside its goal.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import resource
@@ -33,12 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import duckdb
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.client import ServerClient, ServerError
-from dflash_assets.fleet.fleet import connected, open_session
-from dflash_assets.fleet.stream import Watch
+from dflash_assets.fleet.fleet import connected, open_session, run
+from dflash_assets.fleet.stream import GATHER_S, Gather, GatheredConnector, GatheredHandler, Watch
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import watch_of
@@ -250,6 +255,52 @@ def cpu(n: int, intervals: list[int]) -> dict[float, int]:
     return fits
 
 
+def paced(n: int, tokens_per_s: float) -> None:
+    """Streams at --stream-interval 1 that decode at a real pace (`tokens_per_s` a request), so each token is an
+    event on its own in time: the client's CPU and socket reads per request with its reads gathered a tick at a
+    time (fleet/stream.Gather, GATHER_S) and without (a tick of 0)."""
+    print(
+        f"streams paced at {tokens_per_s:g} tokens/s a request, --stream-interval 1 (64 in flight, {n} requests, "
+        f"answers median 200 tokens): reads gathered every {GATHER_S:g}s and not",
+        flush=True,
+    )
+    body = GenerationSettings(max_output_tokens=1024)
+    flags = SHORT + ["--stream-interval", "1", "--decode-tokens-per-s", str(tokens_per_s), "--max-running-requests"]
+    flags += ["64"]
+
+    class Reads(GatheredHandler):
+        count = 0
+
+        def data_received(self, data: bytes) -> None:
+            Reads.count += 1
+            super().data_received(data)
+
+    async def measure(url: str, gather_s: float) -> tuple[float, float, int]:
+        connector = GatheredConnector(gather_s=gather_s)
+        connector._factory = functools.partial(Reads, loop=connector._loop, gather=Gather(gather_s))  # type: ignore
+        async with aiohttp.ClientSession(connector=connector) as session:
+            client, gate, tokens = ServerClient(session, url), asyncio.Semaphore(64), 0
+
+            async def one(i: int) -> None:
+                nonlocal tokens
+                async with gate:
+                    messages = [{"role": "user", "content": f"paced {i}"}]
+                    resp = await client.chat(chat_body(body, "m", messages, True), watch_of(DispatchSettings()))
+                    tokens += resp["usage"]["completion_tokens"]
+
+            Reads.count, c0 = 0, cpu_s()
+            await asyncio.gather(*(one(i) for i in range(n)))
+            return (cpu_s() - c0) / n * 1e3, Reads.count / n, tokens
+
+    with start_emulator(flags) as emu:
+        for gather_s in (0.0, GATHER_S, 0.0, GATHER_S):
+            ms, reads, tokens = run(measure(emu.url, gather_s))
+            say(
+                f"gathered every {gather_s:g}s" if gather_s else "not gathered",
+                f"{ms:.2f} ms of client CPU, {reads:.0f} socket reads a request ({tokens / n:.0f} tokens)",
+            )
+
+
 # short answers, instant decode: the client's cost per request is what is measured, not the decode
 SHORT = ["--reasoning-parser", "qwen3", "--length-median", "200", "--length-sigma", "0.8", "--length-max", "2000"]
 
@@ -355,6 +406,8 @@ def main() -> None:
     parser.add_argument("--backfill-prompts", default="20000,100000")
     parser.add_argument("--backfill-shard-size", type=int, default=2500)
     parser.add_argument("--backfill-repeats", type=int, default=2)
+    parser.add_argument("--paced-requests", type=int, default=400)
+    parser.add_argument("--paced-tokens-per-s", type=float, default=40.0)
     a = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -369,6 +422,8 @@ def main() -> None:
             elif section == "backfill":
                 sizes = [int(n) for n in a.backfill_prompts.split(",")]
                 backfill(tmp, sizes, a.backfill_shard_size, a.backfill_repeats)
+            elif section == "paced":
+                paced(a.paced_requests, a.paced_tokens_per_s)
             elif section == "false_positives":
                 false_positives(tmp, 100)
             else:
