@@ -188,11 +188,11 @@ class GatheredHandler(ResponseHandler):
         super().__init__(loop=loop)
         self._gather, self._streamed = gather, None
 
-    def feed_data(self, data: Any, size: int = 0) -> None:  # a parsed response: (message, payload)
+    def feed_data(self, data: Any, *size: int) -> None:  # a parsed response: (message, payload), and its size
         message, payload = data
         content_type = message.headers.get("Content-Type", "")
         self._streamed = payload if content_type.startswith("text/event-stream") else None
-        super().feed_data(data, size)
+        super().feed_data(data, *size)
 
     def resume_reading(self, resume_parser: bool = True) -> None:
         """Only when paused. aiohttp's StreamReader calls it after every HTTP chunk it hands out, paused or not, and
