@@ -28,8 +28,8 @@ from dflash_assets.store.parts import COVERS_KEY
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.store.storage import S3Storage, lock_dir, open_storage
 from dflash_assets.store.stores import completion_store
+from tests.support.shards import SETTINGS, generate, write_prompts
 from tests.support.shards import cont as continued
-from tests.support.shards import generate, write_prompts
 
 BUCKET = "dflash-test"
 N = 40
@@ -97,7 +97,10 @@ def runs(s3, fleet_urls, tmp_path_factory):
     cwd = set(os.listdir("."))
     build(source, uri, fleet_urls)
     build(source, local, fleet_urls)
-    s3_run, local_run = generate(uri, fleet_urls, CAP), generate(local, fleet_urls, CAP)
+    # 4 in flight: answers come back 4 at a time at most, so the shard is committed in several parts of 8 rows
+    # (then compacted), however the answers happen to arrive together
+    parts = SETTINGS.model_copy(update={"max_in_flight_per_server": 4})
+    s3_run, local_run = generate(uri, fleet_urls, CAP, parts), generate(local, fleet_urls, CAP, parts)
     assert set(os.listdir(".")) == cwd, "an s3:// data dir never creates anything in the working directory"
     return {"uri": uri, "local": local, "tmp": tmp, "s3_run": s3_run, "local_run": local_run, "source": source}
 
