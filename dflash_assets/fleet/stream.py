@@ -43,7 +43,7 @@ FOLD_BYTES = 1 << 16  # a stream not watched for runaways is still decoded every
 # the watchdog ticks every quarter of the stall timeout: a stall is noticed after 1 to 1.25 times it
 TICK_SHARE = 0.25
 # an open event stream's socket is read once per this many seconds at most (Gather): at --stream-interval 1 and
-# 40 tokens/s a request, 129 reads a request instead of 255 and 5.6 ms of client CPU instead of 9.1 (docs/streaming.md)
+# 40 tokens/s a request, 129-133 reads a request instead of 258 and a quarter less client CPU (docs/streaming.md)
 GATHER_S = 0.05
 
 
@@ -283,10 +283,10 @@ class Silence:
         watches, else at the stream's end or every FOLD_BYTES."""
         if self._task is None:
             raise RuntimeError("Silence.read reads inside `async with silence:` only")
-        loop, stall = asyncio.get_running_loop(), self.watch.stall_timeout_s
+        clock, stall = asyncio.get_running_loop().time, self.watch.stall_timeout_s
         frames, watching, content = Frames(), self.watch.watches_runaways, resp.content
         while data := await content.readany():  # b"" at the end of the body
-            self.deadline, self.started = loop.time() + stall, True
+            self.deadline, self.started = clock() + stall, True
             if (frames.add(data) or watching or frames.size >= FOLD_BYTES) and answer.fold(frames.take()):
                 return True
             if frames.done:
@@ -350,42 +350,15 @@ class Choice(msgspec.Struct, gc=False):
     matched_stop: int | str | None = None
 
 
-class PromptDetails(msgspec.Struct, gc=False):
-    """usage.prompt_tokens_details (0.5.23 PromptTokensDetails; its multimodal counts are written when present)."""
-
-    cached_tokens: int = 0
-    image_tokens: int | None = None
-    audio_tokens: int | None = None
-    video_tokens: int | None = None
-
-
-class CompletionDetails(msgspec.Struct, gc=False):
-    """usage.completion_tokens_details (0.5.23 CompletionTokensDetails)."""
-
-    reasoning_tokens: int = 0
-
-
 class Usage(msgspec.Struct, gc=False):
-    """A chunk's usage: the fields a row reads (generation/engine.make_row, continuation), the rest skipped. The
-    details are typed, not dicts: with continuous usage every chunk carries them, and a dict per chunk is an object
-    the collector tracks."""
+    """A chunk's usage: the fields a row reads (generation/engine.make_row, continuation), the rest skipped."""
 
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     total_tokens: int | None = None
     reasoning_tokens: int | None = None
-    prompt_tokens_details: PromptDetails | None = None
-    completion_tokens_details: CompletionDetails | None = None
-
-    def as_dict(self) -> dict:
-        """The usage as the non-streamed answer holds it: the details as dicts, multimodal counts only when set."""
-        out = msgspec.structs.asdict(self)
-        if self.prompt_tokens_details is not None:
-            details = msgspec.structs.asdict(self.prompt_tokens_details)
-            out["prompt_tokens_details"] = {k: v for k, v in details.items() if v is not None}
-        if self.completion_tokens_details is not None:
-            out["completion_tokens_details"] = msgspec.structs.asdict(self.completion_tokens_details)
-        return out
+    prompt_tokens_details: dict | None = None
+    completion_tokens_details: dict | None = None
 
 
 class ChatChunk(msgspec.Struct, gc=False):
@@ -470,7 +443,7 @@ class ChatAnswer:
 
     def response(self, stopped: bool) -> dict:
         ext = self.sglext
-        usage = self.usage.as_dict() if self.usage is not None else {}
+        usage = msgspec.structs.asdict(self.usage) if self.usage is not None else {}
         if stopped:  # closed by us: the tokens decoded so far (continuous usage), no final usage chunk came
             usage = {**usage, "completion_tokens": self.tokens}
         choice = {

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -41,6 +43,20 @@ def counted(connector: GatheredConnector, gather: Gather) -> GatheredConnector:
     return connector
 
 
+@contextlib.asynccontextmanager
+async def serving(handler) -> AsyncIterator[str]:
+    """`handler` at GET / of an aiohttp server on a loopback port; its URL."""
+    app = web.Application()
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/"
+    finally:
+        await runner.cleanup()
+
+
 def test_a_session_s_connections_are_gathered_handlers():
     async def go():
         finish = asyncio.Event()
@@ -52,21 +68,11 @@ def test_a_session_s_connections_are_gathered_handlers():
             await finish.wait()  # the connection stays the response's while the test looks at it
             return resp
 
-        app = web.Application()
-        app.router.add_get("/", open_body)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
-        try:
-            async with open_session() as session, session.get(f"http://127.0.0.1:{port}/") as resp:
-                protocol = type(resp.connection.protocol) if resp.connection else None
-                finish.set()
-                assert await resp.read() == b"open"
-                return protocol
-        finally:
-            await runner.cleanup()
+        async with serving(open_body) as url, open_session() as session, session.get(url) as resp:
+            protocol = type(resp.connection.protocol) if resp.connection else None
+            finish.set()
+            assert await resp.read() == b"open"
+            return protocol
 
     assert run(go()) is GatheredHandler
 
@@ -97,35 +103,26 @@ def test_events_written_while_a_stream_is_held_come_in_one_read_at_the_tick():
         return read.result()
 
     async def go():
-        app = web.Application()
-        app.router.add_get("/", stream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
         gather = Gather(3600.0)
-        try:
-            async with (
-                aiohttp.ClientSession(connector=counted(GatheredConnector(gather_s=3600.0), gather)) as session,
-                session.get(f"http://127.0.0.1:{port}/") as resp,
-            ):
-                first = await released(gather, asyncio.ensure_future(resp.content.readany()), resp.content, 0)
-                assert first == events[0]
-                assert resp.connection is not None and not resp.connection.transport.is_reading()  # held
-                before = len(Counted.reads)
-                go_on.set()
-                await written.wait()  # the server wrote three events while the client read nothing
-                assert len(Counted.reads) == before
-                gather.release()
-                rest = await resp.content.readany()
-                later = [r for r in Counted.reads[before:] if r]
-                finish.set()
-                done = resp.content.total_bytes
-                tail = await released(gather, asyncio.ensure_future(resp.content.read()), resp.content, done)
-                return rest, later, tail
-        finally:
-            await runner.cleanup()
+        async with (
+            serving(stream) as url,
+            aiohttp.ClientSession(connector=counted(GatheredConnector(gather_s=3600.0), gather)) as session,
+            session.get(url) as resp,
+        ):
+            first = await released(gather, asyncio.ensure_future(resp.content.readany()), resp.content, 0)
+            assert first == events[0]
+            assert resp.connection is not None and not resp.connection.transport.is_reading()  # held
+            before = len(Counted.reads)
+            go_on.set()
+            await written.wait()  # the server wrote three events while the client read nothing
+            assert len(Counted.reads) == before
+            gather.release()
+            rest = await resp.content.readany()
+            later = [r for r in Counted.reads[before:] if r]
+            finish.set()
+            done = resp.content.total_bytes
+            tail = await released(gather, asyncio.ensure_future(resp.content.read()), resp.content, done)
+            return rest, later, tail
 
     rest, later, tail = run(go())
     assert rest == b"".join(events[1:])
