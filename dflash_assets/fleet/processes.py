@@ -1,7 +1,13 @@
 """Detached server processes: start one in its own session, tell whether a pid is still it, stop its group.
 
 A pid alone proves nothing after a reboot or a long run: the kernel reuses pids. A process is "ours" only
-if its start time (psutil's create_time) is the one recorded at launch. A zombie counts as dead.
+if its start time is the one recorded at launch. A zombie counts as dead.
+
+The start time is the kernel's, in seconds since boot: the identity psutil itself gives a process on Linux and macOS
+(`Process._ident`). psutil's `create_time()` adds the boot time, which the kernel derives from the wall clock: a clock
+step (NTP, a VM resumed or restored) moves every process's create_time at once, and every live server and run
+worker would have looked dead: a warm server relaunched onto its own port, a live run failed and its shard's pool
+freed under it.
 """
 
 from __future__ import annotations
@@ -22,21 +28,36 @@ _children: dict[int, subprocess.Popen] = {}
 _GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
+# a start time is a whole number of clock ticks: two within half a tick are the same one (a value converted from an
+# older record can differ from psutil's in the last bits of the float)
+_SAME_S = 0.5 / os.sysconf("SC_CLK_TCK")
+# a start time recorded as seconds since the epoch (registry version 2, run tags of earlier versions): 31 years of
+# uptime otherwise
+_EPOCH_S = 1e9
+
+
 def start_time(pid: int) -> float | None:
-    """When a live process started (seconds since the epoch); None if it is gone or a zombie."""
+    """When a live process started, in seconds since boot (unmoved by clock steps); None if it is gone, a zombie, or
+    not ours to read."""
     if pid in _children:
         _children[pid].poll()  # reaps it if it has exited
     try:
         proc = psutil.Process(pid)
-        return None if proc.status() in _GONE else proc.create_time()
+        if proc.status() in _GONE:
+            return None
     except psutil.Error:  # NoSuchProcess, AccessDenied
         return None
+    return proc._ident[1]  # psutil's own identity: (pid, start since boot) where the platform has one
+
+
+def since_boot(recorded: float) -> float:
+    """A start time as start_time() gives it, from one that an earlier version recorded since the epoch."""
+    return recorded - psutil.boot_time() if recorded > _EPOCH_S else recorded
 
 
 def is_ours(pid: int, proc_start: float | None) -> bool:
     started = start_time(pid)
-    # create_time is boot time + start ticks, the same float every time it is read
-    return started is not None and proc_start is not None and started == proc_start
+    return started is not None and proc_start is not None and abs(started - since_boot(proc_start)) < _SAME_S
 
 
 def group_alive(pgid: int) -> bool:

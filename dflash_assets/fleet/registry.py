@@ -16,16 +16,16 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import psutil
-
-REGISTRY_VERSION = 2  # 1 recorded proc_start as clock ticks since boot (read from /proc)
+# 1 recorded proc_start as clock ticks since boot (read from /proc), 2 as psutil's create_time (since the epoch:
+# moved by a clock step); processes.is_ours reads 2's as it reads 3's
+REGISTRY_VERSION = 3
 
 
 @dataclass
 class ServerRecord:
     name: str  # gpu0, gpu1, ... (gpu0-1 with tp_size 2)
     pid: int  # also the process group id: the server runs in its own session
-    proc_start: float | None  # psutil create_time (s since the epoch): tells our process from a reused pid
+    proc_start: float | None  # processes.start_time (s since boot): tells our process from a reused pid
     host: str
     port: int
     gpus: list[int]
@@ -51,11 +51,11 @@ def load(fleet_dir: Path) -> dict[str, ServerRecord]:
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
-    if data.get("version") == 1:  # warm servers launched by the previous version stay ours
+    if data.get("version") == 1:  # warm servers launched by earlier versions stay ours
         for rec in data["servers"].values():
-            if rec["proc_start"] is not None:  # psutil's create_time, computed as psutil computes it on Linux
-                rec["proc_start"] = rec["proc_start"] / os.sysconf("SC_CLK_TCK") + psutil.boot_time()
-    elif data.get("version") != REGISTRY_VERSION:
+            if rec["proc_start"] is not None:  # seconds since boot, as psutil computes them on Linux
+                rec["proc_start"] = rec["proc_start"] / os.sysconf("SC_CLK_TCK")
+    elif data.get("version") not in (2, REGISTRY_VERSION):
         raise ValueError(f"{path}: registry version {data.get('version')!r}, this code reads {REGISTRY_VERSION}")
     return {name: ServerRecord(**rec) for name, rec in data["servers"].items()}
 

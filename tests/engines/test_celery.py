@@ -198,6 +198,20 @@ def rows(data_dir: Path, shard: str, columns: str = "prompt_id") -> list[tuple]:
     return duckdb.sql(f"select {columns} from read_parquet({[str(f) for f in files]}) order by prompt_id").fetchall()
 
 
+def runs_said(cluster: Cluster, *backfill_ids: str) -> str:
+    """Each run of the backfills: its status, the worker of its completions step, and its last events."""
+    lines = []
+    for backfill_id in backfill_ids:
+        for run in runs_of(cluster, backfill_id):
+            on = [worker_of(cluster, pid) for pid in step_pids(cluster.instance, run.run_id, "completions")]
+            lines.append(f"backfill {backfill_id}, run {run.run_id}: {run.status.value}, completions on {on}")
+            events = cluster.instance.all_logs(run.run_id)[-8:]
+            lines += [
+                f"    {e.step_key or '-'}: {(e.user_message or e.dagster_event_type or '')[:300]}" for e in events
+            ]
+    return "\n".join(lines)
+
+
 def save(name: str, payload: dict) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / name).write_text(json.dumps(payload, indent=2, default=str) + "\n")
@@ -243,6 +257,7 @@ def test_two_runs_of_one_shard_at_once_never_write_it_together(cluster):
     wait_for(
         "the second run waiting for the shard",
         lambda: any(backfill.run_logs(cluster.instance, r.run_id, waiting) for r in runs_of(cluster, second)),
+        explain=lambda: runs_said(cluster, first, second),
     )
     cluster.fleet.hold(None)
     for backfill_id in (first, second):

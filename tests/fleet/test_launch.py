@@ -13,6 +13,7 @@ import signal
 import socket
 from pathlib import Path
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -70,7 +71,7 @@ def test_up_starts_one_server_per_gpu_and_a_second_up_reuses_them(fleet_dir):
         assert environ_of(rec.pid)["CUDA_VISIBLE_DEVICES"] == gpu
         assert os.getpgid(rec.pid) == rec.pid and os.getsid(rec.pid) == rec.pid  # own session: outlives us
     saved = json.loads(registry.registry_path(fleet_dir).read_text())
-    assert saved["version"] == registry.REGISTRY_VERSION == 2 and set(saved["servers"]) == {"gpu0", "gpu1"}
+    assert saved["version"] == registry.REGISTRY_VERSION == 3 and set(saved["servers"]) == {"gpu0", "gpu1"}
     gpu1 = saved["servers"]["gpu1"]
     assert gpu1["pid"] == first[1].pid and gpu1["gpus"] == [1] and gpu1["host"] == "127.0.0.1"
     assert gpu1["args"]["context_length"] == 8192 and len(gpu1["args_hash"]) == 64
@@ -300,16 +301,23 @@ def test_attach_urls_are_normalised():
     ]
 
 
-def test_a_registry_of_the_previous_version_keeps_its_warm_servers(fleet_dir):
-    """Version 1 recorded the start time as /proc clock ticks; read back, the server it names is still ours."""
+def start_ticks(pid: int) -> int:
+    """The process's start in clock ticks since boot, as the kernel keeps it: starttime, field 22 of proc(5)."""
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    return int(raw[raw.rindex(")") + 2 :].split()[19])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_registry_of_an_earlier_version_keeps_its_warm_servers(fleet_dir, version):
+    """Version 1 recorded the start time as /proc clock ticks, version 2 as psutil's create_time (seconds since the
+    epoch); read back, the server either names is still ours, and a start a second off is not."""
     leader = processes.spawn(["sleep", "60"], dict(os.environ), fleet_dir / "logs" / "gpu0.log")
     try:
-        raw = Path(f"/proc/{leader.pid}/stat").read_text()
-        ticks = int(raw[raw.rindex(")") + 2 :].split()[19])  # starttime, field 22 of proc(5)
+        recorded = start_ticks(leader.pid) if version == 1 else psutil.Process(leader.pid).create_time()
         record = dict(
             name="gpu0",
             pid=leader.pid,
-            proc_start=ticks,
+            proc_start=recorded,
             host="127.0.0.1",
             port=1,
             gpus=[0],
@@ -320,10 +328,30 @@ def test_a_registry_of_the_previous_version_keeps_its_warm_servers(fleet_dir):
             started_at="2020-01-01T00:00:00+00:00",
             log=str(fleet_dir / "logs" / "gpu0.log"),
         )
-        registry.registry_path(fleet_dir).write_text(json.dumps({"version": 1, "servers": {"gpu0": record}}))
+        registry.registry_path(fleet_dir).write_text(json.dumps({"version": version, "servers": {"gpu0": record}}))
         loaded = registry.load(fleet_dir)["gpu0"]
         assert processes.is_ours(loaded.pid, loaded.proc_start)
         assert not processes.is_ours(loaded.pid, loaded.proc_start + 1)
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_a_clock_step_leaves_every_server_ours(fleet_dir, monkeypatch):
+    """/proc/stat's btime is the wall clock less the uptime: a clock step (NTP, a VM resumed from a snapshot) moves
+    it, and with it psutil's create_time of every process at once. The start time that tells our servers and run
+    workers from reused pids is the kernel's since boot: it does not move, so nothing live is judged dead."""
+    leader = processes.spawn(["sleep", "60"], dict(os.environ), fleet_dir / "logs" / "gpu0.log")
+    try:
+        recorded = processes.start_time(leader.pid)
+        assert recorded == start_ticks(leader.pid) / os.sysconf("SC_CLK_TCK")
+        before = psutil.Process(leader.pid).create_time()
+        stepped = psutil.boot_time() + 3600  # what /proc/stat says once the clock is stepped an hour on
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: stepped)
+        assert psutil.Process(leader.pid).create_time() == before + 3600  # psutil's create_time moved
+        assert processes.start_time(leader.pid) == recorded
+        assert processes.is_ours(leader.pid, recorded)
+        assert not processes.is_ours(leader.pid, recorded + 0.01)  # one tick off: another process
     finally:
         leader.kill()
         leader.wait()

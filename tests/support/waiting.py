@@ -19,9 +19,11 @@ def wait_for(
     every_s: float = 0.2,
     proc: subprocess.Popen | None = None,
     hint: str = "",
+    explain: Callable[[], str] | None = None,
 ) -> T:
     """`ready()`'s first true value, polled every `every_s`; an OSError counts as not ready (not listening yet).
-    Fails naming `what` after `timeout_s`, or as soon as `proc` (the process that should make it true) exits."""
+    Fails naming `what` after `timeout_s`, or as soon as `proc` (the process that should make it true) exits, with
+    what `explain()` says of the state it was in (the runs and their last events, say)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -32,5 +34,6 @@ def wait_for(
         exited = proc is not None and proc.poll() is not None
         if exited or time.monotonic() > deadline:
             why = f"exit {proc.returncode}" if exited else f"not within {timeout_s:g}s"
-            raise AssertionError(f"{what}: {why}" + (f" ({hint})" if hint else ""))
+            said = f"\n{explain()}" if explain is not None else ""
+            raise AssertionError(f"{what}: {why}" + (f" ({hint})" if hint else "") + said)
         time.sleep(every_s)
