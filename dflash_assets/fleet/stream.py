@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp.client_proto import ResponseHandler
+from aiohttp.streams import StreamReader
 
 from dflash_assets.rules import RUNAWAY_FINISH
 from dflash_assets.settings import DispatchSettings
@@ -178,6 +179,35 @@ class Gather:
                 transport.resume_reading()
 
 
+class EventStreamReader(StreamReader):
+    """aiohttp's body reader for an event stream, read whole (Silence.read takes what a read brought at once, never
+    an HTTP chunk at a time). aiohttp's own books every chunk (an SGLang event is a chunk of its own): where it
+    ends, then per chunk handed out a pop, a split check and a resume, ~8 calls an event. An aiohttp StreamReader
+    becomes one of these once its response says `text/event-stream` (same slots: only the methods differ)."""
+
+    __slots__ = ()
+
+    def begin_http_chunk_receiving(self) -> None:
+        pass
+
+    def end_http_chunk_receiving(self) -> None:
+        pass
+
+    def _read_nowait(self, n: int) -> bytes:
+        if n != -1:
+            return super()._read_nowait(n)
+        self._timer.assert_timeout()
+        buffer = self._buffer
+        data = buffer[0] if len(buffer) == 1 else b"".join(buffer)
+        if self._buffer_offset:
+            data, self._buffer_offset = data[self._buffer_offset :], 0
+        buffer.clear()
+        self._size = 0
+        self._cursor += len(data)
+        self._protocol.resume_reading()  # the buffer is empty: below any low water mark
+        return data
+
+
 class GatheredHandler(ResponseHandler):
     """aiohttp's connection protocol, its event-stream responses read through a Gather: once a response's headers
     say `text/event-stream`, every read that leaves its body open waits for the Gather's next tick."""
@@ -192,6 +222,8 @@ class GatheredHandler(ResponseHandler):
         message, payload = data
         content_type = message.headers.get("Content-Type", "")
         self._streamed = payload if content_type.startswith("text/event-stream") else None
+        if self._streamed is not None and type(payload) is StreamReader:
+            payload.__class__, payload._http_chunk_splits = EventStreamReader, None
         super().feed_data(data, *size)
 
     def resume_reading(self, resume_parser: bool = True) -> None:

@@ -6,6 +6,8 @@
    forced, the tick is released by the test once the server has written them (no timing).
 3. No empty reads: aiohttp's StreamReader resumes its protocol after every chunk it hands out, and each resume
    parsed an empty read; a streamed answer of many events now costs its socket reads only.
+4. An event stream's body is an EventStreamReader (read whole, not a chunk at a time); any other body keeps
+   aiohttp's StreamReader. A part read first (read(n)) and the rest read whole add up to the body.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from aiohttp import web
 
 from dflash_assets.fleet.client import ServerClient
 from dflash_assets.fleet.fleet import open_session, run
-from dflash_assets.fleet.stream import Gather, GatheredConnector, GatheredHandler
+from dflash_assets.fleet.stream import EventStreamReader, Gather, GatheredConnector, GatheredHandler
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import watch_of
 from dflash_assets.settings import DispatchSettings, GenerationSettings
@@ -70,6 +72,7 @@ def test_a_session_s_connections_are_gathered_handlers():
 
         async with serving(open_body) as url, open_session() as session, session.get(url) as resp:
             protocol = type(resp.connection.protocol) if resp.connection else None
+            assert type(resp.content) is aiohttp.StreamReader  # not an event stream: aiohttp's own reader
             finish.set()
             assert await resp.read() == b"open"
             return protocol
@@ -145,3 +148,29 @@ def test_a_streamed_answer_costs_its_socket_reads_only_no_empty_ones():
     events = sum(len(a["choices"][0]["response_token_ids"]) // 8 for a in answers)
     assert events >= 10 * 10  # many events a request (a chunk each) ...
     assert b"" not in Counted.reads and 0 < reads <= 3 * 10, Counted.reads[:5]  # ... and at most 3 reads a request
+
+
+def test_an_event_stream_is_read_whole_and_a_part_read_first_adds_up():
+    events = [f"data: {{\"n\": {i}, \"pad\": \"{'x' * i * 50}\"}}\n\n".encode() for i in range(6)]
+    body = b"".join(events) + b"data: [DONE]\n\n"
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in events:  # a chunk each, as SGLang writes them
+            await resp.write(event)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def go():
+        async with serving(stream) as url, open_session() as session, session.get(url) as resp:
+            reader = type(resp.content)
+            first = await resp.content.read(6)  # b"data: ": a part of the first chunk, the rest of it left
+            rest = b""
+            while piece := await resp.content.readany():
+                rest += piece
+            return reader, first, rest, resp.content.at_eof()
+
+    reader, first, rest, at_eof = run(go())
+    assert reader is EventStreamReader
+    assert first == b"data: " and first + rest == body and at_eof
