@@ -35,8 +35,9 @@ except ImportError:  # Windows: asyncio's loop
 # (Python's default is 700). A run allocates and frees a few dozen containers per request (dicts, lists, futures)
 # without cycles, and at 700 those came in every few requests: each young collection promoted the run's live
 # objects (100,000 planned prompts) on, until full collections walked them all. A 100,000-prompt `dflash backfill
-# --no-stream` here: 13,069 young, 1,183 middle and 96 full collections, 80.1 CPU-s; at 10,000: 288 and 23 and none,
-# 67.7 CPU-s. What waits for the collector (cycles only) is at most this many objects.
+# --no-stream` here made 13,069 young, 1,183 middle and 96 full collections, about 4-8 CPU-s of them inside its
+# fleet run; at 10,000 the whole process makes 2,708, 242 and 11, and the fleet run's cost 0.5 CPU-s
+# (docs/streaming.md). What waits for the collector (cycles only: none in the request path) is this many objects.
 YOUNG_COLLECTION_EVERY = 10_000
 
 
