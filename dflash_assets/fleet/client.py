@@ -7,7 +7,9 @@ Errors are classified once, here, so every caller's retry loop does the right th
 - anything else, a timeout, a dropped connection, or an HTTP 200 whose finish_reason is "abort" (0.5.23 sends
   status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError, retryable);
 - a streamed request that went silent (fleet/stream.py Watch): the server's too, marked `stalled`, after a
-  `POST /abort_request` with its rid.
+  `POST /abort_request` with its rid;
+- a gateway's 503 `no_available_workers` (NO_WORKER): nobody behind the URL can take any request just now, marked
+  `unavailable`: the fleet is down for the moment, not the request (generation/send.py spends no attempt on it).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ HEALTH_PROBE_TIMEOUT_S = 25.0
 ABORT_TIMEOUT_S = 5.0  # a stalled request's /abort_request: best effort, the retry waits for it no longer
 DRAIN_S = 1.0  # how long the end of a streamed body may take after its `data: [DONE]`
 TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is retried, never made a reject
+# smg 1.13's answer when it has no worker to route to (every one unhealthy, or its circuit breaker open, as for a
+# worker killed with requests in flight): HTTP 503, Retry-After: 1, {"error": {"code": "no_available_workers",
+# "message": "All workers are unavailable (circuit breaker open or unhealthy)"}} (tests/engines/test_gateway.py)
+NO_WORKER = (503, "no_available_workers")
 
 
 # JSON en/decoded on raw bytes (msgspec: several times json's speed on the bodies of every request and answer)
@@ -66,6 +72,7 @@ class ServerError(Exception):
         retryable: bool,
         stalled: bool = False,
         refused: bool = False,
+        unavailable: bool = False,
     ):
         super().__init__(f"{url}: {message}")
         self.url = url
@@ -74,6 +81,7 @@ class ServerError(Exception):
         self.retryable = retryable
         self.stalled = stalled  # a stream closed for silence (Watch.stall_timeout_s): retried on another server
         self.refused = refused  # the connection was refused: nothing listens at the URL (yet)
+        self.unavailable = unavailable  # a gateway with no worker to route any request to (NO_WORKER)
 
 
 class ServerAccessError(RuntimeError):
@@ -143,6 +151,12 @@ def mamba_slots_per_request(server: dict) -> int | None:
     if strategy == "extra_buffer":
         return MAMBA_SLOTS_PER_REQUEST + (1 if server.get("disable_overlap_schedule") else 2)
     return MAMBA_SLOTS_PER_REQUEST
+
+
+def error_code(body: Any) -> str | None:
+    """The `code` of an OpenAI-style error body (`{"error": {"code"}}`), if it has one."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error["code"]) if isinstance(error, dict) and error.get("code") is not None else None
 
 
 def error_message(body: Any) -> str:
@@ -218,7 +232,13 @@ class ServerClient:
     def _refused(self, status: int, method: str, path: str, body: Any) -> None:
         if status in ACCESS_FAULT:
             raise ServerAccessError(self.url, method, path, status, error_message(body))
-        raise ServerError(self.url, error_message(body), status=status, retryable=status not in PROMPT_FAULT)
+        raise ServerError(
+            self.url,
+            error_message(body),
+            status=status,
+            retryable=status not in PROMPT_FAULT,
+            unavailable=(status, error_code(body)) == NO_WORKER,
+        )
 
     async def _stream(self, path: str, body: dict, answer: ChatAnswer | GenerateAnswer, watch: Watch) -> dict:
         """POST a streamed request and assemble its answer; closes the stream early on a stall or a loop (the

@@ -2,8 +2,9 @@
 
 The one dispatch loop of the package (fresh generation, follow-up turns of a conversation, continuation; one
 shard or many): the slot picker chooses the server (least loaded, ejection, re-admission), retryable errors
-are retried with exponential backoff and jitter, a 400 is refused and never resent at the same budget, and
-rows are committed every `commit_rows` rows or `commit_seconds`, and on the way out whatever happens.
+are retried with exponential backoff and jitter, a 400 is refused and never resent at the same budget, a gateway
+with no worker available is waited for like a fleet with no healthy server (no attempt spent), and rows are
+committed every `commit_rows` rows or `commit_seconds`, and on the way out whatever happens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dflash_assets.fleet.stream import Watch
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.runaway import is_runaway, loop_start
-from dflash_assets.generation.slots import Slot, SlotPicker
+from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
 from dflash_assets.settings import DispatchSettings, RunawaySettings
 
 Send = Callable[[dict, Slot, int], Awaitable[dict]]  # (item, slot, attempt) -> the row; raises ServerError
@@ -157,7 +158,8 @@ class Dispatch:
 
     async def _attempts(self, item: dict, output: ShardOutput) -> dict | None:
         dispatch, error, stalled_on = self.dispatch, None, frozenset[str]()
-        for attempt in range(1, dispatch.max_attempts + 1):
+        attempt, unavailable_since = 1, None
+        while attempt <= dispatch.max_attempts:
             slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None, stalled_on)
             try:
                 row = await self.send(item, slot, attempt)
@@ -166,16 +168,20 @@ class Dispatch:
                 output.refused.append(e.row)
                 return None
             except ServerError as e:
-                self.slots.release(slot, ok=not e.retryable)
+                self.slots.release(slot, ok=not e.retryable or e.unavailable)
+                if e.unavailable:  # the gateway has no worker for anything just now: not this attempt's failure
+                    unavailable_since = await self._wait_for_a_worker(slot, e, unavailable_since)
+                    continue
                 if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
                     output.refused.append(self.refuse(item, f"HTTP {e.status}: {e.message}", slot.info.context_length))
                     return None
-                error = e
+                error, unavailable_since = e, None
+                attempt += 1
                 if e.stalled:  # it waited stall_timeout_s already: straight to another server
                     slot.stalls += 1
                     stalled_on |= {slot.url}
                     continue
-                delay = min(dispatch.backoff_max_s, dispatch.backoff_base_s * 2 ** (attempt - 1))
+                delay = min(dispatch.backoff_max_s, dispatch.backoff_base_s * 2 ** (attempt - 2))
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                 continue
             self.slots.release(slot, ok=True)
@@ -195,6 +201,18 @@ class Dispatch:
             }
         )
         return None
+
+    async def _wait_for_a_worker(self, slot: Slot, error: ServerError, since: float | None) -> float:
+        """A gateway that has no worker to route to (every one unhealthy, or its circuit breaker open after a worker
+        died with requests in flight) is the fleet down for the moment, as when no server is healthy: the request
+        asks again every probe interval, spending no attempt, and the run stops with FleetDown (committed rows
+        stay) once it has waited no_server_timeout_s. Returns when it began waiting."""
+        now = time.monotonic()
+        since = now if since is None else since
+        if now - since >= self.dispatch.no_server_timeout_s:
+            raise FleetDown(f"no worker available behind {slot.url} for {now - since:.0f}s ({error.message})")
+        await asyncio.sleep(self.slots.probe_interval_s)
+        return since
 
     async def commit(self) -> None:
         for output in self.outputs.values():

@@ -43,7 +43,7 @@ from dflash_assets.emulator.process import EmulatorProcess, free_port, start_emu
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.preflight import Budget
-from dflash_assets.generation.slots import SlotPicker
+from dflash_assets.generation.slots import FleetDown, SlotPicker
 from dflash_assets.rules import CONTEXT_MARGIN
 from dflash_assets.settings import DispatchSettings
 from tests.support import waiting
@@ -58,7 +58,7 @@ from tests.support.dagster_procs import (
     start_group,
     stop_group,
 )
-from tests.support.shards import write_prompts
+from tests.support.shards import generate, make_shard, rows, write_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -301,6 +301,105 @@ def test_a_worker_the_gateway_marks_unhealthy_is_left_out_and_with_none_healthy_
         wait_for("smg marks the three servers healthy again", unhealthy(0), proc=gateway.proc)
 
 
+def unhealthy_workers(gateway: Gateway) -> int:
+    return sum(not w["is_healthy"] for w in get(f"{gateway.url}/workers")["workers"])
+
+
+def no_worker_answers() -> int:
+    """smg's 503 `no_available_workers` answers so far, counted in its log (one WARN line each)."""
+    return (LOGS / "smg.log").read_text(errors="replace").count("No available workers for model")
+
+
+NO_WORKER_PROMPTS = {f"n{i:02d}": f"No worker question {i}: name topic {i}." for i in range(12)}
+IN_FLIGHT = 2  # per server: 6 requests held on the three workers, the other 6 sent while none is available
+
+
+def run_with_no_worker_available(gateway: Gateway, data_dir: Path, settings: DispatchSettings) -> dict:
+    """Generate NO_WORKER_PROMPTS through the gateway while smg has no worker to route to: the first 6 requests are
+    held on the workers, every worker is then marked unhealthy in smg, and the 6 are let go, so the other 6 are
+    sent into a gateway that answers 503 `no_available_workers`. Returns {"run" or "error", "no_worker_before"};
+    the run goes on in a thread, and the workers stay unhealthy until the caller says otherwise."""
+    make_shard(data_dir, [gateway.url], NO_WORKER_PROMPTS)
+    held_before = sum(get(f"{w.url}/_emulator/faults")["injected"]["hold"] for w in gateway.workers)
+    for w in gateway.workers:
+        post(f"{w.url}/_emulator/faults", {"hold": True})
+    outcome: dict = {}
+
+    def go():
+        try:
+            outcome["run"] = generate(data_dir, [gateway.url], CAP, settings)
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            outcome["error"] = e
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    capacity = IN_FLIGHT * len(gateway.workers)
+    wait_for(
+        f"{capacity} requests held on the workers",
+        lambda: (
+            sum(get(f"{w.url}/_emulator/faults")["injected"]["hold"] for w in gateway.workers) - held_before >= capacity
+        ),
+        timeout_s=120,
+    )
+    for w in gateway.workers:
+        post(f"{w.url}/_emulator/faults", {"unhealthy": True})
+    wait_for("smg marks every worker unhealthy", lambda: unhealthy_workers(gateway) == 3, proc=gateway.proc)
+    outcome["no_worker_before"] = no_worker_answers()
+    for w in gateway.workers:
+        post(f"{w.url}/_emulator/faults", {"hold": None})
+    outcome["thread"] = thread
+    return outcome
+
+
+def workers_back(gateway: Gateway) -> None:
+    for w in gateway.workers:
+        post(f"{w.url}/_emulator/faults", {"unhealthy": None, "hold": None})
+    wait_for("smg marks the three workers healthy again", lambda: unhealthy_workers(gateway) == 0, proc=gateway.proc)
+
+
+def test_a_gateway_with_no_worker_available_costs_no_attempt_and_the_run_finishes_once_one_is_back(gateway, tmp_path):
+    """smg answers 503 `no_available_workers` while it has no worker to route to (here every one unhealthy; in a
+    server-killed run, the victim's circuit breaker open while the others are busy). That is the fleet down for the
+    moment, not the request: it waits as for a fleet with no healthy server, spending no attempt. With one attempt
+    a prompt, more such answers than waiting prompts show it; once a worker is back every prompt is one row."""
+    settings = DispatchSettings(max_attempts=1, max_in_flight_per_server=IN_FLIGHT, commit_rows=3, commit_seconds=0.2)
+    waiting_prompts = len(NO_WORKER_PROMPTS) - IN_FLIGHT * len(gateway.workers)
+    try:
+        outcome = run_with_no_worker_available(gateway, tmp_path / "data", settings)
+        wait_for(
+            f"smg refuses more requests than the {waiting_prompts} waiting prompts have attempts",
+            lambda: no_worker_answers() - outcome["no_worker_before"] > 2 * waiting_prompts * settings.max_attempts,
+            timeout_s=60,
+        )
+        refused = no_worker_answers() - outcome["no_worker_before"]
+    finally:
+        workers_back(gateway)
+    outcome["thread"].join(timeout=120)
+    assert "error" not in outcome, outcome.get("error")
+    run = outcome["run"]
+    assert (run.completed, run.failed, run.rejected_server) == (len(NO_WORKER_PROMPTS), 0, 0), refused
+    done = rows(tmp_path / "data", columns="prompt_id, attempt")
+    assert done == [(p, 1) for p in sorted(NO_WORKER_PROMPTS)]
+
+
+def test_a_gateway_with_no_worker_for_no_server_timeout_s_stops_the_run_and_keeps_what_was_committed(gateway, tmp_path):
+    """The wait is bounded as for a fleet with no healthy server: after no_server_timeout_s with no worker the run
+    stops with FleetDown, naming the gateway and smg's words; the rows already answered are committed."""
+    settings = DispatchSettings(
+        max_in_flight_per_server=IN_FLIGHT, commit_rows=3, commit_seconds=0.2, no_server_timeout_s=3.0
+    )
+    try:
+        outcome = run_with_no_worker_available(gateway, tmp_path / "data", settings)
+        outcome["thread"].join(timeout=120)
+    finally:
+        workers_back(gateway)
+    assert "run" not in outcome and isinstance(outcome["error"], FleetDown), outcome
+    said = rf"no worker available behind {re.escape(gateway.url)} for \d+s \(All workers are unavailable \(circuit breaker open or unhealthy\)\)"
+    assert re.fullmatch(said, str(outcome["error"])), outcome["error"]
+    assert no_worker_answers() - outcome["no_worker_before"] >= len(NO_WORKER_PROMPTS) - IN_FLIGHT * 3
+    assert len(rows(tmp_path / "data", columns="prompt_id")) == IN_FLIGHT * len(gateway.workers)
+
+
 SHARD = "00000"
 PROMPTS = 120  # one preflight reject stays under the context_overflow check's 1%
 LONG = "p0007"  # too long for the context with the cap: rejected in preflight, never sent
@@ -326,6 +425,7 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
         fleet_mode="attach",
         fleet_urls=gateway.url,
     )
+    held_before = get(f"{victim.url}/_emulator/faults")["injected"]["hold"]  # the counter is the server's lifetime's
     post(f"{victim.url}/_emulator/faults", {"hold": True})  # what the gateway routes to the victim stays in flight
 
     outcome: dict = {}
@@ -333,14 +433,11 @@ def test_a_server_killed_behind_the_gateway_loses_nothing_and_generates_nothing_
         target=lambda: outcome.update(materialize_shards(env, {SHARD: CAP}, LOGS / "dagster-run.log")), daemon=True
     )
     run.start()
-    held = wait_for(
-        "requests held on the victim",
-        lambda: (
-            get(f"{victim.url}/_emulator/faults")["injected"]["hold"] >= 3
-            and get(f"{victim.url}/_emulator/faults")["injected"]["hold"]
-        ),
-        timeout_s=180,
-    )
+
+    def held_now() -> int:
+        return get(f"{victim.url}/_emulator/faults")["injected"]["hold"] - held_before
+
+    held = wait_for("requests held on the victim", lambda: held_now() >= 3 and held_now(), timeout_s=180)
     os.kill(victim.pid, signal.SIGKILL)  # a GPU node lost with generations in flight (at least `held` of them)
     run.join(timeout=240)
     assert not run.is_alive() and outcome[SHARD]["success"], outcome
