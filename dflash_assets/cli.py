@@ -458,15 +458,20 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _report_pictures(data_dir: str, answers) -> list[Path]:
-    """The histogram of completion lengths and each config's cap plan (survival curve), written beside the report:
-    under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
-    from dflash_assets.quality import completion_histogram_png
+    """Each config's histogram of completion lengths and cap plan (survival curve), in the answers' order (the
+    latest config first), after one histogram of every config side by side when there are several; written beside
+    the report, under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
+    from dflash_assets.quality.histogram import series, write_histogram
     from dflash_assets.quality.planner_plot import cap_plan_png
     from dflash_assets.store.storage import is_uri
 
     reports = Path(Deployment.LOCAL_DIR.value() if is_uri(data_dir) else data_dir) / "reports"
-    pictures = [completion_histogram_png(data_dir, reports / "completion_lengths.png")]
+    every = series(data_dir)  # one read: a series per (config, cap)
+    several = len({h for h, *_ in every}) > 1
+    pictures = [write_histogram(every, reports / "completion_lengths.png", None)] if several else []
     for answer in answers:
+        if own := [s for s in every if s[0] == answer.config_hash]:
+            pictures.append(write_histogram(own, reports / f"completion_lengths-{answer.config_hash}.png", None))
         if answer.plan is not None:
             path = reports / f"cap_plan-{answer.config_hash}.png"
             wp = answer.window_plan

@@ -49,6 +49,11 @@ def series_of(
     ]
 
 
+def labels(configs: list[tuple[str, int | None, int, np.ndarray]]) -> list[str]:
+    """Each series' legend label, also the PNG's Description (what a reader of the file can check it shows)."""
+    return [f"{h} (cap {cap}): {rows:,} rows" for h, cap, rows, _ in configs]
+
+
 def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int) -> Figure:
     """The histogram of `series`' configs."""
     fig = new_figure(8, 4.5)
@@ -60,8 +65,7 @@ def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | No
     edges = np.linspace(0, top, bins + 1) + 0.5
     edges[0] = -0.5
     cap_colors: dict[int, object] = {}
-    for h, cap, rows, values in configs:
-        label = f"{h} (cap {cap}): {rows:,} rows"
+    for (_, cap, _, values), label in zip(configs, labels(configs)):
         # matplotlib's stubs: bins takes any array (not only a Sequence); a step histogram's patches are a list
         _, _, patches = ax.hist(values, bins=edges, histtype="step", linewidth=1.5, label=label)  # type: ignore[arg-type]
         if cap is not None:
@@ -111,6 +115,11 @@ def compact_markdown(configs: list[tuple[str, int | None, int, np.ndarray]], win
     return "(too many configs for the compact picture: see completion_lengths)"
 
 
+def histogram_png(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int = 64) -> bytes:
+    """The histogram's PNG bytes, its legend's labels in the PNG's Description."""
+    return png(draw(configs, shard, bins), description="; ".join(labels(configs)))
+
+
 def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str | None = None, bins: int = 64) -> Path:
     """Write the histogram PNG to `path` and return the path."""
     return write_histogram(series(data_dir, shard), path, shard, bins)
@@ -122,7 +131,7 @@ def write_histogram(
     """Write the histogram PNG of `series`' configs to `path` and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(png(draw(configs, shard, bins)))
+    path.write_bytes(histogram_png(configs, shard, bins))
     return path
 
 
@@ -151,5 +160,5 @@ def report_and_histogram(
 
 def completion_histogram_markdown(data_dir: str | Path, shard: str | None = None, bins: int = 64) -> str:
     """The histogram as a Markdown image with a base64 data URI, for Dagster Markdown metadata."""
-    data = base64.b64encode(png(draw(series(data_dir, shard), shard, bins))).decode("ascii")
+    data = base64.b64encode(histogram_png(series(data_dir, shard), shard, bins)).decode("ascii")
     return f"![completion lengths](data:image/png;base64,{data})"

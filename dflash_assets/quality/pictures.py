@@ -24,7 +24,9 @@ def new_figure(width: float, height: float) -> Figure:
     return fig
 
 
-def png(fig: Figure) -> bytes:
+def png(fig: Figure, description: str | None = None) -> bytes:
+    """The PNG bytes of `fig`; `description` goes into its Description text (what it shows, for a reader)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", metadata={"Software": None})  # no version stamp: the same picture, the same bytes
+    metadata = {"Software": None} | ({"Description": description} if description else {})
+    fig.savefig(buf, format="png", metadata=metadata)  # no version stamp: the same picture, the same bytes
     return buf.getvalue()

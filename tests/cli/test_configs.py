@@ -10,6 +10,7 @@ import dagster as dg
 import duckdb
 import pytest
 from dagster._core.instance.ref import InstanceRef
+from PIL import Image
 
 from tests.support.cli import demo_slice, dflash, home
 
@@ -164,3 +165,14 @@ def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_sh
         assert (int(rows.replace(",", "")), share) == (n, f"{cut / n * 100:.2f}")
         own = re.search(rf"config {h}: .*?: ([\d.]+%) cut inside it \((\d+) rows", flat)
         assert own and own.groups() == (f"{inside / n:.2%}", str(inside)), flat
+    # the pictures: every config side by side, then each config's own histogram and cap plan, the latest first
+    pictures = [Path(p) for p in re.findall(r"picture: (\S+)", result.stdout)]
+    assert [p.name for p in pictures] == ["completion_lengths.png"] + [
+        name for h, *_ in said for name in (f"completion_lengths-{h}.png", f"cap_plan-{h}.png")
+    ], pictures
+    shown = {p.name: Image.open(p).text.get("Description", "") for p in pictures if p.name.startswith("completion")}
+    assert all(f"{h} (cap " in shown["completion_lengths.png"] for h in by_hash), shown
+    for h, (n, _cut, _inside) in by_hash.items():  # each config's histogram is of its rows alone
+        own = shown[f"completion_lengths-{h}.png"]
+        assert own.startswith(f"{h} (cap ") and own.endswith(f"): {n:,} rows"), own
+        assert not any(other in own for other in by_hash if other != h), own

@@ -90,7 +90,8 @@ def test_report_leads_with_the_answer_per_config(demo_at_4096):
     assert "<- recommended" in head and "recommended cap:" in head
     # the pictures are written beside the report and their paths printed
     pictures = [Path(p) for p in re.findall(r"picture: (\S+)", head)]
-    assert [p.name for p in pictures][0] == "completion_lengths.png" and pictures[1].name.startswith("cap_plan-")
+    [config] = re.findall(r"config (\w+): \d+\.\d\d% of", flat)  # one config: its own pictures, no side by side
+    assert [p.name for p in pictures] == [f"completion_lengths-{config}.png", f"cap_plan-{config}.png"], pictures
     for picture in pictures:
         assert (
             picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
