@@ -456,9 +456,26 @@ def export(
         console.print(f"drafter training set: not written while a blocking check fails on config {config_hash}")
         return False
     record_failures(result, "training export", stops)
-    if stops.checks:
+    if stops.checks and config_hash == "all":  # said per config: each one a blocking check fails on, by its own rows
+        stops.config_hashes |= failing_configs(stops, window)
+        failing = ", ".join(f"config {h}" for h in sorted(stops.config_hashes)) or "the configs together"
+        console.print(f"drafter training set (--config all): not written: a blocking check fails on {failing}")
+    elif stops.checks:
         console.print(f"drafter training set: not written: a blocking check fails on config {config_hash}")
     return False
+
+
+def failing_configs(stops: Stops, window: Window) -> set[str]:
+    """The data dir's configs that a check in `stops.checks` fails on, each judged by its own rows."""
+    from dflash_assets.quality import run_checks
+    from dflash_assets.store.configs import list_configs
+
+    root, quality = data_dir().resolved(), window.quality()
+    return {
+        c.config_hash
+        for c in list_configs(root, window.trainer_max_length)
+        if any(not o.passed for o in run_checks(root, config_hash=c.config_hash, quality=quality, names=stops.checks))
+    }
 
 
 def export_run_config(

@@ -140,6 +140,15 @@ def test_dflash_export_ships_the_config_named_and_stops_at_a_blocking_check(read
     flat = re.sub(r"\s+", " ", stopped.stdout)
     assert f"drafter training set: not written: a blocking check fails on config {story}" in flat
     assert "Stopped by the blocking check truncation_rate (all shards)" in flat
+    # every config at once: stopped by the same check, said of the one config it fails on, by that config's rows
+    every = dflash("export", "--config", "all", "--trainer-max-length", "8192", env=env, cwd=env["CWD"])
+    assert every.returncode == 3, every.stdout + every.stderr
+    flat = re.sub(r"\s+", " ", every.stdout)
+    said = f"drafter training set (--config all): not written: a blocking check fails on config {story} Stopped by"
+    assert said in flat, every.stdout
+    assert "Stopped by the blocking check truncation_rate (all shards)" in flat
+    n = config_rows(env["DFLASH_DATA_DIR"])[story]
+    assert re.search(rf"config {story}: [\d.]+% of {n:,} rows cut at the cap of 4,096", flat), every.stdout
 
 
 def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_share(readme_order):
