@@ -30,8 +30,8 @@ def on_picker(urls: list[str], body, **options):
     return asyncio.run(go())
 
 
-async def readmitted(picker: SlotPicker, url: str, probes: int = 200) -> bool:
-    """Whether `url` is healthy again within `probes` probe intervals (a /health answer takes a second here)."""
+async def readmitted(picker: SlotPicker, url: str, probes: int = 600) -> bool:
+    """Whether `url` is healthy again within `probes` probe intervals (30 s: a /health answer takes a second or more)."""
     for _ in range(probes):
         if any(s.url == url for s in picker.healthy()):
             return True
