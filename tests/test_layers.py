@@ -1,6 +1,7 @@
-"""The layers run one way: rules < settings < store < fleet < generation < quality < defs < demo < cli, with the
-emulator apart (only defs/, demo/ and cli import it; it imports nothing of the pipeline but rules and settings),
-and no two modules import each other, however far round. Every import is read, those inside functions too."""
+"""The layers run one way: rules < settings < store < fleet < generation < quality < defs < cli, with the emulator
+apart (only defs/ and cli/ import it; it imports nothing of the pipeline but rules and settings), and no two modules
+import each other, however far round. demo/ holds the bundled prompts (and the script that made them): it imports
+nothing of the pipeline, nor does anything import it. Every import is read, those inside functions too."""
 
 import ast
 from pathlib import Path
@@ -8,9 +9,9 @@ from pathlib import Path
 import dflash_assets
 
 PACKAGE = Path(dflash_assets.__file__).resolve().parent
-ORDER = ["rules", "settings", "store", "fleet", "generation", "quality", "defs", "demo", "cli"]
+ORDER = ["rules", "settings", "store", "fleet", "generation", "quality", "defs", "cli"]
 LAYER = {name: i for i, name in enumerate(ORDER)} | {"definitions": ORDER.index("defs")}  # the one `defs`
-EMULATOR_USERS = {"defs", "demo", "cli", "definitions"}
+EMULATOR_USERS = {"defs", "cli", "definitions"}
 EMULATOR_USES = {"rules", "settings", "emulator"}
 
 
@@ -55,8 +56,10 @@ def violations(root: Path) -> list[str]:
         here, there = part(importer), part(imported)
         if here == there or "" in (here, there):
             continue
-        if there == "emulator" and here not in EMULATOR_USERS:
-            wrong.append(f"{importer} imports the emulator ({imported}): only defs/, demo/ and cli may")
+        if "demo" in (here, there):
+            wrong.append(f"{importer} imports {imported}: demo/ holds the bundled prompts, apart from every layer")
+        elif there == "emulator" and here not in EMULATOR_USERS:
+            wrong.append(f"{importer} imports the emulator ({imported}): only defs/ and cli/ may")
         elif here == "emulator" and there not in EMULATOR_USES:
             wrong.append(f"the emulator ({importer}) imports {imported}: it may use only rules and settings")
         elif here in LAYER and there in LAYER and LAYER[there] > LAYER[here]:
@@ -99,7 +102,15 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_layer_is_one_of_the_order():
     parts = {part(m) for m in modules(PACKAGE)} - {""}
-    assert parts <= set(LAYER) | {"emulator"}, f"a part of the package in no layer: {parts - set(LAYER)}"
+    assert parts <= set(LAYER) | {"emulator", "demo"}, f"a part of the package in no layer: {parts - set(LAYER)}"
+
+
+def test_demo_holds_the_bundled_prompts_only():
+    assert sorted(p.name for p in (PACKAGE / "demo").iterdir() if p.name != "__pycache__") == [
+        "__init__.py",
+        "make_prompts.py",
+        "prompts.jsonl",
+    ]
 
 
 def test_no_import_runs_against_the_layers_and_no_two_modules_import_each_other():
@@ -124,7 +135,7 @@ def test_the_check_sees_function_level_imports_arrows_against_the_order_and_circ
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert violations(root) == [
-        "dflash_assets.fleet.fleet imports the emulator (dflash_assets.emulator.process): only defs/, demo/ and cli may",
+        "dflash_assets.fleet.fleet imports the emulator (dflash_assets.emulator.process): only defs/ and cli/ may",
         "dflash_assets.generation.send (generation) imports dflash_assets.quality.runaway (quality), a layer above it",
         "a circle: dflash_assets.generation.send -> dflash_assets.quality.runaway -> dflash_assets.generation.send",
     ]

@@ -13,7 +13,7 @@ def keys(group: type) -> set[str]:
 
 class ShardRunKeys:
     """What `completions` records per shard (defs/completions/assets.py shard_metadata), read back by the demo's
-    table (demo/run.py) and the cap plan's throughput (defs/quality/assets.py fleet_throughput)."""
+    table (cli/shards.py) and the cap plan's throughput (defs/quality/assets.py fleet_throughput)."""
 
     ROW_COUNT = "dagster/row_count"  # all_turns: a row per turn; COMPLETED counts conversations
     CONFIG_HASH = "config_hash"
@@ -38,7 +38,7 @@ class ShardRunKeys:
 
 
 class CheckKeys:
-    """What each quality check result carries (defs/quality/checks.py), read back by the demo (demo/run.py)."""
+    """What each quality check result carries (defs/quality/checks.py), read back by the terminal (cli/)."""
 
     SCOPE = "scope"  # for people: the shards checked, or "all shards"
     FAILING = "failing"  # for people: "shard 00001, shard 00004", or "none"
@@ -71,7 +71,7 @@ class ReportKeys:
 
 class ContinuationKeys:
     """What `continued_completions` records per shard (defs/continuation/assets.py), read back by `dflash
-    continue`'s table (demo/run.py)."""
+    continue`'s table (cli/shards.py)."""
 
     CONFIG_HASH = "config_hash"
     ROWS_CONTINUED = "rows_continued"
@@ -95,7 +95,7 @@ class TrainingSetKeys:
 
 class StepStopKeys:
     """What a step that stopped on a fault records in its failure (defs/faults.py, and the config refusals), read back
-    by the demo (demo/run.py): a failed step records no materialisation, so its table takes the recount from here."""
+    by the terminal (cli/): a failed step records no materialisation, so its table takes the recount from here."""
 
     CAUSE = "cause"  # "config": a setting to fix; "exhausted": the disk (or open files) ran out; "retried"; "check":
     # a blocking check stopped the export (exit 3)

@@ -7,7 +7,7 @@ import dagster as dg
 from dagster._core.events import DagsterEventType
 from dagster._core.instance.ref import InstanceRef
 
-from dflash_assets.demo.run import Stops, record_failures
+from dflash_assets.cli.runner import Stops, record_failures
 from tests.support.cli import demo_slice, dflash, home
 
 

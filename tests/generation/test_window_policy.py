@@ -311,7 +311,7 @@ def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway
 
 def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_settings():
     from dflash_assets.cli import _completions_config, build_parser, repeated_flags, trainer_flags
-    from dflash_assets.demo.run import Window
+    from dflash_assets.cli.runner import Window
 
     for argv in (["demo"], ["backfill"], ["generate", "--shard", "0", "--urls", "http://x"]):
         args = build_parser().parse_args([*argv, "--cap-policy", "window", "--trainer-max-length", "2048"])

@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
+from dflash_assets.cli.runner import Stops, record_failures
 from dflash_assets.defs.partitions import shard_partitions
-from dflash_assets.demo.run import Stops, record_failures
 from dflash_assets.store.exhaustion import exhausted_error, exhaustion
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import FAILURE_SCHEMA

@@ -1,0 +1,56 @@
+"""`dflash`: the demo, the emulator, the quality report, the configs and their export, the length probe and the
+fleet, from a terminal.
+
+A module per command group; runner.py is the one place that executes Dagster jobs in this process, render.py the one
+renderer of a shard command's ending, errors.py the one place an error becomes a line and an exit status. A command's
+module is imported when that command runs: only the commands that run Dagster load it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from dflash_assets.cli.environment import PROJECT_DAGSTER_YAML
+from dflash_assets.cli.errors import failed
+from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
+from dflash_assets.cli.parser import DEMO_DEFAULTS, SHARD_RUN_DEFAULTS, build_parser
+
+__all__ = [
+    "DEMO_DEFAULTS",
+    "PROJECT_DAGSTER_YAML",
+    "SHARD_RUN_DEFAULTS",
+    "_completions_config",
+    "build_parser",
+    "main",
+    "repeated_flags",
+    "trainer_flags",
+]
+
+# command -> (its module under cli/, the function that runs it on the parsed flags)
+COMMANDS = {
+    "demo": ("demo", "demo"),
+    "backfill": ("shards", "backfill"),
+    "continue": ("shards", "continue_shards"),
+    "generate": ("generate", "generate"),
+    "configs": ("export", "configs"),
+    "export": ("export", "export_command"),
+    "probe": ("generate", "probe"),
+    "fleet": ("fleet", "fleet"),
+    "report": ("report", "report"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["emulator"]:
+        from dflash_assets.emulator import main as emulator
+
+        return emulator(argv[1:])
+    args = build_parser().parse_args(argv)
+    module, function = COMMANDS[args.subcommand]
+    try:
+        command = getattr(importlib.import_module(f"{__name__}.{module}"), function)
+        return command(args)
+    except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's event log)
+        return failed(args, e)

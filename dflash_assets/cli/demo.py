@@ -1,0 +1,69 @@
+"""`dflash demo`: every shard of the bundled demo prompts (or --prompts) through Dagster on emulated SGLang servers,
+the checks, the export and the next command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+import dagster as dg
+from rich.console import Console
+
+from dflash_assets.cli.environment import instance_environment
+from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
+from dflash_assets.cli.render import policy_text, print_stop, print_window_answer
+from dflash_assets.cli.runner import BAD_CONFIG, Window, known_shards, source_refused
+from dflash_assets.cli.shards import generate_and_export
+from dflash_assets.quality.console import console_for_output, verbatim
+from dflash_assets.settings import TrainerSettings
+
+
+def run_demo(
+    completions: dict,
+    console: Console | None = None,
+    verbose: bool = False,
+    again: Callable[[dict], str] = lambda overrides: "",
+    trainer: TrainerSettings = TrainerSettings(),
+) -> int:
+    """The whole pipeline over every shard for `trainer`; `again(overrides)`: the flags that repeat `completions`
+    and the trainer's, changed by `overrides`, in the next command."""
+    console = console or console_for_output()
+    if source_refused("demo", console):
+        return BAD_CONFIG
+    instance = dg.DagsterInstance.get()
+    shards = known_shards(instance)
+    window = Window.of(completions, trainer)
+    console.print(
+        f"dflash demo: {len(shards)} shards (cap {completions['max_output_tokens']} tokens, "
+        f"{policy_text(window)}), DAGSTER_HOME={os.environ['DAGSTER_HOME']}, "
+        f"data in {os.environ['DFLASH_DATA_DIR']}/",
+        highlight=False,
+    )
+    stops = generate_and_export(instance, shards, completions, console, verbose, window)
+    if not stops.checks and not stops.errors and not stops.preflight:
+        print_window_answer(
+            stops,
+            console,
+            window,
+            f"dflash demo{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}",
+        )
+    verbatim(
+        console,
+        "The UI (event log, reports, checks):  DAGSTER_HOME="
+        + os.environ["DAGSTER_HOME"]
+        + " uv run dg dev   then http://127.0.0.1:3000",
+    )
+    return print_stop(stops, console, lambda cap: f"dflash demo{again({})} --max-output-tokens {cap}", window)
+
+
+def demo(args: argparse.Namespace) -> int:
+    config, trainer = _completions_config("demo", args)
+    instance_environment(args)
+    flags = {**config, **trainer_flags(trainer)}
+    return run_demo(
+        config,
+        trainer=trainer,
+        verbose=args.verbose,
+        again=lambda overrides: repeated_flags("demo", {**flags, **overrides}),
+    )

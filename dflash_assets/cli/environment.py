@@ -1,0 +1,71 @@
+"""The instance and the data a command works on, set in the environment before Dagster is imported: the definitions
+read them at load."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from dflash_assets.cli.errors import BadInput
+from dflash_assets.settings import Deployment
+
+# the project's instance settings (telemetry and the community modal off, the run queue, the fleet's pool)
+PROJECT_DAGSTER_YAML = Path(__file__).resolve().parents[2] / "dagster_home" / "dagster.yaml"
+
+
+def instance_environment(args: argparse.Namespace) -> None:
+    """The instance, the data dir and its prompt source, set in the environment before Dagster is imported (the
+    definitions read them at load). A flag wins over its environment variable; a data dir given alone brings the
+    source its shards record (store/source.py): the path and the shard size it was cut at."""
+    home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
+    home.mkdir(parents=True, exist_ok=True)
+    _set_up_instance(home)
+    if getattr(args, "data_dir", None):
+        os.environ[Deployment.DATA_DIR.name] = args.data_dir
+    os.environ.setdefault(Deployment.DATA_DIR.name, Deployment.DATA_DIR.default)
+    recorded = recorded_source(Deployment.DATA_DIR.value())
+    given_by = "--prompts" if args.prompts else Deployment.PROMPTS.name
+    if args.prompts:
+        os.environ[Deployment.PROMPTS.name] = str(Path(args.prompts).resolve())
+    elif recorded and Deployment.PROMPTS.name not in os.environ:
+        os.environ[Deployment.PROMPTS.name], given_by = recorded.path, "the data dir's source record"
+    _readable_source(Path(Deployment.PROMPTS.value()), given_by)
+    if getattr(args, "shard_size", None):
+        os.environ[Deployment.SHARD_SIZE.name] = str(args.shard_size)
+    elif recorded and recorded.path == str(Path(Deployment.PROMPTS.value()).resolve()):
+        os.environ.setdefault(Deployment.SHARD_SIZE.name, str(recorded.shard_size))
+    if getattr(args, "servers", None):
+        os.environ[Deployment.NUM_SERVERS.name] = str(args.servers)
+
+
+def recorded_source(data_dir: str):
+    """The prompt source a data dir's shards record (the first shard's: generation/shards.py refuses a data dir
+    whose shards disagree), or None for a new data dir."""
+    from dflash_assets.store.source import recorded_sources
+
+    try:
+        return next(iter(recorded_sources(data_dir).values()), None)
+    except FileNotFoundError:
+        return None
+
+
+def _set_up_instance(home: Path) -> None:
+    """An empty DAGSTER_HOME gets the project's dagster.yaml, said in one line (Dagster would warn and default)."""
+    if not PROJECT_DAGSTER_YAML.is_file() or any(home.iterdir()):
+        return  # an instance already there keeps its own settings; an installed wheel has no project file
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    print(
+        f"DAGSTER_HOME={home} was empty: wrote the project's dagster.yaml there (telemetry off, the run queue, "
+        f"the fleet's concurrency pool)"
+    )
+
+
+def _readable_source(path: Path, given_by: str) -> None:
+    """A prompt source that cannot be read stops the command at once, saying which and how to fix it."""
+    from dflash_assets.generation.prompts import SourceError, check_source
+
+    try:
+        check_source(path)
+    except SourceError as e:
+        raise BadInput(f"{e} (given by {given_by}): give a JSONL or Parquet file of prompts") from None

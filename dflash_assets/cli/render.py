@@ -1,0 +1,167 @@
+"""The one renderer of a shard command's ending: what stopped it, the configs beside its own, and the next command."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from rich.console import Console
+
+from dflash_assets.cli.runner import ALL_SHARDS, Stops, Window, data_dir
+from dflash_assets.quality.console import verbatim
+from dflash_assets.settings import Deployment
+
+
+def policy_text(window: Window) -> str:
+    policy = f"cap_policy window (+{window.overshoot} overshoot), " if window.cap_policy == "window" else ""
+    return f"{policy}trainer's window max_length {window.trainer_max_length}"
+
+
+def regenerate_text(regenerate: str) -> str | None:
+    """What `regenerate` does to the source's multi-turn prompts, said before anything runs; None for a source without
+    any (auto is last_turn there: the same config as ever) and for all_turns."""
+    from dflash_assets.generation.prompts import SourceError, source_turns
+
+    try:
+        turns = source_turns(Deployment.PROMPTS.value())
+    except SourceError:
+        return None  # the run says what is wrong with the source
+    if not turns.with_history or regenerate == "all_turns":
+        return None
+    share = f"{turns.with_history:,} of {turns.prompts:,} prompts carry earlier assistant turns"
+    if regenerate == "auto":
+        return (
+            f"regenerate auto: all_turns, since {share}: every assistant turn is regenerated, in order, so the "
+            f"trainer learns only the target model's answers (the default was last_turn, which kept the source's "
+            f"answers in the history, and SpecForge trains on every assistant turn: docs/multi-turn.md)"
+        )
+    return (
+        f"regenerate last_turn: {share}, whose earlier answers are the source's own text. SpecForge puts loss on "
+        f"every assistant turn: set its data.train_only_last_turn: true, or it learns them (off-policy); the "
+        f"manifest counts these rows. --regenerate auto regenerates every turn"
+    )
+
+
+def print_other_configs(run_config: str | None, window: Window, console: Console) -> None:
+    """The data dir's other configs, one line each: beside the run's own figures, never pooled into them."""
+    from dflash_assets.store.configs import list_configs
+
+    others = [c for c in list_configs(data_dir().resolved(), window.trainer_max_length) if c.config_hash != run_config]
+    if others:
+        console.print("also in this data dir (not in the figures above; `dflash configs` compares them):")
+        for c in others:
+            console.print(f"  {c.line()}", highlight=False)
+
+
+def print_superseded(stops: Stops, console: Console, window: Window) -> None:
+    """One line per other config left incomplete beside the run's own: superseded, with its counts, blocking nothing
+    (accounting's judgement of the run's config over every shard, quality/accounting.py)."""
+    from dflash_assets.quality import run_checks
+
+    for config_hash in sorted(stops.config_hashes):
+        (o,) = run_checks(
+            data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["accounting"]
+        )
+        for line in o.summary_md.splitlines():
+            if ", superseded (" in line:
+                console.print(f"  {re.sub(r'[*`]', '', line.removeprefix('- '))}; it blocks nothing", highlight=False)
+
+
+def print_window_answer(stops: Stops, console: Console, window: Window, rerun: str) -> None:
+    """When no check stopped the run: whether the cut rows matter to this trainer, and what decoding past the
+    window cost (the window policy's command when it cost anything)."""
+    from dflash_assets.quality import run_checks
+    from dflash_assets.quality.outcome import num, pct
+
+    for config_hash in sorted(stops.config_hashes):
+        (o,) = run_checks(
+            data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["decoded_past_window"]
+        )
+        m: dict = o.metadata
+        if not m["window_complete_rows"] and not m["decoded_past_window_tokens"]:
+            continue
+        console.print(
+            f"config {config_hash}: {num(m['window_complete_rows'])} rows "
+            f"({pct(m['window_complete_rate'])}) were cut at or past the trainer's window max_length "
+            f"{num(window.trainer_max_length)}: window-complete, the trainer reads each as it reads the "
+            f"complete answer, so they are exported. {num(m['decoded_past_window_tokens'])} of "
+            f"{num(m['decoded_tokens'])} decoded tokens ({pct(m['past_window_rate'])}) lie past the window.",
+            highlight=False,
+        )
+        if not o.passed:
+            verbatim(console, f"Next time, decode only what the trainer reads: {rerun}")
+
+
+def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], window: Window = Window()) -> int:
+    """One short block: what stopped the run, the cap plan, and the exact next command. Returns the exit status."""
+    from dflash_assets.quality import run_checks
+    from dflash_assets.quality.answer import cap_answers
+    from dflash_assets.quality.console import print_answer
+
+    # figures, not syntax, to colour; a soft wrap: a path or a command in these lines is never broken in two
+    say = lambda text="": console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
+    if stops.errors:  # the first cause first; the same cause again is counted, not repeated
+        first = stops.errors[0]
+        say(f"[red]Failed[/]: {first.where}: {first.message}")
+        for line in first.detail:
+            say(f"  {line}")
+        same = sum(e.message == first.message for e in stops.errors[1:])
+        others = [e for e in stops.errors[1:] if e.message != first.message]
+        if same:
+            say(f"  (and {same} more run(s) with the same cause)")
+        for error in others:
+            say(f"Also failed: {error.where}: {error.message}")
+        say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
+        if first.says_next:  # its line ends with the next command (a full disk: free space, then ...)
+            pass
+        elif first.passing:
+            say(
+                "Next: the cause can pass (a server down, a timeout): run the same command again; committed "
+                "completions are kept, only the rest runs."
+            )
+        else:
+            say("Next: fix the cause above, then run the same command again (committed completions are kept).")
+    if stops.preflight:
+        say("[red]Stopped before any request was sent[/]: the preflight refused the run.")
+        for message in dict.fromkeys(stops.preflight):
+            say(f"  {message}")
+        needed = max(int(n) for m in stops.preflight for n in re.findall(r"--context-length (\d+)", m) or [0])
+        if needed:
+            say(f"Next: restart the servers with --context-length {needed} (or lower --max-output-tokens).")
+        return stops.exit_status()
+    if not stops.checks or stops.errors:
+        return stops.exit_status()
+    root = data_dir().resolved()
+    quality = window.quality()
+    for config_hash in sorted(stops.config_hashes):
+        outcomes = [
+            o for o in run_checks(root, config_hash=config_hash, quality=quality, names=stops.checks) if not o.passed
+        ]
+        for o in outcomes:
+            headline = re.sub(r"[*`]", "", o.summary_md.split("\n\n")[0])
+            shards = stops.checks[o.name]
+            where = ALL_SHARDS if ALL_SHARDS in shards else f"shards {', '.join(shards)}"
+            say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline}")
+        answers = cap_answers(root, quality, config_hash)
+        if not answers or "truncation_rate" not in stops.checks:
+            say(
+                "Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
+                "set stays unwritten until every blocking check passes."
+            )
+            continue
+        answer = answers[0]
+        print_answer(answer, console)
+        best = answer.recommended
+        if best is None:
+            continue
+        before = ""
+        if best.fits_context is False:
+            before = f"restart the servers with --context-length {best.context_needed_max}, then "
+        if answer.plan is not None and answer.plan.by_turn:  # all_turns: a cut turn ended its conversation
+            say(f"Next: {before}generate every conversation again at the new cap (the turns after a cut one were never")
+            verbatim(console, f"  generated, so cut turns are not continued): {rerun(best.cap)}")
+            continue
+        say(f"Next: {before}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
+        verbatim(console, f"  dflash continue --to {best.cap}")
+        verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
+    return stops.exit_status()

@@ -1,0 +1,61 @@
+"""`dflash report`: the length-quality summary of a data dir, read from its Parquet files (no webserver)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dflash_assets.settings import TRAINER_FLAGS, Deployment, QualitySettings, TrainerSettings
+
+
+def report(args: argparse.Namespace) -> int:
+    from dflash_assets.quality import print_report
+    from dflash_assets.quality.tables import parquet_files
+
+    data_dir = args.data_dir or Deployment.DATA_DIR.value()  # a path or an s3:// URI
+    if not parquet_files(data_dir, "completions"):
+        print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
+        return 2
+    from dflash_assets.quality.console import console_for_output, print_answers, verbatim
+    from dflash_assets.quality.rejects import read_rejects
+
+    quality = QualitySettings(trainer=TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS))
+    console = console_for_output()
+    answers = print_answers(data_dir, console, quality)
+    pictures = report_pictures(data_dir, answers)
+    for line in read_rejects(data_dir).lines(f"{data_dir}/rejects/"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    for picture in pictures:
+        verbatim(console, f"picture: {picture}")
+    if args.open:
+        import webbrowser
+
+        for picture in pictures:
+            webbrowser.open(picture.resolve().as_uri())
+    console.print()
+    print_report(data_dir, console, quality=quality)
+    return 0
+
+
+def report_pictures(data_dir: str, answers) -> list[Path]:
+    """Each config's histogram of completion lengths and cap plan (survival curve), in the answers' order (the
+    latest config first), after one histogram of every config side by side when there are several; written beside
+    the report, under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
+    from dflash_assets.quality.histogram import series, write_histogram
+    from dflash_assets.quality.planner_plot import cap_plan_png
+    from dflash_assets.store.storage import is_uri
+
+    reports = Path(Deployment.LOCAL_DIR.value() if is_uri(data_dir) else data_dir) / "reports"
+    every = series(data_dir)  # one read: a series per (config, cap)
+    several = len({h for h, *_ in every}) > 1
+    pictures = [write_histogram(every, reports / "completion_lengths.png", None)] if several else []
+    for answer in answers:
+        if own := [s for s in every if s[0] == answer.config_hash]:
+            pictures.append(write_histogram(own, reports / f"completion_lengths-{answer.config_hash}.png", None))
+        if answer.plan is not None:
+            path = reports / f"cap_plan-{answer.config_hash}.png"
+            wp = answer.window_plan
+            path.write_bytes(cap_plan_png(answer.plan, (wp.max_length, wp.window_at) if wp else None))
+            pictures.append(path)
+    return pictures

@@ -1,0 +1,276 @@
+"""The one place that executes Dagster jobs in this process, and reads their results as data.
+
+A command runs a range of shards the way a backfill launched from the UI does: runs of up to DFLASH_SHARDS_PER_RUN
+shards (`BackfillPolicy.multi_run`), each run streaming its shards' prompts through one dispatcher, here executed in
+this process one run after the other (no daemon needed). Dagster's event stream (and every stack trace) goes to the
+run's event log in DAGSTER_HOME, which the UI shows; `--verbose` prints it here as well. The exit status says which:
+0 done, 1 failed, 2 bad input or config (the preflight refused the run), 3 stopped by a blocking check.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import dagster as dg
+from rich.console import Console
+from rich.logging import RichHandler
+
+from dflash_assets.defs import pools
+from dflash_assets.defs.metadata import StepStopKeys
+from dflash_assets.defs.partitions import SHARDS
+from dflash_assets.defs.prompts.sensors import shard_changes
+from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
+from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
+
+DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
+
+
+ALL_SHARDS = "all shards"  # where the export's gate judged a config
+
+
+def quiet(verbose: bool) -> dict:
+    """Run config for the console logger: silent unless --verbose; the event log keeps everything either way."""
+    return {"loggers": {"console": {"config": {"log_level": "DEBUG" if verbose else "CRITICAL"}}}}
+
+
+# What a failure that re-running can cure looks like: the fleet went away or was slow, not a setting or a bug.
+PASSING = (
+    "FleetDown",
+    "ServerError",
+    "TimeoutError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientOSError",
+    "ConnectionError",
+    "ConnectionResetError",
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed run or step, said in a line or two: where, the first line of its cause, and the server's own words
+    when a fleet did not start."""
+
+    where: str
+    message: str
+    run_id: str
+    detail: tuple[str, ...] = ()  # e.g. the last lines an emulator or sglang server wrote before it exited
+    passing: bool = False  # re-running may cure it (a server down, a timeout), so say so
+    says_next: bool = False  # the message ends with the next command itself (a full disk: free space, then...)
+
+
+@dataclass(frozen=True)
+class Window:
+    """demo/backfill's --cap-policy and --overshoot (how requests are sized) and the trainer's settings
+    (--trainer-max-length, --trainer-format, ...): the one window the requests are sized to and the checks, the
+    answer and the export judge by, set in the quality resource alone. Defaults: the settings'."""
+
+    cap_policy: str = GenerationSettings().cap_policy
+    overshoot: int = GenerationSettings().overshoot
+    trainer: TrainerSettings = TrainerSettings()
+
+    @classmethod
+    def of(cls, completions: dict, trainer: TrainerSettings = TrainerSettings()) -> Window:
+        """The window of a completions run config (the CLI's flags) and the trainer's settings."""
+        return cls(completions["cap_policy"], completions["overshoot"], trainer)
+
+    @property
+    def trainer_max_length(self) -> int:
+        return self.trainer.max_length
+
+    def resources(self) -> dict:
+        return {"quality": {"config": {"trainer": self.trainer.model_dump()}}}
+
+    def quality(self):
+        from dflash_assets.settings import QualitySettings
+
+        return QualitySettings(trainer=self.trainer)
+
+
+@dataclass
+class Stops:
+    """What stopped the runs of a command, sorted by kind: blocking checks, the preflight, anything else."""
+
+    checks: dict[str, list[str]] = field(default_factory=dict)  # blocking check -> shards it failed on
+    preflight: list[str] = field(default_factory=list)  # the preflight's or the config's refusals (with numbers)
+    errors: list[Failure] = field(default_factory=list)  # in the order they happened: the first is the cause
+    config_hashes: set[str] = field(default_factory=set)
+    filling_window: int = 0  # cap_policy fixed: prompts sent although they fill the trainer's window
+
+    @property
+    def config_hash(self) -> str | None:
+        """The run's own config (a command generates one): what its table, its checks and its export are of."""
+        return min(self.config_hashes) if self.config_hashes else None
+
+    def exit_status(self) -> int:
+        return FAILED if self.errors else BAD_CONFIG if self.preflight else STOPPED_BY_CHECK if self.checks else DONE
+
+
+def execute(
+    job: str, instance: dg.DagsterInstance, run_config: dict, console: Console, shards: list[str] | None = None
+) -> dg.ExecuteInProcessResult:
+    """One run of `job` in this process, which is its worker: first the runs that died are failed and their pool
+    slots freed (defs/pools.py), then this process is recorded in the run's tags (so a kill -9 of it is seen by the
+    next run), and what a step waiting for a pool says is printed here (who holds it, alive or not, what frees it).
+    """
+    from dflash_assets.definitions import defs  # loaded here: it reads the environment the command has set
+
+    handler = RichHandler(console=console, show_time=False, show_level=False, show_path=False, markup=False)
+    pools.log.addHandler(handler)
+    pools.log.setLevel(logging.INFO)
+    try:
+        pools.reap_dead_runs(instance)
+        tags = pools.worker_tags()
+        if shards:
+            tags |= {"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]}
+        return defs.resolve_job_def(job).execute_in_process(
+            instance=instance, run_config=run_config, raise_on_error=False, tags=tags
+        )
+    finally:
+        pools.log.removeHandler(handler)
+
+
+def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops) -> None:
+    """Sort a run's failures: a blocking check, the preflight, or an error (its cause's first line, no stack
+    trace). A run that failed before any step (the fleet resource did not start) is an error of the run itself."""
+    failed_steps = False
+    for event in result.all_events:
+        if event.is_step_failure:
+            failed_steps = True
+            error, user = event.step_failure_data.error, event.step_failure_data.user_failure_data
+            if error is None or error.cls_name == "DagsterAssetCheckFailedError":
+                continue  # the evaluations say which checks and where
+            error = _own_error(error)
+            message = (user.description if user and user.description else _line(error)).strip()
+            cause = user.metadata[StepStopKeys.CAUSE].value if user and StepStopKeys.CAUSE in user.metadata else None
+            if user and cause == "check":
+                failing = user.metadata[StepStopKeys.FAILING_CHECKS].value  # the export's gate, over all shards
+                for name in failing if isinstance(failing, list) else []:
+                    stops.checks.setdefault(str(name), []).append(ALL_SHARDS)
+                continue
+            if message.startswith("preflight: ") or cause == "config":
+                stops.preflight.append(message.removeprefix("preflight: "))
+            else:
+                stops.errors.append(
+                    Failure(
+                        f"{where}, step {event.step_key}",
+                        message.splitlines()[0],
+                        result.run_id,
+                        passing=cause != "exhausted" and _cause_of(error).cls_name in PASSING,
+                        says_next=cause == "exhausted",
+                    )
+                )
+        elif event.is_run_failure and not failed_steps and event.job_failure_data.error is not None:
+            error = _own_error(event.job_failure_data.error)
+            lines = [line.strip() for line in error.message.splitlines() if line.strip()]
+            stops.errors.append(
+                Failure(
+                    f"{where}: the run could not start",
+                    _line(error).splitlines()[0],
+                    result.run_id,
+                    detail=tuple(line[:600] for line in lines[1:][-3:]),
+                )
+            )
+
+
+WRAPPERS = ("DagsterExecutionStepExecutionError", "DagsterResourceFunctionError")
+RETRIES_RAN_OUT = "RetryRequestedFromPolicy"  # "Exceeded max_retries of N"; its cause is the last attempt's error
+
+
+def _own_error(error):
+    """Dagster's wrappers (step execution, resource init, retries run out) off: the user code's own error says what
+    went wrong; when retries ran out, the last attempt's, "after N attempts"."""
+    attempts = None
+    while error.cause and error.cls_name in (*WRAPPERS, RETRIES_RAN_OUT):
+        if error.cls_name == RETRIES_RAN_OUT and (ran_out := re.search(r"max_retries of (\d+)", error.message)):
+            attempts = int(ran_out.group(1)) + 1
+        error = error.cause
+    if attempts is not None:
+        error = error._replace(message=f"{_line(error).split(': ', 1)[-1].splitlines()[0]}, after {attempts} attempts")
+    return error
+
+
+def _cause_of(error):
+    """A Failure raised for a step's last attempt (defs/faults.py) names its cause's class: judge by that."""
+    return error.cause if error.cls_name == "Failure" and error.cause else error
+
+
+def _line(error) -> str:
+    text = error.message.split(": ", 1)[-1] if error.cls_name in error.message.split(":")[0] else error.message
+    return f"{error.cls_name}: {text}"
+
+
+def _listed(value: dg.MetadataValue) -> list:
+    """A JSON list metadata value (CheckKeys.FAILING_SHARDS), as a list."""
+    listed = value.value
+    return listed if isinstance(listed, list) else []
+
+
+def _meta(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, dict]:
+    """partition -> metadata of the asset's materialisations in a run."""
+    return {
+        str(m.partition): {k: v.value for k, v in m.metadata.items()}
+        for m in result.asset_materializations_for_node(asset)
+    }
+
+
+def _committed_when_stopped(result: dg.ExecuteInProcessResult) -> dict[str, int]:
+    """shard -> rows its failed completions step had committed (the recount in the failure's metadata)."""
+    counts: dict[str, int] = {}
+    for event in result.all_events:
+        if event.is_step_failure and event.step_key == "completions":
+            user = event.step_failure_data.user_failure_data
+            if user and StepStopKeys.COMMITTED_BY_SHARD in user.metadata:
+                by_shard = user.metadata[StepStopKeys.COMMITTED_BY_SHARD].value
+                if isinstance(by_shard, dict):  # a JSON value: defs/faults.py writes the recount's dict
+                    counts |= by_shard
+    return counts
+
+
+def prompt_source() -> PromptSourceResource:
+    # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
+    return PromptSourceResource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
+
+
+def data_dir() -> DataDirResource:
+    # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
+    return DataDirResource(path=Deployment.DATA_DIR.value(), local_path=Deployment.LOCAL_DIR.value())
+
+
+def known_shards(instance: dg.DagsterInstance) -> list[str]:
+    """The shards of the prompt source: the instance's partitions made to follow it (defs/prompts/sensors.py)."""
+    keys, new, past_end = shard_changes(instance, prompt_source(), data_dir())
+    if new:
+        instance.add_dynamic_partitions(SHARDS, new)
+    for key in past_end:
+        instance.delete_dynamic_partition(SHARDS, key)
+    return keys
+
+
+def source_refused(command: str, console: Console) -> bool:
+    """Say (one line, exit 2) why the prompt source may not write into the data dir, before anything is written."""
+    from dflash_assets.generation.prompts import SourceError
+    from dflash_assets.generation.shards import source_refusal
+
+    source = prompt_source()
+    try:
+        refusal = source_refusal(source.resolved(), source.shard_size, data_dir().resolved())
+    except (SourceError, ValueError) as e:  # no source, an empty one, a bad shard size
+        refusal = str(e)
+    if refusal:
+        console.print(f"[red]dflash {command}:[/] {refusal}", highlight=False, soft_wrap=True)
+    return refusal is not None
+
+
+def shard_range(command: str, shards: list[str], first: str | None, last: str | None, console: Console) -> list | None:
+    """The shards from `first` to `last` (default: the first and the last), or None when one is not a shard (said
+    in one line: the caller exits 2)."""
+    first, last = first or shards[0], last or shards[-1]
+    if unknown := [k for k in (first, last) if k not in shards]:
+        console.print(
+            f"[red]dflash {command}:[/] no shard {', '.join(unknown)}; the shards are {shards[0]}..{shards[-1]}"
+        )
+        return None
+    return shards[shards.index(first) : shards.index(last) + 1]

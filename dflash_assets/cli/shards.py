@@ -1,0 +1,340 @@
+"""`dflash backfill` and `dflash continue`: a range of shards through the Dagster jobs on the instance in
+DAGSTER_HOME, the per-shard table, and the export of the run's own config."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+import dagster as dg
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dflash_assets.cli.environment import instance_environment
+from dflash_assets.cli.export import export_run_config
+from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
+from dflash_assets.cli.parser import build_parser
+from dflash_assets.cli.render import (
+    policy_text,
+    print_other_configs,
+    print_stop,
+    print_superseded,
+    print_window_answer,
+    regenerate_text,
+)
+from dflash_assets.cli.runner import (
+    BAD_CONFIG,
+    DONE,
+    FAILED,
+    Stops,
+    Window,
+    _committed_when_stopped,
+    _listed,
+    _meta,
+    data_dir,
+    execute,
+    known_shards,
+    quiet,
+    record_failures,
+    shard_range,
+    source_refused,
+)
+from dflash_assets.defs.completions.jobs import shard_pipeline_job
+from dflash_assets.defs.continuation.jobs import continue_job
+from dflash_assets.defs.metadata import CheckKeys, ContinuationKeys, PromptShardKeys, ReportKeys, ShardRunKeys
+from dflash_assets.defs.partitions import SHARDS_PER_RUN
+from dflash_assets.generation.plan import filling_window_note
+from dflash_assets.quality.console import console_for_output, verbatim
+from dflash_assets.quality.rejects import read_rejects
+from dflash_assets.settings import TrainerSettings
+
+COLUMNS = (
+    "shard",
+    "lines",
+    "rejected",
+    "prompts",
+    "done",
+    "new",
+    "fail",
+    "cut",
+    "inside",
+    "P50",
+    "P90",
+    "P99",
+    "checks",
+)
+
+
+def run_shards(
+    instance: dg.DagsterInstance,
+    shards: list[str],
+    completions: dict,
+    console: Console,
+    verbose: bool = False,
+    window: Window = Window(),
+) -> Stops:
+    """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
+    flags) and `window`'s trainer as the quality resource's (the checks' window, and the requests'); print a table;
+    return what stopped runs."""
+    run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": completions}}}
+    stops = Stops()
+    table = Table(
+        title=f"completions by shard (cut: finish_reason = length; inside: cut inside the trainer's window "
+        f"max_length {window.trainer_max_length}; P: completion tokens)",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
+    failed_checks: dict[str, list[str]] = {}
+    no_figures: list[str] = []
+    recounted: list[str] = []  # their completions step stopped: done is the recount its failure recorded
+    runs = [shards[i : i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task(f"materialising shards in {len(runs)} run(s)", total=len(shards))
+        for chunk in runs:
+            result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk)
+            source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
+            report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
+            stopped = {} if result.success else _committed_when_stopped(result)
+            if not result.success:
+                no_figures += [shard for shard in chunk if shard not in comp and shard not in stopped]
+                recounted += [shard for shard in chunk if shard not in comp and shard in stopped]
+            for shard in chunk:
+                s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
+                failing = [e for e in checks if not e.passed and shard in _listed(e.metadata[CheckKeys.FAILING_SHARDS])]
+                for e in failing:
+                    failed_checks.setdefault(f"{e.check_name} ({e.severity.value})", []).append(shard)
+                    if e.blocking and e.severity == dg.AssetCheckSeverity.ERROR:
+                        stops.checks.setdefault(e.check_name, []).append(shard)
+                if c.get(ShardRunKeys.CONFIG_HASH):
+                    stops.config_hashes.add(c[ShardRunKeys.CONFIG_HASH])
+                stops.filling_window += c.get(ShardRunKeys.PROMPTS_FILLING_WINDOW, 0)
+                rejected = (
+                    s.get(PromptShardKeys.REJECTED, 0)
+                    + c.get(ShardRunKeys.REJECTED_PREFLIGHT, 0)
+                    + c.get(ShardRunKeys.REJECTED_SERVER, 0)
+                )
+                table.add_row(
+                    shard,
+                    str(s.get(PromptShardKeys.LINES, "-")),
+                    str(rejected),
+                    str(c.get(ShardRunKeys.PROMPTS, "-")),
+                    str(c.get(ShardRunKeys.COMPLETED, stopped.get(shard, "-"))),
+                    str(c[ShardRunKeys.COMPLETED] - c[ShardRunKeys.ALREADY_DONE]) if c else "-",
+                    str(c.get(ShardRunKeys.FAILED, "-")),
+                    str(r.get(ReportKeys.TRUNCATION_RATE, "-")),
+                    str(r.get(ReportKeys.CUT_INSIDE_WINDOW_RATE, "-")),
+                    *(str(r.get(k, "-")) for k in (ReportKeys.P50, ReportKeys.P90, ReportKeys.P99)),
+                    f"{len(checks) - len(failing)}/{len(checks)}",
+                )
+            if not result.success:
+                record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
+            progress.advance(task, len(chunk))
+    table.title = (
+        f"completions of config {stops.config_hash} by shard " if stops.config_hash else "completions by shard "
+    ) + str(table.title).removeprefix("completions by shard ")
+    console.print(table)
+    rejects = read_rejects(data_dir().resolved(), shards)
+    for line in rejects.lines(f"{data_dir().resolved()}/rejects/ (dflash report counts them by stage and reason)"):
+        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)  # a path is copied whole
+    print_other_configs(stops.config_hash, window, console)
+    if no_figures:
+        console.print(
+            f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
+            f"committed any (the cause is below)",
+            highlight=False,
+        )
+    if recounted:
+        console.print(
+            f"  shard(s) {', '.join(recounted)}: done is what their run committed before it stopped (recounted from "
+            f"the data dir; the cause is below)",
+            highlight=False,
+        )
+    if stops.filling_window:  # preflight counted them before any request
+        verbatim(console, f"  {filling_window_note(stops.filling_window, window.trainer_max_length)}")
+    for name, where in sorted(failed_checks.items()):
+        console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
+    if failed_checks:
+        console.print("  (a blocking check that fails with ERROR stops the training set; WARN asks you to look)")
+    return stops
+
+
+def generate_and_export(
+    instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console, verbose: bool, window: Window
+) -> Stops:
+    """What demo and backfill share: what regenerate does to the source, the shards through Dagster, the configs the
+    run superseded, and the export of the run's own config."""
+    if said := regenerate_text(completions["regenerate"]):
+        console.print(said, highlight=False)
+    stops = run_shards(instance, shards, completions, console, verbose, window)
+    print_superseded(stops, console, window)
+    export_run_config(instance, stops, window, console, verbose)
+    return stops
+
+
+def run_backfill(
+    first: str | None,
+    last: str | None,
+    completions: dict,
+    console: Console | None = None,
+    verbose: bool = False,
+    again: Callable[[dict], str] = lambda overrides: "",
+    trainer: TrainerSettings = TrainerSettings(),
+) -> int:
+    console = console or console_for_output()
+    if source_refused("backfill", console):
+        return BAD_CONFIG
+    instance = dg.DagsterInstance.get()
+    shards = known_shards(instance)
+    if (chosen := shard_range("backfill", shards, first, last, console)) is None:
+        return BAD_CONFIG
+    first, last = chosen[0], chosen[-1]
+    window = Window.of(completions, trainer)
+    console.print(
+        f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
+        f"up to {SHARDS_PER_RUN} shards per run, {policy_text(window)}, "
+        f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
+        highlight=False,
+    )
+    stops = generate_and_export(instance, chosen, completions, console, verbose, window)
+    command = f"dflash backfill --from {first} --to {last}"
+    if not stops.checks and not stops.errors and not stops.preflight:
+        print_window_answer(
+            stops,
+            console,
+            window,
+            f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}",
+        )
+    return print_stop(stops, console, lambda cap: f"{command}{again({})} --max-output-tokens {cap}", window)
+
+
+CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
+
+
+def run_continue(
+    new_cap: int | None,
+    first: str | None,
+    last: str | None,
+    console: Console | None = None,
+    verbose: bool = False,
+    to_window: int | None = None,
+) -> int:
+    """Continue every shard's cut rows to `new_cap` from where they stopped (or, with `to_window`, a window-policy
+    config's window-complete rows to the larger window); print the reuse and the new answer."""
+    from dflash_assets.quality.answer import cap_answers
+    from dflash_assets.quality.console import print_answer
+    from dflash_assets.quality.outcome import num, pct
+
+    console = console or console_for_output()
+    instance = dg.DagsterInstance.get()
+    shards = known_shards(instance)
+    if (chosen := shard_range("continue", shards, first, last, console)) is None:
+        return BAD_CONFIG
+    first, last = chosen[0], chosen[-1]
+    target = f"the trainer's window {to_window}" if to_window else f"cap {new_cap}"
+    console.print(
+        f"dflash continue: shards {first}..{last} ({len(chosen)}) to {target}, cut rows taken on from "
+        f"where they stopped",
+        highlight=False,
+    )
+    window = Window("window", trainer=TrainerSettings(max_length=to_window)) if to_window else Window()
+    run_config = {
+        **quiet(verbose),
+        "resources": window.resources(),
+        "ops": {
+            "continued_completions": {
+                "config": {
+                    "parent_config_hash": "latest",
+                    "to_window": to_window or 0,
+                    **({} if to_window else {"new_max_output_tokens": new_cap}),
+                }
+            }
+        },
+    }
+    stops, table = (
+        Stops(),
+        Table(
+            box=box.SIMPLE_HEAD,
+            title="continued by shard (tokens reused: taken over from the smaller cap, not generated again)",
+        ),
+    )
+    for col in CONTINUE_COLUMNS:
+        table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
+    reused = total = 0
+    for chunk in [chosen[i : i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
+        result = execute(continue_job.name, instance, run_config, console, chunk)
+        meta = _meta(result, "continued_completions")
+        for shard in chunk:
+            m = meta.get(shard)
+            if not m:
+                table.add_row(shard, *"------")
+                continue
+            k = ContinuationKeys
+            stops.config_hashes.add(m[k.CONFIG_HASH])
+            reused += m[k.TOKENS_REUSED]
+            total += m[k.TOKENS_REUSED] + m[k.TOKENS_GENERATED]
+            table.add_row(
+                shard,
+                num(m[k.ROWS_CONTINUED]),
+                num(m[k.ROWS_COPIED]),
+                num(m[k.STILL_TRUNCATED]),
+                num(m[k.TOKENS_REUSED]),
+                num(m[k.TOKENS_GENERATED]),
+                pct(m[k.SAVED_SHARE]),
+            )
+        if not result.success:
+            record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
+    console.print(table)
+    if total:
+        console.print(
+            f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
+            f"completion tokens were not generated again",
+            highlight=False,
+        )
+    for config_hash in sorted(stops.config_hashes):
+        for answer in cap_answers(data_dir().resolved(), window.quality(), config_hash):
+            print_answer(answer, console)
+    if stops.preflight:
+        console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
+        return BAD_CONFIG if not stops.errors else FAILED
+    if stops.errors:
+        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}", window)
+    console.print(
+        "Next: `dflash report` for the checks over the new config, then `dflash export` (the latest config, the "
+        "one just continued; `dflash configs` lists them all).",
+        highlight=False,
+    )
+    return DONE
+
+
+def backfill(args: argparse.Namespace) -> int:
+    config, trainer = _completions_config("backfill", args)
+    instance_environment(args)
+    flags = {**config, **trainer_flags(trainer)}
+    return run_backfill(
+        args.first,
+        args.last,
+        config,
+        trainer=trainer,
+        verbose=args.verbose,
+        again=lambda overrides: repeated_flags("backfill", {**flags, **overrides}),
+    )
+
+
+def continue_shards(args: argparse.Namespace) -> int:
+    if (args.to_cap is None) == (args.to_window is None):
+        build_parser().error(
+            "dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's window)"
+        )
+    instance_environment(args)
+    return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose, to_window=args.to_window)
