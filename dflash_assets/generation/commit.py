@@ -13,13 +13,18 @@ from dataclasses import dataclass, field
 
 from dflash_assets.generation.plan import ShardResult
 from dflash_assets.generation.slots import Slot
+from dflash_assets.generation.turns import FINISHED, conversations, rejected_turns
 from dflash_assets.rules import stopped_early
+from dflash_assets.settings import GenerationSettings
 from dflash_assets.store.parts import PartStore
+from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow, as_dicts
+from dflash_assets.store.storage import Storage
+from dflash_assets.store.stores import reject_store
 
 
-def generated_tokens(row: dict) -> int:
+def generated_tokens(row: CompletionRow) -> int:
     """Tokens a server generated for this row: a continued row reuses its parent's first tokens_reused."""
-    return (row["completion_tokens"] or 0) - (row.get("tokens_reused") or 0)
+    return (row.completion_tokens or 0) - (row.tokens_reused or 0)
 
 
 @dataclass
@@ -29,17 +34,17 @@ class ShardOutput:
     run: ShardResult
     store: PartStore
     server_rejects: PartStore
-    turn_rejects: PartStore | None = None  # a later turn's preflight rejects (all_turns), committed as parts
-    rows: list[dict] = field(default_factory=list)
-    refused: list[dict] = field(default_factory=list)
-    failed: list[dict] = field(default_factory=list)
+    turn_rejects: PartStore | None = None  # preflight rejects of turns refused when sent, committed as parts
+    rows: list[CompletionRow] = field(default_factory=list)
+    refused: list[RejectRow] = field(default_factory=list)
+    failed: list[FailureRow] = field(default_factory=list)
     in_flight: int = 0  # items of this shard handed to the dispatcher and not answered yet
 
     @property
     def pending(self) -> int:
         return len(self.rows) + len(self.refused)
 
-    def answered(self, slot: Slot, row: dict) -> None:
+    def answered(self, slot: Slot, row: CompletionRow) -> None:
         """A completion of this shard came back from `slot`'s server: count it for this shard."""
         self.rows.append(row)
         mine = self.run.servers.setdefault(slot.url, {"completed": 0, "output_tokens": 0})
@@ -67,25 +72,57 @@ class ShardOutput:
     async def commit(self) -> None:
         batch, rej = self.rows, self.refused
         self.rows, self.refused = [], []
-        server = [r for r in rej if r["stage"] == "server"]
-        before_sending = [r for r in rej if r["stage"] != "server"]
+        server = [r for r in rej if r.stage == "server"]
+        before_sending = [r for r in rej if r.stage != "server"]
         # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
         # never a rejected prompt twice
-        await asyncio.to_thread(self.server_rejects.commit, server)
+        await asyncio.to_thread(self.server_rejects.commit, as_dicts(server))
         if before_sending and self.turn_rejects is not None:
-            await asyncio.to_thread(self.turn_rejects.commit, before_sending)
-        await asyncio.to_thread(self.store.commit, batch)
-        self.run.length += sum(r["finish_reason"] == "length" for r in batch)
-        self.run.runaways_stopped += sum(stopped_early(r["finish_reason"]) for r in batch)
+            await asyncio.to_thread(self.turn_rejects.commit, as_dicts(before_sending))
+        await asyncio.to_thread(self.store.commit, as_dicts(batch))
+        self.run.length += sum(r.finish_reason == "length" for r in batch)
+        self.run.runaways_stopped += sum(stopped_early(r.finish_reason) for r in batch)
         self.run.output_tokens += sum(generated_tokens(r) for r in batch)
         self.run.rejected_server += len(server)
         self.run.rejected_preflight += len(before_sending)
 
     def close(self, failures: PartStore, failure_file: str) -> None:
         """The shard's run is over: its failures replace the config's failure file, its parts are compacted."""
-        failures.replace(self.failed, failure_file)
+        failures.replace(as_dicts(self.failed), failure_file)
         self.run.failed = len(self.failed)
         self.store.compact()
         if self.run.finished_at is None:  # stopped early (an error): the figures up to now
             self.in_flight = 0
             self.close_sending(time.monotonic())
+
+
+def account(
+    run: ShardResult, data_dir: Storage, output: ShardOutput, generation: GenerationSettings, numbered: bool
+) -> None:
+    """The shard's figures from what is committed: each conversation in one class.
+
+    completed: over with every turn it will have committed (a truncated conversation is reported by its turn);
+    rejected: a turn refused (preflight or server); failed: a turn whose retries ran out in this run. `numbered`:
+    the rows record turn numbers, and the figures by turn are kept."""
+    states = conversations(data_dir, run.shard, run.config_hash, generation)
+    stores = [reject_store(data_dir, run.shard, s) for s in ("preflight", "server")]
+    rejected = rejected_turns(stores, run.config_hash)
+    run.completed = sum(c.over in FINISHED for c in states.values())
+    stages = [rejected[pid][len(c.answers) + 1] for pid, c in states.items() if c.over == "rejected"]
+    run.rejected_preflight, run.rejected_server = stages.count("preflight"), stages.count("server")
+    run.failed = len({f.prompt_id for f in output.failed})
+    if not numbered:
+        return
+    by_turn: dict[int, dict[str, int]] = {}
+
+    def of_turn(k: int) -> dict[str, int]:
+        return by_turn.setdefault(k, {"rows": 0, "truncated": 0, "rejected": 0})
+
+    for c in states.values():
+        for k in range(1, len(c.answers) + 1):
+            of_turn(k)["rows"] += 1
+        if c.over in ("truncated", "rejected"):
+            of_turn(len(c.answers) + (c.over == "rejected"))[c.over] += 1
+
+    run.by_turn = dict(sorted(by_turn.items()))
+    run.truncated_at = {pid: len(c.answers) for pid, c in states.items() if c.over == "truncated"}

@@ -54,7 +54,7 @@ from dflash_assets.rules import RUNAWAY_FINISH
 from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
 from dflash_assets.store.configs import latest_order
 from dflash_assets.store.parts import PartStore
-from dflash_assets.store.schema import COMPLETION_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA, CompletionRow, FailureRow, RejectRow, as_dicts
 from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import committed_ids, completion_store, failure_store, prompt_store, reject_store
 
@@ -167,19 +167,21 @@ def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
     return generation
 
 
-def _copied(row: dict, config_hash: str, generation: GenerationSettings) -> dict:
+def _copied(row: dict, config_hash: str, generation: GenerationSettings) -> CompletionRow:
     """A stopped row is complete at any larger cap: the same completion, recorded under the new config (with the
     cap its request would have had there).
 
     It keeps the parent's provenance (server, latency, attempt, created_at): it is the same generation."""
-    return {
-        **row,
-        "config_hash": config_hash,
-        "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
-        **window_columns(generation),
-        "parent_config_hash": row["config_hash"],
-        "tokens_reused": row["completion_tokens"],
-    }
+    return CompletionRow.of(
+        {
+            **row,
+            "config_hash": config_hash,
+            "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
+            **window_columns(generation),
+            "parent_config_hash": row["config_hash"],
+            "tokens_reused": row["completion_tokens"],
+        }
+    )
 
 
 def _continued(
@@ -192,7 +194,7 @@ def _continued(
     attempt: int,
     latency: float,
     text: str,
-) -> dict:
+) -> CompletionRow:
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
     if finish.get("type") not in FINISHED:  # an abort without an HTTP error status: try again
@@ -201,29 +203,31 @@ def _continued(
     # `text` is the whole output (parent's ids + new ids) decoded in one piece by the server, then split as the
     # chat route splits a fresh answer
     thought, content = reasoning.split(text)
-    return {
-        **row,
-        "config_hash": config_hash,
-        "finish_reason": finish["type"],
-        "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
-        **window_columns(generation),
-        "completion_tokens": len(ids),
-        "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
-        "server_context_length": slot.info.context_length,
-        "server_url": slot.url,
-        "model": slot.info.model,
-        "content": content,
-        "reasoning_content": thought,
-        "latency_s": latency,
-        "attempt": attempt,
-        "created_at": datetime.now(UTC),
-        "output_ids": ids,
-        "parent_config_hash": row["config_hash"],
-        "tokens_reused": len(row["output_ids"]),
-        "loop_start_tokens": None
-        if finish.get("loop_start_tokens") is None
-        else len(row["output_ids"]) + finish["loop_start_tokens"],
-    }
+    return CompletionRow.of(
+        {
+            **row,
+            "config_hash": config_hash,
+            "finish_reason": finish["type"],
+            "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
+            **window_columns(generation),
+            "completion_tokens": len(ids),
+            "reasoning_tokens": reasoning.tokens(ids),  # the parent's + the new
+            "server_context_length": slot.info.context_length,
+            "server_url": slot.url,
+            "model": slot.info.model,
+            "content": content,
+            "reasoning_content": thought,
+            "latency_s": latency,
+            "attempt": attempt,
+            "created_at": datetime.now(UTC),
+            "output_ids": ids,
+            "parent_config_hash": row["config_hash"],
+            "tokens_reused": len(row["output_ids"]),
+            "loop_start_tokens": None
+            if finish.get("loop_start_tokens") is None
+            else len(row["output_ids"]) + finish["loop_start_tokens"],
+        }
+    )
 
 
 def _raw_text_without_ids(row: dict, reasoning: Reasoning) -> str:
@@ -244,7 +248,7 @@ async def _by_text(
     config_hash: str,
     drift: list[int],
     watch: Watch | None = None,
-) -> dict:
+) -> CompletionRow:
     """Continue a row without token ids by its text: SGLang's chat route with the raw output as the final,
     unfinished assistant message (`continue_final_message`); the raw continuation comes back unsplit."""
     import json
@@ -266,28 +270,30 @@ async def _by_text(
     thought, content = reasoning.split(raw + (choice["message"].get("content") or ""))
     closed_before = THINK_END in raw
     new_reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-    return {
-        **row,
-        "config_hash": config_hash,
-        "finish_reason": choice["finish_reason"],
-        "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
-        **window_columns(generation),
-        "completion_tokens": row["completion_tokens"] + new,
-        "reasoning_tokens": (row["reasoning_tokens"] or 0) + (0 if closed_before else new_reasoning),
-        "server_context_length": slot.info.context_length,
-        "server_url": slot.url,
-        "model": slot.info.model,
-        "content": content,
-        "reasoning_content": thought,
-        "latency_s": time.monotonic() - t0,
-        "attempt": attempt,
-        "created_at": datetime.now(UTC),
-        "parent_config_hash": row["config_hash"],
-        "tokens_reused": row["completion_tokens"],
-        "loop_start_tokens": None
-        if choice.get("loop_start_tokens") is None
-        else row["completion_tokens"] + choice["loop_start_tokens"],
-    }
+    return CompletionRow.of(
+        {
+            **row,
+            "config_hash": config_hash,
+            "finish_reason": choice["finish_reason"],
+            "max_output_tokens": generation.request_cap(row["prompt_tokens"]),
+            **window_columns(generation),
+            "completion_tokens": row["completion_tokens"] + new,
+            "reasoning_tokens": (row["reasoning_tokens"] or 0) + (0 if closed_before else new_reasoning),
+            "server_context_length": slot.info.context_length,
+            "server_url": slot.url,
+            "model": slot.info.model,
+            "content": content,
+            "reasoning_content": thought,
+            "latency_s": time.monotonic() - t0,
+            "attempt": attempt,
+            "created_at": datetime.now(UTC),
+            "parent_config_hash": row["config_hash"],
+            "tokens_reused": row["completion_tokens"],
+            "loop_start_tokens": None
+            if choice.get("loop_start_tokens") is None
+            else row["completion_tokens"] + choice["loop_start_tokens"],
+        }
+    )
 
 
 async def continue_shard(
@@ -389,7 +395,7 @@ async def continue_shard(
             r["prompt_id"]: reject_row(r, "preflight", problem, generation, config_hash, shard, budget.context_length)
             for r, problem in preflight(exact, budget, generation)
         }
-        preflight_rejects.replace(list(over.values()), own_file)
+        preflight_rejects.replace(as_dicts(over.values()), own_file)
         # a cut row whose request would not grow (the window policy's cap reached already) stays as it is: copied
         grows = {
             r["prompt_id"]
@@ -414,7 +420,7 @@ async def continue_shard(
         )
 
         for batch in rows_of(store, parent_config_hash, wanted=copies, batch_size=dispatch.commit_rows):
-            store.commit([_copied(r, config_hash, generation) for r in batch])
+            store.commit(as_dicts(_copied(r, config_hash, generation) for r in batch))
             run.copied += len(batch)
 
         # whether a parent's output closed its thought is read from its ids: </think> as the server tokenizes it
@@ -428,7 +434,7 @@ async def continue_shard(
 
         drift: list[int] = []  # re-tokenisation drift of each row continued by text, in tokens
 
-        async def send(row: dict, slot: Slot, attempt: int) -> dict:
+        async def send(row: dict, slot: Slot, attempt: int) -> CompletionRow:
             reasoning = Reasoning.of(
                 slot.info.reasoning_parser, generation.enable_thinking, end_ids, slot.info.always_thinks
             )
@@ -449,7 +455,7 @@ async def continue_shard(
             text = await slot.client.detokenize(row["output_ids"] + list(resp["output_ids"]))
             return _continued(row, resp, slot, reasoning, config_hash, generation, attempt, time.monotonic() - t0, text)
 
-        def refuse(row: dict, reason: str, context: int) -> dict:
+        def refuse(row: dict, reason: str, context: int) -> RejectRow:
             return reject_row(row, "server", reason, generation, config_hash, shard, context)
 
         output = ShardOutput(run, store, server_rejects)
@@ -469,7 +475,12 @@ async def continue_shard(
 
 
 def _account(
-    run: ContinuationResult, data_dir: Storage, shard: str, store: PartStore, prompt_ids: set[str], failed: list[dict]
+    run: ContinuationResult,
+    data_dir: Storage,
+    shard: str,
+    store: PartStore,
+    prompt_ids: set[str],
+    failed: list[FailureRow],
 ) -> None:
     """The new config's figures from what is committed, each prompt in the first class that applies."""
     h = run.config_hash
@@ -478,7 +489,7 @@ def _account(
     preflight = (committed_ids(reject_store(data_dir, shard, "preflight"), h) & prompt_ids) - completed
     server = (committed_ids(reject_store(data_dir, shard, "server"), h) & prompt_ids) - completed - preflight
     run.completed, run.rejected_preflight, run.rejected_server = len(completed), len(preflight), len(server)
-    run.failed = len({f["prompt_id"] for f in failed} - completed - preflight - server)
+    run.failed = len({f.prompt_id for f in failed} - completed - preflight - server)
     run.left = run.prompts - run.completed - run.rejected - run.failed
     for batch in rows_of(store, h, ["completion_tokens", "tokens_reused"]):
         run.new_config_tokens += sum(r["completion_tokens"] or 0 for r in batch)

@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import UTC, datetime
 from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.commit import ShardOutput, generated_tokens
+from dflash_assets.generation.commit import ShardOutput, account, generated_tokens
 from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan_remaining, plan_shard, reject_row
 from dflash_assets.generation.preflight import check_fleet
-from dflash_assets.generation.prompts import carries_history, last_turn_request
-from dflash_assets.generation.request import chat_body
-from dflash_assets.generation.send import Dispatch, watch_of
+from dflash_assets.generation.prompts import carries_history
+from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
-from dflash_assets.generation.turns import account, next_turn, plan_conversations, turn_sender
+from dflash_assets.generation.turns import every_turn
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
+from dflash_assets.store.schema import CompletionRow, RejectRow
 from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import committed_ids, completion_store, failure_store, prompt_store, reject_store
 
@@ -57,39 +56,44 @@ def row_of(
     attempt: int,
     latency: float,
     cap: int | None = None,
-) -> dict:
-    """The completion row of one chat answer, with everything that made it; `cap` is the request's own."""
+    turn: int | None = None,
+    turns: int | None = None,
+) -> CompletionRow:
+    """The completion row of one chat answer, with everything that made it; `cap` is the request's own, `turn` and
+    `turns` the turn as its conversation's rows record it."""
     choice, usage = resp["choices"][0], resp.get("usage") or {}
     reasoning_tokens = usage.get("reasoning_tokens")
     if reasoning_tokens is None:
         reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-    return {
-        "prompt_id": prompt["prompt_id"],
-        "shard": shard,
-        "source": prompt["source"],
-        "config_hash": config_hash,
-        "finish_reason": choice["finish_reason"],
-        "prompt_tokens": usage.get("prompt_tokens"),
-        "completion_tokens": usage.get("completion_tokens"),
-        "reasoning_tokens": reasoning_tokens or 0,
-        "max_output_tokens": generation.max_output_tokens if cap is None else cap,
+    return CompletionRow(
+        prompt_id=prompt["prompt_id"],
+        shard=shard,
+        source=prompt["source"],
+        config_hash=config_hash,
+        finish_reason=choice["finish_reason"],
+        prompt_tokens=usage.get("prompt_tokens"),
+        completion_tokens=usage.get("completion_tokens"),
+        reasoning_tokens=reasoning_tokens or 0,
+        max_output_tokens=generation.max_output_tokens if cap is None else cap,
         **window_columns(generation),
-        "server_context_length": slot.info.context_length,
-        "server_url": slot.url,
-        "model": slot.info.model,
+        server_context_length=slot.info.context_length,
+        server_url=slot.url,
+        model=slot.info.model,
         **generation.sampling(),
-        "enable_thinking": generation.enable_thinking,
-        "content": choice["message"].get("content") or "",
-        "reasoning_content": choice["message"].get("reasoning_content"),
-        "latency_s": latency,
-        "attempt": attempt,
-        "created_at": datetime.now(UTC),
-        "prompt_token_ids": choice.get("prompt_token_ids"),
-        "output_ids": choice.get("response_token_ids"),
+        enable_thinking=generation.enable_thinking,
+        content=choice["message"].get("content") or "",
+        reasoning_content=choice["message"].get("reasoning_content"),
+        latency_s=latency,
+        attempt=attempt,
+        created_at=datetime.now(UTC),
+        prompt_token_ids=choice.get("prompt_token_ids"),
+        output_ids=choice.get("response_token_ids"),
         # reported by a server started with --enable-cache-report
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-        "loop_start_tokens": choice.get("loop_start_tokens"),  # a runaway stopped while streaming (fleet/stream.py)
-    }
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        loop_start_tokens=choice.get("loop_start_tokens"),  # a runaway stopped while streaming (fleet/stream.py)
+        turn=turn,
+        turns=turns,
+    )
 
 
 def window_columns(generation: GenerationSettings) -> dict:
@@ -144,14 +148,12 @@ async def generate_shards(
             f"shard(s) {', '.join(missing)} have no prompt_shards file under {storage}; "
             f"materialise prompt_shards for them first"
         )
-    model, config_hash = fleet.model, generation.config_hash(fleet.model)
-    all_turns = generation.regenerate == "all_turns"
+    config_hash = generation.config_hash(fleet.model)
     with ExitStack() as locks:
         plans = []
         for shard in shards:  # every shard is planned (and preflighted) before anything is sent
             locks.enter_context(completion_store(storage, shard).lock())
-            plan = plan_conversations if all_turns else plan_shard
-            plans.append(await plan(storage, shard, fleet, generation, dispatch, preflight_policy, log))
+            plans.append(await plan_shard(storage, shard, fleet, generation, dispatch, preflight_policy, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
         outputs = {
             p.run.shard: ShardOutput(
@@ -165,53 +167,34 @@ async def generate_shards(
 
         token_ids = stores_token_ids(dispatch.store_token_ids, generation.cap_policy)
 
-        def make_row(prompt: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> dict:
+        def make_row(item: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> CompletionRow:
+            recorded = turn_item(item)
+            cap = generation.request_cap(item["prompt_tokens"])
+            shard = item["shard"]
             return row_of(
-                prompt,
+                item,
                 resp,
                 slot,
                 generation,
                 config_hash,
-                prompt["shard"],
+                shard,
                 attempt,
                 latency,
-                generation.request_cap(prompt["prompt_tokens"]),
+                cap,
+                recorded["turn"],
+                recorded["turns"],
             )
 
-        watch = watch_of(dispatch, runaway)
-
-        async def send(prompt: dict, slot: Slot, attempt: int) -> dict:
-            messages = last_turn_request(json.loads(prompt["messages_json"]))
-            body = chat_body(generation, model, messages, token_ids, generation.request_cap(prompt["prompt_tokens"]))
-            t0 = time.monotonic()
-            resp = await slot.client.chat(body, watch)
-            return make_row(prompt, resp, slot, attempt, time.monotonic() - t0)
-
-        def refuse(prompt: dict, reason: str, context: int) -> dict:
-            return reject_row(prompt, "server", reason, generation, config_hash, prompt["shard"], context)
+        def refuse(item: dict, reason: str, context: int) -> RejectRow:
+            return reject_row(turn_item(item), "server", reason, generation, config_hash, item["shard"], context)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        dispatcher = (
-            Dispatch(
-                fleet,
-                dispatch,
-                outputs,
-                turn_sender(fleet, generation, token_ids, make_row, watch),
-                refuse,
-                log,
-                follow_up=next_turn,
-                on_answer=on_answer,
-            )
-            if all_turns
-            else Dispatch(fleet, dispatch, outputs, send, refuse, log, on_answer=on_answer)
-        )
+        send = turn_sender(fleet, generation, token_ids, make_row, watch_of(dispatch, runaway))
+        dispatcher = Dispatch(fleet, dispatch, outputs, send, refuse, log, follow_up=next_turn, on_answer=on_answer)
         await dispatcher.run(items, sum(len(p.todo) for p in plans))
         for output in outputs.values():
             output.close(failure_store(storage, output.run.shard), f"{config_hash}.parquet")
-            if all_turns:
-                account(output.run, storage, output)
-            else:
-                output.run.completed = len(committed_ids(output.store, config_hash))
+            account(output.run, storage, output, generation, every_turn(generation))
     return [p.run for p in plans]
 
 

@@ -16,11 +16,13 @@ from datetime import UTC, datetime
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.preflight import Budget, overflow_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
+from dflash_assets.generation.turns import FINISHED, Conversation, conversations, plan_file, turns_of
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.parts import PartStore
+from dflash_assets.store.schema import RejectRow, as_dicts
 from dflash_assets.store.storage import Storage
-from dflash_assets.store.stores import committed_ids, completion_store, prompt_store, reject_store
+from dflash_assets.store.stores import completion_store, prompt_batches, prompt_store, reject_store
 
 OVERFLOW_FAIL_SHARE = 0.9  # when this share of a shard overflows, the config is wrong, not the prompts
 PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
@@ -87,30 +89,23 @@ def count_filling_window(run: ShardResult, rows: Iterable[dict], generation: Gen
 
 def reject_row(
     prompt: dict, stage: str, reason: str, generation: GenerationSettings, config_hash: str, shard: str, context: int
-) -> dict:
+) -> RejectRow:
     """A row of the rejects table for one prompt of this config (stage "preflight" or "server"), with the cap
     its request had (its own under the window policy)."""
     tokens = prompt["prompt_tokens"]
-    return {
-        "shard": shard,
-        "stage": stage,
-        "line": prompt["line"],
-        "prompt_id": prompt["prompt_id"],
-        "config_hash": config_hash,
-        "reason": reason,
-        "prompt_tokens": tokens,
-        "max_output_tokens": generation.request_cap(tokens) if tokens is not None else generation.max_output_tokens,
-        "server_context_length": context,
-        "created_at": datetime.now(UTC),
-        "turn": prompt.get("turn"),
-    }
-
-
-def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
-    """The shard's prompts a batch at a time, so a large shard is never all in memory."""
-    for part in store.parts():
-        for batch in store.storage.parquet_file(part).iter_batches(batch_size=size, columns=columns):
-            yield batch.to_pylist()
+    return RejectRow(
+        shard=shard,
+        stage=stage,
+        line=prompt["line"],
+        prompt_id=prompt["prompt_id"],
+        config_hash=config_hash,
+        reason=reason,
+        prompt_tokens=tokens,
+        max_output_tokens=generation.request_cap(tokens) if tokens is not None else generation.max_output_tokens,
+        server_context_length=context,
+        created_at=datetime.now(UTC),
+        turn=prompt.get("turn"),
+    )
 
 
 def plan_remaining(prompts: PartStore, finished: set[str]) -> tuple[int, dict[str, dict]]:
@@ -120,20 +115,6 @@ def plan_remaining(prompts: PartStore, finished: set[str]) -> tuple[int, dict[st
         total += len(batch)
         todo.update((r["prompt_id"], r) for r in batch if r["prompt_id"] not in finished)
     return total, todo
-
-
-async def recount(fleet: Fleet, prompts: PartStore, stale: dict[str, dict], kwargs: dict) -> None:
-    """Exact token counts for prompts whose shard count was made with other chat_template_kwargs."""
-    gate = asyncio.Semaphore(64)
-
-    async def count(i: int, row: dict) -> None:
-        async with gate:
-            client = fleet.clients[i % len(fleet.clients)]
-            n = await client.count_prompt_tokens(last_turn_request(json.loads(row["messages_json"])), kwargs)
-            stale[row["prompt_id"]]["prompt_tokens"] = n
-
-    for batch in prompt_batches(prompts, ["prompt_id", "messages_json"]):
-        await asyncio.gather(*(count(i, r) for i, r in enumerate(batch) if r["prompt_id"] in stale))
 
 
 def preflight(
@@ -159,21 +140,75 @@ def preflight(
     return full + over
 
 
+def turn_label(turn: int, turns: int) -> str:
+    """How a reject names the turn it refused, when its conversation has several generated turns."""
+    return f"turn {turn} of {turns}: " if turns > 1 else ""
+
+
 @dataclass
 class ShardPlan:
-    """One shard, planned under its lock: its figures so far, and what is left to send."""
+    """One shard, planned under its lock: its figures so far, each conversation not over, and its next turn's
+    prompt_tokens (counted at planning)."""
 
     run: ShardResult
     prompts: PartStore
-    todo: dict[str, dict]
+    generation: GenerationSettings
+    todo: dict[str, Conversation]
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+
+    def items(self, columns: tuple[str, ...] = ()) -> Iterator[dict]:
+        """The next turn of each conversation not over, in shard order: a work item of the dispatcher."""
+        names = ["prompt_id", "line", "source", "messages_json", *(c for c in columns if c != "messages_json")]
+        for batch in prompt_batches(self.prompts, names):
+            for row in batch:
+                if (state := self.todo.get(row["prompt_id"])) is not None:
+                    turns = turns_of(json.loads(row["messages_json"]), self.generation)
+                    yield {
+                        "prompt_id": row["prompt_id"],
+                        "shard": self.run.shard,
+                        "line": row["line"],
+                        "source": row["source"],
+                        "conversation": turns,
+                        "turn": state.next_turn,
+                        "turns": state.turns,
+                        "answers": list(state.answers),
+                        "prompt_tokens": self.prompt_tokens.get(row["prompt_id"]),
+                        **{c: row[c] for c in columns},
+                    }
 
     def to_send(self) -> Iterator[dict]:
-        """The full prompt rows still to generate, in shard order, each with its (re)counted prompt_tokens."""
-        for batch in prompt_batches(self.prompts):
-            for row in batch:
-                if (plan := self.todo.get(row["prompt_id"])) is not None:
-                    row["prompt_tokens"] = plan["prompt_tokens"]
-                    yield row
+        return self.items()
+
+
+async def count_next_turns(plan: ShardPlan, fleet: Fleet, log: Callable[[str], None]) -> list[dict]:
+    """Each conversation's next turn with its exact prompt_tokens: the shard's own count when the turn is the
+    source's last-turn request counted with this config's chat_template_kwargs, else the fleet's /v1/tokenize."""
+    kwargs = plan.generation.template_kwargs()
+    kwargs_json = canonical_json(kwargs)
+    gate, stale = asyncio.Semaphore(64), 0
+    counted: list[dict] = []
+
+    async def count(i: int, item: dict) -> dict:
+        messages = item["conversation"].history(item["turn"], item["answers"])
+        if item["template_kwargs_json"] != kwargs_json or messages != last_turn_request(item["messages"]):
+            async with gate:
+                item["prompt_tokens"] = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(
+                    messages, kwargs
+                )
+        return {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
+
+    batch: list[dict] = []
+    for item in plan.items(("prompt_tokens", "template_kwargs_json", "messages_json")):
+        item["messages"] = json.loads(item.pop("messages_json"))
+        stale += item["template_kwargs_json"] != kwargs_json
+        batch.append(item)
+        if len(batch) == 2048:
+            counted += await asyncio.gather(*(count(len(counted) + j, it) for j, it in enumerate(batch)))
+            batch = []
+    counted += await asyncio.gather(*(count(len(counted) + j, it) for j, it in enumerate(batch)))
+    if stale:
+        log(f"shard {plan.run.shard}: {stale} prompts were counted with other chat_template_kwargs; recounted")
+    return counted
 
 
 async def plan_shard(
@@ -185,40 +220,49 @@ async def plan_shard(
     preflight_policy: str,
     log: Callable[[str], None],
 ) -> ShardPlan:
-    """Resume and preflight one shard (its lock is already held): the done set comes from committed parts."""
+    """Resume and preflight one shard (its lock is held): each conversation goes on from its last committed turn.
+    Its next turn is preflighted now (its history is known); a later one when it is sent. Preflight rejects are
+    recomputed by every run (the fleet may have changed): the config's preflight file holds this run's."""
     config_hash = generation.config_hash(fleet.model)
     run = ShardResult(shard, config_hash, fleet.model, infos=list(fleet.infos), window=generation.window)
-    prompts = prompt_store(data_dir, shard)
-    store, server_rejects = completion_store(data_dir, shard), reject_store(data_dir, shard, "server")
-    store.recover()
-    server_rejects.recover()
-    done = committed_ids(store, config_hash)
-    refused = committed_ids(server_rejects, config_hash)
-    run.already_done, run.rejected_server = len(done), len(refused)
-    run.prompts, todo = plan_remaining(prompts, done | refused)
-    kwargs_json = canonical_json(generation.template_kwargs())
-    stale = {i: r for i, r in todo.items() if r["template_kwargs_json"] != kwargs_json}
-    if stale:
-        await recount(fleet, prompts, stale, generation.template_kwargs())
-        log(f"shard {shard}: {len(stale)} prompts were counted with other chat_template_kwargs; recounted")
+    preflight_rejects = reject_store(data_dir, shard, "preflight")
+    for store in (completion_store(data_dir, shard), reject_store(data_dir, shard, "server"), preflight_rejects):
+        store.recover()
+    states = conversations(data_dir, shard, config_hash, generation, replanned=False)
+    run.prompts = len(states)
+    todo = {pid: c for pid, c in states.items() if c.over is None}
+    run.already_done = sum(c.over in FINISHED for c in states.values())
+    plan = ShardPlan(run, prompt_store(data_dir, shard), generation, todo)
+    next_turns = await count_next_turns(plan, fleet, log)
     budget = Budget.of(fleet.infos)
-    config_cap = generation.max_output_tokens
-    over = preflight(list(todo.values()), budget, generation, preflight_policy)
-    reject_store(data_dir, shard, "preflight").replace(
-        [
-            reject_row(r, "preflight", problem, generation, config_hash, shard, budget.context_length)
-            for r, problem in over
-        ],
-        f"{config_hash}.parquet",
-    )
+    over = preflight(next_turns, budget, generation, preflight_policy)
+    rejects = [
+        reject_row(
+            r,
+            "preflight",
+            turn_label(r["turn"], r["turns"]) + problem,
+            generation,
+            config_hash,
+            shard,
+            budget.context_length,
+        )
+        for r, problem in over
+    ]
+    preflight_rejects.replace(as_dicts(rejects), plan_file(config_hash))
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r["prompt_id"]]
-    count_filling_window(run, todo.values(), generation)
+    count_filling_window(run, [r for r in next_turns if r["prompt_id"] in todo], generation)  # their next turns
+    plan.prompt_tokens = {r["prompt_id"]: r["prompt_tokens"] for r in next_turns}
+    turns_done = sum(len(c.answers) for c in states.values())
     policy = f", window {generation.trainer_max_length}" if generation.windowed else ""
     log(
-        f"shard {shard} config {config_hash} (cap {config_cap}{policy}): {run.prompts} prompts, {len(done)} already done, "
-        f"{run.rejected_server} rejected earlier by a server, {len(over)} rejected in preflight, "
-        f"{len(todo)} to generate on {len(fleet.clients)} servers"
+        f"shard {shard} config {config_hash} (cap {generation.max_output_tokens}{policy}): {run.prompts} "
+        f"conversations, {run.already_done} already over, {turns_done} turns already committed, "
+        f"{len(states) - len(todo) - run.already_done - len(over)} rejected earlier, "
+        f"{len(over)} rejected in preflight, "
+        f"{len(todo)} to go "
+        f"on with ({sum(c.turns - len(c.answers) for c in todo.values())} turns at most) on {len(fleet.clients)} "
+        f"servers"
     )
-    return ShardPlan(run, prompts, todo)
+    return plan

@@ -22,13 +22,19 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
+from dflash_assets.generation.plan import reject_row, turn_label
+from dflash_assets.generation.preflight import Budget
+from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
-from dflash_assets.settings import DispatchSettings, RunawaySettings
+from dflash_assets.rules import fills_window
+from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
+from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow
 
-Send = Callable[[dict, Slot, int], Awaitable[dict]]  # (item, slot, attempt) -> the row; raises ServerError
-Refuse = Callable[[dict, str, int], dict]  # (item, reason, server context length) -> the server-stage reject row
-FollowUp = Callable[[dict, dict], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
+Send = Callable[[dict, Slot, int], Awaitable[CompletionRow]]  # (item, slot, attempt) -> the row; raises ServerError
+Refuse = Callable[[dict, str, int], RejectRow]  # (item, reason, server context length) -> the server-stage reject
+FollowUp = Callable[[dict, CompletionRow], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
+TurnRow = Callable[[dict, dict, Slot, int, float], CompletionRow]  # (item, response, slot, attempt, latency) -> row
 
 
 def watch_of(dispatch: DispatchSettings, runaway: RunawaySettings | None = None) -> Watch | None:
@@ -46,11 +52,69 @@ def watch_of(dispatch: DispatchSettings, runaway: RunawaySettings | None = None)
     )
 
 
+def turn_sender(
+    fleet: Fleet, generation: GenerationSettings, token_ids: bool, make_row: TurnRow, watch: Watch | None = None
+) -> Send:
+    """The Send of a conversation's turn (a plan's item or a follow-up): preflighted when it is sent (a follow-up's
+    history is known only then), streamed and watched with `watch` (None: not streamed)."""
+    budget = Budget.of(fleet.infos)
+    config_hash = generation.config_hash(fleet.model)
+
+    async def send(item: dict, slot: Slot, attempt: int) -> CompletionRow:
+        messages = item["conversation"].history(item["turn"], item["answers"])
+        if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
+            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, generation.template_kwargs())
+        request_cap = generation.request_cap(item["prompt_tokens"])
+        if problem := generation.window_problem(item["prompt_tokens"]) or budget.problem(
+            item["prompt_tokens"], request_cap
+        ):
+            reason = turn_label(item["turn"], item["turns"]) + problem
+            raise Rejected(
+                reject_row(
+                    turn_item(item), "preflight", reason, generation, config_hash, item["shard"], budget.context_length
+                )
+            )
+        body = chat_body(generation, fleet.model, messages, token_ids, request_cap)
+        t0 = time.monotonic()
+        resp = await slot.client.chat(body, watch)
+        return make_row(item, resp, slot, attempt, time.monotonic() - t0)
+
+    return send
+
+
+def recorded_turn(item: dict) -> int | None:
+    """The turn of a work item as its rows record it: a conversation's turn, or a continued row's own."""
+    return turn_item(item)["turn"] if "conversation" in item else item.get("turn")
+
+
+def turn_item(item: dict) -> dict:
+    """A work item as its rows record it: the turn number only where the conversation's rows carry one."""
+    conversation = item["conversation"]
+    return {**item, "turn": conversation.column(item["turn"]), "turns": conversation.column(item["turns"])}
+
+
+def next_turn(item: dict, row: CompletionRow) -> dict | None:
+    """The follow-up of a turn that stopped on its own; a cut (or last) turn ends the conversation, and so does a
+    turn that fills the window of the window policy (the rule `turns.conversation` applies on a restart)."""
+    if row.finish_reason != "stop" or item["turn"] >= item["turns"]:
+        return None
+    window = row.trainer_max_length
+    if window is not None and fills_window((row.prompt_tokens or 0) + (row.completion_tokens or 0), window):
+        return None
+    return {
+        **item,
+        "turn": item["turn"] + 1,
+        "answers": item["answers"] + [row.content],
+        "prompt_tokens": None,
+        "prefer_server": row.server_url,
+    }  # the server whose prefix cache holds this history
+
+
 class Rejected(Exception):
     """Raised by a Send that refuses its item before sending it; `row` is the reject row to commit."""
 
-    def __init__(self, row: dict):
-        super().__init__(row["reason"])
+    def __init__(self, row: RejectRow):
+        super().__init__(row.reason)
         self.row = row
 
 
@@ -156,7 +220,7 @@ class Dispatch:
                 self.on_answer(self.answered, self.total)  # (answered, total): a terminal's progress bar
             output.done(time.monotonic(), output.run.last_sent_at is not None)
 
-    async def _attempts(self, item: dict, output: ShardOutput) -> dict | None:
+    async def _attempts(self, item: dict, output: ShardOutput) -> CompletionRow | None:
         dispatch, error, stalled_on = self.dispatch, None, frozenset[str]()
         attempt, unavailable_since = 1, None
         while attempt <= dispatch.max_attempts:
@@ -190,15 +254,15 @@ class Dispatch:
             output.answered(slot, row)
             return row
         output.failed.append(
-            {
-                "shard": item["shard"],
-                "prompt_id": item["prompt_id"],
-                "config_hash": output.run.config_hash,
-                "error": str(error),
-                "attempts": dispatch.max_attempts,
-                "created_at": datetime.now(UTC),
-                "turn": item.get("turn"),
-            }
+            FailureRow(
+                shard=item["shard"],
+                prompt_id=item["prompt_id"],
+                config_hash=output.run.config_hash,
+                error=str(error),
+                attempts=dispatch.max_attempts,
+                created_at=datetime.now(UTC),
+                turn=recorded_turn(item),
+            )
         )
         return None
 

@@ -9,6 +9,13 @@ Layout under the data dir (`DFLASH_DATA_DIR`, default `data/`), hive-style so Du
     failures/shard=<key>/<part>.parquet                FAILURE_SCHEMA (retries exhausted; retried next run)
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
 import pyarrow as pa
 
 PROMPT_SCHEMA = pa.schema(
@@ -98,3 +105,89 @@ FAILURE_SCHEMA = pa.schema(
         ("turn", pa.int16()),  # the assistant turn that failed (all_turns), else null
     ]
 )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompletionRow:
+    """A row of COMPLETION_SCHEMA, field for field (tests/generation/test_rows.py holds the two together)."""
+
+    prompt_id: str
+    shard: str
+    source: str | None
+    config_hash: str
+    finish_reason: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int | None
+    max_output_tokens: int
+    server_context_length: int | None
+    server_url: str | None
+    model: str | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    enable_thinking: bool | None
+    content: str | None
+    reasoning_content: str | None
+    latency_s: float | None
+    attempt: int | None
+    created_at: datetime | None
+    prompt_token_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+    parent_config_hash: str | None = None
+    tokens_reused: int | None = None
+    turn: int | None = None
+    turns: int | None = None
+    cached_tokens: int | None = None
+    policy_cap: int | None = None
+    trainer_max_length: int | None = None
+    loop_start_tokens: int | None = None
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> CompletionRow:
+        """The row held by a mapping of its columns (a row read back from a part, with changes); other keys are
+        not columns and are left out."""
+        columns: dict[str, Any] = {name: row.get(name) for name in COMPLETION_SCHEMA.names}
+        return cls(**columns)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RejectRow:
+    """A row of REJECT_SCHEMA, field for field."""
+
+    shard: str
+    stage: str
+    line: int | None
+    prompt_id: str | None
+    config_hash: str | None
+    reason: str
+    prompt_tokens: int | None
+    max_output_tokens: int | None
+    server_context_length: int | None
+    created_at: datetime | None
+    turn: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FailureRow:
+    """A row of FAILURE_SCHEMA, field for field."""
+
+    shard: str
+    prompt_id: str
+    config_hash: str
+    error: str
+    attempts: int
+    created_at: datetime | None
+    turn: int | None = None
+
+
+Row = CompletionRow | RejectRow | FailureRow
+
+
+def as_dicts(rows: Iterable[Row]) -> list[dict]:
+    """Typed rows as PartStore writes them (no copy of their lists, unlike dataclasses.asdict)."""
+    return [{f.name: getattr(r, f.name) for f in fields(r)} for r in rows]

@@ -1,5 +1,6 @@
 """Each shard's stores in the data dir: prompts, completions, rejects (by stage) and failures, each a PartStore."""
 
+from collections.abc import Iterator
 from pathlib import Path, PurePath, PurePosixPath
 
 import pyarrow.compute as pc
@@ -16,6 +17,13 @@ def prompt_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
 
 def reject_store(data_dir: str | Path | Storage, shard: str, stage: str) -> PartStore:
     return PartStore(data_dir, "rejects", f"{shard}/stage={stage}", REJECT_SCHEMA)
+
+
+def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
+    """A store's rows a batch at a time (a shard's prompts), so a large shard is never all in memory."""
+    for part in store.parts():
+        for batch in store.storage.parquet_file(part).iter_batches(batch_size=size, columns=columns):
+            yield batch.to_pylist()
 
 
 def ids_in_other_shards(data_dir: str | Path | Storage, shard: str) -> dict[str, str]:

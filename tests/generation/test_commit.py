@@ -9,32 +9,49 @@ import duckdb
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.plan import ShardResult
 from dflash_assets.rules import RUNAWAY_FINISH
+from dflash_assets.store.schema import COMPLETION_SCHEMA, CompletionRow, FailureRow, RejectRow
 from dflash_assets.store.stores import completion_store, failure_store, reject_store
 
 SHARD, CONFIG = "00000", "c0ffee000000"
 NOW = datetime(2026, 12, 3, tzinfo=UTC)
 
 
-def row(prompt_id: str, finish_reason: str = "stop", tokens: int = 10, reused: int | None = None) -> dict:
-    return {
-        "prompt_id": prompt_id,
-        "shard": SHARD,
-        "config_hash": CONFIG,
-        "finish_reason": finish_reason,
-        "prompt_tokens": 5,
-        "completion_tokens": tokens,
-        "tokens_reused": reused,
-        "attempt": 1,
-        "created_at": NOW,
-    }
+def row(prompt_id: str, finish_reason: str = "stop", tokens: int = 10, reused: int | None = None) -> CompletionRow:
+    columns = dict.fromkeys(COMPLETION_SCHEMA.names) | {"source": "demo", "max_output_tokens": 64, "attempt": 1}
+    return CompletionRow.of(
+        columns
+        | {
+            "prompt_id": prompt_id,
+            "shard": SHARD,
+            "config_hash": CONFIG,
+            "finish_reason": finish_reason,
+            "prompt_tokens": 5,
+            "completion_tokens": tokens,
+            "tokens_reused": reused,
+            "created_at": NOW,
+        }
+    )
 
 
-def reject(prompt_id: str, stage: str) -> dict:
-    return {"prompt_id": prompt_id, "shard": SHARD, "config_hash": CONFIG, "stage": stage, "reason": "too long"}
+def reject(prompt_id: str, stage: str) -> RejectRow:
+    return RejectRow(
+        shard=SHARD,
+        stage=stage,
+        line=1,
+        prompt_id=prompt_id,
+        config_hash=CONFIG,
+        reason="too long",
+        prompt_tokens=None,
+        max_output_tokens=None,
+        server_context_length=None,
+        created_at=NOW,
+    )
 
 
-def failure(prompt_id: str) -> dict:
-    return {"shard": SHARD, "prompt_id": prompt_id, "config_hash": CONFIG, "error": "HTTP 503", "attempts": 4}
+def failure(prompt_id: str) -> FailureRow:
+    return FailureRow(
+        shard=SHARD, prompt_id=prompt_id, config_hash=CONFIG, error="HTTP 503", attempts=4, created_at=NOW
+    )
 
 
 def output(data_dir) -> ShardOutput:
