@@ -34,7 +34,8 @@ import hashlib
 import itertools
 import json
 import os
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +43,13 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_assets.generation.prompts import carries_history, last_turn_request
-from dflash_assets.generation.turns import split_turns
+from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.tables import COMPLETION_FLAGS, one, parquet_source, runaway_sql, window_flags_sql
-from dflash_assets.quality.trainer_format import (
-    FORMS,
-    STATUS,
-    VALIDATOR,
-    flags_text,
-    has_think_marker,
-    recipe_flags,
-    row_problem,
-)
+from dflash_assets.quality.trainer_format import VALIDATOR, flags_text, has_think_marker
 from dflash_assets.quality.trainer_settings import TRAINER_SETTINGS_FILES, write_trainer_settings
+from dflash_assets.quality.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
@@ -88,39 +81,7 @@ REASON_NOTES = {
     "its answer was decoded for nothing; --cap-policy window rejects such prompts before any request)",
 }
 ROW_GROUP = 8192
-# The content of a window-complete row cut inside its thinking (conversations and messages forms): past the window,
-# never read by the trainer, and non-empty so that SpecForge's validator accepts the file.
-WINDOW_CUT_CONTENT = "[cut past the trainer's window]"
 NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
-EXPORT_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("status", pa.string()),
-        ("prompt_id", pa.string()),
-        ("shard", pa.string()),
-        ("source", pa.string()),
-        ("config_hash", pa.string()),
-        ("max_output_tokens", pa.int32()),
-        ("prompt_tokens", pa.int32()),
-        ("completion_tokens", pa.int32()),
-        ("conversations", pa.list_(MESSAGE)),  # named `messages` in the messages form
-    ]
-)
-
-
-def export_schema(form: str) -> pa.Schema:
-    if form not in FORMS:
-        raise ValueError(f"export form must be one of {', '.join(FORMS)}, got {form!r}")
-    at = EXPORT_SCHEMA.get_field_index("conversations")
-    if form == "pretokenized":
-        return (
-            EXPORT_SCHEMA.remove(at)
-            .insert(at, pa.field("input_ids", pa.list_(pa.int32())))
-            .insert(at + 1, pa.field("loss_mask", pa.list_(pa.int8())))
-            .append(pa.field("turn", pa.int16()))
-        )
-    return EXPORT_SCHEMA if form == "conversations" else EXPORT_SCHEMA.set(at, pa.field("messages", pa.list_(MESSAGE)))
 
 
 GRADE = """
@@ -141,7 +102,7 @@ WITH c AS (
             WHEN $drop_long AND prompt_tokens + completion_tokens > judged_window THEN 'over_max_length'
             WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
                 THEN 'no_prompt'
-            WHEN $pretokenized AND (prompt_token_ids IS NULL OR output_ids IS NULL) THEN 'no_token_ids'
+            WHEN $token_ids AND (prompt_token_ids IS NULL OR output_ids IS NULL) THEN 'no_token_ids'
         END AS reason
     FROM (SELECT *, {window} FROM (SELECT *, {flags}, {runaway} AS runaway,
                                           coalesce(policy_cap, max_output_tokens) AS config_cap FROM {completions})) c0
@@ -191,26 +152,6 @@ def _history_think_marker(messages_json: str) -> bool:
     )
 
 
-def _answer(row: dict[str, Any]) -> dict[str, str]:
-    answer = {"role": "assistant", "content": WINDOW_CUT_CONTENT if row["window_cut_in_thinking"] else row["content"]}
-    if not row["reasoning_empty"]:
-        answer["reasoning_content"] = row["reasoning_content"]
-    return answer
-
-
-def _conversation(rows: list[dict[str, Any]]) -> list[dict[str, str]] | None:
-    """The conversation of one exported id: the prompt and its regenerated answer (last_turn), or under all_turns
-    every user turn followed by its regenerated answer; None when a turn of it did not pass (not whole)."""
-    first = rows[0]
-    messages = [{"role": m["role"], "content": m["content"]} for m in json.loads(first["messages_json"])]
-    if first["turn"] is None:
-        return [*last_turn_request(messages), _answer(first)]
-    if [r["turn"] for r in rows] != list(range(1, (first["turns"] or 0) + 1)):
-        return None
-    system, users = split_turns(messages)
-    return system + [m for user, row in zip(users, rows) for m in (user, _answer(row))]
-
-
 def _commit(tmp: Path, final: Path) -> None:
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -225,100 +166,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _kept_groups(con: duckdb.DuckDBPyConnection, query: str):
+def _conversations(con: duckdb.DuckDBPyConnection, query: str) -> Iterator[Conversation]:
     """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config)."""
     rows = (row for batch in con.sql(query).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
-    yield from (
-        list(group)
-        for _, group in itertools.groupby(
-            rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)
-        )
-    )
+    key = lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
+    yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
 
 
-def pretokenized(row: dict[str, Any], max_length: int | None) -> dict[str, Any]:
-    """{id, input_ids, loss_mask}: the prompt's ids (loss 0) then the generated ids (loss 1), cut at the window.
-    What SpecForge's online trainer (prompt_builder.py) and speculators' pre-tokenized path read as is."""
-    prompt, output = row["prompt_token_ids"], row["output_ids"]
-    end = len(prompt) + len(output) if max_length is None else max_length
-    sample_id = row["id"] if row["turn"] is None else f"{row['id']}#{row['turn']}"
-    return {
-        "id": sample_id,
-        "input_ids": (prompt + output)[:end],
-        "loss_mask": ([0] * len(prompt) + [1] * len(output))[:end],
-    }
-
-
-@dataclass
-class Written:
-    """What _write_rows wrote, and what it left out on its way (the manifest's figures)."""
-
-    lines: int = 0  # JSONL lines written
-    consumed: int = 0  # kept rows they hold
-    not_whole: int = 0  # conversations left out because a turn of theirs did not pass
-    refused: dict[str, int] = field(default_factory=dict)  # validator's words -> rows left out (recipe_validation)
-    refused_rows: list[tuple[str, int]] = field(default_factory=list)  # (filename, file_row_number) of those rows
-    thinking: set[bool] = field(default_factory=set)  # enable_thinking of the rows judged: the recipe's flags
-    source_answers: dict[str, int] = field(default_factory=lambda: {"written": 0, "left_out": 0})
-
-
-def _write_rows(
-    con: duckdb.DuckDBPyConnection,
-    query: str,
-    jsonl_tmp: Path,
-    parquet_tmp: Path,
-    form: str,
-) -> Written:
-    """Stream the kept rows into both files; Parquet row groups are always ROW_GROUP rows, for stable bytes. In the
-    conversations and messages forms every line is first judged by SpecForge's validator with its recipe's flags
-    for the row's config (trainer_format.recipe_flags): a line it would stop at is left out, never written. A
-    pre-tokenized sample is cut at its row's window (judged_window)."""
-    done, pending, schema = Written(), [], export_schema(form)
-    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, schema) as parquet:
-
-        def flush(rows: list[dict[str, Any]]) -> None:
-            parquet.write_table(pa.Table.from_pylist(rows, schema=schema), row_group_size=ROW_GROUP)
-
-        for group in _kept_groups(con, query):
-            if form == "pretokenized":  # a sample per row (per turn under all_turns): its own ids, cut at the window
-                for row in group:
-                    done.consumed += 1
-                    if row["turn"] is None and carries_history(json.loads(row["messages_json"])):
-                        done.source_answers["written"] += 1  # in the prompt's ids: loss 0
-                    sample = pretokenized(row, row["judged_window"])
-                    jsonl.write(json.dumps(sample, separators=(",", ":")).encode("utf-8") + b"\n")
-                    pending.append({k: row.get(k) for k in schema.names} | sample | {"status": STATUS})
-                    done.lines += 1
-                    if len(pending) == ROW_GROUP:
-                        flush(pending)
-                        pending = []
-                continue
-            for rows in [group] if group[0]["turn"] is not None else [[r] for r in group]:
-                done.consumed += len(rows)
-                conversation = _conversation(rows)
-                if conversation is None:
-                    done.not_whole += 1
-                    continue
-                row = rows[-1] | {"completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
-                history = row["turn"] is None and carries_history(json.loads(row["messages_json"]))
-                thinking = bool(row["enable_thinking"])
-                done.thinking.add(thinking)
-                judged = {"id": row["id"], "status": STATUS, "conversations": conversation}
-                if problem := row_problem(judged, **recipe_flags(thinking)):
-                    done.refused[problem] = done.refused.get(problem, 0) + len(rows)
-                    done.refused_rows += [(r["filename"], r["file_row_number"]) for r in rows]
-                    done.source_answers["left_out"] += history
-                    continue
-                done.source_answers["written"] += history
-                line = judged if form == "conversations" else {"id": row["id"], "messages": conversation}
-                jsonl.write(json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n")
-                pending.append({k: row.get(k) for k in schema.names} | {"status": STATUS, form: conversation})
+def _write(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path, writer: Writer) -> Written:
+    """Stream the kept conversations through the form's writer into both files; Parquet row groups are always
+    ROW_GROUP rows, for stable bytes."""
+    done, pending = Written(), []
+    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, writer.schema) as parquet:
+        for conversation in _conversations(con, query):
+            for line, record in writer.samples(conversation, done):
+                jsonl.write(writer.dumps(line))
+                pending.append(record)
                 done.lines += 1
                 if len(pending) == ROW_GROUP:
-                    flush(pending)
+                    parquet.write_table(pa.Table.from_pylist(pending, schema=writer.schema), row_group_size=ROW_GROUP)
                     pending = []
         if pending:
-            flush(pending)
+            parquet.write_table(pa.Table.from_pylist(pending, schema=writer.schema), row_group_size=ROW_GROUP)
     return done
 
 
@@ -333,9 +202,9 @@ def _refuse(con: duckdb.DuckDBPyConnection, rows: list[tuple[str, int]]) -> None
         )
 
 
-def _recipe(done: Written, form: str) -> dict[str, Any]:
+def _recipe(done: Written, writer: Writer) -> dict[str, Any]:
     """The manifest's word on SpecForge's recipe: the validator and flags the text forms were judged by."""
-    if form == "pretokenized":
+    if not writer.form.rendered:
         return {"validator": None, "note": "pre-tokenized samples are read as is: no validator runs on them"}
     flags = sorted({flags_text(t) for t in done.thinking}) or [flags_text(True)]
     return {
@@ -345,10 +214,10 @@ def _recipe(done: Written, form: str) -> dict[str, Any]:
     }
 
 
-def _source_answers(done: Written, form: str) -> dict[str, Any]:
+def _source_answers(done: Written, writer: Writer) -> dict[str, Any]:
     """regenerate last_turn rows whose history keeps the source's own earlier answers: text the target never wrote."""
     written, left_out = done.source_answers["written"], done.source_answers["left_out"]
-    if form == "pretokenized":
+    if not writer.form.rendered:
         note = "their history is in the prompt ids, with loss 0: the trainer learns only the regenerated answer"
     elif written:
         note = (
@@ -366,7 +235,7 @@ def _source_answers(done: Written, form: str) -> dict[str, Any]:
         "rows": written + left_out,
         "written": written,
         "left_out": left_out,
-        "train_only_last_turn": bool(written) and form != "pretokenized",
+        "train_only_last_turn": bool(written) and writer.form.rendered,
         "note": note,
     }
 
@@ -412,10 +281,10 @@ def export_training_set(
     for name in TRAINER_SETTINGS_FILES:  # a later export of another form or window must not leave stale ones
         (out / name).unlink(missing_ok=True)
     tmps = {name: out / f".{name}.tmp" for name in paths}
-    export_schema(form)  # refuses an unknown form before anything is written
+    writer = writer_for(form)  # refuses an unknown form before anything is written
     params = {
         "config": config_hash,
-        "pretokenized": form == "pretokenized",
+        "token_ids": not writer.form.rendered,
         "drop_long": drop_over_max_length and max_length is not None,
     }
     try:
@@ -437,15 +306,15 @@ def export_training_set(
                     window=window_flags_sql(NO_LIMIT if max_length is None else max_length),
                     fills_window=fills_window_sql(
                         "judged_window",
-                        "CASE WHEN $pretokenized THEN prompt_tokens "
+                        "CASE WHEN $token_ids THEN prompt_tokens "
                         "ELSE min(prompt_tokens) OVER (PARTITION BY shard, prompt_id, config_hash) END",
                     ),
                 ),
                 params,
             )
-            ids = "c.prompt_token_ids, c.output_ids" if form == "pretokenized" else "NULL AS prompt_token_ids"
+            ids = "c.prompt_token_ids, c.output_ids" if params["token_ids"] else "NULL AS prompt_token_ids"
             query = KEPT.format(completions=completions, ids=ids)
-            done = _write_rows(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], form)
+            done = _write(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], writer)
             _refuse(con, done.refused_rows)
             window = _window(con, max_length)
             manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
@@ -454,8 +323,8 @@ def export_training_set(
                 "chosen_by": chosen_by,
                 "conversations_not_whole": done.not_whole,
                 "window": window,
-                "recipe": _recipe(done, form),
-                "source_answers": _source_answers(done, form),
+                "recipe": _recipe(done, writer),
+                "source_answers": _source_answers(done, writer),
             }
             manifest["drop_over_max_length"] = params["drop_long"]
             manifest["over_max_length_kept"] = one(
@@ -480,7 +349,7 @@ def export_training_set(
                 "dflash demo/backfill --trainer-max-length, --trainer-format; the form also by the "
                 "drafter_training_set "
                 "config's form",
-                "window_cut_content": WINDOW_CUT_CONTENT if form != "pretokenized" else None,
+                "window_cut_content": WINDOW_CUT_CONTENT if writer.form.rendered else None,
             }
         for name in ("training_set.jsonl", "training_set.parquet"):
             _commit(tmps[name], paths[name])

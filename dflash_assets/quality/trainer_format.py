@@ -20,6 +20,7 @@ The first line that fails aborts the whole file, so the export leaves such a row
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, cast
 
 from dflash_assets.settings import TRAINER_FORMATS
@@ -31,6 +32,42 @@ THINK_MARKERS = ("<think>", "</think>")
 
 # the export's forms: SpecForge's conversations, the OpenAI messages form, and {id, input_ids, loss_mask}
 FORMS = TRAINER_FORMATS
+
+
+@dataclass(frozen=True)
+class Form:
+    """What a trainer must know of an export form (quality/writers.py has one writer per form)."""
+
+    name: str
+    rendered: bool  # the trainer renders it with its chat template (a text form); else its token ids are read as is
+    column: str  # the Parquet column of what the trainer reads (text forms: the messages)
+    specforge_key: str  # SpecForge's DataConfig key naming the file
+    speculators_note: str = ""  # what speculators' prepare_data.py needs besides its flags
+    specforge_note: str = ""  # a word to the SpecForge user, written into specforge_data.yaml
+
+
+FORM = {
+    f.name: f
+    for f in (
+        Form(
+            "conversations",
+            rendered=True,
+            column="conversations",
+            specforge_key="train_data_path",
+            speculators_note=" (a conversations file also needs --render-endpoint)",
+        ),
+        Form(
+            "messages",
+            rendered=True,
+            column="messages",
+            specforge_key="train_data_path",
+            speculators_note=" (a conversations file also needs --render-endpoint)",
+            specforge_note="SpecForge reads the conversations form: export with form conversations for it.",
+        ),
+        Form("pretokenized", rendered=False, column="input_ids", specforge_key="prompts_path"),
+    )
+}
+assert tuple(FORM) == FORMS, "every trainer format has its form"
 
 
 def has_think_marker(text: str) -> bool:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_assets.quality.trainer_format import FORM
+
 SPECFORGE_FILE, SPECULATORS_FILE = "specforge_data.yaml", "speculators_flags.txt"
 TRAINER_SETTINGS_FILES = (SPECFORGE_FILE, SPECULATORS_FILE)
 
@@ -23,12 +25,13 @@ def specforge_data(
     jsonl: Path, form: str, max_length: int | None, chat_template: str, with_history: int
 ) -> dict[str, object]:
     """SpecForge's data keys for this export (DataConfig's names)."""
-    data: dict[str, object] = {"prompts_path" if form == "pretokenized" else "train_data_path": str(jsonl.resolve())}
+    rendered = FORM[form].rendered  # a pre-tokenized file is never rendered
+    data: dict[str, object] = {FORM[form].specforge_key: str(jsonl.resolve())}
     if max_length is not None:
         data["max_length"] = max_length
-    if form != "pretokenized":  # a pre-tokenized file is never rendered
+    if rendered:
         data["chat_template"] = chat_template
-    if with_history and form != "pretokenized":
+    if with_history and rendered:
         data["train_only_last_turn"] = True
     return data
 
@@ -42,8 +45,8 @@ def write_trainer_settings(
         f"# What SpecForge must set to read {jsonl.name} as it was exported (manifest.json beside it): put this",
         "# data: block in the training config (specforge/config/schema.py DataConfig).",
     ]
-    if form == "messages":
-        lines.append("# SpecForge reads the conversations form: export with form conversations for it.")
+    if FORM[form].specforge_note:
+        lines.append(f"# {FORM[form].specforge_note}")
     if "train_only_last_turn" in data:
         lines.append(
             f"# train_only_last_turn: {with_history} conversations carry the source's earlier answers, which the "
@@ -60,7 +63,7 @@ def write_trainer_settings(
     train = f"--total-seq-len {max_length}" if max_length is not None else ""
     (out / SPECULATORS_FILE).write_text(
         "# speculators: scripts/prepare_data.py's flags"
-        + ("" if form == "pretokenized" else " (a conversations file also needs --render-endpoint)")
+        + FORM[form].speculators_note
         + f", then scripts/train.py's\n{flags}\n{train}\n",
         encoding="utf-8",
     )
@@ -69,7 +72,7 @@ def write_trainer_settings(
         "specforge": SPECFORGE_FILE,
         "speculators": SPECULATORS_FILE,
         "specforge_data": specforge_data(Path(jsonl.name), form, max_length, chat_template, with_history)
-        | {("prompts_path" if form == "pretokenized" else "train_data_path"): jsonl.name},
+        | {FORM[form].specforge_key: jsonl.name},
         "speculators_flags": f"--seq-length {max_length}" if max_length is not None else "",
     }
 
