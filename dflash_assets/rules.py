@@ -8,6 +8,7 @@ layer may use this module.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 import numpy as np
@@ -25,6 +26,13 @@ OVERFLOW_SQL = f"prompt_tokens + max_output_tokens > server_context_length - {CO
 def overflows(prompt_tokens: int, max_output_tokens: int, context_length: int) -> bool:
     """The prompt plus the cap does not fit what the server really grants."""
     return prompt_tokens + max_output_tokens > context_length - CONTEXT_MARGIN
+
+
+# The largest context any model SGLang serves declares: Llama 4 Scout's max_position_embeddings, 10,485,760 (its
+# config.json; the configs bundled in the 0.5.23 wheel go to 1,048,576, srt/configs/muse_spark.py). SGLang refuses a
+# --context-length above the model's own (srt/configs/model_config.py _derive_context_length) unless
+# SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set, so a cap above this fits no server: refused when it is parsed.
+LARGEST_CONTEXT = 10_485_760
 
 
 def context_needed(prompt_tokens: int, max_output_tokens: int) -> int:
@@ -159,3 +167,71 @@ def stores_token_ids(store_token_ids: bool, cap_policy: str, trainer_format: str
     """Token ids are stored whenever asked, and by default under the window policy or the pre-tokenized export,
     which is built from them (and continuing window-complete rows to a larger window needs them)."""
     return store_token_ids or cap_policy == "window" or trainer_format == "pretokenized"
+
+
+# ---- the figures of one config's answer --------------------------------------------------------------------------
+# What every view says of a config (the terminal, `dflash report`, `dflash configs`, the UI, the pictures) is counted
+# by these definitions and no other, each with its unit: a turn row (one per generated turn; one per prompt under
+# last_turn) or a conversation (its prompt_id: all the turn rows of one prompt). The SQL runs over the quality tables
+# (quality/tables.py: `runaway` and the window flags are columns there, `judged_window` the row's window).
+CUT_AT_CAP_SQL = "(finish_reason = 'length')"
+
+
+def cut_at_cap(finish_reason: str | None) -> bool:
+    """The cap ended the row: SGLang's finish_reason 'length' (a runaway stopped while streaming is not: 'runaway')."""
+    return finish_reason == "length"
+
+
+def is_runaway(finish_reason: str | None, loops: bool) -> bool:
+    """Cut while repeating itself: stopped early by the client, or cut at the cap with a looping tail (`loops`,
+    generation/runaway.py's rule on the row's end)."""
+    return stopped_early(finish_reason) or (cut_at_cap(finish_reason) and loops)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a config's answer: its name as shown, its unit, what it counts, and the SQL that counts it."""
+
+    name: str
+    unit: str  # "turn rows" or "conversations"
+    definition: str
+    sql: str  # a boolean over a row of the quality tables' `completions`
+
+
+FIGURES = (
+    Figure(
+        "cut at the cap",
+        "turn rows",
+        "finish_reason = 'length': the cap, not the model, ended the answer (runaways that hit the cap included)",
+        CUT_AT_CAP_SQL,
+    ),
+    Figure(
+        "cut inside the window",
+        "turn rows",
+        "cut at the cap with prompt + completion < the window (max_length): the trainer reads an end the model did "
+        "not choose; the blocking share (check truncation_rate)",
+        "cut_inside_window",
+    ),
+    Figure(
+        "window-complete",
+        "turn rows",
+        "cut at the cap at or past the window, with some answer inside it, not a runaway: the trainer reads it as "
+        "it reads the complete answer, so the export keeps it",
+        "window_complete",
+    ),
+    Figure(
+        "runaway",
+        "turn rows",
+        f"cut while repeating itself: finish_reason '{RUNAWAY_FINISH}' (stopped early) or cut at the cap with a "
+        "looping tail; no cap ends it",
+        "runaway",
+    ),
+    Figure(
+        "filling the window",
+        "turn rows",
+        "prompt_tokens >= the window: the trainer reads no answer at all, the export leaves it out "
+        "(no_trainable_tokens)",
+        fills_window_sql("judged_window"),
+    ),
+)
+FIGURE = {f.name: f for f in FIGURES}

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dflash_assets.rules import fills_window, window_cap
+from dflash_assets.rules import LARGEST_CONTEXT, fills_window, window_cap
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 
@@ -236,6 +236,16 @@ class RequestSettings(Settings):
         description="More chat_template_kwargs, sent beside enable_thinking with every request and with "
         "/v1/tokenize (a JSON object on the command line).",
     )
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _fits_a_model(cls, cap: int) -> int:
+        if cap > LARGEST_CONTEXT:
+            raise ValueError(
+                f"max_output_tokens {cap:,} is larger than the largest context any model SGLang serves "
+                f"({LARGEST_CONTEXT:,} tokens): no server could grant it; set a cap below the servers' context length"
+            )
+        return cap
 
     @field_validator("top_k")
     @classmethod

@@ -1,4 +1,8 @@
-"""The length-quality report and the checks as rich tables in a terminal (`dflash report`)."""
+"""The length-quality report and the checks as rich tables in a terminal (`dflash report`).
+
+No line is wider than the console (the terminal's width; 100 columns when not a terminal): a table that does not
+fit drops its least needed columns (fit), a figure is never cut with an ellipsis.
+"""
 
 import re
 import sys
@@ -6,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 
@@ -31,9 +36,45 @@ LENGTH_COLUMNS = (
 OVERFLOW_KEYS = ("completion_rows_over_context", "rejected_prompts_over_context", "rows_over_max_length")
 
 
+PIPED_WIDTH = 100  # a `dflash` command's width when its output is not a terminal
+# the columns a table drops first when it does not fit, in that order
+DROP_FIRST = ("P95", "P50", "truncated", "max", "configs", "shards", "last written", "judged at", "window-complete")
+
+
 def console_for_output() -> Console:
-    """A `dflash` command's console: the terminal's width, or 120 columns when piped (not cut to 80)."""
-    return Console(width=None if sys.stdout.isatty() else 120)
+    """A `dflash` command's console: the terminal's width, or PIPED_WIDTH columns when piped."""
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+
+
+def fit(table: Table, width: int, drop: tuple[str, ...] = DROP_FIRST) -> Table:
+    """`table` made to fit `width` columns: a column that does not wrap (a figure, a name) as wide as its widest
+    cell, its header wrapped at words; free text (a column that wraps) takes what is left. While that is still too
+    wide, the columns named in `drop` go, in that order. Nothing is cut with "…"."""
+
+    def least(column) -> int:
+        words = [str(column.header)] + [str(c) for c in column._cells]
+        if not column.no_wrap:
+            words = [w for text in words for w in text.split()]
+        longest_word = max((cell_len(w) for w in str(column.header).split()), default=0)
+        return max([cell_len(w) for w in words[1:]] + [longest_word])
+
+    while True:
+        header = [str(c.header) for c in table.columns]
+        lows = [least(c) for c in table.columns]
+        extra = table._extra_width + sum(table._get_padding_width(i) for i in range(len(table.columns)))
+        if sum(lows) + extra <= width or not (gone := [n for n in drop if n in header]):
+            break
+        table.columns.pop(header.index(gone[0]))
+        for i, column in enumerate(table.columns):
+            column._index = i
+    room = width - extra - sum(lows)
+    for column, low in zip(table.columns, lows):
+        column.overflow = "fold"  # a last resort for free text only: never "…"
+        if column.no_wrap:  # a fixed width: its cells whole, its header wrapped at words
+            grow = max(0, min(cell_len(str(column.header)) - low, room))
+            room -= grow
+            column.width, column.no_wrap = low + grow, False
+    return table
 
 
 def verbatim(console: Console, text: str) -> None:
@@ -56,6 +97,11 @@ def _length_cells(row: dict[str, Any]) -> list[str]:
     ]
 
 
+def show(console: Console, table: Table) -> None:
+    """Print `table` fitted to the console's width (fit)."""
+    console.print(fit(table, console.width))
+
+
 def _table(title: str, keys: tuple[str, ...], rows: list[list[str]]) -> Table:
     table = Table(title=title, title_justify="left")
     for key in keys:
@@ -72,7 +118,8 @@ def configs_table(configs: list) -> Table:
     from dflash_assets.store.configs import TABLE_COLUMNS
 
     table = Table(
-        title="Configs of the data dir, the latest (the most recently written) first; last written in UTC",
+        title="Configs of the data dir, the latest (the most recently written) first; rows are turn rows; last "
+        "written in UTC",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
@@ -80,7 +127,7 @@ def configs_table(configs: list) -> Table:
         table.add_column(key, justify="left" if key in ("config", "cap, policy") else "right", no_wrap=True)
     for c in configs:
         table.add_row(*c.cells())
-    return table
+    return fit(table, console_for_output().width)
 
 
 def _headline(summary_md: str) -> str:
@@ -121,53 +168,58 @@ def plan_table(answer: CapAnswer) -> Table:
     return table
 
 
-def print_answer(answer: CapAnswer, console: Console) -> None:
-    """The story's answer for one config: share cut, percentiles, whether they sit at the cap, and the plan."""
-    for line in answer.headline():
-        console.print(line, highlight=False)
+def print_answer(answer: CapAnswer, console: Console, command: str = "dflash demo") -> None:
+    """One config's answer (CapAnswer.lines: the figures with their units, the export, the next command), then its
+    cap plan: the table and the window policy's tokens."""
+    for line in answer.lines(command):
+        console.print(line, highlight=False, markup=False)
+    print_plan(answer, console)
+
+
+def print_plan(answer: CapAnswer, console: Console) -> None:
+    """The cap plan of one config: the candidate caps' shares cut, and the tokens under the window policy."""
     if answer.plan is None:
-        console.print(f"  no cap plan: {answer.plan_error}", highlight=False)
+        console.print(f"  no cap plan: {answer.plan_error}", highlight=False, markup=False)
         return
     if not answer.truncated:
-        console.print("  nothing was cut: the cap is large enough for these prompts", highlight=False)
         return
-    if not answer.cuts_matter:
-        console.print(
-            f"  every cut row lies at or past the trainer's window max_length {num(answer.max_length)}: "
-            f"window-complete, the trainer reads each exactly as it reads the complete answer, so a larger "
-            f"cap buys no trained token. To stop decoding past the window, generate with "
-            f"--cap-policy window --trainer-max-length {answer.max_length}.",
-            highlight=False,
-        )
-    console.print(plan_table(answer))
+    show(console, plan_table(answer))
     if answer.window_plan is not None:
         for line in window_plan_lines(
             answer.window_plan, f"--cap-policy window --trainer-max-length {answer.max_length}"
         ):
-            console.print(line, highlight=False)
-    if answer.recommended:
-        e = answer.recommended
-        console.print(
-            f"  recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut, "
-            f"{e.output_tokens.value / answer.plan.at(answer.cap).output_tokens.value:.2f}x the output "
-            f"tokens; above {num(answer.cap)} the tail is a model)",
-            highlight=False,
-        )
+            console.print(line, highlight=False, markup=False)
+
+
+HEAD_OTHERS = 4  # the report's head lists at most this many other configs, one line each
 
 
 def print_answers(
-    data_dir: str | Path, console: Console | None = None, quality: QualitySettings = QualitySettings()
+    data_dir: str | Path,
+    console: Console | None = None,
+    quality: QualitySettings = QualitySettings(),
+    full: bool = False,
+    command: str = "dflash backfill",
 ) -> list[CapAnswer]:
-    """`dflash report`'s first screen: per config, the answer to "are we maxing out, what should the cap be?"."""
+    """`dflash report`'s head: the latest config's answer, every other config in a line (at most HEAD_OTHERS); with
+    `full`, every config's answer and cap plan."""
     console = console or Console()
     answers = cap_answers(data_dir, quality)
     console.print(
-        f"[bold]What the cap does[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, the latest first, "
-        f"truncation limit {pct(quality.truncation_rate_max)} inside {quality.trainer.named()})",
+        f"[bold]The answer[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, the latest first; truncation "
+        f"limit {pct(quality.truncation_rate_max)} cut inside the window; definitions: docs/quality-gate.md)",
         highlight=False,
     )
-    for answer in answers:
-        print_answer(answer, console)
+    for i, answer in enumerate(answers):
+        if full:
+            print_answer(answer, console, command)
+        elif i == 0:
+            for line in answer.lines(command):
+                console.print(line, highlight=False, markup=False)
+        elif i <= HEAD_OTHERS:
+            console.print(answer.one_line(), highlight=False, markup=False)
+    if not full and len(answers) > 1 + HEAD_OTHERS:
+        console.print(f"{len(answers) - 1 - HEAD_OTHERS} more configs: dflash configs", highlight=False)
     return answers
 
 
@@ -183,13 +235,14 @@ def print_report(
     report = length_quality(data_dir, shard, max_length=quality.trainer.max_length, runaway=quality.runaway)
     scope = f"shard {shard}" if shard else "all shards"
     pooled = " (all configs)"  # these tables pool the configs; the answers above and By config are each config's
-    console.print(_table(f"Length quality, {scope}, all configs pooled", LENGTH_COLUMNS, [_length_cells(report)]))
+    show(console, _table(f"Length quality, {scope}, all configs pooled", LENGTH_COLUMNS, [_length_cells(report)]))
     console.print(
         f"Percentiles: {PERCENTILE_DEFINITION}. Cut inside the window / window-complete: judged against "
         f"{quality.trainer.named()}.",
         highlight=False,
     )
-    console.print(
+    show(
+        console,
         _table(
             "By config (each config's own rows)",
             ("config", "cap", "shards", *LENGTH_COLUMNS),
@@ -197,31 +250,35 @@ def print_report(
                 [str(r["config_hash"]), _n(r["config_cap"]), _n(r["shards"]), *_length_cells(r)]
                 for r in report["by_config"]
             ],
-        )
+        ),
     )
-    console.print(
+    show(
+        console,
         _table(
             "By shard" + pooled,
             ("shard", "configs", *LENGTH_COLUMNS),
             [[str(r["shard"]), str(r["configs"]), *_length_cells(r)] for r in report["by_shard"]],
-        )
+        ),
     )
-    console.print(
+    show(
+        console,
         _table(
             "By prompt length" + pooled,
             ("prompt tokens", *LENGTH_COLUMNS),
             [[r["bucket"], *_length_cells(r)] for r in report["by_prompt_length"]],
-        )
+        ),
     )
-    console.print(
+    show(
+        console,
         _table(
             "By source" + pooled,
             ("source", *LENGTH_COLUMNS),
             [[str(r["source"]), *_length_cells(r)] for r in report["by_source"]],
-        )
+        ),
     )
     o = report["overflow"]
-    console.print(
+    show(
+        console,
         _table(
             "Overflow",
             (
@@ -230,7 +287,7 @@ def print_report(
                 f"rows over max_length {o['max_length']}",
             ),
             [[num(o[k]) for k in OVERFLOW_KEYS]],
-        )
+        ),
     )
     if checks:
         outcomes = run_checks(data_dir, shard, quality=quality)

@@ -115,9 +115,12 @@ def compact_markdown(configs: list[tuple[str, int | None, int, np.ndarray]], win
     return "(too many configs for the compact picture: see completion_lengths)"
 
 
-def histogram_png(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int = 64) -> bytes:
-    """The histogram's PNG bytes, its legend's labels in the PNG's Description."""
-    return png(draw(configs, shard, bins), description="; ".join(labels(configs)))
+def histogram_png(
+    configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int = 64, answer: str = ""
+) -> bytes:
+    """The histogram's PNG bytes, its legend's labels in the PNG's Description, then the config's `answer`
+    (CapAnswer.description) when it draws one config."""
+    return png(draw(configs, shard, bins), description="; ".join(labels(configs)) + (f". {answer}" if answer else ""))
 
 
 def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str | None = None, bins: int = 64) -> Path:
@@ -126,12 +129,16 @@ def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str 
 
 
 def write_histogram(
-    configs: list[tuple[str, int | None, int, np.ndarray]], path: str | Path, shard: str | None, bins: int = 64
+    configs: list[tuple[str, int | None, int, np.ndarray]],
+    path: str | Path,
+    shard: str | None,
+    bins: int = 64,
+    answer: str = "",
 ) -> Path:
     """Write the histogram PNG of `series`' configs to `path` and return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(histogram_png(configs, shard, bins))
+    path.write_bytes(histogram_png(configs, shard, bins, answer))
     return path
 
 

@@ -13,9 +13,10 @@ from dflash_assets.quality.pictures import new_figure, png
 from dflash_assets.quality.planner import CapPlan
 
 
-def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None) -> bytes:
+def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None, description: str = "") -> bytes:
     """`window`: (max_length, where it ends in completion tokens for the median prompt): marked on the picture,
-    since a cap past it buys only tokens no training step reads."""
+    since a cap past it buys only tokens no training step reads. `description`: the config's answer
+    (CapAnswer.description), the PNG's Description."""
     fig = new_figure(8, 4.8)
     ax = fig.add_subplot()
     floor = 0.5 / plan.rows  # below one row in the sample a probability is invisible, not zero
@@ -109,4 +110,4 @@ def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None) -> bytes:
     ax.set_title(f"Cap plan{', config ' + plan.config_hash if plan.config_hash else ''}: current cap {plan.cap:,}")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="center left", fontsize="small")  # the curves hug the top: the middle left is free
-    return png(fig)
+    return png(fig, description or None)

@@ -12,14 +12,25 @@ import duckdb
 
 from dflash_assets.quality.outcome import share
 from dflash_assets.quality.tables import judged_window, one, open_quality_db
-from dflash_assets.rules import CUT_SQL, OVERFLOW_SQL, PERCENTILE_DEFINITION, STOPPED_EARLY_SQL, percentile_sql
+from dflash_assets.rules import (
+    CUT_SQL,
+    FIGURE,
+    OVERFLOW_SQL,
+    PERCENTILE_DEFINITION,
+    STOPPED_EARLY_SQL,
+    percentile_sql,
+)
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 
 PROMPT_BUCKETS = (512, 1024, 2048, 4096, 8192)
 CONFIG = "config_hash, config_cap"  # the config's cap: under the window policy each row asks its own
 
 # truncated_rows: the rows the model did not end, cut at the cap or stopped while looping (runaway_stopped_rows)
+# the answer's figures (rules.FIGURES) by their own definitions: cut_at_cap_rows, fills_window_rows, conversations
 STATS = f"""count(*) AS rows, count(*) FILTER (WHERE {CUT_SQL}) AS truncated_rows,
+    count(*) FILTER (WHERE {FIGURE['cut at the cap'].sql}) AS cut_at_cap_rows,
+    count(*) FILTER (WHERE {FIGURE['filling the window'].sql}) AS fills_window_rows,
+    count(DISTINCT (shard, prompt_id)) AS conversations,
     count(*) FILTER (WHERE runaway) AS runaway_rows,
     count(*) FILTER (WHERE cut_inside_window) AS cut_inside_window_rows,
     count(*) FILTER (WHERE window_complete) AS window_complete_rows,
@@ -35,6 +46,7 @@ def _stats(row: dict[str, Any]) -> dict[str, Any]:
     q = row.pop("q") or [None] * 4
     out = {k: v for k, v in row.items() if k != "max"}
     out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
+    out["cut_at_cap_rate"] = share(row["cut_at_cap_rows"], row["rows"])
     # cut while looping (part of truncated_rows): at the cap, or stopped early
     out["runaway_rate"] = share(row["runaway_rows"], row["rows"])
     # against the trainer's window (rules.py): the blocking share, and the cut rows the trainer reads whole
@@ -132,6 +144,9 @@ def length_quality_of(
                 {
                     "rows": 0,
                     "truncated_rows": 0,
+                    "cut_at_cap_rows": 0,
+                    "fills_window_rows": 0,
+                    "conversations": 0,
                     "runaway_rows": 0,
                     "cut_inside_window_rows": 0,
                     "window_complete_rows": 0,

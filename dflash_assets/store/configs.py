@@ -18,7 +18,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from dflash_assets.rules import cut_inside_window_sql, latest_first, row_window_sql
+from dflash_assets.rules import CUT_AT_CAP_SQL, cut_inside_window_sql, latest_first, row_window_sql
 from dflash_assets.settings import SAMPLING_PARAMS, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, open_storage
@@ -76,6 +76,7 @@ class Config:
     last_written: datetime | None
     rows: int
     cut_inside_window: int  # rows cut inside the window they are judged by (rules.row_window_sql)
+    cut_at_cap: int  # rows the cap ended (rules.FIGURES "cut at the cap"), inside the window or past it
     max_length: int  # the trainer's window in force (a window-policy config is judged by its own)
     shards: tuple[ShardCounts, ...]
 
@@ -87,6 +88,10 @@ class Config:
     @property
     def cut_inside_window_rate(self) -> float:
         return self.cut_inside_window / self.rows if self.rows else 0.0
+
+    @property
+    def cut_at_cap_rate(self) -> float:
+        return self.cut_at_cap / self.rows if self.rows else 0.0
 
     @property
     def judged_at(self) -> int:
@@ -108,6 +113,7 @@ class Config:
             f"{self.rows:,}",
             str(len(self.shards)),
             done,
+            f"{self.cut_at_cap_rate:.2%} ({self.cut_at_cap:,})",
             f"{self.cut_inside_window_rate:.2%} ({self.cut_inside_window:,})",
             _when(self.last_written),
         ]
@@ -118,11 +124,13 @@ class Config:
         when = _when(self.last_written) + " UTC"
         return (
             f"config {self.config_hash} ({self.policy}): {self.rows:,} rows in {len(self.shards)} shard(s), {done}, "
-            f"{self.cut_inside_window_rate:.2%} cut inside the window {self.judged_at:,}, last written {when}"
+            f"{self.cut_at_cap_rate:.2%} cut at the cap, {self.cut_inside_window_rate:.2%} cut inside the window "
+            f"{self.judged_at:,}, last written {when}"
         )
 
 
-# "judged at": the trainer's window (max_length) the cut rows are judged against, the same for every config listed
+# "judged at": the trainer's window (max_length) the cut rows are judged against, the same for every config listed;
+# rows are turn rows, the cut shares rules.FIGURES' "cut at the cap" and "cut inside the window"
 TABLE_COLUMNS = (
     "config",
     "cap, policy",
@@ -130,6 +138,7 @@ TABLE_COLUMNS = (
     "rows",
     "shards",
     "complete",
+    "cut at the cap",
     "cut inside window",
     "last written",
 )
@@ -163,6 +172,7 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
                 bool_or(policy_cap IS NOT NULL) AS window_policy, max(trainer_max_length) AS window,
                 min(created_at) AS first_written, max(created_at) AS last_written, count(*) AS rows,
                 count(*) FILTER (WHERE {cut_inside_window_sql(row_window_sql(max_length))}) AS cut_inside_window,
+                count(*) FILTER (WHERE {CUT_AT_CAP_SQL}) AS cut_at_cap,
                 min(server_context_length) AS min_context, max(server_context_length) AS max_context,
                 bool_or(turn IS NOT NULL) AS all_turns,
                 {", ".join(f"any_value({s}) AS {s}" for s in SETTINGS)}
@@ -209,6 +219,7 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
                 last_written=c["last_written"],
                 rows=c["rows"],
                 cut_inside_window=c["cut_inside_window"],
+                cut_at_cap=c["cut_at_cap"],
                 max_length=max_length,
                 shards=tuple(by_config.get(c["config_hash"], ())),
             )

@@ -2,6 +2,7 @@
 
 import base64
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 from pydantic import Field
@@ -67,10 +68,25 @@ PICTURES = (
 )
 
 
+def answer_metadata(report: dict, quality: QualitySettings, exports: Path, glance: str, **plan) -> tuple[dict, Any]:
+    """The first rows a person reads: the answer of the config the figures are of (quality/answer.py: the figures
+    with their units, the export's manifest, the next command) and the cap plan at a glance. `plan`: answer_of's
+    plan, plan_error and wp, when the caller planned. Also the answer (a CapAnswer), or None without one."""
+    from dflash_assets.quality.answer import answer_of
+
+    row = next((r for r in report["by_config"] if r["config_hash"] == report["config_hash"]), None)
+    shard = report["scope"]["shard"]
+    answer = answer_of(row, quality, exports, scope=f"shard {shard}" if shard else "", **plan) if row else None
+    said = answer.markdown() if answer else f"no answer: the figures are of {report['config_label']}"
+    return {"answer": dg.MetadataValue.md(said), "cap_plan_at_a_glance": glance}, answer
+
+
 def report_metadata(report: dict, png: bytes, chosen_by: str) -> dict:
     """Whose figures they are, the figures a person reads first, then the breakdowns, then the picture."""
     stats = [
         "rows",
+        "conversations",
+        "cut_at_cap_rate",
         "truncated_rows",
         "runaway_rows",
         "truncation_rate",
@@ -106,7 +122,7 @@ def report_metadata(report: dict, png: bytes, chosen_by: str) -> dict:
         "runaway_rows": report["runaway_rows"],  # of the truncated rows, those cut while looping
         **{k: report[k] for k in ("p50", "p90", "p95", "p99", "max") if report[k] is not None},
         **{k: v for k, v in report["overflow"].items()},
-        "by_config": dg.MetadataValue.md(_table(report["by_config"], ["config_hash", "max_output_tokens", *stats])),
+        "by_config": dg.MetadataValue.md(_table(report["by_config"], ["config_hash", "config_cap", *stats])),
         "by_prompt_length": dg.MetadataValue.md(_table(report["by_prompt_length"], ["bucket", *stats])),
         "by_source": dg.MetadataValue.md(_table(report["by_source"], ["source", *stats])),
         **({"by_turn": dg.MetadataValue.md(_table(report["by_turn"], ["turn", *stats]))} if report["by_turn"] else {}),
@@ -139,9 +155,11 @@ def length_quality_report(
         config, chosen_by = (run, "run") if run in present else (present[0] if present else None, "latest")
         with named_stops(context, data_dir, lambda: committed_rows(root, context.partition_keys)):
             report, png = _report_and_histogram(root, shard, quality_settings, reports / f"shard={shard}", config)
+        glance = "the cap plan is of each config over all its shards: length_quality_summary's cap_plan"
         context.add_asset_metadata(
             partition_key=shard,
             metadata={
+                **answer_metadata(report, quality_settings, data_dir.local_dir() / "training", glance)[0],
                 **report_metadata(report, png.read_bytes(), chosen_by),
                 ReportKeys.REJECTS: dg.MetadataValue.md(read_rejects(root, [shard]).markdown()),
                 "histogram_path": dg.MetadataValue.path(str(png)),
@@ -202,6 +220,7 @@ def length_quality_summary(
     from dflash_assets.quality.window_plan import window_plan, window_plan_lines
 
     root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
+    exports = data_dir.local_dir() / "training"  # the exports' manifests (drafter_training_set)
     chosen, chosen_by = choose_config(context, root, config)
     stops = lambda: named_stops(context, data_dir, lambda: committed_rows(root))  # noqa: E731 - twice below
     with stops():
@@ -232,6 +251,7 @@ def length_quality_summary(
         plan = plan_caps(root, config_hash=chosen, tokens_per_s=tokens_per_s, runaway=quality_settings.runaway)
     except PlanError as e:
         metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
+        first, _ = answer_metadata(report, quality_settings, exports, f"no cap plan: {e}", plan_error=str(e))
     else:
         trained = window_plan(
             root,
@@ -250,11 +270,12 @@ def length_quality_summary(
                 for line in window_plan_lines(trained, f"cap_policy window, trainer_max_length {trained.max_length}")
             )
         )
+        first, answer = answer_metadata(report, quality_settings, exports, plan_glance(plan), plan=plan, wp=trained)
+        description = answer.description() if answer else ""
         picture = data_dir.local_dir() / "reports" / "cap_plan.png"
         with stops():
-            picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at)))
+            picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at), description))
         advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
-        metadata["cap_plan_at_a_glance"] = plan_glance(plan)
         metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
         if plan.by_turn:  # all_turns: the same view on its own, for the run page's metadata list
             metadata["cap_plan_by_turn"] = dg.MetadataValue.md("\n".join(turn_markdown(plan)).strip())
@@ -268,4 +289,4 @@ def length_quality_summary(
         metadata["cap_plan_picture"] = dg.MetadataValue.md(
             f"![cap plan](data:image/png;base64,{base64.b64encode(picture.read_bytes()).decode()})"
         )
-    return dg.MaterializeResult(metadata=metadata)
+    return dg.MaterializeResult(metadata=first | metadata)  # the answer and the cap plan at a glance first
