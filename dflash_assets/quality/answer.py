@@ -109,14 +109,14 @@ class CapAnswer:
             return "nothing was cut at the cap: it is large enough for these prompts"
         if not self.cuts_matter:
             return (
-                "every cut lies at or past the window: the trainer reads those rows as complete answers, so a larger "
-                "cap buys no trained token; decode only what the trainer reads"
+                f"every cut row lies at or past the trainer's window max_length {num(self.max_length)}: the trainer "
+                f"reads each as the complete answer, so a larger cap buys no trained token; decode only what it reads"
             )
         if self.recommended is not None:
             e = self.recommended
             return (
-                f"raise the cap to {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut; above {num(self.cap)} "
-                f"the tail is a model)"
+                f"recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut; above "
+                f"{num(self.cap)} the tail is a model)"
             )
         return "the cuts inside the window are within the limit (or no larger candidate cap helps)"
 

@@ -1,5 +1,6 @@
 """The `dflash` command as a person types it: fleet up/status/down through the launch path, errors, help."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -113,14 +114,15 @@ def test_report_prints_the_figures_of_a_data_dir_as_tables(tmp_path, emulator):
     truncated = duckdb.sql(
         f"select count(*) filter (where finish_reason = 'length') from read_parquet('{data}/completions/**/*.parquet')"
     ).fetchall()[0][0]
-    result = dflash("report", "--data-dir", str(data))
+    result = dflash("report", "--full", "--data-dir", str(data))
     assert result.returncode == 0, result.stderr
     assert f"{truncated / 40 * 100:.2f}%" in result.stdout, result.stdout
     assert "truncation_rate" in result.stdout and ("4,096" in result.stdout or "4096" in result.stdout)
-    # a path is printed whole on its line, however long, so it can be copied (the tables keep 120 columns)
-    pictures = [line for line in result.stdout.splitlines() if line.startswith("picture: ")]
-    assert len(pictures) == 2 and all(len(line) > 120 for line in pictures), result.stdout
-    assert [Path(line.removeprefix("picture: ")).parent for line in pictures] == [data / "reports"] * 2
+    # a path is printed whole on its line, however long, so it can be copied (the tables keep 100 columns)
+    (folder,) = [line for line in result.stdout.splitlines() if line.startswith("pictures: ")]
+    assert len(folder) > 100 and Path(folder.removeprefix("pictures: ")) == data / "reports", result.stdout
+    names = [line.strip() for line in result.stdout.splitlines() if re.fullmatch(r"  \S+\.png", line)]
+    assert len(names) == 2 and all((data / "reports" / name).exists() for name in names), result.stdout
 
 
 def test_backfill_materialises_a_range_through_dagster_and_resumes_on_a_second_run(tmp_path, emulator):

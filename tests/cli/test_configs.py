@@ -148,7 +148,7 @@ def test_dflash_export_ships_the_config_named_and_stops_at_a_blocking_check(read
     assert said in flat, every.stdout
     assert "Stopped by the blocking check truncation_rate (all shards)" in flat
     n = config_rows(env["DFLASH_DATA_DIR"])[story]
-    assert re.search(rf"config {story}: [\d.]+% of {n:,} rows cut at the cap of 4,096", flat), every.stdout
+    assert re.search(rf"config {story}: cap 4,096, window [\d,]+, {n:,} turn rows of", flat), every.stdout
 
 
 def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_share(readme_order):
@@ -156,15 +156,29 @@ def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_sh
     # judged for a trainer that reads 8192 tokens, so that the fixed caps' cuts lie inside its window (a window-policy
     # config is judged by the window it recorded: rules.row_window_sql)
     result = dflash(
-        "report", "--data-dir", env["DFLASH_DATA_DIR"], "--trainer-max-length", "8192", env=env, cwd=env["CWD"]
+        "report",
+        "--full",
+        "--data-dir",
+        env["DFLASH_DATA_DIR"],
+        "--trainer-max-length",
+        "8192",
+        env=env,
+        cwd=env["CWD"],
     )
     assert result.returncode == 0, result.stderr
     flat = re.sub(r"\s+", " ", result.stdout.split("Length quality, all shards")[0])
-    said = re.findall(r"config ([0-9a-f]{12}): ([\d.]+)% of ([\d,]+) rows cut at the cap", flat)
+    said = [
+        (h, share, rows)
+        for h, rows, share in re.findall(
+            r"config ([0-9a-f]{12}): cap [\d,]+, window [\d,]+, ([\d,]+) turn rows of [\d,]+ conversations cut at the "
+            r"cap ([\d.]+)%",
+            flat,
+        )
+    ]
     latest = next(h for h in runs[2][1] if h not in runs[1][1])
     assert said[0][0] == latest and len(said) == 3
     recount = duckdb.sql(
-        f"select config_hash, count(*), count(*) filter (where finish_reason in ('length', 'runaway')), "
+        f"select config_hash, count(*), count(*) filter (where finish_reason = 'length'), "
         f"count(*) filter (where finish_reason = 'length' and prompt_tokens + completion_tokens < coalesce(trainer_max_length, 8192)) "
         f"from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet', union_by_name = true) group by 1"
     ).fetchall()
@@ -172,10 +186,11 @@ def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_sh
     for h, share, rows in said:
         n, cut, inside = by_hash[h]
         assert (int(rows.replace(",", "")), share) == (n, f"{cut / n * 100:.2f}")
-        own = re.search(rf"config {h}: .*?: ([\d.]+%) cut inside it \((\d+) rows", flat)
+        own = re.search(rf"config {h}: .*? cut inside the window ([\d.]+%) \((\d+),", flat)
         assert own and own.groups() == (f"{inside / n:.2%}", str(inside)), flat
     # the pictures: every config side by side, then each config's own histogram and cap plan, the latest first
-    pictures = [Path(p) for p in re.findall(r"picture: (\S+)", result.stdout)]
+    folder = re.search(r"pictures: (\S+)", result.stdout).group(1)
+    pictures = [Path(folder, name) for name in re.findall(r"^  (\S+\.png)$", result.stdout, re.M)]
     assert [p.name for p in pictures] == ["completion_lengths.png"] + [
         name for h, *_ in said for name in (f"completion_lengths-{h}.png", f"cap_plan-{h}.png")
     ], pictures
@@ -183,5 +198,5 @@ def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_sh
     assert all(f"{h} (cap " in shown["completion_lengths.png"] for h in by_hash), shown
     for h, (n, _cut, _inside) in by_hash.items():  # each config's histogram is of its rows alone
         own = shown[f"completion_lengths-{h}.png"]
-        assert own.startswith(f"{h} (cap ") and own.endswith(f"): {n:,} rows"), own
+        assert own.startswith(f"{h} (cap ") and f"): {n:,} rows. config {h}: " in own, own
         assert not any(other in own for other in by_hash if other != h), own

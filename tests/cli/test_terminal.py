@@ -80,17 +80,25 @@ def test_the_stack_trace_stays_in_the_runs_event_log(demo_at_4096):
 def test_report_leads_with_the_answer_per_config(demo_at_4096):
     env, _ = demo_at_4096
     result = dflash(
-        "report", "--data-dir", env["DFLASH_DATA_DIR"], "--trainer-max-length", "8192", env=env, cwd=env["CWD"]
+        "report",
+        "--full",
+        "--data-dir",
+        env["DFLASH_DATA_DIR"],
+        "--trainer-max-length",
+        "8192",
+        env=env,
+        cwd=env["CWD"],
     )
     assert result.returncode == 0, result.stderr
     head = result.stdout.split("Length quality, all shards")[0]
     flat = re.sub(r"\s+", " ", head)
-    assert re.search(r"config \w+: \d+\.\d\d% of \d+ rows cut at the cap of 4,096", flat), head
+    assert re.search(r"config \w+: cap 4,096, .*? cut at the cap \d+\.\d\d% \(\d+ turn rows\)", flat), head
     assert "P90 4,096 P99 4,096 max 4,096: P90 and P99 equal the cap" in flat
     assert "<- recommended" in head and "recommended cap:" in head
     # the pictures are written beside the report and their paths printed
-    pictures = [Path(p) for p in re.findall(r"picture: (\S+)", head)]
-    [config] = re.findall(r"config (\w+): \d+\.\d\d% of", flat)  # one config: its own pictures, no side by side
+    folder = re.search(r"pictures: (\S+)", head).group(1)
+    pictures = [Path(folder, name) for name in re.findall(r"^  (\S+\.png)$", head, re.M)]
+    [config] = re.findall(r"config (\w+): cap ", flat)  # one config: its own pictures, no side by side
     assert [p.name for p in pictures] == [f"completion_lengths-{config}.png", f"cap_plan-{config}.png"], pictures
     for picture in pictures:
         assert (
@@ -266,6 +274,6 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     assert new_rows == rows_before(env)
     continued = sum(int(m.group(1)) for m in re.finditer(r"^\s+0000\d\s+(\d+)\s", result.stdout, re.M))
     assert continued == cut, result.stdout  # every cut row taken on
-    assert re.search(rf"of \d+ rows cut at the cap of {int(cap):,}", flat)
+    assert re.search(rf"cap {int(cap):,}, window [\d,]+, \d+ turn rows of \d+ conversations cut at the cap", flat)
     for trace in NO_TRACE:
         assert trace not in result.stdout + result.stderr

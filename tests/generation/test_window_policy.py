@@ -249,10 +249,10 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
     from dflash_assets.quality.console import print_answers
 
     out = io.StringIO()
-    print_answers(story_dir, Console(file=out, width=200, color_system=None))
+    print_answers(story_dir, Console(file=out, width=200, color_system=None), full=True)
     text = out.getvalue()
-    assert "against the trainer's window max_length 4,096: 0.00% cut inside it" in text
-    assert "18.30% window-complete (183 rows" in text
+    assert "cut inside the window 0.00% (0, the blocking share)" in text
+    assert "window-complete 18.30% (183)" in text
     assert "every cut row lies at or past the trainer's window max_length 4,096" in text
     assert "--cap-policy window --trainer-max-length 4096" in text
 

@@ -1,0 +1,174 @@
+"""One config, one answer, the same in every view: after the story's run (`dflash demo --max-output-tokens 4096`),
+the report's head, `dflash configs`, the UI's metadata and the pictures say what a recount of the Parquet rows says
+by the definitions of rules.FIGURES, and what the export holds is what its files hold; every screen fits 100
+columns without "…"."""
+
+import json
+import re
+from pathlib import Path
+
+import dagster as dg
+import duckdb
+import pytest
+from PIL import Image
+
+from dflash_assets.generation.runaway import is_runaway
+from dflash_assets.quality.answer import answer_lines, cap_answers
+from tests.support.cli import demo_slice, dflash, home
+
+pytestmark = pytest.mark.long
+
+CAP, WINDOW = 4096, 4096  # the story's cap; the trainer's window by default
+HEAD_LINES = 20
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory):
+    """The story's run on one shard of the demo's prompts, one server; then `dflash report` and `dflash configs`
+    as a pipe reads them (100 columns)."""
+    tmp = tmp_path_factory.mktemp("story")
+    env = home(tmp, "home") | {
+        "DFLASH_PROMPTS": str(demo_slice(tmp, 100)),
+        "DFLASH_SHARD_SIZE": "100",
+        "DFLASH_NUM_SERVERS": "1",
+        "COLUMNS": "100",
+    }
+    demo = dflash("demo", "--max-output-tokens", str(CAP), env=env, cwd=tmp)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    views = {args: dflash(*args, env=env, cwd=tmp) for args in [("report",), ("report", "--full"), ("configs",)]}
+    for args, result in views.items():
+        assert result.returncode == 0, f"{args}: {result.stdout}{result.stderr}"
+    return env, {" ".join(args): result.stdout for args, result in views.items()}
+
+
+def recount(data: Path) -> dict:
+    """The answer's figures of the one config, recounted from the Parquet rows by rules.FIGURES' definitions."""
+    rows = duckdb.sql(
+        f"select shard, prompt_id, finish_reason, prompt_tokens, completion_tokens, content, reasoning_content "
+        f"from read_parquet('{data}/completions/**/*.parquet', union_by_name = true)"
+    ).fetchall()
+    cut = [r for r in rows if r[2] == "length"]
+    loops = [r for r in cut if is_runaway(r[5] if (r[5] or "").strip() else r[6])]
+    complete = [r for r in cut if r[3] + r[4] >= WINDOW > r[3] and r not in loops]
+    lengths = sorted(r[4] for r in rows)
+    rank = lambda q: lengths[-(-int(q * 100) * len(lengths) // 100) - 1]  # noqa: E731 - nearest rank
+    return {
+        "rows": len(rows),
+        "conversations": len({(r[0], r[1]) for r in rows}),
+        "cut at the cap": len(cut),
+        "cut inside the window": sum(r[3] + r[4] < WINDOW for r in cut),
+        "window-complete": len(complete),
+        "filling the window": sum(r[3] >= WINDOW for r in rows),
+        "P50": rank(0.5),
+        "P90": rank(0.9),
+        "P99": rank(0.99),
+    }
+
+
+def said(text: str, expected: dict) -> dict:
+    """The figures a view's answer says (CapAnswer.headline's words), to compare with `expected`'s."""
+    flat = re.sub(r"\s+", " ", text)
+    found = {}
+    m = re.search(r"([\d,]+) turn rows of ([\d,]+) conversations", flat)
+    found["rows"], found["conversations"] = (int(g.replace(",", "")) for g in m.groups()) if m else (None, None)
+    for name in ("cut at the cap", "cut inside the window", "window-complete"):
+        m = re.search(rf"{name} ([\d.]+)% \(([\d,]+)", flat)
+        found[name] = int(m.group(2).replace(",", "")) if m else None
+        share = f"{100 * expected[name] / expected['rows']:.2f}"
+        assert m and m.group(1) == share, f"{name}: {flat[:600]}"
+    m = re.search(r"filling the window ([\d,]+)", flat)
+    found["filling the window"] = int(m.group(1).replace(",", "")) if m else None
+    for p in ("P50", "P90", "P99"):
+        m = re.search(rf"{p} ([\d,]+)", flat)
+        found[p] = int(m.group(1).replace(",", "")) if m else None
+    return found
+
+
+def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(story):
+    env, out = story
+    data = Path(env["DFLASH_DATA_DIR"])
+    expected = recount(data)
+    assert expected["cut at the cap"] > 0  # the story: the cap cuts
+    (answer,) = cap_answers(data)
+    head = out["report"]
+    assert said(head, expected) == expected
+    # the closing lines a run prints (the CLI's demo and backfill call answer_lines)
+    assert said("\n".join(answer_lines(answer, "dflash demo")), expected) == expected
+    # the UI: the answer is the first metadata row of the summary and of the shard's report
+    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
+    for key in ("length_quality_summary", "length_quality_report"):
+        (record,) = instance.fetch_materializations(dg.AssetKey(key), limit=1).records
+        metadata = record.asset_materialization.metadata
+        assert list(metadata)[:2] == ["answer", "cap_plan_at_a_glance"], key
+        assert said(metadata["answer"].value, expected) == expected, key
+    # each picture's Description
+    pictures = sorted((data / "reports").glob("*-*.png"))
+    assert {p.name for p in pictures} == {
+        f"completion_lengths-{answer.config_hash}.png",
+        f"cap_plan-{answer.config_hash}.png",
+    }
+    for picture in pictures:
+        description = Image.open(picture).info["Description"]
+        figures = said(description, expected)
+        assert {k: figures[k] for k in ("rows", "cut at the cap", "P90")} == {
+            k: expected[k] for k in ("rows", "cut at the cap", "P90")
+        }, picture.name
+
+
+def test_what_the_answer_says_of_the_export_is_what_the_training_set_holds(story):
+    env, out = story
+    data = Path(env["DFLASH_DATA_DIR"])
+    (answer,) = cap_answers(data)
+    folder = data / "training" / answer.config_hash
+    lines = len((folder / "training_set.jsonl").read_text().splitlines())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert answer.exported is not None and answer.exported.samples == lines == manifest["rows"]
+    m = re.search(r"export: ([\d,]+) samples", re.sub(r"\s+", " ", out["report"]))
+    assert m and int(m.group(1).replace(",", "")) == lines
+
+
+def test_dflash_configs_shows_the_share_cut_at_the_cap_beside_the_share_cut_inside_the_window(story):
+    env, out = story
+    expected = recount(Path(env["DFLASH_DATA_DIR"]))
+    header = next(line for line in out["configs"].splitlines() if "config" in line and "rows" in line)
+    assert "cut at the cap" in header and "cut inside window" in header
+    row = next(line for line in out["configs"].splitlines() if re.match(r"\s*[0-9a-f]{12}\s", line))
+    at_cap = f"{100 * expected['cut at the cap'] / expected['rows']:.2f}% ({expected['cut at the cap']})"
+    inside = f"{100 * expected['cut inside the window'] / expected['rows']:.2f}% ({expected['cut inside the window']})"
+    assert at_cap in row and inside in row and row.index(at_cap) < row.index(inside), row
+
+
+@pytest.mark.parametrize("view", ["report", "report --full", "configs"])
+def test_no_line_is_wider_than_100_columns_and_no_figure_is_cut(story, view):
+    _, out = story
+    lines = out[view].splitlines()
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert not [line for line in lines if "…" in line]
+
+
+def test_the_report_leads_with_the_answer_and_the_next_command_in_at_most_20_lines(story):
+    _, out = story
+    head = out["report"].splitlines()
+    assert len(head) <= HEAD_LINES, out["report"]
+    assert any(line.startswith("next: dflash ") for line in head)
+    assert "dflash report --full" in head[-1]
+    assert len(out["report --full"].splitlines()) > len(head)  # the tables are one flag away
+
+
+def test_the_shard_reports_by_config_has_each_configs_cap(story):
+    env, _ = story
+    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
+    (record,) = instance.fetch_materializations(dg.AssetKey("length_quality_report"), limit=1).records
+    table = record.asset_materialization.metadata["by_config"].value
+    head, _, *rows = table.splitlines()
+    column = [c.strip() for c in head.strip("|").split("|")].index("config_cap")
+    assert [[c.strip() for c in r.strip("|").split("|")][column] for r in rows] == [str(CAP)]
+
+
+def test_a_cap_larger_than_any_models_context_is_refused_in_one_line_before_anything_runs(tmp_path):
+    env = home(tmp_path, "home")
+    result = dflash("demo", "--max-output-tokens", "100000000", env=env, cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "max_output_tokens 100,000,000 is larger than the largest context" in result.stderr
+    assert not Path(env["DFLASH_DATA_DIR"]).exists()
