@@ -17,7 +17,8 @@ def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None, descripti
     """`window`: (max_length, where it ends in completion tokens for the median prompt): marked on the picture,
     since a cap past it buys only tokens no training step reads. `description`: the config's answer
     (CapAnswer.description), the PNG's Description."""
-    fig = new_figure(8, 4.8)
+    fig = new_figure(8, 6.2)
+    fig.subplots_adjust(bottom=0.34)  # the legend goes below the axes, clear of the caps' labels
     ax = fig.add_subplot()
     floor = 0.5 / plan.rows  # below one row in the sample a probability is invisible, not zero
     if plan.empirical:
@@ -109,5 +110,5 @@ def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None, descripti
     ax.set_ylabel("P(length > x) = share cut at cap x")
     ax.set_title(f"Cap plan{', config ' + plan.config_hash if plan.config_hash else ''}: current cap {plan.cap:,}")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(loc="center left", fontsize="small")  # the curves hug the top: the middle left is free
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1, fontsize="small", frameon=False)
     return png(fig, description or None)

@@ -172,3 +172,11 @@ def test_a_cap_larger_than_any_models_context_is_refused_in_one_line_before_anyt
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "max_output_tokens 100,000,000 is larger than the largest context" in result.stderr
     assert not Path(env["DFLASH_DATA_DIR"]).exists()
+
+
+def test_the_quality_gate_doc_tables_every_figure_with_its_unit():
+    from dflash_assets.rules import FIGURES
+
+    doc = (Path(__file__).parents[2] / "docs" / "quality-gate.md").read_text()
+    table = dict(re.findall(r"^\| ([a-z -]+) \| (turn rows|conversations) \|", doc, re.M))
+    assert table == {f.name: f.unit for f in FIGURES}
