@@ -153,8 +153,7 @@ class CapAnswer:
         """The answer of a config listed beside the latest one."""
         return (
             f"config {self.config_hash}: cap {num(self.cap)}, {num(self.rows)} turn rows; cut at the cap "
-            f"{self.share(self.cut_at_cap)}, inside the window {self.share(self.cut_inside_window)}; P90 {_n(self.p90)}"
-            f", P99 {_n(self.p99)}; {'exported' if self.exported else 'not exported'}"
+            f"{self.share(self.cut_at_cap)}, inside the window {self.share(self.cut_inside_window)}"
         )
 
     def export_line(self) -> str:

@@ -118,8 +118,7 @@ def configs_table(configs: list) -> Table:
     from dflash_assets.store.configs import TABLE_COLUMNS
 
     table = Table(
-        title="Configs of the data dir, the latest (the most recently written) first; rows are turn rows; last "
-        "written in UTC",
+        title="Configs of the data dir, the latest (the most recently written) first; rows are turn rows",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
@@ -127,7 +126,7 @@ def configs_table(configs: list) -> Table:
         table.add_column(key, justify="left" if key in ("config", "cap, policy") else "right", no_wrap=True)
     for c in configs:
         table.add_row(*c.cells())
-    return fit(table, console_for_output().width)
+    return fit(table, console_for_output().width, ("last written (UTC)", "judged at", "shards"))
 
 
 def _headline(summary_md: str) -> str:
@@ -206,8 +205,8 @@ def print_answers(
     console = console or Console()
     answers = cap_answers(data_dir, quality)
     console.print(
-        f"[bold]The answer[/] ({len(answers)} config{'s' if len(answers) != 1 else ''}, the latest first; truncation "
-        f"limit {pct(quality.truncation_rate_max)} cut inside the window; definitions: docs/quality-gate.md)",
+        f"[bold]The answer[/] of {len(answers)} config{'s' if len(answers) != 1 else ''}, the latest first "
+        f"(limit: {pct(quality.truncation_rate_max)} cut inside the window; definitions: docs/quality-gate.md)",
         highlight=False,
     )
     for i, answer in enumerate(answers):

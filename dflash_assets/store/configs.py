@@ -140,7 +140,7 @@ TABLE_COLUMNS = (
     "complete",
     "cut at the cap",
     "cut inside window",
-    "last written",
+    "last written (UTC)",
 )
 
 
