@@ -1,9 +1,10 @@
 """The length-quality report and the checks as rich tables in a terminal (`dflash report`).
 
-No line is wider than the console (the terminal's width; 100 columns when not a terminal): a table that does not
+No line is wider than the console (the terminal's width, or COLUMNS; PIPED_WIDTH when piped without it): a table that does not
 fit drops its least needed columns (fit), a figure is never cut with an ellipsis.
 """
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,14 +37,15 @@ LENGTH_COLUMNS = (
 OVERFLOW_KEYS = ("completion_rows_over_context", "rejected_prompts_over_context", "rows_over_max_length")
 
 
-PIPED_WIDTH = 100  # a `dflash` command's width when its output is not a terminal
+PIPED_WIDTH = 120  # a `dflash` command's width when its output is not a terminal and COLUMNS is not set
 # the columns a table drops first when it does not fit, in that order
-DROP_FIRST = ("P95", "P50", "truncated", "max", "configs", "shards", "last written", "judged at", "window-complete")
+DROP_FIRST = ("P95", "truncated", "max", "configs", "shards", "window-complete", "P50")
 
 
 def console_for_output() -> Console:
-    """A `dflash` command's console: the terminal's width, or PIPED_WIDTH columns when piped."""
-    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+    """A `dflash` command's console: the terminal's width, or COLUMNS when set (rich reads it),
+    else PIPED_WIDTH columns when piped."""
+    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
 
 
 def fit(table: Table, width: int, drop: tuple[str, ...] = DROP_FIRST) -> Table:
