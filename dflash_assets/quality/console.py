@@ -1,10 +1,9 @@
 """The length-quality report and the checks as rich tables in a terminal (`dflash report`).
 
-No line is wider than the console (the terminal's width, or COLUMNS; PIPED_WIDTH when piped without it): a table that does not
+No line of the report is wider than its console (the terminal's width; REPORT_WIDTH when piped): a table that does not
 fit drops its least needed columns (fit), a figure is never cut with an ellipsis.
 """
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -37,15 +36,21 @@ LENGTH_COLUMNS = (
 OVERFLOW_KEYS = ("completion_rows_over_context", "rejected_prompts_over_context", "rows_over_max_length")
 
 
-PIPED_WIDTH = 120  # a `dflash` command's width when its output is not a terminal and COLUMNS is not set
+PIPED_WIDTH = 120  # a `dflash` run's width when its output is not a terminal (its per-shard table is not fitted)
+REPORT_WIDTH = 100  # `dflash report`'s and `dflash configs`' width when their output is not a terminal
 # the columns a table drops first when it does not fit, in that order
 DROP_FIRST = ("P95", "truncated", "max", "configs", "shards", "window-complete", "P50")
 
 
 def console_for_output() -> Console:
-    """A `dflash` command's console: the terminal's width, or COLUMNS when set (rich reads it),
-    else PIPED_WIDTH columns when piped."""
-    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
+    """A `dflash` run's console: the terminal's width, or PIPED_WIDTH columns when piped."""
+    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
+
+
+def report_console() -> Console:
+    """`dflash report`'s and `dflash configs`' console: the terminal's width, or REPORT_WIDTH columns when piped; what
+    they print fits it (fit)."""
+    return Console(width=None if sys.stdout.isatty() else REPORT_WIDTH)
 
 
 def fit(table: Table, width: int, drop: tuple[str, ...] = DROP_FIRST) -> Table:
@@ -128,7 +133,7 @@ def configs_table(configs: list) -> Table:
         table.add_column(key, justify="left" if key in ("config", "cap, policy") else "right", no_wrap=True)
     for c in configs:
         table.add_row(*c.cells())
-    return fit(table, console_for_output().width, ("last written (UTC)", "judged at", "shards"))
+    return fit(table, report_console().width, ("last written (UTC)", "judged at", "shards"))
 
 
 def _headline(summary_md: str) -> str:
