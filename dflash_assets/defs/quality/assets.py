@@ -236,7 +236,7 @@ def length_quality_summary(
                     "shard",
                     "configs",
                     "rows",
-                    "truncation_rate",
+                    "cut_at_cap_rate",
                     "cut_inside_window_rate",
                     "window_complete_rate",
                     "p50",
