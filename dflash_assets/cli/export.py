@@ -135,7 +135,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 def configs(args: argparse.Namespace) -> int:
     """The configs of a data dir side by side (store/configs.py), the latest first."""
-    from dflash_assets.quality.console import configs_table, console_for_output
+    from dflash_assets.quality.console import configs_table, report_console
     from dflash_assets.store.configs import list_configs
 
     data_dir = args.data_dir or Deployment.DATA_DIR.value()
@@ -144,7 +144,7 @@ def configs(args: argparse.Namespace) -> int:
     if not configs:
         print(f"dflash configs: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    console = console_for_output()
+    console = report_console()
     console.print(configs_table(configs))
     console.print(
         f"latest (the export's default when no run names its own): {configs[0].config_hash}. "

@@ -288,5 +288,6 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--open", action="store_true", help="open the pictures (length histogram, cap plan survival curve) in a browser"
     )
+    report.add_argument("--full", action="store_true", help="every config's cap plan, the rejects and the tables")
     report.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
     return parser

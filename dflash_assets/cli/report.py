@@ -17,22 +17,27 @@ def report(args: argparse.Namespace) -> int:
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    from dflash_assets.quality.console import console_for_output, print_answers, verbatim
+    from dflash_assets.quality.console import print_answers, report_console, verbatim
     from dflash_assets.quality.rejects import read_rejects
 
     quality = QualitySettings(trainer=TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS))
-    console = console_for_output()
-    answers = print_answers(data_dir, console, quality)
+    console = report_console()
+    answers = print_answers(data_dir, console, quality, full=args.full)
     pictures = report_pictures(data_dir, answers)
-    for line in read_rejects(data_dir).lines(f"{data_dir}/rejects/"):
-        console.print(line, markup=False, highlight=False, soft_wrap=True)
-    for picture in pictures:
-        verbatim(console, f"picture: {picture}")
     if args.open:
         import webbrowser
 
         for picture in pictures:
             webbrowser.open(picture.resolve().as_uri())
+    if pictures:
+        verbatim(console, f"pictures: {pictures[0].parent}/")
+    if not args.full:
+        console.print("the cap plans, rejects and tables: dflash report --full", highlight=False)
+        return 0
+    for picture in pictures:
+        verbatim(console, f"  {picture.name}")
+    for line in read_rejects(data_dir).lines(f"{data_dir}/rejects/"):
+        console.print(line, markup=False, highlight=False)
     console.print()
     print_report(data_dir, console, quality=quality)
     return 0
@@ -52,10 +57,12 @@ def report_pictures(data_dir: str, answers) -> list[Path]:
     pictures = [write_histogram(every, reports / "completion_lengths.png", None)] if several else []
     for answer in answers:
         if own := [s for s in every if s[0] == answer.config_hash]:
-            pictures.append(write_histogram(own, reports / f"completion_lengths-{answer.config_hash}.png", None))
+            path = reports / f"completion_lengths-{answer.config_hash}.png"
+            pictures.append(write_histogram(own, path, None, answer=answer.description()))
         if answer.plan is not None:
             path = reports / f"cap_plan-{answer.config_hash}.png"
             wp = answer.window_plan
-            path.write_bytes(cap_plan_png(answer.plan, (wp.max_length, wp.window_at) if wp else None))
+            window = (wp.max_length, wp.window_at) if wp else None
+            path.write_bytes(cap_plan_png(answer.plan, window, answer.description()))
             pictures.append(path)
     return pictures
