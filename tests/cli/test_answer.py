@@ -13,7 +13,6 @@ import pytest
 from PIL import Image
 
 from dflash_assets.generation.runaway import is_runaway
-from dflash_assets.quality.answer import answer_lines, cap_answers
 from tests.support.cli import demo_slice, dflash, home
 
 pytestmark = pytest.mark.long
@@ -85,6 +84,8 @@ def said(text: str, expected: dict) -> dict:
 
 
 def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(story):
+    from dflash_assets.quality.answer import answer_lines, cap_answers
+
     env, out = story
     data = Path(env["DFLASH_DATA_DIR"])
     expected = recount(data)
@@ -116,6 +117,8 @@ def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(story):
 
 
 def test_what_the_answer_says_of_the_export_is_what_the_training_set_holds(story):
+    from dflash_assets.quality.answer import cap_answers
+
     env, out = story
     data = Path(env["DFLASH_DATA_DIR"])
     (answer,) = cap_answers(data)
