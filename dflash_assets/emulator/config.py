@@ -37,6 +37,8 @@ REASONING_PARSERS = ["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "g
 # A hybrid (Gated-DeltaNet) model holds 3 mamba state slots per running request
 # with the radix cache on (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO), 1 without.
 MAMBA_SLOTS_PER_REQUEST = 3
+# the chat templates the stand-in model can be served with (tokenizer.apply_chat_template), the default first
+TEMPLATE_VARIANTS = ("qwen3.5", "qwen3.5-default-system")
 
 
 def human_readable_int(value: str) -> int:
@@ -162,6 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
         "match template_detection's force_reasoning_pattern do): the server then always reasons.",
     )
     emu.add_argument("--dense-model", action="store_true", help="Emulate a dense model (no mamba cap on requests).")
+    emu.add_argument(
+        "--template-variant",
+        choices=TEMPLATE_VARIANTS,
+        default=TEMPLATE_VARIANTS[0],
+        help="The stand-in model's chat template: qwen3.5 (the default), or qwen3.5-default-system, which puts a "
+        "default system turn before a conversation that has none (as Qwen2.5's template does): another template "
+        "behind the same model name and flags, which only the rendered token ids tell apart.",
+    )
+    emu.add_argument(
+        "--reported-version",
+        default=VERSION,
+        help="The SGLang version /server_info and /v1/loads report (another release behind the same routes).",
+    )
     emu.add_argument("--fault-crash-after", type=int, help="Exit hard when generation request N+1 arrives.")
     emu.add_argument("--fault-503-next", type=int, help="Answer the next N generation requests with 503.")
     emu.add_argument("--fault-503-rate", type=float, help="Answer this share of generation requests with 503.")
@@ -374,6 +389,9 @@ def server_args_dict(cfg: EmulatorSetup) -> dict:
         "skip_tokenizer_init": bool(a.skip_tokenizer_init),
         "sampling_defaults": a.sampling_defaults or "model",
         "weight_version": a.weight_version or "default",
+        # ModelArgs.revision and ServingArgs.chat_template: null unless given (no resolved commit, no template text)
+        "revision": a.revision,
+        "chat_template": a.chat_template,
         "watchdog_timeout": 300.0,
         "enable_dp_attention": False,
     }

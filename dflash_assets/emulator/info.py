@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 from aiohttp import web
 
-from .config import VERSION, EmulatorSetup, mamba_ratio, server_args_dict
+from .config import EmulatorSetup, mamba_ratio, server_args_dict
 from .engine import Engine
 from .responses import http_exception, json_response
 from .state import STATE
@@ -98,7 +98,7 @@ async def server_info(request: web.Request) -> web.Response:
         "internal_states": [
             _internal_state(cfg, engine, rank, args, startup) for rank in range(len(engine.schedulers))
         ],
-        "version": VERSION,
+        "version": cfg.args.reported_version,
         "frontend": "python",
     }
     return json_response(body)
@@ -195,7 +195,7 @@ async def loads(request: web.Request) -> web.Response:
     return json_response(
         {
             "timestamp": datetime.now(UTC).isoformat(),
-            "version": VERSION,
+            "version": cfg.args.reported_version,
             "accelerator": "NVIDIA H100 80GB HBM3 (emulated)",
             "num_accelerators": cfg.args.tp_size,
             "loads": out,

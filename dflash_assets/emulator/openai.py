@@ -157,7 +157,10 @@ class ChatContext:
             # rendered with the generation prompt, and its text appended as token ids (re-tokenised)
             messages, prefix = messages[:-1], last["content"]
         text = tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, enable_thinking=self.enable_thinking
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=self.enable_thinking,
+            variant=self.cfg.args.template_variant,
         )
         return tok.encode(text) + (tok.encode(prefix) if prefix else [])
 

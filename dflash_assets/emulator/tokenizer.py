@@ -211,11 +211,16 @@ def _last_query(messages: Sequence[dict]) -> int:
     return len(messages) - 1
 
 
+# Qwen2.5's template's default system turn: what the `qwen3.5-default-system` variant puts first
+DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
 def apply_chat_template(
     messages: Sequence[dict],
     *,
     add_generation_prompt: bool = True,
     enable_thinking: bool = True,
+    variant: str = "qwen3.5",
 ) -> str:
     """Render messages as Qwen3's chat template does (the assistant branch of Qwen3's `tokenizer_config.json`),
     with Qwen3.5's generation prompt:
@@ -225,7 +230,10 @@ def apply_chat_template(
       + `<|im_end|>\\n` (reasoning: `reasoning_content`, or what the content holds before `</think>`);
     - an earlier assistant turn (before the last user turn): its content only, its reasoning dropped: what Qwen3
       keeps of a dialogue's earlier answers;
-    - then the assistant header, pre-opening `<think>\\n` when thinking or an empty think block when not."""
+    - then the assistant header, pre-opening `<think>\\n` when thinking or an empty think block when not.
+    The `qwen3.5-default-system` variant puts DEFAULT_SYSTEM first when the conversation has no system turn."""
+    if variant == "qwen3.5-default-system" and (not messages or messages[0].get("role") != "system"):
+        messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
     last_query = _last_query(messages)
     parts = []
     for i, m in enumerate(messages):
