@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args, get_origin
 
 import annotated_types
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from dflash_assets.rules import LARGEST_CONTEXT, fills_window, window_cap
 
@@ -276,6 +276,9 @@ class GenerationSettings(RequestSettings):
         "(--trainer-max-length, the quality resource's trainer.max_length).",
     )
 
+    # what the fleet says it serves (fleet/provenance.py), in the config hash: not a setting, read at connect
+    _provenance: dict | None = PrivateAttr(None)
+
     @classmethod
     def of(cls, source: object, trainer: TrainerSettings) -> GenerationSettings:
         """The request settings `source` carries (a completions config, flags), sized to the trainer's window."""
@@ -292,9 +295,21 @@ class GenerationSettings(RequestSettings):
             return self
         return self.model_copy(update={"regenerate": "all_turns" if carries_history else "last_turn"})
 
+    def with_provenance(self, provenance: dict | None) -> GenerationSettings:
+        """These settings with what the fleet says it serves in their config hash; None: without it, as a config
+        written before provenance was recorded keeps its hash (generation/provenance.py)."""
+        copy = self.model_copy()
+        copy._provenance = provenance
+        return copy
+
+    @property
+    def provenance(self) -> dict | None:
+        return self._provenance
+
     def config_hash(self, model: str) -> str:
-        """12 hex chars over the model and every setting that changes the output (not concurrency), of the resolved
-        mode: a single-turn source under 'auto' is last_turn and keeps the hashes it always had."""
+        """12 hex chars over the model, the fleet's provenance (when given: with_provenance) and every setting that
+        changes the output (not concurrency), of the resolved mode: a single-turn source under 'auto' is last_turn and
+        keeps the hashes it always had."""
         if self.regenerate == "auto":
             raise SettingsError(
                 "regenerate 'auto' has no config hash until it is resolved against the prompt source "
@@ -306,6 +321,8 @@ class GenerationSettings(RequestSettings):
         if settings["cap_policy"] == "fixed":  # the window does not change a fixed-cap request: the same hashes
             for name in WINDOW_FIELDS:
                 del settings[name]
+        if self._provenance is not None:
+            settings["provenance"] = self._provenance
         payload = json.dumps({"model": model, **settings}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 

@@ -17,6 +17,7 @@ import aiohttp
 
 from dflash_assets.fleet.client import ServerClient, ServerError, ServerInfo
 from dflash_assets.fleet.gateway import gateway_workers, open_gateway
+from dflash_assets.fleet.provenance import Provenance, read_provenance
 from dflash_assets.fleet.stream import GatheredConnector
 from dflash_assets.settings import FleetSettings
 
@@ -72,6 +73,7 @@ class Fleet:
     clients: list[ServerClient]
     infos: list[ServerInfo]
     session: aiohttp.ClientSession
+    provenance: Provenance | None = None  # what every server says it serves (fleet/provenance.py)
 
     @property
     def model(self) -> str:
@@ -146,7 +148,7 @@ async def connected(
     say: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Fleet]:
     """Connect to every server, wait until each is healthy (`say` hears the wait) and read what it says about
-    itself; the fleet, its session closed when the block ends, however it ends."""
+    itself (its facts and its provenance, the same for all); the fleet, its session closed when the block ends, however it ends."""
     if not urls:
         raise ValueError("the fleet has no servers")
     async with open_session() as session:
@@ -154,7 +156,8 @@ async def connected(
         await wait_healthy(clients, health_timeout_s, connect_refused_s, say)
         clients = list(await asyncio.gather(*(_behind_gateway(c, api_key, request_timeout_s) for c in clients)))
         infos = list(await asyncio.gather(*(c.info() for c in clients)))
-        yield Fleet(clients, infos, session)
+        provenance = await read_provenance(clients)  # a server that differs is refused here, before any request
+        yield Fleet(clients, infos, session, provenance)
 
 
 async def _behind_gateway(client: ServerClient, api_key: str | None, request_timeout_s: float) -> ServerClient:

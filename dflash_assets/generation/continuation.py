@@ -46,6 +46,7 @@ from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.engine import window_columns
 from dflash_assets.generation.plan import ShardResult, preflight, prompt_batches, reject_row
 from dflash_assets.generation.preflight import Budget, check_fleet
+from dflash_assets.generation.provenance import parent_settings, record_continued
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Dispatch, watch_of
@@ -143,8 +144,9 @@ def _window_settings(plan: list[dict]) -> dict:
     }
 
 
-def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
-    """The parent's GenerationSettings, rebuilt from what its rows record and checked against its hash."""
+def _parent_config(plan: list[dict], parent: str, provenance: dict | None = None) -> GenerationSettings:
+    """The parent's GenerationSettings, rebuilt from what its rows record (and the `provenance` its hash covers)
+    and checked against its hash."""
     first = plan[0]
     if first.get("turn") is not None:
         raise SettingsError(
@@ -158,7 +160,7 @@ def _parent_config(plan: list[dict], parent: str) -> GenerationSettings:
         enable_thinking=first["enable_thinking"],
         regenerate="last_turn",  # a row per prompt (an all_turns parent is refused above)
         **recorded,
-    )
+    ).with_provenance(provenance)
     if generation.config_hash(first["model"]) != parent:  # settings the rows do not record, e.g. chat_template_kwargs
         raise SettingsError(
             f"config {parent} cannot be rebuilt from its rows ({generation}, model {first['model']!r} "
@@ -328,7 +330,7 @@ async def continue_shard(
         plan = [r for batch in rows_of(store, parent_config_hash, PLAN_COLUMNS) for r in batch]
         if not plan:
             raise SettingsError(f"shard {shard} has no rows of config {parent_config_hash} to continue")
-        parent = _parent_config(plan, parent_config_hash)
+        parent = _parent_config(plan, parent_config_hash, parent_settings(storage, parent_config_hash, fleet))
         if to_window is not None:
             if not parent.windowed:
                 raise SettingsError(
@@ -356,6 +358,7 @@ async def continue_shard(
         if to_window is None:
             generation = parent.model_copy(update={"max_output_tokens": new_cap})
         config_hash = generation.config_hash(fleet.model)
+        record_continued(storage, config_hash, generation, fleet)
         # a file name of our own, so a generation run's rejects and failures of the same config are never replaced
         own_file = f"{config_hash}-from-{parent_config_hash}.parquet"
         run = ContinuationResult(

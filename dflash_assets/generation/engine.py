@@ -22,6 +22,7 @@ from dflash_assets.generation.commit import ShardOutput, account, generated_toke
 from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan_remaining, plan_shard, reject_row
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import carries_history
+from dflash_assets.generation.provenance import run_settings
 from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import every_turn
@@ -138,7 +139,7 @@ async def generate_shards(
     `dispatch.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
     """
     storage = open_storage(data_dir)
-    generation = resolve_regenerate(storage, generation)
+    generation = run_settings(storage, resolve_regenerate(storage, generation), fleet)  # provenance in its hash
     if preflight_policy not in ("reject", "fail"):
         raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
     fleet_notes = check_fleet(fleet.infos, generation.enable_thinking)

@@ -19,6 +19,7 @@ from dflash_assets.defs.resources import DataDirResource, FleetResource, Quality
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.reasoning import Reasoning
 from dflash_assets.settings import DispatchSettings, GenerationSettings
+from dflash_assets.store.provenance import hashed
 from tests.support import dagster_run
 from tests.support.forks import Forked, start_emulator
 from tests.support.http import set_faults
@@ -146,7 +147,10 @@ def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(t
     parent = generate(data, [server.emu.url], 4096)
     with pytest.raises(PreflightError, match=r"context length is 6000 tokens and max_output_tokens is 8192"):
         cont(data, [server.emu.url], parent.config_hash, 8192)
-    assert len(rows(data, GenerationSettings(max_output_tokens=8192).resolved(False).config_hash(parent.model))) == 0
+    provenance = hashed(data, parent.config_hash)  # what the parent's fleet said, in its hash and the new one's
+    assert provenance is not None
+    bigger = GenerationSettings(max_output_tokens=8192).resolved(False).with_provenance(provenance)
+    assert len(rows(data, bigger.config_hash(parent.model))) == 0
 
 
 def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path, fleet_urls):
@@ -176,7 +180,8 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     assert meta["rows_continued"].value == parent.length and meta["rows_copied"].value == N - parent.length
     assert meta["tokens_reused"].value > 0 and 0 < meta["saved_share"].value < 1
     assert meta["accounting"].value == f"{N} prompts = {N} completed + 0 rejected + 0 failed + 0 left"
-    assert meta["config_hash"].value == GenerationSettings(max_output_tokens=8192).resolved(False).config_hash(
+    bigger = GenerationSettings(max_output_tokens=8192).resolved(False)
+    assert meta["config_hash"].value == bigger.with_provenance(hashed(data, parent.config_hash)).config_hash(
         parent.model
     )
     assert keys(ContinuationKeys) <= set(meta), "every key `dflash continue` reads back (defs/metadata.py) is written"

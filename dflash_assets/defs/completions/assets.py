@@ -21,6 +21,7 @@ from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.prompts import SourceError, source_turns
+from dflash_assets.generation.provenance import run_settings
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, RequestSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
@@ -91,7 +92,7 @@ def completions(
     config_hash: list[str] = []  # the run's, once the fleet has said its model: what a stop recounts
 
     async def generate(f):
-        config_hash.append(generation.config_hash(f.model))
+        config_hash.append(run_settings(data_dir.resolved(), generation, f).config_hash(f.model))
         return await generate_shards(
             data_dir.resolved(),
             context.partition_keys,
