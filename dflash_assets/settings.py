@@ -419,6 +419,28 @@ class DispatchSettings(Settings):
     )
 
 
+class RepeatSettings(Settings):
+    """Repeats in the prompt source, found when prompt_shards are built (generation/dedupe.py): a conversation that
+    repeats an earlier line's exactly, or whose prompt is a near-duplicate of an earlier one's (MinHash over word
+    shingles); the first occurrence in source order is kept, the repeats are rejected unless kept."""
+
+    subject: ClassVar[str] = "repeats "
+    heading: ClassVar[str] = "invalid repeat settings: "
+
+    keep_repeats: bool = Field(
+        False,
+        description="Send repeated prompts too: counted (the `repeats` reason) but not rejected.",
+    )
+    near_threshold: float = Field(
+        0.9,
+        ge=0.8,
+        le=1.0,
+        description="The estimated Jaccard similarity of two prompts' word shingles at which the later one is a "
+        "near-duplicate (0.8 at least: the LSH bands find pairs below it only by chance).",
+    )
+    shingle_words: int = Field(3, ge=1, description="Words per shingle.")
+
+
 class ProbeSettings(Settings):
     """The length probe: which prompts (a seeded random sample) and at which cap. Its sampling settings are the
     GenerationSettings, which must match the run the plan is for."""

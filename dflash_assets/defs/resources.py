@@ -23,6 +23,7 @@ from dflash_assets.settings import (
     FleetSettings,
     LaunchSettings,
     QualitySettings,
+    RepeatSettings,
     RunawaySettings,
     SettingsError,
     TrainerSettings,
@@ -125,6 +126,9 @@ class PromptSourceResource(dg.ConfigurableResource):
     # for a source in none of the known formats (generation/prompts.py): the columns holding the id and the turns
     id_field: str | None = None
     messages_field: str | None = None
+    keep_repeats: bool = Field(
+        default=RepeatSettings().keep_repeats, description=RepeatSettings.model_fields["keep_repeats"].description
+    )
 
     def mapping(self) -> FieldMapping | None:
         if not (self.id_field or self.messages_field):

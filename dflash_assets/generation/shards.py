@@ -12,6 +12,7 @@ from typing import Any
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.generation.dedupe import source_repeats
 from dflash_assets.generation.prompts import (
     FieldMapping,
     Prompt,
@@ -22,7 +23,7 @@ from dflash_assets.generation.prompts import (
     shard_fingerprint,
     shard_keys,
 )
-from dflash_assets.settings import Deployment
+from dflash_assets.settings import Deployment, RepeatSettings
 from dflash_assets.store.source import ShardSource, has_completions, recorded_sources
 from dflash_assets.store.storage import open_storage
 from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject_store
@@ -74,6 +75,7 @@ class ShardBuild:
     max_prompt_tokens: int
     reasons: dict[str, int]  # reject reason kind -> count
     formats: dict[str, int]  # prompts of each source format (prompts.FORMATS), most first
+    repeats: int = 0  # lines that repeat an earlier line of the source (generation/dedupe.py), rejected or kept
 
 
 def reason_kind(reason: str) -> str:
@@ -93,8 +95,13 @@ async def build_prompt_shard(
     template_kwargs: dict,
     concurrency: int = 64,
     mapping: FieldMapping | None = None,
+    repeat_settings: RepeatSettings = RepeatSettings(),
 ) -> ShardBuild:
+    """Validate, count and write one shard's prompts; a line that repeats an earlier line of the source (exactly, or
+    nearly: generation/dedupe.py) is rejected, or kept and counted with `keep_repeats`."""
     items = list(read_shard(source, index, shard_size, mapping))
+    repeats = source_repeats(source, data_dir, mapping, repeat_settings)
+    repeated = sum(1 for i in items if isinstance(i, Prompt) and i.line in repeats)
     elsewhere = ids_in_other_shards(data_dir, shard)
     context = min(i.context_length for i in fleet.infos)
     clients = itertools.cycle(fleet.clients)
@@ -109,6 +116,8 @@ async def build_prompt_shard(
                 f"line {item.line}: duplicate id {item.prompt_id!r} (already in shard {elsewhere[item.prompt_id]})",
                 item.prompt_id,
             )
+        if item.line in repeats and not repeat_settings.keep_repeats:
+            return SourceReject(item.line, repeats[item.line].reason, item.prompt_id)
         async with gate:
             try:
                 n = await next(clients).count_prompt_tokens(item.request, template_kwargs)
@@ -173,4 +182,5 @@ async def build_prompt_shard(
         max((int(p["prompt_tokens"]) for p in prompts), default=0),
         reasons,
         format_counts([r[0] for r in results if not isinstance(r, SourceReject)]),
+        repeated,
     )

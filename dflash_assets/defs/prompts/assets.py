@@ -7,7 +7,7 @@ from dflash_assets.defs.metadata import PromptShardKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
 from dflash_assets.generation.shards import build_prompt_shard, source_refusal
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.settings import GenerationSettings, RepeatSettings
 
 
 @shard_asset(
@@ -51,6 +51,7 @@ def prompt_shards(
                         connected,
                         template_kwargs,
                         mapping=prompt_source.mapping(),
+                        repeat_settings=RepeatSettings.taken_from(prompt_source),
                     ),
                 )
             )
@@ -72,6 +73,8 @@ def prompt_shards(
                 PromptShardKeys.LINES: build.lines,
                 PromptShardKeys.PROMPTS: build.prompts,
                 PromptShardKeys.REJECTED: build.rejected,
+                # lines repeating an earlier line of the source (generation/dedupe.py): rejected unless kept
+                "repeats": build.repeats,
                 "max_prompt_tokens": build.max_prompt_tokens,
                 # the source format detected from the lines' keys (prompts.FORMATS), and how many prompts had each
                 "format": next(iter(build.formats), "none"),
