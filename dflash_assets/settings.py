@@ -441,6 +441,31 @@ class RepeatSettings(Settings):
     shingle_words: int = Field(3, ge=1, description="Words per shingle.")
 
 
+class QuotaSettings(Settings):
+    """Quotas by `source`, drawn in prompt_shards (generation/quotas.py): a count (an integer) or a share (a number
+    in (0, 1]) of each named source's prompts, the prompts drawn by a seeded hash of their id; a source not named is
+    taken whole."""
+
+    subject: ClassVar[str] = "quota "
+    heading: ClassVar[str] = "invalid quotas: "
+
+    quotas: dict[str, int | float] = Field(
+        {},
+        description="{source: count or share}: e.g. {\"gsm8k\": 2000, \"sharegpt\": 0.25} (a JSON object).",
+    )
+    quota_seed: int = Field(0, description="The seed of the draw: the same seed draws the same prompts.")
+
+    @field_validator("quotas")
+    @classmethod
+    def _counts_or_shares(cls, quotas: dict) -> dict:
+        for source, quota in quotas.items():
+            if isinstance(quota, bool) or (isinstance(quota, int) and quota < 0):
+                raise ValueError(f"the quota of source {source!r} must be a count >= 0 or a share, got {quota!r}")
+            if isinstance(quota, float) and not 0 < quota <= 1:
+                raise ValueError(f"the quota share of source {source!r} must be in (0, 1], got {quota!r}")
+        return quotas
+
+
 class ProbeSettings(Settings):
     """The length probe: which prompts (a seeded random sample) and at which cap. Its sampling settings are the
     GenerationSettings, which must match the run the plan is for."""

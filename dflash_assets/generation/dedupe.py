@@ -36,7 +36,7 @@ NUM_PERM = BANDS * ROWS
 _MERSENNE = np.uint64((1 << 61) - 1)
 _MAX_HASH = np.uint64((1 << 32) - 1)
 _PERMUTATIONS = np.random.default_rng(1).integers(1, 1 << 32, size=(2, NUM_PERM), dtype=np.uint64)  # a, b
-_BATCH_SHINGLES = 200_000  # shingles hashed at once (NUM_PERM x this many uint64: 180 MB at most)
+_BATCH_SHINGLES = 50_000  # shingles hashed at once (NUM_PERM x this many uint64: 45 MB an array)
 _WORD = re.compile(r"\w+")
 FOLDER = "repeats"
 REPEAT_SCHEMA = pa.schema(
@@ -163,11 +163,12 @@ def _near(lines: np.ndarray, sizes: np.ndarray, sigs: np.ndarray, threshold: flo
                 break
 
 
-def _source_key(source: Path, mapping: FieldMapping | None, settings: RepeatSettings) -> str:
-    """The source as it is now (path, size, modification time), its mapping and the settings, hashed."""
+def source_key(source: Path, *settings: object) -> str:
+    """The source as it is now (path, size, modification time) and the settings of what is found in it, hashed: the
+    name of what is kept of a pass over it."""
     stat = Path(source).stat()
-    what = (str(Path(source).resolve()), stat.st_size, stat.st_mtime_ns, mapping, settings.near_threshold)
-    return hashlib.sha256(repr((*what, settings.shingle_words, NUM_PERM, BANDS)).encode()).hexdigest()[:16]
+    what = (str(Path(source).resolve()), stat.st_size, stat.st_mtime_ns, *settings)
+    return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
 
 def source_repeats(
@@ -175,7 +176,11 @@ def source_repeats(
 ) -> dict[int, Repeat]:
     """line -> Repeat over the whole source, found once and kept in the data dir for every shard's build."""
     storage = open_storage(data_dir)
-    path: PurePath = storage.root / FOLDER / f"{_source_key(source, mapping, settings)}.parquet"
+    path: PurePath = (
+        storage.root
+        / FOLDER
+        / f"{source_key(source, mapping, settings.near_threshold, settings.shingle_words, NUM_PERM, BANDS)}.parquet"
+    )
     if not storage.exists(path):  # two builds at once find the same, and the write is atomic
         found = find_repeats((p for p in read_shard(source, 0, 1 << 62, mapping) if isinstance(p, Prompt)), settings)
         rows = [{"line": r.line, "first_line": r.first_line, "kind": r.kind, "similarity": r.similarity} for r in found]

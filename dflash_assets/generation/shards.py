@@ -23,7 +23,8 @@ from dflash_assets.generation.prompts import (
     shard_fingerprint,
     shard_keys,
 )
-from dflash_assets.settings import Deployment, RepeatSettings
+from dflash_assets.generation.quotas import source_draws
+from dflash_assets.settings import Deployment, QuotaSettings, RepeatSettings
 from dflash_assets.store.source import ShardSource, has_completions, recorded_sources
 from dflash_assets.store.storage import open_storage
 from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject_store
@@ -96,11 +97,14 @@ async def build_prompt_shard(
     concurrency: int = 64,
     mapping: FieldMapping | None = None,
     repeat_settings: RepeatSettings = RepeatSettings(),
+    quota_settings: QuotaSettings = QuotaSettings(),
 ) -> ShardBuild:
     """Validate, count and write one shard's prompts; a line that repeats an earlier line of the source (exactly, or
-    nearly: generation/dedupe.py) is rejected, or kept and counted with `keep_repeats`."""
+    nearly: generation/dedupe.py) is rejected, or kept and counted with `keep_repeats`; a prompt the quota of its
+    source does not draw (generation/quotas.py) is rejected."""
     items = list(read_shard(source, index, shard_size, mapping))
     repeats = source_repeats(source, data_dir, mapping, repeat_settings)
+    left_out = source_draws(source, data_dir, mapping, quota_settings, () if repeat_settings.keep_repeats else repeats)
     repeated = sum(1 for i in items if isinstance(i, Prompt) and i.line in repeats)
     elsewhere = ids_in_other_shards(data_dir, shard)
     context = min(i.context_length for i in fleet.infos)
@@ -118,6 +122,10 @@ async def build_prompt_shard(
             )
         if item.line in repeats and not repeat_settings.keep_repeats:
             return SourceReject(item.line, repeats[item.line].reason, item.prompt_id)
+        if item.line in left_out:
+            return SourceReject(
+                item.line, left_out[item.line].reason(item.line, quota_settings.quota_seed), item.prompt_id
+            )
         async with gate:
             try:
                 n = await next(clients).count_prompt_tokens(item.request, template_kwargs)

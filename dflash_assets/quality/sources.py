@@ -1,0 +1,40 @@
+"""Planned and generated per `source`: what prompt_shards drew of each source (its quota, its repeats left out), and
+how many of those prompts a config has a completion of. A recount of the Parquet files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+from dflash_assets.store.parts import read_table
+from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
+from dflash_assets.store.storage import Storage, open_storage
+from dflash_assets.store.stores import committed_parts
+
+
+@dataclass(frozen=True)
+class SourceCount:
+    source: str
+    planned: int  # prompts of the source in the prompt shards
+    generated: int  # of them, prompts with a completion row of the config
+
+    def line(self) -> str:
+        return f"{self.source}: planned {self.planned:,}, generated {self.generated:,}"
+
+
+def by_source(data_dir: str | Path | Storage, config_hash: str) -> list[SourceCount]:
+    """Planned and generated prompts of each source, for one config; the sources in name order."""
+    storage = open_storage(data_dir)
+    prompts = read_table(committed_parts(storage, "prompt_shards"), ["prompt_id", "source"], PROMPT_SCHEMA, storage)
+    rows = read_table(committed_parts(storage, "completions"), ["prompt_id", "config_hash"], COMPLETION_SCHEMA, storage)
+    with duckdb.connect(":memory:") as con:
+        con.register("prompts", prompts)
+        con.register("rows", rows)
+        found = con.execute(
+            "SELECT p.source, count(*), count(r.prompt_id) FROM prompts p LEFT JOIN "
+            "(SELECT DISTINCT prompt_id FROM rows WHERE config_hash = ?) r USING (prompt_id) GROUP BY 1 ORDER BY 1",
+            [config_hash],
+        ).fetchall()
+    return [SourceCount(str(s), int(planned), int(generated)) for s, planned, generated in found]
