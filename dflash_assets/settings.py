@@ -442,16 +442,17 @@ class RepeatSettings(Settings):
 
 
 class QuotaSettings(Settings):
-    """Quotas by `source`, drawn in prompt_shards (generation/quotas.py): a count (an integer) or a share (a number
-    in (0, 1]) of each named source's prompts, the prompts drawn by a seeded hash of their id; a source not named is
-    taken whole."""
+    """Quotas by `source`, drawn in prompt_shards (generation/quotas.py): a count (a whole number, 0 or more) or a
+    share (a number between 0 and 1) of each named source's prompts, the prompts drawn by a seeded hash of their id;
+    a source not named is taken whole."""
 
     subject: ClassVar[str] = "quota "
     heading: ClassVar[str] = "invalid quotas: "
 
-    quotas: dict[str, int | float] = Field(
+    quotas: dict[str, float] = Field(
         {},
-        description="{source: count or share}: e.g. {\"gsm8k\": 2000, \"sharegpt\": 0.25} (a JSON object).",
+        description="{source: count or share}: a whole number is a count, a number between 0 and 1 a share, e.g. "
+        "{\"gsm8k\": 2000, \"sharegpt\": 0.25} (a JSON object).",
     )
     quota_seed: int = Field(0, description="The seed of the draw: the same seed draws the same prompts.")
 
@@ -459,10 +460,11 @@ class QuotaSettings(Settings):
     @classmethod
     def _counts_or_shares(cls, quotas: dict) -> dict:
         for source, quota in quotas.items():
-            if isinstance(quota, bool) or (isinstance(quota, int) and quota < 0):
-                raise ValueError(f"the quota of source {source!r} must be a count >= 0 or a share, got {quota!r}")
-            if isinstance(quota, float) and not 0 < quota <= 1:
-                raise ValueError(f"the quota share of source {source!r} must be in (0, 1], got {quota!r}")
+            if quota < 0 or (quota >= 1 and not float(quota).is_integer()):
+                raise ValueError(
+                    f"the quota of source {source!r} must be a whole count (0 or more) or a share between 0 and 1, "
+                    f"got {quota!r}"
+                )
         return quotas
 
 

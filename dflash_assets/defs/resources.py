@@ -23,6 +23,7 @@ from dflash_assets.settings import (
     FleetSettings,
     LaunchSettings,
     QualitySettings,
+    QuotaSettings,
     RepeatSettings,
     RunawaySettings,
     SettingsError,
@@ -129,6 +130,8 @@ class PromptSourceResource(dg.ConfigurableResource):
     keep_repeats: bool = Field(
         default=RepeatSettings().keep_repeats, description=RepeatSettings.model_fields["keep_repeats"].description
     )
+    quotas: dict[str, float] = Field(default={}, description=QuotaSettings.model_fields["quotas"].description)
+    quota_seed: int = Field(default=0, description=QuotaSettings.model_fields["quota_seed"].description)
 
     def mapping(self) -> FieldMapping | None:
         if not (self.id_field or self.messages_field):

@@ -1,7 +1,7 @@
 """Quotas by source: so many prompts of each `source` of the prompt source, drawn seeded, decided in prompt_shards.
 
-A quota is a count (an int: that many prompts of the source) or a share (a float in (0, 1]: that share of them,
-rounded); a source without a quota is taken whole. The draw is over the whole source, not a shard: of a source's
+A quota is a count (a whole number: that many prompts of the source) or a share (a number between 0 and 1: that
+share of them, rounded); a source without a quota is taken whole. The draw is over the whole source, not a shard: of a source's
 prompts (repeats left out: generation/dedupe.py), the `count` whose seeded hash of their prompt id is the smallest
 are taken, so the same prompts are drawn whichever shard is built first, after a kill, and on another machine. A
 prompt not drawn is a reject of stage `source` saying so; every later step sees the same prompts.
@@ -48,9 +48,10 @@ def draw_key(seed: int, prompt_id: str) -> bytes:
     return hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
 
 
-def quota_count(quota: int | float, available: int) -> int:
-    """How many of `available` prompts a quota draws (QuotaSettings checked it): a count, or a share rounded."""
-    return round(quota * available) if isinstance(quota, float) else min(quota, available)
+def quota_count(quota: float, available: int) -> int:
+    """How many of `available` prompts a quota draws (QuotaSettings checked it): a share (below 1) rounded, or a
+    count."""
+    return round(quota * available) if 0 < quota < 1 else min(int(quota), available)
 
 
 def draw(prompts: Iterable[Prompt], settings: QuotaSettings) -> tuple[dict[int, SourceDraw], dict[str, SourceDraw]]:

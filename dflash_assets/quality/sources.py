@@ -38,3 +38,12 @@ def by_source(data_dir: str | Path | Storage, config_hash: str) -> list[SourceCo
             [config_hash],
         ).fetchall()
     return [SourceCount(str(s), int(planned), int(generated)) for s, planned, generated in found]
+
+
+def by_source_markdown(data_dir: str | Path | Storage, config_hash: str | None) -> str:
+    """The table of planned and generated prompts per source, of one config."""
+    if config_hash is None:
+        return "no config"
+    found = by_source(data_dir, config_hash)
+    lines = [f"| {c.source} | {c.planned:,} | {c.generated:,} |" for c in found]
+    return "| source | planned | generated |\n|---|---|---|\n" + "\n".join(lines) if lines else "no prompts"

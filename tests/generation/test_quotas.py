@@ -11,7 +11,7 @@ from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.sources import SourceCount, by_source
-from dflash_assets.settings import GenerationSettings, QuotaSettings, RepeatSettings
+from dflash_assets.settings import GenerationSettings, QuotaSettings, RepeatSettings, SettingsError
 from dflash_assets.store.stores import prompt_store, reject_store
 from tests.support.shards import FAST, SETTINGS, quiet, write_prompts
 
@@ -100,3 +100,9 @@ def test_the_report_says_planned_equals_generated_per_source(tmp_path, emulator)
         [url], lambda f: generate_shards(data, [f"{i:05d}" for i in range(SHARDS)], f, config, SETTINGS, log=quiet)
     )
     assert by_source(data, runs[0].config_hash) == [SourceCount("alpha", 10, 10), SourceCount("beta", 30, 30)]
+
+
+@pytest.mark.parametrize("quota", [-1, 2.5])
+def test_a_quota_that_is_neither_a_count_nor_a_share_is_refused_naming_it(quota):
+    with pytest.raises(SettingsError, match=rf"the quota of source 'alpha' must be a whole count .* got {quota}"):
+        QuotaSettings(quotas={"alpha": quota})

@@ -7,7 +7,7 @@ from dflash_assets.defs.metadata import PromptShardKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
 from dflash_assets.generation.shards import build_prompt_shard, source_refusal
-from dflash_assets.settings import GenerationSettings, RepeatSettings
+from dflash_assets.settings import GenerationSettings, QuotaSettings, RepeatSettings
 
 
 @shard_asset(
@@ -52,6 +52,7 @@ def prompt_shards(
                         template_kwargs,
                         mapping=prompt_source.mapping(),
                         repeat_settings=RepeatSettings.taken_from(prompt_source),
+                        quota_settings=QuotaSettings.taken_from(prompt_source),
                     ),
                 )
             )

@@ -15,6 +15,7 @@ from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality.outcome import pct
 from dflash_assets.quality.rejects import read_rejects
+from dflash_assets.quality.sources import by_source_markdown
 from dflash_assets.settings import QualitySettings
 from dflash_assets.store.configs import TABLE_COLUMNS, latest_config, latest_order, list_configs
 from dflash_assets.store.stores import committed_rows
@@ -229,6 +230,7 @@ def length_quality_summary(
         **report_metadata(report, png.read_bytes(), chosen_by),
         "configs": dg.MetadataValue.md(configs_markdown(root, quality_settings.trainer.max_length)),
         "histogram_path": dg.MetadataValue.path(str(png)),
+        "by_source": dg.MetadataValue.md(by_source_markdown(root, chosen)),  # planned (quotas, repeats) vs generated
         "by_shard": dg.MetadataValue.md(
             _table(
                 report["by_shard"],
