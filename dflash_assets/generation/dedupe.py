@@ -106,10 +106,10 @@ def signatures(shingle_sets: list[np.ndarray]) -> np.ndarray:
 
 def _band_keys(sigs: np.ndarray) -> np.ndarray:
     """One 64-bit key per band of each signature (len x BANDS)."""
-    rows = sigs.reshape(len(sigs), BANDS, ROWS).astype(np.uint64)
+    rows = sigs.reshape(len(sigs), BANDS, ROWS)
     keys = np.zeros((len(sigs), BANDS), dtype=np.uint64)
-    for r in range(ROWS):
-        keys = keys * np.uint64(0x100000001B3) + rows[:, :, r]  # wraps mod 2**64: a hash, not arithmetic
+    for r in range(ROWS):  # one row at a time: a uint64 copy of every signature would be 896 bytes a prompt
+        keys = keys * np.uint64(0x100000001B3) + rows[:, :, r].astype(np.uint64)  # wraps mod 2**64: a hash
     return keys
 
 
