@@ -18,7 +18,7 @@ from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.store import provenance as records
 from dflash_assets.store.configs import list_configs
-from tests.support.shards import FAST, SETTINGS, questions, quiet, write_prompts
+from tests.support.shards import FAST, SETTINGS, cont, questions, quiet, write_prompts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,3 +103,16 @@ def test_an_old_data_dir_keeps_its_config_resumes_records_its_fleet_and_refuses_
     ):
         run(data, other.emu.url, ["00000", "00001"])
     assert requests_served(other) == 0 and rows_by_config(data) == {legacy: 2 * SIZE}
+
+
+def test_a_continuation_on_a_fleet_with_another_template_is_refused(tmp_path, emulator):
+    data = tmp_path / "data"
+    first, other = emulator(*FAST, "--length-max", "600"), emulator(*FAST, "--enable-metrics", *OTHER_TEMPLATE)
+    build(data, first.emu.url, shards=1)
+    parent = on_fleet(
+        [first.emu.url],
+        lambda f: generate_shards(data, ["00000"], f, GenerationSettings(max_output_tokens=300), SETTINGS, log=quiet),
+    )[0]
+    with pytest.raises(ProvenanceMismatch, match=r"a continuation must come from the same SGLang version"):
+        cont(data, [other.emu.url], parent.config_hash, 2048)
+    assert requests_served(other) == 0
