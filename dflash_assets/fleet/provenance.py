@@ -19,7 +19,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 
-from dflash_assets.fleet.client import ServerClient
+from dflash_assets.fleet.client import TOKENIZE_ATTEMPTS, ServerClient, ServerError
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.settings import SettingsError
 
@@ -47,7 +47,8 @@ class Provenance:
     revision: str | None  # /server_info revision: the launch's --revision, null when not given
     weight_version: str | None  # /model_info weight_version: "default" unless set
     chat_template: str | None  # /server_info chat_template: the launch's --chat-template, null when not given
-    template_fingerprint: str | None  # sha256 of the probe conversation's token ids, as the server renders it
+    template_fingerprint: str | None  # sha256 of the probe conversation's token ids as the server renders it (None:
+    # it renders no chat template)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,14 +74,25 @@ async def read_server(client: ServerClient) -> Provenance:
     # rendered as for a chat completion: 0.5.23's serving_tokenize refuses `add_generation_prompt` unless the
     # template is Jinja (a --chat-template builtin name is not)
     body = {"messages": list(PROBE_CONVERSATION)}
-    rendered = await client._request("POST", "/v1/tokenize", json=body, timeout=30)
+    ids = None
+    for attempt in range(1, TOKENIZE_ATTEMPTS + 1):
+        try:
+            ids = list((await client._request("POST", "/v1/tokenize", json=body, timeout=30))["tokens"])
+            break
+        except ServerError as e:
+            if e.retryable and attempt < TOKENIZE_ATTEMPTS:  # a transient 503: as a prompt's count is retried
+                await asyncio.sleep(0.2 * 2 ** (attempt - 1))
+                continue
+            if e.retryable:
+                raise
+            break  # the server renders no chat template (a 400): no fingerprint
     return Provenance(
         sglang_version=server.get("version"),
         model_path=server.get("model_path") or model.get("model_path"),
         revision=server.get("revision"),
         weight_version=model.get("weight_version"),
         chat_template=server.get("chat_template"),
-        template_fingerprint=fingerprint(list(rendered["tokens"])),
+        template_fingerprint=None if ids is None else fingerprint(ids),
     )
 
 

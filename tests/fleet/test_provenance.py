@@ -67,3 +67,10 @@ def test_servers_that_agree_but_for_the_template_rendering_are_told_apart_only_b
     b = connect([emulator(*FAST, "--template-variant", "qwen3.5-default-system").emu.url])
     assert a is not None and b is not None
     assert a.differences(b) == [f'template_fingerprint "{a.template_fingerprint}" vs "{b.template_fingerprint}"']
+
+
+def test_a_transient_tokenize_error_at_connect_is_retried_not_taken_for_another_template(emulator):
+    clean, flaky = emulator(*FAST), emulator(*FAST)
+    flaky.post("/_emulator/faults", {"tokenize_fail_next": 3})
+    assert connect([clean.emu.url, flaky.emu.url]) == connect([clean.emu.url])
+    assert flaky.get("/_emulator/faults")[1]["injected"]["tokenize_fail"] == 3
