@@ -62,14 +62,3 @@ def record(data_dir: str | Path | Storage, config_hash: str, provenance: dict, i
         "recorded_at": datetime.now(UTC),
     }
     storage.write_table(pa.Table.from_pylist([row], schema=PROVENANCE_SCHEMA), _path(storage, config_hash))
-
-
-def all_recorded(data_dir: str | Path | Storage) -> dict[str, dict]:
-    """config_hash -> recorded provenance, for every config of the data dir that has one."""
-    storage = open_storage(data_dir)
-    found = {}
-    for path in storage.files(storage.root / FOLDER):
-        if path.suffix == ".parquet" and not storage.is_temporary(path):
-            row = storage.read_table(path).to_pylist()[0]
-            found[row["config_hash"]] = {k: row[k] for k in (*FIELDS, "in_hash")}
-    return found
