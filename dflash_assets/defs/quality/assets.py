@@ -230,7 +230,8 @@ def length_quality_summary(
         **report_metadata(report, png.read_bytes(), chosen_by),
         "configs": dg.MetadataValue.md(configs_markdown(root, quality_settings.trainer.max_length)),
         "histogram_path": dg.MetadataValue.path(str(png)),
-        "by_source": dg.MetadataValue.md(by_source_markdown(root, chosen)),  # planned (quotas, repeats) vs generated
+        # the prompts each source's quota drew (its repeats left out) beside those the config generated
+        "planned_by_source": dg.MetadataValue.md(by_source_markdown(root, chosen)),
         "by_shard": dg.MetadataValue.md(
             _table(
                 report["by_shard"],
