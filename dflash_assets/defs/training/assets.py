@@ -85,6 +85,7 @@ def drafter_training_set(
             runaway=quality_settings.runaway,
             chat_template=quality_settings.trainer.chat_template,
             chosen_by=chosen_by,
+            min_loss_tokens=quality_settings.trainer.min_loss_tokens,
         )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
