@@ -124,8 +124,8 @@ FROM c
 
 # last_turn rows keep the source's earlier assistant answers (last_turn_request): the trainer reads those too
 HISTORY_MARKERS = """
-CREATE TEMP TABLE history_markers AS SELECT shard, prompt_id FROM (
-    SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM prompts GROUP BY ALL)
+INSERT INTO history_markers SELECT shard, prompt_id FROM (
+    SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL)
 WHERE history_think_marker(messages_json)
 """
 
@@ -136,10 +136,10 @@ SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
 JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
-JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM prompts GROUP BY ALL) p
+JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL) p
     ON p.shard = g.shard AND p.prompt_id = g.prompt_id
-WHERE g.reason IS NULL
-ORDER BY g.shard, g.prompt_id, g.config_hash, g.turn
+WHERE g.reason IS NULL AND g.shard = $shard
+ORDER BY g.prompt_id, g.config_hash, g.turn
 """
 
 
@@ -173,19 +173,33 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _conversations(con: duckdb.DuckDBPyConnection, query: str) -> Iterator[Conversation]:
-    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config)."""
-    rows = (row for batch in con.sql(query).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
-    key = lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
-    yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
+def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    return [s for (s,) in con.execute(f"SELECT DISTINCT shard FROM {table} ORDER BY shard").fetchall()]
 
 
-def _write(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path, writer: Writer) -> Written:
+def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> Iterator[Conversation]:
+    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config); a shard
+    at a time, so that what is held and sorted is one shard's rows, whatever the number of shards."""
+    key = lambda r: (r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
+    for shard in _shards(con, "graded"):
+        query = KEPT.format(
+            completions=parquet_source(con, storage, "completions", COMPLETION_SCHEMA, shard, row_position=True),
+            prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard),
+            ids=ids,
+        )
+        reader = con.sql(query, params={"shard": shard}).to_arrow_reader(ROW_GROUP)
+        rows = (row for batch in reader for row in batch.to_pylist())
+        yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
+
+
+def _write(
+    con: duckdb.DuckDBPyConnection, storage: Any, ids: str, jsonl_tmp: Path, parquet_tmp: Path, writer: Writer
+) -> Written:
     """Stream the kept conversations through the form's writer into both files; Parquet row groups are always
     ROW_GROUP rows, for stable bytes."""
     done, pending = Written(), []
     with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, writer.schema) as parquet:
-        for conversation in _conversations(con, query):
+        for conversation in _conversations(con, storage, ids):
             samples = writer.samples(conversation, done)
             done.conversations += bool(samples)
             for line, record in samples:
@@ -350,9 +364,13 @@ def export_training_set(
     try:
         with duckdb.connect(":memory:") as con:
             prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
-            con.execute(f"CREATE TEMP TABLE prompts AS SELECT shard, prompt_id, line, messages_json FROM {prompts}")
+            con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
             con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
-            con.execute(HISTORY_MARKERS)
+            con.execute("CREATE TEMP TABLE history_markers (shard VARCHAR, prompt_id VARCHAR)")
+            for shard in _shards(con, "prompts"):  # a shard's messages at a time
+                con.execute(
+                    HISTORY_MARKERS.format(prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard))
+                )
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
             all_turns = con.execute(
@@ -380,8 +398,7 @@ def export_training_set(
             selection = _select(con, storage, min_loss_tokens)
             _reassign(con, selection.reassigned)
             ids = "c.prompt_token_ids, c.output_ids" if params["token_ids"] else "NULL AS prompt_token_ids"
-            query = KEPT.format(completions=completions, ids=ids)
-            done = _write(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], writer)
+            done = _write(con, storage, ids, tmps["training_set.jsonl"], tmps["training_set.parquet"], writer)
             _reassign(con, [(*position, "recipe_validation") for position in done.refused_rows])
             window = _window(con, max_length)
             manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
