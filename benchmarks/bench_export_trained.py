@@ -85,9 +85,9 @@ def main() -> None:
                 data = Path(tmp) / regenerate / "data"
                 data.mkdir(parents=True)
                 generate(data, [a.url, b.url], regenerate, args.window)
-                (decoded,) = duckdb.sql(
+                ((decoded,),) = duckdb.sql(
                     f"select sum(completion_tokens) from read_parquet('{data}/completions/**/*.parquet')"
-                ).fetchone()
+                ).fetchall()
                 for form in FORMS:
                     tokens, samples = trained(data, Path(tmp) / regenerate / form, form, args.window)
                     print(

@@ -34,6 +34,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,9 @@ REASON_NOTES = {
 }
 ROW_GROUP = 8192
 NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
+# DuckDB's share of the export's memory: past it the graded rows and a shard's sort spill to SPILL_DIR in the
+# output directory (removed after), so the peak does not grow with the rows (benchmarks/bench_export.py)
+MEMORY_LIMIT, SPILL_DIR = "256MB", ".export_spill"
 
 
 GRADE = """
@@ -363,6 +367,8 @@ def export_training_set(
     }
     try:
         with duckdb.connect(":memory:") as con:
+            con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
+            con.execute("SET temp_directory = $dir", {"dir": str(out / SPILL_DIR)})
             prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
             con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
             con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
@@ -449,6 +455,7 @@ def export_training_set(
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
+        shutil.rmtree(out / SPILL_DIR, ignore_errors=True)
     return TrainingExport(paths["training_set.jsonl"], paths["training_set.parquet"], paths["manifest.json"], manifest)
 
 
