@@ -37,7 +37,7 @@ DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 # The values a choice field takes: the field's type, and the CLI's argparse choices (get_args(CapPolicy))
 CapPolicy = Literal["fixed", "window"]  # GenerationSettings.cap_policy
 Regenerate = Literal["auto", "last_turn", "all_turns"]  # GenerationSettings.regenerate
-TrainerFormat = Literal["conversations", "messages", "pretokenized"]  # TrainerSettings.format
+TrainerFormat = Literal["auto", "conversations", "per_turn", "messages", "pretokenized"]  # TrainerSettings.format
 ProbeMode = Literal["prompts", "cut_rows"]  # ProbeSettings.mode
 FleetMode = Literal["emulated", "attach", "launch"]  # FleetSettings.mode
 # a check renamed to what it measures -> its new name; severity overrides may still name the old one
@@ -167,11 +167,20 @@ class TrainerSettings(Settings):
         "prompt plus assistant (SpecForge data.max_length; speculators --seq-length).",
     )
     format: TrainerFormat = Field(
-        "conversations",
-        description="The export form: 'conversations' (SpecForge's {id, status, conversations}), "
-        "'messages' (OpenAI's {id, messages}) or 'pretokenized' ({id, input_ids, "
-        "loss_mask} from the server's own token ids, read as is by SpecForge's online "
-        "trainer and speculators).",
+        "auto",
+        description="The export form: 'conversations' (SpecForge's {id, status, conversations}), 'per_turn' (one "
+        "generation-event row per assistant turn, as SpecForge's expand_reasoning_conversations.py makes them, "
+        "trained with train_only_last_turn), 'messages' (OpenAI's {id, messages}) or 'pretokenized' ({id, "
+        "input_ids, loss_mask} from the server's own token ids, read as is by SpecForge's online trainer and "
+        "speculators); 'auto': per_turn for regenerated multi-turn conversations under a chat_template that "
+        "drops earlier reasoning, else conversations.",
+    )
+    min_loss_tokens: int = Field(
+        2,
+        gt=0,
+        description="The fewest supervised tokens, adjacent and inside the window, of a sample the trainer keeps: "
+        "2 is SpecForge's DFlash rule (has_consecutive_supervised_tokens), TorchSpec's DFlash configs ask 32; a "
+        "sample with fewer is not exported (rules.trainable).",
     )
     chat_template: str = Field(
         "qwen3.5",

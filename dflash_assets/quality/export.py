@@ -34,6 +34,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,19 +47,22 @@ import pyarrow.parquet as pq
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.runaway import register_runaway
+from dflash_assets.quality.selection import AFTER_END, NOT_WHOLE, Selection, Turn, ending
 from dflash_assets.quality.tables import COMPLETION_FLAGS, one, parquet_source, runaway_sql, window_flags_sql
-from dflash_assets.quality.trainer_format import VALIDATOR, flags_text, has_think_marker
+from dflash_assets.quality.trainer_format import VALIDATOR, chosen_form, flags_text, has_think_marker
 from dflash_assets.quality.trainer_settings import TRAINER_SETTINGS_FILES, write_trainer_settings
 from dflash_assets.quality.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
-from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql
+from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql, trainable_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
-from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import is_uri, open_storage
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
     "no_trainable_tokens",  # the prompt fills the window (rules.fills_window): the trainer would read no answer
-    #                         (an all-zero loss mask); the conversations forms judge a conversation by its first turn
+    #                         (an all-zero loss mask); a later turn's ends its conversation before it (selection.py)
+    "too_few_loss_tokens",  # fewer than min_loss_tokens supervised tokens inside the window (rules.trainable): the
+    #                         trainer drops the sample (SpecForge: has_consecutive_supervised_tokens)
     "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
     "runaway",  # a loop: stopped while streaming (finish_reason 'runaway'), or cut past the window while looping
     #             (generation/runaway.py): the loop may start inside the window
@@ -73,6 +77,9 @@ EXCLUSION_REASONS = (
     "recipe_validation",  # conversations / messages forms: SpecForge's validator with its recipe's flags would stop
     #                       at the row (trainer_format.row_problem): e.g. under last_turn with thinking, the source's
     #                       earlier answers, which have no reasoning_content
+    NOT_WHOLE,  # a turn that passed, of a conversation a later turn keeps out (cut inside the window, refused,
+    #             failed, ...: the manifest's conversations.left_out says which turn and why)
+    AFTER_END,  # a turn that passed, after its conversation ended for the trainer (selection.py)
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
 )
 # What a reason means to the trainer, where the name alone does not say it (exclusion_lines).
@@ -82,15 +89,19 @@ REASON_NOTES = {
 }
 ROW_GROUP = 8192
 NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
+# DuckDB's share of the export's memory: past it the graded rows and a shard's sort spill to SPILL_DIR in the
+# output directory (removed after), so the peak does not grow with the rows (benchmarks/bench_export.py)
+MEMORY_LIMIT, SPILL_DIR = "256MB", ".export_spill"
 
 
 GRADE = """
 CREATE TEMP TABLE graded AS
 WITH c AS (
-    SELECT filename, file_row_number, shard, prompt_id, config_hash, turn, source, max_output_tokens, config_cap,
+    SELECT filename, file_row_number, shard, prompt_id, config_hash, turn, turns, source, max_output_tokens, config_cap,
         prompt_tokens, completion_tokens, created_at, window_complete, judged_window,
         window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
             WHEN {fills_window} THEN 'no_trainable_tokens'
+            WHEN NOT {trainable} THEN 'too_few_loss_tokens'
             WHEN cut_inside_window THEN 'truncated'
             WHEN finish_reason = 'length' AND runaway OR {stopped_early} THEN 'runaway'
             WHEN finish_reason IS DISTINCT FROM 'stop' AND finish_reason IS DISTINCT FROM 'length' THEN 'not_stop'
@@ -117,8 +128,8 @@ FROM c
 
 # last_turn rows keep the source's earlier assistant answers (last_turn_request): the trainer reads those too
 HISTORY_MARKERS = """
-CREATE TEMP TABLE history_markers AS SELECT shard, prompt_id FROM (
-    SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM prompts GROUP BY ALL)
+INSERT INTO history_markers SELECT shard, prompt_id FROM (
+    SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL)
 WHERE history_think_marker(messages_json)
 """
 
@@ -129,10 +140,10 @@ SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
 JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
-JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM prompts GROUP BY ALL) p
+JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL) p
     ON p.shard = g.shard AND p.prompt_id = g.prompt_id
-WHERE g.reason IS NULL
-ORDER BY g.shard, g.prompt_id, g.config_hash, g.turn
+WHERE g.reason IS NULL AND g.shard = $shard
+ORDER BY g.prompt_id, g.config_hash, g.turn
 """
 
 
@@ -166,20 +177,36 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _conversations(con: duckdb.DuckDBPyConnection, query: str) -> Iterator[Conversation]:
-    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config)."""
-    rows = (row for batch in con.sql(query).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
-    key = lambda r: (r["shard"], r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
-    yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
+def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    return [s for (s,) in con.execute(f"SELECT DISTINCT shard FROM {table} ORDER BY shard").fetchall()]
 
 
-def _write(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_tmp: Path, writer: Writer) -> Written:
+def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> Iterator[Conversation]:
+    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config); a shard
+    at a time, so that what is held and sorted is one shard's rows, whatever the number of shards."""
+    key = lambda r: (r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
+    for shard in _shards(con, "graded"):
+        query = KEPT.format(
+            completions=parquet_source(con, storage, "completions", COMPLETION_SCHEMA, shard, row_position=True),
+            prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard),
+            ids=ids,
+        )
+        reader = con.sql(query, params={"shard": shard}).to_arrow_reader(ROW_GROUP)
+        rows = (row for batch in reader for row in batch.to_pylist())
+        yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
+
+
+def _write(
+    con: duckdb.DuckDBPyConnection, storage: Any, ids: str, jsonl_tmp: Path, parquet_tmp: Path, writer: Writer
+) -> Written:
     """Stream the kept conversations through the form's writer into both files; Parquet row groups are always
     ROW_GROUP rows, for stable bytes."""
     done, pending = Written(), []
     with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, writer.schema) as parquet:
-        for conversation in _conversations(con, query):
-            for line, record in writer.samples(conversation, done):
+        for conversation in _conversations(con, storage, ids):
+            samples = writer.samples(conversation, done)
+            done.conversations += bool(samples)
+            for line, record in samples:
                 jsonl.write(writer.dumps(line))
                 pending.append(record)
                 done.lines += 1
@@ -191,15 +218,65 @@ def _write(con: duckdb.DuckDBPyConnection, query: str, jsonl_tmp: Path, parquet_
     return done
 
 
-def _refuse(con: duckdb.DuckDBPyConnection, rows: list[tuple[str, int]]) -> None:
-    """The rows the validator would stop at take their reason in `graded`, so every count of the manifest has them."""
+def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[str, int, str]]) -> None:
+    """Rows left out after grading (the validator would stop at them; their conversation is left out or ended
+    before them) take their reason in `graded`, so every count of the manifest has them."""
     if rows:
-        con.execute("CREATE TEMP TABLE refused (filename VARCHAR, file_row_number BIGINT)")
-        con.executemany("INSERT INTO refused VALUES (?, ?)", rows)
         con.execute(
-            "UPDATE graded SET reason = 'recipe_validation' FROM refused r "
+            "CREATE OR REPLACE TEMP TABLE reassigned (filename VARCHAR, file_row_number BIGINT, reason VARCHAR)"
+        )
+        con.executemany("INSERT INTO reassigned VALUES (?, ?, ?)", rows)
+        con.execute(
+            "UPDATE graded SET reason = r.reason FROM reassigned r "
             "WHERE graded.filename = r.filename AND graded.file_row_number = r.file_row_number"
         )
+
+
+TURNS = """
+SELECT shard, prompt_id, config_hash, turn, max(turns) OVER (PARTITION BY shard, prompt_id, config_hash) AS turns,
+    reason, window_complete, prompt_tokens, completion_tokens, judged_window, filename, file_row_number
+FROM graded WHERE turn IS NOT NULL AND reason IS DISTINCT FROM 'duplicate'
+ORDER BY shard, prompt_id, config_hash, turn, reason IS NOT NULL, created_at, filename, file_row_number
+"""
+
+
+def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) -> Selection:
+    """Where each all_turns conversation ends for the trainer (selection.py), from its graded rows, the rejects and
+    the failures of its turns; a conversation at a time."""
+    refused: dict[tuple[str, str, str], dict[int, tuple[str, int | None]]] = {}
+    rejects = parquet_source(con, storage, "rejects", REJECT_SCHEMA)
+    for shard, pid, h, turn, reason, prompt_tokens in con.execute(
+        f"SELECT shard, prompt_id, config_hash, turn, reason, prompt_tokens FROM {rejects} WHERE turn IS NOT NULL"
+    ).fetchall():
+        refused.setdefault((shard, pid, h), {})[turn] = (reason, prompt_tokens)
+    failed: dict[tuple[str, str, str], set[int]] = {}
+    failures = parquet_source(con, storage, "failures", FAILURE_SCHEMA)
+    for shard, pid, h, turn in con.execute(
+        f"SELECT shard, prompt_id, config_hash, turn FROM {failures} WHERE turn IS NOT NULL"
+    ).fetchall():
+        failed.setdefault((shard, pid, h), set()).add(turn)
+    selection = Selection()
+    rows = (row for batch in con.sql(TURNS).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
+    for key, group in itertools.groupby(rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"])):
+        turns: dict[int, Turn] = {}
+        total = 0
+        for r in group:
+            total = r["turns"] or 0
+            turns.setdefault(  # the kept copy first
+                r["turn"],
+                Turn(
+                    r["turn"],
+                    r["reason"],
+                    bool(r["window_complete"]),
+                    r["prompt_tokens"] or 0,
+                    r["completion_tokens"] or 0,
+                    int(r["judged_window"]),
+                    (r["filename"], r["file_row_number"]),
+                ),
+            )
+        end = ending(total, turns, refused.get(key, {}), failed.get(key, set()), min_loss_tokens)
+        selection.add(end, turns)
+    return selection
 
 
 def _recipe(done: Written, writer: Writer) -> dict[str, Any]:
@@ -250,6 +327,7 @@ def export_training_set(
     runaway: RunawaySettings = RunawaySettings(),
     chat_template: str = TrainerSettings().chat_template,
     chosen_by: str = "explicit",
+    min_loss_tokens: int = TrainerSettings().min_loss_tokens,
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
@@ -281,20 +359,34 @@ def export_training_set(
     for name in TRAINER_SETTINGS_FILES:  # a later export of another form or window must not leave stale ones
         (out / name).unlink(missing_ok=True)
     tmps = {name: out / f".{name}.tmp" for name in paths}
-    writer = writer_for(form)  # refuses an unknown form before anything is written
+    writer_for(chosen_form(form, False, chat_template)[0])  # refuses an unknown form before anything is written
     params = {
         "config": config_hash,
-        "token_ids": not writer.form.rendered,
+        "min_loss_tokens": min_loss_tokens,
         "drop_long": drop_over_max_length and max_length is not None,
     }
     try:
         with duckdb.connect(":memory:") as con:
+            con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
+            con.execute("SET temp_directory = $dir", {"dir": str(out / SPILL_DIR)})
             prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
-            con.execute(f"CREATE TEMP TABLE prompts AS SELECT shard, prompt_id, line, messages_json FROM {prompts}")
+            con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
             con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
-            con.execute(HISTORY_MARKERS)
+            con.execute("CREATE TEMP TABLE history_markers (shard VARCHAR, prompt_id VARCHAR)")
+            for shard in _shards(con, "prompts"):  # a shard's messages at a time
+                con.execute(
+                    HISTORY_MARKERS.format(prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard))
+                )
             # a row's file and position identify it between grading and writing, and order duplicates
             completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
+            all_turns = con.execute(
+                f"SELECT coalesce(bool_or(turn IS NOT NULL), false) FROM {completions} "
+                "WHERE $config IS NULL OR config_hash = $config",
+                {"config": config_hash},
+            ).fetchall()[0][0]
+            form, form_chosen = chosen_form(form, all_turns, chat_template)
+            writer = writer_for(form)
+            params["token_ids"] = not writer.form.rendered
             register_runaway(con, runaway)
             con.execute(
                 GRADE.format(
@@ -304,24 +396,25 @@ def export_training_set(
                     stopped_early=STOPPED_EARLY_SQL,
                     runaway=runaway_sql(runaway),
                     window=window_flags_sql(NO_LIMIT if max_length is None else max_length),
-                    fills_window=fills_window_sql(
-                        "judged_window",
-                        "CASE WHEN $token_ids THEN prompt_tokens "
-                        "ELSE min(prompt_tokens) OVER (PARTITION BY shard, prompt_id, config_hash) END",
-                    ),
+                    fills_window=fills_window_sql("judged_window"),
+                    trainable=trainable_sql("judged_window", "$min_loss_tokens"),
                 ),
                 params,
             )
+            selection = _select(con, storage, min_loss_tokens)
+            _reassign(con, selection.reassigned)
             ids = "c.prompt_token_ids, c.output_ids" if params["token_ids"] else "NULL AS prompt_token_ids"
-            query = KEPT.format(completions=completions, ids=ids)
-            done = _write(con, query, tmps["training_set.jsonl"], tmps["training_set.parquet"], writer)
-            _refuse(con, done.refused_rows)
+            done = _write(con, storage, ids, tmps["training_set.jsonl"], tmps["training_set.parquet"], writer)
+            _reassign(con, [(*position, "recipe_validation") for position in done.refused_rows])
             window = _window(con, max_length)
             manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
                 "form": form,
+                "form_chosen": form_chosen,
                 "rows": done.lines,
                 "chosen_by": chosen_by,
-                "conversations_not_whole": done.not_whole,
+                "conversations_not_whole": selection.not_whole,
+                "conversations": {"exported": done.conversations} | selection.manifest(),
+                "min_loss_tokens": min_loss_tokens,
                 "window": window,
                 "recipe": _recipe(done, writer),
                 "source_answers": _source_answers(done, writer),
@@ -362,6 +455,7 @@ def export_training_set(
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
+        shutil.rmtree(out / SPILL_DIR, ignore_errors=True)
     return TrainingExport(paths["training_set.jsonl"], paths["training_set.parquet"], paths["manifest.json"], manifest)
 
 
@@ -436,9 +530,12 @@ def left_out_lines(manifest: dict[str, Any]) -> list[str]:
             + (f"{REASON_NOTES[e['reason']]}" if e["reason"] in REASON_NOTES else "")
         )
     if manifest.get("conversations_not_whole"):
+        turns = "; ".join(
+            f"turn {e['turn']} {e['why']}: {num(e['conversations'])}" for e in manifest["conversations"]["left_out"]
+        )
         lines.append(
             f"conversations_not_whole: {num(manifest['conversations_not_whole'])} conversations (regenerate all_turns) "
-            f"whose turns did not all pass, or were not all generated (a turn cut at the cap ends its conversation)"
+            f"left out by a later turn that did not pass (cut inside the window, refused, failed): {turns}"
         )
     recipe = manifest.get("recipe") or {}
     if recipe.get("left_out"):
@@ -458,6 +555,13 @@ def kept_lines(manifest: dict[str, Any]) -> list[str]:
         lines.append(
             f"{num(answers['rows'])} rows keep the source's own earlier answers in their history (regenerate "
             f"last_turn), {num(answers['written'])} written: {answers['note']}"
+        )
+    ended = (manifest.get("conversations") or {}).get("window_complete")
+    if ended:
+        lines.append(
+            f"kept {num(sum(ended.values()))} window-complete conversations up to the turn the trainer reads last "
+            f"(cut at or past the window, or the next turn's history fills it): "
+            + ", ".join(f"{num(n)} {k}" for k, n in ended.items())
         )
     if manifest.get("window_complete_kept"):
         lines.append(

@@ -30,8 +30,18 @@ STATUS = "success"
 VALIDATOR = "SpecForge scripts/validate_regenerated_data.py (sgl-project/SpecForge a6b6b02)"
 THINK_MARKERS = ("<think>", "</think>")
 
-# the export's forms: SpecForge's conversations, the OpenAI messages form, and {id, input_ids, loss_mask}
-FORMS = TRAINER_FORMATS
+# the export's forms: SpecForge's conversations, one row per assistant turn, the OpenAI messages form, and
+# {id, input_ids, loss_mask}; "auto" picks per_turn or conversations (chosen_form)
+AUTO = "auto"
+FORMS = tuple(f for f in TRAINER_FORMATS if f != AUTO)
+# SpecForge's chat templates (a6b6b02 specforge/data/template.py) with parser_type "thinking" render a conversation
+# with the model's own template: Qwen3's keeps reasoning only after the last user turn, and SpecForge puts loss on
+# each assistant span, so a whole conversation trains its earlier answers without their reasoning (qwen3-thinking)
+# or, under qwen3.5 (whose assistant header ends "<think>\n"), its last turn only
+# (test_expanded_event_qwen35_masks_only_current_generation).
+DROPS_EARLIER_REASONING = frozenset(
+    {"qwen3.5", "qwen3-thinking", "qwen3-next-thinking", "kimi-k2-thinking", "kimi-k3-thinking", "deepseek-v32"}
+)
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class Form:
     specforge_key: str  # SpecForge's DataConfig key naming the file
     speculators_note: str = ""  # what speculators' prepare_data.py needs besides its flags
     specforge_note: str = ""  # a word to the SpecForge user, written into specforge_data.yaml
+    train_only_last_turn: bool = False  # each row's last assistant turn is its sample (SpecForge's flag)
 
 
 FORM = {
@@ -57,6 +68,14 @@ FORM = {
             speculators_note=" (a conversations file also needs --render-endpoint)",
         ),
         Form(
+            "per_turn",
+            rendered=True,
+            column="conversations",
+            specforge_key="train_data_path",
+            speculators_note=" (a conversations file also needs --render-endpoint)",
+            train_only_last_turn=True,
+        ),
+        Form(
             "messages",
             rendered=True,
             column="messages",
@@ -68,6 +87,21 @@ FORM = {
     )
 }
 assert tuple(FORM) == FORMS, "every trainer format has its form"
+
+
+def chosen_form(form: str, all_turns: bool, chat_template: str) -> tuple[str, str]:
+    """(the form exported, why): `auto` is per_turn for regenerated multi-turn conversations (all_turns) under a
+    template that drops earlier reasoning, so that every decoded turn is trained, else conversations."""
+    if form != AUTO:
+        return form, "as set"
+    if all_turns and chat_template in DROPS_EARLIER_REASONING:
+        return "per_turn", (
+            f"auto: regenerate all_turns under chat_template {chat_template}, which drops earlier turns' reasoning: "
+            "a row per assistant turn (train_only_last_turn), so every decoded turn is trained"
+        )
+    return "conversations", "auto: " + (
+        f"chat_template {chat_template} keeps every turn's reasoning" if all_turns else "one generated turn per row"
+    )
 
 
 def has_think_marker(text: str) -> bool:

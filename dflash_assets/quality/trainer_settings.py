@@ -31,7 +31,7 @@ def specforge_data(
         data["max_length"] = max_length
     if rendered:
         data["chat_template"] = chat_template
-    if with_history and rendered:
+    if (with_history or FORM[form].train_only_last_turn) and rendered:
         data["train_only_last_turn"] = True
     return data
 
@@ -47,7 +47,12 @@ def write_trainer_settings(
     ]
     if FORM[form].specforge_note:
         lines.append(f"# {FORM[form].specforge_note}")
-    if "train_only_last_turn" in data:
+    if FORM[form].train_only_last_turn:
+        lines.append(
+            "# train_only_last_turn: each row is one assistant turn (its generation event), with the visible history "
+            "before it: only that turn is to be learnt."
+        )
+    elif "train_only_last_turn" in data:
         lines.append(
             f"# train_only_last_turn: {with_history} conversations carry the source's earlier answers, which the "
             "target model did not write: only the last (regenerated) turn is to be learnt."
@@ -81,7 +86,10 @@ def trainer_settings_line(manifest: dict, out: Path) -> str:
     """Where the trainer's settings are (`out`: the export's directory), for the terminal."""
     settings = manifest["trainer_settings"]
     window = settings["specforge_data"].get("max_length")
+    chosen = manifest.get("form_chosen", "as set")
     return (
-        f"the trainer's settings to read it as it was made (max_length {window}): SpecForge's data: block in "
+        f"the trainer's settings to read it as it was made (max_length {window}"
+        + ("" if chosen == "as set" else f"; form {manifest['form']}, {chosen}")
+        + "): SpecForge's data: block in "
         f"{out / settings['specforge']}, speculators' flags in {out / settings['speculators']}"
     )

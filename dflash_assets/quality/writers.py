@@ -58,8 +58,8 @@ class Written:
     """What the writer wrote, and what it left out on its way (the manifest's figures)."""
 
     lines: int = 0  # JSONL lines written
+    conversations: int = 0  # conversations they hold
     consumed: int = 0  # kept rows they hold
-    not_whole: int = 0  # conversations left out because a turn of theirs did not pass
     refused: dict[str, int] = field(default_factory=dict)  # validator's words -> rows left out (recipe_validation)
     refused_rows: list[tuple[str, int]] = field(default_factory=list)  # (filename, file_row_number) of those rows
     thinking: set[bool] = field(default_factory=set)  # enable_thinking of the rows judged: the recipe's flags
@@ -73,15 +73,14 @@ def answer(row: Row) -> dict[str, str]:
     return message
 
 
-def whole_conversation(conversation: Conversation) -> list[dict[str, str]] | None:
+def exported_messages(conversation: Conversation) -> list[dict[str, str]]:
     """The messages of one exported id: the prompt and its regenerated answer (last_turn), or under all_turns
-    every user turn followed by its regenerated answer; None when a turn of it did not pass (not whole)."""
+    each user turn followed by its regenerated answer, up to the turn where it ends for the trainer (selection.py)."""
     rows, messages = conversation.rows, conversation.messages
-    first = rows[0]
-    if first["turn"] is None:
-        return [*last_turn_request(messages), answer(first)]
-    if [r["turn"] for r in rows] != list(range(1, (first["turns"] or 0) + 1)):
-        return None
+    if rows[0]["turn"] is None:
+        return [*last_turn_request(messages), answer(rows[0])]
+    if [r["turn"] for r in rows] != list(range(1, len(rows) + 1)):  # selection.py exports turns 1..k
+        raise RuntimeError(f"conversation {rows[0]['id']} exported with turns {[r['turn'] for r in rows]}")
     system, users = split_turns(messages)
     return system + [m for user, row in zip(users, rows) for m in (user, answer(row))]
 
@@ -152,23 +151,29 @@ class TextWriter(Writer):
 
     def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
         rows = conversation.rows
-        done.consumed += len(rows)
-        messages = whole_conversation(conversation)
-        if messages is None:
-            done.not_whole += 1
+        judged = self.judged(conversation, done)
+        if judged is None:
             return []
         row = rows[-1] | {"completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
+        messages = judged["conversations"]
+        return [(self.line(row["id"], judged, messages), self.record(row, **{self.form.column: messages}))]
+
+    def judged(self, conversation: Conversation, done: Written) -> dict[str, Any] | None:
+        """The conversations row of `conversation`, or None where the validator would stop at it."""
+        rows = conversation.rows
+        done.consumed += len(rows)
+        messages = exported_messages(conversation)
         history = conversation.carries_history
-        thinking = bool(row["enable_thinking"])
+        thinking = bool(rows[-1]["enable_thinking"])
         done.thinking.add(thinking)
-        judged = {"id": row["id"], "status": STATUS, "conversations": messages}
+        judged = {"id": rows[-1]["id"], "status": STATUS, "conversations": messages}
         if problem := row_problem(judged, **recipe_flags(thinking)):
             done.refused[problem] = done.refused.get(problem, 0) + len(rows)
             done.refused_rows += [(r["filename"], r["file_row_number"]) for r in rows]
             done.source_answers["left_out"] += history
-            return []
+            return None
         done.source_answers["written"] += history
-        return [(self.line(row["id"], judged, messages), self.record(row, **{self.form.column: messages}))]
+        return judged
 
 
 class ConversationsWriter(TextWriter):
@@ -191,7 +196,64 @@ class MessagesWriter(TextWriter):
         return {"id": sample_id, "messages": messages}
 
 
-WRITERS: dict[str, type[Writer]] = {w.form.name: w for w in (ConversationsWriter, MessagesWriter, PretokenizedWriter)}
+class PerTurnWriter(TextWriter):
+    """One generation-event row per regenerated assistant turn, line for line what SpecForge's
+    scripts/expand_reasoning_conversations.py (a6b6b02, expand_row) makes of the conversations form's file: id
+    "<source id>#turn<i>" (i: the assistant turn's 0-based index), source_id, source_row_index (the conversation's
+    line in that file), assistant_turn_index, and the history before the turn with earlier answers' reasoning
+    dropped (what the target saw when it generated the turn), then the turn itself. Trained with
+    train_only_last_turn: true, every exported turn is in the loss (trainer_settings.py writes it)."""
+
+    form = FORM["per_turn"]
+    schema = pa.schema(
+        [
+            *PROVENANCE,
+            ("source_id", pa.string()),
+            ("assistant_turn_index", pa.int16()),
+            ("conversations", pa.list_(MESSAGE)),
+        ]
+    )
+
+    def __init__(self) -> None:
+        self.source_rows = 0  # the conversations form's lines so far: the next one's source_row_index
+
+    def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
+        judged = self.judged(conversation, done)
+        if judged is None:
+            return []
+        source_row_index, self.source_rows = self.source_rows, self.source_rows + 1
+        history: list[dict[str, Any]] = []
+        events, index = [], 0
+        # the regenerated answers: every one under all_turns, the last one under last_turn (the source's earlier
+        # answers are history the target did not write)
+        regenerated = len(conversation.rows)
+        assistants = sum(m["role"] == "assistant" for m in judged["conversations"])
+        for message in judged["conversations"]:
+            if message["role"] != "assistant":
+                history.append(dict(message))
+                continue
+            if index >= assistants - regenerated:
+                row = conversation.rows[index - (assistants - regenerated)]
+                event = {
+                    "id": f"{judged['id']}#turn{index}",
+                    "source_id": judged["id"],
+                    "source_row_index": source_row_index,
+                    "assistant_turn_index": index,
+                    "conversations": [*(dict(m) for m in history), dict(message)],
+                    "status": STATUS,
+                }
+                record = self.record(row, id=event["id"], source_id=judged["id"], assistant_turn_index=index) | {
+                    "conversations": event["conversations"]
+                }
+                events.append((event, record))
+            history.append({k: v for k, v in message.items() if k != "reasoning_content"})
+            index += 1
+        return events
+
+
+WRITERS: dict[str, type[Writer]] = {
+    w.form.name: w for w in (ConversationsWriter, PerTurnWriter, MessagesWriter, PretokenizedWriter)
+}
 
 
 def writer_for(form: str) -> Writer:

@@ -60,4 +60,9 @@ def test_the_default_regenerates_every_turn_of_a_multi_turn_source_and_says_why(
     assert f"regenerate auto: all_turns, since {CHATS} of {len(SOURCE)} prompts carry earlier assistant turns" in out
     assert "the default was last_turn" in out and "docs/multi-turn.md" in out
     assert manifest["source_answers"]["rows"] == 0 and manifest["excluded"]["recipe_validation"] == 0
-    assert manifest["rows"] + manifest["conversations_not_whole"] == len(SOURCE)
+    assert manifest["conversations"]["exported"] + manifest["conversations_not_whole"] == len(SOURCE)
+    # the default form of all_turns under qwen3.5 (which drops earlier reasoning): a row per assistant turn, said
+    assert manifest["form"] == "per_turn" and manifest["rows"] == sum(
+        c["rows"] for c in manifest["rows_by_config"].values()
+    )
+    assert "form per_turn, auto: regenerate all_turns under chat_template qwen3.5" in out

@@ -264,7 +264,7 @@ def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_pe
     from dflash_assets.quality.trainer_format import row_problem
 
     data, run, rows = clean
-    export = export_training_set(data, tmp_path / "out", max_length=None)
+    export = export_training_set(data, tmp_path / "out", max_length=None, form="conversations")
     lines = [json.loads(line) for line in export.jsonl_path.read_text().splitlines()]
     whole = sorted({r[0] for r in rows} - set(run.truncated_at))
     assert [line["id"].split("@")[0] for line in lines] == whole

@@ -154,7 +154,7 @@ def test_the_trainers_window_is_one_setting_the_checks_the_resource_and_the_expo
     from dflash_assets.defs.resources import QualityResource
     from dflash_assets.settings import QualitySettings, TrainerSettings
 
-    assert TrainerSettings().max_length == 4096 and TrainerSettings().format == "conversations"
+    assert TrainerSettings().max_length == 4096 and TrainerSettings().format == "auto"
     assert QualitySettings().trainer == TrainerSettings() == QualitySettings.taken_from(QualityResource()).trainer
     assert GenerationSettings().trainer_max_length == TrainerSettings().max_length
     custom = QualitySettings.taken_from(QualityResource(trainer={"max_length": 2048, "format": "pretokenized"})).trainer
@@ -166,7 +166,8 @@ def test_a_bad_trainer_setting_is_refused_by_name():
     from dflash_assets.settings import SettingsError, TrainerSettings
 
     with pytest.raises(
-        SettingsError, match="trainer format must be one of conversations, messages, pretokenized, got 'sharegpt'"
+        SettingsError,
+        match="trainer format must be one of auto, conversations, per_turn, messages, pretokenized, got 'sharegpt'",
     ):
         TrainerSettings(format="sharegpt")
     with pytest.raises(SettingsError, match="trainer max_length must be a positive integer, got 0"):
@@ -361,10 +362,11 @@ def test_the_defaults_leave_out_the_prompts_that_fill_the_window_and_preflight_s
         f"{first} prompts fill the trainer's window: their answers would never be trained on; "
         f"`--cap-policy window` rejects them"
     ) in result.stdout
-    # the conversations form (the default) leaves out every conversation whose first prompt fills the window
+    # the default form leaves out every row whose own prompt fills the window (a later turn's ends its conversation
+    # before it), so every conversation whose first prompt fills it
     manifest = json.loads(next(Path(data).glob("training/*/manifest.json")).read_text())
-    assert manifest["excluded"]["no_trainable_tokens"] == in_conversations >= first
-    assert f"no_trainable_tokens: {in_conversations} rows" in re.sub(r"\s+", " ", result.stdout)
+    assert manifest["excluded"]["no_trainable_tokens"] == past and in_conversations >= first
+    assert f"no_trainable_tokens: {past} rows" in re.sub(r"\s+", " ", result.stdout)
     # the pre-tokenized form of the same rows at the defaults: every sample has a token to train on
     export = export_training_set(data, tmp_path / "pretokenized", form="pretokenized")
     samples = [json.loads(line) for line in export.jsonl_path.read_text().splitlines()]

@@ -12,6 +12,8 @@ from dflash_assets.quality.export import WINDOW_CUT_CONTENT
 from dflash_assets.quality.trainer_format import has_think_marker, row_problem
 from tests.support.quality_data import CONFIG_A, blank, completion, load, prompt, write
 
+LATER = ("too_few_loss_tokens", "conversation_not_whole", "after_window_end")  # none in defects_dir: their own tests
+
 
 def graded(data_dir, config=None, max_length=None, window=4096):
     """[(row, reason or None)] by the export's rules, in plain Python (file order = (path, row) order); `window` is
@@ -25,6 +27,7 @@ def graded(data_dir, config=None, max_length=None, window=4096):
         tail = r["reasoning_content"] if blank(r["content"]) else r["content"]
         reasons = [
             ("no_trainable_tokens", r["prompt_tokens"] >= window),  # the prompt fills the window
+            ("too_few_loss_tokens", min(r["completion_tokens"], window - r["prompt_tokens"]) < 2),
             ("truncated", cut and r["prompt_tokens"] + r["completion_tokens"] < window),
             ("runaway", cut and is_runaway(tail)),
             ("not_stop", r["finish_reason"] not in ("stop", "length")),
@@ -75,7 +78,9 @@ def test_export_counts_exclusions_by_reason(defects_dir, export):
     assert export.manifest["excluded"] == {reason: reasons[reason] for reason in EXCLUSION_REASONS}
     # the data exercises every reason (over_max_length only when dropping long rows is chosen; runaways and rows
     # without token ids: tests/quality/test_window_export.py)
-    assert all(reasons[r] > 0 for r in EXCLUSION_REASONS if r not in ("over_max_length", "runaway", "no_token_ids"))
+    assert all(
+        reasons[r] > 0 for r in EXCLUSION_REASONS if r not in ("over_max_length", "runaway", "no_token_ids", *LATER)
+    )
     by_config = {}
     for row, reason in grades:
         if reason:

@@ -182,7 +182,7 @@ def exported(tmp_path_factory):
         generate_source(emu.url, SOURCE, tmp / "data", GenerationSettings(max_output_tokens=8192))
     return (
         tmp,
-        export_training_set(tmp / "data", tmp / "out", max_length=None),
+        export_training_set(tmp / "data", tmp / "out", max_length=None, form="conversations"),
         export_training_set(tmp / "data", tmp / "out_messages", max_length=None, form="messages"),
     )
 
@@ -367,7 +367,7 @@ def test_the_openai_messages_form_holds_the_same_conversations(exported):
     assert [(r["id"], r["messages"]) for r in as_messages] == [(r["id"], r["conversations"]) for r in conversations]
     assert "messages" in pq.read_schema(messages.parquet_path).names and messages.manifest["form"] == "messages"
     with pytest.raises(
-        ValueError, match="export form must be one of conversations, messages, pretokenized, got 'sharegpt'"
+        ValueError, match="export form must be one of conversations, per_turn, messages, pretokenized, got 'sharegpt'"
     ):
         export_training_set(exported[0] / "data", exported[0] / "bad", form="sharegpt")
 

@@ -28,9 +28,11 @@ class TrainingSetConfig(ConfigChoice):
     form: str = Field(
         "",
         description="'' for the trainer's format (the quality resource's trainer.format); 'conversations': "
-        "SpecForge's {id, status, conversations} (what its validate_regenerated_data.py accepts); "
-        "'messages': the OpenAI {id, messages}; 'pretokenized': {id, input_ids, loss_mask} from the "
-        "stored token ids, cut at the trainer's window.",
+        "SpecForge's {id, status, conversations} (what its validate_regenerated_data.py accepts); 'per_turn': "
+        "one row per assistant turn (SpecForge's generation events, train_only_last_turn); 'messages': the OpenAI "
+        "{id, messages}; 'pretokenized': {id, input_ids, loss_mask} from the stored token ids, cut at the "
+        "trainer's window; 'auto': per_turn for all_turns under a template that drops earlier reasoning, else "
+        "conversations.",
     )
 
 
@@ -85,6 +87,7 @@ def drafter_training_set(
             runaway=quality_settings.runaway,
             chat_template=quality_settings.trainer.chat_template,
             chosen_by=chosen_by,
+            min_loss_tokens=quality_settings.trainer.min_loss_tokens,
         )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
