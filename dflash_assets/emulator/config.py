@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="The SGLang version /server_info and /v1/loads report (another release behind the same routes).",
     )
     emu.add_argument("--fault-crash-after", type=int, help="Exit hard when generation request N+1 arrives.")
+    emu.add_argument("--fault-crash-on", help="Exit hard when a generation request's prompt contains this text.")
     emu.add_argument("--fault-503-next", type=int, help="Answer the next N generation requests with 503.")
     emu.add_argument("--fault-503-rate", type=float, help="Answer this share of generation requests with 503.")
     emu.add_argument("--fault-stall-seconds", type=float, help="Hold generation requests this long before serving.")

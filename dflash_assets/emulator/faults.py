@@ -11,6 +11,8 @@ Settings (all optional):
     crash_after: N     the process exits hard (os._exit) when generation request
                        N+1 arrives, dropping every connection in flight (as a
                        CUDA fault or the watchdog would). Counts from when set.
+    crash_on: str      the process exits hard in the same way when a generation request's prompt (the text of its
+                       messages, or /generate's text) contains this string: an input that kills its server
     fail_next: N       the next N generation requests get 503 "The request queue is full."
     fail_rate: p       each generation request gets that 503 with probability p
     fail_message: str  message of those 503s
@@ -46,6 +48,7 @@ QUEUE_FULL = "The request queue is full."
 @dataclass
 class FaultSettings:
     crash_after: int | None = None
+    crash_on: str | None = None
     fail_next: int | None = None
     fail_rate: float | None = None
     fail_message: str | None = None
@@ -115,11 +118,11 @@ class Faults:
             "injected": dict(self.injected),
         }
 
-    def judge(self) -> Verdict:
-        """Called once per arriving generation request."""
+    def judge(self, prompt: str = "") -> Verdict:
+        """Called once per arriving generation request, with its prompt's text (`prompt_text`)."""
         s = self.settings
         self.requests_seen += 1
-        if s.crash_after is not None and self.requests_seen > s.crash_after:
+        if (s.crash_after is not None and self.requests_seen > s.crash_after) or (s.crash_on and s.crash_on in prompt):
             self.injected["crash"] += 1
             return Verdict(crash=True)
         if s.fail_next:
@@ -152,10 +155,24 @@ class Faults:
         return False
 
 
+def prompt_text(body: dict) -> str:
+    """The text of a generation request's prompt: its messages' contents (text parts too), or /generate's text."""
+    if "messages" in body:
+        texts = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            parts = content if isinstance(content, list) else [content]
+            texts += [p.get("text") if isinstance(p, dict) else p for p in parts]
+        return "\n".join(t for t in texts if isinstance(t, str))
+    text = body.get("text")
+    return "\n".join(t for t in (text if isinstance(text, list) else [text]) if isinstance(t, str))
+
+
 def from_args(args) -> Faults:
     return Faults(
         FaultSettings(
             crash_after=args.fault_crash_after,
+            crash_on=args.fault_crash_on,
             fail_next=args.fault_503_next,
             fail_rate=args.fault_503_rate,
             stall_seconds=args.fault_stall_seconds,

@@ -15,7 +15,7 @@ from aiohttp import web
 from . import tokenizer as tok
 from .contract import generate_contract_error
 from .engine import Engine, Output, Request, TokenizerError, unseen_disconnect
-from .faults import Verdict
+from .faults import Verdict, prompt_text
 from .responses import (
     SSE_DONE,
     contract_error,
@@ -133,7 +133,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     err = generate_contract_error(body)
     if err is not None:
         return contract_error(err)
-    verdict = st.judge()
+    verdict = st.judge(prompt_text(body))
     if body.get("stream"):
         serving = _stream(request, engine, body, verdict)
         return await (unseen_disconnect(engine, serving) if verdict.half_open else serving)

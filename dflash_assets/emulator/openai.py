@@ -19,7 +19,7 @@ from aiohttp import web
 
 from . import tokenizer as tok
 from .engine import Engine, Output, Request, TokenizerError, unseen_disconnect
-from .faults import QUEUE_FULL
+from .faults import QUEUE_FULL, prompt_text
 from .native import meta_info
 from .responses import (
     HTTP_STATUS_NAMES,
@@ -294,7 +294,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     errs = _messages_errors(body) or _field_errors(body)
     if errs:
         return validation_error(errs)
-    verdict = st.judge()
+    verdict = st.judge(prompt_text(body))
     chat = ChatContext(cfg, body)
     problem = chat.validate()
     if problem:

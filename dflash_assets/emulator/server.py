@@ -88,8 +88,8 @@ def create_app(cfg: EmulatorSetup, *, faults: Faults | None = None, on_crash=cra
     app[ROUTES] = Counter()
     faults = faults or from_args(cfg.args)
 
-    def judge():
-        verdict = faults.judge()
+    def judge(prompt: str):
+        verdict = faults.judge(prompt)
         if verdict.crash:
             on_crash()
         return verdict

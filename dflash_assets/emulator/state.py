@@ -18,7 +18,7 @@ class ServerState:
     cfg: EmulatorSetup
     engine: Engine
     faults: Faults
-    judge: Callable[[], Verdict]  # the fault verdict for an arriving generation request
+    judge: Callable[[str], Verdict]  # the fault verdict for an arriving generation request, by its prompt's text
     ready: bool = False
     started: float = field(default_factory=time.monotonic)
     startup_time: float = field(default_factory=time.time)

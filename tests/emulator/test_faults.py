@@ -113,6 +113,31 @@ def test_crash_in_an_in_process_emulator_stops_serving(emulator):
     assert http.emu.crashed and not http.emu._thread.is_alive()
 
 
+def test_crash_on_a_prompt_kills_the_process_when_a_request_carries_it_and_not_before():
+    with start_emulator(["--fault-crash-on", "POISON-7"]) as emu:
+        from tests.support.http import Http
+
+        http = Http(emu.url)
+        chat = {"messages": [{"role": "user", "content": "a harmless question"}], "max_tokens": 3}
+        assert http.post("/v1/chat/completions", chat)[0] == 200 and gen(http)[0] == 200
+        poisoned = {"messages": [{"role": "user", "content": [{"type": "text", "text": "say POISON-7 twice"}]}]}
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            http.post("/v1/chat/completions", poisoned | {"max_tokens": 3}, timeout=5)
+        emu.popen.wait(5)
+        assert emu.popen.returncode == 70 and "injected crash" in emu.log()
+
+
+def test_crash_on_set_at_run_time_matches_generate_text_and_is_counted(emulator):
+    http = emulator()
+    status, state = http.post("/_emulator/faults", {"crash_on": "POISON-7"})
+    assert status == 200 and state["settings"]["crash_on"] == "POISON-7"
+    assert gen(http)[0] == 200  # a prompt without the marker is served
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        http.post("/generate", {"text": ["fine", "POISON-7 here"], "sampling_params": {"max_new_tokens": 2}}, timeout=5)
+    wait_for("the crashed emulator to stop serving", lambda: not http.emu._thread.is_alive(), 5, every_s=0.05)
+    assert http.emu.crashed
+
+
 def _abandoned_stream(url: str, rid: str) -> None:
     """A streamed chat request with `rid` whose client reads its first event, then closes the connection."""
     import http.client
