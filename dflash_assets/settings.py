@@ -377,6 +377,11 @@ class DispatchSettings(Settings):
         2, description="Requests queued at each server beyond its running slots, so its slots never idle."
     )
     max_attempts: int = Field(4, ge=1, description="Attempts per request on retryable errors (5xx, timeouts).")
+    retry_quarantined: bool = Field(
+        False,
+        description="Send again the prompts an earlier run quarantined (in flight when 2 servers died: "
+        "generation/quarantine.py); by default they stay in the failures table, unsent.",
+    )
     backoff_base_s: float = Field(0.5, description="First retry delay; doubles each attempt (with jitter).")
     backoff_max_s: float = Field(30.0, description="The longest retry delay.")
     eject_after: int = Field(3, description="Consecutive retryable failures before a server is ejected and probed.")

@@ -23,6 +23,7 @@ from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import carries_history
 from dflash_assets.generation.provenance import run_settings
+from dflash_assets.generation.quarantine import carry_over, quarantine_note
 from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import every_turn
@@ -165,6 +166,9 @@ async def generate_shards(
             )
             for p in plans
         }
+        for p in plans:  # prompts an earlier run quarantined stay failed, unsent, unless asked
+            carried = carry_over(failure_store(storage, p.run.shard), config_hash, p, dispatch.retry_quarantined)
+            outputs[p.run.shard].failed += carried
 
         token_ids = stores_token_ids(dispatch.store_token_ids, generation.cap_policy)
 
@@ -195,6 +199,7 @@ async def generate_shards(
         await dispatcher.run(items, sum(len(p.todo) for p in plans))
         for output in outputs.values():
             output.close(failure_store(storage, output.run.shard), f"{config_hash}.parquet")
+            output.run.notes += quarantine_note(output.run.shard, output.failed)
             account(output.run, storage, output, generation, every_turn(generation))
     return [p.run for p in plans]
 

@@ -24,6 +24,7 @@ from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.plan import reject_row, turn_label
 from dflash_assets.generation.preflight import Budget
+from dflash_assets.generation.quarantine import Quarantine, Quarantined
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
@@ -137,7 +138,9 @@ class Dispatch:
         on_answer: Callable[[int, int], None] | None = None,
     ):
         self.fleet, self.dispatch, self.outputs = fleet, dispatch, outputs
-        self.send, self.refuse, self.follow_up, self.log, self.on_answer = send, refuse, follow_up, log, on_answer
+        self.refuse, self.follow_up, self.log, self.on_answer = refuse, follow_up, log, on_answer
+        self.quarantine = Quarantine(log)  # a prompt that kills its servers is not sent round the fleet
+        self.send = self.quarantine.guard(send)
         self.slots = SlotPicker(
             fleet.clients,
             fleet.infos,
@@ -192,6 +195,7 @@ class Dispatch:
         finally:
             await self.commit()
             await self.slots.close()
+            await self.quarantine.close()
             samples = await sampler.stop() if sampler else []
             for output in self.outputs.values():
                 output.run.load_samples = samples
@@ -231,6 +235,10 @@ class Dispatch:
                 self.slots.release(slot, ok=True)
                 output.refused.append(e.row)
                 return None
+            except Quarantined as e:  # in flight at its second server death: never sent again
+                self.slots.release(slot, ok=False)
+                output.failed.append(self._failure(item, output, e, attempt))
+                return None
             except ServerError as e:
                 self.slots.release(slot, ok=not e.retryable or e.unavailable)
                 if e.unavailable:  # the gateway has no worker for anything just now: not this attempt's failure
@@ -253,18 +261,19 @@ class Dispatch:
             slot.output_tokens += generated_tokens(row)
             output.answered(slot, row)
             return row
-        output.failed.append(
-            FailureRow(
-                shard=item["shard"],
-                prompt_id=item["prompt_id"],
-                config_hash=output.run.config_hash,
-                error=str(error),
-                attempts=dispatch.max_attempts,
-                created_at=datetime.now(UTC),
-                turn=recorded_turn(item),
-            )
-        )
+        output.failed.append(self._failure(item, output, error, dispatch.max_attempts))
         return None
+
+    def _failure(self, item: dict, output: ShardOutput, error: Exception | None, attempts: int) -> FailureRow:
+        return FailureRow(
+            shard=item["shard"],
+            prompt_id=item["prompt_id"],
+            config_hash=output.run.config_hash,
+            error=str(error),
+            attempts=attempts,
+            created_at=datetime.now(UTC),
+            turn=recorded_turn(item),
+        )
 
     async def _wait_for_a_worker(self, slot: Slot, error: ServerError, since: float | None) -> float:
         """A gateway that has no worker to route to (every one unhealthy, or its circuit breaker open after a worker

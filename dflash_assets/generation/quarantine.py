@@ -1,0 +1,152 @@
+"""A prompt that kills its server: quarantined after two server deaths, so it does not take the fleet down in turn.
+
+Some inputs crash an SGLang server (a CUDA error on one shape, a tokenizer or grammar fault). Retried like any
+dropped request, such a prompt would kill one server after another, up to `max_attempts` of them. So:
+
+- a server *died* under a request when the request's connection dropped (no status, no stall) and the server
+  then fails its /health probe; one probe per death, shared by every request that was in flight there;
+- every request in flight at a death is a *suspect*; suspects are sent one at a time, so that when a server dies
+  under a suspect, it is the only one there that was in flight at an earlier death;
+- a prompt in flight at `QUARANTINE_AFTER_DEATHS` deaths is quarantined: never sent again by this run, and a
+  row of the failures table whose error starts with `QUARANTINED`; a later run carries that row over and does not
+  send the prompt unless asked (`DispatchSettings.retry_quarantined`).
+
+A server that was already down when a request was sent (a refused connection, a dead server not yet ejected) is
+no new death. Behind a gateway the gateway stays healthy when a worker dies, so no death is seen there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pyarrow.compute as pc
+
+from dflash_assets.fleet.client import ServerError
+from dflash_assets.generation.slots import Slot
+from dflash_assets.store.parts import PartStore
+from dflash_assets.store.schema import CompletionRow, FailureRow
+
+QUARANTINE_AFTER_DEATHS = 2
+QUARANTINED = f"in flight when {QUARANTINE_AFTER_DEATHS} servers died"  # a failure row's error starts with it
+
+Key = tuple[str, str, int | None]  # (shard, prompt_id, turn)
+Send = Callable[[dict, Slot, int], Awaitable[CompletionRow]]
+
+
+class Quarantined(Exception):
+    """Raised by a guarded Send when its prompt has just been quarantined (the message is the failure's error)."""
+
+
+def key_of(item: dict) -> Key:
+    return item["shard"], item["prompt_id"], item.get("turn")
+
+
+@dataclass
+class Death:
+    at: float  # monotonic time the death was seen (its /health probe began): requests sent before were in flight
+    url: str
+    keys: set[Key] = field(default_factory=set)
+
+
+class Quarantine:
+    """Counts, per item, the server deaths it was in flight at; `guard` wraps the dispatcher's Send."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self.deaths: dict[Key, list[Death]] = {}
+        self._last: dict[str, Death] = {}  # url -> its latest death
+        self._down: set[str] = set()  # urls dead and not seen answering since
+        self._probes: dict[str, asyncio.Task] = {}
+        self._alone = asyncio.Lock()
+
+    def guard(self, send: Send) -> Send:
+        async def guarded(item: dict, slot: Slot, attempt: int) -> CompletionRow:
+            key = key_of(item)
+            turn: AbstractAsyncContextManager[Any] = self._alone if self.deaths.get(key) else nullcontext()
+            async with turn:  # a suspect goes alone
+                sent = time.monotonic()
+                try:
+                    row = await send(item, slot, attempt)
+                except ServerError as e:
+                    if await self._died_under(key, slot, e, sent):
+                        deaths = self.deaths[key]
+                        if len(deaths) >= QUARANTINE_AFTER_DEATHS:
+                            why = f"{QUARANTINED} under it ({', '.join(d.url for d in deaths)}); last error: {e}"
+                            self.log(f"shard {key[0]} prompt {key[1]} quarantined: {why}")
+                            raise Quarantined(why) from None
+                    raise
+            self._down.discard(slot.url)  # it answers: a later drop there is a new death
+            return row
+
+        return guarded
+
+    async def _died_under(self, key: Key, slot: Slot, error: ServerError, sent: float) -> bool:
+        """Whether `slot`'s server died while this request was in flight there (counted once per death)."""
+        if error.status is not None or error.stalled or error.refused or not error.retryable:
+            return False
+        url = slot.url
+        death = self._last.get(url)
+        if death is None or death.at < sent:
+            if url in self._down:
+                return False  # it was already down when this request was sent
+            probe = self._probes.get(url)
+            if probe is None:
+                probe = self._probes[url] = asyncio.create_task(self._probe(slot))
+            death = await asyncio.shield(probe)
+            if death is None or death.at < sent:
+                return False
+        if key not in death.keys:
+            death.keys.add(key)
+            self.deaths.setdefault(key, []).append(death)
+        return True
+
+    async def _probe(self, slot: Slot) -> Death | None:
+        at = time.monotonic()
+        try:
+            problem = await slot.client.health_problem()
+        finally:
+            self._probes.pop(slot.url, None)
+        if not isinstance(problem, ServerError):
+            return None  # a dropped connection, but the server answers: not a death
+        death = self._last[slot.url] = Death(at, slot.url)
+        self._down.add(slot.url)
+        self.log(f"{slot.url} died with requests in flight ({problem.message}): they are suspects, sent one at a time")
+        return death
+
+    async def close(self) -> None:
+        for task in self._probes.values():
+            task.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)
+
+
+class Plan(Protocol):
+    todo: dict[str, Any]
+
+
+def carry_over(failures: PartStore, config_hash: str, plan: Plan, retry: bool) -> list[FailureRow]:
+    """The failure rows of prompts quarantined by an earlier run of this config. Unless `retry`, their prompts are
+    taken out of `plan.todo` (not sent) and the rows returned, to be written again with this run's failures."""
+    table = failures.read()
+    table = table.filter(pc.equal(table["config_hash"], config_hash))
+    rows = [FailureRow(**r) for r in table.to_pylist() if (r["error"] or "").startswith(QUARANTINED)]
+    if retry:
+        return []
+    for r in rows:
+        plan.todo.pop(r.prompt_id, None)
+    return rows
+
+
+def quarantine_note(shard: str, failures: Iterable[FailureRow]) -> list[str]:
+    """The shard's note on its quarantined prompts (none: no note)."""
+    ids = [r.prompt_id for r in failures if r.error.startswith(QUARANTINED)]
+    if not ids:
+        return []
+    return [
+        f"shard {shard}: {len(ids)} prompt(s) quarantined, {QUARANTINED} ({', '.join(ids[:3])}"
+        f"{', ...' if len(ids) > 3 else ''}): in the failures table, not sent again; --retry-quarantined sends them"
+    ]

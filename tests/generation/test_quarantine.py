@@ -1,0 +1,58 @@
+"""A prompt that kills its server (the emulator's crash_on fault: the process exits hard, as on a CUDA fault) costs
+at most two servers: in flight at two server deaths, it is quarantined, recorded in the failures table with its
+reason, and a later run does not send it unless asked (retry_quarantined)."""
+
+import duckdb
+import pytest
+
+from dflash_assets.generation.quarantine import QUARANTINED
+from dflash_assets.settings import DispatchSettings
+from tests.support.forks import start_emulator
+from tests.support.shards import generate, make_shard, rows
+
+pytestmark = pytest.mark.timeout(240)
+
+FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "120", "--length-sigma", "0.4"]
+FLAGS += ["--decode-tokens-per-s", "1500", "--max-running-requests", "3"]
+MARKER = "POISON-3b7e"
+N = 30
+PROMPTS = {f"p{i:02d}": f"question {i}" + (f" {MARKER}" if i == 7 else "") for i in range(N)}
+SETTINGS = DispatchSettings(
+    max_attempts=6, backoff_base_s=0.02, backoff_max_s=0.2, eject_after=2, commit_rows=4, commit_seconds=0.2
+)
+
+
+def failures(data_dir) -> list[tuple]:
+    return duckdb.sql(
+        f"select prompt_id, error from read_parquet('{data_dir}/failures/**/*.parquet') order by prompt_id"
+    ).fetchall()
+
+
+def test_a_prompt_that_kills_its_server_costs_two_servers_and_is_quarantined_and_not_sent_again(tmp_path):
+    data = tmp_path / "data"
+    with (
+        start_emulator([*FLAGS, "--fault-crash-on", MARKER]) as a,
+        start_emulator([*FLAGS, "--fault-crash-on", MARKER]) as b,
+        start_emulator([*FLAGS, "--fault-crash-on", MARKER]) as c,
+    ):
+        fleet = [a, b, c]
+        make_shard(data, [a.url], PROMPTS)
+        run = generate(data, [e.url for e in fleet], 256, SETTINGS)
+        dead = [e for e in fleet if e.popen.poll() is not None]
+        assert len(dead) == 2, "the poisoned prompt killed the server it was sent to, then one more, and no other"
+        assert (run.completed, run.failed) == (N - 1, 1)
+        assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(set(PROMPTS) - {"p07"})
+        [(prompt_id, error)] = failures(data)
+        assert prompt_id == "p07" and error.startswith(QUARANTINED)
+        assert any("quarantined" in note for note in run.notes)
+
+        alive = [e for e in fleet if e.popen.poll() is None]
+        again = generate(data, [e.url for e in alive], 256, SETTINGS)  # the marker would kill this one too
+        assert all(e.popen.poll() is None for e in alive), "a later run did not send the quarantined prompt"
+        assert (again.completed, again.failed, again.already_done) == (N - 1, 1, N - 1)
+        assert failures(data) == [(prompt_id, error)], "the quarantine outlives the run that made it"
+
+    with start_emulator(FLAGS) as fixed:  # a server that no longer dies on it: asked to, the run sends it again
+        retried = generate(data, [fixed.url], 256, SETTINGS.model_copy(update={"retry_quarantined": True}))
+        assert (retried.completed, retried.failed) == (N, 0)
+        assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(PROMPTS)
