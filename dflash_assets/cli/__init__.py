@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import importlib
 import sys
+from contextlib import nullcontext
 
 from dflash_assets.cli.environment import PROJECT_DAGSTER_YAML
 from dflash_assets.cli.errors import failed
 from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
 from dflash_assets.cli.parser import DEMO_DEFAULTS, SHARD_RUN_DEFAULTS, build_parser
+from dflash_assets.settings import Deployment
 
 __all__ = [
     "DEMO_DEFAULTS",
@@ -41,6 +43,9 @@ COMMANDS = {
 }
 
 
+LONG_COMMANDS = ("demo", "backfill", "continue", "generate", "probe", "fleet")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["emulator"]:
@@ -49,8 +54,16 @@ def main(argv: list[str] | None = None) -> int:
         return emulator(argv[1:])
     args = build_parser().parse_args(argv)
     module, function = COMMANDS[args.subcommand]
+    from dflash_assets.generation.stopping import STOP, Stopped, stop_line, stopping
+
     try:
         command = getattr(importlib.import_module(f"{__name__}.{module}"), function)
-        return command(args)
+        with stopping() if args.subcommand in LONG_COMMANDS else nullcontext():  # SIGINT, SIGTERM: a polite stop
+            status = command(args)
+            STOP.check()
+            return status
+    except Stopped as e:  # one line: what stopped, the rows kept, the command that resumes
+        print(stop_line(e, getattr(args, "data_dir", None) or Deployment.DATA_DIR.value(), ["dflash", *argv]))
+        return e.exit_status
     except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's event log)
         return failed(args, e)

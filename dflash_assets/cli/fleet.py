@@ -52,6 +52,7 @@ def tuning(statuses, seconds: float, console):
     from dflash_assets.fleet.client import ServerClient
     from dflash_assets.fleet.fleet import open_session
     from dflash_assets.fleet.tuning import LoadSampler, advise, summarize, tuning_table
+    from dflash_assets.generation.stopping import STOP
 
     async def sample():
         async with open_session() as session:
@@ -65,6 +66,7 @@ def tuning(statuses, seconds: float, console):
                 while (elapsed := time.monotonic() - start) < seconds:
                     progress.update(task, completed=elapsed)
                     await asyncio.sleep(0.5)
+                    STOP.check()  # Ctrl-C, SIGTERM: stop watching
             infos = [await c.info() for c in clients]
             return await sampler.stop(), infos
 

@@ -10,6 +10,7 @@ run's event log in DAGSTER_HOME, which the UI shows; `--verbose` prints it here 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -18,10 +19,12 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from dflash_assets.defs import pools
+from dflash_assets.defs.faults import in_process_instance
 from dflash_assets.defs.metadata import StepStopKeys
 from dflash_assets.defs.partitions import SHARDS
 from dflash_assets.defs.prompts.sensors import shard_changes
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
+from dflash_assets.generation.stopping import STOP
 from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
@@ -125,9 +128,13 @@ def execute(
         tags = pools.worker_tags()
         if shards:
             tags |= {"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]}
-        return defs.resolve_job_def(job).execute_in_process(
-            instance=instance, run_config=run_config, raise_on_error=False, tags=tags
+        home = os.environ.get("DAGSTER_HOME")  # where DagsterInstance.get() found `instance`
+        runner = in_process_instance(home) if home else instance
+        result = defs.resolve_job_def(job).execute_in_process(
+            instance=runner, run_config=run_config, raise_on_error=False, tags=tags
         )
+        STOP.check()  # a polite stop: the run was canceled, no next run starts
+        return result
     finally:
         pools.log.removeHandler(handler)
 

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
+from typing import NoReturn
 
 import dagster as dg
+from dagster._core.instance.ref import InstanceRef
 
 from dflash_assets.defs.metadata import StepStopKeys
 from dflash_assets.defs.resources import DataDirResource
+from dflash_assets.generation.stopping import STOP, Stopped, stopping
 from dflash_assets.store.exhaustion import exhaustion
 
 
@@ -45,9 +49,15 @@ def named_stops(
 ) -> Iterator[None]:
     """Run the step's body; turn an exhaustion, and the last attempt's failure under `retry`, into a named Failure.
 
-    `committed()`: the step's committed rows per shard, recounted from the data dir when it stops."""
+    `committed()`: the step's committed rows per shard, recounted from the data dir when it stops.
+
+    SIGINT and SIGTERM (the UI's Terminate too) stop it politely (generation/stopping.py): the run ends CANCELED."""
     try:
-        yield
+        with stopping():
+            yield
+            STOP.check()  # a signal during a step that does not listen for it: the run stops after the step
+    except Stopped as e:
+        cancel(context, e)
     except dg.Failure:
         raise  # already said (a config refusal, the preflight)
     except Exception as e:
@@ -69,6 +79,28 @@ def named_stops(
                 StepStopKeys.COMMITTED_BY_SHARD: dg.MetadataValue.json(counts),
             }
         raise dg.Failure(message, metadata=metadata, allow_retries=False) from e
+
+
+def cancel(context: dg.AssetExecutionContext, stopped: Stopped) -> NoReturn:
+    """End the run CANCELED: Dagster 1.13 records an interrupted run as canceled only when it is CANCELING already
+    (execution/api.py), as the UI's Terminate leaves it; the step's pool slots are freed on the way out."""
+    run = context.instance.get_run_by_id(context.run.run_id) or context.run
+    if run.status != dg.DagsterRunStatus.CANCELING:
+        context.instance.report_run_canceling(run, message=f"{stopped}: the answers received were committed")
+    raise dg.DagsterExecutionInterruptedError(str(stopped)) from None
+
+
+NO_COMPUTE_LOGS = {"module": "dagster._core.storage.noop_compute_log_manager", "class": "NoOpComputeLogManager"}
+
+
+@cache
+def in_process_instance(home: str) -> dg.DagsterInstance:
+    """The instance a command runs its jobs in, in its own process: DAGSTER_HOME's, without compute log capture.
+    That capture mirrors stdout and stderr through helper processes (`tail` and Dagster's watch_orphans.py) in the
+    terminal's process group, so a Ctrl-C printed their KeyboardInterrupt tracebacks; the run's log is its event
+    log, and the terminal shows what the command prints."""
+    ref = InstanceRef.from_dir(home, overrides={"compute_logs": NO_COMPUTE_LOGS})
+    return dg.DagsterInstance.from_ref(ref)
 
 
 def _recount(committed: Callable[[], dict[str, int]] | None) -> dict[str, int] | None:

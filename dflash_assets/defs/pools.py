@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import dagster as dg
 
 from dflash_assets.fleet.processes import is_ours, start_time
+from dflash_assets.generation.stopping import STOP
 
 FLEET_POOL = "sglang_fleet"
 SHARD_POOL_PREFIX = "shard:"
@@ -189,6 +190,7 @@ def _claim(context: dg.AssetExecutionContext, pool: str, holder_key: str) -> Non
                 say(context, line)
                 said.add(line)
         time.sleep(POLL_S)
+        STOP.check()  # a signal while waiting: nothing held yet but what `holding` frees
     if said:
         say(context, f"pool {pool} is free: run {run_id} goes on")
     context.log.info(f"holds pool {pool}")  # the event log's mark of when the step began to hold it

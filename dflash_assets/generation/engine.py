@@ -26,6 +26,7 @@ from dflash_assets.generation.provenance import run_settings
 from dflash_assets.generation.quarantine import carry_over, quarantine_note
 from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
+from dflash_assets.generation.stopping import Stopped
 from dflash_assets.generation.turns import every_turn
 from dflash_assets.rules import stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
@@ -196,7 +197,12 @@ async def generate_shards(
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
         send = turn_sender(fleet, generation, token_ids, make_row, watch_of(dispatch, runaway))
         dispatcher = Dispatch(fleet, dispatch, outputs, send, refuse, log, follow_up=next_turn, on_answer=on_answer)
-        await dispatcher.run(items, sum(len(p.todo) for p in plans))
+        try:
+            await dispatcher.run(items, sum(len(p.todo) for p in plans))
+        except Stopped:  # a polite stop closes the shards' parts as their end does
+            for output in outputs.values():
+                output.close(failure_store(storage, output.run.shard), f"{config_hash}.parquet")
+            raise
         for output in outputs.values():
             output.close(failure_store(storage, output.run.shard), f"{config_hash}.parquet")
             output.run.notes += quarantine_note(output.run.shard, output.failed)

@@ -28,6 +28,7 @@ from dflash_assets.generation.quarantine import Quarantine, Quarantined
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
+from dflash_assets.generation.stopping import STOP
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow
@@ -186,6 +187,7 @@ class Dispatch:
                 errors = [e for t in finished if (e := t.exception()) is not None]  # retrieves every one
                 if errors:
                     raise errors[0]  # FleetDown propagates; everything committed stays committed
+                STOP.check()  # a signal: the streams in flight are closed (SGLang aborts them), the answers committed
                 await self._maybe_commit()
         except BaseException:
             for t in tasks:

@@ -1,0 +1,96 @@
+"""A polite stop: SIGINT (Ctrl-C, and the UI's Terminate, which Dagster sends into the run worker as SIGINT) and
+SIGTERM (systemd, Kubernetes, Slurm) stop generating within seconds, keeping what was answered.
+
+While `stopping()` is entered (in the main thread: Python runs signal handlers there), the first SIGINT or SIGTERM
+sets the process's stop: the dispatcher sends no new request, closes the streams in flight (SGLang aborts a closed
+stream: the response's background task, `tokenizer_manager.create_abort_task`, so no GPU keeps decoding for a client
+that is gone), commits the answers it holds, closes the shards' parts and raises `Stopped`. A second signal exits at
+once (`os._exit`, as a kill -9: the next run resumes exactly from the committed parts).
+
+Dagster runs a step with its own SIGINT handler (`capture_interrupts`), which only notes the signal for the next
+step boundary, so a long step never hears it: hence a handler of our own around the generating body.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+EXIT_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as a shell reports it
+NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)", signal.SIGTERM: "SIGTERM"}
+
+
+class Stopped(Exception):
+    """Generation stopped on a signal, after committing what was answered."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {NAMES.get(signal.Signals(signum), str(signum))}")
+        self.signum = signum
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_STATUS.get(signal.Signals(self.signum), 1)
+
+
+class Stop:
+    """The process's stop: which signal asked for it (None: none did)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def request(self, signum: int) -> None:
+        self.signum = signum
+
+    def check(self) -> None:
+        """Raise Stopped once a stop was asked for."""
+        if self.signum is not None:
+            raise Stopped(self.signum)
+
+
+STOP = Stop()
+
+
+def _handler(signum: int, _frame: FrameType | None) -> None:
+    if STOP.signum is not None:  # the second: at once
+        sys.stderr.write(f"\n{NAMES.get(signal.Signals(signum), signum)} again: exiting at once\n")
+        sys.stderr.flush()
+        os._exit(EXIT_STATUS.get(signal.Signals(signum), 1))
+    STOP.request(signum)  # the command says what stopped, once it has (one line)
+
+
+@contextmanager
+def stopping() -> Iterator[Stop]:
+    """SIGINT and SIGTERM set STOP while the body runs (main thread only; elsewhere nothing changes). After a stop
+    the handler stays, so a second signal exits at once wherever the program is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield STOP
+        return
+    before = {s: signal.getsignal(s) for s in EXIT_STATUS}
+    for s in EXIT_STATUS:
+        signal.signal(s, _handler)
+    try:
+        yield STOP
+    finally:
+        if STOP.signum is None:
+            for s, handler in before.items():
+                signal.signal(s, handler)
+
+
+def stop_line(stopped: Stopped, data_dir: str, command: list[str]) -> str:
+    """What the terminal says of a polite stop, in one line: what stopped, what was kept, the command that resumes."""
+    from dflash_assets.store.stores import committed_rows
+
+    try:
+        rows = f"{sum(committed_rows(data_dir).values()):,} completion rows are committed under {data_dir}"
+    except OSError:
+        rows = f"the completion rows committed under {data_dir} are kept"
+    return (
+        f"{command[0]} {command[1]} {stopped}: the requests in flight were ended on the servers, {rows} (kept); "
+        f"resume with: {shlex.join(command)}"
+    )
