@@ -74,6 +74,15 @@ class GatewayClient(ServerClient):
         request_timeout_s: float = FleetSettings().request_timeout_s,
     ):
         super().__init__(session, url, api_key, request_timeout_s)
+        self._api_key, self._request_timeout_s = api_key, request_timeout_s
+        self.adopt(workers)
+
+    def worker(self, url: str) -> ServerClient:
+        """A client of one worker behind the gateway, with the gateway's key and timeout."""
+        return ServerClient(self.session, url, self._api_key, self._request_timeout_s)
+
+    def adopt(self, workers: list[ServerClient]) -> None:
+        """The workers behind the gateway now (fleet/membership.py follows them during a run)."""
         self.workers = workers
         self._next_worker = itertools.cycle(workers)
 

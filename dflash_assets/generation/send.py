@@ -19,6 +19,7 @@ from functools import partial
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
+from dflash_assets.fleet.membership import Change, follow
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
@@ -164,6 +165,9 @@ class Dispatch:
         sampler = LoadSampler(self.fleet.clients, every) if every > 0 else None
         if sampler:
             await sampler.start()
+        membership = asyncio.create_task(
+            follow(self.fleet.clients, self.slots.probe_interval_s, self._resized, self.log)
+        )
         try:
             while not exhausted or tasks or self.ready:
                 while len(tasks) < self.slots.capacity and (self.ready or not exhausted):
@@ -195,6 +199,8 @@ class Dispatch:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
+            membership.cancel()
+            await asyncio.gather(membership, return_exceptions=True)
             await self.commit()
             await self.slots.close()
             await self.quarantine.close()
@@ -205,6 +211,25 @@ class Dispatch:
                     output.run.servers.setdefault(slot.url, {"completed": 0, "output_tokens": 0})
                     output.run.servers[slot.url]["in_flight_limit"] = slot.limit
                     output.run.servers[slot.url] |= {"stalls": slot.stalls, "ejections": slot.ejections}
+                    if slot.membership:  # a gateway's workers that joined or left during the run
+                        output.run.servers[slot.url]["membership"] = slot.membership
+
+    def _resized(self, index: int, change: Change) -> None:
+        """A gateway's workers changed: its slots follow (a joiner's added, a leaver's removed)."""
+        slot = self.slots.slots[index]
+        before = slot.limit
+        self.slots.resize(slot, change.info)
+        event = {
+            "joined": change.joined,
+            "left": change.left,
+            "servers": change.info.servers,
+            "in_flight_limit": slot.limit,
+        }
+        slot.membership.append(event)
+        self.log(
+            f"{slot.url}: workers joined {change.joined or 'none'}, left {change.left or 'none'}: "
+            f"{change.info.servers} servers, in-flight limit {before} -> {slot.limit}"
+        )
 
     def _moved_to(self, shard: str, now: float) -> None:
         """The stream reached `shard`: no new item of an earlier shard will come (follow-ups still may)."""

@@ -38,6 +38,7 @@ class Slot:
     stats: dict = field(default_factory=lambda: {"ok": 0, "retried": 0})
     stalls: int = 0  # streams closed for silence (a stall counts as a failure: a server whose streams all stall
     ejections: int = 0  # is ejected like one whose requests all fail)
+    membership: list[dict] = field(default_factory=list)  # a gateway's workers joining or leaving (fleet/membership.py)
 
     @property
     def url(self) -> str:
@@ -57,11 +58,8 @@ class SlotPicker:
         no_server_timeout_s: float = _DISPATCH.no_server_timeout_s,
         max_imbalance: float = _DISPATCH.same_server_max_imbalance,
     ):
-        self.slots = [
-            # a gateway URL stands for i.servers servers: each gets its slots and its waiting margin
-            Slot(c, i, max_in_flight_per_server * i.servers or (i.max_running_requests + waiting_margin * i.servers))
-            for c, i in zip(clients, infos)
-        ]
+        self.max_in_flight_per_server, self.waiting_margin = max_in_flight_per_server, waiting_margin
+        self.slots = [Slot(c, i, self.limit_of(i)) for c, i in zip(clients, infos)]
         self.eject_after = eject_after
         self.probe_interval_s = probe_interval_s
         self.no_server_timeout_s = no_server_timeout_s
@@ -69,6 +67,18 @@ class SlotPicker:
         self._changed = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
         self._all_down_since: float | None = None
+
+    def limit_of(self, info: ServerInfo) -> int:
+        """Requests in flight at one URL: a gateway URL stands for info.servers servers, each with its slots and
+        its waiting margin."""
+        return self.max_in_flight_per_server * info.servers or (
+            info.max_running_requests + self.waiting_margin * info.servers
+        )
+
+    def resize(self, slot: Slot, info: ServerInfo) -> None:
+        """The servers behind `slot`'s URL changed (a gateway's membership): its facts and limit are `info`'s."""
+        slot.info, slot.limit = info, self.limit_of(info)
+        self._changed.set()
 
     @property
     def capacity(self) -> int:

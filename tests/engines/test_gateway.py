@@ -30,7 +30,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import urllib.request
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from dflash_assets.emulator.process import EmulatorProcess, free_port, start_emulator
+from dflash_assets.emulator.process import EmulatorProcess, start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.preflight import Budget
@@ -50,19 +49,17 @@ from tests.support import waiting
 from tests.support.cli import dflash
 from tests.support.dagster_procs import (
     ARTIFACTS,
-    ROOT,
     dflash_env,
     fresh_dir,
     make_home,
     materialize_shards,
-    start_group,
     stop_group,
 )
 from tests.support.shards import generate, make_shard, rows, write_prompts
+from tests.support.smg import start_smg
 
 pytestmark = pytest.mark.timeout(300)
 
-SCRIPT = ROOT / "deploy" / "sglang-router.sh"
 CONTEXT = 2048
 COMMON = [
     "--reasoning-parser",
@@ -110,17 +107,7 @@ def gateway():
     try:
         for i, flags in enumerate(WORKERS):
             workers.append(start_emulator([*COMMON, *flags], log_path=LOGS / f"worker-{i}.log"))
-        port = free_port()
-        # a health probe a second (the script says 5 s for a real fleet): a worker is marked down, or up, sooner
-        env = {
-            **os.environ,
-            "SMG_PORT": str(port),
-            "SMG_METRICS_PORT": str(free_port()),
-            "SMG_HEALTH_INTERVAL_S": "1",
-            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        }
-        proc = start_group(["bash", str(SCRIPT), *(w.url for w in workers)], env, LOGS / "smg.log")
-        url = f"http://127.0.0.1:{port}"
+        proc, url = start_smg([w.url for w in workers], LOGS / "smg.log")
         try:
             wait_for(
                 "smg lists the three servers as healthy",
