@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from dflash_assets.generation.plan import ShardResult
+from dflash_assets.generation.plan import ShardResult, ended_at_window_note
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import FINISHED, conversations, rejected_turns
 from dflash_assets.rules import stopped_early
@@ -101,28 +101,35 @@ def account(
 ) -> None:
     """The shard's figures from what is committed: each conversation in one class.
 
-    completed: over with every turn it will have committed (a truncated conversation is reported by its turn);
+    completed: over with every turn it will have committed (a truncated conversation is reported by its turn, one
+    that ends at a turn whose history fills the window by that turn);
     rejected: a turn refused (preflight or server); failed: a turn whose retries ran out in this run. `numbered`:
     the rows record turn numbers, and the figures by turn are kept."""
-    states = conversations(data_dir, run.shard, run.config_hash, generation)
+    states = {
+        pid: replace(c, over="window") if pid in run.ended_at_window else c
+        for pid, c in conversations(data_dir, run.shard, run.config_hash, generation).items()
+    }
     stores = [reject_store(data_dir, run.shard, s) for s in ("preflight", "server")]
     rejected = rejected_turns(stores, run.config_hash)
     run.completed = sum(c.over in FINISHED for c in states.values())
     stages = [rejected[pid][len(c.answers) + 1] for pid, c in states.items() if c.over == "rejected"]
     run.rejected_preflight, run.rejected_server = stages.count("preflight"), stages.count("server")
     run.failed = len({f.prompt_id for f in output.failed})
+    if run.ended_at_window:
+        run.notes.append(ended_at_window_note(run, generation.trainer_max_length))
     if not numbered:
         return
     by_turn: dict[int, dict[str, int]] = {}
 
     def of_turn(k: int) -> dict[str, int]:
-        return by_turn.setdefault(k, {"rows": 0, "truncated": 0, "rejected": 0})
+        return by_turn.setdefault(k, {"rows": 0, "truncated": 0, "rejected": 0, "ended_at_window": 0})
 
     for c in states.values():
         for k in range(1, len(c.answers) + 1):
             of_turn(k)["rows"] += 1
         if c.over in ("truncated", "rejected"):
             of_turn(len(c.answers) + (c.over == "rejected"))[c.over] += 1
-
+    for k in run.ended_at_window.values():  # the turn not sent
+        of_turn(k)["ended_at_window"] += 1
     run.by_turn = dict(sorted(by_turn.items()))
     run.truncated_at = {pid: len(c.answers) for pid, c in states.items() if c.over == "truncated"}

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.preflight import Budget, overflow_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
-from dflash_assets.generation.turns import FINISHED, Conversation, conversations, plan_file, turns_of
+from dflash_assets.generation.turns import FINISHED, Conversation, conversations, fills_before, plan_file, turns_of
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.parts import PartStore
@@ -58,6 +58,9 @@ class ShardResult:
     finished_at: float | None = None  # monotonic time the shard had nothing left in flight or to send
     by_turn: dict[int, dict] = field(default_factory=dict)  # all_turns: turn -> rows, truncated, rejected
     truncated_at: dict[str, int] = field(default_factory=dict)  # all_turns: prompt_id -> the turn cut short
+    # prompt_id -> the turn not sent, since its history fills the trainer's window (turns.fills_before): the
+    # conversation ends there, with every turn before it; recomputed by every run's plan
+    ended_at_window: dict[str, int] = field(default_factory=dict)
     infos: list = field(default_factory=list)  # the ServerInfo of each server the run used
     load_samples: list = field(default_factory=list)  # fleet.tuning.LoadSample, for the tuning report
     window: int | None = None  # cap_policy window: the trainer's window the requests were sized to
@@ -66,6 +69,16 @@ class ShardResult:
     @property
     def rejected(self) -> int:
         return self.rejected_preflight + self.rejected_server
+
+
+def ended_at_window_note(run: ShardResult, max_length: int) -> str:
+    """What the plan says of conversations that end at a turn whose history fills the trainer's window."""
+    turns = sorted(set(run.ended_at_window.values()))
+    by_turn = ", ".join(f"turn {k}: {list(run.ended_at_window.values()).count(k):,}" for k in turns)
+    return (
+        f"shard {run.shard}: {len(run.ended_at_window):,} conversations end at a turn whose history fills the "
+        f"trainer's window max_length {max_length:,} ({by_turn}): no request for it or the turns after it"
+    )
 
 
 def filling_window_note(prompts: int, max_length: int) -> str:
@@ -235,7 +248,12 @@ async def plan_shard(
     plan = ShardPlan(run, prompt_store(data_dir, shard), generation, todo)
     next_turns = await count_next_turns(plan, fleet, log)
     budget = Budget.of(fleet.infos)
-    over = preflight(next_turns, budget, generation, preflight_policy)
+    over = preflight(
+        [r for r in next_turns if not fills_before(r["turn"], r["prompt_tokens"], generation)],
+        budget,
+        generation,
+        preflight_policy,
+    )
     rejects = [
         reject_row(
             r,
@@ -252,6 +270,10 @@ async def plan_shard(
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r["prompt_id"]]
+    for r in next_turns:
+        if r["prompt_id"] in todo and fills_before(r["turn"], r["prompt_tokens"], generation):
+            run.ended_at_window[r["prompt_id"]] = r["turn"]
+            del todo[r["prompt_id"]]
     count_filling_window(run, [r for r in next_turns if r["prompt_id"] in todo], generation)  # their next turns
     plan.prompt_tokens = {r["prompt_id"]: r["prompt_tokens"] for r in next_turns}
     turns_done = sum(len(c.answers) for c in states.values())
@@ -259,8 +281,8 @@ async def plan_shard(
     log(
         f"shard {shard} config {config_hash} (cap {generation.max_output_tokens}{policy}): {run.prompts} "
         f"conversations, {run.already_done} already over, {turns_done} turns already committed, "
-        f"{len(states) - len(todo) - run.already_done - len(over)} rejected earlier, "
-        f"{len(over)} rejected in preflight, "
+        f"{len(states) - len(todo) - run.already_done - len(over) - len(run.ended_at_window)} rejected earlier, "
+        f"{len(over)} rejected in preflight, {len(run.ended_at_window)} ending at a turn that fills the window, "
         f"{len(todo)} to go "
         f"on with ({sum(c.turns - len(c.answers) for c in todo.values())} turns at most) on {len(fleet.clients)} "
         f"servers"

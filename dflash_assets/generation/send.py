@@ -30,6 +30,7 @@ from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
 from dflash_assets.generation.stopping import STOP
+from dflash_assets.generation.turns import fills_before
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow
@@ -67,6 +68,8 @@ def turn_sender(
         messages = item["conversation"].history(item["turn"], item["answers"])
         if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
             item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, generation.template_kwargs())
+        if fills_before(item["turn"], item["prompt_tokens"], generation):
+            raise Ended(item["turn"])
         request_cap = generation.request_cap(item["prompt_tokens"])
         if problem := generation.window_problem(item["prompt_tokens"]) or budget.problem(
             item["prompt_tokens"], request_cap
@@ -111,6 +114,14 @@ def next_turn(item: dict, row: CompletionRow) -> dict | None:
         "prompt_tokens": None,
         "prefer_server": row.server_url,
     }  # the server whose prefix cache holds this history
+
+
+class Ended(Exception):
+    """Raised by a Send whose turn ends its conversation unsent: its history fills the trainer's window."""
+
+    def __init__(self, turn: int):
+        super().__init__(f"turn {turn} fills the trainer's window")
+        self.turn = turn
 
 
 class Rejected(Exception):
@@ -265,6 +276,10 @@ class Dispatch:
             except Quarantined as e:  # in flight at its second server death: never sent again
                 self.slots.release(slot, ok=False)
                 output.failed.append(self._failure(item, output, e, attempt))
+                return None
+            except Ended as e:  # its conversation ends before it: nothing sent
+                self.slots.release(slot, ok=True)
+                output.run.ended_at_window[item["prompt_id"]] = e.turn
                 return None
             except ServerError as e:
                 self.slots.release(slot, ok=not e.retryable or e.unavailable)

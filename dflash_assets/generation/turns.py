@@ -84,6 +84,13 @@ def turns_of(messages: list[dict], generation: GenerationSettings) -> Turns:
     return Turns(request[:-1], request[-1:], numbered=False)
 
 
+def fills_before(turn: int, prompt_tokens: int, generation: GenerationSettings) -> bool:
+    """A later turn whose history already fills the trainer's window: the trainer reads none of its answer nor of
+    the turns after it, so its conversation ends there, with no request for any of them (rules.fills_window). A
+    first turn is preflight's: the window policy rejects it, a fixed cap sends it and counts it."""
+    return turn > 1 and fills_window(prompt_tokens, generation.trainer_max_length)
+
+
 @dataclass(frozen=True)
 class Conversation:
     """Where one conversation stands, from what is committed."""

@@ -250,7 +250,7 @@ def test_a_turn_that_cannot_fit_the_context_is_rejected_with_its_numbers_and_end
     assert (turn, stage) == (3, "preflight")
     assert reason.startswith("turn 3 of 3: prompt of ") and "+ max_output_tokens 256 = " in reason
     assert "exceeds the server context length 1024" in reason or "input limit" in reason
-    assert run.by_turn[3] == {"rows": 0, "truncated": 0, "rejected": 1}
+    assert run.by_turn[3] == {"rows": 0, "truncated": 0, "rejected": 1, "ended_at_window": 0}
     from dflash_assets.quality import run_checks
 
     overflow = next(o for o in run_checks(tmp_path / "data") if o.name == "context_overflow")
@@ -337,6 +337,7 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
 
     from dflash_assets.defs.partitions import shard_partitions
     from dflash_assets.defs.quality.assets import length_quality_summary
+    from dflash_assets.defs.resources import QualityResource
     from tests.support import dagster_run
     from tests.support.dagster_run import resources, run_shard
     from tests.support.shards import FAST
@@ -346,7 +347,8 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
     (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     with start_emulator(FAST) as emu, dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
-        res = resources(tmp_path, emu.url, shard_size=7)
+        # a window no turn's history fills: every turn is sent (a later turn filling it would end its conversation)
+        res = resources(tmp_path, emu.url, shard_size=7) | {"quality": QualityResource(trainer={"max_length": 32768})}
         result = run_shard(instance, res, "00000", cap=16000, regenerate="all_turns")
         summary = (
             dg.materialize(
@@ -362,7 +364,9 @@ def test_a_sharegpt_dump_through_dagster_all_turns_with_its_format_and_per_turn_
     meta = result.asset_materializations_for_node("completions")[0].metadata
     assert meta["accounting"].value == "6 prompts = 6 completed + 0 rejected + 0 failed"
     assert meta["dagster/row_count"].value == 18
-    assert meta["by_turn"].value == {str(k): {"rows": 6, "truncated": 0, "rejected": 0} for k in (1, 2, 3)}
+    assert meta["by_turn"].value == {
+        str(k): {"rows": 6, "truncated": 0, "rejected": 0, "ended_at_window": 0} for k in (1, 2, 3)
+    }
     assert len(turn_rows(tmp_path / "data")) == 18
     report = result.asset_materializations_for_node("length_quality_report")[0].metadata
     assert "| 3 |" in report["by_turn"].value
