@@ -99,6 +99,16 @@ def row_of(
     )
 
 
+def turn_row(
+    item: dict, resp: dict, slot: Slot, generation: GenerationSettings, config_hash: str, attempt: int, latency: float
+) -> CompletionRow:
+    """The row of a conversation's turn (a plan's item or a follow-up): its request's own cap, and the turn as its
+    conversation's rows record it."""
+    recorded, cap = turn_item(item), generation.request_cap(item["prompt_tokens"])
+    shard, turn, turns = item["shard"], recorded["turn"], recorded["turns"]
+    return row_of(item, resp, slot, generation, config_hash, shard, attempt, latency, cap, turn, turns)
+
+
 def window_columns(generation: GenerationSettings) -> dict:
     """What a row records of the window policy: the config's cap and the window (null under a fixed cap)."""
     windowed = generation.windowed
@@ -174,22 +184,7 @@ async def generate_shards(
         token_ids = stores_token_ids(dispatch.store_token_ids, generation.cap_policy)
 
         def make_row(item: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> CompletionRow:
-            recorded = turn_item(item)
-            cap = generation.request_cap(item["prompt_tokens"])
-            shard = item["shard"]
-            return row_of(
-                item,
-                resp,
-                slot,
-                generation,
-                config_hash,
-                shard,
-                attempt,
-                latency,
-                cap,
-                recorded["turn"],
-                recorded["turns"],
-            )
+            return turn_row(item, resp, slot, generation, config_hash, attempt, latency)
 
         def refuse(item: dict, reason: str, context: int) -> RejectRow:
             return reject_row(turn_item(item), "server", reason, generation, config_hash, item["shard"], context)

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.rules import fills_window
-from dflash_assets.settings import GenerationSettings
+from dflash_assets.settings import GenerationSettings, Regenerate
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage
@@ -73,6 +73,11 @@ class Turns:
 def every_turn(generation: GenerationSettings) -> bool:
     """Whether the config generates every assistant turn (all_turns), its rows numbered by turn."""
     return generation.regenerate == "all_turns"
+
+
+def regenerate_of(numbered: bool) -> Regenerate:
+    """The mode of a config whose rows are `numbered` by turn (every_turn's inverse)."""
+    return "all_turns" if numbered else "last_turn"
 
 
 def turns_of(messages: list[dict], generation: GenerationSettings) -> Turns:

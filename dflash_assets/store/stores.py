@@ -50,6 +50,16 @@ def committed_ids(store: PartStore, config_hash: str) -> set[str]:
     return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())
 
 
+def committed_keys(store: PartStore, config_hash: str) -> set[tuple[str, int | None]]:
+    """(prompt_id, turn) of every row of this config in a store of completions or rejects (turn: null for a
+    conversation's only generated turn)."""
+    if not (parts := store.parts()):
+        return set()
+    dataset = store.storage.dataset(parts, schema=store.schema)  # parts from before `turn` read it as null
+    mine = dataset.to_table(columns=["prompt_id", "turn"], filter=pc.field("config_hash") == config_hash)
+    return set(zip(mine["prompt_id"].to_pylist(), mine["turn"].to_pylist()))
+
+
 def committed_rows(
     data_dir: str | Path | Storage, shards: list[str] | None = None, config_hash: str | None = None
 ) -> dict[str, int]:

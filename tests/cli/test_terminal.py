@@ -237,10 +237,19 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     demo_at_4096, tmp_path
 ):
     env, demo = demo_at_4096
-    refused = dflash("continue", "--to", "8192", env=env, cwd=env["CWD"])  # the demo's all_turns config
-    assert refused.returncode == 2 and "regenerates every assistant turn (regenerate all_turns)" in " ".join(
-        refused.stdout.split()
-    ), refused.stdout
+    # the demo's default config (regenerate auto: all_turns): its cut turns are continued by their token ids and the
+    # turns after them generated in order, every (prompt_id, turn) once
+    turns = dflash("continue", "--to", "8192", env=env, cwd=env["CWD"])
+    assert turns.returncode == 0, turns.stdout + turns.stderr
+    turn_rows = f"select prompt_id, turn from read_parquet('{env['DFLASH_DATA_DIR']}/completions/**/*.parquet')"
+    new = duckdb.sql(f"{turn_rows} where max_output_tokens = 8192").fetchall()
+    cut = dict(
+        duckdb.sql(
+            f"{turn_rows} where max_output_tokens = 4096 and finish_reason = 'length' and turn < turns"
+        ).fetchall()
+    )
+    assert len(new) == len(set(new)) > 0, "every (prompt_id, turn) once"
+    assert any(turn > cut[pid] for pid, turn in new if pid in cut), "the turns after a continued one were generated"
     # a row per prompt (last_turn): one shard of the demo's prompts, the story's cap, a trainer reading 8192
     env = home(tmp_path, "home") | {
         "DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)),

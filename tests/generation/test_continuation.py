@@ -4,9 +4,6 @@ The emulator's stand-in model is autoregressive-consistent (a completion is a fu
 continued row must equal, column for column, the row a fresh run at the new cap generates.
 """
 
-import os
-import signal
-import time
 
 import dagster as dg
 import duckdb
@@ -21,9 +18,7 @@ from dflash_assets.generation.reasoning import Reasoning
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.provenance import hashed
 from tests.support import dagster_run
-from tests.support.forks import Forked, start_emulator
-from tests.support.http import set_faults
-from tests.support.shards import FAST, N, cont, generate, make_shard, rows
+from tests.support.shards import FAST, N, cont, generate, kill_mid_continuation, make_shard, rows
 
 
 @pytest.fixture(scope="module")
@@ -89,23 +84,15 @@ def test_a_killed_continuation_resumes_with_no_duplicates_and_nothing_lost(tmp_p
     parent = generate(data, fleet_urls, 4096)
     copies = N - parent.length
     # slow decoding, so the kill lands while continuations are in flight
-    with start_emulator(["--decode-tokens-per-s", "3000", "--max-running-requests", "2", *FAST[2:]]) as slow:
-        proc = Forked(
-            "tests.support.shards:cont_main",
-            [str(data), slow.url, parent.config_hash, "8192"],
-            dict(os.environ),
-            None,
-            tmp_path / "killed.txt",
-            tmp_path / "killed.txt",
-            session=True,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(rows(data, scratch.config_hash, "prompt_id")) <= copies:
-            time.sleep(0.05)
-        # hold every request still to come, so the kill certainly lands mid-continuation, whatever the speed
-        set_faults(slow.url, {"hold": True})
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    slow = ["--decode-tokens-per-s", "3000", "--max-running-requests", "2", *FAST[2:]]
+    kill_mid_continuation(
+        data,
+        parent.config_hash,
+        8192,
+        slow,
+        tmp_path / "killed.txt",
+        lambda: len(rows(data, scratch.config_hash, "prompt_id")) > copies,
+    )
     partial = [r[0] for r in rows(data, scratch.config_hash, "prompt_id")]
     assert copies < len(partial) < N, "the kill should land after the copies, mid-continuation"
     assert len(partial) == len(set(partial)), "a kill -9 left duplicate rows"

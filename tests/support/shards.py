@@ -6,6 +6,9 @@ The data dir is `data_dir`; its prompt source is written beside it (`data_dir.pa
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -84,6 +87,25 @@ def cont_main(argv: list[str]) -> int:
     data_dir, url, parent, cap = argv
     cont(Path(data_dir), [url], parent, int(cap), DispatchSettings(commit_rows=1, commit_seconds=0.05, load_sample_s=0))
     return 0
+
+
+def kill_mid_continuation(data_dir, parent: str, cap: int, flags: list[str], log: Path, committed) -> None:
+    """`cont_main` forked on an emulator of its own started with `flags`, killed -9 once `committed()` is true: every
+    request still to come is held first, so the kill lands mid-continuation whatever the speed."""
+    from tests.support.forks import Forked, start_emulator
+    from tests.support.http import set_faults
+
+    with start_emulator(flags) as slow:
+        target = "tests.support.shards:cont_main"
+        proc = Forked(
+            target, [str(data_dir), slow.url, parent, str(cap)], dict(os.environ), None, log, log, session=True
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not committed():
+            time.sleep(0.05)
+        set_faults(slow.url, {"hold": True})
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
 
 
 def rows(data_dir, config_hash: str | None = None, columns: str = COLUMNS) -> list[tuple]:

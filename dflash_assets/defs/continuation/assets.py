@@ -46,7 +46,8 @@ class ContinuationConfig(Refused, dg.Config, DispatchSettings):
     description="Completions of the shard at a larger cap, made from a smaller cap's rows: truncated rows are "
     "continued by token ids on the fleet (only the missing tokens are generated), stopped rows are "
     "copied; every row records parent_config_hash and tokens_reused. Truncated rows without token ids "
-    "are continued by their text (chat route, continue_final_message), never drawn afresh.",
+    "are continued by their text (chat route, continue_final_message), never drawn afresh. Under regenerate "
+    "all_turns, the turns after a continued one are generated in order on the history that holds it.",
 )
 def continued_completions(
     context: dg.AssetExecutionContext,
@@ -120,6 +121,7 @@ async def _continue(
         "parent_max_output_tokens": run.parent_cap,
         ContinuationKeys.ROWS_CONTINUED: run.continued,
         ContinuationKeys.ROWS_COPIED: run.copied,
+        "turns_regenerated": run.regenerated,  # all_turns: the turns after a continued one, generated in order
         "rows_without_ids": run.without_ids,
         ContinuationKeys.STILL_TRUNCATED: run.length,
         ContinuationKeys.TOKENS_REUSED: run.tokens_reused,
