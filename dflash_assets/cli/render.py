@@ -157,10 +157,6 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         before = ""
         if best.fits_context is False:
             before = f"restart the servers with --context-length {best.context_needed_max}, then "
-        if answer.plan is not None and answer.plan.by_turn:  # all_turns: a cut turn ended its conversation
-            say(f"Next: {before}generate every conversation again at the new cap (the turns after a cut one were never")
-            verbatim(console, f"  generated, so cut turns are not continued): {rerun(best.cap)}")
-            continue
         say(f"Next: {before}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
         verbatim(console, f"  dflash continue --to {best.cap}")
         verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")

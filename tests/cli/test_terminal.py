@@ -51,11 +51,10 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
     cap = int(recommended.group(1).replace(",", ""))
     # never past the trainer's window: at 8192 every row reaches it, so its cut rows are window-complete
     assert 4096 < cap <= 8192 and f"{recommended.group(1)} " in out  # the plan's row for it
-    # the next command repeats the run's own settings (the window it was given), so it makes the same config; the
-    # demo's multi-turn prompts make regenerate auto all_turns, whose cut turns are generated again, not continued
-    assert "cut turns are not continued): dflash demo --trainer-max-length 8192 --max-output-tokens" in flat
+    # the next command continues the cut rows (under the demo's regenerate auto, all_turns, the turns after a cut one
+    # are then generated in order); the other repeats the run's own settings (the window it was given)
+    assert f"dflash continue --to {cap}" in out, out
     assert f"dflash demo --trainer-max-length 8192 --max-output-tokens {cap}" in out, out
-    assert "dflash continue --to" not in out
     assert "training set: not written while a blocking check fails" in out
     # the per-shard table has its figures: cut, P90 and P99 of every shard
     for shard in ("00000", "00001", "00002", "00003"):

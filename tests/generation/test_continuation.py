@@ -4,7 +4,6 @@ The emulator's stand-in model is autoregressive-consistent (a completion is a fu
 continued row must equal, column for column, the row a fresh run at the new cap generates.
 """
 
-
 import dagster as dg
 import duckdb
 import pytest

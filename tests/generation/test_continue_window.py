@@ -119,7 +119,7 @@ def test_dflash_continue_to_window_grows_the_demos_window_through_dagster(tmp_pa
         "DFLASH_SHARD_SIZE": "30",
         "DFLASH_NUM_SERVERS": "1",
     }
-    # a row per prompt: the slice's multi-turn prompts would make regenerate auto all_turns, which is not continued
+    # a row per prompt: the slice's multi-turn prompts would make regenerate auto all_turns
     demo = dflash(
         "demo",
         "--cap-policy",
