@@ -136,7 +136,7 @@ def configs_table(configs: list) -> Table:
     return fit(table, report_console().width, ("last written (UTC)", "judged at", "shards"))
 
 
-def _headline(summary_md: str) -> str:
+def headline(summary_md: str) -> str:
     """The first paragraph of a check summary without Markdown emphasis."""
     return re.sub(r"[*`]", "", summary_md.split("\n\n")[0])
 
@@ -307,7 +307,7 @@ def print_report(
                         "blocking" if o.blocking else "",
                         o.severity,
                         "PASS" if o.passed else "FAIL",
-                        _headline(o.summary_md),
+                        headline(o.summary_md),
                     ]
                     for o in outcomes
                 ],

@@ -4,6 +4,7 @@ the figures, the plan and the next command on the terminal; the event stream and
 import contextlib
 import http.server
 import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -53,7 +54,10 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
     assert 4096 < cap <= 8192 and f"{recommended.group(1)} " in out  # the plan's row for it
     # the next command repeats the run's own settings (the window it was given), so it makes the same config; the
     # demo's multi-turn prompts make regenerate auto all_turns, whose cut turns are generated again, not continued
-    assert "cut turns are not continued): dflash demo --trainer-max-length 8192 --max-output-tokens" in flat
+    # the command as it runs again: the instance and data of this run before it (tests/cli/test_front_door.py)
+    assert re.search(
+        r"cut turns are not continued\): (?:[A-Z_]+=\S+ )*dflash demo --trainer-max-length 8192 --max-out", flat
+    )
     assert f"dflash demo --trainer-max-length 8192 --max-output-tokens {cap}" in out, out
     assert "dflash continue --to" not in out
     assert "training set: not written while a blocking check fails" in out
@@ -277,3 +281,32 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     assert re.search(rf"cap {int(cap):,}, window [\d,]+, \d+ turn rows of \d+ conversations cut at the cap", flat)
     for trace in NO_TRACE:
         assert trace not in result.stdout + result.stderr
+
+
+RUNNING = Path(__file__).resolve().parents[2] / "docs" / "running.md"
+OUTPUT_MARK = "<!-- the output of tests/cli/test_terminal.py's demo_at_4096: DFLASH_WRITE_DOCS=1 writes it here -->"
+
+
+def as_documented(out: str, tmp: str) -> str:
+    """The demo's output as docs/running.md shows it: the test's folder as ~/work, lines cut to the docs' width."""
+    import textwrap
+
+    lines = []
+    for line in out.replace(tmp, "~/work").rstrip().splitlines():
+        lines += (
+            textwrap.wrap(line, 120, subsequent_indent="    ", break_on_hyphens=False) if len(line) > 120 else [line]
+        )
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def test_the_running_doc_shows_the_demos_output_as_this_test_run_printed_it(demo_at_4096):
+    env, result = demo_at_4096
+    shown = as_documented(result.stdout, env["CWD"])
+    doc = RUNNING.read_text()
+    before, mark, after = doc.partition(OUTPUT_MARK + "\n```text\n")
+    assert mark, f"docs/running.md has no block after {OUTPUT_MARK}"
+    block, fence, rest = after.partition("\n```\n")
+    if os.environ.get("DFLASH_WRITE_DOCS") == "1":
+        RUNNING.write_text(before + mark + shown + fence + rest)
+    else:
+        assert block == shown, "docs/running.md's demo output is stale: run this test with DFLASH_WRITE_DOCS=1"
