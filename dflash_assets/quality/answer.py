@@ -1,4 +1,4 @@
-"""The story's question answered for people, once per config: what was cut (each figure by its rules.FIGURES
+"""A run's question answered for people, once per config: what was cut (each figure by its rules.FIGURES
 definition, with its unit), the length percentiles, what the export holds (its manifest), the tokens decoded and
 trained, the recommendation and the next command.
 
