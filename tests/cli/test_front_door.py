@@ -17,7 +17,7 @@ from tests.support.dagster_procs import Webserver, log_tail, start_group, stop_g
 
 pytestmark = pytest.mark.long
 
-SHARD_SIZE = 4
+SHARD_SIZE = 20
 PRINTED = re.compile(r"((?:[A-Z_]+=\S+ )*dflash [a-z]+(?= |$)[^`\n]*)", re.M)  # a command, not `dflash demo: ...`
 UI = re.compile(r"((?:[A-Z_]+=\S+ )+uv run dg dev)")
 SENSOR = """{ sensorOrError(sensorSelector: {repositoryLocationName: "dflash_assets", repositoryName: "__repository__",
@@ -41,12 +41,12 @@ def split(command: str) -> tuple[list[str], list[str]]:
 def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("front-door")
     mine = tmp / "mine.jsonl"
-    mine.write_text("".join(json.dumps({"id": f"m{i}", "prompt": f"tell me about {i}"}) + "\n" for i in range(12)))
+    mine.write_text("".join(json.dumps({"id": f"m{i}", "prompt": f"tell me about {i}"}) + "\n" for i in range(60)))
     home, data = tmp / "home", tmp / "runs" / "mine"
     env = clean([f"DAGSTER_HOME={home}"])
     result = dflash(
         *("demo", "--prompts", str(mine), "--data-dir", str(data), "--shard-size", str(SHARD_SIZE), "--servers", "1"),
-        *("--max-output-tokens", "1024", "--trainer-max-length", "8192"),
+        *("--max-output-tokens", "2048", "--trainer-max-length", "8192"),
         env=env,
         cwd=tmp,
         timeout=600,
@@ -61,7 +61,7 @@ def printed(out: str) -> list[str]:
 
 def test_every_dflash_command_the_demo_prints_runs_as_printed_in_a_clean_shell(demo):
     tmp, mine, home, data, result = demo
-    assert result.returncode == 3, result.stdout + result.stderr  # cut inside the window at 1024: stopped, a plan
+    assert result.returncode == 3, result.stdout + result.stderr  # cut inside the window at 2048: stopped, a plan
     commands = printed(result.stdout)
     assert any(" dflash continue --to " in f" {c}" for c in commands), result.stdout
     assert any(" dflash demo " in f" {c}" for c in commands), result.stdout
