@@ -4,6 +4,7 @@ may say things in other words and every command still ends with the same figures
 import ast
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,29 +33,27 @@ def test_no_regular_expression_in_cli_reads_a_message_of_ours():
 
 
 @pytest.fixture
-def in_process(tmp_path, monkeypatch):
+def in_process(tmp_path):
     """`dflash` run in this process (so a monkeypatch reaches the checks and the preflight), on a fresh instance and
     data dir; the definitions are loaded again for its environment, and again after it."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"say {i}"}) + "\n" for i in range(60)))
 
     def run(*argv: str, **env: str) -> int:
-        with monkeypatch.context() as m:
-            for name in ("DFLASH_DATA_DIR", "DFLASH_PROMPTS", "DFLASH_SHARD_SIZE", "DFLASH_NUM_SERVERS"):
-                m.delenv(name, raising=False)  # restored after: the command sets them
-            m.setenv("DAGSTER_HOME", str(tmp_path / "home"))
-            m.setenv("DFLASH_NUM_SERVERS", "1")
-            for name, value in env.items():
-                m.setenv(name, value)
-            args = ["--prompts", str(prompts), "--data-dir", str(tmp_path / "data"), "--shard-size", "60"]
-            # the command loads the definitions once it has set its environment (cli/runner.py), as a new process does
+        saved = dict(os.environ)  # the command sets its settings in the environment: all of it is put back after
+        for name in ("DFLASH_DATA_DIR", "DFLASH_PROMPTS", "DFLASH_SHARD_SIZE"):
+            os.environ.pop(name, None)
+        os.environ |= {"DAGSTER_HOME": str(tmp_path / "home"), "DFLASH_NUM_SERVERS": "1", **env}
+        args = ["--prompts", str(prompts), "--data-dir", str(tmp_path / "data"), "--shard-size", "60"]
+        # the command loads the definitions once it has set its environment (cli/runner.py), as a new process does
+        sys.modules.pop("dflash_assets.definitions", None)
+        try:
+            return dflash_assets.cli.main([*argv, *args])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
             sys.modules.pop("dflash_assets.definitions", None)
-            try:
-                return dflash_assets.cli.main([*argv, *args])
-            finally:
-                m.undo()
-                sys.modules.pop("dflash_assets.definitions", None)
-                importlib.import_module("dflash_assets.definitions")
+            importlib.import_module("dflash_assets.definitions")
 
     return run
 
