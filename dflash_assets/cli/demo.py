@@ -55,7 +55,11 @@ def run_demo(
         f"The UI (event log, reports, checks):  {ui_command()}   then http://127.0.0.1:3000",
     )
     return print_stop(
-        stops, console, lambda cap: as_printed(f"dflash demo{again({})} --max-output-tokens {cap}"), window
+        stops,
+        console,
+        lambda cap: as_printed(f"dflash demo{again({})} --max-output-tokens {cap}"),
+        window,
+        f"dflash demo{again({})}",
     )
 
 

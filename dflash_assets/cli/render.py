@@ -93,8 +93,15 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
             verbatim(console, f"Next time, decode only what the trainer reads: {rerun}")
 
 
-def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], window: Window = Window()) -> int:
-    """One short block: what stopped the run, the cap plan, and the exact next command. Returns the exit status."""
+def print_stop(
+    stops: Stops,
+    console: Console,
+    rerun: Callable[[int], str],
+    window: Window = Window(),
+    command: str = "dflash backfill",
+) -> int:
+    """One short block: what stopped the run, the cap plan, and the exact next command (`command`, the run's own, with
+    the answer's settings). Returns the exit status."""
     from dflash_assets.quality import run_checks
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
@@ -150,7 +157,7 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
             )
             continue
         answer = answers[0]
-        print_answer(answer, console)
+        print_answer(answer, console, as_printed(command), as_printed(f"dflash export --config {answer.config_hash}"))
         best = answer.recommended
         if best is None:
             continue

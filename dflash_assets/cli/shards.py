@@ -217,7 +217,9 @@ def run_backfill(
                 f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
             ),
         )
-    return print_stop(stops, console, lambda cap: as_printed(f"{command}{again({})} --max-output-tokens {cap}"), window)
+    return print_stop(
+        stops, console, lambda cap: as_printed(f"{command}{again({})} --max-output-tokens {cap}"), window, command
+    )
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
@@ -305,7 +307,12 @@ def run_continue(
         )
     for config_hash in sorted(stops.config_hashes):
         for answer in cap_answers(data_dir().resolved(), window.quality(), config_hash):
-            print_answer(answer, console)
+            print_answer(
+                answer,
+                console,
+                as_printed("dflash backfill"),
+                as_printed(f"dflash export --config {answer.config_hash}"),
+            )
     if stops.preflight:
         console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
         return BAD_CONFIG if not stops.errors else FAILED

@@ -174,11 +174,13 @@ def plan_table(answer: CapAnswer) -> Table:
     return table
 
 
-def print_answer(answer: CapAnswer, console: Console, command: str = "dflash demo") -> None:
+def print_answer(
+    answer: CapAnswer, console: Console, command: str = "dflash demo", export_command: str | None = None
+) -> None:
     """One config's answer (CapAnswer.lines: the figures with their units, the export, the next command), then its
     cap plan: the table and the window policy's tokens."""
-    for line in answer.lines(command):
-        console.print(line, highlight=False, markup=False)
+    for line in answer.lines(command, export_command):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)  # a command in them is copied whole
     print_plan(answer, console)
 
 
