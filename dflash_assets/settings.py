@@ -620,8 +620,8 @@ class ServerSettings(Settings):
     reasoning_parser: str | None = Field("qwen3", description="--reasoning-parser: thinking goes to reasoning_content.")
     enable_metrics: bool = Field(True, description="--enable-metrics: Prometheus /metrics.")
     max_queued_requests: int | None = Field(None, description="--max-queued-requests.")
-    # SGLang's default is 1 (an event per token): parsing those costs the client 0.56-0.93 cores at the story's
-    # 24,500 tok/s, over its 0.5-core budget; at 4 it is 0.15-0.16 (benchmarks/bench_streaming.py cpu, docs/streaming.md)
+    # SGLang's default is 1 (an event per token): parsing those costs the client 0.56-0.93 cores at a 7-GPU
+    # fleet's 24,500 tok/s, over its 0.5-core budget; at 4 it is 0.15-0.16 (benchmarks/bench_streaming.py cpu, docs/streaming.md)
     stream_interval: int | None = Field(
         4,
         description="--stream-interval: tokens per streamed event (SGLang's "

@@ -129,3 +129,23 @@ def test_the_settings_doc_counts_the_quality_limits_and_lists_every_field_of_the
     variables = [s.name for s in vars(Deployment).values() if isinstance(s, EnvSetting)]
     table = set(re.findall(r"^\| `(\w+)` \|", section(doc, "Environment variables"), flags=re.M))
     assert not set(variables) - table, f"environment variables not in the table: {set(variables) - table}"
+
+
+def test_the_readme_is_a_front_door_with_your_own_prompts_on_its_first_screen():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 130, len(lines)
+    assert any("--prompts" in line for line in lines[:60])
+    assert (
+        "<!-- test-command: .ci/run runs the next line verbatim -->\n```bash\nbash scripts/test.sh\n```"
+        in "\n".join(lines)
+    )
+
+
+def test_the_docs_describe_the_product_not_the_history_of_its_measurements():
+    said = re.compile(r"\b(this round|last round|this machine|other engineers|our machine)\b", re.I)
+    found = [
+        f"{doc.relative_to(ROOT)}: {m.group(0)!r}"
+        for doc in DOCS
+        for m in said.finditer(" ".join(doc.read_text().split()))  # a phrase broken over two lines too
+    ]
+    assert not found, found

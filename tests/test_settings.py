@@ -271,7 +271,7 @@ def test_a_fleet_up_from_the_cli_is_reused_by_a_launch_mode_run_with_the_same_mo
         "emulator",
         "--base-port",
         base,
-        "--health-timeout",
+        "--health-timeout-s",
         "60",
         env={"DAGSTER_HOME": str(tmp_path)},
     )

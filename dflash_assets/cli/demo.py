@@ -10,7 +10,7 @@ from collections.abc import Callable
 import dagster as dg
 from rich.console import Console
 
-from dflash_assets.cli.environment import instance_environment
+from dflash_assets.cli.environment import as_printed, instance_environment, ui_command
 from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
 from dflash_assets.cli.render import policy_text, print_stop, print_window_answer
 from dflash_assets.cli.runner import BAD_CONFIG, Window, known_shards, source_refused
@@ -46,15 +46,21 @@ def run_demo(
             stops,
             console,
             window,
-            f"dflash demo{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}",
+            as_printed(
+                f"dflash demo{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
+            ),
         )
     verbatim(
         console,
-        "The UI (event log, reports, checks):  DAGSTER_HOME="
-        + os.environ["DAGSTER_HOME"]
-        + " uv run dg dev   then http://127.0.0.1:3000",
+        f"The UI (event log, reports, checks):  {ui_command()}   then http://127.0.0.1:3000",
     )
-    return print_stop(stops, console, lambda cap: f"dflash demo{again({})} --max-output-tokens {cap}", window)
+    return print_stop(
+        stops,
+        console,
+        lambda cap: as_printed(f"dflash demo{again({})} --max-output-tokens {cap}"),
+        window,
+        f"dflash demo{again({})}",
+    )
 
 
 def demo(args: argparse.Namespace) -> int:

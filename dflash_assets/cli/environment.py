@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from dflash_assets.cli.errors import BadInput
-from dflash_assets.settings import Deployment
+from dflash_assets.settings import Deployment, EnvSetting
 
 # the project's instance settings (telemetry and the community modal off, the run queue, the fleet's pool)
 PROJECT_DAGSTER_YAML = Path(__file__).resolve().parents[2] / "dagster_home" / "dagster.yaml"
@@ -69,3 +69,51 @@ def _readable_source(path: Path, given_by: str) -> None:
         check_source(path)
     except SourceError as e:
         raise BadInput(f"{e} (given by {given_by}): give a JSONL or Parquet file of prompts") from None
+
+
+def _differing(settings: list[EnvSetting]) -> list[tuple[str, str]]:
+    """The deployment settings of this command that differ from their defaults, as (variable, value); a local data
+    dir or source as an absolute path (the printed command may run from elsewhere); the API key never."""
+    from dflash_assets.store.storage import is_uri
+
+    found = []
+    for setting in settings:
+        value = os.environ.get(setting.name)
+        if setting is Deployment.API_KEY or value is None or value == setting.default:
+            continue
+        if setting in (Deployment.DATA_DIR, Deployment.LOCAL_DIR, Deployment.PROMPTS) and not is_uri(value):
+            value = str(Path(value).resolve())
+        found.append((setting.name, value))
+    return found
+
+
+DEPLOYMENT = [s for s in vars(Deployment).values() if isinstance(s, EnvSetting)]
+DATA = (Deployment.DATA_DIR, Deployment.PROMPTS)  # given as flags (DATA_FLAGS); the rest in the environment
+DATA_FLAGS = ("data-dir", "prompts")
+
+
+def as_printed(command: str) -> str:
+    """`command` (`dflash <cmd> [flags]`) as it runs again as printed, in a clean shell, on this command's data: then
+    its --data-dir and --prompts, and before it every other deployment setting (and DAGSTER_HOME) that differs from
+    its default."""
+    import shlex
+
+    data = dict(_differing(list(DATA)))
+    given = [f"--{flag} {shlex.quote(data[s.name])}" for s, flag in zip(DATA, DATA_FLAGS) if s.name in data]
+    return " ".join(filter(None, [_prefix([s for s in DEPLOYMENT if s not in DATA]), command, *given]))
+
+
+def ui_command() -> str:
+    """The UI's command on this command's instance and data (the definitions read the same environment)."""
+    return f"{_prefix(DEPLOYMENT, home=True)} uv run dg dev"
+
+
+def _prefix(settings: list[EnvSetting], home: bool = False) -> str:
+    """`NAME=value ...` of the settings that differ (DAGSTER_HOME too: always for the UI, which has no default)."""
+    import shlex
+
+    pairs = _differing(settings)
+    dagster_home = os.environ.get("DAGSTER_HOME")
+    if dagster_home and (home or Path(dagster_home).resolve() != Path("dagster_home").resolve()):
+        pairs.insert(0, ("DAGSTER_HOME", str(Path(dagster_home).resolve())))
+    return " ".join(f"{name}={shlex.quote(value)}" for name, value in pairs)

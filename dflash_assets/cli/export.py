@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import dagster as dg
 from rich.console import Console
 
-from dflash_assets.cli.environment import instance_environment
+from dflash_assets.cli.environment import as_printed, instance_environment
 from dflash_assets.cli.render import print_stop
 from dflash_assets.cli.runner import BAD_CONFIG, Stops, Window, _meta, data_dir, execute, quiet, record_failures
 from dflash_assets.defs.metadata import TrainingSetKeys
@@ -124,7 +125,7 @@ def run_export(config: str, console: Console | None = None, verbose: bool = Fals
     )
     stops = Stops()
     export(dg.DagsterInstance.get(), chosen, "latest" if config == "latest" else "explicit", window, console, stops)
-    return print_stop(stops, console, lambda cap: f"dflash backfill --max-output-tokens {cap}", window)
+    return print_stop(stops, console, lambda cap: as_printed(f"dflash backfill --max-output-tokens {cap}"), window)
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -138,7 +139,9 @@ def configs(args: argparse.Namespace) -> int:
     from dflash_assets.quality.console import configs_table, report_console
     from dflash_assets.store.configs import list_configs
 
-    data_dir = args.data_dir or Deployment.DATA_DIR.value()
+    if args.data_dir:
+        os.environ[Deployment.DATA_DIR.name] = args.data_dir  # and so in the command it prints
+    data_dir = Deployment.DATA_DIR.value()
     trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
     configs = list_configs(data_dir, trainer.max_length)
     if not configs:
@@ -148,7 +151,8 @@ def configs(args: argparse.Namespace) -> int:
     console.print(configs_table(configs))
     console.print(
         f"latest (the export's default when no run names its own): {configs[0].config_hash}. "
-        f"Export one: dflash export --config HASH",
+        f"Export one: {as_printed('dflash export --config HASH')}",
+        soft_wrap=True,
         highlight=False,
     )
     return 0

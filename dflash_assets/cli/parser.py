@@ -21,10 +21,42 @@ from dflash_assets.settings import (
 
 
 class Parser(argparse.ArgumentParser):
-    """A usage error is one line: the wrong flag, what it takes, and `--help` for more; never the whole usage."""
+    """A usage error is one line: the wrong flag, what it takes, and `--help` for more; never the whole usage. A flag
+    is never abbreviated (a truncated one is an unknown flag, not another setting's)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: {usage_problem(message)}; `{self.prog} --help` for more\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """An unknown flag is said by the (sub)command it was given to: its --help, and the closest flag it has."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = chosen_command(self, parsed)
+            command.error(unknown_flag(unknown, command))
+        return parsed
+
+
+def chosen_command(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that `parsed` went through (`dflash fleet up`'s for fleet up)."""
+    for action in parser._actions:  # argparse keeps its subcommands only in this action
+        if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+            return chosen_command(action.choices[getattr(parsed, action.dest)], parsed)
+    return parser
+
+
+def unknown_flag(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """What was not understood, with the closest of the command's flags (difflib) when one is close."""
+    import difflib
+
+    given = next((u.split("=", 1)[0] for u in unknown if u.startswith("-")), None)
+    if given is None:
+        return f"unrecognized arguments: {' '.join(unknown)}"
+    flags = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    close = difflib.get_close_matches(given, flags, n=1)
+    return f"no flag {given}" + (f" (did you mean {close[0]}?)" if close else "")
 
 
 KINDS = {"int": "a whole number", "float": "a number"}
@@ -45,7 +77,7 @@ def usage_problem(message: str) -> str:
 
 
 # `dflash demo` and `dflash backfill` store token ids (`dflash continue` takes cut rows on by them); the demo's cap
-# is generous (`--max-output-tokens 4096` reproduces the story). Every other default is settings.py's.
+# is generous (`--max-output-tokens 4096` shows a too-small cap). Every other default is settings.py's.
 SHARD_RUN_DEFAULTS = {"store_token_ids": True}
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import re
+import json
 from collections.abc import Callable
 
 from rich.console import Console
 
+from dflash_assets.cli.environment import as_printed
 from dflash_assets.cli.runner import ALL_SHARDS, Stops, Window, data_dir
-from dflash_assets.quality.console import verbatim
+from dflash_assets.quality.console import headline, verbatim
 from dflash_assets.settings import Deployment
 
 
@@ -57,14 +58,14 @@ def print_superseded(stops: Stops, console: Console, window: Window) -> None:
     """One line per other config left incomplete beside the run's own: superseded, with its counts, blocking nothing
     (accounting's judgement of the run's config over every shard, quality/accounting.py)."""
     from dflash_assets.quality import run_checks
+    from dflash_assets.quality.accounting import SUPERSEDED_COUNTS, Superseded
 
     for config_hash in sorted(stops.config_hashes):
         (o,) = run_checks(
             data_dir().resolved(), config_hash=config_hash, quality=window.quality(), names=["accounting"]
         )
-        for line in o.summary_md.splitlines():
-            if ", superseded (" in line:
-                console.print(f"  {re.sub(r'[*`]', '', line.removeprefix('- '))}; it blocks nothing", highlight=False)
+        for counts in json.loads(str(o.metadata.get(SUPERSEDED_COUNTS, "[]"))):
+            console.print(f"  {Superseded(**counts).line(quote='')}; it blocks nothing", highlight=False)
 
 
 def print_window_answer(stops: Stops, console: Console, window: Window, rerun: str) -> None:
@@ -92,8 +93,15 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
             verbatim(console, f"Next time, decode only what the trainer reads: {rerun}")
 
 
-def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], window: Window = Window()) -> int:
-    """One short block: what stopped the run, the cap plan, and the exact next command. Returns the exit status."""
+def print_stop(
+    stops: Stops,
+    console: Console,
+    rerun: Callable[[int], str],
+    window: Window = Window(),
+    command: str = "dflash backfill",
+) -> int:
+    """One short block: what stopped the run, the cap plan, and the exact next command (`command`, the run's own, with
+    the answer's settings). Returns the exit status."""
     from dflash_assets.quality import run_checks
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
@@ -112,22 +120,22 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         for error in others:
             say(f"Also failed: {error.where}: {error.message}")
         say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
-        if first.says_next:  # its line ends with the next command (a full disk: free space, then ...)
-            pass
-        elif first.passing:
+        if first.passing:
             say(
                 "Next: the cause can pass (a server down, a timeout): run the same command again; committed "
                 "completions are kept, only the rest runs."
             )
-        else:
+        elif not first.says_next:  # a line that says its next command (a full disk: free space, then ...) is enough
             say("Next: fix the cause above, then run the same command again (committed completions are kept).")
     if stops.preflight:
         say("[red]Stopped before any request was sent[/]: the preflight refused the run.")
         for message in dict.fromkeys(stops.preflight):
             say(f"  {message}")
-        needed = max(int(n) for m in stops.preflight for n in re.findall(r"--context-length (\d+)", m) or [0])
-        if needed:
-            say(f"Next: restart the servers with --context-length {needed} (or lower --max-output-tokens).")
+        if stops.context_length_needed:
+            say(
+                f"Next: restart the servers with --context-length {stops.context_length_needed} (or lower "
+                f"--max-output-tokens)."
+            )
         return stops.exit_status()
     if not stops.checks or stops.errors:
         return stops.exit_status()
@@ -138,10 +146,9 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
             o for o in run_checks(root, config_hash=config_hash, quality=quality, names=stops.checks) if not o.passed
         ]
         for o in outcomes:
-            headline = re.sub(r"[*`]", "", o.summary_md.split("\n\n")[0])
             shards = stops.checks[o.name]
             where = ALL_SHARDS if ALL_SHARDS in shards else f"shards {', '.join(shards)}"
-            say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline}")
+            say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline(o.summary_md)}")
         answers = cap_answers(root, quality, config_hash)
         if not answers or "truncation_rate" not in stops.checks:
             say(
@@ -150,7 +157,7 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
             )
             continue
         answer = answers[0]
-        print_answer(answer, console)
+        print_answer(answer, console, as_printed(command), as_printed(f"dflash export --config {answer.config_hash}"))
         best = answer.recommended
         if best is None:
             continue
@@ -158,6 +165,6 @@ def print_stop(stops: Stops, console: Console, rerun: Callable[[int], str], wind
         if best.fits_context is False:
             before = f"restart the servers with --context-length {best.context_needed_max}, then "
         say(f"Next: {before}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
-        verbatim(console, f"  dflash continue --to {best.cap}")
+        verbatim(console, f"  {as_printed(f'dflash continue --to {best.cap}')}")
         verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
     return stops.exit_status()

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from dataclasses import dataclass, field
 
 import dagster as dg
+from dagster._core.execution.plan.objects import ErrorSource  # a step failure's source: not public in 1.13
 from rich.console import Console
 from rich.logging import RichHandler
 
@@ -36,19 +36,6 @@ ALL_SHARDS = "all shards"  # where the export's gate judged a config
 def quiet(verbose: bool) -> dict:
     """Run config for the console logger: silent unless --verbose; the event log keeps everything either way."""
     return {"loggers": {"console": {"config": {"log_level": "DEBUG" if verbose else "CRITICAL"}}}}
-
-
-# What a failure that re-running can cure looks like: the fleet went away or was slow, not a setting or a bug.
-PASSING = (
-    "FleetDown",
-    "ServerError",
-    "TimeoutError",
-    "ClientConnectorError",
-    "ServerDisconnectedError",
-    "ClientOSError",
-    "ConnectionError",
-    "ConnectionResetError",
-)
 
 
 @dataclass(frozen=True)
@@ -101,6 +88,7 @@ class Stops:
     errors: list[Failure] = field(default_factory=list)  # in the order they happened: the first is the cause
     config_hashes: set[str] = field(default_factory=set)
     filling_window: int = 0  # cap_policy fixed: prompts sent although they fill the trainer's window
+    context_length_needed: int = 0  # the preflight's: the servers' context length that fits every prompt (0: none)
 
     @property
     def config_hash(self) -> str | None:
@@ -140,35 +128,44 @@ def execute(
 
 
 def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops) -> None:
-    """Sort a run's failures: a blocking check, the preflight, or an error (its cause's first line, no stack
-    trace). A run that failed before any step (the fleet resource did not start) is an error of the run itself."""
+    """Sort a run's failures by what they record (defs/metadata.py StepStopKeys): a blocking check, a refusal (the
+    preflight's or a setting's), or an error (its cause's first line, no stack trace). A run that failed before any
+    step (the fleet resource did not start) is an error of the run itself."""
     failed_steps = False
+    checks_failed = any(
+        not e.passed and e.blocking and e.severity == dg.AssetCheckSeverity.ERROR
+        for e in result.get_asset_check_evaluations()
+    )
     for event in result.all_events:
         if event.is_step_failure:
             failed_steps = True
-            error, user = event.step_failure_data.error, event.step_failure_data.user_failure_data
-            if error is None or error.cls_name == "DagsterAssetCheckFailedError":
-                continue  # the evaluations say which checks and where
-            error = _own_error(error)
-            message = (user.description if user and user.description else _line(error)).strip()
-            cause = user.metadata[StepStopKeys.CAUSE].value if user and StepStopKeys.CAUSE in user.metadata else None
-            if user and cause == "check":
-                failing = user.metadata[StepStopKeys.FAILING_CHECKS].value  # the export's gate, over all shards
+            data = event.step_failure_data
+            error, user = data.error, data.user_failure_data
+            if error is None or (checks_failed and data.error_source == ErrorSource.FRAMEWORK_ERROR):
+                continue  # Dagster stopped the step for its failed blocking checks: the evaluations say which
+            meta = {key: value.value for key, value in user.metadata.items()} if user else {}
+            cause = meta.get(StepStopKeys.CAUSE)
+            if cause == "check":
+                failing = meta[StepStopKeys.FAILING_CHECKS]  # the export's gate, over all shards
                 for name in failing if isinstance(failing, list) else []:
                     stops.checks.setdefault(str(name), []).append(ALL_SHARDS)
                 continue
-            if message.startswith("preflight: ") or cause == "config":
-                stops.preflight.append(message.removeprefix("preflight: "))
-            else:
-                stops.errors.append(
-                    Failure(
-                        f"{where}, step {event.step_key}",
-                        message.splitlines()[0],
-                        result.run_id,
-                        passing=cause != "exhausted" and _cause_of(error).cls_name in PASSING,
-                        says_next=cause == "exhausted",
-                    )
+            if user and cause in ("preflight", "config"):
+                stops.preflight.append(str(meta.get(StepStopKeys.REFUSAL, user.description)).strip())
+                needed = meta.get(StepStopKeys.CONTEXT_LENGTH_NEEDED)
+                stops.context_length_needed = max(stops.context_length_needed, needed if isinstance(needed, int) else 0)
+                continue
+            attempts = 1 + sum(e.is_step_up_for_retry and e.step_key == event.step_key for e in result.all_events)
+            message = user.description if user and user.description else _line(_own_error(error, attempts))
+            stops.errors.append(
+                Failure(
+                    f"{where}, step {event.step_key}",
+                    message.strip().splitlines()[0],
+                    result.run_id,
+                    passing=meta.get(StepStopKeys.RERUN_CURES) is True,
+                    says_next=cause == "exhausted",
                 )
+            )
         elif event.is_run_failure and not failed_steps and event.job_failure_data.error is not None:
             error = _own_error(event.job_failure_data.error)
             lines = [line.strip() for line in error.message.splitlines() if line.strip()]
@@ -182,26 +179,17 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             )
 
 
-WRAPPERS = ("DagsterExecutionStepExecutionError", "DagsterResourceFunctionError")
-RETRIES_RAN_OUT = "RetryRequestedFromPolicy"  # "Exceeded max_retries of N"; its cause is the last attempt's error
+WRAPPERS = ("DagsterExecutionStepExecutionError", "DagsterResourceFunctionError", "RetryRequestedFromPolicy")
 
 
-def _own_error(error):
+def _own_error(error, attempts: int = 1):
     """Dagster's wrappers (step execution, resource init, retries run out) off: the user code's own error says what
-    went wrong; when retries ran out, the last attempt's, "after N attempts"."""
-    attempts = None
-    while error.cause and error.cls_name in (*WRAPPERS, RETRIES_RAN_OUT):
-        if error.cls_name == RETRIES_RAN_OUT and (ran_out := re.search(r"max_retries of (\d+)", error.message)):
-            attempts = int(ran_out.group(1)) + 1
+    went wrong; a step that was retried, the last attempt's, "after N attempts"."""
+    while error.cause and error.cls_name in WRAPPERS:
         error = error.cause
-    if attempts is not None:
+    if attempts > 1:
         error = error._replace(message=f"{_line(error).split(': ', 1)[-1].splitlines()[0]}, after {attempts} attempts")
     return error
-
-
-def _cause_of(error):
-    """A Failure raised for a step's last attempt (defs/faults.py) names its cause's class: judge by that."""
-    return error.cause if error.cls_name == "Failure" and error.cause else error
 
 
 def _line(error) -> str:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash_assets.cli.environment import instance_environment
+from dflash_assets.cli.environment import as_printed, instance_environment
 from dflash_assets.cli.export import export_run_config
 from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
 from dflash_assets.cli.parser import build_parser
@@ -213,9 +213,13 @@ def run_backfill(
             stops,
             console,
             window,
-            f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}",
+            as_printed(
+                f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
+            ),
         )
-    return print_stop(stops, console, lambda cap: f"{command}{again({})} --max-output-tokens {cap}", window)
+    return print_stop(
+        stops, console, lambda cap: as_printed(f"{command}{again({})} --max-output-tokens {cap}"), window, command
+    )
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
@@ -303,16 +307,23 @@ def run_continue(
         )
     for config_hash in sorted(stops.config_hashes):
         for answer in cap_answers(data_dir().resolved(), window.quality(), config_hash):
-            print_answer(answer, console)
+            print_answer(
+                answer,
+                console,
+                as_printed("dflash backfill"),
+                as_printed(f"dflash export --config {answer.config_hash}"),
+            )
     if stops.preflight:
         console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
         return BAD_CONFIG if not stops.errors else FAILED
     if stops.errors:
-        return print_stop(stops, console, lambda cap: f"dflash continue --to {cap}", window)
+        return print_stop(stops, console, lambda cap: as_printed(f"dflash continue --to {cap}"), window)
     console.print(
-        "Next: `dflash report` for the checks over the new config, then `dflash export` (the latest config, the "
-        "one just continued; `dflash configs` lists them all).",
+        f"Next: `{as_printed('dflash report')}` for the checks over the new config, then "
+        f"`{as_printed('dflash export')}` (the latest config, the one just continued; `{as_printed('dflash configs')}` "
+        f"lists them all).",
         highlight=False,
+        soft_wrap=True,
     )
     return DONE
 

@@ -25,8 +25,26 @@ from dagster._core.instance.ref import InstanceRef
 
 from dflash_assets.defs.metadata import StepStopKeys
 from dflash_assets.defs.resources import DataDirResource
+from dflash_assets.fleet.client import ServerError
+from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.generation.slots import FleetDown
 from dflash_assets.generation.stopping import STOP, Stopped, stopping
 from dflash_assets.store.exhaustion import exhaustion
+
+
+def rerun_cures(e: BaseException) -> bool:
+    """A fault a later run can cure: the fleet went away or was slow, not a setting or a bug."""
+    import aiohttp
+
+    return isinstance(e, FleetDown | ServerError | TimeoutError | ConnectionError | aiohttp.ClientConnectionError)
+
+
+def preflight_failure(e: PreflightError) -> dg.Failure:
+    """The preflight's refusal (nothing was sent), with its words and the context length that fits as metadata."""
+    metadata: dict[str, str | int] = {StepStopKeys.CAUSE: "preflight", StepStopKeys.REFUSAL: str(e)}
+    if e.context_length_needed:
+        metadata[StepStopKeys.CONTEXT_LENGTH_NEEDED] = e.context_length_needed
+    return dg.Failure(f"preflight: {e}", metadata=metadata, allow_retries=False)
 
 
 def first_line(e: BaseException) -> str:
@@ -72,7 +90,10 @@ def named_stops(
             message, cause = found.line(rows), "exhausted"
         else:
             message, cause = f"{cause_line(e)}, after {context.retry_number + 1} attempts", "retried"
-        metadata: dict[str, str | int | None | dg.MetadataValue] = {StepStopKeys.CAUSE: cause}
+        metadata: dict[str, str | int | None | dg.MetadataValue] = {
+            StepStopKeys.CAUSE: cause,
+            StepStopKeys.RERUN_CURES: found is None and rerun_cures(e),
+        }
         if counts is not None:
             metadata |= {
                 StepStopKeys.COMMITTED_ROWS: rows,

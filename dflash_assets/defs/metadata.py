@@ -97,8 +97,11 @@ class StepStopKeys:
     """What a step that stopped on a fault records in its failure (defs/faults.py, and the config refusals), read back
     by the terminal (cli/): a failed step records no materialisation, so its table takes the recount from here."""
 
-    CAUSE = "cause"  # "config": a setting to fix; "exhausted": the disk (or open files) ran out; "retried"; "check":
-    # a blocking check stopped the export (exit 3)
+    CAUSE = "cause"  # "config": a setting to fix; "preflight": the preflight refused the run (nothing was sent);
+    # "exhausted": the disk (or open files) ran out; "retried"; "check": a blocking check stopped the export (exit 3)
+    REFUSAL = "refusal"  # a config's or the preflight's refusal, in its own words (the numbers and the fix)
+    CONTEXT_LENGTH_NEEDED = "context_length_needed"  # the preflight's: the servers' context length that would fit
+    RERUN_CURES = "rerun_cures"  # True: the fault can pass (the fleet went away or was slow), the same command again
     FAILING_CHECKS = "failing_checks"  # JSON list of the blocking checks that stopped the export
     COMMITTED_ROWS = "committed_rows"  # the recount of the step's shards when it stopped (the run's config)
     COMMITTED_BY_SHARD = "committed_by_shard"  # JSON {shard: rows}

@@ -16,7 +16,12 @@ from dflash_assets.rules import CONTEXT_MARGIN, context_needed, overflows
 
 
 class PreflightError(RuntimeError):
-    """The run cannot go ahead: nothing has been sent."""
+    """The run cannot go ahead: nothing has been sent. `context_length_needed`: the servers' context length that
+    would fit every prompt at the cap, when restarting them with it is the fix."""
+
+    def __init__(self, message: str, context_length_needed: int | None = None) -> None:
+        super().__init__(message)
+        self.context_length_needed = context_length_needed
 
 
 @dataclass(frozen=True)
@@ -121,10 +126,12 @@ def overflow_error(
             f"{context_needed(largest_prompt, config_cap)} tokens (a higher --mem-fraction-static, or "
             f"--max-total-tokens unset)."
         )
+    needed = context_needed(largest_prompt, config_cap)
     return PreflightError(
         f"{overflowing} of {total} prompts do not fit: the servers' context length is {budget.context_length} "
         f"tokens and max_output_tokens is {config_cap}, so a prompt may have at most "
         f"{budget.context_length - CONTEXT_MARGIN - config_cap} tokens; the largest prompt has {largest_prompt}. "
         f"Nothing was sent. Lower max_output_tokens or restart the servers with "
-        f"--context-length {context_needed(largest_prompt, config_cap)} or more."
+        f"--context-length {needed} or more.",
+        context_length_needed=needed,
     )

@@ -1,11 +1,14 @@
 """Accounting: every prompt of a shard ends up completed, rejected or failed under each config, none missing."""
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 import duckdb
 
 from dflash_assets.quality.outcome import Finding, MetadataValue, bullets, num, pct, plural, share
 from dflash_assets.settings import QualitySettings
+
+SUPERSEDED_COUNTS = "superseded_counts"  # metadata: JSON list of each superseded config's fields (Superseded)
 
 PER_PAIR = """
 WITH source_rejects AS (
@@ -127,6 +130,8 @@ def accounting(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Find
         "failing_pairs": len(bad),
         "superseded_configs": len(superseded),
         "superseded": ", ".join(s.config_hash for s in superseded),
+        # each superseded config with its counts, for a reader that says them its own way (the terminal)
+        SUPERSEDED_COUNTS: json.dumps([asdict(s) for s in superseded]),
     }
     return Finding(not bad, "\n\n".join(lines), metadata)
 
@@ -144,10 +149,11 @@ class Superseded:
     missing: int
     followed_by: str | None
 
-    def line(self) -> str:
-        after = f"followed by config `{self.followed_by}`" if self.followed_by else "no config followed it"
+    def line(self, quote: str = "`") -> str:
+        """Its one line, the hashes in `quote` (Markdown's code; "" on a terminal)."""
+        after = f"followed by config {quote}{self.followed_by}{quote}" if self.followed_by else "no config followed it"
         return (
-            f"config `{self.config_hash}`, superseded ({after}): over {plural(self.shards, 'shard')} "
+            f"config {quote}{self.config_hash}{quote}, superseded ({after}): over {plural(self.shards, 'shard')} "
             f"{num(self.prompts)} prompts = {num(self.completed)} completed + {num(self.rejected)} rejected + "
             f"{num(self.failed)} failed + {num(self.missing)} missing"
         )

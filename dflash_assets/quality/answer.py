@@ -1,4 +1,4 @@
-"""The story's question answered for people, once per config: what was cut (each figure by its rules.FIGURES
+"""A run's question answered for people, once per config: what was cut (each figure by its rules.FIGURES
 definition, with its unit), the length percentiles, what the export holds (its manifest), the tokens decoded and
 trained, the recommendation and the next command.
 
@@ -125,7 +125,7 @@ class CapAnswer:
         flags = self.next_settings
         return f"{command} {' '.join(f'{k} {v}' for k, v in flags.items())}" if flags else None
 
-    def headline(self) -> list[str]:
+    def headline(self, export_command: str | None = None) -> list[str]:
         """The answer in a few lines, each figure with its unit (the definitions: rules.FIGURES)."""
         figures = "  ".join(
             f"{k} {_n(v)}" for k, v in (("P50", self.p50), ("P90", self.p90), ("P99", self.p99), ("max", self.max))
@@ -146,7 +146,7 @@ class CapAnswer:
             f"  completion tokens {figures}{at_cap}",
             f"  decoded {num(self.decoded_tokens)} tokens, trained {num(self.trained_tokens)} ({ratio} decoded per "
             f"trained token)",
-            f"  {self.export_line()}",
+            f"  {self.export_line(export_command)}",
         ]
 
     def one_line(self) -> str:
@@ -156,21 +156,21 @@ class CapAnswer:
             f"{self.share(self.cut_at_cap)}, inside the window {self.share(self.cut_inside_window)}"
         )
 
-    def export_line(self) -> str:
-        """What the export holds, as its manifest counts it."""
+    def export_line(self, export_command: str | None = None) -> str:
+        """What the export holds, as its manifest counts it (else the command that writes it)."""
         e = self.exported
         if e is None:
-            return "export: none yet (dflash export --config " + self.config_hash + ")"
+            return f"export: none yet ({export_command or 'dflash export --config ' + self.config_hash})"
         return (
             f"export: {num(e.samples)} samples ({e.form}), {num(e.window_complete_kept)} window-complete turn rows "
             f"kept; left out: {num(e.no_trainable_tokens)} turn rows with no trainable token, "
             f"{num(e.conversations_not_whole)} conversations not whole ({e.manifest})"
         )
 
-    def lines(self, command: str = "dflash demo") -> list[str]:
+    def lines(self, command: str = "dflash demo", export_command: str | None = None) -> list[str]:
         """The answer, the recommendation and the next command: the closing lines of a run, the report's head."""
         nxt = self.next_command(command)
-        return [*self.headline(), f"  {self.recommendation}", *([f"next: {nxt}"] if nxt else [])]
+        return [*self.headline(export_command), f"  {self.recommendation}", *([f"next: {nxt}"] if nxt else [])]
 
     def markdown(self) -> str:
         """The answer for the UI's metadata (Markdown), the definitions one link away."""

@@ -118,7 +118,7 @@ def cap_saturation(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> 
     """A high percentile of completion_tokens equal to the cap is the tell-tale of a cap too low for the prompts.
 
     Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION), always an observed value, so when more than 10%
-    of rows stop at the cap, P90 = P99 = the cap exactly, as in the story. Pq reaching the cap means more than
+    of rows stop at the cap, P90 = P99 = the cap exactly, as in a run cut at 4096. Pq reaching the cap means more than
     (1 - q) of rows did.
     """
     q = quality.cap_saturation_percentile

@@ -136,7 +136,7 @@ def configs_table(configs: list) -> Table:
     return fit(table, report_console().width, ("last written (UTC)", "judged at", "shards"))
 
 
-def _headline(summary_md: str) -> str:
+def headline(summary_md: str) -> str:
     """The first paragraph of a check summary without Markdown emphasis."""
     return re.sub(r"[*`]", "", summary_md.split("\n\n")[0])
 
@@ -174,11 +174,13 @@ def plan_table(answer: CapAnswer) -> Table:
     return table
 
 
-def print_answer(answer: CapAnswer, console: Console, command: str = "dflash demo") -> None:
+def print_answer(
+    answer: CapAnswer, console: Console, command: str = "dflash demo", export_command: str | None = None
+) -> None:
     """One config's answer (CapAnswer.lines: the figures with their units, the export, the next command), then its
     cap plan: the table and the window policy's tokens."""
-    for line in answer.lines(command):
-        console.print(line, highlight=False, markup=False)
+    for line in answer.lines(command, export_command):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)  # a command in them is copied whole
     print_plan(answer, console)
 
 
@@ -307,7 +309,7 @@ def print_report(
                         "blocking" if o.blocking else "",
                         o.severity,
                         "PASS" if o.passed else "FAIL",
-                        _headline(o.summary_md),
+                        headline(o.summary_md),
                     ]
                     for o in outcomes
                 ],

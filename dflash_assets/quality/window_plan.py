@@ -342,7 +342,7 @@ def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
             f"counted decoded, none trained (the window policy rejects such prompts before any request)"
         )
     caps = [e.cap for e in plan.estimates if e.cap is not None]  # all of them: only the window policy has none
-    if len(caps) > 1:  # the story's bump: to twice the cap when it is a candidate
+    if len(caps) > 1:  # the usual bump: to twice the cap when it is a candidate
         to = 2 * plan.cap if 2 * plan.cap in caps else caps[1]
         lines.append("  " + plan.raising(plan.cap, to))
     if plan.turns is not None:

@@ -33,7 +33,7 @@ def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
         base,
         "--context-length",
         "16384",
-        "--health-timeout",
+        "--health-timeout-s",
         "60",
     ]
     try:

@@ -184,7 +184,7 @@ def test_a_source_with_two_bad_lines_shows_both_with_their_lines_on_the_terminal
         {"stage": "source", "reason": "'…' is empty", "rows": 1},
         {"stage": "source", "reason": "invalid JSON", "rows": 1},
     ]
-    report = dflash("report", "--data-dir", data)
+    report = dflash("report", "--data-dir", data, "--full")  # the rejects are a flag away from the answer
     assert report.returncode == 0 and "shard 00000 line 11: invalid JSON" in report.stdout, report.stdout
     with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
         event = instance.get_latest_materialization_event(dg.AssetKey("length_quality_report"))
@@ -214,3 +214,20 @@ def test_an_empty_dagster_home_gets_the_projects_dagster_yaml_and_no_dagster_war
     assert written["telemetry"] == {"enabled": False} and written["nux"] == {"enabled": False}
     again = dflash("backfill", "--from", "00009", "--prompts", str(src), env=env, cwd=tmp_path)
     assert "was empty" not in again.stdout  # an instance already there keeps its own settings
+
+
+def test_a_misspelt_flag_names_the_commands_help_and_the_closest_flag():
+    result = dflash("demo", "--max-ouput-tokens", "4096")
+    line = one_line(result)
+    assert result.returncode == 2, line
+    assert line == (
+        "dflash demo: no flag --max-ouput-tokens (did you mean --max-output-tokens?); `dflash demo --help` for more"
+    )
+
+
+@pytest.mark.parametrize("command", ["demo", "backfill", "export"])
+def test_a_truncated_flag_is_refused_not_taken_for_another(command):
+    result = dflash(command, "--max-output-token" if command != "export" else "--conf", "4096")
+    line = one_line(result)
+    assert result.returncode == 2 and line.startswith(f"dflash {command}: no flag --"), line
+    assert line.endswith(f"`dflash {command} --help` for more"), line

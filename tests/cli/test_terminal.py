@@ -4,6 +4,7 @@ the figures, the plan and the next command on the terminal; the event stream and
 import contextlib
 import http.server
 import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -285,3 +286,32 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     assert re.search(rf"cap {int(cap):,}, window [\d,]+, \d+ turn rows of \d+ conversations cut at the cap", flat)
     for trace in NO_TRACE:
         assert trace not in result.stdout + result.stderr
+
+
+RUNNING = Path(__file__).resolve().parents[2] / "docs" / "running.md"
+OUTPUT_MARK = "<!-- the output of tests/cli/test_terminal.py's demo_at_4096: DFLASH_WRITE_DOCS=1 writes it here -->"
+
+
+def as_documented(out: str, tmp: str) -> str:
+    """The demo's output as docs/running.md shows it: the test's folder as ~/work, lines cut to the docs' width."""
+    import textwrap
+
+    lines = []
+    for line in out.replace(tmp, "~/work").rstrip().splitlines():
+        lines += (
+            textwrap.wrap(line, 120, subsequent_indent="    ", break_on_hyphens=False) if len(line) > 120 else [line]
+        )
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def test_the_running_doc_shows_the_demos_output_as_this_test_run_printed_it(demo_at_4096):
+    env, result = demo_at_4096
+    shown = as_documented(result.stdout, env["CWD"])
+    doc = RUNNING.read_text()
+    before, mark, after = doc.partition(OUTPUT_MARK + "\n```text\n")
+    assert mark, f"docs/running.md has no block after {OUTPUT_MARK}"
+    block, fence, rest = after.partition("\n```\n")
+    if os.environ.get("DFLASH_WRITE_DOCS") == "1":
+        RUNNING.write_text(before + mark + shown + fence + rest)
+    else:
+        assert block == shown, "docs/running.md's demo output is stale: run this test with DFLASH_WRITE_DOCS=1"

@@ -28,3 +28,29 @@ def test_the_partitions_follow_the_source_and_keep_a_shard_with_completions(tmp_
     assert isinstance(add, dg.AddDynamicPartitionsRequest) and list(add.partition_keys) == ["00001"]
     # 00002 is past the end and has no completions: removed; 00003 has completions: kept (a refused source's)
     assert isinstance(delete, dg.DeleteDynamicPartitionsRequest) and list(delete.partition_keys) == ["00002"]
+
+
+def test_a_source_the_data_dir_does_not_belong_to_adds_no_partition_to_the_instance(tmp_path):
+    from dflash_assets.store.source import ShardSource
+    from dflash_assets.store.stores import prompt_store
+
+    mine, other = tmp_path / "mine.jsonl", tmp_path / "other.jsonl"
+    for path in (mine, other):
+        path.write_text("".join(json.dumps({"prompt": f"{path.stem} {i}"}) + "\n" for i in range(7)))
+    record = ShardSource(str(mine.resolve()), 3, 3, "f")  # the data dir's shards were cut from mine.jsonl
+    prompt_store(tmp_path / "data", "00000").replace(
+        [prompt("00000", 0, 10, "x")], "prompts.parquet", record.metadata()
+    )
+    resources = {
+        "prompt_source": PromptSourceResource(path=str(other), shard_size=3),
+        "data_dir": DataDirResource(path=str(tmp_path / "data")),
+    }
+    with dagster_run.instance() as instance:
+        instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
+        with dg.build_sensor_context(instance=instance, resources=resources) as context:
+            result = shard_partitions_sensor(context)
+        assert instance.get_dynamic_partitions(shard_partitions.name) == ["00000"]
+    assert not result.dynamic_partitions_requests
+    assert result.skip_reason and f"holds the prompt shards of {mine.resolve()}, not of {other.resolve()}" in str(
+        result.skip_reason
+    )

@@ -301,7 +301,9 @@ def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway
         "were cut at or past the trainer's window max_length 4,096: window-complete, the trainer reads each as "
         "it reads the complete answer, so they are exported" in out
     )
-    command = re.search(r"Next time, decode only what the trainer reads: dflash (demo(?: --[\w-]+ [\w.]+)+)", out)
+    command = re.search(
+        r"Next time, decode only what the trainer reads: (?:[A-Z_]+=\S+ )*dflash (demo(?: --[\w-]+ [\w.]+)+)", out
+    )
     assert command, out
     # the command asks for the window policy at this run's cap and window (4096, the default: no flag needed)
     from dflash_assets.cli import build_parser

@@ -3,7 +3,7 @@
 import dagster as dg
 from pydantic import Field
 
-from dflash_assets.defs.faults import named_stops
+from dflash_assets.defs.faults import named_stops, preflight_failure
 from dflash_assets.defs.metadata import ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
@@ -112,7 +112,7 @@ def completions(
             with holding(context, context.partition_keys):  # the shards' pools and the fleet's
                 runs = run_on_fleet(fleet, generate)
         except PreflightError as e:
-            raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
+            raise preflight_failure(e) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
         context.log.warning(note)
     for run in runs:

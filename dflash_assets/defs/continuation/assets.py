@@ -4,7 +4,7 @@ import dagster as dg
 from pydantic import Field
 
 from dflash_assets.defs.completions.assets import completions
-from dflash_assets.defs.faults import named_stops
+from dflash_assets.defs.faults import named_stops, preflight_failure
 from dflash_assets.defs.metadata import ContinuationKeys, StepStopKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.pools import holding
@@ -99,7 +99,7 @@ async def _continue(
     except SettingsError as e:
         raise dg.Failure(str(e), metadata={StepStopKeys.CAUSE: "config"}, allow_retries=False) from None
     except PreflightError as e:
-        raise dg.Failure(f"preflight: {e}", allow_retries=False) from None
+        raise preflight_failure(e) from None
     for note in run.notes:
         context.log.warning(note)
     if run.left:

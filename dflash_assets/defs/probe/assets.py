@@ -4,6 +4,7 @@ from functools import partial
 
 import dagster as dg
 
+from dflash_assets.defs.faults import preflight_failure
 from dflash_assets.defs.pools import holding
 from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource, Refused, run_on_fleet
@@ -73,7 +74,7 @@ def length_probe(
     except (SettingsError, FileNotFoundError) as e:
         raise dg.Failure(str(e)) from None
     except PreflightError as e:
-        raise dg.Failure(f"preflight: {e}") from None
+        raise preflight_failure(e) from None
     run = probe.run
     for note in run.notes:
         context.log.warning(note)
