@@ -28,6 +28,7 @@ from dflash_assets.generation.continuation import continue_shard, rows_of
 from dflash_assets.generation.engine import ShardResult, generate_shard, resolve_regenerate
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
+from dflash_assets.store import provenance
 from dflash_assets.store.schema import PROMPT_SCHEMA
 from dflash_assets.store.storage import is_uri, open_storage
 from dflash_assets.store.stores import committed_ids, completion_store, prompt_store
@@ -193,6 +194,11 @@ async def run_cut_rows_probe(
     sample = sample_prompts(eligible, size or probe_size(len(eligible), share, minimum), seed)
     cap = cap or high_cap(fleet, sample, log, "continuation probe")
     write_probe_shard(data_dir, sample, CUT_ROWS_SHARD)
+    # the parent's provenance goes with its rows: its hash covers it, and the continuation rebuilds that hash
+    if (was := provenance.recorded(data_dir, parent_config_hash)) is not None:
+        if provenance.recorded(probe_root(data_dir), parent_config_hash) is None:
+            in_hash = was.pop("in_hash")
+            provenance.record(probe_root(data_dir), parent_config_hash, was, in_hash=in_hash)
     store = completion_store(probe_root(data_dir), CUT_ROWS_SHARD)
     with store.lock():
         store.recover()

@@ -144,6 +144,6 @@ def test_dflash_continue_to_window_grows_the_demos_window_through_dagster(tmp_pa
     )
     assert set(by_window) == {2048, 4096} and by_window[4096] == by_window[2048] > 50  # every row taken on
     flat = " ".join(grown.stdout.split())
-    assert "tokens reused:" in flat and "against the trainer's window max_length 4,096" in flat
+    assert "tokens reused:" in flat and "at or past the trainer's window max_length 4,096" in flat
     both = dflash("continue", "--to", "8192", "--to-window", "8192", env=env)
     assert both.returncode == 2 and "give one of --to (a larger cap) and --to-window" in both.stderr
