@@ -120,8 +120,9 @@ def completions(
             context.log.warning(note)
         if run.failed:
             context.log.warning(
-                f"shard {run.shard}: {run.failed} prompts failed after {dispatch.max_attempts} "
-                f"attempts; they are in the failures table and will be retried on the next run"
+                f"shard {run.shard}: {run.failed} prompts failed (in the failures table): those that used their "
+                f"{dispatch.max_attempts} attempts are sent again by the next run, a quarantined one only with "
+                f"retry_quarantined (--retry-quarantined)"
             )
         context.add_asset_metadata(shard_metadata(run, generation.max_output_tokens), partition_key=run.shard)
     loads = summarize(runs[0].load_samples, runs[0].infos)
