@@ -10,6 +10,7 @@ from datetime import timedelta
 import duckdb
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shard
@@ -17,7 +18,7 @@ from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import export_training_set
 from dflash_assets.rules import trained_tokens
 from dflash_assets.settings import DEMO_PROMPTS, DispatchSettings, GenerationSettings
-from tests.support import specforge
+from tests.support import specforge, specforge_preprocessing
 from tests.support.forks import start_emulator
 from tests.support.quality_data import CONFIG_A, T0, completion, write
 
@@ -134,6 +135,51 @@ def test_every_pretokenized_sample_passes_specforges_has_consecutive_supervised_
     samples = lines(exports["pretokenized"])
     assert samples and all(specforge.has_consecutive_supervised_tokens(s["loss_mask"]) for s in samples)
     assert all(len(s["input_ids"]) <= L for s in samples)
+
+
+def trained_text(export, conversations: list[dict]) -> str:
+    """What SpecForge's preprocess_conversations puts loss on in one row, with the template and train_only_last_turn
+    written beside the export (one token a character, so the masked tokens decode to the trained text; the char
+    window is unbounded: the token window is the export's, tested above)."""
+    data = yaml.safe_load((export.manifest_path.parent / "specforge_data.yaml").read_text())["data"]
+    tokenizer = specforge_preprocessing.CharTokenizer()
+    out = specforge_preprocessing.preprocess_conversations(
+        tokenizer,
+        [conversations],
+        specforge_preprocessing.TEMPLATES[data["chat_template"]],
+        max_length=10**9,
+        train_only_last_turn=data.get("train_only_last_turn", False),
+    )
+    ids, mask = out["input_ids"][0][0], out["loss_mask"][0][0]
+    return tokenizer.decode([i for i, m in zip(ids, mask) if m])
+
+
+def turn_text(message: dict) -> str:
+    """An assistant turn as the trainer trains it after the qwen3.5 header (`<|im_start|>assistant\\n<think>\\n`):
+    its reasoning, `</think>`, its answer and the end of turn, rendered as Qwen3's template does."""
+    reasoning, content = message.get("reasoning_content") or "", message["content"]
+    return f"{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}<|im_end|>\n"
+
+
+def test_specforges_preprocess_conversations_trains_every_assistant_turn_of_the_default_export(exports):
+    """The default all_turns form (per_turn): each row's own turn is all the loss, reasoning and answer, so every
+    exported assistant turn is trained once."""
+    export = exports["auto"]
+    assert export.manifest["form"] == "per_turn"
+    events = lines(export)
+    assert len(events) > len({e["source_id"] for e in events})  # multi-turn conversations are in it
+    for event in events:
+        assert trained_text(export, event["conversations"]) == turn_text(event["conversations"][-1]), event["id"]
+
+
+def test_specforge_trains_only_the_last_turn_of_a_conversations_row_which_is_why_per_turn_is_the_default(exports):
+    export = exports["conversations"]
+    rows = [line["conversations"] for line in lines(export)]
+    answers = [[m for m in row if m["role"] == "assistant"] for row in rows]
+    untrained = sum(len(a) - 1 for a in answers)
+    assert untrained > 0  # earlier turns exist, and every one of them is left untrained
+    for row, a in zip(rows, answers):
+        assert trained_text(export, row) == turn_text(a[-1])
 
 
 # ---- each ending, forced: rows written as the engine writes them, judged at a window of W tokens ------------------
