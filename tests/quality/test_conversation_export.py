@@ -26,10 +26,8 @@ L = 2048
 ARGS = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--random-seed", "5"]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    """The demo's prompts, every assistant turn regenerated under the window policy at L = 2048, cap 16384."""
-    data = tmp_path_factory.mktemp("demo") / "data"
+def run_demo(data, settings: GenerationSettings) -> None:
+    """The demo's prompts generated into `data` on two emulator servers."""
     data.mkdir()
     with start_emulator(ARGS) as a, start_emulator(ARGS) as b:
 
@@ -40,15 +38,23 @@ def demo(tmp_path_factory):
                     data,
                     "00000",
                     fleet,
-                    GenerationSettings(
-                        max_output_tokens=16384, cap_policy="window", trainer_max_length=L, regenerate="all_turns"
-                    ),
+                    settings,
                     DispatchSettings(load_sample_s=0, commit_rows=64),
                     log=lambda m: None,
                 )
 
         run = asyncio.run(go())
     assert not run.failed
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo's prompts, every assistant turn regenerated under the window policy at L = 2048, cap 16384."""
+    data = tmp_path_factory.mktemp("demo") / "data"
+    run_demo(
+        data,
+        GenerationSettings(max_output_tokens=16384, cap_policy="window", trainer_max_length=L, regenerate="all_turns"),
+    )
     return data
 
 
@@ -180,6 +186,26 @@ def test_specforge_trains_only_the_last_turn_of_a_conversations_row_which_is_why
     assert untrained > 0  # earlier turns exist, and every one of them is left untrained
     for row, a in zip(rows, answers):
         assert trained_text(export, row) == turn_text(a[-1])
+
+
+def test_at_cap_4096_with_a_4096_window_95_percent_of_the_prompts_leaving_a_trainable_token_are_exported(
+    tmp_path_factory,
+):
+    """The fixed cap at the trainer's window (regenerate as auto makes it for the demo): a turn cut at the cap is cut
+    past the window, so its conversation is exported up to it; only a turn cut inside the window or failed keeps
+    one out."""
+    window = 4096
+    data = tmp_path_factory.mktemp("cap4096") / "data"
+    run_demo(data, GenerationSettings(max_output_tokens=window, trainer_max_length=window, regenerate="all_turns"))
+    first = [r for r in rows(data) if r["turn"] == 1]
+    trainable = {
+        r["prompt_id"] for r in first if trained_tokens(r["prompt_tokens"], r["completion_tokens"], window) >= 2
+    }
+    export = export_training_set(data, tmp_path_factory.mktemp("cap4096_out"), max_length=window)
+    assert export.manifest["form"] == "per_turn"
+    exported = {line["source_id"].split("@")[0] for line in lines(export)}
+    assert exported <= trainable
+    assert len(trainable) > 300 and len(exported) >= 0.95 * len(trainable), (len(exported), len(trainable))
 
 
 # ---- each ending, forced: rows written as the engine writes them, judged at a window of W tokens ------------------
