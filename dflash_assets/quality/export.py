@@ -48,7 +48,14 @@ from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.selection import AFTER_END, NOT_WHOLE, Selection, Turn, ending
-from dflash_assets.quality.tables import COMPLETION_FLAGS, one, parquet_source, runaway_sql, window_flags_sql
+from dflash_assets.quality.tables import (
+    COMPLETION_FLAGS,
+    one,
+    parquet_files,
+    parquet_source,
+    runaway_sql,
+    window_flags_sql,
+)
 from dflash_assets.quality.trainer_format import VALIDATOR, chosen_form, flags_text, has_think_marker
 from dflash_assets.quality.trainer_settings import TRAINER_SETTINGS_FILES, write_trainer_settings
 from dflash_assets.quality.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
@@ -97,7 +104,7 @@ MEMORY_LIMIT, SPILL_DIR = "256MB", ".export_spill"
 GRADE = """
 CREATE TEMP TABLE graded AS
 WITH c AS (
-    SELECT filename, file_row_number, shard, prompt_id, config_hash, turn, turns, source, max_output_tokens, config_cap,
+    SELECT file_index, file_row_number, shard, prompt_id, config_hash, turn, turns, source, max_output_tokens, config_cap,
         prompt_tokens, completion_tokens, created_at, window_complete, judged_window,
         window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
             WHEN {fills_window} THEN 'no_trainable_tokens'
@@ -116,12 +123,13 @@ WITH c AS (
             WHEN $token_ids AND (prompt_token_ids IS NULL OR output_ids IS NULL) THEN 'no_token_ids'
         END AS reason
     FROM (SELECT *, {window} FROM (SELECT *, {flags}, {runaway} AS runaway,
-                                          coalesce(policy_cap, max_output_tokens) AS config_cap FROM {completions})) c0
+                                          coalesce(policy_cap, max_output_tokens) AS config_cap
+                                   FROM {completions} JOIN files USING (filename))) c0
     WHERE $config IS NULL OR config_hash = $config
 )
 SELECT * EXCLUDE (reason), CASE
     WHEN reason IS NULL AND row_number() OVER (
-        PARTITION BY prompt_id, config_hash, turn, reason IS NULL ORDER BY created_at, filename, file_row_number) > 1
+        PARTITION BY prompt_id, config_hash, turn, reason IS NULL ORDER BY created_at, file_index, file_row_number) > 1
     THEN 'duplicate' ELSE reason END AS reason
 FROM c
 """
@@ -136,10 +144,11 @@ WHERE history_think_marker(messages_json)
 KEPT = """
 SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
     g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
-    c.reasoning_content, g.window_cut_in_thinking, g.judged_window, {ids}, g.filename, g.file_row_number, c.enable_thinking,
+    c.reasoning_content, g.window_cut_in_thinking, g.judged_window, {ids}, g.file_index, g.file_row_number, c.enable_thinking,
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
-JOIN {completions} c ON c.filename = g.filename AND c.file_row_number = g.file_row_number
+JOIN files f ON f.file_index = g.file_index
+JOIN {completions} c ON c.filename = f.filename AND c.file_row_number = g.file_row_number
 JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL) p
     ON p.shard = g.shard AND p.prompt_id = g.prompt_id
 WHERE g.reason IS NULL AND g.shard = $shard
@@ -218,25 +227,25 @@ def _write(
     return done
 
 
-def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[str, int, str]]) -> None:
+def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[int, int, str]]) -> None:
     """Rows left out after grading (the validator would stop at them; their conversation is left out or ended
     before them) take their reason in `graded`, so every count of the manifest has them."""
     if rows:
         con.execute(
-            "CREATE OR REPLACE TEMP TABLE reassigned (filename VARCHAR, file_row_number BIGINT, reason VARCHAR)"
+            "CREATE OR REPLACE TEMP TABLE reassigned (file_index INTEGER, file_row_number BIGINT, reason VARCHAR)"
         )
         con.executemany("INSERT INTO reassigned VALUES (?, ?, ?)", rows)
         con.execute(
             "UPDATE graded SET reason = r.reason FROM reassigned r "
-            "WHERE graded.filename = r.filename AND graded.file_row_number = r.file_row_number"
+            "WHERE graded.file_index = r.file_index AND graded.file_row_number = r.file_row_number"
         )
 
 
 TURNS = """
 SELECT shard, prompt_id, config_hash, turn, max(turns) OVER (PARTITION BY shard, prompt_id, config_hash) AS turns,
-    reason, window_complete, prompt_tokens, completion_tokens, judged_window, filename, file_row_number
+    reason, window_complete, prompt_tokens, completion_tokens, judged_window, file_index, file_row_number
 FROM graded WHERE turn IS NOT NULL AND reason IS DISTINCT FROM 'duplicate'
-ORDER BY shard, prompt_id, config_hash, turn, reason IS NOT NULL, created_at, filename, file_row_number
+ORDER BY shard, prompt_id, config_hash, turn, reason IS NOT NULL, created_at, file_index, file_row_number
 """
 
 
@@ -271,7 +280,7 @@ def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) 
                     r["prompt_tokens"] or 0,
                     r["completion_tokens"] or 0,
                     int(r["judged_window"]),
-                    (r["filename"], r["file_row_number"]),
+                    (r["file_index"], r["file_row_number"]),
                 ),
             )
         end = ending(total, turns, refused.get(key, {}), failed.get(key, set()), min_loss_tokens)
@@ -377,8 +386,12 @@ def export_training_set(
                 con.execute(
                     HISTORY_MARKERS.format(prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard))
                 )
-            # a row's file and position identify it between grading and writing, and order duplicates
+            # a row's file and position identify it between grading and writing, and order duplicates: the file by
+            # its index in `files` (sorted, so in file name order), not its name, which `graded` would hold per row
             completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
+            con.execute("CREATE TEMP TABLE files (file_index INTEGER, filename VARCHAR)")
+            if files := list(enumerate(parquet_files(storage, "completions"))):
+                con.executemany("INSERT INTO files VALUES (?, ?)", files)
             all_turns = con.execute(
                 f"SELECT coalesce(bool_or(turn IS NOT NULL), false) FROM {completions} "
                 "WHERE $config IS NULL OR config_hash = $config",

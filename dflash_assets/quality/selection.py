@@ -38,7 +38,7 @@ class Turn:
     prompt_tokens: int
     completion_tokens: int
     judged_window: int
-    position: tuple[str, int]  # (filename, file_row_number): the row's identity in `graded`
+    position: tuple[int, int]  # (file_index, file_row_number): the row's identity in `graded`
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Selection:
     whole: int = 0
     window_complete: dict[int, int] = field(default_factory=dict)  # ended at turn k -> conversations
     left_out: dict[tuple[int, str], int] = field(default_factory=dict)  # (turn, why) -> conversations (turn > 1)
-    reassigned: list[tuple[str, int, str]] = field(default_factory=list)  # (filename, file_row_number, reason)
+    reassigned: list[tuple[int, int, str]] = field(default_factory=list)  # (file_index, file_row_number, reason)
 
     def add(self, end: Ending, rows: dict[int, Turn]) -> None:
         if end.through == 0 and end.turn > 1:

@@ -61,7 +61,7 @@ class Written:
     conversations: int = 0  # conversations they hold
     consumed: int = 0  # kept rows they hold
     refused: dict[str, int] = field(default_factory=dict)  # validator's words -> rows left out (recipe_validation)
-    refused_rows: list[tuple[str, int]] = field(default_factory=list)  # (filename, file_row_number) of those rows
+    refused_rows: list[tuple[int, int]] = field(default_factory=list)  # (file_index, file_row_number) of those rows
     thinking: set[bool] = field(default_factory=set)  # enable_thinking of the rows judged: the recipe's flags
     source_answers: dict[str, int] = field(default_factory=lambda: {"written": 0, "left_out": 0})
 
@@ -169,7 +169,7 @@ class TextWriter(Writer):
         judged = {"id": rows[-1]["id"], "status": STATUS, "conversations": messages}
         if problem := row_problem(judged, **recipe_flags(thinking)):
             done.refused[problem] = done.refused.get(problem, 0) + len(rows)
-            done.refused_rows += [(r["filename"], r["file_row_number"]) for r in rows]
+            done.refused_rows += [(r["file_index"], r["file_row_number"]) for r in rows]
             done.source_answers["left_out"] += history
             return None
         done.source_answers["written"] += history
