@@ -168,14 +168,16 @@ def turn_text(message: dict) -> str:
 
 
 def test_specforges_preprocess_conversations_trains_every_assistant_turn_of_the_default_export(exports):
-    """The default all_turns form (per_turn): each row's own turn is all the loss, reasoning and answer, so every
-    exported assistant turn is trained once."""
+    """The default all_turns form (per_turn): each row's own turn is all its loss, reasoning and answer, so every
+    assistant turn of every exported conversation is trained, once."""
     export = exports["auto"]
     assert export.manifest["form"] == "per_turn"
-    events = lines(export)
-    assert len(events) > len({e["source_id"] for e in events})  # multi-turn conversations are in it
-    for event in events:
-        assert trained_text(export, event["conversations"]) == turn_text(event["conversations"][-1]), event["id"]
+    trained: dict[str, list[str]] = {}
+    for event in lines(export):
+        trained.setdefault(event["source_id"], []).append(trained_text(export, event["conversations"]))
+    conversations = {line["id"]: line["conversations"] for line in lines(exports["conversations"])}
+    assert any(sum(m["role"] == "assistant" for m in c) > 1 for c in conversations.values())
+    assert trained == {i: [turn_text(m) for m in c if m["role"] == "assistant"] for i, c in conversations.items()}
 
 
 def test_specforge_trains_only_the_last_turn_of_a_conversations_row_which_is_why_per_turn_is_the_default(exports):
