@@ -98,7 +98,7 @@ ROW_GROUP = 8192
 NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
 # DuckDB's share of the export's memory: past it the graded rows and a shard's sort spill to SPILL_DIR in the
 # output directory (removed after), so the peak does not grow with the rows (benchmarks/bench_export.py)
-MEMORY_LIMIT, SPILL_DIR = "256MB", ".export_spill"
+MEMORY_LIMIT, SPILL_DIR = "128MB", ".export_spill"
 
 
 GRADE = """
