@@ -188,6 +188,17 @@ class TrainerSettings(Settings):
         "'qwen3.5' in its qwen3.6-27b DFlash recipes; 'qwen3-instruct' for thinking off), written "
         "into the trainer's settings beside the export.",
     )
+    held_out_share: float = Field(
+        0.02,
+        ge=0,
+        lt=1,
+        description="The share of exported conversations written to the held-out file instead of the train file, "
+        "drawn by a seeded hash of the prompt id (quality/split.py): every row of a prompt on one side, the same "
+        "side in every export and form; 0 writes no held-out file.",
+    )
+    held_out_seed: int = Field(
+        0, description="The seed of the held-out draw: the same seed holds out the same prompts."
+    )
 
     def named(self) -> str:
         """The window as every report names it, with how to change it."""

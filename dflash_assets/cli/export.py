@@ -17,6 +17,7 @@ from dflash_assets.defs.metadata import TrainingSetKeys
 from dflash_assets.defs.training.jobs import training_job
 from dflash_assets.quality.console import console_for_output, verbatim
 from dflash_assets.quality.export import kept_lines, left_out_lines
+from dflash_assets.quality.split import split_words
 from dflash_assets.quality.trainer_settings import trainer_settings_line
 from dflash_assets.settings import TRAINER_FLAGS, Deployment, TrainerSettings
 
@@ -49,7 +50,7 @@ def export(
         verbatim(
             console,
             f"drafter training set: {meta[t.ROW_COUNT]} rows of config {meta[t.CONFIG_HASH]} "
-            f"(chosen by: {meta[t.CHOSEN_BY]}) in {meta[t.JSONL]} (manifest beside it)",
+            f"(chosen by: {meta[t.CHOSEN_BY]}) in {meta[t.JSONL]} (manifest beside it)" + split_words(meta[t.MANIFEST]),
         )
         left_out, kept = left_out_lines(meta[t.MANIFEST]), kept_lines(meta[t.MANIFEST])
         for heading, lines in (("left out, by reason:", left_out), ("kept, with a note:", kept)):

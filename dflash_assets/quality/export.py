@@ -30,12 +30,13 @@ out ("runaway") even past the window, since its loop can start inside it. Two fo
   manifest counts them (`window_cut_in_thinking`).
 """
 
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from dflash_assets.generation.prompts import last_turn_request
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.runaway import register_runaway
 from dflash_assets.quality.selection import AFTER_END, NOT_WHOLE, Selection, Turn, ending
+from dflash_assets.quality.split import HELD_OUT, HELD_OUT_FILES, TRAIN, held_out, split_manifest
 from dflash_assets.quality.tables import (
     COMPLETION_FLAGS,
     one,
@@ -162,6 +164,7 @@ class TrainingExport:
     parquet_path: Path
     manifest_path: Path
     manifest: dict[str, Any]
+    held_out_path: Path | None = None  # the held-out JSONL (split.py); None when nothing is held out
 
 
 def _history_think_marker(messages_json: str) -> bool:
@@ -206,25 +209,59 @@ def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> It
 
 
 def _write(
-    con: duckdb.DuckDBPyConnection, storage: Any, ids: str, jsonl_tmp: Path, parquet_tmp: Path, writer: Writer
-) -> Written:
-    """Stream the kept conversations through the form's writer into both files; Parquet row groups are always
-    ROW_GROUP rows, for stable bytes."""
-    done, pending = Written(), []
-    with open(jsonl_tmp, "wb") as jsonl, pq.ParquetWriter(parquet_tmp, writer.schema) as parquet:
+    con: duckdb.DuckDBPyConnection,
+    storage: Any,
+    ids: str,
+    outputs: dict[str, tuple[Path, Path]],
+    form: str,
+    held: Callable[[str], bool],
+) -> tuple[Written, dict[str, tuple[int, int]]]:
+    """Stream the kept conversations through the form's writer into each side's two files (split.py: `outputs` by
+    side, the held-out side absent when nothing is held out; `held` decides by prompt id); Parquet row groups are
+    always ROW_GROUP rows, for stable bytes. Returns what was written and each side's (lines, conversations)."""
+    done = Written()
+    with contextlib.ExitStack() as stack:
+        sides = {
+            side: _Side(stack.enter_context(open(jsonl, "wb")), parquet, writer_for(form), stack)
+            for side, (jsonl, parquet) in outputs.items()
+        }
         for conversation in _conversations(con, storage, ids):
-            samples = writer.samples(conversation, done)
-            done.conversations += bool(samples)
-            for line, record in samples:
-                jsonl.write(writer.dumps(line))
-                pending.append(record)
-                done.lines += 1
-                if len(pending) == ROW_GROUP:
-                    parquet.write_table(pa.Table.from_pylist(pending, schema=writer.schema), row_group_size=ROW_GROUP)
-                    pending = []
-        if pending:
-            parquet.write_table(pa.Table.from_pylist(pending, schema=writer.schema), row_group_size=ROW_GROUP)
-    return done
+            side = sides[HELD_OUT if HELD_OUT in sides and held(conversation.rows[0]["prompt_id"]) else TRAIN]
+            lines = done.lines
+            side.write(conversation, done)
+            side.conversations += done.lines > lines
+        for side in sides.values():
+            side.flush()
+    return done, {name: (side.lines, side.conversations) for name, side in sides.items()} | (
+        {} if HELD_OUT in sides else {HELD_OUT: (0, 0)}
+    )
+
+
+class _Side:
+    """One side of the split: its JSONL and Parquet files, and its own writer (per_turn counts its file's lines)."""
+
+    def __init__(self, jsonl: Any, parquet: Path, writer: Writer, stack: contextlib.ExitStack) -> None:
+        self.jsonl, self.writer = jsonl, writer
+        self.parquet = stack.enter_context(pq.ParquetWriter(parquet, writer.schema))
+        self.pending: list[dict[str, Any]] = []
+        self.lines = self.conversations = 0
+
+    def write(self, conversation: Conversation, done: Written) -> None:
+        samples = self.writer.samples(conversation, done)
+        done.conversations += bool(samples)
+        for line, record in samples:
+            self.jsonl.write(self.writer.dumps(line))
+            self.pending.append(record)
+            done.lines += 1
+            self.lines += 1
+            if len(self.pending) == ROW_GROUP:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            table = pa.Table.from_pylist(self.pending, schema=self.writer.schema)
+            self.parquet.write_table(table, row_group_size=ROW_GROUP)
+            self.pending = []
 
 
 def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[int, int, str]]) -> None:
@@ -337,6 +374,8 @@ def export_training_set(
     chat_template: str = TrainerSettings().chat_template,
     chosen_by: str = "explicit",
     min_loss_tokens: int = TrainerSettings().min_loss_tokens,
+    held_out_share: float = 0.0,
+    held_out_seed: int = TrainerSettings().held_out_seed,
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
@@ -354,6 +393,10 @@ def export_training_set(
     work needs most, and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
     The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
     sources it takes most from, so that what is left out is a visible decision.
+    A share of the prompts (`held_out_share`, by a seeded hash of the prompt id: split.py) goes whole to the
+    held-out file beside the train file, in the same form; the manifest's `split` names both with their counts
+    (`rows` counts both), and 0 (here by default) writes no held-out file; the pipeline (drafter_training_set,
+    `dflash export`) passes TrainerSettings.held_out_share.
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
     """
     if is_uri(os.fspath(out_dir)):
@@ -364,8 +407,12 @@ def export_training_set(
     storage = open_storage(data_dir)  # one filesystem for both tables
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in ("training_set.jsonl", "training_set.parquet", "manifest.json")}
-    for name in TRAINER_SETTINGS_FILES:  # a later export of another form or window must not leave stale ones
+    names = ("training_set.jsonl", "training_set.parquet", *(HELD_OUT_FILES if held_out_share > 0 else ()))
+    paths = {name: out / name for name in (*names, "manifest.json")}
+    for name in (
+        *TRAINER_SETTINGS_FILES,
+        *HELD_OUT_FILES,
+    ):  # a later export of another form or window must not leave stale ones
         (out / name).unlink(missing_ok=True)
     tmps = {name: out / f".{name}.tmp" for name in paths}
     writer_for(chosen_form(form, False, chat_template)[0])  # refuses an unknown form before anything is written
@@ -417,7 +464,11 @@ def export_training_set(
             selection = _select(con, storage, min_loss_tokens)
             _reassign(con, selection.reassigned)
             ids = "c.prompt_token_ids, c.output_ids" if params["token_ids"] else "NULL AS prompt_token_ids"
-            done = _write(con, storage, ids, tmps["training_set.jsonl"], tmps["training_set.parquet"], writer)
+            outputs = {TRAIN: (tmps["training_set.jsonl"], tmps["training_set.parquet"])}
+            if held_out_share > 0:
+                outputs[HELD_OUT] = (tmps[HELD_OUT_FILES[0]], tmps[HELD_OUT_FILES[1]])
+            held = lambda prompt_id: held_out(prompt_id, held_out_share, held_out_seed)  # noqa: E731
+            done, sides = _write(con, storage, ids, outputs, form, held)
             _reassign(con, [(*position, "recipe_validation") for position in done.refused_rows])
             window = _window(con, max_length)
             manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
@@ -431,6 +482,9 @@ def export_training_set(
                 "window": window,
                 "recipe": _recipe(done, writer),
                 "source_answers": _source_answers(done, writer),
+                "split": split_manifest(
+                    held_out_share, held_out_seed, sides, "training_set.jsonl", "training_set.parquet"
+                ),
             }
             manifest["drop_over_max_length"] = params["drop_long"]
             manifest["over_max_length_kept"] = one(
@@ -457,11 +511,17 @@ def export_training_set(
                 "config's form",
                 "window_cut_content": WINDOW_CUT_CONTENT if writer.form.rendered else None,
             }
-        for name in ("training_set.jsonl", "training_set.parquet"):
+        for name in names:
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
         manifest["trainer_settings"] = write_trainer_settings(
-            out, paths["training_set.jsonl"], form, window["max_length"], chat_template, done.source_answers["written"]
+            out,
+            paths["training_set.jsonl"],
+            form,
+            window["max_length"],
+            chat_template,
+            done.source_answers["written"],
+            manifest["split"],
         )
         tmps["manifest.json"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _commit(tmps["manifest.json"], paths["manifest.json"])
@@ -469,7 +529,13 @@ def export_training_set(
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
         shutil.rmtree(out / SPILL_DIR, ignore_errors=True)
-    return TrainingExport(paths["training_set.jsonl"], paths["training_set.parquet"], paths["manifest.json"], manifest)
+    return TrainingExport(
+        paths["training_set.jsonl"],
+        paths["training_set.parquet"],
+        paths["manifest.json"],
+        manifest,
+        paths.get(HELD_OUT_FILES[0]),
+    )
 
 
 def _window(con: duckdb.DuckDBPyConnection, max_length: int | None) -> dict[str, Any]:

@@ -88,6 +88,8 @@ def drafter_training_set(
             chat_template=quality_settings.trainer.chat_template,
             chosen_by=chosen_by,
             min_loss_tokens=quality_settings.trainer.min_loss_tokens,
+            held_out_share=quality_settings.trainer.held_out_share,
+            held_out_seed=quality_settings.trainer.held_out_seed,
         )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
@@ -99,6 +101,7 @@ def drafter_training_set(
             TrainingSetKeys.CHOSEN_BY: chosen_by,
             TrainingSetKeys.JSONL: dg.MetadataValue.path(str(export.jsonl_path)),
             "parquet": dg.MetadataValue.path(str(export.parquet_path)),
+            "held_out": dg.MetadataValue.path(str(export.held_out_path)) if export.held_out_path else "none",
             "rows_excluded": sum(e["rows"] for e in manifest["exclusions"]),
             "over_max_length_kept": manifest["over_max_length_kept"],
             "window_complete_kept": manifest["window_complete_kept"],
