@@ -144,7 +144,6 @@ def settings_flags(
             )
 
 
-HELD_OUT = ("held_out_share", "held_out_seed")  # TrainerSettings' held-out split: only the commands that export
 ATTACHED = ("mode", "urls", "num_servers", "emulator_args")  # FleetSettings a command on --urls has no use for
 
 
@@ -251,8 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
     data_flags(export)
-    # the window
-    settings_flags(configs, TrainerSettings, skip=("format", "chat_template", *HELD_OUT), prefix=TRAINER_FLAGS)
+    settings_flags(configs, TrainerSettings, skip=("format", "chat_template"), prefix=TRAINER_FLAGS)  # the window
     settings_flags(export, TrainerSettings, prefix=TRAINER_FLAGS)  # the window and the form, as demo's
 
     gen = sub.add_parser(
@@ -265,8 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     settings_flags(gen, RequestSettings)
     settings_flags(gen, DispatchSettings)
-    # the window only
-    settings_flags(gen, TrainerSettings, skip=("format", "chat_template", *HELD_OUT), prefix=TRAINER_FLAGS)
+    settings_flags(gen, TrainerSettings, skip=("format", "chat_template"), prefix=TRAINER_FLAGS)  # the window only
     settings_flags(gen, FleetSettings, skip=ATTACHED)
     gen.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
 
@@ -319,8 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reads the Parquet files directly; works without the webserver.",
     )
     data_flags(report, prompts=False)
-    # the window fixed-cap rows are judged against
-    settings_flags(report, TrainerSettings, skip=HELD_OUT, prefix=TRAINER_FLAGS)
+    settings_flags(report, TrainerSettings, prefix=TRAINER_FLAGS)  # the window fixed-cap rows are judged against
     report.add_argument(
         "--open", action="store_true", help="open the pictures (length histogram, cap plan survival curve) in a browser"
     )
