@@ -27,7 +27,7 @@ class Exported:
     """What the export of a config holds, read from its own manifest (quality/export.py): never claimed, counted."""
 
     manifest: Path
-    samples: int  # the manifest's `rows`: JSONL lines written (a conversation each in the text forms)
+    samples: int  # the manifest's `rows`: JSONL lines written, train and held out (a conversation each in text forms)
     form: str
     window_complete_kept: int
     no_trainable_tokens: int

@@ -123,7 +123,9 @@ def test_what_the_answer_says_of_the_export_is_what_the_training_set_holds(story
     data = Path(env["DFLASH_DATA_DIR"])
     (answer,) = cap_answers(data)
     folder = data / "training" / answer.config_hash
-    lines = len((folder / "training_set.jsonl").read_text().splitlines())
+    lines = sum(  # the train and the held-out files (quality/split.py)
+        len((folder / name).read_text().splitlines()) for name in ("training_set.jsonl", "held_out_set.jsonl")
+    )
     manifest = json.loads((folder / "manifest.json").read_text())
     assert answer.exported is not None and answer.exported.samples == lines == manifest["rows"]
     m = re.search(r"export: ([\d,]+) samples", re.sub(r"\s+", " ", out["report"]))
