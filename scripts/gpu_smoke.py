@@ -30,7 +30,13 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.export import export_training_set
-from dflash_assets.settings import Deployment, DispatchSettings, GenerationSettings, LaunchSettings
+from dflash_assets.settings import (
+    Deployment,
+    DispatchSettings,
+    GenerationSettings,
+    LaunchSettings,
+    RepeatSettings,
+)
 from dflash_assets.store.stores import prompt_store
 
 SHARD = "00000"
@@ -141,8 +147,13 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
     too_long = asyncio.run(long_prompt(url[0], key, target))
     lines += [{"id": "too_long_preflight", "prompt": too_long}, {"id": "too_long_server", "prompt": too_long + " ."}]
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    keep = RepeatSettings(keep_repeats=True)  # the two long prompts are near repeats on purpose: both reach preflight
     built = on_fleet(
-        url, lambda f: build_prompt_shard(src, 0, SHARD, len(lines), data, f, {"enable_thinking": True}), key
+        url,
+        lambda f: build_prompt_shard(
+            src, 0, SHARD, len(lines), data, f, {"enable_thinking": True}, repeat_settings=keep
+        ),
+        key,
     )
     store = prompt_store(data, SHARD)
     rows = store.read().to_pylist()

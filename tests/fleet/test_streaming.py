@@ -19,7 +19,7 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import watch_of
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.settings import DispatchSettings, GenerationSettings
+from dflash_assets.settings import DispatchSettings, GenerationSettings, RepeatSettings
 from tests.support.forks import start_emulator
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,7 +62,11 @@ def make_shard(data_dir, url) -> None:
     src.write_text(
         "".join(json.dumps({"id": f"s{i:03d}", "prompt": f"{lead}Case {i}."}) + "\n" for i in range(N))
     )  # the shared lead-in is cached: cached_tokens > 0
-    on_fleet([url], lambda f: build_prompt_shard(src, 0, "00000", N, data_dir, f, {"enable_thinking": True}))
+    # the prompts differ only in their case number: near repeats, kept here (the cache's shared lead-in is the point)
+    keep = RepeatSettings(keep_repeats=True)
+    on_fleet(
+        [url], lambda f: build_prompt_shard(src, 0, "00000", N, data_dir, f, {"enable_thinking": True}, 64, None, keep)
+    )
 
 
 def generate(data_dir, url, cap: int, stream: bool):
