@@ -137,7 +137,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 def configs(args: argparse.Namespace) -> int:
     """The configs of a data dir side by side (store/configs.py), the latest first."""
-    from dflash_assets.quality.console import configs_table, report_console
+    from dflash_assets.quality.console import configs_table, report_console, say_with_command
     from dflash_assets.store.configs import list_configs
 
     if args.data_dir:
@@ -150,10 +150,9 @@ def configs(args: argparse.Namespace) -> int:
         return 2
     console = report_console()
     console.print(configs_table(configs))
-    console.print(
+    say_with_command(
+        console,
         f"latest (the export's default when no run names its own): {configs[0].config_hash}. "
         f"Export one: {as_printed('dflash export --config HASH')}",
-        soft_wrap=True,
-        highlight=False,
     )
     return 0

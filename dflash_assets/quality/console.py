@@ -89,6 +89,26 @@ def verbatim(console: Console, text: str) -> None:
     console.print(text, highlight=False, soft_wrap=True)
 
 
+# where a command starts in a line of ours: its environment, then `uv run` or `dflash`
+COMMAND_START = re.compile(r"(?:[A-Z][A-Z0-9_]*=\S+ )*(?:uv run |dflash )")
+
+
+def say_with_command(console: Console, line: str) -> None:
+    """A line of prose wrapped at the console's width, and the command it ends with (if any) on a line of its own,
+    whole (verbatim), so it runs as printed when copied."""
+    at = COMMAND_START.search(line)
+    if at is None or at.start() == 0:
+        (verbatim if at is not None else _wrapped)(console, line)
+        return
+    indent = " " * (len(line) - len(line.lstrip()))
+    _wrapped(console, line[: at.start()].rstrip())
+    verbatim(console, f"{indent}    {line[at.start() :]}")
+
+
+def _wrapped(console: Console, text: str) -> None:
+    console.print(text, highlight=False, markup=False)
+
+
 def _n(value: int | None) -> str:
     return "-" if value is None else num(value)
 
@@ -180,7 +200,7 @@ def print_answer(
     """One config's answer (CapAnswer.lines: the figures with their units, the export, the next command), then its
     cap plan: the table and the window policy's tokens."""
     for line in answer.lines(command, export_command):
-        console.print(line, highlight=False, markup=False, soft_wrap=True)  # a command in them is copied whole
+        say_with_command(console, line)
     print_plan(answer, console)
 
 

@@ -149,7 +149,13 @@ def test_dflash_configs_shows_the_share_cut_at_the_cap_beside_the_share_cut_insi
 def test_no_line_is_wider_than_100_columns_and_no_figure_is_cut(story, view):
     _, out = story
     lines = out[view].splitlines()
-    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+
+    # a path or a command's environment is printed whole, so it can be copied (console.verbatim): past those, every
+    # line (prose, tables) fits in 100 columns
+    def prose(line: str) -> str:
+        return " ".join(word for word in line.split(" ") if "/" not in word and "=" not in word)
+
+    assert max(len(prose(line)) for line in lines) <= 100, max(lines, key=lambda line: len(prose(line)))
     assert not [line for line in lines if "…" in line]
 
 
