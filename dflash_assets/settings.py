@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from dflash_assets.rules import LARGEST_CONTEXT, fills_window, window_cap
+from dflash_assets.rules import LARGEST_CONTEXT, fills_window, leaves_loss_room, window_cap
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 
@@ -298,11 +298,20 @@ class GenerationSettings(RequestSettings):
 
     # what the fleet says it serves (fleet/provenance.py), in the config hash: not a setting, read at connect
     _provenance: dict | None = PrivateAttr(None)
+    # TrainerSettings.min_loss_tokens, which preflight asks of a prompt under the window policy (rules.leaves_loss_room):
+    # it decides which prompts are sent, never what a completion is, so it is not hashed
+    _min_loss_tokens: int = PrivateAttr(TrainerSettings().min_loss_tokens)
 
     @classmethod
     def of(cls, source: object, trainer: TrainerSettings) -> GenerationSettings:
         """The request settings `source` carries (a completions config, flags), sized to the trainer's window."""
-        return cls.taken_from(source).model_copy(update={"trainer_max_length": trainer.max_length})
+        settings = cls.taken_from(source).model_copy(update={"trainer_max_length": trainer.max_length})
+        settings._min_loss_tokens = trainer.min_loss_tokens
+        return settings
+
+    @property
+    def min_loss_tokens(self) -> int:
+        return self._min_loss_tokens
 
     def template_kwargs(self) -> dict:
         """The chat_template_kwargs sent with every request (and with /v1/tokenize)."""
@@ -364,10 +373,18 @@ class GenerationSettings(RequestSettings):
 
     def window_problem(self, prompt_tokens: int) -> str | None:
         """Why the window policy refuses this prompt (it fills the trainer's window), or None."""
-        if self.windowed and fills_window(prompt_tokens, self.trainer_max_length):
+        if not self.windowed:
+            return None
+        if fills_window(prompt_tokens, self.trainer_max_length):
             return (
                 f"prompt of {prompt_tokens} tokens fills the trainer's window max_length "
                 f"{self.trainer_max_length}: the trainer would read no answer (cap_policy window)"
+            )
+        if not leaves_loss_room(prompt_tokens, self.trainer_max_length, self.min_loss_tokens):
+            return (
+                f"prompt of {prompt_tokens} tokens leaves the trainer's window max_length {self.trainer_max_length} "
+                f"room for fewer than min_loss_tokens {self.min_loss_tokens} supervised tokens: the trainer would "
+                f"drop the sample (cap_policy window)"
             )
         return None
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pyarrow.compute as pc
 
 from dflash_assets.generation.prompts import last_turn_request
-from dflash_assets.rules import fills_window
+from dflash_assets.rules import fills_window, leaves_loss_room
 from dflash_assets.settings import GenerationSettings, Regenerate
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
@@ -90,10 +90,11 @@ def turns_of(messages: list[dict], generation: GenerationSettings) -> Turns:
 
 
 def fills_before(turn: int, prompt_tokens: int, generation: GenerationSettings) -> bool:
-    """A later turn whose history already fills the trainer's window: the trainer reads none of its answer nor of
-    the turns after it, so its conversation ends there, with no request for any of them (rules.fills_window). A
-    first turn is preflight's: the window policy rejects it, a fixed cap sends it and counts it."""
-    return turn > 1 and fills_window(prompt_tokens, generation.trainer_max_length)
+    """A later turn whose history already fills the trainer's window, or leaves it room for fewer than
+    min_loss_tokens supervised tokens: the trainer keeps none of its answer nor of the turns after it, so its
+    conversation ends there, with no request for any of them (rules.leaves_loss_room, the rule preflight and the
+    export share). A first turn is preflight's: the window policy rejects it, a fixed cap sends it and counts it."""
+    return turn > 1 and not leaves_loss_room(prompt_tokens, generation.trainer_max_length, generation.min_loss_tokens)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.rules import window_cap
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
+from dflash_assets.store.stores import prompt_store
 from tests.support.forks import start_emulator
 
 FAST = ["--decode-tokens-per-s", "0", "--reasoning-parser", "qwen3", "--random-seed", "7"]
@@ -437,3 +438,22 @@ def test_a_window_policy_at_2048_set_in_dagster_alone_is_sized_judged_and_export
     assert "the trainer setting in force says 4,096" in manifest["window"]["note"]
     spec = next((tmp_path / "data" / "training").glob("*/specforge_data.yaml")).read_text()
     assert "  max_length: 2048\n" in spec
+
+
+def test_a_prompt_leaving_one_token_of_room_is_rejected_by_preflight_with_the_reason_never_sent(tmp_path, fleet_urls):
+    """SpecForge's DFlash rule (min_loss_tokens, default 2): a prompt one token short of the window leaves the
+    trainer a single supervised token, a sample it drops, so the window policy never sends it."""
+    data = tmp_path / "data"
+    make_shard(data, fleet_urls, n=4, long_prompts=1)
+    tokens = {r["prompt_id"]: r["prompt_tokens"] for r in prompt_store(data, "00000").read().to_pylist()}
+    window = tokens["w000"] + 1  # one token of room for w000; the others leave hundreds
+    generation = GenerationSettings.of(
+        GenerationSettings(max_output_tokens=8192, cap_policy="window", overshoot=OVERSHOOT).resolved(False),
+        TrainerSettings(max_length=window),
+    )
+    run = on_fleet(fleet_urls, lambda f: generate_shard(data, "00000", f, generation, SETTINGS, log=lambda m: None))
+    assert run.rejected_preflight == 1 and run.completed == 3, run
+    ((prompt_id, reason, _),) = rejects(data)
+    assert prompt_id == "w000" and f"leaves the trainer's window max_length {window} room for fewer than" in reason
+    assert "min_loss_tokens 2" in reason
+    assert "w000" not in {r[0] for r in rows(data)}  # never sent: no row, only the preflight reject
