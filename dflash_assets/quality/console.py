@@ -6,6 +6,7 @@ fit drops its least needed columns (fit), a figure is never cut with an ellipsis
 
 import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,10 @@ def say_with_command(console: Console, line: str) -> None:
 
 
 def _wrapped(console: Console, text: str) -> None:
-    console.print(text, highlight=False, markup=False)
+    """Prose wrapped at words to the console's width, its continuation lines indented under it."""
+    hang = " " * (len(text) - len(text.lstrip()) + 4)
+    for line in textwrap.wrap(text, console.width, subsequent_indent=hang, break_long_words=False) or [""]:
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _n(value: int | None) -> str:
