@@ -15,6 +15,7 @@ import pytest
 
 from tests.support import quality_data
 from tests.support.http import Http
+from tests.support.services import environ
 from tests.support.sglang_wheel import generate_api
 from tests.support.shards import FAST
 
@@ -25,6 +26,13 @@ os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
 # generous cap cuts nothing, so they get each prompt's one completion; a test about sampling asks for
 # `--sampling per-request` (tests/generation/test_continuation_bump.py, the demo's story in tests/cli/test_terminal.py).
 os.environ.setdefault("DFLASH_EMULATOR_SAMPLING", "per-prompt")
+# A failed generating step is retried by Dagster after DFLASH_RETRY_DELAY_S (10 s, then 20 s), read once, when the
+# definitions are imported. In this process they retry at once: what a test asserts of a retry is that it happens and
+# what it resumes, never the wait. Set for that import only: a command prints the settings that differ from their
+# defaults (and docs/running.md shows what it prints), so the commands the tests start keep the default.
+if "DFLASH_RETRY_DELAY_S" not in os.environ:
+    with environ({"DFLASH_RETRY_DELAY_S": "0"}):
+        import dflash_assets.defs.resources  # noqa: F401
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected
