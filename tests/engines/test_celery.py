@@ -51,7 +51,7 @@ from tests.support.dagster_procs import (
     make_home,
     materialize_shards,
     start_group,
-    stop_group,
+    stop_groups,
     wait_daemon_healthy,
     webserver,
 )
@@ -166,8 +166,7 @@ def cluster(postgres, redis_broker, tmp_path_factory):
                         base,
                     )
         finally:
-            for proc in procs:
-                stop_group(proc)
+            stop_groups(procs)
             fleet.stop()
 
 

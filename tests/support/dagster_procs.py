@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,13 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
             break
     if proc.poll() is None:
         proc.wait(timeout=10)
+
+
+def stop_groups(procs: list[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """stop_group for several process groups at once (a Celery worker's warm shutdown takes seconds: waited for
+    together, not one after the other)."""
+    with ThreadPoolExecutor(max(1, len(procs))) as pool:
+        list(pool.map(lambda proc: stop_group(proc, grace_s), procs))
 
 
 def _group_alive(pgid: int) -> bool:
