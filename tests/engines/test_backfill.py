@@ -13,9 +13,9 @@ backfill"; the daemon runs them.
    shows a step blocked by the pool, and only then lets the held steps finish, so however slowly runs start on
    the machine, the first steps are certainly still running when a later one reaches the pool.
 2. A shard whose fleet goes down mid-run (the server crashes after two requests) fails its completions step;
-   the rows committed before the crash stay; the server is back on the same URL before Dagster retries the
-   step (the asset's RetryPolicy), and the retry resumes where it stopped: only the missing prompts are
-   generated, no row twice.
+   the rows committed before the crash stay; the server is back on the same URL by the time Dagster's retry of
+   the step (the asset's RetryPolicy) connects, and the retry resumes where it stopped: only the missing prompts
+   are generated, no row twice.
 3. Two runs of the same shard launched at once (through the run queue and the daemon, as two clicks on
    "Materialize" would): one writes the shard, the other waits for it (one run per shard across the
    deployment, held in the instance's concurrency slots), then finds every row committed and generates none.
@@ -110,7 +110,7 @@ def test_a_partition_whose_fleet_goes_down_is_retried_by_dagster_and_resumes(sta
     committed = completion_rows(stack.data_dir, RESUME_SHARD)
     assert 0 < len(committed) < SHARD_SIZE, committed
 
-    # the server is back on the same URL before the retry (RetryPolicy delay): Dagster retries the step itself
+    # the server is back on the same URL for the retry (it waits for the fleet at connect): Dagster retries the step
     stack.fleet.start(*FAST)
     backfill = wait_backfill(stack, backfill_id)
     counts = counts_by_asset(backfill)

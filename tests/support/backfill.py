@@ -114,7 +114,9 @@ def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path
     home = make_home(base / "dagster_home", dagster_yaml)
     write_prompts(base / "prompts.jsonl", questions(SHARD_SIZE * (len(POOL_SHARDS) + 3), end="."))
     fleet = Fleet(logs)
-    # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool
+    # DFLASH_SHARDS_PER_RUN=1: one run per shard, so a backfill of N shards is N runs competing for the pool;
+    # DFLASH_RETRY_DELAY_S=1: a failed step is retried within 0-2 s (10 s by default, give or take 10: Dagster's
+    # jitter), and a retry that comes before the test has started its fleet again waits for it at connect
     env = dflash_env(
         home,
         data_dir=base / "data",
@@ -123,6 +125,7 @@ def open_stack(base: Path, dagster_yaml: Path = PROJECT_DAGSTER_YAML, logs: Path
         fleet_mode="attach",
         fleet_urls=fleet.url,
         shards_per_run=1,
+        retry_delay_s=1,
     )
     fleet.start(*FAST, "--fault-hold")
     try:
