@@ -197,11 +197,16 @@ def wait_loaded(server: Webserver, what: str, timeout_s: float) -> None:
 # of them (submit, then see it finished). Tests shorten that sleep so a backfill takes seconds, not minutes;
 # everything else is the stock `dagster-daemon run`. This private patch is kept because no public setting exists
 # in 1.13: dagster.yaml's `backfills:` takes only use_threads / num_workers / num_submit_workers, and
-# `dagster._daemon.backfill.execute_backfill_iteration_loop` reads the module constant directly.
+# `dagster._daemon.backfill.execute_backfill_iteration_loop` reads the module constant directly. The run queue's
+# daemon, which launches the runs a backfill submits, takes the same interval (5 s by default, so a submitted run
+# waited 2.5 s on average, each backfill of the engine tests): patched in the daemon too, rather than set in the
+# instance's `run_queue: dequeue_interval_seconds`, so the dagster.yaml under test is the project's, unchanged.
 _DAEMON_MAIN = """
 import sys
 import dagster._daemon.controller as controller
+from dagster._core.run_coordinator.queued_run_coordinator import QueuedRunCoordinator
 controller.DEFAULT_DAEMON_INTERVAL_SECONDS = float(sys.argv.pop(1))
+QueuedRunCoordinator.dequeue_interval_seconds = property(lambda _: controller.DEFAULT_DAEMON_INTERVAL_SECONDS)
 from dagster._daemon.cli import main
 sys.argv[0] = "dagster-daemon"
 main()
@@ -298,14 +303,16 @@ def materialize_shards(
     return {r["shard"]: r for r in results}
 
 
-# `dagster dev` starts its daemon itself, as `python -m dagster._daemon run`, so the backfill interval is shortened
+# `dagster dev` starts its daemon itself, as `python -m dagster._daemon run`, so the daemon's intervals are shortened
 # there by a sitecustomize on that process's PYTHONPATH, which applies the same patch as _DAEMON_MAIN to the daemon
 # only (every other process of the group starts as it always does).
 _DEV_SITECUSTOMIZE = """
 import os, sys
 if sys.orig_argv[1:3] == ["-m", "dagster._daemon"] and os.environ.get("DFLASH_TEST_DAEMON_INTERVAL_S"):
     import dagster._daemon.controller as controller
+    from dagster._core.run_coordinator.queued_run_coordinator import QueuedRunCoordinator
     controller.DEFAULT_DAEMON_INTERVAL_SECONDS = float(os.environ["DFLASH_TEST_DAEMON_INTERVAL_S"])
+    QueuedRunCoordinator.dequeue_interval_seconds = property(lambda _: controller.DEFAULT_DAEMON_INTERVAL_SECONDS)
 """
 
 
