@@ -29,6 +29,7 @@ import json
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -296,6 +297,21 @@ def test_two_runs_of_one_shard_at_once_never_write_it_together(cluster):
     ), written
 
 
+def recovered(cluster: Cluster, backfill_id: str) -> str:
+    """Run monitoring sees the killed run's Celery task failed and fails the run, the backfill ends failed; then
+    "Re-execute from failure", as in the UI, until that backfill succeeds. Its id."""
+    failed = backfill.wait_backfill(cluster, backfill_id)
+    assert failed["status"] in {"COMPLETED_FAILED", "FAILED"}, failed
+    reexecuted = cluster.server.gql(
+        backfill.REEXECUTE, {"params": {"parentRunId": backfill_id, "strategy": "FROM_FAILURE"}}
+    )
+    reexecuted = reexecuted["reexecutePartitionBackfill"]
+    assert reexecuted["__typename"] == "LaunchBackfillSuccess", reexecuted
+    result = backfill.wait_backfill(cluster, reexecuted["backfillId"])
+    assert result["status"] == "COMPLETED_SUCCESS", (result, backfill.failures(cluster.instance, result["id"]))
+    return reexecuted["backfillId"]
+
+
 def test_a_worker_killed_mid_completions_is_re_executed_from_its_parts_to_rows_equal_to_an_uninterrupted_run(cluster):
     cluster.fleet.start(*FLEET)  # no hold: rows get committed one by one
     backfill_id = backfill.launch_backfill(cluster.server, [KILLED], "celery: a worker is killed", ONE_ROW_COMMITS)
@@ -308,30 +324,22 @@ def test_a_worker_killed_mid_completions_is_re_executed_from_its_parts_to_rows_e
     committed = len(rows(cluster.data_dir, KILLED))
     os.kill(pid, signal.SIGKILL)  # the run's worker process dies mid-step
     cluster.fleet.release_fast()  # the rest, and the uninterrupted reference run below, decoded fast: same rows
-    # run monitoring sees the Celery task failed and fails the run; then "Re-execute from failure", as in the UI
-    failed = backfill.wait_backfill(cluster, backfill_id)
-    assert failed["status"] in {"COMPLETED_FAILED", "FAILED"}, failed
-    reexecuted = cluster.server.gql(
-        backfill.REEXECUTE, {"params": {"parentRunId": backfill_id, "strategy": "FROM_FAILURE"}}
-    )
-    reexecuted = reexecuted["reexecutePartitionBackfill"]
-    assert reexecuted["__typename"] == "LaunchBackfillSuccess", reexecuted
-    result = backfill.wait_backfill(cluster, reexecuted["backfillId"])
-    assert result["status"] == "COMPLETED_SUCCESS", (result, backfill.failures(cluster.instance, result["id"]))
-    [retry] = runs_of(cluster, reexecuted["backfillId"])
-    killed = cluster.instance.get_run_by_id(run.run_id)
-    pids = step_pids(cluster.instance, retry.run_id, "completions")
-    meta = backfill.latest_completions_metadata(cluster.instance, KILLED)
-    after = rows(cluster.data_dir, KILLED, "prompt_id, content, reasoning_content, completion_tokens, finish_reason")
-
-    # the same shard, uninterrupted, in process on another data dir and instance
+    # the same shard, uninterrupted, in process on another data dir and instance, made while the cluster recovers
     reference_env = {
         **cluster.env,
         "DAGSTER_HOME": str(make_home(cluster.base / "reference_home")),
         "DFLASH_DATA_DIR": str(cluster.base / "reference"),
     }
-    outcome = materialize_shards(reference_env, {KILLED: 4096}, LOGS / "reference.log")
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(materialize_shards, reference_env, {KILLED: 4096}, LOGS / "reference.log")
+        reexecuted = recovered(cluster, backfill_id)
+        outcome = uninterrupted.result()
     assert outcome[KILLED]["success"]
+    [retry] = runs_of(cluster, reexecuted)
+    killed = cluster.instance.get_run_by_id(run.run_id)
+    pids = step_pids(cluster.instance, retry.run_id, "completions")
+    meta = backfill.latest_completions_metadata(cluster.instance, KILLED)
+    after = rows(cluster.data_dir, KILLED, "prompt_id, content, reasoning_content, completion_tokens, finish_reason")
     reference = rows(
         cluster.base / "reference", KILLED, "prompt_id, content, reasoning_content, completion_tokens, finish_reason"
     )
