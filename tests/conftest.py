@@ -54,6 +54,23 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: (not first(item), -tests_in[item.path]))
 
 
+@pytest.hookimpl(trylast=True)  # after the slowest tests
+def pytest_terminal_summary(terminalreporter):
+    """How the workers' time was split: per worker, the seconds of its tests (setup, call
+    and teardown) and its longest files, so that the order above can be judged on the run's own figures."""
+    files: dict[str, Counter] = {}
+    for report in (r for reports in terminalreporter.stats.values() for r in reports):
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        if worker is not None and getattr(report, "when", None) in ("setup", "call", "teardown"):
+            files.setdefault(worker.id, Counter())[report.nodeid.split("::")[0]] += report.duration
+    if not files:
+        return  # not run by xdist workers
+    terminalreporter.write_sep("=", "seconds of tests per worker")
+    for worker, seconds in sorted(files.items()):
+        longest = ", ".join(f"{path.removeprefix('tests/')} {s:.0f}" for path, s in seconds.most_common(6))
+        terminalreporter.write_line(f"{worker}: {sum(seconds.values()):.0f} s in {len(seconds)} files; {longest}")
+
+
 def pytest_collection_finish(session):
     """What collection imported (Dagster, the test modules) is never garbage: kept out of the collector's passes
     for the rest of the run, as tests/support/fork_preload.py does for the processes forked warm."""
