@@ -103,12 +103,14 @@ def named_stops(
 
 
 def cancel(context: dg.AssetExecutionContext, stopped: Stopped) -> NoReturn:
-    """End the run CANCELED: Dagster 1.13 records an interrupted run as canceled only when it is CANCELING already
-    (execution/api.py), as the UI's Terminate leaves it; the step's pool slots are freed on the way out."""
+    """End the run CANCELED: Dagster 1.13 records a run whose steps failed as canceled when it is CANCELING already
+    (execution/api.py), as the UI's Terminate leaves it; the step's pool slots are freed on the way out. The step
+    fails with a Failure that is not retried: an interrupt raised from a step with a RetryPolicy is turned into a retry
+    request (execution/plan/utils.py), so the run would wait out the policy's delays before it ended."""
     run = context.instance.get_run_by_id(context.run.run_id) or context.run
     if run.status != dg.DagsterRunStatus.CANCELING:
         context.instance.report_run_canceling(run, message=f"{stopped}: the answers received were committed")
-    raise dg.DagsterExecutionInterruptedError(str(stopped)) from None
+    raise dg.Failure(str(stopped), allow_retries=False) from None
 
 
 NO_COMPUTE_LOGS = {"module": "dagster._core.storage.noop_compute_log_manager", "class": "NoOpComputeLogManager"}

@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Hold generation requests until the hold is cleared (POST /_emulator/faults {\"hold\": null}).",
     )
+    emu.add_argument(
+        "--fault-hold-after",
+        type=int,
+        help="Serve the first N generation requests, then hold every later one until hold_after is cleared.",
+    )
     emu.add_argument("--fault-slow-factor", type=float, help="Multiply decode time by this factor.")
     return parser
 

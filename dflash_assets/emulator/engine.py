@@ -262,8 +262,12 @@ class Engine:
         if verdict.stall and not verdict.stall_after and await _stalled(verdict.stall, aborted):
             yield self._abort(req, "Aborted", None)
             return
-        while verdict.hold and self.faults.held:
-            await asyncio.sleep(HOLD_POLL_S)
+        try:
+            while verdict.hold and self.faults.held:
+                await asyncio.sleep(HOLD_POLL_S)
+        except (asyncio.CancelledError, GeneratorExit):  # its client went while it waited: aborted, as SGLang
+            self.num_aborted += 1  # counts any request it knows (tokenizer_manager.abort_request)
+            raise
         if verdict.fail:
             yield self._abort(req, verdict.fail, 503)
             return

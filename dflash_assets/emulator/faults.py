@@ -28,6 +28,9 @@ Settings (all optional):
     slow_factor: F     decode takes F times longer (a throttled or noisy GPU)
     hold: bool         a generation request is accepted, then held until hold is cleared (a test
                        that needs work to be certainly in flight at some moment releases it then)
+    hold_after: N      the same hold for every generation request after the first N (counted from when
+                       set), until hold_after is cleared: some answers are certainly served, the rest
+                       certainly in flight. A held request whose client goes is aborted, as a waiting one is
     unhealthy: bool    /health and /health_generate answer 503 (a stuck detokenizer)
     abort_next: N      the next N generation requests end in a status-less abort: HTTP 200 with
                        finish_reason "abort" (as /abort_request or a session cleanup does in 0.5.23:
@@ -59,6 +62,7 @@ class FaultSettings:
     slow_factor: float | None = None
     unhealthy: bool | None = None
     hold: bool | None = None
+    hold_after: int | None = None
     abort_next: int | None = None
     tokenize_fail_next: int | None = None
 
@@ -83,6 +87,7 @@ class Faults:
     def __init__(self, settings: FaultSettings | None = None, seed: int = 0):
         self.settings = settings or FaultSettings()
         self.requests_seen = 0  # generation requests since crash_after was set
+        self.requests_before_hold = 0  # generation requests since hold_after was set
         self.injected = {"crash": 0, "fail": 0, "stall": 0, "hold": 0, "abort": 0, "tokenize_fail": 0}
         self._rng = random.Random(seed)
 
@@ -96,7 +101,7 @@ class Faults:
 
     @property
     def held(self) -> bool:
-        return bool(self.settings.hold)
+        return bool(self.settings.hold) or self.settings.hold_after is not None
 
     def update(self, changes: dict) -> None:
         known = {f.name for f in fields(FaultSettings)}
@@ -107,6 +112,8 @@ class Faults:
             setattr(self.settings, key, value)
         if "crash_after" in changes:
             self.requests_seen = 0
+        if "hold_after" in changes:
+            self.requests_before_hold = 0
 
     def clear(self) -> None:
         self.settings = FaultSettings()
@@ -122,6 +129,7 @@ class Faults:
         """Called once per arriving generation request, with its prompt's text (`prompt_text`)."""
         s = self.settings
         self.requests_seen += 1
+        self.requests_before_hold += 1
         if (s.crash_after is not None and self.requests_seen > s.crash_after) or (s.crash_on and s.crash_on in prompt):
             self.injected["crash"] += 1
             return Verdict(crash=True)
@@ -136,7 +144,7 @@ class Faults:
         if s.fail_rate and self._rng.random() < s.fail_rate:
             self.injected["fail"] += 1
             return Verdict(fail=s.fail_message or QUEUE_FULL)
-        if s.hold:
+        if s.hold or (s.hold_after is not None and self.requests_before_hold > s.hold_after):
             self.injected["hold"] += 1
             return Verdict(hold=True)
         if s.stall_seconds and (s.stall_next is None or s.stall_next > 0):
@@ -181,5 +189,6 @@ def from_args(args) -> Faults:
             half_open=args.fault_half_open or None,
             slow_factor=args.fault_slow_factor,
             hold=args.fault_hold or None,
+            hold_after=args.fault_hold_after,
         )
     )

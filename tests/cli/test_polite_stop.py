@@ -1,52 +1,47 @@
 """Ctrl-C (SIGINT to the process group) and SIGTERM (to the process) of `dflash demo`: a polite stop.
 
-Each stop lands after a part of completions is committed, with the fleet slowed a thousandfold for every request
-that arrives after that: without the stop the command would not end within the test's bound. The command must end
-with 130 / 143, one line and no traceback; the server saw its requests in flight ended (aborted); the run is
-CANCELED with its pool slots free; the same command again finishes with every (prompt_id, turn) once.
+One demo is stopped by Ctrl-C, the same command again (resuming) by SIGTERM, then the same command finishes. Each stop
+lands after a part of completions is committed, with every later request held by the fleet (the emulator's
+hold_after): without the stop the command would not end within the test's bound. The command must end with 130 / 143,
+one line and no traceback; the server saw its requests in flight ended (aborted); the run is CANCELED with its pool
+slots free; the same command again finishes with every (prompt_id, turn) once.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
+from dataclasses import dataclass
 
 import dagster as dg
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
-from tests.cli.test_kill_resume import (
-    BOUND_S,
-    SLOW,
-    accepted_prompt_ids,
-    completion_rows,
-    project,  # noqa: F401 - the fixture
-    wait_until,
-)
+from tests.cli.test_kill_resume import BOUND_S, accepted_prompt_ids, completion_rows, wait_until
+from tests.support.backfill import FAST
 from tests.support.cli import start
+from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
 from tests.support.forks import start_emulator
-from tests.support.http import Http, aborted, requests_served, set_faults, settled
+from tests.support.http import Http, aborted, set_faults, settled
 
 pytestmark = pytest.mark.long
 
-ARGS = ("demo", "--max-output-tokens", "2048")
+ARGS = ("demo", "--max-output-tokens", "2048", "--commit-rows", "1")  # a part per row: the first answer is committed
+PROMPTS = 6  # one shard
 
 
-def stop_mid_completions(tmp_path, env, data, emu, how: str) -> tuple[int, str]:
-    """Run `dflash demo` until a part is committed, slow the fleet, wait for a slowed request, then stop it."""
-    out = tmp_path / f"{how}.txt"
-    proc = start(*ARGS, out=out, env=env)
-    wait_until(lambda: completion_rows(data), "a part of completions committed", proc, out)
-    http = Http(emu.url)
-    seen = requests_served(http)
-    set_faults(emu.url, {"slow_factor": 1000})  # every later request decodes at 0.4 tok/s: in flight for good
-    wait_until(lambda: requests_served(http) > seen, "a slowed request in flight", proc, out)
-    if how == "sigint":
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
-    else:
-        proc.send_signal(signal.SIGTERM)  # systemd, Kubernetes: the process
-    status = proc.wait(timeout=BOUND_S)  # the fleet is slowed for good: only the stop ends it
-    return status, out.read_text()
+@dataclass
+class Stop:
+    status: int
+    text: str
+    kept: list  # the committed rows after the stop
+    running: int  # requests still running on the server once settled
+    aborted: float  # requests the server aborted during this command
+    run: dg.DagsterRun  # the command's run
+    unfinished: list  # runs left STARTED
+    slots: list  # pool slots still claimed
 
 
 def runs(home) -> list[dg.DagsterRun]:
@@ -61,34 +56,83 @@ def claimed_slots(home) -> list:
         return [s for info in infos for s in info.claimed_slots]
 
 
-@pytest.mark.parametrize(("how", "status"), [("sigint", 130), ("sigterm", 143)])
-def test_a_polite_stop_of_the_demo_ends_its_requests_keeps_its_answers_cancels_its_run_and_resumes(
-    tmp_path,
-    project,  # noqa: F811 - the fixture imported above
-    how,
-    status,
-):
-    home, data, env = project
-    with start_emulator([*SLOW, "--enable-metrics"]) as emu:
-        env = {**env, "DFLASH_FLEET_URLS": emu.url}
-        got, text = stop_mid_completions(tmp_path, env, data, emu, how)
-        assert got == status, text
-        assert "Traceback" not in text, text
-        kept = completion_rows(data)
-        name = "SIGINT (Ctrl-C)" if how == "sigint" else "SIGTERM"
-        assert f"dflash demo stopped by {name}" in text and f"{len(kept)} completion rows are committed" in text, text
-        assert "resume with: dflash demo --max-output-tokens 2048" in text, text
-        assert settled(Http(emu.url))["num_running_reqs"] == 0, "a request went on decoding for a client gone"
-        assert aborted(Http(emu.url)) >= 1, "the requests in flight were ended on the server"
-        stopped = [r for r in runs(home) if r.job_name == "shard_pipeline"]
-        assert stopped[0].status == dg.DagsterRunStatus.CANCELED, [(r.run_id, r.status) for r in stopped]
-        assert not [r for r in runs(home) if not r.is_finished], "a run is left STARTED"
-        assert claimed_slots(home) == [], "the stopped run's pool slots were freed"
+def stop_after_a_committed_row(tmp_path, home, data, env, emu, how: str) -> Stop:
+    """Run `dflash demo` with the fleet answering one request and holding every later one; once that answer is
+    committed and a later request held, stop it."""
+    http = Http(emu.url)
+    before = (len(completion_rows(data)), aborted(http))
+    set_faults(emu.url, {"hold_after": 1})
+    out = tmp_path / f"{how}.txt"
+    proc = start(*ARGS, out=out, env=env)
+    wait_until(lambda: len(completion_rows(data)) > before[0], "a part of completions committed", proc, out)
+    wait_until(lambda: Http(emu.url).get("/_emulator/faults")[1]["injected"]["hold"], "a request held", proc, out)
+    if how == "sigint":
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+    else:
+        proc.send_signal(signal.SIGTERM)  # systemd, Kubernetes: the process
+    status = proc.wait(timeout=BOUND_S)  # every later request is held for good: only the stop ends it
+    [run, *_] = [r for r in runs(home) if r.job_name == "shard_pipeline"]
+    return Stop(
+        status,
+        out.read_text(),
+        completion_rows(data),
+        settled(http)["num_running_reqs"],
+        aborted(http) - before[1],
+        run,
+        [r.run_id for r in runs(home) if not r.is_finished],
+        claimed_slots(home),
+    )
 
-        set_faults(emu.url, {"slow_factor": None})
-        again = start(*ARGS, out=tmp_path / "again.txt", env=env)
-        assert again.wait(timeout=BOUND_S * 2) in (0, 3), (tmp_path / "again.txt").read_text()
-    rows = completion_rows(data)
-    assert set(kept) <= set(rows), "what the stopped run committed is kept"
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A demo stopped by Ctrl-C, the same command stopped by SIGTERM, then the same command to its end."""
+    tmp = tmp_path_factory.mktemp("polite")
+    home, data, src = tmp / "home", tmp / "data", tmp / "prompts.jsonl"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    src.write_text(
+        "".join(json.dumps({"id": f"s{i}", "prompt": f"stop test prompt {i}"}) + "\n" for i in range(PROMPTS))
+    )
+    env = {
+        "DAGSTER_HOME": str(home),
+        "DFLASH_DATA_DIR": str(data),
+        "DFLASH_FLEET_MODE": "attach",
+        "DFLASH_PROMPTS": str(src),
+        "DFLASH_SHARD_SIZE": str(PROMPTS),
+        "DFLASH_RETRY_DELAY_S": "3600",  # a stop that waited out the step's retry policy would outlast the bound
+    }
+    with start_emulator([*FAST, "--enable-metrics"]) as emu:
+        env["DFLASH_FLEET_URLS"] = emu.url
+        stops = {how: stop_after_a_committed_row(tmp, home, data, env, emu, how) for how in ("sigint", "sigterm")}
+        set_faults(emu.url, {"hold_after": None})
+        again = start(*ARGS, out=tmp / "again.txt", env=env)
+        assert again.wait(timeout=BOUND_S) in (0, 3), (tmp / "again.txt").read_text()
+    yield stops, completion_rows(data), accepted_prompt_ids(data)
+
+
+@pytest.mark.parametrize(("how", "status"), [("sigint", 130), ("sigterm", 143)])
+def test_a_polite_stop_of_the_demo_ends_its_requests_keeps_its_answers_and_cancels_its_run(stopped, how, status):
+    stops, _, _ = stopped
+    stop = stops[how]
+    assert stop.status == status, stop.text
+    assert "Traceback" not in stop.text, stop.text
+    name = "SIGINT (Ctrl-C)" if how == "sigint" else "SIGTERM"
+    said = f"dflash demo stopped by {name}"
+    assert said in stop.text and f"{len(stop.kept)} completion rows are committed" in stop.text, stop.text
+    lines = [line for line in stop.text.splitlines() if line.strip()]
+    assert said in lines[-1] and sum(said in line for line in lines) == 1, "one line, the last"
+    assert f"resume with: dflash {shlex.join(ARGS)}" in stop.text, stop.text
+    assert stop.running == 0, "a request went on decoding for a client gone"
+    assert stop.aborted >= 1, "the requests in flight were ended on the server"
+    assert stop.run.status == dg.DagsterRunStatus.CANCELED, stop.run
+    assert stop.unfinished == [], "a run is left STARTED"
+    assert stop.slots == [], "the stopped run's pool slots were freed"
+
+
+def test_after_the_stops_the_same_command_finishes_with_every_prompt_once(stopped):
+    stops, rows, accepted = stopped
+    assert 0 < len(stops["sigint"].kept) < len(stops["sigterm"].kept) < PROMPTS, "each stop left rows to generate"
+    assert set(stops["sigterm"].kept) <= set(rows), "what the stopped runs committed is kept"
     assert len(rows) == len(set(rows)), "a (prompt_id, config_hash, turn) was committed twice"
-    assert {r[0] for r in rows} == accepted_prompt_ids(data), "a prompt was lost"
+    assert {r[0] for r in rows} == accepted and len(accepted) == PROMPTS, "a prompt was lost"

@@ -70,6 +70,21 @@ def test_a_hold_keeps_requests_in_flight_until_it_is_cleared(emulator):
     assert gen(http)[0] == 200  # cleared: later requests are not held
 
 
+def test_hold_after_serves_the_first_n_then_holds_and_a_held_request_whose_client_goes_is_aborted(emulator):
+    http = emulator("--fault-hold-after", "2", "--enable-metrics")
+    assert [gen(http)[0] for _ in range(2)] == [200, 200], "the first two are served"
+    with pytest.raises(TimeoutError):  # the third is held: its client gives up and goes
+        gen(http, timeout=1)
+    assert settled(http)["num_running_reqs"] == 0 and aborted(http) == 1, "the held request was aborted"
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(gen, http)
+        wait_for("a second held request", lambda: http.get("/_emulator/faults")[1]["injected"]["hold"] == 2)
+        assert not held.done()
+        assert http.post("/_emulator/faults", {"hold_after": None})[0] == 200
+        assert held.result(timeout=30)[0] == 200
+    assert gen(http)[0] == 200  # cleared: later requests are not held
+
+
 def test_a_slow_factor_stretches_decode(emulator):
     http = emulator("--decode-tokens-per-s", "1000")
     fast = gen(http, 200)[1]["meta_info"]["e2e_latency"]

@@ -37,6 +37,7 @@ import pytest
 from dagster._core.events import DagsterEventType
 
 from dflash_assets.quality import CHECKS
+from tests.engines.conftest import ONE_AT_A_TIME, held_after_a_row
 from tests.support.backfill import (
     BLOCKED_WITHIN_S,
     FAST,
@@ -183,16 +184,9 @@ def test_two_runs_of_the_same_shard_at_once_write_it_one_after_the_other(stack):
 
 
 def test_a_run_whose_worker_is_sigkilled_mid_completions_never_blocks_the_next_backfill_of_its_range(stack):
-    # slow decoding, one request at a time, a part per row: the kill lands after a committed row, mid-shard, with
-    # what is in flight held there (the emulator's hold), so the dead run certainly left rows to generate
-    stack.fleet.start(*FAST[:2], "--decode-tokens-per-s", "300", "--length-max", "600")
-    config = {**IN_PROCESS, "ops": {"completions": {"config": {"commit_rows": 1, "max_in_flight_per_server": 1}}}}
-    first = launch_backfill(stack.server, [KILLED_SHARD], "kill: the run worker", config)
-    wait = time.monotonic() + BLOCKED_WITHIN_S
-    while not completion_rows(stack.data_dir, KILLED_SHARD):
-        assert time.monotonic() < wait, f"no row of shard {KILLED_SHARD} committed within {BLOCKED_WITHIN_S}s"
-        time.sleep(0.2)
-    stack.fleet.hold(True)
+    # a part per row, one request at a time: the kill lands after a committed row, mid-shard, with the next request
+    # held on the fleet (the emulator's hold_after), so the dead run certainly left rows to generate
+    first, _ = held_after_a_row(stack, KILLED_SHARD, "kill: the run worker")
     [run] = backfill_runs(stack.instance, first)
     tags = stack.instance.get_run_by_id(run.run_id).tags
     worker = int(tags["dflash/worker_pid"])  # the run worker the launcher started, as it recorded itself
@@ -203,7 +197,7 @@ def test_a_run_whose_worker_is_sigkilled_mid_completions_never_blocks_the_next_b
     # the same URL, the hold gone, instant decode: how fast the rest is generated is not what is tested
     stack.fleet.start(*FAST)
     # the same range again, at once: it must not wait on what the dead run held
-    second = launch_backfill(stack.server, [KILLED_SHARD], "kill: the same range again", config)
+    second = launch_backfill(stack.server, [KILLED_SHARD], "kill: the same range again", ONE_AT_A_TIME)
     backfill = wait_backfill(stack, second)
     assert backfill["status"] == "COMPLETED_SUCCESS", (backfill, failures(stack.instance, second))
     killed = stack.instance.get_run_by_id(run.run_id)

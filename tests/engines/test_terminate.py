@@ -3,8 +3,8 @@
 `terminateRun` (the GraphQL mutation behind the UI's button) marks the run CANCELING, then the code server sends
 SIGINT into the run worker. The generating step hears it (generation/stopping.py), ends the requests in flight on
 the server, commits what was answered and ends the run CANCELED, its pool slots free; the next backfill of the same
-shard finishes it with every prompt once. The stop lands after a committed row, with the fleet slowed a thousandfold
-for every later request: without the stop the run would not end within the test's bound.
+shard finishes it with every prompt once. The stop lands after a committed row, with every later request held by the
+fleet (the emulator's hold_after): without the stop the run would not end within the test's bound.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import time
 import dagster as dg
 import pytest
 
+from tests.engines.conftest import ONE_AT_A_TIME, held_after_a_row
 from tests.support.backfill import (
     BLOCKED_WITHIN_S,
-    FAST,
-    IN_PROCESS,
     POOL,
     SHARD_SIZE,
     backfill_runs,
@@ -28,7 +27,7 @@ from tests.support.backfill import (
     wait_backfill,
 )
 from tests.support.dagster_procs import ARTIFACTS
-from tests.support.http import Http, aborted, requests_served, set_faults, settled
+from tests.support.http import Http, aborted, set_faults, settled
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.long]
 
@@ -40,19 +39,7 @@ TERMINATE = """mutation($runId: String!) { terminateRun(runId: $runId) { __typen
 
 def test_terminate_in_the_ui_cancels_a_daemon_launched_run_and_the_next_backfill_finishes_it_once(tmp_path):
     with open_stack(tmp_path, logs=ARTIFACTS / "logs" / "terminate") as stack:
-        stack.fleet.start(*FAST[:2], "--decode-tokens-per-s", "300", "--length-max", "600", "--enable-metrics")
-        config = {**IN_PROCESS, "ops": {"completions": {"config": {"commit_rows": 1, "max_in_flight_per_server": 1}}}}
-        first = launch_backfill(stack.server, [SHARD], "terminate: the UI's button", config)
-        deadline = time.monotonic() + BLOCKED_WITHIN_S
-        while not completion_rows(stack.data_dir, SHARD):
-            assert time.monotonic() < deadline, f"no row of shard {SHARD} committed within {BLOCKED_WITHIN_S}s"
-            time.sleep(0.2)
-        http = Http(stack.fleet.url)
-        seen = requests_served(http)
-        set_faults(stack.fleet.url, {"slow_factor": 1000})  # every later request: in flight for good
-        while requests_served(http) <= seen:
-            assert time.monotonic() < deadline + BLOCKED_WITHIN_S, "no slowed request arrived"
-            time.sleep(0.2)
+        first, _ = held_after_a_row(stack, SHARD, "terminate: the UI's button", "--enable-metrics")
         [run] = backfill_runs(stack.instance, first)
         result = stack.server.gql(TERMINATE, {"runId": run.run_id})["terminateRun"]
         assert result["__typename"] == "TerminateRunSuccess", result
@@ -61,6 +48,7 @@ def test_terminate_in_the_ui_cancels_a_daemon_launched_run_and_the_next_backfill
             assert time.monotonic() < deadline, f"the terminated run is still {stopped.status}"
             time.sleep(0.5)
         assert stopped.status == dg.DagsterRunStatus.CANCELED, stopped.status
+        http = Http(stack.fleet.url)
         assert settled(http)["num_running_reqs"] == 0 and aborted(http) >= 1, "the request in flight was ended"
         storage = stack.instance.event_log_storage
         pools = {p: storage.get_concurrency_info(p).claimed_slots for p in (POOL, f"shard:{SHARD}")}
@@ -68,8 +56,9 @@ def test_terminate_in_the_ui_cancels_a_daemon_launched_run_and_the_next_backfill
         committed = completion_rows(stack.data_dir, SHARD)
         assert 0 < len(committed) < SHARD_SIZE, committed
 
-        stack.fleet.start(*FAST)  # the same shard again, on a fleet at full speed
-        backfill = wait_backfill(stack, again := launch_backfill(stack.server, [SHARD], "terminate: again", config))
+        set_faults(stack.fleet.url, {"hold_after": None})  # the same shard again, nothing held
+        again = launch_backfill(stack.server, [SHARD], "terminate: again", ONE_AT_A_TIME)
+        backfill = wait_backfill(stack, again)
         assert (backfill["status"], failures(stack.instance, again)) == ("COMPLETED_SUCCESS", []), backfill
         rows = completion_rows(stack.data_dir, SHARD)
         assert len(set(rows)) == len(rows) == SHARD_SIZE and set(committed) <= set(rows), rows
