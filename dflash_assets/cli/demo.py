@@ -10,12 +10,12 @@ from collections.abc import Callable
 import dagster as dg
 from rich.console import Console
 
-from dflash_assets.cli.environment import as_printed, instance_environment, ui_command
+from dflash_assets.cli.environment import instance_environment
 from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
-from dflash_assets.cli.render import policy_text, print_stop, print_window_answer
+from dflash_assets.cli.render import policy_text
 from dflash_assets.cli.runner import BAD_CONFIG, Window, known_shards, source_refused
-from dflash_assets.cli.shards import generate_and_export
-from dflash_assets.quality.console import console_for_output, verbatim
+from dflash_assets.cli.shards import run_and_answer
+from dflash_assets.quality.console import console_for_output
 from dflash_assets.settings import TrainerSettings
 
 
@@ -25,6 +25,7 @@ def run_demo(
     verbose: bool = False,
     again: Callable[[dict], str] = lambda overrides: "",
     trainer: TrainerSettings = TrainerSettings(),
+    full: bool = False,
 ) -> int:
     """The whole pipeline over every shard for `trainer`; `again(overrides)`: the flags that repeat `completions`
     and the trainer's, changed by `overrides`, in the next command."""
@@ -40,26 +41,8 @@ def run_demo(
         f"data in {os.environ['DFLASH_DATA_DIR']}/",
         highlight=False,
     )
-    stops = generate_and_export(instance, shards, completions, console, verbose, window)
-    if not stops.checks and not stops.errors and not stops.preflight:
-        print_window_answer(
-            stops,
-            console,
-            window,
-            as_printed(
-                f"dflash demo{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
-            ),
-        )
-    verbatim(
-        console,
-        f"The UI (event log, reports, checks):  {ui_command()}   then http://127.0.0.1:3000",
-    )
-    return print_stop(
-        stops,
-        console,
-        lambda cap: as_printed(f"dflash demo{again({})} --max-output-tokens {cap}"),
-        window,
-        f"dflash demo{again({})}",
+    return run_and_answer(
+        instance, shards, completions, console, verbose, window, "dflash demo", again, ui=True, full=full
     )
 
 
@@ -71,5 +54,6 @@ def demo(args: argparse.Namespace) -> int:
         config,
         trainer=trainer,
         verbose=args.verbose,
+        full=args.full,
         again=lambda overrides: repeated_flags("demo", {**flags, **overrides}),
     )

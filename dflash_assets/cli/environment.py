@@ -92,14 +92,18 @@ DATA = (Deployment.DATA_DIR, Deployment.PROMPTS)  # given as flags (DATA_FLAGS);
 DATA_FLAGS = ("data-dir", "prompts")
 
 
-def as_printed(command: str) -> str:
+def as_printed(command: str, prompts: bool = True) -> str:
     """`command` (`dflash <cmd> [flags]`) as it runs again as printed, in a clean shell, on this command's data: then
-    its --data-dir and --prompts, and before it every other deployment setting (and DAGSTER_HOME) that differs from
-    its default."""
+    its --data-dir and --prompts (`prompts`: the command takes one; report and configs read the data dir only), and
+    before it every other deployment setting (and DAGSTER_HOME) that differs from its default."""
     import shlex
 
     data = dict(_differing(list(DATA)))
-    given = [f"--{flag} {shlex.quote(data[s.name])}" for s, flag in zip(DATA, DATA_FLAGS) if s.name in data]
+    given = [
+        f"--{flag} {shlex.quote(data[s.name])}"
+        for s, flag in zip(DATA, DATA_FLAGS)
+        if s.name in data and (prompts or flag != "prompts")
+    ]
     return " ".join(filter(None, [_prefix([s for s in DEPLOYMENT if s not in DATA]), command, *given]))
 
 

@@ -30,9 +30,11 @@ def export(
     console: Console,
     stops: Stops,
     verbose: bool = False,
+    short: bool = False,
 ) -> bool:
     """The gated export of one config (the drafter_training_set asset and its checks, with the summary of the same
-    config, as the UI runs them): the files' place on success, else what stopped it, in `stops`."""
+    config, as the UI runs them): the files' place on success, else what stopped it, in `stops`. `short`: nothing is
+    printed but a failure's cause (a run's closing answer says what the export holds and where)."""
     choice = {"config": {"config_hash": config_hash, "chosen_by": chosen_by}}
     result = execute(
         training_job.name,
@@ -44,6 +46,8 @@ def export(
         },
         console,
     )
+    if result.success and short:  # the run's answer says what the export holds, and where (its manifest)
+        return True
     if result.success:
         meta = next(iter(_meta(result, "drafter_training_set").values()))
         t = TrainingSetKeys
@@ -53,19 +57,20 @@ def export(
             f"(chosen by: {meta[t.CHOSEN_BY]}) in {meta[t.JSONL]} (manifest beside it)" + split_words(meta[t.MANIFEST]),
         )
         left_out, kept = left_out_lines(meta[t.MANIFEST]), kept_lines(meta[t.MANIFEST])
-        for heading, lines in (("left out, by reason:", left_out), ("kept, with a note:", kept)):
+        for heading, lines in () if short else (("left out, by reason:", left_out), ("kept, with a note:", kept)):
             if lines:
                 console.print(f"  {heading}", highlight=False)
             for line in lines:
                 console.print(f"    {line}", highlight=False)
-        if not left_out:
+        if not left_out and not short:
             console.print("  left out: nothing", highlight=False)
         verbatim(console, trainer_settings_line(meta[t.MANIFEST], Path(meta[t.JSONL]).parent))
         return True
     if config_hash != "all":
         stops.config_hashes.add(config_hash)
-    if stops.checks:  # the shard runs' checks already said which
-        console.print(f"drafter training set: not written while a blocking check fails on config {config_hash}")
+    if stops.checks:  # the shard runs' checks already said which (and a short ending says it once, below)
+        if not short:
+            console.print(f"drafter training set: not written while a blocking check fails on config {config_hash}")
         return False
     record_failures(result, "training export", stops)
     if stops.checks and config_hash == "all":  # said per config: each one a blocking check fails on, by its own rows
@@ -91,13 +96,18 @@ def failing_configs(stops: Stops, window: Window) -> set[str]:
 
 
 def export_run_config(
-    instance: dg.DagsterInstance, stops: Stops, window: Window, console: Console, verbose: bool = False
+    instance: dg.DagsterInstance,
+    stops: Stops,
+    window: Window,
+    console: Console,
+    verbose: bool = False,
+    full: bool = False,
 ) -> None:
     """A shard command's last step: the export of the config it ran (never another one of the data dir)."""
     if stops.errors:  # the export could only say the consequence ("no completions to export"), never the cause
         console.print("drafter training set: not written: the shard runs failed (the cause is below)")
     elif not stops.preflight and stops.config_hash:
-        export(instance, stops.config_hash, "run", window, console, stops, verbose)
+        export(instance, stops.config_hash, "run", window, console, stops, verbose, short=not full)
 
 
 def run_export(config: str, console: Console | None = None, verbose: bool = False, window: Window = Window()) -> int:
@@ -137,7 +147,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 def configs(args: argparse.Namespace) -> int:
     """The configs of a data dir side by side (store/configs.py), the latest first."""
-    from dflash_assets.quality.console import configs_table, report_console, say_with_command
+    from dflash_assets.quality.console import configs_table, console_for_output, say_with_command
     from dflash_assets.store.configs import list_configs
 
     if args.data_dir:
@@ -148,7 +158,7 @@ def configs(args: argparse.Namespace) -> int:
     if not configs:
         print(f"dflash configs: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    console = report_console()
+    console = console_for_output()
     console.print(configs_table(configs))
     say_with_command(
         console,

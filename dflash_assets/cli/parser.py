@@ -203,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="also print Dagster's event stream here (it always goes to the run's event log)",
         )
+        p.add_argument(
+            "--full",
+            action="store_true",
+            help="end with every reject, check, kept note and the cap plan (as dflash report --full), not the answer",
+        )
 
     cont = sub.add_parser(
         "continue",

@@ -9,7 +9,8 @@ from rich.console import Console
 
 from dflash_assets.cli.environment import as_printed
 from dflash_assets.cli.runner import ALL_SHARDS, Stops, Window, data_dir
-from dflash_assets.quality.console import headline, verbatim
+from dflash_assets.quality.answer import CapAnswer
+from dflash_assets.quality.console import headline, say_with_command, verbatim
 from dflash_assets.settings import Deployment
 
 
@@ -93,18 +94,35 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
             verbatim(console, f"Next time, decode only what the trainer reads: {rerun}")
 
 
+def print_short_answer(answer: CapAnswer, console: Console, command: str, next_line: bool) -> None:
+    """A run's answer in a few lines (CapAnswer.headline, the recommendation) and, when the run was not stopped
+    (`next_line`), what it exported and the next command: `command` with the answer's settings, if any."""
+    for line in answer.headline() if next_line else answer.headline()[:-1]:  # stopped: no export, said above
+        say_with_command(console, line)
+    if not next_line:
+        return
+    nxt = answer.next_command(command)
+    say_with_command(console, f"  {answer.recommendation}" + (":" if nxt else ""))
+    if nxt:
+        verbatim(console, f"    {nxt}")
+
+
 def print_stop(
     stops: Stops,
     console: Console,
     rerun: Callable[[int], str],
     window: Window = Window(),
     command: str = "dflash backfill",
+    short: bool = False,
 ) -> int:
     """One short block: what stopped the run, the cap plan, and the exact next command (`command`, the run's own, with
-    the answer's settings). Returns the exit status."""
+    the answer's settings). `short` (a run's closing lines, `dflash demo` / `backfill` without --verbose): the
+    answer of the run's config even when nothing stopped it, one line per blocking check, and the cap plan left to
+    `dflash report --full`. Returns the exit status."""
     from dflash_assets.quality import run_checks
     from dflash_assets.quality.answer import cap_answers
     from dflash_assets.quality.console import print_answer
+    from dflash_assets.quality.outcome import num
 
     # figures, not syntax, to colour; a soft wrap: a path or a command in these lines is never broken in two
     say = lambda text="": console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
@@ -137,7 +155,7 @@ def print_stop(
                 f"--max-output-tokens)."
             )
         return stops.exit_status()
-    if not stops.checks or stops.errors:
+    if stops.errors or not (stops.checks or short):
         return stops.exit_status()
     root = data_dir().resolved()
     quality = window.quality()
@@ -148,8 +166,16 @@ def print_stop(
         for o in outcomes:
             shards = stops.checks[o.name]
             where = ALL_SHARDS if ALL_SHARDS in shards else f"shards {', '.join(shards)}"
-            say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline(o.summary_md)}")
+            if short:
+                where = ALL_SHARDS if ALL_SHARDS in shards else f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
+                say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): the training set is not written")
+            else:
+                say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline(o.summary_md)}")
         answers = cap_answers(root, quality, config_hash)
+        if short and not outcomes:  # nothing stopped it: the answer and its next command
+            for answer in answers[:1]:
+                print_short_answer(answer, console, as_printed(command), next_line=True)
+            continue
         if not answers or "truncation_rate" not in stops.checks:
             say(
                 "Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
@@ -157,14 +183,24 @@ def print_stop(
             )
             continue
         answer = answers[0]
-        print_answer(answer, console, as_printed(command), as_printed(f"dflash export --config {answer.config_hash}"))
+        export_command = as_printed(f"dflash export --config {answer.config_hash}")
+        if short:
+            print_short_answer(answer, console, export_command, next_line=False)
+        else:
+            print_answer(answer, console, as_printed(command), export_command)
         best = answer.recommended
         if best is None:
+            if short:
+                say_with_command(console, f"  {answer.recommendation}")
             continue
         before = ""
         if best.fits_context is False:
             before = f"restart the servers with --context-length {best.context_needed_max}, then "
-        say(f"Next: {before}continue the {answer.truncated} cut rows from where they stopped (the others are kept):")
+        to = f" to the recommended cap {num(best.cap)}" if short else ""
+        said = (
+            f"Next: {before}continue the {answer.truncated} cut rows{to} from where they stopped (the others are kept):"
+        )
+        say_with_command(console, said) if short else say(said)
         verbatim(console, f"  {as_printed(f'dflash continue --to {best.cap}')}")
         verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
     return stops.exit_status()

@@ -17,11 +17,11 @@ def report(args: argparse.Namespace) -> int:
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    from dflash_assets.quality.console import print_answers, report_console, verbatim
+    from dflash_assets.quality.console import console_for_output, print_answers, verbatim
     from dflash_assets.quality.rejects import read_rejects
 
     quality = QualitySettings(trainer=TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS))
-    console = report_console()
+    console = console_for_output()
     answers = print_answers(data_dir, console, quality, full=args.full)
     pictures = report_pictures(data_dir, answers)
     if args.open:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dflash_assets.cli.environment import as_printed, instance_environment
+from dflash_assets.cli.environment import as_printed, instance_environment, ui_command
 from dflash_assets.cli.export import export_run_config
 from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
 from dflash_assets.cli.parser import build_parser
@@ -47,18 +47,18 @@ from dflash_assets.defs.continuation.jobs import continue_job
 from dflash_assets.defs.metadata import CheckKeys, ContinuationKeys, PromptShardKeys, ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import SHARDS_PER_RUN
 from dflash_assets.generation.plan import filling_window_note
-from dflash_assets.quality.console import console_for_output, verbatim
+from dflash_assets.quality.console import RUN_DROP_FIRST, console_for_output, fit, say_with_command, verbatim
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.settings import TrainerSettings
 
 COLUMNS = (
     "shard",
-    "lines",
-    "rejected",
     "prompts",
+    "rejected",
     "done",
     "new",
     "fail",
+    "left",
     "cut",
     "inside",
     "P50",
@@ -75,6 +75,7 @@ def run_shards(
     console: Console,
     verbose: bool = False,
     window: Window = Window(),
+    full: bool = False,
 ) -> Stops:
     """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
     flags) and `window`'s trainer as the quality resource's (the checks' window, and the requests'); print a table;
@@ -82,8 +83,9 @@ def run_shards(
     run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": completions}}}
     stops = Stops()
     table = Table(
-        title=f"completions by shard (cut: finish_reason = length; inside: cut inside the trainer's window "
-        f"max_length {window.trainer_max_length}; P: completion tokens)",
+        title=f"completions by shard: prompts = rejected + done + fail + left (rejected: at the source, the "
+        f"preflight or the server; new: done by this run); cut, inside: turn rows cut at the cap, cut inside the "
+        f"trainer's window max_length {window.trainer_max_length}; P: completion tokens",
         box=box.SIMPLE_HEAD,
     )
     for col in COLUMNS:
@@ -124,14 +126,17 @@ def run_shards(
                     + c.get(ShardRunKeys.REJECTED_PREFLIGHT, 0)
                     + c.get(ShardRunKeys.REJECTED_SERVER, 0)
                 )
+                lines, done = s.get(PromptShardKeys.LINES), c.get(ShardRunKeys.COMPLETED, stopped.get(shard))
+                failed = c.get(ShardRunKeys.FAILED)
+                known = None not in (lines, done, failed)
                 table.add_row(
                     shard,
-                    str(s.get(PromptShardKeys.LINES, "-")),
+                    str(lines if lines is not None else "-"),
                     str(rejected),
-                    str(c.get(ShardRunKeys.PROMPTS, "-")),
-                    str(c.get(ShardRunKeys.COMPLETED, stopped.get(shard, "-"))),
+                    str(done if done is not None else "-"),
                     str(c[ShardRunKeys.COMPLETED] - c[ShardRunKeys.ALREADY_DONE]) if c else "-",
-                    str(c.get(ShardRunKeys.FAILED, "-")),
+                    str(failed if failed is not None else "-"),
+                    str(lines - rejected - done - failed) if known else "-",
                     str(r.get(ReportKeys.TRUNCATION_RATE, "-")),
                     str(r.get(ReportKeys.CUT_INSIDE_WINDOW_RATE, "-")),
                     *(str(r.get(k, "-")) for k in (ReportKeys.P50, ReportKeys.P90, ReportKeys.P99)),
@@ -140,14 +145,16 @@ def run_shards(
             if not result.success:
                 record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
             progress.advance(task, len(chunk))
-    table.title = (
-        f"completions of config {stops.config_hash} by shard " if stops.config_hash else "completions by shard "
-    ) + str(table.title).removeprefix("completions by shard ")
-    console.print(table)
+    if stops.config_hash:
+        table.title = str(table.title).replace("completions", f"completions of config {stops.config_hash}", 1)
+    console.print(fit(table, console.width, RUN_DROP_FIRST))
     rejects = read_rejects(data_dir().resolved(), shards)
-    for line in rejects.lines(f"{data_dir().resolved()}/rejects/ (dflash report counts them by stage and reason)"):
-        console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)  # a path is copied whole
-    print_other_configs(stops.config_hash, window, console)
+    if full:
+        for line in rejects.lines(f"{data_dir().resolved()}/rejects/ (dflash report counts them by stage and reason)"):
+            console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)  # a path is copied whole
+        print_other_configs(stops.config_hash, window, console)
+    elif said := rejects.line():
+        say_with_command(console, f"  {said}")
     if no_figures:
         console.print(
             f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
@@ -160,26 +167,75 @@ def run_shards(
             f"the data dir; the cause is below)",
             highlight=False,
         )
-    if stops.filling_window:  # preflight counted them before any request
+    if stops.filling_window and full:  # preflight counted them before any request (the answer counts them)
         verbatim(console, f"  {filling_window_note(stops.filling_window, window.trainer_max_length)}")
-    for name, where in sorted(failed_checks.items()):
-        console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
-    if failed_checks:
+    if full:
+        for name, where in sorted(failed_checks.items()):
+            console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
+    else:
+        full_report = as_printed("dflash report --full", prompts=False)
+        severities = [name.rsplit(" ", 1)[-1].strip("()") for name in failed_checks]
+        said = ", ".join(f"{severities.count(s)} {s}" for s in dict.fromkeys(severities))
+        say_with_command(
+            console,
+            f"  {len(failed_checks)} checks did not pass on some shard ({said}): they, the cap plan and every shard "
+            f"are in {full_report}"
+            if failed_checks
+            else f"  every check passed; the cap plan and every shard are in {full_report}",
+        )
+    if failed_checks and full:
         console.print("  (a blocking check that fails with ERROR stops the training set; WARN asks you to look)")
     return stops
 
 
 def generate_and_export(
-    instance: dg.DagsterInstance, shards: list[str], completions: dict, console: Console, verbose: bool, window: Window
+    instance: dg.DagsterInstance,
+    shards: list[str],
+    completions: dict,
+    console: Console,
+    verbose: bool,
+    window: Window,
+    full: bool = False,
 ) -> Stops:
     """What demo and backfill share: what regenerate does to the source, the shards through Dagster, the configs the
     run superseded, and the export of the run's own config."""
     if said := regenerate_text(completions["regenerate"]):
         console.print(said, highlight=False)
-    stops = run_shards(instance, shards, completions, console, verbose, window)
+    stops = run_shards(instance, shards, completions, console, verbose, window, full)
     print_superseded(stops, console, window)
-    export_run_config(instance, stops, window, console, verbose)
+    export_run_config(instance, stops, window, console, verbose, full)
     return stops
+
+
+def run_and_answer(
+    instance: dg.DagsterInstance,
+    shards: list[str],
+    completions: dict,
+    console: Console,
+    verbose: bool,
+    window: Window,
+    command: str,
+    again: Callable[[dict], str],
+    ui: bool = False,
+    full: bool = False,
+) -> int:
+    """`dflash demo` and `dflash backfill` after their first line: the shards through Dagster and the export
+    (generate_and_export), the UI's command (`ui`), and the closing lines: the answer of the run's config and the next
+    command (`command`, repeated with `again(overrides)`'s flags); with `full`, everything said at length."""
+    stops = generate_and_export(instance, shards, completions, console, verbose, window, full)
+    if full and not stops.checks and not stops.errors and not stops.preflight:
+        rerun = f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
+        print_window_answer(stops, console, window, as_printed(rerun))
+    if ui:
+        say_with_command(console, f"The UI (event log, reports, checks) at http://127.0.0.1:3000: {ui_command()}")
+    return print_stop(
+        stops,
+        console,
+        lambda cap: as_printed(f"{command}{again({})} --max-output-tokens {cap}"),
+        window,
+        f"{command}{again({})}",
+        short=not full,
+    )
 
 
 def run_backfill(
@@ -190,6 +246,7 @@ def run_backfill(
     verbose: bool = False,
     again: Callable[[dict], str] = lambda overrides: "",
     trainer: TrainerSettings = TrainerSettings(),
+    full: bool = False,
 ) -> int:
     console = console or console_for_output()
     if source_refused("backfill", console):
@@ -206,20 +263,8 @@ def run_backfill(
         f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
         highlight=False,
     )
-    stops = generate_and_export(instance, chosen, completions, console, verbose, window)
     command = f"dflash backfill --from {first} --to {last}"
-    if not stops.checks and not stops.errors and not stops.preflight:
-        print_window_answer(
-            stops,
-            console,
-            window,
-            as_printed(
-                f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
-            ),
-        )
-    return print_stop(
-        stops, console, lambda cap: as_printed(f"{command}{again({})} --max-output-tokens {cap}"), window, command
-    )
+    return run_and_answer(instance, chosen, completions, console, verbose, window, command, again, full=full)
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
@@ -319,8 +364,8 @@ def run_continue(
     if stops.errors:
         return print_stop(stops, console, lambda cap: as_printed(f"dflash continue --to {cap}"), window)
     console.print(
-        f"Next: `{as_printed('dflash report')}` for the checks over the new config, then "
-        f"`{as_printed('dflash export')}` (the latest config, the one just continued; `{as_printed('dflash configs')}` "
+        f"Next: `{as_printed('dflash report', prompts=False)}` for the checks over the new config, then "
+        f"`{as_printed('dflash export')}` (the latest config, the one just continued; `{as_printed('dflash configs', prompts=False)}` "
         f"lists them all).",
         highlight=False,
         soft_wrap=True,
@@ -339,6 +384,7 @@ def backfill(args: argparse.Namespace) -> int:
         trainer=trainer,
         verbose=args.verbose,
         again=lambda overrides: repeated_flags("backfill", {**flags, **overrides}),
+        full=args.full,
     )
 
 

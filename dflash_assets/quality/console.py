@@ -37,20 +37,15 @@ LENGTH_COLUMNS = (
 OVERFLOW_KEYS = ("completion_rows_over_context", "rejected_prompts_over_context", "rows_over_max_length")
 
 
-PIPED_WIDTH = 120  # a `dflash` run's width when its output is not a terminal (its per-shard table is not fitted)
-REPORT_WIDTH = 100  # `dflash report`'s and `dflash configs`' width when their output is not a terminal
+REPORT_WIDTH = 100  # a `dflash` command's width when its output is not a terminal and COLUMNS is not set
 # the columns a table drops first when it does not fit, in that order
 DROP_FIRST = ("P95", "truncated", "max", "configs", "shards", "window-complete", "P50")
+RUN_DROP_FIRST = ("P50", "new", "checks", "P90")  # a run's per-shard table (cli/shards.py): its identity stays
 
 
 def console_for_output() -> Console:
-    """A `dflash` run's console: the terminal's width, or PIPED_WIDTH columns when piped."""
-    return Console(width=None if sys.stdout.isatty() else PIPED_WIDTH)
-
-
-def report_console() -> Console:
-    """`dflash report`'s and `dflash configs`' console: the terminal's width, or REPORT_WIDTH columns when piped; what
-    they print fits it (fit)."""
+    """A `dflash` command's console: the terminal's width, or REPORT_WIDTH columns when piped; what it prints fits
+    it (fit, _wrapped), but for a command or a path printed whole (verbatim)."""
     return Console(width=None if sys.stdout.isatty() else REPORT_WIDTH)
 
 
@@ -109,7 +104,9 @@ def say_with_command(console: Console, line: str) -> None:
 def _wrapped(console: Console, text: str) -> None:
     """Prose wrapped at words to the console's width, its continuation lines indented under it."""
     hang = " " * (len(text) - len(text.lstrip()) + 4)
-    for line in textwrap.wrap(text, console.width, subsequent_indent=hang, break_long_words=False) or [""]:
+    for line in textwrap.wrap(
+        text, console.width, subsequent_indent=hang, break_long_words=False, break_on_hyphens=False
+    ) or [""]:
         console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
@@ -157,7 +154,7 @@ def configs_table(configs: list) -> Table:
         table.add_column(key, justify="left" if key in ("config", "cap, policy") else "right", no_wrap=True)
     for c in configs:
         table.add_row(*c.cells())
-    return fit(table, report_console().width, ("last written (UTC)", "judged at", "shards"))
+    return fit(table, console_for_output().width, ("last written (UTC)", "judged at", "shards"))
 
 
 def headline(summary_md: str) -> str:

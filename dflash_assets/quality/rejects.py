@@ -57,6 +57,20 @@ class Rejects:
             f"The first {len(self.first)} of {self.total}:\n\n| shard | line | reason |\n|---|---|---|\n{first}"
         )
 
+    def line(self) -> str | None:
+        """For a run's closing lines: the count by stage and the commonest reason, in one line (None: no rejects)."""
+        if not self.counts:
+            return None
+        stages: dict[str, int] = {}
+        for stage, _, n in self.counts:
+            stages[stage] = stages.get(stage, 0) + n
+        stage, reason, n = self.counts[0]
+        others = len(self.counts) - 1
+        return (
+            f"rejected {self.total} ({', '.join(f'{s} {k}' for s, k in stages.items())}); most: {reason} ({stage}) "
+            f"{n}" + (f", and {others} other reason{'s' if others > 1 else ''}" if others else "")
+        )
+
     def lines(self, where: str) -> list[str]:
         """For the terminal: the count by reason, the first rejects with their lines, and where the rest are."""
         if not self.counts:

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.long
 
 CAP, WINDOW = 4096, 4096  # the story's cap; the trainer's window by default
 HEAD_LINES = 20
+CLOSING_LINES = 17  # the run's config and answer (6-8 lines), the rejects, the checks, the UI, the next command
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def story(tmp_path_factory):
     views = {args: dflash(*args, env=env, cwd=tmp) for args in [("report",), ("report", "--full"), ("configs",)]}
     for args, result in views.items():
         assert result.returncode == 0, f"{args}: {result.stdout}{result.stderr}"
-    return env, {" ".join(args): result.stdout for args, result in views.items()}
+    return env, {"demo": demo.stdout} | {" ".join(args): result.stdout for args, result in views.items()}
 
 
 def recount(data: Path) -> dict:
@@ -93,6 +94,7 @@ def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(story):
     (answer,) = cap_answers(data)
     head = out["report"]
     assert said(head, expected) == expected
+    assert said(after_the_table(out["demo"]), expected) == expected  # the run's own closing lines
     # the closing lines a run prints (the CLI's demo and backfill call answer_lines)
     assert said("\n".join(answer_lines(answer, "dflash demo")), expected) == expected
     # the UI: the answer is the first metadata row of the summary and of the shard's report
@@ -145,7 +147,42 @@ def test_dflash_configs_shows_the_share_cut_at_the_cap_beside_the_share_cut_insi
     assert at_cap in row and inside in row and row.index(at_cap) < row.index(inside), row
 
 
-@pytest.mark.parametrize("view", ["report", "report --full", "configs"])
+def after_the_table(demo: str) -> str:
+    """What `dflash demo` prints after its per-shard table (and the blank line rich ends a table with)."""
+    lines = demo.splitlines()
+    last_row = max(i for i, line in enumerate(lines) if re.match(r"\s+\d{5}\s", line))
+    return "\n".join(line for line in lines[last_row + 1 :] if line.strip())
+
+
+def test_the_demo_ends_with_the_answer_and_the_next_command_in_at_most_17_lines(story):
+    _, out = story
+    closing = after_the_table(out["demo"]).splitlines()
+    assert len(closing) <= CLOSING_LINES, out["demo"]
+    assert closing[-1].strip().startswith(("DAGSTER_HOME=", "dflash ")), closing[-1]  # the next command, whole
+    assert "dflash report --full" in out["demo"]  # the rest is one command away
+
+
+def test_the_demo_tables_counts_add_up_and_equal_a_recount(story):
+    env, out = story
+    data = Path(env["DFLASH_DATA_DIR"])
+    lines = out["demo"].splitlines()
+    rule = next(i for i, line in enumerate(lines) if "───" in line)
+    header = lines[rule - 1].split()
+    (row,) = [dict(zip(header, line.split())) for line in lines[rule + 1 :] if re.match(r"\s+\d{5}\s", line)]
+    figures = {k: int(row[k]) for k in ("prompts", "rejected", "done", "fail", "left")}
+    assert figures["prompts"] == figures["rejected"] + figures["done"] + figures["fail"] + figures["left"], row
+    parquet = lambda table: f"read_parquet('{data}/{table}/**/*.parquet', union_by_name = true)"  # noqa: E731
+    failures = list(data.glob("failures/**/*.parquet"))
+    assert figures == {
+        "prompts": 100,  # the shard's lines
+        "rejected": duckdb.sql(f"select count(*) from {parquet('rejects')}").fetchall()[0][0],
+        "done": duckdb.sql(f"select count(distinct prompt_id) from {parquet('completions')}").fetchall()[0][0],
+        "fail": duckdb.sql(f"select count(*) from {parquet('failures')}").fetchall()[0][0] if failures else 0,
+        "left": 0,
+    }
+
+
+@pytest.mark.parametrize("view", ["demo", "report", "report --full", "configs"])
 def test_no_line_is_wider_than_100_columns_and_no_figure_is_cut(story, view):
     _, out = story
     lines = out[view].splitlines()

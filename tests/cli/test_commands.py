@@ -140,6 +140,7 @@ def test_backfill_materialises_a_range_through_dagster_and_resumes_on_a_second_r
     }
     args = [
         "backfill",
+        "--full",
         "--from",
         "00000",
         "--to",
@@ -155,10 +156,11 @@ def test_backfill_materialises_a_range_through_dagster_and_resumes_on_a_second_r
     assert first.returncode == 0, first.stdout + first.stderr
     assert "shards 00000..00001 (2), cap 32000, up to 2 shards per run" in first.stdout
     rows = [line.split() for line in first.stdout.splitlines() if line.strip().startswith("0000")]
-    assert [(r[0], r[3], r[4], r[5]) for r in rows] == [("00000", "5", "5", "5"), ("00001", "5", "5", "5")]
+    # shard, prompts, rejected, done, new: prompts = rejected + done + fail + left
+    assert [(r[0], r[1], r[3], r[4]) for r in rows] == [("00000", "5", "5", "5"), ("00001", "5", "5", "5")]
     again = dflash(*args, env=env, timeout=300)
     rows = [line.split() for line in again.stdout.splitlines() if line.strip().startswith("0000")]
-    assert [(r[0], r[4], r[5]) for r in rows] == [("00000", "5", "0"), ("00001", "5", "0")], again.stdout
+    assert [(r[0], r[3], r[4]) for r in rows] == [("00000", "5", "0"), ("00001", "5", "0")], again.stdout
     bad = dflash("backfill", "--from", "00009", "--prompts", str(src), "--shard-size", "5", env=env)
     assert bad.returncode == 2 and "no shard 00009; the shards are 00000..00002" in bad.stdout
 
@@ -196,6 +198,7 @@ def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emu
     }
     result = dflash(
         "backfill",
+        "--full",
         "--prompts",
         str(src),
         "--shard-size",
@@ -226,6 +229,7 @@ def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emu
     # the demo too, on its own emulated fleet; its own defaults stay (token ids stored) unless a flag says otherwise
     demo = dflash(
         "demo",
+        "--full",
         "--prompts",
         str(src),
         "--shard-size",
@@ -277,7 +281,7 @@ def test_the_demo_takes_the_trainers_form_and_window_and_writes_the_pretokenized
     src.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"trainer test {i}"}) + "\n" for i in range(6)))
     home, data = tmp_path / "home", tmp_path / "data"
     demo = dflash(
-        *("demo", "--prompts", str(src), "--shard-size", "6", "--servers", "1"),
+        *("demo", "--full", "--prompts", str(src), "--shard-size", "6", "--servers", "1"),
         *("--trainer-format", "pretokenized", "--cap-policy", "window", "--trainer-max-length", "2048"),
         env={"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data)},
         timeout=300,

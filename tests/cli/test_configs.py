@@ -42,7 +42,7 @@ def readme_order(tmp_path_factory):
     }
     runs = []
     for flags in README_ORDER:
-        result = dflash("demo", *flags, env=env, cwd=tmp)
+        result = dflash("demo", "--full", *flags, env=env, cwd=tmp)
         runs.append((result, config_rows(env["DFLASH_DATA_DIR"])))
     return env, runs
 

@@ -31,7 +31,7 @@ def demo(tmp_path, *flags: str):
         # short answers, so that the generous cap cuts none: every row reaches the export
         "DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --length-median 150 --length-sigma 0.3",
     }
-    done = dflash("demo", "--max-output-tokens", "4096", *flags, env=env, cwd=tmp_path)
+    done = dflash("demo", "--full", "--max-output-tokens", "4096", *flags, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     manifest = json.loads(next((tmp_path / "home-data" / "training").glob("*/manifest.json")).read_text())
     return re.sub(r"\s+", " ", done.stdout), manifest

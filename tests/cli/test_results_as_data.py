@@ -70,7 +70,11 @@ def test_a_preflight_refusal_in_other_words_still_ends_with_the_context_length_t
 
     monkeypatch.setattr("dflash_assets.generation.plan.overflow_error", reworded)
     status = in_process(
-        "demo", "--max-output-tokens", "8192", DFLASH_EMULATOR_ARGS="--reasoning-parser qwen3 --context-length 8192"
+        "demo",
+        "--full",
+        "--max-output-tokens",
+        "8192",
+        DFLASH_EMULATOR_ARGS="--reasoning-parser qwen3 --context-length 8192",
     )
     out = capsys.readouterr().out
     assert status == 2, out
@@ -84,7 +88,7 @@ def test_a_checks_summary_in_other_words_still_stops_the_run_with_the_plan_and_t
     in_process, monkeypatch, capsys
 ):
     monkeypatch.setattr("dflash_assets.quality.checks_lengths.verdict", lambda rate, limit: "said differently")
-    status = in_process("demo", "--max-output-tokens", "2048", "--trainer-max-length", "8192")
+    status = in_process("demo", "--full", "--max-output-tokens", "2048", "--trainer-max-length", "8192")
     out = capsys.readouterr().out
     flat = " ".join(out.split())
     assert status == 3, out

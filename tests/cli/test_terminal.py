@@ -42,25 +42,23 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
     share = f"{cut / rows * 100:.2f}%"
     assert 0.15 <= cut / rows <= 0.25, share
     flat = re.sub(r"\s+", " ", out)
-    assert (
-        f"Stopped by the blocking check truncation_rate (shards 00000, 00001, 00002, 00003): {share} of {rows} "
-        f"rows were cut inside the trainer's window max_length 8,192" in flat
-    ), out
+    assert "Stopped by the blocking check truncation_rate (4 shards): the training set is not written" in flat, out
+    assert f"cut inside the window {share} ({cut}, the blocking share)" in flat and f"{rows} turn rows" in flat, out
     assert "P90 4,096 P99 4,096" in flat and "P90 and P99 equal the cap" in flat
-    recommended = re.search(r"recommended cap: ([\d,]+) \(predicted ([\d.]+)% cut", flat)
+    recommended = re.search(r"to the recommended cap ([\d,]+) from where they stopped", flat)
     assert recommended, out
     cap = int(recommended.group(1).replace(",", ""))
     # never past the trainer's window: at 8192 every row reaches it, so its cut rows are window-complete
-    assert 4096 < cap <= 8192 and f"{recommended.group(1)} " in out  # the plan's row for it
+    assert 4096 < cap <= 8192
     # the next command continues the cut rows (under the demo's regenerate auto, all_turns, the turns after a cut one
     # are then generated in order); the other repeats the run's own settings (the window it was given)
     assert f"dflash continue --to {cap}" in out, out
     assert f"dflash demo --trainer-max-length 8192 --max-output-tokens {cap}" in out, out
-    assert "training set: not written while a blocking check fails" in out
+    assert "dflash report --full" in out  # the cap plan, every check and reject: one command away
     # the per-shard table has its figures: cut, P90 and P99 of every shard
     for shard in ("00000", "00001", "00002", "00003"):
         line = next(line for line in out.splitlines() if line.strip().startswith(shard))
-        assert re.search(r"\d+\.\d\d%\s+\d+\s+4096\s+4096\s", line), line
+        assert re.search(r"\d+\.\d\d%\s+\d+\.\d\d%\s+4096\s+4096\s", line), line  # cut, inside, P90, P99
     for trace in NO_TRACE:
         assert trace not in out + result.stderr
 
@@ -112,7 +110,7 @@ def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_pat
         "DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192",
         "DFLASH_NUM_SERVERS": "1",
     }  # refused before any request: one server will do
-    result = dflash("demo", "--max-output-tokens", "8192", env=env, cwd=tmp_path)
+    result = dflash("demo", "--full", "--max-output-tokens", "8192", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
     out = result.stdout
     assert "Stopped before any request was sent: the preflight refused the run." in out
@@ -160,7 +158,7 @@ def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_ex
         "DFLASH_SHARD_SIZE": "100",
         "DFLASH_NUM_SERVERS": "1",
     }
-    done = dflash("demo", "--regenerate", "last_turn", env=env, cwd=tmp_path)
+    done = dflash("demo", "--full", "--regenerate", "last_turn", env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "Stopped" not in out and "Failed" not in out
@@ -196,6 +194,7 @@ def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
     with not_sglang() as url:
         failed = dflash(
             "backfill",
+            "--full",
             *args,
             "--max-output-tokens",
             "32000",
@@ -215,6 +214,7 @@ def test_exit_status_is_1_when_a_run_fails_with_the_cause_in_a_line(tmp_path):
     with not_sglang() as url:
         verbose = dflash(
             "backfill",
+            "--full",
             *args,
             "--max-output-tokens",
             "32000",
@@ -258,6 +258,7 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     }
     demo = dflash(
         "demo",
+        "--full",
         "--max-output-tokens",
         "4096",
         "--trainer-max-length",

@@ -274,7 +274,7 @@ def story_demo(tmp_path_factory):
         "DFLASH_SHARD_SIZE": "100",
         "DFLASH_NUM_SERVERS": "1",
     }
-    return dflash("demo", "--max-output-tokens", "4096", env=env, cwd=tmp_path), env
+    return dflash("demo", "--full", "--max-output-tokens", "4096", env=env, cwd=tmp_path), env
 
 
 def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(story_demo):
