@@ -14,7 +14,9 @@ import os
 from dataclasses import dataclass, field
 
 import dagster as dg
+from dagster._core.errors import DagsterExecutionStepExecutionError, DagsterResourceFunctionError  # not public
 from dagster._core.execution.plan.objects import ErrorSource  # a step failure's source: not public in 1.13
+from dagster._core.execution.plan.utils import RetryRequestedFromPolicy  # not public in 1.13
 from rich.console import Console
 from rich.logging import RichHandler
 
@@ -179,7 +181,12 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             )
 
 
-WRAPPERS = ("DagsterExecutionStepExecutionError", "DagsterResourceFunctionError", "RetryRequestedFromPolicy")
+# Dagster's wrappers around user code's own error. A run's events carry errors serialized (SerializableErrorInfo: the
+# class's name, no live exception to test with isinstance), so the names are read off the classes themselves: a class
+# Dagster renames or moves fails here at import, never silently at a run's end
+WRAPPERS = tuple(
+    c.__name__ for c in (DagsterExecutionStepExecutionError, DagsterResourceFunctionError, RetryRequestedFromPolicy)
+)
 
 
 def _own_error(error, attempts: int = 1):
