@@ -34,6 +34,12 @@ def pct(rate: float) -> str:
     return f"{rate * 100:.2f}%"
 
 
+def shown(value):
+    """A figure as the UI shows it: a share as a percentage (the checks' and reports' only floats are shares and
+    thresholds), anything else as it is."""
+    return pct(value) if isinstance(value, float) else value
+
+
 def num(n: int) -> str:
     """A count with thousands separators: 1000 -> '1,000'."""
     return f"{n:,}"

@@ -205,6 +205,22 @@ def test_the_report_leads_with_the_answer_and_the_next_command_in_at_most_20_lin
     assert len(out["report --full"].splitlines()) > len(head)  # the tables are one flag away
 
 
+def test_the_checks_metadata_shows_shares_as_percentages_never_a_raw_float(story):
+    env, _ = story
+    instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
+    key = dg.AssetCheckKey(dg.AssetKey("length_quality_report"), "truncation_rate")
+    (record,) = instance.event_log_storage.get_asset_check_execution_history(key, limit=1)
+    metadata = record.event.asset_check_evaluation.metadata
+    assert metadata["truncation_rate"].value == f"{100 * recount_share(env):.2f}%", metadata
+    raw = {k: v.value for k, v in metadata.items() if isinstance(v.value, float)}
+    assert raw == {}, raw
+
+
+def recount_share(env) -> float:
+    expected = recount(Path(env["DFLASH_DATA_DIR"]))
+    return expected["cut at the cap"] / expected["rows"]
+
+
 def test_the_shard_reports_by_config_has_each_configs_cap(story):
     env, _ = story
     instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])

@@ -174,7 +174,7 @@ def test_the_runaway_rules_and_threshold_are_quality_resource_config_in_a_dagste
     # the threshold itself: the same loops, judged against 50%
     lenient = runaway_check({"runaway_rate_max": 0.5})
     assert lenient.passed and lenient.metadata["runaway_rows"].value == loops
-    assert lenient.metadata["threshold"].value == 0.5
+    assert lenient.metadata["threshold"].value == "50.00%"  # a share, as the UI shows it
 
 
 def test_the_quality_resource_defaults_are_the_thresholds_own():

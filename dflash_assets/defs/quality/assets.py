@@ -13,7 +13,7 @@ from dflash_assets.defs.metadata import ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
-from dflash_assets.quality.outcome import pct
+from dflash_assets.quality.outcome import pct, shown
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.sources import by_source_markdown
 from dflash_assets.settings import QualitySettings
@@ -58,8 +58,7 @@ def configs_markdown(root: str | Path, max_length: int) -> str:
 
 def _table(rows: list[dict], columns: list[str]) -> str:
     head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
-    fmt = lambda v: pct(v) if isinstance(v, float) else str(v)  # noqa: E731 - rates are the only floats here
-    return head + "\n".join("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows)
+    return head + "\n".join("| " + " | ".join(str(shown(r.get(c))) for c in columns) + " |" for r in rows)
 
 
 PICTURES = (

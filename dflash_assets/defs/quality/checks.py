@@ -18,6 +18,7 @@ from dflash_assets.defs.metadata import CheckKeys
 from dflash_assets.defs.quality.assets import length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import CHECKS, CheckOutcome, ConfigVerdict, judge_each_config, run_checks
+from dflash_assets.quality.outcome import shown
 from dflash_assets.settings import QualitySettings
 
 
@@ -71,7 +72,8 @@ def completions_quality_checks(
             severity=dg.AssetCheckSeverity(worst.severity),
             description=f"{where(first, verdict)}: " + worst.summary_md.split("\n", 1)[0],
             metadata={
-                **worst.metadata,  # the worst judgement's own figures; the run's keys below never give way to them
+                # the worst judgement's own figures, shares as percentages; the run's keys below never give way to them
+                **{key: shown(value) for key, value in worst.metadata.items()},
                 CheckKeys.SCOPE: label,
                 CheckKeys.JUDGED: configs,
                 CheckKeys.FAILING: ", ".join(where(s, v) for s, v, _ in failing) or "none",
