@@ -91,6 +91,7 @@ def run_shards(
     for col in COLUMNS:
         table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
     failed_checks: dict[str, list[str]] = {}
+    judged = False  # any check ran: a run that failed before its checks says nothing of them
     no_figures: list[str] = []
     recounted: list[str] = []  # their completions step stopped: done is the recount its failure recorded
     runs = [shards[i : i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
@@ -107,6 +108,7 @@ def run_shards(
             result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk)
             source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
             report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
+            judged = judged or bool(checks)
             stopped = {} if result.success else _committed_when_stopped(result)
             if not result.success:
                 no_figures += [shard for shard in chunk if shard not in comp and shard not in stopped]
@@ -172,14 +174,14 @@ def run_shards(
     if full:
         for name, where in sorted(failed_checks.items()):
             console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
-    else:
+    elif judged:
         full_report = as_printed("dflash report --full", prompts=False)
         severities = [name.rsplit(" ", 1)[-1].strip("()") for name in failed_checks]
         said = ", ".join(f"{severities.count(s)} {s}" for s in dict.fromkeys(severities))
         say_with_command(
             console,
-            f"  {len(failed_checks)} checks did not pass on some shard ({said}): they, the cap plan and every shard "
-            f"are in {full_report}"
+            f"  checks that did not pass on some shard: {len(failed_checks)} ({said}); they, the cap plan and every "
+            f"shard are in {full_report}"
             if failed_checks
             else f"  every check passed; the cap plan and every shard are in {full_report}",
         )

@@ -33,7 +33,7 @@ def small_disk(tmp_path):
 
 def done_column(stdout: str) -> dict[str, int]:
     """shard -> the table's `done` figure."""
-    return {m[0]: int(m[1]) for m in re.findall(r"^\s*(\d{5})\s+\d+\s+\d+\s+\S+\s+(\d+)\s", stdout, re.MULTILINE)}
+    return {m[0]: int(m[1]) for m in re.findall(r"^\s*(\d{5})\s+\S+\s+\S+\s+(\d+)\s", stdout, re.MULTILINE)}
 
 
 def test_a_full_data_dir_stops_the_run_at_once_named_and_the_same_command_finishes_once_there_is_room(

@@ -61,6 +61,11 @@ def accepted_prompt_ids(data: Path) -> set[str]:
     return {r[0] for r in duckdb.sql(f"select prompt_id from read_parquet({files!r})").fetchall()}
 
 
+def flat(text: str) -> str:
+    """The terminal's text with its lines joined: prose wraps at the console's width."""
+    return " ".join(text.split())
+
+
 def wait_until(what, message: str, proc: Command | None = None, out: Path | None = None):
     deadline = time.monotonic() + BOUND_S
     while not (value := what()):
@@ -134,7 +139,7 @@ def test_demo_killed_twice_mid_completions_then_run_again_finishes_with_every_pr
     # the killed runs: failed through the instance, with the reason, and the next command said so
     killed = [r for r in runs(home) if r.job_name == "shard_pipeline" and r.status == dg.DagsterRunStatus.FAILURE]
     assert len(killed) >= 2, [(r.run_id, r.status) for r in runs(home)]
-    assert "died (its process is gone): failed it and freed the pool slots it held" in text, text
+    assert "died (its process is gone): failed it and freed the pool slots it held" in flat(text), text
     assert not [r for r in runs(home) if not r.is_finished], "a run is left STARTED"
 
 
@@ -256,7 +261,7 @@ def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_
         waiter = start("backfill", "--from", "00001", "--to", "00001", out=out, env=env)
         wait_until(lambda: "waiting for pool sglang_fleet" in out.read_text(), "the waiter says it waits", waiter, out)
         text = out.read_text()
-        assert "held by run " in text and f"(alive, pid {holder.pid} on this host" in text, text
+        assert "held by run " in text and f"(alive, pid {holder.pid} on this host" in flat(text), text
         assert f"`kill {holder.pid}`" in text, text
         # waiting costs nothing: CPU seconds per second of waiting, over a few seconds of it
         proc = psutil.Process(waiter.pid)
@@ -272,7 +277,7 @@ def test_a_run_waiting_for_the_fleet_pool_is_idle_says_who_holds_it_and_goes_on_
         status = waiter.wait(timeout=BOUND_S)
     text = out.read_text()
     assert status in (0, 3), text  # 3: a blocking check on what it generated, not the wait
-    assert "died (its process is gone): failed it and freed the pool slots it held" in text, text
+    assert "died (its process is gone): failed it and freed the pool slots it held" in flat(text), text
     assert "pool sglang_fleet is free" in text, text
     rows = [r for r in text.splitlines() if r.strip().startswith("00001")]
     assert rows and rows[0].split()[4] == str(SHARD_SIZE), text  # the shard's prompts, all done

@@ -166,7 +166,9 @@ def test_a_source_with_two_bad_lines_shows_both_with_their_lines_on_the_terminal
     src.write_text("\n".join(lines) + "\n")
     env = home(tmp_path, "home") | {"DFLASH_EMULATOR_ARGS": " ".join(FAST)}
     data = env["DFLASH_DATA_DIR"]
-    demo = dflash("demo", "--prompts", str(src), "--shard-size", "20", "--servers", "1", env=env, cwd=tmp_path)
+    demo = dflash(
+        "demo", "--full", "--prompts", str(src), "--shard-size", "20", "--servers", "1", env=env, cwd=tmp_path
+    )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     out = demo.stdout
     assert "rejected 2, by reason: '…' is empty (source) 1, invalid JSON (source) 1; the first:" in out, out
