@@ -135,5 +135,5 @@ def clean_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def story_dir(tmp_path_factory) -> Path:
-    return quality_data.build_story(tmp_path_factory.mktemp("story"))
+def cut_at_cap_dir(tmp_path_factory) -> Path:
+    return quality_data.build_cut_at_cap(tmp_path_factory.mktemp("cut_at_cap"))

@@ -143,9 +143,7 @@ def test_demo_killed_twice_mid_completions_then_run_again_finishes_with_every_pr
     assert not [r for r in runs(home) if not r.is_finished], "a run is left STARTED"
 
 
-def test_the_story_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384_finishes_8192_4096_superseded(
-    tmp_path, project
-):
+def test_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384_finishes_8192_4096_superseded(tmp_path, project):
     home, data, env = project
     with (
         start_emulator([*SLOW, "--context-length", "8192"]) as a,

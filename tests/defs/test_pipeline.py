@@ -430,9 +430,9 @@ def test_a_checks_only_run_judges_every_config_apart_and_a_superseded_one_fails_
     from dflash_assets.defs.quality.assets import length_quality_report
     from dflash_assets.defs.quality.checks import completions_quality_checks
     from dflash_assets.defs.resources import DataDirResource
-    from tests.support.quality_data import story_configs
+    from tests.support.quality_data import superseded_configs
 
-    story_configs(tmp_path / "data")  # a4096 and c8192 left incomplete in s1, then b8192 run to the end
+    superseded_configs(tmp_path / "data")  # a4096 and c8192 left incomplete in s1, then b8192 run to the end
     checks = dg.Definitions(
         assets=[length_quality_report],
         asset_checks=[completions_quality_checks],

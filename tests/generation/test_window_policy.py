@@ -186,13 +186,13 @@ def window(max_length: int) -> QualitySettings:
     return QualitySettings(trainer=TrainerSettings(max_length=max_length))
 
 
-def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_complete(story_dir):
-    rows = load(story_dir, "completions")
+def test_at_a_cap_of_4096_with_a_4096_window_every_cut_row_is_window_complete(cut_at_cap_dir):
+    rows = load(cut_at_cap_dir, "completions")
     complete = [
         r for r in rows if window_complete(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 4096)
     ]
     assert len(complete) == 183 == sum(r["finish_reason"] == "length" for r in rows)
-    outcome, warn = run_checks(story_dir, names=["truncation_rate", "decoded_past_window"])
+    outcome, warn = run_checks(cut_at_cap_dir, names=["truncation_rate", "decoded_past_window"])
     assert outcome.passed and outcome.blocking
     m = outcome.metadata
     assert (m["max_length"], m["cut_inside_window_rows"], m["window_complete_rows"], m["truncated_rows"]) == (
@@ -222,28 +222,30 @@ def test_at_the_storys_cap_of_4096_with_a_4096_window_every_cut_row_is_window_co
     assert "183 rows (18.30% of 1,000) were cut at or past the window: window-complete" in warn.summary_md
 
 
-def test_the_same_cut_rows_block_a_trainer_whose_window_reaches_past_the_cap(story_dir):
-    rows = load(story_dir, "completions")
+def test_the_same_cut_rows_block_a_trainer_whose_window_reaches_past_the_cap(cut_at_cap_dir):
+    rows = load(cut_at_cap_dir, "completions")
     inside = sum(cut_inside_window(r["finish_reason"], r["prompt_tokens"], r["completion_tokens"], 8192) for r in rows)
-    (outcome,) = run_checks(story_dir, names=["truncation_rate"], quality=window(8192))
+    (outcome,) = run_checks(cut_at_cap_dir, names=["truncation_rate"], quality=window(8192))
     assert not outcome.passed and outcome.metadata["cut_inside_window_rows"] == inside == 183
     assert "Rows cut inside the window are the hardest prompts" in outcome.summary_md
 
 
-def test_the_report_and_the_summary_show_both_shares_with_the_window_named(story_dir):
+def test_the_report_and_the_summary_show_both_shares_with_the_window_named(cut_at_cap_dir):
     from dflash_assets.quality.report import length_quality
 
-    report = length_quality(story_dir, max_length=4096)
+    report = length_quality(cut_at_cap_dir, max_length=4096)
     assert report["max_length"] == 4096
     assert (report["cut_inside_window_rows"], report["window_complete_rows"]) == (0, 183)
     assert report["window_complete_rate"] == 0.183 and report["cut_inside_window_rate"] == 0.0
     (config,) = report["by_config"]
     assert (config["cut_inside_window_rows"], config["window_complete_rows"]) == (0, 183)
-    wide = length_quality(story_dir, max_length=65536)
+    wide = length_quality(cut_at_cap_dir, max_length=65536)
     assert (wide["cut_inside_window_rows"], wide["window_complete_rows"]) == (183, 0)
 
 
-def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and_gives_the_window_command(story_dir):
+def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and_gives_the_window_command(
+    cut_at_cap_dir,
+):
     import io
 
     from rich.console import Console
@@ -251,7 +253,7 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
     from dflash_assets.quality.console import print_answers
 
     out = io.StringIO()
-    print_answers(story_dir, Console(file=out, width=200, color_system=None), full=True)
+    print_answers(cut_at_cap_dir, Console(file=out, width=200, color_system=None), full=True)
     text = out.getvalue()
     assert "cut inside the window 0.00% (0, the blocking share)" in text
     assert "window-complete 18.30% (183)" in text
@@ -263,12 +265,12 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
 
 
 @pytest.fixture(scope="module")
-def story_demo(tmp_path_factory):
+def demo_at_cap_4096(tmp_path_factory):
     """`dflash demo --max-output-tokens 4096` on the demo's first shard (a fifth of its rows are cut at 4096, as in
     the whole demo; five of its prompts are longer than the 4096 window), on one server: (result, env)."""
     from tests.support.cli import demo_slice, dflash, home
 
-    tmp_path = tmp_path_factory.mktemp("story")
+    tmp_path = tmp_path_factory.mktemp("cut_at_cap")
     env = home(tmp_path, "home") | {
         "DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)),
         "DFLASH_SHARD_SIZE": "100",
@@ -277,8 +279,8 @@ def story_demo(tmp_path_factory):
     return dflash("demo", "--full", "--max-output-tokens", "4096", env=env, cwd=tmp_path), env
 
 
-def test_the_demo_at_the_storys_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(story_demo):
-    result, env = story_demo
+def test_the_demo_at_a_4096_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(demo_at_cap_4096):
+    result, env = demo_at_cap_4096
     out = re.sub(r"\s+", " ", result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     data = env["DFLASH_DATA_DIR"]
@@ -344,11 +346,11 @@ def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_
 
 
 def test_the_defaults_leave_out_the_prompts_that_fill_the_window_and_preflight_says_so_before_any_request(
-    story_demo, tmp_path
+    demo_at_cap_4096, tmp_path
 ):
     from dflash_assets.quality import export_training_set
 
-    result, env = story_demo
+    result, env = demo_at_cap_4096
     data = env["DFLASH_DATA_DIR"]
     rows = f"read_parquet('{data}/completions/**/*.parquet')"
     # a prompt fills the window when its first turn does (regenerate auto: the demo's multi-turn prompts are

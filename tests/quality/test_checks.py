@@ -38,9 +38,11 @@ def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
         assert f"config `{h}` (max_output_tokens {cap}): {hits:,} of {n:,} rows ({pct(hits / n)})" in outcome.summary_md
 
 
-def test_truncation_rate_message_names_the_story_figures(story_dir):
+def test_truncation_rate_message_names_the_cut_share_and_the_cap(cut_at_cap_dir):
     # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window
-    outcome = check(story_dir, "truncation_rate", quality=QualitySettings(trainer=TrainerSettings(max_length=8192)))
+    outcome = check(
+        cut_at_cap_dir, "truncation_rate", quality=QualitySettings(trainer=TrainerSettings(max_length=8192))
+    )
     assert not outcome.passed
     assert outcome.summary_md.startswith(
         "**18.30%** of 1,000 rows were cut inside the trainer's window max_length 8,192 (finish_reason = 'length', "
@@ -50,16 +52,16 @@ def test_truncation_rate_message_names_the_story_figures(story_dir):
     assert "shard `s0`: 183 of 1,000 rows (18.30%)" in outcome.summary_md
 
 
-def test_truncation_rate_threshold_is_configurable(story_dir):
-    outcome = check(story_dir, "truncation_rate", quality=QualitySettings(truncation_rate_max=0.20))
+def test_truncation_rate_threshold_is_configurable(cut_at_cap_dir):
+    outcome = check(cut_at_cap_dir, "truncation_rate", quality=QualitySettings(truncation_rate_max=0.20))
     assert outcome.passed
     assert "within the 20.00% threshold" in outcome.summary_md
 
 
-def test_cap_saturation_sees_p90_equal_p99_equal_cap(story_dir):
-    values = [r["completion_tokens"] for r in load(story_dir, "completions")]
+def test_cap_saturation_sees_p90_equal_p99_equal_cap(cut_at_cap_dir):
+    values = [r["completion_tokens"] for r in load(cut_at_cap_dir, "completions")]
     assert nearest_rank(values, 0.9) == nearest_rank(values, 0.99) == 4096  # the story's shape
-    outcome = check(story_dir, "cap_saturation")
+    outcome = check(cut_at_cap_dir, "cap_saturation")
     assert not outcome.passed and outcome.severity == "WARN" and not outcome.blocking
     assert outcome.metadata["a4096/4096 p90"] == outcome.metadata["a4096/4096 p99"] == 4096
     assert outcome.metadata["saturated_configs"] == 1

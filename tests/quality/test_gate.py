@@ -8,7 +8,7 @@ from dflash_assets.quality import CHECKS, export_training_set, gate_passed, run_
 from dflash_assets.settings import QualitySettings
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import COMPLETION_SCHEMA
-from tests.support.quality_data import CONFIG_A, completion, load, prompt, story_configs, write
+from tests.support.quality_data import CONFIG_A, completion, load, prompt, superseded_configs, write
 
 
 def expected_accounting(data_dir, config=None):
@@ -175,7 +175,7 @@ def test_parts_a_compaction_already_holds_are_read_once(tmp_path):
 
 
 def test_an_incomplete_config_that_is_not_the_one_judged_is_superseded_with_its_counts_and_blocks_nothing(tmp_path):
-    data_dir = story_configs(tmp_path)
+    data_dir = superseded_configs(tmp_path)
     outcomes = run_checks(data_dir, config_hash="b8192")
     (accounting,) = [o for o in outcomes if o.name == "accounting"]
     assert accounting.passed and gate_passed(outcomes), accounting.summary_md
@@ -195,7 +195,7 @@ def test_an_incomplete_config_that_is_not_the_one_judged_is_superseded_with_its_
 
 
 def test_a_superseded_config_judged_itself_fails_its_own_accounting_and_a_complete_one_is_not_superseded(tmp_path):
-    data_dir = story_configs(tmp_path)
+    data_dir = superseded_configs(tmp_path)
     accounting = check(data_dir, "accounting", config_hash="a4096")
     assert not accounting.passed and accounting.metadata["missing"] == 4, accounting.summary_md
     assert pair_line("s1", "a4096", (10, 6, 0, 0, 4, 0)) in accounting.summary_md
@@ -208,6 +208,6 @@ def test_a_superseded_config_judged_itself_fails_its_own_accounting_and_a_comple
 
 
 def test_without_a_config_to_judge_every_config_is_judged_and_none_is_superseded(tmp_path):
-    accounting = check(story_configs(tmp_path), "accounting")
+    accounting = check(superseded_configs(tmp_path), "accounting")
     assert not accounting.passed and accounting.metadata["superseded_configs"] == 0
     assert accounting.metadata["failing_pairs"] == 2, accounting.summary_md  # a4096 and c8192 in s1

@@ -90,8 +90,8 @@ def test_length_quality_of_one_shard(defects_dir):
     assert stats_of(report) == expected_stats(rows)
 
 
-def test_length_quality_story_has_p90_equal_p99_equal_cap(story_dir):
-    report = length_quality(story_dir)
+def test_length_quality_with_18pct_cut_has_p90_equal_p99_equal_cap(cut_at_cap_dir):
+    report = length_quality(cut_at_cap_dir)
     assert (report["p90"], report["p99"], report["max"]) == (4096, 4096, 4096)
     assert report["truncation_rate"] == 0.183
     assert "nearest-rank" in report["percentile_definition"]
@@ -191,9 +191,9 @@ def test_everything_the_histogram_draws_lies_inside_the_picture_with_the_widest_
         assert fig.bbox.y0 <= drawn.y0 and drawn.y1 <= fig.bbox.y1, (rows, drawn, fig.bbox)
 
 
-def test_print_report_prints_rates_with_two_decimals(story_dir):
+def test_print_report_prints_rates_with_two_decimals(cut_at_cap_dir):
     out = io.StringIO()
-    report = print_report(story_dir, console=Console(file=out, width=200, color_system=None))
+    report = print_report(cut_at_cap_dir, console=Console(file=out, width=200, color_system=None))
     text = out.getvalue()
     assert report["rows"] == 1000
     for expected in (
@@ -211,7 +211,7 @@ def test_print_report_prints_rates_with_two_decimals(story_dir):
         "0.00% of 1,000 rows were cut inside the trainer's window max_length 4,096",
     ):
         assert expected in text
-    values = [r["completion_tokens"] for r in load(story_dir, "completions")]
+    values = [r["completion_tokens"] for r in load(cut_at_cap_dir, "completions")]
     percentiles = [f"{nearest_rank(values, q):,}" for q in (0.5, 0.9, 0.95, 0.99)]
     overall = next(line for line in text.splitlines() if "18.30%" in line and "│" in line)
     # cut inside the 4096 window 0.00%, window-complete 18.30%

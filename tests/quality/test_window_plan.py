@@ -12,8 +12,8 @@ from dflash_assets.settings import QualitySettings, TrainerSettings
 from tests.support.quality_data import load
 
 
-def story_rows(story_dir):
-    rows = load(story_dir, "completions")
+def cut_at_cap_rows(cut_at_cap_dir):
+    rows = load(cut_at_cap_dir, "completions")
     return (
         np.array([r["prompt_tokens"] for r in rows]),
         np.array([r["completion_tokens"] for r in rows]),
@@ -22,8 +22,8 @@ def story_rows(story_dir):
     )
 
 
-def test_at_the_storys_moment_every_cap_trains_the_same_tokens_and_the_window_policy_decodes_no_more(story_dir):
-    p, length, cut, loop = story_rows(story_dir)
+def test_with_18pct_cut_at_4096_every_cap_trains_the_same_tokens_and_the_window_policy_decodes_no_more(cut_at_cap_dir):
+    p, length, cut, loop = cut_at_cap_rows(cut_at_cap_dir)
     plan = plan_window(
         p, length, cut, loop, 4096, 4096, overshoot=16, candidates=(4096, 8192, 16384), tokens_per_s=25_000, servers=7
     )
@@ -47,8 +47,8 @@ def test_at_the_storys_moment_every_cap_trains_the_same_tokens_and_the_window_po
     )
 
 
-def test_below_the_current_cap_every_figure_is_read_from_the_rows(story_dir):
-    p, length, cut, loop = story_rows(story_dir)
+def test_below_the_current_cap_every_figure_is_read_from_the_rows(cut_at_cap_dir):
+    p, length, cut, loop = cut_at_cap_rows(cut_at_cap_dir)
     plan = plan_window(p, length, cut, loop, 4096, 8192, candidates=(1024, 2048, 4096))
     for c in (4096,):
         e = plan.at(c)
@@ -57,14 +57,14 @@ def test_below_the_current_cap_every_figure_is_read_from_the_rows(story_dir):
         assert e.decoded == sum(min(b, c) for b in length)
 
 
-def test_the_recommendation_never_buys_tokens_past_the_window(story_dir):
-    p, length, cut, loop = story_rows(story_dir)
+def test_the_recommendation_never_buys_tokens_past_the_window(cut_at_cap_dir):
+    p, length, cut, loop = cut_at_cap_rows(cut_at_cap_dir)
     plan = plan_window(p, length, cut, loop, 4096, 8192, candidates=(4096, 6144, 8192, 12288, 16384))
     ceiling = max(8192 - p)
     assert plan.recommended.cap == min(c for c in (8192, 12288, 16384) if c >= ceiling)
     # the cap plan's answer is held under the same ceiling, whatever the truncation threshold asks for
     (answer,) = cap_answers(
-        story_dir, QualitySettings(truncation_rate_max=0.0001, trainer=TrainerSettings(max_length=8192))
+        cut_at_cap_dir, QualitySettings(truncation_rate_max=0.0001, trainer=TrainerSettings(max_length=8192))
     )
     assert answer.recommended is not None and answer.recommended.cap <= plan.recommended.cap
     assert answer.window_plan.recommended.cap == plan.recommended.cap
@@ -94,8 +94,8 @@ def test_a_prompt_that_fills_the_window_is_decoded_at_every_cap_and_never_traine
     )
 
 
-def test_the_picture_marks_the_window(story_dir):
-    (answer,) = cap_answers(story_dir, QualitySettings(trainer=TrainerSettings(max_length=8192)))
+def test_the_picture_marks_the_window(cut_at_cap_dir):
+    (answer,) = cap_answers(cut_at_cap_dir, QualitySettings(trainer=TrainerSettings(max_length=8192)))
     plain, marked = cap_plan_png(answer.plan), cap_plan_png(answer.plan, (8192, answer.window_plan.window_at))
     assert plain != marked and marked[:8] == b"\x89PNG\r\n\x1a\n"
-    assert answer.window_plan.window_at == 8192 - percentile(story_rows(story_dir)[0], 0.5)
+    assert answer.window_plan.window_at == 8192 - percentile(cut_at_cap_rows(cut_at_cap_dir)[0], 0.5)

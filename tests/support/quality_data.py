@@ -1,6 +1,6 @@
 """Data sets for the quality tests: real Parquet files with the pipeline's schemas, known distributions and
 injected defects, plus a plain-Python reader so expected figures never come from the SQL under test. The data
-sets are built once a session by the fixtures `defects_dir`, `clean_dir` and `story_dir` (tests/conftest.py)."""
+sets are built once a session by the fixtures `defects_dir`, `clean_dir` and `cut_at_cap_dir` (tests/conftest.py)."""
 
 import json
 import random
@@ -167,8 +167,8 @@ def build_clean(data_dir: Path) -> Path:
     return data_dir
 
 
-def build_story(data_dir: Path) -> Path:
-    """The story: 1,000 rows, 183 cut at the 4096 cap, so P90 = P99 = 4096."""
+def build_cut_at_cap(data_dir: Path) -> Path:
+    """1,000 rows, 183 cut at the 4096 cap, so P90 = P99 = 4096."""
     ps = [prompt("s0", i, 200, "sharegpt") for i in range(1000)]
     rows = [
         completion(p, CONFIG_A, 4096, "length", content="", reasoning="...")
@@ -181,7 +181,7 @@ def build_story(data_dir: Path) -> Path:
     return data_dir
 
 
-def story_configs(data_dir, shards=("s0", "s1")):
+def superseded_configs(data_dir, shards=("s0", "s1")):
     """The story's configs in two shards: a4096 killed part-way (6 of 10 prompts of s1 done), then b8192 run to
     the end; c8192 wrote between them and stopped after 2 prompts of s1. Written in that order (created_at)."""
     for shard in shards:
