@@ -52,6 +52,16 @@ def served(tmp_path) -> list[tuple]:
     return rows(tmp_path / "data", columns="prompt_id, server_url, attempt")
 
 
+def failures(tmp_path) -> list[tuple]:
+    """The failure rows' prompt, attempts and error: what an assertion on counts shows when it fails."""
+    found = list((tmp_path / "data" / "failures").rglob("*.parquet"))
+    if not found:
+        return []
+    return duckdb.sql(
+        f"select prompt_id, attempts, error from read_parquet('{tmp_path}/data/failures/**/*.parquet')"
+    ).fetchall()
+
+
 def answered(tmp_path) -> list[tuple]:
     return rows(tmp_path / "data", columns="prompt_id, finish_reason, attempt")
 
@@ -61,7 +71,7 @@ def test_one_of_three_servers_crashes_mid_run_and_the_run_completes_on_the_other
     urls = [s.emu.url for s in servers]
     make_shard(tmp_path / "data", urls[:1], FAULT_PROMPTS)
     run = generate(tmp_path / "data", urls, 2048, FAULTS)
-    assert (run.completed, run.failed) == (FAULT_N, 0)
+    assert (run.completed, run.failed) == (FAULT_N, 0), failures(tmp_path)
     done = served(tmp_path)
     assert [r[0] for r in done] == [f"f{i:03d}" for i in range(FAULT_N)]
     by_server = {u: sum(r[1] == u for r in done) for u in urls}
