@@ -16,38 +16,26 @@ PROJECT_DAGSTER_YAML = Path(__file__).resolve().parents[2] / "dagster_home" / "d
 
 def instance_environment(args: argparse.Namespace) -> None:
     """The instance, the data dir and its prompt source, set in the environment before Dagster is imported (the
-    definitions read them at load). A flag wins over its environment variable; a data dir given alone brings the
-    source its shards record (store/source.py): the path and the shard size it was cut at."""
+    definitions read them at load, store/in_use.py). A flag wins over its environment variable; then the instance
+    knows the data dir its last run generated into, and the data dir the source its shards record (the path and the
+    shard size it was cut at). A run that may write there makes it the instance's (runner.py source_refused)."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
     _set_up_instance(home)
     if getattr(args, "data_dir", None):
         os.environ[Deployment.DATA_DIR.name] = args.data_dir
-    os.environ.setdefault(Deployment.DATA_DIR.name, Deployment.DATA_DIR.default)
-    recorded = recorded_source(Deployment.DATA_DIR.value())
-    given_by = "--prompts" if args.prompts else Deployment.PROMPTS.name
     if args.prompts:
         os.environ[Deployment.PROMPTS.name] = str(Path(args.prompts).resolve())
-    elif recorded and Deployment.PROMPTS.name not in os.environ:
-        os.environ[Deployment.PROMPTS.name], given_by = recorded.path, "the data dir's source record"
-    _readable_source(Path(Deployment.PROMPTS.value()), given_by)
     if getattr(args, "shard_size", None):
         os.environ[Deployment.SHARD_SIZE.name] = str(args.shard_size)
-    elif recorded and recorded.path == str(Path(Deployment.PROMPTS.value()).resolve()):
-        os.environ.setdefault(Deployment.SHARD_SIZE.name, str(recorded.shard_size))
     if getattr(args, "servers", None):
         os.environ[Deployment.NUM_SERVERS.name] = str(args.servers)
+    from dflash_assets.store.in_use import data_in_use
 
-
-def recorded_source(data_dir: str):
-    """The prompt source a data dir's shards record (the first shard's: generation/shards.py refuses a data dir
-    whose shards disagree), or None for a new data dir."""
-    from dflash_assets.store.source import recorded_sources
-
-    try:
-        return next(iter(recorded_sources(data_dir).values()), None)
-    except FileNotFoundError:
-        return None
+    data = data_in_use()
+    for name, value in data.environment().items():
+        os.environ.setdefault(name, value)
+    _readable_source(Path(data.prompts), "--prompts" if args.prompts else data.prompts_from)
 
 
 def _set_up_instance(home: Path) -> None:
@@ -108,8 +96,10 @@ def as_printed(command: str, prompts: bool = True) -> str:
 
 
 def ui_command() -> str:
-    """The UI's command on this command's instance and data (the definitions read the same environment)."""
-    return f"{_prefix(DEPLOYMENT, home=True)} uv run dg dev"
+    """The UI's command on this command's instance: the instance knows its data dir and the data dir its source
+    and shard size (store/in_use.py), so only the other settings that differ from their defaults are given."""
+    known = (*DATA, Deployment.SHARD_SIZE)
+    return f"{_prefix([s for s in DEPLOYMENT if s not in known], home=True)} uv run dg dev"
 
 
 def _prefix(settings: list[EnvSetting], home: bool = False) -> str:

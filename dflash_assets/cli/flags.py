@@ -27,14 +27,15 @@ def trainer_flags(trainer: TrainerSettings) -> dict:
     return {TRAINER_FLAGS + name: value for name, value in trainer.model_dump().items()}
 
 
-def repeated_flags(command: str, config: dict) -> str:
+def repeated_flags(command: str, config: dict, required: tuple[str, ...] = ()) -> str:
     """The flags that give `config` again (trainer_flags among them), leaving out the cap and what the command's
     defaults already give: the next command a run suggests (another cap) must generate with the same settings, or
-    it makes another config, and be judged and exported for the same trainer."""
+    it makes another config, and be judged and exported for the same trainer. `required`: the command's required
+    flags with any value, for its defaults (given in the printed command apart)."""
     import json
     import shlex
 
-    defaults = vars(build_parser().parse_args([command]))
+    defaults = vars(build_parser().parse_args([command, *required]))
     flags = []
     for name, value in config.items():
         if name == "max_output_tokens" or value == defaults[name]:

@@ -4,7 +4,10 @@ Dagster, on the servers of --urls."""
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
+from pathlib import Path
 
 from dflash_assets.cli.errors import BadInput
 from dflash_assets.cli.flags import run_settings
@@ -83,8 +86,45 @@ def probe(args: argparse.Namespace) -> int:
         result = run(go())
     except FileNotFoundError as e:  # errors.py says a SettingsError or a refused preflight the same way
         raise BadInput(str(e)) from None
-    print(probe_summary(result, args.data_dir, urls, shards))
+    print(probe_summary(result, args.data_dir, shards, ProbeNext(args)))
     return 0 if result.run.failed == 0 else 1
+
+
+class ProbeNext:
+    """The commands the probe's summary names next (quality/probe_summary.py NextCommands), each on the probe's data
+    dir and servers, so it runs as printed: `generate` with the probe's request and dispatch flags that differ
+    from their defaults, `continue` (a Dagster run) attached to --urls on the instance in DAGSTER_HOME."""
+
+    GENERATE_REQUIRED = ("--shard", "00000", "--urls", "http://127.0.0.1:1")  # for generate's defaults only
+
+    def __init__(self, args: argparse.Namespace):
+        from dflash_assets.store.storage import is_uri
+
+        self.args, self.urls = args, ",".join(args.urls)
+        self.data_dir = args.data_dir if is_uri(args.data_dir) else str(Path(args.data_dir).resolve())
+
+    def report(self) -> str:
+        return f"dflash report --data-dir {shlex.quote(self.data_dir)}"
+
+    def continue_to(self, cap: int) -> str:
+        attached = {Deployment.FLEET_MODE.name: "attach", Deployment.FLEET_URLS.name: self.urls}
+        home = {"DAGSTER_HOME": os.environ["DAGSTER_HOME"]} if "DAGSTER_HOME" in os.environ else {}
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (home | attached).items())
+        return f"{prefix} dflash continue --to {cap} --data-dir {shlex.quote(self.data_dir)}"
+
+    def generate(self, shard: str, cap: int) -> str:
+        from dflash_assets.cli.flags import repeated_flags
+        from dflash_assets.cli.parser import build_parser
+
+        given, own = vars(self.args), ("subcommand", "shard", "urls", "data_dir", "verbose")
+        flags = vars(build_parser().parse_args(["generate", *self.GENERATE_REQUIRED]))  # in the parser's order
+        carried = repeated_flags(
+            "generate", {k: given[k] for k in flags if k in given and k not in own}, self.GENERATE_REQUIRED
+        )
+        return (
+            f"dflash generate --shard {shard} --urls {self.urls} --data-dir {shlex.quote(self.data_dir)} "
+            f"--max-output-tokens {cap}{carried}"
+        )
 
 
 def prompt_shards_of(data_dir: str, asked: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import dagster as dg
 from dagster._core.errors import DagsterExecutionStepExecutionError, DagsterResourceFunctionError  # not public
@@ -252,18 +253,16 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
 
 
 def source_refused(command: str, console: Console) -> bool:
-    """Say (one line, exit 2) why the prompt source may not write into the data dir, before anything is written."""
-    from dflash_assets.generation.prompts import SourceError
-    from dflash_assets.generation.shards import source_refusal
+    """Say (one line, exit 2) why the prompt source may not write into the data dir, before anything is written;
+    else the data dir becomes the instance's (store/in_use.py: the UI and the next command find it there)."""
+    from dflash_assets.defs.resources import refusal
+    from dflash_assets.store.in_use import remember_data_dir
 
-    source = prompt_source()
-    try:
-        refusal = source_refusal(source.resolved(), source.shard_size, data_dir().resolved())
-    except (SourceError, ValueError) as e:  # no source, an empty one, a bad shard size
-        refusal = str(e)
-    if refusal:
-        console.print(f"[red]dflash {command}:[/] {refusal}", highlight=False, soft_wrap=True)
-    return refusal is not None
+    if refused := refusal(prompt_source(), data_dir()):
+        console.print(f"[red]dflash {command}:[/] {refused}", highlight=False, soft_wrap=True)
+        return True
+    remember_data_dir(Path(os.environ["DAGSTER_HOME"]), Deployment.DATA_DIR.value())
+    return False
 
 
 def shard_range(command: str, shards: list[str], first: str | None, last: str | None, console: Console) -> list | None:

@@ -29,6 +29,7 @@ from dflash_assets.settings import (
     SettingsError,
     TrainerSettings,
 )
+from dflash_assets.store.in_use import data_in_use
 
 T = TypeVar("T")
 
@@ -169,16 +170,32 @@ class DataDirResource(dg.ConfigurableResource):
         return Path(self.local_path if is_uri(self.path) else self.path).resolve()
 
 
+def refusal(prompt_source: PromptSourceResource, data_dir: DataDirResource) -> str | None:
+    """Why the definitions' prompt source and data dir may not be worked on together, in one line, or None: the data
+    dir belongs to another source, or its lines changed under its completions (generation/shards.py
+    source_refusal), or the source cannot be read or cut. What a sensor or schedule skips with, so an instance never gains
+    another source's partitions nor a report of another source's data."""
+    from dflash_assets.generation.prompts import SourceError
+    from dflash_assets.generation.shards import source_refusal
+
+    try:
+        return source_refusal(prompt_source.resolved(), prompt_source.shard_size, data_dir.resolved())
+    except (SourceError, ValueError) as e:  # no source, an empty one, a bad shard size
+        return str(e)
+
+
 def from_env() -> dict:
     """The resource map. A deployment setting set in the environment becomes a Dagster EnvVar (resolved at run
-    launch, masked in the UI); one that is unset keeps the settings' default (an EnvVar must be set)."""
+    launch, masked in the UI); an unset data dir, source or shard size is the instance's and its data dir's
+    (store/in_use.py, as for the commands); any other unset one keeps the settings' default (an EnvVar must be set)."""
 
     def env(setting: EnvSetting, convert=str):
         if setting.name not in os.environ:
-            return convert(setting.default)
+            return convert(data.get(setting.name, setting.default))
         return dg.EnvVar.int(setting.name) if convert is int else dg.EnvVar(setting.name)
 
     d = Deployment
+    data = data_in_use().environment()  # the instance's data dir and its source, as the commands find them
     return {
         # the pydantic plugin misses the inherited fields of a ConfigurableResource that redeclares some
         "fleet": FleetResource(  # type: ignore[call-arg]

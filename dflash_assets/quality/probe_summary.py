@@ -4,6 +4,7 @@ how precisely, and the command to run next."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 from dflash_assets.generation.probe import CutRows, ProbeResult, probe_root
 from dflash_assets.quality.answer import recommended_cap
@@ -30,6 +31,17 @@ def cut_rows_for_probe(data_dir: str | Path, runaway: RunawaySettings = RunawayS
         raise FileNotFoundError(str(e)) from None
 
 
+class NextCommands(Protocol):
+    """The commands the summary names next, as the terminal prints them (cli/generate.py: with the probe's data
+    dir, servers and settings, so each runs as printed)."""
+
+    def report(self) -> str: ...
+
+    def continue_to(self, cap: int) -> str: ...
+
+    def generate(self, shard: str, cap: int) -> str: ...
+
+
 def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
     """A plan from the probe's rows alone (no run yet): the smallest measured cap at which no more than `limit`
     is cut, the cap to generate the run at (answer.recommended_cap's rule, over the caps the probe measured)."""
@@ -39,8 +51,8 @@ def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
 def probe_summary(
     result: ProbeResult,
     data_dir: str | Path,
-    urls: list[str],
     shards: list[str],
+    commands: NextCommands,
     limit: float = QualitySettings().truncation_rate_max,
 ) -> str:
     run = result.run
@@ -80,18 +92,13 @@ def probe_summary(
     if alone:
         first = first_cap_within(plan, limit)
         if first is None:
-            return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
+            return "\n".join(lines + ["", _no_cap(plan, limit, commands)])
         return "\n".join(
             lines
             + [
                 "",
                 f"next: generate the run at cap {num(first.cap)}, the smallest measured cap "
-                f"that cuts {pct(limit)} or fewer: "
-                + " ; ".join(
-                    f"dflash generate --shard {s} --urls {','.join(urls)} --data-dir "
-                    f"{data_dir} --max-output-tokens {first.cap}"
-                    for s in shards
-                ),
+                f"that cuts {pct(limit)} or fewer: " + " ; ".join(commands.generate(s, first.cap) for s in shards),
             ]
         )
     if plan.truncated / plan.rows <= limit:
@@ -100,27 +107,26 @@ def probe_summary(
             + [
                 "",
                 f"next: nothing to raise: the cap {num(plan.cap)} cuts {pct(limit)} or fewer "
-                f"already; dflash report --data-dir {data_dir}",
+                f"already; {commands.report()}",
             ]
         )
     rec = recommended_cap(plan, limit)
     if rec is None or rec.truncation_rate.value > limit:
-        return "\n".join(lines + ["", _no_cap(plan, limit, data_dir)])
+        return "\n".join(lines + ["", _no_cap(plan, limit, commands)])
     return "\n".join(
         lines
         + [
             "",
-            f"next: dflash report --data-dir {data_dir} (the whole cap plan); to raise the cap "
+            f"next: {commands.report()} (the whole cap plan); to raise the cap "
             f"to {num(rec.cap)}, the smallest that cuts {pct(limit)} or fewer "
-            f"({pct(rec.truncation_rate.value)}, {label[rec.basis]}): DFLASH_DATA_DIR="
-            f"{data_dir} dflash continue --to {rec.cap}",
+            f"({pct(rec.truncation_rate.value)}, {label[rec.basis]}): {commands.continue_to(rec.cap)}",
         ]
     )
 
 
-def _no_cap(plan: CapPlan, limit: float, data_dir) -> str:
+def _no_cap(plan: CapPlan, limit: float, commands: NextCommands) -> str:
     return (
         f"next: no candidate cap cuts {pct(limit)} or fewer of the rows (runaways alone: "
         f"{pct(plan.runaways / plan.rows)}); look at the runaways and the sampling settings before raising the "
-        f"cap: dflash report --data-dir {data_dir}"
+        f"cap: {commands.report()}"
     )

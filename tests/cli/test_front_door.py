@@ -4,7 +4,6 @@ run, continue, the UI) runs as printed in a clean shell, on D and mine.jsonl and
 import json
 import os
 import re
-import shlex
 import time
 
 import dagster as dg
@@ -12,7 +11,9 @@ import pytest
 from dagster._core.instance.ref import InstanceRef
 
 from dflash_assets.emulator.process import free_port
+from tests.support.cli import clean_shell as clean
 from tests.support.cli import dflash
+from tests.support.cli import split_command as split
 from tests.support.dagster_procs import Webserver, log_tail, start_group, stop_group, wait_loaded
 
 pytestmark = pytest.mark.long
@@ -22,19 +23,6 @@ PRINTED = re.compile(r"((?:[A-Z_]+=\S+ )*dflash [a-z]+(?= |$)[^`\n]*)", re.M)  #
 UI = re.compile(r"((?:[A-Z_]+=\S+ )+uv run dg dev)")
 SENSOR = """{ sensorOrError(sensorSelector: {repositoryLocationName: "dflash_assets", repositoryName: "__repository__",
   sensorName: "shard_partitions_sensor"}) { ... on Sensor { sensorState { ticks(limit: 1) { status skipReason } } } } }"""
-
-
-def clean(env_words: list[str]) -> dict:
-    """A clean shell's environment (no DAGSTER_HOME, no DFLASH_*) with the printed command's own `NAME=value`s."""
-    unset = {k: None for k in os.environ if k.startswith("DFLASH_") or k == "DAGSTER_HOME"}
-    return unset | dict(w.split("=", 1) for w in env_words)
-
-
-def split(command: str) -> tuple[list[str], list[str]]:
-    """A printed command's leading `NAME=value`s and the rest, as a shell splits them."""
-    words = shlex.split(command)
-    n = next(i for i, w in enumerate(words) if not re.fullmatch(r"[A-Z_]+=.*", w))
-    return words[:n], words[n:]
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +71,24 @@ def test_every_dflash_command_the_demo_prints_runs_as_printed_in_a_clean_shell(d
             assert again.returncode in (0, 3), command + "\n" + said
 
 
+RESOURCE = """query($name: String!) { topLevelResourceDetailsOrError(resourceSelector: {repositoryLocationName:
+  "dflash_assets", repositoryName: "__repository__", resourceName: $name}) {
+  ... on ResourceDetails { configuredValues { key value type } } } }"""
+
+
+def resource_values(server: Webserver, name: str) -> dict[str, str]:
+    """A resource's configured values in the loaded definitions, as the UI's resource page shows them."""
+    details = server.gql(RESOURCE, {"name": name})["topLevelResourceDetailsOrError"]
+    return {v["key"]: json.loads(v["value"]) for v in details["configuredValues"] if v["type"] == "VALUE"}
+
+
 def test_the_printed_ui_command_opens_that_data_and_the_instance_holds_only_its_sources_shards(demo):
     tmp, mine, home, data, result = demo
     [ui] = UI.findall(result.stdout)
     words, argv = split(ui)
-    assert f"DFLASH_DATA_DIR={data}" in words and f"DFLASH_PROMPTS={mine}" in words, ui
+    # the instance knows its data dir, the data dir its source and shard size: the command names the instance only
+    known = ("DFLASH_DATA_DIR", "DFLASH_PROMPTS", "DFLASH_SHARD_SIZE")
+    assert f"DAGSTER_HOME={home}" in words and not any(w.startswith(known) for w in words), ui
     port = free_port()
     env = {k: v for k, v in clean(words).items() if v is not None}
     env = {k: v for k, v in os.environ.items() if not (k.startswith("DFLASH_") or k == "DAGSTER_HOME")} | env
@@ -96,6 +97,9 @@ def test_the_printed_ui_command_opens_that_data_and_the_instance_holds_only_its_
     server = Webserver(port, proc, log)
     try:
         wait_loaded(server, "dg dev", 300.0)
+        assert resource_values(server, "data_dir")["path"] == str(data), log_tail(log)
+        assert resource_values(server, "prompt_source")["path"] == str(mine), log_tail(log)
+        assert resource_values(server, "prompt_source")["shard_size"] == SHARD_SIZE, log_tail(log)
         deadline = time.monotonic() + 240
         while True:  # the daemon evaluates the partitions sensor with the definitions' resources
             ticks = server.gql(SENSOR)["sensorOrError"]["sensorState"]["ticks"]

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 
 import duckdb
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.rules import CONTEXT_MARGIN
-from tests.support.cli import dflash
+from tests.support.cli import dflash, run_as_printed
 from tests.support.shards import longest_prompt
 
 FLAGS = [
@@ -64,7 +65,8 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
             "generate", "--shard", shard, "--urls", url, "--data-dir", str(data), "--max-output-tokens", "1024"
         )
         assert gen.returncode == 0, gen.stdout + gen.stderr
-    result = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100")
+    home = {"DAGSTER_HOME": str(data.parent / "home")}  # the instance the printed `continue` runs on
+    result = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100", env=home)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     rows = probe_rows(data)
@@ -92,11 +94,19 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
     plan = plan_caps(data, candidates=sorted({*DEFAULT_CANDIDATES, cap}))
     rec = recommended_cap(plan, QualitySettings().truncation_rate_max)
     assert rec.basis == "probe" and rec.truncation_rate.value <= 0.05
+    continue_to = (
+        f"DAGSTER_HOME={home['DAGSTER_HOME']} DFLASH_FLEET_MODE=attach DFLASH_FLEET_URLS={url} dflash continue "
+        f"--to {rec.cap} --data-dir {data}"
+    )
     assert (
         f"next: dflash report --data-dir {data} (the whole cap plan); to raise the cap to {rec.cap:,}, the "
-        f"smallest that cuts 5.00% or fewer ({rec.truncation_rate.value * 100:.2f}%, measured (probe)): "
-        f"DFLASH_DATA_DIR={data} dflash continue --to {rec.cap}"
+        f"smallest that cuts 5.00% or fewer ({rec.truncation_rate.value * 100:.2f}%, measured (probe)): {continue_to}"
     ) in out, out
+    # both run as printed, in a clean shell elsewhere: the continue on the probe's servers, from the data dir alone
+    report = run_as_printed(f"dflash report --data-dir {data}", cwd=data / "length_probe")
+    assert report.returncode == 0, report.stdout + report.stderr
+    continued = run_as_printed(continue_to, cwd=data / "length_probe")
+    assert continued.returncode == 0, continued.stdout + continued.stderr
     # a second run with the same sample and settings resumes: nothing new generated
     again = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100")
     assert "100 completed + 0 rejected + 0 failed; 0 output tokens this run" in again.stdout, again.stdout
@@ -105,26 +115,24 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
 
 def test_probe_before_any_run_plans_from_its_own_rows_and_says_how_to_generate(prompts):
     url, data = prompts
-    result = dflash(
-        "probe",
-        "--urls",
-        url,
-        "--data-dir",
-        str(data),
-        "--size",
-        "60",
-        "--shards",
-        "00001",
-        "--max-output-tokens",
-        "6000",
-    )
+    probe = ("--urls", url, "--data-dir", str(data), "--size", "60", "--shards", "00001")
+    sampling = ("--temperature", "0.7", "--no-enable-thinking", "--max-in-flight-per-server", "32")  # what generate repeats
+    result = dflash("probe", *probe, "--max-output-tokens", "6000", *sampling)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = probe_rows(data)
     assert len(rows) == 60 and {r[1] for r in rows} == {6000}
     assert "length probe: 60 of 120 prompts at cap 6,000" in result.stdout
     assert "share still cut, from the probe's rows alone (95% intervals):" in result.stdout
-    assert f"dflash generate --shard 00001 --urls {url} --data-dir {data} --max-output-tokens " in result.stdout
     assert "dflash continue" not in result.stdout
+    # the run at the probe's cap, with the probe's own sampling and dispatch: runs as printed
+    [generate] = re.findall(r"dflash generate [^;\n]*", result.stdout)
+    cap = re.search(r"--max-output-tokens (\d+)", generate).group(1)
+    assert generate.strip() == (
+        f"dflash generate --shard 00001 --urls {url} --data-dir {data} --max-output-tokens {cap} "
+        "--temperature 0.7 --no-enable-thinking --max-in-flight-per-server 32"
+    ), generate
+    ran = run_as_printed(generate)
+    assert ran.returncode == 0 and "shard 00001 config " in ran.stdout, ran.stdout + ran.stderr
 
 
 def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_rows(prompts):

@@ -414,10 +414,11 @@ def test_new_completions_trigger_the_check_job_once_each(tmp_path, fleet_urls):
     with dagster_run.instance() as instance:
         instance.add_dynamic_partitions(shard_partitions.name, ["00000"])
         assert run_shard(instance, res, "00000", cap=32000).success
-        context = dg.build_sensor_context(instance=instance, definitions=defs)
+        data = {k: res[k] for k in ("prompt_source", "data_dir")}  # what the sensor checks the source with
+        context = dg.build_sensor_context(instance=instance, definitions=defs, resources=data)
         first = completions_landed_sensor.evaluate_tick(context)
         again = completions_landed_sensor.evaluate_tick(
-            dg.build_sensor_context(instance=instance, definitions=defs, cursor=first.cursor)
+            dg.build_sensor_context(instance=instance, definitions=defs, resources=data, cursor=first.cursor)
         )
     # an asset sensor's run requests name no job of their own: they run the sensor's job, the check suite
     assert completions_landed_sensor.job_name == "quality_checks"

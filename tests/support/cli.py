@@ -7,6 +7,8 @@ scripts/kill_demo.py kills fresh `dflash demo` processes, started as a user star
 """
 
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -96,3 +98,24 @@ def cli_commands(parser=None, path: tuple[str, ...] = ()) -> list[tuple[str, ...
             for name, sub in action.choices.items():
                 found += cli_commands(sub, (*path, name))
     return found
+
+
+def clean_shell(env_words: list[str]) -> dict:
+    """A clean shell's environment (no DAGSTER_HOME, no DFLASH_*) with a printed command's own `NAME=value`s, as
+    `dflash(env=...)` takes it (None unsets)."""
+    unset = {k: None for k in os.environ if k.startswith("DFLASH_") or k == "DAGSTER_HOME"}
+    return unset | dict(w.split("=", 1) for w in env_words)
+
+
+def split_command(command: str) -> tuple[list[str], list[str]]:
+    """A printed command's leading `NAME=value`s and the rest, as a shell splits them."""
+    words = shlex.split(command)
+    n = next(i for i, w in enumerate(words) if not re.fullmatch(r"[A-Z_]+=.*", w))
+    return words[:n], words[n:]
+
+
+def run_as_printed(command: str, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A `[NAME=value ...] dflash ...` command the tool printed, run as printed in a clean shell."""
+    words, argv = split_command(command)
+    assert argv[0] == "dflash", command
+    return dflash(*argv[1:], env=clean_shell(words), cwd=cwd, timeout=timeout)

@@ -9,9 +9,8 @@ partitions of its own source, never one "past the end" of it.
 import dagster as dg
 
 from dflash_assets.defs.partitions import SHARDS, shard_partitions
-from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
+from dflash_assets.defs.resources import DataDirResource, PromptSourceResource, refusal
 from dflash_assets.generation.prompts import SourceError, shard_keys
-from dflash_assets.generation.shards import source_refusal
 from dflash_assets.store.source import has_completions
 
 
@@ -35,10 +34,10 @@ def shard_changes(
 def shard_partitions_sensor(
     context: dg.SensorEvaluationContext, prompt_source: PromptSourceResource, data_dir: DataDirResource
 ) -> dg.SensorResult:
+    # a source the data dir does not belong to never adds its partitions to the instance (store/source.py)
+    if refused := refusal(prompt_source, data_dir):
+        return dg.SensorResult(skip_reason=refused)
     try:
-        # a source the data dir does not belong to never adds its partitions to the instance (store/source.py)
-        if refusal := source_refusal(prompt_source.resolved(), prompt_source.shard_size, data_dir.resolved()):
-            return dg.SensorResult(skip_reason=refusal)
         _, new, past_end = shard_changes(context.instance, prompt_source, data_dir)
     except SourceError as e:
         return dg.SensorResult(skip_reason=str(e))
