@@ -9,7 +9,7 @@
 - stall: a stream that goes silent after its first tokens: seconds from the stall to the retry, against today's
   wait (request_timeout_s); a run with such stalls: rows lost and rows committed twice (goal 0).
 - cpu: the client's CPU per million streamed tokens, blocking and streamed, at --stream-interval 1, 4, 16, 32, and
-  the cores the story's fleet (7 servers x 3,500 tok/s = 24,500 tok/s) needs (goal <= 0.5).
+  the cores a 7-GPU fleet (7 servers x 3,500 tok/s = 24,500 tok/s) needs (goal <= 0.5).
 - backfill: `dflash backfill` of 20,000 and 100,000 prompts streamed and `--no-stream`, side by side (alternating,
   twice each), on two emulated servers with instant decode and short answers at the emulator's default event size:
   the CPU seconds of the dflash process (the figure to compare on a shared machine), completions/s and peak RSS
@@ -51,7 +51,7 @@ from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.tables import register_runaway, runaway_sql
 from dflash_assets.settings import DispatchSettings, FleetSettings, GenerationSettings, RunawaySettings, ServerSettings
 
-STORY_TOK_S = 7 * 3500
+FLEET_TOK_S = 7 * 3500
 BASE = [
     "--reasoning-parser",
     "qwen3",
@@ -237,14 +237,14 @@ def cpu(n: int, intervals: list[int]) -> dict[float, int]:
                     continue  # the stream interval does not change a blocking request
                 tokens, used = asyncio.run(measure(emu.url, watch))
                 figures[name] = used / tokens * 1e6
-                cores = used / tokens * STORY_TOK_S
+                cores = used / tokens * FLEET_TOK_S
                 say(
                     f"--stream-interval {interval}, {name}",
                     f"{figures[name]:.1f} CPU s per M tokens: "
-                    f"{cores:.2f} cores at {STORY_TOK_S:,} tok/s ({tokens:,} tokens)",
+                    f"{cores:.2f} cores at {FLEET_TOK_S:,} tok/s ({tokens:,} tokens)",
                     "<= 0.5 core",
                 )
-            watched = figures["streamed + runaway check"] * STORY_TOK_S / 1e6
+            watched = figures["streamed + runaway check"] * FLEET_TOK_S / 1e6
             fits.update({budget: interval for budget in (0.5, 0.25) if watched <= budget and budget not in fits})
     say("smallest --stream-interval whose watched stream fits 0.5 core", str(fits.get(0.5, "none")))
     say(

@@ -10,7 +10,7 @@ through the project's own engine and export:
 "Trained" is what the pre-tokenized export gives the trainer: the loss-mask ones of every exported sample (the
 rows the export writes, cut at the window), and whether the blocking truncation check passes for that window
 (when it fails the gate writes nothing). The floor is every prompt's first L tokens: the 32,768-cap run's export
-at L (runaways are left out of every export). GPU-hours are for the story's 913,786 prompts on 7 GPUs at 25,000
+at L (runaways are left out of every export). GPU-hours are for 913,786 prompts on 7 GPUs at 25,000
 tok/s in all.
 
     uv run python benchmarks/bench_trainer_window.py [--prompts 2000] [--seed 5]
@@ -31,7 +31,7 @@ from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import export_training_set, run_checks
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, TrainerSettings
 
-STORY_PROMPTS, STORY_TOK_S, STORY_GPUS = 913_786, 25_000, 7
+FLEET_PROMPTS, FLEET_TOK_S, FLEET_GPUS = 913_786, 25_000, 7
 CAPS, WINDOWS = (4096, 8192, 16384, 32768), (2048, 4096)
 SETTINGS = DispatchSettings(store_token_ids=True, load_sample_s=0)
 
@@ -102,15 +102,15 @@ def main() -> int:
             rows.append((f"window policy L={window:,}", window, decoded, *trained(data, root / f"w{window}", window)))
     floor = {w: t for label, w, _, t, _ in rows if label == f"fixed cap {CAPS[-1]:,}"}
     print(
-        f"{args.prompts:,} prompts, emulator seed {args.seed}; GPU-hours: {STORY_PROMPTS:,} prompts on "
-        f"{STORY_GPUS} GPUs at {STORY_TOK_S:,} tok/s\n"
+        f"{args.prompts:,} prompts, emulator seed {args.seed}; GPU-hours: {FLEET_PROMPTS:,} prompts on "
+        f"{FLEET_GPUS} GPUs at {FLEET_TOK_S:,} tok/s\n"
     )
     print("| config | window L | decoded | trained | decoded / trained | coverage of the floor | gate | GPU-hours |")
     print("|---|---|---|---|---|---|---|---|")
     goals = []
     for label, window, decoded, tokens, gate in sorted(rows, key=lambda r: (r[1], r[0].startswith("window"))):
         ratio = f"{decoded / tokens:.3f}x" if tokens else "∞"
-        hours = decoded / args.prompts * STORY_PROMPTS / STORY_TOK_S / 3600 * STORY_GPUS
+        hours = decoded / args.prompts * FLEET_PROMPTS / FLEET_TOK_S / 3600 * FLEET_GPUS
         print(
             f"| {label} | {window:,} | {decoded:,} | {tokens:,} | {ratio} | {tokens / floor[window]:.2%} | "
             f"{'passes' if gate else 'FAILS: nothing exported'} | {hours:,.1f} |"

@@ -24,7 +24,7 @@ from tests.support.shards import FAST
 os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
 # The emulator draws anew per request, as a server does. Most tests compare runs row for row or assert that a
 # generous cap cuts nothing, so they get each prompt's one completion; a test about sampling asks for
-# `--sampling per-request` (tests/generation/test_continuation_bump.py, the demo's story in tests/cli/test_terminal.py).
+# `--sampling per-request` (tests/generation/test_continuation_bump.py, the demo at a 4096 cap in tests/cli/test_terminal.py).
 os.environ.setdefault("DFLASH_EMULATOR_SAMPLING", "per-prompt")
 # A failed generating step is retried by Dagster after DFLASH_RETRY_DELAY_S (10 s, then 20 s), read once, when the
 # definitions are imported. In this process they retry at once: what a test asserts of a retry is that it happens and

@@ -11,7 +11,13 @@ import dagster as dg
 from rich.console import Console
 
 from dflash_assets.cli.environment import instance_environment
-from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
+from dflash_assets.cli.flags import (
+    _completions_config,
+    refuse_cap_beyond_context,
+    repeated_flags,
+    request_cap,
+    trainer_flags,
+)
 from dflash_assets.cli.render import policy_text
 from dflash_assets.cli.runner import BAD_CONFIG, Window, known_shards, source_refused
 from dflash_assets.cli.shards import run_and_answer
@@ -49,6 +55,7 @@ def run_demo(
 def demo(args: argparse.Namespace) -> int:
     config, trainer = _completions_config("demo", args)
     instance_environment(args)
+    refuse_cap_beyond_context("demo", request_cap(config, trainer))
     flags = {**config, **trainer_flags(trainer)}
     return run_demo(
         config,

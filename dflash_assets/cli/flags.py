@@ -44,3 +44,65 @@ def repeated_flags(command: str, config: dict, required: tuple[str, ...] = ()) -
         text = json.dumps(value) if isinstance(value, dict) else str(value)
         flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, shlex.quote(text)]
     return "".join(" " + f for f in flags)
+
+
+def request_cap(config: dict, trainer: TrainerSettings) -> int:
+    """The largest request cap of a `completions` config: its cap, or under the window policy the window's rest for
+    the shortest prompt (GenerationSettings.request_cap)."""
+    return GenerationSettings.of(argparse.Namespace(**config), trainer).request_cap(1)
+
+
+def refuse_cap_beyond_context(command: str, request_cap: int) -> None:
+    """A request cap that leaves no prompt room in the servers' context, when that context is known before the run
+    (the emulated servers' flags; attached or launched servers that answer now), is refused in one line (BadInput,
+    exit 2) before any run starts; an unknown context is the run's preflight's to judge."""
+    from dflash_assets.cli.errors import BadInput
+    from dflash_assets.generation.preflight import cap_refusal
+    from dflash_assets.settings import Deployment
+
+    known = known_context()
+    if known and (refused := cap_refusal(known[0], request_cap, known[1], _largest(Deployment.DATA_DIR.value()))):
+        raise BadInput(f"{refused} (dflash {command} did not start)")
+
+
+def _largest(data_dir: str) -> int:
+    """The data dir's largest prompt (the context to ask for holds it), 1 before its shards are built."""
+    from dflash_assets.store.stores import largest_prompt
+
+    try:
+        return largest_prompt(data_dir) or 1
+    except OSError:
+        return 1
+
+
+def known_context() -> tuple[int, str] | None:
+    """The servers' context length before the run, and where it was read, or None when it cannot be known yet."""
+    import contextlib
+    import io
+    import shlex
+
+    from dflash_assets.settings import Deployment
+
+    mode = Deployment.FLEET_MODE.value()
+    try:
+        if mode == "emulated":
+            from dflash_assets.emulator.config import resolve
+            from dflash_assets.emulator.process import server_argv
+
+            flags = Deployment.EMULATOR_ARGS.value()
+            with contextlib.redirect_stderr(io.StringIO()):  # a bad flag: the run's start says it
+                context = resolve(server_argv(shlex.split(flags))).context_len
+            return context, f"the emulated servers' flags: {flags or 'the defaults'}"
+        from dflash_assets.fleet import status
+        from dflash_assets.fleet.launcher import default_fleet_dir
+
+        if mode == "attach":
+            statuses = status.fleet_status(attach_urls=Deployment.FLEET_URLS.value())
+        elif mode == "launch":
+            statuses = status.fleet_status(default_fleet_dir())
+        else:
+            return None  # a mode the run refuses in its own words
+    except (SystemExit, ValueError, OSError):  # flags or URLs the run refuses in its own words
+        return None
+    contexts = [s.context_length for s in statuses if s.healthy and s.context_length]
+    return (min(contexts), "read from the servers") if contexts else None

@@ -197,9 +197,7 @@ def print_stop(
         if best.fits_context is False:
             before = f"restart the servers with --context-length {best.context_needed_max}, then "
         to = f" to the recommended cap {num(best.cap)}" if short else ""
-        said = (
-            f"Next: {before}continue the {answer.truncated} cut rows{to} from where they stopped (the others are kept):"
-        )
+        said = f"Next: {before}continue the {answer.truncated} cut rows{to} from where they stopped:"
         say_with_command(console, said) if short else say(said)
         verbatim(console, f"  {as_printed(f'dflash continue --to {best.cap}')}")
         verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")

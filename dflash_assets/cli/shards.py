@@ -15,7 +15,13 @@ from rich.table import Table
 
 from dflash_assets.cli.environment import as_printed, instance_environment, ui_command
 from dflash_assets.cli.export import export_run_config
-from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
+from dflash_assets.cli.flags import (
+    _completions_config,
+    refuse_cap_beyond_context,
+    repeated_flags,
+    request_cap,
+    trainer_flags,
+)
 from dflash_assets.cli.parser import build_parser
 from dflash_assets.cli.render import (
     policy_text,
@@ -181,7 +187,7 @@ def run_shards(
         say_with_command(
             console,
             f"  checks that did not pass on some shard: {len(failed_checks)} ({said}); they, the cap plan and every "
-            f"shard are in {full_report}"
+            f"shard: {full_report}"
             if failed_checks
             else f"  every check passed; the cap plan and every shard are in {full_report}",
         )
@@ -229,7 +235,7 @@ def run_and_answer(
         rerun = f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
         print_window_answer(stops, console, window, as_printed(rerun))
     if ui:
-        say_with_command(console, f"The UI (event log, reports, checks) at http://127.0.0.1:3000: {ui_command()}")
+        verbatim(console, f"The UI at http://127.0.0.1:3000: {ui_command()}")  # one line: the command ends it
     return print_stop(
         stops,
         console,
@@ -378,6 +384,7 @@ def run_continue(
 def backfill(args: argparse.Namespace) -> int:
     config, trainer = _completions_config("backfill", args)
     instance_environment(args)
+    refuse_cap_beyond_context("backfill", request_cap(config, trainer))
     flags = {**config, **trainer_flags(trainer)}
     return run_backfill(
         args.first,
@@ -396,4 +403,6 @@ def continue_shards(args: argparse.Namespace) -> int:
             "dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's window)"
         )
     instance_environment(args)
+    if args.to_cap is not None:
+        refuse_cap_beyond_context("continue", args.to_cap)
     return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose, to_window=args.to_window)

@@ -101,6 +101,14 @@ class EmulatorProcess:
         self.stop()
 
 
+def server_argv(args: list[str] | tuple[str, ...]) -> list[str]:
+    """An emulator's server flags as it is started: --model-path defaults to emulated/qwen3-27b."""
+    args = list(args)
+    if not any(a == "--model-path" or a.startswith("--model-path=") or a == "--model" for a in args):
+        args = ["--model-path", "emulated/qwen3-27b", *args]
+    return args
+
+
 def start_emulator(
     args: list[str] | tuple[str, ...] = (),
     *,
@@ -118,9 +126,7 @@ def start_emulator(
     file that .stop() reads into .log() and removes. `spawn` starts the process
     (`popen` by default); the tests fork theirs from a process that has imported
     the emulator already (tests/support/forks.py)."""
-    args = list(args)
-    if not any(a == "--model-path" or a.startswith("--model-path=") or a == "--model" for a in args):
-        args = ["--model-path", "emulated/qwen3-27b", *args]
+    args = server_argv(args)
     for attempt in range(3 if port is None else 1):
         proc = _spawn(args, host, port or free_port(host), env, log_path, spawn or popen)
         deadline = time.monotonic() + startup_timeout

@@ -24,6 +24,20 @@ class PreflightError(RuntimeError):
         self.context_length_needed = context_length_needed
 
 
+def cap_refusal(context_length: int, request_cap: int, where: str, largest_prompt: int = 1) -> str | None:
+    """Why a request cap leaves no prompt any room in a context (one sentence with the fix), or None: then no prompt
+    can fit, whatever the prompts are, and the cap is refused before anything runs (cli/flags.py) or is sent. The
+    context to ask for holds the largest prompt when it is known."""
+    if context_length - CONTEXT_MARGIN - request_cap >= 1:
+        return None
+    return (
+        f"max_output_tokens {request_cap:,} leaves no room for a prompt in the servers' context length "
+        f"{context_length:,} ({where}; {CONTEXT_MARGIN} tokens kept free): lower --max-output-tokens below "
+        f"{context_length - CONTEXT_MARGIN:,}, or give the servers --context-length "
+        f"{context_needed(largest_prompt, request_cap):,} or more"
+    )
+
+
 @dataclass(frozen=True)
 class Budget:
     """The token budget every server of the fleet can honour."""
@@ -127,6 +141,10 @@ def overflow_error(
             f"--max-total-tokens unset)."
         )
     needed = context_needed(largest_prompt, config_cap)
+    if no_room := cap_refusal(budget.context_length, config_cap, "read from the servers", largest_prompt):
+        return PreflightError(
+            f"{overflowing} of {total} prompts do not fit: {no_room}. Nothing was sent.", context_length_needed=needed
+        )
     return PreflightError(
         f"{overflowing} of {total} prompts do not fit: the servers' context length is {budget.context_length} "
         f"tokens and max_output_tokens is {config_cap}, so a prompt may have at most "

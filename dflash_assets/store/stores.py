@@ -37,6 +37,16 @@ def ids_in_other_shards(data_dir: str | Path | Storage, shard: str) -> dict[str,
     return dict(zip(table["prompt_id"].to_pylist(), table["shard"].to_pylist()))
 
 
+def largest_prompt(data_dir: str | Path | Storage) -> int | None:
+    """The most prompt_tokens of any prompt in the data dir's prompt shards, or None before any shard is built."""
+    storage = open_storage(data_dir)
+    root = storage.root / "prompt_shards"
+    if not storage.exists(root):
+        return None
+    tokens = storage.dataset(root, partitioning=None).to_table(columns=["prompt_tokens"])["prompt_tokens"]
+    return pc.max(tokens).as_py() if len(tokens) else None
+
+
 def completion_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
     return PartStore(data_dir, "completions", shard, COMPLETION_SCHEMA)
 

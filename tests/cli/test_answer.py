@@ -1,4 +1,4 @@
-"""One config, one answer, the same in every view: after the story's run (`dflash demo --max-output-tokens 4096`),
+"""One config, one answer, the same in every view: after a run cut at the cap (`dflash demo --max-output-tokens 4096`),
 the report's head, `dflash configs`, the UI's metadata and the pictures say what a recount of the Parquet rows says
 by the definitions of rules.FIGURES, and what the export holds is what its files hold; every screen fits 100
 columns without "…"."""
@@ -17,16 +17,16 @@ from tests.support.cli import demo_slice, dflash, home
 
 pytestmark = pytest.mark.long
 
-CAP, WINDOW = 4096, 4096  # the story's cap; the trainer's window by default
+CAP, WINDOW = 4096, 4096  # a cap that cuts; the trainer's window by default
 HEAD_LINES = 20
-CLOSING_LINES = 17  # the run's config and answer (6-8 lines), the rejects, the checks, the UI, the next command
+CLOSING_LINES = 15  # the run's config and answer (6-8 lines), the rejects, the checks, the UI, the next command
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory):
-    """The story's run on one shard of the demo's prompts, one server; then `dflash report` and `dflash configs`
+def cut_at_4096(tmp_path_factory):
+    """A run at a 4096 cap on one shard of the demo's prompts, one server; then `dflash report` and `dflash configs`
     as a pipe reads them (100 columns)."""
-    tmp = tmp_path_factory.mktemp("story")
+    tmp = tmp_path_factory.mktemp("cut-at-4096")
     env = home(tmp, "home") | {
         "DFLASH_PROMPTS": str(demo_slice(tmp, 100)),
         "DFLASH_SHARD_SIZE": "100",
@@ -35,10 +35,14 @@ def story(tmp_path_factory):
     }
     demo = dflash("demo", "--max-output-tokens", str(CAP), env=env, cwd=tmp)
     assert demo.returncode == 0, demo.stdout + demo.stderr
-    views = {args: dflash(*args, env=env, cwd=tmp) for args in [("report",), ("report", "--full"), ("configs",)]}
+    # backfill of the same config: every row committed, so it only judges and answers, as demo does
+    again = ("backfill", "--max-output-tokens", str(CAP))
+    views = {args: dflash(*args, env=env, cwd=tmp) for args in [("report",), ("report", "--full"), ("configs",), again]}
     for args, result in views.items():
         assert result.returncode == 0, f"{args}: {result.stdout}{result.stderr}"
-    return env, {"demo": demo.stdout} | {" ".join(args): result.stdout for args, result in views.items()}
+    return env, {"demo": demo.stdout} | {
+        " ".join(args[:1] if args == again else args): r.stdout for args, r in views.items()
+    }
 
 
 def recount(data: Path) -> dict:
@@ -84,13 +88,13 @@ def said(text: str, expected: dict) -> dict:
     return found
 
 
-def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(story):
+def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(cut_at_4096):
     from dflash_assets.quality.answer import answer_lines, cap_answers
 
-    env, out = story
+    env, out = cut_at_4096
     data = Path(env["DFLASH_DATA_DIR"])
     expected = recount(data)
-    assert expected["cut at the cap"] > 0  # the story: the cap cuts
+    assert expected["cut at the cap"] > 0  # the cap cuts
     (answer,) = cap_answers(data)
     head = out["report"]
     assert said(head, expected) == expected
@@ -118,10 +122,10 @@ def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(story):
         }, picture.name
 
 
-def test_what_the_answer_says_of_the_export_is_what_the_training_set_holds(story):
+def test_what_the_answer_says_of_the_export_is_what_the_training_set_holds(cut_at_4096):
     from dflash_assets.quality.answer import cap_answers
 
-    env, out = story
+    env, out = cut_at_4096
     data = Path(env["DFLASH_DATA_DIR"])
     (answer,) = cap_answers(data)
     folder = data / "training" / answer.config_hash
@@ -134,8 +138,8 @@ def test_what_the_answer_says_of_the_export_is_what_the_training_set_holds(story
     assert m and int(m.group(1).replace(",", "")) == lines
 
 
-def test_dflash_configs_shows_the_share_cut_at_the_cap_beside_the_share_cut_inside_the_window(story):
-    env, out = story
+def test_dflash_configs_shows_the_share_cut_at_the_cap_beside_the_share_cut_inside_the_window(cut_at_4096):
+    env, out = cut_at_4096
     expected = recount(Path(env["DFLASH_DATA_DIR"]))
     lines = out["configs"].splitlines()
     rule = next(i for i, line in enumerate(lines) if "───" in line)
@@ -154,16 +158,17 @@ def after_the_table(demo: str) -> str:
     return "\n".join(line for line in lines[last_row + 1 :] if line.strip())
 
 
-def test_the_demo_ends_with_the_answer_and_the_next_command_in_at_most_17_lines(story):
-    _, out = story
-    closing = after_the_table(out["demo"]).splitlines()
-    assert len(closing) <= CLOSING_LINES, out["demo"]
+@pytest.mark.parametrize("view", ["demo", "backfill"])
+def test_the_demo_and_backfill_end_with_the_answer_and_the_next_command_in_at_most_15_lines(cut_at_4096, view):
+    _, out = cut_at_4096
+    closing = after_the_table(out[view]).splitlines()
+    assert len(closing) <= CLOSING_LINES, out[view]
     assert closing[-1].strip().startswith(("DAGSTER_HOME=", "dflash ")), closing[-1]  # the next command, whole
-    assert "dflash report --full" in out["demo"]  # the rest is one command away
+    assert "dflash report --full" in out[view]  # the rest is one command away
 
 
-def test_the_demo_tables_counts_add_up_and_equal_a_recount(story):
-    env, out = story
+def test_the_demo_tables_counts_add_up_and_equal_a_recount(cut_at_4096):
+    env, out = cut_at_4096
     data = Path(env["DFLASH_DATA_DIR"])
     lines = out["demo"].splitlines()
     rule = next(i for i, line in enumerate(lines) if "───" in line)
@@ -182,22 +187,24 @@ def test_the_demo_tables_counts_add_up_and_equal_a_recount(story):
     }
 
 
-@pytest.mark.parametrize("view", ["demo", "report", "report --full", "configs"])
-def test_no_line_is_wider_than_100_columns_and_no_figure_is_cut(story, view):
-    _, out = story
+@pytest.mark.parametrize("view", ["demo", "backfill", "report", "report --full", "configs"])
+def test_no_line_is_wider_than_100_columns_and_no_figure_is_cut(cut_at_4096, view):
+    _, out = cut_at_4096
     lines = out[view].splitlines()
 
-    # a path or a command's environment is printed whole, so it can be copied (console.verbatim): past those, every
-    # line (prose, tables) fits in 100 columns
+    # a command, a path or a command's environment is printed whole, so it can be copied (console.verbatim): past
+    # those, every line (prose, tables) fits in 100 columns
     def prose(line: str) -> str:
+        if re.match(r"(?:[A-Z_]+=\S+ )*(?:dflash|uv run) ", line.strip()):
+            return ""  # a command on a line of its own
         return " ".join(word for word in line.split(" ") if "/" not in word and "=" not in word)
 
     assert max(len(prose(line)) for line in lines) <= 100, max(lines, key=lambda line: len(prose(line)))
     assert not [line for line in lines if "…" in line]
 
 
-def test_the_report_leads_with_the_answer_and_the_next_command_in_at_most_20_lines(story):
-    _, out = story
+def test_the_report_leads_with_the_answer_and_the_next_command_in_at_most_20_lines(cut_at_4096):
+    _, out = cut_at_4096
     head = out["report"].splitlines()
     assert len(head) <= HEAD_LINES, out["report"]
     assert any(line.startswith("next: dflash ") for line in head)
@@ -205,8 +212,8 @@ def test_the_report_leads_with_the_answer_and_the_next_command_in_at_most_20_lin
     assert len(out["report --full"].splitlines()) > len(head)  # the tables are one flag away
 
 
-def test_the_checks_metadata_shows_shares_as_percentages_never_a_raw_float(story):
-    env, _ = story
+def test_the_checks_metadata_shows_shares_as_percentages_never_a_raw_float(cut_at_4096):
+    env, _ = cut_at_4096
     instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
     key = dg.AssetCheckKey(dg.AssetKey("length_quality_report"), "truncation_rate")
     (record,) = instance.event_log_storage.get_asset_check_execution_history(key, limit=1)
@@ -221,8 +228,8 @@ def recount_share(env) -> float:
     return expected["cut at the cap"] / expected["rows"]
 
 
-def test_the_shard_reports_by_config_has_each_configs_cap(story):
-    env, _ = story
+def test_the_shard_reports_by_config_has_each_configs_cap(cut_at_4096):
+    env, _ = cut_at_4096
     instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
     (record,) = instance.fetch_materializations(dg.AssetKey("length_quality_report"), limit=1).records
     table = record.asset_materialization.metadata["by_config"].value

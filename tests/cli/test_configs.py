@@ -16,7 +16,7 @@ from tests.support.cli import demo_slice, dflash, home
 
 pytestmark = pytest.mark.long
 
-# the README's order: the demo at its default cap, the story's cap, then the command the terminal suggests
+# the README's order: the demo at its default cap, a 4096 cap, then the command the terminal suggests
 README_ORDER = ((), ("--max-output-tokens", "4096"), ("--cap-policy", "window", "--max-output-tokens", "4096"))
 CAPS = (16384, 4096, 4096)
 
@@ -133,22 +133,22 @@ def test_dflash_export_ships_the_config_named_and_stops_at_a_blocking_check(read
     missing = dflash("export", "--config", "0123456789ab", env=env, cwd=env["CWD"])
     assert missing.returncode == 2 and "no config 0123456789ab under" in missing.stdout
     assert all(h in re.sub(r"\s+", " ", missing.stdout) for h in runs[2][1])
-    # judged for a trainer that reads 8192 tokens, the story's cap cuts inside the window: the gate stops it (3)
-    story = next(h for h in runs[1][1] if h not in runs[0][1])
-    stopped = dflash("export", "--config", story, "--trainer-max-length", "8192", env=env, cwd=env["CWD"])
+    # judged for a trainer that reads 8192 tokens, a 4096 cap cuts inside the window: the gate stops it (3)
+    at_4096 = next(h for h in runs[1][1] if h not in runs[0][1])
+    stopped = dflash("export", "--config", at_4096, "--trainer-max-length", "8192", env=env, cwd=env["CWD"])
     assert stopped.returncode == 3, stopped.stdout + stopped.stderr
     flat = re.sub(r"\s+", " ", stopped.stdout)
-    assert f"drafter training set: not written: a blocking check fails on config {story}" in flat
+    assert f"drafter training set: not written: a blocking check fails on config {at_4096}" in flat
     assert "Stopped by the blocking check truncation_rate (all shards)" in flat
     # every config at once: stopped by the same check, said of the one config it fails on, by that config's rows
     every = dflash("export", "--config", "all", "--trainer-max-length", "8192", env=env, cwd=env["CWD"])
     assert every.returncode == 3, every.stdout + every.stderr
     flat = re.sub(r"\s+", " ", every.stdout)
-    said = f"drafter training set (--config all): not written: a blocking check fails on config {story} Stopped by"
+    said = f"drafter training set (--config all): not written: a blocking check fails on config {at_4096} Stopped by"
     assert said in flat, every.stdout
     assert "Stopped by the blocking check truncation_rate (all shards)" in flat
-    n = config_rows(env["DFLASH_DATA_DIR"])[story]
-    assert re.search(rf"config {story}: cap 4,096, window [\d,]+, {n:,} turn rows of", flat), every.stdout
+    n = config_rows(env["DFLASH_DATA_DIR"])[at_4096]
+    assert re.search(rf"config {at_4096}: cap 4,096, window [\d,]+, {n:,} turn rows of", flat), every.stdout
 
 
 def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_share(readme_order):

@@ -1,4 +1,4 @@
-"""kill -9 of `dflash demo` and `dflash backfill`, then the same command again, as the story did it.
+"""kill -9 of `dflash demo` and `dflash backfill`, then the same command again, as a user does it.
 
 Every kill lands where it hurts: after a part of completions is committed (the test waits for the file), with the
 emulator holding every request still in flight, so the killed run certainly holds its pool slots (the fleet's and
@@ -168,7 +168,16 @@ def test_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384_finishes_
         status = bump.wait(timeout=BOUND_S)
     text = (tmp_path / "bump.txt").read_text()
     assert status == 2, text
-    assert "Stopped before any request was sent" in text and "Next: restart the servers with --context-length" in text
+    # the servers' context is read before the run: refused in one line, with the context the largest prompt needs
+    largest = duckdb.sql(
+        f"select max(prompt_tokens) from read_parquet('{data}/prompt_shards/**/*.parquet')"
+    ).fetchall()[0][0]
+    [line] = text.strip().splitlines()
+    assert line.startswith(
+        "dflash backfill: max_output_tokens 8,192 leaves no room for a prompt in the servers' "
+        "context length 8,192 (read from the servers"
+    ), line
+    assert line.endswith(f"--context-length {largest + 8192 + 2:,} or more (dflash backfill did not start)"), line
     (old,) = {r[1] for r in completion_rows(data)}
     old_rows = len(completion_rows(data))
     assert 0 < old_rows < SHARDS * SHARD_SIZE, old_rows

@@ -1,6 +1,6 @@
 """A data dir belongs to one prompt source, and the instance's shard partitions follow the source.
 
-The story's accident: `dflash demo --prompts other.jsonl` on the demo's data dir overwrote prompt_shards/shard=00000
+The accident this guards against: `dflash demo --prompts other.jsonl` on the demo's data dir overwrote prompt_shards/shard=00000
 with the other file's prompts and deleted shard=00001, beside completions that were no longer theirs, then failed
 "past the end". Here another source is refused before anything is written, a grown source adds a shard, a changed
 one is refused, and another source in a new DFLASH_DATA_DIR on the same DAGSTER_HOME runs.

@@ -116,7 +116,13 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
 def test_probe_before_any_run_plans_from_its_own_rows_and_says_how_to_generate(prompts):
     url, data = prompts
     probe = ("--urls", url, "--data-dir", str(data), "--size", "60", "--shards", "00001")
-    sampling = ("--temperature", "0.7", "--no-enable-thinking", "--max-in-flight-per-server", "32")  # what generate repeats
+    sampling = (
+        "--temperature",
+        "0.7",
+        "--no-enable-thinking",
+        "--max-in-flight-per-server",
+        "32",
+    )  # what generate repeats
     result = dflash("probe", *probe, "--max-output-tokens", "6000", *sampling)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = probe_rows(data)

@@ -23,7 +23,7 @@ NO_TRACE = ("Traceback", "Stack Trace", "DagsterAssetCheckFailedError", " - ERRO
 
 @pytest.fixture(scope="module")
 def demo_at_4096(tmp_path_factory):
-    """The README's way to reproduce the story: the bundled prompts at a 4096-token cap, for a trainer that reads
+    """The README's way to see a too-small cap: the bundled prompts at a 4096-token cap, for a trainer that reads
     8192 tokens (at the default 4096 window the cuts lie past it: tests/generation/test_window_policy.py)."""
     tmp = tmp_path_factory.mktemp("demo4096")
     env = home(tmp, "home")  # each prompt's one completion (the suite's setting): the figures are the same each run
@@ -110,11 +110,12 @@ def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_pat
         "DFLASH_EMULATOR_ARGS": "--reasoning-parser qwen3 --context-length 8192",
         "DFLASH_NUM_SERVERS": "1",
     }  # refused before any request: one server will do
-    result = dflash("demo", "--full", "--max-output-tokens", "8192", env=env, cwd=tmp_path)
+    # a cap that leaves a prompt 1 token: it passes the check before the run, and the preflight refuses every prompt
+    result = dflash("demo", "--full", "--max-output-tokens", "8189", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
     out = result.stdout
     assert "Stopped before any request was sent: the preflight refused the run." in out
-    assert "the servers' context length is 8192 tokens and max_output_tokens is 8192" in re.sub(r"\s+", " ", out)
+    assert "the servers' context length is 8192 tokens and max_output_tokens is 8189" in re.sub(r"\s+", " ", out)
     needed = re.search(r"--context-length (\d+) or more", re.sub(r"\s+", " ", out)).group(1)
     assert (
         out.strip().splitlines()[-1]
@@ -250,7 +251,7 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     )
     assert len(new) == len(set(new)) > 0, "every (prompt_id, turn) once"
     assert any(turn > cut[pid] for pid, turn in new if pid in cut), "the turns after a continued one were generated"
-    # a row per prompt (last_turn): one shard of the demo's prompts, the story's cap, a trainer reading 8192
+    # a row per prompt (last_turn): one shard of the demo's prompts, a 4096 cap, a trainer reading 8192
     env = home(tmp_path, "home") | {
         "DFLASH_PROMPTS": str(demo_slice(tmp_path, 100)),
         "DFLASH_SHARD_SIZE": "100",

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.long
 
 
 def resources(tmp_path, urls, shard_size: int, **fleet):
-    # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window and block (at the
+    # a trainer that reads 8192 tokens: the cuts at 4096 lie inside its window and block (at the
     # default 4096 window they are window-complete: tests/generation/test_window_policy.py)
     return {
         **dagster_run.resources(tmp_path, urls, shard_size, **fleet),

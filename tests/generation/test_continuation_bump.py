@@ -1,4 +1,4 @@
-"""The story's bump, 4096 -> 8192, on an emulator that samples like a server (a new draw per request, lengths
+"""A cap raised from 4096 to 8192, on an emulator that samples like a server (a new draw per request, lengths
 correlated with the prompt): continuing the cut rows gives the length distribution of a clean 8192 run, while
 keeping the short rows and drawing the long ones afresh skews the set short. (The emulator's sampling itself:
 tests/emulator/test_sampling.py.)"""
@@ -71,7 +71,7 @@ def bump(tmp_path_factory):
 
 def test_lengths_after_a_4096_to_8192_bump_match_a_clean_8192_run(bump):
     (a, b, _), parent, run, clean, _ = bump
-    assert 0.12 <= parent.length / N <= 0.25, parent.length  # the story's share cut at 4096
+    assert 0.12 <= parent.length / N <= 0.25, parent.length  # about 18% cut at 4096
     assert run.continued == parent.length and run.copied == N - parent.length and run.left == 0
     bumped, fresh = lengths(a, run.config_hash), lengths(b, clean.config_hash)
     assert len(bumped) == len(fresh) == N

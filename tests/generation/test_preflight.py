@@ -48,18 +48,19 @@ def test_fail_policy_fails_before_any_request_with_the_counts(tmp_path, emulator
 
 
 def test_when_every_prompt_overflows_the_run_fails_naming_the_context_that_would_fit(tmp_path, emulator):
-    # the story: --context-length 8192 with max_output_tokens 8192
+    # a context that cannot hold prompt + cap: --context-length 8192 with max_output_tokens 8192
     server = emulator("--context-length", "8192", *SHORT)
     make_shard(tmp_path / "data", [server.emu.url], numbered(["short one", "another short", "a third"]))
     largest = longest_prompt(tmp_path / "data" / "prompt_shards")
     with pytest.raises(PreflightError) as err:
         generate(tmp_path / "data", [server.emu.url], 8192, FEW_RETRIES)
     message = str(err.value)
-    assert (
-        "3 of 3 prompts do not fit: the servers' context length is 8192 tokens and max_output_tokens is 8192" in message
+    # the cap alone fills the context: said so, never "a prompt may have at most -2 tokens"
+    assert message == (
+        "3 of 3 prompts do not fit: max_output_tokens 8,192 leaves no room for a prompt in the servers' context "
+        "length 8,192 (read from the servers; 2 tokens kept free): lower --max-output-tokens below 8,190, or give "
+        f"the servers --context-length {largest + 8192 + 2:,} or more. Nothing was sent."
     )
-    assert f"the largest prompt has {largest}" in message
-    assert f"--context-length {largest + 8192 + 2} or more" in message and "Nothing was sent" in message
     assert requests_served(server) == 0
 
 

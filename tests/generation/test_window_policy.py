@@ -261,7 +261,7 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
     assert "--cap-policy window --trainer-max-length 4096" in text
 
 
-# ---- the terminal at the story's moment --------------------------------------------------------------------------
+# ---- the terminal when the cap cuts inside the window --------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

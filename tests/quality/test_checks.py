@@ -39,7 +39,7 @@ def test_truncation_rate_is_judged_per_config_and_per_shard(defects_dir):
 
 
 def test_truncation_rate_message_names_the_cut_share_and_the_cap(cut_at_cap_dir):
-    # a trainer that reads 8192 tokens: the story's cuts at 4096 lie inside its window
+    # a trainer that reads 8192 tokens: the cuts at 4096 lie inside its window
     outcome = check(
         cut_at_cap_dir, "truncation_rate", quality=QualitySettings(trainer=TrainerSettings(max_length=8192))
     )
@@ -60,7 +60,7 @@ def test_truncation_rate_threshold_is_configurable(cut_at_cap_dir):
 
 def test_cap_saturation_sees_p90_equal_p99_equal_cap(cut_at_cap_dir):
     values = [r["completion_tokens"] for r in load(cut_at_cap_dir, "completions")]
-    assert nearest_rank(values, 0.9) == nearest_rank(values, 0.99) == 4096  # the story's shape
+    assert nearest_rank(values, 0.9) == nearest_rank(values, 0.99) == 4096  # a saturated cap's shape
     outcome = check(cut_at_cap_dir, "cap_saturation")
     assert not outcome.passed and outcome.severity == "WARN" and not outcome.blocking
     assert outcome.metadata["a4096/4096 p90"] == outcome.metadata["a4096/4096 p99"] == 4096

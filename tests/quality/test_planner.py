@@ -75,7 +75,7 @@ def test_plan_at_4096_predicts_a_real_rerun_at_8192_on_the_emulator(tmp_path):
     ).fetchall()[0]
     predicted = plan.at(8192)
     assert plan.rows == at_8192.completed == N_PROMPTS
-    assert 0.15 < plan.truncated / plan.rows < 0.21, "the story's ~18% cut at 4096"
+    assert 0.15 < plan.truncated / plan.rows < 0.21, "about 18% cut at 4096"
     assert abs(predicted.truncation_rate.value - observed_rate) < 0.02, (predicted, observed_rate)
     assert abs(predicted.output_tokens.value / observed_tokens - 1) < 0.10, (predicted, observed_tokens)
     assert predicted.truncation_rate.low <= observed_rate <= predicted.truncation_rate.high

@@ -207,7 +207,7 @@ def test_print_report_prints_rates_with_two_decimals(cut_at_cap_dir):
         "sharegpt",
         "nearest-rank",
         "truncation_rate",
-        # the story's cap of 4096 with the default 4096 window: every cut lies past the window
+        # a cap of 4096 with the default 4096 window: every cut lies past the window
         "0.00% of 1,000 rows were cut inside the trainer's window max_length 4,096",
     ):
         assert expected in text

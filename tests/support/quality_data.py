@@ -130,7 +130,7 @@ def build_defects(data_dir: Path) -> Path:
     write(data_dir, "failures", "s0", failures)
     write(data_dir, "prompt_shards", "s0", ps)  # ps[192:] are missing: no row anywhere
 
-    # s1: mixed configs, the story's kill -9 and restart: 90 rows at cap 4096, 60 at cap 8192 (no thinking)
+    # s1: mixed configs, a kill -9 and a restart: 90 rows at cap 4096, 60 at cap 8192 (no thinking)
     ps = [prompt("s1", i, rng.randint(20, 6000), SOURCES[i % 3]) for i in range(150)]
     rows = [completion(p, CONFIG_A, rng.choice([4096, rng.randint(100, 4000)])) for p in ps[:90]]
     for r in rows:
@@ -182,7 +182,7 @@ def build_cut_at_cap(data_dir: Path) -> Path:
 
 
 def superseded_configs(data_dir, shards=("s0", "s1")):
-    """The story's configs in two shards: a4096 killed part-way (6 of 10 prompts of s1 done), then b8192 run to
+    """Superseded configs in two shards: a4096 killed part-way (6 of 10 prompts of s1 done), then b8192 run to
     the end; c8192 wrote between them and stopped after 2 prompts of s1. Written in that order (created_at)."""
     for shard in shards:
         ps = [prompt(shard, i, 100, "gsm8k") for i in range(10)]
