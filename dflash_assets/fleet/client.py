@@ -48,6 +48,11 @@ TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is r
 # worker killed with requests in flight): HTTP 503, Retry-After: 1, {"error": {"code": "no_available_workers",
 # "message": "All workers are unavailable (circuit breaker open or unhealthy)"}} (tests/engines/test_gateway.py)
 NO_WORKER = (503, "no_available_workers")
+# smg 1.13's HTTP 500 when the connection to a worker dropped under the request or could not be made (reqwest's
+# is_request / is_body / is_connect errors: routers/http/router.rs convert_reqwest_error): a worker whose process
+# died under it, or one already down; the two are told apart by probing the worker (generation/quarantine.py). When
+# a worker dies, smg answers the requests it had in flight with either code (tests/engines/test_gateway_quarantine.py).
+UPSTREAM_LOST = ("call_upstream_request_error", "call_upstream_body_error", "call_upstream_connection_failed")
 
 
 # JSON en/decoded on raw bytes (msgspec: several times json's speed on the bodies of every request and answer)
@@ -73,6 +78,7 @@ class ServerError(Exception):
         stalled: bool = False,
         refused: bool = False,
         unavailable: bool = False,
+        upstream_lost: bool = False,
     ):
         super().__init__(f"{url}: {message}")
         self.url = url
@@ -82,6 +88,7 @@ class ServerError(Exception):
         self.stalled = stalled  # a stream closed for silence (Watch.stall_timeout_s): retried on another server
         self.refused = refused  # the connection was refused: nothing listens at the URL (yet)
         self.unavailable = unavailable  # a gateway with no worker to route any request to (NO_WORKER)
+        self.upstream_lost = upstream_lost  # a gateway lost its connection to a worker (UPSTREAM_LOST)
 
 
 class ServerAccessError(RuntimeError):
@@ -238,6 +245,7 @@ class ServerClient:
             status=status,
             retryable=status not in PROMPT_FAULT,
             unavailable=(status, error_code(body)) == NO_WORKER,
+            upstream_lost=status == 500 and error_code(body) in UPSTREAM_LOST,
         )
 
     async def _stream(self, path: str, body: dict, answer: ChatAnswer | GenerateAnswer, watch: Watch) -> dict:

@@ -12,7 +12,10 @@ dropped request, such a prompt would kill one server after another, up to `max_a
   send the prompt unless asked (`DispatchSettings.retry_quarantined`).
 
 A server that was already down when a request was sent (a refused connection, a dead server not yet ejected) is
-no new death. Behind a gateway the gateway stays healthy when a worker dies, so no death is seen there.
+no new death. Behind a gateway the gateway stays healthy when a worker dies: it answers a request whose worker
+dropped or refused the connection with a 500 (fleet/client.py UPSTREAM_LOST), or ends a stream already relayed. So there the
+probe asks each worker behind the gateway directly (fleet/gateway.py: the orchestrator reaches them for their facts
+already), and a worker that now fails /health, and was not already down, is the death.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Protocol
 import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
+from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.slots import Slot
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import CompletionRow, FailureRow
@@ -87,7 +91,8 @@ class Quarantine:
 
     async def _died_under(self, key: Key, slot: Slot, error: ServerError, sent: float) -> bool:
         """Whether `slot`'s server died while this request was in flight there (counted once per death)."""
-        if error.status is not None or error.stalled or error.refused or not error.retryable:
+        dropped = error.status is None or error.upstream_lost  # a gateway says it lost its worker
+        if not dropped or error.stalled or error.refused or not error.retryable:
             return False
         url = slot.url
         death = self._last.get(url)
@@ -108,15 +113,33 @@ class Quarantine:
     async def _probe(self, slot: Slot) -> Death | None:
         at = time.monotonic()
         try:
-            problem = await slot.client.health_problem()
+            dead = await self._newly_dead(slot)
         finally:
             self._probes.pop(slot.url, None)
-        if not isinstance(problem, ServerError):
-            return None  # a dropped connection, but the server answers: not a death
-        death = self._last[slot.url] = Death(at, slot.url)
-        self._down.add(slot.url)
-        self.log(f"{slot.url} died with requests in flight ({problem.message}): they are suspects, sent one at a time")
+        if not dead:
+            return None  # a dropped connection, but the server (every worker behind the gateway) answers
+        url, problem = dead[0]
+        death = self._last[slot.url] = Death(at, url)
+        self._down.add(url)
+        where = url if url == slot.url else f"{url} (behind the gateway {slot.url})"
+        self.log(f"{where} died with requests in flight ({problem.message}): they are suspects, sent one at a time")
         return death
+
+    async def _newly_dead(self, slot: Slot) -> list[tuple[str, ServerError]]:
+        """The server a request dropped on, if it now fails /health; behind a gateway, the workers that fail it now
+        and were not already down (a worker that answers again is no longer down)."""
+        client = slot.client
+        if not isinstance(client, GatewayClient):
+            problem = await client.health_problem()
+            return [(slot.url, problem)] if isinstance(problem, ServerError) else []
+        problems = await asyncio.gather(*(w.health_problem() for w in client.workers))
+        dead = []
+        for worker, problem in zip(client.workers, problems):
+            if not isinstance(problem, ServerError):
+                self._down.discard(worker.url)
+            elif worker.url not in self._down:
+                dead.append((worker.url, problem))
+        return dead
 
     async def close(self) -> None:
         for task in self._probes.values():

@@ -131,7 +131,11 @@ def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(t
     data = tmp_path / "data"
     make_shard(data, [server.emu.url])
     parent = generate(data, [server.emu.url], 4096)
-    with pytest.raises(PreflightError, match=r"context length is 6000 tokens and max_output_tokens is 8192"):
+    with pytest.raises(
+        PreflightError,
+        match=r"max_output_tokens 8,192 leaves no room for a prompt in the servers' "
+        r"context length 6,000",
+    ):
         cont(data, [server.emu.url], parent.config_hash, 8192)
     provenance = hashed(data, parent.config_hash)  # what the parent's fleet said, in its hash and the new one's
     assert provenance is not None

@@ -1,0 +1,68 @@
+"""A prompt that kills its server behind the gateway costs at most two servers: the real smg 1.13 (started by
+deploy/sglang-router.sh, as tests/engines/test_gateway.py starts it) in front of three SGLang 0.5.23 emulators with
+the crash_on fault. smg stays healthy when a worker dies, so the client asks the workers behind it directly
+(generation/quarantine.py); the poisoned prompt is quarantined after two worker deaths, every other prompt is
+committed, and a later run does not send it."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from dflash_assets.emulator.process import start_emulator
+from dflash_assets.generation.quarantine import QUARANTINED
+from dflash_assets.settings import DispatchSettings
+from tests.support.dagster_procs import ARTIFACTS, fresh_dir, stop_group
+from tests.support.shards import generate, make_shard, rows
+from tests.support.smg import start_smg
+from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]
+
+LOGS = ARTIFACTS / "logs" / "gateway-quarantine"
+MARKER = "POISON-9c1d"
+FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "120", "--length-sigma", "0.4"]
+FLAGS += ["--decode-tokens-per-s", "1500", "--max-running-requests", "3", "--fault-crash-on", MARKER]
+N = 30
+PROMPTS = {f"g{i:02d}": f"gateway question {i}" + (f" {MARKER}" if i == 7 else "") for i in range(N)}
+SETTINGS = DispatchSettings(
+    max_attempts=8, backoff_base_s=0.05, backoff_max_s=0.5, commit_rows=4, commit_seconds=0.2, load_sample_s=0
+)
+
+
+def healthy(gateway: str) -> int:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{gateway}/workers", timeout=10) as response:
+        return sum(w["is_healthy"] for w in json.loads(response.read())["workers"])
+
+
+def test_a_prompt_that_kills_its_worker_behind_the_gateway_costs_two_workers_and_is_quarantined(tmp_path):
+    fresh_dir(LOGS)
+    data, logs = tmp_path / "data", []
+    workers = [start_emulator(FLAGS, log_path=LOGS / f"worker-{i}.log") for i in range(3)]
+    smg, gateway = start_smg([w.url for w in workers], LOGS / "smg.log")
+    try:
+        wait_for("smg lists three healthy workers", lambda: healthy(gateway) == 3, 120)
+        make_shard(data, [workers[0].url], PROMPTS)
+        run = generate(data, [gateway], 256, SETTINGS, log=logs.append)
+        dead = [w for w in workers if w.popen.poll() is not None]
+        assert len(dead) == 2, ("the poisoned prompt killed the worker it reached, then one more, and no other", logs)
+        assert (run.completed, run.failed) == (N - 1, 1), logs
+        assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(set(PROMPTS) - {"g07"})
+        [(prompt_id, error)] = duckdb.sql(
+            f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
+        ).fetchall()
+        assert prompt_id == "g07" and error.startswith(QUARANTINED), error
+        assert sum("behind the gateway" in line and "died with requests in flight" in line for line in logs) == 2
+
+        wait_for("smg marks the dead workers down", lambda: healthy(gateway) == 1, 60)
+        again = generate(data, [gateway], 256, SETTINGS, log=logs.append)  # the marker would kill the last one
+        assert all(w.popen.poll() is None for w in workers if w not in dead), "a later run did not send it"
+        assert (again.completed, again.failed, again.already_done) == (N - 1, 1, N - 1)
+    finally:
+        (LOGS / "run.log").write_text("\n".join(logs))  # the run's log, should an assertion fail
+        stop_group(smg, grace_s=15)
+        for w in workers:
+            w.stop()
