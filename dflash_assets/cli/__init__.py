@@ -46,6 +46,18 @@ COMMANDS = {
 LONG_COMMANDS = ("demo", "backfill", "continue", "generate", "probe", "fleet")
 
 
+def rows_under(args) -> str | None:
+    """Where a command commits its completion rows (the probe: its own tree), or None: `fleet` generates nothing."""
+    if args.subcommand == "fleet":
+        return None
+    data_dir = getattr(args, "data_dir", None) or Deployment.DATA_DIR.value()
+    if args.subcommand == "probe":
+        from dflash_assets.generation.probe import probe_root
+
+        return str(probe_root(data_dir))
+    return data_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["emulator"]:
@@ -63,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             STOP.check()
             return status
     except Stopped as e:  # one line: what stopped, the rows kept, the command that resumes
-        print(stop_line(e, getattr(args, "data_dir", None) or Deployment.DATA_DIR.value(), ["dflash", *argv]))
+        print(stop_line(e, ["dflash", *argv], rows_under(args)))
         return e.exit_status
     except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's event log)
         return failed(args, e)

@@ -82,15 +82,19 @@ def stopping() -> Iterator[Stop]:
                 signal.signal(s, handler)
 
 
-def stop_line(stopped: Stopped, data_dir: str, command: list[str]) -> str:
-    """What the terminal says of a polite stop, in one line: what stopped, what was kept, the command that resumes."""
+def stop_line(stopped: Stopped, command: list[str], data_dir: str | None) -> str:
+    """What the terminal says of a polite stop, in one line: what stopped, what was kept, the command that resumes.
+    `data_dir`: where the command's completion rows are committed (None: a command that generates nothing)."""
     from dflash_assets.store.stores import committed_rows
 
+    name = " ".join(command[:3] if command[1:2] == ["fleet"] else command[:2])
+    if data_dir is None:
+        return f"{name} {stopped}: nothing was sent to generate; run again with: {shlex.join(command)}"
     try:
         rows = f"{sum(committed_rows(data_dir).values()):,} completion rows are committed under {data_dir}"
     except OSError:
         rows = f"the completion rows committed under {data_dir} are kept"
     return (
-        f"{command[0]} {command[1]} {stopped}: the requests in flight were ended on the servers, {rows} (kept); "
+        f"{name} {stopped}: the requests in flight were ended on the servers, {rows} (kept); "
         f"resume with: {shlex.join(command)}"
     )

@@ -1,0 +1,84 @@
+"""Launch mode meets a prompt that kills its server: `dflash fleet up` starts three servers (the emulator as the
+`sglang serve` command), each told at run time to exit hard on a marker (the crash_on fault, as a CUDA fault on
+one input). A backfill quarantines the prompt after two servers died under it and commits every other; the next
+`fleet up` relaunches the two dead servers, and the next backfill does not send the prompt again: all three stay up.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import duckdb
+import pytest
+
+from dflash_assets.generation.quarantine import QUARANTINED
+from tests.support.cli import dflash, free_base_port
+from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
+from tests.support.http import set_faults
+
+pytestmark = pytest.mark.long
+
+MARKER = "POISON-launch-5e2a"
+N = 12
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def test_in_launch_mode_a_poisoned_prompt_costs_two_servers_and_the_relaunched_fleet_is_spared(tmp_path):
+    home, data, src = tmp_path / "home", tmp_path / "data", tmp_path / "prompts.jsonl"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"l{i:02d}", "prompt": f"launch question {i}" + (f" {MARKER}" if i == 5 else "")}) + "\n"
+            for i in range(N)
+        )
+    )
+    base = free_base_port(3)
+    launch = {
+        "DFLASH_FLEET_MODE": "launch",
+        "DFLASH_MODEL_PATH": "emulated/qwen3-27b",
+        "DFLASH_GPUS": "0,1,2",
+        "DFLASH_BASE_PORT": str(base),
+        "DFLASH_SGLANG_COMMAND": "emulator",
+    }
+    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_PROMPTS": str(src)}
+    env |= {"DFLASH_SHARD_SIZE": str(N), "DFLASH_RETRY_DELAY_S": "1"} | launch
+    up = ["fleet", "up", "--model-path", "emulated/qwen3-27b", "--gpus", "0,1,2", "--command", "emulator"]
+    up += ["--base-port", str(base), "--health-timeout-s", "60"]
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
+    backfill = ["backfill", "--max-output-tokens", "256", "--max-attempts", "8", "--backoff-base-s", "0.05"]
+    try:
+        first_up = dflash(*up, env=env)
+        assert first_up.returncode == 0, first_up.stdout + first_up.stderr
+        for url in urls:
+            set_faults(url, {"crash_on": MARKER})
+        first = dflash(*backfill, env=env, timeout=600)
+        said = first.stdout + first.stderr
+        assert sum(not healthy(u) for u in urls) == 2, said
+        rows = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
+        assert sorted(r[0] for r in rows) == [f"l{i:02d}" for i in range(N) if i != 5], said
+        [(prompt_id, error)] = duckdb.sql(
+            f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
+        ).fetchall()
+        assert prompt_id == "l05" and error.startswith(QUARANTINED), said
+
+        again_up = dflash(*up, env=env)  # the dead ones relaunched, the live one reused
+        assert again_up.stdout.count("relaunched") + again_up.stdout.count("launched") >= 2, again_up.stdout
+        assert all(healthy(u) for u in urls), again_up.stdout
+        for url in urls:
+            set_faults(url, {"crash_on": MARKER})  # the marker would kill any of them again
+        second = dflash(*backfill, env=env, timeout=600)
+        assert all(healthy(u) for u in urls), "the next run did not send the quarantined prompt\n" + second.stdout
+        again = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
+        assert sorted(again) == sorted(rows), "nothing generated twice, nothing lost"
+    finally:
+        down = dflash("fleet", "down", env=env)
+        assert down.returncode == 0, down.stdout + down.stderr
