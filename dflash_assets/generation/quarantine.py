@@ -84,7 +84,9 @@ class Quarantine:
                             self.log(f"shard {key[0]} prompt {key[1]} quarantined: {why}")
                             raise Quarantined(why) from None
                     raise
-            self._down.discard(slot.url)  # it answers: a later drop there is a new death
+            last = self._last.get(slot.url)
+            if last is None or last.at < sent:  # it answers a request sent after its death: back, a later drop
+                self._down.discard(slot.url)  # there is a new death (an answer sent before says nothing of that)
             return row
 
         return guarded

@@ -37,10 +37,11 @@ def test_a_prompt_that_kills_its_server_costs_two_servers_and_is_quarantined_and
     ):
         fleet = [a, b, c]
         make_shard(data, [a.url], PROMPTS)
-        run = generate(data, [e.url for e in fleet], 256, SETTINGS)
+        logs: list[str] = []
+        run = generate(data, [e.url for e in fleet], 256, SETTINGS, log=logs.append)
         dead = [e for e in fleet if e.popen.poll() is not None]
         assert len(dead) == 2, "the poisoned prompt killed the server it was sent to, then one more, and no other"
-        assert (run.completed, run.failed) == (N - 1, 1)
+        assert (run.completed, run.failed) == (N - 1, 1), (failures(data), logs)
         assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(set(PROMPTS) - {"p07"})
         [(prompt_id, error)] = failures(data)
         assert prompt_id == "p07" and error.startswith(QUARANTINED)
@@ -56,3 +57,51 @@ def test_a_prompt_that_kills_its_server_costs_two_servers_and_is_quarantined_and
         retried = generate(data, [fixed.url], 256, SETTINGS.model_copy(update={"retry_quarantined": True}))
         assert (retried.completed, retried.failed) == (N, 0)
         assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(PROMPTS)
+
+
+def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(emulator):
+    """A request sent before its server died can still be answered after the death was seen (its answer was on the
+    wire). That says nothing of the server being back: a later drop there (a pooled connection to the dead server)
+    is no new death, so a suspect retried onto it is not charged a second death it was not in flight at."""
+    import asyncio
+
+    from dflash_assets.fleet.client import ServerClient, ServerError
+    from dflash_assets.fleet.fleet import open_session
+    from dflash_assets.generation.quarantine import Quarantine, Quarantined
+    from dflash_assets.generation.slots import Slot
+
+    server = emulator(*FLAGS)
+    url = server.emu.url
+
+    async def scenario() -> list:
+        async with open_session() as session:
+            client = ServerClient(session, url)
+            slot = Slot(client, await client.info(), limit=4)
+            server.emu.stop()  # the server dies: /health is refused from now on
+            answered = asyncio.Event()
+
+            async def send(item: dict, _slot: Slot, _attempt: int):
+                if item["prompt_id"] == "early":  # sent before the death, its answer arrives after it
+                    await answered.wait()
+                    return "row"
+                raise ServerError(url, "POST /v1/chat/completions failed: ServerDisconnectedError", retryable=True)
+
+            log: list[str] = []
+            quarantine = Quarantine(log.append)
+            guarded = quarantine.guard(send)
+            early = asyncio.create_task(guarded({"shard": "s", "prompt_id": "early"}, slot, 1))
+            await asyncio.sleep(0)  # `early` is in flight
+            suspect = {"shard": "s", "prompt_id": "x"}
+            outcomes = []
+            for attempt in (1, 2):  # dropped at the death; then again on the dead server
+                try:
+                    await guarded(suspect, slot, attempt)
+                except (ServerError, Quarantined) as e:
+                    outcomes.append(type(e).__name__)
+                if attempt == 1:
+                    answered.set()
+                    outcomes.append(await early)
+            await quarantine.close()
+            return [*outcomes, len(quarantine.deaths[("s", "x", None)]), sum("died" in line for line in log)]
+
+    assert asyncio.run(scenario()) == ["ServerError", "row", "ServerError", 1, 1]
