@@ -38,6 +38,19 @@ def instance_environment(args: argparse.Namespace) -> None:
     _readable_source(Path(data.prompts), "--prompts" if args.prompts else data.prompts_from)
 
 
+def data_dir_of(args: argparse.Namespace) -> str:
+    """The data dir a command that only reads one works on (report, configs), found as the others find theirs
+    (store/in_use.py): --data-dir, DFLASH_DATA_DIR, the one the instance's last run generated into (DAGSTER_HOME,
+    default ./dagster_home), else the default. Set in the environment, so the commands it prints carry it."""
+    from dflash_assets.store.in_use import data_in_use
+
+    if getattr(args, "data_dir", None):
+        os.environ[Deployment.DATA_DIR.name] = args.data_dir
+    home = {"DAGSTER_HOME": str(Path("dagster_home").resolve())}  # the commands' instance when none is set
+    os.environ[Deployment.DATA_DIR.name] = data_in_use(home | dict(os.environ)).data_dir
+    return os.environ[Deployment.DATA_DIR.name]
+
+
 def _set_up_instance(home: Path) -> None:
     """An empty DAGSTER_HOME gets the project's dagster.yaml, said in one line (Dagster would warn and default)."""
     if not PROJECT_DAGSTER_YAML.is_file() or any(home.iterdir()):

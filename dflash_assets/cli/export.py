@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import dagster as dg
 from rich.console import Console
 
-from dflash_assets.cli.environment import as_printed, instance_environment
+from dflash_assets.cli.environment import as_printed, data_dir_of, instance_environment
 from dflash_assets.cli.render import print_stop
 from dflash_assets.cli.runner import BAD_CONFIG, Stops, Window, _meta, data_dir, execute, quiet, record_failures
 from dflash_assets.defs.metadata import TrainingSetKeys
@@ -19,7 +18,7 @@ from dflash_assets.quality.console import console_for_output, verbatim
 from dflash_assets.quality.export import kept_lines, left_out_lines
 from dflash_assets.quality.split import split_words
 from dflash_assets.quality.trainer_settings import trainer_settings_line
-from dflash_assets.settings import TRAINER_FLAGS, Deployment, TrainerSettings
+from dflash_assets.settings import TRAINER_FLAGS, TrainerSettings
 
 
 def export(
@@ -150,9 +149,7 @@ def configs(args: argparse.Namespace) -> int:
     from dflash_assets.quality.console import configs_table, console_for_output, say_with_command
     from dflash_assets.store.configs import list_configs
 
-    if args.data_dir:
-        os.environ[Deployment.DATA_DIR.name] = args.data_dir  # and so in the command it prints
-    data_dir = Deployment.DATA_DIR.value()
+    data_dir = data_dir_of(args)  # and so in the command it prints
     trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
     configs = list_configs(data_dir, trainer.max_length)
     if not configs:

@@ -10,19 +10,27 @@ from dflash_assets.settings import TRAINER_FLAGS, Deployment, QualitySettings, T
 
 
 def report(args: argparse.Namespace) -> int:
+    from dflash_assets.cli.environment import as_printed, data_dir_of
     from dflash_assets.quality import print_report
     from dflash_assets.quality.tables import parquet_files
 
-    data_dir = args.data_dir or Deployment.DATA_DIR.value()  # a path or an s3:// URI
+    data_dir = data_dir_of(args)  # a path or an s3:// URI
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    from dflash_assets.quality.console import console_for_output, print_answers, verbatim
+    from dflash_assets.quality.console import console_for_output, print_answers, say_with_command, verbatim
     from dflash_assets.quality.rejects import read_rejects
 
     quality = QualitySettings(trainer=TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS))
     console = console_for_output()
-    answers = print_answers(data_dir, console, quality, full=args.full)
+    answers = print_answers(
+        data_dir,
+        console,
+        quality,
+        full=args.full,
+        command=as_printed("dflash backfill"),
+        configs=as_printed("dflash configs", prompts=False),
+    )
     pictures = report_pictures(data_dir, answers)
     if args.open:
         import webbrowser
@@ -32,7 +40,9 @@ def report(args: argparse.Namespace) -> int:
     if pictures:
         verbatim(console, f"pictures: {pictures[0].parent}/")
     if not args.full:
-        console.print("the cap plans, rejects and tables: dflash report --full", highlight=False)
+        say_with_command(
+            console, f"the cap plans, rejects and tables: {as_printed('dflash report --full', prompts=False)}"
+        )
         return 0
     for picture in pictures:
         verbatim(console, f"  {picture.name}")

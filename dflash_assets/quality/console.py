@@ -229,9 +229,11 @@ def print_answers(
     quality: QualitySettings = QualitySettings(),
     full: bool = False,
     command: str = "dflash backfill",
+    configs: str = "dflash configs",
 ) -> list[CapAnswer]:
     """`dflash report`'s head: the latest config's answer, every other config in a line (at most HEAD_OTHERS); with
-    `full`, every config's answer and cap plan."""
+    `full`, every config's answer and cap plan. `command`, `configs`: the next run's and the configs' commands as the
+    terminal prints them (with the data they are of), the next run's settings appended."""
     console = console or Console()
     answers = cap_answers(data_dir, quality)
     console.print(
@@ -244,11 +246,11 @@ def print_answers(
             print_answer(answer, console, command)
         elif i == 0:
             for line in answer.lines(command):
-                console.print(line, highlight=False, markup=False)
+                say_with_command(console, line)
         elif i <= HEAD_OTHERS:
             console.print(answer.one_line(), highlight=False, markup=False)
     if not full and len(answers) > 1 + HEAD_OTHERS:
-        console.print(f"{len(answers) - 1 - HEAD_OTHERS} more configs: dflash configs", highlight=False)
+        say_with_command(console, f"{len(answers) - 1 - HEAD_OTHERS} more configs: {configs}")
     return answers
 
 

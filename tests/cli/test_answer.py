@@ -207,7 +207,9 @@ def test_the_report_leads_with_the_answer_and_the_next_command_in_at_most_20_lin
     _, out = cut_at_4096
     head = out["report"].splitlines()
     assert len(head) <= HEAD_LINES, out["report"]
-    assert any(line.startswith("next: dflash ") for line in head)
+    nxt = next(i for i, line in enumerate(head) if line.startswith("next:"))
+    # the next command whole, with the data it is of (on the line, or on its own line after it)
+    assert " dflash backfill " in f" {head[nxt]} {head[nxt + 1]} " and "--data-dir" in head[nxt] + head[nxt + 1], head
     assert "dflash report --full" in head[-1]
     assert len(out["report --full"].splitlines()) > len(head)  # the tables are one flag away
 

@@ -113,3 +113,15 @@ def test_the_printed_ui_command_opens_that_data_and_the_instance_holds_only_its_
         stop_group(proc)
     with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
         assert instance.get_dynamic_partitions("shards") == ["00000", "00001", "00002"]
+
+
+def test_the_instance_alone_names_the_data_for_report_and_configs(demo):
+    tmp, mine, home, data, result = demo
+    env = clean([f"DAGSTER_HOME={home}"])  # no data dir, no prompts: the instance's record says which
+    elsewhere = tmp / "elsewhere-report"
+    elsewhere.mkdir(exist_ok=True)
+    config = re.search(r"config ([0-9a-f]{12})", result.stdout).group(1)
+    for command in (("report",), ("configs",)):
+        ran = dflash(*command, env=env, cwd=elsewhere)
+        assert ran.returncode == 0 and config in ran.stdout, ran.stdout + ran.stderr
+        assert f"--data-dir {data}" in ran.stdout, ran.stdout  # and the commands it prints carry it
