@@ -7,6 +7,7 @@ layer may use this module.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -261,3 +262,11 @@ FIGURES = (
     ),
 )
 FIGURE = {f.name: f for f in FIGURES}
+
+
+def thinks(prompt_id: str, thinking_share: float, seed: int) -> bool:
+    """A seeded mix of modes: whether this prompt is generated with enable_thinking on. The first 8 bytes of
+    sha256("thinking:<seed>:<prompt_id>"), read as a number, below thinking_share * 2**64: the same after a kill, a
+    resume and on another machine, and drawn apart from the quotas' and the held-out split's keys."""
+    key = hashlib.sha256(f"thinking:{seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(key[:8], "big") < thinking_share * 2**64

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from dflash_assets.rules import LARGEST_CONTEXT, fills_window, leaves_loss_room, window_cap
+from dflash_assets.rules import LARGEST_CONTEXT, fills_window, leaves_loss_room, thinks, window_cap
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 
@@ -256,6 +256,16 @@ class RequestSettings(Settings):
         description="More chat_template_kwargs, sent beside enable_thinking with every request and with "
         "/v1/tokenize (a JSON object on the command line).",
     )
+    thinking_share: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="A seeded mix of modes in one config: the share of prompts generated with enable_thinking on, "
+        "the rest with it off, each prompt's mode drawn from a seeded hash of its id (mode_seed: rules.thinks), the "
+        "same after a kill, a resume and on another machine; each row records its mode (enable_thinking). None: "
+        "every prompt as enable_thinking says.",
+    )
+    mode_seed: int = Field(0, description="The seed of thinking_share's draw.")
 
     @field_validator("max_output_tokens")
     @classmethod
@@ -313,9 +323,20 @@ class GenerationSettings(RequestSettings):
     def min_loss_tokens(self) -> int:
         return self._min_loss_tokens
 
-    def template_kwargs(self) -> dict:
-        """The chat_template_kwargs sent with every request (and with /v1/tokenize)."""
-        return {**self.chat_template_kwargs, "enable_thinking": self.enable_thinking}
+    def thinks(self, prompt_id: str | None) -> bool:
+        """Whether this prompt is generated with thinking on: enable_thinking, or its seeded draw under a mix."""
+        if self.thinking_share is None or prompt_id is None:
+            return self.enable_thinking
+        return thinks(prompt_id, self.thinking_share, self.mode_seed)
+
+    def mix_columns(self) -> dict:
+        """What a row records of the mix (null for one mode): a config is read off its rows (store/configs.py)."""
+        mixed = self.thinking_share is not None
+        return {"thinking_share": self.thinking_share, "mode_seed": self.mode_seed if mixed else None}
+
+    def template_kwargs(self, prompt_id: str | None = None) -> dict:
+        """The chat_template_kwargs sent with a prompt's requests (and with /v1/tokenize): its mode under a mix."""
+        return {**self.chat_template_kwargs, "enable_thinking": self.thinks(prompt_id)}
 
     def resolved(self, carries_history: bool) -> GenerationSettings:
         """regenerate 'auto' made what it does for a source (`carries_history`: some prompt of it holds an assistant
@@ -347,6 +368,10 @@ class GenerationSettings(RequestSettings):
         settings = self.model_dump()
         if settings["regenerate"] == "last_turn":  # the behaviour before the setting existed: the same hashes
             del settings["regenerate"]
+        if settings["thinking_share"] is None:  # one mode, as before the mix existed: the same hashes
+            del settings["thinking_share"], settings["mode_seed"]
+        else:  # each prompt's mode is its draw's: enable_thinking decides nothing
+            del settings["enable_thinking"]
         if settings["cap_policy"] == "fixed":  # the window does not change a fixed-cap request: the same hashes
             for name in WINDOW_FIELDS:
                 del settings[name]

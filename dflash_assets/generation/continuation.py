@@ -77,6 +77,8 @@ PLAN_COLUMNS = {
         "policy_cap",
         "trainer_max_length",
         "turn",
+        "thinking_share",
+        "mode_seed",
         *SAMPLING_PARAMS,
     )
 } | {
@@ -161,6 +163,8 @@ def _parent_config(plan: list[dict], parent: str, provenance: dict | None = None
     generation = GenerationSettings(
         **({"max_output_tokens": first["max_output_tokens"]} | _window_settings(plan)),
         enable_thinking=first["enable_thinking"],
+        thinking_share=first.get("thinking_share"),
+        mode_seed=first.get("mode_seed") or 0,
         regenerate=regenerate_of(first.get("turn") is not None),
         **recorded,
     ).with_provenance(provenance)
@@ -258,7 +262,8 @@ async def _by_text(
     unfinished assistant message (`continue_final_message`); the raw continuation comes back unsplit."""
 
     raw = _raw_text_without_ids(row, reasoning)
-    body = chat_body(generation, slot.info.model, [*json.loads(messages_json), {"role": "assistant", "content": raw}])
+    messages = [*json.loads(messages_json), {"role": "assistant", "content": raw}]
+    body = chat_body(generation, slot.info.model, messages, prompt_id=row["prompt_id"])  # the row's mode
     body |= {
         "max_completion_tokens": generation.request_cap(row["prompt_tokens"]) - row["completion_tokens"],
         "continue_final_message": True,
@@ -483,8 +488,8 @@ async def continue_shard(
             if "conversation" in row:  # a turn after a continued one
                 run.regenerated += 1
                 return await regenerate(row, slot, attempt)
-            reasoning = Reasoning.of(
-                slot.info.reasoning_parser, generation.enable_thinking, end_ids, slot.info.always_thinks
+            reasoning = Reasoning.of(  # the row's own mode (a seeded mix: each prompt its own)
+                slot.info.reasoning_parser, bool(row["enable_thinking"]), end_ids, slot.info.always_thinks
             )
             if row["output_ids"] is None:
                 return await _by_text(

@@ -83,7 +83,8 @@ def row_of(
         server_url=slot.url,
         model=slot.info.model,
         **generation.sampling(),
-        enable_thinking=generation.enable_thinking,
+        enable_thinking=generation.thinks(prompt["prompt_id"]),  # the prompt's mode under a mix
+        **generation.mix_columns(),
         content=choice["message"].get("content") or "",
         reasoning_content=choice["message"].get("reasoning_content"),
         latency_s=latency,

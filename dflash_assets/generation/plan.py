@@ -196,24 +196,24 @@ class ShardPlan:
 async def count_next_turns(plan: ShardPlan, fleet: Fleet, log: Callable[[str], None]) -> list[dict]:
     """Each conversation's next turn with its exact prompt_tokens: the shard's own count when the turn is the
     source's last-turn request counted with this config's chat_template_kwargs, else the fleet's /v1/tokenize."""
-    kwargs = plan.generation.template_kwargs()
-    kwargs_json = canonical_json(kwargs)
+    generation = plan.generation
     gate, stale = asyncio.Semaphore(64), 0
     counted: list[dict] = []
 
     async def count(i: int, item: dict) -> dict:
         messages = item["conversation"].history(item["turn"], item["answers"])
-        if item["template_kwargs_json"] != kwargs_json or messages != last_turn_request(item["messages"]):
+        if item["template_kwargs_json"] != item["kwargs_json"] or messages != last_turn_request(item["messages"]):
             async with gate:
                 item["prompt_tokens"] = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(
-                    messages, kwargs
+                    messages, generation.template_kwargs(item["prompt_id"])
                 )
         return {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
 
     batch: list[dict] = []
     for item in plan.items(("prompt_tokens", "template_kwargs_json", "messages_json")):
         item["messages"] = json.loads(item.pop("messages_json"))
-        stale += item["template_kwargs_json"] != kwargs_json
+        item["kwargs_json"] = canonical_json(generation.template_kwargs(item["prompt_id"]))  # the prompt's mode
+        stale += item["template_kwargs_json"] != item["kwargs_json"]
         batch.append(item)
         if len(batch) == 2048:
             counted += await asyncio.gather(*(count(len(counted) + j, it) for j, it in enumerate(batch)))

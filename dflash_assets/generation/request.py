@@ -11,8 +11,10 @@ def chat_body(
     messages: list[dict],
     token_ids: bool = False,
     request_cap: int | None = None,
+    prompt_id: str | None = None,
 ) -> dict:
-    """The chat request; `request_cap` is this request's own cap (generation.request_cap), default the config's."""
+    """The chat request; `request_cap` is this request's own cap (generation.request_cap), default the config's;
+    `prompt_id` draws the prompt's mode under a mix (GenerationSettings.thinks)."""
     extra = {"return_token_ids": True} if token_ids else {}
     return {
         **extra,
@@ -20,6 +22,6 @@ def chat_body(
         "messages": messages,
         "max_completion_tokens": generation.max_output_tokens if request_cap is None else request_cap,
         **generation.sampling(),
-        "chat_template_kwargs": generation.template_kwargs(),
+        "chat_template_kwargs": generation.template_kwargs(prompt_id),
         "separate_reasoning": True,
     }

@@ -67,7 +67,8 @@ def turn_sender(
     async def send(item: dict, slot: Slot, attempt: int) -> CompletionRow:
         messages = item["conversation"].history(item["turn"], item["answers"])
         if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
-            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, generation.template_kwargs())
+            kwargs = generation.template_kwargs(item["prompt_id"])  # the prompt's mode
+            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, kwargs)
         if fills_before(item["turn"], item["prompt_tokens"], generation):
             raise Ended(item["turn"])
         request_cap = generation.request_cap(item["prompt_tokens"])
@@ -80,7 +81,7 @@ def turn_sender(
                     turn_item(item), "preflight", reason, generation, config_hash, item["shard"], budget.context_length
                 )
             )
-        body = chat_body(generation, fleet.model, messages, token_ids, request_cap)
+        body = chat_body(generation, fleet.model, messages, token_ids, request_cap, item["prompt_id"])
         t0 = time.monotonic()
         resp = await slot.client.chat(body, watch)
         return make_row(item, resp, slot, attempt, time.monotonic() - t0)

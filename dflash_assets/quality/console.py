@@ -143,17 +143,18 @@ def _table(title: str, keys: tuple[str, ...], rows: list[list[str]]) -> Table:
 
 def configs_table(configs: list) -> Table:
     """`dflash configs`: the configs of a data dir (store.configs.list_configs) side by side, the latest first."""
-    from dflash_assets.store.configs import TABLE_COLUMNS
+    from dflash_assets.store.configs import table as configs_rows
 
     table = Table(
         title="Configs of the data dir, the latest (the most recently written) first; rows are turn rows",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
-    for key in TABLE_COLUMNS:
+    columns, rows = configs_rows(configs)
+    for key in columns:
         table.add_column(key, justify="left" if key in ("config", "cap, policy") else "right", no_wrap=True)
-    for c in configs:
-        table.add_row(*c.cells())
+    for row in rows:
+        table.add_row(*row)
     return fit(table, console_for_output().width, ("last written (UTC)", "judged at", "shards"))
 
 

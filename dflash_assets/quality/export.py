@@ -103,11 +103,13 @@ NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside 
 MEMORY_LIMIT, SPILL_DIR = "128MB", ".export_spill"
 
 
+MODE_NAMES = {True: "thinking", False: "no_thinking"}  # a row's enable_thinking, as the manifest names it
+
 GRADE = """
 CREATE TEMP TABLE graded AS
 WITH c AS (
     SELECT file_index, file_row_number, shard, prompt_id, config_hash, turn, turns, source, max_output_tokens, config_cap,
-        prompt_tokens, completion_tokens, created_at, window_complete, judged_window,
+        prompt_tokens, completion_tokens, created_at, window_complete, judged_window, enable_thinking,
         window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
             WHEN {fills_window} THEN 'no_trainable_tokens'
             WHEN NOT {trainable} THEN 'too_few_loss_tokens'
@@ -680,6 +682,8 @@ def _manifest(con: duckdb.DuckDBPyConnection, config_hash: str | None, max_lengt
         "rows": rows,
         "rows_by_config": by_config_rows,
         "rows_by_source": {str(s): n for s, n in counts("source", "reason IS NULL")},
+        # the rows kept in each mode (a seeded mix of modes: GenerationSettings.thinking_share)
+        "rows_by_mode": {MODE_NAMES[bool(t)]: n for t, n in counts("enable_thinking", "reason IS NULL")},
         "excluded": excluded,
         "excluded_by_config": by_config,
         "files": {},

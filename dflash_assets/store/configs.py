@@ -25,7 +25,7 @@ from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import committed_parts
 
 # what a config is: the settings its rows record (the same for every row of one config_hash)
-SETTINGS = ("model", "enable_thinking", *SAMPLING_PARAMS, "parent_config_hash")
+SETTINGS = ("model", *SAMPLING_PARAMS, "parent_config_hash", "thinking_share", "mode_seed")
 ROW_COLUMNS = [
     "config_hash",
     "shard",
@@ -39,6 +39,7 @@ ROW_COLUMNS = [
     "server_context_length",
     "turn",
     "created_at",
+    "enable_thinking",  # per row: a seeded mix of modes has both in one config
     *SETTINGS,
 ]
 
@@ -79,6 +80,7 @@ class Config:
     cut_at_cap: int  # rows the cap ended (rules.FIGURES "cut at the cap"), inside the window or past it
     max_length: int  # the trainer's window in force (a window-policy config is judged by its own)
     shards: tuple[ShardCounts, ...]
+    thinking_rows: float | None = None  # the share of its rows generated with thinking on (a mix: between 0 and 1)
 
     @property
     def complete(self) -> bool:
@@ -115,8 +117,15 @@ class Config:
             done,
             f"{self.cut_at_cap_rate:.2%} ({self.cut_at_cap:,})",
             f"{self.cut_inside_window_rate:.2%} ({self.cut_inside_window:,})",
+            self.thinking,
             _when(self.last_written),
         ]
+
+    @property
+    def thinking(self) -> str:
+        """Its rows' mode: on, off, or under a seeded mix the share of rows with thinking on."""
+        share = self.thinking_rows
+        return "-" if share is None else "on" if share == 1 else "off" if share == 0 else f"{share:.1%} on"
 
     def line(self) -> str:
         """The config in one line, for a list of the others beside a run's own."""
@@ -140,8 +149,16 @@ TABLE_COLUMNS = (
     "complete",
     "cut at the cap",
     "cut inside window",
+    "thinking",
     "last written (UTC)",
 )
+
+
+def table(configs: list[Config]) -> tuple[list[str], list[list[str]]]:
+    """The configs table's columns and rows (`dflash configs`, length_quality_summary's `configs`): `thinking` only
+    where it tells the configs apart or one is a seeded mix (every config thinking on, the default, says nothing)."""
+    columns = [c for c in TABLE_COLUMNS if c != "thinking" or any(x.thinking != "on" for x in configs)]
+    return columns, [[cell for name, cell in zip(TABLE_COLUMNS, c.cells()) if name in columns] for c in configs]
 
 
 def _when(t: datetime | None) -> str:
@@ -174,7 +191,7 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
                 count(*) FILTER (WHERE {cut_inside_window_sql(row_window_sql(max_length))}) AS cut_inside_window,
                 count(*) FILTER (WHERE {CUT_AT_CAP_SQL}) AS cut_at_cap,
                 min(server_context_length) AS min_context, max(server_context_length) AS max_context,
-                bool_or(turn IS NOT NULL) AS all_turns,
+                bool_or(turn IS NOT NULL) AS all_turns, avg(CAST(enable_thinking AS INTEGER)) AS thinking_rows,
                 {", ".join(f"any_value({s}) AS {s}" for s in SETTINGS)}
             FROM completions GROUP BY config_hash"""
         ).fetchall()
@@ -210,6 +227,7 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
                 window=c["window"] if c["window_policy"] else None,
                 settings={
                     **{s: c[s] for s in SETTINGS},
+                    "enable_thinking": None if c["thinking_rows"] is None else c["thinking_rows"] == 1,
                     "server_context_length": c["min_context"]
                     if c["min_context"] == c["max_context"]
                     else f"{c['min_context']}-{c['max_context']}",
@@ -221,6 +239,7 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
                 cut_inside_window=c["cut_inside_window"],
                 cut_at_cap=c["cut_at_cap"],
                 max_length=max_length,
+                thinking_rows=c["thinking_rows"],
                 shards=tuple(by_config.get(c["config_hash"], ())),
             )
         )

@@ -91,6 +91,10 @@ COMPLETION_SCHEMA = pa.schema(
         ("trainer_max_length", pa.int32()),
         # finish_reason "runaway": output tokens decoded when its loop began (null for any other row)
         ("loop_start_tokens", pa.int32()),
+        # a seeded mix of modes (GenerationSettings.thinking_share, mode_seed): null for a config of one mode; the
+        # row's own mode is enable_thinking
+        ("thinking_share", pa.float64()),
+        ("mode_seed", pa.int32()),
     ]
 )
 
@@ -146,6 +150,8 @@ class CompletionRow:
     policy_cap: int | None = None
     trainer_max_length: int | None = None
     loop_start_tokens: int | None = None
+    thinking_share: float | None = None
+    mode_seed: int | None = None
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> CompletionRow:

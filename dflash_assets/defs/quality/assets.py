@@ -17,7 +17,8 @@ from dflash_assets.quality.outcome import pct, shown
 from dflash_assets.quality.rejects import read_rejects
 from dflash_assets.quality.sources import by_source_markdown
 from dflash_assets.settings import QualitySettings
-from dflash_assets.store.configs import TABLE_COLUMNS, latest_config, latest_order, list_configs
+from dflash_assets.store.configs import latest_config, latest_order, list_configs
+from dflash_assets.store.configs import table as configs_rows
 from dflash_assets.store.stores import committed_rows
 
 
@@ -52,8 +53,9 @@ def configs_markdown(root: str | Path, max_length: int) -> str:
     configs = list_configs(root, max_length)
     if not configs:
         return "no configs: no completion rows yet"
-    head = "| " + " | ".join(TABLE_COLUMNS) + " |\n|" + "---|" * len(TABLE_COLUMNS) + "\n"
-    return head + "\n".join("| " + " | ".join(c.cells()) + " |" for c in configs)
+    columns, rows = configs_rows(configs)
+    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+    return head + "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
