@@ -264,9 +264,19 @@ FIGURES = (
 FIGURE = {f.name: f for f in FIGURES}
 
 
+def draw_key(seed: int | str, prompt_id: str) -> bytes:
+    """A prompt's seeded draw: sha256("<seed>:<prompt_id>"), the same on every machine. The quotas draw in its order
+    (generation/quotas.py), the held-out split and the mode of a mix below a share of it (`drawn`)."""
+    return hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
+
+
+def drawn(share: float, seed: int | str, prompt_id: str) -> bool:
+    """Whether a prompt falls in a seeded share: the first 8 bytes of its draw key, read as a number, below
+    share * 2**64."""
+    return share > 0 and int.from_bytes(draw_key(seed, prompt_id)[:8], "big") < share * 2**64
+
+
 def thinks(prompt_id: str, thinking_share: float, seed: int) -> bool:
-    """A seeded mix of modes: whether this prompt is generated with enable_thinking on. The first 8 bytes of
-    sha256("thinking:<seed>:<prompt_id>"), read as a number, below thinking_share * 2**64: the same after a kill, a
-    resume and on another machine, and drawn apart from the quotas' and the held-out split's keys."""
-    key = hashlib.sha256(f"thinking:{seed}:{prompt_id}".encode()).digest()
-    return int.from_bytes(key[:8], "big") < thinking_share * 2**64
+    """A seeded mix of modes: whether this prompt is generated with enable_thinking on; its draw is keyed
+    "thinking:<seed>", apart from the quotas' and the held-out split's, so the three are not correlated."""
+    return drawn(thinking_share, f"thinking:{seed}", prompt_id)

@@ -9,7 +9,6 @@ prompt not drawn is a reject of stage `source` saying so; every later step sees 
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ import pyarrow as pa
 
 from dflash_assets.generation.dedupe import source_key
 from dflash_assets.generation.prompts import FieldMapping, Prompt, read_shard
+from dflash_assets.rules import draw_key
 from dflash_assets.settings import QuotaSettings
 from dflash_assets.store.storage import Storage, open_storage
 
@@ -41,11 +41,6 @@ class SourceDraw:
             f"line {line}: not drawn by the quota of source {self.source!r} ({self.drawn} of its {self.available} "
             f"prompts, seed {seed})"
         )
-
-
-def draw_key(seed: int, prompt_id: str) -> bytes:
-    """The seeded order a quota draws in: the same on every machine."""
-    return hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
 
 
 def quota_count(quota: float, available: int) -> int:

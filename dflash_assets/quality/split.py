@@ -13,18 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_assets.generation.quotas import draw_key
+from dflash_assets.rules import drawn
 
 HELD_OUT_JSONL, HELD_OUT_PARQUET = "held_out_set.jsonl", "held_out_set.parquet"
 HELD_OUT_FILES = (HELD_OUT_JSONL, HELD_OUT_PARQUET)
 TRAIN, HELD_OUT = "train", "held_out"
-_SPACE = 2**64
 
 
 def held_out(prompt_id: str, share: float, seed: int) -> bool:
     """Whether the prompt's conversations go to the held-out file: the first 8 bytes of sha256("<seed>:<prompt_id>")
     (the quotas' draw key), read as a number, below share * 2**64."""
-    return share > 0 and int.from_bytes(draw_key(seed, prompt_id)[:8], "big") < share * _SPACE
+    return drawn(share, seed, prompt_id)
 
 
 def split_manifest(share: float, seed: int, counts: dict[str, tuple[int, int]], jsonl: str, parquet: str) -> dict:

@@ -24,10 +24,9 @@ INSTANCE_RECORD = "dflash-data.json"  # in DAGSTER_HOME: {"data_dir": ...}
 
 @dataclass(frozen=True)
 class DataInUse:
-    """The data dir, its prompt source and shard size, and what gave each (for the one line a bad one gets)."""
+    """The data dir, its prompt source and shard size, and what gave the source (for the one line a bad one gets)."""
 
     data_dir: str
-    data_dir_from: str
     prompts: str
     prompts_from: str
     shard_size: str
@@ -43,7 +42,7 @@ class DataInUse:
 def data_in_use(environ: Mapping[str, str] = os.environ) -> DataInUse:
     """Each setting from the environment first, then from the instance's record (the data dir) or the data dir's
     (its source and shard size: only when that source is the one in use), then the default."""
-    data_dir, data_dir_from = _first(
+    data_dir, _ = _first(
         (environ.get(Deployment.DATA_DIR.name), Deployment.DATA_DIR.name),
         (_instance_data_dir(environ.get("DAGSTER_HOME")), f"the instance's {INSTANCE_RECORD}"),
         (Deployment.DATA_DIR.default, "the default"),
@@ -60,7 +59,7 @@ def data_in_use(environ: Mapping[str, str] = os.environ) -> DataInUse:
         (str(recorded.shard_size) if recorded and same_source else None, "the data dir's source record"),
         (Deployment.SHARD_SIZE.default, "the default"),
     )
-    return DataInUse(data_dir, data_dir_from, prompts, prompts_from, shard_size)
+    return DataInUse(data_dir, prompts, prompts_from, shard_size)
 
 
 def remember_data_dir(home: Path, data_dir: str) -> None:

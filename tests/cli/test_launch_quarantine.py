@@ -71,7 +71,8 @@ def test_in_launch_mode_a_poisoned_prompt_costs_two_servers_and_the_relaunched_f
         assert prompt_id == "l05" and error.startswith(QUARANTINED), said
 
         again_up = dflash(*up, env=env)  # the dead ones relaunched, the live one reused
-        assert again_up.stdout.count("relaunched") + again_up.stdout.count("launched") >= 2, again_up.stdout
+        said = again_up.stdout
+        assert (said.count(": relaunched"), said.count(": reused")) == (2, 1), said
         assert all(healthy(u) for u in urls), again_up.stdout
         for url in urls:
             set_faults(url, {"crash_on": MARKER})  # the marker would kill any of them again

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -44,11 +43,12 @@ def mix_main(argv: list[str]) -> int:
 
 
 def test_single_mode_configs_keep_their_hash_and_the_mix_makes_its_own():
-    one = GenerationSettings(max_output_tokens=96, regenerate="last_turn")
-    assert one.config_hash("m") == GenerationSettings(max_output_tokens=96, regenerate="last_turn").config_hash("m")
-    assert "thinking_share" not in one.model_dump() or one.thinking_share is None
-    assert MIX.config_hash("m") != one.config_hash("m")
+    one = GenerationSettings(regenerate="last_turn")
+    assert one.config_hash("m") == "94807fd38570"  # the hash this config had before the mix existed
+    assert MIX.config_hash("m") != MIX.model_copy(update={"thinking_share": None}).config_hash("m")
     assert MIX.config_hash("m") != MIX.model_copy(update={"mode_seed": SEED + 1}).config_hash("m")
+    assert MIX.config_hash("m") != MIX.model_copy(update={"thinking_share": SHARE / 2}).config_hash("m")
+    # each prompt's mode is its draw's: enable_thinking decides nothing in a mix
     assert MIX.config_hash("m") == MIX.model_copy(update={"enable_thinking": False}).config_hash("m")
 
 
@@ -87,10 +87,6 @@ def test_each_prompt_is_generated_in_its_seeded_mode_and_keeps_it_after_a_kill_a
     kept, by_mode = export.manifest["rows"], export.manifest["rows_by_mode"]
     assert kept > N // 2 and set(by_mode) == {"thinking", "no_thinking"} and sum(by_mode.values()) == kept, by_mode
     assert isinstance(export.manifest["recipe"]["flags"], list), export.manifest["recipe"]  # each mode its recipe
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(mix_main(sys.argv[1:]))
 
 
 def test_a_mixed_config_is_continued_each_row_in_its_own_mode(tmp_path):

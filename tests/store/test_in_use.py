@@ -27,7 +27,7 @@ def test_a_new_instance_and_an_empty_environment_take_the_defaults(tmp_path):
         Deployment.PROMPTS.default,
         Deployment.SHARD_SIZE.default,
     )
-    assert (data.data_dir_from, data.prompts_from) == ("the default", "the default")
+    assert data.prompts_from == "the default"
 
 
 def test_the_instance_brings_its_data_dir_and_the_data_dir_its_source_and_shard_size(tmp_path):
@@ -38,7 +38,6 @@ def test_the_instance_brings_its_data_dir_and_the_data_dir_its_source_and_shard_
     remember_data_dir(home, str(data_dir))
     data = data_in_use({"DAGSTER_HOME": str(home)})
     assert (data.data_dir, data.prompts, data.shard_size) == (str(data_dir), str(mine), "20")
-    assert data.data_dir_from == f"the instance's {INSTANCE_RECORD}"
     assert data.prompts_from == "the data dir's source record"
     # the environment wins over both records; another source does not take the data dir's shard size
     other = tmp_path / "other.jsonl"
