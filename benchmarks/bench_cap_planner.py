@@ -34,8 +34,8 @@ from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.quality.planner import _sf, plan_caps, plan_from_lengths
-from dflash_assets.quality.probe_estimates import ProbeSample
+from dflash_assets.quality.planning.planner import _sf, plan_caps, plan_from_lengths
+from dflash_assets.quality.planning.probe_estimates import ProbeSample
 from dflash_assets.settings import GenerationSettings
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the repository, for tests.support

@@ -193,7 +193,7 @@ class TrainerSettings(Settings):
         ge=0,
         lt=1,
         description="The share of exported conversations written to the held-out file instead of the train file, "
-        "drawn by a seeded hash of the prompt id (quality/split.py): every row of a prompt on one side, the same "
+        "drawn by a seeded hash of the prompt id (quality/training/split.py): every row of a prompt on one side, the same "
         "side in every export and form; 0 writes no held-out file.",
     )
     held_out_seed: int = Field(

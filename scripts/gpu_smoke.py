@@ -29,7 +29,7 @@ from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import run_checks
-from dflash_assets.quality.export import export_training_set
+from dflash_assets.quality.training.export import export_training_set
 from dflash_assets.settings import (
     Deployment,
     DispatchSettings,

@@ -4,7 +4,7 @@ which of them block, the CLI's commands) are read from the registry and the pars
 import re
 from pathlib import Path
 
-from dflash_assets.quality.registry import CHECKS
+from dflash_assets.quality.checks.registry import CHECKS
 from tests.support.cli import cli_commands
 
 ROOT = Path(__file__).resolve().parents[1]

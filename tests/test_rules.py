@@ -8,8 +8,8 @@ from dflash_assets.fleet.client import ServerInfo
 from dflash_assets.generation.continuation import latest_parent
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.quality import export_training_set, length_quality, run_checks
-from dflash_assets.quality.answer import cap_answers
-from dflash_assets.quality.planner import plan_caps
+from dflash_assets.quality.planning.planner import plan_caps
+from dflash_assets.quality.report.answer import cap_answers
 from dflash_assets.rules import CONTEXT_MARGIN, latest_first, overflows, percentile, percentile_sql
 from dflash_assets.store.configs import latest_config
 from tests.support.quality_data import CONFIG_A, T0, completion, prompt, write

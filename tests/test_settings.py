@@ -179,7 +179,7 @@ def test_the_libraries_that_connect_without_a_resource_take_the_settings_default
 
 # a parameter named like a setting, with a literal default, that is another idea (not the setting's default)
 NOT_THE_SETTING = {
-    ("dflash_assets/quality/planner.py", "seed"): "the bootstrap's seed, not the probe sample's",
+    ("dflash_assets/quality/planning/planner.py", "seed"): "the bootstrap's seed, not the probe sample's",
     ("benchmarks/bench_streaming.py", "max_output_tokens"): "the 4096 cap, measured at it",
 }
 
@@ -302,7 +302,7 @@ def test_the_settings_and_the_plain_libraries_load_without_dagster():
         "print(len(names), sorted(m for m in sys.modules if m.split('.')[0] == 'dagster')[:3])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    modules = sum(len(list((ROOT / "dflash_assets" / p).glob("*.py"))) - 1 for p in ("fleet", "generation", "quality"))
+    modules = sum(len(list((ROOT / "dflash_assets" / p).rglob("*.py"))) - 1 for p in ("fleet", "generation", "quality"))
     assert out.returncode == 0 and out.stdout.strip() == f"{modules} []", out.stdout + out.stderr
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import dagster as dg
 from rich.console import Console
 
+from dflash_assets.cli.console import console_for_output
 from dflash_assets.cli.environment import instance_environment
 from dflash_assets.cli.flags import (
     _completions_config,
@@ -21,7 +22,6 @@ from dflash_assets.cli.flags import (
 from dflash_assets.cli.render import policy_text
 from dflash_assets.cli.runner import BAD_CONFIG, Window, known_shards, source_refused
 from dflash_assets.cli.shards import run_and_answer
-from dflash_assets.quality.console import console_for_output
 from dflash_assets.settings import TrainerSettings
 
 

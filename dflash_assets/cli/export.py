@@ -9,15 +9,15 @@ from pathlib import Path
 import dagster as dg
 from rich.console import Console
 
+from dflash_assets.cli.console import console_for_output, verbatim
 from dflash_assets.cli.environment import as_printed, data_dir_of, instance_environment
 from dflash_assets.cli.render import print_stop
 from dflash_assets.cli.runner import BAD_CONFIG, Stops, Window, _meta, data_dir, execute, quiet, record_failures
 from dflash_assets.defs.metadata import TrainingSetKeys
 from dflash_assets.defs.training.jobs import training_job
-from dflash_assets.quality.console import console_for_output, verbatim
-from dflash_assets.quality.export import kept_lines, left_out_lines
-from dflash_assets.quality.split import split_words
-from dflash_assets.quality.trainer_settings import trainer_settings_line
+from dflash_assets.quality.training.export import kept_lines, left_out_lines
+from dflash_assets.quality.training.split import split_words
+from dflash_assets.quality.training.trainer_settings import trainer_settings_line
 from dflash_assets.settings import TRAINER_FLAGS, TrainerSettings
 
 
@@ -146,7 +146,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 def configs(args: argparse.Namespace) -> int:
     """The configs of a data dir side by side (store/configs.py), the latest first."""
-    from dflash_assets.quality.console import configs_table, console_for_output, say_with_command
+    from dflash_assets.cli.console import configs_table, console_for_output, say_with_command
     from dflash_assets.store.configs import list_configs
 
     data_dir = data_dir_of(args)  # and so in the command it prints

@@ -59,9 +59,10 @@ def probe(args: argparse.Namespace) -> int:
     """The length probe without Dagster: the same code path (generation/probe.py) the `length_probe` asset adapts."""
     from functools import partial
 
+    from dflash_assets.cli.probe_summary import probe_summary
     from dflash_assets.fleet.fleet import run
     from dflash_assets.generation.probe import run_length_probe
-    from dflash_assets.quality.probe_summary import cut_rows_for_probe, probe_summary
+    from dflash_assets.quality.planning.planner import cut_rows_for_probe
 
     # the probe's cap is ProbeSettings.max_output_tokens (0: the largest the context allows), not the run's
     probe, dispatch = ProbeSettings.taken_from(args), DispatchSettings.taken_from(args)
@@ -91,7 +92,7 @@ def probe(args: argparse.Namespace) -> int:
 
 
 class ProbeNext:
-    """The commands the probe's summary names next (quality/probe_summary.py NextCommands), each on the probe's data
+    """The commands the probe's summary names next (cli/probe_summary.py NextCommands), each on the probe's data
     dir and servers, so it runs as printed: `generate` with the probe's request and dispatch flags that differ
     from their defaults, `continue` (a Dagster run) attached to --urls on the instance in DAGSTER_HOME."""
 

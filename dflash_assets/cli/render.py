@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 from rich.console import Console
 
+from dflash_assets.cli.console import headline, say_with_command, verbatim
 from dflash_assets.cli.environment import as_printed
 from dflash_assets.cli.runner import ALL_SHARDS, Stops, Window, data_dir
-from dflash_assets.quality.answer import CapAnswer
-from dflash_assets.quality.console import headline, say_with_command, verbatim
+from dflash_assets.quality.report.answer import CapAnswer
 from dflash_assets.settings import Deployment
 
 
@@ -57,9 +57,9 @@ def print_other_configs(run_config: str | None, window: Window, console: Console
 
 def print_superseded(stops: Stops, console: Console, window: Window) -> None:
     """One line per other config left incomplete beside the run's own: superseded, with its counts, blocking nothing
-    (accounting's judgement of the run's config over every shard, quality/accounting.py)."""
+    (accounting's judgement of the run's config over every shard, quality/checks/accounting.py)."""
     from dflash_assets.quality import run_checks
-    from dflash_assets.quality.accounting import SUPERSEDED_COUNTS, Superseded
+    from dflash_assets.quality.checks.accounting import SUPERSEDED_COUNTS, Superseded
 
     for config_hash in sorted(stops.config_hashes):
         (o,) = run_checks(
@@ -119,10 +119,10 @@ def print_stop(
     the answer's settings). `short` (a run's closing lines, `dflash demo` / `backfill` without --verbose): the
     answer of the run's config even when nothing stopped it, one line per blocking check, and the cap plan left to
     `dflash report --full`. Returns the exit status."""
+    from dflash_assets.cli.console import print_answer
     from dflash_assets.quality import run_checks
-    from dflash_assets.quality.answer import cap_answers
-    from dflash_assets.quality.console import print_answer
     from dflash_assets.quality.outcome import num
+    from dflash_assets.quality.report.answer import cap_answers
 
     # figures, not syntax, to colour; a soft wrap: a path or a command in these lines is never broken in two
     say = lambda text="": console.print(text, highlight=False, soft_wrap=True)  # noqa: E731

@@ -10,16 +10,16 @@ from dflash_assets.settings import TRAINER_FLAGS, Deployment, QualitySettings, T
 
 
 def report(args: argparse.Namespace) -> int:
+    from dflash_assets.cli.console import print_report
     from dflash_assets.cli.environment import as_printed, data_dir_of
-    from dflash_assets.quality import print_report
     from dflash_assets.quality.tables import parquet_files
 
     data_dir = data_dir_of(args)  # a path or an s3:// URI
     if not parquet_files(data_dir, "completions"):
         print(f"dflash report: no completions under {data_dir} (set --data-dir or DFLASH_DATA_DIR)", file=sys.stderr)
         return 2
-    from dflash_assets.quality.console import console_for_output, print_answers, say_with_command, verbatim
-    from dflash_assets.quality.rejects import read_rejects
+    from dflash_assets.cli.console import console_for_output, print_answers, say_with_command, verbatim
+    from dflash_assets.quality.report.rejects import read_rejects
 
     quality = QualitySettings(trainer=TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS))
     console = console_for_output()
@@ -57,8 +57,8 @@ def report_pictures(data_dir: str, answers) -> list[Path]:
     """Each config's histogram of completion lengths and cap plan (survival curve), in the answers' order (the
     latest config first), after one histogram of every config side by side when there are several; written beside
     the report, under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
-    from dflash_assets.quality.histogram import series, write_histogram
-    from dflash_assets.quality.planner_plot import cap_plan_png
+    from dflash_assets.quality.report.histogram import series, write_histogram
+    from dflash_assets.quality.report.planner_plot import cap_plan_png
     from dflash_assets.store.storage import is_uri
 
     reports = Path(Deployment.LOCAL_DIR.value() if is_uri(data_dir) else data_dir) / "reports"

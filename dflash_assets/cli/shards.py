@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dflash_assets.cli.console import RUN_DROP_FIRST, console_for_output, fit, say_with_command, verbatim
 from dflash_assets.cli.environment import as_printed, instance_environment, ui_command
 from dflash_assets.cli.export import export_run_config
 from dflash_assets.cli.flags import (
@@ -53,8 +54,7 @@ from dflash_assets.defs.continuation.jobs import continue_job
 from dflash_assets.defs.metadata import CheckKeys, ContinuationKeys, PromptShardKeys, ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import SHARDS_PER_RUN
 from dflash_assets.generation.plan import filling_window_note
-from dflash_assets.quality.console import RUN_DROP_FIRST, console_for_output, fit, say_with_command, verbatim
-from dflash_assets.quality.rejects import read_rejects
+from dflash_assets.quality.report.rejects import read_rejects
 from dflash_assets.settings import TrainerSettings
 
 COLUMNS = (
@@ -288,9 +288,9 @@ def run_continue(
 ) -> int:
     """Continue every shard's cut rows to `new_cap` from where they stopped (or, with `to_window`, a window-policy
     config's window-complete rows to the larger window); print the reuse and the new answer."""
-    from dflash_assets.quality.answer import cap_answers
-    from dflash_assets.quality.console import print_answer
+    from dflash_assets.cli.console import print_answer
     from dflash_assets.quality.outcome import num, pct
+    from dflash_assets.quality.report.answer import cap_answers
 
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()

@@ -90,7 +90,9 @@ class TrainingSetKeys:
     CHOSEN_BY = "config_chosen_by"  # run | latest | explicit: how the config was chosen (also in the manifest)
     JSONL = "jsonl"
     MANIFEST = "manifest"
-    TRAINER_SETTINGS = "trainer_settings"  # specforge_data.yaml beside the manifest (quality/trainer_settings.py)
+    TRAINER_SETTINGS = (
+        "trainer_settings"  # specforge_data.yaml beside the manifest (quality/training/trainer_settings.py)
+    )
 
 
 class StepStopKeys:

@@ -238,7 +238,7 @@ async def run_length_probe(
 ) -> ProbeResult:
     """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at the
     probe's cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config that `cut_rows` gives
-    (the quality layer chooses them: quality.probe_summary.cut_rows_for_probe) continued to that cap, with the
+    (the quality layer chooses them: quality/planning/planner.py cut_rows_for_probe) continued to that cap, with the
     run's own sampling (its rows record it)."""
     sample = Sample(size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed)
     if probe.mode == "prompts":

@@ -4,7 +4,7 @@ A thinking model that loops repeats a line (or a phrase) until the cap stops it;
 for such a row, it only makes it longer. It is told apart from an honest long answer by the end of its output:
 either most of the tail's word n-grams repeat an earlier one, or one line makes up most of the tail's lines.
 `is_runaway` is a pure function on the text: generation stops a stream that loops by it (send.watch_of), and
-quality counts the cut rows that loop by it (quality/runaway.py registers it in DuckDB).
+quality counts the cut rows that loop by it (quality/tables.py registers it in DuckDB).
 """
 
 from collections import Counter

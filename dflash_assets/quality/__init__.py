@@ -1,12 +1,10 @@
 """The quality gate: DuckDB checks, length reports and the training export over the data dir's Parquet tables.
 
 A plain library (no Dagster import): the Dagster layer turns CHECKS into asset checks and shows the reports
-as metadata; `dflash report` calls print_report.
+as metadata; `dflash report` prints them (cli/console.py).
 """
 
-from dflash_assets.quality.export import EXCLUSION_REASONS, TrainingExport, export_training_set
-from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
-from dflash_assets.quality.registry import (
+from dflash_assets.quality.checks.registry import (
     CHECKS,
     CHECKS_BY_NAME,
     CheckSpec,
@@ -15,8 +13,10 @@ from dflash_assets.quality.registry import (
     judge_each_config,
     run_checks,
 )
-from dflash_assets.quality.report import PERCENTILE_DEFINITION, length_quality
+from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
+from dflash_assets.quality.report.lengths import PERCENTILE_DEFINITION, length_quality
 from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.quality.training.export import EXCLUSION_REASONS, TrainingExport, export_training_set
 
 __all__ = [
     "CHECKS",
@@ -36,7 +36,6 @@ __all__ = [
     "judge_each_config",
     "length_quality",
     "open_quality_db",
-    "print_report",
     "run_checks",
 ]
 
@@ -44,12 +43,8 @@ __all__ = [
 def __getattr__(name: str):
     # matplotlib and rich are only needed by the picture and the terminal report: imported on first use, so
     # loading the Dagster code location (which imports this package) stays fast
-    if name == "print_report":
-        from dflash_assets.quality import console
-
-        return console.print_report
     if name in {"completion_histogram_png", "completion_histogram_markdown"}:
-        from dflash_assets.quality import histogram
+        from dflash_assets.quality.report import histogram
 
         return getattr(histogram, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

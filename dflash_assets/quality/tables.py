@@ -35,8 +35,8 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from dflash_assets.quality.runaway import register_runaway
-from dflash_assets.quality.trainer_format import think_marker_sql
+from dflash_assets.generation.runaway import is_runaway
+from dflash_assets.quality.training.trainer_format import think_marker_sql
 from dflash_assets.rules import (
     STOPPED_EARLY_SQL,
     blank_sql,
@@ -255,3 +255,14 @@ def open_quality_db(
     con.execute(OTHER_OUTCOMES.format(**sources), {"shard": shard})
     con.execute(CONFIG_WRITES.format(**sources), {"shard": shard})
     return con
+
+
+def register_runaway(con: duckdb.DuckDBPyConnection, runaway: RunawaySettings = RunawaySettings()) -> None:
+    """`is_runaway(tail VARCHAR) -> BOOLEAN` on `con`, judged by `runaway`. Vectorised (a batch of rows per call
+    through Arrow): a call per row would cost more than the test itself."""
+
+    def batch(tails: pa.Array) -> pa.Array:
+        return pa.array([is_runaway(t, runaway) for t in tails.to_pylist()], pa.bool_())
+
+    # duckdb's stubs type a UDF by the Python values it returns; an Arrow UDF returns a pa.Array
+    con.create_function("is_runaway", batch, ["VARCHAR"], "BOOLEAN", type="arrow", null_handling="special")  # type: ignore[call-overload]

@@ -89,7 +89,7 @@ def said(text: str, expected: dict) -> dict:
 
 
 def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(cut_at_4096):
-    from dflash_assets.quality.answer import answer_lines, cap_answers
+    from dflash_assets.quality.report.answer import answer_lines, cap_answers
 
     env, out = cut_at_4096
     data = Path(env["DFLASH_DATA_DIR"])
@@ -123,13 +123,13 @@ def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(cut_at_40
 
 
 def test_what_the_answer_says_of_the_export_is_what_the_training_set_holds(cut_at_4096):
-    from dflash_assets.quality.answer import cap_answers
+    from dflash_assets.quality.report.answer import cap_answers
 
     env, out = cut_at_4096
     data = Path(env["DFLASH_DATA_DIR"])
     (answer,) = cap_answers(data)
     folder = data / "training" / answer.config_hash
-    lines = sum(  # the train and the held-out files (quality/split.py)
+    lines = sum(  # the train and the held-out files (quality/training/split.py)
         len((folder / name).read_text().splitlines()) for name in ("training_set.jsonl", "held_out_set.jsonl")
     )
     manifest = json.loads((folder / "manifest.json").read_text())

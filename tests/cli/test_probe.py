@@ -87,8 +87,8 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
         assert line.endswith("measured (probe)"), line
     assert "precision: probe of 100 rows (" in out and "(95%, binomial)" in out
     # the next command raises the cap to the one the report's answer recommends (answer.recommended_cap)
-    from dflash_assets.quality.answer import recommended_cap
-    from dflash_assets.quality.planner import DEFAULT_CANDIDATES, plan_caps
+    from dflash_assets.quality.planning.planner import DEFAULT_CANDIDATES, plan_caps
+    from dflash_assets.quality.report.answer import recommended_cap
     from dflash_assets.settings import QualitySettings
 
     plan = plan_caps(data, candidates=sorted({*DEFAULT_CANDIDATES, cap}))
@@ -142,7 +142,7 @@ def test_probe_before_any_run_plans_from_its_own_rows_and_says_how_to_generate(p
 
 
 def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_rows(prompts):
-    from dflash_assets.quality.planner import honest_cut_rows
+    from dflash_assets.quality.planning.planner import honest_cut_rows
 
     url, data = prompts
     before = dflash("probe", "--urls", url, "--data-dir", str(data), "--mode", "cut_rows")

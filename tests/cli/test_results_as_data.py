@@ -87,7 +87,7 @@ def test_a_preflight_refusal_in_other_words_still_ends_with_the_context_length_t
 def test_a_checks_summary_in_other_words_still_stops_the_run_with_the_plan_and_the_next_command(
     in_process, monkeypatch, capsys
 ):
-    monkeypatch.setattr("dflash_assets.quality.checks_lengths.verdict", lambda rate, limit: "said differently")
+    monkeypatch.setattr("dflash_assets.quality.checks.lengths.verdict", lambda rate, limit: "said differently")
     status = in_process("demo", "--full", "--max-output-tokens", "2048", "--trainer-max-length", "8192")
     out = capsys.readouterr().out
     flat = " ".join(out.split())

@@ -178,7 +178,7 @@ def test_the_demo_at_its_default_cap_exits_0_and_keeps_long_rows_naming_every_ex
     assert manifest["rows"] == rows - sum(e["rows"] for e in manifest["exclusions"])
     flat = re.sub(r"\s+", " ", out)
     assert f"drafter training set: {manifest['rows']} rows of config" in flat
-    from dflash_assets.quality.export import left_out_lines
+    from dflash_assets.quality.training.export import left_out_lines
 
     assert ("left out, by reason:" if left_out_lines(manifest) else "left out: nothing") in flat
     assert "kept, with a note: " in flat  # above the rows kept, never under "left out"

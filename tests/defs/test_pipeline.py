@@ -277,7 +277,7 @@ def test_training_set_is_refused_while_a_blocking_check_fails_and_written_once_c
     assert written.success
     meta = written.asset_materializations_for_node("drafter_training_set")[0].metadata
     lines = [json.loads(line) for line in open(meta["jsonl"].value)]
-    split = meta["manifest"].value["split"]  # the held-out file holds the rest (quality/split.py)
+    split = meta["manifest"].value["split"]  # the held-out file holds the rest (quality/training/split.py)
     assert len(lines) == split["train"]["rows"] > 0
     assert split["train"]["rows"] + split["held_out"]["rows"] == meta["dagster/row_count"].value
     first = lines[0]

@@ -22,7 +22,7 @@ import pytest
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import export_training_set, length_quality, run_checks
-from dflash_assets.quality.planner import plan_caps
+from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.tables import parquet_files, parquet_source
 from dflash_assets.store.parts import COVERS_KEY
 from dflash_assets.store.schema import COMPLETION_SCHEMA

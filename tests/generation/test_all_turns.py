@@ -261,7 +261,7 @@ def test_a_turn_that_cannot_fit_the_context_is_rejected_with_its_numbers_and_end
 def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_per_turn(clean, tmp_path):
     from dflash_assets.generation.prompts import read_shard
     from dflash_assets.quality import export_training_set, run_checks
-    from dflash_assets.quality.trainer_format import row_problem
+    from dflash_assets.quality.training.trainer_format import row_problem
 
     data, run, rows = clean
     export = export_training_set(data, tmp_path / "out", max_length=None, form="conversations")
@@ -302,7 +302,7 @@ def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_pe
 
 
 def test_the_cap_plan_shows_each_turn_index_with_its_share_cut_and_percentiles(clean):
-    from dflash_assets.quality.planner import plan_caps, plan_markdown
+    from dflash_assets.quality.planning.planner import plan_caps, plan_markdown
 
     data, run, _ = clean
     plan = plan_caps(data, bootstrap=0)

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.quality import run_checks
-from dflash_assets.quality.registry import CHECKS_BY_NAME, gate_passed
+from dflash_assets.quality.checks.registry import CHECKS_BY_NAME, gate_passed
 from dflash_assets.store.stores import prompt_store
 from tests.support.http import requests_served
 from tests.support.quality_data import check, load

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import duckdb
 
-from dflash_assets.quality.export import export_training_set
+from dflash_assets.quality.training.export import export_training_set
 from dflash_assets.rules import thinks
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.configs import list_configs

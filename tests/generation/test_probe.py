@@ -90,7 +90,7 @@ def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_co
     assert f"{probe_size(360)} of {len(SHARDS) * PER_SHARD} prompts" in md
     assert "Predicted output: about" in md and "GPU-hours on 1 servers" in md
     # how precise that probe will be, at worst, from the binomial of its rows above the cap, and the size for ±1 pp
-    from dflash_assets.quality.probe_estimates import ProbePrecision
+    from dflash_assets.quality.planning.probe_estimates import ProbePrecision
 
     honest = (meta["truncated_rows"] - meta["runaway_rows"]) / meta["rows"]
     expected = ProbePrecision.expected(1024, honest, probe_size(360))
@@ -159,7 +159,7 @@ def test_the_probe_materialises_alone_and_the_plan_then_measures_with_it(project
 def test_a_probe_is_used_only_for_its_current_sample_and_the_same_model_and_sampling(tmp_path):
     import numpy as np
 
-    from dflash_assets.quality.planner import plan_caps
+    from dflash_assets.quality.planning.planner import plan_caps
 
     lengths = np.round(1640 * np.exp(np.random.default_rng(0).standard_normal(3000))).astype(int)
     for name, temperature in (("same", 0.6), ("hot", 1.0)):
@@ -181,7 +181,7 @@ def test_a_probe_is_used_only_for_its_current_sample_and_the_same_model_and_samp
 def test_a_probe_made_with_another_value_of_any_sampling_parameter_is_not_used(tmp_path, name):
     import numpy as np
 
-    from dflash_assets.quality.planner import plan_caps
+    from dflash_assets.quality.planning.planner import plan_caps
 
     run = GenerationSettings().sampling()
     other = {**run, name: type(run[name])(run[name] / 2 if run[name] else 0.5)}

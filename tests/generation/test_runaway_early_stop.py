@@ -16,9 +16,9 @@ from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import length_quality, run_checks
-from dflash_assets.quality.export import export_training_set
-from dflash_assets.quality.planner import plan_caps
+from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.tables import register_runaway, runaway_sql
+from dflash_assets.quality.training.export import export_training_set
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from tests.support.forks import start_emulator
 from tests.support.http import Http, aborted, settled

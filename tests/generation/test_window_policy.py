@@ -231,7 +231,7 @@ def test_the_same_cut_rows_block_a_trainer_whose_window_reaches_past_the_cap(cut
 
 
 def test_the_report_and_the_summary_show_both_shares_with_the_window_named(cut_at_cap_dir):
-    from dflash_assets.quality.report import length_quality
+    from dflash_assets.quality.report.lengths import length_quality
 
     report = length_quality(cut_at_cap_dir, max_length=4096)
     assert report["max_length"] == 4096
@@ -250,7 +250,7 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
 
     from rich.console import Console
 
-    from dflash_assets.quality.console import print_answers
+    from dflash_assets.cli.console import print_answers
 
     out = io.StringIO()
     print_answers(cut_at_cap_dir, Console(file=out, width=200, color_system=None), full=True)

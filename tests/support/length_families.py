@@ -1,6 +1,6 @@
 """Output-length distributions that are not the planner's lognormal, with their true tails.
 
-Shared by tests/quality/test_planner_off_family.py (few, small draws) and benchmarks/bench_cap_planner.py (the
+Shared by tests/quality/planning/test_planner_off_family.py (few, small draws) and benchmarks/bench_cap_planner.py (the
 full sweep). Each family draws lengths and a runaway flag; the truth P(L > c) is computed once from a large
 draw (or in closed form where there is one).
 """

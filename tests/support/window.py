@@ -1,5 +1,5 @@
 """The window tests' prompts and emulator: one seeded draw per prompt, whatever its cap, so a window row is the
-same prompt's fixed-cap row cut short (tests/quality/test_window_export.py, tests/generation/test_continue_window.py)."""
+same prompt's fixed-cap row cut short (tests/quality/training/test_window_export.py, tests/generation/test_continue_window.py)."""
 
 from tests.support import shards
 

@@ -10,7 +10,7 @@ from dflash_assets.defs.prompts.assets import prompt_shards
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource, Refused, run_on_fleet
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.probe import probe_root, prompt_shard_keys, run_length_probe
-from dflash_assets.quality.probe_summary import cut_rows_for_probe
+from dflash_assets.quality.planning.planner import cut_rows_for_probe
 from dflash_assets.settings import (
     DispatchSettings,
     GenerationSettings,

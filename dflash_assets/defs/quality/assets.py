@@ -14,8 +14,8 @@ from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality.outcome import pct, shown
-from dflash_assets.quality.rejects import read_rejects
-from dflash_assets.quality.sources import by_source_markdown
+from dflash_assets.quality.report.rejects import read_rejects
+from dflash_assets.quality.report.sources import by_source_markdown
 from dflash_assets.settings import QualitySettings
 from dflash_assets.store.configs import latest_config, latest_order, list_configs
 from dflash_assets.store.configs import table as configs_rows
@@ -71,10 +71,10 @@ PICTURES = (
 
 
 def answer_metadata(report: dict, quality: QualitySettings, exports: Path, glance: str, **plan) -> tuple[dict, Any]:
-    """The first rows a person reads: the answer of the config the figures are of (quality/answer.py: the figures
+    """The first rows a person reads: the answer of the config the figures are of (quality/report/answer.py: the figures
     with their units, the export's manifest, the next command) and the cap plan at a glance. `plan`: answer_of's
     plan, plan_error and wp, when the caller planned. Also the answer (a CapAnswer), or None without one."""
-    from dflash_assets.quality.answer import answer_of
+    from dflash_assets.quality.report.answer import answer_of
 
     row = next((r for r in report["by_config"] if r["config_hash"] == report["config_hash"]), None)
     shard = report["scope"]["shard"]
@@ -172,7 +172,7 @@ def length_quality_report(
 def _report_and_histogram(
     root: str | Path, shard: str | None, quality_settings: QualitySettings, reports: Path, config_hash: str | None
 ):
-    from dflash_assets.quality.histogram import report_and_histogram  # matplotlib: on use
+    from dflash_assets.quality.report.histogram import report_and_histogram  # matplotlib: on use
 
     return report_and_histogram(
         root,
@@ -216,10 +216,10 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
 def length_quality_summary(
     context: dg.AssetExecutionContext, config: ConfigChoice, data_dir: DataDirResource, quality: QualityResource
 ) -> dg.MaterializeResult:
-    from dflash_assets.quality.planner import PlanError, plan_caps, plan_glance, plan_markdown, turn_markdown
-    from dflash_assets.quality.planner_plot import cap_plan_png
-    from dflash_assets.quality.probe_advice import probe_advice
-    from dflash_assets.quality.window_plan import window_plan, window_plan_lines
+    from dflash_assets.quality.planning.planner import PlanError, plan_caps, plan_glance, plan_markdown, turn_markdown
+    from dflash_assets.quality.planning.probe_advice import probe_advice
+    from dflash_assets.quality.planning.window_plan import window_plan, window_plan_lines
+    from dflash_assets.quality.report.planner_plot import cap_plan_png
 
     root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
     exports = data_dir.local_dir() / "training"  # the exports' manifests (drafter_training_set)

@@ -9,7 +9,7 @@ from dflash_assets.defs.metadata import StepStopKeys, TrainingSetKeys
 from dflash_assets.defs.quality.assets import ConfigChoice, choose_config, length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
-from dflash_assets.quality.export import exclusion_lines
+from dflash_assets.quality.training.export import exclusion_lines
 from dflash_assets.settings import QualitySettings
 from dflash_assets.store.configs import latest_order
 from dflash_assets.store.stores import committed_rows

@@ -1,0 +1,362 @@
+"""The cap plan in trained tokens: what each candidate cap, and the window policy, decode and what the trainer reads.
+
+"Trained" is what the export gives a trainer with window L: Σ min(completion_tokens, L - prompt_tokens) over the
+rows the export writes (rules.trained_tokens). A row that stops is written at any cap; a row cut at or past the
+window is window-complete and written; a row cut inside the window is left out, and so is a runaway. So per cap c:
+
+    decoded(c) = Σ min(length, c)            trained(c) = Σ over written rows of min(length, L - prompt)
+
+Every figure a row settles is read from it: a row that stopped, a row cut at or past the window (its first L
+tokens are known), every figure at or below the current cap. Only the rows cut inside the window at the current
+cap have unknown lengths above it; their share comes from the cap plan's lognormal tail (planner.py), conditioned
+on each row's own length, and the figure says "model". The window policy asks min(cap, L - prompt + overshoot)
+per request and rejects the prompts that fill the window, so its trained tokens are the floor: every prompt's
+first L tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from dflash_assets.generation.plan import prompt_batches
+from dflash_assets.generation.turns import split_turns
+from dflash_assets.quality.outcome import num, pct
+from dflash_assets.quality.planning.planner import DEFAULT_CANDIDATES, TailFit
+from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.rules import percentile
+from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
+from dflash_assets.store.stores import prompt_store
+
+GRID = 256  # points of the numerical integral of the tail, per row
+
+
+@dataclass(frozen=True)
+class TrainedEstimate:
+    label: str  # "cap 8,192" or "window policy"
+    cap: int | None  # None for the window policy
+    decoded: float
+    trained: float
+    basis: str  # "rows" (every figure read from the rows) or "model" (the tail of the rows cut inside the window)
+    hours: float | None = None  # decoded / the fleet's measured tok/s
+    gpu_hours: float | None = None  # hours times the servers that measured it
+
+    @property
+    def per_trained(self) -> float | None:
+        return self.decoded / self.trained if self.trained else None
+
+
+@dataclass(frozen=True)
+class TurnsCost:
+    """What regenerating every assistant turn costs against regenerating the last one, on a multi-turn config's
+    measured lengths. Decoded tokens only: a follow-up turn's prompt is mostly prefix-cached (docs/multi-turn.md)."""
+
+    mode: str  # the config's: "all_turns" or "last_turn"
+    conversations: int
+    all_turns: float  # decoded tokens under all_turns
+    last_turn: float  # under last_turn: the last answer of each conversation
+    basis: str  # "rows": both read from the rows; "model": one side estimated (the mean answer per turn)
+    tokens_per_s: float | None = None
+    servers: int | None = None
+
+    def hours(self, decoded: float) -> str:
+        if not self.tokens_per_s:
+            return ""
+        hours = decoded / self.tokens_per_s / 3600
+        return f" ({hours * self.servers:,.1f} GPU-h)" if self.servers else f" ({hours:,.1f} h)"
+
+    def line(self) -> str:
+        ratio = f"{self.all_turns / self.last_turn:.2f}x" if self.last_turn else "-"
+        model = " (model: the mean answer for the turns not generated)" if self.basis == "model" else ""
+        return (
+            f"regenerate, over {num(self.conversations)} conversations (this config: {self.mode}): all_turns "
+            f"decodes {num(round(self.all_turns))} tokens{self.hours(self.all_turns)}, last_turn "
+            f"{num(round(self.last_turn))}{self.hours(self.last_turn)}: {ratio}, the price of training only on the "
+            f"target model's own answers{model}"
+        )
+
+
+def turns_cost(rows: list[dict], user_turns: dict[str, int], **throughput) -> TurnsCost | None:
+    """The cost from a config's rows ({prompt_id, turn, turns, completion_tokens}) and the user turns of each
+    prompt; None when no prompt has more than one (nothing to compare)."""
+    if not rows or max(user_turns.values(), default=1) < 2:
+        return None
+    decoded = sum(r["completion_tokens"] or 0 for r in rows)
+    if rows[0]["turn"] is not None:  # all_turns: last_turn would decode each conversation's final answer
+        last = {r["prompt_id"]: r["completion_tokens"] or 0 for r in rows if r["turn"] == r["turns"]}
+        ids = {r["prompt_id"] for r in rows}
+        mean = sum(last.values()) / len(last) if last else decoded / len(rows)
+        return TurnsCost(
+            "all_turns",
+            len(ids),
+            decoded,
+            sum(last.values()) + mean * (len(ids) - len(last)),
+            "rows" if len(last) == len(ids) else "model",
+            **throughput,
+        )
+    mean = decoded / len(rows)  # last_turn: all_turns would also decode the earlier answers, at the mean length
+    earlier = sum(max(user_turns.get(r["prompt_id"], 1) - 1, 0) for r in rows)
+    return TurnsCost("last_turn", len(rows), decoded + mean * earlier, decoded, "model", **throughput)
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    max_length: int
+    overshoot: int
+    cap: int  # the current cap
+    rows: int
+    floor: float  # every prompt's first L tokens (the window policy's trained tokens)
+    estimates: list[TrainedEstimate]  # the current cap and the candidates, in cap order
+    window: TrainedEstimate  # the window policy
+    recommended: TrainedEstimate  # never a cap past the one that already lets every prompt fill the window
+    cut_inside_window: int
+    window_complete: int
+    tokens_per_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+    prompt_p50: int = 0  # the median prompt: the window sits at max_length - prompt_p50 completion tokens for it
+    filling: int = 0  # rows whose prompt fills the window: decoded at every cap, never trained (no room)
+    filling_decoded: int = 0  # their decoded tokens at the current cap
+    turns: TurnsCost | None = None  # a multi-turn source: all_turns against last_turn
+
+    @property
+    def window_at(self) -> int:
+        """Where the window ends in completion tokens for the median prompt (the picture marks it)."""
+        return max(self.max_length - self.prompt_p50, 1)
+
+    def at(self, cap: int) -> TrainedEstimate:
+        return next(e for e in self.estimates if e.cap == cap)
+
+    def raising(self, a: int, b: int) -> str:
+        """'raising the cap from A to B adds X trained tokens (+Y%) for Z more decoded (+W%)'."""
+        x, y = self.at(a), self.at(b)
+        dt, dd = y.trained - x.trained, y.decoded - x.decoded
+        gain = pct(dt / x.trained) if x.trained else "from none"
+        model = " (model)" if "model" in (x.basis, y.basis) else ""
+        return (
+            f"raising the cap from {num(a)} to {num(b)} adds {num(round(dt))} trained tokens (+{gain}) for "
+            f"{num(round(dd))} more decoded (+{pct(dd / x.decoded) if x.decoded else '-'}){model}"
+        )
+
+
+def _tail_mean(fit: TailFit | None, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """E[min(L, high) - low | L > low] under the fit, per row (0 without a fit or where high <= low)."""
+    out = np.zeros(len(low))
+    if fit is None:
+        return out
+    for i, (a, b) in enumerate(zip(low, high)):
+        if b <= a:
+            continue
+        t = np.linspace(a, b, GRID)
+        s = fit.survival(np.maximum(t, 1.0)) / max(float(fit.survival(max(a, 1.0))), 1e-300)
+        out[i] = float(np.trapezoid(np.minimum(s, 1.0), t))
+    return out
+
+
+def _survive(fit: TailFit | None, low: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """P(L > x | L > low) under the fit (1 without a fit: nothing is known beyond the cut)."""
+    if fit is None:
+        return np.ones(len(low))
+    return np.minimum(1.0, fit.survival(np.maximum(x, 1.0)) / np.maximum(fit.survival(np.maximum(low, 1.0)), 1e-300))
+
+
+def _at_cap(c: int, p, length, cut, loop, window: int, fit: TailFit | None) -> tuple[float, float, bool]:
+    """(decoded, trained, modelled) at cap c."""
+    room = np.maximum(window - p, 0).astype(float)
+    beyond = cut & (c > length)  # cut now, asked for more at c: its length above the current cap is unknown
+    honest = beyond & ~loop
+    # at or below a row's known length: the cap c cuts it (written iff p + c reaches the window) or it stopped
+    stops = ~cut & (length <= c)
+    cut_at_c = ~beyond & ~stops
+    dec = np.where(beyond, float(c), np.minimum(length, c)).astype(float)  # a runaway loops to any cap
+    tr = np.where(
+        stops, np.minimum(length, room), np.where(cut_at_c & ~loop & (p + c >= window), np.minimum(float(c), room), 0.0)
+    )
+    if honest.any():  # the tail, from each row's own length: only rows cut at the current cap
+        lo, r = length[honest].astype(float), room[honest]
+        dec[honest] = lo + _tail_mean(fit, lo, np.full(len(lo), float(c)))
+        reach = np.minimum(r, float(c))
+        whole = np.where(lo >= r, r, lo + _tail_mean(fit, lo, reach))  # E[min(L, room)]; past the window: room
+        stopped = whole - reach * _survive(fit, lo, reach)  # E[L 1{L <= reach}]: written only when it stops
+        tr[honest] = np.where(p[honest] + c >= window, whole, stopped)
+    return float(dec.sum()), float(tr.sum()), bool(honest.any())
+
+
+def plan_window(
+    p,
+    length,
+    cut,
+    loop,
+    cap: int,
+    max_length: int,
+    overshoot: int = GenerationSettings().overshoot,
+    fit: TailFit | None = None,
+    candidates=DEFAULT_CANDIDATES,
+    tokens_per_s: float | None = None,
+    servers: int | None = None,
+    prompts: int | None = None,
+) -> WindowPlan:
+    """The plan from one config's rows: prompt_tokens, completion_tokens, whether each was cut and is a runaway,
+    at the current `cap`; `fit` is the cap plan's tail (None: no honest cut row). `prompts` scales to a run."""
+    p, length = np.asarray(p, dtype=np.int64), np.asarray(length, dtype=np.int64)
+    cut, loop = np.asarray(cut, dtype=bool), np.asarray(loop, dtype=bool) & np.asarray(cut, dtype=bool)
+    n = len(length)
+    room = np.maximum(max_length - p, 0)
+    inside = cut & ~loop & (length < room)  # cut inside the window: its length is unknown above `cap`
+    scale = (prompts or n) / n if n else 1.0
+    notes: list[str] = []
+
+    def estimate(label, c, decoded, trained, modelled) -> TrainedEstimate:
+        decoded, trained = decoded * scale, trained * scale
+        hours = decoded / tokens_per_s / 3600 if tokens_per_s else None
+        return TrainedEstimate(
+            label,
+            c,
+            decoded,
+            trained,
+            "model" if modelled else "rows",
+            hours,
+            hours * servers if hours is not None and servers else None,
+        )
+
+    caps = sorted({int(c) for c in candidates if c >= cap} | {int(cap)})
+    estimates = [estimate(f"cap {num(c)}", c, *_at_cap(c, p, length, cut, loop, max_length, fit)) for c in caps]
+    # the window policy: each prompt that does not fill the window asks min(cap, room + overshoot)
+    fits = room > 0
+    ask = np.minimum(room + overshoot, max(caps[-1], cap))
+    short = cut & ~loop & (length < ask)  # cut below what the window policy asks: the tail
+    dec = np.where(
+        short,
+        length + _tail_mean(fit, length.astype(float), ask.astype(float)),
+        np.where(cut & loop, ask, np.minimum(length, ask)),
+    ).astype(float)
+    tr = np.where(
+        inside, length + _tail_mean(fit, length.astype(float), room.astype(float)), np.minimum(length, room)
+    ).astype(float)
+    keep = fits & ~loop  # runaways are decoded and left out
+    window = estimate("window policy", None, float(dec[fits].sum()), float(tr[keep].sum()), bool(short.any()))
+    floor = window.trained
+    # the smallest cap that lets every prompt reach the window: past it a larger cap buys only untrained tokens
+    ceiling = int(room.max()) if n else cap
+    enough = [e for e in estimates if e.cap is not None and e.cap >= ceiling]  # every one has a cap
+    recommended = window if not inside.any() else (enough[0] if enough else estimates[-1])
+    if inside.any() and fit is None:
+        notes.append("rows were cut inside the window but none honestly (all runaways): nothing to extrapolate")
+    return WindowPlan(
+        max_length,
+        overshoot,
+        cap,
+        n,
+        floor,
+        estimates,
+        window,
+        recommended,
+        int(inside.sum()),
+        int((cut & ~loop & ~inside).sum()),
+        tokens_per_s,
+        notes,
+        percentile(p, 0.5) if n else 0,
+        int((room == 0).sum()),
+        int(length[room == 0].sum()),
+    )
+
+
+def window_plan(
+    data_dir: str | Path,
+    config_hash: str | None,
+    cap: int,
+    trainer: TrainerSettings = TrainerSettings(),
+    fit: TailFit | None = None,
+    runaway: RunawaySettings = RunawaySettings(),
+    **kwargs,
+) -> WindowPlan:
+    """plan_window over one config's committed rows (stopped or cut) of a data dir, with what all_turns costs against
+    last_turn when its prompts are multi-turn."""
+    with open_quality_db(data_dir, config_hash=config_hash, runaway=runaway, max_length=trainer.max_length) as con:
+        rows = con.execute(
+            "SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AS cut, runaway "
+            "FROM completions WHERE finish_reason IN ('stop', 'length') AND completion_tokens IS NOT "
+            "NULL AND prompt_tokens IS NOT NULL"
+        ).fetchnumpy()
+        turn_rows = con.execute(
+            "SELECT c.prompt_id, c.turn, k.turns, c.completion_tokens FROM completions c LEFT JOIN (SELECT prompt_id, "
+            "max(turn) AS turns FROM completions GROUP BY ALL) k USING (prompt_id) WHERE c.completion_tokens IS NOT "
+            "NULL"
+        ).fetchall()
+        shards = [s for (s,) in con.execute("SELECT DISTINCT shard FROM completions ORDER BY 1").fetchall()]
+    plan = plan_window(
+        rows["prompt_tokens"],
+        rows["completion_tokens"],
+        rows["cut"],
+        rows["runaway"],
+        cap,
+        trainer.max_length,
+        fit=fit,
+        **kwargs,
+    )
+    user_turns = _user_turns(data_dir, shards)
+    # all_turns rows carry `turns` (the conversation's length); the query's max(turn) stands in where it is missing
+    rows_of = [
+        {"prompt_id": p, "turn": t, "turns": user_turns.get(p, k), "completion_tokens": n} for p, t, k, n in turn_rows
+    ]
+    cost = turns_cost(rows_of, user_turns, tokens_per_s=kwargs.get("tokens_per_s"), servers=kwargs.get("servers"))
+    return replace(plan, turns=cost)
+
+
+def _user_turns(data_dir: str | Path, shards: list[str]) -> dict[str, int]:
+    """prompt_id -> its user turns, from the prompt shards' messages."""
+    found: dict[str, int] = {}
+    for shard in shards:
+        for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
+            found.update((r["prompt_id"], len(split_turns(json.loads(r["messages_json"]))[1])) for r in batch)
+    return found
+
+
+def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
+    """The plan for people: a line per cap and for the window policy, the raising sentence, the recommendation."""
+
+    def row(e: TrainedEstimate) -> str:
+        ratio = f"{e.per_trained:.2f}x" if e.per_trained else "∞"
+        hours = (
+            f", {e.gpu_hours:,.1f} GPU-h"
+            if e.gpu_hours is not None
+            else f", {e.hours:,.1f} h"
+            if e.hours is not None
+            else ""
+        )
+        return (
+            f"{e.label}: {num(round(e.decoded))} decoded, {num(round(e.trained))} trained, {ratio} decoded per "
+            f"trained{hours}{' (model)' if e.basis == 'model' else ''}"
+        )
+
+    lines = [
+        f"trained tokens, for {TrainerSettings(max_length=plan.max_length).named()} (floor: every prompt's "
+        f"first {num(plan.max_length)} tokens = {num(round(plan.floor))}):"
+    ]
+    lines += [f"  {row(e)}" for e in plan.estimates] + [f"  {row(plan.window)}"]
+    if plan.filling:
+        lines.append(
+            f"  prompts that fill the window: {num(plan.filling)}, their {num(plan.filling_decoded)} decoded tokens "
+            f"counted decoded, none trained (the window policy rejects such prompts before any request)"
+        )
+    caps = [e.cap for e in plan.estimates if e.cap is not None]  # all of them: only the window policy has none
+    if len(caps) > 1:  # the usual bump: to twice the cap when it is a candidate
+        to = 2 * plan.cap if 2 * plan.cap in caps else caps[1]
+        lines.append("  " + plan.raising(plan.cap, to))
+    if plan.turns is not None:
+        lines.append("  " + plan.turns.line())
+    if plan.cut_inside_window == 0:
+        lines.append(
+            f"  every cut row lies at or past the window: window-complete, so a larger cap adds no trained "
+            f"token; the window policy decodes {plan.window.per_trained or 0:.2f}x per trained token"
+            + (f": {command}" if command else "")
+        )
+    elif plan.recommended.cap is not None:
+        lines.append(
+            f"  recommended: cap {num(plan.recommended.cap)}, the smallest that lets every prompt reach the "
+            f"window (a larger one adds only tokens past it), or the window policy"
+            + (f": {command}" if command else "")
+        )
+    return lines

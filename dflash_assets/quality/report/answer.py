@@ -1,0 +1,294 @@
+"""A run's question answered for people, once per config: what was cut (each figure by its rules.FIGURES
+definition, with its unit), the length percentiles, what the export holds (its manifest), the tokens decoded and
+trained, the recommendation and the next command.
+
+Computed here only (cap_answers) and rendered by every view: `dflash report`'s head, the closing lines of `dflash
+demo` / `dflash backfill` (answer_lines), `dflash configs`, the UI's metadata (markdown) and the pictures'
+Description. The terminal layout is in console.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_assets.quality.outcome import num, pct
+from dflash_assets.quality.planning.planner import CapEstimate, CapPlan, PlanError, plan_caps
+from dflash_assets.quality.planning.window_plan import WindowPlan, window_plan
+from dflash_assets.quality.report.lengths import length_quality
+from dflash_assets.settings import Deployment, QualitySettings, TrainerSettings
+from dflash_assets.store.configs import latest_order
+from dflash_assets.store.storage import is_uri
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What the export of a config holds, read from its own manifest (quality/training/export.py): never claimed, counted."""
+
+    manifest: Path
+    samples: int  # the manifest's `rows`: JSONL lines written, train and held out (a conversation each in text forms)
+    form: str
+    window_complete_kept: int
+    no_trainable_tokens: int
+    conversations_not_whole: int
+
+    @classmethod
+    def read(cls, manifest: Path) -> Exported | None:
+        try:
+            m = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return cls(
+            manifest=manifest,
+            samples=int(m.get("rows") or 0),
+            form=str(m.get("form") or "-"),
+            window_complete_kept=int(m.get("window_complete_kept") or 0),
+            no_trainable_tokens=int((m.get("excluded") or {}).get("no_trainable_tokens") or 0),
+            conversations_not_whole=int(m.get("conversations_not_whole") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class CapAnswer:
+    """One config's answer: what was cut and what the trainer gets, each figure by its rules.FIGURES definition and
+    unit, computed once (cap_answers) and rendered by every view (lines, markdown, description)."""
+
+    config_hash: str
+    cap: int
+    rows: int  # turn rows (one per generated turn; one per prompt under last_turn)
+    truncated: int  # cut at the cap or stopped as runaways: the rows `dflash continue` takes up
+    truncation_rate: float
+    p50: int | None
+    p90: int | None
+    p99: int | None
+    max: int | None
+    plan: CapPlan | None
+    plan_error: str | None
+    recommended: CapEstimate | None  # the smallest candidate cap whose predicted share cut is within the limit
+    max_length: int = TrainerSettings().max_length  # the trainer's window the rows are judged against
+    cut_inside_window: int = 0  # cut with prompt + completion < max_length: the blocking truncation
+    window_complete: int = 0  # cut at or past the window (not runaways): the trainer reads them whole
+    window_complete_tokens: int = 0  # their trained tokens
+    decoded_tokens: int = 0
+    trained_tokens: int = 0
+    window_plan: WindowPlan | None = None  # decoded and trained tokens per candidate cap and the window policy
+    cut_at_cap: int = 0  # finish_reason 'length'
+    conversations: int = 0
+    runaways: int = 0
+    fills_window: int = 0
+    exported: Exported | None = None  # None: no export of this config yet
+    scope: str = ""  # "": every shard of the config; else the shard(s) counted ("shard 00000")
+
+    @property
+    def cuts_matter(self) -> bool:
+        """Whether any cut row lies inside the window: only those change what the trainer reads."""
+        return self.cut_inside_window > 0
+
+    @property
+    def at_cap(self) -> list[str]:
+        """Which of P90 and P99 equal the cap: the tell-tale that the cap, not the prompts, set the lengths."""
+        return [name for name, v in (("P90", self.p90), ("P99", self.p99)) if v is not None and v >= self.cap]
+
+    def share(self, count: int) -> str:
+        return pct(count / self.rows) if self.rows else "-"
+
+    @property
+    def next_settings(self) -> dict[str, str | int]:
+        """The settings of the next command (flag: value): the window policy when every cut lies past the window, a
+        larger cap when the cuts inside it are over the limit and a candidate gets there; {} when nothing is to do."""
+        if self.cut_at_cap and not self.cuts_matter:
+            return {"--cap-policy": "window", "--max-output-tokens": self.cap}
+        if self.recommended is not None:
+            return {"--max-output-tokens": self.recommended.cap}
+        return {}
+
+    @property
+    def recommendation(self) -> str:
+        if not self.cut_at_cap:
+            return "nothing was cut at the cap: it is large enough for these prompts"
+        if not self.cuts_matter:
+            return (
+                f"every cut row lies at or past the trainer's window max_length {num(self.max_length)}: the trainer "
+                f"reads each as the complete answer, so a larger cap buys no trained token; decode only what it reads"
+            )
+        if self.recommended is not None:
+            e = self.recommended
+            return (
+                f"recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut; above "
+                f"{num(self.cap)} the tail is a model)"
+            )
+        return "the cuts inside the window are within the limit (or no larger candidate cap helps)"
+
+    def next_command(self, command: str) -> str | None:
+        """`command` (say "dflash demo") with the next settings, or None when there is nothing to change."""
+        flags = self.next_settings
+        return f"{command} {' '.join(f'{k} {v}' for k, v in flags.items())}" if flags else None
+
+    def headline(self, export_command: str | None = None) -> list[str]:
+        """The answer in a few lines, each figure with its unit (the definitions: rules.FIGURES)."""
+        figures = "  ".join(
+            f"{k} {_n(v)}" for k, v in (("P50", self.p50), ("P90", self.p90), ("P99", self.p99), ("max", self.max))
+        )
+        at_cap = (
+            f": {' and '.join(self.at_cap)} {'equal' if len(self.at_cap) > 1 else 'equals'} the cap"
+            if self.at_cap
+            else ""
+        )
+        ratio = f"{self.decoded_tokens / self.trained_tokens:.2f}" if self.trained_tokens else "-"
+        return [
+            f"config {self.config_hash}{f' ({self.scope})' if self.scope else ''}: cap {num(self.cap)}, window "
+            f"{num(self.max_length)}, {num(self.rows)} turn rows of {num(self.conversations)} conversations",
+            f"  cut at the cap {self.share(self.cut_at_cap)} ({num(self.cut_at_cap)} turn rows); cut inside the "
+            f"window {self.share(self.cut_inside_window)} ({num(self.cut_inside_window)}, the blocking share); "
+            f"window-complete {self.share(self.window_complete)} ({num(self.window_complete)}); runaways "
+            f"{num(self.runaways)}; filling the window {num(self.fills_window)}",
+            f"  completion tokens {figures}{at_cap}",
+            f"  decoded {num(self.decoded_tokens)} tokens, trained {num(self.trained_tokens)} ({ratio} decoded per "
+            f"trained token)",
+            f"  {self.export_line(export_command)}",
+        ]
+
+    def one_line(self) -> str:
+        """The answer of a config listed beside the latest one."""
+        return (
+            f"config {self.config_hash}: cap {num(self.cap)}, {num(self.rows)} turn rows; cut at the cap "
+            f"{self.share(self.cut_at_cap)}, inside the window {self.share(self.cut_inside_window)}"
+        )
+
+    def export_line(self, export_command: str | None = None) -> str:
+        """What the export holds, as its manifest counts it (else the command that writes it)."""
+        e = self.exported
+        if e is None:
+            return f"export: none yet ({export_command or 'dflash export --config ' + self.config_hash})"
+        return (
+            f"export: {num(e.samples)} samples ({e.form}), {num(e.window_complete_kept)} window-complete turn rows "
+            f"kept; left out: {num(e.no_trainable_tokens)} turn rows with no trainable token, "
+            f"{num(e.conversations_not_whole)} conversations not whole ({e.manifest})"
+        )
+
+    def lines(self, command: str = "dflash demo", export_command: str | None = None) -> list[str]:
+        """The answer, the recommendation and the next command: the closing lines of a run, the report's head."""
+        nxt = self.next_command(command)
+        return [*self.headline(export_command), f"  {self.recommendation}", *([f"next: {nxt}"] if nxt else [])]
+
+    def markdown(self) -> str:
+        """The answer for the UI's metadata (Markdown), the definitions one link away."""
+        return "\n".join(f"- {line.strip()}" for line in self.lines("dflash backfill")) + (
+            "\n\nDefinitions and units: docs/quality-gate.md (The figures)."
+        )
+
+    def description(self) -> str:
+        """The answer in one paragraph, for a PNG's Description."""
+        return " ".join(line.strip() for line in self.headline()[:3])
+
+
+def answer_lines(answer: CapAnswer, command: str) -> list[str]:
+    """The closing lines of `dflash demo` / `dflash backfill` (at most 8): the answer and the next command."""
+    return answer.lines(command)
+
+
+def _n(v: int | None) -> str:
+    return "-" if v is None else num(v)
+
+
+def recommended_cap(
+    plan: CapPlan, limit: float, cut_inside_window: int | None = None, ceiling: int | None = None
+) -> CapEstimate | None:
+    """The smallest candidate cap at or above the current one whose predicted share cut is within `limit`.
+
+    None when no row was cut (the cap is fine), when no row was cut inside the trainer's window (a larger cap
+    buys no trained token), or no candidate gets there (the largest is the best on offer). `ceiling`: the cap that
+    lets every prompt reach the trainer's window; a larger one only buys tokens past it, so none is recommended.
+    """
+    cut = plan.truncated if cut_inside_window is None else cut_inside_window
+    if not cut or cut / plan.rows <= limit:
+        return None
+    larger = [e for e in plan.estimates if e.cap > plan.cap and (ceiling is None or e.cap <= ceiling)]
+    within = [e for e in larger if e.truncation_rate.value <= limit]
+    return within[0] if within else (larger[-1] if larger else None)
+
+
+def answer_of(
+    row: dict,
+    quality: QualitySettings,
+    exports: Path,
+    plan: CapPlan | None = None,
+    plan_error: str | None = "not planned here: length_quality_summary plans each config over all its shards",
+    wp: WindowPlan | None = None,
+    scope: str = "",
+) -> CapAnswer:
+    """The answer of one config from its row of length_quality's `by_config` (its figures, by rules.FIGURES), its
+    export's manifest under `exports`, and its cap plan when there is one. `scope`: "" for every shard, else the
+    shard(s) the row counts."""
+    ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
+    return CapAnswer(
+        config_hash=row["config_hash"],
+        cap=row["config_cap"],
+        rows=row["rows"],
+        truncated=row["truncated_rows"],
+        truncation_rate=row["truncation_rate"],
+        p50=row["p50"],
+        p90=row["p90"],
+        p99=row["p99"],
+        max=row["max"],
+        plan=plan,
+        plan_error=plan_error if plan is None else None,
+        recommended=recommended_cap(plan, quality.truncation_rate_max, row["cut_inside_window_rows"], ceiling)
+        if plan
+        else None,
+        window_plan=wp,
+        max_length=quality.trainer.max_length,
+        cut_inside_window=row["cut_inside_window_rows"],
+        window_complete=row["window_complete_rows"],
+        window_complete_tokens=row["window_complete_tokens"],
+        decoded_tokens=row["decoded_tokens"],
+        trained_tokens=row["trained_tokens"],
+        cut_at_cap=row["cut_at_cap_rows"],
+        conversations=row["conversations"],
+        runaways=row["runaway_rows"],
+        fills_window=row["fills_window_rows"],
+        exported=Exported.read(exports / row["config_hash"] / "manifest.json"),
+        scope=scope,
+    )
+
+
+def training_dir(data_dir: str | Path) -> Path:
+    """Where the exports of a data dir are (a folder per config): beside its rows, or under DFLASH_LOCAL_DIR when
+    the data dir is an object store (defs/resources.py DataDirResource.local_dir)."""
+    return Path(Deployment.LOCAL_DIR.value() if is_uri(str(data_dir)) else data_dir) / "training"
+
+
+def cap_answers(
+    data_dir: str | Path,
+    quality: QualitySettings = QualitySettings(),
+    config_hash: str | None = None,
+    exports: Path | None = None,
+) -> list[CapAnswer]:
+    """One answer per config of the data dir (or the one asked for), each of its own rows, the latest (the most
+    recently written: rules.latest_first) first. What it says of an export is read from the manifest under
+    `exports` (default: training_dir) / <config> / manifest.json."""
+    exports = training_dir(data_dir) if exports is None else exports
+    report = length_quality(data_dir, max_length=quality.trainer.max_length, runaway=quality.runaway)
+    by_hash = {row["config_hash"]: row for row in report["by_config"]}
+    answers = []
+    for row in (by_hash[h] for h, _ in latest_order(data_dir) if h in by_hash):  # the export's default leads
+        if config_hash and row["config_hash"] != config_hash:
+            continue
+        plan, error, wp = None, None, None
+        try:
+            plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100, runaway=quality.runaway)
+        except PlanError as e:
+            error = str(e)
+        if plan is not None:
+            wp = window_plan(
+                data_dir,
+                row["config_hash"],
+                plan.cap,
+                quality.trainer,
+                plan.fit,
+                quality.runaway,
+                candidates=[e.cap for e in plan.estimates],
+            )
+        answers.append(answer_of(row, quality, exports, plan, error, wp))
+    return answers

@@ -1,0 +1,690 @@
+"""The drafter training set: only rows that pass the row-level gates, in the form the trainer reads.
+
+Output in `out_dir` (each file written to a temp name, fsynced, then renamed; the manifest last, so a
+manifest means a complete export):
+    training_set.jsonl     {"id", "status": "success", "conversations": [prompt messages..., {"role": "assistant",
+                           "content", "reasoning_content"?}]}, one line per row: the form SpecForge's
+                           validate_regenerated_data.py accepts (quality/training/trainer_format.py has its rules); with
+                           form="messages", {"id", "messages": [...]}: the OpenAI messages form; with
+                           form="pretokenized", {"id", "input_ids", "loss_mask"} from the stored token ids
+    training_set.parquet   the same rows with provenance columns, the conversation as list<struct>
+    manifest.json          row counts by config and source, excluded counts by reason, config hashes, sha256s
+    specforge_data.yaml    what the trainer must set to read the file as it was meant (trainer_settings.py):
+    speculators_flags.txt  SpecForge's `data:` block, speculators' flags (--seq-length)
+Rows come in (shard, prompt_id, config_hash) order and nothing time-dependent is written, so the same inputs
+give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported
+(pre-tokenized all_turns rows, one sample per turn: "<prompt_id>@<config_hash>#<turn>").
+
+The trainer's window decides what a cut row is (rules.py): the window a cap_policy window config's rows recorded,
+else TrainerSettings.max_length (a fixed cap records none); the manifest says which, and a window-policy config is
+never exported at another window than its own. A row whose prompt fills its window has no trainable token: it is
+excluded ("no_trainable_tokens"). Cut inside the window a row is excluded ("truncated"); cut at or past it, it is
+window-complete and exported, because the trainer reads it exactly as it reads the complete answer; a runaway stays
+out ("runaway") even past the window, since its loop can start inside it. Two forms of a window-complete row:
+- pretokenized: prompt ids then output ids, loss 0 on the prompt and 1 on generated tokens, cut at the window:
+  exactly the server's own tokens, nothing re-tokenized.
+- conversations / messages: a row cut inside its thinking has an empty content, which SpecForge's validator
+  refuses (conversation_validation.py: every content non-empty), and its first bad row aborts the whole file. Such
+  a row is written with content WINDOW_CUT_CONTENT, a placeholder that lies past the window (prompt + reasoning
+  already fill it, by the overshoot), so the trainer never reads it, while the validator accepts the file. The
+  manifest counts them (`window_cut_in_thinking`).
+"""
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dflash_assets.generation.prompts import last_turn_request
+from dflash_assets.quality.report.rejects import read_rejects
+from dflash_assets.quality.tables import (
+    COMPLETION_FLAGS,
+    one,
+    parquet_files,
+    parquet_source,
+    register_runaway,
+    runaway_sql,
+    window_flags_sql,
+)
+from dflash_assets.quality.training.selection import AFTER_END, NOT_WHOLE, Selection, Turn, ending
+from dflash_assets.quality.training.split import HELD_OUT, HELD_OUT_FILES, TRAIN, held_out, split_manifest
+from dflash_assets.quality.training.trainer_format import VALIDATOR, chosen_form, flags_text, has_think_marker
+from dflash_assets.quality.training.trainer_settings import TRAINER_SETTINGS_FILES, write_trainer_settings
+from dflash_assets.quality.training.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
+from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql, trainable_sql
+from dflash_assets.settings import RunawaySettings, TrainerSettings
+from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.storage import is_uri, open_storage
+
+# A row is excluded for the first reason that applies, in this order.
+EXCLUSION_REASONS = (
+    "no_trainable_tokens",  # the prompt fills the window (rules.fills_window): the trainer would read no answer
+    #                         (an all-zero loss mask); a later turn's ends its conversation before it (selection.py)
+    "too_few_loss_tokens",  # fewer than min_loss_tokens supervised tokens inside the window (rules.trainable): the
+    #                         trainer drops the sample (SpecForge: has_consecutive_supervised_tokens)
+    "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
+    "runaway",  # a loop: stopped while streaming (finish_reason 'runaway'), or cut past the window while looping
+    #             (generation/runaway.py): the loop may start inside the window
+    "not_stop",  # any other finish_reason than 'stop' or 'length' (abort, null)
+    "empty_content",  # a stopped row, or a cut one without reasoning either
+    "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content
+    # (trainer_format.py): the answer, or under last_turn an earlier answer the source's history carries
+    "context_overflow",  # rules.OVERFLOW_SQL: generated under a clamp
+    "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
+    "no_prompt",  # no prompt_shards row to take the messages from
+    "no_token_ids",  # pretokenized form only: the row was generated without store_token_ids
+    "recipe_validation",  # conversations / messages forms: SpecForge's validator with its recipe's flags would stop
+    #                       at the row (trainer_format.row_problem): e.g. under last_turn with thinking, the source's
+    #                       earlier answers, which have no reasoning_content
+    NOT_WHOLE,  # a turn that passed, of a conversation a later turn keeps out (cut inside the window, refused,
+    #             failed, ...: the manifest's conversations.left_out says which turn and why)
+    AFTER_END,  # a turn that passed, after its conversation ended for the trainer (selection.py)
+    "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
+)
+# What a reason means to the trainer, where the name alone does not say it (exclusion_lines).
+REASON_NOTES = {
+    "no_trainable_tokens": " (the prompt fills the trainer's window: the sample's loss mask would be all zero, and "
+    "its answer was decoded for nothing; --cap-policy window rejects such prompts before any request)",
+}
+ROW_GROUP = 8192
+NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
+# DuckDB's share of the export's memory: past it the graded rows and a shard's sort spill to SPILL_DIR in the
+# output directory (removed after), so the peak does not grow with the rows (benchmarks/bench_export.py)
+MEMORY_LIMIT, SPILL_DIR = "128MB", ".export_spill"
+
+
+MODE_NAMES = {True: "thinking", False: "no_thinking"}  # a row's enable_thinking, as the manifest names it
+
+GRADE = """
+CREATE TEMP TABLE graded AS
+WITH c AS (
+    SELECT file_index, file_row_number, shard, prompt_id, config_hash, turn, turns, source, max_output_tokens, config_cap,
+        prompt_tokens, completion_tokens, created_at, window_complete, judged_window, enable_thinking,
+        window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
+            WHEN {fills_window} THEN 'no_trainable_tokens'
+            WHEN NOT {trainable} THEN 'too_few_loss_tokens'
+            WHEN cut_inside_window THEN 'truncated'
+            WHEN finish_reason = 'length' AND runaway OR {stopped_early} THEN 'runaway'
+            WHEN finish_reason IS DISTINCT FROM 'stop' AND finish_reason IS DISTINCT FROM 'length' THEN 'not_stop'
+            WHEN content_empty AND NOT (window_complete AND NOT reasoning_empty) THEN 'empty_content'
+            WHEN think_marker OR turn IS NULL AND EXISTS (
+                SELECT 1 FROM history_markers h WHERE h.shard = c0.shard AND h.prompt_id = c0.prompt_id)
+                THEN 'think_marker'
+            WHEN {overflow} THEN 'context_overflow'
+            WHEN $drop_long AND prompt_tokens + completion_tokens > judged_window THEN 'over_max_length'
+            WHEN NOT EXISTS (SELECT 1 FROM prompts p WHERE p.shard = c0.shard AND p.prompt_id = c0.prompt_id)
+                THEN 'no_prompt'
+            WHEN $token_ids AND (prompt_token_ids IS NULL OR output_ids IS NULL) THEN 'no_token_ids'
+        END AS reason
+    FROM (SELECT *, {window} FROM (SELECT *, {flags}, {runaway} AS runaway,
+                                          coalesce(policy_cap, max_output_tokens) AS config_cap
+                                   FROM {completions} JOIN files USING (filename))) c0
+    WHERE $config IS NULL OR config_hash = $config
+)
+SELECT * EXCLUDE (reason), CASE
+    WHEN reason IS NULL AND row_number() OVER (
+        PARTITION BY prompt_id, config_hash, turn, reason IS NULL ORDER BY created_at, file_index, file_row_number) > 1
+    THEN 'duplicate' ELSE reason END AS reason
+FROM c
+"""
+
+# last_turn rows keep the source's earlier assistant answers (last_turn_request): the trainer reads those too
+HISTORY_MARKERS = """
+INSERT INTO history_markers SELECT shard, prompt_id FROM (
+    SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL)
+WHERE history_think_marker(messages_json)
+"""
+
+KEPT = """
+SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
+    g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
+    c.reasoning_content, g.window_cut_in_thinking, g.judged_window, {ids}, g.file_index, g.file_row_number, c.enable_thinking,
+    c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
+FROM graded g
+JOIN files f ON f.file_index = g.file_index
+JOIN {completions} c ON c.filename = f.filename AND c.file_row_number = g.file_row_number
+JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL) p
+    ON p.shard = g.shard AND p.prompt_id = g.prompt_id
+WHERE g.reason IS NULL AND g.shard = $shard
+ORDER BY g.prompt_id, g.config_hash, g.turn
+"""
+
+
+@dataclass(frozen=True)
+class TrainingExport:
+    jsonl_path: Path
+    parquet_path: Path
+    manifest_path: Path
+    manifest: dict[str, Any]
+    held_out_path: Path | None = None  # the held-out JSONL (split.py); None when nothing is held out
+
+
+def _history_think_marker(messages_json: str) -> bool:
+    """Whether an assistant message a last_turn row keeps from the source holds a think marker."""
+    return any(
+        m["role"] == "assistant" and has_think_marker(m["content"] or "")
+        for m in last_turn_request(json.loads(messages_json))
+    )
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    return [s for (s,) in con.execute(f"SELECT DISTINCT shard FROM {table} ORDER BY shard").fetchall()]
+
+
+def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> Iterator[Conversation]:
+    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config); a shard
+    at a time, so that what is held and sorted is one shard's rows, whatever the number of shards."""
+    key = lambda r: (r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
+    for shard in _shards(con, "graded"):
+        query = KEPT.format(
+            completions=parquet_source(con, storage, "completions", COMPLETION_SCHEMA, shard, row_position=True),
+            prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard),
+            ids=ids,
+        )
+        reader = con.sql(query, params={"shard": shard}).to_arrow_reader(ROW_GROUP)
+        rows = (row for batch in reader for row in batch.to_pylist())
+        yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
+
+
+def _write(
+    con: duckdb.DuckDBPyConnection,
+    storage: Any,
+    ids: str,
+    outputs: dict[str, tuple[Path, Path]],
+    form: str,
+    held: Callable[[str], bool],
+) -> tuple[Written, dict[str, tuple[int, int]]]:
+    """Stream the kept conversations through the form's writer into each side's two files (split.py: `outputs` by
+    side, the held-out side absent when nothing is held out; `held` decides by prompt id); Parquet row groups are
+    always ROW_GROUP rows, for stable bytes. Returns what was written and each side's (lines, conversations)."""
+    done = Written()
+    with contextlib.ExitStack() as stack:
+        sides = {
+            side: _Side(stack.enter_context(open(jsonl, "wb")), parquet, writer_for(form), stack)
+            for side, (jsonl, parquet) in outputs.items()
+        }
+        for conversation in _conversations(con, storage, ids):
+            side = sides[HELD_OUT if HELD_OUT in sides and held(conversation.rows[0]["prompt_id"]) else TRAIN]
+            lines = done.lines
+            side.write(conversation, done)
+            side.conversations += done.lines > lines
+        for side in sides.values():
+            side.flush()
+    return done, {name: (side.lines, side.conversations) for name, side in sides.items()} | (
+        {} if HELD_OUT in sides else {HELD_OUT: (0, 0)}
+    )
+
+
+class _Side:
+    """One side of the split: its JSONL and Parquet files, and its own writer (per_turn counts its file's lines)."""
+
+    def __init__(self, jsonl: Any, parquet: Path, writer: Writer, stack: contextlib.ExitStack) -> None:
+        self.jsonl, self.writer = jsonl, writer
+        self.parquet = stack.enter_context(pq.ParquetWriter(parquet, writer.schema))
+        self.pending: list[dict[str, Any]] = []
+        self.lines = self.conversations = 0
+
+    def write(self, conversation: Conversation, done: Written) -> None:
+        samples = self.writer.samples(conversation, done)
+        done.conversations += bool(samples)
+        for line, record in samples:
+            self.jsonl.write(self.writer.dumps(line))
+            self.pending.append(record)
+            done.lines += 1
+            self.lines += 1
+            if len(self.pending) == ROW_GROUP:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            table = pa.Table.from_pylist(self.pending, schema=self.writer.schema)
+            self.parquet.write_table(table, row_group_size=ROW_GROUP)
+            self.pending = []
+
+
+def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[int, int, str]]) -> None:
+    """Rows left out after grading (the validator would stop at them; their conversation is left out or ended
+    before them) take their reason in `graded`, so every count of the manifest has them."""
+    if rows:
+        con.execute(
+            "CREATE OR REPLACE TEMP TABLE reassigned (file_index INTEGER, file_row_number BIGINT, reason VARCHAR)"
+        )
+        con.executemany("INSERT INTO reassigned VALUES (?, ?, ?)", rows)
+        con.execute(
+            "UPDATE graded SET reason = r.reason FROM reassigned r "
+            "WHERE graded.file_index = r.file_index AND graded.file_row_number = r.file_row_number"
+        )
+
+
+TURNS = """
+SELECT shard, prompt_id, config_hash, turn, max(turns) OVER (PARTITION BY shard, prompt_id, config_hash) AS turns,
+    reason, window_complete, prompt_tokens, completion_tokens, judged_window, file_index, file_row_number
+FROM graded WHERE turn IS NOT NULL AND reason IS DISTINCT FROM 'duplicate'
+ORDER BY shard, prompt_id, config_hash, turn, reason IS NOT NULL, created_at, file_index, file_row_number
+"""
+
+
+def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) -> Selection:
+    """Where each all_turns conversation ends for the trainer (selection.py), from its graded rows, the rejects and
+    the failures of its turns; a conversation at a time."""
+    refused: dict[tuple[str, str, str], dict[int, tuple[str, int | None]]] = {}
+    rejects = parquet_source(con, storage, "rejects", REJECT_SCHEMA)
+    for shard, pid, h, turn, reason, prompt_tokens in con.execute(
+        f"SELECT shard, prompt_id, config_hash, turn, reason, prompt_tokens FROM {rejects} WHERE turn IS NOT NULL"
+    ).fetchall():
+        refused.setdefault((shard, pid, h), {})[turn] = (reason, prompt_tokens)
+    failed: dict[tuple[str, str, str], set[int]] = {}
+    failures = parquet_source(con, storage, "failures", FAILURE_SCHEMA)
+    for shard, pid, h, turn in con.execute(
+        f"SELECT shard, prompt_id, config_hash, turn FROM {failures} WHERE turn IS NOT NULL"
+    ).fetchall():
+        failed.setdefault((shard, pid, h), set()).add(turn)
+    selection = Selection()
+    rows = (row for batch in con.sql(TURNS).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
+    for key, group in itertools.groupby(rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"])):
+        turns: dict[int, Turn] = {}
+        total = 0
+        for r in group:
+            total = r["turns"] or 0
+            turns.setdefault(  # the kept copy first
+                r["turn"],
+                Turn(
+                    r["turn"],
+                    r["reason"],
+                    bool(r["window_complete"]),
+                    r["prompt_tokens"] or 0,
+                    r["completion_tokens"] or 0,
+                    int(r["judged_window"]),
+                    (r["file_index"], r["file_row_number"]),
+                ),
+            )
+        end = ending(total, turns, refused.get(key, {}), failed.get(key, set()), min_loss_tokens)
+        selection.add(end, turns)
+    return selection
+
+
+def _recipe(done: Written, writer: Writer) -> dict[str, Any]:
+    """The manifest's word on SpecForge's recipe: the validator and flags the text forms were judged by."""
+    if not writer.form.rendered:
+        return {"validator": None, "note": "pre-tokenized samples are read as is: no validator runs on them"}
+    flags = sorted({flags_text(t) for t in done.thinking}) or [flags_text(True)]
+    return {
+        "validator": VALIDATOR,
+        "flags": flags[0] if len(flags) == 1 else flags,  # two: configs with and without thinking, one file
+        "left_out": dict(sorted(done.refused.items())),
+    }
+
+
+def _source_answers(done: Written, writer: Writer) -> dict[str, Any]:
+    """regenerate last_turn rows whose history keeps the source's own earlier answers: text the target never wrote."""
+    written, left_out = done.source_answers["written"], done.source_answers["left_out"]
+    if not writer.form.rendered:
+        note = "their history is in the prompt ids, with loss 0: the trainer learns only the regenerated answer"
+    elif written:
+        note = (
+            "SpecForge puts loss on every assistant turn (data.train_only_last_turn: false): set "
+            "data.train_only_last_turn: true, or it learns the source's answers; regenerate: auto regenerates them"
+        )
+    else:
+        note = "no such row was written" + (
+            " (the source's answers have no reasoning_content: the recipe's --expect-reasoning refuses them; "
+            "regenerate: auto regenerates every turn)"
+            if left_out
+            else ""
+        )
+    return {
+        "rows": written + left_out,
+        "written": written,
+        "left_out": left_out,
+        "train_only_last_turn": bool(written) and writer.form.rendered,
+        "note": note,
+    }
+
+
+def export_training_set(
+    data_dir: str | Path,
+    out_dir: str | Path,
+    config_hash: str | None = None,
+    max_length: int | None = TrainerSettings().max_length,
+    form: str = TrainerSettings().format,
+    drop_over_max_length: bool = False,
+    runaway: RunawaySettings = RunawaySettings(),
+    chat_template: str = TrainerSettings().chat_template,
+    chosen_by: str = "explicit",
+    min_loss_tokens: int = TrainerSettings().min_loss_tokens,
+    held_out_share: float = 0.0,
+    held_out_seed: int = TrainerSettings().held_out_seed,
+) -> TrainingExport:
+    """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
+
+    `chosen_by` says in the manifest how the config was chosen: "run" (the config the run generated), "latest" (the
+    most recently written, rules.latest_first) or "explicit" (named).
+
+    `form` is "conversations" (SpecForge's {id, status, conversations}), "messages" (OpenAI's {id, messages}) or
+    "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at max_length).
+
+    `max_length` is the trainer's window in force (None: no limit), by which fixed-cap rows are judged; a
+    window-policy config's rows are judged and cut at the window they recorded, and the manifest says so
+    (`window`). Rows whose prompt fills the window are excluded (no_trainable_tokens), rows cut at or past it are
+    window-complete and kept, rows cut inside it are excluded (module doc). Rows that stopped and are longer than it
+    are kept by default: they are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic
+    work needs most, and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
+    The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
+    sources it takes most from, so that what is left out is a visible decision.
+    A share of the prompts (`held_out_share`, by a seeded hash of the prompt id: split.py) goes whole to the
+    held-out file beside the train file, in the same form; the manifest's `split` names both with their counts
+    (`rows` counts both), and 0 (here by default) writes no held-out file; the pipeline (drafter_training_set,
+    `dflash export`) passes TrainerSettings.held_out_share.
+    `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
+    """
+    if is_uri(os.fspath(out_dir)):
+        raise ValueError(
+            f"out_dir {out_dir!s} must be a local directory (the training set is written, fsynced and "
+            f"renamed there; copy it to an object store afterwards if the trainer reads from one)"
+        )
+    storage = open_storage(data_dir)  # one filesystem for both tables
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = ("training_set.jsonl", "training_set.parquet", *(HELD_OUT_FILES if held_out_share > 0 else ()))
+    paths = {name: out / name for name in (*names, "manifest.json")}
+    for name in (
+        *TRAINER_SETTINGS_FILES,
+        *HELD_OUT_FILES,
+    ):  # a later export of another form or window must not leave stale ones
+        (out / name).unlink(missing_ok=True)
+    tmps = {name: out / f".{name}.tmp" for name in paths}
+    writer_for(chosen_form(form, False, chat_template)[0])  # refuses an unknown form before anything is written
+    params = {
+        "config": config_hash,
+        "min_loss_tokens": min_loss_tokens,
+        "drop_long": drop_over_max_length and max_length is not None,
+    }
+    try:
+        with duckdb.connect(":memory:") as con:
+            con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
+            con.execute("SET temp_directory = $dir", {"dir": str(out / SPILL_DIR)})
+            prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
+            con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
+            con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
+            con.execute("CREATE TEMP TABLE history_markers (shard VARCHAR, prompt_id VARCHAR)")
+            for shard in _shards(con, "prompts"):  # a shard's messages at a time
+                con.execute(
+                    HISTORY_MARKERS.format(prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard))
+                )
+            # a row's file and position identify it between grading and writing, and order duplicates: the file by
+            # its index in `files` (sorted, so in file name order), not its name, which `graded` would hold per row
+            completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
+            con.execute("CREATE TEMP TABLE files (file_index INTEGER, filename VARCHAR)")
+            if files := list(enumerate(parquet_files(storage, "completions"))):
+                con.executemany("INSERT INTO files VALUES (?, ?)", files)
+            all_turns = con.execute(
+                f"SELECT coalesce(bool_or(turn IS NOT NULL), false) FROM {completions} "
+                "WHERE $config IS NULL OR config_hash = $config",
+                {"config": config_hash},
+            ).fetchall()[0][0]
+            form, form_chosen = chosen_form(form, all_turns, chat_template)
+            writer = writer_for(form)
+            params["token_ids"] = not writer.form.rendered
+            register_runaway(con, runaway)
+            con.execute(
+                GRADE.format(
+                    flags=COMPLETION_FLAGS,
+                    completions=completions,
+                    overflow=OVERFLOW_SQL,
+                    stopped_early=STOPPED_EARLY_SQL,
+                    runaway=runaway_sql(runaway),
+                    window=window_flags_sql(NO_LIMIT if max_length is None else max_length),
+                    fills_window=fills_window_sql("judged_window"),
+                    trainable=trainable_sql("judged_window", "$min_loss_tokens"),
+                ),
+                params,
+            )
+            selection = _select(con, storage, min_loss_tokens)
+            _reassign(con, selection.reassigned)
+            ids = "c.prompt_token_ids, c.output_ids" if params["token_ids"] else "NULL AS prompt_token_ids"
+            outputs = {TRAIN: (tmps["training_set.jsonl"], tmps["training_set.parquet"])}
+            if held_out_share > 0:
+                outputs[HELD_OUT] = (tmps[HELD_OUT_FILES[0]], tmps[HELD_OUT_FILES[1]])
+            held = lambda prompt_id: held_out(prompt_id, held_out_share, held_out_seed)  # noqa: E731
+            done, sides = _write(con, storage, ids, outputs, form, held)
+            _reassign(con, [(*position, "recipe_validation") for position in done.refused_rows])
+            window = _window(con, max_length)
+            manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
+                "form": form,
+                "form_chosen": form_chosen,
+                "rows": done.lines,
+                "chosen_by": chosen_by,
+                "conversations_not_whole": selection.not_whole,
+                "conversations": {"exported": done.conversations} | selection.manifest(),
+                "min_loss_tokens": min_loss_tokens,
+                "window": window,
+                "recipe": _recipe(done, writer),
+                "source_answers": _source_answers(done, writer),
+                "split": split_manifest(
+                    held_out_share, held_out_seed, sides, "training_set.jsonl", "training_set.parquet"
+                ),
+            }
+            manifest["drop_over_max_length"] = params["drop_long"]
+            manifest["over_max_length_kept"] = one(
+                con,
+                "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > "
+                f"judged_window AND judged_window < {NO_LIMIT}",
+            )[0]
+            manifest["exclusions"] = _exclusions(con)
+            # the prompts that never became rows: the source's lines, the preflight's and the servers' refusals
+            rejects = read_rejects(data_dir, config_hash=config_hash)
+            manifest["rejected"] = rejects.total
+            manifest["rejected_by_stage_and_reason"] = rejects.by_stage_and_reason()
+            manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = one(
+                con,
+                "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "
+                "FROM graded WHERE reason IS NULL",
+            )
+            manifest["trainer"] = {
+                "max_length": window["max_length"],
+                "format": form,
+                "how_to_change": "trainer.max_length and trainer.format of the quality resource (Dagster), or "
+                "dflash demo/backfill --trainer-max-length, --trainer-format; the form also by the "
+                "drafter_training_set "
+                "config's form",
+                "window_cut_content": WINDOW_CUT_CONTENT if writer.form.rendered else None,
+            }
+        for name in names:
+            _commit(tmps[name], paths[name])
+            manifest["files"][name] = {"sha256": _sha256(paths[name])}
+        manifest["trainer_settings"] = write_trainer_settings(
+            out,
+            paths["training_set.jsonl"],
+            form,
+            window["max_length"],
+            chat_template,
+            done.source_answers["written"],
+            manifest["split"],
+        )
+        tmps["manifest.json"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _commit(tmps["manifest.json"], paths["manifest.json"])
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+        shutil.rmtree(out / SPILL_DIR, ignore_errors=True)
+    return TrainingExport(
+        paths["training_set.jsonl"],
+        paths["training_set.parquet"],
+        paths["manifest.json"],
+        manifest,
+        paths.get(HELD_OUT_FILES[0]),
+    )
+
+
+def _window(con: duckdb.DuckDBPyConnection, max_length: int | None) -> dict[str, Any]:
+    """The window the export judged and cut by, and why: the trainer's in force (`max_length`) for fixed-cap
+    configs, the recorded one for a window-policy config (said, when it is not the setting's: never mixed
+    silently). Several configs of several windows (config_hash 'all'): each by its own, listed by config."""
+    by_config = {
+        h: (None if w >= NO_LIMIT else int(w))
+        for h, w in con.execute("SELECT DISTINCT config_hash, judged_window FROM graded ORDER BY ALL").fetchall()
+    }
+    windows = set(by_config.values())
+    window = windows.pop() if len(windows) == 1 else max_length
+    other = {h: w for h, w in by_config.items() if w != max_length}
+    note = None
+    if other:
+        said = ", ".join(f"config {h} at {w:,}" for h, w in other.items())
+        setting = f"{max_length:,}" if max_length is not None else "none"
+        note = (
+            f"exported at the window its requests were sized to (cap_policy window): {said}; the trainer setting in "
+            f"force says {setting}. Set the trainer's max_length to {window:,} to read it as it was made"
+            if window is not None and len(set(other.values())) == 1 and len(other) == len(by_config)
+            else f"configs of several windows, each exported at its own: {said}; the trainer setting says {setting}"
+        )
+    return {"max_length": window, "trainer_setting": max_length, "by_config": by_config, "note": note}
+
+
+def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, Any]]:
+    """Each reason that removed rows: rows and completion tokens removed (and their shares of all graded rows),
+    and the sources it removed the most rows from, with the share of that source's rows it took."""
+    total_rows, total_tokens = one(con, "SELECT count(*), coalesce(sum(completion_tokens), 0) FROM graded")
+    out = []
+    for reason, rows, tokens in con.execute(
+        "SELECT reason, count(*), coalesce(sum(completion_tokens), 0) FROM graded WHERE reason IS NOT NULL "
+        "GROUP BY ALL ORDER BY 2 DESC, 1"
+    ).fetchall():
+        sources = con.execute(
+            "SELECT coalesce(source, '?') AS source, count(*) FILTER (WHERE reason = $r) AS n, count(*) AS of "
+            "FROM graded GROUP BY ALL HAVING n > 0 ORDER BY n DESC, source LIMIT $top",
+            {"r": reason, "top": top},
+        ).fetchall()
+        out.append(
+            {
+                "reason": reason,
+                "rows": rows,
+                "share_of_rows": round(rows / total_rows, 4),
+                "completion_tokens": int(tokens),
+                "share_of_tokens": round(tokens / total_tokens, 4) if total_tokens else 0.0,
+                "sources": [{"source": s, "rows": n, "share_of_source": round(n / of, 4)} for s, n, of in sources],
+            }
+        )
+    return out
+
+
+def exclusion_lines(manifest: dict[str, Any]) -> list[str]:
+    """The exclusions for people: one line per reason, then the long rows that were kept."""
+    return left_out_lines(manifest) + kept_lines(manifest)
+
+
+def left_out_lines(manifest: dict[str, Any]) -> list[str]:
+    """One line per reason rows were left out: rows, shares of rows and tokens, the sources it took most from."""
+    from dflash_assets.quality.outcome import num, pct
+
+    lines = [f"window: {note}" for note in [manifest.get("window", {}).get("note")] if note]
+    for e in manifest.get("exclusions", []):
+        worst = ", ".join(
+            f"{s['source']} {num(s['rows'])} ({pct(s['share_of_source'])} of its rows)" for s in e["sources"]
+        )
+        lines.append(
+            f"{e['reason']}: {num(e['rows'])} rows ({pct(e['share_of_rows'])}), "
+            f"{pct(e['share_of_tokens'])} of completion tokens; most from {worst}"
+            + (f"{REASON_NOTES[e['reason']]}" if e["reason"] in REASON_NOTES else "")
+        )
+    if manifest.get("conversations_not_whole"):
+        turns = "; ".join(
+            f"turn {e['turn']} {e['why']}: {num(e['conversations'])}" for e in manifest["conversations"]["left_out"]
+        )
+        lines.append(
+            f"conversations_not_whole: {num(manifest['conversations_not_whole'])} conversations (regenerate all_turns) "
+            f"left out by a later turn that did not pass (cut inside the window, refused, failed): {turns}"
+        )
+    recipe = manifest.get("recipe") or {}
+    if recipe.get("left_out"):
+        words = "; ".join(f"{n} {problem!r}" for problem, n in recipe["left_out"].items())
+        lines.append(f"recipe_validation: SpecForge's validator with {recipe['flags']} would stop at: {words}")
+    return lines
+
+
+def kept_lines(manifest: dict[str, Any]) -> list[str]:
+    """The rows kept that a person should know about: rows with the source's own answers in their history,
+    window-complete rows, rows longer than the window."""
+    from dflash_assets.quality.outcome import num
+
+    lines = []
+    answers = manifest.get("source_answers") or {}
+    if answers.get("rows"):
+        lines.append(
+            f"{num(answers['rows'])} rows keep the source's own earlier answers in their history (regenerate "
+            f"last_turn), {num(answers['written'])} written: {answers['note']}"
+        )
+    ended = (manifest.get("conversations") or {}).get("window_complete")
+    if ended:
+        lines.append(
+            f"kept {num(sum(ended.values()))} window-complete conversations up to the turn the trainer reads last "
+            f"(cut at or past the window, or the next turn's history fills it): "
+            + ", ".join(f"{num(n)} {k}" for k, n in ended.items())
+        )
+    if manifest.get("window_complete_kept"):
+        lines.append(
+            f"kept {num(manifest['window_complete_kept'])} window-complete rows (cut at or past the trainer's "
+            f"window max_length {num(manifest['max_length'])}: it reads them as complete answers)"
+        )
+    if manifest.get("over_max_length_kept"):
+        lines.append(
+            f"kept {num(manifest['over_max_length_kept'])} rows longer than max_length "
+            f"{num(manifest['max_length'])} (the trainer cuts them; drop_over_max_length excludes them)"
+        )
+    return lines
+
+
+def _manifest(con: duckdb.DuckDBPyConnection, config_hash: str | None, max_length: int | None, rows: int) -> dict:
+    def counts(group: str, where: str) -> list[tuple]:
+        return con.execute(f"SELECT {group}, count(*) FROM graded WHERE {where} GROUP BY ALL ORDER BY ALL").fetchall()
+
+    kept = counts("config_hash, config_cap", "reason IS NULL")  # the config's cap (window rows ask their own)
+    if sum(n for *_, n in kept) != rows:  # every kept row has a prompt (no_prompt), so this cannot drift silently
+        raise RuntimeError(f"export wrote {rows} rows but graded {sum(n for *_, n in kept)} as kept")
+    excluded = dict.fromkeys(EXCLUSION_REASONS, 0) | dict(counts("reason", "reason IS NOT NULL"))
+    by_config: dict[str, dict[str, int]] = {}
+    for h, reason, n in counts("config_hash, reason", "reason IS NOT NULL"):
+        by_config.setdefault(str(h), dict.fromkeys(EXCLUSION_REASONS, 0))[reason] = n
+    by_config_rows: dict[str, dict[str, Any]] = {}
+    for h, cap, n in kept:  # one cap per hash unless the hash misses it (config_consistency reports that)
+        entry = by_config_rows.setdefault(str(h), {"max_output_tokens": [], "rows": 0})
+        entry["max_output_tokens"].append(cap)
+        entry["rows"] += n
+    return {
+        "config_hash": config_hash,
+        "config_hashes": sorted({str(h) for h, _, _ in kept}),
+        "max_length": max_length,
+        "id_format": "<prompt_id>@<config_hash>",
+        "input_rows": one(con, "SELECT count(*) FROM graded")[0],
+        "rows": rows,
+        "rows_by_config": by_config_rows,
+        "rows_by_source": {str(s): n for s, n in counts("source", "reason IS NULL")},
+        # the rows kept in each mode (a seeded mix of modes: GenerationSettings.thinking_share)
+        "rows_by_mode": {MODE_NAMES[bool(t)]: n for t, n in counts("enable_thinking", "reason IS NULL")},
+        "excluded": excluded,
+        "excluded_by_config": by_config,
+        "files": {},
+    }

@@ -1,0 +1,201 @@
+"""The drafter trainers' data format, as facts in our own code: what a training row must look like.
+
+SpecForge's `scripts/validate_regenerated_data.py` (`validate_row`, with `validate_conversation` and
+`has_think_marker` of `scripts/conversation_validation.py`; read at sgl-project/SpecForge
+a6b6b0230009d15ec2a97a57384e6f53f0f96946, 8 August 2026), rule for rule and in its order, with its own words. Its
+recipe (`examples/data_regeneration/run_qwen_sharegpt_regeneration.sh`) runs it with `--expect-reasoning
+--strict-think-markers` for a thinking model (qwen3.6-27b) and `--expect-non-reasoning --strict-think-markers`
+without thinking (qwen3-8b): `recipe_flags`. A JSONL line is accepted when:
+- it is a JSON object; `id` is a non-empty string and `status` is "success";
+- `conversations` is a non-empty list of objects, each with a non-empty string `content`; system turns may come
+  before the first user turn; then user and assistant alternate from the user (any other role is refused);
+- every assistant turn's `reasoning_content` is a string or null; with --expect-non-reasoning an empty one, with
+  --expect-reasoning a non-empty one;
+- with --strict-think-markers no assistant `content` nor `reasoning_content` holds `<think>` or `</think>`
+  (case-insensitive);
+- there is an assistant turn, and the last message is the assistant's.
+The first line that fails aborts the whole file, so the export leaves such a row out and names why (export.py).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, cast
+
+from dflash_assets.settings import TRAINER_FORMATS
+
+STATUS = "success"
+# what the export names as the validator it keeps equal (its manifest says it, beside the flags)
+VALIDATOR = "SpecForge scripts/validate_regenerated_data.py (sgl-project/SpecForge a6b6b02)"
+THINK_MARKERS = ("<think>", "</think>")
+
+# the export's forms: SpecForge's conversations, one row per assistant turn, the OpenAI messages form, and
+# {id, input_ids, loss_mask}; "auto" picks per_turn or conversations (chosen_form)
+AUTO = "auto"
+FORMS = tuple(f for f in TRAINER_FORMATS if f != AUTO)
+# SpecForge's chat templates (a6b6b02 specforge/data/template.py) with parser_type "thinking" render a conversation
+# with the model's own template: Qwen3's keeps reasoning only after the last user turn, and SpecForge puts loss on
+# each assistant span, so a whole conversation trains its earlier answers without their reasoning (qwen3-thinking)
+# or, under qwen3.5 (whose assistant header ends "<think>\n"), its last turn only
+# (test_expanded_event_qwen35_masks_only_current_generation).
+DROPS_EARLIER_REASONING = frozenset(
+    {"qwen3.5", "qwen3-thinking", "qwen3-next-thinking", "kimi-k2-thinking", "kimi-k3-thinking", "deepseek-v32"}
+)
+
+
+@dataclass(frozen=True)
+class Form:
+    """What a trainer must know of an export form (quality/training/writers.py has one writer per form)."""
+
+    name: str
+    rendered: bool  # the trainer renders it with its chat template (a text form); else its token ids are read as is
+    column: str  # the Parquet column of what the trainer reads (text forms: the messages)
+    specforge_key: str  # SpecForge's DataConfig key naming the file
+    speculators_note: str = ""  # what speculators' prepare_data.py needs besides its flags
+    specforge_note: str = ""  # a word to the SpecForge user, written into specforge_data.yaml
+    train_only_last_turn: bool = False  # each row's last assistant turn is its sample (SpecForge's flag)
+
+
+FORM = {
+    f.name: f
+    for f in (
+        Form(
+            "conversations",
+            rendered=True,
+            column="conversations",
+            specforge_key="train_data_path",
+            speculators_note=" (a conversations file also needs --render-endpoint)",
+        ),
+        Form(
+            "per_turn",
+            rendered=True,
+            column="conversations",
+            specforge_key="train_data_path",
+            speculators_note=" (a conversations file also needs --render-endpoint)",
+            train_only_last_turn=True,
+        ),
+        Form(
+            "messages",
+            rendered=True,
+            column="messages",
+            specforge_key="train_data_path",
+            speculators_note=" (a conversations file also needs --render-endpoint)",
+            specforge_note="SpecForge reads the conversations form: export with form conversations for it.",
+        ),
+        Form("pretokenized", rendered=False, column="input_ids", specforge_key="prompts_path"),
+    )
+}
+assert tuple(FORM) == FORMS, "every trainer format has its form"
+
+
+def chosen_form(form: str, all_turns: bool, chat_template: str) -> tuple[str, str]:
+    """(the form exported, why): `auto` is per_turn for regenerated multi-turn conversations (all_turns) under a
+    template that drops earlier reasoning, so that every decoded turn is trained, else conversations."""
+    if form != AUTO:
+        return form, "as set"
+    if all_turns and chat_template in DROPS_EARLIER_REASONING:
+        return "per_turn", (
+            f"auto: regenerate all_turns under chat_template {chat_template}, which drops earlier turns' reasoning: "
+            "a row per assistant turn (train_only_last_turn), so every decoded turn is trained"
+        )
+    return "conversations", "auto: " + (
+        f"chat_template {chat_template} keeps every turn's reasoning" if all_turns else "one generated turn per row"
+    )
+
+
+def has_think_marker(text: str) -> bool:
+    lowered = text.lower()
+    return any(marker in lowered for marker in THINK_MARKERS)
+
+
+def think_marker_sql(*columns: str) -> str:
+    """has_think_marker over text columns as one DuckDB boolean (a null column holds no marker): the flag the
+    think_marker check and the export's exclusion read, so they refuse exactly what --strict-think-markers does.
+    A case-insensitive RE2 search, not lower() + contains(): 7x faster on long reasoning, and DuckDB's lower()
+    maps U+0130 to "i" where Python's gives "i" + a combining dot (tests/quality/training/test_trainer_format.py compares them).
+    Only the letters are case-insensitive, so each marker starts with a literal "<" that RE2 can skip to: twice
+    as fast as a pattern that is case-insensitive throughout."""
+    pattern = "|".join(re.sub("[A-Za-z]+", lambda w: f"(?i:{w[0]})", re.escape(m)) for m in THINK_MARKERS)
+    return " OR ".join(f"coalesce(regexp_matches({c}, '{pattern}'), false)" for c in columns)
+
+
+def recipe_flags(enable_thinking: bool) -> dict[str, bool]:
+    """The validator flags of SpecForge's own recipe for a config, as row_problem's keywords."""
+    return {
+        "expect_reasoning": enable_thinking,
+        "expect_non_reasoning": not enable_thinking,
+        "strict_think_markers": True,
+    }
+
+
+def flags_text(enable_thinking: bool) -> str:
+    """The same flags as they are typed: `--expect-reasoning --strict-think-markers`."""
+    return " ".join("--" + k.replace("_", "-") for k, on in recipe_flags(enable_thinking).items() if on)
+
+
+def conversation_problem(messages: Any) -> str | None:
+    """Why `messages` is not a conversation the validator takes (validate_conversation), or None."""
+    if not isinstance(messages, list) or not messages:
+        return "conversations must be a non-empty list"
+    expected, saw_user = "user", False
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"message {i} must be an object"
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(content, str) or not content.strip():
+            return f"message {i} content must be a non-empty string"
+        if role == "system" and not saw_user:
+            continue
+        if role not in ("user", "assistant"):
+            return f"message {i} has unsupported role {role!r}"
+        if role != expected:
+            return f"message {i} expected role {expected!r}, got {role!r}"
+        saw_user, expected = True, "assistant" if role == "user" else "user"
+    if not saw_user:
+        return "conversation has no user message"
+    return None
+
+
+def row_problem(
+    row: Any,
+    *,
+    expect_reasoning: bool = True,
+    expect_non_reasoning: bool = False,
+    strict_think_markers: bool = True,
+) -> str | None:
+    """Why one JSONL row (conversations form) would stop SpecForge's validator (validate_row), or None. The
+    defaults are the qwen3.6-27b recipe's flags; recipe_flags(enable_thinking) gives either recipe's."""
+    if expect_reasoning and expect_non_reasoning:
+        raise ValueError("expect_non_reasoning and expect_reasoning are mutually exclusive")
+    if not isinstance(row, dict):
+        return "expected a JSON object"
+    if not isinstance(row.get("id"), str) or not row["id"].strip():
+        return "id must be a non-empty string"
+    if row.get("status") != STATUS:
+        return f"status must be {STATUS!r}"
+    messages = row.get("conversations")
+    if problem := conversation_problem(messages):
+        return problem
+    assistants = 0
+    messages = cast(list, messages)  # a list here: conversation_problem refused anything else
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        assistants += 1
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            return f"assistant message {i} reasoning_content must be a string or null"
+        if expect_non_reasoning and reasoning and reasoning.strip():
+            return f"assistant message {i} has non-empty reasoning_content"
+        if expect_reasoning and (not isinstance(reasoning, str) or not reasoning.strip()):
+            return f"assistant message {i} has empty reasoning_content"
+        if strict_think_markers and has_think_marker(m["content"]):
+            return f"assistant message {i} contains a thinking marker"
+        if strict_think_markers and isinstance(reasoning, str) and has_think_marker(reasoning):
+            return f"assistant message {i} reasoning_content contains a thinking marker"
+    if not assistants:
+        return "conversation has no assistant message"
+    if messages[-1].get("role") != "assistant":
+        return "conversation must end with an assistant message"
+    return None

@@ -1,0 +1,263 @@
+"""Each export form is one writer: what one exported conversation becomes in the JSONL file and the Parquet copy.
+
+A conversation is the unit: the kept rows of one (prompt, config), one row under regenerate last_turn, its turns in
+order under all_turns. `writer_for` is the one place that picks a writer by its form's name; everything else reads
+the writer's facts (trainer_format.Form) and calls its `samples`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import pyarrow as pa
+
+from dflash_assets.generation.prompts import carries_history, last_turn_request
+from dflash_assets.generation.turns import split_turns
+from dflash_assets.quality.training.trainer_format import FORM, STATUS, Form, recipe_flags, row_problem
+
+# The content of a window-complete row cut inside its thinking (text forms): past the window, never read by the
+# trainer, and non-empty so that SpecForge's validator accepts the file.
+WINDOW_CUT_CONTENT = "[cut past the trainer's window]"
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+PROVENANCE = [
+    ("id", pa.string()),
+    ("status", pa.string()),
+    ("prompt_id", pa.string()),
+    ("shard", pa.string()),
+    ("source", pa.string()),
+    ("config_hash", pa.string()),
+    ("max_output_tokens", pa.int32()),
+    ("prompt_tokens", pa.int32()),
+    ("completion_tokens", pa.int32()),
+]
+
+Row = dict[str, Any]
+Sample = tuple[dict[str, Any], Row]  # (the JSONL line, the Parquet row)
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """The kept rows of one exported conversation: one row (last_turn), or its turns in order (all_turns)."""
+
+    rows: tuple[Row, ...]
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return [{"role": m["role"], "content": m["content"]} for m in json.loads(self.rows[0]["messages_json"])]
+
+    @property
+    def carries_history(self) -> bool:
+        """A last_turn row whose history keeps the source's own earlier answers."""
+        return self.rows[0]["turn"] is None and carries_history(json.loads(self.rows[0]["messages_json"]))
+
+
+@dataclass
+class Written:
+    """What the writer wrote, and what it left out on its way (the manifest's figures)."""
+
+    lines: int = 0  # JSONL lines written
+    conversations: int = 0  # conversations they hold
+    consumed: int = 0  # kept rows they hold
+    refused: dict[str, int] = field(default_factory=dict)  # validator's words -> rows left out (recipe_validation)
+    refused_rows: list[tuple[int, int]] = field(default_factory=list)  # (file_index, file_row_number) of those rows
+    thinking: set[bool] = field(default_factory=set)  # enable_thinking of the rows judged: the recipe's flags
+    source_answers: dict[str, int] = field(default_factory=lambda: {"written": 0, "left_out": 0})
+
+
+def answer(row: Row) -> dict[str, str]:
+    message = {"role": "assistant", "content": WINDOW_CUT_CONTENT if row["window_cut_in_thinking"] else row["content"]}
+    if not row["reasoning_empty"]:
+        message["reasoning_content"] = row["reasoning_content"]
+    return message
+
+
+def exported_messages(conversation: Conversation) -> list[dict[str, str]]:
+    """The messages of one exported id: the prompt and its regenerated answer (last_turn), or under all_turns
+    each user turn followed by its regenerated answer, up to the turn where it ends for the trainer (selection.py)."""
+    rows, messages = conversation.rows, conversation.messages
+    if rows[0]["turn"] is None:
+        return [*last_turn_request(messages), answer(rows[0])]
+    if [r["turn"] for r in rows] != list(range(1, len(rows) + 1)):  # selection.py exports turns 1..k
+        raise RuntimeError(f"conversation {rows[0]['id']} exported with turns {[r['turn'] for r in rows]}")
+    system, users = split_turns(messages)
+    return system + [m for user, row in zip(users, rows) for m in (user, answer(row))]
+
+
+def pretokenized(row: Row, max_length: int | None) -> dict[str, Any]:
+    """{id, input_ids, loss_mask}: the prompt's ids (loss 0) then the generated ids (loss 1), cut at the window.
+    What SpecForge's online trainer (prompt_builder.py) and speculators' pre-tokenized path read as is."""
+    prompt, output = row["prompt_token_ids"], row["output_ids"]
+    end = len(prompt) + len(output) if max_length is None else max_length
+    sample_id = row["id"] if row["turn"] is None else f"{row['id']}#{row['turn']}"
+    return {
+        "id": sample_id,
+        "input_ids": (prompt + output)[:end],
+        "loss_mask": ([0] * len(prompt) + [1] * len(output))[:end],
+    }
+
+
+class Writer:
+    """One export form: its Parquet schema and what a conversation becomes."""
+
+    form: ClassVar[Form]
+    schema: ClassVar[pa.Schema]
+
+    def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
+        raise NotImplementedError
+
+    @staticmethod
+    def dumps(line: dict[str, Any]) -> bytes:
+        return json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n"
+
+    def record(self, row: Row, **columns: Any) -> Row:
+        return {k: row.get(k) for k in self.schema.names} | {"status": STATUS} | columns
+
+
+class PretokenizedWriter(Writer):
+    """A sample per row (per turn under all_turns): its own ids, cut at its row's window (judged_window)."""
+
+    form = FORM["pretokenized"]
+    schema = pa.schema(
+        [
+            *PROVENANCE,
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("turn", pa.int16()),
+        ]
+    )
+
+    @staticmethod
+    def dumps(line: dict[str, Any]) -> bytes:
+        return json.dumps(line, separators=(",", ":")).encode("utf-8") + b"\n"
+
+    def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
+        done.consumed += len(conversation.rows)
+        done.source_answers["written"] += conversation.carries_history  # in the prompt's ids: loss 0
+        out = []
+        for row in conversation.rows:
+            sample = pretokenized(row, row["judged_window"])
+            out.append((sample, self.record(row, **sample)))
+        return out
+
+
+class TextWriter(Writer):
+    """The text forms: the whole conversation, first judged by SpecForge's validator with its recipe's flags for
+    the row's config (trainer_format.recipe_flags): a conversation it would stop at is left out, never written."""
+
+    def line(self, sample_id: str, judged: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
+        rows = conversation.rows
+        judged = self.judged(conversation, done)
+        if judged is None:
+            return []
+        row = rows[-1] | {"completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
+        messages = judged["conversations"]
+        return [(self.line(row["id"], judged, messages), self.record(row, **{self.form.column: messages}))]
+
+    def judged(self, conversation: Conversation, done: Written) -> dict[str, Any] | None:
+        """The conversations row of `conversation`, or None where the validator would stop at it."""
+        rows = conversation.rows
+        done.consumed += len(rows)
+        messages = exported_messages(conversation)
+        history = conversation.carries_history
+        thinking = bool(rows[-1]["enable_thinking"])
+        done.thinking.add(thinking)
+        judged = {"id": rows[-1]["id"], "status": STATUS, "conversations": messages}
+        if problem := row_problem(judged, **recipe_flags(thinking)):
+            done.refused[problem] = done.refused.get(problem, 0) + len(rows)
+            done.refused_rows += [(r["file_index"], r["file_row_number"]) for r in rows]
+            done.source_answers["left_out"] += history
+            return None
+        done.source_answers["written"] += history
+        return judged
+
+
+class ConversationsWriter(TextWriter):
+    """SpecForge's {id, status, conversations}: what its validate_regenerated_data.py accepts."""
+
+    form = FORM["conversations"]
+    schema = pa.schema([*PROVENANCE, ("conversations", pa.list_(MESSAGE))])
+
+    def line(self, sample_id: str, judged: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
+        return judged
+
+
+class MessagesWriter(TextWriter):
+    """OpenAI's {id, messages}."""
+
+    form = FORM["messages"]
+    schema = pa.schema([*PROVENANCE, ("messages", pa.list_(MESSAGE))])
+
+    def line(self, sample_id: str, judged: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
+        return {"id": sample_id, "messages": messages}
+
+
+class PerTurnWriter(TextWriter):
+    """One generation-event row per regenerated assistant turn, line for line what SpecForge's
+    scripts/expand_reasoning_conversations.py (a6b6b02, expand_row) makes of the conversations form's file: id
+    "<source id>#turn<i>" (i: the assistant turn's 0-based index), source_id, source_row_index (the conversation's
+    line in that file), assistant_turn_index, and the history before the turn with earlier answers' reasoning
+    dropped (what the target saw when it generated the turn), then the turn itself. Trained with
+    train_only_last_turn: true, every exported turn is in the loss (trainer_settings.py writes it)."""
+
+    form = FORM["per_turn"]
+    schema = pa.schema(
+        [
+            *PROVENANCE,
+            ("source_id", pa.string()),
+            ("assistant_turn_index", pa.int16()),
+            ("conversations", pa.list_(MESSAGE)),
+        ]
+    )
+
+    def __init__(self) -> None:
+        self.source_rows = 0  # the conversations form's lines so far: the next one's source_row_index
+
+    def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
+        judged = self.judged(conversation, done)
+        if judged is None:
+            return []
+        source_row_index, self.source_rows = self.source_rows, self.source_rows + 1
+        history: list[dict[str, Any]] = []
+        events, index = [], 0
+        # the regenerated answers: every one under all_turns, the last one under last_turn (the source's earlier
+        # answers are history the target did not write)
+        regenerated = len(conversation.rows)
+        assistants = sum(m["role"] == "assistant" for m in judged["conversations"])
+        for message in judged["conversations"]:
+            if message["role"] != "assistant":
+                history.append(dict(message))
+                continue
+            if index >= assistants - regenerated:
+                row = conversation.rows[index - (assistants - regenerated)]
+                event = {
+                    "id": f"{judged['id']}#turn{index}",
+                    "source_id": judged["id"],
+                    "source_row_index": source_row_index,
+                    "assistant_turn_index": index,
+                    "conversations": [*(dict(m) for m in history), dict(message)],
+                    "status": STATUS,
+                }
+                record = self.record(row, id=event["id"], source_id=judged["id"], assistant_turn_index=index) | {
+                    "conversations": event["conversations"]
+                }
+                events.append((event, record))
+            history.append({k: v for k, v in message.items() if k != "reasoning_content"})
+            index += 1
+        return events
+
+
+WRITERS: dict[str, type[Writer]] = {
+    w.form.name: w for w in (ConversationsWriter, PerTurnWriter, MessagesWriter, PretokenizedWriter)
+}
+
+
+def writer_for(form: str) -> Writer:
+    """The writer of a form (TrainerSettings.format); an unknown form is refused before anything is written."""
+    if form not in WRITERS:
+        raise ValueError(f"export form must be one of {', '.join(WRITERS)}, got {form!r}")
+    return WRITERS[form]()
