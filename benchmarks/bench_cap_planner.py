@@ -34,7 +34,9 @@ from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.quality.planning.planner import _sf, plan_caps, plan_from_lengths
+from dflash_assets.quality.planning.estimate import Lengths, PlanOptions, plan_from_lengths
+from dflash_assets.quality.planning.fit import lognormal_sf
+from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.planning.probe_estimates import ProbeSample
 from dflash_assets.settings import GenerationSettings
 
@@ -88,14 +90,14 @@ def emulator_runs(n: int, sets: int) -> None:
 
 def coverage(trials: int, n: int = 1000) -> None:
     mu, sigma = math.log(1640), 1.0
-    rate = float(_sf(math.log(8192), mu, sigma))
-    mean = math.exp(mu + sigma**2 / 2) * (1 - float(_sf(math.log(8192), mu + sigma**2, sigma))) + 8192 * rate
+    rate = float(lognormal_sf(math.log(8192), mu, sigma))
+    mean = math.exp(mu + sigma**2 / 2) * (1 - float(lognormal_sf(math.log(8192), mu + sigma**2, sigma))) + 8192 * rate
     hits_rate = hits_tokens = 0
     errors = []
     for seed in range(trials):
         rng = np.random.default_rng(10_000 + seed)
         lengths = np.maximum(1, np.round(np.exp(mu + sigma * rng.standard_normal(n)))).astype(np.int64)
-        e = plan_from_lengths(np.minimum(lengths, 4096), lengths > 4096, 4096, seed=seed).at(8192)
+        e = plan_from_lengths(Lengths(np.minimum(lengths, 4096), lengths > 4096, 4096), PlanOptions(seed=seed)).at(8192)
         hits_rate += e.truncation_rate.low <= rate <= e.truncation_rate.high
         hits_tokens += e.output_tokens.low <= n * mean <= e.output_tokens.high
         errors.append(e.truncation_rate.value - (lengths > 8192).mean())
@@ -147,7 +149,7 @@ def off_family(
                     chosen = rng.permutation(np.flatnonzero(cut & ~flagged))[:size]
                     p_tokens, p_cut, p_flagged = censor(lengths[chosen], loop[chosen], probe_cap)
                     probe = ProbeSample.of(p_tokens, p_cut, probe_cap, p_flagged, continued_from="run")
-                plan = plan_from_lengths(tokens, cut, cap, runaway=flagged, probe=probe, candidates=caps, seed=d)
+                plan = plan_from_lengths(Lengths(tokens, cut, cap, runaway=flagged), PlanOptions(caps, seed=d), probe)
                 plans += 1
                 for c in caps:
                     e = plan.at(c)

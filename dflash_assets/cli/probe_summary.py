@@ -8,13 +8,9 @@ from typing import Protocol
 
 from dflash_assets.generation.probe import ProbeResult, probe_root
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.planning.planner import (
-    DEFAULT_CANDIDATES,
-    CapEstimate,
-    CapPlan,
-    PlanError,
-    plan_caps,
-)
+from dflash_assets.quality.planning.estimate import DEFAULT_CANDIDATES, CapEstimate, CapPlan
+from dflash_assets.quality.planning.fit import PlanError
+from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.planning.probe_estimates import precision_text, probe_label
 from dflash_assets.quality.report.answer import recommended_cap
 from dflash_assets.settings import QualitySettings

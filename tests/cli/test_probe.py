@@ -87,7 +87,8 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
         assert line.endswith("measured (probe)"), line
     assert "precision: probe of 100 rows (" in out and "(95%, binomial)" in out
     # the next command raises the cap to the one the report's answer recommends (answer.recommended_cap)
-    from dflash_assets.quality.planning.planner import DEFAULT_CANDIDATES, plan_caps
+    from dflash_assets.quality.planning.estimate import DEFAULT_CANDIDATES
+    from dflash_assets.quality.planning.planner import plan_caps
     from dflash_assets.quality.report.answer import recommended_cap
     from dflash_assets.settings import QualitySettings
 

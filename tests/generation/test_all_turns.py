@@ -302,7 +302,8 @@ def test_whole_conversations_export_in_the_trainer_format_and_the_checks_pass_pe
 
 
 def test_the_cap_plan_shows_each_turn_index_with_its_share_cut_and_percentiles(clean):
-    from dflash_assets.quality.planning.planner import plan_caps, plan_markdown
+    from dflash_assets.quality.planning.planner import plan_caps
+    from dflash_assets.quality.report.cap_plan import plan_markdown
 
     data, run, _ = clean
     plan = plan_caps(data, bootstrap=0)

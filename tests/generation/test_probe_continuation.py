@@ -13,7 +13,8 @@ from dflash_assets.defs.completions.assets import completions
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.quality import run_checks
-from dflash_assets.quality.planning.planner import honest_cut_rows, plan_caps, plan_markdown
+from dflash_assets.quality.planning.planner import honest_cut_rows, plan_caps
+from dflash_assets.quality.report.cap_plan import plan_markdown
 from tests.support.probe_project import probe_project
 
 SHARDS, PER_SHARD, RUN_CAP, PROBE_CAP, SAMPLE = ["00000", "00001"], 150, 512, 4096, 60

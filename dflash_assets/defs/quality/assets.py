@@ -216,10 +216,12 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
 def length_quality_summary(
     context: dg.AssetExecutionContext, config: ConfigChoice, data_dir: DataDirResource, quality: QualityResource
 ) -> dg.MaterializeResult:
-    from dflash_assets.quality.planning.planner import PlanError, plan_caps, plan_glance, plan_markdown, turn_markdown
-    from dflash_assets.quality.planning.probe_advice import probe_advice
+    from dflash_assets.quality.planning.fit import PlanError
+    from dflash_assets.quality.planning.planner import plan_caps
     from dflash_assets.quality.planning.window_plan import window_plan, window_plan_lines
+    from dflash_assets.quality.report.cap_plan import plan_glance, plan_markdown, turn_markdown
     from dflash_assets.quality.report.planner_plot import cap_plan_png
+    from dflash_assets.quality.report.probe_advice import probe_advice
 
     root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
     exports = data_dir.local_dir() / "training"  # the exports' manifests (drafter_training_set)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_assets.quality.planning.fit import Distinct
+
 MIN_PROBE_ROWS_ABOVE = 10  # fewer probe rows above the current cap than this: too few to measure the tail
 TARGET_HALF_WIDTH = 0.01  # the precision a probe is sized for: ±1 pp of the share still cut
 Z95 = 1.96
@@ -182,24 +184,17 @@ def precision_text(precisions: list[ProbePrecision], cap: int) -> str:
 
 
 def measure_with_probe(
-    values: np.ndarray,
-    cut: np.ndarray,
-    loop: np.ndarray,
-    counts: np.ndarray,
-    cap: int,
-    probe: ProbeSample,
-    caps: np.ndarray,
-    replicates: int,
-    seed: int,
+    rows: Distinct, probe: ProbeSample, caps: np.ndarray, replicates: int, seed: int
 ) -> Measured | None:
-    """Estimates at `caps` (all in (cap, probe.cap]) from the run's rows (distinct `values`, `cut`, `loop`,
-    `counts`, cut at `cap`) and the probe. None when the probe has too few rows above `cap` to say anything.
+    """Estimates at `caps` (all in (rows.cap, probe.cap]) from the run's rows (distinct, cut at rows.cap) and the
+    probe. None when the probe has too few rows above `cap` to say anything.
 
     Runaways the run detected (a share R) run past every cap: they are counted as such, and the probe's own
     runaways are taken out of its conditionals, so that only the honest tail rests on the probe. (That assumes
     a loop has begun by the current cap, where the run's check sees it; the planner notes when the probe sees
     clearly more runaways than the run, i.e. loops that start later.)
     """
+    values, cut, loop, counts, cap = rows.values, rows.cut, rows.loop, rows.counts, rows.cap
     lengths, pcut, ploop = probe.completion_tokens, probe.truncated, probe.runaway
     # a continuation probe's rows were all cut at `cap` (some stopped right there when continued)
     above = np.ones(probe.rows, bool) if probe.continued_from else (lengths > cap) | (pcut & (lengths >= cap))

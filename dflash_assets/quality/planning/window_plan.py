@@ -25,7 +25,8 @@ import numpy as np
 from dflash_assets.generation.plan import prompt_batches
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.planning.planner import DEFAULT_CANDIDATES, TailFit
+from dflash_assets.quality.planning.estimate import DEFAULT_CANDIDATES
+from dflash_assets.quality.planning.fit import TailFit
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import percentile
 from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings

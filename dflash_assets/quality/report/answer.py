@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.planning.planner import CapEstimate, CapPlan, PlanError, plan_caps
+from dflash_assets.quality.planning.estimate import CapEstimate, CapPlan
+from dflash_assets.quality.planning.fit import PlanError
+from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.planning.window_plan import WindowPlan, window_plan
 from dflash_assets.quality.report.lengths import length_quality
 from dflash_assets.settings import Deployment, QualitySettings, TrainerSettings

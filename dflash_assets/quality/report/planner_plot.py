@@ -9,7 +9,7 @@ and the context length it needs. (The figure and its PNG: pictures.py.)
 import numpy as np
 
 from dflash_assets.quality.outcome import pct
-from dflash_assets.quality.planning.planner import CapPlan
+from dflash_assets.quality.planning.estimate import CapPlan
 from dflash_assets.quality.report.pictures import new_figure, png
 
 

@@ -12,7 +12,10 @@ import pytest
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.shards import build_prompt_shard
-from dflash_assets.quality.planning.planner import PlanError, _sf, plan_caps, plan_from_lengths, plan_markdown
+from dflash_assets.quality.planning.estimate import Lengths, PlanOptions, plan_from_lengths
+from dflash_assets.quality.planning.fit import PlanError, lognormal_sf
+from dflash_assets.quality.planning.planner import plan_caps
+from dflash_assets.quality.report.cap_plan import plan_markdown
 from dflash_assets.quality.report.planner_plot import cap_plan_png
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.store.stores import completion_store
@@ -22,13 +25,13 @@ MEDIAN, SIGMA = 1640.0, 1.0  # the emulator's default output lengths
 
 
 def true_rate(cap: float, median: float = MEDIAN, sigma: float = SIGMA) -> float:
-    return float(_sf(math.log(cap), math.log(median), sigma))
+    return float(lognormal_sf(math.log(cap), math.log(median), sigma))
 
 
 def true_mean_tokens(cap: float, median: float = MEDIAN, sigma: float = SIGMA) -> float:
     """E[min(L, cap)] of a lognormal: its partial expectation below the cap plus the cap times P(L > cap)."""
     mu = math.log(median)
-    below = math.exp(mu + sigma**2 / 2) * (1 - float(_sf(math.log(cap), mu + sigma**2, sigma)))
+    below = math.exp(mu + sigma**2 / 2) * (1 - float(lognormal_sf(math.log(cap), mu + sigma**2, sigma)))
     return below + cap * true_rate(cap, median, sigma)
 
 
@@ -86,7 +89,7 @@ def test_plan_at_4096_predicts_a_real_rerun_at_8192_on_the_emulator(tmp_path):
 
 def test_a_censored_lognormal_sample_gives_back_its_parameters_and_tail():
     lengths = lognormal_sample(20_000, seed=1)
-    plan = plan_from_lengths(*cut_at(lengths, 4096), 4096, bootstrap=50)
+    plan = plan_from_lengths(Lengths(*cut_at(lengths, 4096), 4096), PlanOptions(bootstrap=50))
     assert math.exp(plan.fit.mu) == pytest.approx(MEDIAN, rel=0.03)
     assert plan.fit.sigma == pytest.approx(SIGMA, abs=0.03)
     for cap in (6144, 8192, 16384):
@@ -98,7 +101,9 @@ def test_the_95_percent_band_covers_the_true_rate_and_tokens_in_most_samples():
     covered_rate = covered_tokens = 0
     trials = 20
     for seed in range(trials):
-        plan = plan_from_lengths(*cut_at(lognormal_sample(1000, seed=100 + seed), 4096), 4096, seed=seed)
+        plan = plan_from_lengths(
+            Lengths(*cut_at(lognormal_sample(1000, seed=100 + seed), 4096), 4096), PlanOptions(seed=seed)
+        )
         e = plan.at(8192)
         covered_rate += e.truncation_rate.low <= true_rate(8192) <= e.truncation_rate.high
         covered_tokens += e.output_tokens.low <= 1000 * true_mean_tokens(8192) <= e.output_tokens.high
@@ -107,7 +112,7 @@ def test_the_95_percent_band_covers_the_true_rate_and_tokens_in_most_samples():
 
 def test_caps_at_or_below_the_current_one_are_read_from_the_rows_exactly():
     lengths = lognormal_sample(3000, seed=2)
-    plan = plan_from_lengths(*cut_at(lengths, 4096), 4096, candidates=(1024, 2048, 4096, 8192), bootstrap=20)
+    plan = plan_from_lengths(Lengths(*cut_at(lengths, 4096), 4096), PlanOptions((1024, 2048, 4096, 8192), bootstrap=20))
     for cap in (1024, 2048, 4096):
         e = plan.at(cap)
         assert e.measured
@@ -119,7 +124,7 @@ def test_caps_at_or_below_the_current_one_are_read_from_the_rows_exactly():
 def test_no_row_cut_at_the_cap_needs_no_tail_and_larger_caps_change_nothing():
     lengths = lognormal_sample(500, seed=3, median=300, sigma=0.5)
     assert lengths.max() < 4096
-    plan = plan_from_lengths(lengths, np.zeros(len(lengths), bool), 4096, bootstrap=20)
+    plan = plan_from_lengths(Lengths(lengths, np.zeros(len(lengths), bool), 4096), PlanOptions(bootstrap=20))
     assert plan.fit is None and plan.tail == []
     assert "no tail model is needed" in plan.notes[0]
     for cap in (8192, 16384):
@@ -129,7 +134,7 @@ def test_no_row_cut_at_the_cap_needs_no_tail_and_larger_caps_change_nothing():
 
 def test_all_rows_cut_at_the_cap_is_a_clear_error():
     with pytest.raises(PlanError, match=r"all 200 rows were cut at the cap of 4,096 tokens.*larger cap"):
-        plan_from_lengths(np.full(200, 4096), np.ones(200, bool), 4096)
+        plan_from_lengths(Lengths(np.full(200, 4096), np.ones(200, bool), 4096))
 
 
 def test_a_body_that_is_not_lognormal_is_flagged_and_a_tail_only_fit_still_predicts():
@@ -137,9 +142,9 @@ def test_a_body_that_is_not_lognormal_is_flagged_and_a_tail_only_fit_still_predi
     rng = np.random.default_rng(4)
     n = 5000
     lengths = np.where(rng.random(n) < 0.4, rng.integers(20, 60, n), lognormal_sample(n, seed=5))
-    whole = plan_from_lengths(*cut_at(lengths, 4096), 4096, bootstrap=0)
+    whole = plan_from_lengths(Lengths(*cut_at(lengths, 4096), 4096), PlanOptions(bootstrap=0))
     assert any("misses the observed" in note for note in whole.notes)
-    tail_only = plan_from_lengths(*cut_at(lengths, 4096), 4096, fit_from=0.5, bootstrap=50)
+    tail_only = plan_from_lengths(Lengths(*cut_at(lengths, 4096), 4096), PlanOptions(fit_from=0.5, bootstrap=50))
     assert not any("misses the observed" in note for note in tail_only.notes)
     assert tail_only.at(8192).truncation_rate.value == pytest.approx(0.6 * true_rate(8192), abs=0.008)
 
@@ -147,7 +152,9 @@ def test_a_body_that_is_not_lognormal_is_flagged_and_a_tail_only_fit_still_predi
 def test_context_columns_say_which_caps_fit_the_server_context():
     lengths = lognormal_sample(1000, seed=6)
     prompt_tokens = np.r_[np.full(989, 100), np.full(10, 1000), [3000]]
-    plan = plan_from_lengths(*cut_at(lengths, 4096), 4096, prompt_tokens, context_length=8192, bootstrap=0)
+    plan = plan_from_lengths(
+        Lengths(*cut_at(lengths, 4096), 4096, prompt_tokens), PlanOptions(context_length=8192, bootstrap=0)
+    )
     e4, e8 = plan.at(4096), plan.at(8192)
     # prompt + cap + SGLang's clamp margin of 2: the --context-length preflight would accept
     assert (e4.context_needed_max, e4.context_needed_p99) == (7098, 5098)
@@ -157,16 +164,20 @@ def test_context_columns_say_which_caps_fit_the_server_context():
 
 def test_time_follows_the_given_token_rate_and_scales_to_the_whole_run():
     lengths = lognormal_sample(1000, seed=7)
-    plan = plan_from_lengths(*cut_at(lengths, 4096), 4096, tokens_per_s=25_000, prompts=913_786, bootstrap=0)
+    plan = plan_from_lengths(
+        Lengths(*cut_at(lengths, 4096), 4096), PlanOptions(tokens_per_s=25_000, prompts=913_786, bootstrap=0)
+    )
     e = plan.at(4096)
     assert e.output_tokens.value == pytest.approx(np.minimum(lengths, 4096).sum() * 913.786)
     assert e.hours.value == pytest.approx(e.output_tokens.value / 25_000 / 3600)
-    assert plan_from_lengths(*cut_at(lengths, 4096), 4096, bootstrap=0).at(4096).hours is None
+    assert plan_from_lengths(Lengths(*cut_at(lengths, 4096), 4096), PlanOptions(bootstrap=0)).at(4096).hours is None
 
 
 def test_the_plan_renders_as_markdown_and_a_png():
     lengths = lognormal_sample(1000, seed=8)
-    plan = plan_from_lengths(*cut_at(lengths, 4096), 4096, tokens_per_s=25_000, config_hash="abc", bootstrap=20)
+    plan = plan_from_lengths(
+        Lengths(*cut_at(lengths, 4096), 4096, config_hash="abc"), PlanOptions(tokens_per_s=25_000, bootstrap=20)
+    )
     md = plan_markdown(plan)
     assert "config `abc`" in md and "time at 25,000 tok/s" in md
     assert md.count("\n| ") == 1 + 6  # the header and one row per candidate cap

@@ -7,8 +7,9 @@ benchmark, benchmarks/bench_cap_planner.py, runs the full sweep).
 import numpy as np
 import pytest
 
-from dflash_assets.quality.planning.planner import plan_from_lengths, plan_markdown
+from dflash_assets.quality.planning.estimate import Lengths, PlanOptions, plan_from_lengths
 from dflash_assets.quality.planning.probe_estimates import ProbeSample
+from dflash_assets.quality.report.cap_plan import plan_markdown
 from tests.support.length_families import FAMILIES, censor, probe_rows
 
 N, CAP, PROBE_CAP, CAPS = 20_000, 4096, 32_000, (8192, 16384)
@@ -24,17 +25,8 @@ def plan(family, seed: int, with_probe: bool, runaways: bool = True, probe_size:
         p_lengths, p_loop = family.draw(rng, probe_size)
         p_tokens, p_cut, p_flagged = censor(p_lengths, p_loop, PROBE_CAP)
         probe = ProbeSample.of(p_tokens, p_cut, PROBE_CAP, p_flagged, "probe")
-    return plan_from_lengths(
-        tokens,
-        cut,
-        CAP,
-        runaway=flagged if runaways else None,
-        probe=probe,
-        candidates=kwargs.pop("candidates", CAPS),
-        bootstrap=kwargs.pop("bootstrap", 60),
-        seed=seed,
-        **kwargs,
-    )
+    options = PlanOptions(kwargs.pop("candidates", CAPS), bootstrap=kwargs.pop("bootstrap", 60), seed=seed, **kwargs)
+    return plan_from_lengths(Lengths(tokens, cut, CAP, runaway=flagged if runaways else None), options, probe)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +89,7 @@ def test_a_probe_with_almost_nothing_above_the_cap_is_not_used():
     lengths = np.full(1000, 300)
     probe = ProbeSample.of(np.r_[np.full(495, 300), np.full(5, 9000)], np.zeros(500, bool), 32000)
     tokens, cut = np.r_[lengths, np.full(200, 4096)], np.r_[np.zeros(1000, bool), np.ones(200, bool)]
-    p = plan_from_lengths(tokens, cut, CAP, probe=probe, candidates=CAPS, bootstrap=0)
+    p = plan_from_lengths(Lengths(tokens, cut, CAP), PlanOptions(CAPS, bootstrap=0), probe)
     assert p.at(8192).basis == "model" and p.probe is None
     assert any("fewer than 10 rows above the current cap 4,096" in note for note in p.notes)
 

@@ -9,8 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from dflash_assets.quality.planning.planner import plan_from_lengths, plan_markdown
+from dflash_assets.quality.planning.estimate import Lengths, PlanOptions, plan_from_lengths
 from dflash_assets.quality.planning.probe_estimates import ProbePrecision, ProbeSample
+from dflash_assets.quality.report.cap_plan import plan_markdown
 from tests.support.length_families import FAMILIES, censor
 
 N, CAP, PROBE_CAP, CAPS, Z = 20_000, 4096, 32_000, (8192, 16384), 1.96
@@ -30,7 +31,7 @@ def probe_of(size: int, seed: int = 100) -> ProbeSample:
 
 def plan_with(probe: ProbeSample):
     tokens, cut, flagged = run_rows()
-    return plan_from_lengths(tokens, cut, CAP, runaway=flagged, probe=probe, candidates=CAPS, bootstrap=0)
+    return plan_from_lengths(Lengths(tokens, cut, CAP, runaway=flagged), PlanOptions(CAPS, bootstrap=0), probe)
 
 
 def test_the_half_width_and_the_size_for_1pp_follow_from_the_binomial_of_the_probe_rows():

@@ -139,9 +139,9 @@ def test_the_compact_picture_fits_the_uis_inline_limit_and_draws_each_configs_su
 
 
 def test_the_cap_plans_time_column_shows_a_time_even_for_seconds():
-    from dflash_assets.quality.planning.planner import _hours
+    from dflash_assets.quality.report.cap_plan import hours_text
 
-    assert [_hours(h) for h in (2.25, 0.5, 10 / 3600, 0.1 / 3600)] == ["2.2 h", "30 min", "10 s", "under 1 s"]
+    assert [hours_text(h) for h in (2.25, 0.5, 10 / 3600, 0.1 / 3600)] == ["2.2 h", "30 min", "10 s", "under 1 s"]
 
 
 def test_the_histogram_draws_a_window_policy_config_as_one_series_at_its_cap(tmp_path):

@@ -9,8 +9,10 @@ import numpy as np
 
 from dflash_assets.generation.probe import probe_size
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.planning.planner import CapPlan, _hours, _predict, _tokens
+from dflash_assets.quality.planning.estimate import CapPlan, predict
+from dflash_assets.quality.planning.fit import Distinct
 from dflash_assets.quality.planning.probe_estimates import ProbePrecision
+from dflash_assets.quality.report.cap_plan import hours_text, tokens_text
 from dflash_assets.quality.tables import one, parquet_source
 from dflash_assets.rules import CONTEXT_MARGIN
 from dflash_assets.store.schema import PROMPT_SCHEMA
@@ -28,14 +30,8 @@ def probe_tokens_per_prompt(plan: CapPlan, probe_cap: int) -> float:
     honest, loops = (plan.truncated - plan.runaways) / plan.rows, plan.runaways / plan.rows
     beyond = 0.0
     if plan.fit and honest:
-        _, tokens = _predict(
-            np.array([plan.cap]),
-            np.array([True]),
-            np.array([1]),
-            np.array([probe_cap]),
-            (plan.fit.mu, plan.fit.sigma),
-            np.array([False]),
-        )
+        one_cut_row = Distinct(np.array([plan.cap]), np.array([True]), np.array([False]), np.array([1]), plan.cap)
+        _, tokens = predict(one_cut_row, np.array([probe_cap]), (plan.fit.mu, plan.fit.sigma))
         beyond = float(tokens[0]) - plan.cap
     return now + honest * beyond + loops * (probe_cap - plan.cap)
 
@@ -81,11 +77,11 @@ def probe_advice(
     tokens = size * probe_tokens_per_prompt(plan, cap)
     text = (
         f", at cap {num(cap)} (context {num(plan.context_length)} - {CONTEXT_MARGIN} - the longest prompt). "
-        f"Predicted output: about {_tokens(tokens)} tokens (model-based, at most {_tokens(size * cap)})"
+        f"Predicted output: about {tokens_text(tokens)} tokens (model-based, at most {tokens_text(size * cap)})"
     )
     if tokens_per_s:
         hours = tokens / tokens_per_s / 3600
-        text += f", {_hours(hours)} on the fleet at its measured {num(round(tokens_per_s))} tok/s" + (
+        text += f", {hours_text(hours)} on the fleet at its measured {num(round(tokens_per_s))} tok/s" + (
             f", {hours * servers:.2f} GPU-hours on {servers} servers" if servers else ""
         )
     else:
