@@ -179,7 +179,7 @@ def test_the_libraries_that_connect_without_a_resource_take_the_settings_default
 
 # a parameter named like a setting, with a literal default, that is another idea (not the setting's default)
 NOT_THE_SETTING = {
-    ("dflash_assets/quality/planning/planner.py", "seed"): "the bootstrap's seed, not the probe sample's",
+    ("dflash_assets/quality/planning/estimate.py", "seed"): "the bootstrap's seed, not the probe sample's",
     ("benchmarks/bench_streaming.py", "max_output_tokens"): "the 4096 cap, measured at it",
 }
 
