@@ -296,132 +296,162 @@ def _evidence(load: ServerLoad, **extra) -> dict[str, int | float | str]:
     return {k: v for k, v in figures.items() if v is not None}
 
 
+@dataclass(frozen=True)
+class _Judged:
+    """One server's load as the rules read it: the thresholds, what the client sends it, its model's mamba slots
+    per request (None: not a hybrid model), and the figures every rule names."""
+
+    load: ServerLoad
+    th: TuningThresholds
+    in_flight: int | None
+    slots_per_request: int | None
+
+    @property
+    def queue(self) -> bool:
+        return self.load.waiting_share >= self.th.queue_share
+
+    @property
+    def mamba(self) -> bool:
+        return self.load.mamba_usage_p95 is not None and self.load.mamba_usage_p95 >= self.th.mamba_full
+
+    @property
+    def seen(self) -> str:
+        load = self.load
+        return (
+            f"requests waiting in {_pct(load.waiting_share)} of samples ({load.waiting_mean:.0f} on average, "
+            f"peak {load.waiting_max})"
+        )
+
+    def advice(self, rule: str, message: str, **extra) -> Advice:
+        return Advice(self.load.server, rule, message, _evidence(self.load, **extra))
+
+
+def _unjudged(j: _Judged) -> Advice | None:
+    """A server that cannot be judged: unreachable, too few answered samples, or sent no work."""
+    load, th = j.load, j.th
+    answered = load.samples - load.failed
+    if load.failed and load.failed / load.samples >= th.unreachable_share:
+        return j.advice(
+            "unreachable",
+            f"/v1/loads failed in {load.failed} of {load.samples} samples: the server "
+            f"is down, restarting or too busy to answer",
+        )
+    if answered < th.min_samples:
+        return j.advice("too_few_samples", f"only {answered} answered samples: sample for longer before judging")
+    if load.busy_share < th.idle_busy_share:
+        return j.advice(
+            "idle",
+            f"nothing ran in {answered} samples over {load.span_s:.0f} s: the client sent this "
+            f"server no work (ejected after failures, or missing from the fleet's list?)",
+        )
+    return None
+
+
+def _kv_full(j: _Judged) -> Advice | None:
+    load, th, r, kv = j.load, j.th, j.load.max_running, j.load.token_usage_p95
+    if not (j.queue and (load.blocked_share >= th.queue_share or (kv is not None and kv >= th.kv_full))):
+        return None
+    slots = (
+        f"while only {load.running_mean:.1f} of max_running_requests={r} ran"
+        if load.blocked_share >= th.queue_share
+        else f"with {load.running_mean:.1f} of {r} slots running"
+    )
+    return j.advice(
+        "kv_full",
+        f"{j.seen} {slots}, KV token usage "
+        f"{_pct(kv)} (P95; the scheduler also reserves each request's output still to come): the KV pool is "
+        f"the limit, not the slots. Lower the concurrency (the client's in-flight per server, or "
+        f"--max-running-requests to about {max(1, math.ceil(load.running_mean))}) or the cap "
+        f"(max_output_tokens), or give the KV pool more memory (--mem-fraction-static; on a hybrid model a "
+        f"smaller --max-mamba-cache-size leaves more for KV)",
+    )
+
+
+def _mamba_full(j: _Judged) -> Advice | None:
+    if not (j.queue and j.mamba):
+        return None
+    return j.advice(
+        "mamba_full",
+        f"mamba state usage {_pct(j.load.mamba_usage_p95)} (P95) and {j.seen}: the hybrid model's state slots are "
+        f"the limit. Raise --max-mamba-cache-size ({j.slots_per_request or MAMBA_SLOTS_PER_REQUEST} slots per "
+        f"running request on this server); the slots come out of the KV pool",
+    )
+
+
+def _mamba_unavailable(j: _Judged) -> Advice | None:
+    if not (j.queue and j.slots_per_request is not None and j.load.metrics_off):
+        return None
+    return j.advice(
+        "mamba_unavailable",
+        f"{j.seen} on a hybrid model, but the mamba_full rule cannot be judged: mamba state usage is only in "
+        f"/metrics (sglang:mamba_usage), and this server runs without --enable-metrics",
+    )
+
+
+def _slots_pinned(j: _Judged) -> Advice | None:
+    load, th, r, kv, per = j.load, j.th, j.load.max_running, j.load.token_usage_p95, j.slots_per_request
+    if not (
+        j.queue and r and load.pinned_share >= th.pinned_share and not j.mamba and (kv is None or kv < th.kv_headroom)
+    ):
+        return None
+    room = math.floor(r * th.kv_target / max(kv, 1e-3)) if kv is not None else None
+    target = max(r + 1, min(room or 10**9, int(r * th.max_raise_factor)))
+    kv_note = f"the KV pool has room for about {room} at {th.kv_target:.0%} usage" if room else "KV usage unknown"
+    mamba_slots = per * target if per is not None else None  # a hybrid model's
+    mamba_text = (
+        f" and --max-mamba-cache-size to at least {mamba_slots} ({per} state slots per running request on this server)"
+        if mamba_slots is not None
+        else ""
+    )
+    return j.advice(
+        "slots_pinned",
+        f"running requests pinned at max_running_requests={r} in {_pct(load.pinned_share)} of samples, "
+        f"{j.seen}, while KV usage peaked at {_pct(kv)}: the slots are the limit. Raise --max-running-requests "
+        f"to about {target} ({kv_note}){mamba_text}; the client's default in-flight (max_running_requests + 2) follows",
+        suggested_max_running_requests=target,
+        **({"suggested_max_mamba_cache_size": mamba_slots} if mamba_slots is not None else {}),
+    )
+
+
+def _under_used(j: _Judged) -> Advice | None:
+    load, th, r = j.load, j.th, j.load.max_running
+    if not (
+        r
+        and load.occupancy < th.under_used_occupancy
+        and load.waiting_share < th.quiet_queue_share
+        and load.busy_share >= th.under_used_busy_share
+    ):
+        return None
+    sent = f" (it sends {j.in_flight})" if j.in_flight else ""
+    return j.advice(
+        "under_used",
+        f"running {load.running_mean:.1f} of max_running_requests={r} on average ({_pct(load.occupancy)}) "
+        f"with nothing waiting while busy in {_pct(load.busy_share)} of samples: the client is the limit, "
+        f"not the server. Raise the client's in-flight per server{sent} to about {r + 2} "
+        f"(max_in_flight_per_server; 0 means the server's max_running_requests + 2)",
+        suggested_in_flight_per_server=r + 2,
+    )
+
+
+RULES = (_kv_full, _mamba_full, _mamba_unavailable, _slots_pinned, _under_used)
+
+
 def _server_rules(
     load: ServerLoad,
     th: TuningThresholds,
     in_flight: int | None,
     slots_per_request: int | None = MAMBA_SLOTS_PER_REQUEST,
 ) -> list[Advice]:
-    def advice(rule: str, message: str, **extra) -> Advice:
-        return Advice(load.server, rule, message, _evidence(load, **extra))
-
-    answered = load.samples - load.failed
-    if load.failed and load.failed / load.samples >= th.unreachable_share:
-        return [
-            advice(
-                "unreachable",
-                f"/v1/loads failed in {load.failed} of {load.samples} samples: the server "
-                f"is down, restarting or too busy to answer",
-            )
-        ]
-    if answered < th.min_samples:
-        return [advice("too_few_samples", f"only {answered} answered samples: sample for longer before judging")]
-    if load.busy_share < th.idle_busy_share:
-        return [
-            advice(
-                "idle",
-                f"nothing ran in {answered} samples over {load.span_s:.0f} s: the client sent this "
-                f"server no work (ejected after failures, or missing from the fleet's list?)",
-            )
-        ]
-    r, kv, queue = load.max_running, load.token_usage_p95, load.waiting_share >= th.queue_share
-    seen = (
-        f"requests waiting in {_pct(load.waiting_share)} of samples ({load.waiting_mean:.0f} on average, "
-        f"peak {load.waiting_max})"
-    )
-    found = []
-    if queue and (load.blocked_share >= th.queue_share or (kv is not None and kv >= th.kv_full)):
-        slots = (
-            f"while only {load.running_mean:.1f} of max_running_requests={r} ran"
-            if load.blocked_share >= th.queue_share
-            else f"with {load.running_mean:.1f} of {r} slots running"
-        )
-        found.append(
-            advice(
-                "kv_full",
-                (
-                    f"{seen} {slots}, KV token usage "
-                    f"{_pct(kv)} (P95; the scheduler also reserves each request's output still to come): the KV pool is "
-                    f"the limit, not the slots. Lower the concurrency (the client's in-flight per server, or "
-                    f"--max-running-requests to about {max(1, math.ceil(load.running_mean))}) or the cap "
-                    f"(max_output_tokens), or give the KV pool more memory (--mem-fraction-static; on a hybrid model a "
-                    f"smaller --max-mamba-cache-size leaves more for KV)"
-                ),
-            )
-        )
-    mamba = load.mamba_usage_p95 is not None and load.mamba_usage_p95 >= th.mamba_full
-    hybrid = slots_per_request is not None
-    if queue and mamba:
-        found.append(
-            advice(
-                "mamba_full",
-                (
-                    f"mamba state usage {_pct(load.mamba_usage_p95)} (P95) and {seen}: the hybrid model's state slots are "
-                    f"the limit. Raise --max-mamba-cache-size ({slots_per_request or MAMBA_SLOTS_PER_REQUEST} slots per "
-                    f"running request on this server); the slots come out of the KV pool"
-                ),
-            )
-        )
-    if queue and hybrid and load.metrics_off:
-        found.append(
-            advice(
-                "mamba_unavailable",
-                (
-                    f"{seen} on a hybrid model, but the mamba_full rule cannot be judged: mamba state usage is only in "
-                    f"/metrics (sglang:mamba_usage), and this server runs without --enable-metrics"
-                ),
-            )
-        )
-    if queue and r and load.pinned_share >= th.pinned_share and not mamba and (kv is None or kv < th.kv_headroom):
-        room = math.floor(r * th.kv_target / max(kv, 1e-3)) if kv is not None else None
-        target = max(r + 1, min(room or 10**9, int(r * th.max_raise_factor)))
-        kv_note = f"the KV pool has room for about {room} at {th.kv_target:.0%} usage" if room else "KV usage unknown"
-        mamba_slots = slots_per_request * target if slots_per_request is not None else None  # a hybrid model's
-        found.append(
-            advice(
-                "slots_pinned",
-                (
-                    f"running requests pinned at max_running_requests={r} in {_pct(load.pinned_share)} of samples, "
-                    f"{seen}, while KV usage peaked at {_pct(kv)}: the slots are the limit. Raise --max-running-requests "
-                    f"to about {target} ({kv_note})"
-                    + (
-                        f" and --max-mamba-cache-size to at least {mamba_slots} ({slots_per_request} state "
-                        f"slots per running request on this server)"
-                        if mamba_slots is not None
-                        else ""
-                    )
-                    + "; the client's default in-flight (max_running_requests + 2) follows"
-                ),
-                suggested_max_running_requests=target,
-                **({"suggested_max_mamba_cache_size": mamba_slots} if mamba_slots is not None else {}),
-            )
-        )
-    if (
-        r
-        and load.occupancy < th.under_used_occupancy
-        and load.waiting_share < th.quiet_queue_share
-        and load.busy_share >= th.under_used_busy_share
-    ):
-        sent = f" (it sends {in_flight})" if in_flight else ""
-        found.append(
-            advice(
-                "under_used",
-                (
-                    f"running {load.running_mean:.1f} of max_running_requests={r} on average ({_pct(load.occupancy)}) "
-                    f"with nothing waiting while busy in {_pct(load.busy_share)} of samples: the client is the limit, "
-                    f"not the server. Raise the client's in-flight per server{sent} to about {r + 2} "
-                    f"(max_in_flight_per_server; 0 means the server's max_running_requests + 2)"
-                ),
-                suggested_in_flight_per_server=r + 2,
-            )
-        )
+    j = _Judged(load, th, in_flight, slots_per_request)
+    if (unjudged := _unjudged(j)) is not None:
+        return [unjudged]
+    found = [a for rule in RULES if (a := rule(j)) is not None]
     return found or [
-        advice(
+        j.advice(
             "fine",
-            (
-                f"all fine: {load.running_mean:.1f} of {r or '?'} slots used on average ({_pct(load.occupancy)}), KV usage "
-                f"{_pct(kv)} (P95), {load.waiting_mean:.1f} waiting on average"
-            ),
+            f"all fine: {load.running_mean:.1f} of {load.max_running or '?'} slots used on average "
+            f"({_pct(load.occupancy)}), KV usage {_pct(load.token_usage_p95)} (P95), {load.waiting_mean:.1f} waiting "
+            f"on average",
         )
     ]
 
