@@ -21,7 +21,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.continuation import continue_shard, rows_of
@@ -130,100 +129,90 @@ def write_probe_shard(data_dir: str | Path, sample: list[dict], shard: str = PRO
     prompt_store(probe_root(data_dir), shard).replace(probe, "prompts.parquet")
 
 
+CutRows = tuple[str, int, list[dict]]  # (the parent config, its cap, {shard, prompt_id} of its honest cut rows)
+
+
+def _sample(prompts: list[dict], probe: ProbeSettings) -> list[dict]:
+    """The probe's seeded sample of `prompts`: its size, or its share with its minimum."""
+    return sample_prompts(prompts, probe.size or probe_size(len(prompts), probe.share, probe.min_prompts), probe.seed)
+
+
 async def run_probe(
     data_dir: str | Path,
     shards: list[str],
     fleet: Fleet,
     generation: GenerationSettings,
-    *,
-    probe_cap: int = 0,
-    size: int | None = None,
-    share: float = SHARE,
-    minimum: int = MIN_PROMPTS,
-    seed: int = SEED,
+    probe: ProbeSettings,
     dispatch: DispatchSettings = DispatchSettings(),
     log: Callable[[str], None] = print,
 ) -> ProbeResult:
     """Sample the prompts of `shards`, write them as the probe's shard, generate them with `generation`'s sampling
-    at `probe_cap` (0: the largest the fleet's context allows for the sample) through the engine. A re-run with the
-    same sample and config resumes, as any shard does."""
+    at the probe's cap (0: the largest the fleet's context allows for the sample) through the engine. A re-run with
+    the same sample and config resumes, as any shard does."""
     prompts = read_prompts(data_dir, shards)
     if not prompts:
         raise FileNotFoundError(
             f"no prompt_shards rows under {data_dir} for shard(s) {', '.join(shards) or '-'}: "
             f"materialise prompt_shards first"
         )
-    sample = sample_prompts(prompts, size or probe_size(len(prompts), share, minimum), seed)
-    cap = probe_cap or high_cap(fleet, sample, log)
+    sample = _sample(prompts, probe)
+    cap = probe.max_output_tokens or high_cap(fleet, sample, log)
     # it measures lengths: never sized to a window
     generation = generation.model_copy(update={"cap_policy": "fixed", "max_output_tokens": cap})
     generation = resolve_regenerate(open_storage(data_dir), generation)  # the run's mode (its shards), not the sample's
     write_probe_shard(data_dir, sample)
-    log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {seed}) at cap {cap}")
+    log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {probe.seed}) at cap {cap}")
     run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, generation, dispatch, log=log)
     return ProbeResult(len(prompts), len(sample), cap, run)
 
 
 async def run_cut_rows_probe(
     data_dir: str | Path,
-    parent_config_hash: str,
-    cut_rows: list[dict],
+    cut_rows: CutRows,
     fleet: Fleet,
-    cap: int = 0,
-    *,
-    size: int | None = None,
-    share: float = SHARE,
-    minimum: int = MIN_PROMPTS,
-    seed: int = SEED,
+    probe: ProbeSettings,
     dispatch: DispatchSettings = DispatchSettings(),
     log: Callable[[str], None] = print,
 ) -> ProbeResult:
-    """The continuation probe: a seeded sample (stratified as `sample_prompts`) of `cut_rows` ({shard,
-    prompt_id} of the run's honest cut rows of `parent_config_hash`, chosen by the caller: runaways are the
-    quality layer's call), copied with their parent rows into the probe's `cut_rows` shard and continued there
-    to `cap` (0: the largest the fleet's context allows for the sample) by `continue_shard`. A re-run resumes.
-    (Parent rows of an earlier, different sample stay in the shard and are continued too; the planner reads
-    only the current sample's.)"""
-    if not cut_rows:
+    """The continuation probe: a seeded sample (stratified as `sample_prompts`) of `cut_rows` (the parent config,
+    its cap, and {shard, prompt_id} of its honest cut rows, chosen by the caller: runaways are the quality layer's
+    call), copied with their parent rows into the probe's `cut_rows` shard and continued there to the probe's cap
+    (0: the largest the fleet's context allows for the sample) by `continue_shard`. A re-run resumes. (Parent rows
+    of an earlier, different sample stay in the shard and are continued too; the planner reads only the current
+    sample's.)"""
+    parent, _, cut = cut_rows
+    if not cut:
         raise SettingsError(
-            f"config {parent_config_hash} has no honest cut rows to continue: nothing for a "
-            f"continuation probe to measure"
+            f"config {parent} has no honest cut rows to continue: nothing for a continuation probe to measure"
         )
-    prompts = {(r["shard"], r["prompt_id"]): r for r in read_prompts(data_dir, sorted({r["shard"] for r in cut_rows}))}
-    eligible = [prompts[k] for k in sorted({(r["shard"], r["prompt_id"]) for r in cut_rows}) if k in prompts]
-    sample = sample_prompts(eligible, size or probe_size(len(eligible), share, minimum), seed)
-    cap = cap or high_cap(fleet, sample, log, "continuation probe")
+    prompts = {(r["shard"], r["prompt_id"]): r for r in read_prompts(data_dir, sorted({r["shard"] for r in cut}))}
+    eligible = [prompts[k] for k in sorted({(r["shard"], r["prompt_id"]) for r in cut}) if k in prompts]
+    sample = _sample(eligible, probe)
+    cap = probe.max_output_tokens or high_cap(fleet, sample, log, "continuation probe")
     write_probe_shard(data_dir, sample, CUT_ROWS_SHARD)
-    # the parent's provenance goes with its rows: its hash covers it, and the continuation rebuilds that hash
-    if (was := provenance.recorded(data_dir, parent_config_hash)) is not None:
-        if provenance.recorded(probe_root(data_dir), parent_config_hash) is None:
-            in_hash = was.pop("in_hash")
-            provenance.record(probe_root(data_dir), parent_config_hash, was, in_hash=in_hash)
-    store = completion_store(probe_root(data_dir), CUT_ROWS_SHARD)
-    with store.lock():
-        store.recover()
-        have = committed_ids(store, parent_config_hash)
-        for shard, ids in sorted(ids_by_shard(sample).items()):
-            for batch in rows_of(completion_store(data_dir, shard), parent_config_hash, wanted=ids - have):
-                store.commit([{**r, "shard": CUT_ROWS_SHARD} for r in batch])
+    _copy_parent_rows(data_dir, parent, sample)
     log(
-        f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent_config_hash} "
-        f"(seed {seed}) continued to cap {cap}"
+        f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent} "
+        f"(seed {probe.seed}) continued to cap {cap}"
     )
-    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent_config_hash, cap, dispatch, log=log)
+    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent, cap, dispatch, log=log)
     return ProbeResult(len(eligible), len(sample), cap, run, mode="cut_rows")
 
 
-class Sample(TypedDict):
-    """How the probe's prompts are sampled (ProbeSettings, as run_probe and run_cut_rows_probe take it)."""
-
-    size: int
-    share: float
-    minimum: int
-    seed: int
-
-
-CutRows = tuple[str, int, list[dict]]  # (the parent config, its cap, {shard, prompt_id} of its honest cut rows)
+def _copy_parent_rows(data_dir: str | Path, parent: str, sample: list[dict]) -> None:
+    """The sample's parent rows, and the parent's provenance (its hash covers it, and the continuation rebuilds that
+    hash), into the probe's cut_rows shard; rows copied before are kept."""
+    if (was := provenance.recorded(data_dir, parent)) is not None:
+        if provenance.recorded(probe_root(data_dir), parent) is None:
+            in_hash = was.pop("in_hash")
+            provenance.record(probe_root(data_dir), parent, was, in_hash=in_hash)
+    store = completion_store(probe_root(data_dir), CUT_ROWS_SHARD)
+    with store.lock():
+        store.recover()
+        have = committed_ids(store, parent)
+        for shard, ids in sorted(ids_by_shard(sample).items()):
+            for batch in rows_of(completion_store(data_dir, shard), parent, wanted=ids - have):
+                store.commit([{**r, "shard": CUT_ROWS_SHARD} for r in batch])
 
 
 async def run_length_probe(
@@ -240,11 +229,8 @@ async def run_length_probe(
     probe's cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config that `cut_rows` gives
     (the quality layer chooses them: quality/planning/planner.py cut_rows_for_probe) continued to that cap, with the
     run's own sampling (its rows record it)."""
-    sample = Sample(size=probe.size, share=probe.share, minimum=probe.min_prompts, seed=probe.seed)
     if probe.mode == "prompts":
-        return await run_probe(
-            data_dir, shards, fleet, generation, probe_cap=probe.max_output_tokens, **sample, dispatch=dispatch, log=log
-        )
+        return await run_probe(data_dir, shards, fleet, generation, probe, dispatch, log)
     if cut_rows is None:
         raise SettingsError("the length probe's mode cut_rows needs the run's honest cut rows, and none were given")
     parent, cap, cut = cut_rows()
@@ -252,6 +238,4 @@ async def run_length_probe(
     log(
         f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
     )
-    return await run_cut_rows_probe(
-        data_dir, parent, cut, fleet, probe.max_output_tokens, **sample, dispatch=dispatch, log=log
-    )
+    return await run_cut_rows_probe(data_dir, (parent, cap, cut), fleet, probe, dispatch, log)
