@@ -160,7 +160,7 @@ def configs_table(configs: list) -> Table:
 
 def headline(summary_md: str) -> str:
     """The first paragraph of a check summary without Markdown emphasis."""
-    return re.sub(r"[*`]", "", summary_md.split("\n\n")[0])
+    return summary_md.split("\n\n")[0].translate(str.maketrans("", "", "*`"))
 
 
 def plan_table(answer: CapAnswer) -> Table:
