@@ -52,6 +52,16 @@ STOPPED_EARLY_SQL = f"finish_reason = '{RUNAWAY_FINISH}'"
 CUT_SQL = f"finish_reason IN ('length', '{RUNAWAY_FINISH}')"  # the model did not choose its end (planner rows)
 
 
+# "tool_calls" is SGLang's "stop" renamed because its tool-call parser found calls in the output (serving_chat.py
+# _process_tool_calls): the model ended on its own. A row records it as "stop", its calls in `tool_calls_json`.
+TOOL_CALLS_FINISH = "tool_calls"
+
+
+def row_finish(finish_reason: str) -> str:
+    """The finish_reason a row records of what the server sent: a tool-call stop is a stop."""
+    return "stop" if finish_reason == TOOL_CALLS_FINISH else finish_reason
+
+
 def stopped_early(finish_reason: str | None) -> bool:
     """A runaway the client stopped while it ran (not cut by the cap)."""
     return finish_reason == RUNAWAY_FINISH

@@ -706,7 +706,8 @@ class FleetSettings(Settings):
     urls: str = Field("", description="attach: comma-separated base URLs (or one router / gateway URL).")
     num_servers: int = Field(2, ge=1, description="emulated: how many emulator servers.")
     emulator_args: str = Field(
-        "--reasoning-parser qwen3", description="emulated: emulator flags, e.g. add '--decode-tokens-per-s 4000'."
+        "--reasoning-parser qwen3 --tool-call-parser qwen25",
+        description="emulated: emulator flags, e.g. add '--decode-tokens-per-s 4000'.",
     )
     health_timeout_s: float = Field(120.0, description="Seconds to wait for every server's /health at connect.")
     connect_refused_s: float = Field(

@@ -59,6 +59,7 @@ class Request:
     stream: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     require_reasoning: bool = False
+    tools: list[dict] | None = None  # the request's tool schemas: its answer may call them (model.plan_completion)
     sample_index: int = 0  # n > 1: the i-th sample of one prompt
     # SamplingParams' default when the key is absent: 128 on /generate; chat passes
     # None explicitly (no max_tokens = run to the end of the context).
@@ -349,7 +350,13 @@ class Engine:
         seed = sp.get("sampling_seed")
         draw = self._draw(req.input_ids) if temperature > 0 and seed is None and self.cfg.per_request_sampling else None
         plan = model.plan_completion(
-            req.input_ids, self.cfg.lengths, seed, req.sample_index, draw=draw, non_ascii=self.cfg.args.non_ascii
+            req.input_ids,
+            self.cfg.lengths,
+            seed,
+            req.sample_index,
+            draw=draw,
+            non_ascii=self.cfg.args.non_ascii,
+            tools=req.tools,
         )
         stop = sp.get("stop")
         return model.generate(

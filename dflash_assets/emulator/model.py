@@ -37,10 +37,12 @@ from statistics import NormalDist
 from typing import cast
 
 from . import tokenizer as tok
+from . import tool_calls
 
 _NORMAL = NormalDist()
 
 _NN_ID = tok.VOCAB["\n\n"]
+_WORDS = ["report", "main", "data", "test"]  # the values of a stand-in tool call's string arguments
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,7 @@ class Plan:
     resume_at: int  # output tokens the prompt already carries after the marker
     looping: bool = False  # a runaway: the same line over and over until `maximum` (a thinking model that loops)
     non_ascii: bool = False  # text from the non-ASCII stream (offsets above are positions of the ASCII one)
+    calls: tuple[int, ...] = ()  # the answer is these tool-call ids (tool_calls.model_calls), not stream text
 
 
 def plan_completion(
@@ -261,10 +264,12 @@ def plan_completion(
     sample: int = 0,
     draw: float | None = None,
     non_ascii: bool = False,
+    tools: list[dict] | None = None,
 ) -> Plan:
     """The completion of `prompt_ids`; `sample` > 0 draws the n-th parallel sample (n > 1); `draw` in (0, 1) is
     a request's own randomness (temperature > 0 without a seed), None for the prompt's fixed completion;
-    `non_ascii`: text with em dashes (byte tokens), see `_non_ascii_stream`."""
+    `non_ascii`: text with em dashes (byte tokens), see `_non_ascii_stream`; `tools`: the request's tool schemas,
+    which the answer may call (tool_calls.model_calls, drawn from the prompt's hash)."""
     marker_end = _find_last(prompt_ids, tok.GENERATION_PROMPT_IDS)
     thinking = False
     if marker_end < 0:
@@ -316,7 +321,17 @@ def plan_completion(
             total = max(total, reasoning + 3)
         answer_start = reasoning + 2 if thinking else 0
         total += _clear_of_dash(at[answer_offset] + total - 1 - answer_start)
+    calls: tuple[int, ...] = ()
+    if tools and not looping and not non_ascii and not carried:
+        tool_digest = digest.copy()
+        tool_digest.update(b"tools")
+        t = tool_digest.digest()
+        draws = [(int.from_bytes(t[i : i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24)]
+        if text := tool_calls.model_calls(tools, draws, _WORDS):
+            calls = tuple(tok.encode(text))
+            total = (reasoning + 2 if thinking else 0) + len(calls) + 1
     return Plan(
+        calls=calls,
         thinking=thinking,
         total=total,
         reasoning=reasoning,
@@ -355,17 +370,18 @@ def _segments(plan: Plan) -> list[tuple[int, int, int | tuple]]:
     if plan.non_ascii:  # the same words, at their positions in the non-ASCII stream
         _, at, _ = _non_ascii_stream()
         reasoning_offset, answer_offset = at[reasoning_offset], at[answer_offset]
+    answer: int | tuple = ("ids", plan.calls) if plan.calls else answer_offset
     if plan.thinking:
         r = plan.reasoning
         return [
             (0, r, reasoning_offset),
             (r, r + 1, ("special", tok.THINK_END_ID, tok.THINK_END)),
             (r + 1, r + 2, ("special", _NN_ID, "\n\n")),
-            (r + 2, plan.total - 1, answer_offset),
+            (r + 2, plan.total - 1, answer),
             (plan.total - 1, plan.total, ("special", tok.IM_END_ID, "")),
         ]
     return [
-        (0, plan.total - 1, answer_offset),
+        (0, plan.total - 1, answer),
         (plan.total - 1, plan.total, ("special", tok.IM_END_ID, "")),
     ]
 
@@ -380,7 +396,13 @@ def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str
     segments = _segments(plan)
     last_answer_start = segments[-2][0]
     answer_source = segments[-2][2]  # the answer's stream offset, unless it loops
-    beyond: int | tuple = ("loop",) if plan.looping else cast(int, answer_source) + plan.total - 1 - last_answer_start
+    beyond: int | tuple = (
+        ("loop",)
+        if plan.looping
+        else plan.answer_offset
+        if plan.calls
+        else cast(int, answer_source) + plan.total - 1 - last_answer_start
+    )
     segments.append((plan.total, max(stop, plan.total), beyond))
     for seg_start, seg_stop, source in segments:
         lo, hi = max(start, seg_start), min(stop, seg_stop)
@@ -390,6 +412,10 @@ def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str
             piece_ids, piece_text = _loop_piece(lo, hi - lo)
             ids += piece_ids
             text.append(piece_text)
+        elif isinstance(source, tuple) and source[0] == "ids":  # a tool call: ASCII, whole characters at any cut
+            piece = list(source[1][lo - seg_start : hi - seg_start])
+            ids += piece
+            text.append(tok.decode(piece))
         elif isinstance(source, tuple):
             ids.append(source[1])
             text.append(source[2])

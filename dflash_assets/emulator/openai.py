@@ -18,6 +18,7 @@ import uuid
 from aiohttp import web
 
 from . import tokenizer as tok
+from . import tool_calls
 from .engine import Engine, Output, Request, TokenizerError, unseen_disconnect
 from .faults import QUEUE_FULL, prompt_text
 from .native import meta_info
@@ -115,6 +116,53 @@ def _messages_errors(body) -> list[dict]:
     return []
 
 
+def _tools_errors(body: dict) -> list[dict]:
+    problem = tool_calls.tools_error(body.get("tools"))
+    return [{"type": "list_type", "loc": ("body", "tools"), "msg": problem, "input": body["tools"]}] if problem else []
+
+
+class CallStream:
+    """The streamed side of the tool-call parser: content before the first call goes on as it comes, the calls are
+    held and sent once whole, each as a delta with its id and name, then one with its arguments (SGLang's order)."""
+
+    def __init__(self, chat: ChatContext):
+        self.tools, self.active, self.held, self.calls = chat.tools or [], chat.parses_calls, "", 0
+
+    def feed(self, content: str) -> str:
+        if not self.active:
+            return content
+        self.held += content
+        at = self.held.find(tool_calls.CALL_OPEN)
+        if at == -1:  # all but a possible start of the marker goes on
+            keep = next(
+                (
+                    k
+                    for k in range(len(tool_calls.CALL_OPEN) - 1, 0, -1)
+                    if self.held.endswith(tool_calls.CALL_OPEN[:k])
+                ),
+                0,
+            )
+            out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
+            return out
+        out, self.held = self.held[:at], self.held[at:]
+        return out
+
+    def deltas(self) -> tuple[str, list[dict]]:
+        """(content still held, the tool-call deltas) at the end of the stream."""
+        _, calls = tool_calls.parse(self.held, self.tools) if self.active else ("", [])
+        self.calls = len(calls)
+        if not calls:
+            return self.held, []
+        out = []
+        for call in calls:
+            fn = call["function"]
+            head = {"id": call["id"], "index": call["index"], "type": "function"}
+            out.append({"tool_calls": [head | {"function": {"name": fn["name"], "arguments": ""}}]})
+            tail = {"id": None, "index": call["index"], "type": "function"}
+            out.append({"tool_calls": [tail | {"function": {"name": None, "arguments": fn["arguments"]}}]})
+        return "", out
+
+
 # ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS: what the chat route uses when neither the request nor the
 # model's generation_config.json says
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -142,6 +190,11 @@ class ChatContext:
         # always opens <think>) forces it for any parser.
         self.reasoning = parser == "qwen3-thinking" or (parser is not None and self.enable_thinking)
         self.separate = parser is not None and body.get("separate_reasoning", True) is not False
+        # tools reach the template unless tool_choice is "none"; the output is parsed for calls with a parser of
+        # Qwen's format (serving_chat._tool_call_parsing_active)
+        offered = body.get("tools") if body.get("tool_choice") != "none" else None
+        self.tools = [tool_calls.tool_dump(t) for t in offered] if offered else None
+        self.parses_calls = bool(self.tools) and cfg.args.tool_call_parser in tool_calls.PARSERS
 
     def prompt_ids(self, add_generation_prompt: bool = True) -> list[int]:
         if self.body.get("input_ids") is not None:
@@ -161,6 +214,7 @@ class ChatContext:
             add_generation_prompt=add_generation_prompt,
             enable_thinking=self.enable_thinking,
             variant=self.cfg.args.template_variant,
+            tools=self.tools,
         )
         return tok.encode(text) + (tok.encode(prefix) if prefix else [])
 
@@ -291,7 +345,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, require_json_content_type=True)
     if isinstance(body, web.Response):
         return body
-    errs = _messages_errors(body) or _field_errors(body)
+    errs = _messages_errors(body) or _field_errors(body) or _tools_errors(body)
     if errs:
         return validation_error(errs)
     verdict = st.judge(prompt_text(body))
@@ -315,6 +369,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
             sampling=chat.sampling(),
             stream=stream,
             require_reasoning=chat.reasoning,
+            tools=chat.tools,
             sample_index=i,
             rid=body["rid"] if isinstance(body.get("rid"), str) and n == 1 else uuid.uuid4().hex,
         )
@@ -355,12 +410,17 @@ def _response(cfg, chat: ChatContext, reqs: list[Request], outs: list[Output]) -
     choices = []
     for i, (req, out) in enumerate(zip(reqs, outs)):
         reasoning, text = split_reasoning(out.text, chat.reasoning) if chat.separate else (None, out.text)
+        text, calls = tool_calls.parse(text, chat.tools or []) if chat.parses_calls else (text, [])
+        finish, matched = out.done["type"], out.done.get("matched")
+        if calls and finish == "stop":  # serving_chat._process_tool_calls
+            finish, matched = "tool_calls", None
+        message = {"role": "assistant", "content": text or "", "reasoning_content": reasoning or None}
         choice = {
             "index": i,
-            "message": {"role": "assistant", "content": text or "", "reasoning_content": reasoning or None},
+            "message": message | ({"tool_calls": calls} if calls else {}),
             "logprobs": None,
-            "finish_reason": out.done["type"],
-            "matched_stop": out.done.get("matched"),
+            "finish_reason": finish,
+            "matched_stop": matched,
         }
         if body.get("return_prompt_token_ids") or body.get("return_token_ids"):
             choice["prompt_token_ids"] = req.input_ids
@@ -420,12 +480,14 @@ async def _write_stream(request: web.Request, chat: ChatContext, req: Request, o
         return resp
     await resp.write(_chunk(req, model, created, {"reasoning_content": None, "role": "assistant", "content": ""}))
     splitter = StreamSplitter(chat.reasoning) if chat.separate else None
+    calls = CallStream(chat)
     sent, last = 0, first
     out = first
     while True:
         delta, sent = out.text[sent:], len(out.text)
         u = usage([out], False) if continuous else None
         reasoning, content = splitter.feed(delta) if splitter else ("", delta)
+        content = calls.feed(content)
         if reasoning:
             await resp.write(_chunk(req, model, created, {"reasoning_content": reasoning}, usage_=u))
         if content:
@@ -435,8 +497,16 @@ async def _write_stream(request: web.Request, chat: ChatContext, req: Request, o
             out = await outputs.__anext__()
         except StopAsyncIteration:
             break
+    held, deltas = calls.deltas()
+    if held:
+        await resp.write(_chunk(req, model, created, {"reasoning_content": None, "content": held}))
+    for call_delta in deltas:
+        await resp.write(_chunk(req, model, created, call_delta))
     fin = last.finish
-    await resp.write(_chunk(req, model, created, {"reasoning_content": None}, fin["type"], fin.get("matched")))
+    finish, matched = (
+        ("tool_calls", None) if calls.calls and fin["type"] == "stop" else (fin["type"], fin.get("matched"))
+    )
+    await resp.write(_chunk(req, model, created, {"reasoning_content": None}, finish, matched))
     head = {"id": req.rid, "object": "chat.completion.chunk", "created": created, "model": model}
     ext = sglext_ids(request.headers, cfg, body, [req], [last])
     if ext:

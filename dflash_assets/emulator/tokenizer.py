@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import cast
 
+from . import tool_calls
+
 IM_START, IM_END, THINK, THINK_END, ENDOFTEXT = (
     "<|im_start|>",
     "<|im_end|>",
@@ -221,6 +223,7 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     enable_thinking: bool = True,
     variant: str = "qwen3.5",
+    tools: Sequence[dict] | None = None,
 ) -> str:
     """Render messages as Qwen3's chat template does (the assistant branch of Qwen3's `tokenizer_config.json`),
     with Qwen3.5's generation prompt:
@@ -231,13 +234,28 @@ def apply_chat_template(
     - an earlier assistant turn (before the last user turn): its content only, its reasoning dropped: what Qwen3
       keeps of a dialogue's earlier answers;
     - then the assistant header, pre-opening `<think>\\n` when thinking or an empty think block when not.
-    The `qwen3.5-default-system` variant puts DEFAULT_SYSTEM first when the conversation has no system turn."""
+    The `qwen3.5-default-system` variant puts DEFAULT_SYSTEM first when the conversation has no system turn.
+    With `tools`, the system turn holds them (tool_calls.tools_block), an assistant turn's tool_calls follow its
+    content, and tool results are a user turn of `<tool_response>` blocks, as Qwen3's template renders them."""
     if variant == "qwen3.5-default-system" and (not messages or messages[0].get("role") != "system"):
         messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
     last_query = _last_query(messages)
     parts = []
+    if tools:
+        system = message_text(messages[0].get("content")) if messages and messages[0].get("role") == "system" else None
+        parts.append(f"{IM_START}system\n{tool_calls.tools_block(list(tools), system)}{IM_END}\n")
     for i, m in enumerate(messages):
         role = m.get("role", "")
+        if role == "system" and i == 0 and tools:
+            continue
+        if role == "tool":
+            first, last = (
+                i == 0 or messages[i - 1].get("role") != "tool",
+                i + 1 == len(messages) or messages[i + 1].get("role") != "tool",
+            )
+            response = f"\n<tool_response>\n{message_text(m.get('content'))}\n</tool_response>"
+            parts.append((f"{IM_START}user" if first else "") + response + (f"{IM_END}\n" if last else ""))
+            continue
         if role != "assistant":
             parts.append(f"{IM_START}{role}\n{message_text(m.get('content'))}{IM_END}\n")
             continue
@@ -246,6 +264,7 @@ def apply_chat_template(
             body = f"{THINK}\n{reasoning.strip(chr(10))}\n{THINK_END}\n\n{content.lstrip(chr(10))}"
         else:
             body = content
+        body += tool_calls.rendered_calls(content, m.get("tool_calls") or [])
         parts.append(f"{IM_START}assistant\n{body}{IM_END}\n")
     if add_generation_prompt:
         parts.append(GENERATION_PROMPT + (THINK_OPEN if enable_thinking else THINK_SKIPPED))

@@ -119,6 +119,7 @@ class ServerInfo:
     mamba_slots_per_request: int | None = None  # hybrid models only: see mamba_slots_per_request()
     always_thinks: bool = False  # its chat template opens <think> even with enable_thinking false
     servers: int = 1  # SGLang servers answering at this URL: a gateway's workers (fleet/gateway.py)
+    tool_call_parser: str | None = None  # /server_info: without one, a tool call stays inside `content`
 
     @property
     def max_req_len(self) -> int:
@@ -344,6 +345,7 @@ class ServerClient:
             reasoning_parser=parser,
             mamba_slots_per_request=mamba_slots_per_request(server),
             always_thinks=await self._always_thinks(),
+            tool_call_parser=server.get("tool_call_parser"),
         )
 
     async def _always_thinks(self) -> bool:
@@ -368,9 +370,16 @@ class ServerClient:
     async def loads(self) -> dict:
         return await self._request("GET", "/v1/loads", timeout=10)
 
-    async def count_prompt_tokens(self, messages: list[dict], chat_template_kwargs: dict) -> int:
-        """Exact chat-template token count, rendered by the server the way a chat completion is."""
-        body = {"messages": messages, "chat_template_kwargs": chat_template_kwargs}
+    async def count_prompt_tokens(
+        self, messages: list[dict], chat_template_kwargs: dict, tools: list[dict] | None = None
+    ) -> int:
+        """Exact chat-template token count, rendered by the server the way a chat completion is: with `tools`, their
+        schemas as the template renders them (0.5.23's TokenizeRequest takes `tools`)."""
+        body = {
+            "messages": messages,
+            "chat_template_kwargs": chat_template_kwargs,
+            **({"tools": tools} if tools else {}),
+        }
         attempt = 1
         while True:
             try:

@@ -96,8 +96,10 @@ class GatewayClient(ServerClient):
     async def loads(self) -> dict:
         return await self._request("GET", LOADS_ROUTE, timeout=10)
 
-    async def count_prompt_tokens(self, messages: list[dict], chat_template_kwargs: dict) -> int:
-        return await next(self._next_worker).count_prompt_tokens(messages, chat_template_kwargs)
+    async def count_prompt_tokens(
+        self, messages: list[dict], chat_template_kwargs: dict, tools: list[dict] | None = None
+    ) -> int:
+        return await next(self._next_worker).count_prompt_tokens(messages, chat_template_kwargs, tools)
 
     async def tokenize(self, text: str) -> list[int]:
         return await self.workers[0].tokenize(text)
@@ -112,7 +114,7 @@ def combine(url: str, infos: list[ServerInfo]) -> ServerInfo:
         raise GatewayError(
             f"the gateway {url} routes to {len(models)} different models, refusing to mix them: {detail}"
         )
-    parsers = {i.reasoning_parser for i in infos}
+    parsers, tool_parsers = {i.reasoning_parser for i in infos}, {i.tool_call_parser for i in infos}
     input_limits = [i.max_req_input_len for i in infos if i.max_req_input_len is not None]
     kv_pools = [i.max_total_num_tokens for i in infos if i.max_total_num_tokens is not None]
     return replace(
@@ -123,6 +125,7 @@ def combine(url: str, infos: list[ServerInfo]) -> ServerInfo:
         max_req_input_len=min(input_limits) if input_limits else None,
         max_total_num_tokens=sum(kv_pools) if len(kv_pools) == len(infos) else None,
         reasoning_parser=parsers.pop() if len(parsers) == 1 else None,
+        tool_call_parser=tool_parsers.pop() if len(tool_parsers) == 1 else None,
         servers=len(infos),
     )
 

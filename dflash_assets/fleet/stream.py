@@ -374,6 +374,7 @@ def _decoded(decoder: msgspec.json.Decoder, payloads: list[bytes]) -> list:
 class Delta(msgspec.Struct, gc=False):
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None  # with a tool-call parser: a call's id and name, then its arguments
 
 
 class Choice(msgspec.Struct, gc=False):
@@ -429,6 +430,7 @@ class ChatAnswer:
         "runaway",
         "sglext",
         "tokens",
+        "tool_calls",
         "usage",
     )
 
@@ -440,6 +442,7 @@ class ChatAnswer:
         self.matched_stop: int | str | None = None
         self.usage: Usage | None = None
         self.sglext: dict = {}
+        self.tool_calls: dict[int, dict] = {}  # index -> the call assembled from its deltas
         self.tokens = 0
         self.runaway = Runaway(watch)
 
@@ -458,6 +461,8 @@ class ChatAnswer:
             for choice in event.choices or ():
                 delta = choice.delta
                 thought, answer = (delta.reasoning_content, delta.content) if delta is not None else (None, None)
+                for call in (delta.tool_calls if delta is not None else None) or ():
+                    self.add_call(call)
                 if thought:
                     self.reasoning.append(thought)
                     if not self.content:
@@ -473,6 +478,16 @@ class ChatAnswer:
                     return True
         return False
 
+    def add_call(self, delta: dict) -> None:
+        """A tool-call delta into its call (by index): id and name from the first, the arguments appended."""
+        call = self.tool_calls.setdefault(delta.get("index") or 0, {"type": "function", "function": {"arguments": ""}})
+        function = delta.get("function") or {}
+        if delta.get("id"):
+            call["id"] = delta["id"]
+        if function.get("name"):
+            call["function"]["name"] = function["name"]
+        call["function"]["arguments"] += function.get("arguments") or ""
+
     def response(self, stopped: bool) -> dict:
         ext = self.sglext
         usage = msgspec.structs.asdict(self.usage) if self.usage is not None else {}
@@ -484,6 +499,7 @@ class ChatAnswer:
                 "role": "assistant",
                 "content": "".join(self.content),
                 "reasoning_content": "".join(self.reasoning) or None,
+                **({"tool_calls": [self.tool_calls[k] for k in sorted(self.tool_calls)]} if self.tool_calls else {}),
             },
             "finish_reason": RUNAWAY_FINISH if stopped else self.finish_reason,
             "matched_stop": None if stopped else self.matched_stop,

@@ -129,6 +129,9 @@ def account(
             of_turn(k)["rows"] += 1
         if c.over in ("truncated", "rejected"):
             of_turn(len(c.answers) + (c.over == "rejected"))[c.over] += 1
+        if c.over == "diverged":  # an agentic conversation only (turns.py): counted where it happens
+            turn = of_turn(len(c.answers))
+            turn["diverged"] = turn.get("diverged", 0) + 1
     for k in run.ended_at_window.values():  # the turn not sent
         of_turn(k)["ended_at_window"] += 1
     run.by_turn = dict(sorted(by_turn.items()))

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,7 +53,7 @@ from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import FINISHED as OVER
-from dflash_assets.generation.turns import conversations, regenerate_of, rejected_turns, turns_of
+from dflash_assets.generation.turns import Answer, conversations, regenerate_of, rejected_turns, turns_of
 from dflash_assets.rules import RUNAWAY_FINISH
 from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
 from dflash_assets.store.configs import latest_order
@@ -451,7 +451,7 @@ async def continue_shard(
         # whether a parent's output closed its thought is read from its ids: </think> as the server tokenizes it
         end_ids = await fleet.clients[0].tokenize(THINK_END) if to_continue else []
 
-        def turn_of(pid: str, turn: int, answers: list[str], prompt_tokens: int | None = None) -> dict:
+        def turn_of(pid: str, turn: int, answers: Sequence[Answer], prompt_tokens: int | None = None) -> dict:
             """A conversation's turn to generate, as the engine's plan makes it."""
             conversation = turns_of(json.loads(messages[pid]), generation)
             return {
@@ -462,7 +462,7 @@ async def continue_shard(
                 "conversation": conversation,
                 "turn": turn,
                 "turns": conversation.count,
-                "answers": answers,
+                "answers": list(answers),
                 "prompt_tokens": prompt_tokens,
             }
 

@@ -14,6 +14,7 @@ import itertools
 import json
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -21,14 +22,15 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, account, generated_tokens
 from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan_remaining, plan_shard, reject_row
 from dflash_assets.generation.preflight import check_fleet
-from dflash_assets.generation.prompts import carries_history
+from dflash_assets.generation.prompts import canonical_json, carries_history
 from dflash_assets.generation.provenance import run_settings
 from dflash_assets.generation.quarantine import carry_over, quarantine_note
 from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.stopping import Stopped
+from dflash_assets.generation.tools import calls_differ, clean_calls
 from dflash_assets.generation.turns import every_turn
-from dflash_assets.rules import stores_token_ids
+from dflash_assets.rules import row_finish, stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.store.schema import CompletionRow, RejectRow
 from dflash_assets.store.storage import Storage, open_storage
@@ -73,7 +75,7 @@ def row_of(
         shard=shard,
         source=prompt["source"],
         config_hash=config_hash,
-        finish_reason=choice["finish_reason"],
+        finish_reason=row_finish(choice["finish_reason"]),
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
         reasoning_tokens=reasoning_tokens or 0,
@@ -86,6 +88,7 @@ def row_of(
         enable_thinking=generation.thinks(prompt["prompt_id"]),  # the prompt's mode under a mix
         **generation.mix_columns(),
         content=choice["message"].get("content") or "",
+        tool_calls_json=canonical_json(clean_calls(calls)) if (calls := choice["message"].get("tool_calls")) else None,
         reasoning_content=choice["message"].get("reasoning_content"),
         latency_s=latency,
         attempt=attempt,
@@ -107,7 +110,9 @@ def turn_row(
     conversation's rows record it."""
     recorded, cap = turn_item(item), generation.request_cap(item["prompt_tokens"])
     shard, turn, turns = item["shard"], recorded["turn"], recorded["turns"]
-    return row_of(item, resp, slot, generation, config_hash, shard, attempt, latency, cap, turn, turns)
+    row = row_of(item, resp, slot, generation, config_hash, shard, attempt, latency, cap, turn, turns)
+    made = json.loads(row.tool_calls_json) if row.tool_calls_json else []
+    return replace(row, calls_differ=calls_differ(made, item["conversation"].source_calls_of(item["turn"])))
 
 
 def window_columns(generation: GenerationSettings) -> dict:

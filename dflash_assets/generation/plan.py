@@ -14,9 +14,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.preflight import Budget, overflow_error
+from dflash_assets.generation.preflight import Budget, overflow_error, tool_parser_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
-from dflash_assets.generation.turns import FINISHED, Conversation, conversations, fills_before, plan_file, turns_of
+from dflash_assets.generation.turns import (
+    FINISHED,
+    Conversation,
+    conversations,
+    fills_before,
+    plan_file,
+    turns_of_row,
+)
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.parts import PartStore
@@ -171,11 +178,12 @@ class ShardPlan:
 
     def items(self, columns: tuple[str, ...] = ()) -> Iterator[dict]:
         """The next turn of each conversation not over, in shard order: a work item of the dispatcher."""
-        names = ["prompt_id", "line", "source", "messages_json", *(c for c in columns if c != "messages_json")]
+        own = ("messages_json", "tools_json")
+        names = ["prompt_id", "line", "source", *own, *(c for c in columns if c not in own)]
         for batch in prompt_batches(self.prompts, names):
             for row in batch:
                 if (state := self.todo.get(row["prompt_id"])) is not None:
-                    turns = turns_of(json.loads(row["messages_json"]), self.generation)
+                    turns = turns_of_row(row, self.generation)
                     yield {
                         "prompt_id": row["prompt_id"],
                         "shard": self.run.shard,
@@ -205,9 +213,10 @@ async def count_next_turns(plan: ShardPlan, fleet: Fleet, log: Callable[[str], N
         if item["template_kwargs_json"] != item["kwargs_json"] or messages != last_turn_request(item["messages"]):
             async with gate:
                 item["prompt_tokens"] = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(
-                    messages, generation.template_kwargs(item["prompt_id"])
+                    messages, generation.template_kwargs(item["prompt_id"]), item["conversation"].tools
                 )
-        return {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
+        counted = {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
+        return counted | {"tools": bool(item["conversation"].tools)}
 
     batch: list[dict] = []
     for item in plan.items(("prompt_tokens", "template_kwargs_json", "messages_json")):
@@ -247,6 +256,8 @@ async def plan_shard(
     run.already_done = sum(c.over in FINISHED for c in states.values())
     plan = ShardPlan(run, prompt_store(data_dir, shard), generation, todo)
     next_turns = await count_next_turns(plan, fleet, log)
+    if any(r["tools"] for r in next_turns) and (refused := tool_parser_error(fleet.infos)):
+        raise refused
     budget = Budget.of(fleet.infos)
     over = preflight(
         [r for r in next_turns if not fills_before(r["turn"], r["prompt_tokens"], generation)],

@@ -127,6 +127,19 @@ def check_fleet(infos: list[ServerInfo], enable_thinking: bool = False) -> list[
     return notes
 
 
+def tool_parser_error(infos: list[ServerInfo]) -> PreflightError | None:
+    """An agentic source needs every server to parse tool calls: without --tool-call-parser a call stays text in
+    `content` and the conversation's tool results could not be spliced after it."""
+    missing = [i.url for i in infos if not i.tool_call_parser]
+    if not missing:
+        return None
+    return PreflightError(
+        f"the prompts carry tool schemas but {', '.join(missing)} run without --tool-call-parser: their tool calls "
+        f"would stay text in `content`. Nothing was sent. Start the servers with --tool-call-parser (qwen25 for "
+        f"Qwen models) and run again."
+    )
+
+
 def overflow_error(
     budget: Budget, config_cap: int, overflowing: int, total: int, largest_prompt: int
 ) -> PreflightError:

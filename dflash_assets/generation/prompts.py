@@ -13,7 +13,8 @@ Formats, recognised per record by its keys (the counts per format are the shard'
     mapped          any other columns, named by a FieldMapping (id_field, messages_field)
 A Parquet file (a Hugging Face datasets export: list<struct> columns) reads the same way. A conversation is
 optional system turns, then user and assistant alternating from the user; it may end with either (a final
-assistant turn is the one regenerated).
+assistant turn is the one regenerated). An agentic line adds `tools` and tool turns (generation/tools.py): an
+assistant turn of tool calls is answered by one tool result per call, then the assistant goes on.
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
+
+from dflash_assets.generation.tools import (
+    CALL_SPEAKERS,
+    RESULT_SPEAKERS,
+    answer_calls,
+    read_calls,
+    read_tools,
+    sharegpt_calls,
+)
 
 # ShareGPT speakers (`from`) and the OpenAI role each one is; anything else is rejected, naming the speaker
 SPEAKERS = {
@@ -38,10 +49,10 @@ SPEAKERS = {
     "bing": "assistant",
     "system": "system",
 }
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # What a record's format is, from the keys it has (the first that applies); a mapping in config overrides it
 FORMATS = ("openai_batch", "messages", "conversations", "sharegpt", "prompt", "mapped")
-SOURCE_COLUMNS = ("id", "messages", "conversations", "prompt", "custom_id", "body", "source")
+SOURCE_COLUMNS = ("id", "messages", "conversations", "prompt", "custom_id", "body", "source", "tools")
 
 
 class SourceError(Exception):
@@ -68,10 +79,15 @@ class Prompt:
     source: str
     messages: list[dict]  # the whole conversation: system?, then user/assistant alternating, from the user
     format: str = "messages"  # one of FORMATS: how the line was written
+    tools: list[dict] | None = None  # the line's tool schemas (generation/tools.py), None for a tool-free line
 
     @property
     def messages_json(self) -> str:
         return canonical_json(self.messages)
+
+    @property
+    def tools_json(self) -> str | None:
+        return canonical_json(self.tools) if self.tools else None
 
     @property
     def request(self) -> list[dict]:
@@ -226,8 +242,9 @@ def _record_format(record: dict, mapping: FieldMapping | None) -> tuple[str | No
     return None, None
 
 
-def _turns(raw, field_name: str) -> tuple[list[dict], str | None, str | None]:
-    """(messages as {role, content}, "role" or "from" keys, None) or ([], _, the reason)."""
+def _turns(raw, field_name: str, tools: list[dict] | None = None) -> tuple[list[dict], str | None, str | None]:
+    """(messages as {role, content} (and tool_calls, tool_call_id), "role" or "from" keys, None) or ([], _, the
+    reason)."""
     if not isinstance(raw, list):
         return [], "", f"{field_name!r} must be a list, got {type(raw).__name__}"
     if not raw:
@@ -249,21 +266,47 @@ def _turns(raw, field_name: str) -> tuple[list[dict], str | None, str | None]:
                 "",
                 (f"message {i} uses {_style(keys)} but message 0 uses {_style(style)}: mixed keys in one conversation"),
             )
-        role: str | None
-        if keys == "from":
-            speaker = m.get("from")
-            if speaker not in SPEAKERS:
-                return [], "", (f"message {i} has unknown speaker {speaker!r} (expected one of {sorted(SPEAKERS)})")
-            role, content = SPEAKERS[speaker], m.get("value")
-        else:
-            role, content = m.get("role"), m.get("content")
-            if role not in ROLES:
-                return [], "", f"message {i} has unknown role {role!r} (expected one of {list(ROLES)})"
-        content, why = _text(content, f"message {i} content")
+        made = sum(len(c.get("tool_calls", ())) for c in clean)  # the conversation's calls so far: their ids
+        message, why = _message(i, m, keys, tools, made)
         if why:
             return [], "", why
-        clean.append({"role": role, "content": content})
+        clean.append(message)
     return clean, style, _shape_problem(clean)
+
+
+def _message(i: int, m: dict, keys: str, tools: list[dict] | None, made: int) -> tuple[dict, str | None]:
+    """(message i as {role, content} (and tool_calls, tool_call_id), None) or ({}, why it is not one)."""
+    role: Any
+    content: Any
+    calls = m.get("tool_calls")
+    if keys == "from":
+        speaker = m.get("from")
+        if speaker in CALL_SPEAKERS:
+            role, content, calls = "assistant", "", sharegpt_calls(m.get("value"))
+        elif speaker in RESULT_SPEAKERS:
+            role, content = "tool", m.get("value")
+        elif speaker in SPEAKERS:
+            role, content = SPEAKERS[speaker], m.get("value")
+        else:
+            speakers = sorted([*SPEAKERS, *CALL_SPEAKERS, *RESULT_SPEAKERS])
+            return {}, f"message {i} has unknown speaker {speaker!r} (expected one of {speakers})"
+    else:
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            return {}, f"message {i} has unknown role {role!r} (expected one of {list(ROLES)})"
+    if role == "assistant" and calls is not None:  # a turn of tool calls: its content may be null
+        tool_calls, why = read_calls(calls, f"message {i}", tools, made)
+        text = content if isinstance(content, str) and not _text(content, "")[1] else ""
+        return {"role": role, "content": text, "tool_calls": tool_calls}, why
+    if role == "tool":  # a tool result: any string, an empty one too
+        if not isinstance(content, str):
+            return {}, f"message {i} content must be a string, got {type(content).__name__}"
+        if bad := unwritable(content):
+            return {}, f"message {i} content holds {bad}"
+        given = m.get("tool_call_id")
+        return {"role": role, "content": content, **({"tool_call_id": given} if isinstance(given, str) else {})}, None
+    content, why = _text(content, f"message {i} content")
+    return {"role": role, "content": content}, why
 
 
 def _style(keys: str) -> str:
@@ -271,18 +314,43 @@ def _style(keys: str) -> str:
 
 
 def _shape_problem(messages: list[dict]) -> str | None:
-    """Optional system turns, then user and assistant alternating from the user (the trainers' rule)."""
+    """Optional system turns, then user and assistant alternating from the user (the trainers' rule); an assistant
+    turn of tool calls is followed by one tool result per call, then the assistant again."""
     first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
     if first is None:
         return "the conversation has only system messages, no user turn"
-    if messages[first]["role"] == "assistant":
-        return f"the conversation starts with the assistant (message {first})"
+    if messages[first]["role"] in ("assistant", "tool"):
+        return f"the conversation starts with the {messages[first]['role']} (message {first})"
     for i in range(first + 1, len(messages)):
         role, before = messages[i]["role"], messages[i - 1]["role"]
         if role == "system":
             return f"message {i} is a system message after the conversation started"
-        if role == before:
+        if problem := _tool_turn_problem(messages, i):
+            return problem
+        if role == before and role != "tool":
             return f"alternation broken: message {i} is from the {role} again (message {i - 1} was too)"
+    return None
+
+
+def _tool_turn_problem(messages: list[dict], i: int) -> str | None:
+    """Why message i breaks a tool turn (calls answered by their results, in order, then the assistant), or None."""
+    role, before = messages[i]["role"], messages[i - 1]
+    if before["role"] == "assistant" and before.get("tool_calls") and role != "tool":
+        return f"message {i - 1} calls tools but message {i} is from the {role}, not a tool result"
+    if role != "tool" or before["role"] == "tool":
+        return None
+    if not before.get("tool_calls"):
+        return f"message {i} is a tool result, but message {i - 1} calls no tool"
+    end = i
+    while end < len(messages) and messages[end]["role"] == "tool":
+        end += 1
+    where = f"message {i}" if end - i == 1 else f"messages {i}-{end - 1}"
+    if problem := answer_calls(before["tool_calls"], messages[i:end], where):
+        return problem
+    if end - i != len(before["tool_calls"]):
+        return f"{where}: {end - i} tool result(s) for {len(before['tool_calls'])} tool call(s)"
+    if end < len(messages) and messages[end]["role"] != "assistant":
+        return f"message {end} is from the {messages[end]['role']} after tool results, not the assistant"
     return None
 
 
@@ -311,6 +379,9 @@ def parse_record(record, line: int, default_source: str, mapping: FieldMapping |
     name = {"openai_batch": "body.messages", "mapped": (mapping.messages_field or "") if mapping else ""}.get(fmt, fmt)
     if raw is None:
         return reject(f"{name!r} is missing or null")
+    tools, why = read_tools(record.get("tools"))
+    if why:
+        return reject(why)
     style: str | None
     if fmt == "prompt":
         text, why = _text(raw, "'prompt'")
@@ -318,14 +389,14 @@ def parse_record(record, line: int, default_source: str, mapping: FieldMapping |
             return reject(why)
         messages, style = [{"role": "user", "content": text}], "role"
     else:
-        messages, style, why = _turns(raw, name)
+        messages, style, why = _turns(raw, name, tools)
         if why:
             return reject(why)
         if fmt == "conversations" and style == "from":
             fmt = "sharegpt"
     source = record.get("source")
     source = source if isinstance(source, str) and source and not unwritable(source) else default_source
-    return Prompt(line, given_id or content_id(messages), source, messages, fmt)
+    return Prompt(line, given_id or content_id(messages), source, messages, fmt, tools)
 
 
 def _parquet_file(path: Path) -> pq.ParquetFile:

@@ -12,10 +12,14 @@ def chat_body(
     token_ids: bool = False,
     request_cap: int | None = None,
     prompt_id: str | None = None,
+    tools: list[dict] | None = None,
 ) -> dict:
     """The chat request; `request_cap` is this request's own cap (generation.request_cap), default the config's;
-    `prompt_id` draws the prompt's mode under a mix (GenerationSettings.thinks)."""
-    extra = {"return_token_ids": True} if token_ids else {}
+    `prompt_id` draws the prompt's mode under a mix (GenerationSettings.thinks); `tools` the conversation's tool
+    schemas, which the model may call as it chooses (tool_choice "auto"; they are never executed)."""
+    extra: dict = {"return_token_ids": True} if token_ids else {}
+    if tools:
+        extra |= {"tools": tools, "tool_choice": "auto"}
     return {
         **extra,
         "model": model,

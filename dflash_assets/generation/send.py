@@ -30,6 +30,7 @@ from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
 from dflash_assets.generation.stopping import STOP
+from dflash_assets.generation.tools import answer_message
 from dflash_assets.generation.turns import fills_before
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
@@ -68,7 +69,7 @@ def turn_sender(
         messages = item["conversation"].history(item["turn"], item["answers"])
         if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
             kwargs = generation.template_kwargs(item["prompt_id"])  # the prompt's mode
-            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, kwargs)
+            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, kwargs, item["conversation"].tools)
         if fills_before(item["turn"], item["prompt_tokens"], generation):
             raise Ended(item["turn"])
         request_cap = generation.request_cap(item["prompt_tokens"])
@@ -81,7 +82,8 @@ def turn_sender(
                     turn_item(item), "preflight", reason, generation, config_hash, item["shard"], budget.context_length
                 )
             )
-        body = chat_body(generation, fleet.model, messages, token_ids, request_cap, item["prompt_id"])
+        tools = item["conversation"].tools
+        body = chat_body(generation, fleet.model, messages, token_ids, request_cap, item["prompt_id"], tools)
         t0 = time.monotonic()
         resp = await slot.client.chat(body, watch)
         return make_row(item, resp, slot, attempt, time.monotonic() - t0)
@@ -102,16 +104,20 @@ def turn_item(item: dict) -> dict:
 
 def next_turn(item: dict, row: CompletionRow) -> dict | None:
     """The follow-up of a turn that stopped on its own; a cut (or last) turn ends the conversation, and so does a
-    turn that fills the window of the window policy (the rule `turns.conversation` applies on a restart)."""
+    turn that fills the window of the window policy, or whose tool calls the source has no results for (the rules
+    `turns.conversation` applies on a restart)."""
     if row.finish_reason != "stop" or item["turn"] >= item["turns"]:
         return None
     window = row.trainer_max_length
     if window is not None and fills_window((row.prompt_tokens or 0) + (row.completion_tokens or 0), window):
         return None
+    answer = answer_message(row.content or "", row.tool_calls_json) if row.tool_calls_json else row.content
+    if item["conversation"].ends_after(item["turn"], answer):
+        return None
     return {
         **item,
         "turn": item["turn"] + 1,
-        "answers": item["answers"] + [row.content],
+        "answers": item["answers"] + [answer],
         "prompt_tokens": None,
         "prefer_server": row.server_url,
     }  # the server whose prefix cache holds this history

@@ -128,7 +128,7 @@ async def build_prompt_shard(
             )
         async with gate:
             try:
-                n = await next(clients).count_prompt_tokens(item.request, template_kwargs)
+                n = await next(clients).count_prompt_tokens(item.request, template_kwargs, item.tools)
             except ServerError as e:
                 if e.retryable:  # the server's trouble, retried already: fail the build, never a permanent reject
                     raise
@@ -152,6 +152,7 @@ async def build_prompt_shard(
             "messages_json": p.messages_json,
             "prompt_tokens": n,
             "template_kwargs_json": kwargs_json,
+            "tools_json": p.tools_json,
         }
         for r in results
         if not isinstance(r, SourceReject)

@@ -7,6 +7,12 @@
   with the system turns, the user turns 1..k and the regenerated answers of turns 1..k-1, each answer as its
   `content` only, without its reasoning: what Qwen3's chat template itself keeps of earlier assistant turns (it
   strips their thinking), so the request is what the model would see in a real dialogue.
+An agentic conversation's turns are its assistant turns, tool calls included (generation/tools.py): turn k is
+requested after the messages the source has before its k-th assistant turn, a user turn or the tool results that
+answer turn k-1's calls, spliced after the target's own calls in order (the source's results: tools are never
+executed). Where the target's turn makes as many calls as the source's turn had results the conversation goes on;
+otherwise (no call where the source called, or calls the source has no results for) it ends there, `diverged`:
+its turns so far are the target's, and no result can be spliced honestly.
 Everything after that choice (plan, send, commit, accounting) takes conversations and turns: turns of one
 conversation are sequential (turn k+1 is a follow-up the dispatcher sends as soon as turn k's answer is back);
 conversations run in parallel.
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 import pyarrow.compute as pc
 
 from dflash_assets.generation.prompts import last_turn_request
+from dflash_assets.generation.tools import answer_message, calls_of, results_in, spliced
 from dflash_assets.rules import fills_window, leaves_loss_room
 from dflash_assets.settings import GenerationSettings, Regenerate
 from dflash_assets.store.parts import PartStore
@@ -36,34 +43,61 @@ from dflash_assets.store.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage
 from dflash_assets.store.stores import completion_store, prompt_batches, prompt_store, reject_store
 
-FINISHED = ("done", "truncated", "window")  # a conversation over with every turn it will have committed
+FINISHED = ("done", "truncated", "window", "diverged")  # a conversation over with every turn it will have committed
+Answer = str | dict  # a committed answer: its content, or its message (answer_message) when it may carry calls
 
 
-def split_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(the leading system turns, the user turns): what all_turns keeps of a source conversation."""
-    system = [m for m in messages if m["role"] == "system"]
-    return system, [m for m in messages if m["role"] == "user"]
+def split_turns(messages: list[dict]) -> tuple[list[dict], list[list[dict]]]:
+    """(the leading system turns, the messages before each assistant turn: its user turn, or the tool results that
+    answer the turn before): what all_turns keeps of a source conversation."""
+    system, groups, group = [m for m in messages if m["role"] == "system"], [], list[dict]()
+    for m in messages:
+        if m["role"] in ("assistant", "user") and group:  # a user turn is a group of its own
+            groups.append(group)
+            group = []
+        if m["role"] in ("user", "tool"):
+            group.append(m)
+    return system, groups + ([group] if group else [])
+
+
+def source_calls(messages: list[dict]) -> list[list[dict]]:
+    """The tool calls of each assistant turn of the source, in order (what a regenerated turn is compared with)."""
+    return [m.get("tool_calls") or [] for m in messages if m["role"] == "assistant"]
 
 
 @dataclass(frozen=True)
 class Turns:
-    """The turns a config generates of one source conversation: turn k is requested with `before`, the user turns
-    and generated answers before it, and `users[k - 1]`. `numbered`: its rows record their turn number."""
+    """The turns a config generates of one source conversation: turn k is requested with `before`, the groups and
+    generated answers before it, and `groups[k - 1]` (a user turn, or tool results spliced after the answer before).
+    `numbered`: its rows record their turn number; `tools`: the schemas every request of it carries."""
 
     before: list[dict]
-    users: list[dict]
+    groups: list[list[dict]]
     numbered: bool
+    tools: list[dict] | None = None
+    calls: tuple[tuple[dict, ...], ...] = ()  # the source's calls of each generated turn (all_turns)
 
     @property
     def count(self) -> int:
-        return len(self.users)
+        return len(self.groups)
 
-    def history(self, turn: int, answers: list[str] | tuple[str, ...]) -> list[dict]:
-        """The messages turn `turn` is requested with: `before`, then user/answer pairs, then its user turn."""
-        messages = list(self.before)
-        for user, answer in zip(self.users, answers):
-            messages += [user, {"role": "assistant", "content": answer}]
-        return messages + [self.users[turn - 1]]
+    def history(self, turn: int, answers: list[Answer] | tuple[Answer, ...]) -> list[dict]:
+        """The messages turn `turn` is requested with: `before`, then each group and its answer, then its group."""
+        messages: list[dict] = list(self.before)
+        previous: dict | None = None
+        for group, answer in zip(self.groups, answers):
+            messages += spliced(group, previous)
+            previous = answer if isinstance(answer, dict) else answer_message(answer, None)
+            messages.append(previous)
+        return messages + spliced(self.groups[turn - 1], previous)
+
+    def ends_after(self, turn: int, answer: Answer) -> bool:
+        """Whether the conversation ends after `turn`, its answer's calls not matching the results the source has
+        after it (turns.py: `diverged`)."""
+        return turn < self.count and len(calls_of(answer)) != results_in(self.groups[turn])
+
+    def source_calls_of(self, turn: int) -> list[dict]:
+        return list(self.calls[turn - 1]) if turn <= len(self.calls) else []
 
     def column(self, turn: int) -> int | None:
         """The turn as its rows record it."""
@@ -80,13 +114,25 @@ def regenerate_of(numbered: bool) -> Regenerate:
     return "all_turns" if numbered else "last_turn"
 
 
-def turns_of(messages: list[dict], generation: GenerationSettings) -> Turns:
-    """With `every_turn`, the one place the regenerate mode is read: which turns of `messages` the config generates."""
+def turns_of(messages: list[dict], generation: GenerationSettings, tools: list[dict] | None = None) -> Turns:
+    """With `every_turn`, the one place the regenerate mode is read: which turns of `messages` the config generates
+    (`tools`: the conversation's tool schemas)."""
+    calls = tuple(tuple(c) for c in source_calls(messages))
     if every_turn(generation):
-        system, users = split_turns(messages)
-        return Turns(system, users, numbered=True)
+        system, groups = split_turns(messages)
+        return Turns(system, groups, numbered=True, tools=tools, calls=calls)
     request = last_turn_request(messages)
-    return Turns(request[:-1], request[-1:], numbered=False)
+    start = len(request) - 1
+    while start > 0 and request[start - 1]["role"] == "tool":  # the results that answer the calls before them
+        start -= 1
+    final = calls[-1:] if messages[-1]["role"] == "assistant" else ()
+    return Turns(request[:start], [request[start:]], numbered=False, tools=tools, calls=final)
+
+
+def turns_of_row(row: dict, generation: GenerationSettings) -> Turns:
+    """The turns of a prompt row (its messages_json and tools_json)."""
+    tools = json.loads(row["tools_json"]) if row.get("tools_json") else None
+    return turns_of(json.loads(row["messages_json"]), generation, tools)
 
 
 def fills_before(turn: int, prompt_tokens: int, generation: GenerationSettings) -> bool:
@@ -102,8 +148,8 @@ class Conversation:
     """Where one conversation stands, from what is committed."""
 
     turns: int  # assistant turns to generate
-    answers: tuple[str, ...]  # the committed answers of turns 1..k, in order
-    over: str | None  # "done", "truncated", "window", "rejected", or None: turn k+1 is next
+    answers: tuple[Answer, ...]  # the committed answers of turns 1..k, in order
+    over: str | None  # "done", "truncated", "window", "diverged", "rejected", or None: turn k+1 is next
 
     @property
     def next_turn(self) -> int | None:
@@ -111,11 +157,12 @@ class Conversation:
 
 
 def conversation(
-    turns: int, committed: dict[int, tuple], rejected: set[int], window: int | None = None
+    turns: int, committed: dict[int, tuple], rejected: set[int], window: int | None = None, shape: Turns | None = None
 ) -> Conversation:
-    """`committed`: turn -> (finish_reason, content[, prompt_tokens, completion_tokens]); `rejected`: the turns
-    with a reject row; `window`: the trainer's window of the window policy (None: a fixed cap)."""
-    answers: list[str] = []
+    """`committed`: turn -> (finish_reason, answer[, prompt_tokens, completion_tokens]); `rejected`: the turns
+    with a reject row; `window`: the trainer's window of the window policy (None: a fixed cap); `shape`: the turns,
+    whose tool results an answer's calls must match for the conversation to go on."""
+    answers: list[Answer] = []
     for k in range(1, turns + 1):
         if k not in committed:
             # a reject of the next turn ends it; one of a later turn belongs to a history that was never committed
@@ -126,25 +173,29 @@ def conversation(
             return Conversation(turns, tuple(answers), "truncated")
         if k < turns and window is not None and lengths and fills_window(sum(x or 0 for x in lengths), window):
             return Conversation(turns, tuple(answers), "window")
+        if shape is not None and shape.ends_after(k, content):
+            return Conversation(turns, tuple(answers), "diverged")
     return Conversation(turns, tuple(answers), "done")
 
 
 def _committed_turns(
     store: PartStore, config_hash: str
-) -> dict[str, dict[int, tuple[str, str, int | None, int | None]]]:
-    """prompt_id -> {turn: (finish_reason, content, prompt_tokens, completion_tokens)} of this config; a row that
-    records no turn number is its conversation's one generated turn, turn 1."""
+) -> dict[str, dict[int, tuple[str, Answer, int | None, int | None]]]:
+    """prompt_id -> {turn: (finish_reason, answer, prompt_tokens, completion_tokens)} of this config, the answer its
+    content, or its message where it made tool calls; a row that records no turn number is its conversation's one
+    generated turn, turn 1."""
     parts = store.parts()
-    found: dict[str, dict[int, tuple[str, str, int | None, int | None]]] = {}
+    found: dict[str, dict[int, tuple[str, Answer, int | None, int | None]]] = {}
     if not parts:
         return found
     dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)  # parts from before `turn` read it as null
-    columns = ["prompt_id", "turn", "finish_reason", "content", "prompt_tokens", "completion_tokens"]
+    columns = ["prompt_id", "turn", "finish_reason", "content", "prompt_tokens", "completion_tokens", "tool_calls_json"]
     for batch in dataset.to_batches(columns=columns, filter=pc.field("config_hash") == config_hash):
         for r in batch.to_pylist():
+            content, calls = r["content"] or "", r["tool_calls_json"]
             found.setdefault(r["prompt_id"], {})[r["turn"] or 1] = (
                 r["finish_reason"],
-                r["content"] or "",
+                answer_message(content, calls) if calls else content,
                 r["prompt_tokens"],
                 r["completion_tokens"],
             )
@@ -185,9 +236,11 @@ def conversations(
     stores = [reject_store(data_dir, shard, s) for s in ("preflight", "server")]
     rejected = rejected_turns(stores, config_hash, replanned)
     states = {}
-    for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
+    for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json", "tools_json"]):
         for row in batch:
             pid = row["prompt_id"]
-            turns = turns_of(json.loads(row["messages_json"]), generation).count
-            states[pid] = conversation(turns, committed.get(pid, {}), set(rejected.get(pid, {})), generation.window)
+            shape = turns_of_row(row, generation)
+            states[pid] = conversation(
+                shape.count, committed.get(pid, {}), set(rejected.get(pid, {})), generation.window, shape
+            )
     return states

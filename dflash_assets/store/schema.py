@@ -29,6 +29,9 @@ PROMPT_SCHEMA = pa.schema(
         # up to its last user turn
         ("prompt_tokens", pa.int32()),
         ("template_kwargs_json", pa.string()),  # chat_template_kwargs prompt_tokens was counted with
+        # canonical JSON of the line's tool schemas, sent with every request of it and counted in prompt_tokens
+        # (null for a tool-free line; shards written before it read it as null)
+        ("tools_json", pa.string()),
     ]
 )
 
@@ -95,6 +98,11 @@ COMPLETION_SCHEMA = pa.schema(
         # row's own mode is enable_thinking
         ("thinking_share", pa.float64()),
         ("mode_seed", pa.int32()),
+        # an agentic conversation's turn: the tool calls the target made (JSON of SGLang's message.tool_calls; null
+        # when it made none), and whether they differ from the source turn's calls (name and arguments, in order):
+        # then the tool results spliced after them are the source's, answering other calls (null: neither called)
+        ("tool_calls_json", pa.string()),
+        ("calls_differ", pa.bool_()),
     ]
 )
 
@@ -152,6 +160,8 @@ class CompletionRow:
     loop_start_tokens: int | None = None
     thinking_share: float | None = None
     mode_seed: int | None = None
+    tool_calls_json: str | None = None
+    calls_differ: bool | None = None
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> CompletionRow:

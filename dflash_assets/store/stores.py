@@ -20,10 +20,14 @@ def reject_store(data_dir: str | Path | Storage, shard: str, stage: str) -> Part
 
 
 def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
-    """A store's rows a batch at a time (a shard's prompts), so a large shard is never all in memory."""
+    """A store's rows a batch at a time (a shard's prompts), so a large shard is never all in memory; a column
+    that a part written before it existed lacks (tools_json) reads as null."""
     for part in store.parts():
-        for batch in store.storage.parquet_file(part).iter_batches(batch_size=size, columns=columns):
-            yield batch.to_pylist()
+        file = store.storage.parquet_file(part)
+        present = columns if columns is None else [c for c in columns if c in file.schema_arrow.names]
+        missing = dict.fromkeys(c for c in columns or () if c not in file.schema_arrow.names)
+        for batch in file.iter_batches(batch_size=size, columns=present):
+            yield [r | missing for r in batch.to_pylist()] if missing else batch.to_pylist()
 
 
 def ids_in_other_shards(data_dir: str | Path | Storage, shard: str) -> dict[str, str]:

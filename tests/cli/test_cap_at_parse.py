@@ -27,7 +27,8 @@ def test_a_cap_past_the_emulated_servers_context_is_refused_before_the_demo_star
     [line] = result.stderr.strip().splitlines()
     assert line == (
         "dflash demo: max_output_tokens 40,000 leaves no room for a prompt in the servers' context length 32,768 "
-        "(the emulated servers' flags: --reasoning-parser qwen3; 2 tokens kept free): lower --max-output-tokens "
+        "(the emulated servers' flags: --reasoning-parser qwen3 --tool-call-parser qwen25; 2 tokens kept free): lower "
+        "--max-output-tokens "
         "below 32,766, or give the servers --context-length 40,003 or more (dflash demo did not start)"
     )
     assert runs_in(env) == 0 and not Path(env["DFLASH_DATA_DIR"]).exists()

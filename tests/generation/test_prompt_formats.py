@@ -76,8 +76,8 @@ def test_every_sharegpt_speaker_maps_to_its_role(tmp_path, speaker):
 BAD_TURNS = [
     (
         {"conversations": [{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}]},
-        "line 2: message 1 has unknown speaker 'robot' (expected one of ['assistant', 'bing', 'chatgpt', 'gpt', "
-        "'human', 'system', 'user'])",
+        "line 2: message 1 has unknown speaker 'robot' (expected one of ['assistant', 'bing', 'chatgpt', "
+        "'function', 'function_call', 'gpt', 'human', 'observation', 'system', 'tool', 'user'])",
     ),
     (
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "  "}]},

@@ -149,11 +149,13 @@ KEPT = """
 SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
     g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
     c.reasoning_content, g.window_cut_in_thinking, g.judged_window, {ids}, g.file_index, g.file_row_number, c.enable_thinking,
+    c.tool_calls_json, p.tools_json,
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
 FROM graded g
 JOIN files f ON f.file_index = g.file_index
 JOIN {completions} c ON c.filename = f.filename AND c.file_row_number = g.file_row_number
-JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json FROM {prompts} GROUP BY ALL) p
+JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json, arg_min(tools_json, line) AS tools_json
+      FROM {prompts} GROUP BY ALL) p
     ON p.shard = g.shard AND p.prompt_id = g.prompt_id
 WHERE g.reason IS NULL AND g.shard = $shard
 ORDER BY g.prompt_id, g.config_hash, g.turn
@@ -217,6 +219,7 @@ def _write(
     outputs: dict[str, tuple[Path, Path]],
     form: str,
     held: Callable[[str], bool],
+    tools: bool = False,
 ) -> tuple[Written, dict[str, tuple[int, int]]]:
     """Stream the kept conversations through the form's writer into each side's two files (split.py: `outputs` by
     side, the held-out side absent when nothing is held out; `held` decides by prompt id); Parquet row groups are
@@ -224,7 +227,7 @@ def _write(
     done = Written()
     with contextlib.ExitStack() as stack:
         sides = {
-            side: _Side(stack.enter_context(open(jsonl, "wb")), parquet, writer_for(form), stack)
+            side: _Side(stack.enter_context(open(jsonl, "wb")), parquet, writer_for(form, tools), stack)
             for side, (jsonl, parquet) in outputs.items()
         }
         for conversation in _conversations(con, storage, ids):
@@ -470,7 +473,9 @@ def export_training_set(
             if held_out_share > 0:
                 outputs[HELD_OUT] = (tmps[HELD_OUT_FILES[0]], tmps[HELD_OUT_FILES[1]])
             held = lambda prompt_id: held_out(prompt_id, held_out_share, held_out_seed)  # noqa: E731
-            done, sides = _write(con, storage, ids, outputs, form, held)
+            prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
+            tools = con.execute(f"SELECT count(*) > 0 FROM {prompts} WHERE tools_json IS NOT NULL").fetchall()[0][0]
+            done, sides = _write(con, storage, ids, outputs, form, held, tools)
             _reassign(con, [(*position, "recipe_validation") for position in done.refused_rows])
             window = _window(con, max_length)
             manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import pyarrow as pa
 
 from dflash_assets.generation.prompts import carries_history, last_turn_request
+from dflash_assets.generation.tools import spliced
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.training.trainer_format import FORM, STATUS, Form, recipe_flags, row_problem
 
@@ -45,7 +46,8 @@ class Conversation:
 
     @property
     def messages(self) -> list[dict[str, Any]]:
-        return [{"role": m["role"], "content": m["content"]} for m in json.loads(self.rows[0]["messages_json"])]
+        keys = ("role", "content", "tool_calls", "tool_call_id")
+        return [{k: m[k] for k in keys if k in m} for m in json.loads(self.rows[0]["messages_json"])]
 
     @property
     def carries_history(self) -> bool:
@@ -66,10 +68,15 @@ class Written:
     source_answers: dict[str, int] = field(default_factory=lambda: {"written": 0, "left_out": 0})
 
 
-def answer(row: Row) -> dict[str, str]:
-    message = {"role": "assistant", "content": WINDOW_CUT_CONTENT if row["window_cut_in_thinking"] else row["content"]}
+def answer(row: Row) -> dict[str, Any]:
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": WINDOW_CUT_CONTENT if row["window_cut_in_thinking"] else row["content"],
+    }
     if not row["reasoning_empty"]:
         message["reasoning_content"] = row["reasoning_content"]
+    if row.get("tool_calls_json"):
+        message["tool_calls"] = json.loads(row["tool_calls_json"])
     return message
 
 
@@ -81,8 +88,13 @@ def exported_messages(conversation: Conversation) -> list[dict[str, str]]:
         return [*last_turn_request(messages), answer(rows[0])]
     if [r["turn"] for r in rows] != list(range(1, len(rows) + 1)):  # selection.py exports turns 1..k
         raise RuntimeError(f"conversation {rows[0]['id']} exported with turns {[r['turn'] for r in rows]}")
-    system, users = split_turns(messages)
-    return system + [m for user, row in zip(users, rows) for m in (user, answer(row))]
+    out, groups = split_turns(messages)
+    previous: dict[str, Any] | None = None
+    for group, row in zip(groups, rows):  # a user turn, or the source's tool results spliced after the calls
+        out += spliced(group, previous)
+        previous = answer(row)
+        out.append(previous)
+    return out
 
 
 def pretokenized(row: Row, max_length: int | None) -> dict[str, Any]:
@@ -256,8 +268,46 @@ WRITERS: dict[str, type[Writer]] = {
 }
 
 
-def writer_for(form: str) -> Writer:
-    """The writer of a form (TrainerSettings.format); an unknown form is refused before anything is written."""
+# An agentic export's messages: tool calls (JSON of SGLang's tool_calls) and the call a tool result answers
+TOOL_CALL = pa.struct(
+    [
+        ("id", pa.string()),
+        ("type", pa.string()),
+        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+    ]
+)
+AGENTIC_MESSAGE = pa.struct(
+    [
+        *(MESSAGE.field(i) for i in range(MESSAGE.num_fields)),
+        ("tool_calls", pa.list_(TOOL_CALL)),
+        ("tool_call_id", pa.string()),
+    ]
+)
+
+
+def agentic(writer: type[Writer]) -> type[Writer]:
+    """The writer of a text form for an export with tool schemas: each line (and Parquet row) carries `tools`, the
+    JSON text of its conversation's schemas, as SpecForge's build_eagle3_dataset reads it (json.loads of the
+    column) and hands it to the chat template; messages keep tool_calls and tool_call_id."""
+    fields = [pa.field(f.name, pa.list_(AGENTIC_MESSAGE)) if f.type == pa.list_(MESSAGE) else f for f in writer.schema]
+
+    class Agentic(writer):  # type: ignore[valid-type,misc]  # a subclass of the form's writer, made per form
+        schema = pa.schema([*fields, ("tools", pa.string())])
+
+        def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
+            tools = conversation.rows[0].get("tools_json")
+            return [
+                ({**line, "tools": tools} if tools else line, record | {"tools": tools})
+                for line, record in super().samples(conversation, done)
+            ]
+
+    return Agentic
+
+
+def writer_for(form: str, tools: bool = False) -> Writer:
+    """The writer of a form (TrainerSettings.format); an unknown form is refused before anything is written.
+    `tools`: the export holds conversations with tool schemas (the text forms then carry them)."""
     if form not in WRITERS:
         raise ValueError(f"export form must be one of {', '.join(WRITERS)}, got {form!r}")
-    return WRITERS[form]()
+    writer = WRITERS[form]
+    return agentic(writer)() if tools and issubclass(writer, TextWriter) else writer()
