@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-TOOLS = [
+TOOLS: list[dict] = [
     {
         "type": "function",
         "function": {
@@ -56,6 +56,11 @@ TASKS = [
     "Add a test for an empty queue and tell me whether the suite passes.",
     "Which commit changed the eviction policy, and what did it change?",
 ]
+NAMES = (
+    "evict lookup insert flush expire route pick balance retry backoff enqueue drain timeout parse render "
+    "connect close commit rollback shard merge split index scan load store"
+).split()
+THINGS = "cache entry key node server queue worker request socket record ticket lease token batch".split()
 SYSTEM = "You are a coding agent working in a Python repository. Call the tools to look before you answer."
 # one of each kind of mistake the reader names (generation/tools.py, generation/prompts.py)
 MALFORMED = [
@@ -110,7 +115,7 @@ DEFAULT_PATH = Path(__file__).with_name("agentic.jsonl")
 
 
 def _call(rng: random.Random) -> dict:
-    tool = rng.choice(TOOLS)["function"]
+    tool: dict = rng.choice(TOOLS)["function"]
     name = tool["name"]
     arguments = {"pattern": rng.choice(["timeout", "evict", "def route", "TODO"])} if name == "search_code" else {}
     if name != "search_code":
@@ -118,16 +123,33 @@ def _call(rng: random.Random) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
 
 
+def _result(tool: str, rng: random.Random) -> str:
+    """What a tool printed: a few lines of code, test results or commits, made of the names above."""
+    lines = []
+    for _ in range(rng.randint(3, 6)):
+        name, thing, n = rng.choice(NAMES), rng.choice(THINGS), rng.randint(1, 400)
+        lines.append(
+            {
+                "run_tests": f"test_{name}_{thing} {'PASSED' if rng.random() < 0.7 else 'FAILED'} ({n} ms)",
+                "git_log": f"{rng.getrandbits(28):07x} {name.capitalize()} the {thing} on {rng.choice(NAMES)}",
+                "search_code": f"{rng.choice(FILES)}:{n}: def {name}_{thing}(self, {rng.choice(THINGS)}):",
+            }.get(tool, f"{n:4d}    {thing} = self.{name}({rng.choice(THINGS)}, {rng.choice(NAMES)}={n % 17})")
+        )
+    return "\n".join(lines)
+
+
 def conversation(i: int, rng: random.Random) -> dict:
     """One agent conversation: a task, 1 to 4 tool calls in 1 to 3 steps (a step may call two tools at once), each
     answered by its result, an answer, and sometimes a follow-up question and its answer."""
-    calls_left, messages, n = rng.randint(1, 4), [{"role": "user", "content": rng.choice(TASKS)}], 0
+    ticket = f"Ticket {4100 + i}: the {rng.choice(THINGS)} {rng.choice(NAMES)} path misbehaves in {rng.choice(FILES)}."
+    messages: list[dict] = [{"role": "user", "content": f"{rng.choice(TASKS)} {ticket}"}]
+    calls_left, n = rng.randint(1, 4), 0
     while calls_left:
         k = 2 if calls_left >= 2 and rng.random() < 0.3 else 1
         calls = [_call(rng) | {"id": f"call_{i}_{n + j}"} for j in range(k)]
         messages.append({"role": "assistant", "content": None, "tool_calls": calls})
         for call in calls:
-            result = f"({call['function']['name']} output: {rng.randint(3, 60)} lines)"
+            result = _result(call["function"]["name"], rng)
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         n, calls_left = n + k, calls_left - k
     messages.append({"role": "assistant", "content": "(the source model's answer)"})

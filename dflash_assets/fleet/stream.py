@@ -493,11 +493,13 @@ class ChatAnswer:
         usage = msgspec.structs.asdict(self.usage) if self.usage is not None else {}
         if stopped:  # closed by us: the tokens decoded so far (continuous usage), no final usage chunk came
             usage = {**usage, "completion_tokens": self.tokens}
+        content = "".join(self.content)
         choice = {
             "index": 0,
             "message": {
                 "role": "assistant",
-                "content": "".join(self.content),
+                # the reply's content where the parser took calls out: the text before them, stripped (Qwen25Detector)
+                "content": content.strip() if self.tool_calls else content,
                 "reasoning_content": "".join(self.reasoning) or None,
                 **({"tool_calls": [self.tool_calls[k] for k in sorted(self.tool_calls)]} if self.tool_calls else {}),
             },

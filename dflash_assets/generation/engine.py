@@ -28,7 +28,7 @@ from dflash_assets.generation.quarantine import carry_over, quarantine_note
 from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.stopping import Stopped
-from dflash_assets.generation.tools import calls_differ, clean_calls
+from dflash_assets.generation.tools import answer_message, calls_differ, clean_calls
 from dflash_assets.generation.turns import every_turn
 from dflash_assets.rules import row_finish, stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
@@ -111,8 +111,16 @@ def turn_row(
     recorded, cap = turn_item(item), generation.request_cap(item["prompt_tokens"])
     shard, turn, turns = item["shard"], recorded["turn"], recorded["turns"]
     row = row_of(item, resp, slot, generation, config_hash, shard, attempt, latency, cap, turn, turns)
+    conversation = item["conversation"]
+    if not conversation.tools:
+        return row
     made = json.loads(row.tool_calls_json) if row.tool_calls_json else []
-    return replace(row, calls_differ=calls_differ(made, item["conversation"].source_calls_of(item["turn"])))
+    answer = answer_message(row.content or "", row.tool_calls_json)
+    return replace(
+        row,
+        calls_differ=calls_differ(made, conversation.source_calls_of(item["turn"])),
+        diverged=row.finish_reason == "stop" and conversation.ends_after(item["turn"], answer),
+    )
 
 
 def window_columns(generation: GenerationSettings) -> dict:

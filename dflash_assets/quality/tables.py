@@ -55,8 +55,9 @@ COMPLETION_COLUMNS = """
     server_context_length, enable_thinking, turn, coalesce(policy_cap, max_output_tokens) AS config_cap,
     trainer_max_length"""
 
+# a turn of tool calls answers with its calls: its content may be empty (generation/tools.py)
 COMPLETION_FLAGS = f"""
-    {blank_sql('content')} AS content_empty,
+    {blank_sql('content')} AND tool_calls_json IS NULL AS content_empty,
     {think_marker_sql("content", "reasoning_content")} AS think_marker,
     {blank_sql('reasoning_content')} AS reasoning_empty"""
 

@@ -103,6 +103,9 @@ COMPLETION_SCHEMA = pa.schema(
         # then the tool results spliced after them are the source's, answering other calls (null: neither called)
         ("tool_calls_json", pa.string()),
         ("calls_differ", pa.bool_()),
+        # an agentic turn after which the source holds no results for its calls (or results for calls it did not
+        # make): its conversation ends here, complete up to it (generation/turns.py `diverged`; null: tool-free)
+        ("diverged", pa.bool_()),
     ]
 )
 
@@ -162,6 +165,7 @@ class CompletionRow:
     mode_seed: int | None = None
     tool_calls_json: str | None = None
     calls_differ: bool | None = None
+    diverged: bool | None = None
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> CompletionRow:

@@ -6,7 +6,8 @@ a6b6b0230009d15ec2a97a57384e6f53f0f96946), so the tests judge which assistant tu
 - CharTokenizer: tests/test_scripts/test_expand_reasoning_conversations.py's `_CharTokenizer` (one token a
   character), used by that file's test_expanded_event_qwen35_masks_only_current_generation; its
   apply_chat_template renders as Qwen3's chat template does (the emulator's, dflash_assets/emulator/tokenizer.py:
-  an assistant turn before the last user turn keeps its content only), where the original always renders reasoning.
+  an assistant turn before the last user turn keeps its content only; tools, tool calls and tool results as Qwen3's
+  template renders them), where the original always renders reasoning.
 Torch is not a dependency here: tensors are lists (`torch.zeros(n)` is `[0] * n`, a slice assignment the same), and
 the unused branches (tools' sanitising, the template-less fallback, pre-formatted text, ignore tokens) are left out.
 """
@@ -61,8 +62,8 @@ class CharTokenizer:
 
     def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False, add_special_tokens=False,
                             tools=None, **kwargs):
-        del tokenize, add_special_tokens, tools, kwargs
-        return qwen3_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        del tokenize, add_special_tokens, kwargs
+        return qwen3_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def __call__(self, text, max_length=None, truncation=True, return_tensors=None, add_special_tokens=False,
                  **kwargs):

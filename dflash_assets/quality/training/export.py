@@ -58,7 +58,14 @@ from dflash_assets.quality.tables import (
 )
 from dflash_assets.quality.training.selection import AFTER_END, NOT_WHOLE, Selection, Turn, ending
 from dflash_assets.quality.training.split import HELD_OUT, HELD_OUT_FILES, TRAIN, held_out, split_manifest
-from dflash_assets.quality.training.trainer_format import VALIDATOR, chosen_form, flags_text, has_think_marker
+from dflash_assets.quality.training.trainer_format import (
+    TOOL_VALIDATION,
+    VALIDATOR,
+    chosen_form,
+    flags_text,
+    has_think_marker,
+    tool_row_problem,
+)
 from dflash_assets.quality.training.trainer_settings import TRAINER_SETTINGS_FILES, write_trainer_settings
 from dflash_assets.quality.training.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql, trainable_sql
@@ -109,7 +116,7 @@ GRADE = """
 CREATE TEMP TABLE graded AS
 WITH c AS (
     SELECT file_index, file_row_number, shard, prompt_id, config_hash, turn, turns, source, max_output_tokens, config_cap,
-        prompt_tokens, completion_tokens, created_at, window_complete, judged_window, enable_thinking,
+        prompt_tokens, completion_tokens, created_at, window_complete, judged_window, enable_thinking, diverged,
         window_complete AND content_empty AND NOT reasoning_empty AS window_cut_in_thinking, CASE
             WHEN {fills_window} THEN 'no_trainable_tokens'
             WHEN NOT {trainable} THEN 'too_few_loss_tokens'
@@ -285,7 +292,7 @@ def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[int, int, str]]) 
 
 TURNS = """
 SELECT shard, prompt_id, config_hash, turn, max(turns) OVER (PARTITION BY shard, prompt_id, config_hash) AS turns,
-    reason, window_complete, prompt_tokens, completion_tokens, judged_window, file_index, file_row_number
+    reason, window_complete, prompt_tokens, completion_tokens, judged_window, file_index, file_row_number, diverged
 FROM graded WHERE turn IS NOT NULL AND reason IS DISTINCT FROM 'duplicate'
 ORDER BY shard, prompt_id, config_hash, turn, reason IS NOT NULL, created_at, file_index, file_row_number
 """
@@ -323,6 +330,7 @@ def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) 
                     r["completion_tokens"] or 0,
                     int(r["judged_window"]),
                     (r["file_index"], r["file_row_number"]),
+                    bool(r["diverged"]),
                 ),
             )
         end = ending(total, turns, refused.get(key, {}), failed.get(key, set()), min_loss_tokens)
@@ -335,11 +343,12 @@ def _recipe(done: Written, writer: Writer) -> dict[str, Any]:
     if not writer.form.rendered:
         return {"validator": None, "note": "pre-tokenized samples are read as is: no validator runs on them"}
     flags = sorted({flags_text(t) for t in done.thinking}) or [flags_text(True)]
+    agentic = {"note": TOOL_VALIDATION} if getattr(writer, "check", None) is tool_row_problem else {}
     return {
         "validator": VALIDATOR,
         "flags": flags[0] if len(flags) == 1 else flags,  # two: configs with and without thinking, one file
         "left_out": dict(sorted(done.refused.items())),
-    }
+    } | agentic
 
 
 def _source_answers(done: Written, writer: Writer) -> dict[str, Any]:

@@ -7,7 +7,8 @@ trainer, each turn judged by its own row (export.py's reasons):
   no later turn was generated);
 - turn k+1's history leaves the window no room for min_loss_tokens supervised tokens (rules.leaves_loss_room),
   whether it was sent (its row has no trainable token), refused with that prompt, or not sent at all because turn
-  k's prompt and answer fill the window (the window policy ends a conversation there): ended at turn k.
+  k's prompt and answer fill the window (the window policy ends a conversation there): ended at turn k;
+- an agentic turn k whose calls the source has no results for (generation/turns.py `diverged`): ended at turn k.
 Any other turn that did not pass keeps its conversation out, said with the turn and why: a row left out for a reason
 of its own (truncated: cut inside the window; runaway; ...), a turn refused (preflight, server) or failed, a turn
 not generated. A turn-1 row's own reason is its row's exclusion; such a conversation has nothing to export.
@@ -39,6 +40,7 @@ class Turn:
     completion_tokens: int
     judged_window: int
     position: tuple[int, int]  # (file_index, file_row_number): the row's identity in `graded`
+    diverged: bool = False  # its conversation ends after it: no source result for its calls (or calls for results)
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Ending:
     """Where a conversation ends for the trainer: exported through turn `through` (0: left out)."""
 
     through: int
-    why: str  # "whole", "cut_past_window", "history_fills_window", or why turn `turn` keeps it out
+    why: str  # "whole", "cut_past_window", "history_fills_window", "diverged", or why turn `turn` keeps it out
     turn: int  # the turn that decided it
 
 
@@ -87,6 +89,8 @@ def ending(
             return Ending(0, row.reason, k)
         if row.window_complete:
             return Ending(k, "cut_past_window", k)
+        if row.diverged and k < turns:
+            return Ending(k, "diverged", k)
         previous = row
     return Ending(turns, "whole", turns)
 
@@ -97,6 +101,7 @@ class Selection:
 
     whole: int = 0
     window_complete: dict[int, int] = field(default_factory=dict)  # ended at turn k -> conversations
+    diverged: dict[int, int] = field(default_factory=dict)  # ended at turn k, its calls unanswered -> conversations
     left_out: dict[tuple[int, str], int] = field(default_factory=dict)  # (turn, why) -> conversations (turn > 1)
     reassigned: list[tuple[int, int, str]] = field(default_factory=list)  # (file_index, file_row_number, reason)
 
@@ -105,6 +110,8 @@ class Selection:
             self.left_out[(end.turn, end.why)] = self.left_out.get((end.turn, end.why), 0) + 1
         elif end.why == "whole":
             self.whole += 1
+        elif end.why == "diverged":
+            self.diverged[end.through] = self.diverged.get(end.through, 0) + 1
         elif end.through:
             self.window_complete[end.through] = self.window_complete.get(end.through, 0) + 1
         for k, row in rows.items():
@@ -118,7 +125,9 @@ class Selection:
             "left_out": [
                 {"turn": turn, "why": why, "conversations": n} for (turn, why), n in sorted(self.left_out.items())
             ],
-        }
+        } | (  # agentic exports only: conversations that end where the target's calls found no source results
+            {"diverged": {f"ended at turn {k}": n for k, n in sorted(self.diverged.items())}} if self.diverged else {}
+        )
 
     @property
     def not_whole(self) -> int:

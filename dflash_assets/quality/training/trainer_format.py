@@ -29,6 +29,12 @@ STATUS = "success"
 # what the export names as the validator it keeps equal (its manifest says it, beside the flags)
 VALIDATOR = "SpecForge scripts/validate_regenerated_data.py (sgl-project/SpecForge a6b6b02)"
 THINK_MARKERS = ("<think>", "</think>")
+# what the manifest says of an agentic export's validation (tool_row_problem)
+TOOL_VALIDATION = (
+    "the validator refuses tool turns (a `tool` message, an assistant turn of calls with empty content) that "
+    "SpecForge's trainer reads: do not run it on this file; each assistant turn was judged by its checks, tool "
+    "turns allowed where SpecForge's parser keeps them"
+)
 
 # the export's forms: SpecForge's conversations, one row per assistant turn, the OpenAI messages form, and
 # {id, input_ids, loss_mask}; "auto" picks per_turn or conversations (chosen_form)
@@ -177,8 +183,14 @@ def row_problem(
     messages = row.get("conversations")
     if problem := conversation_problem(messages):
         return problem
+    return _assistants_problem(cast(list, messages), expect_reasoning, expect_non_reasoning, strict_think_markers)
+
+
+def _assistants_problem(
+    messages: list, expect_reasoning: bool, expect_non_reasoning: bool, strict_think_markers: bool
+) -> str | None:
+    """What the validator says of a conversation's assistant messages (validate_row's per-turn checks), or None."""
     assistants = 0
-    messages = cast(list, messages)  # a list here: conversation_problem refused anything else
     for i, m in enumerate(messages):
         if m.get("role") != "assistant":
             continue
@@ -199,3 +211,31 @@ def row_problem(
     if messages[-1].get("role") != "assistant":
         return "conversation must end with an assistant message"
     return None
+
+
+def tool_row_problem(
+    row: Any,
+    *,
+    expect_reasoning: bool = True,
+    expect_non_reasoning: bool = False,
+    strict_think_markers: bool = True,
+) -> str | None:
+    """row_problem for an agentic row. SpecForge's validator (a6b6b02) refuses a `tool` message and an assistant turn
+    whose content is empty (tests/support/specforge.py), though its trainer reads both (build_eagle3_dataset's
+    `tools`, parse.py's tool_calls and tool_call_id): every assistant turn is judged by the validator's own checks,
+    in the order SpecForge's parser keeps (a tool result after the assistant's calls, then the assistant)."""
+    messages = row.get("conversations") if isinstance(row, dict) else None
+    if not isinstance(messages, list) or not messages:
+        return "conversations must be a non-empty list"
+    before = "system"
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        calls = role == "assistant" and bool(m.get("tool_calls"))
+        if not isinstance(content, str) or not (content.strip() or calls or role == "tool"):
+            return f"message {i} content must be a non-empty string"
+        allowed = {"system": ("system", "user"), "user": ("assistant",), "tool": ("tool", "assistant")}
+        expected = ("tool",) if before == "calls" else ("user",) if before == "assistant" else allowed[before]
+        if role not in expected:
+            return f"message {i} expected role {' or '.join(map(repr, expected))}, got {role!r}"
+        before = "calls" if calls else role
+    return _assistants_problem(messages, expect_reasoning, expect_non_reasoning, strict_think_markers)

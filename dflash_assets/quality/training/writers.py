@@ -16,7 +16,14 @@ import pyarrow as pa
 from dflash_assets.generation.prompts import carries_history, last_turn_request
 from dflash_assets.generation.tools import spliced
 from dflash_assets.generation.turns import split_turns
-from dflash_assets.quality.training.trainer_format import FORM, STATUS, Form, recipe_flags, row_problem
+from dflash_assets.quality.training.trainer_format import (
+    FORM,
+    STATUS,
+    Form,
+    recipe_flags,
+    row_problem,
+    tool_row_problem,
+)
 
 # The content of a window-complete row cut inside its thinking (text forms): past the window, never read by the
 # trainer, and non-empty so that SpecForge's validator accepts the file.
@@ -158,6 +165,8 @@ class TextWriter(Writer):
     """The text forms: the whole conversation, first judged by SpecForge's validator with its recipe's flags for
     the row's config (trainer_format.recipe_flags): a conversation it would stop at is left out, never written."""
 
+    check = staticmethod(row_problem)  # the validator's verdict on a conversations row
+
     def line(self, sample_id: str, judged: dict[str, Any], messages: list[dict[str, str]]) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -179,7 +188,7 @@ class TextWriter(Writer):
         thinking = bool(rows[-1]["enable_thinking"])
         done.thinking.add(thinking)
         judged = {"id": rows[-1]["id"], "status": STATUS, "conversations": messages}
-        if problem := row_problem(judged, **recipe_flags(thinking)):
+        if problem := self.check(judged, **recipe_flags(thinking)):
             done.refused[problem] = done.refused.get(problem, 0) + len(rows)
             done.refused_rows += [(r["file_index"], r["file_row_number"]) for r in rows]
             done.source_answers["left_out"] += history
@@ -293,6 +302,7 @@ def agentic(writer: type[Writer]) -> type[Writer]:
 
     class Agentic(writer):  # type: ignore[valid-type,misc]  # a subclass of the form's writer, made per form
         schema = pa.schema([*fields, ("tools", pa.string())])
+        check = staticmethod(tool_row_problem)
 
         def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
             tools = conversation.rows[0].get("tools_json")
