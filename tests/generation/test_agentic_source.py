@@ -14,7 +14,7 @@ from dflash_assets.generation.prompts import Prompt, parse_record, read_shard
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.generation.tools import calls_differ
 from dflash_assets.generation.turns import split_turns, turns_of
-from dflash_assets.quality.export import export_training_set
+from dflash_assets.quality.training.export import export_training_set
 from dflash_assets.settings import DEMO_PROMPTS, DispatchSettings, GenerationSettings
 from tests.support.forks import start_emulator
 
