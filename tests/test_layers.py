@@ -108,6 +108,8 @@ def test_every_layer_is_one_of_the_order():
 def test_demo_holds_the_bundled_prompts_only():
     assert sorted(p.name for p in (PACKAGE / "demo").iterdir() if p.name != "__pycache__") == [
         "__init__.py",
+        "agentic.jsonl",
+        "make_agentic.py",
         "make_prompts.py",
         "prompts.jsonl",
     ]

@@ -8,7 +8,8 @@ a lock the writer needs.
 
 Tables (every one exists, empty when its directory has no files yet):
     completions  prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens,
-                 max_output_tokens, server_context_length, enable_thinking, plus the flags content_empty,
+                 max_output_tokens, server_context_length, enable_thinking, tool_calls_json (agentic rows), plus the
+                 flags content_empty,
                  think_marker (content or reasoning, any case: trainer_format.py), reasoning_empty and runaway (a
                  cut row whose output ends in a loop, generation/runaway.py); judged against the trainer's window
                  max_length (rules.py), each row by its own (judged_window: the window a cap_policy window row
@@ -17,7 +18,7 @@ Tables (every one exists, empty when its directory has no files yet):
                  policy, whose rows each record their own max_output_tokens)
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
-    prompts      prompt_id, shard of PROMPT_SCHEMA (what accounting joins on)
+    prompts      prompt_id, shard, tools_json of PROMPT_SCHEMA (what accounting and the tool_calls check join on)
     outcomes     one row per (shard, config_hash, prompt_id) with any row in completions, preflight/server
                  rejects or failures: `outcome` 1 completed, 2 rejected, 3 failed (the first that applies)
     other_outcomes  the same for every config but the scope's (empty without a config scope): what accounting
@@ -53,7 +54,7 @@ from dflash_assets.store.stores import committed_parts
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
     server_context_length, enable_thinking, turn, coalesce(policy_cap, max_output_tokens) AS config_cap,
-    trainer_max_length"""
+    trainer_max_length, tool_calls_json"""
 
 # a turn of tool calls answers with its calls: its content may be empty (generation/tools.py)
 COMPLETION_FLAGS = f"""
@@ -249,7 +250,7 @@ def open_quality_db(
     )
     src = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard)
     con.execute(
-        f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard FROM {src} WHERE {shard_ok}",
+        f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard, tools_json FROM {src} WHERE {shard_ok}",
         {"shard": shard},
     )
     con.execute(OUTCOMES)

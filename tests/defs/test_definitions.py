@@ -46,6 +46,7 @@ CHECKED = {
         "max_length_overflow",
         "runaway_rate",
         "decoded_past_window",
+        "tool_calls",
     }
 }
 # job -> (the folder of its jobs.py, the assets it materialises, the assets whose checks it runs, partitioned)

@@ -331,3 +331,14 @@ def test_the_pretokenized_form_supervises_the_servers_output_ids_only(clean, tmp
         assert "<tool_response>" not in tok.decode(supervised)
         calls += "<tool_call>" in tok.decode(supervised)
     assert calls > 0 and any("<tool_response>" in tok.decode(s["input_ids"]) for s in samples)
+
+
+def test_the_tool_calls_check_counts_the_tool_turns_of_the_config_and_passes_well_formed_calls(clean):
+    from dflash_assets.quality import run_checks
+
+    data, _, _, run, rows = clean
+    (outcome,) = run_checks(data, config_hash=run.config_hash, names=["tool_calls"])
+    calls = [c for r in rows for c in r[6]]
+    assert outcome.passed and outcome.metadata["tool_call_turns"] == sum(1 for r in rows if r[6])
+    assert outcome.metadata["calls"] == len(calls) and outcome.metadata["unknown_tool"] == 0
+    assert f"{outcome.metadata['tool_call_turns']:,} turns called {len(calls):,} tools" in outcome.summary_md

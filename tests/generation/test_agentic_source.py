@@ -121,3 +121,30 @@ def test_a_tool_free_source_keeps_its_config_hash_and_the_bytes_of_every_export_
             hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in (export.jsonl_path, export.parquet_path)
         )
         assert digests == TOOL_FREE[form], form
+
+
+def test_the_tool_calls_check_fails_on_a_call_to_an_unknown_tool_or_arguments_that_are_not_json(tmp_path):
+    from tests.support.quality_data import CONFIG_A, check, completion, prompt, write
+
+    prompts = [prompt("s0", i, 50, "agent") | {"tools_json": json.dumps(TOOLS)} for i in range(4)]
+    deploy = {**CALL, "function": {"name": "deploy", "arguments": "{}"}}
+    broken = {**CALL, "function": {"name": "read_file", "arguments": "{path: x"}}
+    calls = [[CALL], [CALL, deploy], [broken], None]
+    rows = [
+        completion(p, CONFIG_A, 20, content="" if c else "An answer.", tool_calls_json=json.dumps(c) if c else None)
+        for p, c in zip(prompts, calls)
+    ]
+    write(tmp_path, "prompt_shards", "s0", prompts)
+    write(tmp_path, "completions", "s0", rows)
+    outcome = check(tmp_path, "tool_calls")
+    assert not outcome.passed and outcome.severity == "WARN"
+    assert {k: outcome.metadata[k] for k in ("tool_call_turns", "calls", "unknown_tool", "arguments_not_json")} == {
+        "tool_call_turns": 3,
+        "calls": 4,
+        "unknown_tool": 1,
+        "arguments_not_json": 1,
+    }
+    assert outcome.summary_md.splitlines()[0] == "2 of 4 tool calls are malformed."
+    assert check(tmp_path, "empty_content").passed  # a turn of calls answers with its calls, not its content
+    write(tmp_path, "completions", "s0", rows[3:])
+    assert check(tmp_path, "tool_calls").summary_md == "Not applicable: no row called a tool."

@@ -20,6 +20,7 @@ from dflash_assets.quality.checks.lengths import (
     truncation_rate,
 )
 from dflash_assets.quality.checks.runaway import runaway_rate
+from dflash_assets.quality.checks.tools import tool_calls
 from dflash_assets.quality.outcome import CheckOutcome, Finding, Severity
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.settings import QualitySettings
@@ -66,6 +67,7 @@ CHECKS: list[CheckSpec] = [
     _spec(truncated_thinking, blocking=False),
     _spec(max_length_overflow, blocking=False),
     _spec(runaway_rate, blocking=False),
+    _spec(tool_calls, blocking=False),
 ]
 CHECKS_BY_NAME = {spec.name: spec for spec in CHECKS}
 
