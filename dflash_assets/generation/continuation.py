@@ -53,7 +53,7 @@ from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import FINISHED as OVER
-from dflash_assets.generation.turns import Answer, conversations, regenerate_of, rejected_turns, turns_of
+from dflash_assets.generation.turns import Answer, conversations, regenerate_of, rejected_turns, turns_of_row
 from dflash_assets.rules import RUNAWAY_FINISH
 from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
 from dflash_assets.store.configs import latest_order
@@ -379,12 +379,13 @@ async def continue_shard(
         )
         done, refused = committed_keys(store, config_hash), committed_keys(server_rejects, config_hash)
         run.already_done = len(done)
-        lines, messages, sources = {}, {}, {}
-        for b in prompt_batches(prompts, ["prompt_id", "line", "source", "messages_json"]):
+        lines, messages, sources, tools = {}, {}, {}, {}
+        for b in prompt_batches(prompts, ["prompt_id", "line", "source", "messages_json", "tools_json"]):
             for r in b:
                 lines[r["prompt_id"]] = r["line"]
                 messages[r["prompt_id"]] = r["messages_json"]
                 sources[r["prompt_id"]] = r["source"]
+                tools[r["prompt_id"]] = r["tools_json"]
         run.prompts = len(lines)
 
         todo = [r for r in plan if key(r) not in done and key(r) not in refused]
@@ -453,7 +454,7 @@ async def continue_shard(
 
         def turn_of(pid: str, turn: int, answers: Sequence[Answer], prompt_tokens: int | None = None) -> dict:
             """A conversation's turn to generate, as the engine's plan makes it."""
-            conversation = turns_of(json.loads(messages[pid]), generation)
+            conversation = turns_of_row({"messages_json": messages[pid], "tools_json": tools[pid]}, generation)
             return {
                 "prompt_id": pid,
                 "shard": shard,
