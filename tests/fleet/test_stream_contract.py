@@ -13,6 +13,7 @@ import ast
 import msgspec
 import pytest
 
+from dflash_assets.demo.make_agentic import TOOLS
 from dflash_assets.fleet.stream import ChatChunk, Choice, Delta, GenerateChunk, Usage, Watch, chat_stream_body
 from dflash_assets.generation.request import chat_body
 from dflash_assets.settings import GenerationSettings
@@ -104,38 +105,59 @@ def test_0_5_23_aborts_a_streamed_request_whose_client_goes_away():
     )
 
 
+def streamed_bodies(server) -> list[dict]:
+    """A tool-free request, and one with tools whose answer calls them (the stand-in model draws it per prompt)."""
+    bodies = []
+    for k in range(40):
+        messages = [{"role": "user", "content": "hi" if k == 0 else f"task {k}: read the cache module"}]
+        generation = GenerationSettings(max_output_tokens=1024)
+        body = chat_body(generation, "m", messages, token_ids=True, tools=None if k == 0 else TOOLS)
+        if k == 0 or server.post("/v1/chat/completions", body)[1]["choices"][0]["finish_reason"] == "tool_calls":
+            bodies.append(chat_stream_body(body, Watch(check_every_tokens=8, looping=bool)))
+        if len(bodies) == 2:
+            return bodies
+    raise AssertionError("no prompt of 40 made a tool call")
+
+
 def test_the_emulators_chat_stream_is_0_5_23s_chunks_with_every_field_the_client_reads(emulator):
-    server = emulator("--reasoning-parser", "qwen3", "--length-median", "40", "--stream-interval", "4")
-    body = chat_stream_body(
-        chat_body(GenerationSettings(max_output_tokens=1024), "m", [{"role": "user", "content": "hi"}], token_ids=True),
-        Watch(check_every_tokens=8, looping=bool),
+    server = emulator(
+        "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen25", "--length-median", "40", "--stream-interval", "4"
     )
-    status, events = server.sse("/v1/chat/completions", body)
-    assert status == 200 and events[-1] == "[DONE]"
-    chunks, seen = events[:-1], {m: set() for m in CHAT_STREAM_READS}
-    for c in chunks:
-        assert (
-            set(c) <= class_fields(PROTOCOL, "ChatCompletionStreamResponse") and c["object"] == "chat.completion.chunk"
-        )
-        seen["ChatCompletionStreamResponse"] |= {k for k, v in c.items() if v is not None}
-        for choice in c["choices"]:
-            assert set(choice) <= class_fields(PROTOCOL, "ChatCompletionResponseStreamChoice")
-            assert set(choice["delta"]) <= class_fields(PROTOCOL, "DeltaMessage")
-            seen["ChatCompletionResponseStreamChoice"] |= set(choice)
-            seen["DeltaMessage"] |= {k for k, v in choice["delta"].items() if v}
-        if c.get("usage"):
-            assert set(c["usage"]) <= class_fields(PROTOCOL, "UsageInfo")
-            seen["UsageInfo"] |= set(c["usage"])
-        if c.get("sglext"):
-            assert set(c["sglext"]) <= class_fields(PROTOCOL, "SglExt")
-            seen["SglExt"] |= set(c["sglext"])
+    seen: dict[str, set] = {m: set() for m in CHAT_STREAM_READS}
+    finishes = []
+    for body in streamed_bodies(server):
+        status, events = server.sse("/v1/chat/completions", body)
+        assert status == 200 and events[-1] == "[DONE]"
+        chunks = events[:-1]
+        for c in chunks:
+            assert (
+                set(c) <= class_fields(PROTOCOL, "ChatCompletionStreamResponse")
+                and c["object"] == "chat.completion.chunk"
+            )
+            seen["ChatCompletionStreamResponse"] |= {k for k, v in c.items() if v is not None}
+            for choice in c["choices"]:
+                assert set(choice) <= class_fields(PROTOCOL, "ChatCompletionResponseStreamChoice")
+                assert set(choice["delta"]) <= class_fields(PROTOCOL, "DeltaMessage")
+                seen["ChatCompletionResponseStreamChoice"] |= set(choice)
+                seen["DeltaMessage"] |= {k for k, v in choice["delta"].items() if v}
+                for call in choice["delta"].get("tool_calls") or ():
+                    assert set(call) <= class_fields(PROTOCOL, "ToolCall")
+                    assert set(call["function"]) <= class_fields(PROTOCOL, "FunctionResponse")
+            if c.get("usage"):
+                assert set(c["usage"]) <= class_fields(PROTOCOL, "UsageInfo")
+                seen["UsageInfo"] |= set(c["usage"])
+            if c.get("sglext"):
+                assert set(c["sglext"]) <= class_fields(PROTOCOL, "SglExt")
+                seen["SglExt"] |= set(c["sglext"])
+        # the first chunk carries the role; usage (continuous) on content chunks; the last one is the usage chunk
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+        finish = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+        assert len(finish) == 1
+        finishes.append(finish[0]["finish_reason"])
     for model, fields in CHAT_STREAM_READS.items():
         assert fields <= seen[model], (model, fields - seen[model])
-    # the first chunk carries the role; usage (continuous) on content chunks; the last one is the usage chunk
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
-    finish = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
-    assert len(finish) == 1 and finish[0]["finish_reason"] in ("stop", "length")
+    assert finishes[0] in ("stop", "length") and finishes[1] == "tool_calls"
 
 
 def test_without_include_usage_no_usage_chunk_comes(emulator):
