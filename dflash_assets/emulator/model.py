@@ -321,15 +321,9 @@ def plan_completion(
             total = max(total, reasoning + 3)
         answer_start = reasoning + 2 if thinking else 0
         total += _clear_of_dash(at[answer_offset] + total - 1 - answer_start)
-    calls: tuple[int, ...] = ()
-    if tools and not looping and not non_ascii and not carried:
-        tool_digest = digest.copy()
-        tool_digest.update(b"tools")
-        t = tool_digest.digest()
-        draws = [(int.from_bytes(t[i : i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24)]
-        if text := tool_calls.model_calls(tools, draws, _WORDS):
-            calls = tuple(tok.encode(text))
-            total = (reasoning + 2 if thinking else 0) + len(calls) + 1
+    calls = _calls(digest.copy(), tools) if tools and not looping and not non_ascii and not carried else ()
+    if calls:  # the answer is the calls: after the thought (and its </think>, \n\n), then <|im_end|>
+        total = (reasoning + 2 if thinking else 0) + len(calls) + 1
     return Plan(
         calls=calls,
         thinking=thinking,
@@ -341,6 +335,16 @@ def plan_completion(
         looping=looping,
         non_ascii=non_ascii,
     )
+
+
+def _calls(digest, tools: list[dict]) -> tuple[int, ...]:
+    """The ids of the tool calls the answer makes (tool_calls.model_calls), drawn from the prompt's hash apart from
+    its length draws; () when it answers in text."""
+    digest.update(b"tools")
+    h = digest.digest()
+    draws = [(int.from_bytes(h[i : i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24)]
+    text = tool_calls.model_calls(tools, draws, _WORDS)
+    return tuple(tok.encode(text)) if text else ()
 
 
 @functools.cache

@@ -342,3 +342,23 @@ def test_the_tool_calls_check_counts_the_tool_turns_of_the_config_and_passes_wel
     assert outcome.passed and outcome.metadata["tool_call_turns"] == sum(1 for r in rows if r[6])
     assert outcome.metadata["calls"] == len(calls) and outcome.metadata["unknown_tool"] == 0
     assert f"{outcome.metadata['tool_call_turns']:,} turns called {len(calls):,} tools" in outcome.summary_md
+
+
+def test_a_run_without_streaming_writes_the_same_turns_and_calls(tmp_path, clean, fleet_urls):
+    """The calls of a non-streamed reply (message.tool_calls) and of a stream (its deltas) are recorded alike."""
+    data = tmp_path / "data"
+    data.mkdir()
+    src = tmp_path / "data.jsonl"
+    src.write_text("\n".join(lines(CONVERSATIONS)[:30]) + "\n")
+
+    async def go():
+        async with connected(fleet_urls) as fleet:
+            await build_prompt_shard(src, 0, "00000", 1000, data, fleet, {"enable_thinking": True})
+            dispatch = DispatchSettings(load_sample_s=0, stream=False)
+            return await generate_shard(data, "00000", fleet, GENERATION, dispatch, log=lambda m: None)
+
+    run = asyncio.run(go())
+    rows = turn_rows(data)
+    ids = {r[0] for r in rows}
+    assert run.completed == len(ids) == 29 and any(r[6] for r in rows)  # 30 lines, line 4 malformed
+    assert rows == [r for r in clean[4] if r[0] in ids]
