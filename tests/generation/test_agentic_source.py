@@ -148,3 +148,27 @@ def test_the_tool_calls_check_fails_on_a_call_to_an_unknown_tool_or_arguments_th
     assert check(tmp_path, "empty_content").passed  # a turn of calls answers with its calls, not its content
     write(tmp_path, "completions", "s0", rows[3:])
     assert check(tmp_path, "tool_calls").summary_md == "Not applicable: no row called a tool."
+
+
+def test_a_fleet_without_a_tool_call_parser_is_refused_before_anything_is_sent(tmp_path):
+    from dflash_assets.generation.preflight import PreflightError
+
+    src = tmp_path / "src.jsonl"
+    src.write_text("\n".join(lines(6)) + "\n")
+    data = tmp_path / "data"
+    with start_emulator(["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "5000"]) as emu:
+
+        async def go():
+            async with connected([emu.url]) as fleet:
+                await build_prompt_shard(src, 0, "00000", 100, data, fleet, {"enable_thinking": True})
+                generation = GenerationSettings(max_output_tokens=400, regenerate="all_turns")
+                await generate_shard(data, "00000", fleet, generation, DispatchSettings(), log=lambda m: None)
+
+        with pytest.raises(PreflightError) as refused:
+            asyncio.run(go())
+    assert str(refused.value) == (
+        f"the prompts carry tool schemas but {emu.url} run without --tool-call-parser: their tool calls would stay "
+        "text in `content`. Nothing was sent. Start the servers with --tool-call-parser (qwen25 for Qwen models) and "
+        "run again."
+    )
+    assert not list((data / "completions").glob("**/*.parquet"))
