@@ -54,6 +54,7 @@ TESTED_THROUGH = {
     "quality/checks/context.py": "tests/quality/checks/test_checks.py",
     "quality/checks/integrity.py": "tests/quality/checks/test_checks.py",
     "quality/checks/rates.py": "tests/quality/checks/test_checks.py",
+    "quality/checks/tools.py": "tests/generation/test_agentic_source.py",
     "quality/outcome.py": "tests/quality/checks/test_checks.py",
     "quality/report/probe_advice.py": "tests/cli/test_probe.py",
     "quality/report/pictures.py": "tests/quality/report/test_report.py",
