@@ -10,6 +10,7 @@ committed every `commit_rows` rows or `commit_seconds`, and on the way out whate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections import deque
@@ -178,6 +179,13 @@ class Dispatch:
         """Send `items` (and their follow-ups); `total` is for progress (follow-ups add to it)."""
         self.total = total
         tasks: set[asyncio.Task] = set()
+        finished: deque[asyncio.Task] = deque()  # tasks done and not looked at yet, in the order they ended
+        woken = asyncio.Event()
+
+        def ended(task: asyncio.Task) -> None:
+            finished.append(task)
+            woken.set()
+
         exhausted = False
         every = self.dispatch.load_sample_s
         sampler = LoadSampler(self.fleet.clients, every) if every > 0 else None
@@ -202,11 +210,20 @@ class Dispatch:
                         item = queued
                         self._moved_to(item["shard"], now)
                         self.outputs[item["shard"]].sent(now)
-                    tasks.add(asyncio.create_task(self._one(item)))
+                    task = asyncio.create_task(self._one(item))
+                    task.add_done_callback(ended)
+                    tasks.add(task)
                 if not tasks:
                     continue
-                finished, tasks = await asyncio.wait(tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                errors = [e for t in finished if (e := t.exception()) is not None]  # retrieves every one
+                # one callback a task, not asyncio.wait's registration on every task in flight at each answer
+                if not finished:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(1.0):
+                            await woken.wait()
+                woken.clear()
+                done = [finished.popleft() for _ in range(len(finished))]
+                tasks.difference_update(done)
+                errors = [e for t in done if (e := t.exception()) is not None]  # retrieves every one
                 if errors:
                     raise errors[0]  # FleetDown propagates; everything committed stays committed
                 STOP.check()  # a signal: the streams in flight are closed (SGLang aborts them), the answers committed

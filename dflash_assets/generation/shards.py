@@ -103,10 +103,12 @@ async def build_prompt_shard(
     nearly: generation/dedupe.py) is rejected, or kept and counted with `keep_repeats`; a prompt the quota of its
     source does not draw (generation/quotas.py) is rejected."""
     items = list(read_shard(source, index, shard_size, mapping))
-    repeats = source_repeats(source, data_dir, mapping, repeat_settings)
+    # every repeat for the quotas' draw (it leaves them out), else only the shard's own lines' (1-based)
+    own = None if quota_settings.quotas else range(index * shard_size + 1, (index + 1) * shard_size + 1)
+    repeats = source_repeats(source, data_dir, mapping, repeat_settings, own)
     left_out = source_draws(source, data_dir, mapping, quota_settings, () if repeat_settings.keep_repeats else repeats)
     repeated = sum(1 for i in items if isinstance(i, Prompt) and i.line in repeats)
-    elsewhere = ids_in_other_shards(data_dir, shard)
+    elsewhere = ids_in_other_shards(data_dir, shard, [i.prompt_id for i in items if isinstance(i, Prompt)])
     context = min(i.context_length for i in fleet.infos)
     clients = itertools.cycle(fleet.clients)
     gate = asyncio.Semaphore(concurrency)

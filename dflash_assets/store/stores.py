@@ -30,14 +30,15 @@ def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int
             yield [r | missing for r in batch.to_pylist()] if missing else batch.to_pylist()
 
 
-def ids_in_other_shards(data_dir: str | Path | Storage, shard: str) -> dict[str, str]:
-    """prompt_id -> shard for every materialised shard but this one (only the two id columns are read)."""
+def ids_in_other_shards(data_dir: str | Path | Storage, shard: str, ids: list[str]) -> dict[str, str]:
+    """prompt_id -> shard of those of `ids` that a materialised shard other than this one holds (the two id columns
+    are read a batch at a time and only the matches kept: what is held is one shard's ids, however many shards)."""
     storage = open_storage(data_dir)
     root = storage.root / "prompt_shards"
-    if not storage.exists(root):
+    if not storage.exists(root) or not ids:
         return {}
-    table = storage.dataset(root, partitioning=None).to_table(columns=["prompt_id", "shard"])
-    table = table.filter(pc.not_equal(table["shard"], shard))
+    found = (pc.field("shard") != shard) & pc.field("prompt_id").isin(ids)
+    table = storage.dataset(root, partitioning=None).to_table(columns=["prompt_id", "shard"], filter=found)
     return dict(zip(table["prompt_id"].to_pylist(), table["shard"].to_pylist()))
 
 

@@ -145,14 +145,14 @@ class WindowPlan:
 def _tail_mean(fit: TailFit | None, low: np.ndarray, high: np.ndarray) -> np.ndarray:
     """E[min(L, high) - low | L > low] under the fit, per row (0 without a fit or where high <= low)."""
     out = np.zeros(len(low))
-    if fit is None:
+    rows = np.flatnonzero(np.asarray(high) > np.asarray(low))
+    if fit is None or not len(rows):
         return out
-    for i, (a, b) in enumerate(zip(low, high)):
-        if b <= a:
-            continue
-        t = np.linspace(a, b, GRID)
-        s = fit.survival(np.maximum(t, 1.0)) / max(float(fit.survival(max(a, 1.0))), 1e-300)
-        out[i] = float(np.trapezoid(np.minimum(s, 1.0), t))
+    for chunk in np.array_split(rows, -(-len(rows) // 512)):  # 512 rows' grids at a time, not a loop a row
+        a, b = np.asarray(low, dtype=float)[chunk], np.asarray(high, dtype=float)[chunk]
+        t = np.linspace(a, b, GRID, axis=1)
+        s = fit.survival(np.maximum(t, 1.0)) / np.maximum(fit.survival(np.maximum(a, 1.0)), 1e-300)[:, None]
+        out[chunk] = np.trapezoid(np.minimum(s, 1.0), t, axis=1)
     return out
 
 
