@@ -238,8 +238,9 @@ def backfill(tmp: Path, src: Path, n: int, urls: list[str], a: argparse.Namespac
     stages = json.loads((run / "stages.json").read_text())
     cpu = usage.ru_utime + usage.ru_stime
     stages["cpu"]["other"] = cpu - sum(v for k, v in stages["cpu"].items() if k != "other")  # the rest of the tree
-    figures = {"n": n, "cpu": cpu, "wall": wall, "rss_mb": usage.ru_maxrss / 1024, **verified(run, n), **stages}
-    figures["failed_with"] = failed
+    figures = {"n": n, "cpu": cpu, "wall": wall, "rss_mb": usage.ru_maxrss / 1024, **verified(run, n)}
+    figures |= {"stage_cpu": stages["cpu"], "stage_peak": stages["peak"], "failed_with": failed}
+    print(f"  {json.dumps(figures)}", flush=True)  # every figure of the run, as measured
     if not a.keep:
         subprocess.run(["rm", "-rf", str(run)], check=True)
     return figures
@@ -252,8 +253,8 @@ def table(n: int, runs: list[dict]) -> None:
     print(f"\n{n:,} prompts, {len(runs)} run(s){' (medians)' if len(runs) > 1 else ''}:")
     print(f"  {'stage':<14}{'CPU-s':>9}{'ms/completion':>15}{'peak RSS MB':>13}")
     for stage in STAGES:
-        cpu = med([r["cpu"].get(stage, 0.0) for r in runs])
-        peak = med([r["peak"].get(stage, 0) for r in runs]) / 2**20
+        cpu = med([r["stage_cpu"].get(stage, 0.0) for r in runs])
+        peak = med([r["stage_peak"].get(stage, 0) for r in runs]) / 2**20
         print(f"  {stage:<14}{cpu:>9.1f}{cpu / rows * 1e3:>15.3f}{peak:>13.0f}")
     cpu = med([r["cpu"] for r in runs])
     print(f"  {'total':<14}{cpu:>9.1f}{cpu / rows * 1e3:>15.3f}{med([r['rss_mb'] for r in runs]):>13.0f}")
