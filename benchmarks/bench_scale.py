@@ -143,8 +143,8 @@ def probe(stages: Stages) -> None:
     import dflash_assets.defs.training.assets as training
     import dflash_assets.generation.commit as commit
     import dflash_assets.generation.engine as engine
-    import dflash_assets.quality.planner as planner
-    import dflash_assets.quality.window_plan as window_plan
+    import dflash_assets.quality.planning.planner as planner
+    import dflash_assets.quality.planning.window_plan as window_plan
     import dflash_assets.store.parts as parts
     from dflash_assets.generation.send import Dispatch
 
@@ -215,14 +215,10 @@ def verified(run: Path, n: int) -> dict:
 
 def backfill(tmp: Path, src: Path, n: int, urls: list[str], a: argparse.Namespace, profile: str | None) -> dict:
     """One `dflash backfill` of `src` on a fresh instance and data dir: its CPU, wall, peak RSS and stages."""
+    from bench_streaming import attached
+
     run = tmp / f"run-{time.monotonic_ns()}"
-    (run / "home").mkdir(parents=True)
-    env = os.environ | {
-        "DAGSTER_HOME": str(run / "home"),
-        "DFLASH_DATA_DIR": str(run / "data"),
-        "DFLASH_FLEET_MODE": "attach",
-        "DFLASH_FLEET_URLS": ",".join(urls),
-    }
+    env = attached(run, urls)
     argv = [sys.executable, __file__, "--child", str(run / "stages.json")] + (["--profile", profile] if profile else [])
     argv += ["--", "backfill", "--prompts", str(src), "--shard-size", str(a.shard_size)]
     argv += ["--max-output-tokens", str(a.max_output_tokens)]

@@ -305,16 +305,21 @@ def paced(n: int, tokens_per_s: float) -> None:
 SHORT = ["--reasoning-parser", "qwen3", "--length-median", "200", "--length-sigma", "0.8", "--length-max", "2000"]
 
 
-def backfill_once(tmp: Path, src: Path, urls: list[str], streamed: bool, shard_size: int) -> dict:
-    """One `dflash backfill` of `src` in attach mode on a fresh data dir and instance: its own CPU, wall, peak RSS."""
-    run = tmp / f"backfill-{time.monotonic_ns()}"
+def attached(run: Path, urls: list[str]) -> dict:
+    """The environment of a `dflash` command on a fresh instance and data dir under `run`, attached to `urls`."""
     (run / "home").mkdir(parents=True)
-    env = os.environ | {
+    return os.environ | {
         "DAGSTER_HOME": str(run / "home"),
         "DFLASH_DATA_DIR": str(run / "data"),
         "DFLASH_FLEET_MODE": "attach",
         "DFLASH_FLEET_URLS": ",".join(urls),
     }
+
+
+def backfill_once(tmp: Path, src: Path, urls: list[str], streamed: bool, shard_size: int) -> dict:
+    """One `dflash backfill` of `src` in attach mode on a fresh data dir and instance: its own CPU, wall, peak RSS."""
+    run = tmp / f"backfill-{time.monotonic_ns()}"
+    env = attached(run, urls)
     argv = [sys.executable, "-m", "dflash_assets.cli", "backfill", "--prompts", str(src), "--shard-size"]
     argv += [str(shard_size)] + ([] if streamed else ["--no-stream"])
     t0 = time.monotonic()
