@@ -148,11 +148,14 @@ def _source_turns(path: str, size: int, mtime_ns: int, mapping: FieldMapping | N
 
 def source_turns(path: str | Path, mapping: FieldMapping | None = None, first_only: bool = False) -> SourceTurns:
     """Scan the whole source (cached per file size and mtime): its valid prompts and those carrying history.
-    `first_only` stops at the first one that does (enough to resolve `auto`)."""
+    `first_only` stops at the first one that does (enough to resolve `auto`). That scan comes first either way: when
+    it finds none it has read the whole source, and is the whole answer (a source is not read twice for it)."""
     path = Path(path)
     _check_file(path)
     stat = path.stat()
-    return _source_turns(str(path.resolve()), stat.st_size, stat.st_mtime_ns, mapping, first_only)
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, mapping)
+    first = _source_turns(*key, True)
+    return first if first_only or first.complete else _source_turns(*key, False)
 
 
 def shard_key(index: int) -> str:

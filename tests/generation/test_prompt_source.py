@@ -197,3 +197,25 @@ def test_a_range_of_prompt_shards_is_built_on_one_connection_and_a_shard_past_th
     ).fetchall()
     assert built == [("00000", 2), ("00001", 2), ("00002", 1)]
     assert sum(health.values()) == 1, health  # one connect for the four shards
+
+
+def test_a_source_without_history_is_scanned_once_for_the_whole_count_and_for_auto(tmp_path):
+    """The terminal's count (every prompt) and regenerate auto's check (the first prompt with history) share one scan
+    when no prompt has history: it read the whole source already."""
+    from dflash_assets.generation.prompts import _source_turns, source_turns
+
+    history = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}] + GOOD["messages"]}
+    plain, mixed = tmp_path / "plain.jsonl", tmp_path / "mixed.jsonl"
+    write_jsonl(plain, [json.dumps(GOOD | {"id": f"p{i}"}) for i in range(5)])
+    write_jsonl(
+        mixed, [json.dumps(GOOD | {"id": "p0"}), json.dumps(history | {"id": "h1"}), json.dumps(GOOD | {"id": "p2"})]
+    )
+    _source_turns.cache_clear()
+    whole, first = source_turns(plain), source_turns(plain, first_only=True)
+    assert whole == first and (whole.prompts, whole.with_history, whole.complete) == (5, 0, True)
+    assert _source_turns.cache_info().currsize == 1
+    _source_turns.cache_clear()
+    first, whole = source_turns(mixed, first_only=True), source_turns(mixed)
+    assert (first.prompts, first.with_history, first.complete) == (2, 1, False)
+    assert (whole.prompts, whole.with_history, whole.complete) == (3, 1, True)
+    assert _source_turns.cache_info().currsize == 2
