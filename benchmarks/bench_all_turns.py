@@ -66,7 +66,7 @@ async def run(data: Path, src: Path, shards: int, per_shard: int, urls: list[str
             data,
             [f"{k:05d}" for k in range(shards)],
             fleet,
-            GenerationSettings(max_output_tokens=3000, regenerate="all_turns"),
+            GenerationSettings(max_output_tokens=3000, cap_policy="fixed", regenerate="all_turns"),
             DispatchSettings(load_sample_s=0, progress_seconds=1e9, same_server_max_imbalance=imbalance),
             log=lambda m: None,
         )

@@ -50,7 +50,9 @@ async def generate(url: str, src: Path, data: Path, n: int, cap: int, build: boo
     async with connected([url]) as fleet:
         if build:
             await build_prompt_shard(src, 0, "00000", n, data, fleet, {"enable_thinking": True})
-        run = await generate_shard(data, "00000", fleet, GenerationSettings(max_output_tokens=cap), log=lambda m: None)
+        run = await generate_shard(
+            data, "00000", fleet, GenerationSettings(max_output_tokens=cap, cap_policy="fixed"), log=lambda m: None
+        )
         return run.config_hash
 
 

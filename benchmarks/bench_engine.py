@@ -59,7 +59,7 @@ async def generate(data: Path, shards: str | list[str], urls: list[str], cap: in
             data,
             [shards] if isinstance(shards, str) else shards,
             fleet,
-            GenerationSettings(max_output_tokens=cap),
+            GenerationSettings(max_output_tokens=cap, cap_policy="fixed"),
             DispatchSettings(load_sample_s=0, progress_seconds=1e9, **settings),
             log=lambda m: None,
         )

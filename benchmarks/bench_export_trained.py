@@ -38,9 +38,7 @@ def generate(data: Path, urls: list[str], regenerate: str, window: int) -> None:
     async def go():
         async with connected(urls) as fleet:
             await build_prompt_shard(DEMO_PROMPTS, 0, "00000", 1000, data, fleet, {"enable_thinking": True})
-            settings = GenerationSettings(
-                max_output_tokens=16384, cap_policy="window", trainer_max_length=window, regenerate=regenerate
-            )
+            settings = GenerationSettings(max_output_tokens=16384, trainer_max_length=window, regenerate=regenerate)
             await generate_shard(data, "00000", fleet, settings, DispatchSettings(load_sample_s=0), log=lambda m: None)
 
     asyncio.run(go())

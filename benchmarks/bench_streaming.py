@@ -85,7 +85,12 @@ async def shard_run(data: Path, urls: list[str], n: int, cap: int, settings: Dis
     async with connected(urls) as fleet:
         await build_prompt_shard(src, 0, "00000", n, data, fleet, {"enable_thinking": True})
         return await generate_shard(
-            data, "00000", fleet, GenerationSettings(max_output_tokens=cap), settings, log=lambda m: None
+            data,
+            "00000",
+            fleet,
+            GenerationSettings(max_output_tokens=cap, cap_policy="fixed"),
+            settings,
+            log=lambda m: None,
         )
 
 

@@ -91,12 +91,14 @@ def main() -> int:
         src = root / "prompts.jsonl"
         write_prompts(src, args.prompts)
         for cap in CAPS:
-            data, decoded, secs = run(urls, src, root, args.prompts, GenerationSettings(max_output_tokens=cap))
+            data, decoded, secs = run(
+                urls, src, root, args.prompts, GenerationSettings(max_output_tokens=cap, cap_policy="fixed")
+            )
             print(f"  generated cap {cap:,}: {decoded:,} tokens ({secs:.0f}s)", file=sys.stderr)
             for window in WINDOWS:
                 rows.append((f"fixed cap {cap:,}", window, decoded, *trained(data, root / f"x{cap}-{window}", window)))
         for window in WINDOWS:
-            config = GenerationSettings(max_output_tokens=32768, cap_policy="window", trainer_max_length=window)
+            config = GenerationSettings(max_output_tokens=32768, trainer_max_length=window)
             data, decoded, secs = run(urls, src, root, args.prompts, config)
             print(f"  generated window {window:,}: {decoded:,} tokens ({secs:.0f}s)", file=sys.stderr)
             rows.append((f"window policy L={window:,}", window, decoded, *trained(data, root / f"w{window}", window)))

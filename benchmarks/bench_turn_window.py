@@ -40,7 +40,9 @@ async def generate(data: Path, url: str, cap: int, window: int) -> tuple[int, li
     async with connected([url]) as fleet:
         await build_prompt_shard(DEMO, 0, "00000", lines, data, fleet, {"enable_thinking": True})
         before = chat_requests(url)
-        settings = GenerationSettings(max_output_tokens=cap, regenerate="all_turns", trainer_max_length=window)
+        settings = GenerationSettings(
+            max_output_tokens=cap, cap_policy="fixed", regenerate="all_turns", trainer_max_length=window
+        )
         runs = await generate_shards(
             data, ["00000"], fleet, settings, DispatchSettings(load_sample_s=0), log=lambda m: None
         )

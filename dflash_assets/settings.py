@@ -38,6 +38,7 @@ DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 CapPolicy = Literal["fixed", "window"]  # GenerationSettings.cap_policy
 Regenerate = Literal["auto", "last_turn", "all_turns"]  # GenerationSettings.regenerate
 TrainerFormat = Literal["auto", "conversations", "per_turn", "messages", "pretokenized"]  # TrainerSettings.format
+TrainerName = Literal["specforge", "speculators"]  # TrainerSettings.name
 ProbeMode = Literal["prompts", "cut_rows"]  # ProbeSettings.mode
 FleetMode = Literal["emulated", "attach", "launch"]  # FleetSettings.mode
 # a check renamed to what it measures -> its new name; severity overrides may still name the old one
@@ -45,6 +46,13 @@ RENAMED_CHECKS = {"window_complete": "decoded_past_window"}
 Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
 FLEET_MODES = get_args(FleetMode)
 TRAINER_FORMATS = get_args(TrainerFormat)
+TRAINERS = get_args(TrainerName)
+# The export forms each trainer's own data code reads as exported (tests/quality/training/test_trainer_routes.py runs
+# it on them): SpecForge renders conversations (per_turn: train_only_last_turn) or reads {input_ids, loss_mask}
+# (data.prompts_path); speculators' prepare_data passes {input_ids, loss_mask} through, while it renders a text file
+# into a row per assistant turn, history answers included, through a vLLM render endpoint. `messages` is no trainer's
+# form (SpecForge wants a conversations column; speculators keeps no sample of it): an export in it names no trainer.
+TRAINER_READS = {"specforge": ("conversations", "per_turn", "pretokenized"), "speculators": ("pretokenized",)}
 CAP_POLICIES = get_args(CapPolicy)
 REGENERATE = get_args(Regenerate)
 PROBE_MODES = get_args(ProbeMode)
@@ -160,6 +168,12 @@ class TrainerSettings(Settings):
 
     subject: ClassVar[str] = "trainer "
 
+    name: TrainerName = Field(
+        "specforge",
+        description="The drafter trainer that reads the export: 'specforge' or 'speculators'. It chooses the export "
+        "form ('auto'), the file written beside it (specforge_data.yaml, speculators_flags.txt), the validation run, "
+        "the held-out route and the command that starts the trainer on the export.",
+    )
     max_length: int = Field(
         4096,
         gt=0,
@@ -200,6 +214,15 @@ class TrainerSettings(Settings):
         0, description="The seed of the held-out draw: the same seed holds out the same prompts."
     )
 
+    @model_validator(mode="after")
+    def _form_the_trainer_reads(self) -> TrainerSettings:
+        if self.format not in ("auto", "messages", *TRAINER_READS[self.name]):
+            raise ValueError(
+                f"trainer {self.name} does not read the {self.format} form; its forms: "
+                f"{', '.join(TRAINER_READS[self.name])} (or auto)"
+            )
+        return self
+
     def named(self) -> str:
         """The window as every report names it, with how to change it."""
         return (
@@ -239,10 +262,10 @@ class RequestSettings(Settings):
         "'all_turns' (every one, in order, each conditioned on the regenerated ones before it).",
     )
     cap_policy: CapPolicy = Field(
-        "fixed",
-        description="'fixed': every request asks max_output_tokens; 'window': each request asks "
-        "min(max_output_tokens, the trainer's max_length - prompt_tokens + overshoot), the tokens "
-        "the trainer's window reads, and a prompt that fills the window is rejected.",
+        "window",
+        description="'window' (the default): each request asks min(max_output_tokens, the trainer's max_length - "
+        "prompt_tokens + overshoot), the tokens the trainer's window reads, and a prompt that fills the window is "
+        "rejected; 'fixed': every request asks max_output_tokens, for whole answers beyond the trainer's window.",
     )
     overshoot: int = Field(
         16,

@@ -163,7 +163,7 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
     store.replace(rows, "prompts.parquet")
 
     settings = DispatchSettings(store_token_ids=True, load_sample_s=0, commit_rows=4, commit_seconds=1.0)
-    config = GenerationSettings(max_output_tokens=args.cap)
+    config = GenerationSettings(max_output_tokens=args.cap, cap_policy="fixed")
     fresh = on_fleet(url, lambda f: generate_shard(data, SHARD, f, config, settings, log=console.print), key)
     cont = on_fleet(
         url,

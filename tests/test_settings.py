@@ -10,7 +10,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from dflash_assets.cli import DEMO_DEFAULTS, SHARD_RUN_DEFAULTS, build_parser
+from dflash_assets.cli import SHARD_RUN_DEFAULTS, build_parser
 from dflash_assets.defs.completions.assets import CompletionsConfig
 from dflash_assets.defs.continuation.assets import ContinuationConfig
 from dflash_assets.defs.probe.assets import LengthProbeConfig
@@ -100,7 +100,7 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
         ),
         "dflash generate --trainer-*": (
             trainer_flags(cli("generate", "--shard", "0", "--urls", "http://x")),
-            [(TrainerSettings, ("format", "chat_template"))],
+            [(TrainerSettings, ("name", "format", "chat_template"))],
         ),
         "dflash report --trainer-*": (trainer_flags(cli("report")), [(TrainerSettings, ())]),
         "dflash probe": (
@@ -131,8 +131,11 @@ def test_the_cli_the_resources_and_every_dagster_config_have_every_field_and_the
         "from_env() fleet.launch": (built(from_env()["fleet"].launch, LaunchSettings), [(LaunchSettings, ())]),
         "from_env() quality": (built(from_env()["quality"], QualitySettings), [(QualitySettings, ())]),
     }
-    for command, own in (("demo", DEMO_DEFAULTS), ("backfill", SHARD_RUN_DEFAULTS)):  # their documented own
-        forms[f"dflash {command}"] = (cli(command), [(RequestSettings, (), own), (DispatchSettings, (), own)])
+    for command in ("demo", "backfill"):  # their documented own (one, shared)
+        forms[f"dflash {command}"] = (
+            cli(command),
+            [(RequestSettings, (), SHARD_RUN_DEFAULTS), (DispatchSettings, (), SHARD_RUN_DEFAULTS)],
+        )
         forms[f"dflash {command} --trainer-*"] = (trainer_flags(cli(command)), [(TrainerSettings, ())])
     for where, (form, models) in forms.items():
         for model, skip, *own in models:
@@ -319,8 +322,8 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
     from dflash_assets.settings import GenerationSettings
 
     pinned = {
-        "e81c2cd6b058": {},
-        "e7d793efd00a": {"max_output_tokens": 8192, "regenerate": "all_turns"},
+        "e81c2cd6b058": {"cap_policy": "fixed"},
+        "e7d793efd00a": {"cap_policy": "fixed", "max_output_tokens": 8192, "regenerate": "all_turns"},
         "d9fda1ee40a0": {"cap_policy": "window", "trainer_max_length": 2048, "overshoot": 8},
         "6edaa9cb1b2b": {
             "temperature": 0.0,
@@ -331,8 +334,9 @@ def test_a_settings_combinations_config_hash_is_the_one_its_rows_already_carry()
             "presence_penalty": 0.5,
             "frequency_penalty": -0.5,
             "enable_thinking": False,
+            "cap_policy": "fixed",
         },
-        "db70f813f2be": {"chat_template_kwargs": {"reasoning_effort": "high"}},
+        "db70f813f2be": {"cap_policy": "fixed", "chat_template_kwargs": {"reasoning_effort": "high"}},
     }
     # the default regenerate: auto, resolved for a source of single-turn prompts, is last_turn: the same hashes
     assert {
@@ -358,9 +362,13 @@ def test_regenerate_auto_is_all_turns_on_a_multi_turn_source_and_the_old_hash_on
     auto = GenerationSettings()
     assert auto.regenerate == "auto"
     assert auto.resolved(False).regenerate == "last_turn" and auto.resolved(True).regenerate == "all_turns"
-    assert auto.resolved(False).config_hash(MODEL) == "e81c2cd6b058"  # today's demo config: its data dirs resume
+    # the default is the window policy at the trainer's window: a new config beside the old default's (fixed cap),
+    # which keeps its hash (pinned above), so a data dir written under it resumes with --cap-policy fixed
+    window = GenerationSettings(cap_policy="window", trainer_max_length=4096, overshoot=16, regenerate="last_turn")
+    assert auto.resolved(False).config_hash(MODEL) == window.config_hash(MODEL) != "e81c2cd6b058"
+    assert GenerationSettings(cap_policy="fixed").resolved(False).config_hash(MODEL) == "e81c2cd6b058"
     assert auto.resolved(True).config_hash(MODEL) == GenerationSettings(regenerate="all_turns").config_hash(MODEL)
-    assert auto.resolved(True).config_hash(MODEL) != "e81c2cd6b058"  # a multi-turn source: a new config
+    assert auto.resolved(True).config_hash(MODEL) != window.config_hash(MODEL)  # a multi-turn source: a new config
     assert GenerationSettings(regenerate="last_turn").resolved(True).regenerate == "last_turn"  # a choice stays
     with pytest.raises(SettingsError, match="regenerate 'auto' has no config hash until it is resolved"):
         auto.config_hash(MODEL)
@@ -373,7 +381,17 @@ def test_chat_template_kwargs_is_a_json_flag_and_a_bad_quality_setting_is_refuse
 
     def generate(kwargs: str):
         return build_parser().parse_args(
-            ["generate", "--shard", "0", "--urls", "http://x", "--chat-template-kwargs", kwargs]
+            [
+                "generate",
+                "--shard",
+                "0",
+                "--urls",
+                "http://x",
+                "--cap-policy",
+                "fixed",
+                "--chat-template-kwargs",
+                kwargs,
+            ]
         )
 
     assert (

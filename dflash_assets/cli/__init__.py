@@ -15,11 +15,10 @@ from contextlib import nullcontext
 from dflash_assets.cli.environment import PROJECT_DAGSTER_YAML
 from dflash_assets.cli.errors import failed
 from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
-from dflash_assets.cli.parser import DEMO_DEFAULTS, SHARD_RUN_DEFAULTS, build_parser
+from dflash_assets.cli.parser import SHARD_RUN_DEFAULTS, build_parser
 from dflash_assets.settings import Deployment
 
 __all__ = [
-    "DEMO_DEFAULTS",
     "PROJECT_DAGSTER_YAML",
     "SHARD_RUN_DEFAULTS",
     "_completions_config",

@@ -15,7 +15,7 @@ from dflash_assets.cli.render import print_stop
 from dflash_assets.cli.runner import BAD_CONFIG, Stops, Window, _meta, data_dir, execute, quiet, record_failures
 from dflash_assets.defs.metadata import TrainingSetKeys
 from dflash_assets.defs.training.jobs import training_job
-from dflash_assets.quality.training.export import kept_lines, left_out_lines
+from dflash_assets.quality.training.export import kept_lines, left_out_lines, trained_words
 from dflash_assets.quality.training.split import split_words
 from dflash_assets.quality.training.trainer_settings import trainer_settings_line
 from dflash_assets.settings import TRAINER_FLAGS, TrainerSettings
@@ -63,6 +63,7 @@ def export(
                 console.print(f"    {line}", highlight=False)
         if not left_out and not short:
             console.print("  left out: nothing", highlight=False)
+        console.print(f"  {trained_words(meta[t.MANIFEST])}", highlight=False)
         verbatim(console, trainer_settings_line(meta[t.MANIFEST], Path(meta[t.JSONL]).parent))
         return True
     if config_hash != "all":

@@ -76,12 +76,9 @@ def usage_problem(message: str) -> str:
     return message.removeprefix("argument ")
 
 
-# `dflash demo` and `dflash backfill` store token ids (`dflash continue` takes cut rows on by them); the demo's cap
-# is generous (`--max-output-tokens 4096` shows a too-small cap). Every other default is settings.py's.
+# `dflash demo` and `dflash backfill` store token ids (`dflash continue` takes cut rows on by them) and share every
+# other default, settings.py's (the cap, the window policy).
 SHARD_RUN_DEFAULTS = {"store_token_ids": True}
-
-
-DEMO_DEFAULTS = {**SHARD_RUN_DEFAULTS, "max_output_tokens": 16384}
 
 
 def _urls(text: str) -> list[str]:
@@ -183,9 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     backfill.add_argument("--from", dest="first", help="first shard key (default: the first)")
     backfill.add_argument("--to", dest="last", help="last shard key (default: the last)")
-    for p, defaults in ((demo, DEMO_DEFAULTS), (backfill, SHARD_RUN_DEFAULTS)):
-        settings_flags(p, RequestSettings, defaults=defaults)
-        settings_flags(p, DispatchSettings, defaults=defaults)
+    for p in (demo, backfill):
+        settings_flags(p, RequestSettings, defaults=SHARD_RUN_DEFAULTS)
+        settings_flags(p, DispatchSettings, defaults=SHARD_RUN_DEFAULTS)
         settings_flags(p, TrainerSettings, prefix=TRAINER_FLAGS)
         data_flags(p)
         p.add_argument(
@@ -255,7 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
     data_flags(export)
-    settings_flags(configs, TrainerSettings, skip=("format", "chat_template"), prefix=TRAINER_FLAGS)  # the window
+    settings_flags(
+        configs, TrainerSettings, skip=("name", "format", "chat_template"), prefix=TRAINER_FLAGS
+    )  # the window
     settings_flags(export, TrainerSettings, prefix=TRAINER_FLAGS)  # the window and the form, as demo's
 
     gen = sub.add_parser(
@@ -268,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     settings_flags(gen, RequestSettings)
     settings_flags(gen, DispatchSettings)
-    settings_flags(gen, TrainerSettings, skip=("format", "chat_template"), prefix=TRAINER_FLAGS)  # the window only
+    settings_flags(
+        gen, TrainerSettings, skip=("name", "format", "chat_template"), prefix=TRAINER_FLAGS
+    )  # the window only
     settings_flags(gen, FleetSettings, skip=ATTACHED)
     gen.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
 

@@ -55,6 +55,39 @@ def print_other_configs(run_config: str | None, window: Window, console: Console
             console.print(f"  {c.line()}", highlight=False)
 
 
+def print_old_default(window: Window, console: Console, continue_old: Callable[[int], str]) -> None:
+    """One line before a window-policy run on a data dir whose configs all decode a fixed cap (the default before the
+    window policy was): the run starts a new config beside them, which stay as they are (their configs and hashes),
+    and the command that continues the latest of them instead (`continue_old(cap)`)."""
+    from dflash_assets.store.configs import list_configs
+
+    if window.cap_policy != "window":
+        return
+    configs = list_configs(data_dir().resolved(), window.trainer_max_length)
+    if not configs or any(c.cap_policy == "window" for c in configs):
+        return
+    latest = configs[0]  # list_configs: the most recently written first
+    verbatim(
+        console,
+        f"This data dir's {len(configs)} config(s) decode a fixed cap (cap_policy fixed, the default before the window "
+        f"policy): this run starts a new config, cap_policy window at the trainer's window "
+        f"{window.trainer_max_length:,}, beside them. To continue config {latest.config_hash} (cap "
+        f"{latest.cap}) instead: {continue_old(latest.cap or 0)}",
+    )
+
+
+def print_cap_past_window(window: Window, cap: int, console: Console) -> None:
+    """One line when the window policy's cap lies past the window (and its overshoot): every request asks the window's
+    rest, so the larger cap buys no trained token; growing the window does (`dflash continue --to-window`)."""
+    if window.cap_policy == "window" and cap > window.trainer_max_length + window.overshoot:
+        verbatim(
+            console,
+            f"Cap {cap:,} lies past the trainer's window {window.trainer_max_length:,} (+{window.overshoot}): every "
+            f"request asks at most the window's rest, so a larger cap buys no trained token. To train on more, grow "
+            f"the window: {as_printed(f'dflash continue --to-window {2 * window.trainer_max_length}')}",
+        )
+
+
 def print_superseded(stops: Stops, console: Console, window: Window) -> None:
     """One line per other config left incomplete beside the run's own: superseded, with its counts, blocking nothing
     (accounting's judgement of the run's config over every shard, quality/checks/accounting.py)."""

@@ -26,6 +26,8 @@ from dflash_assets.cli.flags import (
 from dflash_assets.cli.parser import build_parser
 from dflash_assets.cli.render import (
     policy_text,
+    print_cap_past_window,
+    print_old_default,
     print_other_configs,
     print_stop,
     print_superseded,
@@ -230,6 +232,12 @@ def run_and_answer(
     """`dflash demo` and `dflash backfill` after their first line: the shards through Dagster and the export
     (generate_and_export), the UI's command (`ui`), and the closing lines: the answer of the run's config and the next
     command (`command`, repeated with `again(overrides)`'s flags); with `full`, everything said at length."""
+    print_old_default(
+        window,
+        console,
+        lambda cap: as_printed(f"{command}{again({'cap_policy': 'fixed'})} --max-output-tokens {cap}"),
+    )
+    print_cap_past_window(window, completions["max_output_tokens"], console)
     stops = generate_and_export(instance, shards, completions, console, verbose, window, full)
     if full and not stops.checks and not stops.errors and not stops.preflight:
         rerun = f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"

@@ -138,10 +138,10 @@ def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_w
 
 def _window_settings(plan: list[dict]) -> dict:
     """A window-policy parent's cap, window and overshoot, read off its rows: the overshoot from a row whose request
-    was sized by the window (its own cap below the policy's); {} for a fixed cap."""
+    was sized by the window (its own cap below the policy's); the fixed policy for a fixed cap."""
     first = plan[0]
     if first.get("policy_cap") is None:
-        return {}
+        return {"cap_policy": "fixed"}
     window = first["trainer_max_length"]
     sized = next((r for r in plan if r["max_output_tokens"] < r["policy_cap"] and r["prompt_tokens"] is not None), None)
     overshoot = (

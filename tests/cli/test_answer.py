@@ -33,10 +33,10 @@ def cut_at_4096(tmp_path_factory):
         "DFLASH_NUM_SERVERS": "1",
         "COLUMNS": "100",
     }
-    demo = dflash("demo", "--max-output-tokens", str(CAP), env=env, cwd=tmp)
+    demo = dflash("demo", "--cap-policy", "fixed", "--max-output-tokens", str(CAP), env=env, cwd=tmp)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     # backfill of the same config: every row committed, so it only judges and answers, as demo does
-    again = ("backfill", "--max-output-tokens", str(CAP))
+    again = ("backfill", "--cap-policy", "fixed", "--max-output-tokens", str(CAP))
     views = {args: dflash(*args, env=env, cwd=tmp) for args in [("report",), ("report", "--full"), ("configs",), again]}
     for args, result in views.items():
         assert result.returncode == 0, f"{args}: {result.stdout}{result.stderr}"

@@ -22,7 +22,7 @@ def runs_in(env: dict) -> int:
 
 def test_a_cap_past_the_emulated_servers_context_is_refused_before_the_demo_starts(tmp_path):
     env = home(tmp_path, "home")
-    result = dflash("demo", "--max-output-tokens", "40000", env=env, cwd=tmp_path)
+    result = dflash("demo", "--cap-policy", "fixed", "--max-output-tokens", "40000", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line == (
@@ -38,7 +38,7 @@ def test_a_cap_past_attached_servers_context_is_refused_for_backfill_and_continu
     server = emulator("--context-length", "8192", "--decode-tokens-per-s", "0")
     env = home(tmp_path, "home") | {"DFLASH_FLEET_MODE": "attach", "DFLASH_FLEET_URLS": server.emu.url}
     said = "leaves no room for a prompt in the servers' context length 8,192 (read from the servers; "
-    backfill = dflash("backfill", "--max-output-tokens", "9000", env=env, cwd=tmp_path)
+    backfill = dflash("backfill", "--cap-policy", "fixed", "--max-output-tokens", "9000", env=env, cwd=tmp_path)
     assert backfill.returncode == 2 and said in backfill.stderr, backfill.stdout + backfill.stderr
     assert backfill.stderr.strip().endswith("(dflash backfill did not start)")
     again = dflash("continue", "--to", "8190", env=env, cwd=tmp_path)
@@ -49,6 +49,6 @@ def test_a_cap_past_attached_servers_context_is_refused_for_backfill_and_continu
 def test_under_the_window_policy_the_largest_request_is_the_windows_rest_not_the_cap():
     trainer = TrainerSettings(max_length=4096)
     window = RequestSettings(max_output_tokens=40000, cap_policy="window").model_dump()
-    fixed = RequestSettings(max_output_tokens=40000).model_dump()
+    fixed = RequestSettings(max_output_tokens=40000, cap_policy="fixed").model_dump()
     assert request_cap(window, trainer) == 4096 - 1 + RequestSettings().overshoot
     assert request_cap(fixed, trainer) == 40000

@@ -185,7 +185,9 @@ def test_backfill_and_demo_take_every_generation_and_dispatch_flag(tmp_path, emu
         "0.5",
         "--regenerate",
         "all_turns",
-        "--no-store-token-ids",
+        "--no-store-token-ids",  # honoured under the fixed cap (the window policy stores ids for its exact export)
+        "--cap-policy",
+        "fixed",
         "--max-in-flight-per-server",
         "3",
     ]

@@ -17,7 +17,11 @@ from tests.support.cli import demo_slice, dflash, home
 pytestmark = pytest.mark.long
 
 # the README's order: the demo at its default cap, a 4096 cap, then the command the terminal suggests
-README_ORDER = ((), ("--max-output-tokens", "4096"), ("--cap-policy", "window", "--max-output-tokens", "4096"))
+README_ORDER = (
+    ("--cap-policy", "fixed", "--max-output-tokens", "16384"),  # the demo before the window policy was the default
+    ("--cap-policy", "fixed", "--max-output-tokens", "4096"),
+    (),  # the default: the window policy
+)
 CAPS = (16384, 4096, 4096)
 
 

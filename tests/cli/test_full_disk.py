@@ -45,7 +45,7 @@ def test_a_full_data_dir_stops_the_run_at_once_named_and_the_same_command_finish
         "DFLASH_NUM_SERVERS": "1",
         "DFLASH_PROMPTS": str(demo_slice(tmp_path, 200)),
     }
-    full = dflash("demo", env=env, cwd=tmp_path, timeout=600)
+    full = dflash("demo", "--cap-policy", "fixed", env=env, cwd=tmp_path, timeout=600)
     out = " ".join(full.stdout.split())  # rich wraps long lines
     assert full.returncode == 1, full.stdout + full.stderr
     committed = completion_rows(small_disk)
@@ -74,7 +74,7 @@ def test_a_full_data_dir_stops_the_run_at_once_named_and_the_same_command_finish
         pq.read_table(path)
 
     remount(small_disk, "size=64m")
-    again = dflash("demo", env=env, cwd=tmp_path, timeout=600)
+    again = dflash("demo", "--cap-policy", "fixed", env=env, cwd=tmp_path, timeout=600)
     assert again.returncode in (0, 3), again.stdout + again.stderr
     rows = completion_rows(small_disk)
     assert len(rows) == len(set(rows)), "a row was written twice"

@@ -153,7 +153,15 @@ def test_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384_finishes_
         before = len(completion_rows(data))
         # a part per row: the kill lands after the first, with the rest of its shard in flight or queued
         killed = start(
-            "backfill", "--max-output-tokens", "4096", "--commit-rows", "1", out=tmp_path / "kill.txt", env=env
+            "backfill",
+            "--cap-policy",
+            "fixed",
+            "--max-output-tokens",
+            "4096",
+            "--commit-rows",
+            "1",
+            out=tmp_path / "kill.txt",
+            env=env,
         )
         wait_until(
             lambda: len(completion_rows(data)) > before,
@@ -164,7 +172,9 @@ def test_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384_finishes_
         for url in (a.url, b.url):
             set_faults(url, {"hold": True})  # what is in flight stays in flight: the kill lands mid-shard
         kill_group(killed)
-        bump = start("backfill", "--max-output-tokens", "8192", out=tmp_path / "bump.txt", env=env)
+        bump = start(
+            "backfill", "--cap-policy", "fixed", "--max-output-tokens", "8192", out=tmp_path / "bump.txt", env=env
+        )
         status = bump.wait(timeout=BOUND_S)
     text = (tmp_path / "bump.txt").read_text()
     assert status == 2, text
@@ -188,7 +198,9 @@ def test_killed_at_4096_bump_refused_at_context_8192_relaunch_at_16384_finishes_
         start_emulator([*fast, "--context-length", "16384"]) as b,
     ):
         env = {**env, "DFLASH_FLEET_URLS": f"{a.url},{b.url}"}
-        relaunch = start("backfill", "--max-output-tokens", "8192", out=tmp_path / "relaunch.txt", env=env)
+        relaunch = start(
+            "backfill", "--cap-policy", "fixed", "--max-output-tokens", "8192", out=tmp_path / "relaunch.txt", env=env
+        )
         status = relaunch.wait(timeout=BOUND_S)
     text = (tmp_path / "relaunch.txt").read_text()
     assert status == 0, text  # no blocking check of the 8192 config fails, and the 4096 one stops nothing

@@ -62,7 +62,17 @@ def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(pr
     url, data = prompts
     for shard in ("00000", "00001"):
         gen = dflash(
-            "generate", "--shard", shard, "--urls", url, "--data-dir", str(data), "--max-output-tokens", "1024"
+            "generate",
+            "--shard",
+            shard,
+            "--urls",
+            url,
+            "--data-dir",
+            str(data),
+            "--cap-policy",
+            "fixed",
+            "--max-output-tokens",
+            "1024",
         )
         assert gen.returncode == 0, gen.stdout + gen.stderr
     home = {"DAGSTER_HOME": str(data.parent / "home")}  # the instance the printed `continue` runs on
@@ -153,7 +163,17 @@ def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_row
     ), before.stdout + before.stderr
     for shard in ("00000", "00001"):
         gen = dflash(
-            "generate", "--shard", shard, "--urls", url, "--data-dir", str(data), "--max-output-tokens", "1024"
+            "generate",
+            "--shard",
+            shard,
+            "--urls",
+            url,
+            "--data-dir",
+            str(data),
+            "--cap-policy",
+            "fixed",
+            "--max-output-tokens",
+            "1024",
         )
         assert gen.returncode == 0, gen.stdout + gen.stderr
     result = dflash("probe", "--urls", url, "--data-dir", str(data), "--mode", "cut_rows", "--min-prompts", "20")

@@ -72,6 +72,8 @@ def test_a_preflight_refusal_in_other_words_still_ends_with_the_context_length_t
     status = in_process(
         "demo",
         "--full",
+        "--cap-policy",
+        "fixed",
         "--max-output-tokens",
         "8189",  # a prompt may have 1 token: past the check before the run, refused by the preflight
         DFLASH_EMULATOR_ARGS="--reasoning-parser qwen3 --context-length 8192",

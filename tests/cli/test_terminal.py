@@ -4,7 +4,6 @@ the figures, the plan and the next command on the terminal; the event stream and
 import contextlib
 import http.server
 import json
-import os
 import re
 import threading
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 from dagster._core.instance.ref import InstanceRef
 
 from tests.support.cli import demo_slice, dflash, home
+from tests.support.docs import written_by_this_run
 
 pytestmark = pytest.mark.long
 
@@ -23,11 +23,13 @@ NO_TRACE = ("Traceback", "Stack Trace", "DagsterAssetCheckFailedError", " - ERRO
 
 @pytest.fixture(scope="module")
 def demo_at_4096(tmp_path_factory):
-    """The README's way to see a too-small cap: the bundled prompts at a 4096-token cap, for a trainer that reads
+    """The README's way to see a too-small cap: the bundled prompts at a fixed 4096-token cap, for a trainer that reads
     8192 tokens (at the default 4096 window the cuts lie past it: tests/generation/test_window_policy.py)."""
     tmp = tmp_path_factory.mktemp("demo4096")
     env = home(tmp, "home")  # each prompt's one completion (the suite's setting): the figures are the same each run
-    return env, dflash("demo", "--max-output-tokens", "4096", "--trainer-max-length", "8192", env=env, cwd=tmp)
+    return env, dflash(
+        "demo", "--cap-policy", "fixed", "--max-output-tokens", "4096", "--trainer-max-length", "8192", env=env, cwd=tmp
+    )
 
 
 def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_and_the_next_command(demo_at_4096):
@@ -111,7 +113,7 @@ def test_a_preflight_failure_ends_with_the_context_length_that_would_fit(tmp_pat
         "DFLASH_NUM_SERVERS": "1",
     }  # refused before any request: one server will do
     # a cap that leaves a prompt 1 token: it passes the check before the run, and the preflight refuses every prompt
-    result = dflash("demo", "--full", "--max-output-tokens", "8189", env=env, cwd=tmp_path)
+    result = dflash("demo", "--full", "--cap-policy", "fixed", "--max-output-tokens", "8189", env=env, cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr  # bad config: nothing was sent
     out = result.stdout
     assert "Stopped before any request was sent: the preflight refused the run." in out
@@ -260,6 +262,8 @@ def test_continue_takes_the_cut_rows_on_to_the_recommended_cap_and_says_how_many
     demo = dflash(
         "demo",
         "--full",
+        "--cap-policy",
+        "fixed",
         "--max-output-tokens",
         "4096",
         "--trainer-max-length",
@@ -308,12 +312,4 @@ def as_documented(out: str, tmp: str) -> str:
 
 def test_the_running_doc_shows_the_demos_output_as_this_test_run_printed_it(demo_at_4096):
     env, result = demo_at_4096
-    shown = as_documented(result.stdout, env["CWD"])
-    doc = RUNNING.read_text()
-    before, mark, after = doc.partition(OUTPUT_MARK + "\n```text\n")
-    assert mark, f"docs/running.md has no block after {OUTPUT_MARK}"
-    block, fence, rest = after.partition("\n```\n")
-    if os.environ.get("DFLASH_WRITE_DOCS") == "1":
-        RUNNING.write_text(before + mark + shown + fence + rest)
-    else:
-        assert block == shown, "docs/running.md's demo output is stale: run this test with DFLASH_WRITE_DOCS=1"
+    written_by_this_run(RUNNING, OUTPUT_MARK + "\n```text\n", "\n```\n", as_documented(result.stdout, env["CWD"]))

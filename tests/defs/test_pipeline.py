@@ -111,7 +111,7 @@ def test_a_shard_past_the_truncation_limit_gets_its_report_and_histogram_in_the_
             partition_key="00000",
             resources=resources(tmp_path, fleet_urls, 200),
             raise_on_error=False,
-            run_config={"ops": {"completions": {"config": {"max_output_tokens": 4096}}}},
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 4096, "cap_policy": "fixed"}}}},
         )
     truncated = duckdb.sql(
         f"select avg((finish_reason = 'length')::int) from read_parquet('{tmp_path}/data/completions/**/*.parquet')"
@@ -343,7 +343,7 @@ def test_a_backfill_range_runs_several_shards_in_one_run_with_metadata_per_shard
         result = job.execute_in_process(
             instance=instance,
             resources=res,
-            run_config={"ops": {"completions": {"config": {"max_output_tokens": 32000}}}},
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 32000, "cap_policy": "fixed"}}}},
             tags={"dagster/asset_partition_range_start": "00000", "dagster/asset_partition_range_end": "00002"},
         )
     assert result.success

@@ -139,7 +139,7 @@ def test_a_new_cap_that_does_not_fit_the_context_fails_before_anything_is_sent(t
         cont(data, [server.emu.url], parent.config_hash, 8192)
     provenance = hashed(data, parent.config_hash)  # what the parent's fleet said, in its hash and the new one's
     assert provenance is not None
-    bigger = GenerationSettings(max_output_tokens=8192).resolved(False).with_provenance(provenance)
+    bigger = GenerationSettings(max_output_tokens=8192, cap_policy="fixed").resolved(False).with_provenance(provenance)
     assert len(rows(data, bigger.config_hash(parent.model))) == 0
 
 
@@ -170,7 +170,7 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
     assert meta["rows_continued"].value == parent.length and meta["rows_copied"].value == N - parent.length
     assert meta["tokens_reused"].value > 0 and 0 < meta["saved_share"].value < 1
     assert meta["accounting"].value == f"{N} prompts = {N} completed + 0 rejected + 0 failed + 0 left"
-    bigger = GenerationSettings(max_output_tokens=8192).resolved(False)
+    bigger = GenerationSettings(max_output_tokens=8192, cap_policy="fixed").resolved(False)
     assert meta["config_hash"].value == bigger.with_provenance(hashed(data, parent.config_hash)).config_hash(
         parent.model
     )

@@ -96,7 +96,12 @@ def test_a_second_continue_sends_nothing_and_a_fixed_cap_is_refused_by_name(grow
         fixed = on_fleet(
             [x.url],
             lambda f: generate_shard(
-                data, "00000", f, GenerationSettings(max_output_tokens=256), SETTINGS, log=lambda m: None
+                data,
+                "00000",
+                f,
+                GenerationSettings(max_output_tokens=256, cap_policy="fixed"),
+                SETTINGS,
+                log=lambda m: None,
             ),
         )
         with pytest.raises(

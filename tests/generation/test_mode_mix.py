@@ -43,7 +43,7 @@ def mix_main(argv: list[str]) -> int:
 
 
 def test_single_mode_configs_keep_their_hash_and_the_mix_makes_its_own():
-    one = GenerationSettings(regenerate="last_turn")
+    one = GenerationSettings(regenerate="last_turn", cap_policy="fixed")
     assert one.config_hash("m") == "94807fd38570"  # the hash this config had before the mix existed
     assert MIX.config_hash("m") != MIX.model_copy(update={"thinking_share": None}).config_hash("m")
     assert MIX.config_hash("m") != MIX.model_copy(update={"mode_seed": SEED + 1}).config_hash("m")
@@ -86,7 +86,8 @@ def test_each_prompt_is_generated_in_its_seeded_mode_and_keeps_it_after_a_kill_a
     export = export_training_set(data, tmp_path / "training", config_hash=None)
     kept, by_mode = export.manifest["rows"], export.manifest["rows_by_mode"]
     assert kept > N // 2 and set(by_mode) == {"thinking", "no_thinking"} and sum(by_mode.values()) == kept, by_mode
-    assert isinstance(export.manifest["recipe"]["flags"], list), export.manifest["recipe"]  # each mode its recipe
+    # a mix is exported pre-tokenized (a thinking-off row's `</think>` is a prompt token there), each row in its mode
+    assert export.manifest["form"] == "pretokenized" and export.manifest["recipe"]["validator"] is None
 
 
 def test_a_mixed_config_is_continued_each_row_in_its_own_mode(tmp_path):

@@ -80,7 +80,7 @@ def test_the_run_at_1024_plans_with_a_model_and_says_how_to_probe_and_what_it_co
             partition_key=shard,
             instance=instance,
             resources=res,
-            run_config={"ops": {"completions": {"config": {"max_output_tokens": 1024}}}},
+            run_config={"ops": {"completions": {"config": {"max_output_tokens": 1024, "cap_policy": "fixed"}}}},
         ).success
     meta = summary(project)
     md = meta["cap_plan"]

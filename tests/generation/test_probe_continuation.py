@@ -42,7 +42,7 @@ def project(tmp_path_factory):
                 partition_key=shard,
                 instance=instance,
                 resources=res,
-                run_config={"ops": {"completions": {"config": {"max_output_tokens": RUN_CAP}}}},
+                run_config={"ops": {"completions": {"config": {"max_output_tokens": RUN_CAP, "cap_policy": "fixed"}}}},
             ).success
         result = dg.materialize(
             [length_probe],
@@ -143,7 +143,7 @@ def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_large
                 partition_key=shard,
                 instance=instance,
                 resources=res,
-                run_config={"ops": {"completions": {"config": {"max_output_tokens": cap}}}},
+                run_config={"ops": {"completions": {"config": {"max_output_tokens": cap, "cap_policy": "fixed"}}}},
             ).success
         at = rows(f"max_output_tokens = {cap}", f"{data}/completions")
         truth = sum(r[2] in ("length", "runaway") for r in at) / len(at)  # cut: at the cap, or a loop stopped

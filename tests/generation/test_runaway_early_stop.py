@@ -48,7 +48,12 @@ def generate(data, url, every: int, cap: int = CAP):
     return on_fleet(
         [url],
         lambda f: generate_shard(
-            data, "00000", f, GenerationSettings(max_output_tokens=cap), settings, log=lambda m: None
+            data,
+            "00000",
+            f,
+            GenerationSettings(max_output_tokens=cap, cap_policy="fixed"),
+            settings,
+            log=lambda m: None,
         ),
     )
 

@@ -102,9 +102,9 @@ def test_a_prompt_that_fills_the_window_is_a_reject_with_its_reason(window_run):
 
 def test_the_window_and_the_overshoot_are_in_the_config_hash_and_a_fixed_caps_hash_is_unchanged():
     model = "emulated/qwen3-27b"
-    fixed = GenerationSettings(max_output_tokens=8192).resolved(False)
+    fixed = GenerationSettings(max_output_tokens=8192, cap_policy="fixed").resolved(False)
     assert fixed.config_hash(model) == GenerationSettings(
-        max_output_tokens=8192, trainer_max_length=2048, overshoot=3
+        max_output_tokens=8192, cap_policy="fixed", trainer_max_length=2048, overshoot=3
     ).resolved(False).config_hash(model)
     hashes = {
         window_config().config_hash(model),
@@ -266,7 +266,7 @@ def test_the_terminal_answer_says_the_cut_rows_do_not_matter_to_this_trainer_and
 
 @pytest.fixture(scope="module")
 def demo_at_cap_4096(tmp_path_factory):
-    """`dflash demo --max-output-tokens 4096` on the demo's first shard (a fifth of its rows are cut at 4096, as in
+    """`dflash demo --cap-policy fixed --max-output-tokens 4096` on the demo's first shard (a fifth of its rows are cut at 4096, as in
     the whole demo; five of its prompts are longer than the 4096 window), on one server: (result, env)."""
     from tests.support.cli import demo_slice, dflash, home
 
@@ -276,7 +276,7 @@ def demo_at_cap_4096(tmp_path_factory):
         "DFLASH_SHARD_SIZE": "100",
         "DFLASH_NUM_SERVERS": "1",
     }
-    return dflash("demo", "--full", "--max-output-tokens", "4096", env=env, cwd=tmp_path), env
+    return dflash("demo", "--full", "--cap-policy", "fixed", "--max-output-tokens", "4096", env=env, cwd=tmp_path), env
 
 
 def test_the_demo_at_a_4096_cap_with_a_4096_window_exports_every_non_runaway_row_and_says_why(demo_at_cap_4096):
@@ -336,8 +336,9 @@ def test_demo_backfill_and_generate_take_the_cap_policy_and_the_window_from_the_
     assert "trainer_max_length" not in config  # one window: the quality resource's, which the requests read
     # the next command repeats them (and only what differs from the command's defaults)
     assert repeated_flags("demo", {**config, **trainer_flags(trainer)}) == (
-        " --cap-policy window --trainer-max-length 2048 --trainer-format pretokenized"
-    )
+        " --trainer-max-length 2048 --trainer-format pretokenized"
+    )  # the window policy is the default: only the fixed cap is repeated
+    assert repeated_flags("demo", {**config, "cap_policy": "fixed"}) == " --cap-policy fixed"
     assert repeated_flags("demo", _completions_config("demo", build_parser().parse_args(["demo"]))[0]) == ""
     assert window.resources() == {"quality": {"config": {"trainer": trainer.model_dump()}}}
 
@@ -381,8 +382,11 @@ def test_the_defaults_leave_out_the_prompts_that_fill_the_window_and_preflight_s
     # the trainer's settings beside the manifest, and where they are on the terminal
     spec = (export.manifest_path.parent / "specforge_data.yaml").read_text()
     assert "data:\n" in spec and "  max_length: 4096\n" in spec and f'prompts_path: "{export.jsonl_path}"' in spec
-    assert "--seq-length 4096" in (export.manifest_path.parent / "speculators_flags.txt").read_text()
-    assert "specforge_data.yaml" in result.stdout and "speculators_flags.txt" in result.stdout
+    assert not (export.manifest_path.parent / "speculators_flags.txt").exists()  # the trainer named, only its file
+    speculators = export_training_set(data, tmp_path / "speculators", trainer="speculators")
+    assert "--seq-length 4096" in (speculators.manifest_path.parent / "speculators_flags.txt").read_text()
+    assert speculators.manifest["form"] == "pretokenized"
+    assert "specforge_data.yaml" in result.stdout and "start it with: specforge train" in result.stdout
 
 
 # ---- one window (issue 31): the trainer's, from the request to the export ----------------------------------------

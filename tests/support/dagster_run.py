@@ -29,7 +29,7 @@ def run_shard(instance, res, shard: str, cap: int, **config):
         instance=instance,
         resources=res,
         raise_on_error=False,
-        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap, **config}}}},
+        run_config={"ops": {"completions": {"config": {"max_output_tokens": cap, "cap_policy": "fixed", **config}}}},
     )
 
 

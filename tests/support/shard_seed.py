@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
                 instance=instance,
                 raise_on_error=False,
                 run_config={
-                    "ops": {"completions": {"config": {"max_output_tokens": cap}}},
+                    "ops": {"completions": {"config": {"max_output_tokens": cap, "cap_policy": "fixed"}}},
                     "loggers": {"console": {"config": {"log_level": "ERROR"}}},
                 },
             )

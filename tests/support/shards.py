@@ -69,8 +69,11 @@ def make_shard(data_dir: Path, urls: list[str], prompts: dict[str, str] = EXPLAI
 
 
 def generate(data_dir, urls: list[str], cap: int | GenerationSettings, settings: DispatchSettings = SETTINGS, **kw):
-    """Generate shard 00000 at `cap` (or a whole GenerationSettings); `kw` go to generate_shard (log, policy)."""
-    config = cap if isinstance(cap, GenerationSettings) else GenerationSettings(max_output_tokens=cap)
+    """Generate shard 00000 at the fixed cap `cap` (or a whole GenerationSettings); `kw` go to generate_shard (log,
+    policy)."""
+    config = (
+        cap if isinstance(cap, GenerationSettings) else GenerationSettings(max_output_tokens=cap, cap_policy="fixed")
+    )
     kw.setdefault("log", quiet)
     return on_fleet(urls, lambda f: generate_shard(data_dir, SHARD, f, config, settings, **kw))
 

@@ -9,7 +9,7 @@ from dflash_assets.defs.metadata import StepStopKeys, TrainingSetKeys
 from dflash_assets.defs.quality.assets import ConfigChoice, choose_config, length_quality_report
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality import export_training_set, gate_passed, run_checks
-from dflash_assets.quality.training.export import exclusion_lines
+from dflash_assets.quality.training.export import exclusion_lines, trained_words
 from dflash_assets.settings import QualitySettings
 from dflash_assets.store.configs import latest_order
 from dflash_assets.store.stores import committed_rows
@@ -90,6 +90,7 @@ def drafter_training_set(
             min_loss_tokens=quality_settings.trainer.min_loss_tokens,
             held_out_share=quality_settings.trainer.held_out_share,
             held_out_seed=quality_settings.trainer.held_out_seed,
+            trainer=quality_settings.trainer.name,
         )
     manifest = export.manifest
     context.log.info(f"exported {manifest['rows']} rows of config {chosen or 'all'} to {export.jsonl_path}")
@@ -108,8 +109,11 @@ def drafter_training_set(
             "trainer": f"max_length {manifest['max_length']}, form {manifest['form']} "
             f"(change: {manifest['trainer']['how_to_change']})",
             TrainingSetKeys.TRAINER_SETTINGS: dg.MetadataValue.path(
-                str(export.manifest_path.parent / manifest["trainer_settings"]["specforge"])
-            ),
+                str(export.manifest_path.parent / manifest["trainer_settings"]["file"])
+            )
+            if manifest["trainer_settings"]["file"]
+            else "none: " + manifest["trainer_settings"]["note"],
+            "trained": dg.MetadataValue.md(trained_words(manifest)),
             "exclusions": dg.MetadataValue.md(excluded),
             TrainingSetKeys.MANIFEST: dg.MetadataValue.json(manifest),
         }

@@ -10,6 +10,7 @@ Description. The terminal layout is in console.py.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from dflash_assets.quality.planning.fit import PlanError
 from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.planning.window_plan import WindowPlan, window_plan
 from dflash_assets.quality.report.lengths import length_quality
+from dflash_assets.quality.training.export import trained_words
 from dflash_assets.settings import Deployment, QualitySettings, TrainerSettings
 from dflash_assets.store.configs import latest_order
 from dflash_assets.store.storage import is_uri
@@ -34,6 +36,7 @@ class Exported:
     window_complete_kept: int
     no_trainable_tokens: int
     conversations_not_whole: int
+    trained: str = ""  # what the trainer will train of it (export.trained_words)
 
     @classmethod
     def read(cls, manifest: Path) -> Exported | None:
@@ -48,6 +51,7 @@ class Exported:
             window_complete_kept=int(m.get("window_complete_kept") or 0),
             no_trainable_tokens=int((m.get("excluded") or {}).get("no_trainable_tokens") or 0),
             conversations_not_whole=int(m.get("conversations_not_whole") or 0),
+            trained=trained_words(m),
         )
 
 
@@ -81,6 +85,7 @@ class CapAnswer:
     fills_window: int = 0
     exported: Exported | None = None  # None: no export of this config yet
     scope: str = ""  # "": every shard of the config; else the shard(s) counted ("shard 00000")
+    windowed: bool = False  # cap_policy window: its requests were sized to the window already
 
     @property
     def cuts_matter(self) -> bool:
@@ -99,7 +104,7 @@ class CapAnswer:
     def next_settings(self) -> dict[str, str | int]:
         """The settings of the next command (flag: value): the window policy when every cut lies past the window, a
         larger cap when the cuts inside it are over the limit and a candidate gets there; {} when nothing is to do."""
-        if self.cut_at_cap and not self.cuts_matter:
+        if self.cut_at_cap and not self.cuts_matter and not self.windowed:
             return {"--cap-policy": "window", "--max-output-tokens": self.cap}
         if self.recommended is not None:
             return {"--max-output-tokens": self.recommended.cap}
@@ -112,7 +117,8 @@ class CapAnswer:
         if not self.cuts_matter:
             return (
                 f"every cut row lies at or past the trainer's window max_length {num(self.max_length)}: the trainer "
-                f"reads each as the complete answer, so a larger cap buys no trained token; decode only what it reads"
+                f"reads each as the complete answer, so a larger cap buys no trained token; "
+                + ("the window policy decodes only what it reads" if self.windowed else "decode only what it reads")
             )
         if self.recommended is not None:
             e = self.recommended
@@ -125,6 +131,8 @@ class CapAnswer:
     def next_command(self, command: str) -> str | None:
         """`command` (say "dflash demo") with the next settings, or None when there is nothing to change."""
         flags = self.next_settings
+        for flag in flags:  # the next settings replace the ones the command repeats (--cap-policy fixed)
+            command = re.sub(rf" {flag} \S+", "", command)
         return f"{command} {' '.join(f'{k} {v}' for k, v in flags.items())}" if flags else None
 
     def headline(self, export_command: str | None = None) -> list[str]:
@@ -167,6 +175,7 @@ class CapAnswer:
             f"export: {num(e.samples)} samples ({e.form}), {num(e.window_complete_kept)} window-complete turn rows "
             f"kept; left out: {num(e.no_trainable_tokens)} turn rows with no trainable token, "
             f"{num(e.conversations_not_whole)} conversations not whole ({e.manifest})"
+            + (f"; {e.trained}" if e.trained else "")
         )
 
     def lines(self, command: str = "dflash demo", export_command: str | None = None) -> list[str]:
@@ -252,6 +261,7 @@ def answer_of(
         fills_window=row["fills_window_rows"],
         exported=Exported.read(exports / row["config_hash"] / "manifest.json"),
         scope=scope,
+        windowed=bool(row.get("windowed")),
     )
 
 

@@ -159,7 +159,12 @@ def length_quality_of(
             )
         ),
         "max_length": max_length,
-        "by_config": _grouped(con, "config_hash, config_cap", CONFIG, ", count(DISTINCT shard) AS shards"),
+        "by_config": _grouped(
+            con,
+            "config_hash, config_cap",
+            CONFIG,
+            ", count(DISTINCT shard) AS shards, bool_or(trainer_max_length IS NOT NULL) AS windowed",
+        ),
         "by_shard": grouped(
             "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
         ),

@@ -59,6 +59,7 @@ from dflash_assets.quality.tables import (
 from dflash_assets.quality.training.selection import AFTER_END, NOT_WHOLE, Selection, Turn, ending
 from dflash_assets.quality.training.split import HELD_OUT, HELD_OUT_FILES, TRAIN, held_out, split_manifest
 from dflash_assets.quality.training.trainer_format import (
+    DROPS_EARLIER_REASONING,
     TOOL_VALIDATION,
     VALIDATOR,
     chosen_form,
@@ -66,7 +67,7 @@ from dflash_assets.quality.training.trainer_format import (
     has_think_marker,
     tool_row_problem,
 )
-from dflash_assets.quality.training.trainer_settings import TRAINER_SETTINGS_FILES, write_trainer_settings
+from dflash_assets.quality.training.trainer_settings import TRAINER_SETTINGS_FILES, Exported, write_trainer_settings
 from dflash_assets.quality.training.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql, trainable_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
@@ -239,11 +240,13 @@ def _write(
         }
         for conversation in _conversations(con, storage, ids):
             side = sides[HELD_OUT if HELD_OUT in sides and held(conversation.rows[0]["prompt_id"]) else TRAIN]
-            lines = done.lines
+            lines, turns = done.lines, done.consumed - len(done.refused_rows)
             side.write(conversation, done)
             side.conversations += done.lines > lines
+            side.turns += done.consumed - len(done.refused_rows) - turns
         for side in sides.values():
             side.flush()
+    done.train_turns = sides[TRAIN].turns
     return done, {name: (side.lines, side.conversations) for name, side in sides.items()} | (
         {} if HELD_OUT in sides else {HELD_OUT: (0, 0)}
     )
@@ -256,12 +259,14 @@ class _Side:
         self.jsonl, self.writer = jsonl, writer
         self.parquet = stack.enter_context(pq.ParquetWriter(parquet, writer.schema))
         self.pending: list[dict[str, Any]] = []
-        self.lines = self.conversations = 0
+        self.lines = self.conversations = self.turns = 0
 
     def write(self, conversation: Conversation, done: Written) -> None:
         samples = self.writer.samples(conversation, done)
         done.conversations += bool(samples)
         for line, record in samples:
+            if self.writer.form.column == "conversations" and self.writer.check is not tool_row_problem:  # validated
+                done.validated(line)
             self.jsonl.write(self.writer.dumps(line))
             self.pending.append(record)
             done.lines += 1
@@ -338,17 +343,49 @@ def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) 
     return selection
 
 
-def _recipe(done: Written, writer: Writer) -> dict[str, Any]:
-    """The manifest's word on SpecForge's recipe: the validator and flags the text forms were judged by."""
-    if not writer.form.rendered:
-        return {"validator": None, "note": "pre-tokenized samples are read as is: no validator runs on them"}
-    flags = sorted({flags_text(t) for t in done.thinking}) or [flags_text(True)]
-    agentic = {"note": TOOL_VALIDATION} if getattr(writer, "check", None) is tool_row_problem else {}
+def _recipe(done: Written, writer: Writer, trainer: str) -> dict[str, Any]:
+    """The validation run of the trainer's own code: SpecForge's validator on its text forms, with the strongest flags
+    that pass on every line written (Written.validated; its recipe's where they do), and what it refused. An agentic
+    file is judged by its own checks: the validator refuses the tool turns SpecForge's trainer reads."""
+    judged = {
+        "left_out": dict(sorted(done.refused.items())),
+        "recipe_flags": sorted({flags_text(t) for t in done.thinking}),
+    }
+    if getattr(writer, "check", None) is tool_row_problem:
+        return {"validator": None, "note": TOOL_VALIDATION} | judged
+    if not writer.form.rendered or writer.form.column != "conversations" or trainer != "specforge":
+        return {"validator": None, "note": f"no validator of {trainer}'s runs on the {writer.form.name} form"} | judged
+    flags = " ".join("--" + k.replace("_", "-") for k, on in done.validator_flags[0].items() if on)
     return {
         "validator": VALIDATOR,
-        "flags": flags[0] if len(flags) == 1 else flags,  # two: configs with and without thinking, one file
-        "left_out": dict(sorted(done.refused.items())),
-    } | agentic
+        "flags": flags,
+        "command": f"python scripts/validate_regenerated_data.py --data-path FILE {flags}",
+    } | judged
+
+
+def _trained(done: Written, e: Exported, train_lines: int, said: dict[str, Any]) -> dict[str, Any]:
+    """What the trainer will train of the train file (the manifest's and the terminal's word): the turns it
+    supervises, the turns exported but not trained and why, the held-out rows and their route."""
+    turns = done.train_turns
+    one_per_line = e.form == "conversations" and e.last_turn_only  # SpecForge's train_only_last_turn
+    supervised = 0 if e.reader is None else train_lines if one_per_line else turns
+    why = None
+    if e.reader is None:
+        why = said["note"]
+    elif turns > supervised:
+        why = (
+            f"chat_template {e.chat_template} renders a conversation's earlier turns without their reasoning, so "
+            "only its last turn is trained (train_only_last_turn); form per_turn trains every turn"
+        )
+    return {
+        "trainer": e.reader,
+        "turns_exported": turns,
+        "turns_supervised": supervised,
+        "turns_not_trained": turns - supervised,
+        "why_not_trained": why,
+        "held_out_rows": done.lines - train_lines,
+        "held_out_route": said["held_out_route"],
+    }
 
 
 def _source_answers(done: Written, writer: Writer) -> dict[str, Any]:
@@ -390,6 +427,7 @@ def export_training_set(
     min_loss_tokens: int = TrainerSettings().min_loss_tokens,
     held_out_share: float = 0.0,
     held_out_seed: int = TrainerSettings().held_out_seed,
+    trainer: str = TrainerSettings().name,
 ) -> TrainingExport:
     """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
 
@@ -429,7 +467,9 @@ def export_training_set(
     ):  # a later export of another form or window must not leave stale ones
         (out / name).unlink(missing_ok=True)
     tmps = {name: out / f".{name}.tmp" for name in paths}
-    writer_for(chosen_form(form, False, chat_template)[0])  # refuses an unknown form before anything is written
+    writer_for(
+        chosen_form(form, False, chat_template, trainer)[0]
+    )  # refuses an unknown form before anything is written
     params = {
         "config": config_hash,
         "min_loss_tokens": min_loss_tokens,
@@ -453,12 +493,12 @@ def export_training_set(
             con.execute("CREATE TEMP TABLE files (file_index INTEGER, filename VARCHAR)")
             if files := list(enumerate(parquet_files(storage, "completions"))):
                 con.executemany("INSERT INTO files VALUES (?, ?)", files)
-            all_turns = con.execute(
-                f"SELECT coalesce(bool_or(turn IS NOT NULL), false) FROM {completions} "
-                "WHERE $config IS NULL OR config_hash = $config",
+            all_turns, mixed, model = con.execute(
+                f"SELECT coalesce(bool_or(turn IS NOT NULL), false), coalesce(bool_or(thinking_share IS NOT NULL), "
+                f"false), min(model) FROM {completions} WHERE $config IS NULL OR config_hash = $config",
                 {"config": config_hash},
-            ).fetchall()[0][0]
-            form, form_chosen = chosen_form(form, all_turns, chat_template)
+            ).fetchall()[0]
+            form, form_chosen = chosen_form(form, all_turns, chat_template, trainer, mixed)
             writer = writer_for(form)
             params["token_ids"] = not writer.form.rendered
             register_runaway(con, runaway)
@@ -496,7 +536,7 @@ def export_training_set(
                 "conversations": {"exported": done.conversations} | selection.manifest(),
                 "min_loss_tokens": min_loss_tokens,
                 "window": window,
-                "recipe": _recipe(done, writer),
+                "recipe": _recipe(done, writer, trainer),
                 "source_answers": _source_answers(done, writer),
                 "split": split_manifest(
                     held_out_share, held_out_seed, sides, "training_set.jsonl", "training_set.parquet"
@@ -530,15 +570,19 @@ def export_training_set(
         for name in names:
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
-        manifest["trainer_settings"] = write_trainer_settings(
-            out,
+        exported = Exported(
             paths["training_set.jsonl"],
             form,
             window["max_length"],
             chat_template,
-            done.source_answers["written"],
-            manifest["split"],
+            trainer,
+            model,
+            last_turn_only=bool(done.source_answers["written"])
+            or all_turns
+            and chat_template in DROPS_EARLIER_REASONING,
         )
+        manifest["trainer_settings"] = write_trainer_settings(out, exported, manifest["split"])
+        manifest["trained"] = _trained(done, exported, sides[TRAIN][0], manifest["trainer_settings"])
         tmps["manifest.json"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _commit(tmps["manifest.json"], paths["manifest.json"])
     finally:
@@ -635,8 +679,30 @@ def left_out_lines(manifest: dict[str, Any]) -> list[str]:
     recipe = manifest.get("recipe") or {}
     if recipe.get("left_out"):
         words = "; ".join(f"{n} {problem!r}" for problem, n in recipe["left_out"].items())
-        lines.append(f"recipe_validation: SpecForge's validator with {recipe['flags']} would stop at: {words}")
+        lines.append(
+            f"recipe_validation: SpecForge's validator with {' or '.join(recipe['recipe_flags'])} would stop at: {words}"
+        )
     return lines
+
+
+def trained_words(manifest: dict[str, Any]) -> str:
+    """What the trainer will train, in a line (the manifest's `trained`): turns supervised of the train file's
+    turns, those not trained and why, the held-out rows and their route."""
+    from dflash_assets.quality.outcome import num
+
+    t = manifest.get("trained")
+    if not t:
+        return ""
+    said = (
+        f"{t['trainer']} trains {num(t['turns_supervised'])} of the {num(t['turns_exported'])} turns in the train file"
+        if t["trainer"]
+        else f"nothing is trained of the {num(t['turns_exported'])} turns in the train file"
+    )
+    if t["turns_not_trained"]:
+        said += f"; {num(t['turns_not_trained'])} exported but not trained: {t['why_not_trained']}"
+    if t["held_out_rows"]:
+        said += f"; held out: {t['held_out_route']}"
+    return said
 
 
 def kept_lines(manifest: dict[str, Any]) -> list[str]:

@@ -49,6 +49,10 @@ DROPS_EARLIER_REASONING = frozenset(
     {"qwen3.5", "qwen3-thinking", "qwen3-next-thinking", "kimi-k2-thinking", "kimi-k3-thinking", "deepseek-v32"}
 )
 
+# SpecForge's templates whose assistant header ends in an open think block (a6b6b02 specforge/data/template.py):
+# rendered, a turn without reasoning becomes "<think>\n\n</think>\n\n" + content, all of it under loss.
+OPENS_THINK_BLOCK = frozenset({"qwen3.5", "qwen3-next-thinking", "glm-5.2"})
+
 
 @dataclass(frozen=True)
 class Form:
@@ -58,48 +62,53 @@ class Form:
     rendered: bool  # the trainer renders it with its chat template (a text form); else its token ids are read as is
     column: str  # the Parquet column of what the trainer reads (text forms: the messages)
     specforge_key: str  # SpecForge's DataConfig key naming the file
-    speculators_note: str = ""  # what speculators' prepare_data.py needs besides its flags
-    specforge_note: str = ""  # a word to the SpecForge user, written into specforge_data.yaml
     train_only_last_turn: bool = False  # each row's last assistant turn is its sample (SpecForge's flag)
 
 
 FORM = {
     f.name: f
     for f in (
-        Form(
-            "conversations",
-            rendered=True,
-            column="conversations",
-            specforge_key="train_data_path",
-            speculators_note=" (a conversations file also needs --render-endpoint)",
-        ),
+        Form("conversations", rendered=True, column="conversations", specforge_key="train_data_path"),
         Form(
             "per_turn",
             rendered=True,
             column="conversations",
             specforge_key="train_data_path",
-            speculators_note=" (a conversations file also needs --render-endpoint)",
             train_only_last_turn=True,
         ),
-        Form(
-            "messages",
-            rendered=True,
-            column="messages",
-            specforge_key="train_data_path",
-            speculators_note=" (a conversations file also needs --render-endpoint)",
-            specforge_note="SpecForge reads the conversations form: export with form conversations for it.",
-        ),
+        Form("messages", rendered=True, column="messages", specforge_key="train_data_path"),
         Form("pretokenized", rendered=False, column="input_ids", specforge_key="prompts_path"),
     )
 }
 assert tuple(FORM) == FORMS, "every trainer format has its form"
 
 
-def chosen_form(form: str, all_turns: bool, chat_template: str) -> tuple[str, str]:
-    """(the form exported, why): `auto` is per_turn for regenerated multi-turn conversations (all_turns) under a
-    template that drops earlier reasoning, so that every decoded turn is trained, else conversations."""
+def chosen_form(
+    form: str, all_turns: bool, chat_template: str, trainer: str = "specforge", mixed: bool = False
+) -> tuple[str, str]:
+    """(the form exported, why) for `trainer` (TrainerSettings.name). `auto`: speculators' is pretokenized (the one
+    form its prepare_data reads as is, settings.TRAINER_READS); SpecForge's is pretokenized for a seeded mix of modes
+    (`mixed`: thinking_share) under a template that opens a think block (one template renders the whole file, and a
+    thinking-off row's `</think>` and blank line, prompt tokens in the server's ids, would be trained), per_turn for regenerated multi-turn conversations (all_turns)
+    under a template that drops earlier reasoning, so that every decoded turn is trained, else conversations. A text
+    form set explicitly where the template would train forced tokens is refused (ValueError), never written."""
+    forced = mixed and chat_template in OPENS_THINK_BLOCK and trainer == "specforge"
     if form != AUTO:
+        if forced and FORM[form].rendered and form != "messages":
+            raise ValueError(
+                f"export form {form} renders a mix of modes with one chat_template, {chat_template}, whose assistant "
+                "header opens a think block: a row generated with thinking off would be trained on `</think>` and the "
+                "blank line, which the server put in its prompt; export it pretokenized (trainer.format pretokenized "
+                "or auto)"
+            )
         return form, "as set"
+    if trainer == "speculators":
+        return "pretokenized", "auto: speculators' prepare_data passes {input_ids, loss_mask} through as exported"
+    if forced:
+        return "pretokenized", (
+            f"auto: a mix of modes, whose thinking-off rows' `</think>` and blank line chat_template {chat_template} "
+            "would train: the server's own ids, loss on generated tokens only"
+        )
     if all_turns and chat_template in DROPS_EARLIER_REASONING:
         return "per_turn", (
             f"auto: regenerate all_turns under chat_template {chat_template}, which drops earlier turns' reasoning: "

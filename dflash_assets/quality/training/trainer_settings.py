@@ -1,24 +1,30 @@
-"""What a trainer must set to read an export as it was meant, written beside its manifest.
+"""The trainer, named once (TrainerSettings.name): the file written beside the export, the command that starts the
+trainer on it, the validation run and the held-out route, each as that trainer's own code reads it (pinned in
+tests/support, run on real exports by tests/quality/training/test_trainer_routes.py).
 
-- specforge_data.yaml: SpecForge's `data:` block (specforge/config/schema.py DataConfig, a StrictConfigModel: only
-  its own keys), to put in the training config: the file (`prompts_path` for the pre-tokenized form, which
-  `prompt_builder.prepare_prompt_tasks` reads as is; `train_data_path` for the conversations form, which it renders
-  with `chat_template`), `max_length` (the export's window: a larger one would read past what was generated for
-  it, and a window-policy conversations file holds a placeholder there), and `train_only_last_turn: true` where the
-  file carries the source's earlier answers (SpecForge puts loss on every assistant turn by default).
-- speculators_flags.txt: speculators' flags (scripts/prepare_data.py `--data`, `--seq-length`; the trainer's
-  `--total-seq-len`, DataArgs.total_seq_len).
-Neither trainer reads a held-out file as such (split.py writes one), so both files say each one's route to it in
-comments, never a key it refuses: SpecForge a6b6b02's DataConfig keeps `eval_data_path` reserved ("Online evaluation
-is unsupported; keep empty") and evaluates only offline hidden states (`data.eval_hidden_states_path`, every
-`training.eval_interval`); speculators' `--train-data-ratio` holds out the last rows of the one dataset it trains on
-(train/data.py, ArrowDataset's split_ratio), so the held-out file goes after the train file in one `--data` and the
-ratio is the train file's share of the lines.
+- SpecForge (sgl-project/SpecForge a6b6b02): specforge_data.yaml, its `data:` block (specforge/config/schema.py
+  DataConfig, a StrictConfigModel: only its own keys): the file (`prompts_path` for the pre-tokenized form, which
+  `prompt_builder.prepare_prompt_tasks` reads as is; `train_data_path` for the text forms, rendered with
+  `chat_template`), `max_length` (the export's window: a larger one would read past what was generated for it) and
+  `train_only_last_turn: true` where a row's last assistant turn is its sample. The command passes the same keys as
+  `specforge train`'s dotted overrides. Its validator (scripts/validate_regenerated_data.py) runs on the text forms
+  with the flags that pass on every line written (Written.validator_flags).
+- speculators (vllm-project/speculators c05b95b): speculators_flags.txt, scripts/prepare_data.py's flags (`--data`,
+  `--seq-length`) and scripts/train.py's `--total-seq-len`, for the pre-tokenized form, which prepare_data passes
+  through (`_passthrough_pretokenized`: input_ids and loss_mask of one length, cut at --seq-length).
+- `messages` is no trainer's form: no trainer file is written for it, and the manifest says so.
+Neither trainer evaluates on a held-out file of ours (split.py writes one): SpecForge refuses `data.eval_data_path`
+("online evaluation is not supported") and takes `data.eval_hidden_states_path` only beside offline training data;
+speculators' `--train-data-ratio` splits its one dataset after prepare_data's seeded shuffle. So the train file goes
+to the trainer alone, and the held-out route is the one that works: acceptance of the trained drafter measured on the
+held-out prompts (and, for SpecForge's offline training, their captured hidden states as eval_hidden_states_path).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,129 +32,134 @@ from dflash_assets.quality.training.split import HELD_OUT, TRAIN
 from dflash_assets.quality.training.trainer_format import FORM
 
 SPECFORGE_FILE, SPECULATORS_FILE = "specforge_data.yaml", "speculators_flags.txt"
-TRAINER_SETTINGS_FILES = (SPECFORGE_FILE, SPECULATORS_FILE)
+TRAINER_SETTINGS_FILES = (SPECFORGE_FILE, SPECULATORS_FILE)  # the export clears the one it does not write
+FILE_OF = {"specforge": SPECFORGE_FILE, "speculators": SPECULATORS_FILE}
+NO_TRAINER = "no trainer reads the messages form (SpecForge wants a conversations column; speculators keeps no sample)"
 
 
-def specforge_data(
-    jsonl: Path, form: str, max_length: int | None, chat_template: str, with_history: int
-) -> dict[str, object]:
-    """SpecForge's data keys for this export (DataConfig's names)."""
-    rendered = FORM[form].rendered  # a pre-tokenized file is never rendered
-    data: dict[str, object] = {FORM[form].specforge_key: str(jsonl.resolve())}
-    if max_length is not None:
-        data["max_length"] = max_length
+@dataclass(frozen=True)
+class Exported:
+    """What the trainer's file and command are made of: the export's file, form and window, and the trainer."""
+
+    jsonl: Path
+    form: str
+    max_length: int | None
+    chat_template: str
+    trainer: str  # TrainerSettings.name
+    model: str | None = None  # the target model the rows were generated by (speculators' --model)
+    # a conversation's last assistant turn is all SpecForge is to train of it (train_only_last_turn): the source's
+    # earlier answers are in its history, or the template renders earlier turns without their reasoning
+    last_turn_only: bool = False
+
+    @property
+    def reader(self) -> str | None:
+        """The trainer that reads this export, or None (the messages form)."""
+        return None if self.form == "messages" else self.trainer
+
+
+def specforge_data(e: Exported, path: str) -> dict[str, object]:
+    """SpecForge's data keys for this export (DataConfig's names), the file at `path`."""
+    rendered = FORM[e.form].rendered  # a pre-tokenized file is never rendered
+    data: dict[str, object] = {FORM[e.form].specforge_key: path}
+    if e.max_length is not None:
+        data["max_length"] = e.max_length
     if rendered:
-        data["chat_template"] = chat_template
-    if (with_history or FORM[form].train_only_last_turn) and rendered:
-        data["train_only_last_turn"] = True
+        data["chat_template"] = e.chat_template
+        if e.last_turn_only or FORM[e.form].train_only_last_turn:
+            data["train_only_last_turn"] = True
     return data
 
 
-def train_data_ratio(train: int, held: int) -> str:
-    """speculators' --train-data-ratio that trains on exactly the first `train` of `train + held` rows: it keeps the
-    first int(rows * ratio), so the ratio sits half a row above train / rows (never rounded down a row)."""
-    return f"{(train + 0.5) / (train + held):.9f}"
+def command(e: Exported) -> str | None:
+    """The one line that starts the trainer on the export (None: no trainer reads it)."""
+    path = str(e.jsonl.resolve())
+    if e.reader == "specforge":
+        other = "train_data_path" if FORM[e.form].specforge_key == "prompts_path" else "prompts_path"
+        keys = {**specforge_data(e, path), other: ""}  # DataConfig takes exactly one source
+        overrides = " ".join(shlex.quote(f"data.{k}={str(v).lower() if v is True else v}") for k, v in keys.items())
+        return f"specforge train --config YOUR_DFLASH_CONFIG.yaml {overrides}"
+    if e.reader == "speculators":
+        window = f" --seq-length {e.max_length}" if e.max_length is not None else ""
+        return (
+            f"python scripts/prepare_data.py --model {shlex.quote(e.model or 'TARGET_MODEL')} --data "
+            f"{shlex.quote(path)}{window} --output prepared"
+        )
+    return None
 
 
-def held_out_comments(split: dict[str, Any] | None, out: Path) -> tuple[list[str], list[str]]:
-    """What each trainer's file says of the held-out file (SpecForge's yaml, speculators' flags): its route to it."""
+def held_out_route(e: Exported, split: dict[str, Any] | None) -> str | None:
+    """Where the held-out file goes for this trainer, or None when nothing is held out."""
     held = (split or {}).get(HELD_OUT)
-    if not held:
-        return [], []
-    train = split[TRAIN]  # type: ignore[index]
-    path = (out / held["jsonl"]).resolve()
-    said = (
-        f"# held out: {held['rows']} rows ({held['conversations']} conversations) in {path}, never in {train['jsonl']}"
-    )
-    if not held["rows"]:  # nothing drawn: no route to give
-        return [said], [said]
-    specforge = [
-        said,
-        "# SpecForge reads no held-out data file: data.eval_data_path is reserved and must stay empty (online "
-        "evaluation is",
-        "# unsupported). To evaluate on it, capture its hidden states offline (as for offline training) and set "
-        "data.eval_hidden_states_path",
-        "# to their directory, with training.eval_interval.",
-    ]
-    ratio = train_data_ratio(train["rows"], held["rows"])
-    speculators = [
-        said,
-        "# speculators reads no held-out file: --train-data-ratio trains on the first rows of its one dataset and "
-        "evaluates on the rest.",
-        f"# To evaluate on ours: --data the train file, then the held-out file, in that order, in one file (cat "
-        f"{train['jsonl']} {held['jsonl']}),",
-        f"# and --train-data-ratio {ratio} (its first {train['rows']} of {train['rows'] + held['rows']} rows), "
-        "provided prepare_data keeps every row in order",
-        "# (compare its row count with the manifest's).",
-    ]
-    return specforge, speculators
+    if not held or not held["rows"]:
+        return None
+    train = split[TRAIN]["jsonl"]  # type: ignore[index]
+    said = f"{held['rows']} rows ({held['conversations']} conversations) in {held['jsonl']}, never in {train}: "
+    if e.reader == "specforge":
+        offline = (
+            "; for offline training, capture their hidden states (scripts/prepare_hidden_states.py reads this "
+            "conversations file) and set data.eval_hidden_states_path with training.eval_interval"
+            if FORM[e.form].rendered
+            else ""
+        )
+        return said + (
+            "SpecForge's online trainer evaluates on no file (data.eval_data_path is refused, "
+            "data.eval_hidden_states_path needs offline training data): give it the train file alone and measure "
+            "the trained drafter's acceptance on the held-out prompts" + offline
+        )
+    if e.reader == "speculators":
+        return said + (
+            "speculators validates on a slice of its one dataset (--train-data-ratio, after prepare_data's seeded "
+            "shuffle), so --data gets the train file alone; measure the trained drafter's acceptance on the held-out "
+            "prompts"
+        )
+    return said + NO_TRAINER
 
 
-def write_trainer_settings(
-    out: Path,
-    jsonl: Path,
-    form: str,
-    max_length: int | None,
-    chat_template: str,
-    with_history: int = 0,
-    split: dict[str, Any] | None = None,
-) -> dict[str, object]:
-    """Write both files into `out`; returns what the manifest says of them (their paths and SpecForge's keys).
-    `split` (the manifest's, split.py) adds each trainer's route to the held-out file, as comments."""
-    specforge_held, speculators_held = held_out_comments(split, out)
-    data = specforge_data(jsonl, form, max_length, chat_template, with_history)
-    lines = [
-        f"# What SpecForge must set to read {jsonl.name} as it was exported (manifest.json beside it): put this",
-        "# data: block in the training config (specforge/config/schema.py DataConfig).",
-    ]
-    if FORM[form].specforge_note:
-        lines.append(f"# {FORM[form].specforge_note}")
-    if FORM[form].train_only_last_turn:
-        lines.append(
-            "# train_only_last_turn: each row is one assistant turn (its generation event), with the visible history "
-            "before it: only that turn is to be learnt."
-        )
-    elif "train_only_last_turn" in data:
-        lines.append(
-            f"# train_only_last_turn: {with_history} conversations carry the source's earlier answers, which the "
-            "target model did not write: only the last (regenerated) turn is to be learnt."
-        )
-    if max_length is None:
-        lines.append("# No window: set max_length to your trainer's window.")
-    lines += specforge_held
-    lines.append("data:")
-    lines += [f"  {key}: {json.dumps(value)}" for key, value in data.items()]  # JSON scalars are YAML scalars
-    (out / SPECFORGE_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    flags = f"--data {json.dumps(str(jsonl.resolve()))}"
-    if max_length is not None:
-        flags += f" --seq-length {max_length}"
-    train = f"--total-seq-len {max_length}" if max_length is not None else ""
-    (out / SPECULATORS_FILE).write_text(
-        "# speculators: scripts/prepare_data.py's flags"
-        + FORM[form].speculators_note
-        + ", then scripts/train.py's\n"
-        + "".join(f"{line}\n" for line in speculators_held)
-        + f"{flags}\n{train}\n",
-        encoding="utf-8",
-    )
-    # the manifest names them beside it, the file by its name: the same inputs give the same bytes wherever written
-    return {
-        "specforge": SPECFORGE_FILE,
-        "speculators": SPECULATORS_FILE,
-        "specforge_data": specforge_data(Path(jsonl.name), form, max_length, chat_template, with_history)
-        | {FORM[form].specforge_key: jsonl.name},
-        "speculators_flags": f"--seq-length {max_length}" if max_length is not None else "",
+def write_trainer_settings(out: Path, e: Exported, split: dict[str, Any] | None) -> dict[str, Any]:
+    """Write the named trainer's file into `out` (none for the messages form); returns what the manifest says of the
+    trainer: its file, keys, command and held-out route. The same inputs give the same bytes wherever written."""
+    route, line = held_out_route(e, split), command(e)
+    said: dict[str, Any] = {
+        "name": e.reader,
+        "file": FILE_OF.get(e.reader or ""),
+        "command": line,
+        "held_out_route": route,
+        "note": None if e.reader else NO_TRAINER,
     }
+    comments = [f"# held out: {route}"] if route else []
+    if e.reader == "specforge":
+        data = specforge_data(e, str(e.jsonl.resolve()))
+        lines = [
+            f"# What SpecForge must set to read {e.jsonl.name} as it was exported (manifest.json beside it): put this",
+            "# data: block in the training config (specforge/config/schema.py DataConfig), or run:",
+            f"# {line}",
+            *comments,
+            "data:",
+            *(f"  {key}: {json.dumps(value)}" for key, value in data.items()),  # JSON scalars are YAML scalars
+        ]
+        (out / SPECFORGE_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
+        said["specforge_data"] = specforge_data(e, e.jsonl.name)
+    elif e.reader == "speculators":
+        train = f"--total-seq-len {e.max_length}" if e.max_length is not None else ""
+        (out / SPECULATORS_FILE).write_text(
+            "# speculators: scripts/prepare_data.py's command, then scripts/train.py's flags (--data-path prepared)\n"
+            + "".join(f"{c}\n" for c in comments)
+            + f"{line}\n{train}\n",
+            encoding="utf-8",
+        )
+        said["speculators_flags"] = f"--seq-length {e.max_length}" if e.max_length is not None else ""
+    return said
 
 
 def trainer_settings_line(manifest: dict, out: Path) -> str:
-    """Where the trainer's settings are (`out`: the export's directory), for the terminal."""
+    """What the trainer is told, for the terminal: its file and the command that starts it (`out`: the export's
+    directory), or that no trainer reads the form."""
     settings = manifest["trainer_settings"]
-    window = settings["specforge_data"].get("max_length")
+    if not settings.get("name"):
+        return f"the trainer: {settings['note']}"
     chosen = manifest.get("form_chosen", "as set")
     return (
-        f"the trainer's settings to read it as it was made (max_length {window}"
-        + ("" if chosen == "as set" else f"; form {manifest['form']}, {chosen}")
-        + "): SpecForge's data: block in "
-        f"{out / settings['specforge']}, speculators' flags in {out / settings['speculators']}"
+        f"{settings['name']} reads it (max_length {manifest['trainer']['max_length']}; form {manifest['form']}"
+        + ("" if chosen == "as set" else f", {chosen}")
+        + f"): its settings in {out / settings['file']}; start it with: {settings['command']}"
     )

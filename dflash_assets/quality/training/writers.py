@@ -42,6 +42,12 @@ PROVENANCE = [
 ]
 
 Row = dict[str, Any]
+# SpecForge's validator flags, strongest first: either recipe's (trainer_format.recipe_flags), then the markers alone
+VALIDATOR_FLAGS = (
+    recipe_flags(True),
+    recipe_flags(False),
+    {"expect_reasoning": False, "expect_non_reasoning": False, "strict_think_markers": True},
+)
 Sample = tuple[dict[str, Any], Row]  # (the JSONL line, the Parquet row)
 
 
@@ -73,6 +79,13 @@ class Written:
     refused_rows: list[tuple[int, int]] = field(default_factory=list)  # (file_index, file_row_number) of those rows
     thinking: set[bool] = field(default_factory=set)  # enable_thinking of the rows judged: the recipe's flags
     source_answers: dict[str, int] = field(default_factory=lambda: {"written": 0, "left_out": 0})
+    train_turns: int = 0  # kept rows in the train file (the held-out file holds the rest)
+    validator_flags: list[dict[str, bool]] = field(default_factory=lambda: list(VALIDATOR_FLAGS))  # pass every line
+
+    def validated(self, line: dict[str, Any]) -> None:
+        """Keep the validator flags that pass on this written conversations line too (a per_turn event's history
+        answers have no reasoning_content, a mix of modes has rows of both): the manifest names the first left."""
+        self.validator_flags = [f for f in self.validator_flags if row_problem(line, **f) is None]
 
 
 def answer(row: Row) -> dict[str, Any]:

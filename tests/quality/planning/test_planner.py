@@ -65,7 +65,7 @@ def test_plan_at_4096_predicts_a_real_rerun_at_8192_on_the_emulator(tmp_path):
             if build:
                 await build_prompt_shard(src, 0, "00000", N_PROMPTS, data, fleet, {"enable_thinking": True})
             return await generate_shard(
-                data, "00000", fleet, GenerationSettings(max_output_tokens=cap), log=lambda m: None
+                data, "00000", fleet, GenerationSettings(max_output_tokens=cap, cap_policy="fixed"), log=lambda m: None
             )
 
     with start_emulator(["--reasoning-parser", "qwen3"]) as emu:  # instant decode, default lengths

@@ -26,14 +26,14 @@ L = 2048
 ARGS = ["--reasoning-parser", "qwen3", "--decode-tokens-per-s", "0", "--random-seed", "5"]
 
 
-def run_demo(data, settings: GenerationSettings) -> None:
-    """The demo's prompts generated into `data` on two emulator servers."""
+def run_demo(data, settings: GenerationSettings, lines: int = 1000) -> None:
+    """The demo's first `lines` prompts (all of them by default) generated into `data` on two emulator servers."""
     data.mkdir()
     with start_emulator(ARGS) as a, start_emulator(ARGS) as b:
 
         async def go():
             async with connected([a.url, b.url]) as fleet:
-                await build_prompt_shard(DEMO_PROMPTS, 0, "00000", 1000, data, fleet, {"enable_thinking": True})
+                await build_prompt_shard(DEMO_PROMPTS, 0, "00000", lines, data, fleet, {"enable_thinking": True})
                 return await generate_shard(
                     data,
                     "00000",

@@ -4,7 +4,6 @@ reads them. The expected split is computed here from the rule as documented, nev
 
 import hashlib
 import json
-import re
 from collections import Counter
 from datetime import timedelta
 
@@ -151,8 +150,11 @@ def test_the_manifest_names_both_files_with_their_counts(exports):
     assert f"held out: {split['held_out']['rows']} rows" in words
 
 
-def test_the_trainer_settings_give_each_trainer_its_route_to_the_held_out_file(exports):
-    for form in FORMS:
+def test_the_trainer_settings_give_the_trainers_route_to_the_held_out_file_and_never_a_key_it_refuses(exports):
+    messages = exports["messages", SHARE]  # no trainer's form: no trainer file, and the manifest says so
+    assert not (messages.manifest_path.parent / "specforge_data.yaml").exists()
+    assert "no trainer reads the messages form" in messages.manifest["trained"]["held_out_route"]
+    for form in (f for f in FORMS if f != "messages"):
         export = exports[form, SHARE]
         out, split = export.manifest_path.parent, export.manifest["split"]
         specforge = (out / "specforge_data.yaml").read_text(encoding="utf-8")
@@ -160,15 +162,11 @@ def test_the_trainer_settings_give_each_trainer_its_route_to_the_held_out_file(e
         assert "held_out_set.jsonl" in specforge and "eval_hidden_states_path" in specforge
         # no key SpecForge refuses (eval_data_path) or reads as something else than our split
         assert not [key for key in data_block.splitlines() if key.strip().startswith("eval")]
-        flags = (out / "speculators_flags.txt").read_text(encoding="utf-8")
-        ratio = float(re.search(r"--train-data-ratio ([0-9.]+)", flags).group(1))
-        train, held = split["train"]["rows"], split["held_out"]["rows"]
-        assert int((train + held) * ratio) == train  # speculators' split_idx: its first rows are our train file
-        assert [line for line in flags.splitlines() if not line.startswith("#")] == [
-            line.replace(f"{form}-0.0", f"{form}-{SHARE}")
-            for line in (out.parent / f"{form}-0.0" / "speculators_flags.txt").read_text().splitlines()
-            if not line.startswith("#")
-        ]  # the flags themselves are the unsplit export's (its path aside): the route is said, not set
+        trained = export.manifest["trained"]
+        assert trained["held_out_rows"] == split["held_out"]["rows"] > 0
+        assert f"{split['held_out']['rows']} rows" in trained["held_out_route"]
+        assert "give it the train file alone" in trained["held_out_route"]
+        assert not (out / "speculators_flags.txt").exists()  # the trainer named, only its file
 
 
 def test_share_zero_writes_one_file_and_clears_an_earlier_held_out_file(data, tmp_path):
@@ -180,11 +178,10 @@ def test_share_zero_writes_one_file_and_clears_an_earlier_held_out_file(data, tm
     assert sorted(p.name for p in out.iterdir()) == [
         "manifest.json",
         "specforge_data.yaml",
-        "speculators_flags.txt",
         "training_set.jsonl",
         "training_set.parquet",
     ]
     assert whole.manifest["split"]["held_out"] is None
     assert whole.manifest["split"]["train"]["rows"] == whole.manifest["rows"] == len(lines(whole.jsonl_path))
-    settings = (out / "specforge_data.yaml").read_text() + (out / "speculators_flags.txt").read_text()
+    settings = (out / "specforge_data.yaml").read_text()
     assert "held out" not in settings and "held_out_set" not in settings

@@ -30,7 +30,7 @@ def runs(tmp_path_factory):
         urls = [a.url, b.url]
         for data, config in (
             (window, GenerationSettings(max_output_tokens=8192, cap_policy="window", trainer_max_length=L)),
-            (fixed, GenerationSettings(max_output_tokens=8192)),
+            (fixed, GenerationSettings(max_output_tokens=8192, cap_policy="fixed")),
         ):
             make_shard(data, urls)
             run = on_fleet(urls, lambda f: generate_shard(data, "00000", f, config, SETTINGS, log=lambda m: None))  # noqa: B023 (awaited in this iteration)

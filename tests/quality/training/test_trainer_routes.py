@@ -1,0 +1,243 @@
+"""The trainer, named once, and every route it is offered proven by its own code (issue 53): the demo's prompts,
+every assistant turn regenerated under the window policy (one config with thinking on, one a seeded mix of modes),
+exported for each (trainer, form) the tool offers with a held-out share, then read by pinned copies of SpecForge's
+(tests/support/specforge*.py) and speculators' (tests/support/speculators.py) data code."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import duckdb
+import pytest
+import yaml
+
+from dflash_assets.emulator.tokenizer import decode
+from dflash_assets.quality import export_training_set
+from dflash_assets.settings import GenerationSettings, SettingsError, TrainerSettings
+from tests.quality.training.test_conversation_export import run_demo, trained_text, turn_text
+from tests.support import specforge, specforge_config, speculators
+from tests.support.docs import written_by_this_run
+
+L, SHARE = 2048, 0.1
+ONE = GenerationSettings(max_output_tokens=16384, trainer_max_length=L, regenerate="all_turns")
+MIX = ONE.model_copy(update={"thinking_share": 0.5, "mode_seed": 3})
+# every (trainer, form) the tool offers: settings.TRAINER_READS, and auto
+ROUTES = [("specforge", "auto"), ("specforge", "conversations"), ("specforge", "pretokenized")]
+ROUTES += [("speculators", "auto")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("routes")
+    configs = {}
+    for name, settings in (("one", ONE), ("mix", MIX)):
+        run_demo(root / name, settings, lines=160)
+        configs[name] = root / name
+    return configs
+
+
+@pytest.fixture(scope="module")
+def exports(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exports")
+    return {
+        (mix, trainer, form): export_training_set(
+            data[mix], out / f"{mix}-{trainer}-{form}", max_length=L, form=form, held_out_share=SHARE, trainer=trainer
+        )
+        for mix in data
+        for trainer, form in ROUTES
+        if not (mix == "mix" and form == "conversations")  # refused: test_a_text_form_of_a_mix_is_refused...
+    }
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def rows(data: Path) -> dict[tuple[str, int], dict]:
+    """(prompt_id, turn) -> its completion row's ids and mode."""
+    found = duckdb.sql(
+        f"select prompt_id, turn, prompt_token_ids, output_ids, enable_thinking, prompt_tokens "
+        f"from read_parquet('{data}/completions/**/*.parquet', union_by_name = true)"
+    ).fetchall()
+    return {(r[0], r[1]): {"prompt": r[2], "output": r[3], "thinking": r[4]} for r in found}
+
+
+def test_the_trainer_chooses_the_form_and_writes_only_its_own_file(exports):
+    expected = {
+        "specforge": ("per_turn", "specforge_data.yaml"),
+        "speculators": ("pretokenized", "speculators_flags.txt"),
+    }
+    for trainer, (form, file) in expected.items():
+        export = exports["one", trainer, "auto"]
+        assert export.manifest["form"] == form
+        names = {p.name for p in export.manifest_path.parent.iterdir()}
+        assert file in names and not {"specforge_data.yaml", "speculators_flags.txt"} - {file} & names
+        assert export.manifest["trainer_settings"]["file"] == file
+    # a mix under SpecForge: the server's own ids, since its template would train a thinking-off row's </think>
+    assert exports["mix", "specforge", "auto"].manifest["form"] == "pretokenized"
+    with pytest.raises(SettingsError, match="trainer speculators does not read the per_turn form"):
+        TrainerSettings(name="speculators", format="per_turn")
+
+
+def test_a_text_form_of_a_mix_is_refused_and_messages_names_no_trainer(data, tmp_path):
+    with pytest.raises(ValueError, match="a row generated with thinking off would be trained on `</think>`"):
+        export_training_set(data["mix"], tmp_path / "c", max_length=L, form="conversations")
+    assert not (tmp_path / "c" / "training_set.jsonl").exists()
+    messages = export_training_set(data["one"], tmp_path / "m", max_length=L, form="messages")
+    assert messages.manifest["trainer_settings"]["name"] is None
+    assert not {"specforge_data.yaml", "speculators_flags.txt"} & {p.name for p in (tmp_path / "m").iterdir()}
+    trained = messages.manifest["trained"]
+    assert trained["turns_supervised"] == 0 and trained["turns_not_trained"] == trained["turns_exported"] > 0
+    assert "no trainer reads the messages form" in trained["why_not_trained"]
+
+
+def test_every_pretokenized_turn_is_supervised_once_on_generated_tokens_only(data, exports):
+    """Both trainers' pre-tokenized route: speculators' prepare_data passes each sample through (cut at --seq-length),
+    SpecForge's online trainer reads it as is; the supervised ids are the server's output ids, never a prompt id (a
+    thinking-off row's `</think>` and blank line are in its prompt ids, under loss 0)."""
+    for (mix, _, _), export in exports.items():
+        if export.manifest["form"] != "pretokenized":
+            continue
+        by_turn = rows(data[mix])
+        samples = lines(export.jsonl_path) + lines(export.held_out_path)
+        prepared = speculators._passthrough_pretokenized(
+            {k: [s[k] for s in samples] for k in ("input_ids", "loss_mask")}, L
+        )
+        assert len(prepared["input_ids"]) == len(samples)  # none dropped unsupervised
+        seen = set()
+        off = 0
+        for s, ids, mask in zip(samples, prepared["input_ids"], prepared["loss_mask"]):
+            pid, turn = s["id"].split("@")[0], int(s["id"].split("#")[1])
+            row = by_turn[pid, turn]
+            assert (pid, turn) not in seen
+            seen.add((pid, turn))
+            supervised = [i for i, m in zip(ids, mask) if m]
+            assert supervised == row["output"][: L - len(row["prompt"])]
+            assert ids[: len(row["prompt"])] == row["prompt"] and not any(mask[: len(row["prompt"])])
+            assert specforge.has_consecutive_supervised_tokens(mask)
+            if not row["thinking"]:
+                off += 1
+                assert decode(row["prompt"][-4:]).endswith("</think>\n\n")  # the template's, loss 0
+        trained = export.manifest["trained"]
+        assert trained["turns_supervised"] == trained["turns_exported"] == len(lines(export.jsonl_path))
+        assert trained["turns_not_trained"] == 0
+        assert (off > 0) == (mix == "mix")
+
+
+def test_specforge_trains_every_per_turn_event_once_and_counts_what_a_conversations_row_leaves(exports):
+    per_turn, conversations = exports["one", "specforge", "auto"], exports["one", "specforge", "conversations"]
+    whole = {
+        line["id"]: line["conversations"]
+        for p in ("jsonl_path", "held_out_path")
+        for line in lines(getattr(conversations, p))
+    }
+    trained: dict[str, list[str]] = {}
+    for path in (per_turn.jsonl_path, per_turn.held_out_path):
+        for event in lines(path):
+            trained.setdefault(event["source_id"], []).append(trained_text(per_turn, event["conversations"]))
+    assert trained == {i: [turn_text(m) for m in c if m["role"] == "assistant"] for i, c in whole.items()}
+    # the conversations form trains each row's last turn: the manifest counts the rest, and says why
+    t = conversations.manifest["trained"]
+    train = lines(conversations.jsonl_path)
+    answers = [sum(m["role"] == "assistant" for m in line["conversations"]) for line in train]
+    for line in train:
+        last = [m for m in line["conversations"] if m["role"] == "assistant"][-1]
+        assert trained_text(conversations, line["conversations"]) == turn_text(last)
+    assert (t["turns_exported"], t["turns_supervised"]) == (sum(answers), len(train))
+    assert (
+        t["turns_not_trained"] == sum(answers) - len(train) > 0 and "per_turn trains every turn" in t["why_not_trained"]
+    )
+    assert per_turn.manifest["trained"]["turns_not_trained"] == 0
+
+
+def test_specforges_expand_script_on_the_conversations_form_is_the_per_turn_export(exports):
+    for path in ("jsonl_path", "held_out_path"):
+        expanded, skipped = specforge.expand_file(getattr(exports["one", "specforge", "conversations"], path))
+        assert skipped == 0
+        assert getattr(exports["one", "specforge", "auto"], path).read_text(encoding="utf-8").splitlines() == expanded
+
+
+def test_specforges_validator_with_the_manifests_flags_passes_every_file_it_names(exports):
+    for export in exports.values():
+        recipe = export.manifest["recipe"]
+        if export.manifest["form"] == "pretokenized":
+            assert recipe["validator"] is None
+            continue
+        for path in (export.jsonl_path, export.held_out_path):
+            args = specforge_config.parse_args(["--data-path", str(path), *recipe["flags"].split()])
+            assert specforge_config.validate_dataset(
+                args.data_path,
+                expect_non_reasoning=args.expect_non_reasoning,
+                expect_reasoning=args.expect_reasoning,
+                strict_think_markers=args.strict_think_markers,
+            ) == len(lines(path))
+    # per_turn events carry earlier answers without their reasoning: the recipe's --expect-reasoning refuses them
+    per_turn = exports["one", "specforge", "auto"]
+    assert per_turn.manifest["recipe"]["flags"] == "--strict-think-markers"
+    with pytest.raises(ValueError, match="has empty reasoning_content"):
+        specforge_config.validate_dataset(per_turn.jsonl_path, expect_reasoning=True, strict_think_markers=True)
+    assert exports["one", "specforge", "conversations"].manifest["recipe"]["flags"] == (
+        "--expect-reasoning --strict-think-markers"
+    )
+
+
+def test_specforges_data_block_and_command_validate_and_its_online_trainer_evaluates_on_no_file(exports):
+    for form in ("auto", "conversations", "pretokenized"):
+        export = exports["one", "specforge", form]
+        out = export.manifest_path.parent
+        block = yaml.safe_load((out / "specforge_data.yaml").read_text())["data"]
+        data = specforge_config.DataConfig(**block)  # strict: only SpecForge's keys
+        assert Path(data.train_data_path or data.prompts_path) == export.jsonl_path
+        assert "held_out" not in json.dumps(block)
+        # the command's overrides over a recipe's config give the same data block
+        recipe = specforge_config.Config(data=specforge_config.DataConfig(train_data_path="./cache/recipe.jsonl"))
+        command = export.manifest["trainer_settings"]["command"].split()
+        assert command[:4] == ["specforge", "train", "--config", "YOUR_DFLASH_CONFIG.yaml"]
+        applied = specforge_config.apply_overrides(recipe, command[4:]).data
+        assert {k: getattr(applied, k) for k in block} == block
+        for bad, message in (
+            ({"eval_data_path": str(export.held_out_path)}, "eval_data_path is unsupported"),
+            ({"eval_hidden_states_path": "captured/"}, "requires an offline training data source"),
+        ):
+            with pytest.raises(ValueError, match=message):
+                specforge_config.Config(data={**block, **bad}, training={"eval_interval": 100})
+        assert "acceptance on the held-out prompts" in export.manifest["trained"]["held_out_route"]
+
+
+def test_no_held_out_row_reaches_speculators_training_split_by_its_route(exports):
+    for mix in ("one", "mix"):
+        export = exports[mix, "speculators", "auto"]
+        flags = (export.manifest_path.parent / "speculators_flags.txt").read_text()
+        command = export.manifest["trainer_settings"]["command"]
+        assert f"--data {export.jsonl_path}" in command and f"--seq-length {L}" in command
+        assert str(export.held_out_path) not in flags + command
+        train, held = lines(export.jsonl_path), lines(export.held_out_path)
+        assert held and not {s["id"].split("@")[0] for s in train} & {s["id"].split("@")[0] for s in held}
+        prepared = speculators.prepare([train], L)  # prepare_data --data the train file alone
+        trained = speculators.train_split(prepared, 0.9) + speculators.train_split(prepared, 0.9, "val")
+        # what it trains and validates on is the train file's samples, each once (two prompts of the same text
+        # make the same sample, so they are compared as multisets)
+        assert Counter(tuple(r["input_ids"]) for r in trained) == Counter(tuple(s["input_ids"]) for s in train)
+        assert export.manifest["trained"]["held_out_rows"] == len(held)
+        assert "speculators validates on a slice" in export.manifest["trained"]["held_out_route"]
+
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "trainer-window.md"
+TABLE_MARK = "<!-- the routes table: tests/quality/training/test_trainer_routes.py writes it (DFLASH_WRITE_DOCS=1) -->"
+
+
+def test_the_docs_routes_table_is_this_test_runs(exports):
+    """docs/trainer-window.md's table of routes: each figure as this run's manifests and the trainers' code count it."""
+    rows = [
+        "| trainer | config | form | validator flags | turns in the train file | supervised | not trained | held out |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (mix, trainer, form), export in exports.items():
+        m, t = export.manifest, export.manifest["trained"]
+        flags = m["recipe"].get("flags") or "-"
+        config = "thinking on" if mix == "one" else "mix, 50% on"
+        rows.append(
+            f"| {trainer} | {config} | {m['form']}{' (auto)' if form == 'auto' else ''} | {flags} | {t['turns_exported']} | "
+            f"{t['turns_supervised']} | {t['turns_not_trained']} | {t['held_out_rows']} |"
+        )
+    written_by_this_run(DOC, TABLE_MARK + "\n", "\n\n", "\n".join(rows))
