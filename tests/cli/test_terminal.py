@@ -55,7 +55,7 @@ def test_demo_at_4096_prints_the_share_cut_the_percentiles_at_the_cap_the_plan_a
     # the next command continues the cut rows (under the demo's regenerate auto, all_turns, the turns after a cut one
     # are then generated in order); the other repeats the run's own settings (the window it was given)
     assert f"dflash continue --to {cap}" in out, out
-    assert f"dflash demo --trainer-max-length 8192 --max-output-tokens {cap}" in out, out
+    assert f"dflash demo --cap-policy fixed --trainer-max-length 8192 --max-output-tokens {cap}" in out, out
     assert "dflash report --full" in out  # the cap plan, every check and reject: one command away
     # the per-shard table has its figures: cut, P90 and P99 of every shard
     for shard in ("00000", "00001", "00002", "00003"):

@@ -51,7 +51,7 @@ class Exported:
             window_complete_kept=int(m.get("window_complete_kept") or 0),
             no_trainable_tokens=int((m.get("excluded") or {}).get("no_trainable_tokens") or 0),
             conversations_not_whole=int(m.get("conversations_not_whole") or 0),
-            trained=trained_words(m),
+            trained=trained_words(m, short=True),
         )
 
 

@@ -685,9 +685,9 @@ def left_out_lines(manifest: dict[str, Any]) -> list[str]:
     return lines
 
 
-def trained_words(manifest: dict[str, Any]) -> str:
+def trained_words(manifest: dict[str, Any], short: bool = False) -> str:
     """What the trainer will train, in a line (the manifest's `trained`): turns supervised of the train file's
-    turns, those not trained and why, the held-out rows and their route."""
+    turns, those not trained and why, the held-out rows and their route; `short`: the counts alone."""
     from dflash_assets.quality.outcome import num
 
     t = manifest.get("trained")
@@ -698,6 +698,8 @@ def trained_words(manifest: dict[str, Any]) -> str:
         if t["trainer"]
         else f"nothing is trained of the {num(t['turns_exported'])} turns in the train file"
     )
+    if short:
+        return said + (f" ({num(t['turns_not_trained'])} not: the manifest says why)" if t["turns_not_trained"] else "")
     if t["turns_not_trained"]:
         said += f"; {num(t['turns_not_trained'])} exported but not trained: {t['why_not_trained']}"
     if t["held_out_rows"]:

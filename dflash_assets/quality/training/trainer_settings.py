@@ -70,9 +70,8 @@ def specforge_data(e: Exported, path: str) -> dict[str, object]:
     return data
 
 
-def command(e: Exported) -> str | None:
-    """The one line that starts the trainer on the export (None: no trainer reads it)."""
-    path = str(e.jsonl.resolve())
+def command(e: Exported, path: str) -> str | None:
+    """The one line that starts the trainer on the export, the file at `path` (None: no trainer reads it)."""
     if e.reader == "specforge":
         other = "train_data_path" if FORM[e.form].specforge_key == "prompts_path" else "prompts_path"
         keys = {**specforge_data(e, path), other: ""}  # DataConfig takes exactly one source
@@ -118,11 +117,11 @@ def held_out_route(e: Exported, split: dict[str, Any] | None) -> str | None:
 def write_trainer_settings(out: Path, e: Exported, split: dict[str, Any] | None) -> dict[str, Any]:
     """Write the named trainer's file into `out` (none for the messages form); returns what the manifest says of the
     trainer: its file, keys, command and held-out route. The same inputs give the same bytes wherever written."""
-    route, line = held_out_route(e, split), command(e)
+    route, line = held_out_route(e, split), command(e, str(e.jsonl.resolve()))
     said: dict[str, Any] = {
         "name": e.reader,
         "file": FILE_OF.get(e.reader or ""),
-        "command": line,
+        "command": command(e, e.jsonl.name),  # run in the export's directory (trainer_settings_line: from anywhere)
         "held_out_route": route,
         "note": None if e.reader else NO_TRAINER,
     }
@@ -161,5 +160,8 @@ def trainer_settings_line(manifest: dict, out: Path) -> str:
     return (
         f"{settings['name']} reads it (max_length {manifest['trainer']['max_length']}; form {manifest['form']}"
         + ("" if chosen == "as set" else f", {chosen}")
-        + f"): its settings in {out / settings['file']}; start it with: {settings['command']}"
+        + f"): its settings in {out / settings['file']}; start it with: "
+        + settings["command"].replace(
+            manifest["split"]["train"]["jsonl"], str(out / manifest["split"]["train"]["jsonl"])
+        )
     )

@@ -140,7 +140,6 @@ def test_export_is_written_atomically_without_leftovers(export):
     assert sorted(p.name for p in export.jsonl_path.parent.iterdir()) == [
         "manifest.json",
         "specforge_data.yaml",
-        "speculators_flags.txt",
         "training_set.jsonl",
         "training_set.parquet",
     ]

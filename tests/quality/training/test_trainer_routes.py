@@ -189,9 +189,15 @@ def test_specforges_data_block_and_command_validate_and_its_online_trainer_evalu
         data = specforge_config.DataConfig(**block)  # strict: only SpecForge's keys
         assert Path(data.train_data_path or data.prompts_path) == export.jsonl_path
         assert "held_out" not in json.dumps(block)
-        # the command's overrides over a recipe's config give the same data block
+        # the command's overrides over a recipe's config give the same data block (the manifest's command is run in
+        # the export's directory, the yaml's comment from anywhere: the file's absolute path)
         recipe = specforge_config.Config(data=specforge_config.DataConfig(train_data_path="./cache/recipe.jsonl"))
-        command = export.manifest["trainer_settings"]["command"].split()
+        command = (
+            export.manifest["trainer_settings"]["command"]
+            .replace(f"={export.jsonl_path.name}", f"={export.jsonl_path}")
+            .split()
+        )
+        assert " ".join(command) in (out / "specforge_data.yaml").read_text()
         assert command[:4] == ["specforge", "train", "--config", "YOUR_DFLASH_CONFIG.yaml"]
         applied = specforge_config.apply_overrides(recipe, command[4:]).data
         assert {k: getattr(applied, k) for k in block} == block
@@ -209,7 +215,8 @@ def test_no_held_out_row_reaches_speculators_training_split_by_its_route(exports
         export = exports[mix, "speculators", "auto"]
         flags = (export.manifest_path.parent / "speculators_flags.txt").read_text()
         command = export.manifest["trainer_settings"]["command"]
-        assert f"--data {export.jsonl_path}" in command and f"--seq-length {L}" in command
+        assert f"--data {export.jsonl_path.name} --seq-length {L}" in command
+        assert command.replace(f"--data {export.jsonl_path.name}", f"--data {export.jsonl_path}") in flags
         assert str(export.held_out_path) not in flags + command
         train, held = lines(export.jsonl_path), lines(export.held_out_path)
         assert held and not {s["id"].split("@")[0] for s in train} & {s["id"].split("@")[0] for s in held}
