@@ -174,8 +174,9 @@ class CapAnswer:
         return (
             f"export: {num(e.samples)} samples ({e.form}), {num(e.window_complete_kept)} window-complete turn rows "
             f"kept; left out: {num(e.no_trainable_tokens)} turn rows with no trainable token, "
-            f"{num(e.conversations_not_whole)} conversations not whole ({e.manifest})"
+            f"{num(e.conversations_not_whole)} conversations not whole"
             + (f"; {e.trained}" if e.trained else "")
+            + f" ({e.manifest})"
         )
 
     def lines(self, command: str = "dflash demo", export_command: str | None = None) -> list[str]:

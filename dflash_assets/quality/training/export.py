@@ -694,9 +694,9 @@ def trained_words(manifest: dict[str, Any], short: bool = False) -> str:
     if not t:
         return ""
     said = (
-        f"{t['trainer']} trains {num(t['turns_supervised'])} of the {num(t['turns_exported'])} turns in the train file"
+        f"{t['trainer']} trains {num(t['turns_supervised'])} of its {num(t['turns_exported'])} turns"
         if t["trainer"]
-        else f"nothing is trained of the {num(t['turns_exported'])} turns in the train file"
+        else f"no trainer reads its {num(t['turns_exported'])} turns"
     )
     if short:
         return said + (f" ({num(t['turns_not_trained'])} not: the manifest says why)" if t["turns_not_trained"] else "")
