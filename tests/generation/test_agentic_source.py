@@ -108,7 +108,7 @@ def test_a_tool_free_source_keeps_its_config_hash_and_the_bytes_of_every_export_
         async def go():
             async with connected([emu.url]) as fleet:
                 await build_prompt_shard(src, 0, "00000", 60, data, fleet, {"enable_thinking": True})
-                generation = GenerationSettings(max_output_tokens=400, regenerate="all_turns")
+                generation = GenerationSettings(max_output_tokens=400, cap_policy="fixed", regenerate="all_turns")
                 dispatch = DispatchSettings(load_sample_s=0, store_token_ids=True)
                 return await generate_shard(data, "00000", fleet, generation, dispatch, log=lambda m: None)
 

@@ -265,7 +265,10 @@ class _Side:
         samples = self.writer.samples(conversation, done)
         done.conversations += bool(samples)
         for line, record in samples:
-            if self.writer.form.column == "conversations" and self.writer.check is not tool_row_problem:  # validated
+            if (
+                self.writer.form.column == "conversations"
+                and getattr(self.writer, "check", None) is not tool_row_problem
+            ):
                 done.validated(line)
             self.jsonl.write(self.writer.dumps(line))
             self.pending.append(record)
