@@ -57,6 +57,17 @@ def rows_under(args) -> str | None:
     return data_dir
 
 
+def resume_command(args, argv: list[str]) -> str:
+    """The command that resumes a stopped one, as printed: the same words, started as this one was, and a shard
+    command on its data (as_printed: the data dir and source in place of the ones given, absolute)."""
+    import shlex
+
+    from dflash_assets.cli.environment import as_printed, launcher
+
+    command = shlex.join(["dflash", *argv])
+    return as_printed(command) if args.subcommand in ("demo", "backfill", "continue") else launcher() + command
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["emulator"]:
@@ -74,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             STOP.check()
             return status
     except Stopped as e:  # one line: what stopped, the rows kept, the command that resumes
-        print(stop_line(e, ["dflash", *argv], rows_under(args)))
+        name = " ".join(argv[:2] if args.subcommand == "fleet" else argv[:1])
+        print(stop_line(e, name, resume_command(args, argv), rows_under(args)))
         return e.exit_status
     except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's event log)
         return failed(args, e)

@@ -231,10 +231,12 @@ def print_answers(
     full: bool = False,
     command: str = "dflash backfill",
     configs: str = "dflash configs",
+    export: str = "dflash export --config HASH",
 ) -> list[CapAnswer]:
     """`dflash report`'s head: the latest config's answer, every other config in a line (at most HEAD_OTHERS); with
-    `full`, every config's answer and cap plan. `command`, `configs`: the next run's and the configs' commands as the
-    terminal prints them (with the data they are of), the next run's settings appended."""
+    `full`, every config's answer and cap plan. `command`, `configs`, `export`: the next run's, the configs' and a
+    config's export (HASH) commands as the terminal prints them (with the data they are of), the next run's settings
+    appended."""
     console = console or Console()
     answers = cap_answers(data_dir, quality)
     console.print(
@@ -243,10 +245,11 @@ def print_answers(
         highlight=False,
     )
     for i, answer in enumerate(answers):
+        export_command = export.replace("HASH", answer.config_hash)
         if full:
-            print_answer(answer, console, command)
+            print_answer(answer, console, command, export_command)
         elif i == 0:
-            for line in answer.lines(command):
+            for line in answer.lines(command, export_command):
                 say_with_command(console, line)
         elif i <= HEAD_OTHERS:
             console.print(answer.one_line(), highlight=False, markup=False)

@@ -93,10 +93,18 @@ DATA = (Deployment.DATA_DIR, Deployment.PROMPTS)  # given as flags (DATA_FLAGS);
 DATA_FLAGS = ("data-dir", "prompts")
 
 
+def launcher() -> str:
+    """How the user started this command, as the commands it prints start: `uv run ` when `uv run` started it (uv
+    sets UV_RUN_RECURSION_DEPTH in its child's environment, its guard against running itself again), else "" (a
+    `dflash` on PATH)."""
+    return "uv run " if os.environ.get("UV_RUN_RECURSION_DEPTH") else ""
+
+
 def as_printed(command: str, prompts: bool = True) -> str:
-    """`command` (`dflash <cmd> [flags]`) as it runs again as printed, in a clean shell, on this command's data: then
-    its --data-dir and --prompts (`prompts`: the command takes one; report and configs read the data dir only), and
-    before it every other deployment setting (and DAGSTER_HOME) that differs from its default."""
+    """`command` (`dflash <cmd> [flags]`) as it runs again as printed, in the shell the user typed the first one in,
+    on this command's data: its launcher (`uv run` when started so), then its --data-dir and --prompts (`prompts`:
+    the command takes one; report and configs read the data dir only) in place of any it carried, and before it
+    every other deployment setting (and DAGSTER_HOME) that differs from its default."""
     import shlex
 
     data = dict(_differing(list(DATA)))
@@ -105,14 +113,32 @@ def as_printed(command: str, prompts: bool = True) -> str:
         for s, flag in zip(DATA, DATA_FLAGS)
         if s.name in data and (prompts or flag != "prompts")
     ]
-    return " ".join(filter(None, [_prefix([s for s in DEPLOYMENT if s not in DATA]), command, *given]))
+    words = _without(shlex.split(command), [f"--{flag}" for flag in DATA_FLAGS])
+    return " ".join(
+        filter(None, [_prefix([s for s in DEPLOYMENT if s not in DATA]), launcher() + shlex.join(words), *given])
+    )
+
+
+def _without(words: list[str], flags: list[str]) -> list[str]:
+    """`words` without the `flags` (`--flag value` or `--flag=value`): the printed command gives them once."""
+    kept: list[str] = []
+    skip = False
+    for word in words:
+        if skip or word.split("=", 1)[0] in flags:
+            skip = not skip and word in flags
+            continue
+        kept.append(word)
+    return kept
 
 
 def ui_command() -> str:
-    """The UI's command on this command's instance: the instance knows its data dir and the data dir its source
-    and shard size (store/in_use.py), so only the other settings that differ from their defaults are given."""
-    known = (*DATA, Deployment.SHARD_SIZE)
-    return f"{_prefix([s for s in DEPLOYMENT if s not in known], home=True)} uv run dg dev"
+    """The UI's command on this command's instance and data dir (the data dir knows its source and shard size,
+    store/in_use.py), with the other settings that differ from their defaults, started as this command was."""
+    import shutil
+
+    known = (Deployment.PROMPTS, Deployment.SHARD_SIZE)
+    start = launcher() or ("" if shutil.which("dg") else "uv run ")  # `dg` beside a `dflash` on PATH, else uv's
+    return f"{_prefix([s for s in DEPLOYMENT if s not in known], home=True)} {start}dg dev"
 
 
 def _prefix(settings: list[EnvSetting], home: bool = False) -> str:

@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from dflash_assets.cli.environment import launcher
 from dflash_assets.cli.errors import BadInput
 from dflash_assets.cli.flags import run_settings
 from dflash_assets.cli.parser import ATTACHED
@@ -105,13 +106,13 @@ class ProbeNext:
         self.data_dir = args.data_dir if is_uri(args.data_dir) else str(Path(args.data_dir).resolve())
 
     def report(self) -> str:
-        return f"dflash report --data-dir {shlex.quote(self.data_dir)}"
+        return f"{launcher()}dflash report --data-dir {shlex.quote(self.data_dir)}"
 
     def continue_to(self, cap: int) -> str:
         attached = {Deployment.FLEET_MODE.name: "attach", Deployment.FLEET_URLS.name: self.urls}
         home = {"DAGSTER_HOME": os.environ["DAGSTER_HOME"]} if "DAGSTER_HOME" in os.environ else {}
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (home | attached).items())
-        return f"{prefix} dflash continue --to {cap} --data-dir {shlex.quote(self.data_dir)}"
+        return f"{prefix} {launcher()}dflash continue --to {cap} --data-dir {shlex.quote(self.data_dir)}"
 
     def generate(self, shard: str, cap: int) -> str:
         from dflash_assets.cli.flags import repeated_flags
@@ -123,7 +124,7 @@ class ProbeNext:
             "generate", {k: given[k] for k in flags if k in given and k not in own}, self.GENERATE_REQUIRED
         )
         return (
-            f"dflash generate --shard {shard} --urls {self.urls} --data-dir {shlex.quote(self.data_dir)} "
+            f"{launcher()}dflash generate --shard {shard} --urls {self.urls} --data-dir {shlex.quote(self.data_dir)} "
             f"--max-output-tokens {cap}{carried}"
         )
 

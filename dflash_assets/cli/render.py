@@ -221,17 +221,18 @@ def print_stop(
             print_short_answer(answer, console, export_command, next_line=False)
         else:
             print_answer(answer, console, as_printed(command), export_command)
-        best = answer.recommended
-        if best is None:
+        best, cap = answer.recommended, answer.next_cap
+        if cap is None or best is None:
             if short:
                 say_with_command(console, f"  {answer.recommendation}")
-            continue
+            if cap is None:
+                continue
         before = ""
-        if best.fits_context is False:
+        if best is not None and best.fits_context is False:
             before = f"restart the servers with --context-length {best.context_needed_max}, then "
-        to = f" to the recommended cap {num(best.cap)}" if short else ""
+        to = f" to {'the recommended ' if best else ''}cap {num(cap)}" if short else ""
         said = f"Next: {before}continue the {answer.truncated} cut rows{to} from where they stopped:"
         say_with_command(console, said) if short else say(said)
-        verbatim(console, f"  {as_printed(f'dflash continue --to {best.cap}')}")
-        verbatim(console, f"  or generate every prompt again at the new cap: {rerun(best.cap)}")
+        verbatim(console, f"  {as_printed(f'dflash continue --to {cap}')}")
+        say_with_command(console, f"  or generate every prompt again at the new cap: {rerun(cap)}")
     return stops.exit_status()

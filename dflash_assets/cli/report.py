@@ -30,6 +30,7 @@ def report(args: argparse.Namespace) -> int:
         full=args.full,
         command=as_printed("dflash backfill"),
         configs=as_printed("dflash configs", prompts=False),
+        export=as_printed("dflash export --config HASH"),
     )
     pictures = report_pictures(data_dir, answers)
     if args.open:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import dagster as dg
 from dagster._core.errors import DagsterExecutionStepExecutionError, DagsterResourceFunctionError  # not public
@@ -29,6 +31,8 @@ from dflash_assets.defs.prompts.sensors import shard_changes
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.generation.stopping import STOP
 from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
+
+T = TypeVar("T")
 
 DONE, FAILED, BAD_CONFIG, STOPPED_BY_CHECK = 0, 1, 2, 3  # exit statuses, documented in the README
 
@@ -121,13 +125,41 @@ def execute(
             tags |= {"dagster/asset_partition_range_start": shards[0], "dagster/asset_partition_range_end": shards[-1]}
         home = os.environ.get("DAGSTER_HOME")  # where DagsterInstance.get() found `instance`
         runner = in_process_instance(home) if home else instance
-        result = defs.resolve_job_def(job).execute_in_process(
-            instance=runner, run_config=run_config, raise_on_error=False, tags=tags
+        STOP.check()  # stopped before this run: it does not start
+        result = beside_the_signals(
+            lambda: defs.resolve_job_def(job).execute_in_process(
+                instance=runner, run_config=run_config, raise_on_error=False, tags=tags
+            )
         )
         STOP.check()  # a polite stop: the run was canceled, no next run starts
         return result
     finally:
         pools.log.removeHandler(handler)
+
+
+def beside_the_signals(run: Callable[[], T]) -> T:
+    """`run()` in a thread of its own while the main thread waits, hearing SIGINT and SIGTERM (generation/stopping.py,
+    entered by the command): Dagster replaces the main thread's SIGINT handler around and between its steps
+    (capture_interrupts, raise_execution_interrupts: an interrupt there fails the step, which its retry policy runs
+    again) and leaves another thread's alone, so a signal at any moment of the run is the one polite stop: the
+    dispatcher and each step see STOP and the run ends CANCELED."""
+    import threading
+
+    done: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            done["result"] = run()
+        except BaseException as e:  # raised again in the main thread
+            done["error"] = e
+
+    worker = threading.Thread(target=body, name="dagster-run", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)  # the main thread runs the signal handlers between waits
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
 
 
 def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops) -> None:

@@ -379,13 +379,12 @@ def run_continue(
         return BAD_CONFIG if not stops.errors else FAILED
     if stops.errors:
         return print_stop(stops, console, lambda cap: as_printed(f"dflash continue --to {cap}"), window)
-    console.print(
-        f"Next: `{as_printed('dflash report', prompts=False)}` for the checks over the new config, then "
-        f"`{as_printed('dflash export')}` (the latest config, the one just continued; `{as_printed('dflash configs', prompts=False)}` "
-        f"lists them all).",
-        highlight=False,
-        soft_wrap=True,
-    )
+    for said, command in (
+        ("Next: the checks over the new config:", as_printed("dflash report", prompts=False)),
+        ("  then its export (the latest config, the one just continued):", as_printed("dflash export")),
+        ("  every config side by side:", as_printed("dflash configs", prompts=False)),
+    ):
+        say_with_command(console, f"{said} {command}")
     return DONE
 
 

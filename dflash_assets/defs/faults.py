@@ -72,6 +72,7 @@ def named_stops(
     SIGINT and SIGTERM (the UI's Terminate too) stop it politely (generation/stopping.py): the run ends CANCELED."""
     try:
         with stopping():
+            STOP.check()  # a signal before the step (its resources' start, the step before): it does not run
             yield
             STOP.check()  # a signal during a step that does not listen for it: the run stops after the step
     except Stopped as e:

@@ -4,8 +4,9 @@ SIGTERM (systemd, Kubernetes, Slurm) stop generating within seconds, keeping wha
 While `stopping()` is entered (in the main thread: Python runs signal handlers there), the first SIGINT or SIGTERM
 sets the process's stop: the dispatcher sends no new request, closes the streams in flight (SGLang aborts a closed
 stream: the response's background task, `tokenizer_manager.create_abort_task`, so no GPU keeps decoding for a client
-that is gone), commits the answers it holds, closes the shards' parts and raises `Stopped`. A second signal exits at
-once (`os._exit`, as a kill -9: the next run resumes exactly from the committed parts).
+that is gone), commits the answers it holds, closes the shards' parts and raises `Stopped`. A second signal within
+AGAIN_S is the same press (`uv run` forwards the terminal's SIGINT to its child, which has it already); a second press
+exits at once (`os._exit`, as a kill -9: the next run resumes exactly from the committed parts).
 
 Dagster runs a step with its own SIGINT handler (`capture_interrupts`), which only notes the signal for the next
 step boundary, so a long step never hears it: hence a handler of our own around the generating body.
@@ -14,10 +15,10 @@ step boundary, so a long step never hears it: hence a handler of our own around 
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -43,9 +44,10 @@ class Stop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.at = 0.0  # time.monotonic() of the request
 
     def request(self, signum: int) -> None:
-        self.signum = signum
+        self.signum, self.at = signum, time.monotonic()
 
     def check(self) -> None:
         """Raise Stopped once a stop was asked for."""
@@ -56,8 +58,13 @@ class Stop:
 STOP = Stop()
 
 
+AGAIN_S = 1.0  # a signal this soon after the first is the same press, delivered twice (a launcher forwards it)
+
+
 def _handler(signum: int, _frame: FrameType | None) -> None:
-    if STOP.signum is not None:  # the second: at once
+    if STOP.signum is not None and time.monotonic() - STOP.at < AGAIN_S:
+        return  # `uv run` forwards the terminal's SIGINT to its child, which the terminal sent it too
+    if STOP.signum is not None:  # the second press: at once
         sys.stderr.write(f"\n{NAMES.get(signal.Signals(signum), signum)} again: exiting at once\n")
         sys.stderr.flush()
         os._exit(EXIT_STATUS.get(signal.Signals(signum), 1))
@@ -82,19 +89,19 @@ def stopping() -> Iterator[Stop]:
                 signal.signal(s, handler)
 
 
-def stop_line(stopped: Stopped, command: list[str], data_dir: str | None) -> str:
-    """What the terminal says of a polite stop, in one line: what stopped, what was kept, the command that resumes.
-    `data_dir`: where the command's completion rows are committed (None: a command that generates nothing)."""
+def stop_line(stopped: Stopped, name: str, resume: str, data_dir: str | None) -> str:
+    """What the terminal says of a polite stop of `dflash <name>`, in one line: what stopped, what was kept, and
+    `resume`, the command that resumes it. `data_dir`: where the command's completion rows are committed (None: a
+    command that generates nothing)."""
     from dflash_assets.store.stores import committed_rows
 
-    name = " ".join(command[:3] if command[1:2] == ["fleet"] else command[:2])
     if data_dir is None:
-        return f"{name} {stopped}: nothing was sent to generate; run again with: {shlex.join(command)}"
+        return f"dflash {name} {stopped}: nothing was sent to generate; run again with: {resume}"
     try:
         rows = f"{sum(committed_rows(data_dir).values()):,} completion rows are committed under {data_dir}"
     except OSError:
         rows = f"the completion rows committed under {data_dir} are kept"
     return (
-        f"{name} {stopped}: the requests in flight were ended on the servers, {rows} (kept); "
-        f"resume with: {shlex.join(command)}"
+        f"dflash {name} {stopped}: the requests in flight were ended on the servers, {rows} (kept); "
+        f"resume with: {resume}"
     )

@@ -54,7 +54,7 @@ from dflash_assets.store.stores import committed_parts
 COMPLETION_COLUMNS = """
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
     server_context_length, enable_thinking, turn, coalesce(policy_cap, max_output_tokens) AS config_cap,
-    trainer_max_length, tool_calls_json"""
+    policy_cap IS NOT NULL AS window_policy, trainer_max_length, tool_calls_json"""
 
 # a turn of tool calls answers with its calls: its content may be empty (generation/tools.py)
 COMPLETION_FLAGS = f"""

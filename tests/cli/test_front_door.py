@@ -20,7 +20,7 @@ pytestmark = pytest.mark.long
 
 SHARD_SIZE = 20
 PRINTED = re.compile(r"((?:[A-Z_]+=\S+ )*dflash [a-z]+(?= |$)[^`\n]*)", re.M)  # a command, not `dflash demo: ...`
-UI = re.compile(r"((?:[A-Z_]+=\S+ )+uv run dg dev)")
+UI = re.compile(r"((?:[A-Z_]+=\S+ )+(?:uv run )?dg dev)")
 SENSOR = """{ sensorOrError(sensorSelector: {repositoryLocationName: "dflash_assets", repositoryName: "__repository__",
   sensorName: "shard_partitions_sensor"}) { ... on Sensor { sensorState { ticks(limit: 1) { status skipReason } } } } }"""
 
@@ -86,9 +86,10 @@ def test_the_printed_ui_command_opens_that_data_and_the_instance_holds_only_its_
     tmp, mine, home, data, result = demo
     [ui] = UI.findall(result.stdout)
     words, argv = split(ui)
-    # the instance knows its data dir, the data dir its source and shard size: the command names the instance only
-    known = ("DFLASH_DATA_DIR", "DFLASH_PROMPTS", "DFLASH_SHARD_SIZE")
-    assert f"DAGSTER_HOME={home}" in words and not any(w.startswith(known) for w in words), ui
+    # the instance and its data dir (whatever the instance runs later); the data dir knows its source and shard size
+    known = ("DFLASH_PROMPTS", "DFLASH_SHARD_SIZE")
+    assert f"DAGSTER_HOME={home}" in words and f"DFLASH_DATA_DIR={data}" in words, ui
+    assert not any(w.startswith(known) for w in words), ui
     port = free_port()
     env = {k: v for k, v in clean(words).items() if v is not None}
     env = {k: v for k, v in os.environ.items() if not (k.startswith("DFLASH_") or k == "DAGSTER_HOME")} | env

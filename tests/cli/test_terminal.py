@@ -27,6 +27,7 @@ def demo_at_4096(tmp_path_factory):
     8192 tokens (at the default 4096 window the cuts lie past it: tests/generation/test_window_policy.py)."""
     tmp = tmp_path_factory.mktemp("demo4096")
     env = home(tmp, "home")  # each prompt's one completion (the suite's setting): the figures are the same each run
+    env["UV_RUN_RECURSION_DEPTH"] = "1"  # started as the README starts it, `uv run dflash demo`
     return env, dflash(
         "demo", "--cap-policy", "fixed", "--max-output-tokens", "4096", "--trainer-max-length", "8192", env=env, cwd=tmp
     )
@@ -299,14 +300,16 @@ OUTPUT_MARK = "<!-- the output of tests/cli/test_terminal.py's demo_at_4096: DFL
 
 
 def as_documented(out: str, tmp: str) -> str:
-    """The demo's output as docs/running.md shows it: the test's folder as ~/work, lines cut to the docs' width."""
+    """The demo's output as docs/running.md shows it: the test's folder as ~/work, prose cut to the docs' width, a
+    command whole on its line (it runs as printed when copied)."""
     import textwrap
+
+    from dflash_assets.quality.console import COMMAND_START
 
     lines = []
     for line in out.replace(tmp, "~/work").rstrip().splitlines():
-        lines += (
-            textwrap.wrap(line, 120, subsequent_indent="    ", break_on_hyphens=False) if len(line) > 120 else [line]
-        )
+        long_prose = len(line) > 120 and not COMMAND_START.match(line.strip())
+        lines += textwrap.wrap(line, 120, subsequent_indent="    ", break_on_hyphens=False) if long_prose else [line]
     return "\n".join(line.rstrip() for line in lines)
 
 

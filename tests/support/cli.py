@@ -22,10 +22,12 @@ from tests.support.forks import Forked
 
 class Command(Forked):
     """A `dflash` command forked warm (tests/support/forks.py) with this process's environment plus `env` (a None
-    there unsets the variable)."""
+    there unsets the variable), as a `dflash` on PATH runs: not under `uv run` (which sets UV_RUN_RECURSION_DEPTH,
+    so the commands it prints start `uv run`) unless `env` says so."""
 
     def __init__(self, args: tuple[str, ...], env: dict | None, cwd, out: Path, err: Path, session: bool):
-        environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        launched = {"UV_RUN_RECURSION_DEPTH": None}  # pytest itself runs under `uv run`
+        environment = {k: v for k, v in {**os.environ, **launched, **(env or {})}.items() if v is not None}
         for path in {out, err}:
             path.write_text("")
         super().__init__("dflash_assets.cli:main", args, environment, cwd, out, err, session)

@@ -10,7 +10,6 @@ Description. The terminal layout is in console.py.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +84,8 @@ class CapAnswer:
     fills_window: int = 0
     exported: Exported | None = None  # None: no export of this config yet
     scope: str = ""  # "": every shard of the config; else the shard(s) counted ("shard 00000")
-    windowed: bool = False  # cap_policy window: its requests were sized to the window already
+    window_policy: bool = False  # its requests were sized to the window (cap_policy window)
+    limit: float = QualitySettings().truncation_rate_max  # the blocking share cut inside the window
 
     @property
     def cuts_matter(self) -> bool:
@@ -101,14 +101,26 @@ class CapAnswer:
         return pct(count / self.rows) if self.rows else "-"
 
     @property
+    def blocked(self) -> bool:
+        """Whether the share cut inside the window is over the limit: the blocking check stops its export."""
+        return bool(self.rows) and self.cut_inside_window / self.rows > self.limit
+
+    @property
+    def next_cap(self) -> int | None:
+        """The cap to continue the cut rows to: the recommended one, else, when the cuts inside the window block and
+        the plan offers no cap (too few uncut rows to fit its tail, or no candidate gets there), the trainer's
+        window, at which no row can be cut inside it; None when nothing is to do."""
+        if self.recommended is not None:
+            return self.recommended.cap
+        return self.max_length if self.blocked and self.cap < self.max_length else None
+
+    @property
     def next_settings(self) -> dict[str, str | int]:
         """The settings of the next command (flag: value): the window policy when every cut lies past the window, a
         larger cap when the cuts inside it are over the limit and a candidate gets there; {} when nothing is to do."""
-        if self.cut_at_cap and not self.cuts_matter and not self.windowed:
-            return {"--cap-policy": "window", "--max-output-tokens": self.cap}
-        if self.recommended is not None:
-            return {"--max-output-tokens": self.recommended.cap}
-        return {}
+        if self.cut_at_cap and not self.cuts_matter:
+            return {} if self.window_policy else {"--cap-policy": "window", "--max-output-tokens": self.cap}
+        return {"--max-output-tokens": self.next_cap} if self.next_cap else {}
 
     @property
     def recommendation(self) -> str:
@@ -118,7 +130,11 @@ class CapAnswer:
             return (
                 f"every cut row lies at or past the trainer's window max_length {num(self.max_length)}: the trainer "
                 f"reads each as the complete answer, so a larger cap buys no trained token; "
-                + ("the window policy decodes only what it reads" if self.windowed else "decode only what it reads")
+                + (
+                    "the window policy already decodes only what it reads"
+                    if self.window_policy
+                    else "decode only what it reads"
+                )
             )
         if self.recommended is not None:
             e = self.recommended
@@ -126,14 +142,27 @@ class CapAnswer:
                 f"recommended cap: {num(e.cap)} (predicted {pct(e.truncation_rate.value)} cut; above "
                 f"{num(self.cap)} the tail is a model)"
             )
-        return "the cuts inside the window are within the limit (or no larger candidate cap helps)"
+        if self.next_cap is not None:
+            why = self.plan_error.rstrip(".") if self.plan is None and self.plan_error else "no candidate gets there"
+            return (
+                f"{self.share(self.cut_inside_window)} cut inside the window, over the limit {pct(self.limit)}, and "
+                f"the cap plan has no cap for it ({why}): at cap {num(self.next_cap)}, the trainer's window, no row "
+                f"is cut inside it"
+            )
+        if self.blocked:
+            return f"{self.share(self.cut_inside_window)} cut inside the window, over the limit {pct(self.limit)}"
+        return "the cuts inside the window are within the limit"
 
     def next_command(self, command: str) -> str | None:
-        """`command` (say "dflash demo") with the next settings, or None when there is nothing to change."""
-        flags = self.next_settings
-        for flag in flags:  # the next settings replace the ones the command repeats (--cap-policy fixed)
-            command = re.sub(rf" {flag} \S+", "", command)
-        return f"{command} {' '.join(f'{k} {v}' for k, v in flags.items())}" if flags else None
+        """`command` (say "dflash demo", as printed) with the next settings in place of its own (a flag is given once),
+        or None when there is nothing to change: never the config just run."""
+        words = command.split(" ")
+        for flag, value in self.next_settings.items():
+            if flag in words[:-1]:
+                words[words.index(flag) + 1] = str(value)
+            else:
+                words += [flag, str(value)]
+        return None if words == command.split(" ") else " ".join(words)
 
     def headline(self, export_command: str | None = None) -> list[str]:
         """The answer in a few lines, each figure with its unit (the definitions: rules.FIGURES)."""
@@ -169,8 +198,10 @@ class CapAnswer:
     def export_line(self, export_command: str | None = None) -> str:
         """What the export holds, as its manifest counts it (else the command that writes it)."""
         e = self.exported
+        if e is None and self.blocked:
+            return "export: none (the blocking check truncation_rate stops it)"
         if e is None:
-            return f"export: none yet ({export_command or 'dflash export --config ' + self.config_hash})"
+            return f"export: none yet: {export_command or 'dflash export --config ' + self.config_hash}"
         return (
             f"export: {num(e.samples)} samples ({e.form}), {num(e.window_complete_kept)} window-complete turn rows "
             f"kept; left out: {num(e.no_trainable_tokens)} turn rows with no trainable token, "
@@ -262,7 +293,8 @@ def answer_of(
         fills_window=row["fills_window_rows"],
         exported=Exported.read(exports / row["config_hash"] / "manifest.json"),
         scope=scope,
-        windowed=bool(row.get("windowed")),
+        window_policy=bool(row.get("window_policy")),
+        limit=quality.truncation_rate_max,
     )
 
 

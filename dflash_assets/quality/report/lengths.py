@@ -163,7 +163,7 @@ def length_quality_of(
             con,
             "config_hash, config_cap",
             CONFIG,
-            ", count(DISTINCT shard) AS shards, bool_or(trainer_max_length IS NOT NULL) AS windowed",
+            ", count(DISTINCT shard) AS shards, bool_or(window_policy) AS window_policy",
         ),
         "by_shard": grouped(
             "shard", "shard", ", string_agg(DISTINCT config_hash, ',' ORDER BY config_hash) AS configs"
