@@ -12,7 +12,7 @@ import importlib
 import sys
 from contextlib import nullcontext
 
-from dflash_assets.cli.environment import PROJECT_DAGSTER_YAML
+from dflash_assets.cli.environment import PROJECT_DAGSTER_YAML, instance_environment
 from dflash_assets.cli.errors import failed
 from dflash_assets.cli.flags import _completions_config, repeated_flags, trainer_flags
 from dflash_assets.cli.parser import SHARD_RUN_DEFAULTS, build_parser
@@ -43,6 +43,9 @@ COMMANDS = {
 
 
 LONG_COMMANDS = ("demo", "backfill", "continue", "generate", "probe", "fleet")
+# the commands that run Dagster on the instance and data dir they set up first (cli/environment.py): a data dir or
+# source that cannot work is said before Dagster is even imported
+ON_AN_INSTANCE = ("demo", "backfill", "continue", "export")
 
 
 def rows_under(args) -> str | None:
@@ -79,8 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     from dflash_assets.generation.stopping import STOP, Stopped, stop_line, stopping
 
     try:
-        command = getattr(importlib.import_module(f"{__name__}.{module}"), function)
         with stopping() if args.subcommand in LONG_COMMANDS else nullcontext():  # SIGINT, SIGTERM: a polite stop
+            if args.subcommand in ON_AN_INSTANCE:
+                instance_environment(args)
+            command = getattr(importlib.import_module(f"{__name__}.{module}"), function)  # heard while it imports
             status = command(args)
             STOP.check()
             return status

@@ -11,7 +11,6 @@ import dagster as dg
 from rich.console import Console
 
 from dflash_assets.cli.console import console_for_output
-from dflash_assets.cli.environment import instance_environment
 from dflash_assets.cli.flags import (
     _completions_config,
     refuse_cap_beyond_context,
@@ -54,7 +53,6 @@ def run_demo(
 
 def demo(args: argparse.Namespace) -> int:
     config, trainer = _completions_config("demo", args)
-    instance_environment(args)
     refuse_cap_beyond_context("demo", request_cap(config, trainer))
     flags = {**config, **trainer_flags(trainer)}
     return run_demo(

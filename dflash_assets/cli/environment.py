@@ -18,7 +18,8 @@ def instance_environment(args: argparse.Namespace) -> None:
     """The instance, the data dir and its prompt source, set in the environment before Dagster is imported (the
     definitions read them at load, store/in_use.py). A flag wins over its environment variable; then the instance
     knows the data dir its last run generated into, and the data dir the source its shards record (the path and the
-    shard size it was cut at). A run that may write there makes it the instance's (runner.py source_refused)."""
+    shard size it was cut at). A run that wrote there makes it the instance's (runner.py execute); a data dir that cannot be written is
+    refused here, before Dagster is imported (exit 2)."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
     _set_up_instance(home)
@@ -36,6 +37,10 @@ def instance_environment(args: argparse.Namespace) -> None:
     for name, value in data.environment().items():
         os.environ.setdefault(name, value)
     _readable_source(Path(data.prompts), "--prompts" if args.prompts else data.prompts_from)
+    from dflash_assets.store.storage import write_refusal
+
+    if refused := write_refusal(data.data_dir):
+        raise BadInput(refused)
 
 
 def data_dir_of(args: argparse.Namespace) -> str:
@@ -91,6 +96,7 @@ def _differing(settings: list[EnvSetting]) -> list[tuple[str, str]]:
 DEPLOYMENT = [s for s in vars(Deployment).values() if isinstance(s, EnvSetting)]
 DATA = (Deployment.DATA_DIR, Deployment.PROMPTS)  # given as flags (DATA_FLAGS); the rest in the environment
 DATA_FLAGS = ("data-dir", "prompts")
+SETTING_FLAGS = {"--servers": Deployment.NUM_SERVERS, "--shard-size": Deployment.SHARD_SIZE}  # a flag the command has
 
 
 def launcher() -> str:
@@ -114,8 +120,16 @@ def as_printed(command: str, prompts: bool = True) -> str:
         if s.name in data and (prompts or flag != "prompts")
     ]
     words = _without(shlex.split(command), [f"--{flag}" for flag in DATA_FLAGS])
+    given_by_flags = [s for flag, s in SETTING_FLAGS.items() if any(w.split("=")[0] == flag for w in words)]
     return " ".join(
-        filter(None, [_prefix([s for s in DEPLOYMENT if s not in DATA]), launcher() + shlex.join(words), *given])
+        filter(
+            None,
+            [
+                _prefix([s for s in DEPLOYMENT if s not in (*DATA, *given_by_flags)]),
+                launcher() + shlex.join(words),
+                *given,
+            ],
+        )
     )
 
 

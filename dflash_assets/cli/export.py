@@ -10,7 +10,7 @@ import dagster as dg
 from rich.console import Console
 
 from dflash_assets.cli.console import console_for_output, verbatim
-from dflash_assets.cli.environment import as_printed, data_dir_of, instance_environment
+from dflash_assets.cli.environment import as_printed, data_dir_of
 from dflash_assets.cli.render import print_stop
 from dflash_assets.cli.runner import BAD_CONFIG, Stops, Window, _meta, data_dir, execute, quiet, record_failures
 from dflash_assets.defs.metadata import TrainingSetKeys
@@ -141,7 +141,6 @@ def run_export(config: str, console: Console | None = None, verbose: bool = Fals
 
 def export_command(args: argparse.Namespace) -> int:
     trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
-    instance_environment(args)
     return run_export(args.config, verbose=args.verbose, window=Window(trainer=trainer))
 
 

@@ -31,6 +31,7 @@ from dflash_assets.defs.prompts.sensors import shard_changes
 from dflash_assets.defs.resources import DataDirResource, PromptSourceResource
 from dflash_assets.generation.stopping import STOP
 from dflash_assets.settings import Deployment, GenerationSettings, TrainerSettings
+from dflash_assets.store.in_use import remember_data_dir
 
 T = TypeVar("T")
 
@@ -131,6 +132,8 @@ def execute(
                 instance=runner, run_config=run_config, raise_on_error=False, tags=tags
             )
         )
+        if result.get_asset_materialization_events():  # it wrote there: the instance's data dir (store/in_use.py)
+            remember_data_dir(Path(os.environ["DAGSTER_HOME"]), Deployment.DATA_DIR.value())
         STOP.check()  # a polite stop: the run was canceled, no next run starts
         return result
     finally:
@@ -285,15 +288,12 @@ def known_shards(instance: dg.DagsterInstance) -> list[str]:
 
 
 def source_refused(command: str, console: Console) -> bool:
-    """Say (one line, exit 2) why the prompt source may not write into the data dir, before anything is written;
-    else the data dir becomes the instance's (store/in_use.py: the UI and the next command find it there)."""
+    """Say (one line, exit 2) why the prompt source may not write into the data dir, before anything is written."""
     from dflash_assets.defs.resources import refusal
-    from dflash_assets.store.in_use import remember_data_dir
 
     if refused := refusal(prompt_source(), data_dir()):
         console.print(f"[red]dflash {command}:[/] {refused}", highlight=False, soft_wrap=True)
         return True
-    remember_data_dir(Path(os.environ["DAGSTER_HOME"]), Deployment.DATA_DIR.value())
     return False
 
 

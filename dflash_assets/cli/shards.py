@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_assets.cli.console import RUN_DROP_FIRST, console_for_output, fit, say_with_command, verbatim
-from dflash_assets.cli.environment import as_printed, instance_environment, ui_command
+from dflash_assets.cli.environment import as_printed, ui_command
 from dflash_assets.cli.export import export_run_config
 from dflash_assets.cli.flags import (
     _completions_config,
@@ -390,7 +390,6 @@ def run_continue(
 
 def backfill(args: argparse.Namespace) -> int:
     config, trainer = _completions_config("backfill", args)
-    instance_environment(args)
     refuse_cap_beyond_context("backfill", request_cap(config, trainer))
     flags = {**config, **trainer_flags(trainer)}
     return run_backfill(
@@ -409,7 +408,6 @@ def continue_shards(args: argparse.Namespace) -> int:
         build_parser().error(
             "dflash continue: give one of --to (a larger cap) and --to-window (a larger trainer's window)"
         )
-    instance_environment(args)
     if args.to_cap is not None:
         refuse_cap_beyond_context("continue", args.to_cap)
     return run_continue(args.to_cap, args.first, args.last, verbose=args.verbose, to_window=args.to_window)

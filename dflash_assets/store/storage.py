@@ -69,6 +69,33 @@ def is_uri(data_dir: str | os.PathLike) -> bool:
     return isinstance(data_dir, str) and URI.match(data_dir) is not None
 
 
+def write_refusal(data_dir: str) -> str | None:
+    """Why a local data dir cannot be written, in one sentence with the fix, or None when it can: it is a file, lies
+    under one, or it (or, not made yet, the directory it would be made in) refuses a file: read-only, full, not
+    ours. Tried with a small file, removed at once, so nothing is left and nothing of the data dir is made."""
+    if is_uri(data_dir):
+        return None  # an object store answers for itself at the run's first write
+    path = Path(data_dir).resolve()
+    at = path
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if not at.is_dir():
+        where = "is a file" if at == path else f"lies under {at}, a file"
+        return f"the data dir {path} {where}: give --data-dir a directory (an empty or a new one for new prompts)"
+    try:
+        fd, probe = tempfile.mkstemp(dir=at, prefix=".dflash-write-check-")
+        try:
+            os.write(fd, b"dflash")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        where = f"the data dir {path}" if at == path else f"{at}, where the data dir {path} would be made,"
+        return f"{where} cannot be written ({e.strerror}): give --data-dir a directory you can write to, with room"
+    return None
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -77,9 +77,13 @@ RESOURCE = """query($name: String!) { topLevelResourceDetailsOrError(resourceSel
 
 
 def resource_values(server: Webserver, name: str) -> dict[str, str]:
-    """A resource's configured values in the loaded definitions, as the UI's resource page shows them."""
+    """A resource's configured values in the loaded definitions, as the UI's resource page shows them: a value, or
+    `$NAME` for one read from the environment variable NAME."""
     details = server.gql(RESOURCE, {"name": name})["topLevelResourceDetailsOrError"]
-    return {v["key"]: json.loads(v["value"]) for v in details["configuredValues"] if v["type"] == "VALUE"}
+    values = {v["key"]: json.loads(v["value"]) for v in details["configuredValues"] if v["type"] == "VALUE"}
+    return values | {
+        v["key"]: f"${json.loads(v['value'])}" for v in details["configuredValues"] if v["type"] == "ENV_VAR"
+    }
 
 
 def test_the_printed_ui_command_opens_that_data_and_the_instance_holds_only_its_sources_shards(demo):
@@ -98,7 +102,7 @@ def test_the_printed_ui_command_opens_that_data_and_the_instance_holds_only_its_
     server = Webserver(port, proc, log)
     try:
         wait_loaded(server, "dg dev", 300.0)
-        assert resource_values(server, "data_dir")["path"] == str(data), log_tail(log)
+        assert resource_values(server, "data_dir")["path"] == "$DFLASH_DATA_DIR", log_tail(log)  # the command's: data
         assert resource_values(server, "prompt_source")["path"] == str(mine), log_tail(log)
         assert resource_values(server, "prompt_source")["shard_size"] == SHARD_SIZE, log_tail(log)
         deadline = time.monotonic() + 240

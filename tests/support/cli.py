@@ -25,19 +25,21 @@ class Command(Forked):
     there unsets the variable), as a `dflash` on PATH runs: not under `uv run` (which sets UV_RUN_RECURSION_DEPTH,
     so the commands it prints start `uv run`) unless `env` says so."""
 
-    def __init__(self, args: tuple[str, ...], env: dict | None, cwd, out: Path, err: Path, session: bool):
+    def __init__(
+        self, args: tuple[str, ...], env: dict | None, cwd, out: Path, err: Path, session: bool, tty: str | None = None
+    ):
         launched = {"UV_RUN_RECURSION_DEPTH": None}  # pytest itself runs under `uv run`
         environment = {k: v for k, v in {**os.environ, **launched, **(env or {})}.items() if v is not None}
         for path in {out, err}:
             path.write_text("")
-        super().__init__("dflash_assets.cli:main", args, environment, cwd, out, err, session)
+        super().__init__("dflash_assets.cli:main", args, environment, cwd, out, err, session, tty)
         self.args = ["dflash", *args]
 
 
-def start(*args: str, out: Path, env: dict | None = None, cwd=None) -> Command:
+def start(*args: str, out: Path, env: dict | None = None, cwd=None, tty: str | None = None) -> Command:
     """`dflash *args` started in the background with this process's environment plus `env` (a None there unsets
-    the variable), its stdout and stderr both to `out`."""
-    return Command(args, env, cwd, out, out, session=True)
+    the variable), its stdout and stderr both to `out`, or with `tty` (a pseudo-terminal's end) on a terminal."""
+    return Command(args, env, cwd, out, out, session=True, tty=tty)
 
 
 def dflash(*args: str, env: dict | None = None, timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:

@@ -27,17 +27,29 @@ _forks = multiprocessing.get_context("forkserver")
 _forks.set_forkserver_preload(["tests.support.fork_preload", "tests.support.forks"])
 
 
-def _child(main: str, args: list[str], env: dict, cwd: str | None, out: str, err: str, session: bool) -> None:
-    """In the forked child: the environment, directory and output files (and a session of its own, when asked),
-    then `main` ("module:function") with the arguments; its return value is the exit status."""
-    if session:
+def _child(
+    main: str, args: list[str], env: dict, cwd: str | None, out: str, err: str, session: bool, tty: str | None = None
+) -> None:
+    """In the forked child: the environment, directory and output files (and a session of its own, when asked; with
+    `tty`, a pseudo-terminal's end, that terminal as its controlling one, on stdin, stdout and stderr), then `main`
+    ("module:function") with the arguments; its return value is the exit status."""
+    if session or tty:
         os.setsid()
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # read TMPDIR again
     if cwd:
         os.chdir(cwd)
-    for path, fd in ((out, 1), (err, 2)):
+    if tty:
+        import fcntl
+        import termios
+
+        terminal = os.open(tty, os.O_RDWR)
+        fcntl.ioctl(terminal, termios.TIOCSCTTY, 0)  # Ctrl-C on it signals this session's foreground group
+        for fd in (0, 1, 2):
+            os.dup2(terminal, fd)
+        os.close(terminal)
+    for path, fd in () if tty else ((out, 1), (err, 2)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(opened, fd)
         os.close(opened)
@@ -50,10 +62,11 @@ class Forked:
     `session`, in a session of its own, so `os.killpg(pid, SIGKILL)` takes the whole of it, as `kill -9 -PGID` from a
     terminal."""
 
-    def __init__(self, main: str, args, env: dict, cwd, out: Path, err: Path, session: bool):
+    def __init__(self, main: str, args, env: dict, cwd, out: Path, err: Path, session: bool, tty: str | None = None):
         self.args = [main, *args]
         self._child = _forks.Process(
-            target=_child, args=(main, list(args), env, None if cwd is None else str(cwd), str(out), str(err), session)
+            target=_child,
+            args=(main, list(args), env, None if cwd is None else str(cwd), str(out), str(err), session, tty),
         )
         self._child.start()
         self.pid = self._child.pid
