@@ -24,6 +24,15 @@ CONTEXT_MARGIN = 2
 OVERFLOW_SQL = f"prompt_tokens + max_output_tokens > server_context_length - {CONTEXT_MARGIN}"
 
 
+# a prompt the context cannot hold at all, rejected at the source before any cap is chosen (generation/shards.py)
+PROMPT_OVER_CONTEXT_SQL = "prompt_tokens >= server_context_length"
+
+
+def prompt_over_context(prompt_tokens: int, context_length: int) -> bool:
+    """The prompt alone fills the context: no answer fits, whatever the cap (PROMPT_OVER_CONTEXT_SQL)."""
+    return prompt_tokens >= context_length
+
+
 def overflows(prompt_tokens: int, max_output_tokens: int, context_length: int) -> bool:
     """The prompt plus the cap does not fit what the server really grants."""
     return prompt_tokens + max_output_tokens > context_length - CONTEXT_MARGIN

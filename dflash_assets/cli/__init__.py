@@ -39,6 +39,7 @@ COMMANDS = {
     "probe": ("generate", "probe"),
     "fleet": ("fleet", "fleet"),
     "report": ("report", "report"),
+    "rejects": ("report", "rejects"),
 }
 
 

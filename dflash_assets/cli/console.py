@@ -86,7 +86,7 @@ def verbatim(console: Console, text: str) -> None:
 
 
 # where a command starts in a line of ours: its environment, then `uv run` or `dflash`
-COMMAND_START = re.compile(r"(?:[A-Z][A-Z0-9_]*=\S+ )*(?:uv run |dflash )")
+COMMAND_START = re.compile(r"(?:[A-Z][A-Z0-9_]*=(?:'[^']*'|\S)+ )*(?:uv run |dflash )")  # a value may be quoted
 
 
 def say_with_command(console: Console, line: str) -> None:

@@ -328,4 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("--full", action="store_true", help="every config's cap plan, the rejects and the tables")
     report.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
+    rejects = sub.add_parser(
+        "rejects",
+        help="list every rejected prompt of a data dir: its shard, line, stage and reason",
+        description="Reads the rejects tables (rejects/): the source's (a bad line), the preflight's and the server's.",
+    )
+    data_flags(rejects, prompts=False)
+    rejects.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
     return parser

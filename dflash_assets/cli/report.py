@@ -47,8 +47,8 @@ def report(args: argparse.Namespace) -> int:
         return 0
     for picture in pictures:
         verbatim(console, f"  {picture.name}")
-    for line in read_rejects(data_dir).lines(f"{data_dir}/rejects/"):
-        console.print(line, markup=False, highlight=False)
+    for line in read_rejects(data_dir).lines(as_printed("dflash rejects", prompts=False)):
+        say_with_command(console, line)
     console.print()
     print_report(data_dir, console, quality=quality)
     return 0
@@ -77,3 +77,18 @@ def report_pictures(data_dir: str, answers) -> list[Path]:
             path.write_bytes(cap_plan_png(answer.plan, window, answer.description()))
             pictures.append(path)
     return pictures
+
+
+def rejects(args: argparse.Namespace) -> int:
+    """Every rejected prompt of a data dir, one line each: shard, line, stage, reason; the counts by reason first."""
+    from dflash_assets.cli.environment import data_dir_of
+    from dflash_assets.quality.rejects import read_rejects
+
+    data_dir = data_dir_of(args)
+    found = read_rejects(data_dir, first=None)
+    if not found.total:
+        print(f"dflash rejects: no rejects under {data_dir}")
+        return 0
+    for line in found.lines(""):
+        print(line)
+    return 0

@@ -158,13 +158,10 @@ def run_shards(
     if stops.config_hash:
         table.title = str(table.title).replace("completions", f"completions of config {stops.config_hash}", 1)
     console.print(fit(table, console.width, RUN_DROP_FIRST))
-    rejects = read_rejects(data_dir().resolved(), shards)
+    for line in read_rejects(data_dir().resolved(), shards).lines(as_printed("dflash rejects", prompts=False)):
+        say_with_command(console, f"  {line}")  # the first with their lines; the command that lists them all
     if full:
-        for line in rejects.lines(f"{data_dir().resolved()}/rejects/ (dflash report counts them by stage and reason)"):
-            console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)  # a path is copied whole
         print_other_configs(stops.config_hash, window, console)
-    elif said := rejects.line():
-        say_with_command(console, f"  {said}")
     if no_figures:
         console.print(
             f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "

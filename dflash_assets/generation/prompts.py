@@ -99,6 +99,7 @@ class SourceReject:
     line: int
     reason: str
     prompt_id: str | None = None
+    prompt_tokens: int | None = None  # counted: a prompt longer than the context
 
 
 def canonical_json(value) -> str:
@@ -421,7 +422,7 @@ def _jsonl_records(path: Path, start: int, stop: int) -> Iterator[tuple[int, obj
 def _decode_line(raw: bytes, line_no: int) -> object:
     """One JSONL line as a JSON value, or a SourceReject naming why it is not one (never an exception)."""
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")  # a file's first line may open with a BOM
     except UnicodeDecodeError as e:
         return SourceReject(line_no, f"line {line_no}: invalid UTF-8 at byte {e.start}")
     if not text.strip():

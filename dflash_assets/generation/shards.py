@@ -24,6 +24,7 @@ from dflash_assets.generation.prompts import (
     shard_keys,
 )
 from dflash_assets.generation.quotas import source_draws
+from dflash_assets.rules import prompt_over_context
 from dflash_assets.settings import Deployment, QuotaSettings, RepeatSettings
 from dflash_assets.store.source import ShardSource, has_completions, recorded_sources
 from dflash_assets.store.storage import open_storage
@@ -135,11 +136,12 @@ async def build_prompt_shard(
                 if e.retryable:  # the server's trouble, retried already: fail the build, never a permanent reject
                     raise
                 return SourceReject(item.line, f"line {item.line}: tokenize failed: {e.message}", item.prompt_id)
-        if n >= context:
+        if prompt_over_context(n, context):
             return SourceReject(
                 item.line,
                 f"line {item.line}: prompt of {n} tokens is longer than the model's context length ({context} tokens)",
                 item.prompt_id,
+                n,
             )
         return item, n
 
@@ -169,7 +171,7 @@ async def build_prompt_shard(
             "prompt_id": r.prompt_id,
             "config_hash": None,
             "reason": r.reason,
-            "prompt_tokens": None,
+            "prompt_tokens": r.prompt_tokens,
             "max_output_tokens": None,
             "server_context_length": context,
             "created_at": now,

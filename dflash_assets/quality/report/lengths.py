@@ -17,6 +17,7 @@ from dflash_assets.rules import (
     FIGURE,
     OVERFLOW_SQL,
     PERCENTILE_DEFINITION,
+    PROMPT_OVER_CONTEXT_SQL,
     STOPPED_EARLY_SQL,
     percentile_sql,
 )
@@ -128,7 +129,7 @@ def length_quality_of(
     rejects_over = one(
         con,
         f"SELECT count(*) FROM (SELECT DISTINCT shard, prompt_id, config_hash FROM rejects "
-        f"WHERE stage <> 'source' AND {OVERFLOW_SQL} AND {of})",
+        f"WHERE (stage <> 'source' AND {OVERFLOW_SQL} AND {of}) OR (stage = 'source' AND {PROMPT_OVER_CONTEXT_SQL}))",
         params,
     )[0]
     return {

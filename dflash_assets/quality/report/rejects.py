@@ -57,36 +57,31 @@ class Rejects:
             f"The first {len(self.first)} of {self.total}:\n\n| shard | line | reason |\n|---|---|---|\n{first}"
         )
 
-    def line(self) -> str | None:
-        """For a run's closing lines: the count by stage and the commonest reason, in one line (None: no rejects)."""
-        if not self.counts:
-            return None
-        stages: dict[str, int] = {}
-        for stage, _, n in self.counts:
-            stages[stage] = stages.get(stage, 0) + n
-        stage, reason, n = self.counts[0]
-        others = len(self.counts) - 1
-        return (
-            f"rejected {self.total} ({', '.join(f'{s} {k}' for s, k in stages.items())}); most: {reason} ({stage}) "
-            f"{n}" + (f", and {others} other reason{'s' if others > 1 else ''}" if others else "")
-        )
-
     def lines(self, where: str) -> list[str]:
-        """For the terminal: the count by reason, the first rejects with their lines, and where the rest are."""
+        """For the terminal: the count by reason, the first rejects with their lines, and `where` (the command that
+        lists them all) when some are not shown."""
         if not self.counts:
             return []
         reasons = ", ".join(f"{reason} ({stage}) {n}" for stage, reason, n in self.counts)
-        out = [f"rejected {self.total}, by reason: {reasons}; the first:"]
-        out += [f"  shard {r.shard} line {r.line if r.line is not None else '-'}: {r.reason}" for r in self.first]
-        out.append(f"every reject, with its line and reason: {where}")
+        shown = "every one" if len(self.first) == self.total else "the first"
+        out = [f"rejected {self.total}, by reason: {reasons}; {shown}:"]
+        out += [
+            f"  shard {r.shard} line {r.line if r.line is not None else '-'} ({r.stage}): {r.reason}"
+            for r in self.first
+        ]
+        if len(self.first) < self.total:
+            out.append(f"every reject, with its line and reason: {where}")
         return out
 
 
 def read_rejects(
-    data_dir: str | Path | Storage, shards: list[str] | None = None, config_hash: str | None = None
+    data_dir: str | Path | Storage,
+    shards: list[str] | None = None,
+    config_hash: str | None = None,
+    first: int | None = FIRST,
 ) -> Rejects:
     """The rejects of `shards` (None: every shard); with `config_hash`, the preflight and server rejects of that
-    config only (the source's are every config's)."""
+    config only (the source's are every config's); `first` of them one by one (None: every one)."""
     with duckdb.connect(":memory:") as con:
         src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA)
         rows = con.execute(
@@ -100,7 +95,7 @@ def read_rejects(
         key = (stage, reason_kind(reason))
         counts[key] = counts.get(key, 0) + 1
     ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    first = [
-        Reject(shard, stage, line, re.sub(r"^line \d+: ", "", reason)) for shard, stage, line, reason in rows[:FIRST]
+    shown = [
+        Reject(shard, stage, line, re.sub(r"^line \d+: ", "", reason)) for shard, stage, line, reason in rows[:first]
     ]
-    return Rejects([(s, r, n) for (s, r), n in ordered], first)
+    return Rejects([(s, r, n) for (s, r), n in ordered], shown)
