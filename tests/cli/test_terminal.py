@@ -304,7 +304,7 @@ def as_documented(out: str, tmp: str) -> str:
     command whole on its line (it runs as printed when copied)."""
     import textwrap
 
-    from dflash_assets.quality.console import COMMAND_START
+    from dflash_assets.cli.console import COMMAND_START
 
     lines = []
     for line in out.replace(tmp, "~/work").rstrip().splitlines():
