@@ -108,12 +108,17 @@ class Stops:
 
 
 def execute(
-    job: str, instance: dg.DagsterInstance, run_config: dict, console: Console, shards: list[str] | None = None
+    job: str,
+    instance: dg.DagsterInstance,
+    run_config: dict,
+    console: Console,
+    shards: list[str] | None = None,
+    watch: Callable[[], None] | None = None,
 ) -> dg.ExecuteInProcessResult:
     """One run of `job` in this process, which is its worker: first the runs that died are failed and their pool
     slots freed (defs/pools.py), then this process is recorded in the run's tags (so a kill -9 of it is seen by the
     next run), and what a step waiting for a pool says is printed here (who holds it, alive or not, what frees it).
-    """
+    `watch()` is called every moment while it runs (a progress line)."""
     from dflash_assets.definitions import defs  # loaded here: it reads the environment the command has set
 
     handler = RichHandler(console=console, show_time=False, show_level=False, show_path=False, markup=False)
@@ -130,7 +135,8 @@ def execute(
         result = beside_the_signals(
             lambda: defs.resolve_job_def(job).execute_in_process(
                 instance=runner, run_config=run_config, raise_on_error=False, tags=tags
-            )
+            ),
+            watch,
         )
         if result.get_asset_materialization_events():  # it wrote there: the instance's data dir (store/in_use.py)
             remember_data_dir(Path(os.environ["DAGSTER_HOME"]), Deployment.DATA_DIR.value())
@@ -140,12 +146,12 @@ def execute(
         pools.log.removeHandler(handler)
 
 
-def beside_the_signals(run: Callable[[], T]) -> T:
+def beside_the_signals(run: Callable[[], T], watch: Callable[[], None] | None = None) -> T:
     """`run()` in a thread of its own while the main thread waits, hearing SIGINT and SIGTERM (generation/stopping.py,
     entered by the command): Dagster replaces the main thread's SIGINT handler around and between its steps
     (capture_interrupts, raise_execution_interrupts: an interrupt there fails the step, which its retry policy runs
     again) and leaves another thread's alone, so a signal at any moment of the run is the one polite stop: the
-    dispatcher and each step see STOP and the run ends CANCELED."""
+    dispatcher and each step see STOP and the run ends CANCELED. `watch()`: called between waits."""
     import threading
 
     done: dict[str, Any] = {}
@@ -160,6 +166,8 @@ def beside_the_signals(run: Callable[[], T]) -> T:
     worker.start()
     while worker.is_alive():
         worker.join(0.2)  # the main thread runs the signal handlers between waits
+        if watch is not None:
+            watch()
     if "error" in done:
         raise done["error"]
     return done["result"]

@@ -76,6 +76,44 @@ COLUMNS = (
 )
 
 
+PROGRESS_EVERY_S = 5.0  # a progress line this often when the output is not a terminal (a bar on one)
+
+
+def progress_text() -> str | None:
+    """The generation running in this process, as a person watches it: rows answered of those to do, tokens per
+    second, rows cut at the cap so far and the time left at this pace; None when none runs."""
+    from dflash_assets.generation.send import RUNNING
+
+    if not RUNNING:
+        return None
+    f = RUNNING[0].figures()
+    cut = f"{f.cut:,} ({f.cut / f.answered:.1%})" if f.answered else "0"
+    left = (f.total - f.answered) * f.elapsed_s / f.answered if f.answered else None
+    eta = f", ETA {int(left) // 60}:{int(left) % 60:02d}" if left is not None else ""
+    return f"rows {f.answered:,}/{f.total:,}, {f.tokens / f.elapsed_s:,.0f} tokens/s, cut {cut}{eta}"
+
+
+def watcher(show: Callable[[str], None], terminal: bool) -> Callable[[], None]:
+    """A run's progress: on a terminal `show` (the bar's text) at every moment, elsewhere a line on stderr every
+    PROGRESS_EVERY_S (a log, a CI job: stdout keeps the run's result)."""
+    import sys
+    import time
+
+    last = time.monotonic()
+
+    def watch() -> None:
+        nonlocal last
+        if (text := progress_text()) is None:
+            return
+        if terminal:
+            show(text)
+        elif time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            print(f"  {text}", file=sys.stderr, flush=True)
+
+    return watch
+
+
 def run_shards(
     instance: dg.DagsterInstance,
     shards: list[str],
@@ -105,15 +143,17 @@ def run_shards(
     runs = [shards[i : i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
     with Progress(
         TextColumn("{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=16),  # the shards done; the description says the rows, the pace, the cut and the ETA
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task(f"materialising shards in {len(runs)} run(s)", total=len(shards))
+        what = f"materialising shards in {len(runs)} run(s)"
+        task = progress.add_task(what, total=len(shards))
+        watch = watcher(lambda text: progress.update(task, description=text), console.is_terminal)
         for chunk in runs:
-            result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk)
+            result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk, watch)
             source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
             report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
             judged = judged or bool(checks)

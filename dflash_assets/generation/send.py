@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from functools import partial
+from typing import NamedTuple
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
@@ -36,6 +37,19 @@ from dflash_assets.generation.turns import fills_before
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow
+
+
+class Figures(NamedTuple):
+    """A dispatch's progress: what a terminal shows while it runs."""
+
+    answered: int
+    total: int
+    tokens: int
+    cut: int
+    elapsed_s: float
+
+
+RUNNING: list[Dispatch] = []  # the dispatch running in this process, if any (a CLI run's progress reads it)
 
 Send = Callable[[dict, Slot, int], Awaitable[CompletionRow]]  # (item, slot, attempt) -> the row; raises ServerError
 Refuse = Callable[[dict, str, int], RejectRow]  # (item, reason, server context length) -> the server-stage reject
@@ -178,6 +192,7 @@ class Dispatch:
     async def run(self, items: Iterator[dict], total: int) -> None:
         """Send `items` (and their follow-ups); `total` is for progress (follow-ups add to it)."""
         self.total = total
+        RUNNING[:] = [self]  # a terminal's progress reads it from another thread (figures)
         tasks: set[asyncio.Task] = set()
         finished: deque[asyncio.Task] = deque()  # tasks done and not looked at yet, in the order they ended
         woken = asyncio.Event()
@@ -234,6 +249,7 @@ class Dispatch:
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
         finally:
+            RUNNING.clear()
             membership.cancel()
             await asyncio.gather(membership, return_exceptions=True)
             await self.commit()
@@ -366,6 +382,16 @@ class Dispatch:
         if now - self.last_progress >= self.dispatch.progress_seconds:
             self.progress()
             self.last_progress = now
+
+    def figures(self) -> Figures:
+        """Where it stands: answered of total, tokens generated, turn rows cut at the cap, seconds since it began."""
+        return Figures(
+            self.answered,
+            self.total,
+            sum(s.output_tokens for s in self.slots.slots),
+            sum(o.run.length for o in self.outputs.values()),
+            max(time.monotonic() - self.started, 1e-9),
+        )
 
     def progress(self) -> None:
         elapsed = max(time.monotonic() - self.started, 1e-9)

@@ -301,16 +301,43 @@ OUTPUT_MARK = "<!-- the output of tests/cli/test_terminal.py's demo_at_4096: DFL
 
 def as_documented(out: str, tmp: str) -> str:
     """The demo's output as docs/running.md shows it: the test's folder as ~/work, prose cut to the docs' width, a
-    command whole on its line (it runs as printed when copied)."""
+    long command continued on the next line with a backslash between its words (it runs as printed when pasted)."""
     import textwrap
 
     from dflash_assets.cli.console import COMMAND_START
 
     lines = []
     for line in out.replace(tmp, "~/work").rstrip().splitlines():
-        long_prose = len(line) > 120 and not COMMAND_START.match(line.strip())
-        lines += textwrap.wrap(line, 120, subsequent_indent="    ", break_on_hyphens=False) if long_prose else [line]
+        if len(line) <= 120:
+            lines.append(line)
+        elif COMMAND_START.match(line.strip()):
+            lines += continued(line, 120)
+        else:
+            lines += textwrap.wrap(line, 120, subsequent_indent="    ", break_on_hyphens=False)
     return "\n".join(line.rstrip() for line in lines)
+
+
+def continued(command: str, width: int) -> list[str]:
+    """A command as shell lines of at most `width` characters, broken between its words with `\\`."""
+    import shlex
+
+    indent = " " * (len(command) - len(command.lstrip()))
+    lines, current = [], indent
+    for word in command_words(command):
+        if current.strip() and len(current) + 1 + len(word) + 2 > width:
+            lines.append(current + " \\")
+            current = indent + "    "
+        current += ("" if not current.strip() else " ") + word
+    lines.append(current)
+    assert shlex.split(" ".join(line.removesuffix(" \\") for line in lines)) == shlex.split(command), command
+    return lines
+
+
+def command_words(command: str) -> list[str]:
+    """The words of a printed command as printed (a quoted value keeps its quotes)."""
+    import re
+
+    return re.findall(r"(?:'[^']*'|\S)+", command.strip())
 
 
 def test_the_running_doc_shows_the_demos_output_as_this_test_run_printed_it(demo_at_4096):
