@@ -160,7 +160,13 @@ def data_flags(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="dflash", description=__doc__)
+    parser = Parser(
+        prog="dflash",
+        description="Turn a prompt set into training data for a DFlash drafter: the prompts in shards, a completion "
+        "for each from a fleet of SGLang servers (emulated ones by default), the truncation checked, and the rows that "
+        "pass exported for the trainer. Start with `dflash demo` (the bundled prompts) or `dflash demo --prompts "
+        "mine.jsonl --data-dir runs/mine`; each command has its --help.",
+    )
     sub = parser.add_subparsers(dest="subcommand", required=True)  # `--command` is a launch setting
 
     demo = sub.add_parser(

@@ -82,7 +82,7 @@ def report_pictures(data_dir: str, answers) -> list[Path]:
 def rejects(args: argparse.Namespace) -> int:
     """Every rejected prompt of a data dir, one line each: shard, line, stage, reason; the counts by reason first."""
     from dflash_assets.cli.environment import data_dir_of
-    from dflash_assets.quality.rejects import read_rejects
+    from dflash_assets.quality.report.rejects import read_rejects
 
     data_dir = data_dir_of(args)
     found = read_rejects(data_dir, first=None)

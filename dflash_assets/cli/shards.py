@@ -76,6 +76,7 @@ COLUMNS = (
 )
 
 
+FIRST_REJECTS = 3  # the rejects a run's closing lines name one by one (--full: every one)
 PROGRESS_EVERY_S = 5.0  # a progress line this often when the output is not a terminal (a bar on one)
 
 
@@ -198,7 +199,8 @@ def run_shards(
     if stops.config_hash:
         table.title = str(table.title).replace("completions", f"completions of config {stops.config_hash}", 1)
     console.print(fit(table, console.width, RUN_DROP_FIRST))
-    for line in read_rejects(data_dir().resolved(), shards).lines(as_printed("dflash rejects", prompts=False)):
+    rejects = read_rejects(data_dir().resolved(), shards, first=None if full else FIRST_REJECTS)
+    for line in rejects.lines(as_printed("dflash rejects", prompts=False)):
         say_with_command(console, f"  {line}")  # the first with their lines; the command that lists them all
     if full:
         print_other_configs(stops.config_hash, window, console)

@@ -16,6 +16,12 @@ def test_every_command_has_help(command):
     assert result.returncode == 0 and "usage:" in result.stdout, result.stderr
 
 
+def test_dflash_help_says_what_the_tool_does_and_where_to_start_not_how_it_is_built():
+    said = " ".join(dflash("--help").stdout.split())
+    assert "training data for a DFlash drafter" in said and "Start with `dflash demo`" in said, said
+    assert "parser" not in said and "settings.py" not in said, said
+
+
 def test_fleet_up_status_reuse_and_down_through_the_launch_path(tmp_path):
     base = str(free_base_port())
     up = [

@@ -81,9 +81,7 @@ def resource_values(server: Webserver, name: str) -> dict[str, str]:
     `$NAME` for one read from the environment variable NAME."""
     details = server.gql(RESOURCE, {"name": name})["topLevelResourceDetailsOrError"]
     values = {v["key"]: json.loads(v["value"]) for v in details["configuredValues"] if v["type"] == "VALUE"}
-    return values | {
-        v["key"]: f"${json.loads(v['value'])}" for v in details["configuredValues"] if v["type"] == "ENV_VAR"
-    }
+    return values | {v["key"]: f"${v['value']}" for v in details["configuredValues"] if v["type"] == "ENV_VAR"}
 
 
 def test_the_printed_ui_command_opens_that_data_and_the_instance_holds_only_its_sources_shards(demo):

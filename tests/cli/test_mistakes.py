@@ -187,7 +187,7 @@ def test_a_source_with_two_bad_lines_shows_both_with_their_lines_on_the_terminal
         {"stage": "source", "reason": "invalid JSON", "rows": 1},
     ]
     report = dflash("report", "--data-dir", data, "--full")  # the rejects are a flag away from the answer
-    assert report.returncode == 0 and "shard 00000 line 11: invalid JSON" in report.stdout, report.stdout
+    assert report.returncode == 0 and "shard 00000 line 11 (source): invalid JSON" in report.stdout, report.stdout
     with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
         event = instance.get_latest_materialization_event(dg.AssetKey("length_quality_report"))
         table = event.asset_materialization.metadata["rejects"].value

@@ -122,7 +122,7 @@ def test_the_printed_ui_command_opens_that_data_in_a_clean_shell(first):
           "dflash_assets", repositoryName: "__repository__", resourceName: $name}) {
           ... on ResourceDetails { configuredValues { key value type } } } }"""
         details = server.gql(query, {"name": "data_dir"})["topLevelResourceDetailsOrError"]
-        values = {v["key"]: (v["type"], json.loads(v["value"])) for v in details["configuredValues"]}
+        values = {v["key"]: (v["type"], v["value"]) for v in details["configuredValues"]}
         assert values["path"] == ("ENV_VAR", "DFLASH_DATA_DIR"), log_tail(log)  # the command's: data
     finally:
         stop_group(proc)

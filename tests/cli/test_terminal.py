@@ -343,3 +343,15 @@ def command_words(command: str) -> list[str]:
 def test_the_running_doc_shows_the_demos_output_as_this_test_run_printed_it(demo_at_4096):
     env, result = demo_at_4096
     written_by_this_run(RUNNING, OUTPUT_MARK + "\n```text\n", "\n```\n", as_documented(result.stdout, env["CWD"]))
+
+
+README = RUNNING.parents[1] / "README.md"
+README_MARK = "<!-- the closing lines of tests/cli/test_terminal.py's demo_at_4096: DFLASH_WRITE_DOCS=1 writes them -->"
+
+
+def test_the_readme_shows_the_demos_closing_lines_as_this_test_run_printed_them(demo_at_4096):
+    env, result = demo_at_4096
+    shown = as_documented(result.stdout, env["CWD"])
+    written_by_this_run(
+        README, README_MARK + "\n```text\n", "\n```\n", shown[shown.index("Stopped by the blocking check") :]
+    )
