@@ -165,3 +165,42 @@ def test_the_printed_resume_finishes_every_prompt_once_and_counts_what_it_wrote(
     assert len(keys) == len(set(keys)) and {p for p, _ in keys} == accepted, again.stdout
     new = sum(int(m.group(1)) for m in re.finditer(r"^\s+0000\d\s+\d+\s+\d+\s+\d+\s+(\d+)\s", again.stdout, re.M))
     assert new == len(rows) - before, again.stdout  # `new`: the rows this run wrote, not what an earlier one did
+
+
+WATCHED = re.compile(r"rows (\d+)/(\d+), [\d,]+ tokens/s, cut \d+ \([\d.]+%\), ETA \d+:\d\d")
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["bar", "log"])
+def test_a_run_you_can_watch_shows_rows_pace_cut_and_eta_on_a_terminal_and_off_one(tmp_path, terminal):
+    """A run answering 3 requests and holding the rest: its bar (a terminal) or its stderr line (every few seconds
+    elsewhere) says the rows answered of those to do, the pace, the cut so far and the ETA; waited for, then stopped."""
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"w{i}", "prompt": f"watch {i}"}) + "\n" for i in range(PROMPTS)))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    with start_emulator([*FAST]) as emu:
+        env = {
+            "DAGSTER_HOME": str(tmp_path / "home"),
+            "DFLASH_DATA_DIR": str(tmp_path / "data"),
+            "DFLASH_FLEET_MODE": "attach",
+            "DFLASH_FLEET_URLS": emu.url,
+            "DFLASH_PROMPTS": str(src),
+            "DFLASH_SHARD_SIZE": str(PROMPTS),
+        }
+        set_faults(emu.url, {"hold_after": 3})
+        screen = Terminal() if terminal else None
+        out = tmp_path / "out.txt"
+        proc = start(*ARGS, out=out, env=env, tty=screen.name if screen else None)
+        shown = (lambda: b"".join(screen.chunks).decode(errors="replace")) if screen else out.read_text
+        deadline = time.monotonic() + BOUND_S
+        while not (seen := WATCHED.findall(ANSI.sub("", shown()))):
+            assert proc.poll() is None and time.monotonic() < deadline, shown()
+            time.sleep(0.2)
+        if screen:
+            screen.ctrl_c()
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=BOUND_S) == 130
+        if screen:
+            screen.text()
+    assert int(seen[-1][1]) == PROMPTS and int(seen[-1][0]) <= 3, seen  # of the 8 to do, the 3 answered at most

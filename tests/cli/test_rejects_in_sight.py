@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+from dflash_assets.cli.shards import FIRST_REJECTS
 from tests.support.backfill import FAST
 from tests.support.cli import dflash, home, run_as_printed
 
@@ -53,7 +54,7 @@ def test_a_bom_crlf_a_200kb_line_and_8_bad_lines_each_rejected_named_and_counted
     said = re.search(r"rejected (\d+), by reason: (.*?); the first:", " ".join(out.split()))  # prose wraps
     assert said and int(said.group(1)) == len(BAD) + 1, out
     assert "line 1 " not in out and "BOM" not in out, out  # the BOM's line went through
-    for n in sorted(BAD)[:5]:  # the first five, each with its line
+    for n in sorted(BAD)[:FIRST_REJECTS]:  # the first few, each with its line
         assert re.search(rf"shard 00000 line {n} \(source\): ", out), out
     [listing] = [line.strip() for line in out.splitlines() if re.search(r"\bdflash rejects\b", line)]
     every = run_as_printed(listing)
