@@ -95,7 +95,7 @@ def stop_once(tmp: Path, env: dict, emu_url: str, how: str, answered: int, momen
     """The demo, the fleet answering `answered` requests and holding the rest, stopped `moment_s` after its start:
     `how` is ctrl-c (typed on its terminal), sigint-twice (to its group, twice at once), or sigterm."""
     set_faults(emu_url, {"hold_after": answered})
-    out = tmp / f"stop-{i}.txt"
+    out = tmp / f"stop-{i}-{how}-{moment_s:.2f}s.txt"  # a stop that hangs is found by its name
     terminal = Terminal() if how == "ctrl-c" else None
     proc = start(*ARGS, out=out, env=env, tty=terminal.name if terminal else None)
     time.sleep(moment_s)  # the moment: drawn; the held fleet keeps the run going whatever it is
