@@ -78,21 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_assets.emulator import main as emulator
 
         return emulator(argv[1:])
-    args = build_parser().parse_args(argv)
-    module, function = COMMANDS[args.subcommand]
     from dflash_assets.generation.stopping import STOP, Stopped, stop_line, stopping
 
-    try:
-        with stopping() if args.subcommand in LONG_COMMANDS else nullcontext():  # SIGINT, SIGTERM: a polite stop
+    with stopping() if argv[:1] and argv[0] in LONG_COMMANDS else nullcontext():  # a polite stop from the start
+        args = build_parser().parse_args(argv)
+        module, function = COMMANDS[args.subcommand]
+        try:
             if args.subcommand in ON_AN_INSTANCE:
                 instance_environment(args)
             command = getattr(importlib.import_module(f"{__name__}.{module}"), function)  # heard while it imports
             status = command(args)
             STOP.check()
             return status
-    except Stopped as e:  # one line: what stopped, the rows kept, the command that resumes
-        name = " ".join(argv[:2] if args.subcommand == "fleet" else argv[:1])
-        print(stop_line(e, name, resume_command(args, argv), rows_under(args)))
-        return e.exit_status
-    except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's event log)
-        return failed(args, e)
+        except Stopped as e:  # one line: what stopped, the rows kept, the command that resumes
+            name = " ".join(argv[:2] if args.subcommand == "fleet" else argv[:1])
+            print(stop_line(e, name, resume_command(args, argv), rows_under(args)))
+            return e.exit_status
+        except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's log)
+            return failed(args, e)

@@ -98,6 +98,10 @@ def stop_once(tmp: Path, env: dict, emu_url: str, how: str, answered: int, momen
     out = tmp / f"stop-{i}-{how}-{moment_s:.2f}s.txt"  # a stop that hangs is found by its name
     terminal = Terminal() if how == "ctrl-c" else None
     proc = start(*ARGS, out=out, env=env, tty=terminal.name if terminal else None)
+    deadline = time.monotonic() + BOUND_S
+    while os.getpgid(proc.pid) != proc.pid or (terminal and os.tcgetpgrp(terminal.master) != proc.pid):
+        assert time.monotonic() < deadline, "the command did not start"  # its session, and its terminal: a key
+        time.sleep(0.01)  # typed before a shell hands the command its terminal reaches the shell, not the command
     time.sleep(moment_s)  # the moment: drawn; the held fleet keeps the run going whatever it is
     if terminal is not None:
         terminal.ctrl_c()
