@@ -55,9 +55,10 @@ from dflash_assets.defs.completions.jobs import shard_pipeline_job
 from dflash_assets.defs.continuation.jobs import continue_job
 from dflash_assets.defs.metadata import CheckKeys, ContinuationKeys, PromptShardKeys, ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import SHARDS_PER_RUN
+from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.generation.plan import filling_window_note
 from dflash_assets.quality.report.rejects import read_rejects
-from dflash_assets.settings import TrainerSettings
+from dflash_assets.settings import Deployment, TrainerSettings
 
 COLUMNS = (
     "shard",
@@ -256,6 +257,20 @@ def generate_and_export(
     return stops
 
 
+def print_quarantined(shards: list[str], stops: Stops, console: Console, retry: str) -> None:
+    """The prompts quarantined in these shards, by id, and the command that sends them again."""
+    from dflash_assets.generation.quarantine import QUARANTINED, quarantined
+
+    found = quarantined(data_dir().resolved(), shards, stops.config_hash)
+    if found:
+        named = ", ".join(f"{r.prompt_id} (shard {r.shard})" for r in found[:5]) + (", ..." if len(found) > 5 else "")
+        verbatim(
+            console,
+            f"Quarantined, {QUARANTINED} under it, not sent again: {named}. Once the cause is fixed, to send "
+            f"{'it' if len(found) == 1 else 'them'} again: {retry}",
+        )
+
+
 def run_and_answer(
     instance: dg.DagsterInstance,
     shards: list[str],
@@ -281,6 +296,7 @@ def run_and_answer(
     if full and not stops.checks and not stops.errors and not stops.preflight:
         rerun = f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
         print_window_answer(stops, console, window, as_printed(rerun))
+    print_quarantined(shards, stops, console, as_printed(f"{command}{again({})} --retry-quarantined"))
     if ui:
         verbatim(console, f"The UI at http://127.0.0.1:3000: {ui_command()}")  # one line: the command ends it
     return print_stop(
@@ -304,6 +320,8 @@ def run_backfill(
     full: bool = False,
 ) -> int:
     console = console or console_for_output()
+    if Deployment.FLEET_MODE.value() == "attach":  # a bad URL is said before any run (errors.py: exit 2), and a
+        parse_urls(Deployment.FLEET_URLS.value())  # URL with a credential is never echoed (fleet/attach.py)
     if source_refused("backfill", console):
         return BAD_CONFIG
     instance = dg.DagsterInstance.get()

@@ -173,13 +173,16 @@ class DataDirResource(dg.ConfigurableResource):
 def refusal(prompt_source: PromptSourceResource, data_dir: DataDirResource) -> str | None:
     """Why the definitions' prompt source and data dir may not be worked on together, in one line, or None: the data
     dir belongs to another source, or its lines changed under its completions (generation/shards.py
-    source_refusal), or the source cannot be read or cut. What a sensor or schedule skips with, so an instance never gains
+    source_refusal), or the source cannot be read or cut, or holds no prompt at all. What a sensor or schedule skips with, so an instance never gains
     another source's partitions nor a report of another source's data."""
-    from dflash_assets.generation.prompts import SourceError
+    from dflash_assets.generation.prompts import SourceError, no_prompt
     from dflash_assets.generation.shards import source_refusal
 
     try:
-        return source_refusal(prompt_source.resolved(), prompt_source.shard_size, data_dir.resolved())
+        source = prompt_source.resolved()
+        return source_refusal(source, prompt_source.shard_size, data_dir.resolved()) or no_prompt(
+            source, prompt_source.mapping()
+        )
     except (SourceError, ValueError) as e:  # no source, an empty one, a bad shard size
         return str(e)
 

@@ -89,6 +89,7 @@ class ServerError(Exception):
         self.refused = refused  # the connection was refused: nothing listens at the URL (yet)
         self.unavailable = unavailable  # a gateway with no worker to route any request to (NO_WORKER)
         self.upstream_lost = upstream_lost  # a gateway lost its connection to a worker (UPSTREAM_LOST)
+        self.down = False  # its server (worker) was down before it was sent: no fault of the request's (quarantine.py)
 
 
 class ServerAccessError(RuntimeError):

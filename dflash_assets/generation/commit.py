@@ -35,6 +35,9 @@ class ShardOutput:
     store: PartStore
     server_rejects: PartStore
     turn_rejects: PartStore | None = None  # preflight rejects of turns refused when sent, committed as parts
+    failures: PartStore | None = None  # the failures table, and this run's own file in it (the config's)
+    failure_file: str = ""
+    suspects: PartStore | None = None  # prompts in flight at a server's death (generation/quarantine.py)
     rows: list[CompletionRow] = field(default_factory=list)
     refused: list[RejectRow] = field(default_factory=list)
     failed: list[FailureRow] = field(default_factory=list)
@@ -86,9 +89,15 @@ class ShardOutput:
         self.run.rejected_server += len(server)
         self.run.rejected_preflight += len(before_sending)
 
-    def close(self, failures: PartStore, failure_file: str) -> None:
+    def commit_failures(self) -> None:
+        """The shard's failures replace its run's failure file (at its end, and at once when a prompt is
+        quarantined: a run that then fails for lack of servers keeps the quarantine)."""
+        if self.failures is not None:
+            self.failures.replace(as_dicts(self.failed), self.failure_file)
+
+    def close(self) -> None:
         """The shard's run is over: its failures replace the config's failure file, its parts are compacted."""
-        failures.replace(as_dicts(self.failed), failure_file)
+        self.commit_failures()
         self.run.failed = len(self.failed)
         self.store.compact()
         if self.run.finished_at is None:  # stopped early (an error): the figures up to now

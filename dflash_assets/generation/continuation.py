@@ -527,10 +527,10 @@ async def continue_shard(
                 context,
             )
 
-        output = ShardOutput(run, store, server_rejects, preflight_rejects)
+        output = ShardOutput(run, store, server_rejects, preflight_rejects, failures, own_file)
         dispatcher = Dispatch(fleet, dispatch, {shard: output}, send, refuse, log, follow_up=follow)
         await dispatcher.run(to_send(), len(to_continue) + len(going_on))
-        output.close(failures, own_file)
+        output.close()
         run.continued = sum(s["completed"] for s in run.servers.values()) - run.regenerated
         if drift:
             off = [d for d in drift if d]

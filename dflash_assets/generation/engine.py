@@ -34,7 +34,14 @@ from dflash_assets.rules import row_finish, stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.store.schema import CompletionRow, RejectRow
 from dflash_assets.store.storage import Storage, open_storage
-from dflash_assets.store.stores import committed_ids, completion_store, failure_store, prompt_store, reject_store
+from dflash_assets.store.stores import (
+    committed_ids,
+    completion_store,
+    failure_store,
+    prompt_store,
+    reject_store,
+    suspect_store,
+)
 
 # the engine's public names, wherever they are defined
 __all__ = [
@@ -188,6 +195,9 @@ async def generate_shards(
                 completion_store(storage, p.run.shard),
                 reject_store(storage, p.run.shard, "server"),
                 reject_store(storage, p.run.shard, "preflight"),
+                failure_store(storage, p.run.shard),
+                f"{config_hash}.parquet",
+                suspect_store(storage, p.run.shard),
             )
             for p in plans
         }
@@ -210,10 +220,10 @@ async def generate_shards(
             await dispatcher.run(items, sum(len(p.todo) for p in plans))
         except Stopped:  # a polite stop closes the shards' parts as their end does
             for output in outputs.values():
-                output.close(failure_store(storage, output.run.shard), f"{config_hash}.parquet")
+                output.close()
             raise
         for output in outputs.values():
-            output.close(failure_store(storage, output.run.shard), f"{config_hash}.parquet")
+            output.close()
             output.run.notes += quarantine_note(output.run.shard, output.failed)
             account(output.run, storage, output, generation, every_turn(generation))
     return [p.run for p in plans]

@@ -159,6 +159,18 @@ def source_turns(path: str | Path, mapping: FieldMapping | None = None, first_on
     return first if first_only or first.complete else _source_turns(*key, False)
 
 
+def no_prompt(path: str | Path, mapping: FieldMapping | None = None) -> str | None:
+    """Why a source holds no prompt at all (blank lines, binary, no field of a known format), with its first reject, in
+    one line; None as soon as one line is a prompt."""
+    lines, first = 0, None
+    for item in read_shard(Path(path), 0, 2**62, mapping):
+        if isinstance(item, Prompt):
+            return None
+        lines, first = lines + 1, first or item
+    said = f" (the first: {first.reason})" if first else ""
+    return f"prompt source {path}: none of its {lines} lines is a prompt{said}; give a JSONL or Parquet file of prompts"
+
+
 def shard_key(index: int) -> str:
     return f"{index:05d}"
 

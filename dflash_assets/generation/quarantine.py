@@ -8,14 +8,19 @@ dropped request, such a prompt would kill one server after another, up to `max_a
 - every request in flight at a death is a *suspect*; suspects are sent one at a time, so that when a server dies
   under a suspect, it is the only one there that was in flight at an earlier death;
 - a prompt in flight at `QUARANTINE_AFTER_DEATHS` deaths is quarantined: never sent again by this run, and a
-  row of the failures table whose error starts with `QUARANTINED`; a later run carries that row over and does not
-  send the prompt unless asked (`DispatchSettings.retry_quarantined`).
+  row of the failures table whose error starts with `QUARANTINED`, written the moment it is decided (the run may
+  then stop for lack of servers); a later run carries that row over and does not send the prompt unless asked
+  (`DispatchSettings.retry_quarantined`);
+- the suspects and their deaths are written too (the data dir's `suspects` table), so deaths add up across runs: on
+  a fleet of one or two, the second death may come only once the servers are back, in the next run.
 
 A server that was already down when a request was sent (a refused connection, a dead server not yet ejected) is
-no new death. Behind a gateway the gateway stays healthy when a worker dies: it answers a request whose worker
-dropped or refused the connection with a 500 (fleet/client.py UPSTREAM_LOST), or ends a stream already relayed. So there the
+no new death, and no fault of the request's: it is marked `down`, and the dispatcher retries it without spending an
+attempt. Behind a gateway the gateway stays healthy when a worker dies: it answers a request whose worker dropped or
+refused the connection with a 500 (fleet/client.py UPSTREAM_LOST), or ends a stream already relayed. So there the
 probe asks each worker behind the gateway directly (fleet/gateway.py: the orchestrator reaches them for their facts
-already), and a worker that now fails /health, and was not already down, is the death.
+already), those it lists now and those it listed before (a worker the gateway dropped from its list after its health
+checks failed is still a death), and a worker that now fails /health, and was not already down, is the death.
 """
 
 from __future__ import annotations
@@ -25,21 +30,26 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import pyarrow.compute as pc
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.gateway import GatewayClient
+from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.slots import Slot
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import CompletionRow, FailureRow
+from dflash_assets.store.storage import Storage
+from dflash_assets.store.stores import failure_store
 
 QUARANTINE_AFTER_DEATHS = 2
 QUARANTINED = f"in flight when {QUARANTINE_AFTER_DEATHS} servers died"  # a failure row's error starts with it
 
 Key = tuple[str, str, int | None]  # (shard, prompt_id, turn)
 Send = Callable[[dict, Slot, int], Awaitable[CompletionRow]]
+Record = Callable[[str], Awaitable[None]]  # (shard): its suspects changed, write them
 
 
 class Quarantined(Exception):
@@ -60,9 +70,10 @@ class Death:
 class Quarantine:
     """Counts, per item, the server deaths it was in flight at; `guard` wraps the dispatcher's Send."""
 
-    def __init__(self, log: Callable[[str], None]):
-        self.log = log
+    def __init__(self, log: Callable[[str], None], record: Record | None = None):
+        self.log, self.record = log, record
         self.deaths: dict[Key, list[Death]] = {}
+        self._workers: dict[str, set[str]] = {}  # gateway url -> every worker url it has listed
         self._last: dict[str, Death] = {}  # url -> its latest death
         self._down: set[str] = set()  # urls dead and not seen answering since
         self._probes: dict[str, asyncio.Task] = {}
@@ -71,6 +82,8 @@ class Quarantine:
     def guard(self, send: Send) -> Send:
         async def guarded(item: dict, slot: Slot, attempt: int) -> CompletionRow:
             key = key_of(item)
+            if isinstance(slot.client, GatewayClient):  # a worker it drops from its list later is still probed
+                self._workers.setdefault(slot.url, set()).update(w.url for w in slot.client.workers)
             turn: AbstractAsyncContextManager[Any] = self._alone if self.deaths.get(key) else nullcontext()
             async with turn:  # a suspect goes alone
                 sent = time.monotonic()
@@ -78,11 +91,15 @@ class Quarantine:
                     row = await send(item, slot, attempt)
                 except ServerError as e:
                     if await self._died_under(key, slot, e, sent):
+                        if self.record:
+                            await self.record(key[0])
                         deaths = self.deaths[key]
                         if len(deaths) >= QUARANTINE_AFTER_DEATHS:
                             why = f"{QUARANTINED} under it ({', '.join(d.url for d in deaths)}); last error: {e}"
                             self.log(f"shard {key[0]} prompt {key[1]} quarantined: {why}")
                             raise Quarantined(why) from None
+                    elif e.refused or (e.upstream_lost and self._down):
+                        e.down = True  # its server was down already: no fault of this request's
                     raise
             last = self._last.get(slot.url)
             if last is None or last.at < sent:  # it answers a request sent after its death: back, a later drop
@@ -90,6 +107,14 @@ class Quarantine:
             return row
 
         return guarded
+
+    def suspects(self, shard: str) -> list[tuple[Key, list[str]]]:
+        """The shard's suspects and the servers that died under each (this run's deaths and the earlier runs')."""
+        return [(k, [d.url for d in deaths]) for k, deaths in self.deaths.items() if k[0] == shard]
+
+    def carry(self, key: Key, urls: list[str]) -> None:
+        """A suspect of an earlier run: the deaths it was in flight at count here too."""
+        self.deaths[key] = [Death(float("-inf"), url, {key}) for url in urls]
 
     async def _died_under(self, key: Key, slot: Slot, error: ServerError, sent: float) -> bool:
         """Whether `slot`'s server died while this request was in flight there (counted once per death)."""
@@ -134,9 +159,11 @@ class Quarantine:
         if not isinstance(client, GatewayClient):
             problem = await client.health_problem()
             return [(slot.url, problem)] if isinstance(problem, ServerError) else []
-        problems = await asyncio.gather(*(w.health_problem() for w in client.workers))
+        known = self._workers.get(slot.url, set())
+        workers = client.workers + [client.worker(u) for u in sorted(known - {w.url for w in client.workers})]
+        problems = await asyncio.gather(*(w.health_problem() for w in workers))
         dead = []
-        for worker, problem in zip(client.workers, problems):
+        for worker, problem in zip(workers, problems):
             if not isinstance(problem, ServerError):
                 self._down.discard(worker.url)
             elif worker.url not in self._down:
@@ -156,19 +183,36 @@ class Plan(Protocol):
 def carry_over(failures: PartStore, config_hash: str, plan: Plan, retry: bool) -> list[FailureRow]:
     """The failure rows of prompts quarantined by an earlier run of this config. Unless `retry`, their prompts are
     taken out of `plan.todo` (not sent) and the rows returned, to be written again with this run's failures."""
-    table = failures.read()
-    table = table.filter(pc.equal(table["config_hash"], config_hash))
-    rows = [FailureRow(**r) for r in table.to_pylist() if (r["error"] or "").startswith(QUARANTINED)]
     if retry:
         return []
+    rows = [r for r in rows_of(failures, config_hash) if (r.error or "").startswith(QUARANTINED)]
     for r in rows:
         plan.todo.pop(r.prompt_id, None)
     return rows
 
 
+def rows_of(store: PartStore, config_hash: str | None) -> list[FailureRow]:
+    """A failures (or suspects) table's rows of one config (None: of every config)."""
+    table = store.read()
+    if config_hash is not None:
+        table = table.filter(pc.equal(table["config_hash"], config_hash))
+    return [FailureRow(**r) for r in table.to_pylist()]
+
+
+def suspect_rows(output: ShardOutput) -> list[FailureRow]:
+    """The suspects earlier runs of the output's config wrote for its shard (`error`: the servers that died)."""
+    return [] if output.suspects is None else rows_of(output.suspects, output.run.config_hash)
+
+
+def quarantined(data_dir: str | Path | Storage, shards: list[str], config_hash: str | None) -> list[FailureRow]:
+    """The quarantined prompts of `shards` (of one config, or of every config)."""
+    rows = [r for shard in shards for r in rows_of(failure_store(data_dir, shard), config_hash)]
+    return [r for r in rows if (r.error or "").startswith(QUARANTINED)]
+
+
 def quarantine_note(shard: str, failures: Iterable[FailureRow]) -> list[str]:
     """The shard's note on its quarantined prompts (none: no note)."""
-    ids = [r.prompt_id for r in failures if r.error.startswith(QUARANTINED)]
+    ids = [r.prompt_id for r in failures if (r.error or "").startswith(QUARANTINED)]
     if not ids:
         return []
     return [

@@ -27,7 +27,7 @@ from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.plan import reject_row, turn_label
 from dflash_assets.generation.preflight import Budget
-from dflash_assets.generation.quarantine import Quarantine, Quarantined
+from dflash_assets.generation.quarantine import Quarantine, Quarantined, suspect_rows
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
@@ -36,7 +36,7 @@ from dflash_assets.generation.tools import answer_message
 from dflash_assets.generation.turns import fills_before
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
-from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow
+from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow, as_dicts
 
 
 class Figures(NamedTuple):
@@ -174,8 +174,12 @@ class Dispatch:
     ):
         self.fleet, self.dispatch, self.outputs = fleet, dispatch, outputs
         self.refuse, self.follow_up, self.log, self.on_answer = refuse, follow_up, log, on_answer
-        self.quarantine = Quarantine(log)  # a prompt that kills its servers is not sent round the fleet
+        self.quarantine = Quarantine(log, self._record_suspects)  # a prompt that kills its servers is not sent round
+        for output in outputs.values():  # the fleet; the deaths earlier runs saw count
+            for row in suspect_rows(output):
+                self.quarantine.carry((row.shard, row.prompt_id, row.turn), row.error.split(" "))
         self.send = self.quarantine.guard(send)
+        self._recording = asyncio.Lock()
         self.slots = SlotPicker(
             fleet.clients,
             fleet.infos,
@@ -313,19 +317,25 @@ class Dispatch:
                 self.slots.release(slot, ok=True)
                 output.refused.append(e.row)
                 return None
-            except Quarantined as e:  # in flight at its second server death: never sent again
+            except Quarantined as e:  # in flight at its second server death: never sent again, and said so at once
                 self.slots.release(slot, ok=False)
                 output.failed.append(self._failure(item, output, e, attempt))
+                async with self._recording:
+                    await asyncio.to_thread(output.commit_failures)
                 return None
             except Ended as e:  # its conversation ends before it: nothing sent
                 self.slots.release(slot, ok=True)
                 output.run.ended_at_window[item["prompt_id"]] = e.turn
                 return None
             except ServerError as e:
-                self.slots.release(slot, ok=not e.retryable or e.unavailable)
-                if e.unavailable:  # the gateway has no worker for anything just now: not this attempt's failure
+                gateway_down = e.unavailable or (e.down and e.upstream_lost)  # a gateway with no worker for it now
+                self.slots.release(slot, ok=not e.retryable or gateway_down)
+                if gateway_down:  # not this attempt's failure
                     unavailable_since = await self._wait_for_a_worker(slot, e, unavailable_since)
                     continue
+                if e.down:  # refused: its server was down before it was sent, not this attempt's failure; the slot
+                    await asyncio.sleep(dispatch.backoff_base_s * random.uniform(0.5, 1.0))  # picker ejects it,
+                    continue  # and stops the run with FleetDown once no server is healthy
                 if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
                     output.refused.append(self.refuse(item, f"HTTP {e.status}: {e.message}", slot.info.context_length))
                     return None
@@ -368,6 +378,29 @@ class Dispatch:
             raise FleetDown(f"no worker available behind {slot.url} for {now - since:.0f}s ({error.message})")
         await asyncio.sleep(self.slots.probe_interval_s)
         return since
+
+    async def _record_suspects(self, shard: str) -> None:
+        """The shard's suspects written, as each death is seen: a run stopped for lack of servers keeps them."""
+        output = self.outputs[shard]
+        if output.suspects is None:
+            return
+        async with self._recording:  # one write at a time, each of the suspects as they are when it begins
+            await asyncio.to_thread(output.suspects.replace, as_dicts(self._suspect_rows(shard)), output.failure_file)
+
+    def _suspect_rows(self, shard: str) -> list[FailureRow]:
+        output = self.outputs[shard]
+        return [
+            FailureRow(
+                shard=shard,
+                prompt_id=key[1],
+                config_hash=output.run.config_hash,
+                error=" ".join(urls),
+                attempts=len(urls),
+                created_at=datetime.now(UTC),
+                turn=key[2],
+            )
+            for key, urls in self.quarantine.suspects(shard)
+        ]
 
     async def commit(self) -> None:
         for output in self.outputs.values():

@@ -107,9 +107,10 @@ class PartStore:
 
     def replace(self, rows: list[dict], name: str, metadata: dict[bytes, bytes] | None = None) -> None:
         """A whole-file table (rejects, failures): replace `name` atomically, or remove it when empty. `metadata`
-        goes into the file's Parquet schema, committed with its rows (store/source.py)."""
+        goes into the file's Parquet schema, committed with its rows (store/source.py); a file with metadata is
+        written even without rows (a prompt shard whose every line was rejected: built, zero prompts)."""
         path = self.dir / name
-        if rows:
+        if rows or metadata:
             schema = self.schema.with_metadata(metadata) if metadata else self.schema
             self.storage.write_table(pa.Table.from_pylist(rows, schema=schema), path)
         elif self.storage.exists(path):

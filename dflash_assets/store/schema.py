@@ -7,6 +7,8 @@ Layout under the data dir (`DFLASH_DATA_DIR`, default `data/`), hive-style so Du
     rejects/shard=<key>/stage=<stage>/<part>.parquet   REJECT_SCHEMA (source, preflight, server)
     completions/shard=<key>/<part>.parquet             COMPLETION_SCHEMA, committed parts (the only "done" ledger)
     failures/shard=<key>/<part>.parquet                FAILURE_SCHEMA (retries exhausted; retried next run)
+    suspects/shard=<key>/<config>.parquet              FAILURE_SCHEMA (in flight at a server's death; `attempts`
+                                                       the deaths, `error` their servers: generation/quarantine.py)
 """
 
 from __future__ import annotations

@@ -60,6 +60,11 @@ def failure_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
     return PartStore(data_dir, "failures", shard, FAILURE_SCHEMA)
 
 
+def suspect_store(data_dir: str | Path | Storage, shard: str) -> PartStore:
+    """Prompts in flight when a server died, with the deaths they were in flight at (generation/quarantine.py)."""
+    return PartStore(data_dir, "suspects", shard, FAILURE_SCHEMA)
+
+
 def committed_ids(store: PartStore, config_hash: str) -> set[str]:
     table = store.read(["prompt_id", "config_hash"])
     return set(table.filter(pc.equal(table["config_hash"], config_hash))["prompt_id"].to_pylist())

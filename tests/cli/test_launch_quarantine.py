@@ -69,6 +69,10 @@ def test_in_launch_mode_a_poisoned_prompt_costs_two_servers_and_the_relaunched_f
             f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
         ).fetchall()
         assert prompt_id == "l05" and error.startswith(QUARANTINED), said
+        named = [line for line in first.stdout.splitlines() if line.startswith("Quarantined")]
+        assert len(named) == 1 and "l05 (shard 00000)" in named[0], first.stdout
+        retry = named[0].split("to send it again: ", 1)[1]
+        assert " dflash backfill " in retry and " --retry-quarantined" in retry, named[0]
 
         again_up = dflash(*up, env=env)  # the dead ones relaunched, the live one reused
         said = again_up.stdout

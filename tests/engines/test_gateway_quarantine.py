@@ -66,3 +66,49 @@ def test_a_prompt_that_kills_its_worker_behind_the_gateway_costs_two_workers_and
         stop_group(smg, grace_s=15)
         for w in workers:
             w.stop()
+
+
+@pytest.mark.parametrize("workers,health_interval_s", [(2, 1), (2, 5), (3, 5)])
+def test_on_two_or_three_workers_at_any_health_check_interval_two_deaths_quarantine_it_and_no_innocent_fails(
+    tmp_path, workers, health_interval_s
+):
+    """Every worker death counts, also one smg has already dropped from its list when the client asks; the requests
+    smg sends to a dead worker before its health checks mark it down spend no attempt (no innocent prompt fails);
+    the quarantine is written when it is decided, though the run then stops for lack of workers; relaunched at their
+    ports, the workers finish the rest in one more run, and none dies a third time."""
+    from dflash_assets.generation.slots import FleetDown
+
+    fresh_dir(LOGS)
+    data, logs = tmp_path / "data", []
+    fleet = [start_emulator(FLAGS, log_path=LOGS / f"worker-{i}.log") for i in range(workers)]
+    smg, gateway = start_smg([w.url for w in fleet], LOGS / "smg.log", health_interval_s)
+    short = SETTINGS.model_copy(update={"no_server_timeout_s": 3 * health_interval_s})
+    try:
+        wait_for("smg lists every worker healthy", lambda: healthy(gateway) == workers, 120)
+        make_shard(data, [fleet[0].url], PROMPTS)
+        deaths, outcomes = 0, []
+        for _ in range(2):
+            try:
+                run = generate(data, [gateway], 256, short, log=logs.append)
+                outcomes.append((run.completed, run.failed))
+            except FleetDown:
+                outcomes.append("fleet down")
+            dead = [i for i, w in enumerate(fleet) if not w.alive()]
+            deaths += len(dead)
+            for i in dead:  # relaunched where it was
+                fleet[i] = start_emulator(FLAGS, port=fleet[i].port, log_path=LOGS / f"worker-{i}-again.log")
+            wait_for("smg marks the relaunched workers up", lambda: healthy(gateway) == workers, 120)
+            if outcomes[-1] != "fleet down":
+                break
+        assert deaths == 2, (outcomes, logs)
+        assert outcomes[-1] == (N - 1, 1), (outcomes, logs)
+        [(prompt_id, error)] = duckdb.sql(
+            f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
+        ).fetchall()
+        assert prompt_id == "g07" and error.startswith(QUARANTINED), error
+        assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(set(PROMPTS) - {"g07"}), "each once"
+    finally:
+        (LOGS / "run.log").write_text("\n".join(logs))
+        stop_group(smg, grace_s=15)
+        for w in fleet:
+            w.stop()

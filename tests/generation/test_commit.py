@@ -60,6 +60,8 @@ def output(data_dir) -> ShardOutput:
         completion_store(data_dir, SHARD),
         reject_store(data_dir, SHARD, "server"),
         reject_store(data_dir, SHARD, "preflight"),
+        failure_store(data_dir, SHARD),
+        f"{CONFIG}.parquet",
     )
 
 
@@ -93,14 +95,14 @@ def test_closing_a_shard_compacts_its_parts_and_replaces_its_failure_file(tmp_pa
         asyncio.run(out.commit())
     parts = sorted(p.name for p in (tmp_path / "completions").rglob("*.parquet"))
     out.failed = [failure("e")]
-    out.close(failure_store(tmp_path, SHARD), f"{CONFIG}.parquet")
+    out.close()
     after = sorted(p.name for p in (tmp_path / "completions").rglob("*.parquet"))
     assert len(parts) == 3 and len(after) == 1 and after[0].startswith("compact-"), after
     assert table(tmp_path, "completions") == [("a",), ("b",), ("c",), ("d",)]
     assert table(tmp_path, "failures") == [("e",)] and out.run.failed == 1
     # the next run of the config retried the failure: its failure file is replaced by nothing, so it is gone
     again = output(tmp_path)
-    again.close(failure_store(tmp_path, SHARD), f"{CONFIG}.parquet")
+    again.close()
     assert table(tmp_path, "failures") == [] and again.run.failed == 0
 
 

@@ -23,6 +23,8 @@ SETTINGS = DispatchSettings(
 
 
 def failures(data_dir) -> list[tuple]:
+    if not list(data_dir.glob("failures/**/*.parquet")):
+        return []
     return duckdb.sql(
         f"select prompt_id, error from read_parquet('{data_dir}/failures/**/*.parquet') order by prompt_id"
     ).fetchall()
@@ -105,3 +107,44 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
             return [*outcomes, len(quarantine.deaths[("s", "x", None)]), sum("died" in line for line in log)]
 
     assert asyncio.run(scenario()) == ["ServerError", "row", "ServerError", 1, 1]
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_on_a_fleet_of_one_or_two_the_poisoned_prompt_is_quarantined_after_two_deaths_and_the_rest_committed(
+    tmp_path, servers
+):
+    """On a small fleet the second death may come only once the dead servers are back: the quarantine is written the
+    moment it is decided (the run then stops for lack of servers), the suspects and their deaths are written as each
+    death is seen, so the deaths add up across runs; each rerun on the relaunched servers (the same ports) finishes
+    what it can, and no server dies a third time."""
+    from dflash_assets.generation.slots import FleetDown
+
+    data, flags = tmp_path / "data", [*FLAGS, "--fault-crash-on", MARKER]
+    short = SETTINGS.model_copy(update={"no_server_timeout_s": 3.0})
+    fleet = [start_emulator(flags) for _ in range(servers)]
+    try:
+        make_shard(data, [fleet[0].url], PROMPTS)
+        deaths, outcomes, logs = 0, [], []
+        for _ in range(servers % 2 + 2):  # a fleet of one: two reruns at most; of two: one
+            try:
+                run = generate(data, [e.url for e in fleet], 256, short, log=logs.append)
+                outcomes.append((run.completed, run.failed))
+            except FleetDown:
+                outcomes.append("fleet down")
+                assert failures(data) == [] or failures(data)[0][0] == "p07", ("only the poisoned prompt failed", logs)
+            dead = [i for i, e in enumerate(fleet) if not e.alive()]
+            deaths += len(dead)
+            for i in dead:  # relaunched where it was
+                fleet[i] = start_emulator(flags, port=fleet[i].port)
+            if outcomes[-1] != "fleet down":
+                break
+        assert deaths == 2, outcomes
+        assert outcomes[-1] == (N - 1, 1), outcomes
+        [(prompt_id, error)] = failures(data)
+        assert prompt_id == "p07" and error.startswith(QUARANTINED)
+        assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(set(PROMPTS) - {"p07"}), "each once"
+        again = generate(data, [e.url for e in fleet], 256, short)
+        assert all(e.alive() for e in fleet) and (again.completed, again.failed) == (N - 1, 1)
+    finally:
+        for e in fleet:
+            e.stop()
