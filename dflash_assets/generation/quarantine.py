@@ -5,8 +5,9 @@ dropped request, such a prompt would kill one server after another, up to `max_a
 
 - a server *died* under a request when the request's connection dropped (no status, no stall) and the server
   then fails its /health probe; one probe per death, shared by every request that was in flight there;
-- every request in flight at a death is a *suspect*; suspects are sent one at a time, so that when a server dies
-  under a suspect, it is the only one there that was in flight at an earlier death;
+- every request in flight at a death is a *suspect*; a suspect waits until nothing but suspects is left to send,
+  then suspects go one at a time, alone on the fleet: a server that dies under one died of it (an innocent
+  suspect is never in flight beside the prompt that kills its server, so it never reaches a second death);
 - a prompt in flight at `QUARANTINE_AFTER_DEATHS` deaths is quarantined: never sent again by this run, and a
   row of the failures table whose error starts with `QUARANTINED`, written the moment it is decided (the run may
   then stop for lack of servers); a later run carries that row over and does not send the prompt unless asked
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, nullcontext
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,35 +79,50 @@ class Quarantine:
         self._down: set[str] = set()  # urls dead and not seen answering since
         self._probes: dict[str, asyncio.Task] = {}
         self._alone = asyncio.Lock()
+        self.parked = 0  # suspects waiting for their turn, or taking it
 
     def guard(self, send: Send) -> Send:
         async def guarded(item: dict, slot: Slot, attempt: int) -> CompletionRow:
             key = key_of(item)
             if isinstance(slot.client, GatewayClient):  # a worker it drops from its list later is still probed
                 self._workers.setdefault(slot.url, set()).update(w.url for w in slot.client.workers)
-            turn: AbstractAsyncContextManager[Any] = self._alone if self.deaths.get(key) else nullcontext()
-            async with turn:  # a suspect goes alone
-                sent = time.monotonic()
-                try:
-                    row = await send(item, slot, attempt)
-                except ServerError as e:
-                    if await self._died_under(key, slot, e, sent):
-                        if self.record:
-                            await self.record(key[0])
-                        deaths = self.deaths[key]
-                        if len(deaths) >= QUARANTINE_AFTER_DEATHS:
-                            why = f"{QUARANTINED} under it ({', '.join(d.url for d in deaths)}); last error: {e}"
-                            self.log(f"shard {key[0]} prompt {key[1]} quarantined: {why}")
-                            raise Quarantined(why) from None
-                    elif e.refused or (e.upstream_lost and self._down):
-                        e.down = True  # its server was down already: no fault of this request's
-                    raise
+            sent = time.monotonic()
+            try:
+                row = await send(item, slot, attempt)
+            except ServerError as e:
+                if await self._died_under(key, slot, e, sent):
+                    if self.record:
+                        await self.record(key[0])
+                    deaths = self.deaths[key]
+                    if len(deaths) >= QUARANTINE_AFTER_DEATHS:
+                        why = f"{QUARANTINED} under it ({', '.join(d.url for d in deaths)}); last error: {e}"
+                        self.log(f"shard {key[0]} prompt {key[1]} quarantined: {why}")
+                        raise Quarantined(why) from None
+                elif e.refused or (e.upstream_lost and self._down):
+                    e.down = True  # its server was down already: no fault of this request's
+                raise
             last = self._last.get(slot.url)
             if last is None or last.at < sent:  # it answers a request sent after its death: back, a later drop
                 self._down.discard(slot.url)  # there is a new death (an answer sent before says nothing of that)
             return row
 
         return guarded
+
+    @asynccontextmanager
+    async def turn(self, item: dict, quiet: Callable[[], bool]) -> AsyncIterator[None]:
+        """An attempt of `item`; a suspect's waits until nothing but suspects is left to send (`quiet`), then goes
+        alone on the fleet: a death under it is its own, never an innocent's second."""
+        if not self.deaths.get(key_of(item)):
+            yield
+            return
+        self.parked += 1
+        try:
+            async with self._alone:
+                while not quiet():
+                    await asyncio.sleep(0.1)
+                yield
+        finally:
+            self.parked -= 1
 
     def suspects(self, shard: str) -> list[tuple[Key, list[str]]]:
         """The shard's suspects and the servers that died under each (this run's deaths and the earlier runs')."""

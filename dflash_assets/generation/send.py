@@ -190,6 +190,8 @@ class Dispatch:
             max_imbalance=dispatch.same_server_max_imbalance,
         )
         self.ready: deque[dict] = deque()  # follow-up items, sent first
+        self._tasks: set[asyncio.Task] = set()
+        self._exhausted = False  # every item of the stream was taken
         self.answered = self.total = 0
         self.started = self.last_commit = self.last_progress = time.monotonic()
 
@@ -205,7 +207,7 @@ class Dispatch:
             finished.append(task)
             woken.set()
 
-        exhausted = False
+        self._tasks, self._exhausted = tasks, False
         every = self.dispatch.load_sample_s
         sampler = LoadSampler(self.fleet.clients, every) if every > 0 else None
         if sampler:
@@ -214,14 +216,14 @@ class Dispatch:
             follow(self.fleet.clients, self.slots.probe_interval_s, self._resized, self.log)
         )
         try:
-            while not exhausted or tasks or self.ready:
-                while len(tasks) < self.slots.capacity and (self.ready or not exhausted):
+            while not self._exhausted or tasks or self.ready:  # suspects parked till the end take no slot:
+                while len(tasks) - self.quarantine.parked < self.slots.capacity and (self.ready or not self._exhausted):
                     now = time.monotonic()
                     if self.ready:  # a follow-up: its shard counted it in flight when it was queued
                         item = self.ready.popleft()
                         self.outputs[item["shard"]].run.follow_up_sent_at = now
                     elif (queued := next(items, None)) is None:
-                        exhausted = True
+                        self._exhausted = True
                         for output in self.outputs.values():
                             output.close_sending(now)
                         continue
@@ -269,6 +271,10 @@ class Dispatch:
                     if slot.membership:  # a gateway's workers that joined or left during the run
                         output.run.servers[slot.url]["membership"] = slot.membership
 
+    def _quiet(self) -> bool:
+        """Nothing but suspects is left to send: a suspect's turn (generation/quarantine.py)."""
+        return self._exhausted and not self.ready and len(self._tasks) <= self.quarantine.parked
+
     def _resized(self, index: int, change: Change) -> None:
         """A gateway's workers changed: its slots follow (a joiner's added, a leaver's removed)."""
         slot = self.slots.slots[index]
@@ -310,49 +316,52 @@ class Dispatch:
         dispatch, error, stalled_on = self.dispatch, None, frozenset[str]()
         attempt, unavailable_since = 1, None
         while attempt <= dispatch.max_attempts:
-            slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None, stalled_on)
-            try:
-                row = await self.send(item, slot, attempt)
-            except Rejected as e:  # refused before it was sent (a later turn's own preflight)
-                self.slots.release(slot, ok=True)
-                output.refused.append(e.row)
-                return None
-            except Quarantined as e:  # in flight at its second server death: never sent again, and said so at once
-                self.slots.release(slot, ok=False)
-                output.failed.append(self._failure(item, output, e, attempt))
-                async with self._recording:
-                    await asyncio.to_thread(output.commit_failures)
-                return None
-            except Ended as e:  # its conversation ends before it: nothing sent
-                self.slots.release(slot, ok=True)
-                output.run.ended_at_window[item["prompt_id"]] = e.turn
-                return None
-            except ServerError as e:
-                gateway_down = e.unavailable or (e.down and e.upstream_lost)  # a gateway with no worker for it now
-                self.slots.release(slot, ok=not e.retryable or gateway_down)
-                if gateway_down:  # not this attempt's failure
-                    unavailable_since = await self._wait_for_a_worker(slot, e, unavailable_since)
-                    continue
-                if e.down:  # refused: its server was down before it was sent, not this attempt's failure; the slot
-                    await asyncio.sleep(dispatch.backoff_base_s * random.uniform(0.5, 1.0))  # picker ejects it,
-                    continue  # and stops the run with FleetDown once no server is healthy
-                if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
-                    output.refused.append(self.refuse(item, f"HTTP {e.status}: {e.message}", slot.info.context_length))
+            async with self.quarantine.turn(item, self._quiet):  # a suspect goes last, alone
+                slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None, stalled_on)
+                try:
+                    row = await self.send(item, slot, attempt)
+                except Rejected as e:  # refused before it was sent (a later turn's own preflight)
+                    self.slots.release(slot, ok=True)
+                    output.refused.append(e.row)
                     return None
-                error, unavailable_since = e, None
-                attempt += 1
-                if e.stalled:  # it waited stall_timeout_s already: straight to another server
-                    slot.stalls += 1
-                    stalled_on |= {slot.url}
+                except Quarantined as e:  # in flight at its second server death: never sent again, and said so at once
+                    self.slots.release(slot, ok=False)
+                    output.failed.append(self._failure(item, output, e, attempt))
+                    async with self._recording:
+                        await asyncio.to_thread(output.commit_failures)
+                    return None
+                except Ended as e:  # its conversation ends before it: nothing sent
+                    self.slots.release(slot, ok=True)
+                    output.run.ended_at_window[item["prompt_id"]] = e.turn
+                    return None
+                except ServerError as e:
+                    gateway_down = e.unavailable or (e.down and e.upstream_lost)  # a gateway with no worker for it now
+                    self.slots.release(slot, ok=not e.retryable or gateway_down)
+                    if gateway_down:  # not this attempt's failure
+                        unavailable_since = await self._wait_for_a_worker(slot, e, unavailable_since)
+                        continue
+                    if e.down:  # refused: its server was down before it was sent, not this attempt's failure; the slot
+                        await asyncio.sleep(dispatch.backoff_base_s * random.uniform(0.5, 1.0))  # picker ejects it,
+                        continue  # and stops the run with FleetDown once no server is healthy
+                    if not e.retryable:  # a 400: the caller's problem, never resent at the same budget
+                        output.refused.append(
+                            self.refuse(item, f"HTTP {e.status}: {e.message}", slot.info.context_length)
+                        )
+                        return None
+                    error, unavailable_since = e, None
+                    attempt += 1
+                    if e.stalled:  # it waited stall_timeout_s already: straight to another server
+                        slot.stalls += 1
+                        stalled_on |= {slot.url}
+                        continue
+                    delay = min(dispatch.backoff_max_s, dispatch.backoff_base_s * 2 ** (attempt - 2))
+                    await asyncio.sleep(delay * random.uniform(0.5, 1.0))
                     continue
-                delay = min(dispatch.backoff_max_s, dispatch.backoff_base_s * 2 ** (attempt - 2))
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-                continue
-            self.slots.release(slot, ok=True)
-            slot.completed += 1
-            slot.output_tokens += generated_tokens(row)
-            output.answered(slot, row)
-            return row
+                self.slots.release(slot, ok=True)
+                slot.completed += 1
+                slot.output_tokens += generated_tokens(row)
+                output.answered(slot, row)
+                return row
         output.failed.append(self._failure(item, output, error, dispatch.max_attempts))
         return None
 
