@@ -224,6 +224,17 @@ class Fault:
     recovered_s: float | None = None  # from it to the next committed row
 
 
+def fill(data: Path) -> None:
+    """Take what is free on the data dir's filesystem (again as the run frees some: compaction deletes parts)."""
+    with open(data / "ballast", "ab") as f:
+        try:
+            while True:
+                f.write(b"\0" * 2**16)
+                f.flush()
+        except OSError:
+            pass
+
+
 def inject(fault: Fault, fleet: Fleet, orch: Orchestrator, data: Path, rng: random.Random) -> None:
     alive = sorted(p for p, w in fleet.workers.items() if w.alive() and p not in fleet.removed)
     port = rng.choice(alive)
@@ -247,11 +258,7 @@ def inject(fault: Fault, fleet: Fleet, orch: Orchestrator, data: Path, rng: rand
         st = os.statvfs(data)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
         subprocess.run(["mount", "-o", f"remount,size={used + 2**20}", str(data)], check=True)
-        with open(data / "ballast", "wb") as f:
-            try:
-                f.write(b"\0" * 2**20)
-            except OSError:
-                pass
+        fill(data)
     else:
         orch.signal(signal.SIGKILL if fault.name == "kill -9" else signal.SIGTERM)
 
@@ -307,6 +314,8 @@ def run_schedule(
     while True:
         now, n = time.monotonic(), committed(data)
         deaths += fleet.relaunch_dead(now)
+        if disk_full:
+            fill(data)
         for f in schedule:
             if f.at is not None and f.recovered_s is None and n > f.rows:
                 f.recovered_s = now - f.at
@@ -359,7 +368,8 @@ def main() -> None:
         try:
             figures = chaos(args, Path(tmp))
         finally:  # the logs of the command, smg and the workers outlive the run
-            shutil.copytree(Path(tmp) / "logs", args.logs, dirs_exist_ok=True)
+            shutil.rmtree(args.logs, ignore_errors=True)
+            shutil.copytree(Path(tmp) / "logs", args.logs)
     report(figures)
     if args.json:
         args.json.write_text(json.dumps(figures))

@@ -86,6 +86,8 @@ class Quarantine:
             key = key_of(item)
             if isinstance(slot.client, GatewayClient):  # a worker it drops from its list later is still probed
                 self._workers.setdefault(slot.url, set()).update(w.url for w in slot.client.workers)
+            if len(deaths := self.deaths.get(key, [])) >= QUARANTINE_AFTER_DEATHS:  # an earlier run's, unwritten
+                raise Quarantined(f"{QUARANTINED} under it ({', '.join(d.url for d in deaths)})")  # (stopped first)
             sent = time.monotonic()
             try:
                 row = await send(item, slot, attempt)

@@ -27,7 +27,7 @@ from dflash_assets.fleet.tuning import LoadSampler
 from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.plan import reject_row, turn_label
 from dflash_assets.generation.preflight import Budget
-from dflash_assets.generation.quarantine import Quarantine, Quarantined, suspect_rows
+from dflash_assets.generation.quarantine import QUARANTINE_AFTER_DEATHS, Quarantine, Quarantined, suspect_rows
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
@@ -176,8 +176,9 @@ class Dispatch:
         self.refuse, self.follow_up, self.log, self.on_answer = refuse, follow_up, log, on_answer
         self.quarantine = Quarantine(log, self._record_suspects)  # a prompt that kills its servers is not sent round
         for output in outputs.values():  # the fleet; the deaths earlier runs saw count
-            for row in suspect_rows(output):
-                self.quarantine.carry((row.shard, row.prompt_id, row.turn), row.error.split(" "))
+            for row in suspect_rows(output):  # (asked to send the quarantined again: their deaths start again)
+                if row.attempts < QUARANTINE_AFTER_DEATHS or not dispatch.retry_quarantined:
+                    self.quarantine.carry((row.shard, row.prompt_id, row.turn), row.error.split(" "))
         self.send = self.quarantine.guard(send)
         self._recording = asyncio.Lock()
         self.slots = SlotPicker(

@@ -49,4 +49,4 @@ def test_a_short_chaos_run_loses_nothing_duplicates_nothing_and_fails_only_the_p
     ], "every fault came, in the schedule's order"
     assert all(recovered is not None for _, _, recovered in figures["faults"]), "the run went on after each"
     assert figures["worker_deaths"] == 3, "the one killed, and two for the poisoned prompt"
-    assert len(figures["exits"]) >= 5, "killed -9 twice, SIGTERM once, stopped by the full disk, then done"
+    assert figures["exits"].count(-9) == 2 and 143 in figures["exits"] and figures["exits"][-1] in (0, 3), figures
