@@ -78,10 +78,11 @@ def test_on_two_or_three_workers_at_any_health_check_interval_two_deaths_quarant
     ports, the workers finish the rest in one more run, and none dies a third time."""
     from dflash_assets.generation.slots import FleetDown
 
-    fresh_dir(LOGS)
+    here = LOGS.with_name(f"{LOGS.name}-{workers}-{health_interval_s}s")  # its own: the tests may run side by side
+    fresh_dir(here)
     data, logs = tmp_path / "data", []
-    fleet = [start_emulator(FLAGS, log_path=LOGS / f"worker-{i}.log") for i in range(workers)]
-    smg, gateway = start_smg([w.url for w in fleet], LOGS / "smg.log", health_interval_s)
+    fleet = [start_emulator(FLAGS, log_path=here / f"worker-{i}.log") for i in range(workers)]
+    smg, gateway = start_smg([w.url for w in fleet], here / "smg.log", health_interval_s)
     short = SETTINGS.model_copy(update={"no_server_timeout_s": 3 * health_interval_s})
     try:
         wait_for("smg lists every worker healthy", lambda: healthy(gateway) == workers, 120)
@@ -96,7 +97,7 @@ def test_on_two_or_three_workers_at_any_health_check_interval_two_deaths_quarant
             dead = [i for i, w in enumerate(fleet) if not w.alive()]
             deaths += len(dead)
             for i in dead:  # relaunched where it was
-                fleet[i] = start_emulator(FLAGS, port=fleet[i].port, log_path=LOGS / f"worker-{i}-again.log")
+                fleet[i] = start_emulator(FLAGS, port=fleet[i].port, log_path=here / f"worker-{i}-again.log")
             wait_for("smg marks the relaunched workers up", lambda: healthy(gateway) == workers, 120)
             if outcomes[-1] != "fleet down":
                 break
@@ -108,7 +109,7 @@ def test_on_two_or_three_workers_at_any_health_check_interval_two_deaths_quarant
         assert prompt_id == "g07" and error.startswith(QUARANTINED), error
         assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(set(PROMPTS) - {"g07"}), "each once"
     finally:
-        (LOGS / "run.log").write_text("\n".join(logs))
+        (here / "run.log").write_text("\n".join(logs))
         stop_group(smg, grace_s=15)
         for w in fleet:
             w.stop()
