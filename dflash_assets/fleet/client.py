@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import msgspec
@@ -65,31 +65,42 @@ async def _json_body(resp: aiohttp.ClientResponse) -> Any:
     return _decode(raw) if raw.strip() else None
 
 
-class ServerError(Exception):
-    """A request the server did not complete. `retryable` tells the dispatcher what to do with it."""
+ErrorKind = Literal["server", "prompt", "unhealthy", "refused", "stalled", "no_worker", "upstream_lost"]
 
-    def __init__(
-        self,
-        url: str,
-        message: str,
-        *,
-        status: int | None = None,
-        retryable: bool,
-        stalled: bool = False,
-        refused: bool = False,
-        unavailable: bool = False,
-        upstream_lost: bool = False,
-    ):
+
+class ServerError(Exception):
+    """A request the server did not complete, and what kind of failure it is: what the dispatcher does with it.
+
+    - "server": the server's trouble (a 5xx, a timeout, a dropped connection): retried;
+    - "prompt": the request itself is wrong (PROMPT_FAULT statuses): a reject, never retried at the same budget;
+    - "unhealthy": servers that never became healthy: not retried;
+    - "refused": the connection was refused: nothing listens at the URL (yet);
+    - "stalled": a stream closed for silence (Watch.stall_timeout_s): retried on another server;
+    - "no_worker": a gateway with no worker to route any request to (NO_WORKER);
+    - "upstream_lost": a gateway lost its connection to a worker (UPSTREAM_LOST).
+
+    `down` is set later, by the quarantine, when the request's server was down before it was sent."""
+
+    def __init__(self, url: str, message: str, *, status: int | None = None, kind: ErrorKind = "server"):
         super().__init__(f"{url}: {message}")
         self.url = url
         self.status = status
         self.message = message
-        self.retryable = retryable
-        self.stalled = stalled  # a stream closed for silence (Watch.stall_timeout_s): retried on another server
-        self.refused = refused  # the connection was refused: nothing listens at the URL (yet)
-        self.unavailable = unavailable  # a gateway with no worker to route any request to (NO_WORKER)
-        self.upstream_lost = upstream_lost  # a gateway lost its connection to a worker (UPSTREAM_LOST)
-        self.down = False  # its server (worker) was down before it was sent: no fault of the request's (quarantine.py)
+        self.kind: ErrorKind = kind
+        self.down = False
+
+    @property
+    def retryable(self) -> bool:
+        return self.kind not in ("prompt", "unhealthy")
+
+
+def _kind_of(status: int, code: str | None) -> ErrorKind:
+    """What an HTTP error status (and its body's error code) says of a failed request."""
+    if status in PROMPT_FAULT:
+        return "prompt"
+    if (status, code) == NO_WORKER:
+        return "no_worker"
+    return "upstream_lost" if status == 500 and code in UPSTREAM_LOST else "server"
 
 
 class ServerAccessError(RuntimeError):
@@ -231,24 +242,16 @@ class ServerClient:
         except (ServerError, ServerAccessError):
             raise
         except TimeoutError:
-            raise ServerError(self.url, f"{method} {path} timed out", retryable=True) from None
+            raise ServerError(self.url, f"{method} {path} timed out") from None
         except (aiohttp.ClientError, OSError) as e:
             refused = isinstance(getattr(e, "os_error", e), ConnectionRefusedError)
-            raise ServerError(
-                self.url, f"{method} {path} failed: {type(e).__name__}: {e}", retryable=True, refused=refused
-            ) from None
+            kind: ErrorKind = "refused" if refused else "server"
+            raise ServerError(self.url, f"{method} {path} failed: {type(e).__name__}: {e}", kind=kind) from None
 
     def _refused(self, status: int, method: str, path: str, body: Any) -> None:
         if status in ACCESS_FAULT:
             raise ServerAccessError(self.url, method, path, status, error_message(body))
-        raise ServerError(
-            self.url,
-            error_message(body),
-            status=status,
-            retryable=status not in PROMPT_FAULT,
-            unavailable=(status, error_code(body)) == NO_WORKER,
-            upstream_lost=status == 500 and error_code(body) in UPSTREAM_LOST,
-        )
+        raise ServerError(self.url, error_message(body), status=status, kind=_kind_of(status, error_code(body)))
 
     async def _stream(self, path: str, body: dict, answer: ChatAnswer | GenerateAnswer, watch: Watch) -> dict:
         """POST a streamed request and assemble its answer; closes the stream early on a stall or a loop (the
@@ -283,16 +286,18 @@ class ServerClient:
             raise
         except StreamError as e:  # an abort with a status, after the 200
             code = e.code if isinstance(e.code, int) else None
-            raise ServerError(self.url, e.message, status=code, retryable=code not in PROMPT_FAULT) from None
+            raise ServerError(
+                self.url, e.message, status=code, kind="prompt" if code in PROMPT_FAULT else "server"
+            ) from None
         except TimeoutError:
             if silence.expired:
                 await self.abort(rid)
                 raise ServerError(
-                    self.url, f"POST {path}: {silence.why()}, the stream was closed", retryable=True, stalled=True
+                    self.url, f"POST {path}: {silence.why()}, the stream was closed", kind="stalled"
                 ) from None
-            raise ServerError(self.url, f"POST {path} timed out", retryable=True) from None
+            raise ServerError(self.url, f"POST {path} timed out") from None
         except (aiohttp.ClientError, OSError, ValueError) as e:
-            raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}", retryable=True) from None
+            raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}") from None
 
     async def abort(self, rid: str) -> bool:
         """POST /abort_request for one request: best effort, so False when it did not get through (0.5.23 refuses
@@ -414,7 +419,6 @@ class ServerClient:
                 self.url,
                 f"/v1/chat/completions answered 200 with finish_reason 'abort' "
                 f"(choice {aborted[0]}): aborted by the server, not finished",
-                retryable=True,
             )
         return resp
 

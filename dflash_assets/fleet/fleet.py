@@ -111,7 +111,7 @@ async def wait_healthy(
             return rounds
         pending = [c for c, _ in waiting]
         for client, problem in waiting:
-            if getattr(problem, "refused", False):
+            if getattr(problem, "kind", None) == "refused":
                 refused_since.setdefault(client.url, now)
             else:
                 refused_since.pop(client.url, None)
@@ -122,14 +122,13 @@ async def wait_healthy(
                 pending[0].url,
                 f"nothing listens at {urls}: the connection was refused for {refused_s:g} s "
                 f"(connect_refused_s); start the servers or check the URLs and ports",
-                retryable=True,
-                refused=True,
+                kind="refused",
             )
         if waited > timeout_s:
             raise ServerError(
                 pending[0].url,
                 f"not healthy after {timeout_s:.0f}s (GET {urls}): {waiting[0][1]}; check the servers' logs",
-                retryable=False,
+                kind="unhealthy",
             )
         if say is not None and (said is None or now - said >= WAIT_SAY_EVERY_S):
             said = now

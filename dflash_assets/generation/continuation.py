@@ -207,7 +207,7 @@ def _continued(
     new_ids = list(resp["output_ids"])
     finish = resp["meta_info"]["finish_reason"] or {}
     if finish.get("type") not in FINISHED:  # an abort without an HTTP error status: try again
-        raise ServerError(slot.url, f"/generate finished with {finish!r}", retryable=True)
+        raise ServerError(slot.url, f"/generate finished with {finish!r}")
     ids = row["output_ids"] + new_ids
     # `text` is the whole output (parent's ids + new ids) decoded in one piece by the server, then split as the
     # chat route splits a fresh answer
@@ -273,7 +273,7 @@ async def _by_text(
     resp = await slot.client.chat(body, watch)
     choice, usage = resp["choices"][0], resp.get("usage") or {}
     if choice.get("finish_reason") not in FINISHED:
-        raise ServerError(slot.url, f"chat finished with {choice.get('finish_reason')!r}", retryable=True)
+        raise ServerError(slot.url, f"chat finished with {choice.get('finish_reason')!r}")
     new = usage.get("completion_tokens") or 0
     drift.append((usage.get("prompt_tokens") or 0) - row["prompt_tokens"] - row["completion_tokens"])
     thought, content = reasoning.split(raw + (choice["message"].get("content") or ""))

@@ -100,7 +100,7 @@ class Quarantine:
                         why = f"{QUARANTINED} under it ({', '.join(d.url for d in deaths)}); last error: {e}"
                         self.log(f"shard {key[0]} prompt {key[1]} quarantined: {why}")
                         raise Quarantined(why) from None
-                elif e.refused or (e.upstream_lost and self._down):
+                elif e.kind == "refused" or (e.kind == "upstream_lost" and self._down):
                     e.down = True  # its server was down already: no fault of this request's
                 raise
             last = self._last.get(slot.url)
@@ -136,8 +136,8 @@ class Quarantine:
 
     async def _died_under(self, key: Key, slot: Slot, error: ServerError, sent: float) -> bool:
         """Whether `slot`'s server died while this request was in flight there (counted once per death)."""
-        dropped = error.status is None or error.upstream_lost  # a gateway says it lost its worker
-        if not dropped or error.stalled or error.refused or not error.retryable:
+        dropped = error.status is None or error.kind == "upstream_lost"  # a gateway says it lost its worker
+        if not dropped or error.kind in ("stalled", "refused", "prompt", "unhealthy"):
             return False
         url = slot.url
         death = self._last.get(url)

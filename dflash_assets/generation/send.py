@@ -336,7 +336,9 @@ class Dispatch:
                     output.run.ended_at_window[item["prompt_id"]] = e.turn
                     return None
                 except ServerError as e:
-                    gateway_down = e.unavailable or (e.down and e.upstream_lost)  # a gateway with no worker for it now
+                    gateway_down = e.kind == "no_worker" or (
+                        e.down and e.kind == "upstream_lost"
+                    )  # a gateway with no worker for it now
                     self.slots.release(slot, ok=not e.retryable or gateway_down)
                     if gateway_down:  # not this attempt's failure
                         unavailable_since = await self._wait_for_a_worker(slot, e, unavailable_since)
@@ -351,7 +353,7 @@ class Dispatch:
                         return None
                     error, unavailable_since = e, None
                     attempt += 1
-                    if e.stalled:  # it waited stall_timeout_s already: straight to another server
+                    if e.kind == "stalled":  # it waited stall_timeout_s already: straight to another server
                         slot.stalls += 1
                         stalled_on |= {slot.url}
                         continue

@@ -149,7 +149,7 @@ def test_only_refused_connections_end_the_wait_early_a_server_answering_503_is_w
     refused = dead_url()
     with pytest.raises(ServerError) as raised:
         asyncio.run(wait([emulator("--health-delay", "0").emu.url, refused]))
-    assert raised.value.refused and f"nothing listens at {refused}/health:" in raised.value.message
+    assert raised.value.kind == "refused" and f"nothing listens at {refused}/health:" in raised.value.message
 
 
 def test_a_source_with_two_bad_lines_shows_both_with_their_lines_on_the_terminal_the_manifest_the_report_and_ui(

@@ -86,7 +86,7 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
                 if item["prompt_id"] == "early":  # sent before the death, its answer arrives after it
                     await answered.wait()
                     return "row"
-                raise ServerError(url, "POST /v1/chat/completions failed: ServerDisconnectedError", retryable=True)
+                raise ServerError(url, "POST /v1/chat/completions failed: ServerDisconnectedError")
 
             log: list[str] = []
             quarantine = Quarantine(log.append)

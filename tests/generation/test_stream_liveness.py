@@ -75,7 +75,7 @@ def test_a_stream_silent_for_stall_timeout_is_closed_and_the_server_aborts_it(em
             return e.value
 
     error = asyncio.run(call())
-    assert error.stalled and error.retryable
+    assert error.kind == "stalled" and error.retryable
     assert error.message == "POST /v1/chat/completions: no token for 0.3s, the stream was closed"
     assert settled(server)["num_running_reqs"] == 0, "the slot the stalled stream held is free again"
     assert aborted(server) == 1
