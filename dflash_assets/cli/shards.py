@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import dagster as dg
 from rich import box
@@ -116,6 +117,18 @@ def watcher(show: Callable[[str], None], terminal: bool) -> Callable[[], None]:
     return watch
 
 
+@dataclass
+class _Tally:
+    """What run_shards learns from its runs besides the table's rows: what stopped them, the checks that did not pass
+    (name (severity) -> shards), whether any check ran, and the shards shown without figures or with a recount."""
+
+    stops: Stops = field(default_factory=Stops)
+    failed_checks: dict[str, list[str]] = field(default_factory=dict)
+    judged: bool = False  # any check ran: a run that failed before its checks says nothing of them
+    no_figures: list[str] = field(default_factory=list)
+    recounted: list[str] = field(default_factory=list)  # their completions step stopped: done is the recount
+
+
 def run_shards(
     instance: dg.DagsterInstance,
     shards: list[str],
@@ -129,19 +142,8 @@ def run_shards(
     flags) and `window`'s trainer as the quality resource's (the checks' window, and the requests'); print a table;
     return what stopped runs."""
     run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": completions}}}
-    stops = Stops()
-    table = Table(
-        title=f"completions by shard: prompts = rejected + done + fail + left (rejected: at the source, the "
-        f"preflight or the server; new: done by this run); cut, inside: turn rows cut at the cap, cut inside the "
-        f"trainer's window max_length {window.trainer_max_length}; P: completion tokens",
-        box=box.SIMPLE_HEAD,
-    )
-    for col in COLUMNS:
-        table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
-    failed_checks: dict[str, list[str]] = {}
-    judged = False  # any check ran: a run that failed before its checks says nothing of them
-    no_figures: list[str] = []
-    recounted: list[str] = []  # their completions step stopped: done is the recount its failure recorded
+    tally = _Tally()
+    table = _shard_table(window)
     runs = [shards[i : i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
     with Progress(
         TextColumn("{task.description}"),
@@ -156,73 +158,99 @@ def run_shards(
         watch = watcher(lambda text: progress.update(task, description=text), console.is_terminal)
         for chunk in runs:
             result = execute(shard_pipeline_job.name, instance, run_config, progress.console, chunk, watch)
-            source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
-            report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
-            judged = judged or bool(checks)
-            stopped = {} if result.success else _committed_when_stopped(result)
+            _add_rows(table, chunk, result, tally)
             if not result.success:
-                no_figures += [shard for shard in chunk if shard not in comp and shard not in stopped]
-                recounted += [shard for shard in chunk if shard not in comp and shard in stopped]
-            for shard in chunk:
-                s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
-                failing = [e for e in checks if not e.passed and shard in _listed(e.metadata[CheckKeys.FAILING_SHARDS])]
-                for e in failing:
-                    failed_checks.setdefault(f"{e.check_name} ({e.severity.value})", []).append(shard)
-                    if e.blocking and e.severity == dg.AssetCheckSeverity.ERROR:
-                        stops.checks.setdefault(e.check_name, []).append(shard)
-                if c.get(ShardRunKeys.CONFIG_HASH):
-                    stops.config_hashes.add(c[ShardRunKeys.CONFIG_HASH])
-                stops.filling_window += c.get(ShardRunKeys.PROMPTS_FILLING_WINDOW, 0)
-                rejected = (
-                    s.get(PromptShardKeys.REJECTED, 0)
-                    + c.get(ShardRunKeys.REJECTED_PREFLIGHT, 0)
-                    + c.get(ShardRunKeys.REJECTED_SERVER, 0)
-                )
-                lines, done = s.get(PromptShardKeys.LINES), c.get(ShardRunKeys.COMPLETED, stopped.get(shard))
-                failed = c.get(ShardRunKeys.FAILED)
-                known = None not in (lines, done, failed)
-                table.add_row(
-                    shard,
-                    str(lines if lines is not None else "-"),
-                    str(rejected),
-                    str(done if done is not None else "-"),
-                    str(c[ShardRunKeys.COMPLETED] - c[ShardRunKeys.ALREADY_DONE]) if c else "-",
-                    str(failed if failed is not None else "-"),
-                    str(lines - rejected - done - failed) if known else "-",
-                    str(r.get(ReportKeys.TRUNCATION_RATE, "-")),
-                    str(r.get(ReportKeys.CUT_INSIDE_WINDOW_RATE, "-")),
-                    *(str(r.get(k, "-")) for k in (ReportKeys.P50, ReportKeys.P90, ReportKeys.P99)),
-                    f"{len(checks) - len(failing)}/{len(checks)}",
-                )
-            if not result.success:
-                record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
+                record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", tally.stops)
             progress.advance(task, len(chunk))
-    if stops.config_hash:
-        table.title = str(table.title).replace("completions", f"completions of config {stops.config_hash}", 1)
+    if tally.stops.config_hash:
+        table.title = str(table.title).replace("completions", f"completions of config {tally.stops.config_hash}", 1)
     console.print(fit(table, console.width, RUN_DROP_FIRST))
+    _say_below_the_table(console, shards, tally, window, full)
+    return tally.stops
+
+
+def _shard_table(window: Window) -> Table:
+    table = Table(
+        title=f"completions by shard: prompts = rejected + done + fail + left (rejected: at the source, the "
+        f"preflight or the server; new: done by this run); cut, inside: turn rows cut at the cap, cut inside the "
+        f"trainer's window max_length {window.trainer_max_length}; P: completion tokens",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
+    return table
+
+
+def _add_rows(table: Table, chunk: list[str], result: dg.ExecuteInProcessResult, tally: _Tally) -> None:
+    """One row a shard of a run's `chunk`, from its steps' metadata (or, where its completions step stopped, the
+    recount its failure recorded); the run's checks and stops go to `tally`."""
+    source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
+    report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
+    tally.judged = tally.judged or bool(checks)
+    stopped = {} if result.success else _committed_when_stopped(result)
+    if not result.success:
+        tally.no_figures += [shard for shard in chunk if shard not in comp and shard not in stopped]
+        tally.recounted += [shard for shard in chunk if shard not in comp and shard in stopped]
+    for shard in chunk:
+        s, c, r = source.get(shard, {}), comp.get(shard, {}), report.get(shard, {})
+        failing = [e for e in checks if not e.passed and shard in _listed(e.metadata[CheckKeys.FAILING_SHARDS])]
+        for e in failing:
+            tally.failed_checks.setdefault(f"{e.check_name} ({e.severity.value})", []).append(shard)
+            if e.blocking and e.severity == dg.AssetCheckSeverity.ERROR:
+                tally.stops.checks.setdefault(e.check_name, []).append(shard)
+        if c.get(ShardRunKeys.CONFIG_HASH):
+            tally.stops.config_hashes.add(c[ShardRunKeys.CONFIG_HASH])
+        tally.stops.filling_window += c.get(ShardRunKeys.PROMPTS_FILLING_WINDOW, 0)
+        rejected = (
+            s.get(PromptShardKeys.REJECTED, 0)
+            + c.get(ShardRunKeys.REJECTED_PREFLIGHT, 0)
+            + c.get(ShardRunKeys.REJECTED_SERVER, 0)
+        )
+        lines, done = s.get(PromptShardKeys.LINES), c.get(ShardRunKeys.COMPLETED, stopped.get(shard))
+        failed = c.get(ShardRunKeys.FAILED)
+        known = None not in (lines, done, failed)
+        table.add_row(
+            shard,
+            str(lines if lines is not None else "-"),
+            str(rejected),
+            str(done if done is not None else "-"),
+            str(c[ShardRunKeys.COMPLETED] - c[ShardRunKeys.ALREADY_DONE]) if c else "-",
+            str(failed if failed is not None else "-"),
+            str(lines - rejected - done - failed) if known else "-",
+            str(r.get(ReportKeys.TRUNCATION_RATE, "-")),
+            str(r.get(ReportKeys.CUT_INSIDE_WINDOW_RATE, "-")),
+            *(str(r.get(k, "-")) for k in (ReportKeys.P50, ReportKeys.P90, ReportKeys.P99)),
+            f"{len(checks) - len(failing)}/{len(checks)}",
+        )
+
+
+def _say_below_the_table(console: Console, shards: list[str], tally: _Tally, window: Window, full: bool) -> None:
+    """The rejects (the first with their lines, and the command that lists them all), the shards without figures or
+    recounted, and the checks that did not pass (each with --full, else a count and the command that shows them)."""
     rejects = read_rejects(data_dir().resolved(), shards, first=None if full else FIRST_REJECTS)
     for line in rejects.lines(as_printed("dflash rejects", prompts=False)):
-        say_with_command(console, f"  {line}")  # the first with their lines; the command that lists them all
+        say_with_command(console, f"  {line}")
     if full:
-        print_other_configs(stops.config_hash, window, console)
-    if no_figures:
+        print_other_configs(tally.stops.config_hash, window, console)
+    if tally.no_figures:
         console.print(
-            f"  shard(s) {', '.join(no_figures)}: no figures (-): their run failed before completions "
+            f"  shard(s) {', '.join(tally.no_figures)}: no figures (-): their run failed before completions "
             f"committed any (the cause is below)",
             highlight=False,
         )
-    if recounted:
+    if tally.recounted:
         console.print(
-            f"  shard(s) {', '.join(recounted)}: done is what their run committed before it stopped (recounted from "
-            f"the data dir; the cause is below)",
+            f"  shard(s) {', '.join(tally.recounted)}: done is what their run committed before it stopped (recounted "
+            f"from the data dir; the cause is below)",
             highlight=False,
         )
-    if stops.filling_window and full:  # preflight counted them before any request (the answer counts them)
-        verbatim(console, f"  {filling_window_note(stops.filling_window, window.trainer_max_length)}")
+    if tally.stops.filling_window and full:  # preflight counted them before any request (the answer counts them)
+        verbatim(console, f"  {filling_window_note(tally.stops.filling_window, window.trainer_max_length)}")
+    failed_checks = tally.failed_checks
     if full:
         for name, where in sorted(failed_checks.items()):
             console.print(f"  check {name} did not pass on shard(s) {', '.join(where)}", highlight=False)
-    elif judged:
+    elif tally.judged:
         full_report = as_printed("dflash report --full", prompts=False)
         severities = [name.rsplit(" ", 1)[-1].strip("()") for name in failed_checks]
         said = ", ".join(f"{severities.count(s)} {s}" for s in dict.fromkeys(severities))
@@ -235,7 +263,6 @@ def run_shards(
         )
     if failed_checks and full:
         console.print("  (a blocking check that fails with ERROR stops the training set; WARN asks you to look)")
-    return stops
 
 
 def generate_and_export(
