@@ -1,15 +1,15 @@
 """HTTP client for one SGLang 0.5.23 server: what the pipeline reads from it and sends to it.
 
 Errors are classified once, here, so every caller's retry loop does the right thing:
-- 400/413/422: the prompt's fault (ServerError, not retryable: never resent at the same budget);
+- 400/413/422: the prompt's fault (ServerError of kind "prompt": never resent at the same budget);
 - 401/403/404: the API key or the URL is wrong, not the prompt (ServerAccessError: not a ServerError, so no
   retry loop swallows it and the run stops, saying so);
 - anything else, a timeout, a dropped connection, or an HTTP 200 whose finish_reason is "abort" (0.5.23 sends
-  status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError, retryable);
-- a streamed request that went silent (fleet/stream.py Watch): the server's too, marked `stalled`, after a
+  status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError of kind "server");
+- a streamed request that went silent (fleet/stream.py Watch): the server's too, of kind "stalled", after a
   `POST /abort_request` with its rid;
 - a gateway's 503 `no_available_workers` (NO_WORKER): nobody behind the URL can take any request just now, marked
-  `unavailable`: the fleet is down for the moment, not the request (generation/send.py spends no attempt on it).
+  kind "no_worker": the fleet is down for the moment, not the request (generation/send.py spends no attempt on it).
 """
 
 from __future__ import annotations
