@@ -105,9 +105,12 @@ REASON_NOTES = {
     "its answer was decoded for nothing; --cap-policy window rejects such prompts before any request)",
 }
 ROW_GROUP = 8192
+# a row group's records go to Arrow this many at a time (a divisor of ROW_GROUP), so that they are not held as Python
+# dicts too; the chunks are made one table before writing: the file's bytes are those of one table per row group
+CHUNK = 1024
 NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
-# DuckDB's share of the export's memory: past it the graded rows and a shard's sort spill to SPILL_DIR in the
-# output directory (removed after), so the peak does not grow with the rows (benchmarks/bench_export.py)
+# DuckDB's share of the export's memory: past it the graded rows spill to SPILL_DIR in the output directory (removed
+# after), so the peak does not grow with the rows (benchmarks/bench_export.py); the text is read a batch at a time
 MEMORY_LIMIT, SPILL_DIR = "128MB", ".export_spill"
 
 
@@ -153,21 +156,33 @@ INSERT INTO history_markers SELECT shard, prompt_id FROM (
 WHERE history_think_marker(messages_json)
 """
 
+# the kept rows of a shard in writing order: only their keys are sorted, so what is sorted is small whatever the text
+KEPT_KEYS = """
+SELECT file_index, file_row_number, coalesce(prompt_tokens, 0) + coalesce(completion_tokens, 0) AS tokens
+FROM graded WHERE reason IS NULL AND shard = $shard
+ORDER BY prompt_id, config_hash, turn
+"""
+
+# the text of one batch of those keys (`batch`: ord, file_index, file_row_number), in the keys' order
 KEPT = """
 SELECT g.prompt_id || '@' || g.config_hash AS id, g.prompt_id, g.shard, g.source, g.config_hash,
     g.max_output_tokens, g.prompt_tokens, g.completion_tokens, g.turn, c.turns, p.messages_json, c.content,
     c.reasoning_content, g.window_cut_in_thinking, g.judged_window, {ids}, g.file_index, g.file_row_number, c.enable_thinking,
     c.tool_calls_json, p.tools_json,
     c.reasoning_content IS NULL OR NOT regexp_matches(c.reasoning_content, '[^ \\t\\r\\n]') AS reasoning_empty
-FROM graded g
+FROM batch b
+JOIN graded g ON g.file_index = b.file_index AND g.file_row_number = b.file_row_number
 JOIN files f ON f.file_index = g.file_index
 JOIN {completions} c ON c.filename = f.filename AND c.file_row_number = g.file_row_number
 JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json, arg_min(tools_json, line) AS tools_json
-      FROM {prompts} GROUP BY ALL) p
+      FROM {prompts} WHERE prompt_id IN (SELECT g.prompt_id FROM batch b JOIN graded g USING (file_index, file_row_number))
+      GROUP BY ALL) p
     ON p.shard = g.shard AND p.prompt_id = g.prompt_id
-WHERE g.reason IS NULL AND g.shard = $shard
-ORDER BY g.prompt_id, g.config_hash, g.turn
+ORDER BY b.ord
 """
+# a batch's tokens (prompt + completion): what a batch of text holds at once, in DuckDB and in Python, is about
+# bounded by it (a few bytes a token), whatever a shard's or the data set's size
+BATCH_TOKENS = 2_000_000
 
 
 @dataclass(frozen=True)
@@ -206,8 +221,8 @@ def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
 
 
 def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> Iterator[Conversation]:
-    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config); a shard
-    at a time, so that what is held and sorted is one shard's rows, whatever the number of shards."""
+    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config); a shard at a
+    time, its keys sorted, then its text fetched a batch of BATCH_TOKENS at a time in that order."""
     key = lambda r: (r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
     for shard in _shards(con, "graded"):
         query = KEPT.format(
@@ -215,9 +230,24 @@ def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> It
             prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard),
             ids=ids,
         )
-        reader = con.sql(query, params={"shard": shard}).to_arrow_reader(ROW_GROUP)
-        rows = (row for batch in reader for row in batch.to_pylist())
+        keys = con.execute(KEPT_KEYS, {"shard": shard}).to_arrow_table()
+        rows = (row for batch in _batches(con, keys, query) for row in batch.to_pylist())
         yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
+
+
+def _batches(con: duckdb.DuckDBPyConnection, keys: pa.Table, query: str) -> Iterator[pa.Table]:
+    """`query`'s rows for consecutive slices of `keys`, each of at most BATCH_TOKENS tokens (or a single row)."""
+    tokens = list(itertools.accumulate(keys["tokens"].to_pylist(), initial=0))
+    start = 0
+    while start < keys.num_rows:
+        end = start + 1
+        while end < keys.num_rows and tokens[end + 1] - tokens[start] <= BATCH_TOKENS:
+            end += 1
+        batch = keys.select(["file_index", "file_row_number"]).slice(start, end - start)
+        con.register("batch", batch.append_column("ord", pa.array(range(start, end), pa.int64())))
+        yield con.sql(query).to_arrow_table()
+        con.unregister("batch")
+        start = end
 
 
 def _write(
@@ -258,7 +288,8 @@ class _Side:
     def __init__(self, jsonl: Any, parquet: Path, writer: Writer, stack: contextlib.ExitStack) -> None:
         self.jsonl, self.writer = jsonl, writer
         self.parquet = stack.enter_context(pq.ParquetWriter(parquet, writer.schema))
-        self.pending: list[dict[str, Any]] = []
+        self.pending: list[dict[str, Any]] = []  # the records not yet in Arrow: fewer than CHUNK
+        self.group: list[pa.Table] = []  # the row group being filled, CHUNK rows a table
         self.lines = self.conversations = self.turns = 0
 
     def write(self, conversation: Conversation, done: Written) -> None:
@@ -274,14 +305,19 @@ class _Side:
             self.pending.append(record)
             done.lines += 1
             self.lines += 1
-            if len(self.pending) == ROW_GROUP:
-                self.flush()
+            if len(self.pending) == CHUNK:
+                self.group.append(pa.Table.from_pylist(self.pending, schema=self.writer.schema))
+                self.pending = []
+                if len(self.group) * CHUNK == ROW_GROUP:
+                    self.flush()
 
     def flush(self) -> None:
         if self.pending:
-            table = pa.Table.from_pylist(self.pending, schema=self.writer.schema)
-            self.parquet.write_table(table, row_group_size=ROW_GROUP)
+            self.group.append(pa.Table.from_pylist(self.pending, schema=self.writer.schema))
             self.pending = []
+        if self.group:
+            self.parquet.write_table(pa.concat_tables(self.group).combine_chunks(), row_group_size=ROW_GROUP)
+            self.group = []
 
 
 def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[int, int, str]]) -> None:
