@@ -87,6 +87,7 @@ def write_shard(out: Path, shard: str, n: int, offset: int, rng: np.random.Gener
         "messages_json": messages,
         "prompt_tokens": prompt_tokens,
         "template_kwargs_json": ["{}"] * n,
+        "tools_json": [None] * n,
     }
     write(out, "prompt_shards", shard, pa.table(prompts, schema=PROMPT_SCHEMA), args.compression, "prompts")
     reject = dict(shard=shard, stage="source", line=0, reason="malformed JSON", created_at=now)
