@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             return status
         except Stopped as e:  # one line: what stopped, the rows kept, the command that resumes
             name = " ".join(argv[:2] if args.subcommand == "fleet" else argv[:1])
-            print(stop_line(e, name, resume_command(args, argv), rows_under(args)))
+            fresh = "\n" if sys.stdout.isatty() else ""  # a terminal echoed ^C where its cursor was: a line of its own
+            print(fresh + stop_line(e, name, resume_command(args, argv), rows_under(args)))
             return e.exit_status
         except Exception as e:  # the first cause in one line; its stack trace with --verbose (or in the run's log)
             return failed(args, e)
