@@ -58,23 +58,17 @@ def probe_rows(data) -> list[tuple]:
     ).fetchall()
 
 
+def run_at_1024(url: str, data) -> None:
+    """The run a probe follows: both shards generated at a fixed cap of 1024 (rows cut for the probe to measure)."""
+    for shard in ("00000", "00001"):
+        flags = ["--urls", url, "--data-dir", str(data), "--cap-policy", "fixed", "--max-output-tokens", "1024"]
+        gen = dflash("generate", "--shard", shard, *flags)
+        assert gen.returncode == 0, gen.stdout + gen.stderr
+
+
 def test_probe_after_a_run_measures_the_larger_caps_and_says_the_next_command(prompts):
     url, data = prompts
-    for shard in ("00000", "00001"):
-        gen = dflash(
-            "generate",
-            "--shard",
-            shard,
-            "--urls",
-            url,
-            "--data-dir",
-            str(data),
-            "--cap-policy",
-            "fixed",
-            "--max-output-tokens",
-            "1024",
-        )
-        assert gen.returncode == 0, gen.stdout + gen.stderr
+    run_at_1024(url, data)
     home = {"DAGSTER_HOME": str(data.parent / "home")}  # the instance the printed `continue` runs on
     result = dflash("probe", "--urls", url, "--data-dir", str(data), "--min-prompts", "100", env=home)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -161,21 +155,7 @@ def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_row
         before.returncode == 2
         and "a continuation probe continues a run's cut rows; generate the run first" in before.stderr
     ), before.stdout + before.stderr
-    for shard in ("00000", "00001"):
-        gen = dflash(
-            "generate",
-            "--shard",
-            shard,
-            "--urls",
-            url,
-            "--data-dir",
-            str(data),
-            "--cap-policy",
-            "fixed",
-            "--max-output-tokens",
-            "1024",
-        )
-        assert gen.returncode == 0, gen.stdout + gen.stderr
+    run_at_1024(url, data)
     result = dflash("probe", "--urls", url, "--data-dir", str(data), "--mode", "cut_rows", "--min-prompts", "20")
     assert result.returncode == 0, result.stdout + result.stderr
     out, honest = result.stdout, honest_cut_rows(data)[2]
