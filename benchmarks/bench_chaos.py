@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +40,9 @@ import psutil
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository, for tests.support
+from tests.support.http import call  # noqa: E402  (shared with the tests)
+
 MARKER = "POISON-chaos-58"
 FLAGS = ["--reasoning-parser", "qwen3", "--length-median", "40", "--length-sigma", "0.3", "--length-max", "200"]
 FLAGS += ["--decode-tokens-per-s", "4000", "--max-running-requests", "32", "--fault-crash-on", MARKER]
@@ -56,14 +58,6 @@ SCHEDULE = [
     (0.58, "remove worker"),
     (0.68, "SIGTERM"),
 ]
-
-
-def call(method: str, url: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        text = response.read()
-    return json.loads(text) if text.strip() else {}
 
 
 def free_port() -> int:

@@ -9,8 +9,6 @@ lists): smg drains it, and every prompt is committed exactly once. The run's fle
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,7 +16,7 @@ import pytest
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.settings import DispatchSettings
 from tests.support.dagster_procs import ARTIFACTS, fresh_dir, stop_group
-from tests.support.http import Http, requests_served, set_faults
+from tests.support.http import Http, call, requests_served, set_faults
 from tests.support.shards import generate, make_shard, rows
 from tests.support.smg import start_smg
 from tests.support.waiting import wait_for
@@ -33,14 +31,6 @@ N = 48
 # no worker's well to the worker with the smallest tree, which a joiner's is
 PROMPTS = {f"m{i:02d}": " ".join(f"w{(i * 7919 + k * 104729) % 100003}" for k in range(120)) for i in range(N)}
 SETTINGS = DispatchSettings(commit_rows=2, commit_seconds=0.2, backoff_base_s=0.05, max_attempts=6, load_sample_s=0)
-
-
-def call(method: str, url: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        text = response.read()
-    return json.loads(text) if text.strip() else {}
 
 
 def listed(gateway: str) -> list[dict]:

@@ -48,6 +48,15 @@ class Http:
         return status, [e if e == "[DONE]" else json.loads(e) for e in events]
 
 
+def call(method: str, url: str, body: dict | None = None) -> dict:
+    """A JSON request to `url` (a gateway's admin route, an emulator's fault route); its JSON answer, {} when empty."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read()
+    return json.loads(text) if text.strip() else {}
+
+
 def set_faults(url: str, settings: dict) -> dict:
     """Set an emulator's faults (hold, 503s, crashes...) through its fault route; its fault state after."""
     status, body = Http(url).post("/_emulator/faults", settings)
