@@ -230,7 +230,7 @@ def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> It
             prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard),
             ids=ids,
         )
-        keys = con.execute(KEPT_KEYS, {"shard": shard}).to_arrow_table()
+        keys = con.sql(KEPT_KEYS, params={"shard": shard}).to_arrow_table()
         rows = (row for batch in _batches(con, keys, query) for row in batch.to_pylist())
         yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
 
