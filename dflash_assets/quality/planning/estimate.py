@@ -221,7 +221,8 @@ class Lengths:
 class PlanOptions:
     """How to plan: the candidate caps, the fleet's tok/s (for hours), the servers' context length (for the context
     columns), the prompt count the totals are scaled to (default: the rows), the quantile of the observed lengths the
-    tail is fitted from (0: all rows), and the bootstrap's replicates and seed (for the intervals)."""
+    tail is fitted from (0: all rows), the bootstrap's replicates and seed (for the intervals), and the servers (for
+    GPU-hours)."""
 
     candidates: Iterable[int] = DEFAULT_CANDIDATES
     tokens_per_s: float | None = None
@@ -230,6 +231,7 @@ class PlanOptions:
     fit_from: float = 0.0
     bootstrap: int = 200
     seed: int = 0
+    servers: int | None = None  # the servers the tok/s was measured on: hours times them are GPU-hours
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,34 @@ def cut_rows_for_probe(
         raise FileNotFoundError(str(e)) from None
 
 
+def _probe_plan(probe: ProbeSample, options: PlanOptions) -> CapPlan:
+    """The plan of a data dir without completion rows: the length probe's rows alone."""
+    note = (
+        f"no completion rows yet: planned from the length probe alone ({num(probe.rows)} rows at "
+        f"cap {num(probe.cap)}, config `{probe.config_hash}`)"
+    )
+    lengths = Lengths(
+        probe.completion_tokens, probe.truncated, probe.cap, runaway=probe.runaway, config_hash=probe.config_hash
+    )
+    return plan_from_lengths(lengths, options, notes=[note])
+
+
+def _chosen(configs: list[tuple[str, int]], config_hash: str | None, notes: list[str]) -> str:
+    """The config to plan: the one asked for, or the latest (the most recently written), said in the notes."""
+    if config_hash is None:
+        others = f"; the others: {', '.join(f'`{h}` ({num(c)})' for h, c in configs[1:])}" if configs[1:] else ""
+        notes.append(
+            f"config `{configs[0][0]}` chosen by default: the latest, the most recently written "
+            f"({num(configs[0][1])} rows){others}"
+        )
+        return configs[0][0]
+    if config_hash not in {h for h, _ in configs}:
+        raise PlanError(
+            f"no rows of config `{config_hash}`; configs present: {', '.join(f'`{h}`' for h, _ in configs)}"
+        )
+    return config_hash
+
+
 def plan_caps(
     data_dir: str | Path,
     config_hash: str | None = None,
@@ -188,30 +216,8 @@ def plan_caps(
             if probe is None:
                 where = f"shard {shard}" if shard else "any shard"
                 raise PlanError(f"no completion rows under {data_dir} for {where}: generate a sample first")
-            notes.append(
-                f"no completion rows yet: planned from the length probe alone ({num(probe.rows)} rows at "
-                f"cap {num(probe.cap)}, config `{probe.config_hash}`)"
-            )
-            lengths = Lengths(
-                probe.completion_tokens,
-                probe.truncated,
-                probe.cap,
-                runaway=probe.runaway,
-                config_hash=probe.config_hash,
-            )
-            options = PlanOptions(candidates, tokens_per_s, context_length, **kwargs)
-            return plan_from_lengths(lengths, options, notes=notes)
-        if config_hash is None:
-            config_hash = configs[0][0]
-            others = f"; the others: {', '.join(f'`{h}` ({num(c)})' for h, c in configs[1:])}" if configs[1:] else ""
-            notes.append(
-                f"config `{config_hash}` chosen by default: the latest, the most recently written "
-                f"({num(configs[0][1])} rows){others}"
-            )
-        elif config_hash not in {h for h, _ in configs}:
-            raise PlanError(
-                f"no rows of config `{config_hash}`; configs present: {', '.join(f'`{h}`' for h, _ in configs)}"
-            )
+            return _probe_plan(probe, PlanOptions(candidates, tokens_per_s, context_length, **kwargs))
+        config_hash = _chosen(configs, config_hash, notes)
         rows = con.execute(
             ROW_QUERY.format(runaway=runaway_sql(runaway), src=src, where=f"{scope} AND config_hash = $config"),
             {"shard": shard, "config": config_hash},

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from dflash_assets.generation.plan import prompt_batches
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.planning.estimate import DEFAULT_CANDIDATES
+from dflash_assets.quality.planning.estimate import Lengths, PlanOptions
 from dflash_assets.quality.planning.fit import TailFit
 from dflash_assets.quality.tables import open_quality_db
 from dflash_assets.rules import percentile
@@ -80,15 +81,24 @@ class TurnsCost:
         )
 
 
-def turns_cost(rows: list[dict], user_turns: dict[str, int], **throughput) -> TurnsCost | None:
-    """The cost from a config's rows ({prompt_id, turn, turns, completion_tokens}) and the user turns of each
-    prompt; None when no prompt has more than one (nothing to compare)."""
+class TurnLength(NamedTuple):
+    """A row's turn and length (all_turns rows carry `turns`, the conversation's length; last_turn rows none)."""
+
+    prompt_id: str
+    turn: int | None
+    turns: int | None
+    completion_tokens: int | None
+
+
+def turns_cost(rows: list[TurnLength], user_turns: dict[str, int], **throughput) -> TurnsCost | None:
+    """The cost from a config's rows and the user turns of each prompt; None when no prompt has more than one
+    (nothing to compare)."""
     if not rows or max(user_turns.values(), default=1) < 2:
         return None
-    decoded = sum(r["completion_tokens"] or 0 for r in rows)
-    if rows[0]["turn"] is not None:  # all_turns: last_turn would decode each conversation's final answer
-        last = {r["prompt_id"]: r["completion_tokens"] or 0 for r in rows if r["turn"] == r["turns"]}
-        ids = {r["prompt_id"] for r in rows}
+    decoded = sum(r.completion_tokens or 0 for r in rows)
+    if rows[0].turn is not None:  # all_turns: last_turn would decode each conversation's final answer
+        last = {r.prompt_id: r.completion_tokens or 0 for r in rows if r.turn == r.turns}
+        ids = {r.prompt_id for r in rows}
         mean = sum(last.values()) / len(last) if last else decoded / len(rows)
         return TurnsCost(
             "all_turns",
@@ -99,7 +109,7 @@ def turns_cost(rows: list[dict], user_turns: dict[str, int], **throughput) -> Tu
             **throughput,
         )
     mean = decoded / len(rows)  # last_turn: all_turns would also decode the earlier answers, at the mean length
-    earlier = sum(max(user_turns.get(r["prompt_id"], 1) - 1, 0) for r in rows)
+    earlier = sum(max(user_turns.get(r.prompt_id, 1) - 1, 0) for r in rows)
     return TurnsCost("last_turn", len(rows), decoded + mean * earlier, decoded, "model", **throughput)
 
 
@@ -186,48 +196,73 @@ def _at_cap(c: int, p, length, cut, loop, window: int, fit: TailFit | None) -> t
 
 
 def plan_window(
-    p,
-    length,
-    cut,
-    loop,
-    cap: int,
+    rows: Lengths,
     max_length: int,
-    overshoot: int = GenerationSettings().overshoot,
+    options: PlanOptions = PlanOptions(),
     fit: TailFit | None = None,
-    candidates=DEFAULT_CANDIDATES,
-    tokens_per_s: float | None = None,
-    servers: int | None = None,
-    prompts: int | None = None,
+    overshoot: int = GenerationSettings().overshoot,
 ) -> WindowPlan:
-    """The plan from one config's rows: prompt_tokens, completion_tokens, whether each was cut and is a runaway,
-    at the current `cap`; `fit` is the cap plan's tail (None: no honest cut row). `prompts` scales to a run."""
-    p, length = np.asarray(p, dtype=np.int64), np.asarray(length, dtype=np.int64)
-    cut, loop = np.asarray(cut, dtype=bool), np.asarray(loop, dtype=bool) & np.asarray(cut, dtype=bool)
-    n = len(length)
+    """The plan from one config's rows (prompt_tokens, completion_tokens, whether each was cut and is a runaway, at
+    the cap they were made with); `fit` is the cap plan's tail (None: no honest cut row). The options' candidates,
+    tok/s and servers (hours) and prompts (the count the totals are scaled to) apply."""
+    p, length = np.asarray(rows.prompt_tokens, dtype=np.int64), np.asarray(rows.completion_tokens, dtype=np.int64)
+    cut = np.asarray(rows.truncated, dtype=bool)
+    loop = (np.zeros(len(cut), bool) if rows.runaway is None else np.asarray(rows.runaway, dtype=bool)) & cut
     room = np.maximum(max_length - p, 0)
-    inside = cut & ~loop & (length < room)  # cut inside the window: its length is unknown above `cap`
-    scale = (prompts or n) / n if n else 1.0
-    notes: list[str] = []
+    inside = cut & ~loop & (length < room)  # cut inside the window: its length is unknown above the cap
+    scaled = _Scaled(options, len(length))
+    caps = sorted({int(c) for c in options.candidates if c >= rows.cap} | {int(rows.cap)})
+    at_caps = [scaled(f"cap {num(c)}", c, *_at_cap(c, p, length, cut, loop, max_length, fit)) for c in caps]
+    window = scaled(
+        "window policy", None, *_window_policy(p, length, cut, loop, room, max(caps[-1], rows.cap), overshoot, fit)
+    )
+    # the smallest cap that lets every prompt reach the window: past it a larger cap buys only untrained tokens
+    ceiling = int(room.max()) if len(length) else rows.cap
+    enough = [e for e in at_caps if e.cap is not None and e.cap >= ceiling]  # every one has a cap
+    recommended = window if not inside.any() else (enough[0] if enough else at_caps[-1])
+    no_tail = inside.any() and fit is None
+    return WindowPlan(
+        max_length,
+        overshoot,
+        rows.cap,
+        len(length),
+        window.trained,
+        at_caps,
+        window,
+        recommended,
+        int(inside.sum()),
+        int((cut & ~loop & ~inside).sum()),
+        options.tokens_per_s,
+        ["rows were cut inside the window but none honestly (all runaways): nothing to extrapolate"] if no_tail else [],
+        percentile(p, 0.5) if len(length) else 0,
+        int((room == 0).sum()),
+        int(length[room == 0].sum()),
+    )
 
-    def estimate(label, c, decoded, trained, modelled) -> TrainedEstimate:
+
+@dataclass(frozen=True)
+class _Scaled:
+    """An estimate's figures scaled to the options' prompt count, with hours at their tok/s and servers."""
+
+    options: PlanOptions
+    rows: int
+
+    def __call__(self, label: str, cap: int | None, decoded: float, trained: float, modelled: bool) -> TrainedEstimate:
+        scale = (self.options.prompts or self.rows) / self.rows if self.rows else 1.0
         decoded, trained = decoded * scale, trained * scale
-        hours = decoded / tokens_per_s / 3600 if tokens_per_s else None
-        return TrainedEstimate(
-            label,
-            c,
-            decoded,
-            trained,
-            "model" if modelled else "rows",
-            hours,
-            hours * servers if hours is not None and servers else None,
-        )
+        tok_s, servers = self.options.tokens_per_s, self.options.servers
+        hours = decoded / tok_s / 3600 if tok_s else None
+        gpu_hours = hours * servers if hours is not None and servers else None
+        return TrainedEstimate(label, cap, decoded, trained, "model" if modelled else "rows", hours, gpu_hours)
 
-    caps = sorted({int(c) for c in candidates if c >= cap} | {int(cap)})
-    estimates = [estimate(f"cap {num(c)}", c, *_at_cap(c, p, length, cut, loop, max_length, fit)) for c in caps]
-    # the window policy: each prompt that does not fill the window asks min(cap, room + overshoot)
+
+def _window_policy(p, length, cut, loop, room, largest: int, overshoot: int, fit: TailFit | None):
+    """(decoded, trained, modelled) under the window policy: each prompt that does not fill the window asks
+    min(largest cap, room + overshoot); runaways are decoded and left out."""
     fits = room > 0
-    ask = np.minimum(room + overshoot, max(caps[-1], cap))
+    ask = np.minimum(room + overshoot, largest)
     short = cut & ~loop & (length < ask)  # cut below what the window policy asks: the tail
+    inside = cut & ~loop & (length < room)
     dec = np.where(
         short,
         length + _tail_mean(fit, length.astype(float), ask.astype(float)),
@@ -236,32 +271,7 @@ def plan_window(
     tr = np.where(
         inside, length + _tail_mean(fit, length.astype(float), room.astype(float)), np.minimum(length, room)
     ).astype(float)
-    keep = fits & ~loop  # runaways are decoded and left out
-    window = estimate("window policy", None, float(dec[fits].sum()), float(tr[keep].sum()), bool(short.any()))
-    floor = window.trained
-    # the smallest cap that lets every prompt reach the window: past it a larger cap buys only untrained tokens
-    ceiling = int(room.max()) if n else cap
-    enough = [e for e in estimates if e.cap is not None and e.cap >= ceiling]  # every one has a cap
-    recommended = window if not inside.any() else (enough[0] if enough else estimates[-1])
-    if inside.any() and fit is None:
-        notes.append("rows were cut inside the window but none honestly (all runaways): nothing to extrapolate")
-    return WindowPlan(
-        max_length,
-        overshoot,
-        cap,
-        n,
-        floor,
-        estimates,
-        window,
-        recommended,
-        int(inside.sum()),
-        int((cut & ~loop & ~inside).sum()),
-        tokens_per_s,
-        notes,
-        percentile(p, 0.5) if n else 0,
-        int((room == 0).sum()),
-        int(length[room == 0].sum()),
-    )
+    return float(dec[fits].sum()), float(tr[fits & ~loop].sum()), bool(short.any())
 
 
 def window_plan(
@@ -287,21 +297,11 @@ def window_plan(
             "NULL"
         ).fetchall()
         shards = [s for (s,) in con.execute("SELECT DISTINCT shard FROM completions ORDER BY 1").fetchall()]
-    plan = plan_window(
-        rows["prompt_tokens"],
-        rows["completion_tokens"],
-        rows["cut"],
-        rows["runaway"],
-        cap,
-        trainer.max_length,
-        fit=fit,
-        **kwargs,
-    )
+    lengths = Lengths(rows["completion_tokens"], rows["cut"], cap, rows["prompt_tokens"], rows["runaway"])
+    plan = plan_window(lengths, trainer.max_length, PlanOptions(**kwargs), fit)
     user_turns = _user_turns(data_dir, shards)
     # all_turns rows carry `turns` (the conversation's length); the query's max(turn) stands in where it is missing
-    rows_of = [
-        {"prompt_id": p, "turn": t, "turns": user_turns.get(p, k), "completion_tokens": n} for p, t, k, n in turn_rows
-    ]
+    rows_of = [TurnLength(p, t, user_turns.get(p, k), n) for p, t, k, n in turn_rows]
     cost = turns_cost(rows_of, user_turns, tokens_per_s=kwargs.get("tokens_per_s"), servers=kwargs.get("servers"))
     return replace(plan, turns=cost)
 

@@ -4,6 +4,7 @@ and for the window policy; every figure the rows settle is recomputed here in pl
 import numpy as np
 import pytest
 
+from dflash_assets.quality.planning.estimate import Lengths, PlanOptions
 from dflash_assets.quality.planning.window_plan import plan_window, window_plan_lines
 from dflash_assets.quality.report.answer import cap_answers
 from dflash_assets.quality.report.planner_plot import cap_plan_png
@@ -24,9 +25,8 @@ def cut_at_cap_rows(cut_at_cap_dir):
 
 def test_with_18pct_cut_at_4096_every_cap_trains_the_same_tokens_and_the_window_policy_decodes_no_more(cut_at_cap_dir):
     p, length, cut, loop = cut_at_cap_rows(cut_at_cap_dir)
-    plan = plan_window(
-        p, length, cut, loop, 4096, 4096, overshoot=16, candidates=(4096, 8192, 16384), tokens_per_s=25_000, servers=7
-    )
+    options = PlanOptions((4096, 8192, 16384), tokens_per_s=25_000, servers=7)
+    plan = plan_window(Lengths(length, cut, 4096, p, loop), 4096, options, overshoot=16)
     floor = sum(trained_tokens(a, b, 4096) for a, b in zip(p, length))
     assert plan.cut_inside_window == 0 and plan.window_complete == cut.sum() == 183
     now = plan.at(4096)
@@ -49,7 +49,7 @@ def test_with_18pct_cut_at_4096_every_cap_trains_the_same_tokens_and_the_window_
 
 def test_below_the_current_cap_every_figure_is_read_from_the_rows(cut_at_cap_dir):
     p, length, cut, loop = cut_at_cap_rows(cut_at_cap_dir)
-    plan = plan_window(p, length, cut, loop, 4096, 8192, candidates=(1024, 2048, 4096))
+    plan = plan_window(Lengths(length, cut, 4096, p, loop), 8192, PlanOptions((1024, 2048, 4096)))
     for c in (4096,):
         e = plan.at(c)
         written = [(a, b) for a, b, k in zip(p, length, cut) if not k]  # cut inside the 8192 window: left out
@@ -59,7 +59,7 @@ def test_below_the_current_cap_every_figure_is_read_from_the_rows(cut_at_cap_dir
 
 def test_the_recommendation_never_buys_tokens_past_the_window(cut_at_cap_dir):
     p, length, cut, loop = cut_at_cap_rows(cut_at_cap_dir)
-    plan = plan_window(p, length, cut, loop, 4096, 8192, candidates=(4096, 6144, 8192, 12288, 16384))
+    plan = plan_window(Lengths(length, cut, 4096, p, loop), 8192, PlanOptions((4096, 6144, 8192, 12288, 16384)))
     ceiling = max(8192 - p)
     assert plan.recommended.cap == min(c for c in (8192, 12288, 16384) if c >= ceiling)
     # the cap plan's answer is held under the same ceiling, whatever the truncation threshold asks for
@@ -75,7 +75,7 @@ def test_a_runaway_is_decoded_to_any_cap_and_never_trained():
     length = np.array([900, 1000])
     cut = np.array([False, True])
     loop = np.array([False, True])
-    plan = plan_window(p, length, cut, loop, 1000, 2048, candidates=(1000, 4000))
+    plan = plan_window(Lengths(length, cut, 1000, p, loop), 2048, PlanOptions((1000, 4000)))
     assert plan.at(4000).decoded == 900 + 4000 and plan.at(4000).trained == 900
     assert plan.window.trained == 900 and plan.window.decoded == 900 + min(4000, 2048 - 100 + 16)
 
@@ -85,7 +85,7 @@ def test_a_prompt_that_fills_the_window_is_decoded_at_every_cap_and_never_traine
     p = np.array([100, 5000])
     length = np.array([900, 1200])
     cut = np.array([False, False])
-    plan = plan_window(p, length, cut, np.zeros(2, bool), 4096, 4096, candidates=(4096, 8192))
+    plan = plan_window(Lengths(length, cut, 4096, p), 4096, PlanOptions((4096, 8192)))
     assert plan.at(4096).decoded == 900 + 1200 and plan.at(4096).trained == 900
     assert (plan.filling, plan.filling_decoded) == (1, 1200)
     assert plan.window.decoded == 900 and plan.window.trained == 900  # the window policy rejects it
