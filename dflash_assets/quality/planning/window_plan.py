@@ -19,16 +19,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
 
+import duckdb
 import numpy as np
+import pyarrow as pa
 
 from dflash_assets.generation.plan import prompt_batches
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planning.estimate import Lengths, PlanOptions
 from dflash_assets.quality.planning.fit import TailFit
-from dflash_assets.quality.tables import open_quality_db
+from dflash_assets.quality.tables import one, open_quality_db
 from dflash_assets.rules import percentile
 from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
 from dflash_assets.store.stores import prompt_store
@@ -81,36 +82,32 @@ class TurnsCost:
         )
 
 
-class TurnLength(NamedTuple):
-    """A row's turn and length (all_turns rows carry `turns`, the conversation's length; last_turn rows none)."""
+TURNS_COST = """
+WITH r AS (
+    SELECT c.prompt_id, c.turn, c.completion_tokens, coalesce(m.user_turns, 1) AS user_turns
+    FROM completions c LEFT JOIN multi_turn m USING (prompt_id) WHERE c.completion_tokens IS NOT NULL
+)
+SELECT count(*), sum(completion_tokens), count(DISTINCT prompt_id), bool_or(turn IS NOT NULL),
+    count(DISTINCT prompt_id) FILTER (WHERE turn = user_turns), sum(completion_tokens) FILTER (WHERE turn = user_turns),
+    sum(greatest(user_turns - 1, 0))
+FROM r
+"""
 
-    prompt_id: str
-    turn: int | None
-    turns: int | None
-    completion_tokens: int | None
 
-
-def turns_cost(rows: list[TurnLength], user_turns: dict[str, int], **throughput) -> TurnsCost | None:
-    """The cost from a config's rows and the user turns of each prompt; None when no prompt has more than one
-    (nothing to compare)."""
-    if not rows or max(user_turns.values(), default=1) < 2:
+def turns_cost(con: duckdb.DuckDBPyConnection, options: PlanOptions) -> TurnsCost | None:
+    """The cost from a config's rows (`completions`) and the user turns of its prompts that have more than one
+    (`multi_turn`); None when no prompt has more than one (nothing to compare). all_turns rows carry their turn:
+    last_turn would decode each conversation's final answer (the mean answer where it is missing); last_turn rows
+    do not: all_turns would also decode the earlier answers, at the mean length."""
+    rows, decoded, ids, numbered, lasts, last, earlier = one(con, TURNS_COST)
+    if not rows or not one(con, "SELECT count(*) FROM multi_turn")[0]:
         return None
-    decoded = sum(r.completion_tokens or 0 for r in rows)
-    if rows[0].turn is not None:  # all_turns: last_turn would decode each conversation's final answer
-        last = {r.prompt_id: r.completion_tokens or 0 for r in rows if r.turn == r.turns}
-        ids = {r.prompt_id for r in rows}
-        mean = sum(last.values()) / len(last) if last else decoded / len(rows)
-        return TurnsCost(
-            "all_turns",
-            len(ids),
-            decoded,
-            sum(last.values()) + mean * (len(ids) - len(last)),
-            "rows" if len(last) == len(ids) else "model",
-            **throughput,
-        )
-    mean = decoded / len(rows)  # last_turn: all_turns would also decode the earlier answers, at the mean length
-    earlier = sum(max(user_turns.get(r.prompt_id, 1) - 1, 0) for r in rows)
-    return TurnsCost("last_turn", len(rows), decoded + mean * earlier, decoded, "model", **throughput)
+    tok_s, servers = options.tokens_per_s, options.servers
+    if numbered:
+        mean = (last or 0) / lasts if lasts else decoded / rows
+        basis = "rows" if lasts == ids else "model"
+        return TurnsCost("all_turns", ids, decoded, (last or 0) + mean * (ids - lasts), basis, tok_s, servers)
+    return TurnsCost("last_turn", rows, decoded + decoded / rows * earlier, decoded, "model", tok_s, servers)
 
 
 @dataclass(frozen=True)
@@ -291,28 +288,24 @@ def window_plan(
             "FROM completions WHERE finish_reason IN ('stop', 'length') AND completion_tokens IS NOT "
             "NULL AND prompt_tokens IS NOT NULL"
         ).fetchnumpy()
-        turn_rows = con.execute(
-            "SELECT c.prompt_id, c.turn, k.turns, c.completion_tokens FROM completions c LEFT JOIN (SELECT prompt_id, "
-            "max(turn) AS turns FROM completions GROUP BY ALL) k USING (prompt_id) WHERE c.completion_tokens IS NOT "
-            "NULL"
-        ).fetchall()
         shards = [s for (s,) in con.execute("SELECT DISTINCT shard FROM completions ORDER BY 1").fetchall()]
+        con.register("multi_turn", _multi_turn(data_dir, shards))
+        cost = turns_cost(con, options := PlanOptions(**kwargs))
     lengths = Lengths(rows["completion_tokens"], rows["cut"], cap, rows["prompt_tokens"], rows["runaway"])
-    plan = plan_window(lengths, trainer.max_length, PlanOptions(**kwargs), fit)
-    user_turns = _user_turns(data_dir, shards)
-    # all_turns rows carry `turns` (the conversation's length); the query's max(turn) stands in where it is missing
-    rows_of = [TurnLength(p, t, user_turns.get(p, k), n) for p, t, k, n in turn_rows]
-    cost = turns_cost(rows_of, user_turns, tokens_per_s=kwargs.get("tokens_per_s"), servers=kwargs.get("servers"))
-    return replace(plan, turns=cost)
+    return replace(plan_window(lengths, trainer.max_length, options, fit), turns=cost)
 
 
-def _user_turns(data_dir: str | Path, shards: list[str]) -> dict[str, int]:
-    """prompt_id -> its user turns, from the prompt shards' messages."""
-    found: dict[str, int] = {}
+def _multi_turn(data_dir: str | Path, shards: list[str]) -> pa.Table:
+    """(prompt_id, user_turns) of the prompts with more than one user turn, from the prompt shards' messages: read a
+    batch at a time, and only those kept (a single-turn source of a million prompts holds nothing)."""
+    ids, turns = [], []
     for shard in shards:
         for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
-            found.update((r["prompt_id"], len(split_turns(json.loads(r["messages_json"]))[1])) for r in batch)
-    return found
+            for r in batch:
+                if (n := len(split_turns(json.loads(r["messages_json"]))[1])) > 1:
+                    ids.append(r["prompt_id"])
+                    turns.append(n)
+    return pa.table({"prompt_id": pa.array(ids, pa.string()), "user_turns": pa.array(turns, pa.int64())})
 
 
 def window_plan_lines(plan: WindowPlan, command: str = "") -> list[str]:
