@@ -60,7 +60,7 @@ def tuning(statuses, seconds: float, console):
                 ServerClient(session, s.url, Deployment.API_KEY.value() or None) for s in statuses if s.workers is None
             ]  # a gateway has no loads of its own: its workers' rows are sampled
             sampler = await LoadSampler(clients, interval_s=1.0).start()
-            with Progress(console=console, transient=True) as progress:
+            with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
                 task = progress.add_task(f"sampling /v1/loads for {seconds:.0f}s", total=seconds)
                 start = time.monotonic()
                 while (elapsed := time.monotonic() - start) < seconds:

@@ -152,6 +152,7 @@ def run_shards(
         TimeElapsedColumn(),
         console=console,
         transient=True,
+        disable=not console.is_terminal,  # else rich redraws it 10 times a second for nobody, as long as the run
     ) as progress:
         what = f"materialising shards in {len(runs)} run(s)"
         task = progress.add_task(what, total=len(shards))
