@@ -59,6 +59,11 @@ def context_needed(prompt_tokens: int, max_output_tokens: int) -> int:
 RUNAWAY_FINISH = "runaway"
 STOPPED_EARLY_SQL = f"finish_reason = '{RUNAWAY_FINISH}'"
 CUT_SQL = f"finish_reason IN ('length', '{RUNAWAY_FINISH}')"  # the model did not choose its end (planner rows)
+# A config's cap is the one its user set (policy_cap under the window policy, whose requests each ask min(cap, the
+# window's rest + overshoot) and record that as max_output_tokens). A request the window sized below the cap is
+# final under the policy: no larger cap changes what it asks, so a cut there stays cut at every cap.
+CONFIG_CAP_SQL = "coalesce(policy_cap, max_output_tokens)"
+WINDOW_SIZED_SQL = f"max_output_tokens < {CONFIG_CAP_SQL}"
 
 
 # "tool_calls" is SGLang's "stop" renamed because its tool-call parser found calls in the output (serving_chat.py
@@ -109,7 +114,7 @@ def percentile(values: Sequence[int] | np.ndarray, q: float) -> int:
 # the continuation's parent, the cap plan and the probe take when no config is named (never "the most rows": a new
 # config has fewer rows than the old one until it is done, and the window policy rejects prompts). Ties go to the
 # larger cap, then to the smaller hash, so the choice never depends on file order.
-LATEST_ORDER_SQL = "max(created_at) DESC NULLS LAST, max(coalesce(policy_cap, max_output_tokens)) DESC, config_hash"
+LATEST_ORDER_SQL = f"max(created_at) DESC NULLS LAST, max({CONFIG_CAP_SQL}) DESC, config_hash"
 
 
 def latest_first(configs: Iterable[tuple[str, datetime | None, int]]) -> list[tuple[str, datetime | None, int]]:

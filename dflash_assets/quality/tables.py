@@ -15,7 +15,7 @@ Tables (every one exists, empty when its directory has no files yet):
                  max_length (rules.py), each row by its own (judged_window: the window a cap_policy window row
                  recorded, else the trainer's window in force): cut_inside_window, window_complete (cut at or past
                  it, not a runaway), trained_tokens; and config_cap, the config's cap (policy_cap under the window
-                 policy, whose rows each record their own max_output_tokens)
+                 policy, whose rows each record their own max_output_tokens) and window_sized (rules.WINDOW_SIZED_SQL)
     rejects      REJECT_SCHEMA minus created_at
     failures     FAILURE_SCHEMA minus created_at
     prompts      prompt_id, shard, tools_json of PROMPT_SCHEMA (what accounting and the tool_calls check join on)
@@ -39,7 +39,9 @@ import pyarrow as pa
 from dflash_assets.generation.runaway import is_runaway
 from dflash_assets.quality.training.trainer_format import think_marker_sql
 from dflash_assets.rules import (
+    CONFIG_CAP_SQL,
     STOPPED_EARLY_SQL,
+    WINDOW_SIZED_SQL,
     blank_sql,
     cut_inside_window_sql,
     row_window_sql,
@@ -51,9 +53,9 @@ from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT
 from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import committed_parts
 
-COMPLETION_COLUMNS = """
+COMPLETION_COLUMNS = f"""
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
-    server_context_length, enable_thinking, turn, coalesce(policy_cap, max_output_tokens) AS config_cap,
+    server_context_length, enable_thinking, turn, {CONFIG_CAP_SQL} AS config_cap, {WINDOW_SIZED_SQL} AS window_sized,
     policy_cap IS NOT NULL AS window_policy, trainer_max_length, tool_calls_json"""
 
 # a turn of tool calls answers with its calls: its content may be empty (generation/tools.py)

@@ -114,6 +114,12 @@ class CapPlan:
     probe_survival: list[tuple[int, float]] = field(default_factory=list)  # (x, P(L > x)) the probe measured
     by_turn: list[TurnView] = field(default_factory=list)  # regenerate: all_turns: the rows of each turn index
     probe_precision: list[ProbePrecision] = field(default_factory=list)  # per probe cap: ±, size for ±1 pp
+    held: int = 0  # cut rows the window policy sized below the cap (in `truncated`): cut at every cap
+
+    @property
+    def honest(self) -> int:
+        """The cut rows a larger cap would let go on: neither runaways nor held by the window."""
+        return self.truncated - self.runaways - self.held
 
     def at(self, cap: int) -> CapEstimate:
         return next(e for e in self.estimates if e.cap == cap)
@@ -123,16 +129,17 @@ def predict(rows: Distinct, caps: np.ndarray, fit: tuple[float, float] | None) -
     """Rows above each cap (expected) and output tokens at each cap: exact for uncut rows and for cut rows
     below their cut point, the fitted conditional tail for cut rows above it; runaway (`loop`) rows run past
     every cap and cost all of it, but those stopped while streaming (below the rows' own cap) cost what they
-    decoded: a stop comes at the same point under any cap above it."""
+    decoded: a stop comes at the same point under any cap above it. So do the cuts the window policy sized
+    (`held`): cut at every cap, at the length they have."""
     values, cut, counts, loop = rows.values, rows.cut, rows.counts, rows.loop
     unc = ~cut
     over = (counts[unc][None, :] * (values[unc][None, :] > caps[:, None])).sum(1).astype(float)
     tokens = (counts[unc][None, :] * np.minimum(values[unc][None, :], caps[:, None])).sum(1).astype(float)
-    over += int(counts[loop].sum())
-    stopped = loop & (values < rows.cap)
+    over += int(counts[rows.fixed].sum())
+    stopped = (loop & (values < rows.cap)) | rows.held
     tokens += int(counts[loop & ~stopped].sum()) * caps.astype(float)
     tokens += (counts[stopped][None, :] * np.minimum(values[stopped][None, :], caps[:, None])).sum(1)
-    honest = cut & ~loop
+    honest = rows.honest
     for v, k in zip(values[honest], counts[honest]):
         beyond = caps > v
         over += k * ~beyond
@@ -170,14 +177,14 @@ def bootstrap_replicates(
     with replacement, at a cost set by the number of distinct lengths, not of rows; the tail is refitted each time."""
     rng = np.random.default_rng(seed)
     n = rows.rows
-    honest_cut = rows.cut & ~rows.loop  # at the rows' cap (a runaway stopped early is below it)
+    honest_cut = rows.honest  # at the rows' cap (a runaway stopped early is below it)
     tail_from = int(rows.values[honest_cut].min()) if honest_cut.any() else 0
     shares, tokens, tails, loops = [], [], [], []
     for _ in range(replicates):
         c = rng.multinomial(n, rows.counts / n)
         b = rows.where(c > 0, c)
         bfit = None
-        if fit and (b.cut & ~b.loop).any():  # (a resample without honest cut rows has no tail: no fit needed)
+        if fit and b.honest.any():  # (a resample without honest cut rows has no tail: no fit needed)
             h = ~b.loop
             bst = sufficient_stats(b.values[h], b.cut[h], b.counts[h], fit.fit_from_tokens)
             if bst["k"] < 2:
@@ -185,7 +192,7 @@ def bootstrap_replicates(
             bfit = fit_lognormal(bst, (fit.mu, fit.sigma))
         if fit:
             tail = lognormal_sf(np.log(grid), *bfit) / lognormal_sf(math.log(tail_from), *bfit) if bfit else 0 * grid
-            tails.append((b.counts[b.cut & ~b.loop].sum() * tail + b.counts[b.loop].sum()) / n)
+            tails.append((b.counts[b.honest].sum() * tail + b.counts[b.fixed].sum()) / n)
         o, t = predict(b, caps, bfit)
         shares.append(o / n)
         tokens.append(t)
@@ -215,6 +222,7 @@ class Lengths:
     runaway: Any = None
     config_hash: str | None = None
     shard: str | None = None
+    held: Any = None  # cut rows the window policy sized below the cap (rules.WINDOW_SIZED_SQL): final at every cap
 
 
 @dataclass(frozen=True)
@@ -259,32 +267,43 @@ class _Figures:
     def n_loop(self) -> int:
         return int(self.rows.counts[self.rows.loop].sum())
 
+    @property
+    def n_honest(self) -> int:
+        return int(self.rows.counts[self.rows.honest].sum())
+
 
 def _distinct(rows: Lengths) -> Distinct:
     """The rows as distinct triples; refused when there is nothing to plan from."""
     lengths = np.asarray(rows.completion_tokens, dtype=np.int64)
     cut = np.asarray(rows.truncated, dtype=bool)
-    loop = cut & (np.zeros(len(lengths), bool) if rows.runaway is None else np.asarray(rows.runaway, dtype=bool))
-    n, n_cut, n_loop, cap = len(lengths), int(cut.sum()), int(loop.sum()), rows.cap
+    none = np.zeros(len(lengths), bool)
+    loop = cut & (none if rows.runaway is None else np.asarray(rows.runaway, dtype=bool))
+    held = cut & ~loop & (none if rows.held is None else np.asarray(rows.held, dtype=bool))
+    n, n_cut, cap = len(lengths), int(cut.sum()), rows.cap
     if n == 0:
         raise PlanError("no completion rows to plan from: generate a sample at the current cap first")
-    if n_cut == n and n_loop < n:
+    if n_cut == n and (~loop & ~held).any():
         raise PlanError(
             f"all {num(n)} rows were cut at the cap of {num(cap)} tokens: nothing is known about the "
             f"lengths below it, so no tail can be fitted. Run a sample at a larger cap first "
             f"(e.g. {num(4 * cap)}) and plan from that"
         )
-    return Distinct.of(lengths, cut, loop, cap)
+    return Distinct.of(lengths, cut, loop, cap, held)
 
 
 def _tail(rows: Distinct, caps: np.ndarray, fit_from: float, notes: list[str]) -> tuple[TailFit | None, np.ndarray]:
     """The lognormal tail of the honest cut rows (none without them) and the grid its picture is drawn on."""
     cap, n_cut, n_loop = rows.cap, int(rows.counts[rows.cut].sum()), int(rows.counts[rows.loop].sum())
     fit, grid = None, np.array([])
-    if n_cut - n_loop:
+    if rows.honest.any():
         h = ~rows.loop
         fit = fit_tail(rows.values[h], rows.cut[h], rows.counts[h], fit_from, notes)
         grid = np.geomspace(cap, caps.max() * 1.25, 48)
+    elif held := int(rows.counts[rows.held].sum()):
+        notes.append(
+            f"every honest cut row ({num(held)}) was cut where the window policy sized its request, below the cap "
+            f"{num(cap)}: final at every cap, so no tail model is needed (a larger cap changes no request)"
+        )
     else:
         but = " but runaways" if n_loop else ""
         change = "nothing but what the runaways cost" if n_loop else "nothing"
@@ -304,8 +323,8 @@ def _tail(rows: Distinct, caps: np.ndarray, fit_from: float, notes: list[str]) -
 def _measure(rows: Distinct, caps: np.ndarray, probe: ProbeSample | None, options: PlanOptions, notes: list[str]):
     """The probe's measurement of the caps between the current cap and its own; None without one that says
     anything."""
-    n, n_cut, n_loop, cap = rows.rows, int(rows.counts[rows.cut].sum()), int(rows.counts[rows.loop].sum()), rows.cap
-    if probe is None or not n_cut - n_loop:
+    n, n_loop, cap = rows.rows, int(rows.counts[rows.loop].sum()), rows.cap
+    if probe is None or not rows.honest.any():
         return None
     in_probe = (caps > cap) & (caps <= probe.cap)
     if probe.cap <= cap:
@@ -335,7 +354,7 @@ def _estimates(f: _Figures, options: PlanOptions) -> tuple[list[CapEstimate], li
     """Each candidate cap's estimate, the probe's precision at the caps it measured, and the range the rows (and
     probe) support beyond what is measured: no fewer than the runaways, no more than what is cut now."""
     n, n_cut, n_loop, cap = f.n, f.n_cut, f.n_loop, f.rows.cap
-    bounds = Estimate(n_cut / n, wilson(n_loop, n)[0], wilson(n_cut, n)[1])
+    bounds = Estimate(n_cut / n, wilson(n_cut - f.n_honest, n)[0], wilson(n_cut, n)[1])
     loop_share = interval(n_loop / n, f.boot.loops)
     estimates, precision, k = [], [], 0
     for i, c in enumerate(f.caps.tolist()):
@@ -343,7 +362,7 @@ def _estimates(f: _Figures, options: PlanOptions) -> tuple[list[CapEstimate], li
             interval(float(f.over[i] / n), f.boot.shares[:, i]),
             interval(float(f.tokens[i]), f.boot.tokens[:, i]),
         )
-        loops, basis = loop_share, "rows" if c <= cap or n_cut == n_loop else "model"
+        loops, basis = loop_share, "rows" if c <= cap or not f.n_honest else "model"
         if f.measured is not None and f.probe is not None and cap < c <= f.probe.cap:
             m = f.measured
             rate = interval(float(m.rate[k]), m.boot_rate[:, k])
@@ -391,7 +410,7 @@ def _at_cap(
 def _curves(f: _Figures, fit: TailFit | None, grid: np.ndarray) -> tuple[list, list, list]:
     """For the picture: the fitted tail with its band above the cap, the observed P(L > x) at the distinct uncut
     lengths, and the probe's."""
-    n, n_loop, honest, cap, rows = f.n, f.n_loop, f.n_cut - f.n_loop, f.rows.cap, f.rows
+    n, n_loop, honest, cap, rows = f.n, f.n_cut - f.n_honest, f.n_honest, f.rows.cap, f.rows
     tail = []
     if fit:
         point = (
@@ -465,6 +484,7 @@ def plan_from_lengths(
         bootstrap=len(boot.tokens),
         notes=notes,
         runaways=figures.n_loop,
+        held=figures.n_cut - figures.n_loop - figures.n_honest,
         probe=probe if measured is not None else None,
         probe_survival=probe_survival,
         probe_precision=precision,

@@ -33,25 +33,37 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Distinct:
-    """A config's rows as distinct (length, cut, loop) triples and the rows each stands for: what the fit, the
-    predictions and the bootstrap read, at a cost set by the distinct lengths, not the rows. `cap` is the cap the rows
-    were made with."""
+    """A config's rows as distinct (length, cut, loop, held) quadruples and the rows each stands for: what the fit,
+    the predictions and the bootstrap read, at a cost set by the distinct lengths, not the rows. `cap` is the config's
+    cap; `held`: cut rows the window policy sized below it (rules.WINDOW_SIZED_SQL), cut at every cap at their length."""
 
     values: np.ndarray
     cut: np.ndarray
     loop: np.ndarray
     counts: np.ndarray
     cap: int
+    held: np.ndarray
 
     @classmethod
-    def of(cls, lengths: np.ndarray, cut: np.ndarray, loop: np.ndarray, cap: int) -> Distinct:
-        key, counts = np.unique(lengths * 4 + cut * 2 + loop, return_counts=True)
-        return cls(key // 4, (key // 2 % 2).astype(bool), (key % 2).astype(bool), counts, cap)
+    def of(cls, lengths: np.ndarray, cut: np.ndarray, loop: np.ndarray, cap: int, held: np.ndarray) -> Distinct:
+        key, counts = np.unique(lengths * 8 + cut * 4 + loop * 2 + held, return_counts=True)
+        bit = lambda b: (key // b % 2).astype(bool)  # noqa: E731
+        return cls(key // 8, bit(4), bit(2), counts, cap, bit(1))
 
     def where(self, keep: np.ndarray, counts: np.ndarray | None = None) -> Distinct:
-        """The triples in `keep`, with other counts (a resample's) when given."""
+        """The quadruples in `keep`, with other counts (a resample's) when given."""
         counts = self.counts if counts is None else counts
-        return Distinct(self.values[keep], self.cut[keep], self.loop[keep], counts[keep], self.cap)
+        return Distinct(self.values[keep], self.cut[keep], self.loop[keep], counts[keep], self.cap, self.held[keep])
+
+    @property
+    def honest(self) -> np.ndarray:
+        """Cut rows a larger cap would let go on: neither runaways nor held by the window."""
+        return self.cut & ~self.loop & ~self.held
+
+    @property
+    def fixed(self) -> np.ndarray:
+        """Cut rows cut at every cap: runaways and those the window held."""
+        return self.loop | self.held
 
     @property
     def rows(self) -> int:

@@ -21,7 +21,7 @@ from dflash_assets.quality.planning.estimate import (
 from dflash_assets.quality.planning.fit import PlanError
 from dflash_assets.quality.planning.probe_estimates import ProbeSample
 from dflash_assets.quality.tables import one, parquet_source, register_runaway, runaway_sql
-from dflash_assets.rules import CUT_SQL, LATEST_ORDER_SQL
+from dflash_assets.rules import CONFIG_CAP_SQL, CUT_SQL, LATEST_ORDER_SQL, WINDOW_SIZED_SQL
 from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 
@@ -32,7 +32,8 @@ SAMPLING = ("model", *SAMPLING_PARAMS, "enable_thinking")  # what must match for
 # a runaway stopped while streaming is a cut row that loops, at the length it really cost (rules.RUNAWAY_FINISH)
 ROW_QUERY = (
     f"SELECT completion_tokens, {CUT_SQL} AS truncated, {{runaway}} AS runaway, prompt_tokens, "
-    f"max_output_tokens, server_context_length, {', '.join(SAMPLING)}, turn "
+    f"max_output_tokens, {CONFIG_CAP_SQL} AS config_cap, {WINDOW_SIZED_SQL} AS held, server_context_length, "
+    f"{', '.join(SAMPLING)}, turn "
     f"FROM {{src}} WHERE {{where}} AND (finish_reason = 'stop' OR {CUT_SQL}) "
     "AND completion_tokens IS NOT NULL"
 )
@@ -133,12 +134,12 @@ def honest_cut_rows(
             raise PlanError(
                 f"no rows of config `{config_hash}`; configs present: {', '.join(f'`{h}`' for h, _ in configs)}"
             )
-        cap = one(
-            con, f"SELECT max(max_output_tokens) FROM {src} WHERE config_hash = $config", {"config": config_hash}
-        )[0]
-        rows = con.execute(
+        (cap,) = one(
+            con, f"SELECT max({CONFIG_CAP_SQL}) FROM {src} WHERE config_hash = $config", {"config": config_hash}
+        )
+        rows = con.execute(  # a cut the window policy sized is final: no larger cap continues it
             f"SELECT shard, prompt_id FROM {src} WHERE config_hash = $config AND finish_reason = "
-            f"'length' AND NOT ({runaway_sql(runaway)})",
+            f"'length' AND NOT ({runaway_sql(runaway)}) AND NOT {WINDOW_SIZED_SQL}",
             {"config": config_hash},
         ).fetchall()
     return config_hash, int(cap), [{"shard": a, "prompt_id": b} for a, b in rows]
@@ -184,6 +185,20 @@ def _chosen(configs: list[tuple[str, int]], config_hash: str | None, notes: list
     return config_hash
 
 
+def window_sized_note(max_output_tokens, sized, cut, cap: int) -> list[str]:
+    """What the plan says of the requests the window policy sized below the config's cap (none: nothing)."""
+    sized = np.asarray(sized, dtype=bool)
+    if not sized.any():
+        return []
+    asked = np.asarray(max_output_tokens)[sized]
+    return [
+        f"cap {num(cap)} under the window policy: {num(int(sized.sum()))} requests asked less, the window's rest "
+        f"(per-request caps {num(int(asked.min()))} to {num(int(asked.max()))}); their "
+        f"{num(int((np.asarray(cut, dtype=bool) & sized).sum()))} cut rows are final under the policy, counted cut "
+        f"at every cap at their own length"
+    ]
+
+
 def plan_caps(
     data_dir: str | Path,
     config_hash: str | None = None,
@@ -225,9 +240,10 @@ def plan_caps(
         skipped = dict(configs)[config_hash] - len(rows["completion_tokens"])
     if skipped:
         notes.append(f"{num(skipped)} rows without a 'stop' or 'length' finish left out")
-    caps = np.unique(rows["max_output_tokens"])
+    caps = np.unique(rows["config_cap"])
     if len(caps) > 1:
         notes.append(f"the rows carry several caps ({', '.join(map(num, caps))}); planning at the largest")
+    notes += window_sized_note(rows["max_output_tokens"], rows["held"], rows["truncated"], int(caps.max()))
     if context_length is None and len(rows["server_context_length"]):
         context_length = int(np.min(rows["server_context_length"]))
         notes.append(f"context length {num(context_length)}: the smallest the rows' servers had")
@@ -243,6 +259,7 @@ def plan_caps(
         runaway=rows["runaway"],
         config_hash=config_hash,
         shard=shard,
+        held=rows["held"],
     )
     plan = plan_from_lengths(lengths, PlanOptions(candidates, tokens_per_s, context_length, **kwargs), probe, notes)
     return replace(plan, by_turn=turn_views(rows["turn"], rows["completion_tokens"], rows["truncated"]))

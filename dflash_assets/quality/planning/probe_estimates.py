@@ -194,7 +194,7 @@ def measure_with_probe(
     a loop has begun by the current cap, where the run's check sees it; the planner notes when the probe sees
     clearly more runaways than the run, i.e. loops that start later.)
     """
-    values, cut, loop, counts, cap = rows.values, rows.cut, rows.loop, rows.counts, rows.cap
+    values, counts, cap = rows.values, rows.counts, rows.cap
     lengths, pcut, ploop = probe.completion_tokens, probe.truncated, probe.runaway
     # a continuation probe's rows were all cut at `cap` (some stopped right there when continued)
     above = np.ones(probe.rows, bool) if probe.continued_from else (lengths > cap) | (pcut & (lengths >= cap))
@@ -220,14 +220,14 @@ def measure_with_probe(
         )
 
     def run_side(c):
-        return c[..., cut & ~loop].sum(-1) / n, c[..., loop].sum(-1) / n, c @ values / n
+        return c[..., rows.honest].sum(-1) / n, c[..., rows.fixed].sum(-1) / n, c @ values / n
 
     honest_p0, loop_share, mean0 = (np.atleast_1d(x) for x in run_side(counts))
     rate, runaway, tokens = (a[0] for a in estimate(honest_p0, loop_share, mean0, np.ones((1, probe.rows))))
     drop = int(runaway_above.sum())
     base = int(above.sum()) - drop
     score = np.array([wilson(int(h) - drop, base) for h in passes.sum(1)])
-    cut_n, loop_n = int(counts[cut & ~loop].sum()), int(counts[loop].sum())
+    cut_n, loop_n = int(counts[rows.honest].sum()), int(counts[rows.fixed].sum())
     (p0_low, p0_high), (r_low, r_high) = wilson(cut_n, n), wilson(loop_n, n)
     score_low, score_high = r_low + p0_low * score[:, 0], r_high + p0_high * score[:, 1]
     rng = np.random.default_rng(seed)

@@ -283,8 +283,8 @@ def window_plan(
     """plan_window over one config's committed rows (stopped or cut) of a data dir, with what all_turns costs against
     last_turn when its prompts are multi-turn."""
     with open_quality_db(data_dir, config_hash=config_hash, runaway=runaway, max_length=trainer.max_length) as con:
-        rows = con.execute(
-            "SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AS cut, runaway "
+        rows = con.execute(  # a cut the window policy sized is final: at any cap, what a row that stopped there is
+            "SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AND NOT window_sized AS cut, runaway "
             "FROM completions WHERE finish_reason IN ('stop', 'length') AND completion_tokens IS NOT "
             "NULL AND prompt_tokens IS NOT NULL"
         ).fetchnumpy()

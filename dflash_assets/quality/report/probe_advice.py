@@ -27,10 +27,11 @@ def probe_tokens_per_prompt(plan: CapPlan, probe_cap: int) -> float:
     """Expected output tokens per prompt at `probe_cap`: the rows up to the current cap as they are, the honest
     cut rows' tail from the fit beyond it, runaways all the way to the probe's cap."""
     now = plan.at(plan.cap).output_tokens.value / plan.prompts
-    honest, loops = (plan.truncated - plan.runaways) / plan.rows, plan.runaways / plan.rows
+    honest, loops = plan.honest / plan.rows, plan.runaways / plan.rows
     beyond = 0.0
     if plan.fit and honest:
-        one_cut_row = Distinct(np.array([plan.cap]), np.array([True]), np.array([False]), np.array([1]), plan.cap)
+        no = np.array([False])
+        one_cut_row = Distinct(np.array([plan.cap]), np.array([True]), no, np.array([1]), plan.cap, no)
         _, tokens = predict(one_cut_row, np.array([probe_cap]), (plan.fit.mu, plan.fit.sigma))
         beyond = float(tokens[0]) - plan.cap
     return now + honest * beyond + loops * (probe_cap - plan.cap)
@@ -39,7 +40,7 @@ def probe_tokens_per_prompt(plan: CapPlan, probe_cap: int) -> float:
 def expected_precision(plan: CapPlan, size: int) -> str:
     """The sentence on how precisely a random probe of `size` prompts will measure the share cut (at worst,
     whatever the shape of the lengths), and the size that would give ±1 pp."""
-    honest = (plan.truncated - plan.runaways) / plan.rows
+    honest = plan.honest / plan.rows
     p = ProbePrecision.expected(plan.cap, honest, size)
     text = (
         f" It will measure the share cut at each larger cap to ±{p.half_width * 100:.2f} pp at worst (95%, "
@@ -47,7 +48,7 @@ def expected_precision(plan: CapPlan, size: int) -> str:
         f"{num(plan.cap)} without looping)"
     )
     text += "." if p.enough else f"; {num(p.rows_for_target)} prompts would give ±{p.target * 100:g} pp (set `size`)."
-    cut_rows = probe_size(plan.truncated - plan.runaways)  # the continuation probe's default size: of the cut rows
+    cut_rows = probe_size(plan.honest)  # the continuation probe's default size: of the cut rows
     c = ProbePrecision.expected(plan.cap, honest, cut_rows, continued=True)
     return text + (
         f" With `mode: cut_rows` it continues {num(cut_rows)} of this run's honest cut rows to its cap "
@@ -70,7 +71,7 @@ def probe_advice(
         f"prompts, seeded and stratified across shards and sources"
     )
     worst = max(plan.estimates, key=lambda e: e.cap)
-    precision = expected_precision(plan, size) if plan.truncated > plan.runaways else ""
+    precision = expected_precision(plan, size) if plan.honest else ""
     if plan.context_length is None or worst.context_needed_max is None:
         return head + ", at the largest cap the fleet's context allows." + precision
     cap = plan.context_length - (worst.context_needed_max - worst.cap)  # context_needed includes the margin
