@@ -246,7 +246,7 @@ class Figure:
     name: str
     unit: str  # "turn rows" or "conversations"
     definition: str
-    sql: str  # a boolean over a row of the quality tables' `completions`
+    sql: str  # a boolean over a row of the quality tables' `completions` (turn rows), or the count (conversations)
 
 
 FIGURES = (
@@ -283,6 +283,15 @@ FIGURES = (
         "prompt_tokens >= the window: the trainer reads no answer at all, the export leaves it out "
         "(no_trainable_tokens)",
         fills_window_sql("judged_window"),
+    ),
+    Figure(
+        "shortened",
+        "conversations",
+        "a conversation (regenerate all_turns) with no row of its last assistant turn: a turn cut at or past the "
+        "window or a history that fills it ends it for the trainer (kept up to that turn), and calls without source "
+        "results, a turn refused or failed end it too (left out: not whole)",
+        "count(DISTINCT (shard, prompt_id)) FILTER (WHERE turns IS NOT NULL) "
+        "- count(DISTINCT (shard, prompt_id)) FILTER (WHERE turn >= turns)",
     ),
 )
 FIGURE = {f.name: f for f in FIGURES}

@@ -55,7 +55,7 @@ from dflash_assets.store.stores import committed_parts
 
 COMPLETION_COLUMNS = f"""
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
-    server_context_length, enable_thinking, turn, {CONFIG_CAP_SQL} AS config_cap, {WINDOW_SIZED_SQL} AS window_sized,
+    server_context_length, enable_thinking, turn, turns, {CONFIG_CAP_SQL} AS config_cap, {WINDOW_SIZED_SQL} AS window_sized,
     policy_cap IS NOT NULL AS window_policy, trainer_max_length, tool_calls_json"""
 
 # a turn of tool calls answers with its calls: its content may be empty (generation/tools.py)

@@ -1,7 +1,8 @@
 """One cap per config on every screen, the window policy's included: a window-policy run (`dflash demo`'s default)
 sizes each request to the window's rest, below the cap its user set; the run's answer, `dflash report --full`,
 `dflash configs` and the UI's metadata (the answer, the cap plan and its glance) name the set cap and the share cut
-at it that a recount of the Parquet rows gives, and the cap plan counts the cuts the window sized as final."""
+at it that a recount of the Parquet rows gives, and the cap plan counts the cuts the window sized as final. The
+answer counts the conversations a cut at the window shortened."""
 
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ import duckdb
 import pytest
 
 from tests.cli.test_answer import after_the_table, recount, said
-from tests.support.cli import demo_slice, dflash, home
+from tests.support.cli import demo_slice, dflash, home, split_command
 
 pytestmark = pytest.mark.long
 
@@ -42,12 +43,18 @@ def test_every_screen_names_the_set_cap_and_the_share_cut_a_recount_gives(window
     ).fetchall()
     assert policies == 1 and asked < cap  # the window sized every request below the set cap
     expected = recount(data)
+    ((shortened,),) = duckdb.sql(  # conversations with no row of their last assistant turn
+        f"select count(*) filter (where last < turns) from (select shard, prompt_id, max(turn) as last, "
+        f"max(turns) as turns from {parquet} where turns is not null group by all)"
+    ).fetchall()
+    assert shortened > 0  # the demo's multi-turn prompts: a turn cut at the window ends its conversation
     share = f"{100 * expected['cut at the cap'] / expected['rows']:.2f}%"
     assert expected["cut at the cap"] > 0
     for view in ("demo", "report --full"):
         text = after_the_table(out[view]) if view == "demo" else out[view]
         assert said(text, expected) == expected, view
         assert f"cap {cap:,}, window" in text, view
+        assert f"conversations ({shortened} shortened)" in re.sub(r"\s+", " ", text), view
     # the cap plan's row of the config's cap, on the terminal: the share the answer says, measured
     (now,) = [line.split() for line in out["report --full"].splitlines() if "(now)" in line]
     assert now[:4] == [f"{cap:,}", "(now)", share, "measured"], now
@@ -60,7 +67,28 @@ def test_every_screen_names_the_set_cap_and_the_share_cut_a_recount_gives(window
     metadata = record.asset_materialization.metadata
     assert said(metadata["answer"].value, expected) == expected
     assert f"cap {cap:,}, window" in metadata["answer"].value
+    assert f"conversations ({shortened} shortened)" in metadata["answer"].value
     assert f"{cap:,} (now) cuts {share}" in metadata["cap_plan_at_a_glance"].value
     plan = metadata["cap_plan"].value
     assert f"| {cap:,} (now) | {share} (" in plan and f"at cap {cap:,}, {expected['cut at the cap']} cut" in plan
     assert "per-request caps" in plan and f"to {asked:,})" in plan, plan
+
+
+def test_a_run_whose_every_row_is_cut_says_so_and_prints_the_continue_command(tmp_path):
+    env = home(tmp_path, "home") | {
+        "DFLASH_PROMPTS": str(demo_slice(tmp_path, 20)),
+        "DFLASH_SHARD_SIZE": "20",
+        "DFLASH_NUM_SERVERS": "1",
+        "COLUMNS": "100",
+    }
+    run = dflash("demo", "--cap-policy", "fixed", "--max-output-tokens", "64", env=env, cwd=tmp_path)
+    assert run.returncode == 3, run.stdout + run.stderr  # stopped by the blocking check
+    expected = recount(Path(env["DFLASH_DATA_DIR"]))
+    assert expected["cut at the cap"] == expected["cut inside the window"] == expected["rows"] > 0
+    flat = re.sub(r"\s+", " ", after_the_table(run.stdout))
+    assert said(flat, expected) == expected
+    assert "100.00% cut inside the window, over the limit 5.00%" in flat and "within the limit" not in flat
+    assert f"Next: continue the {expected['rows']} cut rows to cap 4,096 from where they stopped" in flat
+    (command,) = [line.strip() for line in run.stdout.splitlines() if " dflash continue " in f" {line}"]
+    _, words = split_command(command)
+    assert words[:4] == ["dflash", "continue", "--to", "4096"] and "--data-dir" in words, command

@@ -88,6 +88,7 @@ def report_metadata(report: dict, png: bytes, chosen_by: str) -> dict:
     stats = [
         "rows",
         "conversations",
+        "shortened_conversations",
         "cut_at_cap_rate",
         "truncated_rows",
         "runaway_rows",

@@ -80,6 +80,7 @@ class CapAnswer:
     window_plan: WindowPlan | None = None  # decoded and trained tokens per candidate cap and the window policy
     cut_at_cap: int = 0  # finish_reason 'length'
     conversations: int = 0
+    shortened: int = 0  # conversations with no row of their last assistant turn (all_turns)
     runaways: int = 0
     fills_window: int = 0
     exported: Exported | None = None  # None: no export of this config yet
@@ -177,7 +178,8 @@ class CapAnswer:
         ratio = f"{self.decoded_tokens / self.trained_tokens:.2f}" if self.trained_tokens else "-"
         return [
             f"config {self.config_hash}{f' ({self.scope})' if self.scope else ''}: cap {num(self.cap)}, window "
-            f"{num(self.max_length)}, {num(self.rows)} turn rows of {num(self.conversations)} conversations",
+            f"{num(self.max_length)}, {num(self.rows)} turn rows of {num(self.conversations)} conversations"
+            + (f" ({num(self.shortened)} shortened)" if self.shortened else ""),
             f"  cut at the cap {self.share(self.cut_at_cap)} ({num(self.cut_at_cap)} turn rows); cut inside the "
             f"window {self.share(self.cut_inside_window)} ({num(self.cut_inside_window)}, the blocking share); "
             f"window-complete {self.share(self.window_complete)} ({num(self.window_complete)}); runaways "
@@ -289,6 +291,7 @@ def answer_of(
         trained_tokens=row["trained_tokens"],
         cut_at_cap=row["cut_at_cap_rows"],
         conversations=row["conversations"],
+        shortened=row["shortened_conversations"],
         runaways=row["runaway_rows"],
         fills_window=row["fills_window_rows"],
         exported=Exported.read(exports / row["config_hash"] / "manifest.json"),
