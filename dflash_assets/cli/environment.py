@@ -18,8 +18,8 @@ def instance_environment(args: argparse.Namespace) -> None:
     """The instance, the data dir and its prompt source, set in the environment before Dagster is imported (the
     definitions read them at load, store/in_use.py). A flag wins over its environment variable; then the instance
     knows the data dir its last run generated into, and the data dir the source its shards record (the path and the
-    shard size it was cut at). A run that wrote there makes it the instance's (runner.py execute); a data dir that cannot be written is
-    refused here, before Dagster is imported (exit 2)."""
+    shard size it was cut at). A run that wrote there makes it the instance's (runner.py execute); a data dir that cannot
+    be written, and a fleet that cannot work (fleet_refusal), are refused here, before Dagster is imported (exit 2)."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
     _set_up_instance(home)
@@ -39,8 +39,46 @@ def instance_environment(args: argparse.Namespace) -> None:
     _readable_source(Path(data.prompts), "--prompts" if args.prompts else data.prompts_from)
     from dflash_assets.store.storage import write_refusal
 
-    if refused := write_refusal(data.data_dir):
+    if refused := write_refusal(data.data_dir) or (args.subcommand != "export" and fleet_refusal()):
         raise BadInput(refused)
+
+
+FLEET_CHECK_S = 1.5  # how long an attached server has to answer the check (a slow one is the run's to wait for)
+
+
+def fleet_refusal() -> str | None:
+    """Why the attached fleet cannot work, in one sentence with the fix, or None: a URL where nothing listens, or a
+    server that answers GET /health as no SGLang server or gateway does (401/403: the API key; 404: not SGLang). A
+    server that is slow or still loading is not refused: the run waits for it (FleetSettings.health_timeout_s)."""
+    if Deployment.FLEET_MODE.value() != "attach":
+        return None
+    import asyncio
+
+    from dflash_assets.fleet.attach import parse_urls
+    from dflash_assets.fleet.client import ServerAccessError, ServerClient
+    from dflash_assets.fleet.fleet import open_session, run
+
+    urls = parse_urls(Deployment.FLEET_URLS.value())  # a malformed URL: AttachError, exit 2 (cli/errors.py)
+
+    async def problems() -> list:
+        async with open_session() as session:
+            clients = [ServerClient(session, url, Deployment.API_KEY.value() or None, FLEET_CHECK_S) for url in urls]
+            return await asyncio.gather(*(c.health_problem(FLEET_CHECK_S) for c in clients))
+
+    for url, problem in zip(urls, run(problems()), strict=True):
+        if getattr(problem, "kind", None) == "refused":
+            return (
+                f"nothing listens at {url} (the connection was refused): start the servers, or set "
+                f"{Deployment.FLEET_URLS.name} to where they listen"
+            )
+        if isinstance(problem, ServerAccessError) and problem.status in (401, 403):
+            return f"{url} refuses GET /health (HTTP {problem.status}): set {Deployment.API_KEY.name} to its API key"
+        if isinstance(problem, ServerAccessError):
+            return (
+                f"{url} answers GET /health with HTTP {problem.status}, as no SGLang server or gateway does: set "
+                f"{Deployment.FLEET_URLS.name} to their base URLs"
+            )
+    return None
 
 
 def data_dir_of(args: argparse.Namespace) -> str:

@@ -91,6 +91,17 @@ def _urls(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None  # argparse shows only this kind's message
 
 
+def _servers(text: str) -> int:
+    """--servers: how many emulated servers, at least one (FleetSettings.num_servers)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a whole number of servers, at least 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes at least 1 server, got {value}")
+    return value
+
+
 def _json_object(text: str) -> dict:
     """A dict setting's flag (chat_template_kwargs): a JSON object."""
     import json
@@ -198,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--servers",
-            type=int,
+            type=_servers,
             help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {Deployment.NUM_SERVERS.default})",
         )
         p.add_argument(
@@ -234,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_flags(cont)
     cont.add_argument(
         "--servers",
-        type=int,
+        type=_servers,
         help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {Deployment.NUM_SERVERS.default})",
     )
     cont.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")

@@ -56,10 +56,9 @@ from dflash_assets.defs.completions.jobs import shard_pipeline_job
 from dflash_assets.defs.continuation.jobs import continue_job
 from dflash_assets.defs.metadata import CheckKeys, ContinuationKeys, PromptShardKeys, ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import SHARDS_PER_RUN
-from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.generation.plan import filling_window_note
 from dflash_assets.quality.report.rejects import read_rejects
-from dflash_assets.settings import Deployment, TrainerSettings
+from dflash_assets.settings import TrainerSettings
 
 COLUMNS = (
     "shard",
@@ -348,8 +347,6 @@ def run_backfill(
     full: bool = False,
 ) -> int:
     console = console or console_for_output()
-    if Deployment.FLEET_MODE.value() == "attach":  # a bad URL is said before any run (errors.py: exit 2), and a
-        parse_urls(Deployment.FLEET_URLS.value())  # URL with a credential is never echoed (fleet/attach.py)
     if source_refused("backfill", console):
         return BAD_CONFIG
     instance = dg.DagsterInstance.get()
