@@ -19,7 +19,7 @@ from dflash_assets.quality.checks.registry import run_checks
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planning.window_plan import window_plan_lines
 from dflash_assets.quality.report.answer import CapAnswer, cap_answers
-from dflash_assets.quality.report.lengths import PERCENTILE_DEFINITION, length_quality
+from dflash_assets.quality.report.lengths import PERCENTILE_DEFINITION, LengthStats, length_quality
 from dflash_assets.settings import QualitySettings
 
 LENGTH_COLUMNS = (
@@ -114,14 +114,15 @@ def _n(value: int | None) -> str:
     return "-" if value is None else num(value)
 
 
-def _length_cells(row: dict[str, Any]) -> list[str]:
+def _length_cells(stats: LengthStats) -> list[str]:
     return [
-        _n(row["rows"]),
-        _n(row["truncated_rows"]),
-        pct(row["truncation_rate"]),
-        pct(row["cut_inside_window_rate"]),
-        pct(row["window_complete_rate"]),
-        *(_n(row[k]) for k in ("p50", "p90", "p95", "p99", "max")),
+        _n(stats.rows),
+        _n(stats.truncated_rows),
+        *(
+            pct(stats.share(n))
+            for n in (stats.truncated_rows, stats.cut_inside_window_rows, stats.window_complete_rows)
+        ),
+        *(_n(v) for v in (stats.p50, stats.p90, stats.p95, stats.p99, stats.max)),
     ]
 
 
@@ -258,6 +259,19 @@ def print_answers(
     return answers
 
 
+# the report's breakdowns: title, the report's key, (header, column) of the columns that name a row
+BREAKDOWNS = (
+    (
+        "By config (each config's own rows)",
+        "by_config",
+        (("config", "config_hash"), ("cap", "config_cap"), ("shards", "shards")),
+    ),
+    ("By shard (all configs)", "by_shard", (("shard", "shard"), ("configs", "configs"))),
+    ("By prompt length (all configs)", "by_prompt_length", (("prompt tokens", "bucket"),)),
+    ("By source (all configs)", "by_source", (("source", "source"),)),
+)
+
+
 def print_report(
     data_dir: str | Path,
     console: Console | None = None,
@@ -265,81 +279,51 @@ def print_report(
     quality: QualitySettings = QualitySettings(),
     checks: bool = True,
 ) -> dict[str, Any]:
-    """Print the length-quality summary (and the check results) as rich tables; return the report dict."""
+    """Print the length-quality summary, its breakdowns and overflows (and the check results) as rich tables; return
+    the report dict."""
     console = console or Console()
     report = length_quality(data_dir, shard, max_length=quality.trainer.max_length, runaway=quality.runaway)
     scope = f"shard {shard}" if shard else "all shards"
-    pooled = " (all configs)"  # these tables pool the configs; the answers above and By config are each config's
-    show(console, _table(f"Length quality, {scope}, all configs pooled", LENGTH_COLUMNS, [_length_cells(report)]))
+    pooled = _length_cells(LengthStats.of(report))
+    show(console, _table(f"Length quality, {scope}, all configs pooled", LENGTH_COLUMNS, [pooled]))
     console.print(
         f"Percentiles: {PERCENTILE_DEFINITION}. Cut inside the window / window-complete: judged against "
         f"{quality.trainer.named()}.",
         highlight=False,
     )
-    show(
-        console,
-        _table(
-            "By config (each config's own rows)",
-            ("config", "cap", "shards", *LENGTH_COLUMNS),
-            [
-                [str(r["config_hash"]), _n(r["config_cap"]), _n(r["shards"]), *_length_cells(r)]
-                for r in report["by_config"]
-            ],
-        ),
-    )
-    show(
-        console,
-        _table(
-            "By shard" + pooled,
-            ("shard", "configs", *LENGTH_COLUMNS),
-            [[str(r["shard"]), str(r["configs"]), *_length_cells(r)] for r in report["by_shard"]],
-        ),
-    )
-    show(
-        console,
-        _table(
-            "By prompt length" + pooled,
-            ("prompt tokens", *LENGTH_COLUMNS),
-            [[r["bucket"], *_length_cells(r)] for r in report["by_prompt_length"]],
-        ),
-    )
-    show(
-        console,
-        _table(
-            "By source" + pooled,
-            ("source", *LENGTH_COLUMNS),
-            [[str(r["source"]), *_length_cells(r)] for r in report["by_source"]],
-        ),
-    )
+    for title, key, named_by in BREAKDOWNS:  # the configs side by side, then the pooled breakdowns
+        cells = [[_cell(row[c]) for _, c in named_by] + _length_cells(LengthStats.of(row)) for row in report[key]]
+        show(console, _table(title, (*(h for h, _ in named_by), *LENGTH_COLUMNS), cells))
     o = report["overflow"]
-    show(
-        console,
-        _table(
-            "Overflow",
-            (
-                "completion rows over context",
-                "rejected prompts over context",
-                f"rows over max_length {o['max_length']}",
-            ),
-            [[num(o[k]) for k in OVERFLOW_KEYS]],
-        ),
+    headers = (
+        "completion rows over context",
+        "rejected prompts over context",
+        f"rows over max_length {o['max_length']}",
     )
+    show(console, _table("Overflow", headers, [[num(o[k]) for k in OVERFLOW_KEYS]]))
     if checks:
-        outcomes = run_checks(data_dir, shard, quality=quality)
-        console.print(
-            _table(
-                "Checks (all configs)",
-                ("check", "gate", "severity", "result", "summary"),
-                [
-                    [
-                        o.name,
-                        "blocking" if o.blocking else "",
-                        o.severity,
-                        "PASS" if o.passed else "FAIL",
-                        headline(o.summary_md),
-                    ]
-                    for o in outcomes
-                ],
-            )
-        )
+        console.print(checks_table(run_checks(data_dir, shard, quality=quality)))
     return report
+
+
+def _cell(value: Any) -> str:
+    """A column that names a row of a breakdown: a count with its thousands, else the name as it is."""
+    return _n(value) if isinstance(value, int) else str(value)
+
+
+def checks_table(outcomes: list) -> Table:
+    """The checks' results, blocking ones marked, each with its summary's first paragraph."""
+    return _table(
+        "Checks (all configs)",
+        ("check", "gate", "severity", "result", "summary"),
+        [
+            [
+                o.name,
+                "blocking" if o.blocking else "",
+                o.severity,
+                "PASS" if o.passed else "FAIL",
+                headline(o.summary_md),
+            ]
+            for o in outcomes
+        ],
+    )

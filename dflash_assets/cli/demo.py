@@ -20,7 +20,7 @@ from dflash_assets.cli.flags import (
 )
 from dflash_assets.cli.render import policy_text
 from dflash_assets.cli.runner import BAD_CONFIG, Window, known_shards, source_refused
-from dflash_assets.cli.shards import run_and_answer
+from dflash_assets.cli.shards import Launch, run_and_answer
 from dflash_assets.settings import TrainerSettings
 
 
@@ -46,9 +46,8 @@ def run_demo(
         f"data in {os.environ['DFLASH_DATA_DIR']}/",
         highlight=False,
     )
-    return run_and_answer(
-        instance, shards, completions, console, verbose, window, "dflash demo", again, ui=True, full=full
-    )
+    launch = Launch("dflash demo", again, ui=True)
+    return run_and_answer(instance, shards, completions, console, verbose, window, launch, full=full)
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rich.console import Console
 
@@ -140,6 +141,21 @@ def print_short_answer(answer: CapAnswer, console: Console, command: str, next_l
         verbatim(console, f"    {nxt}")
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How a run's ending is said: on which console, the run's own command, the command that generates every prompt
+    again at a cap (`rerun(cap)`), and `short` (a run's closing lines) or in full."""
+
+    console: Console
+    rerun: Callable[[int], str]
+    command: str = "dflash backfill"
+    short: bool = False
+
+    def say(self, text: str = "") -> None:
+        # figures, not syntax, to colour; a soft wrap: a path or a command in these lines is never broken in two
+        self.console.print(text, highlight=False, soft_wrap=True)
+
+
 def print_stop(
     stops: Stops,
     console: Console,
@@ -152,87 +168,100 @@ def print_stop(
     the answer's settings). `short` (a run's closing lines, `dflash demo` / `backfill` without --verbose): the
     answer of the run's config even when nothing stopped it, one line per blocking check, and the cap plan left to
     `dflash report --full`. Returns the exit status."""
-    from dflash_assets.cli.console import print_answer
-    from dflash_assets.quality import run_checks
-    from dflash_assets.quality.outcome import num
-    from dflash_assets.quality.report.answer import cap_answers
-
-    # figures, not syntax, to colour; a soft wrap: a path or a command in these lines is never broken in two
-    say = lambda text="": console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
-    if stops.errors:  # the first cause first; the same cause again is counted, not repeated
-        first = stops.errors[0]
-        say(f"[red]Failed[/]: {first.where}: {first.message}")
-        for line in first.detail:
-            say(f"  {line}")
-        same = sum(e.message == first.message for e in stops.errors[1:])
-        others = [e for e in stops.errors[1:] if e.message != first.message]
-        if same:
-            say(f"  (and {same} more run(s) with the same cause)")
-        for error in others:
-            say(f"Also failed: {error.where}: {error.message}")
-        say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
-        if first.passing:
-            say(
-                "Next: the cause can pass (a server down, a timeout): run the same command again; committed "
-                "completions are kept, only the rest runs."
-            )
-        elif not first.says_next:  # a line that says its next command (a full disk: free space, then ...) is enough
-            say("Next: fix the cause above, then run the same command again (committed completions are kept).")
+    ending = Ending(console, rerun, command, short)
+    say_errors(stops, ending.say)
     if stops.preflight:
-        say("[red]Stopped before any request was sent[/]: the preflight refused the run.")
+        ending.say("[red]Stopped before any request was sent[/]: the preflight refused the run.")
         for message in dict.fromkeys(stops.preflight):
-            say(f"  {message}")
+            ending.say(f"  {message}")
         if stops.context_length_needed:
-            say(
+            ending.say(
                 f"Next: restart the servers with --context-length {stops.context_length_needed} (or lower "
                 f"--max-output-tokens)."
             )
         return stops.exit_status()
     if stops.errors or not (stops.checks or short):
         return stops.exit_status()
-    root = data_dir().resolved()
-    quality = window.quality()
     for config_hash in sorted(stops.config_hashes):
-        outcomes = [
-            o for o in run_checks(root, config_hash=config_hash, quality=quality, names=stops.checks) if not o.passed
-        ]
-        for o in outcomes:
-            shards = stops.checks[o.name]
-            where = ALL_SHARDS if ALL_SHARDS in shards else f"shards {', '.join(shards)}"
-            if short:
-                where = ALL_SHARDS if ALL_SHARDS in shards else f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
-                say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): the training set is not written")
-            else:
-                say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline(o.summary_md)}")
-        answers = cap_answers(root, quality, config_hash)
-        if short and not outcomes:  # nothing stopped it: the answer and its next command
-            for answer in answers[:1]:
-                print_short_answer(answer, console, as_printed(command), next_line=True)
-            continue
-        if not answers or "truncation_rate" not in stops.checks:
-            say(
-                "Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
-                "set stays unwritten until every blocking check passes."
-            )
-            continue
-        answer = answers[0]
-        export_command = as_printed(f"dflash export --config {answer.config_hash}")
-        if short:
-            print_short_answer(answer, console, export_command, next_line=False)
-        else:
-            print_answer(answer, console, as_printed(command), export_command)
-        best, cap = answer.recommended, answer.next_cap
-        if cap is None or best is None:
-            if short:
-                say_with_command(console, f"  {answer.recommendation}")
-            if cap is None:
-                continue
-        before = ""
-        if best is not None and best.fits_context is False:
-            before = f"restart the servers with --context-length {best.context_needed_max}, then "
-        to = f" to {'the recommended ' if best else ''}cap {num(cap)}" if short else ""
-        said = f"Next: {before}continue the {answer.truncated} cut rows{to} from where they stopped:"
-        say_with_command(console, said) if short else say(said)
-        verbatim(console, f"  {as_printed(f'dflash continue --to {cap}')}")
-        say_with_command(console, f"  or generate every prompt again at the new cap: {rerun(cap)}")
+        say_config_ending(ending, stops, window, config_hash)
     return stops.exit_status()
+
+
+def say_errors(stops: Stops, say: Callable[[str], None]) -> None:
+    """The first cause first; the same cause again is counted, not repeated; then the next step."""
+    if not stops.errors:
+        return
+    first = stops.errors[0]
+    say(f"[red]Failed[/]: {first.where}: {first.message}")
+    for line in first.detail:
+        say(f"  {line}")
+    same = sum(e.message == first.message for e in stops.errors[1:])
+    if same:
+        say(f"  (and {same} more run(s) with the same cause)")
+    for error in (e for e in stops.errors[1:] if e.message != first.message):
+        say(f"Also failed: {error.where}: {error.message}")
+    say(f"The stack trace is in the event log of run {first.run_id} (the UI shows it).")
+    if first.passing:
+        say(
+            "Next: the cause can pass (a server down, a timeout): run the same command again; committed "
+            "completions are kept, only the rest runs."
+        )
+    elif not first.says_next:  # a line that says its next command (a full disk: free space, then ...) is enough
+        say("Next: fix the cause above, then run the same command again (committed completions are kept).")
+
+
+def say_config_ending(ending: Ending, stops: Stops, window: Window, config_hash: str) -> None:
+    """One config's blocking checks that did not pass, its answer, and the command that continues its cut rows."""
+    from dflash_assets.cli.console import print_answer
+    from dflash_assets.quality import run_checks
+    from dflash_assets.quality.report.answer import cap_answers
+
+    root, quality = data_dir().resolved(), window.quality()
+    outcomes = [
+        o for o in run_checks(root, config_hash=config_hash, quality=quality, names=stops.checks) if not o.passed
+    ]
+    for o in outcomes:
+        shards = stops.checks[o.name]
+        if ending.short:
+            where = ALL_SHARDS if ALL_SHARDS in shards else f"{len(shards)} shard{'s' if len(shards) > 1 else ''}"
+            ending.say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): the training set is not written")
+        else:
+            where = ALL_SHARDS if ALL_SHARDS in shards else f"shards {', '.join(shards)}"
+            ending.say(f"[red]Stopped by the blocking check {o.name}[/] ({where}): {headline(o.summary_md)}")
+    answers = cap_answers(root, quality, config_hash)
+    if ending.short and not outcomes:  # nothing stopped it: the answer and its next command
+        for answer in answers[:1]:
+            print_short_answer(answer, ending.console, as_printed(ending.command), next_line=True)
+        return
+    if not answers or "truncation_rate" not in stops.checks:
+        ending.say(
+            "Next: read the check's rows in the UI (asset length_quality_report, its checks tab); the training "
+            "set stays unwritten until every blocking check passes."
+        )
+        return
+    answer = answers[0]
+    export_command = as_printed(f"dflash export --config {answer.config_hash}")
+    if ending.short:
+        print_short_answer(answer, ending.console, export_command, next_line=False)
+    else:
+        print_answer(answer, ending.console, as_printed(ending.command), export_command)
+    say_continue(ending, answer)
+
+
+def say_continue(ending: Ending, answer: CapAnswer) -> None:
+    """The command that continues the answer's cut rows to its next cap, and the one that generates again at it."""
+    from dflash_assets.quality.outcome import num
+
+    best, cap = answer.recommended, answer.next_cap
+    if (cap is None or best is None) and ending.short:
+        say_with_command(ending.console, f"  {answer.recommendation}")
+    if cap is None:
+        return
+    before = ""
+    if best is not None and best.fits_context is False:
+        before = f"restart the servers with --context-length {best.context_needed_max}, then "
+    to = f" to {'the recommended ' if best else ''}cap {num(cap)}" if ending.short else ""
+    said = f"Next: {before}continue the {answer.truncated} cut rows{to} from where they stopped:"
+    say_with_command(ending.console, said) if ending.short else ending.say(said)
+    verbatim(ending.console, f"  {as_printed(f'dflash continue --to {cap}')}")
+    say_with_command(ending.console, f"  or generate every prompt again at the new cap: {ending.rerun(cap)}")

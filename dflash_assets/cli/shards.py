@@ -298,6 +298,20 @@ def print_quarantined(shards: list[str], stops: Stops, console: Console, retry: 
         )
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How a shard run was started, as its closing lines repeat it: the command as typed (`dflash demo`), its flags
+    with overrides (`again`), and whether its ending names the UI's command (the demo's)."""
+
+    command: str
+    again: Callable[[dict], str] = lambda overrides: ""
+    ui: bool = False
+
+    def printed(self, overrides: dict | None = None, tail: str = "") -> str:
+        """The command with its flags, `overrides` in place, and `tail`, as printed (the data it is of)."""
+        return as_printed(f"{self.command}{self.again(overrides or {})}{tail}")
+
+
 def run_and_answer(
     instance: dg.DagsterInstance,
     shards: list[str],
@@ -305,35 +319,28 @@ def run_and_answer(
     console: Console,
     verbose: bool,
     window: Window,
-    command: str,
-    again: Callable[[dict], str],
-    ui: bool = False,
+    launch: Launch,
     full: bool = False,
 ) -> int:
     """`dflash demo` and `dflash backfill` after their first line: the shards through Dagster and the export
-    (generate_and_export), the UI's command (`ui`), and the closing lines: the answer of the run's config and the next
-    command (`command`, repeated with `again(overrides)`'s flags); with `full`, everything said at length."""
+    (generate_and_export), the UI's command, and the closing lines: the answer of the run's config and the next
+    command (the launch's, with the answer's settings); with `full`, everything said at length."""
     print_old_default(
-        window,
-        console,
-        lambda cap: as_printed(f"{command}{again({'cap_policy': 'fixed'})} --max-output-tokens {cap}"),
+        window, console, lambda cap: launch.printed({"cap_policy": "fixed"}, f" --max-output-tokens {cap}")
     )
-    print_cap_past_window(window, completions["max_output_tokens"], console)
+    cap = completions["max_output_tokens"]
+    print_cap_past_window(window, cap, console)
     stops = generate_and_export(instance, shards, completions, console, verbose, window, full)
     if full and not stops.checks and not stops.errors and not stops.preflight:
-        rerun = f"{command}{again({'cap_policy': 'window'})} --max-output-tokens {completions['max_output_tokens']}"
-        print_window_answer(stops, console, window, as_printed(rerun))
-    print_quarantined(shards, stops, console, as_printed(f"{command}{again({})} --retry-quarantined"))
-    if ui:
+        print_window_answer(
+            stops, console, window, launch.printed({"cap_policy": "window"}, f" --max-output-tokens {cap}")
+        )
+    print_quarantined(shards, stops, console, launch.printed(tail=" --retry-quarantined"))
+    if launch.ui:
         verbatim(console, f"The UI at http://127.0.0.1:3000: {ui_command()}")  # one line: the command ends it
-    return print_stop(
-        stops,
-        console,
-        lambda cap: as_printed(f"{command}{again({})} --max-output-tokens {cap}"),
-        window,
-        f"{command}{again({})}",
-        short=not full,
-    )
+    rerun = lambda cap: launch.printed(tail=f" --max-output-tokens {cap}")  # noqa: E731
+    command = f"{launch.command}{launch.again({})}"
+    return print_stop(stops, console, rerun, window, command, short=not full)
 
 
 def run_backfill(
@@ -361,8 +368,8 @@ def run_backfill(
         f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
         highlight=False,
     )
-    command = f"dflash backfill --from {first} --to {last}"
-    return run_and_answer(instance, chosen, completions, console, verbose, window, command, again, full=full)
+    launch = Launch(f"dflash backfill --from {first} --to {last}", again)
+    return run_and_answer(instance, chosen, completions, console, verbose, window, launch, full=full)
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
@@ -378,84 +385,89 @@ def run_continue(
 ) -> int:
     """Continue every shard's cut rows to `new_cap` from where they stopped (or, with `to_window`, a window-policy
     config's window-complete rows to the larger window); print the reuse and the new answer."""
-    from dflash_assets.cli.console import print_answer
-    from dflash_assets.quality.outcome import num, pct
-    from dflash_assets.quality.report.answer import cap_answers
-
     console = console or console_for_output()
     instance = dg.DagsterInstance.get()
-    shards = known_shards(instance)
-    if (chosen := shard_range("continue", shards, first, last, console)) is None:
+    if (chosen := shard_range("continue", known_shards(instance), first, last, console)) is None:
         return BAD_CONFIG
-    first, last = chosen[0], chosen[-1]
     target = f"the trainer's window {to_window}" if to_window else f"cap {new_cap}"
     console.print(
-        f"dflash continue: shards {first}..{last} ({len(chosen)}) to {target}, cut rows taken on from "
+        f"dflash continue: shards {chosen[0]}..{chosen[-1]} ({len(chosen)}) to {target}, cut rows taken on from "
         f"where they stopped",
         highlight=False,
     )
     window = Window("window", trainer=TrainerSettings(max_length=to_window)) if to_window else Window()
+    target_config = {"to_window": to_window} if to_window else {"to_window": 0, "new_max_output_tokens": new_cap}
     run_config = {
         **quiet(verbose),
         "resources": window.resources(),
-        "ops": {
-            "continued_completions": {
-                "config": {
-                    "parent_config_hash": "latest",
-                    "to_window": to_window or 0,
-                    **({} if to_window else {"new_max_output_tokens": new_cap}),
-                }
-            }
-        },
+        "ops": {"continued_completions": {"config": {"parent_config_hash": "latest", **target_config}}},
     }
-    stops, table = (
-        Stops(),
-        Table(
-            box=box.SIMPLE_HEAD,
-            title="continued by shard (tokens reused: taken over from the smaller cap, not generated again)",
-        ),
-    )
-    for col in CONTINUE_COLUMNS:
-        table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
-    reused = total = 0
+    continued = Continued()
     for chunk in [chosen[i : i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
         result = execute(continue_job.name, instance, run_config, console, chunk)
         meta = _meta(result, "continued_completions")
         for shard in chunk:
-            m = meta.get(shard)
-            if not m:
-                table.add_row(shard, *"------")
-                continue
-            k = ContinuationKeys
-            stops.config_hashes.add(m[k.CONFIG_HASH])
-            reused += m[k.TOKENS_REUSED]
-            total += m[k.TOKENS_REUSED] + m[k.TOKENS_GENERATED]
-            table.add_row(
-                shard,
-                num(m[k.ROWS_CONTINUED]),
-                num(m[k.ROWS_COPIED]),
-                num(m[k.STILL_TRUNCATED]),
-                num(m[k.TOKENS_REUSED]),
-                num(m[k.TOKENS_GENERATED]),
-                pct(m[k.SAVED_SHARE]),
-            )
+            continued.add(shard, meta.get(shard))
         if not result.success:
-            record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", stops)
-    console.print(table)
-    if total:
-        console.print(
-            f"tokens reused: {num(reused)} of {num(total)} ({pct(reused / total)}) of the new config's "
-            f"completion tokens were not generated again",
-            highlight=False,
+            record_failures(result, f"shards {chunk[0]}..{chunk[-1]}", continued.stops)
+    continued.say(console)
+    return continue_ending(continued.stops, console, window)
+
+
+@dataclass
+class Continued:
+    """What `dflash continue` continued, shard by shard: its table, the tokens reused of the new config's, and the
+    run's stops."""
+
+    stops: Stops = field(default_factory=Stops)
+    table: Table = field(
+        default_factory=lambda: Table(
+            box=box.SIMPLE_HEAD,
+            title="continued by shard (tokens reused: taken over from the smaller cap, not generated again)",
         )
+    )
+    reused: int = 0
+    total: int = 0
+
+    def __post_init__(self) -> None:
+        for col in CONTINUE_COLUMNS:
+            self.table.add_column(col, justify="left" if col == "shard" else "right", no_wrap=True)
+
+    def add(self, shard: str, m: dict | None) -> None:
+        """A shard's row from its continued_completions metadata (none: the shard's run did not say)."""
+        from dflash_assets.quality.outcome import num, pct
+
+        if not m:
+            self.table.add_row(shard, *"------")
+            return
+        k = ContinuationKeys
+        self.stops.config_hashes.add(m[k.CONFIG_HASH])
+        self.reused += m[k.TOKENS_REUSED]
+        self.total += m[k.TOKENS_REUSED] + m[k.TOKENS_GENERATED]
+        counts = (k.ROWS_CONTINUED, k.ROWS_COPIED, k.STILL_TRUNCATED, k.TOKENS_REUSED, k.TOKENS_GENERATED)
+        self.table.add_row(shard, *(num(m[key]) for key in counts), pct(m[k.SAVED_SHARE]))
+
+    def say(self, console: Console) -> None:
+        from dflash_assets.quality.outcome import num, pct
+
+        console.print(self.table)
+        if self.total:
+            console.print(
+                f"tokens reused: {num(self.reused)} of {num(self.total)} ({pct(self.reused / self.total)}) of the "
+                f"new config's completion tokens were not generated again",
+                highlight=False,
+            )
+
+
+def continue_ending(stops: Stops, console: Console, window: Window) -> int:
+    """The answer of each continued config, then what stopped the run or the next commands; the exit status."""
+    from dflash_assets.cli.console import print_answer
+    from dflash_assets.quality.report.answer import cap_answers
+
     for config_hash in sorted(stops.config_hashes):
         for answer in cap_answers(data_dir().resolved(), window.quality(), config_hash):
-            print_answer(
-                answer,
-                console,
-                as_printed("dflash backfill"),
-                as_printed(f"dflash export --config {answer.config_hash}"),
-            )
+            export_command = as_printed(f"dflash export --config {answer.config_hash}")
+            print_answer(answer, console, as_printed("dflash backfill"), export_command)
     if stops.preflight:
         console.print("[red]Stopped[/]: " + " ".join(dict.fromkeys(stops.preflight)), highlight=False)
         return BAD_CONFIG if not stops.errors else FAILED

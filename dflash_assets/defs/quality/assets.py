@@ -1,6 +1,8 @@
 """length_quality_report: what the completions of a shard look like, in figures and a picture."""
 
 import base64
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.probe.assets import length_probe
 from dflash_assets.defs.resources import DataDirResource, QualityResource
 from dflash_assets.quality.outcome import pct, shown
+from dflash_assets.quality.report.lengths import ConfigStats
 from dflash_assets.quality.report.rejects import read_rejects
 from dflash_assets.quality.report.sources import by_source_markdown
 from dflash_assets.settings import QualitySettings
@@ -76,9 +79,9 @@ def answer_metadata(report: dict, quality: QualitySettings, exports: Path, glanc
     plan, plan_error and wp, when the caller planned. Also the answer (a CapAnswer), or None without one."""
     from dflash_assets.quality.report.answer import answer_of
 
-    row = next((r for r in report["by_config"] if r["config_hash"] == report["config_hash"]), None)
+    stats = next((s for s in map(ConfigStats.of, report["by_config"]) if s.config_hash == report["config_hash"]), None)
     shard = report["scope"]["shard"]
-    answer = answer_of(row, quality, exports, scope=f"shard {shard}" if shard else "", **plan) if row else None
+    answer = answer_of(stats, quality, exports, scope=f"shard {shard}" if shard else "", **plan) if stats else None
     said = answer.markdown() if answer else f"no answer: the figures are of {report['config_label']}"
     return {"answer": dg.MetadataValue.md(said), "cap_plan_at_a_glance": glance}, answer
 
@@ -217,17 +220,9 @@ def fleet_throughput(instance: dg.DagsterInstance) -> tuple[float | None, int | 
 def length_quality_summary(
     context: dg.AssetExecutionContext, config: ConfigChoice, data_dir: DataDirResource, quality: QualityResource
 ) -> dg.MaterializeResult:
-    from dflash_assets.quality.planning.fit import PlanError
-    from dflash_assets.quality.planning.planner import plan_caps
-    from dflash_assets.quality.planning.window_plan import window_plan, window_plan_lines
-    from dflash_assets.quality.report.cap_plan import plan_glance, plan_markdown, turn_markdown
-    from dflash_assets.quality.report.planner_plot import cap_plan_png
-    from dflash_assets.quality.report.probe_advice import probe_advice
-
     root, quality_settings = data_dir.resolved(), QualitySettings.taken_from(quality)
-    exports = data_dir.local_dir() / "training"  # the exports' manifests (drafter_training_set)
     chosen, chosen_by = choose_config(context, root, config)
-    stops = lambda: named_stops(context, data_dir, lambda: committed_rows(root))  # noqa: E731 - twice below
+    stops = lambda: named_stops(context, data_dir, lambda: committed_rows(root))  # noqa: E731 - twice
     with stops():
         report, png = _report_and_histogram(root, None, quality_settings, data_dir.local_dir() / "reports", chosen)
     metadata = {
@@ -236,64 +231,80 @@ def length_quality_summary(
         "histogram_path": dg.MetadataValue.path(str(png)),
         # the prompts each source's quota drew (its repeats left out) beside those the config generated
         "planned_by_source": dg.MetadataValue.md(by_source_markdown(root, chosen)),
-        "by_shard": dg.MetadataValue.md(
-            _table(
-                report["by_shard"],
-                [
-                    "shard",
-                    "configs",
-                    "rows",
-                    "cut_at_cap_rate",
-                    "cut_inside_window_rate",
-                    "window_complete_rate",
-                    "p50",
-                    "p90",
-                    "p99",
-                ],
-            )
-        ),
+        "by_shard": dg.MetadataValue.md(_table(report["by_shard"], BY_SHARD_COLUMNS)),
     }
-    tokens_per_s, servers = fleet_throughput(context.instance)
+    first, planned = plan_metadata(context.instance, data_dir, report, chosen, quality_settings, stops)
+    return dg.MaterializeResult(metadata=first | metadata | planned)  # the answer and the cap plan at a glance first
+
+
+BY_SHARD_COLUMNS = [
+    "shard",
+    "configs",
+    "rows",
+    "cut_at_cap_rate",
+    "cut_inside_window_rate",
+    "window_complete_rate",
+    "p50",
+    "p90",
+    "p99",
+]
+
+
+def plan_metadata(
+    instance: dg.DagsterInstance,
+    data_dir: DataDirResource,
+    report: dict,
+    chosen: str | None,
+    quality_settings: QualitySettings,
+    stops: Callable[[], AbstractContextManager],
+) -> tuple[dict, dict]:
+    """The summary's answer and glance (answer_metadata), and the cap plan of the config the figures are of: its
+    table, its trained tokens, its picture and how to measure it (a probe), or why there is none."""
+    from dflash_assets.quality.planning.fit import PlanError
+    from dflash_assets.quality.planning.planner import plan_caps
+    from dflash_assets.quality.planning.window_plan import window_plan, window_plan_lines
+    from dflash_assets.quality.report.cap_plan import plan_glance, plan_markdown, turn_markdown
+    from dflash_assets.quality.report.planner_plot import cap_plan_png
+    from dflash_assets.quality.report.probe_advice import probe_advice
+
+    root, exports = data_dir.resolved(), data_dir.local_dir() / "training"  # the exports' manifests
+    tokens_per_s, servers = fleet_throughput(instance)
     try:
         plan = plan_caps(root, config_hash=chosen, tokens_per_s=tokens_per_s, runaway=quality_settings.runaway)
     except PlanError as e:
-        metadata["cap_plan"] = dg.MetadataValue.md(f"no cap plan: {e}")
         first, _ = answer_metadata(report, quality_settings, exports, f"no cap plan: {e}", plan_error=str(e))
-    else:
-        trained = window_plan(
-            root,
-            plan.config_hash,
-            plan.cap,
-            quality_settings.trainer,
-            plan.fit,
-            quality_settings.runaway,
-            candidates=[e.cap for e in plan.estimates],
-            tokens_per_s=tokens_per_s,
-            servers=servers,
-        )
-        metadata["trained_tokens_plan"] = dg.MetadataValue.md(
-            "\n".join(
-                f"- {line.strip()}"
-                for line in window_plan_lines(trained, f"cap_policy window, trainer_max_length {trained.max_length}")
-            )
-        )
-        first, answer = answer_metadata(report, quality_settings, exports, plan_glance(plan), plan=plan, wp=trained)
-        description = answer.description() if answer else ""
-        picture = data_dir.local_dir() / "reports" / "cap_plan.png"
-        with stops():
-            picture.write_bytes(cap_plan_png(plan, (trained.max_length, trained.window_at), description))
-        advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
-        metadata["cap_plan"] = dg.MetadataValue.md(plan_markdown(plan) + advice)
-        if plan.by_turn:  # all_turns: the same view on its own, for the run page's metadata list
-            metadata["cap_plan_by_turn"] = dg.MetadataValue.md("\n".join(turn_markdown(plan)).strip())
-        metadata["cap_plan_source"] = (
-            "measured by the length probe"
-            if plan.probe
-            else "model (censored lognormal tail) beyond the cap"
-            if any(e.basis == "model" for e in plan.estimates)
-            else "measured (the rows)"
-        )
-        metadata["cap_plan_picture"] = dg.MetadataValue.md(
+        return first, {"cap_plan": dg.MetadataValue.md(f"no cap plan: {e}")}
+    trainer = quality_settings.trainer
+    candidates = [e.cap for e in plan.estimates]
+    throughput = {"tokens_per_s": tokens_per_s, "servers": servers}
+    wp = window_plan(
+        root,
+        plan.config_hash,
+        plan.cap,
+        trainer,
+        plan.fit,
+        quality_settings.runaway,
+        candidates=candidates,
+        **throughput,
+    )
+    lines = window_plan_lines(wp, f"cap_policy window, trainer_max_length {wp.max_length}")
+    first, answer = answer_metadata(report, quality_settings, exports, plan_glance(plan), plan=plan, wp=wp)
+    picture = data_dir.local_dir() / "reports" / "cap_plan.png"
+    with stops():
+        picture.write_bytes(cap_plan_png(plan, (wp.max_length, wp.window_at), answer.description() if answer else ""))
+    advice = "" if plan.probe else "\n\n" + probe_advice(plan, root, report["rows"], tokens_per_s, servers)
+    basis = (
+        "model (censored lognormal tail) beyond the cap"
+        if any(e.basis == "model" for e in plan.estimates)
+        else "measured (the rows)"
+    )
+    return first, {
+        "trained_tokens_plan": dg.MetadataValue.md("\n".join(f"- {line.strip()}" for line in lines)),
+        "cap_plan": dg.MetadataValue.md(plan_markdown(plan) + advice),
+        # all_turns: the same view on its own, for the run page's metadata list
+        **({"cap_plan_by_turn": dg.MetadataValue.md("\n".join(turn_markdown(plan)).strip())} if plan.by_turn else {}),
+        "cap_plan_source": "measured by the length probe" if plan.probe else basis,
+        "cap_plan_picture": dg.MetadataValue.md(
             f"![cap plan](data:image/png;base64,{base64.b64encode(picture.read_bytes()).decode()})"
-        )
-    return dg.MaterializeResult(metadata=first | metadata)  # the answer and the cap plan at a glance first
+        ),
+    }

@@ -18,7 +18,7 @@ from dflash_assets.quality.planning.estimate import CapEstimate, CapPlan
 from dflash_assets.quality.planning.fit import PlanError
 from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.planning.window_plan import WindowPlan, window_plan
-from dflash_assets.quality.report.lengths import length_quality
+from dflash_assets.quality.report.lengths import ConfigStats, length_quality
 from dflash_assets.quality.training.export import trained_words
 from dflash_assets.settings import Deployment, QualitySettings, TrainerSettings
 from dflash_assets.store.configs import latest_order
@@ -255,7 +255,7 @@ def recommended_cap(
 
 
 def answer_of(
-    row: dict,
+    stats: ConfigStats,
     quality: QualitySettings,
     exports: Path,
     plan: CapPlan | None = None,
@@ -263,41 +263,40 @@ def answer_of(
     wp: WindowPlan | None = None,
     scope: str = "",
 ) -> CapAnswer:
-    """The answer of one config from its row of length_quality's `by_config` (its figures, by rules.FIGURES), its
+    """The answer of one config from its stats (length_quality's `by_config`: its figures, by rules.FIGURES), its
     export's manifest under `exports`, and its cap plan when there is one. `scope`: "" for every shard, else the
-    shard(s) the row counts."""
+    shard(s) the stats count."""
     ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
+    limit = quality.truncation_rate_max
     return CapAnswer(
-        config_hash=row["config_hash"],
-        cap=row["config_cap"],
-        rows=row["rows"],
-        truncated=row["truncated_rows"],
-        truncation_rate=row["truncation_rate"],
-        p50=row["p50"],
-        p90=row["p90"],
-        p99=row["p99"],
-        max=row["max"],
+        config_hash=stats.config_hash,
+        cap=stats.config_cap,
+        rows=stats.rows,
+        truncated=stats.truncated_rows,
+        truncation_rate=stats.share(stats.truncated_rows),
+        p50=stats.p50,
+        p90=stats.p90,
+        p99=stats.p99,
+        max=stats.max,
         plan=plan,
         plan_error=plan_error if plan is None else None,
-        recommended=recommended_cap(plan, quality.truncation_rate_max, row["cut_inside_window_rows"], ceiling)
-        if plan
-        else None,
+        recommended=recommended_cap(plan, limit, stats.cut_inside_window_rows, ceiling) if plan else None,
         window_plan=wp,
         max_length=quality.trainer.max_length,
-        cut_inside_window=row["cut_inside_window_rows"],
-        window_complete=row["window_complete_rows"],
-        window_complete_tokens=row["window_complete_tokens"],
-        decoded_tokens=row["decoded_tokens"],
-        trained_tokens=row["trained_tokens"],
-        cut_at_cap=row["cut_at_cap_rows"],
-        conversations=row["conversations"],
-        shortened=row["shortened_conversations"],
-        runaways=row["runaway_rows"],
-        fills_window=row["fills_window_rows"],
-        exported=Exported.read(exports / row["config_hash"] / "manifest.json"),
+        cut_inside_window=stats.cut_inside_window_rows,
+        window_complete=stats.window_complete_rows,
+        window_complete_tokens=stats.window_complete_tokens,
+        decoded_tokens=stats.decoded_tokens,
+        trained_tokens=stats.trained_tokens,
+        cut_at_cap=stats.cut_at_cap_rows,
+        conversations=stats.conversations,
+        shortened=stats.shortened_conversations,
+        runaways=stats.runaway_rows,
+        fills_window=stats.fills_window_rows,
+        exported=Exported.read(exports / stats.config_hash / "manifest.json"),
         scope=scope,
-        window_policy=bool(row.get("window_policy")),
-        limit=quality.truncation_rate_max,
+        window_policy=stats.window_policy,
+        limit=limit,
     )
 
 
@@ -318,25 +317,25 @@ def cap_answers(
     `exports` (default: training_dir) / <config> / manifest.json."""
     exports = training_dir(data_dir) if exports is None else exports
     report = length_quality(data_dir, max_length=quality.trainer.max_length, runaway=quality.runaway)
-    by_hash = {row["config_hash"]: row for row in report["by_config"]}
+    by_hash = {s.config_hash: s for s in map(ConfigStats.of, report["by_config"])}
     answers = []
-    for row in (by_hash[h] for h, _ in latest_order(data_dir) if h in by_hash):  # the export's default leads
-        if config_hash and row["config_hash"] != config_hash:
+    for stats in (by_hash[h] for h, _ in latest_order(data_dir) if h in by_hash):  # the export's default leads
+        if config_hash and stats.config_hash != config_hash:
             continue
         plan, error, wp = None, None, None
         try:
-            plan = plan_caps(data_dir, config_hash=row["config_hash"], bootstrap=100, runaway=quality.runaway)
+            plan = plan_caps(data_dir, config_hash=stats.config_hash, bootstrap=100, runaway=quality.runaway)
         except PlanError as e:
             error = str(e)
         if plan is not None:
             wp = window_plan(
                 data_dir,
-                row["config_hash"],
+                stats.config_hash,
                 plan.cap,
                 quality.trainer,
                 plan.fit,
                 quality.runaway,
                 candidates=[e.cap for e in plan.estimates],
             )
-        answers.append(answer_of(row, quality, exports, plan, error, wp))
+        answers.append(answer_of(stats, quality, exports, plan, error, wp))
     return answers

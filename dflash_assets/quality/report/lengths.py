@@ -5,8 +5,10 @@ interpolation, so when more than 10% of rows stop at a 4096 cap the report says 
 exactly the signal to act on.
 """
 
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import duckdb
 
@@ -43,19 +45,67 @@ STATS = f"""count(*) AS rows, count(*) FILTER (WHERE {CUT_SQL}) AS truncated_row
     {percentile_sql('completion_tokens', (0.5, 0.9, 0.95, 0.99))} AS q, max(completion_tokens) AS max"""
 
 
+@dataclass(frozen=True)
+class LengthStats:
+    """One STATS row read back typed: turn rows and conversations counted by rules.FIGURES, tokens, nearest-rank
+    percentiles of completion_tokens; the shares are of `rows`."""
+
+    rows: int = 0
+    truncated_rows: int = 0  # the rows the model did not end: cut at the cap or stopped while looping
+    cut_at_cap_rows: int = 0
+    fills_window_rows: int = 0
+    conversations: int = 0
+    shortened_conversations: int = 0
+    runaway_rows: int = 0  # of the truncated rows, those cut while looping (at the cap, or stopped early)
+    cut_inside_window_rows: int = 0  # against the trainer's window (rules.py): the blocking share
+    window_complete_rows: int = 0  # cut rows the trainer reads whole
+    window_complete_tokens: int = 0
+    decoded_tokens: int = 0
+    trained_tokens: int = 0
+    runaway_stopped_rows: int = 0
+    p50: int | None = None
+    p90: int | None = None
+    p95: int | None = None
+    p99: int | None = None
+    max: int | None = None
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> Self:
+        """The stats of a row of the report (a STATS row flattened by _stats, or a dict of the same keys)."""
+        return cls(**{f.name: row[f.name] for f in fields(cls) if f.name in row})
+
+    def share(self, count: int) -> float:
+        """`count` as a share of the rows."""
+        return share(count, self.rows)
+
+    @property
+    def rates(self) -> dict[str, float]:
+        """The shares of `rows`, named as the report names them."""
+        return {
+            "truncation_rate": self.share(self.truncated_rows),
+            "cut_at_cap_rate": self.share(self.cut_at_cap_rows),
+            "runaway_rate": self.share(self.runaway_rows),
+            "cut_inside_window_rate": self.share(self.cut_inside_window_rows),
+            "window_complete_rate": self.share(self.window_complete_rows),
+        }
+
+
+@dataclass(frozen=True)
+class ConfigStats(LengthStats):
+    """A row of the report's `by_config`: one config's stats, its cap (the set one: rules.CONFIG_CAP_SQL), shards
+    and policy."""
+
+    config_hash: str = ""
+    config_cap: int = 0
+    shards: int = 0
+    window_policy: bool = False
+
+
 def _stats(row: dict[str, Any]) -> dict[str, Any]:
-    """Flatten one STATS row: rates next to counts, percentiles by name."""
+    """Flatten one STATS row: percentiles by name, the rates next to the counts."""
     q = row.pop("q") or [None] * 4
-    out = {k: v for k, v in row.items() if k != "max"}
-    out["truncation_rate"] = share(row["truncated_rows"], row["rows"])
-    out["cut_at_cap_rate"] = share(row["cut_at_cap_rows"], row["rows"])
-    # cut while looping (part of truncated_rows): at the cap, or stopped early
-    out["runaway_rate"] = share(row["runaway_rows"], row["rows"])
-    # against the trainer's window (rules.py): the blocking share, and the cut rows the trainer reads whole
-    out["cut_inside_window_rate"] = share(row.get("cut_inside_window_rows", 0), row["rows"])
-    out["window_complete_rate"] = share(row.get("window_complete_rows", 0), row["rows"])
-    out.update(p50=q[0], p90=q[1], p95=q[2], p99=q[3], max=row["max"])
-    return out
+    row.update(zip(("p50", "p90", "p95", "p99"), q))
+    return row | LengthStats.of(row).rates
 
 
 def _grouped(
@@ -139,28 +189,7 @@ def length_quality_of(
         "config_hash": config_hash,
         "config_label": f"config {config_hash}" if config_hash else "all configs",
         "percentile_definition": PERCENTILE_DEFINITION,
-        **(
-            overall[0]
-            if overall
-            else _stats(
-                {
-                    "rows": 0,
-                    "truncated_rows": 0,
-                    "cut_at_cap_rows": 0,
-                    "fills_window_rows": 0,
-                    "conversations": 0,
-                    "shortened_conversations": 0,
-                    "runaway_rows": 0,
-                    "cut_inside_window_rows": 0,
-                    "window_complete_rows": 0,
-                    "window_complete_tokens": 0,
-                    "decoded_tokens": 0,
-                    "trained_tokens": 0,
-                    "q": None,
-                    "max": None,
-                }
-            )
-        ),
+        **(overall[0] if overall else asdict(LengthStats()) | LengthStats().rates),
         "max_length": max_length,
         "by_config": _grouped(
             con,
