@@ -198,9 +198,9 @@ class TrainerSettings(Settings):
     )
     chat_template: str = Field(
         "qwen3.5",
-        description="The chat template SpecForge renders the conversations form with (data.chat_template: "
-        "'qwen3.5' in its qwen3.6-27b DFlash recipes; 'qwen3-instruct' for thinking off), written "
-        "into the trainer's settings beside the export.",
+        description="The chat template SpecForge renders the text forms with (data.chat_template: 'qwen3.5' in its "
+        "qwen3.6-27b DFlash recipes; a config of thinking-off rows only is written with 'qwen3-instruct', which masks "
+        "the empty think block), written into the trainer's settings beside the export.",
     )
     held_out_share: float = Field(
         0.02,

@@ -1,8 +1,8 @@
 """SpecForge's own rendering and loss mask for a conversations row (sgl-project/SpecForge
 a6b6b0230009d15ec2a97a57384e6f53f0f96946), so the tests judge which assistant turns the trainer trains by its code:
-- ChatTemplate, and the `qwen3.5` template: specforge/data/template.py;
-- GeneralParser (its conversation path), ThinkingParser: specforge/data/parse.py;
-- preprocess_conversations: specforge/data/preprocessing.py (its thinking-parser branch);
+- ChatTemplate, and the `qwen3.5` and `qwen3-instruct` templates: specforge/data/template.py;
+- GeneralParser (its conversation path, and its ignore_token pass), ThinkingParser: specforge/data/parse.py;
+- preprocess_conversations: specforge/data/preprocessing.py (its general- and thinking-parser branches);
 - CharTokenizer: tests/test_scripts/test_expand_reasoning_conversations.py's `_CharTokenizer` (one token a
   character), used by that file's test_expanded_event_qwen35_masks_only_current_generation; its
   apply_chat_template renders as Qwen3's chat template does (the emulator's, dflash_assets/emulator/tokenizer.py:
@@ -43,6 +43,13 @@ TEMPLATES = {
         end_of_turn_token="<|im_end|>\n",
         parser_type="thinking",
         enable_thinking=True,
+    ),
+    "qwen3-instruct": ChatTemplate(
+        assistant_header="<|im_start|>assistant\n",
+        user_header="<|im_start|>user\n",
+        system_prompt="You are a helpful assistant.",
+        end_of_turn_token="<|im_end|>\n",
+        ignore_token=["<think>\n\n</think>\n\n"],
     ),
 }
 
@@ -210,6 +217,39 @@ class GeneralParser:
             if actual_start < actual_end:
                 loss_mask[actual_start:actual_end] = [1] * (actual_end - actual_start)
 
+        # Zero out loss_mask for ignore_tokens
+        ignore_tokens = self.chat_template.ignore_token
+        if ignore_tokens:
+            for token_str in ignore_tokens:
+                start = 0
+                while True:
+                    idx = conversation.find(token_str, start)
+                    if idx == -1:
+                        break
+                    ignore_start_char = idx
+                    ignore_end_char = idx + len(token_str)
+
+                    prefix_ids = self.tokenizer.encode(
+                        conversation[:ignore_start_char],
+                        add_special_tokens=False,
+                        truncation=True,
+                        max_length=max_length,
+                    )
+                    full_ids = self.tokenizer.encode(
+                        conversation[:ignore_end_char],
+                        add_special_tokens=False,
+                        truncation=True,
+                        max_length=max_length,
+                    )
+
+                    start_token_idx = min(len(prefix_ids), len(input_ids))
+                    end_token_idx = min(len(full_ids), len(input_ids))
+
+                    if start_token_idx < end_token_idx:
+                        loss_mask[start_token_idx:end_token_idx] = [0] * (end_token_idx - start_token_idx)
+
+                    start = ignore_end_char
+
         return input_ids, loss_mask
 
 
@@ -251,7 +291,9 @@ def preprocess_conversations(tokenizer, conversations, chat_template: ChatTempla
                              is_preformatted: bool = False, train_only_last_turn: bool = False,
                              tools: Optional[List[List[Dict]]] = [[]], **kwargs) -> Dict[str, List[Any]]:
     results: Dict[str, List[Any]] = {"input_ids": [], "loss_mask": [], "attention_mask": []}
-    if chat_template.parser_type == "thinking":
+    if chat_template.parser_type == "general":
+        parser = GeneralParser(tokenizer, chat_template)
+    elif chat_template.parser_type == "thinking":
         parser = ThinkingParser(tokenizer, chat_template)
     else:
         raise ValueError(f"Invalid parser type: {chat_template.parser_type}")

@@ -66,6 +66,7 @@ from dflash_assets.quality.training.trainer_format import (
     flags_text,
     has_think_marker,
     tool_row_problem,
+    trained_template,
 )
 from dflash_assets.quality.training.trainer_settings import TRAINER_SETTINGS_FILES, Exported, write_trainer_settings
 from dflash_assets.quality.training.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
@@ -532,12 +533,13 @@ def export_training_set(
             con.execute("CREATE TEMP TABLE files (file_index INTEGER, filename VARCHAR)")
             if files := list(enumerate(parquet_files(storage, "completions"))):
                 con.executemany("INSERT INTO files VALUES (?, ?)", files)
-            all_turns, mixed, model = con.execute(
-                f"SELECT coalesce(bool_or(turn IS NOT NULL), false), coalesce(bool_or(thinking_share IS NOT NULL), "
-                f"false), min(model) FROM {completions} WHERE $config IS NULL OR config_hash = $config",
+            all_turns, modes, model = con.execute(
+                f"SELECT coalesce(bool_or(turn IS NOT NULL), false), coalesce(list(DISTINCT coalesce(enable_thinking, true)), []), "
+                f"min(model) FROM {completions} WHERE $config IS NULL OR config_hash = $config",
                 {"config": config_hash},
             ).fetchall()[0]
-            form, form_chosen = chosen_form(form, all_turns, chat_template, trainer, mixed)
+            template, template_chosen = trained_template(chat_template, frozenset(modes))
+            form, form_chosen = chosen_form(form, all_turns, template, trainer, frozenset(modes))
             writer = writer_for(form)
             params["token_ids"] = not writer.form.rendered
             register_runaway(con, runaway)
@@ -569,6 +571,7 @@ def export_training_set(
             manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
                 "form": form,
                 "form_chosen": form_chosen,
+                "chat_template": {"name": template, "chosen": template_chosen},
                 "rows": done.lines,
                 "chosen_by": chosen_by,
                 "conversations_not_whole": selection.not_whole,
@@ -613,12 +616,10 @@ def export_training_set(
             paths["training_set.jsonl"],
             form,
             window["max_length"],
-            chat_template,
+            template,
             trainer,
             model,
-            last_turn_only=bool(done.source_answers["written"])
-            or all_turns
-            and chat_template in DROPS_EARLIER_REASONING,
+            last_turn_only=bool(done.source_answers["written"]) or all_turns and template in DROPS_EARLIER_REASONING,
         )
         manifest["trainer_settings"] = write_trainer_settings(out, exported, manifest["split"])
         manifest["trained"] = _trained(done, exported, sides[TRAIN][0], manifest["trainer_settings"])

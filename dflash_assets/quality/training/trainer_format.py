@@ -52,6 +52,26 @@ DROPS_EARLIER_REASONING = frozenset(
 # SpecForge's templates whose assistant header ends in an open think block (a6b6b02 specforge/data/template.py):
 # rendered, a turn without reasoning becomes "<think>\n\n</think>\n\n" + content, all of it under loss.
 OPENS_THINK_BLOCK = frozenset({"qwen3.5", "qwen3-next-thinking", "glm-5.2"})
+# A config of thinking-off rows only is rendered with its family's instruct template instead: header
+# "<|im_start|>assistant\n" and ignore_token ["<think>\n\n</think>\n\n"], which zeroes the empty think block the
+# server put in the prompt (a6b6b02 specforge/data/template.py, parse.py GeneralParser: tests/support/
+# specforge_preprocessing.py runs it on exports). A thinking-on row keeps the thinking template: under the instruct
+# header the `<think>\n` the generation prompt pre-opens would be trained.
+THINKING_OFF_TEMPLATE = {t: "qwen3-instruct" for t in ("qwen3.5", "qwen3-thinking", "qwen3-next-thinking")}
+# the templates under which a thinking-off row's empty think block, prompt tokens in the server's ids, is trained
+TRAINS_EMPTY_THINK = OPENS_THINK_BLOCK | THINKING_OFF_TEMPLATE.keys()
+
+
+def trained_template(chat_template: str, modes: frozenset[bool]) -> tuple[str, str]:
+    """(the chat_template the trainer renders the text forms with, why) for rows of `modes` (their enable_thinking):
+    a thinking-off config's instruct counterpart (THINKING_OFF_TEMPLATE), else the one set."""
+    if modes == {False} and chat_template in THINKING_OFF_TEMPLATE:
+        other = THINKING_OFF_TEMPLATE[chat_template]
+        return other, (
+            f"every row was generated with thinking off: {other} (not {chat_template}) puts no loss on the empty think "
+            "block the server put in the prompt"
+        )
+    return chat_template, "as set"
 
 
 @dataclass(frozen=True)
@@ -84,30 +104,32 @@ assert tuple(FORM) == FORMS, "every trainer format has its form"
 
 
 def chosen_form(
-    form: str, all_turns: bool, chat_template: str, trainer: str = "specforge", mixed: bool = False
+    form: str, all_turns: bool, chat_template: str, trainer: str = "specforge", modes: frozenset[bool] = frozenset()
 ) -> tuple[str, str]:
-    """(the form exported, why) for `trainer` (TrainerSettings.name). `auto`: speculators' is pretokenized (the one
-    form its prepare_data reads as is, settings.TRAINER_READS); SpecForge's is pretokenized for a seeded mix of modes
-    (`mixed`: thinking_share) under a template that opens a think block (one template renders the whole file, and a
-    thinking-off row's `</think>` and blank line, prompt tokens in the server's ids, would be trained), per_turn for regenerated multi-turn conversations (all_turns)
-    under a template that drops earlier reasoning, so that every decoded turn is trained, else conversations. A text
-    form set explicitly where the template would train forced tokens is refused (ValueError), never written."""
-    forced = mixed and chat_template in OPENS_THINK_BLOCK and trainer == "specforge"
+    """(the form exported, why) for `trainer` (TrainerSettings.name), the rows' `modes` (their enable_thinking) and
+    the template the trainer renders them with (trained_template). `auto`: speculators' is pretokenized (the one
+    form its prepare_data reads as is, settings.TRAINER_READS); SpecForge's is pretokenized where thinking-off rows
+    meet a template that trains their empty think block (a mix of modes: one template renders the whole file, and a thinking-off
+    row's `</think>` and blank line, prompt tokens in the server's ids, would be trained), per_turn for regenerated
+    multi-turn conversations (all_turns) under a template that drops earlier reasoning, so that every decoded turn is
+    trained, else conversations. A text form set explicitly where the template would train forced tokens is refused
+    (ValueError), never written."""
+    forced = False in modes and chat_template in TRAINS_EMPTY_THINK and trainer == "specforge"
     if form != AUTO:
         if forced and FORM[form].rendered and form != "messages":
             raise ValueError(
-                f"export form {form} renders a mix of modes with one chat_template, {chat_template}, whose assistant "
-                "header opens a think block: a row generated with thinking off would be trained on `</think>` and the "
-                "blank line, which the server put in its prompt; export it pretokenized (trainer.format pretokenized "
-                "or auto)"
+                f"export form {form} renders rows generated with thinking off with chat_template {chat_template}, "
+                "which puts their empty think block inside the assistant turn: such a row would be trained on "
+                "`</think>` and the blank line, which the server put in its prompt; export it pretokenized "
+                "(trainer.format pretokenized or auto)"
             )
         return form, "as set"
     if trainer == "speculators":
         return "pretokenized", "auto: speculators' prepare_data passes {input_ids, loss_mask} through as exported"
     if forced:
         return "pretokenized", (
-            f"auto: a mix of modes, whose thinking-off rows' `</think>` and blank line chat_template {chat_template} "
-            "would train: the server's own ids, loss on generated tokens only"
+            f"auto: thinking-off rows, whose `</think>` and blank line chat_template {chat_template} would train: the "
+            "server's own ids, loss on generated tokens only"
         )
     if all_turns and chat_template in DROPS_EARLIER_REASONING:
         return "per_turn", (

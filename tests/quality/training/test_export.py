@@ -12,6 +12,9 @@ from dflash_assets.quality.training.export import WINDOW_CUT_CONTENT
 from dflash_assets.quality.training.trainer_format import has_think_marker, row_problem
 from tests.support.quality_data import CONFIG_A, blank, completion, load, prompt, write
 
+# every config pooled: rows of both modes, whose text forms a thinking template refuses (a thinking-off row's empty
+# think block would be trained); the instruct template masks it
+POOLED = "qwen3-instruct"
 LATER = ("too_few_loss_tokens", "conversation_not_whole", "after_window_end")  # none in defects_dir: their own tests
 
 
@@ -63,7 +66,7 @@ def read_jsonl(path):
 
 @pytest.fixture(scope="module")
 def export(defects_dir, tmp_path_factory):
-    return export_training_set(defects_dir, tmp_path_factory.mktemp("export"), config_hash=None)
+    return export_training_set(defects_dir, tmp_path_factory.mktemp("export"), config_hash=None, chat_template=POOLED)
 
 
 def test_export_keeps_only_rows_that_pass_the_row_gates(defects_dir, export):
@@ -125,14 +128,14 @@ def test_export_parquet_copy_holds_the_same_rows(export):
 
 
 def test_export_is_byte_identical_when_rerun(defects_dir, export, tmp_path):
-    again = export_training_set(defects_dir, tmp_path, config_hash=None)
+    again = export_training_set(defects_dir, tmp_path, config_hash=None, chat_template=POOLED)
     for first, second in (
         (export.jsonl_path, again.jsonl_path),
         (export.parquet_path, again.parquet_path),
         (export.manifest_path, again.manifest_path),
     ):
         assert first.read_bytes() == second.read_bytes(), first.name
-    rerun = export_training_set(defects_dir, tmp_path, config_hash=None)  # over its own output
+    rerun = export_training_set(defects_dir, tmp_path, config_hash=None, chat_template=POOLED)  # over its own output
     assert rerun.manifest_path.read_bytes() == export.manifest_path.read_bytes()
 
 
@@ -163,7 +166,9 @@ def test_export_keeps_rows_over_max_length_by_default_and_counts_them(defects_di
 
 
 def test_dropping_rows_over_max_length_is_a_choice_and_is_named_with_its_shares(defects_dir, tmp_path):
-    result = export_training_set(defects_dir, tmp_path, config_hash=None, max_length=4096, drop_over_max_length=True)
+    result = export_training_set(
+        defects_dir, tmp_path, config_hash=None, chat_template=POOLED, max_length=4096, drop_over_max_length=True
+    )
     grades = graded(defects_dir, max_length=4096)
     assert result.manifest["rows"] == len(kept(defects_dir, max_length=4096))
     dropped = [r for r, reason in grades if reason == "over_max_length"]
@@ -189,7 +194,7 @@ def test_every_exclusion_is_named_with_its_share_of_rows_and_tokens_and_sources(
 
 
 def test_export_of_an_empty_data_dir_writes_an_empty_set(tmp_path):
-    result = export_training_set(tmp_path / "data", tmp_path / "out", config_hash=None)
+    result = export_training_set(tmp_path / "data", tmp_path / "out", config_hash=None, chat_template=POOLED)
     assert result.jsonl_path.read_bytes() == b""
     assert pq.read_table(result.parquet_path).num_rows == 0
     assert result.manifest["rows"] == 0 and set(result.manifest["excluded"].values()) == {0}

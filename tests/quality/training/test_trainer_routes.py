@@ -1,7 +1,7 @@
 """The trainer, named once, and every route it is offered proven by its own code (issue 53): the demo's prompts,
-every assistant turn regenerated under the window policy (one config with thinking on, one a seeded mix of modes),
-exported for each (trainer, form) the tool offers with a held-out share, then read by pinned copies of SpecForge's
-(tests/support/specforge*.py) and speculators' (tests/support/speculators.py) data code."""
+every assistant turn regenerated under the window policy (one config with thinking on, one a seeded mix of modes, one
+with thinking off), exported for each (trainer, form) the tool offers with a held-out share, then read by pinned copies
+of SpecForge's (tests/support/specforge*.py) and speculators' (tests/support/speculators.py) data code."""
 
 import json
 from collections import Counter
@@ -15,22 +15,25 @@ from dflash_assets.emulator.tokenizer import decode
 from dflash_assets.quality import export_training_set
 from dflash_assets.settings import GenerationSettings, SettingsError, TrainerSettings
 from tests.quality.training.test_conversation_export import run_demo, trained_text, turn_text
-from tests.support import specforge, specforge_config, speculators
+from tests.support import specforge, specforge_config, specforge_preprocessing, speculators
 from tests.support.docs import written_by_this_run
 
 L, SHARE = 2048, 0.1
 ONE = GenerationSettings(max_output_tokens=16384, trainer_max_length=L, regenerate="all_turns")
 MIX = ONE.model_copy(update={"thinking_share": 0.5, "mode_seed": 3})
+OFF = ONE.model_copy(update={"enable_thinking": False})
+CONFIGS = {"one": ONE, "mix": MIX, "off": OFF}
+NAMES = {"one": "on", "mix": "50% on", "off": "off"}  # the docs table's thinking column
 # every (trainer, form) the tool offers: settings.TRAINER_READS, and auto
-ROUTES = [("specforge", "auto"), ("specforge", "conversations"), ("specforge", "pretokenized")]
-ROUTES += [("speculators", "auto")]
+TEXT = ("conversations", "per_turn")
+ROUTES = [("specforge", f) for f in ("auto", *TEXT, "pretokenized")] + [("speculators", "auto")]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("routes")
     configs = {}
-    for name, settings in (("one", ONE), ("mix", MIX)):
+    for name, settings in CONFIGS.items():
         run_demo(root / name, settings, lines=160)
         configs[name] = root / name
     return configs
@@ -45,7 +48,7 @@ def exports(data, tmp_path_factory):
         )
         for mix in data
         for trainer, form in ROUTES
-        if not (mix == "mix" and form == "conversations")  # refused: test_a_text_form_of_a_mix_is_refused...
+        if not (mix == "mix" and form in TEXT)  # refused: test_a_text_form_of_a_mix_is_refused...
     }
 
 
@@ -75,14 +78,20 @@ def test_the_trainer_chooses_the_form_and_writes_only_its_own_file(exports):
         assert export.manifest["trainer_settings"]["file"] == file
     # a mix under SpecForge: the server's own ids, since its template would train a thinking-off row's </think>
     assert exports["mix", "specforge", "auto"].manifest["form"] == "pretokenized"
+    # thinking off alone: the instruct template, which masks the empty think block, renders whole conversations
+    off = exports["off", "specforge", "auto"].manifest
+    assert (off["form"], off["chat_template"]["name"]) == ("conversations", "qwen3-instruct")
+    assert "every row was generated with thinking off" in off["chat_template"]["chosen"]
+    assert exports["one", "specforge", "auto"].manifest["chat_template"] == {"name": "qwen3.5", "chosen": "as set"}
     with pytest.raises(SettingsError, match="trainer speculators does not read the per_turn form"):
         TrainerSettings(name="speculators", format="per_turn")
 
 
 def test_a_text_form_of_a_mix_is_refused_and_messages_names_no_trainer(data, tmp_path):
-    with pytest.raises(ValueError, match="a row generated with thinking off would be trained on `</think>`"):
-        export_training_set(data["mix"], tmp_path / "c", max_length=L, form="conversations")
-    assert not (tmp_path / "c" / "training_set.jsonl").exists()
+    for form in TEXT:
+        with pytest.raises(ValueError, match="such a row would be trained on `</think>` and the blank line"):
+            export_training_set(data["mix"], tmp_path / form, max_length=L, form=form)
+        assert not (tmp_path / form / "training_set.jsonl").exists()
     messages = export_training_set(data["one"], tmp_path / "m", max_length=L, form="messages")
     assert messages.manifest["trainer_settings"]["name"] is None
     assert not {"specforge_data.yaml", "speculators_flags.txt"} & {p.name for p in (tmp_path / "m").iterdir()}
@@ -121,7 +130,7 @@ def test_every_pretokenized_turn_is_supervised_once_on_generated_tokens_only(dat
         trained = export.manifest["trained"]
         assert trained["turns_supervised"] == trained["turns_exported"] == len(lines(export.jsonl_path))
         assert trained["turns_not_trained"] == 0
-        assert (off > 0) == (mix == "mix")
+        assert (off > 0) == (mix != "one")
 
 
 def test_specforge_trains_every_per_turn_event_once_and_counts_what_a_conversations_row_leaves(exports):
@@ -155,6 +164,76 @@ def test_specforges_expand_script_on_the_conversations_form_is_the_per_turn_expo
         expanded, skipped = specforge.expand_file(getattr(exports["one", "specforge", "conversations"], path))
         assert skipped == 0
         assert getattr(exports["one", "specforge", "auto"], path).read_text(encoding="utf-8").splitlines() == expanded
+        # the script expands reasoning conversations only: it skips every thinking-off one (our per_turn writes them,
+        # and SpecForge's preprocessing trains each of their turns once: test_specforge_trains_each_exported_turn...)
+        conversations = getattr(exports["off", "specforge", "conversations"], path)
+        assert specforge.expand_file(conversations) == ([], len(lines(conversations)))
+
+
+def supervised(export, line: dict, template: str | None = None) -> str:
+    """What SpecForge's own preprocessing (tests/support/specforge_preprocessing.py) puts loss on in one line, with the
+    chat_template and train_only_last_turn the export's specforge_data.yaml sets (or another `template`)."""
+    data = yaml.safe_load((export.manifest_path.parent / "specforge_data.yaml").read_text())["data"]
+    tokenizer = specforge_preprocessing.CharTokenizer()  # a token a character: the masked ids decode to the text
+    out = specforge_preprocessing.preprocess_conversations(
+        tokenizer,
+        [line["conversations"]],
+        specforge_preprocessing.TEMPLATES[template or data["chat_template"]],
+        max_length=10**9,  # the token window is the export's (test_every_pretokenized_turn...)
+        train_only_last_turn=data.get("train_only_last_turn", False),
+    )
+    ids, mask = out["input_ids"][0][0], out["loss_mask"][0][0]
+    return tokenizer.decode([i for i, m in zip(ids, mask) if m])
+
+
+def generated(message: dict) -> str:
+    """An assistant turn's tokens the target generated, as Qwen3's template renders them after the server's generation
+    prompt (`<think>\n` with thinking, `<think>\n\n</think>\n\n` without: prompt tokens), with its end of turn."""
+    reasoning, content = message.get("reasoning_content"), message["content"].lstrip("\n")
+    return (f"{reasoning.strip(chr(10))}\n</think>\n\n" if reasoning else "") + content + "<|im_end|>\n"
+
+
+def test_specforge_trains_each_exported_turn_once_and_no_token_the_template_forced(data, exports):
+    """Every SpecForge text form of every config it is offered for, read by SpecForge's own preprocessing: a line's
+    loss falls on the generated text of its last turn (train_only_last_turn) or of all its turns, nothing else (no
+    history answer, no `</think>` a thinking-off row's prompt held); over a file, each exported turn is trained at most
+    once, and the turns trained are the manifest's turns_supervised."""
+    checked = set()
+    for (mix, trainer, _), export in exports.items():
+        m = export.manifest
+        if trainer != "specforge" or m["form"] not in TEXT:
+            continue
+        trained, turns = Counter(), 0
+        for path in (export.jsonl_path, export.held_out_path):
+            for line in lines(path):
+                answers = [msg for msg in line["conversations"] if msg["role"] == "assistant"]
+                text = supervised(export, line)
+                n = 1 if text == generated(answers[-1]) else len(answers)
+                assert text == "".join(generated(a) for a in answers[-n:]), line["id"]
+                if mix == "off":
+                    assert "</think>" not in text and n == (len(answers) if m["form"] == "conversations" else 1)
+                    # the configured qwen3.5 would have trained the empty think block the server put in the prompt
+                    assert supervised(export, line, "qwen3.5").endswith(f"\n</think>\n\n{generated(answers[-1])}")
+                trained.update((line.get("source_id", line["id"]), i) for i in range(len(answers) - n, len(answers)))
+                turns += n if path == export.jsonl_path else 0
+        assert max(trained.values()) == 1
+        assert turns == m["trained"]["turns_supervised"] > 0
+        assert m["trained"]["turns_not_trained"] == m["trained"]["turns_exported"] - turns
+        if mix == "off":
+            assert m["trained"]["turns_not_trained"] == 0
+        checked.add((mix, m["form"]))
+    assert checked == {(mix, form) for mix in ("one", "off") for form in TEXT}
+
+
+def test_no_held_out_prompt_is_in_a_file_a_trainer_is_given(exports):
+    for export in exports.values():
+        train, held = lines(export.jsonl_path), lines(export.held_out_path)
+        assert held and not {s["id"].split("@")[0] for s in train} & {s["id"].split("@")[0] for s in held}
+        out = export.manifest_path.parent
+        file = (out / export.manifest["trainer_settings"]["file"]).read_text().splitlines()
+        named = "\n".join(line for line in file if not line.startswith("#"))  # the comments say the held-out route
+        assert str(export.jsonl_path.resolve()) in named and export.held_out_path.name not in named
+        assert export.held_out_path.name not in export.manifest["trainer_settings"]["command"]
 
 
 def test_specforges_validator_with_the_manifests_flags_passes_every_file_it_names(exports):
@@ -182,8 +261,8 @@ def test_specforges_validator_with_the_manifests_flags_passes_every_file_it_name
 
 
 def test_specforges_data_block_and_command_validate_and_its_online_trainer_evaluates_on_no_file(exports):
-    for form in ("auto", "conversations", "pretokenized"):
-        export = exports["one", "specforge", form]
+    for mix, form in [(mix, form) for mix in ("one", "off") for form in ("auto", *TEXT, "pretokenized")]:
+        export = exports[mix, "specforge", form]
         out = export.manifest_path.parent
         block = yaml.safe_load((out / "specforge_data.yaml").read_text())["data"]
         data = specforge_config.DataConfig(**block)  # strict: only SpecForge's keys
@@ -236,15 +315,15 @@ TABLE_MARK = "<!-- the routes table: tests/quality/training/test_trainer_routes.
 def test_the_docs_routes_table_is_this_test_runs(exports):
     """docs/trainer-window.md's table of routes: each figure as this run's manifests and the trainers' code count it."""
     rows = [
-        "| trainer | config | form | validator flags | turns in the train file | supervised | not trained | held out |",
-        "|---|---|---|---|---|---|---|---|",
+        "|trainer|thinking|form|chat_template|validator flags|train turns|trained|not trained|held out|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (mix, trainer, form), export in exports.items():
         m, t = export.manifest, export.manifest["trained"]
         flags = m["recipe"].get("flags") or "-"
-        config = "thinking on" if mix == "one" else "mix, 50% on"
+        template = m["chat_template"]["name"] if m["form"] in TEXT else "-"
         rows.append(
-            f"| {trainer} | {config} | {m['form']}{' (auto)' if form == 'auto' else ''} | {flags} | {t['turns_exported']} | "
-            f"{t['turns_supervised']} | {t['turns_not_trained']} | {t['held_out_rows']} |"
+            f"|{trainer}|{NAMES[mix]}|{m['form']}{' (auto)' if form == 'auto' else ''}|{template}|{flags}|"
+            f"{t['turns_exported']}|{t['turns_supervised']}|{t['turns_not_trained']}|{t['held_out_rows']}|"
         )
     written_by_this_run(DOC, TABLE_MARK + "\n", "\n\n", "\n".join(rows))
