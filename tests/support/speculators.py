@@ -6,7 +6,11 @@ tests judge the export by the trainer's rules, not ours:
 - load_and_preprocess_dataset's order of work (one shuffle per --data file, then of their concatenation, seed 0):
   `prepare` below, the shuffle itself being HF datasets' (a seeded permutation), stood in for by `permutation`;
 - train_split: ArrowDataset.__init__'s split (src/speculators/train/data.py): train.py's --train-data-ratio takes the
-  first int(rows * ratio) rows of the prepared dataset for training and validates on the rest.
+  first int(rows * ratio) rows of the prepared dataset for training and validates on the rest;
+- DataArgs: src/speculators/train/config/schema.py's data group of train.py's flags (its dtype validator, which
+  imports torch, left out), with _Group's config;
+- create_train_val_loaders: src/speculators/train/dataloader.py, its ratio check and the two ArrowDatasets it makes of
+  the one --data-path (the loaders, hidden-state transfer and noise left out).
 Torch is not a dependency here: tensors are lists (`torch.tensor(x, dtype=torch.long)` is `list(x)`), and the
 logger's warnings are left out.
 """
@@ -15,6 +19,8 @@ logger's warnings are left out.
 
 import random
 from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 # ---- src/speculators/data_generation/preprocessing.py ---------------------------------------------------------
@@ -124,3 +130,62 @@ def train_split(data: list, train_ratio: float, split: Literal["train", "val"] =
             f"train_ratio={train_ratio} gives split_idx={split_idx})"
         )
     return data[start:stop]
+
+
+# ---- src/speculators/train/config/schema.py ---------------------------------------------------------------------
+class _Group(BaseModel):
+    """Base for a config group: mutable (post-resolution) and lenient on extras."""
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=False)
+
+
+_CLI_CHOICES = {"cli_choices": "hidden_states_backends"}
+
+
+class DataArgs(_Group):
+    data_path: str = Field(
+        default="./output",
+        description="Root data directory with the preprocessed dataset, vocab "
+        "mappings (d2t.npy, t2d.npy), token frequencies (token_freq.pt), and hidden "
+        "states.",
+    )
+    hidden_states_backend: str = Field(
+        default="file",
+        description="Hidden states transfer backend. Each backend may add its own CLI "
+        "arguments. Default: 'file'.",
+        json_schema_extra=_CLI_CHOICES,
+    )
+    total_seq_len: int = Field(
+        default=8192, description="Maximum training sequence length, in tokens."
+    )
+    train_data_ratio: float = Field(
+        default=0.9,
+        description="Fraction of the dataset used for training; the remainder is held "
+        "out for validation.",
+    )
+    noise_std: float = Field(
+        default=0.05, description="Standard deviation for noise augmentation."
+    )
+    hidden_states_dtype: str = Field(
+        default="bfloat16",
+        description="Data type for dataloader hidden states and autocast compute. "
+        "Model master weights are always kept in fp32. Options: float32, bfloat16 "
+        "(recommended). float16 is not supported (requires gradient scaling).",
+    )
+    num_workers: int = Field(default=12, description="Number of dataloader workers.")
+    prefetch_factor: int = Field(default=4, description="Dataloader prefetch factor.")
+    max_anchors: int = Field(
+        default=512,
+        description="Maximum anchor positions for DFlash, DSpark, and P-EAGLE training "
+        "(default: 512).",
+    )
+
+
+# ---- src/speculators/train/dataloader.py ------------------------------------------------------------------------
+def create_train_val_loaders(*, data_path: list, train_data_ratio: float = 0.9) -> tuple[list, list]:
+    if not (0.0 < train_data_ratio < 1.0):
+        raise ValueError(f"train_data_ratio must be in (0, 1), got {train_data_ratio}")
+
+    train_dataset = train_split(data_path, train_data_ratio, split="train")
+    val_dataset = train_split(data_path, train_data_ratio, split="val")
+    return train_dataset, val_dataset

@@ -15,7 +15,8 @@ tests/support, run on real exports by tests/quality/training/test_trainer_routes
 - `messages` is no trainer's form: no trainer file is written for it, and the manifest says so.
 Neither trainer evaluates on a held-out file of ours (split.py writes one): SpecForge refuses `data.eval_data_path`
 ("online evaluation is not supported") and takes `data.eval_hidden_states_path` only beside offline training data;
-speculators' `--train-data-ratio` splits its one dataset after prepare_data's seeded shuffle. So the train file goes
+speculators takes no validation file (train.py's DataArgs: one --data-path; `--train-data-ratio`, in (0, 1), splits
+that one dataset after prepare_data's seeded shuffle). So the train file goes
 to the trainer alone, and the held-out route is the one that works: acceptance of the trained drafter measured on the
 held-out prompts (and, for SpecForge's offline training, their captured hidden states as eval_hidden_states_path).
 """
@@ -107,9 +108,9 @@ def held_out_route(e: Exported, split: dict[str, Any] | None) -> str | None:
         )
     if e.reader == "speculators":
         return said + (
-            "speculators validates on a slice of its one dataset (--train-data-ratio, after prepare_data's seeded "
-            "shuffle), so --data gets the train file alone; measure the trained drafter's acceptance on the held-out "
-            "prompts"
+            "speculators takes no validation file: it validates on a slice of its one dataset (--train-data-ratio, "
+            "after prepare_data's seeded shuffle), so --data gets the train file alone; measure the trained drafter's "
+            "acceptance on the held-out prompts"
         )
     return said + NO_TRAINER
 

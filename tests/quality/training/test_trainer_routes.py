@@ -287,6 +287,13 @@ def test_specforges_data_block_and_command_validate_and_its_online_trainer_evalu
             with pytest.raises(ValueError, match=message):
                 specforge_config.Config(data={**block, **bad}, training={"eval_interval": 100})
         assert "acceptance on the held-out prompts" in export.manifest["trained"]["held_out_route"]
+    # the offline route the manifest gives a text form: captured hidden states beside offline training data
+    offline = {"hidden_states_path": "captured/train", "eval_hidden_states_path": "captured/held_out"}
+    specforge_config.Config(data=offline, training={"eval_interval": 100})
+    assert (
+        "data.eval_hidden_states_path with training.eval_interval"
+        in (exports["one", "specforge", "conversations"].manifest["trained"]["held_out_route"])
+    )
 
 
 def test_no_held_out_row_reaches_speculators_training_split_by_its_route(exports):
@@ -305,7 +312,26 @@ def test_no_held_out_row_reaches_speculators_training_split_by_its_route(exports
         # make the same sample, so they are compared as multisets)
         assert Counter(tuple(r["input_ids"]) for r in trained) == Counter(tuple(s["input_ids"]) for s in train)
         assert export.manifest["trained"]["held_out_rows"] == len(held)
-        assert "speculators validates on a slice" in export.manifest["trained"]["held_out_route"]
+        assert "it validates on a slice of its one dataset" in export.manifest["trained"]["held_out_route"]
+
+
+def test_speculators_takes_no_validation_file_so_the_held_out_one_goes_to_no_split(exports):
+    """speculators c05b95b validates on the tail of its one dataset (DataArgs has one data path; the loaders refuse a
+    ratio that leaves either split empty): a held-out file given to prepare_data beside the train file is shuffled
+    into both splits, which is why the flags file names the train file alone and the route is acceptance on the
+    held-out prompts."""
+    assert [f for f in speculators.DataArgs.model_fields if "path" in f or "val" in f] == ["data_path"]
+    export = exports["one", "speculators", "auto"]
+    train, held = lines(export.jsonl_path), lines(export.held_out_path)
+    with pytest.raises(ValueError, match=r"train_data_ratio must be in \(0, 1\), got 1.0"):
+        speculators.create_train_val_loaders(data_path=speculators.prepare([train], L), train_data_ratio=1.0)
+    ratio = speculators.DataArgs().train_data_ratio
+    both = speculators.create_train_val_loaders(data_path=speculators.prepare([train, held], L), train_data_ratio=ratio)
+    held_ids = Counter(tuple(s["input_ids"]) for s in held)
+    landed = [sum(held_ids[tuple(r["input_ids"])] > 0 for r in split) for split in both]
+    assert landed[0] > 0 and sum(landed) == len(held)  # the naive route trains on held-out rows
+    route = export.manifest["trained"]["held_out_route"]
+    assert "takes no validation file" in route and "acceptance on the held-out prompts" in route
 
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "trainer-window.md"
