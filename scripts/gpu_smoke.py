@@ -171,7 +171,7 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
         key,
     )
     outcomes = run_checks(data)
-    export = export_training_set(data, work / "export", cont.config_hash, max_length=None)
+    export = export_training_set(data, work / "export", config_hash=cont.config_hash, max_length=None)
     after = asyncio.run(server_view(url[0], key))
 
     rec = recorded(data, fresh.config_hash, cont.config_hash)

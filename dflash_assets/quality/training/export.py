@@ -37,7 +37,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from dflash_assets.quality.training.selection import AFTER_END, NOT_WHOLE, Selec
 from dflash_assets.quality.training.split import HELD_OUT, HELD_OUT_FILES, TRAIN, held_out, split_manifest
 from dflash_assets.quality.training.trainer_format import (
     DROPS_EARLIER_REASONING,
+    FORM,
     TOOL_VALIDATION,
     VALIDATOR,
     chosen_form,
@@ -69,7 +70,14 @@ from dflash_assets.quality.training.trainer_format import (
     trained_template,
 )
 from dflash_assets.quality.training.trainer_settings import TRAINER_SETTINGS_FILES, Exported, write_trainer_settings
-from dflash_assets.quality.training.writers import WINDOW_CUT_CONTENT, Conversation, Writer, Written, writer_for
+from dflash_assets.quality.training.writers import (
+    WINDOW_CUT_CONTENT,
+    Conversation,
+    KeptRow,
+    Writer,
+    Written,
+    writer_for,
+)
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql, trainable_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
@@ -224,7 +232,7 @@ def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
 def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> Iterator[Conversation]:
     """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config); a shard at a
     time, its keys sorted, then its text fetched a batch of BATCH_TOKENS at a time in that order."""
-    key = lambda r: (r["prompt_id"], r["config_hash"], r["turn"] is None)  # noqa: E731
+    key = lambda r: (r.prompt_id, r.config_hash, r.turn is None)  # noqa: E731
     for shard in _shards(con, "graded"):
         query = KEPT.format(
             completions=parquet_source(con, storage, "completions", COMPLETION_SCHEMA, shard, row_position=True),
@@ -232,7 +240,7 @@ def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> It
             ids=ids,
         )
         keys = con.sql(KEPT_KEYS, params={"shard": shard}).to_arrow_table()
-        rows = (row for batch in _batches(con, keys, query) for row in batch.to_pylist())
+        rows = (row for batch in _batches(con, keys, query) for row in KeptRow.of(batch))
         yield from (Conversation(tuple(group)) for _, group in itertools.groupby(rows, key=key))
 
 
@@ -270,7 +278,7 @@ def _write(
             for side, (jsonl, parquet) in outputs.items()
         }
         for conversation in _conversations(con, storage, ids):
-            side = sides[HELD_OUT if HELD_OUT in sides and held(conversation.rows[0]["prompt_id"]) else TRAIN]
+            side = sides[HELD_OUT if HELD_OUT in sides and held(conversation.rows[0].prompt_id) else TRAIN]
             lines, turns = done.lines, done.consumed - len(done.refused_rows)
             side.write(conversation, done)
             side.conversations += done.lines > lines
@@ -359,23 +367,24 @@ def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) 
     ).fetchall():
         failed.setdefault((shard, pid, h), set()).add(turn)
     selection = Selection()
-    rows = (row for batch in con.sql(TURNS).to_arrow_reader(ROW_GROUP) for row in batch.to_pylist())
-    for key, group in itertools.groupby(rows, key=lambda r: (r["shard"], r["prompt_id"], r["config_hash"])):
+    batches = con.sql(TURNS).to_arrow_reader(ROW_GROUP)
+    rows = (values for batch in batches for values in zip(*(column.to_pylist() for column in batch.columns)))
+    for key, group in itertools.groupby(rows, key=lambda values: values[:3]):  # (shard, prompt_id, config_hash)
         turns: dict[int, Turn] = {}
         total = 0
-        for r in group:
-            total = r["turns"] or 0
+        for *_, turn, n, reason, complete, prompt, completion, window, index, position, diverged in group:
+            total = n or 0
             turns.setdefault(  # the kept copy first
-                r["turn"],
+                turn,
                 Turn(
-                    r["turn"],
-                    r["reason"],
-                    bool(r["window_complete"]),
-                    r["prompt_tokens"] or 0,
-                    r["completion_tokens"] or 0,
-                    int(r["judged_window"]),
-                    (r["file_index"], r["file_row_number"]),
-                    bool(r["diverged"]),
+                    turn,
+                    reason,
+                    bool(complete),
+                    prompt or 0,
+                    completion or 0,
+                    int(window),
+                    (index, position),
+                    bool(diverged),
                 ),
             )
         end = ending(total, turns, refused.get(key, {}), failed.get(key, set()), min_loss_tokens)
@@ -454,36 +463,67 @@ def _source_answers(done: Written, writer: Writer) -> dict[str, Any]:
     }
 
 
-def export_training_set(
-    data_dir: str | Path,
-    out_dir: str | Path,
-    config_hash: str | None = None,
-    max_length: int | None = TrainerSettings().max_length,
-    form: str = TrainerSettings().format,
-    drop_over_max_length: bool = False,
-    runaway: RunawaySettings = RunawaySettings(),
-    chat_template: str = TrainerSettings().chat_template,
-    chosen_by: str = "explicit",
-    min_loss_tokens: int = TrainerSettings().min_loss_tokens,
-    held_out_share: float = 0.0,
-    held_out_seed: int = TrainerSettings().held_out_seed,
-    trainer: str = TrainerSettings().name,
-) -> TrainingExport:
-    """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (None: all configs).
+@dataclass(frozen=True)
+class ExportRequest:
+    """What to export, built once (export_training_set's keywords, documented there)."""
+
+    data_dir: str | Path
+    out_dir: str | Path
+    config_hash: str | None = None
+    max_length: int | None = TrainerSettings().max_length
+    form: str = TrainerSettings().format
+    drop_over_max_length: bool = False
+    runaway: RunawaySettings = field(default_factory=RunawaySettings)
+    chat_template: str = TrainerSettings().chat_template
+    chosen_by: str = "explicit"
+    min_loss_tokens: int = TrainerSettings().min_loss_tokens
+    held_out_share: float = 0.0
+    held_out_seed: int = TrainerSettings().held_out_seed
+    trainer: str = TrainerSettings().name
+
+    @property
+    def out(self) -> Path:
+        return Path(self.out_dir)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The data files written: the train file's two, and the held-out file's two when a share is held out."""
+        return ("training_set.jsonl", "training_set.parquet", *(HELD_OUT_FILES if self.held_out_share > 0 else ()))
+
+    def held(self, prompt_id: str) -> bool:
+        return held_out(prompt_id, self.held_out_share, self.held_out_seed)
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """What the config's rows decide: the form and the template the trainer renders it with (and why)."""
+
+    form: str
+    form_chosen: str
+    template: str
+    template_chosen: str
+    all_turns: bool
+    model: str | None
+
+
+def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: Any) -> TrainingExport:
+    """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (`config_hash`; None: all
+    configs), as ExportRequest(data_dir, out_dir, **options) asks.
 
     `chosen_by` says in the manifest how the config was chosen: "run" (the config the run generated), "latest" (the
     most recently written, rules.latest_first) or "explicit" (named).
 
-    `form` is "conversations" (SpecForge's {id, status, conversations}), "messages" (OpenAI's {id, messages}) or
-    "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at max_length).
+    `form` is "conversations" (SpecForge's {id, status, conversations}), "per_turn" (a row per assistant turn),
+    "messages" (OpenAI's {id, messages}), "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at
+    max_length) or "auto" (chosen for `trainer` and the rows: trainer_format.chosen_form).
 
     `max_length` is the trainer's window in force (None: no limit), by which fixed-cap rows are judged; a
     window-policy config's rows are judged and cut at the window they recorded, and the manifest says so
     (`window`). Rows whose prompt fills the window are excluded (no_trainable_tokens), rows cut at or past it are
     window-complete and kept, rows cut inside it are excluded (module doc). Rows that stopped and are longer than it
     are kept by default: they are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic
-    work needs most, and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes them.
-    The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
+    work needs most, and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes
+    them. The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
     sources it takes most from, so that what is left out is a visible decision.
     A share of the prompts (`held_out_share`, by a seeded hash of the prompt id: split.py) goes whole to the
     held-out file beside the train file, in the same form; the manifest's `split` names both with their counts
@@ -491,144 +531,39 @@ def export_training_set(
     `dflash export`) passes TrainerSettings.held_out_share.
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
     """
-    if is_uri(os.fspath(out_dir)):
-        raise ValueError(
-            f"out_dir {out_dir!s} must be a local directory (the training set is written, fsynced and "
-            f"renamed there; copy it to an object store afterwards if the trainer reads from one)"
-        )
-    storage = open_storage(data_dir)  # one filesystem for both tables
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    names = ("training_set.jsonl", "training_set.parquet", *(HELD_OUT_FILES if held_out_share > 0 else ()))
-    paths = {name: out / name for name in (*names, "manifest.json")}
-    for name in (
-        *TRAINER_SETTINGS_FILES,
-        *HELD_OUT_FILES,
-    ):  # a later export of another form or window must not leave stale ones
-        (out / name).unlink(missing_ok=True)
-    tmps = {name: out / f".{name}.tmp" for name in paths}
-    writer_for(
-        chosen_form(form, False, chat_template, trainer)[0]
-    )  # refuses an unknown form before anything is written
-    params = {
-        "config": config_hash,
-        "min_loss_tokens": min_loss_tokens,
-        "drop_long": drop_over_max_length and max_length is not None,
-    }
+    return export(ExportRequest(data_dir, out_dir, **options))
+
+
+def export(request: ExportRequest) -> TrainingExport:
+    """Grade, select and write the training set `request` asks for, then its trainer's file and the manifest."""
+    paths, tmps = _outputs(request)
     try:
         with duckdb.connect(":memory:") as con:
-            con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
-            con.execute("SET temp_directory = $dir", {"dir": str(out / SPILL_DIR)})
-            prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
-            con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
-            con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
-            con.execute("CREATE TEMP TABLE history_markers (shard VARCHAR, prompt_id VARCHAR)")
-            for shard in _shards(con, "prompts"):  # a shard's messages at a time
-                con.execute(
-                    HISTORY_MARKERS.format(prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard))
-                )
-            # a row's file and position identify it between grading and writing, and order duplicates: the file by
-            # its index in `files` (sorted, so in file name order), not its name, which `graded` would hold per row
-            completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
-            con.execute("CREATE TEMP TABLE files (file_index INTEGER, filename VARCHAR)")
-            if files := list(enumerate(parquet_files(storage, "completions"))):
-                con.executemany("INSERT INTO files VALUES (?, ?)", files)
-            all_turns, modes, model = con.execute(
-                f"SELECT coalesce(bool_or(turn IS NOT NULL), false), coalesce(list(DISTINCT coalesce(enable_thinking, true)), []), "
-                f"min(model) FROM {completions} WHERE $config IS NULL OR config_hash = $config",
-                {"config": config_hash},
-            ).fetchall()[0]
-            template, template_chosen = trained_template(chat_template, frozenset(modes))
-            form, form_chosen = chosen_form(form, all_turns, template, trainer, frozenset(modes))
-            writer = writer_for(form)
-            params["token_ids"] = not writer.form.rendered
-            register_runaway(con, runaway)
-            con.execute(
-                GRADE.format(
-                    flags=COMPLETION_FLAGS,
-                    completions=completions,
-                    overflow=OVERFLOW_SQL,
-                    stopped_early=STOPPED_EARLY_SQL,
-                    runaway=runaway_sql(runaway),
-                    window=window_flags_sql(NO_LIMIT if max_length is None else max_length),
-                    fills_window=fills_window_sql("judged_window"),
-                    trainable=trainable_sql("judged_window", "$min_loss_tokens"),
-                ),
-                params,
-            )
-            selection = _select(con, storage, min_loss_tokens)
-            _reassign(con, selection.reassigned)
-            ids = "c.prompt_token_ids, c.output_ids" if params["token_ids"] else "NULL AS prompt_token_ids"
-            outputs = {TRAIN: (tmps["training_set.jsonl"], tmps["training_set.parquet"])}
-            if held_out_share > 0:
-                outputs[HELD_OUT] = (tmps[HELD_OUT_FILES[0]], tmps[HELD_OUT_FILES[1]])
-            held = lambda prompt_id: held_out(prompt_id, held_out_share, held_out_seed)  # noqa: E731
-            prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
-            tools = con.execute(f"SELECT count(*) > 0 FROM {prompts} WHERE tools_json IS NOT NULL").fetchall()[0][0]
-            done, sides = _write(con, storage, ids, outputs, form, held, tools)
-            _reassign(con, [(*position, "recipe_validation") for position in done.refused_rows])
-            window = _window(con, max_length)
-            manifest = _manifest(con, config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
-                "form": form,
-                "form_chosen": form_chosen,
-                "chat_template": {"name": template, "chosen": template_chosen},
-                "rows": done.lines,
-                "chosen_by": chosen_by,
-                "conversations_not_whole": selection.not_whole,
-                "conversations": {"exported": done.conversations} | selection.manifest(),
-                "min_loss_tokens": min_loss_tokens,
-                "window": window,
-                "recipe": _recipe(done, writer, trainer),
-                "source_answers": _source_answers(done, writer),
-                "split": split_manifest(
-                    held_out_share, held_out_seed, sides, "training_set.jsonl", "training_set.parquet"
-                ),
-            }
-            manifest["drop_over_max_length"] = params["drop_long"]
-            manifest["over_max_length_kept"] = one(
-                con,
-                "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > "
-                f"judged_window AND judged_window < {NO_LIMIT}",
-            )[0]
-            manifest["exclusions"] = _exclusions(con)
-            # the prompts that never became rows: the source's lines, the preflight's and the servers' refusals
-            rejects = read_rejects(data_dir, config_hash=config_hash)
-            manifest["rejected"] = rejects.total
-            manifest["rejected_by_stage_and_reason"] = rejects.by_stage_and_reason()
-            manifest["window_complete_kept"], manifest["window_cut_in_thinking"] = one(
-                con,
-                "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "
-                "FROM graded WHERE reason IS NULL",
-            )
-            manifest["trainer"] = {
-                "max_length": window["max_length"],
-                "format": form,
-                "how_to_change": "trainer.max_length and trainer.format of the quality resource (Dagster), or "
-                "dflash demo/backfill --trainer-max-length, --trainer-format; the form also by the "
-                "drafter_training_set "
-                "config's form",
-                "window_cut_content": WINDOW_CUT_CONTENT if writer.form.rendered else None,
-            }
-        for name in names:
+            storage = open_storage(request.data_dir)  # one filesystem for both tables
+            chosen = _grade(con, storage, request)
+            done, sides, manifest = _write_and_count(con, storage, request, chosen, tmps)
+        for name in request.names:
             _commit(tmps[name], paths[name])
             manifest["files"][name] = {"sha256": _sha256(paths[name])}
         exported = Exported(
             paths["training_set.jsonl"],
-            form,
-            window["max_length"],
-            template,
-            trainer,
-            model,
-            last_turn_only=bool(done.source_answers["written"]) or all_turns and template in DROPS_EARLIER_REASONING,
+            chosen.form,
+            manifest["window"]["max_length"],
+            chosen.template,
+            request.trainer,
+            chosen.model,
+            last_turn_only=bool(done.source_answers["written"])
+            or chosen.all_turns
+            and chosen.template in DROPS_EARLIER_REASONING,
         )
-        manifest["trainer_settings"] = write_trainer_settings(out, exported, manifest["split"])
+        manifest["trainer_settings"] = write_trainer_settings(request.out, exported, manifest["split"])
         manifest["trained"] = _trained(done, exported, sides[TRAIN][0], manifest["trainer_settings"])
         tmps["manifest.json"].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _commit(tmps["manifest.json"], paths["manifest.json"])
     finally:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
-        shutil.rmtree(out / SPILL_DIR, ignore_errors=True)
+        shutil.rmtree(request.out / SPILL_DIR, ignore_errors=True)
     return TrainingExport(
         paths["training_set.jsonl"],
         paths["training_set.parquet"],
@@ -636,6 +571,140 @@ def export_training_set(
         manifest,
         paths.get(HELD_OUT_FILES[0]),
     )
+
+
+def _outputs(request: ExportRequest) -> tuple[dict[str, Path], dict[str, Path]]:
+    """The export's files and their temporary names, once the request is known to be writable: a local out_dir, a
+    known form; the trainer files and held-out files of an earlier export there are removed (another form or window
+    must not leave stale ones)."""
+    if is_uri(os.fspath(request.out_dir)):
+        raise ValueError(
+            f"out_dir {request.out_dir!s} must be a local directory (the training set is written, fsynced and "
+            f"renamed there; copy it to an object store afterwards if the trainer reads from one)"
+        )
+    out = request.out
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in (*request.names, "manifest.json")}
+    for name in (*TRAINER_SETTINGS_FILES, *HELD_OUT_FILES):
+        (out / name).unlink(missing_ok=True)
+    writer_for(chosen_form(request.form, False, request.chat_template, request.trainer)[0])  # an unknown form: refused
+    return paths, {name: out / f".{name}.tmp" for name in paths}
+
+
+def _grade(con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest) -> Chosen:
+    """The temp tables every later step reads (prompts, history_markers, files, graded: each completion row with its
+    exclusion reason), and the form and template the config's rows decide."""
+    con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
+    con.execute("SET temp_directory = $dir", {"dir": str(request.out / SPILL_DIR)})
+    prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
+    con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
+    con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
+    con.execute("CREATE TEMP TABLE history_markers (shard VARCHAR, prompt_id VARCHAR)")
+    for shard in _shards(con, "prompts"):  # a shard's messages at a time
+        con.execute(HISTORY_MARKERS.format(prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard)))
+    # a row's file and position identify it between grading and writing, and order duplicates: the file by its index
+    # in `files` (sorted, so in file name order), not its name, which `graded` would hold per row
+    completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
+    con.execute("CREATE TEMP TABLE files (file_index INTEGER, filename VARCHAR)")
+    if files := list(enumerate(parquet_files(storage, "completions"))):
+        con.executemany("INSERT INTO files VALUES (?, ?)", files)
+    all_turns, modes, model = con.execute(
+        f"SELECT coalesce(bool_or(turn IS NOT NULL), false), coalesce(list(DISTINCT coalesce(enable_thinking, true)), "
+        f"[]), min(model) FROM {completions} WHERE $config IS NULL OR config_hash = $config",
+        {"config": request.config_hash},
+    ).fetchall()[0]
+    template, template_chosen = trained_template(request.chat_template, frozenset(modes))
+    form, form_chosen = chosen_form(request.form, all_turns, template, request.trainer, frozenset(modes))
+    register_runaway(con, request.runaway)
+    window = NO_LIMIT if request.max_length is None else request.max_length
+    con.execute(
+        GRADE.format(
+            flags=COMPLETION_FLAGS,
+            completions=completions,
+            overflow=OVERFLOW_SQL,
+            stopped_early=STOPPED_EARLY_SQL,
+            runaway=runaway_sql(request.runaway),
+            window=window_flags_sql(window),
+            fills_window=fills_window_sql("judged_window"),
+            trainable=trainable_sql("judged_window", "$min_loss_tokens"),
+        ),
+        {
+            "config": request.config_hash,
+            "min_loss_tokens": request.min_loss_tokens,
+            "drop_long": request.drop_over_max_length and request.max_length is not None,
+            "token_ids": not FORM[form].rendered,
+        },
+    )
+    return Chosen(form, form_chosen, template, template_chosen, all_turns, model)
+
+
+def _write_and_count(
+    con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest, chosen: Chosen, tmps: dict[str, Path]
+) -> tuple[Written, dict[str, tuple[int, int]], dict[str, Any]]:
+    """Where each conversation ends, the kept conversations written through the form's writer to both sides of the
+    split, and the manifest's counts of what was written and left out (its files, trainer and trained come after)."""
+    selection = _select(con, storage, request.min_loss_tokens)
+    _reassign(con, selection.reassigned)
+    rendered = FORM[chosen.form].rendered
+    ids = "NULL AS prompt_token_ids, NULL AS output_ids" if rendered else "c.prompt_token_ids, c.output_ids"
+    outputs = {TRAIN: (tmps["training_set.jsonl"], tmps["training_set.parquet"])}
+    if request.held_out_share > 0:
+        outputs[HELD_OUT] = (tmps[HELD_OUT_FILES[0]], tmps[HELD_OUT_FILES[1]])
+    prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
+    tools = con.execute(f"SELECT count(*) > 0 FROM {prompts} WHERE tools_json IS NOT NULL").fetchall()[0][0]
+    writer = writer_for(chosen.form, tools)
+    done, sides = _write(con, storage, ids, outputs, chosen.form, request.held, tools)
+    _reassign(con, [(*position, "recipe_validation") for position in done.refused_rows])
+    window = _window(con, request.max_length)
+    manifest = _manifest(con, request.config_hash, window["max_length"], done.consumed - len(done.refused_rows)) | {
+        "form": chosen.form,
+        "form_chosen": chosen.form_chosen,
+        "chat_template": {"name": chosen.template, "chosen": chosen.template_chosen},
+        "rows": done.lines,
+        "chosen_by": request.chosen_by,
+        "conversations_not_whole": selection.not_whole,
+        "conversations": {"exported": done.conversations} | selection.manifest(),
+        "min_loss_tokens": request.min_loss_tokens,
+        "window": window,
+        "recipe": _recipe(done, writer, request.trainer),
+        "source_answers": _source_answers(done, writer),
+        "split": split_manifest(
+            request.held_out_share, request.held_out_seed, sides, "training_set.jsonl", "training_set.parquet"
+        ),
+    }
+    return done, sides, manifest | _kept_counts(con, request, window["max_length"], chosen.form)
+
+
+def _kept_counts(con: duckdb.DuckDBPyConnection, request: ExportRequest, max_length: int | None, form: str) -> dict:
+    """The manifest's figures of the rows kept and left out: long rows kept, exclusions, rejects, window-complete
+    rows, and the trainer's window and form as exported."""
+    rejects = read_rejects(request.data_dir, config_hash=request.config_hash)  # the prompts that never became rows
+    window_complete, cut_in_thinking = one(
+        con,
+        "SELECT count(*) FILTER (WHERE window_complete), count(*) FILTER (WHERE window_cut_in_thinking) "
+        "FROM graded WHERE reason IS NULL",
+    )
+    return {
+        "drop_over_max_length": request.drop_over_max_length and request.max_length is not None,
+        "over_max_length_kept": one(
+            con,
+            "SELECT count(*) FROM graded WHERE reason IS NULL AND prompt_tokens + completion_tokens > "
+            f"judged_window AND judged_window < {NO_LIMIT}",
+        )[0],
+        "exclusions": _exclusions(con),
+        "rejected": rejects.total,
+        "rejected_by_stage_and_reason": rejects.by_stage_and_reason(),
+        "window_complete_kept": window_complete,
+        "window_cut_in_thinking": cut_in_thinking,
+        "trainer": {
+            "max_length": max_length,
+            "format": form,
+            "how_to_change": "trainer.max_length and trainer.format of the quality resource (Dagster), or "
+            "dflash demo/backfill --trainer-max-length, --trainer-format; the form also by the drafter_training_set "
+            "config's form",
+            "window_cut_content": WINDOW_CUT_CONTENT if FORM[form].rendered else None,
+        },
+    }
 
 
 def _window(con: duckdb.DuckDBPyConnection, max_length: int | None) -> dict[str, Any]:

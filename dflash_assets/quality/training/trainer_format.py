@@ -195,23 +195,23 @@ def conversation_problem(messages: Any) -> str | None:
 
 
 def row_problem(
-    row: Any,
+    line: Any,
     *,
     expect_reasoning: bool = True,
     expect_non_reasoning: bool = False,
     strict_think_markers: bool = True,
 ) -> str | None:
-    """Why one JSONL row (conversations form) would stop SpecForge's validator (validate_row), or None. The
+    """Why one JSONL line (conversations form) would stop SpecForge's validator (validate_row), or None. The
     defaults are the qwen3.6-27b recipe's flags; recipe_flags(enable_thinking) gives either recipe's."""
     if expect_reasoning and expect_non_reasoning:
         raise ValueError("expect_non_reasoning and expect_reasoning are mutually exclusive")
-    if not isinstance(row, dict):
+    if not isinstance(line, dict):
         return "expected a JSON object"
-    if not isinstance(row.get("id"), str) or not row["id"].strip():
+    if not isinstance(line.get("id"), str) or not line["id"].strip():
         return "id must be a non-empty string"
-    if row.get("status") != STATUS:
+    if line.get("status") != STATUS:
         return f"status must be {STATUS!r}"
-    messages = row.get("conversations")
+    messages = line.get("conversations")
     if problem := conversation_problem(messages):
         return problem
     return _assistants_problem(cast(list, messages), expect_reasoning, expect_non_reasoning, strict_think_markers)

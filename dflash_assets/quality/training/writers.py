@@ -7,6 +7,7 @@ the writer's facts (trainer_format.Form) and calls its `samples`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -41,31 +42,65 @@ PROVENANCE = [
     ("completion_tokens", pa.int32()),
 ]
 
-Row = dict[str, Any]
 # SpecForge's validator flags, strongest first: either recipe's (trainer_format.recipe_flags), then the markers alone
 VALIDATOR_FLAGS = (
     recipe_flags(True),
     recipe_flags(False),
     {"expect_reasoning": False, "expect_non_reasoning": False, "strict_think_markers": True},
 )
-Sample = tuple[dict[str, Any], Row]  # (the JSONL line, the Parquet row)
+Sample = tuple[dict[str, Any], dict[str, Any]]  # (the JSONL line, the Parquet row)
+
+
+@dataclass(frozen=True)
+class KeptRow:
+    """One kept completion row as the writers read it: export.py's KEPT query, a column a field."""
+
+    id: str  # "<prompt_id>@<config_hash>"
+    prompt_id: str
+    shard: str
+    source: str | None
+    config_hash: str
+    max_output_tokens: int | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    turn: int | None  # None: a last_turn row
+    turns: int | None
+    messages_json: str
+    content: str | None
+    reasoning_content: str | None
+    window_cut_in_thinking: bool
+    judged_window: int | None
+    prompt_token_ids: list[int] | None  # pretokenized form only (else None)
+    output_ids: list[int] | None
+    file_index: int
+    file_row_number: int
+    enable_thinking: bool | None
+    tool_calls_json: str | None
+    tools_json: str | None
+    reasoning_empty: bool
+
+    @classmethod
+    def of(cls, batch: pa.Table) -> list[KeptRow]:
+        """The rows of a batch of KEPT, column by column (no dict per row)."""
+        columns = [batch.column(f.name).to_pylist() for f in dataclasses.fields(cls)]
+        return [cls(*values) for values in zip(*columns)]
 
 
 @dataclass(frozen=True)
 class Conversation:
     """The kept rows of one exported conversation: one row (last_turn), or its turns in order (all_turns)."""
 
-    rows: tuple[Row, ...]
+    rows: tuple[KeptRow, ...]
 
     @property
     def messages(self) -> list[dict[str, Any]]:
         keys = ("role", "content", "tool_calls", "tool_call_id")
-        return [{k: m[k] for k in keys if k in m} for m in json.loads(self.rows[0]["messages_json"])]
+        return [{k: m[k] for k in keys if k in m} for m in json.loads(self.rows[0].messages_json)]
 
     @property
     def carries_history(self) -> bool:
         """A last_turn row whose history keeps the source's own earlier answers."""
-        return self.rows[0]["turn"] is None and carries_history(json.loads(self.rows[0]["messages_json"]))
+        return self.rows[0].turn is None and carries_history(json.loads(self.rows[0].messages_json))
 
 
 @dataclass
@@ -88,15 +123,15 @@ class Written:
         self.validator_flags = [f for f in self.validator_flags if row_problem(line, **f) is None]
 
 
-def answer(row: Row) -> dict[str, Any]:
+def answer(row: KeptRow) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
-        "content": WINDOW_CUT_CONTENT if row["window_cut_in_thinking"] else row["content"],
+        "content": WINDOW_CUT_CONTENT if row.window_cut_in_thinking else row.content,
     }
-    if not row["reasoning_empty"]:
-        message["reasoning_content"] = row["reasoning_content"]
-    if row.get("tool_calls_json"):
-        message["tool_calls"] = json.loads(row["tool_calls_json"])
+    if not row.reasoning_empty:
+        message["reasoning_content"] = row.reasoning_content
+    if row.tool_calls_json:
+        message["tool_calls"] = json.loads(row.tool_calls_json)
     return message
 
 
@@ -104,10 +139,10 @@ def exported_messages(conversation: Conversation) -> list[dict[str, str]]:
     """The messages of one exported id: the prompt and its regenerated answer (last_turn), or under all_turns
     each user turn followed by its regenerated answer, up to the turn where it ends for the trainer (selection.py)."""
     rows, messages = conversation.rows, conversation.messages
-    if rows[0]["turn"] is None:
+    if rows[0].turn is None:
         return [*last_turn_request(messages), answer(rows[0])]
-    if [r["turn"] for r in rows] != list(range(1, len(rows) + 1)):  # selection.py exports turns 1..k
-        raise RuntimeError(f"conversation {rows[0]['id']} exported with turns {[r['turn'] for r in rows]}")
+    if [r.turn for r in rows] != list(range(1, len(rows) + 1)):  # selection.py exports turns 1..k
+        raise RuntimeError(f"conversation {rows[0].id} exported with turns {[r.turn for r in rows]}")
     out, groups = split_turns(messages)
     previous: dict[str, Any] | None = None
     for group, row in zip(groups, rows):  # a user turn, or the source's tool results spliced after the calls
@@ -117,12 +152,12 @@ def exported_messages(conversation: Conversation) -> list[dict[str, str]]:
     return out
 
 
-def pretokenized(row: Row, max_length: int | None) -> dict[str, Any]:
+def pretokenized(row: KeptRow, max_length: int | None) -> dict[str, Any]:
     """{id, input_ids, loss_mask}: the prompt's ids (loss 0) then the generated ids (loss 1), cut at the window.
     What SpecForge's online trainer (prompt_builder.py) and speculators' pre-tokenized path read as is."""
-    prompt, output = row["prompt_token_ids"], row["output_ids"]
+    prompt, output = row.prompt_token_ids or [], row.output_ids or []
     end = len(prompt) + len(output) if max_length is None else max_length
-    sample_id = row["id"] if row["turn"] is None else f"{row['id']}#{row['turn']}"
+    sample_id = row.id if row.turn is None else f"{row.id}#{row.turn}"
     return {
         "id": sample_id,
         "input_ids": (prompt + output)[:end],
@@ -143,8 +178,9 @@ class Writer:
     def dumps(line: dict[str, Any]) -> bytes:
         return json.dumps(line, ensure_ascii=False).encode("utf-8") + b"\n"
 
-    def record(self, row: Row, **columns: Any) -> Row:
-        return {k: row.get(k) for k in self.schema.names} | {"status": STATUS} | columns
+    def record(self, row: KeptRow, **columns: Any) -> dict[str, Any]:
+        """The Parquet row: the schema's columns the kept row has (provenance), then the form's own."""
+        return {k: getattr(row, k, None) for k in self.schema.names} | {"status": STATUS} | columns
 
 
 class PretokenizedWriter(Writer):
@@ -169,7 +205,7 @@ class PretokenizedWriter(Writer):
         done.source_answers["written"] += conversation.carries_history  # in the prompt's ids: loss 0
         out = []
         for row in conversation.rows:
-            sample = pretokenized(row, row["judged_window"])
+            sample = pretokenized(row, row.judged_window)
             out.append((sample, self.record(row, **sample)))
         return out
 
@@ -188,9 +224,9 @@ class TextWriter(Writer):
         judged = self.judged(conversation, done)
         if judged is None:
             return []
-        row = rows[-1] | {"completion_tokens": sum(r["completion_tokens"] or 0 for r in rows)}
+        row = dataclasses.replace(rows[-1], completion_tokens=sum(r.completion_tokens or 0 for r in rows))
         messages = judged["conversations"]
-        return [(self.line(row["id"], judged, messages), self.record(row, **{self.form.column: messages}))]
+        return [(self.line(row.id, judged, messages), self.record(row, **{self.form.column: messages}))]
 
     def judged(self, conversation: Conversation, done: Written) -> dict[str, Any] | None:
         """The conversations row of `conversation`, or None where the validator would stop at it."""
@@ -198,12 +234,12 @@ class TextWriter(Writer):
         done.consumed += len(rows)
         messages = exported_messages(conversation)
         history = conversation.carries_history
-        thinking = bool(rows[-1]["enable_thinking"])
+        thinking = bool(rows[-1].enable_thinking)
         done.thinking.add(thinking)
-        judged = {"id": rows[-1]["id"], "status": STATUS, "conversations": messages}
+        judged = {"id": rows[-1].id, "status": STATUS, "conversations": messages}
         if problem := self.check(judged, **recipe_flags(thinking)):
             done.refused[problem] = done.refused.get(problem, 0) + len(rows)
-            done.refused_rows += [(r["file_index"], r["file_row_number"]) for r in rows]
+            done.refused_rows += [(r.file_index, r.file_row_number) for r in rows]
             done.source_answers["left_out"] += history
             return None
         done.source_answers["written"] += history
@@ -318,7 +354,7 @@ def agentic(writer: type[Writer]) -> type[Writer]:
         check = staticmethod(tool_row_problem)
 
         def samples(self, conversation: Conversation, done: Written) -> list[Sample]:
-            tools = conversation.rows[0].get("tools_json")
+            tools = conversation.rows[0].tools_json
             return [
                 ({**line, "tools": tools} if tools else line, record | {"tools": tools})
                 for line, record in super().samples(conversation, done)
