@@ -517,18 +517,11 @@ def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: An
     "messages" (OpenAI's {id, messages}), "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at
     max_length) or "auto" (chosen for `trainer` and the rows: trainer_format.chosen_form).
 
-    `max_length` is the trainer's window in force (None: no limit), by which fixed-cap rows are judged; a
-    window-policy config's rows are judged and cut at the window they recorded, and the manifest says so
-    (`window`). Rows whose prompt fills the window are excluded (no_trainable_tokens), rows cut at or past it are
-    window-complete and kept, rows cut inside it are excluded (module doc). Rows that stopped and are longer than it
-    are kept by default: they are the longest answers (coding, multi-step reasoning), the ones a drafter for agentic
-    work needs most, and trainers cut them at training time; the manifest counts them. `drop_over_max_length` excludes
-    them. The manifest's `exclusions` gives every reason with its share of rows and of completion tokens and the
-    sources it takes most from, so that what is left out is a visible decision.
-    A share of the prompts (`held_out_share`, by a seeded hash of the prompt id: split.py) goes whole to the
-    held-out file beside the train file, in the same form; the manifest's `split` names both with their counts
-    (`rows` counts both), and 0 (here by default) writes no held-out file; the pipeline (drafter_training_set,
-    `dflash export`) passes TrainerSettings.held_out_share.
+    `max_length` is the trainer's window in force (None: no limit): fixed-cap rows are judged by it, a window-policy
+    config's by the window it recorded (module doc); rows that stopped past it are kept (the longest answers, which
+    trainers cut) unless `drop_over_max_length`. The manifest's `exclusions` gives every reason with its shares and
+    sources. `held_out_share` of the prompts (split.py) go whole to the held-out file beside the train file (0, here
+    by default, writes none; the pipeline passes TrainerSettings.held_out_share).
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
     """
     return export(ExportRequest(data_dir, out_dir, **options))
