@@ -6,6 +6,7 @@ import asyncio
 import json
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 
 import duckdb
 import pyarrow.parquet as pq
@@ -19,6 +20,7 @@ from dflash_assets.quality import export_training_set
 from dflash_assets.rules import trained_tokens
 from dflash_assets.settings import DEMO_PROMPTS, DispatchSettings, GenerationSettings
 from tests.support import specforge, specforge_preprocessing
+from tests.support.docs import written_by_this_run
 from tests.support.forks import start_emulator
 from tests.support.quality_data import CONFIG_A, T0, completion, write
 
@@ -127,6 +129,19 @@ def test_decoded_per_trained_token_is_at_most_1_01_in_the_default_form_and_preto
     assert trained_per_turn == trained_ids
     assert decoded / trained_per_turn <= 1.01, decoded / trained_per_turn
     assert decoded / trained_ids <= 1.01, decoded / trained_ids
+    conversations = len({r["prompt_id"] for r in rows(demo)})
+    written_by_this_run(
+        DOC,
+        DOC_MARK + "\n",
+        "\n\n",
+        f"The demo's prompts ({conversations:,} conversations, every turn regenerated) under the window policy at "
+        f"L = {L:,}, cap 16,384:\ndecoded {decoded:,} tokens, trained {trained_ids:,} (per_turn and pretokenized "
+        f"alike): {decoded / trained_ids:.4f} decoded per trained token.",
+    )
+
+
+DOC = Path(__file__).resolve().parents[3] / "docs" / "trainer-window.md"
+DOC_MARK = "<!-- tests/quality/training/test_conversation_export.py's demo run writes this (DFLASH_WRITE_DOCS=1) -->"
 
 
 def test_specforges_expand_reasoning_conversations_on_our_conversations_export_is_our_per_turn_export(exports):
