@@ -158,9 +158,11 @@ def trainer_settings_line(manifest: dict, out: Path) -> str:
     if not settings.get("name"):
         return f"the trainer: {settings['note']}"
     chosen = manifest.get("form_chosen", "as set")
+    template = manifest.get("chat_template") or {"chosen": "as set"}
     return (
         f"{settings['name']} reads it (max_length {manifest['trainer']['max_length']}; form {manifest['form']}"
         + ("" if chosen == "as set" else f", {chosen}")
+        + ("" if template["chosen"] == "as set" else f"; chat_template {template['name']}: {template['chosen']}")
         + f"): its settings in {out / settings['file']}; start it with: "
         + settings["command"].replace(
             manifest["split"]["train"]["jsonl"], str(out / manifest["split"]["train"]["jsonl"])

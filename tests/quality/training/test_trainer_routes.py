@@ -13,6 +13,7 @@ import yaml
 
 from dflash_assets.emulator.tokenizer import decode
 from dflash_assets.quality import export_training_set
+from dflash_assets.quality.training.trainer_settings import trainer_settings_line
 from dflash_assets.settings import GenerationSettings, SettingsError, TrainerSettings
 from tests.quality.training.test_conversation_export import run_demo, trained_text, turn_text
 from tests.support import specforge, specforge_config, specforge_preprocessing, speculators
@@ -82,6 +83,9 @@ def test_the_trainer_chooses_the_form_and_writes_only_its_own_file(exports):
     off = exports["off", "specforge", "auto"].manifest
     assert (off["form"], off["chat_template"]["name"]) == ("conversations", "qwen3-instruct")
     assert "every row was generated with thinking off" in off["chat_template"]["chosen"]
+    said = trainer_settings_line(off, Path("out"))  # the export's terminal line
+    assert "chat_template qwen3-instruct: every row was generated with thinking off" in said
+    assert "; chat_template" not in trainer_settings_line(exports["one", "specforge", "auto"].manifest, Path("out"))
     assert exports["one", "specforge", "auto"].manifest["chat_template"] == {"name": "qwen3.5", "chosen": "as set"}
     with pytest.raises(SettingsError, match="trainer speculators does not read the per_turn form"):
         TrainerSettings(name="speculators", format="per_turn")
