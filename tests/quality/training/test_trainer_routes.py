@@ -1,6 +1,6 @@
 """The trainer, named once, and every route it is offered proven by its own code (issue 53): the demo's prompts,
 every assistant turn regenerated under the window policy (one config with thinking on, one a seeded mix of modes, one
-with thinking off), exported for each (trainer, form) the tool offers with a held-out share, then read by pinned copies
+with thinking off; and one with thinking off regenerating the last turn only), exported for each (trainer, form) the tool offers with a held-out share, then read by pinned copies
 of SpecForge's (tests/support/specforge*.py) and speculators' (tests/support/speculators.py) data code."""
 
 import json
@@ -23,8 +23,9 @@ L, SHARE = 2048, 0.1
 ONE = GenerationSettings(max_output_tokens=16384, trainer_max_length=L, regenerate="all_turns")
 MIX = ONE.model_copy(update={"thinking_share": 0.5, "mode_seed": 3})
 OFF = ONE.model_copy(update={"enable_thinking": False})
-CONFIGS = {"one": ONE, "mix": MIX, "off": OFF}
-NAMES = {"one": "on", "mix": "50% on", "off": "off"}  # the docs table's thinking column
+LAST = OFF.model_copy(update={"regenerate": "last_turn"})  # the source's earlier answers stay in the history
+CONFIGS = {"one": ONE, "mix": MIX, "off": OFF, "last": LAST}
+NAMES = {"one": "on", "mix": "50% on", "off": "off", "last": "off last_turn"}  # the docs table's thinking column
 # every (trainer, form) the tool offers: settings.TRAINER_READS, and auto
 TEXT = ("conversations", "per_turn")
 ROUTES = [("specforge", f) for f in ("auto", *TEXT, "pretokenized")] + [("speculators", "auto")]
@@ -120,7 +121,7 @@ def test_every_pretokenized_turn_is_supervised_once_on_generated_tokens_only(dat
         seen = set()
         off = 0
         for s, ids, mask in zip(samples, prepared["input_ids"], prepared["loss_mask"]):
-            pid, turn = s["id"].split("@")[0], int(s["id"].split("#")[1])
+            pid, turn = s["id"].split("@")[0], int(s["id"].split("#")[1]) if "#" in s["id"] else None
             row = by_turn[pid, turn]
             assert (pid, turn) not in seen
             seen.add((pid, turn))
@@ -135,6 +136,7 @@ def test_every_pretokenized_turn_is_supervised_once_on_generated_tokens_only(dat
         assert trained["turns_supervised"] == trained["turns_exported"] == len(lines(export.jsonl_path))
         assert trained["turns_not_trained"] == 0
         assert (off > 0) == (mix != "one")
+        assert export.manifest["source_answers"]["rows"] == 0 or mix == "last"
 
 
 def test_specforge_trains_every_per_turn_event_once_and_counts_what_a_conversations_row_leaves(exports):
@@ -215,18 +217,23 @@ def test_specforge_trains_each_exported_turn_once_and_no_token_the_template_forc
                 n = 1 if text == generated(answers[-1]) else len(answers)
                 assert text == "".join(generated(a) for a in answers[-n:]), line["id"]
                 if mix == "off":
-                    assert "</think>" not in text and n == (len(answers) if m["form"] == "conversations" else 1)
+                    assert n == (len(answers) if m["form"] == "conversations" else 1)
+                if mix in ("off", "last"):
+                    assert "</think>" not in text
                     # the configured qwen3.5 would have trained the empty think block the server put in the prompt
                     assert supervised(export, line, "qwen3.5").endswith(f"\n</think>\n\n{generated(answers[-1])}")
+                assert n == 1 or mix != "last"  # never a source's answer in the history
                 trained.update((line.get("source_id", line["id"]), i) for i in range(len(answers) - n, len(answers)))
                 turns += n if path == export.jsonl_path else 0
         assert max(trained.values()) == 1
         assert turns == m["trained"]["turns_supervised"] > 0
         assert m["trained"]["turns_not_trained"] == m["trained"]["turns_exported"] - turns
-        if mix == "off":
+        if mix != "one":
             assert m["trained"]["turns_not_trained"] == 0
+        if mix == "last":  # rows whose history holds the source's answers were written, none of them trained
+            assert m["source_answers"]["written"] > 0
         checked.add((mix, m["form"]))
-    assert checked == {(mix, form) for mix in ("one", "off") for form in TEXT}
+    assert checked == {(mix, form) for mix in ("one", "off", "last") for form in TEXT}
 
 
 def test_no_held_out_prompt_is_in_a_file_a_trainer_is_given(exports):
