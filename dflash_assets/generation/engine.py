@@ -25,11 +25,10 @@ from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import canonical_json, carries_history
 from dflash_assets.generation.provenance import run_settings
 from dflash_assets.generation.quarantine import carry_over, quarantine_note
-from dflash_assets.generation.send import Dispatch, next_turn, turn_item, turn_sender, watch_of
-from dflash_assets.generation.slots import Slot
+from dflash_assets.generation.send import Dispatch, Sent, next_turn, turn_sender, watch_of
 from dflash_assets.generation.stopping import Stopped
 from dflash_assets.generation.tools import answer_message, calls_differ, clean_calls
-from dflash_assets.generation.turns import every_turn
+from dflash_assets.generation.turns import TurnItem, every_turn
 from dflash_assets.rules import row_finish, stores_token_ids
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.store.schema import CompletionRow, RejectRow
@@ -54,79 +53,57 @@ __all__ = [
     "generate_shards",
     "generated_tokens",
     "plan_remaining",
-    "row_of",
+    "turn_row",
 ]
 
 
-def row_of(
-    prompt: dict,
-    resp: dict,
-    slot: Slot,
-    generation: GenerationSettings,
-    config_hash: str,
-    shard: str,
-    attempt: int,
-    latency: float,
-    cap: int | None = None,
-    turn: int | None = None,
-    turns: int | None = None,
-) -> CompletionRow:
-    """The completion row of one chat answer, with everything that made it; `cap` is the request's own, `turn` and
-    `turns` the turn as its conversation's rows record it."""
-    choice, usage = resp["choices"][0], resp.get("usage") or {}
+def turn_row(item: TurnItem, resp: dict, sent: Sent, generation: GenerationSettings, config_hash: str) -> CompletionRow:
+    """The completion row of a conversation's turn (a plan's item or a follow-up) from its chat answer, with everything
+    that made it: its request's own cap, the turn as its conversation's rows record it."""
+    choice, usage, message = resp["choices"][0], resp.get("usage") or {}, resp["choices"][0]["message"]
     reasoning_tokens = usage.get("reasoning_tokens")
     if reasoning_tokens is None:
         reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-    return CompletionRow(
-        prompt_id=prompt["prompt_id"],
-        shard=shard,
-        source=prompt["source"],
+    calls = message.get("tool_calls")
+    row = CompletionRow(
+        prompt_id=item.prompt_id,
+        shard=item.shard,
+        source=item.source,
         config_hash=config_hash,
         finish_reason=row_finish(choice["finish_reason"]),
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
         reasoning_tokens=reasoning_tokens or 0,
-        max_output_tokens=generation.max_output_tokens if cap is None else cap,
+        max_output_tokens=generation.request_cap(item.prompt_tokens or 0),
         **window_columns(generation),
-        server_context_length=slot.info.context_length,
-        server_url=slot.url,
-        model=slot.info.model,
+        server_context_length=sent.slot.info.context_length,
+        server_url=sent.slot.url,
+        model=sent.slot.info.model,
         **generation.sampling(),
-        enable_thinking=generation.thinks(prompt["prompt_id"]),  # the prompt's mode under a mix
+        enable_thinking=generation.thinks(item.prompt_id),  # the prompt's mode under a mix
         **generation.mix_columns(),
-        content=choice["message"].get("content") or "",
-        tool_calls_json=canonical_json(clean_calls(calls)) if (calls := choice["message"].get("tool_calls")) else None,
-        reasoning_content=choice["message"].get("reasoning_content"),
-        latency_s=latency,
-        attempt=attempt,
+        content=message.get("content") or "",
+        tool_calls_json=canonical_json(clean_calls(calls)) if calls else None,
+        reasoning_content=message.get("reasoning_content"),
+        latency_s=sent.latency_s,
+        attempt=sent.attempt,
         created_at=datetime.now(UTC),
         prompt_token_ids=choice.get("prompt_token_ids"),
         output_ids=choice.get("response_token_ids"),
         # reported by a server started with --enable-cache-report
         cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
         loop_start_tokens=choice.get("loop_start_tokens"),  # a runaway stopped while streaming (fleet/stream.py)
-        turn=turn,
-        turns=turns,
+        turn=item.recorded_turn,
+        turns=item.recorded_turns,
     )
-
-
-def turn_row(
-    item: dict, resp: dict, slot: Slot, generation: GenerationSettings, config_hash: str, attempt: int, latency: float
-) -> CompletionRow:
-    """The row of a conversation's turn (a plan's item or a follow-up): its request's own cap, and the turn as its
-    conversation's rows record it."""
-    recorded, cap = turn_item(item), generation.request_cap(item["prompt_tokens"])
-    shard, turn, turns = item["shard"], recorded["turn"], recorded["turns"]
-    row = row_of(item, resp, slot, generation, config_hash, shard, attempt, latency, cap, turn, turns)
-    conversation = item["conversation"]
-    if not conversation.tools:
+    if not item.conversation.tools:
         return row
     made = json.loads(row.tool_calls_json) if row.tool_calls_json else []
     answer = answer_message(row.content or "", row.tool_calls_json)
     return replace(
         row,
-        calls_differ=calls_differ(made, conversation.source_calls_of(item["turn"])),
-        diverged=row.finish_reason == "stop" and conversation.ends_after(item["turn"], answer),
+        calls_differ=calls_differ(made, item.conversation.source_calls_of(item.turn)),
+        diverged=row.finish_reason == "stop" and item.conversation.ends_after(item.turn, answer),
     )
 
 
@@ -207,11 +184,11 @@ async def generate_shards(
 
         token_ids = stores_token_ids(dispatch.store_token_ids, generation.cap_policy)
 
-        def make_row(item: dict, resp: dict, slot: Slot, attempt: int, latency: float) -> CompletionRow:
-            return turn_row(item, resp, slot, generation, config_hash, attempt, latency)
+        def make_row(item: TurnItem, resp: dict, sent: Sent) -> CompletionRow:
+            return turn_row(item, resp, sent, generation, config_hash)
 
-        def refuse(item: dict, reason: str, context: int) -> RejectRow:
-            return reject_row(turn_item(item), "server", reason, generation, config_hash, item["shard"], context)
+        def refuse(item: TurnItem, reason: str, context: int) -> RejectRow:
+            return reject_row(item, "server", reason, generation, config_hash, context, item.recorded_turn)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
         send = turn_sender(fleet, generation, token_ids, make_row, watch_of(dispatch, runaway))

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
+from typing import TypeVar
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.preflight import Budget, overflow_error, tool_parser_error
@@ -19,15 +20,17 @@ from dflash_assets.generation.prompts import canonical_json, last_turn_request
 from dflash_assets.generation.turns import (
     FINISHED,
     Conversation,
+    Planned,
+    TurnItem,
     conversations,
     fills_before,
+    next_item,
     plan_file,
-    turns_of_row,
 )
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.parts import PartStore
-from dflash_assets.store.schema import RejectRow, as_dicts
+from dflash_assets.store.schema import PromptRow, RejectRow, as_dicts
 from dflash_assets.store.storage import Storage
 from dflash_assets.store.stores import completion_store, prompt_batches, prompt_store, reject_store
 
@@ -96,67 +99,77 @@ def filling_window_note(prompts: int, max_length: int) -> str:
     )
 
 
-def count_filling_window(run: ShardResult, rows: Iterable[dict], generation: GenerationSettings) -> None:
+def count_filling_window(run: ShardResult, rows: Iterable[Planned], generation: GenerationSettings) -> None:
     """Under a fixed cap, the prompts about to be sent that fill the trainer's window (the window policy refuses
     them in preflight): counted before any request and said in the shard's notes; they decode for nothing trained."""
     if generation.windowed:
         return
     window = generation.trainer_max_length
-    run.filling_window = sum(fills_window(r["prompt_tokens"], window) for r in rows)
+    run.filling_window = sum(fills_window(r.prompt_tokens or 0, window) for r in rows)
     if run.filling_window:
         run.notes.append(f"shard {run.shard}: {filling_window_note(run.filling_window, window)}")
 
 
 def reject_row(
-    prompt: dict, stage: str, reason: str, generation: GenerationSettings, config_hash: str, shard: str, context: int
+    planned: Planned,
+    stage: str,
+    reason: str,
+    generation: GenerationSettings,
+    config_hash: str,
+    context: int,
+    turn: int | None,
 ) -> RejectRow:
-    """A row of the rejects table for one prompt of this config (stage "preflight" or "server"), with the cap
-    its request had (its own under the window policy)."""
-    tokens = prompt["prompt_tokens"]
+    """A row of the rejects table for one turn of this config (stage "preflight" or "server"), with the cap its
+    request had (its own under the window policy); `turn` as the row records it."""
+    tokens = planned.prompt_tokens
     return RejectRow(
-        shard=shard,
+        shard=planned.shard,
         stage=stage,
-        line=prompt["line"],
-        prompt_id=prompt["prompt_id"],
+        line=planned.line,
+        prompt_id=planned.prompt_id,
         config_hash=config_hash,
         reason=reason,
         prompt_tokens=tokens,
         max_output_tokens=generation.request_cap(tokens) if tokens is not None else generation.max_output_tokens,
         server_context_length=context,
         created_at=datetime.now(UTC),
-        turn=prompt.get("turn"),
+        turn=turn,
     )
 
 
-def plan_remaining(prompts: PartStore, finished: set[str]) -> tuple[int, dict[str, dict]]:
-    """(prompts in the shard, {prompt_id: plan row} of those not finished), from the small columns only."""
-    total, todo = 0, dict[str, dict]()
+def plan_remaining(prompts: PartStore, finished: set[str]) -> tuple[int, dict[str, PromptRow]]:
+    """(prompts in the shard, {prompt_id: its row} of those not finished), from the small columns only."""
+    total, todo = 0, dict[str, PromptRow]()
     for batch in prompt_batches(prompts, PLAN_COLUMNS):
         total += len(batch)
-        todo.update((r["prompt_id"], r) for r in batch if r["prompt_id"] not in finished)
+        todo.update((r.prompt_id, r) for r in batch if r.prompt_id not in finished)
     return total, todo
 
 
+P = TypeVar("P", bound=Planned)
+
+
 def preflight(
-    rows: list[dict], budget: Budget, generation: GenerationSettings, policy: str = "reject"
-) -> list[tuple[dict, str]]:
-    """(row, why) for every row whose prompt_tokens + request cap the fleet cannot honour: each row's request cap is
-    `generation.request_cap` (its own under the window policy), and the window refuses a prompt that fills it.
+    rows: list[P], budget: Budget, generation: GenerationSettings, policy: str = "reject"
+) -> list[tuple[P, str]]:
+    """(turn, why) for every turn whose prompt_tokens + request cap the fleet cannot honour: each turn's request cap
+    is `generation.request_cap` (its own under the window policy), and the window refuses a prompt that fills it.
 
     Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow:
     then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts. A prompt that fills
     the window is the prompt's fault, not the fleet's: it never counts towards that share."""
-    full = [(r, problem) for r in rows if (problem := generation.window_problem(r["prompt_tokens"]))]
+    counted = [(r, r.prompt_tokens or 0) for r in rows]
+    full = [(r, problem) for r, tokens in counted if (problem := generation.window_problem(tokens))]
     refused = {id(r) for r, _ in full}
     over = [
         (r, problem)
-        for r in rows
-        if id(r) not in refused
-        and (problem := budget.problem(r["prompt_tokens"], generation.request_cap(r["prompt_tokens"])))
+        for r, tokens in counted
+        if id(r) not in refused and (problem := budget.problem(tokens, generation.request_cap(tokens)))
     ]
     if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
         config_cap = generation.max_output_tokens
-        raise overflow_error(budget, config_cap, len(over), len(rows), max(r["prompt_tokens"] for r, _ in over))
+        longest = max(r.prompt_tokens or 0 for r, _ in over)
+        raise overflow_error(budget, config_cap, len(over), len(rows), longest)
     return full + over
 
 
@@ -174,60 +187,49 @@ class ShardPlan:
     prompts: PartStore
     generation: GenerationSettings
     todo: dict[str, Conversation]
-    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int | None] = field(default_factory=dict)
 
-    def items(self, columns: tuple[str, ...] = ()) -> Iterator[dict]:
-        """The next turn of each conversation not over, in shard order: a work item of the dispatcher."""
-        own = ("messages_json", "tools_json")
-        names = ["prompt_id", "line", "source", *own, *(c for c in columns if c not in own)]
-        for batch in prompt_batches(self.prompts, names):
+    def items(self, columns: tuple[str, ...] = ()) -> Iterator[tuple[TurnItem, PromptRow]]:
+        """The next turn of each conversation not over, in shard order, with its prompt row (`columns` read too)."""
+        names = ["prompt_id", "line", "source", "messages_json", "tools_json", *columns]
+        for batch in prompt_batches(self.prompts, list(dict.fromkeys(names))):
             for row in batch:
-                if (state := self.todo.get(row["prompt_id"])) is not None:
-                    turns = turns_of_row(row, self.generation)
-                    yield {
-                        "prompt_id": row["prompt_id"],
-                        "shard": self.run.shard,
-                        "line": row["line"],
-                        "source": row["source"],
-                        "conversation": turns,
-                        "turn": state.next_turn,
-                        "turns": state.turns,
-                        "answers": list(state.answers),
-                        "prompt_tokens": self.prompt_tokens.get(row["prompt_id"]),
-                        **{c: row[c] for c in columns},
-                    }
+                if (state := self.todo.get(row.prompt_id)) is not None:
+                    item = next_item(row, self.run.shard, self.generation, state)
+                    item.prompt_tokens = self.prompt_tokens.get(row.prompt_id)
+                    yield item, row
 
-    def to_send(self) -> Iterator[dict]:
-        return self.items()
+    def to_send(self) -> Iterator[TurnItem]:
+        """The work items of the dispatcher."""
+        return (item for item, _ in self.items())
 
 
-async def count_next_turns(plan: ShardPlan, fleet: Fleet, log: Callable[[str], None]) -> list[dict]:
+async def count_next_turns(plan: ShardPlan, fleet: Fleet, log: Callable[[str], None]) -> list[Planned]:
     """Each conversation's next turn with its exact prompt_tokens: the shard's own count when the turn is the
     source's last-turn request counted with this config's chat_template_kwargs, else the fleet's /v1/tokenize."""
     generation = plan.generation
     gate, stale = asyncio.Semaphore(64), 0
-    counted: list[dict] = []
+    counted: list[Planned] = []
 
-    async def count(i: int, item: dict) -> dict:
-        messages = item["conversation"].history(item["turn"], item["answers"])
-        if item["template_kwargs_json"] != item["kwargs_json"] or messages != last_turn_request(item["messages"]):
+    async def count(i: int, item: TurnItem, row: PromptRow, fresh: bool) -> Planned:
+        messages = item.conversation.history(item.turn, item.answers)
+        if not fresh or messages != last_turn_request(json.loads(row.messages_json or "[]")):
             async with gate:
-                item["prompt_tokens"] = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(
-                    messages, generation.template_kwargs(item["prompt_id"]), item["conversation"].tools
+                item.prompt_tokens = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(
+                    messages, generation.template_kwargs(item.prompt_id), item.conversation.tools
                 )
-        counted = {k: item[k] for k in ("prompt_id", "line", "turn", "turns", "prompt_tokens")}
-        return counted | {"tools": bool(item["conversation"].tools)}
+        return Planned(**{f.name: getattr(item, f.name) for f in fields(Planned)})  # without its conversation
 
-    batch: list[dict] = []
-    for item in plan.items(("prompt_tokens", "template_kwargs_json", "messages_json")):
-        item["messages"] = json.loads(item.pop("messages_json"))
-        item["kwargs_json"] = canonical_json(generation.template_kwargs(item["prompt_id"]))  # the prompt's mode
-        stale += item["template_kwargs_json"] != item["kwargs_json"]
-        batch.append(item)
+    batch: list[tuple[TurnItem, PromptRow, bool]] = []
+    for item, row in plan.items(("prompt_tokens", "template_kwargs_json")):
+        item.prompt_tokens = row.prompt_tokens
+        fresh = row.template_kwargs_json == canonical_json(generation.template_kwargs(item.prompt_id))  # its mode
+        stale += not fresh
+        batch.append((item, row, fresh))
         if len(batch) == 2048:
-            counted += await asyncio.gather(*(count(len(counted) + j, it) for j, it in enumerate(batch)))
+            counted += await asyncio.gather(*(count(len(counted) + j, *it) for j, it in enumerate(batch)))
             batch = []
-    counted += await asyncio.gather(*(count(len(counted) + j, it) for j, it in enumerate(batch)))
+    counted += await asyncio.gather(*(count(len(counted) + j, *it) for j, it in enumerate(batch)))
     if stale:
         log(f"shard {plan.run.shard}: {stale} prompts were counted with other chat_template_kwargs; recounted")
     return counted
@@ -256,37 +258,26 @@ async def plan_shard(
     run.already_done = sum(c.over in FINISHED for c in states.values())
     plan = ShardPlan(run, prompt_store(data_dir, shard), generation, todo)
     next_turns = await count_next_turns(plan, fleet, log)
-    if any(r["tools"] for r in next_turns) and (refused := tool_parser_error(fleet.infos)):
+    if any(r.tools for r in next_turns) and (refused := tool_parser_error(fleet.infos)):
         raise refused
     budget = Budget.of(fleet.infos)
-    over = preflight(
-        [r for r in next_turns if not fills_before(r["turn"], r["prompt_tokens"], generation)],
-        budget,
-        generation,
-        preflight_policy,
-    )
+    ending = {r.prompt_id for r in next_turns if fills_before(r.turn, r.prompt_tokens or 0, generation)}
+    over = preflight([r for r in next_turns if r.prompt_id not in ending], budget, generation, preflight_policy)
+    context = budget.context_length
     rejects = [
-        reject_row(
-            r,
-            "preflight",
-            turn_label(r["turn"], r["turns"]) + problem,
-            generation,
-            config_hash,
-            shard,
-            budget.context_length,
-        )
+        reject_row(r, "preflight", turn_label(r.turn, r.turns) + problem, generation, config_hash, context, r.turn)
         for r, problem in over
     ]
     preflight_rejects.replace(as_dicts(rejects), plan_file(config_hash))
     run.rejected_preflight = len(over)
     for r, _ in over:
-        del todo[r["prompt_id"]]
+        del todo[r.prompt_id]
     for r in next_turns:
-        if r["prompt_id"] in todo and fills_before(r["turn"], r["prompt_tokens"], generation):
-            run.ended_at_window[r["prompt_id"]] = r["turn"]
-            del todo[r["prompt_id"]]
-    count_filling_window(run, [r for r in next_turns if r["prompt_id"] in todo], generation)  # their next turns
-    plan.prompt_tokens = {r["prompt_id"]: r["prompt_tokens"] for r in next_turns}
+        if r.prompt_id in todo and r.prompt_id in ending:
+            run.ended_at_window[r.prompt_id] = r.turn
+            del todo[r.prompt_id]
+    count_filling_window(run, [r for r in next_turns if r.prompt_id in todo], generation)  # their next turns
+    plan.prompt_tokens = {r.prompt_id: r.prompt_tokens for r in next_turns}
     turns_done = sum(len(c.answers) for c in states.values())
     policy = f", window {generation.trainer_max_length}" if generation.windowed else ""
     log(

@@ -19,18 +19,18 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.continuation import continue_shard, rows_of
+from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import ShardResult, generate_shard, resolve_regenerate
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
 from dflash_assets.store import provenance
-from dflash_assets.store.schema import PROMPT_SCHEMA
+from dflash_assets.store.schema import PromptRow, as_dicts
 from dflash_assets.store.storage import is_uri, open_storage
-from dflash_assets.store.stores import committed_ids, completion_store, prompt_store
+from dflash_assets.store.stores import committed_ids, completion_batches, completion_store, prompt_batches, prompt_store
 
 PROBE_SHARD = "probe"
 CUT_ROWS_SHARD = "cut_rows"  # the continuation probe's: its own shard, so its rows never mix with a random probe's
@@ -50,13 +50,17 @@ def probe_size(prompts: int, share: float = SHARE, minimum: int = MIN_PROMPTS) -
     return min(prompts, max(minimum, math.ceil(share * prompts)))
 
 
-def sample_prompts(rows: list[dict], size: int, seed: int = SEED) -> list[dict]:
+def _order(row: PromptRow) -> tuple:
+    return row.shard or "", row.line or 0, row.prompt_id
+
+
+def sample_prompts(rows: list[PromptRow], size: int, seed: int = SEED) -> list[PromptRow]:
     """A seeded random sample of `size` prompt rows, stratified by (shard, source): each stratum gets its
     proportional share (largest remainders), then a seeded draw inside it. The same rows and seed give the
     same sample, in (shard, line) order."""
-    strata: dict[tuple, list[dict]] = defaultdict(list)
-    for r in sorted(rows, key=lambda r: (r["shard"], r["line"], r["prompt_id"])):
-        strata[(r["shard"], r["source"])].append(r)
+    strata: dict[tuple, list[PromptRow]] = defaultdict(list)
+    for r in sorted(rows, key=_order):
+        strata[(r.shard, r.source)].append(r)
     size = min(size, len(rows))
     quotas = {k: size * len(v) / len(rows) for k, v in strata.items()}
     take = {k: math.floor(q) for k, q in quotas.items()}
@@ -64,7 +68,7 @@ def sample_prompts(rows: list[dict], size: int, seed: int = SEED) -> list[dict]:
         take[k] += 1
     rng = random.Random(seed)
     chosen = [r for k in sorted(strata) for r in rng.sample(strata[k], take[k])]
-    return sorted(chosen, key=lambda r: (r["shard"], r["line"], r["prompt_id"]))
+    return sorted(chosen, key=_order)
 
 
 def prompt_shard_keys(data_dir: str | Path) -> list[str]:
@@ -74,22 +78,17 @@ def prompt_shard_keys(data_dir: str | Path) -> list[str]:
     return sorted(f.removeprefix("shard=") for f in folders if f.startswith("shard="))
 
 
-def read_prompts(data_dir: str | Path, shards: list[str]) -> list[dict]:
+def read_prompts(data_dir: str | Path, shards: list[str]) -> list[PromptRow]:
     """Every prompt row of `shards` (the columns the probe needs; the messages are read for the sample only)."""
     columns = ["prompt_id", "shard", "line", "source", "prompt_tokens"]
-    rows = []
-    for shard in shards:
-        store = prompt_store(data_dir, shard)
-        for part in store.parts():
-            rows += store.storage.read_table(part, columns).to_pylist()
-    return rows
+    return [r for shard in shards for batch in prompt_batches(prompt_store(data_dir, shard), columns) for r in batch]
 
 
-def high_cap(fleet: Fleet, sample: list[dict], log: Callable[[str], None], probe: str = "length probe") -> int:
+def high_cap(fleet: Fleet, sample: list[PromptRow], log: Callable[[str], None], probe: str = "length probe") -> int:
     """The largest cap every sampled prompt fits under the fleet's context, by preflight's own rule; said in the
     log, since nobody asked for that number."""
     budget = Budget.of(fleet.infos)
-    longest = max((r["prompt_tokens"] for r in sample), default=0)
+    longest = max((r.prompt_tokens or 0 for r in sample), default=0)
     cap = budget.context_length - budget.margin - longest
     log(
         f"{probe}: cap {cap} = context length {budget.context_length} - {budget.margin} - the longest sampled "
@@ -107,32 +106,30 @@ class ProbeResult:
     mode: str = ProbeSettings().mode  # "prompts" (prompts_total = prompts) or "cut_rows" (= cut rows)
 
 
-def ids_by_shard(sample: list[dict]) -> dict[str, set[str]]:
+def ids_by_shard(sample: list[PromptRow]) -> dict[str, set[str]]:
     """The sampled prompt_ids, grouped by the shard they come from."""
     wanted: dict[str, set[str]] = defaultdict(set)
     for r in sample:
-        wanted[r["shard"]].add(r["prompt_id"])
+        wanted[r.shard or ""].add(r.prompt_id)
     return wanted
 
 
-def write_probe_shard(data_dir: str | Path, sample: list[dict], shard: str = PROBE_SHARD) -> None:
+def write_probe_shard(data_dir: str | Path, sample: list[PromptRow], shard: str = PROBE_SHARD) -> None:
     """The sampled prompts, whole rows, as the probe data dir's single prompt shard (replacing an earlier one)."""
     rows = []
     for source, ids in sorted(ids_by_shard(sample).items()):
-        store = prompt_store(data_dir, source)
-        for part in store.parts():
-            rows += [r for r in store.storage.read_table(part).to_pylist() if r["prompt_id"] in ids]
-    order = {(r["shard"], r["prompt_id"]): i for i, r in enumerate(sample)}
-    rows.sort(key=lambda r: order[(r["shard"], r["prompt_id"])])
+        rows += [r for batch in prompt_batches(prompt_store(data_dir, source)) for r in batch if r.prompt_id in ids]
+    order = {(r.shard, r.prompt_id): i for i, r in enumerate(sample)}
+    rows.sort(key=lambda r: order[(r.shard, r.prompt_id)])
     # the probe's shard key replaces the prompt's own; the prompt_id stays, so a row is traced back to its prompt
-    probe = [{**{k: r[k] for k in PROMPT_SCHEMA.names}, "shard": shard} for r in rows]
+    probe = as_dicts(replace(r, shard=shard) for r in rows)
     prompt_store(probe_root(data_dir), shard).replace(probe, "prompts.parquet")
 
 
-CutRows = tuple[str, int, list[dict]]  # (the parent config, its cap, {shard, prompt_id} of its honest cut rows)
+CutRows = tuple[str, int, list[tuple[str, str]]]  # (the parent config, its cap, (shard, prompt_id) of its cut rows)
 
 
-def _sample(prompts: list[dict], probe: ProbeSettings) -> list[dict]:
+def _sample(prompts: list[PromptRow], probe: ProbeSettings) -> list[PromptRow]:
     """The probe's seeded sample of `prompts`: its size, or its share with its minimum."""
     return sample_prompts(prompts, probe.size or probe_size(len(prompts), probe.share, probe.min_prompts), probe.seed)
 
@@ -175,7 +172,7 @@ async def run_cut_rows_probe(
     log: Callable[[str], None] = print,
 ) -> ProbeResult:
     """The continuation probe: a seeded sample (stratified as `sample_prompts`) of `cut_rows` (the parent config,
-    its cap, and {shard, prompt_id} of its honest cut rows, chosen by the caller: runaways are the quality layer's
+    its cap, and (shard, prompt_id) of its honest cut rows, chosen by the caller: runaways are the quality layer's
     call), copied with their parent rows into the probe's `cut_rows` shard and continued there to the probe's cap
     (0: the largest the fleet's context allows for the sample) by `continue_shard`. A re-run resumes. (Parent rows
     of an earlier, different sample stay in the shard and are continued too; the planner reads only the current
@@ -185,8 +182,9 @@ async def run_cut_rows_probe(
         raise SettingsError(
             f"config {parent} has no honest cut rows to continue: nothing for a continuation probe to measure"
         )
-    prompts = {(r["shard"], r["prompt_id"]): r for r in read_prompts(data_dir, sorted({r["shard"] for r in cut}))}
-    eligible = [prompts[k] for k in sorted({(r["shard"], r["prompt_id"]) for r in cut}) if k in prompts]
+    keys = sorted(set(cut))
+    prompts = {(p.shard, p.prompt_id): p for p in read_prompts(data_dir, sorted({s for s, _ in keys}))}
+    eligible = [prompts[k] for k in keys if k in prompts]
     sample = _sample(eligible, probe)
     cap = probe.max_output_tokens or high_cap(fleet, sample, log, "continuation probe")
     write_probe_shard(data_dir, sample, CUT_ROWS_SHARD)
@@ -199,7 +197,7 @@ async def run_cut_rows_probe(
     return ProbeResult(len(eligible), len(sample), cap, run, mode="cut_rows")
 
 
-def _copy_parent_rows(data_dir: str | Path, parent: str, sample: list[dict]) -> None:
+def _copy_parent_rows(data_dir: str | Path, parent: str, sample: list[PromptRow]) -> None:
     """The sample's parent rows, and the parent's provenance (its hash covers it, and the continuation rebuilds that
     hash), into the probe's cut_rows shard; rows copied before are kept."""
     if (was := provenance.recorded(data_dir, parent)) is not None:
@@ -211,8 +209,8 @@ def _copy_parent_rows(data_dir: str | Path, parent: str, sample: list[dict]) -> 
         store.recover()
         have = committed_ids(store, parent)
         for shard, ids in sorted(ids_by_shard(sample).items()):
-            for batch in rows_of(completion_store(data_dir, shard), parent, wanted=ids - have):
-                store.commit([{**r, "shard": CUT_ROWS_SHARD} for r in batch])
+            for batch in completion_batches(completion_store(data_dir, shard), parent, wanted=ids - have):
+                store.commit(as_dicts(replace(r, shard=CUT_ROWS_SHARD) for r in batch))
 
 
 async def run_length_probe(
@@ -234,7 +232,7 @@ async def run_length_probe(
     if cut_rows is None:
         raise SettingsError("the length probe's mode cut_rows needs the run's honest cut rows, and none were given")
     parent, cap, cut = cut_rows()
-    cut = [r for r in cut if r["shard"] in set(shards)]
+    cut = [(shard, pid) for shard, pid in cut if shard in set(shards)]
     log(
         f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
     )

@@ -40,6 +40,7 @@ from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.slots import Slot
+from dflash_assets.generation.turns import TurnItem
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import CompletionRow, FailureRow
 from dflash_assets.store.storage import Storage
@@ -49,7 +50,7 @@ QUARANTINE_AFTER_DEATHS = 2
 QUARANTINED = f"in flight when {QUARANTINE_AFTER_DEATHS} servers died"  # a failure row's error starts with it
 
 Key = tuple[str, str, int | None]  # (shard, prompt_id, turn)
-Send = Callable[[dict, Slot, int], Awaitable[CompletionRow]]
+Send = Callable[[TurnItem, Slot, int], Awaitable[CompletionRow]]
 Record = Callable[[str], Awaitable[None]]  # (shard): its suspects changed, write them
 
 
@@ -57,8 +58,8 @@ class Quarantined(Exception):
     """Raised by a guarded Send when its prompt has just been quarantined (the message is the failure's error)."""
 
 
-def key_of(item: dict) -> Key:
-    return item["shard"], item["prompt_id"], item.get("turn")
+def key_of(item: TurnItem) -> Key:
+    return item.shard, item.prompt_id, item.turn
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Quarantine:
         self.parked = 0  # suspects waiting for their turn, or taking it
 
     def guard(self, send: Send) -> Send:
-        async def guarded(item: dict, slot: Slot, attempt: int) -> CompletionRow:
+        async def guarded(item: TurnItem, slot: Slot, attempt: int) -> CompletionRow:
             key = key_of(item)
             if isinstance(slot.client, GatewayClient):  # a worker it drops from its list later is still probed
                 self._workers.setdefault(slot.url, set()).update(w.url for w in slot.client.workers)
@@ -111,7 +112,7 @@ class Quarantine:
         return guarded
 
     @asynccontextmanager
-    async def turn(self, item: dict, quiet: Callable[[], bool]) -> AsyncIterator[None]:
+    async def turn(self, item: TurnItem, quiet: Callable[[], bool]) -> AsyncIterator[None]:
         """An attempt of `item`; a suspect's waits until nothing but suspects is left to send (`quiet`), then goes
         alone on the fleet: a death under it is its own, never an innocent's second."""
         if not self.deaths.get(key_of(item)):

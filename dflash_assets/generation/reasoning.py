@@ -64,12 +64,12 @@ class Reasoning:
             reasoning, content = text, ""
         return reasoning or None, content
 
-    def raw_text(self, row: dict) -> str:
-        """The row's output as the server decoded it, before the split (enough of it to split again)."""
-        reasoning, content = row["reasoning_content"], row["content"] or ""
+    def raw_text(self, reasoning: str | None, content: str, output_ids: list[int]) -> str:
+        """A row's output (its reasoning_content, content and output_ids) as the server decoded it, before the split
+        (enough of it to split again)."""
         if not self.separate or (reasoning is None and not self.force):
             return content  # the parser left the text alone
-        closed = end_of(row["output_ids"], self.end_ids) >= 0
+        closed = end_of(output_ids, self.end_ids) >= 0
         # unforced, the parser split only because the text opened <think>: keep it so the next split does too
         return ("" if self.force else THINK) + (reasoning or "") + (THINK_END if closed else "") + content
 

@@ -15,6 +15,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import NamedTuple
@@ -33,7 +34,7 @@ from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
 from dflash_assets.generation.stopping import STOP
 from dflash_assets.generation.tools import answer_message
-from dflash_assets.generation.turns import fills_before
+from dflash_assets.generation.turns import TurnItem, fills_before
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
 from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow, as_dicts
@@ -51,10 +52,21 @@ class Figures(NamedTuple):
 
 RUNNING: list[Dispatch] = []  # the dispatch running in this process, if any (a CLI run's progress reads it)
 
-Send = Callable[[dict, Slot, int], Awaitable[CompletionRow]]  # (item, slot, attempt) -> the row; raises ServerError
-Refuse = Callable[[dict, str, int], RejectRow]  # (item, reason, server context length) -> the server-stage reject
-FollowUp = Callable[[dict, CompletionRow], "dict | None"]  # (item, its row) -> the next item it makes ready, if any
-TurnRow = Callable[[dict, dict, Slot, int, float], CompletionRow]  # (item, response, slot, attempt, latency) -> row
+Send = Callable[[TurnItem, Slot, int], Awaitable[CompletionRow]]  # (item, slot, attempt) -> its row; raises ServerError
+Refuse = Callable[[TurnItem, str, int], RejectRow]  # (item, reason, server context length) -> the server-stage reject
+FollowUp = Callable[[TurnItem, CompletionRow], "TurnItem | None"]  # (item, its row) -> the next item it makes ready
+
+
+@dataclass(frozen=True)
+class Sent:
+    """How an attempt was answered: the server, the attempt, and the seconds it took (what a row records of it)."""
+
+    slot: Slot
+    attempt: int
+    latency_s: float
+
+
+TurnRow = Callable[[TurnItem, dict, Sent], CompletionRow]  # (item, chat response, how it was answered) -> its row
 
 
 def watch_of(dispatch: DispatchSettings, runaway: RunawaySettings | None = None) -> Watch | None:
@@ -80,62 +92,47 @@ def turn_sender(
     budget = Budget.of(fleet.infos)
     config_hash = generation.config_hash(fleet.model)
 
-    async def send(item: dict, slot: Slot, attempt: int) -> CompletionRow:
-        messages = item["conversation"].history(item["turn"], item["answers"])
-        if item["prompt_tokens"] is None:  # a follow-up: its history is known only now
-            kwargs = generation.template_kwargs(item["prompt_id"])  # the prompt's mode
-            item["prompt_tokens"] = await slot.client.count_prompt_tokens(messages, kwargs, item["conversation"].tools)
-        if fills_before(item["turn"], item["prompt_tokens"], generation):
-            raise Ended(item["turn"])
-        request_cap = generation.request_cap(item["prompt_tokens"])
-        if problem := generation.window_problem(item["prompt_tokens"]) or budget.problem(
-            item["prompt_tokens"], request_cap
-        ):
-            reason = turn_label(item["turn"], item["turns"]) + problem
-            raise Rejected(
-                reject_row(
-                    turn_item(item), "preflight", reason, generation, config_hash, item["shard"], budget.context_length
-                )
-            )
-        tools = item["conversation"].tools
-        body = chat_body(generation, fleet.model, messages, token_ids, request_cap, item["prompt_id"], tools)
+    async def send(item: TurnItem, slot: Slot, attempt: int) -> CompletionRow:
+        messages = item.conversation.history(item.turn, item.answers)
+        if item.prompt_tokens is None:  # a follow-up: its history is known only now
+            kwargs = generation.template_kwargs(item.prompt_id)  # the prompt's mode
+            item.prompt_tokens = await slot.client.count_prompt_tokens(messages, kwargs, item.conversation.tools)
+        if fills_before(item.turn, item.prompt_tokens, generation):
+            raise Ended(item.turn)
+        request_cap = generation.request_cap(item.prompt_tokens)
+        if problem := generation.window_problem(item.prompt_tokens) or budget.problem(item.prompt_tokens, request_cap):
+            reason = turn_label(item.turn, item.turns) + problem
+            context = budget.context_length
+            raise Rejected(reject_row(item, "preflight", reason, generation, config_hash, context, item.recorded_turn))
+        tools = item.conversation.tools
+        body = chat_body(generation, fleet.model, messages, token_ids, request_cap, item.prompt_id, tools)
         t0 = time.monotonic()
         resp = await slot.client.chat(body, watch)
-        return make_row(item, resp, slot, attempt, time.monotonic() - t0)
+        return make_row(item, resp, Sent(slot, attempt, time.monotonic() - t0))
 
     return send
 
 
-def recorded_turn(item: dict) -> int | None:
-    """The turn of a work item as its rows record it: a conversation's turn, or a continued row's own."""
-    return turn_item(item)["turn"] if "conversation" in item else item.get("turn")
-
-
-def turn_item(item: dict) -> dict:
-    """A work item as its rows record it: the turn number only where the conversation's rows carry one."""
-    conversation = item["conversation"]
-    return {**item, "turn": conversation.column(item["turn"]), "turns": conversation.column(item["turns"])}
-
-
-def next_turn(item: dict, row: CompletionRow) -> dict | None:
+def next_turn(item: TurnItem, row: CompletionRow) -> TurnItem | None:
     """The follow-up of a turn that stopped on its own; a cut (or last) turn ends the conversation, and so does a
     turn that fills the window of the window policy, or whose tool calls the source has no results for (the rules
     `turns.conversation` applies on a restart)."""
-    if row.finish_reason != "stop" or item["turn"] >= item["turns"]:
+    if row.finish_reason != "stop" or item.turn >= item.turns:
         return None
     window = row.trainer_max_length
     if window is not None and fills_window((row.prompt_tokens or 0) + (row.completion_tokens or 0), window):
         return None
-    answer = answer_message(row.content or "", row.tool_calls_json) if row.tool_calls_json else row.content
-    if item["conversation"].ends_after(item["turn"], answer):
+    answer = answer_message(row.content or "", row.tool_calls_json) if row.tool_calls_json else row.content or ""
+    if item.conversation.ends_after(item.turn, answer):
         return None
-    return {
-        **item,
-        "turn": item["turn"] + 1,
-        "answers": item["answers"] + [answer],
-        "prompt_tokens": None,
-        "prefer_server": row.server_url,
-    }  # the server whose prefix cache holds this history
+    return replace(
+        item,
+        turn=item.turn + 1,
+        answers=[*item.answers, answer],
+        prompt_tokens=None,
+        prefer_server=row.server_url,  # the server whose prefix cache holds this history
+        parent=None,
+    )
 
 
 class Ended(Exception):
@@ -190,13 +187,13 @@ class Dispatch:
             no_server_timeout_s=dispatch.no_server_timeout_s,
             max_imbalance=dispatch.same_server_max_imbalance,
         )
-        self.ready: deque[dict] = deque()  # follow-up items, sent first
+        self.ready: deque[TurnItem] = deque()  # follow-up items, sent first
         self._tasks: set[asyncio.Task] = set()
         self._exhausted = False  # every item of the stream was taken
         self.answered = self.total = 0
         self.started = self.last_commit = self.last_progress = time.monotonic()
 
-    async def run(self, items: Iterator[dict], total: int) -> None:
+    async def run(self, items: Iterator[TurnItem], total: int) -> None:
         """Send `items` (and their follow-ups); `total` is for progress (follow-ups add to it)."""
         self.total = total
         RUNNING[:] = [self]  # a terminal's progress reads it from another thread (figures)
@@ -222,7 +219,7 @@ class Dispatch:
                     now = time.monotonic()
                     if self.ready:  # a follow-up: its shard counted it in flight when it was queued
                         item = self.ready.popleft()
-                        self.outputs[item["shard"]].run.follow_up_sent_at = now
+                        self.outputs[item.shard].run.follow_up_sent_at = now
                     elif (queued := next(items, None)) is None:
                         self._exhausted = True
                         for output in self.outputs.values():
@@ -230,8 +227,8 @@ class Dispatch:
                         continue
                     else:
                         item = queued
-                        self._moved_to(item["shard"], now)
-                        self.outputs[item["shard"]].sent(now)
+                        self._moved_to(item.shard, now)
+                        self.outputs[item.shard].sent(now)
                     task = asyncio.create_task(self._one(item))
                     task.add_done_callback(ended)
                     tasks.add(task)
@@ -299,8 +296,8 @@ class Dispatch:
             if name != shard and output.run.first_sent_at is not None and output.run.last_sent_at is None:
                 output.close_sending(now)
 
-    async def _one(self, item: dict) -> None:
-        output = self.outputs[item["shard"]]
+    async def _one(self, item: TurnItem) -> None:
+        output = self.outputs[item.shard]
         try:
             row = await self._attempts(item, output)
             if row is not None and self.follow_up and (follow := self.follow_up(item, row)) is not None:
@@ -313,12 +310,12 @@ class Dispatch:
                 self.on_answer(self.answered, self.total)  # (answered, total): a terminal's progress bar
             output.done(time.monotonic(), output.run.last_sent_at is not None)
 
-    async def _attempts(self, item: dict, output: ShardOutput) -> CompletionRow | None:
+    async def _attempts(self, item: TurnItem, output: ShardOutput) -> CompletionRow | None:
         dispatch, error, stalled_on = self.dispatch, None, frozenset[str]()
         attempt, unavailable_since = 1, None
         while attempt <= dispatch.max_attempts:
             async with self.quarantine.turn(item, self._quiet):  # a suspect goes last, alone
-                slot = await self.slots.acquire(item.get("prefer_server") if attempt == 1 else None, stalled_on)
+                slot = await self.slots.acquire(item.prefer_server if attempt == 1 else None, stalled_on)
                 try:
                     row = await self.send(item, slot, attempt)
                 except Rejected as e:  # refused before it was sent (a later turn's own preflight)
@@ -333,7 +330,7 @@ class Dispatch:
                     return None
                 except Ended as e:  # its conversation ends before it: nothing sent
                     self.slots.release(slot, ok=True)
-                    output.run.ended_at_window[item["prompt_id"]] = e.turn
+                    output.run.ended_at_window[item.prompt_id] = e.turn
                     return None
                 except ServerError as e:
                     gateway_down = e.kind == "no_worker" or (
@@ -368,15 +365,15 @@ class Dispatch:
         output.failed.append(self._failure(item, output, error, dispatch.max_attempts))
         return None
 
-    def _failure(self, item: dict, output: ShardOutput, error: Exception | None, attempts: int) -> FailureRow:
+    def _failure(self, item: TurnItem, output: ShardOutput, error: Exception | None, attempts: int) -> FailureRow:
         return FailureRow(
-            shard=item["shard"],
-            prompt_id=item["prompt_id"],
+            shard=item.shard,
+            prompt_id=item.prompt_id,
             config_hash=output.run.config_hash,
             error=str(error),
             attempts=attempts,
             created_at=datetime.now(UTC),
-            turn=recorded_turn(item),
+            turn=item.recorded_turn,
         )
 
     async def _wait_for_a_worker(self, slot: Slot, error: ServerError, since: float | None) -> float:

@@ -30,7 +30,7 @@ every later turn.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow.compute as pc
 
@@ -39,7 +39,7 @@ from dflash_assets.generation.tools import answer_message, calls_of, results_in,
 from dflash_assets.rules import fills_window, leaves_loss_room
 from dflash_assets.settings import GenerationSettings, Regenerate
 from dflash_assets.store.parts import PartStore
-from dflash_assets.store.schema import COMPLETION_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.schema import COMPLETION_SCHEMA, REJECT_SCHEMA, CompletionRow, PromptRow, RejectRow, rows_as
 from dflash_assets.store.storage import Storage
 from dflash_assets.store.stores import completion_store, prompt_batches, prompt_store, reject_store
 
@@ -129,10 +129,62 @@ def turns_of(messages: list[dict], generation: GenerationSettings, tools: list[d
     return Turns(request[:start], [request[start:]], numbered=False, tools=tools, calls=final)
 
 
-def turns_of_row(row: dict, generation: GenerationSettings) -> Turns:
+def turns_of_row(row: PromptRow, generation: GenerationSettings) -> Turns:
     """The turns of a prompt row (its messages_json and tools_json)."""
-    tools = json.loads(row["tools_json"]) if row.get("tools_json") else None
-    return turns_of(json.loads(row["messages_json"]), generation, tools)
+    tools = json.loads(row.tools_json) if row.tools_json else None
+    return turns_of(json.loads(row.messages_json or "[]"), generation, tools)
+
+
+@dataclass(kw_only=True)
+class Planned:
+    """A conversation's turn with its prompt counted (None: not yet, a follow-up's history is known only when it is
+    sent): what preflight and a reject row read. `turn` is its place in the conversation, 1-based."""
+
+    prompt_id: str
+    shard: str
+    line: int | None
+    turn: int
+    turns: int
+    prompt_tokens: int | None
+    tools: bool = False  # its requests carry tool schemas
+
+
+@dataclass(kw_only=True)
+class TurnItem(Planned):
+    """A conversation's turn to send, a work item of the dispatcher: a plan's, a follow-up, or a continued row's
+    (`parent`: the row cut at the cap that this turn goes on from)."""
+
+    source: str | None
+    conversation: Turns
+    answers: list[Answer]
+    prefer_server: str | None = None  # the server whose prefix cache holds its history
+    parent: CompletionRow | None = field(default=None, repr=False)
+
+    @property
+    def recorded_turn(self) -> int | None:
+        """The turn as its rows record it: a number only where the conversation's rows carry one."""
+        return self.conversation.column(self.turn)
+
+    @property
+    def recorded_turns(self) -> int | None:
+        return self.conversation.column(self.turns)
+
+
+def next_item(prompt: PromptRow, shard: str, generation: GenerationSettings, state: Conversation) -> TurnItem:
+    """The next turn of a conversation not over, from its prompt row and where it stands."""
+    conversation = turns_of_row(prompt, generation)
+    return TurnItem(
+        prompt_id=prompt.prompt_id,
+        shard=shard,
+        line=prompt.line,
+        source=prompt.source,
+        conversation=conversation,
+        turn=state.next_turn or state.turns,
+        turns=conversation.count,
+        answers=list(state.answers),
+        prompt_tokens=None,
+        tools=bool(conversation.tools),
+    )
 
 
 def fills_before(turn: int, prompt_tokens: int, generation: GenerationSettings) -> bool:
@@ -191,13 +243,13 @@ def _committed_turns(
     dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)  # parts from before `turn` read it as null
     columns = ["prompt_id", "turn", "finish_reason", "content", "prompt_tokens", "completion_tokens", "tool_calls_json"]
     for batch in dataset.to_batches(columns=columns, filter=pc.field("config_hash") == config_hash):
-        for r in batch.to_pylist():
-            content, calls = r["content"] or "", r["tool_calls_json"]
-            found.setdefault(r["prompt_id"], {})[r["turn"] or 1] = (
-                r["finish_reason"],
+        for r in rows_as(CompletionRow, batch):
+            content, calls = r.content or "", r.tool_calls_json
+            found.setdefault(r.prompt_id, {})[r.turn or 1] = (
+                r.finish_reason,
                 answer_message(content, calls) if calls else content,
-                r["prompt_tokens"],
-                r["completion_tokens"],
+                r.prompt_tokens,
+                r.completion_tokens,
             )
     return found
 
@@ -217,8 +269,8 @@ def rejected_turns(stores: list[PartStore], config_hash: str, replanned: bool = 
         table = store.storage.dataset(parts, schema=REJECT_SCHEMA).to_table(
             columns=["prompt_id", "turn", "stage"], filter=pc.field("config_hash") == config_hash
         )
-        for r in table.to_pylist():
-            found.setdefault(r["prompt_id"], {})[r["turn"] or 1] = r["stage"]
+        for r in rows_as(RejectRow, table):
+            found.setdefault(r.prompt_id or "", {})[r.turn or 1] = r.stage
     return found
 
 
@@ -238,7 +290,7 @@ def conversations(
     states = {}
     for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json", "tools_json"]):
         for row in batch:
-            pid = row["prompt_id"]
+            pid = row.prompt_id
             shape = turns_of_row(row, generation)
             states[pid] = conversation(
                 shape.count, committed.get(pid, {}), set(rejected.get(pid, {})), generation.window, shape

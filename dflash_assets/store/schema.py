@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 
@@ -126,6 +126,20 @@ FAILURE_SCHEMA = pa.schema(
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PromptRow:
+    """A row of PROMPT_SCHEMA, field for field; a read of some of its columns leaves the others null."""
+
+    prompt_id: str
+    shard: str | None = None
+    line: int | None = None
+    source: str | None = None
+    messages_json: str | None = None
+    prompt_tokens: int | None = None
+    template_kwargs_json: str | None = None
+    tools_json: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CompletionRow:
     """A row of COMPLETION_SCHEMA, field for field (tests/generation/test_rows.py holds the two together)."""
 
@@ -208,7 +222,8 @@ class FailureRow:
     turn: int | None = None
 
 
-Row = CompletionRow | RejectRow | FailureRow
+Row = CompletionRow | RejectRow | FailureRow | PromptRow
+R = TypeVar("R", CompletionRow, RejectRow, FailureRow, PromptRow)
 
 
 def as_dicts(rows: Iterable[Row]) -> list[dict]:
@@ -217,10 +232,21 @@ def as_dicts(rows: Iterable[Row]) -> list[dict]:
     return [dict(zip(_names(r), attrgetter(*_names(r))(r), strict=True)) for r in rows]
 
 
+def rows_as(row_type: type[R], batch: Any) -> list[R]:
+    """A batch (an Arrow record batch or table) read back as the rows it was written as: as_dicts' inverse, a column
+    at a time (no dict a row from Arrow); a column the batch does not hold (not read, or written before it existed)
+    reads as null."""
+    names = batch.schema.names
+    missing: dict[str, Any] = dict.fromkeys(n for n in _names(row_type) if n not in names)
+    columns = [batch.column(i).to_pylist() for i in range(len(names))]
+    return [row_type(**missing, **dict(zip(names, values))) for values in zip(*columns)]
+
+
 _NAMES: dict[type, tuple[str, ...]] = {}
 
 
-def _names(row: Row) -> tuple[str, ...]:
-    if (names := _NAMES.get(type(row))) is None:
-        names = _NAMES[type(row)] = tuple(f.name for f in fields(row))
+def _names(row: Row | type) -> tuple[str, ...]:
+    kind = row if isinstance(row, type) else type(row)
+    if (names := _NAMES.get(kind)) is None:
+        names = _NAMES[kind] = tuple(f.name for f in fields(kind))
     return names

@@ -7,7 +7,15 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from dflash_assets.store.parts import PartStore
-from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
+from dflash_assets.store.schema import (
+    COMPLETION_SCHEMA,
+    FAILURE_SCHEMA,
+    PROMPT_SCHEMA,
+    REJECT_SCHEMA,
+    CompletionRow,
+    PromptRow,
+    rows_as,
+)
 from dflash_assets.store.storage import Storage, open_storage
 
 
@@ -19,15 +27,31 @@ def reject_store(data_dir: str | Path | Storage, shard: str, stage: str) -> Part
     return PartStore(data_dir, "rejects", f"{shard}/stage={stage}", REJECT_SCHEMA)
 
 
-def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[dict]]:
-    """A store's rows a batch at a time (a shard's prompts), so a large shard is never all in memory; a column
-    that a part written before it existed lacks (tools_json) reads as null."""
+def prompt_batches(store: PartStore, columns: list[str] | None = None, size: int = 2048) -> Iterator[list[PromptRow]]:
+    """A shard's prompts a batch at a time, so a large shard is never all in memory; a column not read, or that a
+    part written before it existed lacks (tools_json), reads as null."""
     for part in store.parts():
         file = store.storage.parquet_file(part)
         present = columns if columns is None else [c for c in columns if c in file.schema_arrow.names]
-        missing = dict.fromkeys(c for c in columns or () if c not in file.schema_arrow.names)
         for batch in file.iter_batches(batch_size=size, columns=present):
-            yield [r | missing for r in batch.to_pylist()] if missing else batch.to_pylist()
+            yield rows_as(PromptRow, batch)
+
+
+def completion_batches(
+    store: PartStore, config_hash: str, columns: list[str] | None = None, wanted: set[str] | None = None, size=256
+) -> Iterator[list[CompletionRow]]:
+    """Committed rows of one config (of the prompts `wanted`, when given), a batch at a time; a column not read, or
+    that a part written before it existed lacks, reads as null."""
+    parts = store.parts()
+    if not parts or wanted == set():
+        return
+    where = pc.field("config_hash") == config_hash
+    if wanted is not None:
+        where = where & pc.field("prompt_id").isin(sorted(wanted))
+    dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)
+    for batch in dataset.to_batches(columns=columns, filter=where, batch_size=size):
+        if batch.num_rows:
+            yield rows_as(CompletionRow, batch)
 
 
 def ids_in_other_shards(data_dir: str | Path | Storage, shard: str, ids: list[str]) -> dict[str, str]:

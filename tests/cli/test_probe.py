@@ -166,7 +166,7 @@ def test_probe_of_the_runs_cut_rows_continues_them_and_measures_from_all_its_row
     (cap,) = {r[1] for r in rows}
     longest = longest_prompt(data / "length_probe" / "prompt_shards", "shard=cut_rows/*.parquet")
     assert cap == 8192 - CONTEXT_MARGIN - longest  # the cap from the context, as the random probe takes it
-    assert len(honest) > 20 and len(rows) == 20 and {r[0] for r in rows} <= {r["prompt_id"] for r in honest}
+    assert len(honest) > 20 and len(rows) == 20 and {r[0] for r in rows} <= {pid for _, pid in honest}
     assert f"length probe: 20 of {len(honest)} of the run's honest cut rows, continued to cap {cap:,}" in out, out
     for c in ("4,096", "6,144"):
         line = next(line for line in out.splitlines() if line.strip().startswith(c + " "))

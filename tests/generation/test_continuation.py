@@ -192,9 +192,9 @@ def test_the_continued_completions_asset_materialises_over_an_emulator(tmp_path,
 def test_the_reasoning_split_is_undone_exactly_wherever_the_cut_fell(parser, thinking, text, ids):
     reasoning = Reasoning.of(parser, thinking, [7])
     thought, content = reasoning.split(text)
-    row = {"reasoning_content": thought, "content": content, "output_ids": ids}
-    assert reasoning.raw_text(row) == text
-    assert reasoning.split(reasoning.raw_text(row) + " more</think>end") == reasoning.split(text + " more</think>end")
+    assert reasoning.raw_text(thought, content, ids) == text
+    more = reasoning.raw_text(thought, content, ids) + " more</think>end"
+    assert reasoning.split(more) == reasoning.split(text + " more</think>end")
 
 
 def test_sglang_0_5_23_has_the_assistant_prefill_the_text_route_uses():

@@ -7,7 +7,7 @@ import duckdb
 import pytest
 
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.continuation import continue_shard, latest_parent
+from dflash_assets.generation.continuation import ToWindow, continue_shard, latest_parent
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.quality import export_training_set
 from dflash_assets.settings import GenerationSettings, SettingsError
@@ -44,12 +44,12 @@ def grown(tmp_path_factory):
         assert latest_parent(a, "00000", 8192, to_window=L2) == parent.config_hash
         run = on_fleet(
             urls,
-            lambda f: continue_shard(a, "00000", f, parent.config_hash, 0, SETTINGS, log=lambda m: None, to_window=L2),
+            lambda f: continue_shard(a, "00000", f, parent.config_hash, ToWindow(L2), SETTINGS, log=lambda m: None),
         )
         fresh = on_fleet(urls, lambda f: generate_shard(b, "00000", f, window(L2), SETTINGS, log=lambda m: None))
         again = on_fleet(
             urls,
-            lambda f: continue_shard(a, "00000", f, parent.config_hash, 0, SETTINGS, log=lambda m: None, to_window=L2),
+            lambda f: continue_shard(a, "00000", f, parent.config_hash, ToWindow(L2), SETTINGS, log=lambda m: None),
         )
     return a, b, parent, run, fresh, again
 
@@ -110,7 +110,7 @@ def test_a_second_continue_sends_nothing_and_a_fixed_cap_is_refused_by_name(grow
             on_fleet(
                 [x.url],
                 lambda f: continue_shard(
-                    data, "00000", f, fixed.config_hash, 0, SETTINGS, log=lambda m: None, to_window=L2
+                    data, "00000", f, fixed.config_hash, ToWindow(L2), SETTINGS, log=lambda m: None
                 ),
             )
 

@@ -12,6 +12,7 @@ from dflash_assets.defs.quality.assets import length_quality_summary
 from dflash_assets.generation.probe import probe_size, sample_prompts
 from dflash_assets.quality import run_checks
 from dflash_assets.settings import SAMPLING_PARAMS, GenerationSettings
+from dflash_assets.store.schema import PromptRow
 from tests.support.probe_project import probe_project, write_completions, write_probe
 from tests.support.shards import longest_prompt
 
@@ -36,13 +37,13 @@ def test_the_default_size_is_the_larger_of_500_and_1_percent():
 
 def test_the_sample_is_seeded_and_stratified_by_shard_and_source():
     rows = [
-        {"prompt_id": f"{s}-{i}", "shard": s, "line": i, "source": "math" if i % 4 == 0 else "chat"}
+        PromptRow(prompt_id=f"{s}-{i}", shard=s, line=i, source="math" if i % 4 == 0 else "chat")
         for s in ("a", "b")
         for i in range(400)
     ]
     sample = sample_prompts(rows, 80, seed=7)
-    assert len(sample) == 80 and len({r["prompt_id"] for r in sample}) == 80
-    assert Counter((r["shard"], r["source"]) for r in sample) == {
+    assert len(sample) == 80 and len({r.prompt_id for r in sample}) == 80
+    assert Counter((r.shard, r.source) for r in sample) == {
         ("a", "chat"): 30,
         ("a", "math"): 10,
         ("b", "chat"): 30,

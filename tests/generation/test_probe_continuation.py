@@ -80,7 +80,7 @@ def test_the_probe_continues_only_the_runs_honest_cut_rows_to_its_cap(project):
     assert meta["prompts_sampled"] == meta["completed"] == SAMPLE and meta["max_output_tokens"] == PROBE_CAP
     continued = rows(f"config_hash = '{meta['config_hash']}'", f"{data}/length_probe/completions")
     assert len(continued) == SAMPLE and {r[4] for r in continued} == {PROBE_CAP}
-    assert {r[0] for r in continued} <= {r["prompt_id"] for r in honest} and {r[5] for r in continued} == {run_hash}
+    assert {r[0] for r in continued} <= {pid for _, pid in honest} and {r[5] for r in continued} == {run_hash}
     # each continued from where the run cut it: 512 tokens reused, never a stopped row copied
     assert {r[6] for r in continued} == {RUN_CAP} and all(r[3] > RUN_CAP for r in continued)
     # its own directory and config: the run's (training) rows are untouched

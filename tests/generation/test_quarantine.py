@@ -71,6 +71,21 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
     from dflash_assets.fleet.fleet import open_session
     from dflash_assets.generation.quarantine import Quarantine, Quarantined
     from dflash_assets.generation.slots import Slot
+    from dflash_assets.generation.turns import TurnItem, Turns
+
+    def item(prompt_id: str) -> TurnItem:  # a conversation's only turn
+        alone = Turns([], [[{"role": "user", "content": prompt_id}]], numbered=False)
+        return TurnItem(
+            prompt_id=prompt_id,
+            shard="s",
+            line=None,
+            turn=1,
+            turns=1,
+            prompt_tokens=None,
+            source=None,
+            conversation=alone,
+            answers=[],
+        )
 
     server = emulator(*FLAGS)
     url = server.emu.url
@@ -82,8 +97,8 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
             server.emu.stop()  # the server dies: /health is refused from now on
             answered = asyncio.Event()
 
-            async def send(item: dict, _slot: Slot, _attempt: int):
-                if item["prompt_id"] == "early":  # sent before the death, its answer arrives after it
+            async def send(sent: TurnItem, _slot: Slot, _attempt: int):
+                if sent.prompt_id == "early":  # sent before the death, its answer arrives after it
                     await answered.wait()
                     return "row"
                 raise ServerError(url, "POST /v1/chat/completions failed: ServerDisconnectedError")
@@ -91,9 +106,9 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
             log: list[str] = []
             quarantine = Quarantine(log.append)
             guarded = quarantine.guard(send)
-            early = asyncio.create_task(guarded({"shard": "s", "prompt_id": "early"}, slot, 1))
+            early = asyncio.create_task(guarded(item("early"), slot, 1))
             await asyncio.sleep(0)  # `early` is in flight
-            suspect = {"shard": "s", "prompt_id": "x"}
+            suspect = item("x")
             outcomes = []
             for attempt in (1, 2):  # dropped at the death; then again on the dead server
                 try:
@@ -104,7 +119,7 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
                     answered.set()
                     outcomes.append(await early)
             await quarantine.close()
-            return [*outcomes, len(quarantine.deaths[("s", "x", None)]), sum("died" in line for line in log)]
+            return [*outcomes, len(quarantine.deaths[("s", "x", 1)]), sum("died" in line for line in log)]
 
     assert asyncio.run(scenario()) == ["ServerError", "row", "ServerError", 1, 1]
 

@@ -17,7 +17,7 @@ from dflash_assets.defs.resources import (
     run_on_fleet,
 )
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.continuation import continue_shard, latest_parent
+from dflash_assets.generation.continuation import ToWindow, continue_shard, latest_parent
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.settings import DispatchSettings, QualitySettings, RunawaySettings, SettingsError
 
@@ -90,10 +90,9 @@ async def _continue(
             shard,
             fleet,
             parent,
-            cap,
+            cap if window is None else ToWindow(window),
             DispatchSettings.taken_from(config),
             log=context.log.info,
-            to_window=window,
             runaway=runaway,
         )  # the checks' own rules
     except SettingsError as e:

@@ -114,9 +114,9 @@ def read_probe(
 
 def honest_cut_rows(
     data_dir: str | Path, config_hash: str | None = None, runaway: RunawaySettings = RunawaySettings()
-) -> tuple[str, int, list[dict]]:
+) -> tuple[str, int, list[tuple[str, str]]]:
     """What a continuation probe samples: the config (by default the latest, the most recently written, as
-    plan_caps chooses), its cap and its honest cut rows ({shard, prompt_id}: finish_reason 'length', runaways left out,
+    plan_caps chooses), its cap and its honest cut rows ((shard, prompt_id): finish_reason 'length', runaways left out,
     as the plan leaves them out of the tail)."""
     with duckdb.connect(":memory:") as con:
         register_runaway(con, runaway)
@@ -142,12 +142,12 @@ def honest_cut_rows(
             f"'length' AND NOT ({runaway_sql(runaway)}) AND NOT {WINDOW_SIZED_SQL}",
             {"config": config_hash},
         ).fetchall()
-    return config_hash, int(cap), [{"shard": a, "prompt_id": b} for a, b in rows]
+    return config_hash, int(cap), [(a, b) for a, b in rows]
 
 
 def cut_rows_for_probe(
     data_dir: str | Path, runaway: RunawaySettings = RunawaySettings()
-) -> tuple[str, int, list[dict]]:
+) -> tuple[str, int, list[tuple[str, str]]]:
     """The run's honest cut rows (the config the plan is for: the latest, the most recently written), runaways left
     out: which rows the continuation probe measures is the quality layer's call (generation/probe.py
     run_length_probe continues them)."""

@@ -302,8 +302,8 @@ def _multi_turn(data_dir: str | Path, shards: list[str]) -> pa.Table:
     for shard in shards:
         for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
             for r in batch:
-                if (n := len(split_turns(json.loads(r["messages_json"]))[1])) > 1:
-                    ids.append(r["prompt_id"])
+                if (n := len(split_turns(json.loads(r.messages_json or "[]"))[1])) > 1:
+                    ids.append(r.prompt_id)
                     turns.append(n)
     return pa.table({"prompt_id": pa.array(ids, pa.string()), "user_turns": pa.array(turns, pa.int64())})
 
