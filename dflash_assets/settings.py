@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from dflash_assets.rules import LARGEST_CONTEXT, fills_window, leaves_loss_room, thinks, window_cap
+from dflash_assets.rules import LARGEST_CONTEXT
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 
@@ -346,21 +346,6 @@ class GenerationSettings(RequestSettings):
     def min_loss_tokens(self) -> int:
         return self._min_loss_tokens
 
-    def thinks(self, prompt_id: str | None) -> bool:
-        """Whether this prompt is generated with thinking on: enable_thinking, or its seeded draw under a mix."""
-        if self.thinking_share is None or prompt_id is None:
-            return self.enable_thinking
-        return thinks(prompt_id, self.thinking_share, self.mode_seed)
-
-    def mix_columns(self) -> dict:
-        """What a row records of the mix (null for one mode): a config is read off its rows (store/configs.py)."""
-        mixed = self.thinking_share is not None
-        return {"thinking_share": self.thinking_share, "mode_seed": self.mode_seed if mixed else None}
-
-    def template_kwargs(self, prompt_id: str | None = None) -> dict:
-        """The chat_template_kwargs sent with a prompt's requests (and with /v1/tokenize): its mode under a mix."""
-        return {**self.chat_template_kwargs, "enable_thinking": self.thinks(prompt_id)}
-
     def resolved(self, carries_history: bool) -> GenerationSettings:
         """regenerate 'auto' made what it does for a source (`carries_history`: some prompt of it holds an assistant
         turn before its last user turn): all_turns there, last_turn else. Other modes are kept as they are."""
@@ -411,30 +396,6 @@ class GenerationSettings(RequestSettings):
     def window(self) -> int | None:
         """The trainer's window the requests are sized to; None under a fixed cap."""
         return self.trainer_max_length if self.windowed else None
-
-    def request_cap(self, prompt_tokens: int) -> int:
-        """The request's cap (a row's max_output_tokens): the config's cap, or under the window policy the window's
-        rest (rules.py)."""
-        if not self.windowed:
-            return self.max_output_tokens
-        return window_cap(self.max_output_tokens, self.trainer_max_length, prompt_tokens, self.overshoot)
-
-    def window_problem(self, prompt_tokens: int) -> str | None:
-        """Why the window policy refuses this prompt (it fills the trainer's window), or None."""
-        if not self.windowed:
-            return None
-        if fills_window(prompt_tokens, self.trainer_max_length):
-            return (
-                f"prompt of {prompt_tokens} tokens fills the trainer's window max_length "
-                f"{self.trainer_max_length}: the trainer would read no answer (cap_policy window)"
-            )
-        if not leaves_loss_room(prompt_tokens, self.trainer_max_length, self.min_loss_tokens):
-            return (
-                f"prompt of {prompt_tokens} tokens leaves the trainer's window max_length {self.trainer_max_length} "
-                f"room for fewer than min_loss_tokens {self.min_loss_tokens} supervised tokens: the trainer would "
-                f"drop the sample (cap_policy window)"
-            )
-        return None
 
     def sampling(self) -> dict:
         """Every sampling parameter, as both routes take them (chat body fields, /generate sampling_params)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dflash_assets.cli.parser import build_parser
+from dflash_assets.generation.request import request_cap as cap_of
 from dflash_assets.settings import TRAINER_FLAGS, DispatchSettings, GenerationSettings, RequestSettings, TrainerSettings
 
 
@@ -48,8 +49,8 @@ def repeated_flags(command: str, config: dict, required: tuple[str, ...] = ()) -
 
 def request_cap(config: dict, trainer: TrainerSettings) -> int:
     """The largest request cap of a `completions` config: its cap, or under the window policy the window's rest for
-    the shortest prompt (GenerationSettings.request_cap)."""
-    return GenerationSettings.of(argparse.Namespace(**config), trainer).request_cap(1)
+    the shortest prompt (generation/request.py request_cap)."""
+    return cap_of(GenerationSettings.of(argparse.Namespace(**config), trainer), 1)
 
 
 def refuse_cap_beyond_context(command: str, request_cap: int) -> None:

@@ -47,12 +47,12 @@ from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
-from dflash_assets.generation.engine import turn_row, window_columns
+from dflash_assets.generation.engine import turn_row
 from dflash_assets.generation.plan import ShardResult, preflight, reject_row
 from dflash_assets.generation.preflight import Budget, check_fleet
 from dflash_assets.generation.provenance import parent_settings, record_continued
 from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
-from dflash_assets.generation.request import chat_body
+from dflash_assets.generation.request import chat_body, request_cap, window_columns
 from dflash_assets.generation.send import Dispatch, Sent, next_turn, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import FINISHED as OVER
@@ -267,7 +267,7 @@ def _copied(row: CompletionRow, config_hash: str, generation: GenerationSettings
     return replace(
         row,
         config_hash=config_hash,
-        max_output_tokens=generation.request_cap(row.prompt_tokens or 0),
+        max_output_tokens=request_cap(generation, row.prompt_tokens or 0),
         **window_columns(generation),
         parent_config_hash=row.config_hash,
         tokens_reused=row.completion_tokens,
@@ -380,7 +380,7 @@ def _choose(plan: ContinuationPlan, parents: list[Parent], budget: Budget, refus
     run.without_ids = sum(p.cut and p.output_ids is None for p in exact)
     over = _preflight(plan, exact, budget)
     for p in exact:
-        grows = generation.request_cap(p.prompt_tokens or 0) > (p.output_ids or p.row.completion_tokens or 0)
+        grows = request_cap(generation, p.prompt_tokens or 0) > (p.output_ids or p.row.completion_tokens or 0)
         if p.key not in over:
             (plan.to_continue if p.cut and grows else plan.copies).add(p.key)
     plan.cut_at = {p.row.prompt_id: p.row.turn or 1 for p in parents if p.cut}
@@ -481,7 +481,7 @@ class Continuer:
         """The rest of the new cap by token ids: new_cap - old_cap for a row cut at its cap, and a row the server
         clamped short of its cap still ends where a fresh run at the new cap would."""
         generation, old = self.plan.generation, row.output_ids or []
-        sampling = {"max_new_tokens": generation.request_cap(row.prompt_tokens or 0) - len(old)}
+        sampling = {"max_new_tokens": request_cap(generation, row.prompt_tokens or 0) - len(old)}
         t0 = time.monotonic()
         body = {"input_ids": (row.prompt_token_ids or []) + old, "sampling_params": sampling | generation.sampling()}
         resp = await slot.client.generate(body, self.watch)
@@ -516,7 +516,7 @@ class Continuer:
         prefill = [*messages, {"role": "assistant", "content": raw}]
         body = chat_body(generation, slot.info.model, prefill, prompt_id=row.prompt_id)  # the row's mode
         body |= {
-            "max_completion_tokens": generation.request_cap(row.prompt_tokens or 0) - done,
+            "max_completion_tokens": request_cap(generation, row.prompt_tokens or 0) - done,
             "continue_final_message": True,
             "separate_reasoning": False,
         }

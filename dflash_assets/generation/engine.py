@@ -25,6 +25,7 @@ from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import canonical_json, carries_history
 from dflash_assets.generation.provenance import run_settings
 from dflash_assets.generation.quarantine import carry_over, quarantine_note
+from dflash_assets.generation.request import config_columns, request_cap, thinks
 from dflash_assets.generation.send import Dispatch, Sent, next_turn, turn_sender, watch_of
 from dflash_assets.generation.stopping import Stopped
 from dflash_assets.generation.tools import answer_message, calls_differ, clean_calls
@@ -74,14 +75,12 @@ def turn_row(item: TurnItem, resp: dict, sent: Sent, generation: GenerationSetti
         prompt_tokens=usage.get("prompt_tokens"),
         completion_tokens=usage.get("completion_tokens"),
         reasoning_tokens=reasoning_tokens or 0,
-        max_output_tokens=generation.request_cap(item.prompt_tokens or 0),
-        **window_columns(generation),
+        max_output_tokens=request_cap(generation, item.prompt_tokens or 0),
+        **config_columns(generation),
         server_context_length=sent.slot.info.context_length,
         server_url=sent.slot.url,
         model=sent.slot.info.model,
-        **generation.sampling(),
-        enable_thinking=generation.thinks(item.prompt_id),  # the prompt's mode under a mix
-        **generation.mix_columns(),
+        enable_thinking=thinks(generation, item.prompt_id),  # the prompt's mode under a mix
         content=message.get("content") or "",
         tool_calls_json=canonical_json(clean_calls(calls)) if calls else None,
         reasoning_content=message.get("reasoning_content"),
@@ -105,15 +104,6 @@ def turn_row(item: TurnItem, resp: dict, sent: Sent, generation: GenerationSetti
         calls_differ=calls_differ(made, item.conversation.source_calls_of(item.turn)),
         diverged=row.finish_reason == "stop" and item.conversation.ends_after(item.turn, answer),
     )
-
-
-def window_columns(generation: GenerationSettings) -> dict:
-    """What a row records of the window policy: the config's cap and the window (null under a fixed cap)."""
-    windowed = generation.windowed
-    return {
-        "policy_cap": generation.max_output_tokens if windowed else None,
-        "trainer_max_length": generation.trainer_max_length if windowed else None,
-    }
 
 
 def resolve_regenerate(data_dir: Storage, generation: GenerationSettings) -> GenerationSettings:

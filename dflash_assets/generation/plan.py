@@ -17,6 +17,7 @@ from typing import TypeVar
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.preflight import Budget, overflow_error, tool_parser_error
 from dflash_assets.generation.prompts import canonical_json, last_turn_request
+from dflash_assets.generation.request import request_cap, template_kwargs, window_problem
 from dflash_assets.generation.turns import (
     FINISHED,
     Conversation,
@@ -130,7 +131,7 @@ def reject_row(
         config_hash=config_hash,
         reason=reason,
         prompt_tokens=tokens,
-        max_output_tokens=generation.request_cap(tokens) if tokens is not None else generation.max_output_tokens,
+        max_output_tokens=request_cap(generation, tokens) if tokens is not None else generation.max_output_tokens,
         server_context_length=context,
         created_at=datetime.now(UTC),
         turn=turn,
@@ -153,18 +154,18 @@ def preflight(
     rows: list[P], budget: Budget, generation: GenerationSettings, policy: str = "reject"
 ) -> list[tuple[P, str]]:
     """(turn, why) for every turn whose prompt_tokens + request cap the fleet cannot honour: each turn's request cap
-    is `generation.request_cap` (its own under the window policy), and the window refuses a prompt that fills it.
+    is request_cap's (its own under the window policy), and the window refuses a prompt that fills it.
 
     Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow:
     then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts. A prompt that fills
     the window is the prompt's fault, not the fleet's: it never counts towards that share."""
     counted = [(r, r.prompt_tokens or 0) for r in rows]
-    full = [(r, problem) for r, tokens in counted if (problem := generation.window_problem(tokens))]
+    full = [(r, problem) for r, tokens in counted if (problem := window_problem(generation, tokens))]
     refused = {id(r) for r, _ in full}
     over = [
         (r, problem)
         for r, tokens in counted
-        if id(r) not in refused and (problem := budget.problem(tokens, generation.request_cap(tokens)))
+        if id(r) not in refused and (problem := budget.problem(tokens, request_cap(generation, tokens)))
     ]
     if over and (policy == "fail" or len(over) >= OVERFLOW_FAIL_SHARE * len(rows)):
         config_cap = generation.max_output_tokens
@@ -216,14 +217,14 @@ async def count_next_turns(plan: ShardPlan, fleet: Fleet, log: Callable[[str], N
         if not fresh or messages != last_turn_request(json.loads(row.messages_json or "[]")):
             async with gate:
                 item.prompt_tokens = await fleet.clients[i % len(fleet.clients)].count_prompt_tokens(
-                    messages, generation.template_kwargs(item.prompt_id), item.conversation.tools
+                    messages, template_kwargs(generation, item.prompt_id), item.conversation.tools
                 )
         return Planned(**{f.name: getattr(item, f.name) for f in fields(Planned)})  # without its conversation
 
     batch: list[tuple[TurnItem, PromptRow, bool]] = []
     for item, row in plan.items(("prompt_tokens", "template_kwargs_json")):
         item.prompt_tokens = row.prompt_tokens
-        fresh = row.template_kwargs_json == canonical_json(generation.template_kwargs(item.prompt_id))  # its mode
+        fresh = row.template_kwargs_json == canonical_json(template_kwargs(generation, item.prompt_id))  # its mode
         stale += not fresh
         batch.append((item, row, fresh))
         if len(batch) == 2048:

@@ -29,7 +29,7 @@ from dflash_assets.generation.commit import ShardOutput, generated_tokens
 from dflash_assets.generation.plan import reject_row, turn_label
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.generation.quarantine import QUARANTINE_AFTER_DEATHS, Quarantine, Quarantined, suspect_rows
-from dflash_assets.generation.request import chat_body
+from dflash_assets.generation.request import chat_body, request_cap, template_kwargs, window_problem
 from dflash_assets.generation.runaway import is_runaway, loop_start
 from dflash_assets.generation.slots import FleetDown, Slot, SlotPicker
 from dflash_assets.generation.stopping import STOP
@@ -95,17 +95,17 @@ def turn_sender(
     async def send(item: TurnItem, slot: Slot, attempt: int) -> CompletionRow:
         messages = item.conversation.history(item.turn, item.answers)
         if item.prompt_tokens is None:  # a follow-up: its history is known only now
-            kwargs = generation.template_kwargs(item.prompt_id)  # the prompt's mode
+            kwargs = template_kwargs(generation, item.prompt_id)  # the prompt's mode
             item.prompt_tokens = await slot.client.count_prompt_tokens(messages, kwargs, item.conversation.tools)
         if fills_before(item.turn, item.prompt_tokens, generation):
             raise Ended(item.turn)
-        request_cap = generation.request_cap(item.prompt_tokens)
-        if problem := generation.window_problem(item.prompt_tokens) or budget.problem(item.prompt_tokens, request_cap):
+        cap = request_cap(generation, item.prompt_tokens)
+        if problem := window_problem(generation, item.prompt_tokens) or budget.problem(item.prompt_tokens, cap):
             reason = turn_label(item.turn, item.turns) + problem
             context = budget.context_length
             raise Rejected(reject_row(item, "preflight", reason, generation, config_hash, context, item.recorded_turn))
         tools = item.conversation.tools
-        body = chat_body(generation, fleet.model, messages, token_ids, request_cap, item.prompt_id, tools)
+        body = chat_body(generation, fleet.model, messages, token_ids, cap, item.prompt_id, tools)
         t0 = time.monotonic()
         resp = await slot.client.chat(body, watch)
         return make_row(item, resp, Sent(slot, attempt, time.monotonic() - t0))

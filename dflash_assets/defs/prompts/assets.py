@@ -6,6 +6,7 @@ from dflash_assets.defs.faults import named_stops
 from dflash_assets.defs.metadata import PromptShardKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
+from dflash_assets.generation.request import template_kwargs
 from dflash_assets.generation.shards import build_prompt_shard, source_refusal
 from dflash_assets.settings import GenerationSettings, QuotaSettings, RepeatSettings
 
@@ -23,7 +24,7 @@ def prompt_shards(
     prompt_source: PromptSourceResource,
     data_dir: DataDirResource,
 ) -> None:
-    template_kwargs = GenerationSettings().template_kwargs()
+    kwargs = template_kwargs(GenerationSettings())  # the source's prompts are counted in the default mode
     bad = [shard for shard in context.partition_keys if not shard.isdigit()]
     if bad:
         raise dg.Failure(f"shard key {bad[0]!r} is not a shard number such as '00003'")
@@ -49,7 +50,7 @@ def prompt_shards(
                         prompt_source.shard_size,
                         data_dir.resolved(),
                         connected,
-                        template_kwargs,
+                        kwargs,
                         mapping=prompt_source.mapping(),
                         repeat_settings=RepeatSettings.taken_from(prompt_source),
                         quota_settings=QuotaSettings.taken_from(prompt_source),
