@@ -23,6 +23,7 @@ from bench_engine import busy_slot_seconds, stats
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shards
+from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 
@@ -66,8 +67,10 @@ async def run(data: Path, src: Path, shards: int, per_shard: int, urls: list[str
             data,
             [f"{k:05d}" for k in range(shards)],
             fleet,
-            GenerationSettings(max_output_tokens=3000, cap_policy="fixed", regenerate="all_turns"),
-            DispatchSettings(load_sample_s=0, progress_seconds=1e9, same_server_max_imbalance=imbalance),
+            GenerationRun(
+                GenerationSettings(max_output_tokens=3000, cap_policy="fixed", regenerate="all_turns"),
+                DispatchSettings(load_sample_s=0, progress_seconds=1e9, same_server_max_imbalance=imbalance),
+            ),
             log=lambda m: None,
         )
         return start, time.monotonic(), runs

@@ -27,6 +27,7 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shards, plan_remaining
+from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
@@ -59,8 +60,10 @@ async def generate(data: Path, shards: str | list[str], urls: list[str], cap: in
             data,
             [shards] if isinstance(shards, str) else shards,
             fleet,
-            GenerationSettings(max_output_tokens=cap, cap_policy="fixed"),
-            DispatchSettings(load_sample_s=0, progress_seconds=1e9, **settings),
+            GenerationRun(
+                GenerationSettings(max_output_tokens=cap, cap_policy="fixed"),
+                DispatchSettings(load_sample_s=0, progress_seconds=1e9, **settings),
+            ),
             log=lambda m: None,
         )
         return runs[0] if isinstance(shards, str) else runs

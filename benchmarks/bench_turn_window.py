@@ -22,6 +22,7 @@ from pathlib import Path
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shards
+from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 
@@ -44,7 +45,7 @@ async def generate(data: Path, url: str, cap: int, window: int) -> tuple[int, li
             max_output_tokens=cap, cap_policy="fixed", regenerate="all_turns", trainer_max_length=window
         )
         runs = await generate_shards(
-            data, ["00000"], fleet, settings, DispatchSettings(load_sample_s=0), log=lambda m: None
+            data, ["00000"], fleet, GenerationRun(settings, DispatchSettings(load_sample_s=0)), log=lambda m: None
         )
         return chat_requests(url) - before, runs
 

@@ -20,18 +20,25 @@ from pathlib import Path
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, account, generated_tokens
-from dflash_assets.generation.plan import OVERFLOW_FAIL_SHARE, ShardResult, plan_remaining, plan_shard, reject_row
+from dflash_assets.generation.plan import (
+    OVERFLOW_FAIL_SHARE,
+    ShardPlan,
+    ShardResult,
+    plan_remaining,
+    plan_shard,
+    reject_row,
+)
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.generation.prompts import canonical_json, carries_history
 from dflash_assets.generation.provenance import run_settings
 from dflash_assets.generation.quarantine import carry_over, quarantine_note
-from dflash_assets.generation.request import config_columns, request_cap, thinks
+from dflash_assets.generation.request import GenerationRun, config_columns, request_cap, thinks
 from dflash_assets.generation.send import Dispatch, Sent, next_turn, turn_sender, watch_of
 from dflash_assets.generation.stopping import Stopped
 from dflash_assets.generation.tools import answer_message, calls_differ, clean_calls
 from dflash_assets.generation.turns import TurnItem, every_turn
 from dflash_assets.rules import row_finish, stores_token_ids
-from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
+from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.schema import CompletionRow, RejectRow
 from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import (
@@ -52,6 +59,7 @@ __all__ = [
     "failure_store",
     "generate_shard",
     "generate_shards",
+    "GenerationRun",
     "generated_tokens",
     "plan_remaining",
     "turn_row",
@@ -119,17 +127,30 @@ def resolve_regenerate(data_dir: Storage, generation: GenerationSettings) -> Gen
     return generation.resolved(found)
 
 
+def _outputs(storage: Storage, plans: list[ShardPlan], config_hash: str) -> dict[str, ShardOutput]:
+    """Each shard's parts, rejects, failures and suspects, under the files of this config."""
+    return {
+        p.run.shard: ShardOutput(
+            p.run,
+            completion_store(storage, p.run.shard),
+            reject_store(storage, p.run.shard, "server"),
+            reject_store(storage, p.run.shard, "preflight"),
+            failure_store(storage, p.run.shard),
+            f"{config_hash}.parquet",
+            suspect_store(storage, p.run.shard),
+        )
+        for p in plans
+    }
+
+
 async def generate_shards(
     data_dir: str | Path,
     shards: list[str],
     fleet: Fleet,
-    generation: GenerationSettings,
-    dispatch: DispatchSettings = DispatchSettings(),
+    run: GenerationRun,
     *,
-    preflight_policy: str = "reject",
     log: Callable[[str], None] = print,
     on_answer: Callable[[int, int], None] | None = None,
-    runaway: RunawaySettings | None = None,
 ) -> list[ShardResult]:
     """Generate several shards (a backfill's range) through ONE dispatcher, in order.
 
@@ -139,12 +160,9 @@ async def generate_shards(
     `dispatch.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
     """
     storage = open_storage(data_dir)
-    generation = run_settings(storage, resolve_regenerate(storage, generation), fleet)  # provenance in its hash
-    if preflight_policy not in ("reject", "fail"):
-        raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {preflight_policy!r}")
+    generation = run_settings(storage, resolve_regenerate(storage, run.generation), fleet)  # provenance in its hash
     fleet_notes = check_fleet(fleet.infos, generation.enable_thinking)
-    missing = [s for s in shards if not prompt_store(storage, s).parts()]
-    if missing:
+    if missing := [s for s in shards if not prompt_store(storage, s).parts()]:
         raise FileNotFoundError(
             f"shard(s) {', '.join(missing)} have no prompt_shards file under {storage}; "
             f"materialise prompt_shards for them first"
@@ -154,25 +172,12 @@ async def generate_shards(
         plans = []
         for shard in shards:  # every shard is planned (and preflighted) before anything is sent
             locks.enter_context(completion_store(storage, shard).lock())
-            plans.append(await plan_shard(storage, shard, fleet, generation, dispatch, preflight_policy, log))
+            plans.append(await plan_shard(storage, shard, fleet, generation, run.preflight_policy, config_hash, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
-        outputs = {
-            p.run.shard: ShardOutput(
-                p.run,
-                completion_store(storage, p.run.shard),
-                reject_store(storage, p.run.shard, "server"),
-                reject_store(storage, p.run.shard, "preflight"),
-                failure_store(storage, p.run.shard),
-                f"{config_hash}.parquet",
-                suspect_store(storage, p.run.shard),
-            )
-            for p in plans
-        }
+        outputs = _outputs(storage, plans, config_hash)
         for p in plans:  # prompts an earlier run quarantined stay failed, unsent, unless asked
-            carried = carry_over(failure_store(storage, p.run.shard), config_hash, p, dispatch.retry_quarantined)
-            outputs[p.run.shard].failed += carried
-
-        token_ids = stores_token_ids(dispatch.store_token_ids, generation.cap_policy)
+            retry = run.dispatch.retry_quarantined
+            outputs[p.run.shard].failed += carry_over(failure_store(storage, p.run.shard), config_hash, p, retry)
 
         def make_row(item: TurnItem, resp: dict, sent: Sent) -> CompletionRow:
             return turn_row(item, resp, sent, generation, config_hash)
@@ -181,8 +186,9 @@ async def generate_shards(
             return reject_row(item, "server", reason, generation, config_hash, context, item.recorded_turn)
 
         items = itertools.chain.from_iterable(plan.to_send() for plan in plans)
-        send = turn_sender(fleet, generation, token_ids, make_row, watch_of(dispatch, runaway))
-        dispatcher = Dispatch(fleet, dispatch, outputs, send, refuse, log, follow_up=next_turn, on_answer=on_answer)
+        token_ids = stores_token_ids(run.dispatch.store_token_ids, generation.cap_policy)
+        send = turn_sender(fleet, generation, token_ids, make_row, watch_of(run.dispatch, run.runaway))
+        dispatcher = Dispatch(fleet, run.dispatch, outputs, send, refuse, log, follow_up=next_turn, on_answer=on_answer)
         try:
             await dispatcher.run(items, sum(len(p.todo) for p in plans))
         except Stopped:  # a polite stop closes the shards' parts as their end does
@@ -203,21 +209,13 @@ async def generate_shard(
     generation: GenerationSettings,
     dispatch: DispatchSettings = DispatchSettings(),
     *,
-    preflight_policy: str = "reject",
     log: Callable[[str], None] = print,
     on_answer: Callable[[int, int], None] | None = None,
-    runaway: RunawaySettings | None = None,
+    **run,
 ) -> ShardResult:
-    """Generate the completions of one shard (see generate_shards)."""
-    [run] = await generate_shards(
-        data_dir,
-        [shard],
-        fleet,
-        generation,
-        dispatch,
-        preflight_policy=preflight_policy,
-        log=log,
-        on_answer=on_answer,
-        runaway=runaway,
+    """Generate the completions of one shard (see generate_shards); `run`: GenerationRun's preflight_policy and
+    runaway."""
+    [result] = await generate_shards(
+        data_dir, [shard], fleet, GenerationRun(generation, dispatch, **run), log=log, on_answer=on_answer
     )
-    return run
+    return result

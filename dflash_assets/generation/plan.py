@@ -29,7 +29,7 @@ from dflash_assets.generation.turns import (
     plan_file,
 )
 from dflash_assets.rules import fills_window
-from dflash_assets.settings import DispatchSettings, GenerationSettings
+from dflash_assets.settings import GenerationSettings
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import PromptRow, RejectRow, as_dicts
 from dflash_assets.store.storage import Storage
@@ -241,14 +241,14 @@ async def plan_shard(
     shard: str,
     fleet: Fleet,
     generation: GenerationSettings,
-    dispatch: DispatchSettings,
     preflight_policy: str,
+    config_hash: str,
     log: Callable[[str], None],
 ) -> ShardPlan:
-    """Resume and preflight one shard (its lock is held): each conversation goes on from its last committed turn.
-    Its next turn is preflighted now (its history is known); a later one when it is sent. Preflight rejects are
-    recomputed by every run (the fleet may have changed): the config's preflight file holds this run's."""
-    config_hash = generation.config_hash(fleet.model)
+    """Resume and preflight one shard (its lock is held) for a config (its hash on this fleet): each conversation goes
+    on from its last committed turn. Its next turn is preflighted now (its history is known); a later one when it is
+    sent. Preflight rejects are recomputed by every run (the fleet may have changed): the config's preflight file
+    holds this run's."""
     run = ShardResult(shard, config_hash, fleet.model, infos=list(fleet.infos), window=generation.window)
     preflight_rejects = reject_store(data_dir, shard, "preflight")
     for store in (completion_store(data_dir, shard), reject_store(data_dir, shard, "server"), preflight_rejects):

@@ -5,6 +5,7 @@ import json
 
 from dflash_assets.fleet.fleet import connected
 from dflash_assets.generation.engine import generate_shards
+from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings
 
@@ -29,8 +30,9 @@ def run_three_shards(tmp_path, urls):
                 tmp_path / "data",
                 SHARDS,
                 fleet,
-                GenerationSettings(max_output_tokens=1024),
-                DispatchSettings(load_sample_s=0, commit_rows=8),
+                GenerationRun(
+                    GenerationSettings(max_output_tokens=1024), DispatchSettings(load_sample_s=0, commit_rows=8)
+                ),
                 log=lambda m: None,
             )
 

@@ -14,6 +14,7 @@ import pytest
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.provenance import ProvenanceMismatch
+from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.store import provenance as records
@@ -38,7 +39,7 @@ def build(data: Path, url: str, shards: int = 2) -> None:
 
 
 def run(data: Path, url: str, shards: list[str]):
-    return on_fleet([url], lambda f: generate_shards(data, shards, f, CONFIG, SETTINGS, log=quiet))
+    return on_fleet([url], lambda f: generate_shards(data, shards, f, GenerationRun(CONFIG, SETTINGS), log=quiet))
 
 
 def rows_by_config(data: Path) -> dict[str, int]:
@@ -111,7 +112,9 @@ def test_a_continuation_on_a_fleet_with_another_template_is_refused(tmp_path, em
     build(data, first.emu.url, shards=1)
     parent = on_fleet(
         [first.emu.url],
-        lambda f: generate_shards(data, ["00000"], f, GenerationSettings(max_output_tokens=300), SETTINGS, log=quiet),
+        lambda f: generate_shards(
+            data, ["00000"], f, GenerationRun(GenerationSettings(max_output_tokens=300), SETTINGS), log=quiet
+        ),
     )[0]
     with pytest.raises(ProvenanceMismatch, match=r"a continuation must come from the same SGLang version"):
         cont(data, [other.emu.url], parent.config_hash, 2048)

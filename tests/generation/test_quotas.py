@@ -9,6 +9,7 @@ import pytest
 
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.engine import generate_shards
+from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality.report.sources import SourceCount, by_source
 from dflash_assets.settings import GenerationSettings, QuotaSettings, RepeatSettings, SettingsError
@@ -97,7 +98,10 @@ def test_the_report_says_planned_equals_generated_per_source(tmp_path, emulator)
     build(data, url, source, QUOTAS, range(SHARDS))
     config = GenerationSettings(max_output_tokens=2048).resolved(False)
     runs = on_fleet(
-        [url], lambda f: generate_shards(data, [f"{i:05d}" for i in range(SHARDS)], f, config, SETTINGS, log=quiet)
+        [url],
+        lambda f: generate_shards(
+            data, [f"{i:05d}" for i in range(SHARDS)], f, GenerationRun(config, SETTINGS), log=quiet
+        ),
     )
     assert by_source(data, runs[0].config_hash) == [SourceCount("alpha", 10, 10), SourceCount("beta", 30, 30)]
 

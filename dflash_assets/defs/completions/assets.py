@@ -1,5 +1,7 @@
 """completions: one row per prompt and generation config, generated on the fleet, committed as Parquet."""
 
+from dataclasses import replace
+
 import dagster as dg
 from pydantic import Field
 
@@ -18,11 +20,11 @@ from dflash_assets.defs.resources import (
     run_on_fleet,
 )
 from dflash_assets.fleet.tuning import advise, summarize, tuning_markdown
-from dflash_assets.generation.engine import generate_shards
+from dflash_assets.generation.engine import ShardResult, generate_shards
 from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.prompts import SourceError, source_turns
 from dflash_assets.generation.provenance import run_settings
-from dflash_assets.rules import stores_token_ids
+from dflash_assets.generation.request import GenerationRun
 from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, RequestSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.store.stores import committed_rows
@@ -62,47 +64,15 @@ def completions(
     quality: QualityResource,
     prompt_source: PromptSourceResource,
 ) -> None:
+    # the window is the trainer's, the one; the loops a stream stops are the checks' own
     quality_settings = QualitySettings.taken_from(quality)
-    generation = GenerationSettings.of(config, quality_settings.trainer)  # the window: the trainer's, the one
-    dispatch = DispatchSettings.taken_from(config)
-    if generation.regenerate == "auto":  # over the whole source, so every shard of a backfill is the same config
-        try:
-            turns = source_turns(prompt_source.resolved(), prompt_source.mapping(), first_only=True)
-        except (SourceError, ValueError) as e:
-            raise dg.Failure(str(e), allow_retries=False) from None
-        generation = generation.resolved(turns.with_history > 0)
-        context.log.info(
-            f"regenerate auto: {generation.regenerate} ("
-            + (
-                f"prompt {turns.prompts} of the source carries earlier assistant turns: every assistant turn is "
-                f"regenerated, in order, so the trainer learns only the target model's answers"
-                if turns.with_history
-                else "no prompt of the source carries an earlier assistant turn"
-            )
-            + ")"
-        )
-    # the pre-tokenized export and the window policy are built from token ids: stored by default for them
-    dispatch = dispatch.model_copy(
-        update={
-            "store_token_ids": stores_token_ids(
-                dispatch.store_token_ids, generation.cap_policy, quality_settings.trainer.format
-            )
-        }
-    )
+    run = GenerationRun.of(config, quality_settings, config.preflight_policy)
+    run = replace(run, generation=_resolved(context, run.generation, prompt_source))
     config_hash: list[str] = []  # the run's, once the fleet has said its model: what a stop recounts
 
     async def generate(f):
-        config_hash.append(run_settings(data_dir.resolved(), generation, f).config_hash(f.model))
-        return await generate_shards(
-            data_dir.resolved(),
-            context.partition_keys,
-            f,
-            generation,
-            dispatch,
-            preflight_policy=config.preflight_policy,
-            log=context.log.info,
-            runaway=quality_settings.runaway,
-        )  # streamed: loops stopped by the checks' own rules
+        config_hash.append(run_settings(data_dir.resolved(), run.generation, f).config_hash(f.model))
+        return await generate_shards(data_dir.resolved(), context.partition_keys, f, run, log=context.log.info)
 
     def committed() -> dict[str, int]:
         return committed_rows(data_dir.resolved(), context.partition_keys, config_hash[-1] if config_hash else None)
@@ -115,34 +85,53 @@ def completions(
             raise preflight_failure(e) from None
     for note in runs[0].fleet_notes if runs else []:  # the fleet's, once per run
         context.log.warning(note)
-    for run in runs:
-        for note in run.notes:  # the shard's own
+    for shard in runs:
+        for note in shard.notes:  # the shard's own
             context.log.warning(note)
-        if run.failed:
+        if shard.failed:
             context.log.warning(
-                f"shard {run.shard}: {run.failed} prompts failed (in the failures table): those that used their "
-                f"{dispatch.max_attempts} attempts are sent again by the next run, a quarantined one only with "
+                f"shard {shard.shard}: {shard.failed} prompts failed (in the failures table): those that used their "
+                f"{run.dispatch.max_attempts} attempts are sent again by the next run, a quarantined one only with "
                 f"retry_quarantined (--retry-quarantined)"
             )
-        context.add_asset_metadata(shard_metadata(run, generation.max_output_tokens), partition_key=run.shard)
-    loads = summarize(runs[0].load_samples, runs[0].infos)
-    advice = advise(
-        runs[0].load_samples,
-        runs[0].infos,
-        client_in_flight={u: s["in_flight_limit"] for u, s in runs[0].servers.items()},
+        context.add_asset_metadata(shard_metadata(shard, run.generation.max_output_tokens), partition_key=shard.shard)
+    context.add_asset_metadata({ShardRunKeys.FLEET_TUNING: dg.MetadataValue.md(_tuning(context, runs[0]))})
+
+
+def _resolved(
+    context: dg.AssetExecutionContext, generation: GenerationSettings, prompt_source: PromptSourceResource
+) -> GenerationSettings:
+    """regenerate auto resolved over the whole source, so every shard of a backfill is the same config."""
+    if generation.regenerate != "auto":
+        return generation
+    try:
+        turns = source_turns(prompt_source.resolved(), prompt_source.mapping(), first_only=True)
+    except (SourceError, ValueError) as e:
+        raise dg.Failure(str(e), allow_retries=False) from None
+    generation = generation.resolved(turns.with_history > 0)
+    context.log.info(
+        f"regenerate auto: {generation.regenerate} ("
+        + (
+            f"prompt {turns.prompts} of the source carries earlier assistant turns: every assistant turn is "
+            f"regenerated, in order, so the trainer learns only the target model's answers"
+            if turns.with_history
+            else "no prompt of the source carries an earlier assistant turn"
+        )
+        + ")"
     )
+    return generation
+
+
+def _tuning(context: dg.AssetExecutionContext, run: ShardResult) -> str:
+    """The fleet's tuning advice from the run's /v1/loads samples: logged, and its Markdown for the metadata."""
+    if not run.load_samples:
+        return "no /v1/loads samples (the run was shorter than one interval)"
+    limits = {u: s["in_flight_limit"] for u, s in run.servers.items()}
+    advice = advise(run.load_samples, run.infos, client_in_flight=limits)
     for item in advice:
         if item.rule != "fine":
             context.log.info(f"fleet tuning, {item.server}: {item.message}")
-    context.add_asset_metadata(
-        {
-            ShardRunKeys.FLEET_TUNING: dg.MetadataValue.md(
-                tuning_markdown(loads, advice)
-                if runs[0].load_samples
-                else "no /v1/loads samples (the run was shorter than one interval)"
-            )
-        }
-    )
+    return tuning_markdown(summarize(run.load_samples, run.infos), advice)
 
 
 def shard_metadata(run, config_cap: int) -> dict:
