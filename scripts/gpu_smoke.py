@@ -27,7 +27,7 @@ from dflash_assets.fleet.fleet import on_fleet, open_session
 from dflash_assets.fleet.launcher import build_spec
 from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
-from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.generation.shards import SourceRules, build_prompt_shard
 from dflash_assets.quality import run_checks
 from dflash_assets.quality.training.export import export_training_set
 from dflash_assets.settings import (
@@ -151,7 +151,7 @@ def run(args, console: Console, data: Path, work: Path, url: list[str], key: str
     built = on_fleet(
         url,
         lambda f: build_prompt_shard(
-            src, 0, SHARD, len(lines), data, f, {"enable_thinking": True}, repeat_settings=keep
+            src, 0, SHARD, len(lines), data, f, {"enable_thinking": True}, SourceRules(repeats=keep)
         ),
         key,
     )

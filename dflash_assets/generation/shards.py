@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from dflash_assets.fleet.client import ServerError
 from dflash_assets.fleet.fleet import Fleet
@@ -26,6 +26,7 @@ from dflash_assets.generation.prompts import (
 from dflash_assets.generation.quotas import source_draws
 from dflash_assets.rules import prompt_over_context
 from dflash_assets.settings import Deployment, QuotaSettings, RepeatSettings
+from dflash_assets.store.schema import PromptRow, RejectRow, as_dicts
 from dflash_assets.store.source import ShardSource, has_completions, recorded_sources
 from dflash_assets.store.storage import open_storage
 from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject_store
@@ -87,6 +88,68 @@ def reason_kind(reason: str) -> str:
     return re.sub(r"(?<![-\w])\d+", "N", text.split(": ", 1)[0] if text.startswith("invalid JSON") else text)
 
 
+@dataclass(frozen=True)
+class SourceRules:
+    """How a source's lines become a shard's prompts besides their format: the field mapping of a source that fits no
+    known format, what a repeat is (generation/dedupe.py) and the quotas of its sources (generation/quotas.py)."""
+
+    mapping: FieldMapping | None = None
+    repeats: RepeatSettings = RepeatSettings()
+    quotas: QuotaSettings = QuotaSettings()
+
+
+TOKENIZE_CONCURRENCY = 64  # /v1/tokenize requests in flight while a shard's prompts are counted
+
+
+@dataclass
+class _Admission:
+    """Who is let into a shard: not a duplicate id of another shard, not a repeat (unless kept), drawn by its
+    source's quota, counted by the fleet and no longer than the context."""
+
+    fleet: Fleet
+    template_kwargs: dict
+    rules: SourceRules
+    elsewhere: dict[str, str]  # prompt_id -> the other shard that holds it
+    repeats: dict
+    left_out: dict
+
+    def __post_init__(self) -> None:
+        self.context = min(i.context_length for i in self.fleet.infos)
+        self.clients = itertools.cycle(self.fleet.clients)
+        self.gate = asyncio.Semaphore(TOKENIZE_CONCURRENCY)
+
+    def refused(self, item: Prompt) -> SourceReject | None:
+        """Why a prompt is refused before it is counted, or None."""
+        if item.prompt_id in self.elsewhere:
+            where = f"already in shard {self.elsewhere[item.prompt_id]}"
+            return SourceReject(
+                item.line, f"line {item.line}: duplicate id {item.prompt_id!r} ({where})", item.prompt_id
+            )
+        if item.line in self.repeats and not self.rules.repeats.keep_repeats:
+            return SourceReject(item.line, self.repeats[item.line].reason, item.prompt_id)
+        if item.line in self.left_out:
+            reason = self.left_out[item.line].reason(item.line, self.rules.quotas.quota_seed)
+            return SourceReject(item.line, reason, item.prompt_id)
+        return None
+
+    async def admit(self, item: Prompt | SourceReject) -> tuple[Prompt, int] | SourceReject:
+        if isinstance(item, SourceReject):
+            return item
+        if (refused := self.refused(item)) is not None:
+            return refused
+        async with self.gate:
+            try:
+                n = await next(self.clients).count_prompt_tokens(item.request, self.template_kwargs, item.tools)
+            except ServerError as e:
+                if e.retryable:  # the server's trouble, retried already: fail the build, never a permanent reject
+                    raise
+                return SourceReject(item.line, f"line {item.line}: tokenize failed: {e.message}", item.prompt_id)
+        if prompt_over_context(n, self.context):
+            why = f"line {item.line}: prompt of {n} tokens is longer than the model's context length ({self.context} tokens)"
+            return SourceReject(item.line, why, item.prompt_id, n)
+        return item, n
+
+
 async def build_prompt_shard(
     source: Path,
     index: int,
@@ -95,105 +158,63 @@ async def build_prompt_shard(
     data_dir: str | Path,
     fleet: Fleet,
     template_kwargs: dict,
-    concurrency: int = 64,
-    mapping: FieldMapping | None = None,
-    repeat_settings: RepeatSettings = RepeatSettings(),
-    quota_settings: QuotaSettings = QuotaSettings(),
+    rules: SourceRules = SourceRules(),
 ) -> ShardBuild:
     """Validate, count and write one shard's prompts; a line that repeats an earlier line of the source (exactly, or
     nearly: generation/dedupe.py) is rejected, or kept and counted with `keep_repeats`; a prompt the quota of its
     source does not draw (generation/quotas.py) is rejected."""
-    items = list(read_shard(source, index, shard_size, mapping))
+    items = list(read_shard(source, index, shard_size, rules.mapping))
     # every repeat for the quotas' draw (it leaves them out), else only the shard's own lines' (1-based)
-    own = None if quota_settings.quotas else range(index * shard_size + 1, (index + 1) * shard_size + 1)
-    repeats = source_repeats(source, data_dir, mapping, repeat_settings, own)
-    left_out = source_draws(source, data_dir, mapping, quota_settings, () if repeat_settings.keep_repeats else repeats)
-    repeated = sum(1 for i in items if isinstance(i, Prompt) and i.line in repeats)
+    own = None if rules.quotas.quotas else range(index * shard_size + 1, (index + 1) * shard_size + 1)
+    repeats = source_repeats(source, data_dir, rules.mapping, rules.repeats, own)
+    kept = () if rules.repeats.keep_repeats else repeats
+    left_out = source_draws(source, data_dir, rules.mapping, rules.quotas, kept)
     elsewhere = ids_in_other_shards(data_dir, shard, [i.prompt_id for i in items if isinstance(i, Prompt)])
-    context = min(i.context_length for i in fleet.infos)
-    clients = itertools.cycle(fleet.clients)
-    gate = asyncio.Semaphore(concurrency)
-
-    async def admit(item: Prompt | SourceReject) -> tuple[Prompt, int] | SourceReject:
-        if isinstance(item, SourceReject):
-            return item
-        if item.prompt_id in elsewhere:
-            return SourceReject(
-                item.line,
-                f"line {item.line}: duplicate id {item.prompt_id!r} (already in shard {elsewhere[item.prompt_id]})",
-                item.prompt_id,
-            )
-        if item.line in repeats and not repeat_settings.keep_repeats:
-            return SourceReject(item.line, repeats[item.line].reason, item.prompt_id)
-        if item.line in left_out:
-            return SourceReject(
-                item.line, left_out[item.line].reason(item.line, quota_settings.quota_seed), item.prompt_id
-            )
-        async with gate:
-            try:
-                n = await next(clients).count_prompt_tokens(item.request, template_kwargs, item.tools)
-            except ServerError as e:
-                if e.retryable:  # the server's trouble, retried already: fail the build, never a permanent reject
-                    raise
-                return SourceReject(item.line, f"line {item.line}: tokenize failed: {e.message}", item.prompt_id)
-        if prompt_over_context(n, context):
-            return SourceReject(
-                item.line,
-                f"line {item.line}: prompt of {n} tokens is longer than the model's context length ({context} tokens)",
-                item.prompt_id,
-                n,
-            )
-        return item, n
-
-    results = await asyncio.gather(*(admit(i) for i in items))
+    admission = _Admission(fleet, template_kwargs, rules, elsewhere, repeats, left_out)
+    results = await asyncio.gather(*(admission.admit(i) for i in items))
     kwargs_json = canonical_json(template_kwargs)
-    prompts: list[dict[str, Any]] = [
-        {
-            "prompt_id": p.prompt_id,
-            "shard": shard,
-            "line": p.line,
-            "source": p.source,
-            "messages_json": p.messages_json,
-            "prompt_tokens": n,
-            "template_kwargs_json": kwargs_json,
-            "tools_json": p.tools_json,
-        }
+    prompts = [
+        PromptRow(
+            prompt_id=p.prompt_id,
+            shard=shard,
+            line=p.line,
+            source=p.source,
+            messages_json=p.messages_json,
+            prompt_tokens=n,
+            template_kwargs_json=kwargs_json,
+            tools_json=p.tools_json,
+        )
         for r in results
         if not isinstance(r, SourceReject)
         for p, n in [r]
     ]
-    now = datetime.now(UTC)
+    now, refused = datetime.now(UTC), [r for r in results if isinstance(r, SourceReject)]
     rejects = [
-        {
-            "shard": shard,
-            "stage": "source",
-            "line": r.line,
-            "prompt_id": r.prompt_id,
-            "config_hash": None,
-            "reason": r.reason,
-            "prompt_tokens": r.prompt_tokens,
-            "max_output_tokens": None,
-            "server_context_length": context,
-            "created_at": now,
-        }
-        for r in results
-        if isinstance(r, SourceReject)
+        RejectRow(
+            shard=shard,
+            stage="source",
+            line=r.line,
+            prompt_id=r.prompt_id,
+            config_hash=None,
+            reason=r.reason,
+            prompt_tokens=r.prompt_tokens,
+            max_output_tokens=None,
+            server_context_length=admission.context,
+            created_at=now,
+        )
+        for r in refused
     ]
     lines, fingerprint = shard_fingerprint(source, index, shard_size)
     record = ShardSource(str(Path(source).resolve()), shard_size, lines, fingerprint)
-    prompt_store(data_dir, shard).replace(prompts, "prompts.parquet", record.metadata())
-    reject_store(data_dir, shard, "source").replace(rejects, "rejects.parquet")
-    reasons: dict[str, int] = {}
-    for r in rejects:
-        kind = reason_kind(str(r["reason"]))
-        reasons[kind] = reasons.get(kind, 0) + 1
+    prompt_store(data_dir, shard).replace(as_dicts(prompts), "prompts.parquet", record.metadata())
+    reject_store(data_dir, shard, "source").replace(as_dicts(rejects), "rejects.parquet")
     return ShardBuild(
         shard,
         len(items),
         len(prompts),
         len(rejects),
-        max((int(p["prompt_tokens"]) for p in prompts), default=0),
-        reasons,
+        max((p.prompt_tokens or 0 for p in prompts), default=0),
+        dict(Counter(reason_kind(r.reason) for r in refused)),
         format_counts([r[0] for r in results if not isinstance(r, SourceReject)]),
-        repeated,
+        sum(1 for i in items if isinstance(i, Prompt) and i.line in repeats),
     )

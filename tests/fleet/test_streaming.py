@@ -18,7 +18,7 @@ from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.request import chat_body
 from dflash_assets.generation.send import watch_of
-from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.generation.shards import SourceRules, build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RepeatSettings
 from tests.support.forks import start_emulator
 
@@ -65,7 +65,10 @@ def make_shard(data_dir, url) -> None:
     # the prompts differ only in their case number: near repeats, kept here (the cache's shared lead-in is the point)
     keep = RepeatSettings(keep_repeats=True)
     on_fleet(
-        [url], lambda f: build_prompt_shard(src, 0, "00000", N, data_dir, f, {"enable_thinking": True}, 64, None, keep)
+        [url],
+        lambda f: build_prompt_shard(
+            src, 0, "00000", N, data_dir, f, {"enable_thinking": True}, SourceRules(repeats=keep)
+        ),
     )
 
 

@@ -10,9 +10,9 @@ import pytest
 from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.request import GenerationRun
-from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.generation.shards import SourceRules, build_prompt_shard
 from dflash_assets.quality.report.sources import SourceCount, by_source
-from dflash_assets.settings import GenerationSettings, QuotaSettings, RepeatSettings, SettingsError
+from dflash_assets.settings import GenerationSettings, QuotaSettings, SettingsError
 from dflash_assets.store.stores import prompt_store, reject_store
 from tests.support.shards import FAST, SETTINGS, quiet, write_prompts
 
@@ -51,8 +51,7 @@ def build(data, url, source, quotas: QuotaSettings, order) -> None:
                 data,
                 fleet,
                 {"enable_thinking": True},
-                repeat_settings=RepeatSettings(),
-                quota_settings=quotas,
+                SourceRules(quotas=quotas),
             )
 
     on_fleet([url], go)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from dflash_assets.fleet.fleet import on_fleet
-from dflash_assets.generation.shards import build_prompt_shard
+from dflash_assets.generation.shards import SourceRules, build_prompt_shard
 from dflash_assets.settings import RepeatSettings
 from dflash_assets.store.stores import prompt_store, reject_store
 from tests.support.shards import FAST, write_prompts
@@ -52,7 +52,7 @@ def build_all(data, url, source, settings: RepeatSettings, order) -> dict[str, i
         for i in order:
             shard = f"{i:05d}"
             b = await build_prompt_shard(
-                source, i, shard, SHARD_SIZE, data, fleet, {"enable_thinking": True}, repeat_settings=settings
+                source, i, shard, SHARD_SIZE, data, fleet, {"enable_thinking": True}, SourceRules(repeats=settings)
             )
             built[shard] = b.repeats
         return built

@@ -7,7 +7,7 @@ from dflash_assets.defs.metadata import PromptShardKeys
 from dflash_assets.defs.partitions import shard_asset
 from dflash_assets.defs.resources import DataDirResource, FleetResource, PromptSourceResource, run_on_fleet
 from dflash_assets.generation.request import template_kwargs
-from dflash_assets.generation.shards import build_prompt_shard, source_refusal
+from dflash_assets.generation.shards import SourceRules, build_prompt_shard, source_refusal
 from dflash_assets.settings import GenerationSettings, QuotaSettings, RepeatSettings
 
 
@@ -25,6 +25,9 @@ def prompt_shards(
     data_dir: DataDirResource,
 ) -> None:
     kwargs = template_kwargs(GenerationSettings())  # the source's prompts are counted in the default mode
+    rules = SourceRules(
+        prompt_source.mapping(), RepeatSettings.taken_from(prompt_source), QuotaSettings.taken_from(prompt_source)
+    )
     bad = [shard for shard in context.partition_keys if not shard.isdigit()]
     if bad:
         raise dg.Failure(f"shard key {bad[0]!r} is not a shard number such as '00003'")
@@ -51,9 +54,7 @@ def prompt_shards(
                         data_dir.resolved(),
                         connected,
                         kwargs,
-                        mapping=prompt_source.mapping(),
-                        repeat_settings=RepeatSettings.taken_from(prompt_source),
-                        quota_settings=QuotaSettings.taken_from(prompt_source),
+                        rules,
                     ),
                 )
             )
