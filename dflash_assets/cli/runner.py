@@ -110,7 +110,7 @@ class Stops:
 def execute(
     job: str,
     instance: dg.DagsterInstance,
-    run_config: dict,
+    run_config: dict | dg.RunConfig,
     console: Console,
     shards: list[str] | None = None,
     watch: Callable[[], None] | None = None,

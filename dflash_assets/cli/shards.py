@@ -52,7 +52,9 @@ from dflash_assets.cli.runner import (
     shard_range,
     source_refused,
 )
+from dflash_assets.defs.completions.assets import CompletionsConfig
 from dflash_assets.defs.completions.jobs import shard_pipeline_job
+from dflash_assets.defs.continuation.assets import ContinuationConfig
 from dflash_assets.defs.continuation.jobs import continue_job
 from dflash_assets.defs.metadata import CheckKeys, ContinuationKeys, PromptShardKeys, ReportKeys, ShardRunKeys
 from dflash_assets.defs.partitions import SHARDS_PER_RUN
@@ -140,7 +142,8 @@ def run_shards(
     """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
     flags) and `window`'s trainer as the quality resource's (the checks' window, and the requests'); print a table;
     return what stopped runs."""
-    run_config = {**quiet(verbose), "resources": window.resources(), "ops": {"completions": {"config": completions}}}
+    typed = {"completions": CompletionsConfig(**completions)}  # refused here, as the asset would, if a flag is wrong
+    run_config = dg.RunConfig(ops=typed, resources=window.resources(), **quiet(verbose))
     tally = _Tally()
     table = _shard_table(window)
     runs = [shards[i : i + SHARDS_PER_RUN] for i in range(0, len(shards), SHARDS_PER_RUN)]
@@ -396,12 +399,9 @@ def run_continue(
         highlight=False,
     )
     window = Window("window", trainer=TrainerSettings(max_length=to_window)) if to_window else Window()
-    target_config = {"to_window": to_window} if to_window else {"to_window": 0, "new_max_output_tokens": new_cap}
-    run_config = {
-        **quiet(verbose),
-        "resources": window.resources(),
-        "ops": {"continued_completions": {"config": {"parent_config_hash": "latest", **target_config}}},
-    }
+    to = {"to_window": to_window} if to_window else {"new_max_output_tokens": new_cap}
+    ops = {"continued_completions": ContinuationConfig.model_validate({"parent_config_hash": "latest", **to})}
+    run_config = dg.RunConfig(ops=ops, resources=window.resources(), **quiet(verbose))
     continued = Continued()
     for chunk in [chosen[i : i + SHARDS_PER_RUN] for i in range(0, len(chosen), SHARDS_PER_RUN)]:
         result = execute(continue_job.name, instance, run_config, console, chunk)
