@@ -213,7 +213,7 @@ def cpu(n: int, intervals: list[int]) -> dict[float, int]:
                 nonlocal tokens
                 async with gate:
                     resp = await client.chat(chat_body(body, "m", [{"role": "user", "content": f"cpu {i}"}]), watch)
-                    tokens += resp["usage"]["completion_tokens"]
+                    tokens += resp.completion_tokens
 
             c0 = cpu_s()
             await asyncio.gather(*(one(i) for i in range(n)))
@@ -291,7 +291,7 @@ def paced(n: int, tokens_per_s: float) -> None:
                 async with gate:
                     messages = [{"role": "user", "content": f"paced {i}"}]
                     resp = await client.chat(chat_body(body, "m", messages, True), watch_of(DispatchSettings()))
-                    tokens += resp["usage"]["completion_tokens"]
+                    tokens += resp.completion_tokens
 
             Reads.count, c0 = 0, cpu_s()
             await asyncio.gather(*(one(i) for i in range(n)))

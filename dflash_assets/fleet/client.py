@@ -115,6 +115,44 @@ class ServerAccessError(RuntimeError):
         self.url, self.path, self.status, self.message = url, path, status, message
 
 
+@dataclass(frozen=True, slots=True)
+class ChatResult:
+    """A chat completion as the pipeline reads it: its one choice and its usage (SGLang 0.5.23's protocol.py
+    ChatCompletionResponse; tests/fleet/test_client_contract.py holds its fields against the wheel's)."""
+
+    finish_reason: str
+    content: str | None
+    reasoning_content: str | None  # null when the server did not separate reasoning
+    tool_calls: list[dict] | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    reasoning_tokens: int  # usage.reasoning_tokens, else the OpenAI location completion_tokens_details'
+    cached_tokens: int | None  # prompt tokens the prefix cache held: a server started with --enable-cache-report
+    prompt_token_ids: list[int] | None  # asked with return_token_ids
+    output_ids: list[int] | None  # response_token_ids, asked with return_token_ids
+    loop_start_tokens: int | None  # a runaway stopped while streaming (fleet/stream.py)
+
+    @classmethod
+    def of(cls, resp: dict) -> ChatResult:
+        choice, usage = resp["choices"][0], resp.get("usage") or {}
+        message, reasoning = choice["message"], usage.get("reasoning_tokens")
+        if reasoning is None:
+            reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens")
+        return cls(
+            finish_reason=choice.get("finish_reason"),
+            content=message.get("content"),
+            reasoning_content=message.get("reasoning_content"),
+            tool_calls=message.get("tool_calls"),
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            reasoning_tokens=reasoning or 0,
+            cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            prompt_token_ids=choice.get("prompt_token_ids"),
+            output_ids=choice.get("response_token_ids"),
+            loop_start_tokens=choice.get("loop_start_tokens"),
+        )
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     """What a server says about itself; the numbers preflight and the dispatcher size work by."""
@@ -407,7 +445,7 @@ class ServerClient:
         body = {"tokens": list(ids), "skip_special_tokens": True}
         return (await self._request("POST", "/v1/detokenize", json=body, timeout=60))["text"]
 
-    async def chat(self, body: dict, watch: Watch | None = None) -> dict:
+    async def chat(self, body: dict, watch: Watch | None = None) -> ChatResult:
         """The chat completion of `body`; with a `watch`, streamed and watched, assembled into the same answer."""
         if watch is None:
             resp = await self._request("POST", "/v1/chat/completions", json=body)
@@ -420,7 +458,7 @@ class ServerClient:
                 f"/v1/chat/completions answered 200 with finish_reason 'abort' "
                 f"(choice {aborted[0]}): aborted by the server, not finished",
             )
-        return resp
+        return ChatResult.of(resp)
 
     async def generate(self, body: dict, watch: Watch | None = None) -> Any:
         """/generate of one request; with a `watch`, streamed and watched, assembled into the same answer."""

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import pyarrow.compute as pc
 
-from dflash_assets.fleet.client import ServerError
+from dflash_assets.fleet.client import ChatResult, ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
 from dflash_assets.generation.commit import ShardOutput
@@ -449,8 +449,8 @@ class Continuer:
         # the turns after a continued one keep their token ids, as the continued one does: the config goes on by them
         self.regenerate = turn_sender(self.fleet, self.plan.generation, True, self._regenerated, self.watch)
 
-    def _regenerated(self, item: TurnItem, resp: dict, sent: Sent) -> CompletionRow:
-        row = turn_row(item, resp, sent, self.plan.generation, self.plan.run.config_hash)
+    def _regenerated(self, item: TurnItem, answer: ChatResult, sent: Sent) -> CompletionRow:
+        row = turn_row(item, answer, sent, self.plan.generation, self.plan.run.config_hash)
         return replace(row, parent_config_hash=self.plan.run.parent_config_hash, tokens_reused=0)  # made here
 
     async def send(self, item: TurnItem, slot: Slot, attempt: int) -> CompletionRow:
@@ -521,21 +521,19 @@ class Continuer:
             "separate_reasoning": False,
         }
         t0 = time.monotonic()
-        resp = await slot.client.chat(body, self.watch)
-        choice, usage = resp["choices"][0], resp.get("usage") or {}
-        if choice.get("finish_reason") not in FINISHED:
-            raise ServerError(slot.url, f"chat finished with {choice.get('finish_reason')!r}")
-        new = usage.get("completion_tokens") or 0
-        self.drift.append((usage.get("prompt_tokens") or 0) - (row.prompt_tokens or 0) - done)
-        thought, content = reasoning.split(raw + (choice["message"].get("content") or ""))
-        new_reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
-        loop = choice.get("loop_start_tokens")
+        answer = await slot.client.chat(body, self.watch)
+        if answer.finish_reason not in FINISHED:
+            raise ServerError(slot.url, f"chat finished with {answer.finish_reason!r}")
+        new = answer.completion_tokens or 0
+        self.drift.append((answer.prompt_tokens or 0) - (row.prompt_tokens or 0) - done)
+        thought, content = reasoning.split(raw + (answer.content or ""))
+        loop = answer.loop_start_tokens
         return self._row(
             row,
             Sent(slot, attempt, time.monotonic() - t0),
-            finish_reason=choice["finish_reason"],
+            finish_reason=answer.finish_reason,
             completion_tokens=done + new,
-            reasoning_tokens=(row.reasoning_tokens or 0) + (0 if THINK_END in raw else new_reasoning),
+            reasoning_tokens=(row.reasoning_tokens or 0) + (0 if THINK_END in raw else answer.reasoning_tokens),
             content=content,
             reasoning_content=thought,
             loop_start_tokens=None if loop is None else done + loop,

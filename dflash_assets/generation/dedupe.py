@@ -238,4 +238,4 @@ def source_repeats(
     table = storage.read_table(path)
     if lines is not None:
         table = table.filter((pc.field("line") >= lines.start) & (pc.field("line") < lines.stop))
-    return {r["line"]: Repeat(**r) for r in table.to_pylist()}
+    return {r.line: r for r in (Repeat(**columns) for columns in table.to_pylist())}

@@ -18,6 +18,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dflash_assets.fleet.client import ChatResult
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, account, generated_tokens
 from dflash_assets.generation.plan import (
@@ -66,51 +67,48 @@ __all__ = [
 ]
 
 
-def turn_row(item: TurnItem, resp: dict, sent: Sent, generation: GenerationSettings, config_hash: str) -> CompletionRow:
+def turn_row(
+    item: TurnItem, answer: ChatResult, sent: Sent, generation: GenerationSettings, config_hash: str
+) -> CompletionRow:
     """The completion row of a conversation's turn (a plan's item or a follow-up) from its chat answer, with everything
     that made it: its request's own cap, the turn as its conversation's rows record it."""
-    choice, usage, message = resp["choices"][0], resp.get("usage") or {}, resp["choices"][0]["message"]
-    reasoning_tokens = usage.get("reasoning_tokens")
-    if reasoning_tokens is None:
-        reasoning_tokens = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
-    calls = message.get("tool_calls")
+    calls = answer.tool_calls
     row = CompletionRow(
         prompt_id=item.prompt_id,
         shard=item.shard,
         source=item.source,
         config_hash=config_hash,
-        finish_reason=row_finish(choice["finish_reason"]),
-        prompt_tokens=usage.get("prompt_tokens"),
-        completion_tokens=usage.get("completion_tokens"),
-        reasoning_tokens=reasoning_tokens or 0,
+        finish_reason=row_finish(answer.finish_reason),
+        prompt_tokens=answer.prompt_tokens,
+        completion_tokens=answer.completion_tokens,
+        reasoning_tokens=answer.reasoning_tokens,
         max_output_tokens=request_cap(generation, item.prompt_tokens or 0),
         **config_columns(generation),
         server_context_length=sent.slot.info.context_length,
         server_url=sent.slot.url,
         model=sent.slot.info.model,
         enable_thinking=thinks(generation, item.prompt_id),  # the prompt's mode under a mix
-        content=message.get("content") or "",
+        content=answer.content or "",
         tool_calls_json=canonical_json(clean_calls(calls)) if calls else None,
-        reasoning_content=message.get("reasoning_content"),
+        reasoning_content=answer.reasoning_content,
         latency_s=sent.latency_s,
         attempt=sent.attempt,
         created_at=datetime.now(UTC),
-        prompt_token_ids=choice.get("prompt_token_ids"),
-        output_ids=choice.get("response_token_ids"),
-        # reported by a server started with --enable-cache-report
-        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
-        loop_start_tokens=choice.get("loop_start_tokens"),  # a runaway stopped while streaming (fleet/stream.py)
+        prompt_token_ids=answer.prompt_token_ids,
+        output_ids=answer.output_ids,
+        cached_tokens=answer.cached_tokens,
+        loop_start_tokens=answer.loop_start_tokens,
         turn=item.recorded_turn,
         turns=item.recorded_turns,
     )
     if not item.conversation.tools:
         return row
     made = json.loads(row.tool_calls_json) if row.tool_calls_json else []
-    answer = answer_message(row.content or "", row.tool_calls_json)
+    message = answer_message(row.content or "", row.tool_calls_json)
     return replace(
         row,
         calls_differ=calls_differ(made, item.conversation.source_calls_of(item.turn)),
-        diverged=row.finish_reason == "stop" and item.conversation.ends_after(item.turn, answer),
+        diverged=row.finish_reason == "stop" and item.conversation.ends_after(item.turn, message),
     )
 
 
@@ -179,8 +177,8 @@ async def generate_shards(
             retry = run.dispatch.retry_quarantined
             outputs[p.run.shard].failed += carry_over(failure_store(storage, p.run.shard), config_hash, p, retry)
 
-        def make_row(item: TurnItem, resp: dict, sent: Sent) -> CompletionRow:
-            return turn_row(item, resp, sent, generation, config_hash)
+        def make_row(item: TurnItem, answer: ChatResult, sent: Sent) -> CompletionRow:
+            return turn_row(item, answer, sent, generation, config_hash)
 
         def refuse(item: TurnItem, reason: str, context: int) -> RejectRow:
             return reject_row(item, "server", reason, generation, config_hash, context, item.recorded_turn)

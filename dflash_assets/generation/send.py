@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import NamedTuple
 
-from dflash_assets.fleet.client import ServerError
+from dflash_assets.fleet.client import ChatResult, ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.membership import Change, follow
 from dflash_assets.fleet.stream import Watch
@@ -66,7 +66,7 @@ class Sent:
     latency_s: float
 
 
-TurnRow = Callable[[TurnItem, dict, Sent], CompletionRow]  # (item, chat response, how it was answered) -> its row
+TurnRow = Callable[[TurnItem, ChatResult, Sent], CompletionRow]  # (item, chat answer, how it was answered) -> its row
 
 
 def watch_of(dispatch: DispatchSettings, runaway: RunawaySettings | None = None) -> Watch | None:
@@ -107,8 +107,8 @@ def turn_sender(
         tools = item.conversation.tools
         body = chat_body(generation, fleet.model, messages, token_ids, cap, item.prompt_id, tools)
         t0 = time.monotonic()
-        resp = await slot.client.chat(body, watch)
-        return make_row(item, resp, Sent(slot, attempt, time.monotonic() - t0))
+        answer = await slot.client.chat(body, watch)
+        return make_row(item, answer, Sent(slot, attempt, time.monotonic() - t0))
 
     return send
 

@@ -24,8 +24,8 @@ from tests.support.sglang_wheel import class_fields, function, sglang_dir, sglan
 
 pytestmark = pytest.mark.timeout(120)
 
-# What dflash_assets reads from each answer (fleet/client.py, fleet/status.py, fleet/tuning.py,
-# generation/engine.py _row, generation/continuation.py): route -> {where: fields}.
+# What dflash_assets reads from each answer (fleet/client.py and its ChatResult, fleet/status.py, fleet/tuning.py,
+# generation/continuation.py): route -> {where: fields}.
 CLIENT_READS = {
     "/v1/models": {"ModelList": {"data"}, "ModelCard": {"id", "max_model_len"}},
     "/v1/chat/completions": {

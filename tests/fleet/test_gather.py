@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from dflash_assets.fleet.client import ServerClient
+from dflash_assets.fleet.client import ChatResult, ServerClient
 from dflash_assets.fleet.fleet import open_session, run
 from dflash_assets.fleet.stream import EventStreamReader, Gather, GatheredConnector, GatheredHandler
 from dflash_assets.generation.request import chat_body
@@ -137,7 +137,7 @@ def test_a_streamed_answer_costs_its_socket_reads_only_no_empty_ones():
     watch = watch_of(DispatchSettings())
     body = chat_body(GenerationSettings(max_output_tokens=300), "m", [{"role": "user", "content": "reads"}], True)
 
-    async def requests(url: str, n: int) -> tuple[list[dict], int]:
+    async def requests(url: str, n: int) -> tuple[list[ChatResult], int]:
         connector = counted(GatheredConnector(), Gather(0.05))
         async with aiohttp.ClientSession(connector=connector) as session:
             client = ServerClient(session, url)
@@ -145,7 +145,7 @@ def test_a_streamed_answer_costs_its_socket_reads_only_no_empty_ones():
 
     with start_emulator(["--reasoning-parser", "qwen3", "--length-median", "200", "--stream-interval", "8"]) as server:
         answers, reads = run(requests(server.url, 10))
-    events = sum(len(a["choices"][0]["response_token_ids"]) // 8 for a in answers)
+    events = sum(len(a.output_ids) // 8 for a in answers)
     assert events >= 10 * 10  # many events a request (a chunk each) ...
     assert b"" not in Counted.reads and 0 < reads <= 3 * 10, Counted.reads[:5]  # ... and at most 3 reads a request
 

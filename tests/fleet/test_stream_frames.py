@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from dflash_assets.fleet.client import ServerClient
+from dflash_assets.fleet.client import ChatResult, ServerClient
 from dflash_assets.fleet.fleet import open_session, run
 from dflash_assets.fleet.stream import ChatAnswer, Frames, Watch, chat_stream_body
 from dflash_assets.generation.request import chat_body
@@ -67,7 +67,7 @@ def test_a_streamed_request_leaves_no_reference_cycle_for_the_collector():
     messages = [{"role": "user", "content": "cycles"}]
     body = chat_body(GenerationSettings(max_output_tokens=300), "m", messages, token_ids=True)
 
-    async def requests(url: str, n: int) -> list[dict]:
+    async def requests(url: str, n: int) -> list[ChatResult]:
         async with open_session() as session:
             client = ServerClient(session, url)
             return [await client.chat(body, watch) for _ in range(n)]
@@ -81,5 +81,5 @@ def test_a_streamed_request_leaves_no_reference_cycle_for_the_collector():
             unreachable = gc.collect()
         finally:
             gc.enable()
-    assert all(a["choices"][0]["response_token_ids"] for a in answers)
+    assert all(a.output_ids for a in answers)
     assert unreachable < 20, f"{unreachable} objects in reference cycles after 20 streamed requests"

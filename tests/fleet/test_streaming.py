@@ -186,7 +186,7 @@ def test_a_finished_stream_gives_its_connection_back_to_the_pool(emulator):
         async with aiohttp.ClientSession(trace_configs=[trace]) as session:
             client = ServerClient(session, emu.emu.url)
             for _ in range(40):
-                assert (await client.chat(body, watch_of(DispatchSettings())))["choices"][0]["finish_reason"]
+                assert (await client.chat(body, watch_of(DispatchSettings()))).finish_reason
         return made
 
     assert run(connections()) == 1
