@@ -60,7 +60,6 @@ from dflash_assets.generation.turns import (
     Conversation,
     Planned,
     TurnItem,
-    Turns,
     conversations,
     next_item,
     regenerate_of,
@@ -91,26 +90,15 @@ from dflash_assets.store.stores import (
 )
 
 FINISHED = ("stop", "length", RUNAWAY_FINISH)  # what a continuation may end with; "abort" is retried
-PLAN_COLUMNS = [
-    "prompt_id",
-    "config_hash",
-    "finish_reason",
-    "completion_tokens",
-    "prompt_tokens",
-    "model",
-    "max_output_tokens",
-    "enable_thinking",
-    "policy_cap",
-    "trainer_max_length",
-    "turn",
-    "thinking_share",
-    "mode_seed",
-    *SAMPLING_PARAMS,
-]
+# what a continuation plans by: a parent row's small columns (its config is rebuilt from the first one's)
+PLAN_COLUMNS = "prompt_id config_hash finish_reason completion_tokens prompt_tokens model max_output_tokens".split()
+PLAN_COLUMNS += ["enable_thinking", "policy_cap", "trainer_max_length", "turn", "thinking_share", "mode_seed"]
+PLAN_COLUMNS += SAMPLING_PARAMS
 IDS = {  # how many token ids a row holds: null when its run stored none
     "n_prompt_ids": pc.list_value_length(pc.field("prompt_token_ids")),
     "n_output_ids": pc.list_value_length(pc.field("output_ids")),
 }
+ALONE = '[{"role":"user","content":""}]'  # the conversation of a parent row whose prompt is gone: its one turn
 Key = tuple[str, int | None]  # what a row of a config is one of: its conversation and its turn (null: its only one)
 
 
@@ -309,21 +297,8 @@ class ContinuationPlan:
     def item(self, pid: str, state: Conversation, parent: CompletionRow | None = None) -> TurnItem:
         """A conversation's turn to send: its next one, or (`parent`) the cut turn the parent row goes on from (a
         parent row whose prompt the shard no longer holds, an earlier probe sample's, is its conversation's last)."""
-        if pid not in self.prompts and parent is not None:
-            alone = Turns([], [[]], numbered=parent.turn is not None)
-            return TurnItem(
-                prompt_id=pid,
-                shard=self.run.shard,
-                line=None,
-                source=parent.source,
-                conversation=alone,
-                turn=parent.turn or 1,
-                turns=1,
-                answers=[],
-                prompt_tokens=parent.prompt_tokens,
-                parent=parent,
-            )
-        item = next_item(self.prompts[pid], self.run.shard, self.generation, state)
+        prompt = self.prompts.get(pid) or PromptRow(prompt_id=pid, messages_json=ALONE)
+        item = next_item(prompt, self.run.shard, self.generation, state)
         if parent is not None:
             item.turn, item.prompt_tokens, item.parent = parent.turn or 1, parent.prompt_tokens, parent
         return item
@@ -539,10 +514,6 @@ class Continuer:
             loop_start_tokens=None if loop is None else done + loop,
         )
 
-    def follow(self, item: TurnItem, row: CompletionRow) -> TurnItem | None:
-        """The turn after a continued (or regenerated) one that stopped, on the history that holds it."""
-        return next_turn(item, row)
-
     def refuse(self, item: TurnItem, reason: str, context: int) -> RejectRow:
         run = self.plan.run
         return reject_row(item, "server", reason, self.plan.generation, run.config_hash, context, item.recorded_turn)
@@ -588,8 +559,9 @@ async def continue_shard(
             failure_store(storage, shard),
             plan.own_file,
         )
+        # the turn after a continued (or regenerated) one that stopped goes on, on the history that holds it
         dispatcher = Dispatch(
-            fleet, dispatch, {shard: output}, continuer.send, continuer.refuse, log, follow_up=continuer.follow
+            fleet, dispatch, {shard: output}, continuer.send, continuer.refuse, log, follow_up=next_turn
         )
         await dispatcher.run(plan.to_send(), len(plan.to_continue) + len(plan.going_on))
         output.close()
