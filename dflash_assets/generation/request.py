@@ -30,11 +30,15 @@ class GenerationRun:
             raise ValueError(f"preflight_policy must be 'reject' or 'fail', got {self.preflight_policy!r}")
 
     @classmethod
-    def of(cls, config: object, quality: QualitySettings, preflight_policy: str = "reject") -> GenerationRun:
+    def of(
+        cls, config: object, quality: QualitySettings, preflight_policy: str = "reject", history: bool | None = None
+    ) -> GenerationRun:
         """A completions config's request and dispatch settings, sized to the quality settings' trainer window and
         watched by their runaway rules; token ids stored whenever the window policy or the pre-tokenized export is
-        built from them."""
+        built from them. `history`: whether the prompt source carries earlier assistant turns, what regenerate auto
+        resolves by (GenerationSettings.resolved; None: left to the engine, over the data dir's shards)."""
         generation = GenerationSettings.of(config, quality.trainer)
+        generation = generation if history is None else generation.resolved(history)
         dispatch = DispatchSettings.taken_from(config)
         token_ids = stores_token_ids(dispatch.store_token_ids, generation.cap_policy, quality.trainer.format)
         dispatch = dispatch.model_copy(update={"store_token_ids": token_ids})

@@ -1,7 +1,5 @@
 """completions: one row per prompt and generation config, generated on the fleet, committed as Parquet."""
 
-from dataclasses import replace
-
 import dagster as dg
 from pydantic import Field
 
@@ -25,7 +23,7 @@ from dflash_assets.generation.preflight import PreflightError
 from dflash_assets.generation.prompts import SourceError, source_turns
 from dflash_assets.generation.provenance import run_settings
 from dflash_assets.generation.request import GenerationRun
-from dflash_assets.settings import DispatchSettings, GenerationSettings, QualitySettings, RequestSettings
+from dflash_assets.settings import DispatchSettings, QualitySettings, RequestSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.store.stores import committed_rows
 
@@ -66,8 +64,8 @@ def completions(
 ) -> None:
     # the window is the trainer's, the one; the loops a stream stops are the checks' own
     quality_settings = QualitySettings.taken_from(quality)
-    run = GenerationRun.of(config, quality_settings, config.preflight_policy)
-    run = replace(run, generation=_resolved(context, run.generation, prompt_source))
+    history = _carries_history(context, config, prompt_source)
+    run = GenerationRun.of(config, quality_settings, config.preflight_policy, history)
     config_hash: list[str] = []  # the run's, once the fleet has said its model: what a stop recounts
 
     async def generate(f):
@@ -98,19 +96,19 @@ def completions(
     context.add_asset_metadata({ShardRunKeys.FLEET_TUNING: dg.MetadataValue.md(_tuning(context, runs[0]))})
 
 
-def _resolved(
-    context: dg.AssetExecutionContext, generation: GenerationSettings, prompt_source: PromptSourceResource
-) -> GenerationSettings:
-    """regenerate auto resolved over the whole source, so every shard of a backfill is the same config."""
-    if generation.regenerate != "auto":
-        return generation
+def _carries_history(
+    context: dg.AssetExecutionContext, config: CompletionsConfig, prompt_source: PromptSourceResource
+) -> bool | None:
+    """regenerate auto is resolved over the whole source, so every shard of a backfill is the same config: whether a
+    prompt of it carries an earlier assistant turn (None: another mode, nothing to resolve)."""
+    if config.regenerate != "auto":
+        return None
     try:
         turns = source_turns(prompt_source.resolved(), prompt_source.mapping(), first_only=True)
     except (SourceError, ValueError) as e:
         raise dg.Failure(str(e), allow_retries=False) from None
-    generation = generation.resolved(turns.with_history > 0)
     context.log.info(
-        f"regenerate auto: {generation.regenerate} ("
+        f"regenerate auto: {'all_turns' if turns.with_history else 'last_turn'} ("
         + (
             f"prompt {turns.prompts} of the source carries earlier assistant turns: every assistant turn is "
             f"regenerated, in order, so the trainer learns only the target model's answers"
@@ -119,7 +117,7 @@ def _resolved(
         )
         + ")"
     )
-    return generation
+    return turns.with_history > 0
 
 
 def _tuning(context: dg.AssetExecutionContext, run: ShardResult) -> str:
