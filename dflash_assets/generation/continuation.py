@@ -599,6 +599,9 @@ def _account(
     open_ = {pid for pid, c in states.items() if c.over is None}
     run.failed = len({f.prompt_id for f in failed} & open_)
     run.left = run.prompts - run.completed - run.rejected - run.failed
-    for batch in completion_batches(completion_store(data_dir, shard), h, ["completion_tokens", "tokens_reused"]):
-        run.new_config_tokens += sum(r.completion_tokens or 0 for r in batch)
-        run.tokens_reused += sum(r.tokens_reused or 0 for r in batch)
+    store = completion_store(data_dir, shard)
+    if parts := store.parts():
+        dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)
+        mine = dataset.to_table(columns=["completion_tokens", "tokens_reused"], filter=pc.field("config_hash") == h)
+        run.new_config_tokens = pc.sum(mine["completion_tokens"]).as_py() or 0
+        run.tokens_reused = pc.sum(mine["tokens_reused"]).as_py() or 0

@@ -243,14 +243,10 @@ def _committed_turns(
     dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)  # parts from before `turn` read it as null
     columns = ["prompt_id", "turn", "finish_reason", "content", "prompt_tokens", "completion_tokens", "tool_calls_json"]
     for batch in dataset.to_batches(columns=columns, filter=pc.field("config_hash") == config_hash):
-        for r in rows_as(CompletionRow, batch):
-            content, calls = r.content or "", r.tool_calls_json
-            found.setdefault(r.prompt_id, {})[r.turn or 1] = (
-                r.finish_reason,
-                answer_message(content, calls) if calls else content,
-                r.prompt_tokens,
-                r.completion_tokens,
-            )
+        # a column at a time (every committed row of the shard is read here, at every plan and every account)
+        for pid, turn, finish, content, prompt, completion, calls in zip(*batch.to_pydict().values(), strict=True):
+            answer = answer_message(content or "", calls) if calls else content or ""
+            found.setdefault(pid, {})[turn or 1] = (finish, answer, prompt, completion)
     return found
 
 

@@ -13,9 +13,11 @@ Layout under the data dir (`DFLASH_DATA_DIR`, default `data/`), hive-style so Du
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -233,13 +235,14 @@ def as_dicts(rows: Iterable[Row]) -> list[dict]:
 
 
 def rows_as(row_type: type[R], batch: Any) -> list[R]:
-    """A batch (an Arrow record batch or table) read back as the rows it was written as: as_dicts' inverse, a column
-    at a time (no dict a row from Arrow); a column the batch does not hold (not read, or written before it existed)
-    reads as null."""
-    names = batch.schema.names
-    missing: dict[str, Any] = dict.fromkeys(n for n in _names(row_type) if n not in names)
-    columns = [batch.column(i).to_pylist() for i in range(len(names))]
-    return [row_type(**missing, **dict(zip(names, values))) for values in zip(*columns)]
+    """A batch (an Arrow record batch or table) read back as the rows it was written as: as_dicts' inverse, filled a
+    column at a time through the fields' slots (no dict, no keyword call a row: as fast as Arrow's to_pylist); a
+    column the batch does not hold (not read, or written before it existed) reads as null."""
+    names, rows = batch.schema.names, [object.__new__(row_type) for _ in range(batch.num_rows)]
+    for name in _names(row_type):
+        values = batch.column(names.index(name)).to_pylist() if name in names else repeat(None)
+        deque(map(getattr(row_type, name).__set__, rows, values), maxlen=0)
+    return rows
 
 
 _NAMES: dict[type, tuple[str, ...]] = {}
