@@ -15,7 +15,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import partial
 from typing import NamedTuple
@@ -57,8 +57,7 @@ Refuse = Callable[[TurnItem, str, int], RejectRow]  # (item, reason, server cont
 FollowUp = Callable[[TurnItem, CompletionRow], "TurnItem | None"]  # (item, its row) -> the next item it makes ready
 
 
-@dataclass(frozen=True)
-class Sent:
+class Sent(NamedTuple):
     """How an attempt was answered: the server, the attempt, and the seconds it took (what a row records of it)."""
 
     slot: Slot

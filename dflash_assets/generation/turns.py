@@ -135,7 +135,7 @@ def turns_of_row(row: PromptRow, generation: GenerationSettings) -> Turns:
     return turns_of(json.loads(row.messages_json or "[]"), generation, tools)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Planned:
     """A conversation's turn with its prompt counted (None: not yet, a follow-up's history is known only when it is
     sent): what preflight and a reject row read. `turn` is its place in the conversation, 1-based."""
@@ -149,7 +149,7 @@ class Planned:
     tools: bool = False  # its requests carry tool schemas
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class TurnItem(Planned):
     """A conversation's turn to send, a work item of the dispatcher: a plan's, a follow-up, or a continued row's
     (`parent`: the row cut at the cap that this turn goes on from)."""
