@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from dflash_assets.fleet.client import ServerClient, error_message
+from dflash_assets.fleet.client import ChatResult, ServerClient, error_message
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.tuning import MAMBA_USAGE_METRIC
 from dflash_assets.generation.request import chat_body
@@ -216,6 +216,19 @@ def test_the_emulators_answers_carry_only_0_5_23s_fields_and_every_one_the_clien
     assert reads["ChatCompletionResponseChoice"] <= set(choice)
     assert reads["ChatMessage"] <= set(choice["message"])
     assert reads["UsageInfo"] - {"completion_tokens_details"} <= set(usage)
+    answer = ChatResult.of(chat)  # what the pipeline reads of it, typed
+    assert (answer.finish_reason, answer.content, answer.reasoning_content) == (
+        choice["finish_reason"],
+        choice["message"]["content"],
+        choice["message"]["reasoning_content"],
+    )
+    assert (answer.prompt_tokens, answer.completion_tokens, answer.reasoning_tokens) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        usage["reasoning_tokens"],
+    )
+    assert answer.output_ids == choice["response_token_ids"] and answer.prompt_token_ids == choice["prompt_token_ids"]
+    assert len(answer.output_ids) == answer.completion_tokens
 
     _, tokens = server.post("/v1/tokenize", {"prompt": "hello there", "add_special_tokens": False})
     assert reads_ok(tokens, "TokenizeResponse", "/v1/tokenize")
