@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # 1 recorded proc_start as clock ticks since boot (read from /proc), 2 as psutil's create_time (since the epoch:
@@ -51,13 +51,15 @@ def load(fleet_dir: Path) -> dict[str, ServerRecord]:
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
-    if data.get("version") == 1:  # warm servers launched by earlier versions stay ours
-        for rec in data["servers"].values():
-            if rec["proc_start"] is not None:  # seconds since boot, as psutil computes them on Linux
-                rec["proc_start"] = rec["proc_start"] / os.sysconf("SC_CLK_TCK")
-    elif data.get("version") not in (2, REGISTRY_VERSION):
+    if data.get("version") not in (1, 2, REGISTRY_VERSION):
         raise ValueError(f"{path}: registry version {data.get('version')!r}, this code reads {REGISTRY_VERSION}")
-    return {name: ServerRecord(**rec) for name, rec in data["servers"].items()}
+    records = {name: ServerRecord(**rec) for name, rec in data["servers"].items()}
+    if data["version"] == 1:  # warm servers launched by earlier versions stay ours: their start in clock ticks
+        ticks = os.sysconf("SC_CLK_TCK")  # seconds since boot, as psutil computes them on Linux
+        records = {
+            n: r if r.proc_start is None else replace(r, proc_start=r.proc_start / ticks) for n, r in records.items()
+        }
+    return records
 
 
 def save(fleet_dir: Path, servers: dict[str, ServerRecord]) -> None:
