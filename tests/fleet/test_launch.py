@@ -355,3 +355,17 @@ def test_a_clock_step_leaves_every_server_ours(fleet_dir, monkeypatch):
     finally:
         leader.kill()
         leader.wait()
+
+
+def test_a_version_1_registry_reads_its_clock_ticks_as_seconds_since_boot(tmp_path):
+    """Warm servers launched by a version-1 registry stay ours: its proc_start (clock ticks) becomes seconds."""
+    fields = dict(host="127.0.0.1", port=1, gpus=[0], args_hash="h", args={}, command=[], api_key_env=None)
+    fields |= dict(started_at="2026-01-01T00:00:00+00:00", log="x.log")
+    servers = {"gpu0": fields | {"name": "gpu0", "pid": 7, "proc_start": 500.0}}
+    servers["gpu1"] = fields | {"name": "gpu1", "pid": 8, "proc_start": None}
+    registry.registry_path(tmp_path).write_text(json.dumps({"version": 1, "servers": servers}))
+    loaded = registry.load(tmp_path)
+    assert loaded["gpu0"].proc_start == 500.0 / os.sysconf("SC_CLK_TCK") and loaded["gpu1"].proc_start is None
+    registry.registry_path(tmp_path).write_text(json.dumps({"version": 0, "servers": {}}))
+    with pytest.raises(ValueError, match="registry version 0"):
+        registry.load(tmp_path)
