@@ -20,8 +20,9 @@ no new death, and no fault of the request's: it is marked `down`, and the dispat
 attempt. Behind a gateway the gateway stays healthy when a worker dies: it answers a request whose worker dropped or
 refused the connection with a 500 (fleet/client.py UPSTREAM_LOST), or ends a stream already relayed. So there the
 probe asks each worker behind the gateway directly (fleet/gateway.py: the orchestrator reaches them for their facts
-already), those it lists now and those it listed before (a worker the gateway dropped from its list after its health
-checks failed is still a death), and a worker that now fails /health, and was not already down, is the death.
+already), those the run knows and those the gateway lists at the probe (a worker the gateway dropped from its list after
+its health checks failed is still a death; one it took back after a death, not yet seen by the run, is too), and a
+worker that now fails /health, and was not already down, is the death.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import pyarrow.compute as pc
 
-from dflash_assets.fleet.client import ServerError
-from dflash_assets.fleet.gateway import GatewayClient
+from dflash_assets.fleet.client import ServerClient, ServerError
+from dflash_assets.fleet.gateway import GatewayClient, gateway_workers
 from dflash_assets.generation.commit import ShardOutput
 from dflash_assets.generation.slots import Slot
 from dflash_assets.generation.turns import TurnItem
@@ -47,6 +48,7 @@ from dflash_assets.store.storage import Storage
 from dflash_assets.store.stores import failure_store
 
 QUARANTINE_AFTER_DEATHS = 2
+BACK_PROBE_S = 0.5  # how often a dead server's /health is asked whether it is back
 QUARANTINED = f"in flight when {QUARANTINE_AFTER_DEATHS} servers died"  # a failure row's error starts with it
 
 Key = tuple[str, str, int | None]  # (shard, prompt_id, turn)
@@ -78,7 +80,8 @@ class Quarantine:
         self._workers: dict[str, set[str]] = {}  # gateway url -> every worker url it has listed
         self._last: dict[str, Death] = {}  # url -> its latest death
         self._down: set[str] = set()  # urls dead and not seen answering since
-        self._probes: dict[str, asyncio.Task] = {}
+        self._watching: dict[str, asyncio.Task] = {}  # url down -> its task that looks whether it is back
+        self._probes: dict[str, tuple[asyncio.Task, float]] = {}  # url -> its probe running, and when it began
         self._alone = asyncio.Lock()
         self.parked = 0  # suspects waiting for their turn, or taking it
 
@@ -142,15 +145,16 @@ class Quarantine:
             return False
         url = slot.url
         death = self._last.get(url)
-        if death is None or death.at < sent:
+        while death is None or death.at < sent:
             if url in self._down:
                 return False  # it was already down when this request was sent
             probe = self._probes.get(url)
             if probe is None:
-                probe = self._probes[url] = asyncio.create_task(self._probe(slot))
-            death = await asyncio.shield(probe)
-            if death is None or death.at < sent:
-                return False
+                probe = self._probes[url] = (asyncio.create_task(self._probe(slot)), time.monotonic())
+            death = await asyncio.shield(probe[0])
+            if probe[1] >= sent and (death is None or death.at < sent):
+                return False  # a probe begun after it was sent found no new death
+            # else a probe begun before it was sent (of another worker's death behind the gateway): probe again
         if key not in death.keys:
             death.keys.add(key)
             self.deaths.setdefault(key, []).append(death)
@@ -164,21 +168,36 @@ class Quarantine:
             self._probes.pop(slot.url, None)
         if not dead:
             return None  # a dropped connection, but the server (every worker behind the gateway) answers
-        url, problem = dead[0]
+        url, problem, server = dead[0]
         death = self._last[slot.url] = Death(at, url)
         self._down.add(url)
+        if url not in self._watching:
+            self._watching[url] = asyncio.create_task(self._until_back(url, server))
         where = url if url == slot.url else f"{url} (behind the gateway {slot.url})"
         self.log(f"{where} died with requests in flight ({problem.message}): they are suspects, sent one at a time")
         return death
 
-    async def _newly_dead(self, slot: Slot) -> list[tuple[str, ServerError]]:
+    async def _until_back(self, url: str, server: ServerClient) -> None:
+        """A dead server is down until it answers /health again: relaunched (by a supervisor, at once maybe), a drop
+        there is a new death, not its old one."""
+        try:
+            while url in self._down:
+                await asyncio.sleep(BACK_PROBE_S)
+                if not isinstance(await server.health_problem(), ServerError):
+                    self._down.discard(url)
+        finally:
+            self._watching.pop(url, None)
+
+    async def _newly_dead(self, slot: Slot) -> list[tuple[str, ServerError, ServerClient]]:
         """The server a request dropped on, if it now fails /health; behind a gateway, the workers that fail it now
         and were not already down (a worker that answers again is no longer down)."""
         client = slot.client
         if not isinstance(client, GatewayClient):
             problem = await client.health_problem()
-            return [(slot.url, problem)] if isinstance(problem, ServerError) else []
-        known = self._workers.get(slot.url, set())
+            return [(slot.url, problem, client)] if isinstance(problem, ServerError) else []
+        known = self._workers.setdefault(slot.url, set())
+        with suppress(ServerError):  # the gateway's list now: a worker it took back after a death (healthy
+            known.update(w.url for w in await gateway_workers(client) or [])  # again) can be unknown to the run yet
         workers = client.workers + [client.worker(u) for u in sorted(known - {w.url for w in client.workers})]
         problems = await asyncio.gather(*(w.health_problem() for w in workers))
         dead = []
@@ -186,13 +205,14 @@ class Quarantine:
             if not isinstance(problem, ServerError):
                 self._down.discard(worker.url)
             elif worker.url not in self._down:
-                dead.append((worker.url, problem))
+                dead.append((worker.url, problem, worker))
         return dead
 
     async def close(self) -> None:
-        for task in self._probes.values():
+        tasks = [task for task, _ in self._probes.values()] + list(self._watching.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._probes.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class Plan(Protocol):

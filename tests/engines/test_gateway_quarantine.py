@@ -113,3 +113,48 @@ def test_on_two_or_three_workers_at_any_health_check_interval_two_deaths_quarant
         stop_group(smg, grace_s=15)
         for w in fleet:
             w.stop()
+
+
+def test_behind_the_gateway_a_worker_relaunched_at_its_port_is_back_and_its_next_death_counts(tmp_path):
+    """A supervisor (systemd, Kubernetes) relaunches a dead worker at its port at once, and smg takes it back. The run
+    saw it die; it is down only until it answers /health again (the quarantine asks every 0.5 s), so when the poisoned
+    prompt, sent alone, kills it again, that is its second death: quarantined in the same run, the rest committed.
+    Were the relaunch unseen, the second death would pass for the first one's drop and cost no attempt, and the
+    prompt would kill every relaunch."""
+    import threading
+    import time
+
+    here = LOGS.with_name(f"{LOGS.name}-relaunched")
+    fresh_dir(here)
+    data, logs, relaunches, stop = tmp_path / "data", [], [], threading.Event()
+    worker = [start_emulator(FLAGS, log_path=here / "worker.log")]
+    smg, gateway = start_smg([worker[0].url], here / "smg.log", 1)
+
+    def supervise() -> None:  # relaunch it at its port 0.5 s after it died, three times at most
+        while not stop.wait(0.05) and len(relaunches) < 3:
+            if not worker[0].alive():
+                time.sleep(0.5)
+                worker[0] = start_emulator(FLAGS, port=worker[0].port, log_path=here / f"worker-{len(relaunches)}.log")
+                relaunches.append(time.monotonic())
+
+    supervisor = threading.Thread(target=supervise)
+    prompts = {k: v for k, v in PROMPTS.items() if k < "g12"}
+    try:
+        wait_for("smg lists its worker healthy", lambda: healthy(gateway) == 1, 120)
+        make_shard(data, [worker[0].url], prompts)
+        supervisor.start()
+        run = generate(data, [gateway], 256, SETTINGS.model_copy(update={"no_server_timeout_s": 30}), log=logs.append)
+        assert len(relaunches) == 2, ("two deaths, each relaunched, and no third", logs)
+        assert (run.completed, run.failed) == (len(prompts) - 1, 1), logs
+        [(prompt_id, error)] = duckdb.sql(
+            f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
+        ).fetchall()
+        assert prompt_id == "g07" and error.startswith(QUARANTINED), error
+        assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(set(prompts) - {"g07"}), "each once"
+    finally:
+        stop.set()
+        if supervisor.is_alive():
+            supervisor.join()
+        (here / "run.log").write_text("\n".join(logs))
+        stop_group(smg, grace_s=15)
+        worker[0].stop()
