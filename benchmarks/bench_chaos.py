@@ -6,7 +6,11 @@
 `dflash backfill` (the real command, in its own process) on emulated SGLang 0.5.23 servers behind the real smg
 gateway (deploy/sglang-router.sh), its data dir on a tmpfs of its own (root: mounts it). One prompt of the source
 kills any server it reaches (the emulator's crash_on fault). The faults come at fixed shares of the run's progress
-(committed rows), each share moved by a seeded jitter, so the same schedule runs at any size:
+(the requests the workers answered, which the committed rows follow by the commit's delay), each share moved by a
+seeded jitter, so the same schedule runs at any size. Each fault comes with the fleet held (the emulator's hold
+fault), then the fleet is released; a stop comes only once no worker died for 2 s. Between two looks each worker
+answers a bounded number of requests (hold_after), far fewer than the schedule's tail, so every fault comes before
+the run can end, whatever the run's speed or the machine's load:
 
     5xx burst      a worker answers its next requests 503
     kill worker    a worker is killed -9 (a supervisor relaunches a dead worker at its port after 2 s: `fleet up`)
@@ -17,9 +21,11 @@ kills any server it reaches (the emulator's crash_on fault). The faults come at 
     SIGTERM        the orchestrator is stopped politely, then the same command again
     remove worker  a first worker is removed from smg (DELETE /workers/{id})
 
-Then the same command runs until it ends. Printed: rows lost (prompts neither committed nor failed), duplicated
-(rows beyond one per prompt), failed (and which), each fault's time to the next committed row, the wall time, and the
-orchestrator's peak memory (RSS of its process tree, sampled every 0.25 s).
+Then the same command runs until it ends; a full disk that does not stop the command within 120 s is an error.
+`--warm` forks the command and the workers from a process that imported them already (tests/support/forks.py), as
+the test suite does (tests/engines/test_chaos.py). Printed: rows lost (prompts neither committed nor failed),
+duplicated (rows beyond one per prompt), failed (and which), each fault's time to the next committed row, the worker
+deaths, the wall time, and the orchestrator's peak memory (RSS of its process tree, sampled every 0.25 s).
 """
 
 from __future__ import annotations
@@ -503,11 +509,9 @@ def poison_report(found: dict) -> None:
     print("| health check | runs | workers lost per run | innocent prompts failed | poisoned prompt quarantined |")
     print("|---|---|---|---|---|")
     for interval, runs in found.items():
-        lost = [r[0] for r in runs]
-        print(
-            f"| {interval} s | {len(runs)} | {' '.join(map(str, lost))} (max {max(lost)}) | {sum(r[1] for r in runs)} | "
-            f"{sum(bool(r[3]) for r in runs)} of {len(runs)} |"
-        )
+        lost, innocent, quarantined = [r[0] for r in runs], sum(r[1] for r in runs), sum(bool(r[3]) for r in runs)
+        print(f"| {interval} s | {len(runs)} | {' '.join(map(str, lost))} (max {max(lost)}) | {innocent} | ", end="")
+        print(f"{quarantined} of {len(runs)} |")
         for ended in sorted({r[2] for r in runs if not r[2].startswith("29 ")}):  # a run that did not end well
             print(f"  {interval} s: a run ended {ended}")
 
