@@ -369,7 +369,7 @@ def chaos(args: argparse.Namespace, tmp: Path) -> dict:
     schedule = sorted(
         (Fault(name, share + rng.uniform(-0.02, 0.02)) for share, name in SCHEDULE), key=lambda f: f.share
     )
-    fleet = Fleet(logs, args.warm)
+    fleet, orch = Fleet(logs, args.warm), None
     try:
         fleet.start_smg(args.workers)
         env = {**os.environ, "DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_PROMPTS": str(src)}
@@ -382,6 +382,8 @@ def chaos(args: argparse.Namespace, tmp: Path) -> dict:
         done = [r["prompt_id"] for r in rows(data, "completions")]
         failed = rows(data, "failures")
     finally:
+        if orch is not None and orch.proc is not None and orch.proc.poll() is None:
+            orch.signal(signal.SIGKILL)  # interrupted (Ctrl-C): the command stops too
         fleet.stop()
         subprocess.run(["umount", "-l", str(data)], check=False)
     lost = set(f"c{i:07d}" for i in range(args.prompts)) - set(done) - {r["prompt_id"] for r in failed}
@@ -430,12 +432,12 @@ def run_schedule(
             orch.start(answered)
         elif disk_full is None and pending and answered >= pending[0].share * total > 0 and answered > orch.answered:
             fault = pending.pop(0)
-            fault.at, fault.rows = now, n
-            disk_full = now if fault.name == "disk full" else None
             if fault.name in STOPS:
                 fleet.settle()
             else:
                 fleet.hold()
+            fault.at, fault.rows = time.monotonic(), committed(data)  # what the run committed meanwhile is before it
+            disk_full = fault.at if fault.name == "disk full" else None
             inject(fault, fleet, orch, data, rng)
             fleet.budget = fleet.budget if pending else None  # after the last fault, the run goes at its own pace
             fleet.gate()
