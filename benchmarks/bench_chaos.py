@@ -378,7 +378,7 @@ def chaos(args: argparse.Namespace, tmp: Path) -> dict:
         flags = ["--max-output-tokens", "512", "--stall-timeout-s", "5", "--no-server-timeout-s", "60"]
         flags += ["--commit-rows", str(max(20, args.prompts // 400)), "--commit-seconds", "1"]
         orch = Orchestrator(env, flags, logs / "backfill.log", args.warm)
-        figures = run_schedule(fleet, orch, data, schedule, rng, args.prompts)
+        figures = run_schedule(fleet, orch, data, schedule, rng, (args.prompts, args.timeout_s))
         done = [r["prompt_id"] for r in rows(data, "completions")]
         failed = rows(data, "failures")
     finally:
@@ -399,7 +399,7 @@ def chaos(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def run_schedule(
-    fleet: Fleet, orch: Orchestrator, data: Path, schedule: list[Fault], rng: random.Random, total: int
+    fleet: Fleet, orch: Orchestrator, data: Path, schedule: list[Fault], rng: random.Random, size: tuple[int, float]
 ) -> dict:
     """The command, and each fault once the fleet's answers reach its share (and the command was answered since it
     last started): the fleet held, the fault injected, the fleet released. Each worker answers a bounded number of
@@ -407,13 +407,19 @@ def run_schedule(
     can end. A stop (kill -9, SIGTERM, the full disk) is followed by the same command; the full disk must stop it
     before the next fault comes. Until the command ends done (0, or 3: a blocking check stopped the export, every row
     committed)."""
-    start, disk_full = time.monotonic(), None
+    (total, timeout_s), start, disk_full = size, time.monotonic(), None
     pending = list(schedule)
     fleet.budget = max(8, total // 40)  # a look's answers, far fewer than the schedule's tail (30% of the rows)
     fleet.gate()
     orch.start()
     while True:
         now, n, answered = time.monotonic(), committed(data), fleet.answered()
+        if now - start > timeout_s:  # said, and everything stopped (the caller's finally), not killed from outside
+            done = [f.name for f in schedule if f.at is not None]
+            raise TimeoutError(
+                f"no end in {timeout_s:.0f} s: {n:,} rows committed, {answered:,} answered, faults "
+                f"come {done}, command exits {orch.exits} (its log: backfill.log)"
+            )
         fleet.relaunch_dead(now, disk_full is not None)
         for f in schedule:
             if f.at is not None and f.recovered_s is None and n > f.rows:
@@ -527,6 +533,7 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="the command and the workers forked warm, as in the tests")
     parser.add_argument("--poison-runs", type=int, help="instead: the poisoned prompt alone, this many runs each")
     parser.add_argument("--health-intervals", default="1,5", help="smg's health checks for --poison-runs (seconds)")
+    parser.add_argument("--timeout-s", type=float, default=float("inf"), help="stop everything and fail past this")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "dflash-chaos-logs")
     args = parser.parse_args()
