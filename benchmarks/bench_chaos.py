@@ -348,6 +348,7 @@ def inject(fault: Fault, fleet: Fleet, orch: Orchestrator, data: Path, rng: rand
         port = rng.choice(sorted(set(listed) & set(alive)))
         call("DELETE", f"{fleet.gateway}/workers/{listed[port]['id']}")
         fleet.removed.add(port)
+        fleet.faults(port, {"hold": None, "hold_after": None})  # what it holds is answered (no later gate reaches it)
     elif fault.name == "disk full":  # shrunk to what it holds and a MiB, that MiB taken: the next write fails
         st = os.statvfs(data)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
