@@ -18,12 +18,13 @@ dropped request, such a prompt would kill one server after another, up to `max_a
 A server that was already down when a request was sent (a refused connection, a dead server not yet ejected) is
 no new death, and no fault of the request's: it is marked `down`, and the dispatcher retries it without spending an
 attempt. A dead server is down until it answers /health again (asked every BACK_PROBE_S): one relaunched at its port
-at once (a supervisor) and killed again has died again. Behind a gateway the gateway stays healthy when a worker dies: it answers a request whose worker dropped or
-refused the connection with a 500 (fleet/client.py UPSTREAM_LOST), or ends a stream already relayed. So there the
-probe asks each worker behind the gateway directly (fleet/gateway.py: the orchestrator reaches them for their facts
-already), those the run knows and those the gateway lists at the probe (a worker the gateway dropped from its list after
-its health checks failed is still a death; one it took back after a death, not yet seen by the run, is too), and a
-worker that now fails /health, and was not already down, is the death.
+at once (a supervisor) and killed again has died again. Behind a gateway the gateway stays healthy when a worker
+dies: it answers a request whose worker dropped or refused the connection with a 500 (fleet/client.py
+UPSTREAM_LOST), or ends a stream already relayed. So there the probe asks each worker behind the gateway directly
+(fleet/gateway.py: the orchestrator reaches them for their facts already), those the run knows and those the gateway
+lists at the probe (a worker the gateway dropped from its list after its health checks failed is still a death; one
+it took back after a death, not yet seen by the run, is too), and a worker that now fails /health, and was not
+already down, is the death.
 """
 
 from __future__ import annotations
