@@ -174,7 +174,8 @@ def test_report_puts_the_latest_config_first_with_each_configs_own_truncation_sh
     said = [
         (h, share, rows)
         for h, rows, share in re.findall(
-            r"config ([0-9a-f]{12}): cap [\d,]+, window [\d,]+, ([\d,]+) turn rows of [\d,]+ conversations cut at the "
+            r"config ([0-9a-f]{12}): cap [\d,]+, window [\d,]+, ([\d,]+) turn rows of [\d,]+ conversations "
+            r"(?:\([\d,]+ shortened\) )?cut at the "
             r"cap ([\d.]+)%",
             flat,
         )
