@@ -2,9 +2,9 @@
 moments, on a terminal (a pseudo-terminal: Ctrl-C typed on it) and without one (SIGINT to its process group, twice at
 once as `uv run` forwards it, or SIGTERM), from its first instant to its last request.
 
-The moment is drawn, never relied on: the fleet answers a drawn number of requests and holds every later one for good
-(the emulator's hold_after), so whatever the moment, the run is still going when the stop lands and only the stop
-ends it. Every stop must end with 130 / 143 and one last line naming the rows committed and the command that resumes,
+The moment is drawn, never relied on: the fleet answers a drawn number of requests, fewer than the prompts left, and
+holds every later one for good (the emulator's hold_after), so whatever the moment, the run is still going when the
+stop lands and only the stop ends it. Every stop must end with 130 / 143 and one last line naming the rows committed and the command that resumes,
 no traceback, no run left started; that command, pasted, finishes every prompt once, and its table's `new` counts
 the rows it wrote.
 
@@ -137,7 +137,9 @@ def stops(tmp_path_factory):
         env["DFLASH_FLEET_URLS"] = emu.url
         ended = []
         for i, how in enumerate(kinds):
-            ended.append(stop_once(tmp, env, emu.url, how, rng.randrange(PROMPTS), rng.uniform(0.0, 4.0), i))
+            # answers for fewer prompts than are left: a request is held whatever the moment, and the run still going
+            answered = min(rng.randrange(PROMPTS), PROMPTS - len(completion_rows(data)) - 1)
+            ended.append(stop_once(tmp, env, emu.url, how, answered, rng.uniform(0.0, 4.0), i))
             ended[-1]["unfinished"] = unfinished_runs(home)
             ended[-1]["rows"] = len(completion_rows(data))
         set_faults(emu.url, {"hold_after": None})
