@@ -4,6 +4,7 @@
     uv run python benchmarks/bench_scale.py                              # 100,000 prompts, once
     uv run python benchmarks/bench_scale.py --prompts 100000,1000000 --runs 3
     uv run python benchmarks/bench_scale.py --prompts 20000 --profile /tmp/backfill.prof
+    DFLASH_BENCH_TRACE=/tmp/rss.tsv uv run python benchmarks/bench_scale.py --prompts 200000   # RSS each second
 
 The source is bench_repeats.py's (prompts of 10-400 words, 5% exact and 5% near repeats of earlier lines), the
 servers `--servers` emulators in attach mode (SGLang 0.5.23's emulator, instant decode, answers of median 200 tokens
@@ -84,16 +85,55 @@ class Stages:
                 self.cpu[within] -= seconds
                 self.cpu[stage] += seconds
 
-    def sample(self) -> None:
+    def sample(self, trace: Path | None) -> None:
+        """Every 20 ms the RSS, to the stage on top; with `trace`, a line a second: seconds, stage, RSS in MB."""
+        log, t0, last = (trace.open("w") if trace else None), time.monotonic(), 0.0
         while True:
             time.sleep(0.02)
             with self.lock:
-                self.peak[self.stack[-1]] = max(self.peak[self.stack[-1]], self.rss())
+                top, rss = self.stack[-1], self.rss()
+                self.peak[top] = max(self.peak[top], rss)
+            if log and time.monotonic() - last >= 1:
+                last = time.monotonic()
+                log.write(f"{last - t0:.0f}\t{top}\t{rss / 2**20:.0f}\t{heap()}\n")
+                log.flush()
 
     def figures(self) -> dict:
         with self.lock:
             self._switch()
         return {"cpu": dict(self.cpu), "peak": dict(self.peak)}
+
+
+def heap() -> str:
+    """What holds the memory: glibc's heap in use and free in it, Arrow's pool, Python's live objects (MB, MB, MB,
+    thousands)."""
+    import ctypes
+    import gc
+
+    import pyarrow as pa
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [
+            (f, ctypes.c_size_t)
+            for f in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    m = libc.mallinfo2()
+    mb = 2**20
+    return f"{(m.uordblks + m.hblkhd) / mb:.0f}\t{m.fordblks / mb:.0f}\t{pa.total_allocated_bytes() / mb:.0f}\t{len(gc.get_objects()) // 1000}"
 
 
 def window(stages: Stages, owner: object, name: str, stage: str) -> None:
@@ -172,7 +212,8 @@ def probe(stages: Stages) -> None:
 def child(out: Path, profile: str | None, argv: list[str]) -> int:
     """Run `dflash <argv>` in this process with the stages probed; write their figures to `out`."""
     stages = Stages()
-    threading.Thread(target=stages.sample, daemon=True).start()
+    trace = os.environ.get("DFLASH_BENCH_TRACE")
+    threading.Thread(target=stages.sample, args=(Path(trace) if trace else None,), daemon=True).start()
     probe(stages)
     from dflash_assets.cli import main
 

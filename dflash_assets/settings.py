@@ -731,6 +731,8 @@ class Deployment:
     PROMPTS = EnvSetting("DFLASH_PROMPTS", str(DEMO_PROMPTS))
     SHARD_SIZE = EnvSetting("DFLASH_SHARD_SIZE", "100")
     SHARDS_PER_RUN = EnvSetting("DFLASH_SHARDS_PER_RUN", "8")
+    # DuckDB's memory in a reader of every row (checks, reports, export): past it, its tables spill to disk
+    DUCKDB_MEMORY_LIMIT = EnvSetting("DFLASH_DUCKDB_MEMORY_LIMIT", "128MB")
     RETRY_DELAY_S = EnvSetting("DFLASH_RETRY_DELAY_S", "10")  # a failed generating step's first retry waits this
     CHECKS_CRON = EnvSetting("DFLASH_CHECKS_CRON", "0 * * * *")
     FLEET_MODE = EnvSetting("DFLASH_FLEET_MODE", FleetSettings().mode)

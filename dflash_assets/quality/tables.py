@@ -50,7 +50,7 @@ from dflash_assets.rules import (
 )
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.store.storage import Storage, open_storage
+from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
 from dflash_assets.store.stores import committed_parts
 
 COMPLETION_COLUMNS = f"""
@@ -212,7 +212,7 @@ def open_quality_db(
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager).
     `max_length` is the trainer's window the rows are judged against."""
-    con = duckdb.connect(":memory:")
+    con = connect_duckdb()
     register_runaway(con, runaway)
     storage = open_storage(data_dir)  # one filesystem for the four tables
     params = {"shard": shard, "config": config_hash}

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import duckdb
 import pyarrow as pa
 
 from dflash_assets.rules import CUT_AT_CAP_SQL, cut_inside_window_sql, latest_first, row_window_sql
 from dflash_assets.settings import SAMPLING_PARAMS, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.store.storage import Storage, open_storage
+from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
 from dflash_assets.store.stores import committed_parts
 
 # what a config is: the settings its rows record (the same for every row of one config_hash)
@@ -177,7 +176,7 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
     """Every config with committed rows, the latest (most recently written) first; `max_length` is the trainer's
     window the cut rows are judged against."""
     storage = open_storage(data_dir)
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         con.register("completions", _read(storage, "completions", COMPLETION_SCHEMA, ROW_COLUMNS))
         con.register(
             "rejects", _read(storage, "rejects", REJECT_SCHEMA, ["shard", "stage", "prompt_id", "config_hash"])
@@ -257,7 +256,7 @@ def latest_order(data_dir: str | Path | Storage, shard: str | None = None) -> li
     written = storage.dataset(parts, schema=COMPLETION_SCHEMA).to_table(
         columns=["config_hash", "created_at", "max_output_tokens", "policy_cap"]
     )
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         con.register("written", written)
         rows = con.execute(
             "SELECT config_hash, max(created_at), max(coalesce(policy_cap, max_output_tokens)) FROM written GROUP BY 1"

@@ -52,6 +52,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
 
+import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
@@ -411,3 +412,14 @@ def open_storage(data_dir: str | os.PathLike | Storage) -> Storage:
             f"pass the URI as a string"
         )
     return LocalStorage(text)
+
+
+def connect_duckdb(spill_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB held to DFLASH_DUCKDB_MEMORY_LIMIT: past it, its tables spill to `spill_dir` (by default a
+    folder of its own in the system's temp dir), which DuckDB makes when it first spills and removes when the
+    connection closes. A reader of every row (a check, a report, the export) so stays flat at millions of rows."""
+    con = duckdb.connect(":memory:")
+    con.execute("SET memory_limit = $limit", {"limit": Deployment.DUCKDB_MEMORY_LIMIT.value()})
+    spill = spill_dir or Path(tempfile.gettempdir()) / f"dflash-duckdb-{uuid.uuid4().hex[:12]}"
+    con.execute("SET temp_directory = $dir", {"dir": str(spill)})
+    return con

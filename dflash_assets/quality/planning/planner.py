@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import duckdb
 import numpy as np
 
 from dflash_assets.quality.outcome import num
@@ -24,6 +23,7 @@ from dflash_assets.quality.tables import one, parquet_source, register_runaway, 
 from dflash_assets.rules import CONFIG_CAP_SQL, CUT_SQL, LATEST_ORDER_SQL, WINDOW_SIZED_SQL
 from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
+from dflash_assets.store.storage import connect_duckdb
 
 __all__ = ["DEFAULT_CANDIDATES", "CapPlan", "PlanError", "cut_rows_for_probe", "honest_cut_rows", "plan_caps"]
 
@@ -54,7 +54,7 @@ def read_probe(
     from dflash_assets.store.schema import PROMPT_SCHEMA
 
     root = probe_root(data_dir)
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         register_runaway(con, runaway)
         if parent is not None:
             src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, CUT_ROWS_SHARD)
@@ -118,7 +118,7 @@ def honest_cut_rows(
     """What a continuation probe samples: the config (by default the latest, the most recently written, as
     plan_caps chooses), its cap and its honest cut rows ((shard, prompt_id): finish_reason 'length', runaways left out,
     as the plan leaves them out of the tail)."""
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         register_runaway(con, runaway)
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA)
         configs = con.execute(
@@ -218,7 +218,7 @@ def plan_caps(
     rows were made on. Other keyword arguments are PlanOptions' (prompts, fit_from, bootstrap, seed).
     """
     notes: list[str] = []
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         register_runaway(con, runaway)
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
         scope = "($shard IS NULL OR shard = $shard)"

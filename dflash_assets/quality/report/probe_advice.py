@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import duckdb
 import numpy as np
 
 from dflash_assets.generation.probe import probe_size
@@ -16,10 +15,11 @@ from dflash_assets.quality.report.cap_plan import hours_text, tokens_text
 from dflash_assets.quality.tables import one, parquet_source
 from dflash_assets.rules import CONTEXT_MARGIN
 from dflash_assets.store.schema import PROMPT_SCHEMA
+from dflash_assets.store.storage import connect_duckdb
 
 
 def prompt_count(data_dir: str | Path) -> int:
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         return one(con, f"SELECT count(*) FROM {parquet_source(con, data_dir, 'prompt_shards', PROMPT_SCHEMA)}")[0]
 
 

@@ -10,12 +10,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import duckdb
-
 from dflash_assets.generation.shards import reason_kind
 from dflash_assets.quality.tables import parquet_source
 from dflash_assets.store.schema import REJECT_SCHEMA
-from dflash_assets.store.storage import Storage
+from dflash_assets.store.storage import Storage, connect_duckdb
 
 FIRST = 5  # the rejects shown one by one
 
@@ -82,7 +80,7 @@ def read_rejects(
 ) -> Rejects:
     """The rejects of `shards` (None: every shard); with `config_hash`, the preflight and server rejects of that
     config only (the source's are every config's); `first` of them one by one (None: every one)."""
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         src = parquet_source(con, data_dir, "rejects", REJECT_SCHEMA)
         rows = con.execute(
             f"SELECT shard, stage, line, reason FROM {src} WHERE ($shards IS NULL OR list_contains($shards, shard)) "

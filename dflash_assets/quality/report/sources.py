@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import duckdb
-
 from dflash_assets.store.parts import read_table
 from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
-from dflash_assets.store.storage import Storage, open_storage
+from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
 from dflash_assets.store.stores import committed_parts
 
 
@@ -29,7 +27,7 @@ def by_source(data_dir: str | Path | Storage, config_hash: str) -> list[SourceCo
     storage = open_storage(data_dir)
     prompts = read_table(committed_parts(storage, "prompt_shards"), ["prompt_id", "source"], PROMPT_SCHEMA, storage)
     rows = read_table(committed_parts(storage, "completions"), ["prompt_id", "config_hash"], COMPLETION_SCHEMA, storage)
-    with duckdb.connect(":memory:") as con:
+    with connect_duckdb() as con:
         con.register("prompts", prompts)
         con.register("rows", rows)
         found = con.execute(

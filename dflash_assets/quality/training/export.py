@@ -81,7 +81,7 @@ from dflash_assets.quality.training.writers import (
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql, trainable_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.store.storage import is_uri, open_storage
+from dflash_assets.store.storage import connect_duckdb, is_uri, open_storage
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -118,9 +118,9 @@ ROW_GROUP = 8192
 # dicts too; the chunks are made one table before writing: the file's bytes are those of one table per row group
 CHUNK = 1024
 NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
-# DuckDB's share of the export's memory: past it the graded rows spill to SPILL_DIR in the output directory (removed
-# after), so the peak does not grow with the rows (benchmarks/bench_export.py); the text is read a batch at a time
-MEMORY_LIMIT, SPILL_DIR = "128MB", ".export_spill"
+# past DuckDB's memory limit (store/storage.py connect_duckdb) the graded rows spill to SPILL_DIR in the output
+# directory (removed after), so the peak does not grow with the rows (benchmarks/bench_export.py)
+SPILL_DIR = ".export_spill"
 
 
 MODE_NAMES = {True: "thinking", False: "no_thinking"}  # a row's enable_thinking, as the manifest names it
@@ -531,7 +531,7 @@ def export(request: ExportRequest) -> TrainingExport:
     """Grade, select and write the training set `request` asks for, then its trainer's file and the manifest."""
     paths, tmps = _outputs(request)
     try:
-        with duckdb.connect(":memory:") as con:
+        with connect_duckdb(request.out / SPILL_DIR) as con:
             storage = open_storage(request.data_dir)  # one filesystem for both tables
             chosen = _grade(con, storage, request)
             done, sides, manifest = _write_and_count(con, storage, request, chosen, tmps)
@@ -587,8 +587,6 @@ def _outputs(request: ExportRequest) -> tuple[dict[str, Path], dict[str, Path]]:
 def _grade(con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest) -> Chosen:
     """The temp tables every later step reads (prompts, history_markers, files, graded: each completion row with its
     exclusion reason), and the form and template the config's rows decide."""
-    con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")
-    con.execute("SET temp_directory = $dir", {"dir": str(request.out / SPILL_DIR)})
     prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
     con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
     con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
