@@ -105,10 +105,10 @@ class Stages:
 
 
 def heap() -> str:
-    """What holds the memory: glibc's heap in use and free in it, Arrow's pool, Python's live objects (MB, MB, MB,
-    thousands)."""
+    """What holds the memory: glibc's heap in use and free in it, Arrow's pool (MB), Python's allocated blocks
+    (thousands; not gc.get_objects() from this thread: it can hand out a tuple being built, and CPython 3.11 then
+    fails that tuple's resize with SystemError)."""
     import ctypes
-    import gc
 
     import pyarrow as pa
 
@@ -133,7 +133,7 @@ def heap() -> str:
     libc.mallinfo2.restype = MallInfo2
     m = libc.mallinfo2()
     mb = 2**20
-    return f"{(m.uordblks + m.hblkhd) / mb:.0f}\t{m.fordblks / mb:.0f}\t{pa.total_allocated_bytes() / mb:.0f}\t{len(gc.get_objects()) // 1000}"
+    return f"{(m.uordblks + m.hblkhd) / mb:.0f}\t{m.fordblks / mb:.0f}\t{pa.total_allocated_bytes() / mb:.0f}\t{sys.getallocatedblocks() // 1000}"
 
 
 def window(stages: Stages, owner: object, name: str, stage: str) -> None:
