@@ -1,6 +1,6 @@
 """Command line and resolved configuration of the emulated server.
 
-The parser is `sglang serve`'s: all 0.5.23 flags are registered (sglang_flags.py),
+The parser is `sglang serve`'s: all 0.5.23 flags are registered (sglang_flags.json),
 so a launcher's command line parses, abbreviates and fails (exit 2) as it would
 against the real server. The handful that shape behaviour are typed here; the
 rest are accepted and reported in /server_info. The emulator's own knobs (the
@@ -20,10 +20,20 @@ import os
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from .model import LengthModel
-from .sglang_flags import FLAGS
+
+# Every `sglang serve` flag of 0.5.23 as [names, nargs, dest], extracted from the wheel (srt/arg_groups/fields/*.py
+# and ServerArgs.add_cli_args) by tests/emulator/test_sglang_contract.py::extract_sglang_flags, which checks the file
+# still matches. nargs: 0 = a switch (store_true; BooleanOptionalAction adds `--no-x`), null = one value, or
+# argparse's "?", "*", "+". All are registered so a launcher's command line parses as it would for `sglang serve`,
+# argparse prefix matching included (`--tp` works, `--cuda-graph-max-bs` is ambiguous).
+FLAGS: tuple[tuple[tuple[str, ...], int | str | None, str], ...] = tuple(
+    (tuple(names), nargs, dest)
+    for names, nargs, dest in json.loads((Path(__file__).parent / "sglang_flags.json").read_text())
+)
 
 # Set to its own pid by whoever starts an emulator for its own use (start_emulator): the emulator stops when that
 # process is gone (even when it was gone before the server listened, and when it is not the server's own parent, as

@@ -14,9 +14,8 @@ import time
 import pytest
 
 from dflash_assets.emulator import main
-from dflash_assets.emulator.config import EXIT_WITH_PARENT, resolve
+from dflash_assets.emulator.config import EXIT_WITH_PARENT, FLAGS, resolve
 from dflash_assets.emulator.process import start_emulator
-from dflash_assets.emulator.sglang_flags import FLAGS
 from tests.support.http import Http
 
 pytestmark = pytest.mark.timeout(60)

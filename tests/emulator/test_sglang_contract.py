@@ -5,8 +5,8 @@
 `sglang` would pull torch). These tests FAIL, not skip, without the wheel: the
 README's test command installs it with `uv pip install --no-deps sglang==0.5.23`.
 
-Run as a script (`uv run python -m tests.emulator.test_sglang_contract`), this prints the flag table for
-dflash_assets/emulator/sglang_flags.py.
+Run as a script (`uv run python -m tests.emulator.test_sglang_contract`), this prints the flag table of
+dflash_assets/emulator/sglang_flags.json.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from dflash_assets.emulator import contract
 from dflash_assets.emulator import tokenizer as tok
-from dflash_assets.emulator.sglang_flags import FLAGS
+from dflash_assets.emulator.config import FLAGS
 from tests.support.sglang_wheel import class_fields, function, sglang_dir, sglang_verdict
 
 pytestmark = pytest.mark.timeout(60)
@@ -254,5 +254,7 @@ def test_the_emulator_help_starts_with_the_emulator_and_lists_sglangs_flags_afte
 
 
 if __name__ == "__main__":
-    for entry in extract_sglang_flags(sglang_dir()):
-        print(f"    {entry!r},")
+    import json
+
+    rows = [json.dumps([list(names), nargs, dest]) for names, nargs, dest in extract_sglang_flags(sglang_dir())]
+    print("[\n" + ",\n".join("  " + row for row in rows) + "\n]")
