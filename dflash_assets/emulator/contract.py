@@ -50,44 +50,30 @@ def _is_int(v: Any) -> bool:
 # ---- scalar and combinator decoders (each raises ContractError or returns None) ----
 
 
-def boolean(expected: str = "a boolean") -> Decoder:
-    def d(v):
-        if not isinstance(v, bool):
-            raise _invalid(v, expected)
+def _typed(ok: Callable[[Any], bool], default: str) -> Callable[..., Decoder]:
+    """A scalar decoder's maker: `v` must pass `ok`, else the serde message names `expected`."""
 
-    return d
+    def make(expected: str = default) -> Decoder:
+        def d(v):
+            if not ok(v):
+                raise _invalid(v, expected)
+
+        return d
+
+    return make
 
 
-def integer(expected: str = "i64") -> Decoder:
-    def d(v):
-        if not _is_int(v):
-            raise _invalid(v, expected)
-
-    return d
+boolean = _typed(lambda v: isinstance(v, bool), "a boolean")
+integer = _typed(_is_int, "i64")
+number = _typed(lambda v: _is_int(v) or isinstance(v, float), "f64")
+string = _typed(lambda v: isinstance(v, str), "a string")
 
 
 def unsigned(expected: str) -> Decoder:
     def d(v):
-        if not _is_int(v):
-            raise _invalid(v, expected)
+        integer(expected)(v)
         if v < 0:
             raise ContractError(f"invalid value: integer `{v}`, expected {expected}")
-
-    return d
-
-
-def number(expected: str = "f64") -> Decoder:
-    def d(v):
-        if not ((isinstance(v, (int, float))) and not isinstance(v, bool)):
-            raise _invalid(v, expected)
-
-    return d
-
-
-def string(expected: str = "a string") -> Decoder:
-    def d(v):
-        if not isinstance(v, str):
-            raise _invalid(v, expected)
 
     return d
 
@@ -180,16 +166,14 @@ def _unknown_field(key: str, fields: tuple[str, ...]) -> ContractError:
 # ---- the 0.5.23 shapes ------------------------------------------------------------
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 TOKEN_IDS = seq(integer())
 STRING_LIST = seq(string())
 STRING_OR_LIST = scalar_or_list("StringOrList", string, STRING_LIST)
 BOOL_OR_LIST = scalar_or_list("BoolOrList", boolean, seq(boolean()))
 INT64_OR_LIST = scalar_or_list("Int64OrList", integer, seq(integer()))
-TOKEN_IDS_OR_LIST = flat_or_batch("TokenIdsOrList", _is_number, TOKEN_IDS, seq(TOKEN_IDS))
+TOKEN_IDS_OR_LIST = flat_or_batch(
+    "TokenIdsOrList", lambda e: _is_int(e) or isinstance(e, float), TOKEN_IDS, seq(TOKEN_IDS)
+)
 OPTIONAL_STRING_LIST = seq(nullable(string()))
 OPTIONAL_STRING_OR_LIST = scalar_or_list("OptionalStringOrList", string, OPTIONAL_STRING_LIST)
 OPTIONAL_INT64_OR_LIST = scalar_or_list("OptionalInt64OrList", integer, seq(nullable(integer())))
@@ -235,13 +219,18 @@ SAMPLING_PARAMS_FIELDS: dict[str, Decoder] = {
 SAMPLING_PARAMS = struct("SamplingParams", SAMPLING_PARAMS_FIELDS, deny_unknown=True)
 
 
-def _sampling_params_or_list(v: Any) -> None:
-    if isinstance(v, list):
-        seq(SAMPLING_PARAMS)(v)
-    elif not isinstance(v, dict):
-        raise _invalid(v, "a value or an array of values for SamplingParamsOrList")
-    else:
-        SAMPLING_PARAMS(v)
+def _struct_or_list(name: str, one: Decoder, each: Decoder) -> Decoder:
+    """`SamplingParamsOrList` / `KvHintsEnvelopeOrList`: a list of `each`, or one map."""
+
+    def d(v):
+        if isinstance(v, list):
+            seq(each)(v)
+        elif not isinstance(v, dict):
+            raise _invalid(v, f"a value or an array of values for {name}")
+        else:
+            one(v)
+
+    return d
 
 
 _MEDIA_REF = struct(
@@ -300,15 +289,6 @@ _KV_HINTS = struct(
 )
 
 
-def _kv_hints_or_list(v: Any) -> None:
-    if isinstance(v, list):
-        seq(nullable(_KV_HINTS))(v)
-    elif not isinstance(v, dict):
-        raise _invalid(v, "a value or an array of values for KvHintsEnvelopeOrList")
-    else:
-        _KV_HINTS(v)
-
-
 # Unknown top-level keys are ignored (the schema says so); only known ones are typed.
 # `return_prompt_token_ids` and `routed_experts_start_len` are not nullable there.
 GENERATE_REQUEST = struct(
@@ -318,7 +298,7 @@ GENERATE_REQUEST = struct(
         "text": nullable(STRING_OR_LIST),
         "input_ids": nullable(TOKEN_IDS_OR_LIST),
         "stream": nullable(boolean()),
-        "sampling_params": nullable(_sampling_params_or_list),
+        "sampling_params": nullable(_struct_or_list("SamplingParamsOrList", SAMPLING_PARAMS, SAMPLING_PARAMS)),
         "return_logprob": nullable(BOOL_OR_LIST),
         "logprob_start_len": nullable(INT64_OR_LIST),
         "top_logprobs_num": nullable(INT64_OR_LIST),
@@ -342,7 +322,7 @@ GENERATE_REQUEST = struct(
         "require_reasoning": nullable(boolean()),
         "lora_path": nullable(OPTIONAL_STRING_OR_LIST),
         "session_params": anything,
-        "kv_hints": nullable(_kv_hints_or_list),
+        "kv_hints": nullable(_struct_or_list("KvHintsEnvelopeOrList", _KV_HINTS, nullable(_KV_HINTS))),
         "routing_key": nullable(string()),
         "max_thinking_tokens": nullable(unsigned("u64")),
         "session_id": nullable(string()),

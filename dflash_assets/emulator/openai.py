@@ -26,6 +26,7 @@ from .responses import (
     HTTP_STATUS_NAMES,
     SSE_DONE,
     dumps,
+    field_error,
     http_exception,
     json_response,
     openai_error,
@@ -60,7 +61,7 @@ def _field_errors(body: dict) -> list[dict]:
     errs = []
 
     def bad(name, kind, msg):
-        errs.append({"type": kind, "loc": ("body", name), "msg": msg, "input": body.get(name)})
+        errs.append(field_error(kind, ("body", name), msg, body.get(name)))
 
     for name in _INT:
         v = body.get(name)
@@ -93,32 +94,18 @@ def _field_errors(body: dict) -> list[dict]:
 
 def _messages_errors(body) -> list[dict]:
     if not isinstance(body, dict):
-        return [
-            {
-                "type": "model_attributes_type",
-                "loc": ("body",),
-                "msg": "Input should be a valid dictionary",
-                "input": body,
-            }
-        ]
+        return [field_error("model_attributes_type", ("body",), "Input should be a valid dictionary", body)]
     if "messages" not in body:
-        return [{"type": "missing", "loc": ("body", "messages"), "msg": "Field required", "input": body}]
+        return [field_error("missing", ("body", "messages"), "Field required", body)]
     msgs = body["messages"]
     if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
-        return [
-            {
-                "type": "list_type",
-                "loc": ("body", "messages"),
-                "msg": "Input should be a valid list of messages",
-                "input": msgs,
-            }
-        ]
+        return [field_error("list_type", ("body", "messages"), "Input should be a valid list of messages", msgs)]
     return []
 
 
 def _tools_errors(body: dict) -> list[dict]:
     problem = tool_calls.tools_error(body.get("tools"))
-    return [{"type": "list_type", "loc": ("body", "tools"), "msg": problem, "input": body["tools"]}] if problem else []
+    return [field_error("list_type", ("body", "tools"), problem, body["tools"])] if problem else []
 
 
 class CallStream:
@@ -309,18 +296,10 @@ def sglext_ids(headers, cfg, body: dict, reqs: list[Request], outs: list[Output]
     """`sglext.input_ids` / `sglext.output_ids` (response level), asked for by the
     request, the x-sglext-return-*-ids headers or --return-input-ids/--return-output-ids."""
     ext: dict[str, list] = {}
-    if (
-        body.get("return_input_ids_in_sglext")
-        or headers.get("x-sglext-return-input-ids") == "1"
-        or cfg.args.return_input_ids
-    ):
-        ext["input_ids"] = reqs[0].input_ids
-    if (
-        body.get("return_output_ids_in_sglext")
-        or headers.get("x-sglext-return-output-ids") == "1"
-        or cfg.args.return_output_ids
-    ):
-        ext["output_ids"] = [o.output_ids for o in outs]
+    for side, ids in (("input", reqs[0].input_ids), ("output", [o.output_ids for o in outs])):
+        asked = body.get(f"return_{side}_ids_in_sglext") or headers.get(f"x-sglext-return-{side}-ids") == "1"
+        if asked or getattr(cfg.args, f"return_{side}_ids"):
+            ext[f"{side}_ids"] = ids
     return ext
 
 
@@ -330,12 +309,12 @@ def _abort_response(out: Output) -> web.Response:
 
 
 _STREAM_REFUSALS = {
-    "return_prompt_token_ids": "return_prompt_token_ids is not supported with streaming. "
-    "Please set stream=false when using return_prompt_token_ids=true.",
-    "return_token_ids": "return_token_ids is not supported with streaming on /v1/chat/completions. "
-    "Please set stream=false when using return_token_ids=true.",
-    "return_meta_info": "return_meta_info is not supported with streaming. "
-    "Please set stream=false when using return_meta_info=true.",
+    flag: f"{flag} is not supported with streaming{where}. Please set stream=false when using {flag}=true."
+    for flag, where in (
+        ("return_prompt_token_ids", ""),
+        ("return_token_ids", " on /v1/chat/completions"),
+        ("return_meta_info", ""),
+    )
 }
 
 
@@ -527,16 +506,8 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     if isinstance(body, web.Response):
         return body
     if not isinstance(body, dict) or (body.get("prompt") is None) == (body.get("messages") is None):
-        return validation_error(
-            [
-                {
-                    "type": "value_error",
-                    "loc": ("body",),
-                    "msg": "Value error, Exactly one of 'prompt' or 'messages' must be provided.",
-                    "input": body,
-                }
-            ]
-        )
+        exactly_one = "Value error, Exactly one of 'prompt' or 'messages' must be provided."
+        return validation_error([field_error("value_error", ("body",), exactly_one, body)])
     if request.app[STATE].faults.tokenize_fails():
         return http_exception(QUEUE_FULL, 503)
     # The tokenizer's model_max_length (tokenizer_config.json), NOT the served
@@ -560,9 +531,7 @@ async def handle_tokenize(request: web.Request) -> web.Response:
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         lists = [tok.encode(p) for p in prompt]
         return json_response({"tokens": lists, "count": [len(x) for x in lists], "max_model_len": max_model_len})
-    return validation_error(
-        [{"type": "string_type", "loc": ("body", "prompt"), "msg": "Input should be a valid string", "input": prompt}]
-    )
+    return validation_error([field_error("string_type", ("body", "prompt"), "Input should be a valid string", prompt)])
 
 
 async def handle_detokenize(request: web.Request) -> web.Response:
@@ -572,9 +541,7 @@ async def handle_detokenize(request: web.Request) -> web.Response:
     tokens = body.get("tokens") if isinstance(body, dict) else None
     skip = body.get("skip_special_tokens", True) if isinstance(body, dict) else True
     if not isinstance(tokens, list):
-        return validation_error(
-            [{"type": "missing", "loc": ("body", "tokens"), "msg": "Field required", "input": body}]
-        )
+        return validation_error([field_error("missing", ("body", "tokens"), "Field required", body)])
     if not tokens:
         return json_response({"text": ""})
     if isinstance(tokens[0], list):

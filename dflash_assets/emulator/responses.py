@@ -58,6 +58,11 @@ def validation_error(errors: list[dict]) -> web.Response:
     return openai_error(str(errors), "Bad Request", 400)
 
 
+def field_error(kind: str, loc: tuple, msg: str, value, **extra) -> dict:
+    """One pydantic error of a RequestValidationError's list, its keys in pydantic's order."""
+    return {"type": kind, "loc": loc, "msg": msg, "input": value, **extra}
+
+
 def sse(obj) -> bytes:
     return b"data: " + _dumps(obj).encode() + b"\n\n"
 
@@ -85,13 +90,5 @@ async def read_json(request: web.Request, *, require_json_content_type: bool):
         return json.loads(raw)
     except ValueError as e:
         return validation_error(
-            [
-                {
-                    "type": "json_invalid",
-                    "loc": ("body", 0),
-                    "msg": "JSON decode error",
-                    "input": {},
-                    "ctx": {"error": str(e)},
-                }
-            ]
+            [field_error("json_invalid", ("body", 0), "JSON decode error", {}, ctx={"error": str(e)})]
         )
