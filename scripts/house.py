@@ -19,7 +19,6 @@ ROW_READ = re.compile(r"\b(row|r|rec|record|first|last|turn_row|prev|previous)\[
 # modules tested through another one's tests: the module, and the test file that exercises it (through the
 # command, the server or the asset that uses it)
 TESTED_THROUGH = {
-    "cli/demo.py": "tests/cli/test_answer.py",
     "cli/environment.py": "tests/cli/test_front_door.py",
     "cli/errors.py": "tests/cli/test_mistakes.py",
     "cli/fleet.py": "tests/cli/test_commands.py",

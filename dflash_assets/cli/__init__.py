@@ -30,7 +30,7 @@ __all__ = [
 
 # command -> (its module under cli/, the function that runs it on the parsed flags)
 COMMANDS = {
-    "demo": ("demo", "demo"),
+    "demo": ("shards", "demo"),
     "backfill": ("shards", "backfill"),
     "continue": ("shards", "continue_shards"),
     "generate": ("generate", "generate"),

@@ -74,38 +74,37 @@ def probe_summary(
     if plan.probe_precision:
         lines += ["", f"precision: {precision_text(plan.probe_precision, plan.cap)}"]
     lines += [f"- {note}" for note in plan.notes]
-    if alone:
-        first = first_cap_within(plan, limit)
-        if first is None:
-            return "\n".join(lines + ["", _no_cap(plan, limit, commands)])
-        return "\n".join(
-            lines
-            + [
-                "",
-                f"next: generate the run at cap {num(first.cap)}, the smallest measured cap "
-                f"that cuts {pct(limit)} or fewer: " + " ; ".join(commands.generate(s, first.cap) for s in shards),
-            ]
-        )
+    return "\n".join(
+        [
+            *lines,
+            "",
+            _next(plan, limit, commands, shards, label) if alone else _next_raise(plan, limit, commands, label),
+        ]
+    )
+
+
+def _next(plan: CapPlan, limit: float, commands: NextCommands, shards, label: dict) -> str:
+    """A probe alone: the run to generate at the smallest measured cap within `limit`."""
+    first = first_cap_within(plan, limit)
+    if first is None:
+        return _no_cap(plan, limit, commands)
+    generate = " ; ".join(commands.generate(s, first.cap) for s in shards)
+    smallest = f"the smallest measured cap that cuts {pct(limit)} or fewer"
+    return f"next: generate the run at cap {num(first.cap)}, {smallest}: {generate}"
+
+
+def _next_raise(plan: CapPlan, limit: float, commands: NextCommands, label: dict) -> str:
+    """A probe of a data dir's rows: nothing to raise, or the cap to continue the cut rows to."""
     if plan.truncated / plan.rows <= limit:
-        return "\n".join(
-            lines
-            + [
-                "",
-                f"next: nothing to raise: the cap {num(plan.cap)} cuts {pct(limit)} or fewer "
-                f"already; {commands.report()}",
-            ]
+        return (
+            f"next: nothing to raise: the cap {num(plan.cap)} cuts {pct(limit)} or fewer already; {commands.report()}"
         )
     rec = recommended_cap(plan, limit)
     if rec is None or rec.truncation_rate.value > limit:
-        return "\n".join(lines + ["", _no_cap(plan, limit, commands)])
-    return "\n".join(
-        lines
-        + [
-            "",
-            f"next: {commands.report()} (the whole cap plan); to raise the cap "
-            f"to {num(rec.cap)}, the smallest that cuts {pct(limit)} or fewer "
-            f"({pct(rec.truncation_rate.value)}, {label[rec.basis]}): {commands.continue_to(rec.cap)}",
-        ]
+        return _no_cap(plan, limit, commands)
+    return (
+        f"next: {commands.report()} (the whole cap plan); to raise the cap to {num(rec.cap)}, the smallest that cuts "
+        f"{pct(limit)} or fewer ({pct(rec.truncation_rate.value)}, {label[rec.basis]}): {commands.continue_to(rec.cap)}"
     )
 
 

@@ -1,5 +1,5 @@
-"""`dflash backfill` and `dflash continue`: a range of shards through the Dagster jobs on the instance in
-DAGSTER_HOME, the per-shard table, and the export of the run's own config."""
+"""`dflash demo`, `dflash backfill` and `dflash continue`: every shard or a range of shards through the Dagster
+jobs on the instance in DAGSTER_HOME, the per-shard table, and the export of the run's own config."""
 
 from __future__ import annotations
 
@@ -346,33 +346,32 @@ def run_and_answer(
     return print_stop(stops, console, rerun, window, command, short=not full)
 
 
-def run_backfill(
-    first: str | None,
-    last: str | None,
-    completions: dict,
-    console: Console | None = None,
-    verbose: bool = False,
-    again: Callable[[dict], str] = lambda overrides: "",
-    trainer: TrainerSettings = TrainerSettings(),
-    full: bool = False,
-) -> int:
-    console = console or console_for_output()
-    if source_refused("backfill", console):
+def run_shards_command(command: str, args: argparse.Namespace) -> int:
+    """`dflash demo` (every shard, the UI's command at its end) and `dflash backfill` (--from..--to): the run's
+    first line, then run_and_answer; the next command repeats the flags given, with the answer's overrides."""
+    config, trainer = _completions_config(command, args)
+    refuse_cap_beyond_context(command, request_cap(config, trainer))
+    flags = {**config, **trainer_flags(trainer)}
+    console = console_for_output()
+    if source_refused(command, console):
         return BAD_CONFIG
     instance = dg.DagsterInstance.get()
     shards = known_shards(instance)
-    if (chosen := shard_range("backfill", shards, first, last, console)) is None:
-        return BAD_CONFIG
-    first, last = chosen[0], chosen[-1]
-    window = Window.of(completions, trainer)
-    console.print(
-        f"dflash backfill: shards {first}..{last} ({len(chosen)}), cap {completions['max_output_tokens']}, "
-        f"up to {SHARDS_PER_RUN} shards per run, {policy_text(window)}, "
-        f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}",
-        highlight=False,
-    )
-    launch = Launch(f"dflash backfill --from {first} --to {last}", again)
-    return run_and_answer(instance, chosen, completions, console, verbose, window, launch, full=full)
+    window = Window.of(config, trainer)
+    cap, home = config["max_output_tokens"], f"DAGSTER_HOME={os.environ['DAGSTER_HOME']}"
+    if command == "demo":
+        chosen, typed = shards, "dflash demo"
+        opening = f"{len(shards)} shards (cap {cap} tokens, {policy_text(window)}), {home}, data in "
+        opening += f"{os.environ['DFLASH_DATA_DIR']}/"
+    else:
+        if (picked := shard_range(command, shards, args.first, args.last, console)) is None:
+            return BAD_CONFIG
+        chosen, typed = picked, f"dflash backfill --from {picked[0]} --to {picked[-1]}"
+        opening = f"shards {picked[0]}..{picked[-1]} ({len(picked)}), cap {cap}, up to {SHARDS_PER_RUN} shards per "
+        opening += f"run, {policy_text(window)}, {home}"
+    console.print(f"dflash {command}: {opening}", highlight=False)
+    launch = Launch(typed, lambda overrides: repeated_flags(command, {**flags, **overrides}), ui=command == "demo")
+    return run_and_answer(instance, chosen, config, console, args.verbose, window, launch, full=args.full)
 
 
 CONTINUE_COLUMNS = ("shard", "continued", "copied", "still cut", "tokens reused", "generated", "saved")
@@ -482,19 +481,12 @@ def continue_ending(stops: Stops, console: Console, window: Window) -> int:
     return DONE
 
 
+def demo(args: argparse.Namespace) -> int:
+    return run_shards_command("demo", args)
+
+
 def backfill(args: argparse.Namespace) -> int:
-    config, trainer = _completions_config("backfill", args)
-    refuse_cap_beyond_context("backfill", request_cap(config, trainer))
-    flags = {**config, **trainer_flags(trainer)}
-    return run_backfill(
-        args.first,
-        args.last,
-        config,
-        trainer=trainer,
-        verbose=args.verbose,
-        again=lambda overrides: repeated_flags("backfill", {**flags, **overrides}),
-        full=args.full,
-    )
+    return run_shards_command("backfill", args)
 
 
 def continue_shards(args: argparse.Namespace) -> int:
