@@ -80,7 +80,7 @@ def pytest_collection_finish(session):
 @pytest.fixture
 def emulator():
     """Start in-process SGLang emulators: `emulator(*flags, key=None) -> Http` (stopped after the test)."""
-    from dflash_assets.emulator.process import run_emulator_in_thread
+    from tests.support.emulator_thread import run_emulator_in_thread
 
     started = []
 

@@ -7,36 +7,7 @@ route (not part of SGLang; authenticated like every non-health route):
     POST   /_emulator/faults  {json}  merge settings; a null value clears one
     DELETE /_emulator/faults          clear all
 
-Settings (all optional):
-    crash_after: N     the process exits hard (os._exit) when generation request
-                       N+1 arrives, dropping every connection in flight (as a
-                       CUDA fault or the watchdog would). Counts from when set.
-    crash_on: str      the process exits hard in the same way when a generation request's prompt (the text of its
-                       messages, or /generate's text) contains this string: an input that kills its server
-    fail_next: N       the next N generation requests get 503 "The request queue is full."
-    fail_rate: p       each generation request gets that 503 with probability p
-    fail_message: str  message of those 503s
-    stall_seconds: S   a generation request is accepted, then held S seconds
-                       before it is served (a hung scheduler, as seen by a client)
-    stall_next: N      stall only the next N requests (default: every request)
-    stall_after_tokens: K  the stall comes mid-stream, once K output tokens are out (a stream that
-                       started, then went silent: a stuck scheduler or a half-open connection), not
-                       before serving; a client that closes the stream meanwhile aborts the request
-    half_open: bool    a stalled request does not see its client go (a half-open connection: the socket
-                       stays open and silent on the server's side), so it holds its slot until the stall
-                       ends or POST /abort_request names its rid
-    slow_factor: F     decode takes F times longer (a throttled or noisy GPU)
-    hold: bool         a generation request is accepted, then held until hold is cleared (a test
-                       that needs work to be certainly in flight at some moment releases it then)
-    hold_after: N      the same hold for every generation request after the first N (counted from when
-                       set), until hold_after is cleared: some answers are certainly served, the rest
-                       certainly in flight. A held request whose client goes is aborted, as a waiting one is
-    unhealthy: bool    /health and /health_generate answer 503 (a stuck detokenizer)
-    abort_next: N      the next N generation requests end in a status-less abort: HTTP 200 with
-                       finish_reason "abort" (as /abort_request or a session cleanup does in 0.5.23:
-                       tokenizer_manager._handle_abort_finish_reason lets it through without a status)
-    tokenize_fail_next: N  the next N /v1/tokenize requests get 503 (a server still warming up, overloaded)
-
+The settings (all optional) are FaultSettings' fields, each described there.
 "Generation requests" are POST /generate and /v1/chat/completions.
 """
 
@@ -50,21 +21,35 @@ QUEUE_FULL = "The request queue is full."
 
 @dataclass
 class FaultSettings:
+    # the process exits hard (os._exit) when generation request N+1 arrives, dropping every connection in flight (as
+    # a CUDA fault or the watchdog would); counts from when set
     crash_after: int | None = None
+    # the same exit when a generation request's prompt (its messages' text, or /generate's text) contains this: an
+    # input that kills its server
     crash_on: str | None = None
-    fail_next: int | None = None
-    fail_rate: float | None = None
-    fail_message: str | None = None
+    fail_next: int | None = None  # the next N generation requests get 503 "The request queue is full."
+    fail_rate: float | None = None  # each generation request gets that 503 with this probability
+    fail_message: str | None = None  # the message of those 503s
+    # a generation request is accepted, then held this many seconds before it is served (a hung scheduler)
     stall_seconds: float | None = None
-    stall_next: int | None = None
+    stall_next: int | None = None  # stall only the next N requests (default: every request)
+    # the stall comes mid-stream, once K output tokens are out (a stream that started, then went silent), not before
+    # serving; a client that closes the stream meanwhile aborts the request
     stall_after_tokens: int | None = None
+    # a stalled request does not see its client go (a half-open connection), so it holds its slot until the stall
+    # ends or POST /abort_request names its rid
     half_open: bool | None = None
-    slow_factor: float | None = None
-    unhealthy: bool | None = None
+    slow_factor: float | None = None  # decode takes F times longer (a throttled or noisy GPU)
+    unhealthy: bool | None = None  # /health and /health_generate answer 503 (a stuck detokenizer)
+    # a generation request is accepted, then held until hold is cleared (a test that needs work certainly in flight)
     hold: bool | None = None
+    # the same hold for every generation request after the first N (counted from when set), until cleared: some
+    # answers certainly served, the rest certainly in flight; a held request whose client goes is aborted
     hold_after: int | None = None
+    # the next N generation requests end in a status-less abort: HTTP 200 with finish_reason "abort" (as
+    # /abort_request does in 0.5.23: tokenizer_manager._handle_abort_finish_reason lets it through without a status)
     abort_next: int | None = None
-    tokenize_fail_next: int | None = None
+    tokenize_fail_next: int | None = None  # the next N /v1/tokenize requests get 503 (a server warming up)
 
 
 @dataclass(frozen=True)

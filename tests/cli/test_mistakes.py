@@ -22,7 +22,7 @@ def one_line(result) -> str:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     """A data dir with prompt shard 00000 (and nothing else), built on an emulator that is gone by the tests."""
-    from dflash_assets.emulator.process import run_emulator_in_thread
+    from tests.support.emulator_thread import run_emulator_in_thread
 
     data = tmp_path_factory.mktemp("mistakes") / "data"
     emu = run_emulator_in_thread(FAST)
