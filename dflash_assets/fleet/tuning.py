@@ -77,7 +77,7 @@ def parse_mamba_usage(text: str) -> float | None:
 class LoadSampler:
     """Polls `/v1/loads` of every client each `interval_s`, keeping the last `max_samples` per server.
 
-    Use `await start()` / `await stop()` or `async with`. A failed poll is kept as a sample with `error`, so a
+    `await start()`, then `await stop()` returns the samples. A failed poll is kept as a sample with `error`, so a
     server that stops answering shows up in the advice instead of vanishing from it.
     """
 
@@ -135,12 +135,6 @@ class LoadSampler:
             self._task = None
         return self.samples
 
-    async def __aenter__(self) -> LoadSampler:
-        return await self.start()
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
-
 
 # ---- per-server figures ------------------------------------------------------------------------------------
 
@@ -161,8 +155,6 @@ class ServerLoad:
     waiting_share: float  # samples with a queue
     blocked_share: float  # samples with a queue while slots were free: something else (KV) holds requests back
     busy_share: float  # samples with anything running or waiting
-    peak_demand: int  # max of running + waiting
-    token_usage_mean: float | None
     token_usage_p95: float | None
     mamba_usage_p95: float | None
     throughput_mean: float | None
@@ -224,8 +216,6 @@ def summarize(
                 waiting_share=sum(w > 0 for w in waiting) / n,
                 blocked_share=sum(s.waiting > 0 and limit is not None and s.running < limit for s in ok) / n,
                 busy_share=sum(s.running + s.waiting > 0 for s in ok) / n,
-                peak_demand=max((s.running + s.waiting for s in ok), default=0),
-                token_usage_mean=_mean(usage),
                 token_usage_p95=_p95(usage),
                 mamba_usage_p95=_p95(mamba),
                 metrics_off=bool(ok) and all(s.metrics is False for s in ok),
