@@ -56,12 +56,12 @@ def export(
             f"(chosen by: {meta[t.CHOSEN_BY]}) in {meta[t.JSONL]} (manifest beside it)" + split_words(meta[t.MANIFEST]),
         )
         left_out, kept = left_out_lines(meta[t.MANIFEST]), kept_lines(meta[t.MANIFEST])
-        for heading, lines in () if short else (("left out, by reason:", left_out), ("kept, with a note:", kept)):
+        for heading, lines in (("left out, by reason:", left_out), ("kept, with a note:", kept)):
             if lines:
                 console.print(f"  {heading}", highlight=False)
             for line in lines:
                 console.print(f"    {line}", highlight=False)
-        if not left_out and not short:
+        if not left_out:
             console.print("  left out: nothing", highlight=False)
         console.print(f"  {trained_words(meta[t.MANIFEST])}", highlight=False)
         verbatim(console, trainer_settings_line(meta[t.MANIFEST], Path(meta[t.JSONL]).parent))

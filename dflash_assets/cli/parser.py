@@ -136,23 +136,19 @@ def settings_flags(
         choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
         kind = str if choices else kind
         kind = _json_object if kind is dict else kind
-        shown = "" if default in (None, "") else f" (default {default})"
+        said = (field.description or "") + ("" if default in (None, "") else f" (default {default})")
         if kind is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=(field.description or "") + shown
-            )
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
         else:
+            required_ = name in required
             parser.add_argument(
-                flag,
-                type=kind,
-                choices=choices,
-                default=None if name in required else default,
-                required=name in required,
-                help=(field.description or "") + shown,
+                flag, type=kind, choices=choices, default=None if required_ else default, required=required_, help=said
             )
 
 
 ATTACHED = ("mode", "urls", "num_servers", "emulator_args")  # FleetSettings a command on --urls has no use for
+NOT_THE_WINDOW = ("name", "format", "chat_template")  # TrainerSettings but the window, for a command that judges by it
+SERVERS_HELP = f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {Deployment.NUM_SERVERS.default})"
 
 
 def data_flags(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
@@ -207,11 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
             type=int,
             help=f"prompts per shard (default {Deployment.SHARD_SIZE.name}, else {Deployment.SHARD_SIZE.default})",
         )
-        p.add_argument(
-            "--servers",
-            type=_servers,
-            help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {Deployment.NUM_SERVERS.default})",
-        )
+        p.add_argument("--servers", type=_servers, help=SERVERS_HELP)
         p.add_argument(
             "--verbose",
             action="store_true",
@@ -243,11 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     cont.add_argument("--from-shard", dest="first", help="first shard key (default: the first)")
     cont.add_argument("--to-shard", dest="last", help="last shard key (default: the last)")
     data_flags(cont)
-    cont.add_argument(
-        "--servers",
-        type=_servers,
-        help=f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {Deployment.NUM_SERVERS.default})",
-    )
+    cont.add_argument("--servers", type=_servers, help=SERVERS_HELP)
     cont.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
 
     configs = sub.add_parser(
@@ -269,9 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--verbose", action="store_true", help="also print Dagster's event stream here")
     data_flags(export)
-    settings_flags(
-        configs, TrainerSettings, skip=("name", "format", "chat_template"), prefix=TRAINER_FLAGS
-    )  # the window
+    settings_flags(configs, TrainerSettings, skip=NOT_THE_WINDOW, prefix=TRAINER_FLAGS)  # the window
     settings_flags(export, TrainerSettings, prefix=TRAINER_FLAGS)  # the window and the form, as demo's
 
     gen = sub.add_parser(
@@ -284,9 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--data-dir", default=Deployment.DATA_DIR.value())
     settings_flags(gen, RequestSettings)
     settings_flags(gen, DispatchSettings)
-    settings_flags(
-        gen, TrainerSettings, skip=("name", "format", "chat_template"), prefix=TRAINER_FLAGS
-    )  # the window only
+    settings_flags(gen, TrainerSettings, skip=NOT_THE_WINDOW, prefix=TRAINER_FLAGS)  # the window only
     settings_flags(gen, FleetSettings, skip=ATTACHED)
     gen.add_argument("--verbose", action="store_true", help="print the stack trace of a failure")
 

@@ -268,25 +268,6 @@ def _say_below_the_table(console: Console, shards: list[str], tally: _Tally, win
         console.print("  (a blocking check that fails with ERROR stops the training set; WARN asks you to look)")
 
 
-def generate_and_export(
-    instance: dg.DagsterInstance,
-    shards: list[str],
-    completions: dict,
-    console: Console,
-    verbose: bool,
-    window: Window,
-    full: bool = False,
-) -> Stops:
-    """What demo and backfill share: what regenerate does to the source, the shards through Dagster, the configs the
-    run superseded, and the export of the run's own config."""
-    if said := regenerate_text(completions["regenerate"]):
-        console.print(said, highlight=False)
-    stops = run_shards(instance, shards, completions, console, verbose, window, full)
-    print_superseded(stops, console, window)
-    export_run_config(instance, stops, window, console, verbose, full)
-    return stops
-
-
 def print_quarantined(shards: list[str], stops: Stops, console: Console, retry: str) -> None:
     """The prompts quarantined in these shards, by id, and the command that sends them again."""
     from dflash_assets.generation.quarantine import QUARANTINED, quarantined
@@ -325,15 +306,19 @@ def run_and_answer(
     launch: Launch,
     full: bool = False,
 ) -> int:
-    """`dflash demo` and `dflash backfill` after their first line: the shards through Dagster and the export
-    (generate_and_export), the UI's command, and the closing lines: the answer of the run's config and the next
+    """`dflash demo` and `dflash backfill` after their first line: the shards through Dagster, the configs the run
+    superseded and the export of its config, the UI's command, and the closing lines: the answer of the run's config and the next
     command (the launch's, with the answer's settings); with `full`, everything said at length."""
     print_old_default(
         window, console, lambda cap: launch.printed({"cap_policy": "fixed"}, f" --max-output-tokens {cap}")
     )
     cap = completions["max_output_tokens"]
     print_cap_past_window(window, cap, console)
-    stops = generate_and_export(instance, shards, completions, console, verbose, window, full)
+    if said := regenerate_text(completions["regenerate"]):  # what regenerate does to the source, before the run
+        console.print(said, highlight=False)
+    stops = run_shards(instance, shards, completions, console, verbose, window, full)
+    print_superseded(stops, console, window)
+    export_run_config(instance, stops, window, console, verbose, full)  # the run's own config, never another
     if full and not stops.checks and not stops.errors and not stops.preflight:
         print_window_answer(
             stops, console, window, launch.printed({"cap_policy": "window"}, f" --max-output-tokens {cap}")
