@@ -230,6 +230,15 @@ class Engine:
 
     # ---- 2. scheduler and model ----
 
+    async def final(self, req: Request, verdict: Verdict = NO_FAULT) -> Output:
+        """The last output of `run` (a request not streamed)."""
+        out = None
+        async for out in self.run(req, verdict):  # noqa: B007 (the last one is returned)
+            pass
+        if out is None:
+            raise RuntimeError("the engine gave no output for the request")
+        return out
+
     async def run(self, req: Request, verdict: Verdict = NO_FAULT) -> AsyncGenerator[Output, None]:
         """Outputs of one validated request: progress chunks when streaming, then
         the final one (finished, or an abort: /abort_request naming its rid ends it so)."""

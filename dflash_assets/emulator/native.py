@@ -102,15 +102,6 @@ def build_requests(body: dict, preferred: dict | None) -> tuple[list[Request], b
     return reqs, single and n == 1
 
 
-async def _final(engine: Engine, req: Request, verdict: Verdict) -> Output:
-    last = None
-    async for out in engine.run(req, verdict):
-        last = out
-    if last is None:
-        raise RuntimeError("the engine gave no output for the request")
-    return last
-
-
 def _ids_outside_i64(body) -> bool:
     ids = body.get("input_ids") if isinstance(body, dict) else None
     if not isinstance(ids, list) or not ids:
@@ -143,7 +134,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             engine.validate(r)
     except TokenizerError as e:
         return generate_error(str(e))
-    outs = await asyncio.gather(*(_final(engine, r, verdict) for r in reqs))
+    outs = await asyncio.gather(*(engine.final(r, verdict) for r in reqs))
     for out in outs:
         if out.aborted and out.done["status_code"] is not None:  # tokenizer_manager._handle_abort_finish_reason
             status, message = out.done["status_code"], out.done["message"]

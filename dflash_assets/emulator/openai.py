@@ -19,7 +19,7 @@ from aiohttp import web
 
 from . import tokenizer as tok
 from . import tool_calls
-from .engine import Engine, Output, Request, TokenizerError, unseen_disconnect
+from .engine import Output, Request, TokenizerError, unseen_disconnect
 from .faults import QUEUE_FULL, prompt_text
 from .native import meta_info
 from .responses import (
@@ -364,7 +364,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
             return openai_error("emulator: streaming with n > 1 is not emulated", "BadRequest")
         serving = _stream(request, chat, reqs[0], verdict)
         return await (unseen_disconnect(engine, serving) if verdict.half_open else serving)
-    outs = await asyncio.gather(*(_last(engine, r, verdict) for r in reqs))
+    outs = await asyncio.gather(*(engine.final(r, verdict) for r in reqs))
     for out in outs:
         if out.aborted and out.done["status_code"] is not None:  # a status-less abort is an HTTP 200
             return _abort_response(out)
@@ -373,15 +373,6 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     if ext:
         reply["sglext"] = ext
     return json_response(reply)
-
-
-async def _last(engine: Engine, req: Request, verdict) -> Output:
-    out = None
-    async for out in engine.run(req, verdict):  # noqa: B007 (the last one is returned)
-        pass
-    if out is None:
-        raise RuntimeError("the engine gave no output for the request")
-    return out
 
 
 def _response(cfg, chat: ChatContext, reqs: list[Request], outs: list[Output]) -> dict:
