@@ -424,10 +424,14 @@ class ServerClient:
             "chat_template_kwargs": chat_template_kwargs,
             **({"tools": tools} if tools else {}),
         }
+        return int((await self.tokenize_chat(body))["count"])
+
+    async def tokenize_chat(self, body: dict) -> dict:
+        """`POST /v1/tokenize` of a chat body, a transient error retried with backoff (TOKENIZE_ATTEMPTS)."""
         attempt = 1
         while True:
             try:
-                return int((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["count"])
+                return await self._request("POST", "/v1/tokenize", json=body, timeout=60)
             except ServerError as e:
                 if not e.retryable or attempt >= TOKENIZE_ATTEMPTS:
                     raise

@@ -75,10 +75,6 @@ def default_fleet_dir(dagster_home: str | Path | None = None) -> Path:
     return Path(home).resolve() / "fleet"
 
 
-def urls(records: list[ServerRecord]) -> list[str]:
-    return [r.url for r in records]
-
-
 def parse_command(command: str) -> tuple[str, ...]:
     """'sglang' | 'launch_server' | 'emulator', or a full command line such as '/opt/sgl/bin/sglang serve'."""
     return COMMANDS.get(command) or tuple(shlex.split(command))

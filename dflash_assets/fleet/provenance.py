@@ -19,7 +19,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 
-from dflash_assets.fleet.client import TOKENIZE_ATTEMPTS, ServerClient, ServerError
+from dflash_assets.fleet.client import ServerClient, ServerError
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.settings import SettingsError
 
@@ -73,19 +73,12 @@ async def read_server(client: ServerClient) -> Provenance:
     model = await client._optional("/model_info") or {}
     # rendered as for a chat completion: 0.5.23's serving_tokenize refuses `add_generation_prompt` unless the
     # template is Jinja (a --chat-template builtin name is not)
-    body = {"messages": list(PROBE_CONVERSATION)}
-    ids = None
-    for attempt in range(1, TOKENIZE_ATTEMPTS + 1):
-        try:
-            ids = list((await client._request("POST", "/v1/tokenize", json=body, timeout=30))["tokens"])
-            break
-        except ServerError as e:
-            if e.retryable and attempt < TOKENIZE_ATTEMPTS:  # a transient 503: as a prompt's count is retried
-                await asyncio.sleep(0.2 * 2 ** (attempt - 1))
-                continue
-            if e.retryable:
-                raise
-            break  # the server renders no chat template (a 400): no fingerprint
+    try:
+        ids = list((await client.tokenize_chat({"messages": list(PROBE_CONVERSATION)}))["tokens"])
+    except ServerError as e:
+        if e.retryable:  # still failing after the retries a prompt's count gets
+            raise
+        ids = None  # the server renders no chat template (a 400): no fingerprint
     return Provenance(
         sglang_version=server.get("version"),
         model_path=server.get("model_path") or model.get("model_path"),
