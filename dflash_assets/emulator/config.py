@@ -234,10 +234,6 @@ class EmulatorSetup:
     warnings: list[str] = field(default_factory=list)
 
     @property
-    def per_request_sampling(self) -> bool:
-        return self.args.sampling == "per-request"
-
-    @property
     def served_model_name(self) -> str:
         return self.args.served_model_name or self.args.model_path
 
@@ -262,14 +258,6 @@ class EmulatorSetup:
             return self.args.health_delay
         generation = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").strip().lower()
         return 0.0 if generation in ("0", "false", "no", "off") else 1.0
-
-    @property
-    def allow_auto_truncate(self) -> bool:
-        return bool(self.args.allow_auto_truncate)
-
-    @property
-    def enable_metrics(self) -> bool:
-        return bool(self.args.enable_metrics)
 
 
 class EmulatorFlagError(SystemExit):

@@ -208,7 +208,7 @@ class Engine:
         ctx = self.cfg.context_len
         n = len(req.input_ids)
         if n >= ctx:
-            if not self.cfg.allow_auto_truncate:
+            if not self.cfg.args.allow_auto_truncate:
                 raise TokenizerError(
                     f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
                 )
@@ -216,7 +216,7 @@ class Engine:
             n = len(req.input_ids)
         max_new = req.sampling.get("max_new_tokens")
         if max_new is not None and max_new + n > ctx:
-            if not self.cfg.allow_auto_truncate:
+            if not self.cfg.args.allow_auto_truncate:
                 raise TokenizerError(
                     f"Requested token count exceeds the model's maximum context length of {ctx} tokens. "
                     f"You requested a total of {max_new + n} tokens: {n} tokens from the input messages and "
@@ -243,7 +243,7 @@ class Engine:
         """Outputs of one validated request: progress chunks when streaming, then
         the final one (finished, or an abort: /abort_request naming its rid ends it so)."""
         if len(req.input_ids) >= self.cfg.max_req_input_len:
-            if not self.cfg.allow_auto_truncate:
+            if not self.cfg.args.allow_auto_truncate:
                 yield self._abort(
                     req,
                     f"Input length ({len(req.input_ids)} tokens) exceeds the maximum allowed length "
@@ -357,7 +357,11 @@ class Engine:
         # is 1.0); temperature 0 or a seed gives the prompt's one completion
         temperature = 1.0 if sp.get("temperature") is None else sp["temperature"]
         seed = sp.get("sampling_seed")
-        draw = self._draw(req.input_ids) if temperature > 0 and seed is None and self.cfg.per_request_sampling else None
+        draw = (
+            self._draw(req.input_ids)
+            if temperature > 0 and seed is None and self.cfg.args.sampling == "per-request"
+            else None
+        )
         plan = model.plan_completion(
             req.input_ids,
             self.cfg.lengths,

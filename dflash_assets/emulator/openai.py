@@ -211,7 +211,7 @@ class ChatContext:
             return "Messages cannot be empty."
         max_out = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
         configured = self.cfg.args.context_length  # get_model().context_length: null unless passed
-        if max_out and configured and max_out > configured and not self.cfg.allow_auto_truncate:
+        if max_out and configured and max_out > configured and not self.cfg.args.allow_auto_truncate:
             return (
                 f"max_completion_tokens is too large: {max_out}."
                 f"This model supports at most {configured} completion tokens."

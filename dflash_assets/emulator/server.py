@@ -114,7 +114,7 @@ def create_app(cfg: EmulatorSetup, *, faults: Faults | None = None, on_crash=cra
         r.add_post(path, handle_tokenize)
     for path in ("/v1/detokenize", "/detokenize"):
         r.add_post(path, handle_detokenize)
-    if cfg.enable_metrics:  # without --enable-metrics there is no /metrics route (404)
+    if cfg.args.enable_metrics:  # without --enable-metrics there is no /metrics route (404)
         r.add_get("/metrics", metrics)
     r.add_post("/abort_request", abort_request)
     r.add_route("*", "/_emulator/faults", fault_route)
