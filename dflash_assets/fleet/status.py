@@ -27,6 +27,7 @@ from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerEr
 from dflash_assets.fleet.fleet import open_session
 from dflash_assets.fleet.gateway import gateway_workers
 from dflash_assets.fleet.registry import ServerRecord
+from dflash_assets.fleet.tuning import parse_loads
 
 
 @dataclass
@@ -133,7 +134,7 @@ async def _probe_url(client: ServerClient, status: ServerStatus) -> ServerStatus
     try:
         info = await client.info()
         status.context_length, status.max_running_requests = info.context_length, info.max_running_requests
-        loads = (await client.loads()).get("loads") or []
+        load = parse_loads(client.url, 0.0, await client.loads())
     except (ServerError, ServerAccessError, KeyError, IndexError, TypeError, ValueError) as e:
         status.error = (
             e.message
@@ -141,12 +142,9 @@ async def _probe_url(client: ServerClient, status: ServerStatus) -> ServerStatus
             else f"unexpected answer: {type(e).__name__}: {e}"
         )
         return status
-    if loads:
-        status.running = sum(int(x.get("num_running_reqs", 0)) for x in loads)
-        status.waiting = sum(int(x.get("num_waiting_reqs", 0)) for x in loads)
-        pool = sum(int(x.get("max_total_num_tokens") or 0) for x in loads)
-        used = sum(int(x.get("num_used_tokens") or 0) for x in loads)
-        status.token_usage = round(used / pool, 4) if pool else max(float(x.get("token_usage", 0)) for x in loads)
+    if load.error is None:  # /v1/loads answered with its DP ranks' loads, summed (tuning.parse_loads)
+        status.running, status.waiting = load.running, load.waiting
+        status.token_usage = None if load.token_usage is None else round(load.token_usage, 4)
     return status
 
 
