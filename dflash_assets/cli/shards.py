@@ -235,18 +235,15 @@ def _say_below_the_table(console: Console, shards: list[str], tally: _Tally, win
         say_with_command(console, f"  {line}")
     if full:
         print_other_configs(tally.stops.config_hash, window, console)
-    if tally.no_figures:
-        console.print(
-            f"  shard(s) {', '.join(tally.no_figures)}: no figures (-): their run failed before completions "
-            f"committed any (the cause is below)",
-            highlight=False,
-        )
-    if tally.recounted:
-        console.print(
-            f"  shard(s) {', '.join(tally.recounted)}: done is what their run committed before it stopped (recounted "
-            f"from the data dir; the cause is below)",
-            highlight=False,
-        )
+    for listed, said in (
+        (tally.no_figures, "no figures (-): their run failed before completions committed any (the cause is below)"),
+        (
+            tally.recounted,
+            "done is what their run committed before it stopped (recounted from the data dir; the cause is below)",
+        ),
+    ):
+        if listed:
+            console.print(f"  shard(s) {', '.join(listed)}: {said}", highlight=False)
     if tally.stops.filling_window and full:  # preflight counted them before any request (the answer counts them)
         verbatim(console, f"  {filling_window_note(tally.stops.filling_window, window.trainer_max_length)}")
     failed_checks = tally.failed_checks

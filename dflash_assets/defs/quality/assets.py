@@ -56,14 +56,16 @@ def configs_markdown(root: str | Path, max_length: int) -> str:
     configs = list_configs(root, max_length)
     if not configs:
         return "no configs: no completion rows yet"
-    columns, rows = configs_rows(configs)
+    return _markdown(*configs_rows(configs))
+
+
+def _markdown(columns: list[str], rows: list[list[str]]) -> str:
     head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
     return head + "\n".join("| " + " | ".join(row) + " |" for row in rows)
 
 
 def _table(rows: list[dict], columns: list[str]) -> str:
-    head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
-    return head + "\n".join("| " + " | ".join(str(shown(r.get(c))) for c in columns) + " |" for r in rows)
+    return _markdown(columns, [[str(shown(r.get(c))) for c in columns] for r in rows])
 
 
 PICTURES = (
