@@ -54,42 +54,41 @@ _BOOL = (
     "return_input_ids_in_sglext",
     "return_output_ids_in_sglext",
 )
+_DICT, _IDS = ("chat_template_kwargs", "stream_options"), ("input_ids",)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# The pydantic checks on ChatCompletionRequest that matter here (strict-ish), in the order they are reported:
+# (error type, message, check, fields)
+_FIELD_CHECKS = (
+    ("int_type", "Input should be a valid integer", _is_int, _INT),
+    ("float_type", "Input should be a valid number", lambda v: _is_int(v) or isinstance(v, float), _FLOAT),
+    ("bool_type", "Input should be a valid boolean", lambda v: isinstance(v, bool), _BOOL),
+    ("dict_type", "Input should be a valid dictionary", lambda v: isinstance(v, dict), _DICT),
+    ("string_type", "Input should be a valid string", lambda v: isinstance(v, str) or _all(v, str), ("stop",)),
+    (
+        "list_type",
+        "Input should be a valid list of integers",
+        lambda v: isinstance(v, list) and all(map(_is_int, v)),
+        _IDS,
+    ),
+)
+
+
+def _all(v, kind: type) -> bool:
+    return isinstance(v, list) and all(isinstance(x, kind) for x in v)
 
 
 def _field_errors(body: dict) -> list[dict]:
-    """The pydantic checks on ChatCompletionRequest that matter here (strict-ish)."""
-    errs = []
-
-    def bad(name, kind, msg):
-        errs.append(field_error(kind, ("body", name), msg, body.get(name)))
-
-    for name in _INT:
-        v = body.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-            bad(name, "int_type", "Input should be a valid integer")
-    for name in _FLOAT:
-        v = body.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            bad(name, "float_type", "Input should be a valid number")
-    for name in _BOOL:
-        v = body.get(name)
-        if v is not None and not isinstance(v, bool):
-            bad(name, "bool_type", "Input should be a valid boolean")
-    for name in ("chat_template_kwargs", "stream_options"):
-        v = body.get(name)
-        if v is not None and not isinstance(v, dict):
-            bad(name, "dict_type", "Input should be a valid dictionary")
-    stop = body.get("stop")
-    if stop is not None and not (
-        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
-    ):
-        bad("stop", "string_type", "Input should be a valid string")
-    ids = body.get("input_ids")
-    if ids is not None and not (
-        isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-    ):
-        bad("input_ids", "list_type", "Input should be a valid list of integers")
-    return errs
+    return [
+        field_error(kind, ("body", name), msg, body[name])
+        for kind, msg, ok, names in _FIELD_CHECKS
+        for name in names
+        if body.get(name) is not None and not ok(body[name])
+    ]
 
 
 def _messages_errors(body) -> list[dict]:
