@@ -9,7 +9,10 @@ Errors are classified once, here, so every caller's retry loop does the right th
 - a streamed request that went silent (fleet/stream.py Watch): the server's too, of kind "stalled", after a
   `POST /abort_request` with its rid;
 - a gateway's 503 `no_available_workers` (NO_WORKER): nobody behind the URL can take any request just now, marked
-  kind "no_worker": the fleet is down for the moment, not the request (generation/send.py spends no attempt on it).
+  kind "no_worker": the fleet is down for the moment, not the request (generation/send.py spends no attempt on it);
+  its lost connection to a worker (UPSTREAM_LOST), kind "upstream_lost";
+- a refused connection (nothing listens at the URL yet), kind "refused"; servers that never became healthy,
+  kind "unhealthy" (not retried).
 """
 
 from __future__ import annotations
@@ -59,8 +62,11 @@ UPSTREAM_LOST = ("call_upstream_request_error", "call_upstream_body_error", "cal
 _encode, _decode = msgspec.json.encode, msgspec.json.decode
 
 
-async def _json_body(resp: aiohttp.ClientResponse) -> Any:
-    """An application/json body as aiohttp's resp.json() reads it (None when empty), decoded from its bytes."""
+async def _body(resp: aiohttp.ClientResponse) -> Any:
+    """An answer's body: application/json as aiohttp's resp.json() reads it (None when empty), decoded from its
+    bytes; any other, its text."""
+    if resp.content_type != "application/json":
+        return await resp.text()
     raw = await resp.read()
     return _decode(raw) if raw.strip() else None
 
@@ -69,17 +75,9 @@ ErrorKind = Literal["server", "prompt", "unhealthy", "refused", "stalled", "no_w
 
 
 class ServerError(Exception):
-    """A request the server did not complete, and what kind of failure it is: what the dispatcher does with it.
-
-    - "server": the server's trouble (a 5xx, a timeout, a dropped connection): retried;
-    - "prompt": the request itself is wrong (PROMPT_FAULT statuses): a reject, never retried at the same budget;
-    - "unhealthy": servers that never became healthy: not retried;
-    - "refused": the connection was refused: nothing listens at the URL (yet);
-    - "stalled": a stream closed for silence (Watch.stall_timeout_s): retried on another server;
-    - "no_worker": a gateway with no worker to route any request to (NO_WORKER);
-    - "upstream_lost": a gateway lost its connection to a worker (UPSTREAM_LOST).
-
-    `down` is set later, by the quarantine, when the request's server was down before it was sent."""
+    """A request the server did not complete; `kind` is what failed (the module's list), so the dispatcher knows
+    whether to resend it. `down` is set later, by the quarantine, when the request's server was down before it was
+    sent."""
 
     def __init__(self, url: str, message: str, *, status: int | None = None, kind: ErrorKind = "server"):
         super().__init__(f"{url}: {message}")
@@ -270,10 +268,7 @@ class ServerClient:
         try:
             data, headers = (None, self._headers) if json is None else (_encode(json), self._json_headers)
             async with self.session.request(method, self.url + path, data=data, headers=headers, timeout=t) as resp:
-                if resp.content_type == "application/json":
-                    body = await _json_body(resp)
-                else:
-                    body = await resp.text()
+                body = await _body(resp)
                 if resp.status == 200:
                     return body
                 self._refused(resp.status, method, path, body)
@@ -306,12 +301,7 @@ class ServerClient:
                 ) as resp,
             ):
                 if resp.status != 200:
-                    self._refused(
-                        resp.status,
-                        "POST",
-                        path,
-                        await _json_body(resp) if resp.content_type == "application/json" else await resp.text(),
-                    )
+                    self._refused(resp.status, "POST", path, await _body(resp))
                 stopped = drained = False
                 try:
                     stopped = await silence.read(resp, answer)  # True: a loop, stop decoding it
