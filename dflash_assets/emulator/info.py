@@ -125,17 +125,8 @@ async def model_card(request: web.Request) -> web.Response:
     cfg = request.app[STATE].cfg
     name = request.match_info["model"]
     if name != cfg.served_model_name:
-        return json_response(
-            {
-                "error": {
-                    "message": f"The model '{name}' does not exist",
-                    "type": "invalid_request_error",
-                    "param": "model",
-                    "code": "model_not_found",
-                }
-            },
-            404,
-        )
+        missing = {"message": f"The model '{name}' does not exist", "type": "invalid_request_error", "param": "model"}
+        return json_response({"error": {**missing, "code": "model_not_found"}}, 404)
     return json_response(_card(cfg, name))
 
 
