@@ -134,69 +134,6 @@ def _sample(prompts: list[PromptRow], probe: ProbeSettings) -> list[PromptRow]:
     return sample_prompts(prompts, probe.size or probe_size(len(prompts), probe.share, probe.min_prompts), probe.seed)
 
 
-async def run_probe(
-    data_dir: str | Path,
-    shards: list[str],
-    fleet: Fleet,
-    generation: GenerationSettings,
-    probe: ProbeSettings,
-    dispatch: DispatchSettings = DispatchSettings(),
-    log: Callable[[str], None] = print,
-) -> ProbeResult:
-    """Sample the prompts of `shards`, write them as the probe's shard, generate them with `generation`'s sampling
-    at the probe's cap (0: the largest the fleet's context allows for the sample) through the engine. A re-run with
-    the same sample and config resumes, as any shard does."""
-    prompts = read_prompts(data_dir, shards)
-    if not prompts:
-        raise FileNotFoundError(
-            f"no prompt_shards rows under {data_dir} for shard(s) {', '.join(shards) or '-'}: "
-            f"materialise prompt_shards first"
-        )
-    sample = _sample(prompts, probe)
-    cap = probe.max_output_tokens or high_cap(fleet, sample, log)
-    # it measures lengths: never sized to a window
-    generation = generation.model_copy(update={"cap_policy": "fixed", "max_output_tokens": cap})
-    generation = resolve_regenerate(open_storage(data_dir), generation)  # the run's mode (its shards), not the sample's
-    write_probe_shard(data_dir, sample)
-    log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {probe.seed}) at cap {cap}")
-    run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, generation, dispatch, log=log)
-    return ProbeResult(len(prompts), len(sample), cap, run)
-
-
-async def run_cut_rows_probe(
-    data_dir: str | Path,
-    cut_rows: CutRows,
-    fleet: Fleet,
-    probe: ProbeSettings,
-    dispatch: DispatchSettings = DispatchSettings(),
-    log: Callable[[str], None] = print,
-) -> ProbeResult:
-    """The continuation probe: a seeded sample (stratified as `sample_prompts`) of `cut_rows` (the parent config,
-    its cap, and (shard, prompt_id) of its honest cut rows, chosen by the caller: runaways are the quality layer's
-    call), copied with their parent rows into the probe's `cut_rows` shard and continued there to the probe's cap
-    (0: the largest the fleet's context allows for the sample) by `continue_shard`. A re-run resumes. (Parent rows
-    of an earlier, different sample stay in the shard and are continued too; the planner reads only the current
-    sample's.)"""
-    parent, _, cut = cut_rows
-    if not cut:
-        raise SettingsError(
-            f"config {parent} has no honest cut rows to continue: nothing for a continuation probe to measure"
-        )
-    keys = sorted(set(cut))
-    prompts = {(p.shard, p.prompt_id): p for p in read_prompts(data_dir, sorted({s for s, _ in keys}))}
-    eligible = [prompts[k] for k in keys if k in prompts]
-    sample = _sample(eligible, probe)
-    cap = probe.max_output_tokens or high_cap(fleet, sample, log, "continuation probe")
-    write_probe_shard(data_dir, sample, CUT_ROWS_SHARD)
-    _copy_parent_rows(data_dir, parent, sample)
-    log(
-        f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent} "
-        f"(seed {probe.seed}) continued to cap {cap}"
-    )
-    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent, cap, dispatch, log=log)
-    return ProbeResult(len(eligible), len(sample), cap, run, mode="cut_rows")
-
-
 def _copy_parent_rows(data_dir: str | Path, parent: str, sample: list[PromptRow]) -> None:
     """The sample's parent rows, and the parent's provenance (its hash covers it, and the continuation rebuilds that
     hash), into the probe's cut_rows shard; rows copied before are kept."""
@@ -223,17 +160,54 @@ async def run_length_probe(
     log: Callable[[str], None] = print,
     cut_rows: Callable[[], CutRows] | None = None,
 ) -> ProbeResult:
-    """The probe in its mode, for the asset and the CLI alike: random prompts of `shards` generated at the
-    probe's cap, or (mode cut_rows) the honest cut rows in `shards` of the run's config that `cut_rows` gives
-    (the quality layer chooses them: quality/planning/planner.py cut_rows_for_probe) continued to that cap, with the
-    run's own sampling (its rows record it)."""
+    """The probe in its mode, for the asset and the CLI alike, at the probe's cap (0: the largest the fleet's context
+    allows for the sample), with the run's own sampling (its rows record it). A re-run with the same sample resumes.
+
+    Mode prompts: a seeded sample of the prompts of `shards`, written as the probe's shard and generated through the
+    engine. Mode cut_rows, the continuation probe: a seeded sample (stratified as `sample_prompts`) of the honest cut
+    rows in `shards` of the run's config that `cut_rows` gives (the parent config, its cap, and (shard, prompt_id) of
+    its honest cut rows: the quality layer chooses them, quality/planning/planner.py cut_rows_for_probe), copied with
+    their parent rows into the probe's `cut_rows` shard and continued there by `continue_shard`. (Parent rows of an
+    earlier, different sample stay in the shard and are continued too; the planner reads only the current
+    sample's.)"""
     if probe.mode == "prompts":
-        return await run_probe(data_dir, shards, fleet, generation, probe, dispatch, log)
+        prompts = read_prompts(data_dir, shards)
+        if not prompts:
+            raise FileNotFoundError(
+                f"no prompt_shards rows under {data_dir} for shard(s) {', '.join(shards) or '-'}: "
+                f"materialise prompt_shards first"
+            )
+        sample = _sample(prompts, probe)
+        cap = probe.max_output_tokens or high_cap(fleet, sample, log)
+        # it measures lengths: never sized to a window
+        generation = generation.model_copy(update={"cap_policy": "fixed", "max_output_tokens": cap})
+        generation = resolve_regenerate(open_storage(data_dir), generation)  # the run's mode (its shards)
+        write_probe_shard(data_dir, sample)
+        log(f"length probe: {len(sample)} of {len(prompts)} prompts (seed {probe.seed}) at cap {cap}")
+        run = await generate_shard(probe_root(data_dir), PROBE_SHARD, fleet, generation, dispatch, log=log)
+        return ProbeResult(len(prompts), len(sample), cap, run)
     if cut_rows is None:
         raise SettingsError("the length probe's mode cut_rows needs the run's honest cut rows, and none were given")
-    parent, cap, cut = cut_rows()
+    parent, parent_cap, cut = cut_rows()
     cut = [(shard, pid) for shard, pid in cut if shard in set(shards)]
     log(
-        f"continuation probe of config {parent} (cap {cap}): {len(cut)} honest cut rows in shard(s) {', '.join(shards)}"
+        f"continuation probe of config {parent} (cap {parent_cap}): {len(cut)} honest cut rows in shard(s) "
+        f"{', '.join(shards)}"
     )
-    return await run_cut_rows_probe(data_dir, (parent, cap, cut), fleet, probe, dispatch, log)
+    if not cut:
+        raise SettingsError(
+            f"config {parent} has no honest cut rows to continue: nothing for a continuation probe to measure"
+        )
+    keys = sorted(set(cut))
+    prompts_of = {(p.shard, p.prompt_id): p for p in read_prompts(data_dir, sorted({s for s, _ in keys}))}
+    eligible = [prompts_of[k] for k in keys if k in prompts_of]
+    sample = _sample(eligible, probe)
+    cap = probe.max_output_tokens or high_cap(fleet, sample, log, "continuation probe")
+    write_probe_shard(data_dir, sample, CUT_ROWS_SHARD)
+    _copy_parent_rows(data_dir, parent, sample)
+    log(
+        f"continuation probe: {len(sample)} of {len(eligible)} honest cut rows of config {parent} "
+        f"(seed {probe.seed}) continued to cap {cap}"
+    )
+    run = await continue_shard(probe_root(data_dir), CUT_ROWS_SHARD, fleet, parent, cap, dispatch, log=log)
+    return ProbeResult(len(eligible), len(sample), cap, run, mode="cut_rows")

@@ -29,8 +29,6 @@ __all__ = [
     "Finding",
     "Severity",
     "TrainingExport",
-    "completion_histogram_markdown",
-    "completion_histogram_png",
     "export_training_set",
     "gate_passed",
     "judge_each_config",
@@ -39,12 +37,3 @@ __all__ = [
     "run_checks",
 ]
 
-
-def __getattr__(name: str):
-    # matplotlib and rich are only needed by the picture and the terminal report: imported on first use, so
-    # loading the Dagster code location (which imports this package) stays fast
-    if name in {"completion_histogram_png", "completion_histogram_markdown"}:
-        from dflash_assets.quality.report import histogram
-
-        return getattr(histogram, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

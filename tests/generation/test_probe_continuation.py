@@ -155,7 +155,7 @@ def test_the_plan_from_the_cut_rows_probe_holds_the_truth_generated_at_the_large
 
 
 def write_continued(data_dir, parent: str, lengths, cap: int = 32000):
-    """A continuation probe's rows as run_cut_rows_probe leaves them: shard cut_rows, `parent_config_hash` set."""
+    """A continuation probe's rows as run_length_probe leaves them in mode cut_rows: shard cut_rows, `parent_config_hash` set."""
     from datetime import datetime
 
     from dflash_assets.generation.probe import CUT_ROWS_SHARD, probe_root
