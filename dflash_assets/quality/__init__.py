@@ -36,4 +36,3 @@ __all__ = [
     "open_quality_db",
     "run_checks",
 ]
-

@@ -107,30 +107,32 @@ def fsync_dir(path: Path) -> None:
 
 def write_atomic(table: pa.Table, path: Path, metadata: dict[bytes, bytes] | None = None) -> Path:
     """Write `table` to the local `path` so that readers see either nothing or the whole file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     if metadata:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    return write_local(Path(path), table.schema, [table])
+
+
+def write_local(path: Path, schema: pa.Schema, tables: Iterable[pa.Table]) -> Path:
+    """Commit one local Parquet file made of `tables`, one at a time in memory: written to a temporary name, fsynced,
+    renamed into place, its directory fsynced. A temporary file that could not be written whole (a full disk, a
+    quota) is removed at once, never renamed: the space it took is given back, and nothing half-written is left for
+    `recover` to find."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    with removed_on_error(tmp):
+    try:
         with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
+            with pq.ParquetWriter(f, schema, compression="zstd") as writer:
+                for table in tables:
+                    writer.write_table(table)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return path
-
-
-@contextmanager
-def removed_on_error(tmp: Path):
-    """A temporary file that could not be written whole (a full disk, a quota) is removed at once, never renamed
-    into place: the space it took is given back, and nothing half-written is left for `recover` to find."""
-    try:
-        yield
     except BaseException:
         with suppress(OSError):  # a read-only filesystem cannot remove it either: recover() will
             tmp.unlink(missing_ok=True)
         raise
+    fsync_dir(path.parent)
+    return path
 
 
 @contextmanager
@@ -253,18 +255,7 @@ class LocalStorage(Storage):
         return write_atomic(table, Path(path))
 
     def write_streamed(self, path: PurePath, schema: pa.Schema, tables: Iterable[pa.Table]) -> PurePath:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        with removed_on_error(tmp):
-            with open(tmp, "wb") as f:
-                with pq.ParquetWriter(f, schema, compression="zstd") as writer:
-                    for table in tables:
-                        writer.write_table(table)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        fsync_dir(path.parent)
-        return path
+        return write_local(Path(path), schema, tables)
 
     def delete(self, path: PurePath) -> None:
         Path(path).unlink(missing_ok=True)
