@@ -345,7 +345,8 @@ def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[int, int, str]]) 
 
 TURNS = """
 SELECT shard, prompt_id, config_hash, turn, max(turns) OVER (PARTITION BY shard, prompt_id, config_hash) AS turns,
-    reason, window_complete, prompt_tokens, completion_tokens, judged_window, file_index, file_row_number, diverged
+    reason, coalesce(window_complete, false), coalesce(prompt_tokens, 0), coalesce(completion_tokens, 0),
+    judged_window, file_index, file_row_number, coalesce(diverged, false)
 FROM graded WHERE turn IS NOT NULL AND reason IS DISTINCT FROM 'duplicate'
 ORDER BY shard, prompt_id, config_hash, turn, reason IS NOT NULL, created_at, file_index, file_row_number
 """
@@ -374,19 +375,8 @@ def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) 
         total = 0
         for *_, turn, n, reason, complete, prompt, completion, window, index, position, diverged in group:
             total = n or 0
-            turns.setdefault(  # the kept copy first
-                turn,
-                Turn(
-                    turn,
-                    reason,
-                    bool(complete),
-                    prompt or 0,
-                    completion or 0,
-                    int(window),
-                    (index, position),
-                    bool(diverged),
-                ),
-            )
+            graded_turn = Turn(turn, reason, complete, prompt, completion, window, (index, position), diverged)
+            turns.setdefault(turn, graded_turn)  # the kept copy first
         end = ending(total, turns, refused.get(key, {}), failed.get(key, set()), min_loss_tokens)
         selection.add(end, turns)
     return selection
@@ -524,11 +514,7 @@ def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: An
     by default, writes none; the pipeline passes TrainerSettings.held_out_share).
     `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
     """
-    return export(ExportRequest(data_dir, out_dir, **options))
-
-
-def export(request: ExportRequest) -> TrainingExport:
-    """Grade, select and write the training set `request` asks for, then its trainer's file and the manifest."""
+    request = ExportRequest(data_dir, out_dir, **options)  # graded, selected and written, then the trainer's file
     paths, tmps = _outputs(request)
     try:
         with connect_duckdb(request.out / SPILL_DIR) as con:
