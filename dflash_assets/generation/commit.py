@@ -19,7 +19,7 @@ from dflash_assets.settings import GenerationSettings
 from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow, as_dicts
 from dflash_assets.store.storage import Storage
-from dflash_assets.store.stores import reject_store
+from dflash_assets.store.stores import completion_store, failure_store, reject_store, suspect_store
 
 
 def generated_tokens(row: CompletionRow) -> int:
@@ -42,6 +42,20 @@ class ShardOutput:
     refused: list[RejectRow] = field(default_factory=list)
     failed: list[FailureRow] = field(default_factory=list)
     in_flight: int = 0  # items of this shard handed to the dispatcher and not answered yet
+
+    @classmethod
+    def of(cls, storage: Storage, run: ShardResult, failure_file: str, suspects: bool = True) -> ShardOutput:
+        """The shard's parts, rejects, failures (this run's own file in it) and suspects (a generation run's)."""
+        shard = run.shard
+        return cls(
+            run,
+            completion_store(storage, shard),
+            reject_store(storage, shard, "server"),
+            reject_store(storage, shard, "preflight"),
+            failure_store(storage, shard),
+            failure_file,
+            suspect_store(storage, shard) if suspects else None,
+        )
 
     @property
     def pending(self) -> int:

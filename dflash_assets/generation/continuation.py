@@ -83,7 +83,6 @@ from dflash_assets.store.stores import (
     committed_keys,
     completion_batches,
     completion_store,
-    failure_store,
     prompt_batches,
     prompt_store,
     reject_store,
@@ -551,14 +550,7 @@ async def continue_shard(
             run.copied += len(mine)
         end_ids = await fleet.clients[0].tokenize(THINK_END) if plan.to_continue else []
         continuer = Continuer(fleet, plan, watch_of(dispatch, runaway), end_ids)
-        output = ShardOutput(
-            run,
-            store,
-            reject_store(storage, shard, "server"),
-            reject_store(storage, shard, "preflight"),
-            failure_store(storage, shard),
-            plan.own_file,
-        )
+        output = ShardOutput.of(storage, run, plan.own_file, suspects=False)
         # the turn after a continued (or regenerated) one that stopped goes on, on the history that holds it
         dispatcher = Dispatch(
             fleet, dispatch, {shard: output}, continuer.send, continuer.refuse, log, follow_up=next_turn

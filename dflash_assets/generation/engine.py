@@ -23,7 +23,6 @@ from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.generation.commit import ShardOutput, account, generated_tokens
 from dflash_assets.generation.plan import (
     OVERFLOW_FAIL_SHARE,
-    ShardPlan,
     ShardResult,
     plan_remaining,
     plan_shard,
@@ -47,8 +46,6 @@ from dflash_assets.store.stores import (
     completion_store,
     failure_store,
     prompt_store,
-    reject_store,
-    suspect_store,
 )
 
 # the engine's public names, wherever they are defined
@@ -125,22 +122,6 @@ def resolve_regenerate(data_dir: Storage, generation: GenerationSettings) -> Gen
     return generation.resolved(found)
 
 
-def _outputs(storage: Storage, plans: list[ShardPlan], config_hash: str) -> dict[str, ShardOutput]:
-    """Each shard's parts, rejects, failures and suspects, under the files of this config."""
-    return {
-        p.run.shard: ShardOutput(
-            p.run,
-            completion_store(storage, p.run.shard),
-            reject_store(storage, p.run.shard, "server"),
-            reject_store(storage, p.run.shard, "preflight"),
-            failure_store(storage, p.run.shard),
-            f"{config_hash}.parquet",
-            suspect_store(storage, p.run.shard),
-        )
-        for p in plans
-    }
-
-
 async def generate_shards(
     data_dir: str | Path,
     shards: list[str],
@@ -172,7 +153,7 @@ async def generate_shards(
             locks.enter_context(completion_store(storage, shard).lock())
             plans.append(await plan_shard(storage, shard, fleet, generation, run.preflight_policy, config_hash, log))
             plans[-1].run.fleet_notes = list(fleet_notes)
-        outputs = _outputs(storage, plans, config_hash)
+        outputs = {p.run.shard: ShardOutput.of(storage, p.run, f"{config_hash}.parquet") for p in plans}
         for p in plans:  # prompts an earlier run quarantined stay failed, unsent, unless asked
             retry = run.dispatch.retry_quarantined
             outputs[p.run.shard].failed += carry_over(failure_store(storage, p.run.shard), config_hash, p, retry)
