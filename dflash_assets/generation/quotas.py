@@ -23,7 +23,7 @@ from dflash_assets.settings import QuotaSettings
 from dflash_assets.store.storage import Storage, open_storage
 
 FOLDER = "quotas"
-DRAW_SCHEMA = pa.schema(
+DRAW_SCHEMA = pa.schema(  # a line left out, then its SourceDraw's fields in order
     [("line", pa.int64()), ("source", pa.string()), ("available", pa.int64()), ("drawn", pa.int64())]
 )
 
@@ -87,4 +87,4 @@ def source_draws(
         left_out = draw(prompts, settings)[0]
         rows = [{"line": line, **asdict(d)} for line, d in sorted(left_out.items())]
         storage.write_table(pa.Table.from_pylist(rows, schema=DRAW_SCHEMA), path)
-    return {r.pop("line"): SourceDraw(**r) for r in storage.read_table(path).to_pylist()}
+    return {line: SourceDraw(*fields) for line, *fields in zip(*storage.read_table(path).to_pydict().values())}
