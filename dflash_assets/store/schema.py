@@ -1,4 +1,5 @@
-"""Arrow schemas of every table the pipeline writes. One name per concept, the same in code, columns and docs.
+"""The typed rows of every table the pipeline writes and their Arrow schemas, derived from them (schema_of): a column
+is declared once. One name per concept, the same in code, columns and docs.
 
 Layout under the data dir (`DFLASH_DATA_DIR`, default `data/`), hive-style so DuckDB's
 `read_parquet('<dir>/completions/**/*.parquet', hive_partitioning = false)` reads every completion:
@@ -19,125 +20,26 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from itertools import repeat
 from operator import attrgetter
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args, get_type_hints
 
 import pyarrow as pa
-
-PROMPT_SCHEMA = pa.schema(
-    [
-        ("prompt_id", pa.string()),  # the source's id, else sha256 of the canonical messages JSON (16 hex)
-        ("shard", pa.string()),
-        ("line", pa.int64()),  # 1-based line (JSONL) or row (Parquet) number in the source
-        ("source", pa.string()),  # dataset name: the source's `source` field, else the file stem
-        ("messages_json", pa.string()),  # canonical JSON of the whole conversation [{"role", "content"}, ...]
-        # exact chat-template token count (the fleet's /v1/tokenize) of the last-turn request: the conversation
-        # up to its last user turn
-        ("prompt_tokens", pa.int32()),
-        ("template_kwargs_json", pa.string()),  # chat_template_kwargs prompt_tokens was counted with
-        # canonical JSON of the line's tool schemas, sent with every request of it and counted in prompt_tokens
-        # (null for a tool-free line; shards written before it read it as null)
-        ("tools_json", pa.string()),
-    ]
-)
-
-REJECT_SCHEMA = pa.schema(
-    [
-        ("shard", pa.string()),
-        ("stage", pa.string()),  # "source" | "preflight" | "server"
-        ("line", pa.int64()),
-        ("prompt_id", pa.string()),  # null when the line could not be parsed
-        ("config_hash", pa.string()),  # null at stage "source"
-        ("reason", pa.string()),
-        ("prompt_tokens", pa.int32()),
-        ("max_output_tokens", pa.int32()),
-        ("server_context_length", pa.int32()),
-        ("created_at", pa.timestamp("us", tz="UTC")),
-        ("turn", pa.int16()),  # the assistant turn refused (all_turns), else null
-    ]
-)
-
-COMPLETION_SCHEMA = pa.schema(
-    [
-        ("prompt_id", pa.string()),
-        ("shard", pa.string()),
-        ("source", pa.string()),
-        ("config_hash", pa.string()),
-        ("finish_reason", pa.string()),  # "stop" | "length" | "runaway" (stopped while looping: rules.py)
-        ("prompt_tokens", pa.int32()),  # as the server counted them (usage.prompt_tokens)
-        ("completion_tokens", pa.int32()),
-        ("reasoning_tokens", pa.int32()),
-        ("max_output_tokens", pa.int32()),
-        ("server_context_length", pa.int32()),
-        ("server_url", pa.string()),
-        ("model", pa.string()),
-        ("temperature", pa.float64()),
-        ("top_p", pa.float64()),
-        ("top_k", pa.int32()),
-        ("min_p", pa.float64()),
-        ("repetition_penalty", pa.float64()),
-        ("presence_penalty", pa.float64()),
-        ("frequency_penalty", pa.float64()),
-        ("enable_thinking", pa.bool_()),
-        ("content", pa.string()),
-        ("reasoning_content", pa.string()),  # null when the server did not separate reasoning
-        ("latency_s", pa.float64()),
-        ("attempt", pa.int16()),  # 1 for a first try; >1 after retries
-        ("created_at", pa.timestamp("us", tz="UTC")),
-        # exact token ids, when the run asked for them (store_token_ids): no re-tokenisation drift downstream
-        ("prompt_token_ids", pa.list_(pa.int32())),
-        ("output_ids", pa.list_(pa.int32())),
-        # lineage of a continued row (a truncated row of parent_config_hash, continued to this config's cap)
-        ("parent_config_hash", pa.string()),
-        ("tokens_reused", pa.int32()),
-        # regenerate: all_turns: a row per assistant turn, 1..turns (null for one row per prompt, last_turn)
-        ("turn", pa.int16()),
-        ("turns", pa.int16()),
-        ("cached_tokens", pa.int32()),  # prompt tokens the server's prefix cache held (usage.prompt_tokens_details)
-        # cap_policy window: max_output_tokens is this request's own (the window's rest), policy_cap the config's
-        # cap and trainer_max_length the window it was sized to (both null under a fixed cap)
-        ("policy_cap", pa.int32()),
-        ("trainer_max_length", pa.int32()),
-        # finish_reason "runaway": output tokens decoded when its loop began (null for any other row)
-        ("loop_start_tokens", pa.int32()),
-        # a seeded mix of modes (GenerationSettings.thinking_share, mode_seed): null for a config of one mode; the
-        # row's own mode is enable_thinking
-        ("thinking_share", pa.float64()),
-        ("mode_seed", pa.int32()),
-        # an agentic conversation's turn: the tool calls the target made (JSON of SGLang's message.tool_calls; null
-        # when it made none), and whether they differ from the source turn's calls (name and arguments, in order):
-        # then the tool results spliced after them are the source's, answering other calls (null: neither called)
-        ("tool_calls_json", pa.string()),
-        ("calls_differ", pa.bool_()),
-        # an agentic turn after which the source holds no results for its calls (or results for calls it did not
-        # make): its conversation ends here, complete up to it (generation/turns.py `diverged`; null: tool-free)
-        ("diverged", pa.bool_()),
-    ]
-)
-
-FAILURE_SCHEMA = pa.schema(
-    [
-        ("shard", pa.string()),
-        ("prompt_id", pa.string()),
-        ("config_hash", pa.string()),
-        ("error", pa.string()),
-        ("attempts", pa.int16()),
-        ("created_at", pa.timestamp("us", tz="UTC")),
-        ("turn", pa.int16()),  # the assistant turn that failed (all_turns), else null
-    ]
-)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PromptRow:
     """A row of PROMPT_SCHEMA, field for field; a read of some of its columns leaves the others null."""
 
-    prompt_id: str
+    prompt_id: str  # the source's id, else sha256 of the canonical messages JSON (16 hex)
     shard: str | None = None
-    line: int | None = None
-    source: str | None = None
-    messages_json: str | None = None
+    line: int | None = None  # 1-based line (JSONL) or row (Parquet) number in the source
+    source: str | None = None  # dataset name: the source's `source` field, else the file stem
+    messages_json: str | None = None  # canonical JSON of the whole conversation [{"role", "content"}, ...]
+    # exact chat-template token count (the fleet's /v1/tokenize) of the last-turn request: the conversation up to its
+    # last user turn
     prompt_tokens: int | None = None
-    template_kwargs_json: str | None = None
+    template_kwargs_json: str | None = None  # chat_template_kwargs prompt_tokens was counted with
+    # canonical JSON of the line's tool schemas, sent with every request of it and counted in prompt_tokens (null for
+    # a tool-free line; shards written before it read it as null)
     tools_json: str | None = None
 
 
@@ -149,8 +51,8 @@ class CompletionRow:
     shard: str
     source: str | None
     config_hash: str
-    finish_reason: str
-    prompt_tokens: int | None
+    finish_reason: str  # "stop" | "length" | "runaway" (stopped while looping: rules.py)
+    prompt_tokens: int | None  # as the server counted them (usage.prompt_tokens)
     completion_tokens: int | None
     reasoning_tokens: int | None
     max_output_tokens: int
@@ -166,24 +68,36 @@ class CompletionRow:
     frequency_penalty: float | None
     enable_thinking: bool | None
     content: str | None
-    reasoning_content: str | None
+    reasoning_content: str | None  # null when the server did not separate reasoning
     latency_s: float | None
-    attempt: int | None
+    attempt: int | None  # 1 for a first try; >1 after retries
     created_at: datetime | None
+    # exact token ids, when the run asked for them (store_token_ids): no re-tokenisation drift downstream
     prompt_token_ids: list[int] | None = None
     output_ids: list[int] | None = None
+    # lineage of a continued row (a truncated row of parent_config_hash, continued to this config's cap)
     parent_config_hash: str | None = None
     tokens_reused: int | None = None
+    # regenerate: all_turns: a row per assistant turn, 1..turns (null for one row per prompt, last_turn)
     turn: int | None = None
     turns: int | None = None
-    cached_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache held (usage.prompt_tokens_details)
+    # cap_policy window: max_output_tokens is this request's own (the window's rest), policy_cap the config's cap and
+    # trainer_max_length the window it was sized to (both null under a fixed cap)
     policy_cap: int | None = None
     trainer_max_length: int | None = None
-    loop_start_tokens: int | None = None
+    loop_start_tokens: int | None = None  # finish_reason "runaway": output tokens decoded when its loop began
+    # a seeded mix of modes (GenerationSettings.thinking_share, mode_seed): null for a config of one mode; the row's
+    # own mode is enable_thinking
     thinking_share: float | None = None
     mode_seed: int | None = None
+    # an agentic conversation's turn: the tool calls the target made (JSON of SGLang's message.tool_calls; null when
+    # it made none), and whether they differ from the source turn's calls (name and arguments, in order): then the
+    # tool results spliced after them are the source's, answering other calls (null: neither called)
     tool_calls_json: str | None = None
     calls_differ: bool | None = None
+    # an agentic turn after which the source holds no results for its calls (or results for calls it did not make):
+    # its conversation ends here, complete up to it (generation/turns.py `diverged`; null: tool-free)
     diverged: bool | None = None
 
     @classmethod
@@ -199,16 +113,16 @@ class RejectRow:
     """A row of REJECT_SCHEMA, field for field."""
 
     shard: str
-    stage: str
+    stage: str  # "source" | "preflight" | "server"
     line: int | None
-    prompt_id: str | None
-    config_hash: str | None
+    prompt_id: str | None  # null when the line could not be parsed
+    config_hash: str | None  # null at stage "source"
     reason: str
     prompt_tokens: int | None
     max_output_tokens: int | None
     server_context_length: int | None
     created_at: datetime | None
-    turn: int | None = None
+    turn: int | None = None  # the assistant turn refused (all_turns), else null
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -221,9 +135,26 @@ class FailureRow:
     error: str
     attempts: int
     created_at: datetime | None
-    turn: int | None = None
+    turn: int | None = None  # the assistant turn that failed (all_turns), else null
 
 
+ARROW = {str: pa.string(), int: pa.int32(), float: pa.float64(), bool: pa.bool_()}
+ARROW |= {datetime: pa.timestamp("us", tz="UTC"), list[int]: pa.list_(pa.int32())}
+NARROW = {"attempt": pa.int16(), "attempts": pa.int16(), "turn": pa.int16(), "turns": pa.int16(), "line": pa.int64()}
+
+
+def schema_of(row_type: type) -> pa.Schema:
+    """A row type's Arrow schema, field for field in its order: a Python type's Arrow type (X | None: X's), the
+    integer columns int32 unless NARROW names theirs."""
+    hints = get_type_hints(row_type)
+    kinds = {f.name: next(a for a in (*get_args(hints[f.name]), hints[f.name]) if a in ARROW) for f in fields(row_type)}
+    return pa.schema([(name, NARROW.get(name, ARROW[kind])) for name, kind in kinds.items()])
+
+
+PROMPT_SCHEMA = schema_of(PromptRow)
+REJECT_SCHEMA = schema_of(RejectRow)
+COMPLETION_SCHEMA = schema_of(CompletionRow)
+FAILURE_SCHEMA = schema_of(FailureRow)
 Row = CompletionRow | RejectRow | FailureRow | PromptRow
 R = TypeVar("R", CompletionRow, RejectRow, FailureRow, PromptRow)
 
