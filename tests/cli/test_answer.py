@@ -91,7 +91,7 @@ def said(text: str, expected: dict) -> dict:
 
 
 def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(cut_at_4096):
-    from dflash_assets.quality.report.answer import answer_lines, cap_answers
+    from dflash_assets.quality.report.answer import cap_answers
 
     env, out = cut_at_4096
     data = Path(env["DFLASH_DATA_DIR"])
@@ -101,8 +101,8 @@ def test_every_view_says_the_answer_a_recount_of_the_parquet_rows_says(cut_at_40
     head = out["report"]
     assert said(head, expected) == expected
     assert said(after_the_table(out["demo"]), expected) == expected  # the run's own closing lines
-    # the closing lines a run prints (the CLI's demo and backfill call answer_lines)
-    assert said("\n".join(answer_lines(answer, "dflash demo")), expected) == expected
+    # the closing lines a run prints (the CLI's demo and backfill print CapAnswer.lines)
+    assert said("\n".join(answer.lines("dflash demo")), expected) == expected
     # the UI: the answer is the first metadata row of the summary and of the shard's report
     instance = dg.DagsterInstance.from_config(env["DAGSTER_HOME"])
     for key in ("length_quality_summary", "length_quality_report"):

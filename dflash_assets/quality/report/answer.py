@@ -3,7 +3,7 @@ definition, with its unit), the length percentiles, what the export holds (its m
 trained, the recommendation and the next command.
 
 Computed here only (cap_answers) and rendered by every view: `dflash report`'s head, the closing lines of `dflash
-demo` / `dflash backfill` (answer_lines), `dflash configs`, the UI's metadata (markdown) and the pictures'
+demo` / `dflash backfill` (CapAnswer.lines), `dflash configs`, the UI's metadata (markdown) and the pictures'
 Description. The terminal layout is in console.py.
 """
 
@@ -59,44 +59,47 @@ class CapAnswer:
     """One config's answer: what was cut and what the trainer gets, each figure by its rules.FIGURES definition and
     unit, computed once (cap_answers) and rendered by every view (lines, markdown, description)."""
 
-    config_hash: str
-    cap: int
-    rows: int  # turn rows (one per generated turn; one per prompt under last_turn)
-    truncated: int  # cut at the cap or stopped as runaways: the rows `dflash continue` takes up
-    truncation_rate: float
-    p50: int | None
-    p90: int | None
-    p99: int | None
-    max: int | None
+    stats: ConfigStats  # the config's figures (length_quality's by_config)
     plan: CapPlan | None
     plan_error: str | None
     recommended: CapEstimate | None  # the smallest candidate cap whose predicted share cut is within the limit
     max_length: int = TrainerSettings().max_length  # the trainer's window the rows are judged against
-    cut_inside_window: int = 0  # cut with prompt + completion < max_length: the blocking truncation
-    window_complete: int = 0  # cut at or past the window (not runaways): the trainer reads them whole
-    window_complete_tokens: int = 0  # their trained tokens
-    decoded_tokens: int = 0
-    trained_tokens: int = 0
     window_plan: WindowPlan | None = None  # decoded and trained tokens per candidate cap and the window policy
-    cut_at_cap: int = 0  # finish_reason 'length'
-    conversations: int = 0
-    shortened: int = 0  # conversations with no row of their last assistant turn (all_turns)
-    runaways: int = 0
-    fills_window: int = 0
     exported: Exported | None = None  # None: no export of this config yet
     scope: str = ""  # "": every shard of the config; else the shard(s) counted ("shard 00000")
-    window_policy: bool = False  # its requests were sized to the window (cap_policy window)
     limit: float = QualitySettings().truncation_rate_max  # the blocking share cut inside the window
+
+    @property
+    def config_hash(self) -> str:
+        return self.stats.config_hash
+
+    @property
+    def cap(self) -> int:
+        return self.stats.config_cap
+
+    @property
+    def rows(self) -> int:
+        """Turn rows: one per generated turn (one per prompt under last_turn)."""
+        return self.stats.rows
+
+    @property
+    def truncated(self) -> int:
+        """Cut at the cap or stopped as runaways: the rows `dflash continue` takes up."""
+        return self.stats.truncated_rows
+
+    @property
+    def _percentiles(self) -> tuple[int | None, ...]:
+        return self.stats.p50, self.stats.p90, self.stats.p99, self.stats.max
 
     @property
     def cuts_matter(self) -> bool:
         """Whether any cut row lies inside the window: only those change what the trainer reads."""
-        return self.cut_inside_window > 0
+        return self.stats.cut_inside_window_rows > 0
 
     @property
     def at_cap(self) -> list[str]:
         """Which of P90 and P99 equal the cap: the tell-tale that the cap, not the prompts, set the lengths."""
-        return [name for name, v in (("P90", self.p90), ("P99", self.p99)) if v is not None and v >= self.cap]
+        return [name for name, v in zip(("P90", "P99"), self._percentiles[1:3]) if v is not None and v >= self.cap]
 
     def share(self, count: int) -> str:
         return pct(count / self.rows) if self.rows else "-"
@@ -104,7 +107,7 @@ class CapAnswer:
     @property
     def blocked(self) -> bool:
         """Whether the share cut inside the window is over the limit: the blocking check stops its export."""
-        return bool(self.rows) and self.cut_inside_window / self.rows > self.limit
+        return bool(self.rows) and self.stats.cut_inside_window_rows / self.rows > self.limit
 
     @property
     def next_cap(self) -> int | None:
@@ -119,13 +122,14 @@ class CapAnswer:
     def next_settings(self) -> dict[str, str | int]:
         """The settings of the next command (flag: value): the window policy when every cut lies past the window, a
         larger cap when the cuts inside it are over the limit and a candidate gets there; {} when nothing is to do."""
-        if self.cut_at_cap and not self.cuts_matter:
-            return {} if self.window_policy else {"--cap-policy": "window", "--max-output-tokens": self.cap}
+        if self.stats.cut_at_cap_rows and not self.cuts_matter:
+            return {} if self.stats.window_policy else {"--cap-policy": "window", "--max-output-tokens": self.cap}
         return {"--max-output-tokens": self.next_cap} if self.next_cap else {}
 
     @property
     def recommendation(self) -> str:
-        if not self.cut_at_cap:
+        inside = self.share(self.stats.cut_inside_window_rows)
+        if not self.stats.cut_at_cap_rows:
             return "nothing was cut at the cap: it is large enough for these prompts"
         if not self.cuts_matter:
             return (
@@ -133,7 +137,7 @@ class CapAnswer:
                 f"reads each as the complete answer, so a larger cap buys no trained token; "
                 + (
                     "the window policy already decodes only what it reads"
-                    if self.window_policy
+                    if self.stats.window_policy
                     else "decode only what it reads"
                 )
             )
@@ -146,12 +150,12 @@ class CapAnswer:
         if self.next_cap is not None:
             why = self.plan_error.rstrip(".") if self.plan is None and self.plan_error else "no candidate gets there"
             return (
-                f"{self.share(self.cut_inside_window)} cut inside the window, over the limit {pct(self.limit)}, and "
+                f"{inside} cut inside the window, over the limit {pct(self.limit)}, and "
                 f"the cap plan has no cap for it ({why}): at cap {num(self.next_cap)}, the trainer's window, no row "
                 f"is cut inside it"
             )
         if self.blocked:
-            return f"{self.share(self.cut_inside_window)} cut inside the window, over the limit {pct(self.limit)}"
+            return f"{inside} cut inside the window, over the limit {pct(self.limit)}"
         return "the cuts inside the window are within the limit"
 
     def next_command(self, command: str) -> str | None:
@@ -167,25 +171,24 @@ class CapAnswer:
 
     def headline(self, export_command: str | None = None) -> list[str]:
         """The answer in a few lines, each figure with its unit (the definitions: rules.FIGURES)."""
-        figures = "  ".join(
-            f"{k} {_n(v)}" for k, v in (("P50", self.p50), ("P90", self.p90), ("P99", self.p99), ("max", self.max))
-        )
+        stats = self.stats
+        cut, inside, complete = stats.cut_at_cap_rows, stats.cut_inside_window_rows, stats.window_complete_rows
+        figures = "  ".join(f"{k} {_n(v)}" for k, v in zip(("P50", "P90", "P99", "max"), self._percentiles))
         at_cap = (
             f": {' and '.join(self.at_cap)} {'equal' if len(self.at_cap) > 1 else 'equals'} the cap"
             if self.at_cap
             else ""
         )
-        ratio = f"{self.decoded_tokens / self.trained_tokens:.2f}" if self.trained_tokens else "-"
+        ratio = f"{stats.decoded_tokens / stats.trained_tokens:.2f}" if stats.trained_tokens else "-"
         return [
             f"config {self.config_hash}{f' ({self.scope})' if self.scope else ''}: cap {num(self.cap)}, window "
-            f"{num(self.max_length)}, {num(self.rows)} turn rows of {num(self.conversations)} conversations"
-            + (f" ({num(self.shortened)} shortened)" if self.shortened else ""),
-            f"  cut at the cap {self.share(self.cut_at_cap)} ({num(self.cut_at_cap)} turn rows); cut inside the "
-            f"window {self.share(self.cut_inside_window)} ({num(self.cut_inside_window)}, the blocking share); "
-            f"window-complete {self.share(self.window_complete)} ({num(self.window_complete)}); runaways "
-            f"{num(self.runaways)}; filling the window {num(self.fills_window)}",
+            f"{num(self.max_length)}, {num(self.rows)} turn rows of {num(stats.conversations)} conversations"
+            + (f" ({num(stats.shortened_conversations)} shortened)" if stats.shortened_conversations else ""),
+            f"  cut at the cap {self.share(cut)} ({num(cut)} turn rows); cut inside the window {self.share(inside)} "
+            f"({num(inside)}, the blocking share); window-complete {self.share(complete)} ({num(complete)}); runaways "
+            f"{num(stats.runaway_rows)}; filling the window {num(stats.fills_window_rows)}",
             f"  completion tokens {figures}{at_cap}",
-            f"  decoded {num(self.decoded_tokens)} tokens, trained {num(self.trained_tokens)} ({ratio} decoded per "
+            f"  decoded {num(stats.decoded_tokens)} tokens, trained {num(stats.trained_tokens)} ({ratio} decoded per "
             f"trained token)",
             f"  {self.export_line(export_command)}",
         ]
@@ -194,7 +197,8 @@ class CapAnswer:
         """The answer of a config listed beside the latest one."""
         return (
             f"config {self.config_hash}: cap {num(self.cap)}, {num(self.rows)} turn rows; cut at the cap "
-            f"{self.share(self.cut_at_cap)}, inside the window {self.share(self.cut_inside_window)}"
+            f"{self.share(self.stats.cut_at_cap_rows)}, inside the window "
+            f"{self.share(self.stats.cut_inside_window_rows)}"
         )
 
     def export_line(self, export_command: str | None = None) -> str:
@@ -226,11 +230,6 @@ class CapAnswer:
     def description(self) -> str:
         """The answer in one paragraph, for a PNG's Description."""
         return " ".join(line.strip() for line in self.headline()[:3])
-
-
-def answer_lines(answer: CapAnswer, command: str) -> list[str]:
-    """The closing lines of `dflash demo` / `dflash backfill` (at most 8): the answer and the next command."""
-    return answer.lines(command)
 
 
 def _n(v: int | None) -> str:
@@ -269,34 +268,15 @@ def answer_of(
     ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
     limit = quality.truncation_rate_max
     return CapAnswer(
-        config_hash=stats.config_hash,
-        cap=stats.config_cap,
-        rows=stats.rows,
-        truncated=stats.truncated_rows,
-        truncation_rate=stats.share(stats.truncated_rows),
-        p50=stats.p50,
-        p90=stats.p90,
-        p99=stats.p99,
-        max=stats.max,
-        plan=plan,
-        plan_error=plan_error if plan is None else None,
-        recommended=recommended_cap(plan, limit, stats.cut_inside_window_rows, ceiling) if plan else None,
-        window_plan=wp,
-        max_length=quality.trainer.max_length,
-        cut_inside_window=stats.cut_inside_window_rows,
-        window_complete=stats.window_complete_rows,
-        window_complete_tokens=stats.window_complete_tokens,
-        decoded_tokens=stats.decoded_tokens,
-        trained_tokens=stats.trained_tokens,
-        cut_at_cap=stats.cut_at_cap_rows,
-        conversations=stats.conversations,
-        shortened=stats.shortened_conversations,
-        runaways=stats.runaway_rows,
-        fills_window=stats.fills_window_rows,
-        exported=Exported.read(exports / stats.config_hash / "manifest.json"),
-        scope=scope,
-        window_policy=stats.window_policy,
-        limit=limit,
+        stats,
+        plan,
+        plan_error if plan is None else None,
+        recommended_cap(plan, limit, stats.cut_inside_window_rows, ceiling) if plan else None,
+        quality.trainer.max_length,
+        wp,
+        Exported.read(exports / stats.config_hash / "manifest.json"),
+        scope,
+        limit,
     )
 
 
