@@ -118,40 +118,23 @@ class ProbePrecision:
 
     @classmethod
     def of(
-        cls,
-        cap: int,
-        honest_share: float,
-        hits: int,
-        rows_above: int,
-        rows: int,
-        target: float = TARGET_HALF_WIDTH,
-        z: float = Z95,
-        continued: bool = False,
+        cls, cap: int, honest_share: float, hits: int, rows_above: int, rows: int, continued: bool = False
     ) -> ProbePrecision:
+        z = Z95
         q = (hits + z * z / 2) / (rows_above + z * z)
         half = z * honest_share * math.sqrt(q * (1 - q) / (rows_above + z * z))
-        above_needed = max(0.0, (z * honest_share / target) ** 2 * q * (1 - q) - z * z)
+        above_needed = max(0.0, (z * honest_share / TARGET_HALF_WIDTH) ** 2 * q * (1 - q) - z * z)
         needed = math.ceil(above_needed if continued else above_needed / honest_share) if honest_share else 0
-        return cls(int(cap), int(rows), int(rows_above), half, needed, target, continued)
+        return cls(int(cap), int(rows), int(rows_above), half, needed, continued=continued)
 
     @classmethod
-    def expected(
-        cls,
-        cap: int,
-        honest_share: float,
-        rows: int,
-        target: float = TARGET_HALF_WIDTH,
-        z: float = Z95,
-        continued: bool = False,
-    ) -> ProbePrecision:
+    def expected(cls, cap: int, honest_share: float, rows: int, continued: bool = False) -> ProbePrecision:
         """Before any probe: the precision a random probe of `rows` prompts (or a continuation probe of `rows` cut
         rows) will have at worst (q = 1/2, the widest a binomial gets), whatever the shape of the lengths."""
         above = rows if continued and honest_share else rows * honest_share
-        return (
-            cls.of(cap, honest_share, round(above / 2), round(above), rows, target, z, continued)
-            if above
-            else cls(int(cap), int(rows), 0, 0.0, 0, target, continued)
-        )
+        if not above:
+            return cls(int(cap), int(rows), 0, 0.0, 0, continued=continued)
+        return cls.of(cap, honest_share, round(above / 2), round(above), rows, continued)
 
     @property
     def enough(self) -> bool:
