@@ -64,26 +64,11 @@ def read_probe(
                 f"$parent GROUP BY 1 ORDER BY 2 DESC, 1",
                 {"parent": parent},
             ).fetchall()
-            if found:
-                config_hash, cap = found[0]
-                rows = con.execute(
-                    ROW_QUERY.format(
-                        runaway=runaway_sql(runaway),
-                        src=src,
-                        where=f"config_hash = $config AND parent_config_hash = $parent AND prompt_id IN (SELECT prompt_id "
-                        f"FROM {sample})",
-                    ),
-                    {"config": config_hash, "parent": parent},
-                ).fetchnumpy()
-                if len(rows["completion_tokens"]):
-                    return ProbeSample.of(
-                        rows["completion_tokens"],
-                        rows["truncated"],
-                        int(cap),
-                        rows["runaway"],
-                        config_hash,
-                        continued_from=parent,
-                    )
+            if (
+                found
+                and (continued := _probe_rows(con, runaway, src, sample, found[0][0], found[0][1], parent)) is not None
+            ):
+                return continued
         src = parquet_source(con, root, "completions", COMPLETION_SCHEMA, PROBE_SHARD)
         sample = parquet_source(con, root, "prompt_shards", PROMPT_SCHEMA, PROBE_SHARD)
         sampling = ", ".join(f"any_value({k})" for k in SAMPLING)
@@ -98,18 +83,31 @@ def read_probe(
                     f"made with the planned rows' model and sampling: it is not used"
                 )
             return None
-        config_hash, cap = matching[0][:2]
-        rows = con.execute(
-            ROW_QUERY.format(
-                runaway=runaway_sql(runaway),
-                src=src,
-                where=f"config_hash = $config AND prompt_id IN (SELECT prompt_id FROM {sample})",
-            ),
-            {"config": config_hash},
-        ).fetchnumpy()
+        return _probe_rows(con, runaway, src, sample, matching[0][0], matching[0][1])
+
+
+def _probe_rows(
+    con: duckdb.DuckDBPyConnection,
+    runaway: RunawaySettings,
+    src: str,
+    sample: str,
+    config_hash: str,
+    cap: int,
+    parent: str | None = None,
+) -> ProbeSample | None:
+    """The probe's rows of `config_hash` for prompts in its current sample (continued from `parent`'s, when given)."""
+    lineage = "AND parent_config_hash = $parent " if parent else ""
+    rows = con.execute(
+        ROW_QUERY.format(
+            runaway=runaway_sql(runaway),
+            src=src,
+            where=f"config_hash = $config {lineage}AND prompt_id IN (SELECT prompt_id FROM {sample})",
+        ),
+        {"config": config_hash} | ({"parent": parent} if parent else {}),
+    ).fetchnumpy()
     if not len(rows["completion_tokens"]):
         return None
-    return ProbeSample.of(rows["completion_tokens"], rows["truncated"], int(cap), rows["runaway"], config_hash)
+    return ProbeSample.of(rows["completion_tokens"], rows["truncated"], int(cap), rows["runaway"], config_hash, parent)
 
 
 def honest_cut_rows(
@@ -129,11 +127,7 @@ def honest_cut_rows(
                 f"no completion rows under {data_dir}: a continuation probe continues a run's cut rows; "
                 f"generate the run first, or probe random prompts (mode prompts)"
             )
-        config_hash = config_hash or configs[0][0]
-        if config_hash not in {h for h, _ in configs}:
-            raise PlanError(
-                f"no rows of config `{config_hash}`; configs present: {', '.join(f'`{h}`' for h, _ in configs)}"
-            )
+        config_hash = _chosen(configs, config_hash, [])
         (cap,) = one(
             con, f"SELECT max({CONFIG_CAP_SQL}) FROM {src} WHERE config_hash = $config", {"config": config_hash}
         )
