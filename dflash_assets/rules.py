@@ -185,12 +185,8 @@ def fills_window_sql(max_length: int | str, prompt_tokens: str = "prompt_tokens"
 # specforge/data/loss_mask.py has_consecutive_supervised_tokens, a filter of its online providers and an error in
 # dflash_family_data.normalize_offline_sample); TorchSpec's DFlash configs ask for 32 (min_loss_tokens). An exported
 # sample's supervised tokens are one run, its answer up to the window, so the trainer keeps it iff that run holds
-# min_loss_tokens (TrainerSettings.min_loss_tokens): trained_tokens >= min_loss_tokens. Before a request is sent only
-# the prompt is known: it must leave the window room for them (leaves_loss_room).
-def trainable(prompt_tokens: int, completion_tokens: int, max_length: int, min_loss_tokens: int) -> bool:
-    return trained_tokens(prompt_tokens, completion_tokens, max_length) >= min_loss_tokens
-
-
+# min_loss_tokens (TrainerSettings.min_loss_tokens): trained_tokens >= min_loss_tokens (trainable_sql). Before a
+# request is sent only the prompt is known: it must leave the window room for them (leaves_loss_room).
 def trainable_sql(max_length: int | str, min_loss_tokens: int | str) -> str:
     return f"({trained_tokens_sql(max_length)} >= {_window_sql(min_loss_tokens)})"
 
@@ -198,12 +194,6 @@ def trainable_sql(max_length: int | str, min_loss_tokens: int | str) -> str:
 def leaves_loss_room(prompt_tokens: int, max_length: int, min_loss_tokens: int) -> bool:
     """The prompt leaves the window room for min_loss_tokens supervised tokens: what preflight asks of a request."""
     return max_length - prompt_tokens >= min_loss_tokens
-
-
-def leaves_loss_room_sql(
-    max_length: int | str, min_loss_tokens: int | str, prompt_tokens: str = "prompt_tokens"
-) -> str:
-    return f"({_window_sql(max_length)} - {prompt_tokens} >= {_window_sql(min_loss_tokens)})"
 
 
 def window_cap(cap: int, max_length: int, prompt_tokens: int, overshoot: int) -> int:

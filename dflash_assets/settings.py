@@ -194,7 +194,7 @@ class TrainerSettings(Settings):
         gt=0,
         description="The fewest supervised tokens, adjacent and inside the window, of a sample the trainer keeps: "
         "2 is SpecForge's DFlash rule (has_consecutive_supervised_tokens), TorchSpec's DFlash configs ask 32; a "
-        "sample with fewer is not exported (rules.trainable).",
+        "sample with fewer is not exported (rules.trainable_sql).",
     )
     chat_template: str = Field(
         "qwen3.5",

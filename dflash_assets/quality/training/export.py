@@ -87,7 +87,7 @@ from dflash_assets.store.storage import connect_duckdb, is_uri, open_storage
 EXCLUSION_REASONS = (
     "no_trainable_tokens",  # the prompt fills the window (rules.fills_window): the trainer would read no answer
     #                         (an all-zero loss mask); a later turn's ends its conversation before it (selection.py)
-    "too_few_loss_tokens",  # fewer than min_loss_tokens supervised tokens inside the window (rules.trainable): the
+    "too_few_loss_tokens",  # fewer than min_loss_tokens supervised tokens inside the window (rules.trainable_sql): the
     #                         trainer drops the sample (SpecForge: has_consecutive_supervised_tokens)
     "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
     "runaway",  # a loop: stopped while streaming (finish_reason 'runaway'), or cut past the window while looping
