@@ -466,7 +466,14 @@ def _parquet_records(path: Path, start: int, stop: int, mapping: FieldMapping | 
             f"'prompt' or 'body' (columns: {sorted(names)}); name the messages column with "
             f"messages_field"
         )
-    columns = [c for c in wanted if c in names]
+    for line, record in _parquet_rows(pf, start, stop, [c for c in wanted if c in names]):
+        yield line, {k: v for k, v in record.items() if v is not None}
+
+
+def _parquet_rows(
+    pf: pq.ParquetFile, start: int, stop: int, columns: list[str] | None = None
+) -> Iterator[tuple[int, dict]]:
+    """(1-based row number, record) of rows [start, stop) of a Parquet file, a batch at a time."""
     row = 0
     for batch in pf.iter_batches(batch_size=4096, columns=columns):
         if row + batch.num_rows <= start:
@@ -474,7 +481,7 @@ def _parquet_records(path: Path, start: int, stop: int, mapping: FieldMapping | 
             continue
         for record in batch.to_pylist():
             if start <= row < stop:
-                yield row + 1, {k: v for k, v in record.items() if v is not None}
+                yield row + 1, record
             row += 1
         if row >= stop:
             return
@@ -514,15 +521,9 @@ def shard_fingerprint(path: Path, index: int, shard_size: int, lines: int | None
     stop = start + (shard_size if lines is None else min(lines, shard_size))
     digest, n = hashlib.sha256(), 0
     if path.suffix == ".parquet":
-        pf, row = _parquet_file(path), 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for record in batch.to_pylist():
-                if start <= row < stop:
-                    digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
-                    n += 1
-                row += 1
-            if row >= stop:
-                break
+        for _, record in _parquet_rows(_parquet_file(path), start, stop):
+            digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
+            n += 1
     else:
         with path.open("rb") as f:
             for raw in itertools.islice(f, start, stop):
