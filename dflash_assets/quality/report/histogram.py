@@ -16,18 +16,18 @@ from dflash_assets.quality.report.pictures import new_figure, png
 from dflash_assets.quality.tables import one, open_quality_db
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 
+Series = list[tuple[str, int | None, int, np.ndarray]]  # (config_hash, the config's cap, rows, completion lengths)
 
-def series(data_dir: str | Path, shard: str | None = None) -> list[tuple[str, int | None, int, np.ndarray]]:
-    """(config_hash, the config's cap, rows, completion lengths), a series per config. Under the window policy
+
+def series(data_dir: str | Path, shard: str | None = None) -> Series:
+    """A series per config. Under the window policy
     each row asks its own max_output_tokens (the window's rest after its prompt): the config's cap is config_cap
     (tables.py), as the report groups them; a series per row cap would draw a line per prompt length."""
     with open_quality_db(data_dir, shard) as con:
         return series_of(con)
 
 
-def series_of(
-    con: duckdb.DuckDBPyConnection, config_hash: str | None = None
-) -> list[tuple[str, int | None, int, np.ndarray]]:
+def series_of(con: duckdb.DuckDBPyConnection, config_hash: str | None = None) -> Series:
     """`series` of a database open_quality_db opened (the report's, which it shares): of one config, or of each."""
     configs = con.execute(
         "SELECT config_hash, config_cap, count(*) FROM completions WHERE $h IS NULL OR config_hash = $h "
@@ -49,12 +49,12 @@ def series_of(
     ]
 
 
-def labels(configs: list[tuple[str, int | None, int, np.ndarray]]) -> list[str]:
+def labels(configs: Series) -> list[str]:
     """Each series' legend label, also the PNG's Description (what a reader of the file can check it shows)."""
     return [f"{h} (cap {cap}): {rows:,} rows" for h, cap, rows, _ in configs]
 
 
-def draw(configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int) -> Figure:
+def draw(configs: Series, shard: str | None, bins: int) -> Figure:
     """The histogram of `series`' configs."""
     fig = new_figure(8, 4.5)
     ax = fig.add_subplot()
@@ -85,7 +85,7 @@ INLINE_LIMIT = 1000  # Dagster 1.13's UI shows a Markdown value inline only unde
 COMPACT_W, COMPACT_H = 240, 90  # the compact picture's size in pixels (an SVG: it scales without blur)
 
 
-def compact_markdown(configs: list[tuple[str, int | None, int, np.ndarray]], window_reach: int | None) -> str:
+def compact_markdown(configs: Series, window_reach: int | None) -> str:
     """A small SVG of the length survival (the share of rows longer than each length, per config, the first solid),
     the caps dashed and the window's reach dotted, as a URL-encoded data URI in Markdown that stays under the UI's
     inline limit. Fewer points a curve until it fits (the full picture is the histogram beside it)."""
@@ -115,9 +115,7 @@ def compact_markdown(configs: list[tuple[str, int | None, int, np.ndarray]], win
     return "(too many configs for the compact picture: see completion_lengths)"
 
 
-def histogram_png(
-    configs: list[tuple[str, int | None, int, np.ndarray]], shard: str | None, bins: int = 64, answer: str = ""
-) -> bytes:
+def histogram_png(configs: Series, shard: str | None, bins: int = 64, answer: str = "") -> bytes:
     """The histogram's PNG bytes, its legend's labels in the PNG's Description, then the config's `answer`
     (CapAnswer.description) when it draws one config."""
     return png(draw(configs, shard, bins), description="; ".join(labels(configs)) + (f". {answer}" if answer else ""))
@@ -129,7 +127,7 @@ def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str 
 
 
 def write_histogram(
-    configs: list[tuple[str, int | None, int, np.ndarray]],
+    configs: Series,
     path: str | Path,
     shard: str | None,
     bins: int = 64,
