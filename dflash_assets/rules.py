@@ -215,18 +215,7 @@ def stores_token_ids(store_token_ids: bool, cap_policy: str, trainer_format: str
 # by these definitions and no other, each with its unit: a turn row (one per generated turn; one per prompt under
 # last_turn) or a conversation (its prompt_id: all the turn rows of one prompt). The SQL runs over the quality tables
 # (quality/tables.py: `runaway` and the window flags are columns there, `judged_window` the row's window).
-CUT_AT_CAP_SQL = "(finish_reason = 'length')"
-
-
-def cut_at_cap(finish_reason: str | None) -> bool:
-    """The cap ended the row: SGLang's finish_reason 'length' (a runaway stopped while streaming is not: 'runaway')."""
-    return finish_reason == "length"
-
-
-def is_runaway(finish_reason: str | None, loops: bool) -> bool:
-    """Cut while repeating itself: stopped early by the client, or cut at the cap with a looping tail (`loops`,
-    generation/runaway.py's rule on the row's end)."""
-    return stopped_early(finish_reason) or (cut_at_cap(finish_reason) and loops)
+CUT_AT_CAP_SQL = "(finish_reason = 'length')"  # the cap ended the row (a runaway stopped while streaming did not)
 
 
 @dataclass(frozen=True)
