@@ -185,7 +185,8 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
         con.register("prompts", _read(storage, "prompt_shards", PROMPT_SCHEMA, ["shard", "prompt_id"]))
         configs = con.execute(
             f"""SELECT config_hash, max(coalesce(policy_cap, max_output_tokens)) AS cap,
-                bool_or(policy_cap IS NOT NULL) AS window_policy, max(trainer_max_length) AS window,
+                CASE WHEN bool_or(policy_cap IS NOT NULL) THEN 'window' ELSE 'fixed' END AS cap_policy,
+                CASE WHEN bool_or(policy_cap IS NOT NULL) THEN max(trainer_max_length) END AS window,
                 min(created_at) AS first_written, max(created_at) AS last_written, count(*) AS rows,
                 count(*) FILTER (WHERE {cut_inside_window_sql(row_window_sql(max_length))}) AS cut_inside_window,
                 count(*) FILTER (WHERE {CUT_AT_CAP_SQL}) AS cut_at_cap,
@@ -216,32 +217,15 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
     for h, shard, *counts in shards:
         by_config.setdefault(h, []).append(ShardCounts(shard, *counts))
     found = []
-    for values in configs:
+    for values in configs:  # a Config's fields by name, its settings gathered
         c = dict(zip(names, values))
-        found.append(
-            Config(
-                config_hash=c["config_hash"],
-                cap=c["cap"],
-                cap_policy="window" if c["window_policy"] else "fixed",
-                window=c["window"] if c["window_policy"] else None,
-                settings={
-                    **{s: c[s] for s in SETTINGS},
-                    "enable_thinking": None if c["thinking_rows"] is None else c["thinking_rows"] == 1,
-                    "server_context_length": c["min_context"]
-                    if c["min_context"] == c["max_context"]
-                    else f"{c['min_context']}-{c['max_context']}",
-                    "regenerate": "all_turns" if c["all_turns"] else "last_turn",
-                },
-                first_written=c["first_written"],
-                last_written=c["last_written"],
-                rows=c["rows"],
-                cut_inside_window=c["cut_inside_window"],
-                cut_at_cap=c["cut_at_cap"],
-                max_length=max_length,
-                thinking_rows=c["thinking_rows"],
-                shards=tuple(by_config.get(c["config_hash"], ())),
-            )
-        )
+        low, high, thinking = c.pop("min_context"), c.pop("max_context"), c["thinking_rows"]
+        c["settings"] = {s: c.pop(s) for s in SETTINGS} | {
+            "enable_thinking": None if thinking is None else thinking == 1,
+            "server_context_length": low if low == high else f"{low}-{high}",
+            "regenerate": "all_turns" if c.pop("all_turns") else "last_turn",
+        }
+        found.append(Config(**c, max_length=max_length, shards=tuple(by_config.get(c["config_hash"], ()))))
     order = [h for h, _, _ in latest_first((c.config_hash, c.last_written, c.cap or 0) for c in found)]
     return sorted(found, key=lambda c: order.index(c.config_hash))
 
