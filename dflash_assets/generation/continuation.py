@@ -175,21 +175,14 @@ def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_w
 
 def _window_settings(plan: list[Parent]) -> dict:
     """A window-policy parent's cap, window and overshoot, read off its rows: the overshoot from a row whose request
-    was sized by the window (its own cap below the policy's); the fixed policy for a fixed cap."""
+    was sized by the window (its own cap below the policy's; none: the default); the fixed policy for a fixed cap."""
     first = plan[0].row
     if first.policy_cap is None or first.trainer_max_length is None:
         return {"cap_policy": "fixed"}
-    window = first.trainer_max_length
-    sized = next(
-        (p.row for p in plan if p.row.prompt_tokens is not None and p.row.max_output_tokens < (p.row.policy_cap or 0)),
-        None,
-    )
-    overshoot = (
-        sized.max_output_tokens - (window - (sized.prompt_tokens or 0)) if sized else GenerationSettings().overshoot
-    )
-    return {"max_output_tokens": first.policy_cap, "cap_policy": "window", "trainer_max_length": window} | {
-        "overshoot": overshoot
-    }
+    window, rows = first.trainer_max_length, (p.row for p in plan)
+    sized = next((r for r in rows if r.prompt_tokens is not None and r.max_output_tokens < (r.policy_cap or 0)), None)
+    settings = {"max_output_tokens": first.policy_cap, "cap_policy": "window", "trainer_max_length": window}
+    return settings | ({"overshoot": sized.max_output_tokens - window + (sized.prompt_tokens or 0)} if sized else {})
 
 
 def _parent_config(plan: list[Parent], parent: str, provenance: dict | None = None) -> GenerationSettings:
