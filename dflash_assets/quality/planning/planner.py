@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import duckdb
 import numpy as np
 
 from dflash_assets.quality.outcome import num
