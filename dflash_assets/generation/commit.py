@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from dflash_assets.generation.plan import ShardResult, ended_at_window_note
 from dflash_assets.generation.slots import Slot
-from dflash_assets.generation.turns import FINISHED, conversations, rejected_turns
+from dflash_assets.generation.turns import FINISHED, Conversation, conversations, rejected_turns
 from dflash_assets.rules import stopped_early
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.store.parts import PartStore
@@ -121,8 +121,8 @@ class ShardOutput:
 
 def account(
     run: ShardResult, data_dir: Storage, output: ShardOutput, generation: GenerationSettings, numbered: bool
-) -> None:
-    """The shard's figures from what is committed: each conversation in one class.
+) -> dict[str, Conversation]:
+    """The shard's figures from what is committed, and where each conversation stands: each in one class.
 
     completed: over with every turn it will have committed (a truncated conversation is reported by its turn, one
     that ends at a turn whose history fills the window by that turn);
@@ -141,7 +141,7 @@ def account(
     if run.ended_at_window:
         run.notes.append(ended_at_window_note(run, generation.trainer_max_length))
     if not numbered:
-        return
+        return states
     by_turn: dict[int, dict[str, int]] = {}
 
     def of_turn(k: int) -> dict[str, int]:
@@ -159,3 +159,4 @@ def account(
         of_turn(k)["ended_at_window"] += 1
     run.by_turn = dict(sorted(by_turn.items()))
     run.truncated_at = {pid: len(c.answers) for pid, c in states.items() if c.over == "truncated"}
+    return states

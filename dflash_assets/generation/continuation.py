@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 from dflash_assets.fleet.client import ChatResult, ServerError
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.stream import Watch
-from dflash_assets.generation.commit import ShardOutput
+from dflash_assets.generation.commit import ShardOutput, account
 from dflash_assets.generation.engine import turn_row
 from dflash_assets.generation.plan import ShardResult, preflight, reject_row
 from dflash_assets.generation.preflight import Budget, check_fleet
@@ -55,7 +55,6 @@ from dflash_assets.generation.reasoning import PARSERS, THINK_END, Reasoning
 from dflash_assets.generation.request import chat_body, request_cap, window_columns
 from dflash_assets.generation.send import Dispatch, Sent, next_turn, turn_sender, watch_of
 from dflash_assets.generation.slots import Slot
-from dflash_assets.generation.turns import FINISHED as OVER
 from dflash_assets.generation.turns import (
     Conversation,
     Planned,
@@ -63,7 +62,6 @@ from dflash_assets.generation.turns import (
     conversations,
     next_item,
     regenerate_of,
-    rejected_turns,
 )
 from dflash_assets.rules import RUNAWAY_FINISH
 from dflash_assets.settings import SAMPLING_PARAMS, DispatchSettings, GenerationSettings, RunawaySettings, SettingsError
@@ -72,7 +70,6 @@ from dflash_assets.store.parts import PartStore
 from dflash_assets.store.schema import (
     COMPLETION_SCHEMA,
     CompletionRow,
-    FailureRow,
     PromptRow,
     RejectRow,
     as_dicts,
@@ -552,7 +549,7 @@ async def continue_shard(
         output.close()
         run.continued = sum(s["completed"] for s in run.servers.values()) - run.regenerated
         run.notes += _drift_note(continuer.drift)
-        _account(run, storage, plan.generation, output.failed)
+        _account(run, storage, plan.generation, output)
     run.elapsed_s = time.monotonic() - started
     return run
 
@@ -569,20 +566,14 @@ def _drift_note(drift: list[int]) -> list[str]:
     ]
 
 
-def _account(
-    run: ContinuationResult, data_dir: Storage, generation: GenerationSettings, failed: list[FailureRow]
-) -> None:
+def _account(run: ContinuationResult, data_dir: Storage, generation: GenerationSettings, output: ShardOutput) -> None:
     """The new config's figures from what is committed, each conversation in the first class that applies (a
-    generation run's rows and rejects of the new config count too: the accounting is the config's, not this run's)."""
+    generation run's rows and rejects of the new config count too: the accounting is the config's, not this run's);
+    a failure counts only where its conversation is still open."""
     h, shard = run.config_hash, run.shard
-    states = conversations(data_dir, shard, h, generation)
-    stores = [reject_store(data_dir, shard, s) for s in ("preflight", "server")]
-    rejected = rejected_turns(stores, h)
-    run.completed = sum(c.over in OVER for c in states.values())
-    stages = [rejected[pid][len(c.answers) + 1] for pid, c in states.items() if c.over == "rejected"]
-    run.rejected_preflight, run.rejected_server = stages.count("preflight"), stages.count("server")
+    states = account(run, data_dir, output, generation, numbered=False)
     open_ = {pid for pid, c in states.items() if c.over is None}
-    run.failed = len({f.prompt_id for f in failed} & open_)
+    run.failed = len({f.prompt_id for f in output.failed} & open_)
     run.left = run.prompts - run.completed - run.rejected - run.failed
     store = completion_store(data_dir, shard)
     if parts := store.parts():
