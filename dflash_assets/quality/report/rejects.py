@@ -7,6 +7,7 @@ The terminal (`dflash demo` / `backfill`, `dflash report`), the training set's m
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,10 +89,7 @@ def read_rejects(
             f"ORDER BY stage <> 'source', stage, shard, line NULLS LAST",
             {"shards": shards, "config": config_hash},
         ).fetchall()
-    counts: dict[tuple[str, str], int] = {}
-    for _, stage, _, reason in rows:
-        key = (stage, reason_kind(reason))
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter((stage, reason_kind(reason)) for _, stage, _, reason in rows)
     ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     shown = [
         Reject(shard, stage, line, re.sub(r"^line \d+: ", "", reason)) for shard, stage, line, reason in rows[:first]
