@@ -23,6 +23,7 @@ import functools
 import hashlib
 import itertools
 import json
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -534,8 +535,5 @@ def shard_fingerprint(path: Path, index: int, shard_size: int, lines: int | None
 
 def format_counts(items: list[Prompt | SourceReject]) -> dict[str, int]:
     """How many prompts of each format a shard held (the detected format, shown in prompt_shards metadata)."""
-    counts: dict[str, int] = {}
-    for item in items:
-        if isinstance(item, Prompt):
-            counts[item.format] = counts.get(item.format, 0) + 1
+    counts = Counter(item.format for item in items if isinstance(item, Prompt))
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
