@@ -19,9 +19,7 @@ from pathlib import Path, PurePath
 
 import pyarrow as pa
 
-from dflash_assets.store.storage import Storage, fsync_dir, open_storage, write_atomic
-
-__all__ = ["COVERS_KEY", "PartStore", "fsync_dir", "read_table", "write_atomic"]
+from dflash_assets.store.storage import Storage, open_storage
 
 COVERS_KEY = b"dflash.covers"
 

@@ -105,10 +105,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(table: pa.Table, path: Path, metadata: dict[bytes, bytes] | None = None) -> Path:
+def write_atomic(table: pa.Table, path: Path) -> Path:
     """Write `table` to the local `path` so that readers see either nothing or the whole file."""
-    if metadata:
-        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
     return write_local(Path(path), table.schema, [table])
 
 
