@@ -26,7 +26,8 @@ import pyarrow.compute  # noqa: F401 - pa.compute
 
 from dflash_assets.emulator.process import start_emulator
 from dflash_assets.fleet.fleet import connected
-from dflash_assets.generation.engine import generate_shards, plan_remaining
+from dflash_assets.generation.engine import generate_shards
+from dflash_assets.generation.plan import plan_remaining
 from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import DispatchSettings, GenerationSettings

@@ -20,11 +20,9 @@ from pathlib import Path
 
 from dflash_assets.fleet.client import ChatResult
 from dflash_assets.fleet.fleet import Fleet
-from dflash_assets.generation.commit import ShardOutput, account, generated_tokens
+from dflash_assets.generation.commit import ShardOutput, account
 from dflash_assets.generation.plan import (
-    OVERFLOW_FAIL_SHARE,
     ShardResult,
-    plan_remaining,
     plan_shard,
     reject_row,
 )
@@ -42,26 +40,10 @@ from dflash_assets.settings import DispatchSettings, GenerationSettings
 from dflash_assets.store.schema import CompletionRow, RejectRow
 from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import (
-    committed_ids,
     completion_store,
     failure_store,
     prompt_store,
 )
-
-# the engine's public names, wherever they are defined
-__all__ = [
-    "OVERFLOW_FAIL_SHARE",
-    "ShardResult",
-    "committed_ids",
-    "completion_store",
-    "failure_store",
-    "generate_shard",
-    "generate_shards",
-    "GenerationRun",
-    "generated_tokens",
-    "plan_remaining",
-    "turn_row",
-]
 
 
 def turn_row(
