@@ -44,9 +44,7 @@ FleetMode = Literal["emulated", "attach", "launch"]  # FleetSettings.mode
 # a check renamed to what it measures -> its new name; severity overrides may still name the old one
 RENAMED_CHECKS = {"window_complete": "decoded_past_window"}
 Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
-FLEET_MODES = get_args(FleetMode)
 TRAINER_FORMATS = get_args(TrainerFormat)
-TRAINERS = get_args(TrainerName)
 # The export forms each trainer's own data code reads as exported (tests/quality/training/test_trainer_routes.py runs
 # it on them): SpecForge renders conversations (per_turn: train_only_last_turn) or reads {input_ids, loss_mask}
 # (data.prompts_path); speculators' prepare_data passes {input_ids, loss_mask} through, while it renders a text file
