@@ -218,11 +218,8 @@ def _commit(tmp: Path, final: Path) -> None:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
