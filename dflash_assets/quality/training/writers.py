@@ -25,22 +25,16 @@ from dflash_assets.quality.training.trainer_format import (
     row_problem,
     tool_row_problem,
 )
+from dflash_assets.store.schema import COMPLETION_SCHEMA
 
 # The content of a window-complete row cut inside its thinking (text forms): past the window, never read by the
 # trainer, and non-empty so that SpecForge's validator accepts the file.
 WINDOW_CUT_CONTENT = "[cut past the trainer's window]"
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
-PROVENANCE = [
-    ("id", pa.string()),
-    ("status", pa.string()),
-    ("prompt_id", pa.string()),
-    ("shard", pa.string()),
-    ("source", pa.string()),
-    ("config_hash", pa.string()),
-    ("max_output_tokens", pa.int32()),
-    ("prompt_tokens", pa.int32()),
-    ("completion_tokens", pa.int32()),
-]
+# a sample's id and status, then its completion row's provenance columns, typed as the row's
+ROW_COLUMNS = ("prompt_id", "shard", "source", "config_hash", "max_output_tokens", "prompt_tokens", "completion_tokens")
+PROVENANCE = [pa.field("id", pa.string()), pa.field("status", pa.string())]
+PROVENANCE += [COMPLETION_SCHEMA.field(name) for name in ROW_COLUMNS]
 
 # SpecForge's validator flags, strongest first: either recipe's (trainer_format.recipe_flags), then the markers alone
 VALIDATOR_FLAGS = (
