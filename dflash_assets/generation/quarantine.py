@@ -13,7 +13,8 @@ dropped request, such a prompt would kill one server after another, up to `max_a
   then stop for lack of servers); a later run carries that row over and does not send the prompt unless asked
   (`DispatchSettings.retry_quarantined`);
 - the suspects and their deaths are written too (the data dir's `suspects` table), so deaths add up across runs: on
-  a fleet of one or two, the second death may come only once the servers are back, in the next run.
+  a fleet of one or two, the second death comes only once a server is back: in the run when something relaunches
+  it (the slot picker waits for it, generation/slots.py), else in the next run.
 
 A server that was already down when a request was sent (a refused connection, a dead server not yet ejected) is
 no new death, and no fault of the request's: it is marked `down`, and the dispatcher retries it without spending an

@@ -177,15 +177,7 @@ class Dispatch:
                     self.quarantine.carry((row.shard, row.prompt_id, row.turn), row.error.split(" "))
         self.send = self.quarantine.guard(send)
         self._recording = asyncio.Lock()
-        self.slots = SlotPicker(
-            fleet.clients,
-            fleet.infos,
-            max_in_flight_per_server=dispatch.max_in_flight_per_server,
-            waiting_margin=dispatch.waiting_margin,
-            eject_after=dispatch.eject_after,
-            no_server_timeout_s=dispatch.no_server_timeout_s,
-            max_imbalance=dispatch.same_server_max_imbalance,
-        )
+        self.slots = SlotPicker(fleet.clients, fleet.infos, dispatch, log=log)
         self.ready: deque[TurnItem] = deque()  # follow-up items, sent first
         self._tasks: set[asyncio.Task] = set()
         self._exhausted = False  # every item of the stream was taken

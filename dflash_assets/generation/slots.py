@@ -4,14 +4,16 @@ re-admit.
 Each server gets as many requests in flight as it runs at once (its effective max_running_requests)
 plus a small waiting margin, so its slots never idle between two requests; servers of different
 capacity get proportional load. A server that fails repeatedly is ejected, probed with /health, and
-re-admitted when it answers. When no server has been healthy for `no_server_timeout_s`, `acquire`
-raises FleetDown: the circuit breaker.
+re-admitted when it answers. When no server is healthy the run waits, says so once, and takes back the first
+server that answers /health again (one relaunched at its port by a supervisor, systemd, Kubernetes or a person);
+when none has been healthy for `no_server_timeout_s`, `acquire` raises FleetDown: the circuit breaker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflash_assets.fleet.client import ServerClient, ServerInfo
@@ -50,20 +52,13 @@ class SlotPicker:
         self,
         clients: list[ServerClient],
         infos: list[ServerInfo],
+        dispatch: DispatchSettings = _DISPATCH,
         *,
-        max_in_flight_per_server: int = _DISPATCH.max_in_flight_per_server,
-        waiting_margin: int = _DISPATCH.waiting_margin,
-        eject_after: int = _DISPATCH.eject_after,
         probe_interval_s: float = 2.0,
-        no_server_timeout_s: float = _DISPATCH.no_server_timeout_s,
-        max_imbalance: float = _DISPATCH.same_server_max_imbalance,
+        log: Callable[[str], None] = lambda _: None,
     ):
-        self.max_in_flight_per_server, self.waiting_margin = max_in_flight_per_server, waiting_margin
+        self.dispatch, self.probe_interval_s, self.log = dispatch, probe_interval_s, log
         self.slots = [Slot(c, i, self.limit_of(i)) for c, i in zip(clients, infos)]
-        self.eject_after = eject_after
-        self.probe_interval_s = probe_interval_s
-        self.no_server_timeout_s = no_server_timeout_s
-        self.max_imbalance = max_imbalance  # load share a preferred server may exceed the least loaded one's by
         self._changed = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
         self._all_down_since: float | None = None
@@ -71,8 +66,8 @@ class SlotPicker:
     def limit_of(self, info: ServerInfo) -> int:
         """Requests in flight at one URL: a gateway URL stands for info.servers servers, each with its slots and
         its waiting margin."""
-        return self.max_in_flight_per_server * info.servers or (
-            info.max_running_requests + self.waiting_margin * info.servers
+        return self.dispatch.max_in_flight_per_server * info.servers or (
+            info.max_running_requests + self.dispatch.waiting_margin * info.servers
         )
 
     def resize(self, slot: Slot, info: ServerInfo) -> None:
@@ -100,7 +95,8 @@ class SlotPicker:
             mine = next((s for s in free if s.url == prefer), None)
             # the server that served a conversation's previous turn holds its history in its prefix cache: keep
             # the conversation there unless that server is clearly busier than the least loaded one
-            if mine is not None and mine.in_flight / mine.limit - best.in_flight / best.limit <= self.max_imbalance:
+            bound = self.dispatch.same_server_max_imbalance
+            if mine is not None and mine.in_flight / mine.limit - best.in_flight / best.limit <= bound:
                 return mine
         return best
 
@@ -110,17 +106,19 @@ class SlotPicker:
         # Single-threaded asyncio: picking a slot and taking it happen with no await in between, so no lock;
         # waiters sleep on an Event that every release and re-admission sets, then look again.
         while (slot := self._pick(prefer, avoid)) is None:
-            timeout = 1.0
+            timeout, patience = 1.0, self.dispatch.no_server_timeout_s
             if not self.healthy():
-                self._all_down_since = self._all_down_since or time.monotonic()
-                waited = time.monotonic() - self._all_down_since
-                if waited >= self.no_server_timeout_s:
-                    raise FleetDown(
-                        f"no healthy server for {waited:.0f}s (of {len(self.slots)}: "
-                        + ", ".join(s.url for s in self.slots)
-                        + ")"
+                urls = ", ".join(s.url for s in self.slots)
+                if self._all_down_since is None:
+                    self._all_down_since = time.monotonic()
+                    self.log(
+                        f"no healthy server ({urls} down): the run waits up to {patience:.0f}s for one to answer "
+                        "/health again (a server relaunched at its URL is taken back)"
                     )
-                timeout = min(timeout, self.no_server_timeout_s - waited)
+                waited = time.monotonic() - self._all_down_since
+                if waited >= patience:
+                    raise FleetDown(f"no healthy server for {waited:.0f}s (of {len(self.slots)}: {urls})")
+                timeout = min(timeout, patience - waited)
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout)
@@ -136,7 +134,7 @@ class SlotPicker:
             slot.consecutive_failures = 0
         else:
             slot.consecutive_failures += 1
-            if slot.ejected_at is None and slot.consecutive_failures >= self.eject_after:
+            if slot.ejected_at is None and slot.consecutive_failures >= self.dispatch.eject_after:
                 slot.ejected_at = time.monotonic()
                 slot.ejections += 1
                 self._probes[slot.url] = asyncio.create_task(self._probe_until_back(slot))
@@ -148,6 +146,8 @@ class SlotPicker:
             if await slot.client.healthy():  # the client's timeout: /health takes a second or more
                 slot.ejected_at = None
                 slot.consecutive_failures = 0
+                if self._all_down_since is not None:
+                    self.log(f"{slot.url} answers /health again: the run goes on there")
                 self._changed.set()
                 return
 

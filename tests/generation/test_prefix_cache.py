@@ -10,6 +10,7 @@ from pathlib import Path
 from dflash_assets.emulator.prefix_cache import BLOCK
 from dflash_assets.fleet.client import ServerInfo
 from dflash_assets.generation.slots import SlotPicker
+from dflash_assets.settings import DispatchSettings
 
 # the wheel's files, found without importing sglang (which would pull torch)
 OPENAI = Path(next(iter(importlib.util.find_spec("sglang").submodule_search_locations))) / "srt/entrypoints/openai"
@@ -72,7 +73,8 @@ def picker(max_imbalance: float) -> SlotPicker:
         )
         for u in ("a", "b")
     ]
-    return SlotPicker([object(), object()], infos, waiting_margin=2, max_imbalance=max_imbalance)  # 10 slots each
+    dispatch = DispatchSettings(waiting_margin=2, same_server_max_imbalance=max_imbalance)
+    return SlotPicker([object(), object()], infos, dispatch)  # 10 slots each
 
 
 def test_a_follow_up_stays_on_its_server_unless_that_server_is_clearly_busier():

@@ -21,7 +21,7 @@ def on_picker(urls: list[str], body, **options):
 
     async def go():
         async with connected(urls) as fleet:
-            picker = SlotPicker(fleet.clients, fleet.infos, probe_interval_s=PROBE_S, **options)
+            picker = SlotPicker(fleet.clients, fleet.infos, DispatchSettings(**options), probe_interval_s=PROBE_S)
             try:
                 return await body(picker)
             finally:
@@ -133,7 +133,7 @@ def test_a_conversation_stays_on_its_server_within_the_allowed_imbalance(emulato
         return [(await picker.acquire(prefer=home.base)).url for _ in range(5)]
 
     # home's share ahead of other's when asked: 0, 0.1, 0.2 (kept), 0.3 (over 0.25: other), 0.2 (kept)
-    assert on_picker([home.base, other.base], body, max_imbalance=0.25) == [
+    assert on_picker([home.base, other.base], body, same_server_max_imbalance=0.25) == [
         home.base,
         home.base,
         home.base,
