@@ -18,8 +18,8 @@ dropped request, such a prompt would kill one server after another, up to `max_a
 
 A server that was already down when a request was sent (a refused connection, a dead server not yet ejected) is
 no new death, and no fault of the request's: it is marked `down`, and the dispatcher retries it without spending an
-attempt. A dead server is down until it answers /health again (asked every BACK_PROBE_S): one relaunched at its port
-at once (a supervisor) and killed again has died again. Behind a gateway the gateway stays healthy when a worker
+attempt. A dead server is down until it answers /health again (asked every BACK_PROBE_S, or seen by the slot picker,
+which re-admits it): one relaunched at its port at once (a supervisor) and killed again has died again. Behind a gateway the gateway stays healthy when a worker
 dies: it answers a request whose worker dropped or refused the connection with a 500 (fleet/client.py
 UPSTREAM_LOST), or ends a stream already relayed. So there the probe asks each worker behind the gateway directly
 (fleet/gateway.py: the orchestrator reaches them for their facts already), those the run knows and those the gateway
@@ -179,6 +179,12 @@ class Quarantine:
         where = url if url == slot.url else f"{url} (behind the gateway {slot.url})"
         self.log(f"{where} died with requests in flight ({problem.message}): they are suspects, sent one at a time")
         return death
+
+    def back(self, url: str, since: float) -> None:
+        """`url` answered /health to a probe begun at `since` (the slot picker's, which re-admits it): after its death,
+        it is back, whichever probe saw it first, and its next drop is a new death."""
+        if (death := self._last.get(url)) is None or death.at < since:
+            self._down.discard(url)
 
     async def _until_back(self, url: str, server: ServerClient) -> None:
         """A dead server is down until it answers /health again: relaunched (by a supervisor, at once maybe), a drop

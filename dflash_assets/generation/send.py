@@ -177,7 +177,7 @@ class Dispatch:
                     self.quarantine.carry((row.shard, row.prompt_id, row.turn), row.error.split(" "))
         self.send = self.quarantine.guard(send)
         self._recording = asyncio.Lock()
-        self.slots = SlotPicker(fleet.clients, fleet.infos, dispatch, log=log)
+        self.slots = SlotPicker(fleet.clients, fleet.infos, dispatch, log=log, on_back=self.quarantine.back)
         self.ready: deque[TurnItem] = deque()  # follow-up items, sent first
         self._tasks: set[asyncio.Task] = set()
         self._exhausted = False  # every item of the stream was taken

@@ -56,8 +56,9 @@ class SlotPicker:
         *,
         probe_interval_s: float = 2.0,
         log: Callable[[str], None] = lambda _: None,
+        on_back: Callable[[str, float], None] = lambda url, since: None,  # (url, when the /health that said so began)
     ):
-        self.dispatch, self.probe_interval_s, self.log = dispatch, probe_interval_s, log
+        self.dispatch, self.probe_interval_s, self.log, self.on_back = dispatch, probe_interval_s, log, on_back
         self.slots = [Slot(c, i, self.limit_of(i)) for c, i in zip(clients, infos)]
         self._changed = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
@@ -143,9 +144,11 @@ class SlotPicker:
     async def _probe_until_back(self, slot: Slot) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)
+            began = time.monotonic()
             if await slot.client.healthy():  # the client's timeout: /health takes a second or more
                 slot.ejected_at = None
                 slot.consecutive_failures = 0
+                self.on_back(slot.url, began)
                 if self._all_down_since is not None:
                     self.log(f"{slot.url} answers /health again: the run goes on there")
                 self._changed.set()

@@ -9,6 +9,7 @@ import duckdb
 import pytest
 
 from dflash_assets.generation.quarantine import QUARANTINED
+from dflash_assets.generation.turns import TurnItem, Turns
 from dflash_assets.settings import DispatchSettings
 from tests.support.forks import start_emulator
 from tests.support.http import Http, requests_served
@@ -65,6 +66,22 @@ def test_a_prompt_that_kills_its_server_costs_two_servers_and_is_quarantined_and
         assert sorted(r[0] for r in rows(data, columns="prompt_id")) == sorted(PROMPTS)
 
 
+def item(prompt_id: str) -> TurnItem:
+    """A conversation's only turn."""
+    alone = Turns([], [[{"role": "user", "content": prompt_id}]], numbered=False)
+    return TurnItem(
+        prompt_id=prompt_id,
+        shard="s",
+        line=None,
+        turn=1,
+        turns=1,
+        prompt_tokens=None,
+        source=None,
+        conversation=alone,
+        answers=[],
+    )
+
+
 def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(emulator):
     """A request sent before its server died can still be answered after the death was seen (its answer was on the
     wire). That says nothing of the server being back: a later drop there (a pooled connection to the dead server)
@@ -75,21 +92,6 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
     from dflash_assets.fleet.fleet import open_session
     from dflash_assets.generation.quarantine import Quarantine, Quarantined
     from dflash_assets.generation.slots import Slot
-    from dflash_assets.generation.turns import TurnItem, Turns
-
-    def item(prompt_id: str) -> TurnItem:  # a conversation's only turn
-        alone = Turns([], [[{"role": "user", "content": prompt_id}]], numbered=False)
-        return TurnItem(
-            prompt_id=prompt_id,
-            shard="s",
-            line=None,
-            turn=1,
-            turns=1,
-            prompt_tokens=None,
-            source=None,
-            conversation=alone,
-            answers=[],
-        )
 
     server = emulator(*FLAGS)
     url = server.emu.url
@@ -126,6 +128,52 @@ def test_an_answer_sent_before_a_death_does_not_make_the_dead_server_new_again(e
             return [*outcomes, len(quarantine.deaths[("s", "x", 1)]), sum("died" in line for line in log)]
 
     assert asyncio.run(scenario()) == ["ServerError", "row", "ServerError", 1, 1]
+
+
+def test_a_server_the_slot_picker_takes_back_is_back_for_the_quarantine_too(monkeypatch):
+    """A dead server relaunched at its port is back as soon as a probe sees it answer /health, the slot picker's (which
+    re-admits it) or the quarantine's own. When the picker's comes first and the poisoned prompt, sent at once, kills
+    the server again, that is its second death and it is quarantined; taken for the first death's drop, it would cost
+    no death and the prompt would kill every relaunch until its attempts ran out."""
+    import asyncio
+
+    from dflash_assets.fleet.client import ServerError
+    from dflash_assets.fleet.fleet import connected
+    from dflash_assets.generation import quarantine as module
+    from dflash_assets.generation.quarantine import Quarantine, Quarantined
+    from dflash_assets.generation.slots import SlotPicker
+
+    monkeypatch.setattr(module, "BACK_PROBE_S", 600.0)  # the quarantine's own look comes too late: the picker's first
+    server = start_emulator(FLAGS)
+
+    async def send(_item, slot, _attempt):  # the poisoned prompt: its server dies under it
+        await asyncio.to_thread(server.stop)
+        raise ServerError(slot.url, "POST /v1/chat/completions failed: ServerDisconnectedError")
+
+    async def scenario() -> list[str]:
+        nonlocal server
+        async with connected([server.url]) as fleet:
+            quarantine = Quarantine(lambda line: None)
+            ejecting = DispatchSettings(eject_after=1)  # as the dispatcher wires them:
+            picker = SlotPicker(fleet.clients, fleet.infos, ejecting, probe_interval_s=0.05, on_back=quarantine.back)
+            guarded, outcomes = quarantine.guard(send), []
+            for attempt in (1, 2):
+                slot = await picker.acquire()
+                try:
+                    await guarded(item("x"), slot, attempt)
+                except (ServerError, Quarantined) as e:
+                    outcomes.append(type(e).__name__)
+                picker.release(slot, ok=False)  # ejected: probed every 0.05 s until it answers
+                if attempt == 1:  # a supervisor relaunches it at its port
+                    server = await asyncio.to_thread(start_emulator, FLAGS, port=server.port)
+            await picker.close()
+            await quarantine.close()
+            return outcomes
+
+    try:
+        assert asyncio.run(scenario()) == ["ServerError", "Quarantined"]
+    finally:
+        server.stop()
 
 
 class Relauncher(threading.Thread):
