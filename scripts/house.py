@@ -45,6 +45,7 @@ TESTED_THROUGH = {
     "fleet/membership.py": "tests/engines/test_gateway_membership.py",
     "fleet/processes.py": "tests/fleet/test_launch.py",
     "fleet/registry.py": "tests/fleet/test_launch.py",
+    "fleet/supervise.py": "tests/cli/test_launch_quarantine.py",
     "generation/dedupe.py": "tests/generation/test_repeats.py",
     "generation/stopping.py": "tests/generation/test_runaway_early_stop.py",
     "generation/turns.py": "tests/generation/test_all_turns.py",

@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr
 from dflash_assets.defs.metadata import StepStopKeys
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, on_fleet
+from dflash_assets.fleet.supervise import Supervisor
 from dflash_assets.generation.prompts import FieldMapping
 from dflash_assets.settings import (
     Deployment,
@@ -99,17 +100,28 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
         info = context.log.info if context.log else print
         with ExitStack() as stack:
             if self.mode == "emulated":
-                from dflash_assets.emulator.process import start_emulator
+                from dflash_assets.emulator.process import EmulatorProcess, start_emulator
 
                 args = self.emulator_args.split()
                 if self.api_key:
                     args += ["--api-key", self.api_key]
+                servers: dict[str, EmulatorProcess] = {}
+                stack.callback(lambda: [s.stop() for s in servers.values()])
                 try:
-                    servers = [stack.enter_context(start_emulator(args)) for _ in range(self.num_servers)]
+                    for _ in range(self.num_servers):
+                        server = start_emulator(args)
+                        servers[server.url] = server
                 except (RuntimeError, TimeoutError) as e:  # its message ends with the server's own last lines
                     raise RuntimeError(f"the emulated fleet did not start ({self.emulator_args}): {e}") from None
-                self._urls = [s.url for s in servers]
+                self._urls = list(servers)
                 info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
+
+                def relaunch(url: str) -> None:
+                    servers[url].stop()
+                    servers[url] = start_emulator(args, port=servers[url].port)
+
+                dead = lambda: [url for url, s in servers.items() if not s.alive()]  # noqa: E731
+                stack.enter_context(Supervisor(dead, relaunch, info))
             elif self.mode == "launch":
                 from dflash_assets.fleet.launcher import build_spec, default_fleet_dir, up
 

@@ -87,3 +87,55 @@ def test_in_launch_mode_a_poisoned_prompt_costs_two_servers_and_the_relaunched_f
     finally:
         down = dflash("fleet", "down", env=env)
         assert down.returncode == 0, down.stdout + down.stderr
+
+
+def run_messages(home) -> list[str]:
+    """Every message of every run's event log in the instance at `home`, oldest run first."""
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        runs = sorted(instance.get_runs(), key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp)
+        return [e.user_message for r in runs for e in instance.all_logs(r.run_id)]
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_an_emulated_fleet_of_one_or_two_relaunches_the_server_a_prompt_killed_and_finishes_in_one_run(
+    tmp_path, servers
+):
+    """The fleet the run starts is kept up: a server the poisoned prompt killed is relaunched at its port with the
+    same flags (fleet/supervise.py), so the prompt's second death comes in the same run, and the run quarantines it
+    and commits every other prompt once, on a fleet of one as on two. A second run sends it nowhere."""
+    home, data, src = tmp_path / "home", tmp_path / "data", tmp_path / "prompts.jsonl"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"e{i:02d}", "prompt": f"emulated question {i}" + (f" {MARKER}" if i == 5 else "")})
+            + "\n"
+            for i in range(N)
+        )
+    )
+    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_PROMPTS": str(src)}
+    env |= {"DFLASH_SHARD_SIZE": str(N), "DFLASH_RETRY_DELAY_S": "1", "DFLASH_FLEET_MODE": "emulated"}
+    env |= {"DFLASH_NUM_SERVERS": str(servers), "DFLASH_EMULATOR_ARGS": f"--fault-crash-on {MARKER}"}
+    backfill = ["backfill", "--max-output-tokens", "256", "--max-attempts", "8", "--backoff-base-s", "0.05"]
+
+    first = dflash(*backfill, env=env, timeout=600)
+    said = first.stdout + first.stderr
+    rows = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
+    assert sorted(r[0] for r in rows) == [f"e{i:02d}" for i in range(N) if i != 5], said
+    [(prompt_id, error)] = duckdb.sql(
+        f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
+    ).fetchall()
+    assert prompt_id == "e05" and error.startswith(QUARANTINED), said
+    assert any(line.startswith("Quarantined") and "e05" in line for line in first.stdout.splitlines()), said
+    relaunched = [m for m in run_messages(home) if m.endswith("its process ended; relaunched at its port")]
+    # a fleet of one finished, so its server came back; the second death's relaunch may come after the last request
+    assert servers > 1 or len(relaunched) >= 1, relaunched
+    assert len(relaunched) <= 2, relaunched
+
+    second = dflash(*backfill, env=env, timeout=600)
+    assert second.returncode == first.returncode, second.stdout + second.stderr
+    again = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
+    assert sorted(again) == sorted(rows), "nothing generated twice, nothing lost"
+    assert len([m for m in run_messages(home) if "relaunched at its port" in m]) == len(relaunched), "none died"
