@@ -38,10 +38,8 @@ def overflows(prompt_tokens: int, max_output_tokens: int, context_length: int) -
     return prompt_tokens + max_output_tokens > context_length - CONTEXT_MARGIN
 
 
-# The largest context any model SGLang serves declares: Llama 4 Scout's max_position_embeddings, 10,485,760 (its
-# config.json; the configs bundled in the 0.5.23 wheel go to 1,048,576, srt/configs/muse_spark.py). SGLang refuses a
-# --context-length above the model's own (srt/configs/model_config.py _derive_context_length) unless
-# SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set, so a cap above this fits no server: refused when it is parsed.
+# The largest context any model SGLang serves declares (Llama 4 Scout's max_position_embeddings); SGLang refuses a
+# --context-length above the model's own (srt/configs/model_config.py _derive_context_length): a cap above fits none.
 LARGEST_CONTEXT = 10_485_760
 
 
@@ -51,17 +49,13 @@ def context_needed(prompt_tokens: int, max_output_tokens: int) -> int:
 
 
 # ---- finish_reason ---------------------------------------------------------------------------------------------
-# What SGLang sends (finish_reason.type): "stop" (the model ended: EOS or a stop string), "length" (the cap cut
-# it), "abort" (retried, never committed). RUNAWAY_FINISH is the client's own, never one SGLang sends: a
-# generation stopped while it ran because the runaway rule saw it loop (fleet/stream.py). Like "length" it is
-# cut, not an end the model chose, but short of the cap: it is counted apart from the cap's cuts, as a runaway,
-# and its completion_tokens are what it really cost.
+# SGLang sends "stop", "length" (the cap cut it) or "abort" (retried, never committed). RUNAWAY_FINISH is the
+# client's own: a generation it stopped because it looped (fleet/stream.py), cut short of the cap.
 RUNAWAY_FINISH = "runaway"
 STOPPED_EARLY_SQL = f"finish_reason = '{RUNAWAY_FINISH}'"
 CUT_SQL = f"finish_reason IN ('length', '{RUNAWAY_FINISH}')"  # the model did not choose its end (planner rows)
-# A config's cap is the one its user set (policy_cap under the window policy, whose requests each ask min(cap, the
-# window's rest + overshoot) and record that as max_output_tokens). A request the window sized below the cap is
-# final under the policy: no larger cap changes what it asks, so a cut there stays cut at every cap.
+# A config's cap is the one its user set (policy_cap under the window policy, whose rows record their own request's
+# cap as max_output_tokens). A request the window sized below the cap is final: it stays cut at every cap.
 CONFIG_CAP_SQL = "coalesce(policy_cap, max_output_tokens)"
 WINDOW_SIZED_SQL = f"max_output_tokens < {CONFIG_CAP_SQL}"
 
@@ -82,8 +76,7 @@ def stopped_early(finish_reason: str | None) -> bool:
 
 
 # ---- blank text ------------------------------------------------------------------------------------------------
-# "Blank" means null or only ASCII whitespace. In SQL a regex search for the first other character stops at once
-# on real text, where trim() would copy the whole (often 30 kB) string first.
+# "Blank" means null or only ASCII whitespace (in SQL a regex search, which stops at once where trim() copies)
 BLANK_CHARS = " \t\r\n"
 
 
@@ -110,10 +103,8 @@ def percentile(values: Sequence[int] | np.ndarray, q: float) -> int:
 
 
 # ---- the latest config ----------------------------------------------------------------------------------------
-# `latest` is the config most recently written: the largest created_at of its committed rows. It is what the export,
-# the continuation's parent, the cap plan and the probe take when no config is named (never "the most rows": a new
-# config has fewer rows than the old one until it is done, and the window policy rejects prompts). Ties go to the
-# larger cap, then to the smaller hash, so the choice never depends on file order.
+# `latest` is the config most recently written (the largest created_at of its rows), never "the most rows": what
+# every step takes when no config is named. Ties go to the larger cap, then the smaller hash, never to file order.
 LATEST_ORDER_SQL = f"max(created_at) DESC NULLS LAST, max({CONFIG_CAP_SQL}) DESC, config_hash"
 
 
@@ -123,14 +114,8 @@ def latest_first(configs: Iterable[tuple[str, datetime | None, int]]) -> list[tu
 
 
 # ---- the trainer's window ----------------------------------------------------------------------------------------
-# A drafter trainer reads each sample up to its window, max_length tokens of prompt plus answer (SpecForge
-# data.max_length, speculators --seq-length), and drops the rest. So a row the cap cut is judged against the window:
-# - cut inside the window (finish_reason 'length' and prompt + completion < max_length): the trainer reads an end
-#   the model did not choose. That is the truncation that blocks.
-# - cut at or past the window: window-complete. The trainer reads it exactly as it reads the complete answer (unless
-#   the prompt alone fills the window: then it reads no answer at all, and the export leaves it out).
-# The same rule holds for every cap policy: at cap 4096 with a 4096 window every cut lies past the window.
-# In SQL the window is a number or an expression over the row (each row judged by its own window: ROW_WINDOW_SQL).
+# A row the cap cut is judged against the trainer's window (DESIGN.md, the trainer's window): cut inside it, the
+# truncation that blocks; cut at or past it, window-complete. In SQL the window is a number or an expression.
 def _window_sql(max_length: int | str) -> str:
     return f"({max_length})" if isinstance(max_length, str) else str(int(max_length))
 
@@ -181,12 +166,9 @@ def fills_window_sql(max_length: int | str, prompt_tokens: str = "prompt_tokens"
 
 
 # ---- what the trainer keeps ------------------------------------------------------------------------------------
-# SpecForge's DFlash data path drops a sample without two adjacent supervised tokens (a6b6b02:
-# specforge/data/loss_mask.py has_consecutive_supervised_tokens, a filter of its online providers and an error in
-# dflash_family_data.normalize_offline_sample); TorchSpec's DFlash configs ask for 32 (min_loss_tokens). An exported
-# sample's supervised tokens are one run, its answer up to the window, so the trainer keeps it iff that run holds
-# min_loss_tokens (TrainerSettings.min_loss_tokens): trained_tokens >= min_loss_tokens (trainable_sql). Before a
-# request is sent only the prompt is known: it must leave the window room for them (leaves_loss_room).
+# SpecForge's DFlash data path drops a sample without two adjacent supervised tokens (specforge/data/loss_mask.py
+# has_consecutive_supervised_tokens). An exported sample's supervised tokens are one run, so the trainer keeps it iff
+# trained_tokens >= min_loss_tokens; before a request only the prompt is known (leaves_loss_room).
 def trainable_sql(max_length: int | str, min_loss_tokens: int | str) -> str:
     return f"({trained_tokens_sql(max_length)} >= {_window_sql(min_loss_tokens)})"
 
@@ -197,10 +179,8 @@ def leaves_loss_room(prompt_tokens: int, max_length: int, min_loss_tokens: int) 
 
 
 def window_cap(cap: int, max_length: int, prompt_tokens: int, overshoot: int) -> int:
-    """The window policy's request: no more than the cap, no more than the window's rest plus the overshoot.
-
-    The overshoot keeps the window's end inside generated text after the trainer re-renders and re-tokenizes the
-    sample, so that no closing tag the model never wrote falls inside the window."""
+    """The window policy's request: no more than the cap, no more than the window's rest plus the overshoot (which
+    keeps the window's end inside generated text after the trainer re-tokenizes the sample)."""
     return max(1, min(cap, max_length - prompt_tokens + overshoot))
 
 
@@ -211,10 +191,8 @@ def stores_token_ids(store_token_ids: bool, cap_policy: str, trainer_format: str
 
 
 # ---- the figures of one config's answer --------------------------------------------------------------------------
-# What every view says of a config (the terminal, `dflash report`, `dflash configs`, the UI, the pictures) is counted
-# by these definitions and no other, each with its unit: a turn row (one per generated turn; one per prompt under
-# last_turn) or a conversation (its prompt_id: all the turn rows of one prompt). The SQL runs over the quality tables
-# (quality/tables.py: `runaway` and the window flags are columns there, `judged_window` the row's window).
+# What every view says of a config is counted by these definitions and no other, each with its unit (a turn row or
+# a conversation), in SQL over the quality tables (quality/tables.py).
 CUT_AT_CAP_SQL = "(finish_reason = 'length')"  # the cap ended the row (a runaway stopped while streaming did not)
 
 

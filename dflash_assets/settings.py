@@ -1,20 +1,8 @@
 """Every setting once: one typed model per group, with its default and its description.
 
-Naming: `<Group>Settings` is the plain model here; `<Group>Config` its Dagster config form (dg.Config + the model)
-and `<Asset>Config` one asset's run config; `<Thing>Resource` a Dagster resource. The asset configs, the resources
-(`defs/resources.py`) and the `dflash` flags (`cli.py`) are derived from these models and read back with
-`XSettings.taken_from(...)`, so a default is written here and nowhere else (tests/test_settings.py builds them
-all and compares). No Dagster import: the plain libraries and the CLI
-use these models directly.
-
-- GenerationSettings: what a completion is (every row records them; they are hashed into config_hash).
-- DispatchSettings: how hard to drive the fleet (never hashed).
-- ServerSettings / LaunchSettings: the `sglang serve` of `launch` mode and `dflash fleet up`.
-- ProbeSettings: the length probe's sample and cap (the `length_probe` asset and `dflash probe`).
-- TrainerSettings: the drafter trainer's window (max_length) and the export form it reads.
-- QualitySettings / RunawaySettings: the limits the quality checks judge by, and what counts as a loop.
-- FleetSettings: how the pipeline reaches its servers (`emulated`, `attach`, `launch`).
-- DEPLOYMENT: the environment variables a deployment sets, with their defaults.
+The Dagster configs and resources (`<Group>Config`, `<Thing>Resource`) and the `dflash` flags are derived from these
+models and read back with `XSettings.taken_from(...)`, so a default is written here and nowhere else. No Dagster
+import.
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ from dflash_assets.rules import LARGEST_CONTEXT
 
 DEMO_PROMPTS = Path(__file__).resolve().parent / "demo" / "prompts.jsonl"
 
-# The values a choice field takes: the field's type, and the CLI's argparse choices (get_args(CapPolicy))
+# a choice field's type, and the CLI's argparse choices (get_args(CapPolicy))
 CapPolicy = Literal["fixed", "window"]  # GenerationSettings.cap_policy
 Regenerate = Literal["auto", "last_turn", "all_turns"]  # GenerationSettings.regenerate
 TrainerFormat = Literal["auto", "conversations", "per_turn", "messages", "pretokenized"]  # TrainerSettings.format
@@ -45,11 +33,8 @@ FleetMode = Literal["emulated", "attach", "launch"]  # FleetSettings.mode
 RENAMED_CHECKS = {"window_complete": "decoded_past_window"}
 Severity = Literal["ERROR", "WARN"]  # a check's severity (Dagster's AssetCheckSeverity names)
 TRAINER_FORMATS = get_args(TrainerFormat)
-# The export forms each trainer's own data code reads as exported (tests/quality/training/test_trainer_routes.py runs
-# it on them): SpecForge renders conversations (per_turn: train_only_last_turn) or reads {input_ids, loss_mask}
-# (data.prompts_path); speculators' prepare_data passes {input_ids, loss_mask} through, while it renders a text file
-# into a row per assistant turn, history answers included, through a vLLM render endpoint. `messages` is no trainer's
-# form (SpecForge wants a conversations column; speculators keeps no sample of it): an export in it names no trainer.
+# The export forms each trainer's own data code reads as exported (tests/quality/training/test_trainer_routes.py);
+# `messages` is no trainer's form: an export in it names no trainer.
 TRAINER_READS = {"specforge": ("conversations", "per_turn", "pretokenized"), "speculators": ("pretokenized",)}
 CAP_POLICIES = get_args(CapPolicy)
 REGENERATE = get_args(Regenerate)
@@ -130,9 +115,8 @@ class Settings(BaseModel):
     @classmethod
     def taken_from(cls, source: object, skip: tuple[str, ...] = (), prefix: str = ""):
         """This group's fields, read off an object that carries them (a Dagster config or resource, parsed CLI
-        flags, where a group's flags may carry a `prefix`: --trainer-max-length); a field the object does not carry,
-        or in `skip`, keeps its default, a nested group is taken from its own form (a resource's TrainerConfig gives
-        a TrainerSettings)."""
+        flags under a `prefix`); a field it does not carry, or in `skip`, keeps its default; a nested group is taken
+        from its own form."""
         values = {}
         for name, field in cls.model_fields.items():
             if not hasattr(source, prefix + name) or name in skip:
@@ -158,11 +142,8 @@ TRAINER_FLAGS = "trainer_"  # TrainerSettings' flags: --trainer-max-length, --tr
 
 
 class TrainerSettings(Settings):
-    """The drafter trainer that reads the export: how much of each sample it reads, and in which form.
-
-    SpecForge tokenizes the rendered sample with truncation=True, max_length=data.max_length (2048 or 4096 in its
-    qwen3.6-27b DFlash recipes, 4096 for the online ones); speculators slices to --seq-length (default 8192).
-    Whatever lies past the window is never trained on (docs/trainer-window.md)."""
+    """The drafter trainer that reads the export: how much of each sample it reads (docs/trainer-window.md), and in
+    which form."""
 
     subject: ClassVar[str] = "trainer "
 
@@ -230,9 +211,8 @@ class TrainerSettings(Settings):
 
 
 class RequestSettings(Settings):
-    """What a completion is, as a person sets it: the completions config and the flags are built from these. The
-    trainer's window the window policy sizes requests to is not one of them: it is TrainerSettings.max_length, the
-    one window (GenerationSettings.of puts the two together)."""
+    """What a completion is, as a person sets it: the completions config and the flags are built from these (the
+    window is TrainerSettings.max_length: GenerationSettings.of puts the two together)."""
 
     heading: ClassVar[str] = "invalid generation config: "
 
@@ -315,10 +295,7 @@ class RequestSettings(Settings):
 
 class GenerationSettings(RequestSettings):
     """The settings that decide what a completion is; rows record all of them, and every one that changes the
-    output is in the config hash (config_hash: the name of the Parquet column, kept for the data people have).
-
-    `trainer_max_length` is TrainerSettings.max_length, never a setting of its own: the completions asset, the CLI
-    and the continuation set it from the trainer's settings (`of`); a library caller passes it."""
+    output is in the config hash. `trainer_max_length` is TrainerSettings.max_length, set by `of`."""
 
     trainer_max_length: int = Field(
         TrainerSettings().max_length,
@@ -329,8 +306,7 @@ class GenerationSettings(RequestSettings):
 
     # what the fleet says it serves (fleet/provenance.py), in the config hash: not a setting, read at connect
     _provenance: dict | None = PrivateAttr(None)
-    # TrainerSettings.min_loss_tokens, which preflight asks of a prompt under the window policy (rules.leaves_loss_room):
-    # it decides which prompts are sent, never what a completion is, so it is not hashed
+    # TrainerSettings.min_loss_tokens (rules.leaves_loss_room): decides which prompts are sent, so it is not hashed
     _min_loss_tokens: int = PrivateAttr(TrainerSettings().min_loss_tokens)
 
     @classmethod
@@ -363,9 +339,8 @@ class GenerationSettings(RequestSettings):
         return self._provenance
 
     def config_hash(self, model: str) -> str:
-        """12 hex chars over the model, the fleet's provenance (when given: with_provenance) and every setting that
-        changes the output (not concurrency), of the resolved mode: a single-turn source under 'auto' is last_turn and
-        keeps the hashes it always had."""
+        """12 hex chars over the model, the fleet's provenance (when given) and every setting that changes the output,
+        of the resolved mode; a setting at the value it had before it existed leaves the hash as it was."""
         if self.regenerate == "auto":
             raise SettingsError(
                 "regenerate 'auto' has no config hash until it is resolved against the prompt source "
@@ -469,9 +444,8 @@ class DispatchSettings(Settings):
 
 
 class RepeatSettings(Settings):
-    """Repeats in the prompt source, found when prompt_shards are built (generation/dedupe.py): a conversation that
-    repeats an earlier line's exactly, or whose prompt is a near-duplicate of an earlier one's (MinHash over word
-    shingles); the first occurrence in source order is kept, the repeats are rejected unless kept."""
+    """Repeats in the prompt source, exact or near (generation/dedupe.py): the first occurrence in source order is
+    kept, the repeats are rejected unless kept."""
 
     subject: ClassVar[str] = "repeats "
     heading: ClassVar[str] = "invalid repeat settings: "
@@ -491,9 +465,7 @@ class RepeatSettings(Settings):
 
 
 class QuotaSettings(Settings):
-    """Quotas by `source`, drawn in prompt_shards (generation/quotas.py): a count (a whole number, 0 or more) or a
-    share (a number between 0 and 1) of each named source's prompts, the prompts drawn by a seeded hash of their id;
-    a source not named is taken whole."""
+    """Quotas by `source`, drawn in prompt_shards (generation/quotas.py); a source not named is taken whole."""
 
     subject: ClassVar[str] = "quota "
     heading: ClassVar[str] = "invalid quotas: "
@@ -566,12 +538,9 @@ class RunawaySettings(Settings):
 
 
 class QualitySettings(Settings):
-    """Every limit the quality checks judge by. Rates are shares of rows in [0, 1]; a check passes when
-    rate <= limit.
-
-    Defects that mean the pipeline itself is wrong (duplicates, leaked think markers, empty answers, rows made
-    with a budget that did not fit the context) default to zero tolerance: the export drops such rows anyway,
-    so a non-zero count says "a stage is broken", not "the data is a bit noisy"."""
+    """Every limit the quality checks judge by: a check passes when its rate (a share of rows) <= its limit.
+    Defects that mean a stage is broken (duplicates, leaked think markers, empty answers, a budget that did not fit
+    the context) default to zero tolerance."""
 
     truncation_rate_max: float = Field(
         0.05,
@@ -655,8 +624,7 @@ class ServerSettings(Settings):
     reasoning_parser: str | None = Field("qwen3", description="--reasoning-parser: thinking goes to reasoning_content.")
     enable_metrics: bool = Field(True, description="--enable-metrics: Prometheus /metrics.")
     max_queued_requests: int | None = Field(None, description="--max-queued-requests.")
-    # SGLang's default is 1 (an event per token): parsing those costs the client 0.56-0.93 cores at a 7-GPU
-    # fleet's 24,500 tok/s, over its 0.5-core budget; at 4 it is 0.15-0.16 (benchmarks/bench_streaming.py cpu, docs/streaming.md)
+    # SGLang's default 1 (an event per token) costs the client too many cores (docs/streaming.md)
     stream_interval: int | None = Field(
         4,
         description="--stream-interval: tokens per streamed event (SGLang's "
@@ -720,9 +688,8 @@ class EnvSetting:
 
 
 class Deployment:
-    """The environment variables of a deployment (docs/settings.md). Resources read them as Dagster EnvVars at
-    run launch; the three that shape the definitions themselves (a schedule's cron, a backfill's runs, the retry
-    delay) are read when the code location loads, because Dagster fixes them there (see defs/partitions.py)."""
+    """The environment variables of a deployment (docs/settings.md): read at run launch, but those that shape the
+    definitions (a cron, a backfill's runs, the retry delay) when the code location loads (defs/partitions.py)."""
 
     DATA_DIR = EnvSetting("DFLASH_DATA_DIR", "data")
     LOCAL_DIR = EnvSetting("DFLASH_LOCAL_DIR", "data")

@@ -1,34 +1,14 @@
-"""Continue truncated completions at a larger cap instead of generating them again.
+"""Continue truncated completions at a larger cap (or window) instead of generating them again.
 
-A row cut at the cap (finish_reason "length") already holds thousands of valid tokens. Its prompt and
-partial output go back to SGLang's native /generate BY TOKEN IDS (`input_ids = prompt_token_ids +
-output_ids`, nothing re-tokenised) with the rest of the new cap and the same sampling; the server generates
-only the missing tokens, and the row lands as a completion of the larger-cap config (the config hash a
-fresh run at that cap would have) with its lineage: `parent_config_hash`, `tokens_reused`.
+A cut row goes back to SGLang's native /generate by token ids (`input_ids = prompt_token_ids + output_ids`, nothing
+re-tokenised) with the rest of the new cap and the same sampling, and lands under the config hash a fresh run at
+that cap would have, with its lineage (`parent_config_hash`, `tokens_reused`). A cut row without token ids goes on
+by its text through the chat route's assistant prefill (`continue_final_message`, SGLang's protocol.py); the notes
+say how far the server's re-tokenisation drifted. A stopped row is complete at any larger cap: it is copied. That is
+unbiased only because every cut row goes on from where it stopped (fresh draws for the long ones would skew short).
 
-Rows of the parent that stopped on their own are complete at any larger cap: they are copied into the new
-config (tokens_reused = completion_tokens, nothing generated), so the new config is complete for the shard
-and its accounting adds up without sending anything. That is unbiased only because every cut row is
-continued from where it stopped: a model continuing an answer already k tokens long ends past k, as the
-first draw would have. Truncated rows without token ids (a run without store_token_ids) are continued by
-their text instead, through the chat route's assistant prefill (`continue_final_message`, SGLang 0.5.23's
-protocol.py): the prompt's messages plus the row's raw output as an unfinished assistant message, the server
-re-tokenising that text. Leaving them to a fresh generation at the new cap would mix kept short rows with new,
-shorter-on-average draws for the long ones (the set would skew short), so that is never done. The
-re-tokenisation is the caveat of the text route: the server's count of the prefill (usage.prompt_tokens minus
-the prompt) may differ from the tokens the row was generated as; each continued-by-text run measures it and
-says so in its notes.
-
-Growing the trainer's window (`to_window`): a config of the window policy is continued to a larger window L2, each
-row to its own new request cap min(cap, L2 - prompt + overshoot): the new config is the one a fresh run at L2
-would hash to. A row that stopped stays what it was (copied); a window-complete row is continued by its token ids
-from where it stopped, paying only the tokens between the two windows.
-
-One engine: a continuation is a plan (`plan_continuation`: what to copy, the cut turns to continue, the turns after
-them to generate, each a conversation's TurnItem) that the engine's send and commit run, as they run a generation
-run's plan. Exactly-once like the engine, with the engine's pieces: the committed parts of `completions/shard=K/`
-are the only ledger (the new config's done set is read from them on every start), the shard lock, recovery,
-compaction and the engine's dispatch loop (retries with backoff, ejection, a 400 never resent, failures).
+`ToWindow` grows a window-policy config's window: each row to its own request cap there, min(cap, window - prompt +
+overshoot). A continuation is a plan (`plan_continuation`) that the engine's send and commit run.
 """
 
 from __future__ import annotations
@@ -159,9 +139,8 @@ def parent_rows(store: PartStore, config_hash: str) -> list[Parent]:
 
 
 def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_window: int | None = None) -> str | None:
-    """`latest`: the most recently written config with rows in the shard (rules.latest_first) among those capped
-    below `new_cap`. Below the cap, so a finished continuation is never its own parent. With `to_window`: among the
-    window-policy configs of a smaller window."""
+    """The most recently written config with rows in the shard capped below `new_cap` (so a continuation is never
+    its own parent); with `to_window`, among the window-policy configs of a smaller window."""
     order = latest_order(data_dir, shard)
     if to_window is None:
         return next((h for h, cap in order if cap < new_cap), None)
@@ -171,8 +150,8 @@ def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_w
 
 
 def _window_settings(plan: list[Parent]) -> dict:
-    """A window-policy parent's cap, window and overshoot, read off its rows: the overshoot from a row whose request
-    was sized by the window (its own cap below the policy's; none: the default); the fixed policy for a fixed cap."""
+    """A parent's cap policy, cap, window and overshoot, read off its rows (the overshoot from a row whose request
+    the window sized; none: the default)."""
     first = plan[0].row
     if first.policy_cap is None or first.trainer_max_length is None:
         return {"cap_policy": "fixed"}
@@ -237,10 +216,8 @@ def _check_fleet(fleet: Fleet, model: str | None, parent_hash: str) -> None:
 
 
 def _copied(row: CompletionRow, config_hash: str, generation: GenerationSettings) -> CompletionRow:
-    """A stopped row is complete at any larger cap: the same completion, recorded under the new config (with the
-    cap its request would have had there).
-
-    It keeps the parent's provenance (server, latency, attempt, created_at): it is the same generation."""
+    """A stopped row under the new config, with the cap its request would have had there; the rest of its
+    provenance is the parent's: it is the same generation."""
     return replace(
         row,
         config_hash=config_hash,
@@ -284,8 +261,8 @@ class ContinuationPlan:
         )
 
     def item(self, pid: str, state: Conversation, parent: CompletionRow | None = None) -> TurnItem:
-        """A conversation's turn to send: its next one, or (`parent`) the cut turn the parent row goes on from (a
-        parent row whose prompt the shard no longer holds, an earlier probe sample's, is its conversation's last)."""
+        """A conversation's turn to send: its next one, or (`parent`) the cut turn the parent row goes on from (its
+        conversation's only one when the shard no longer holds its prompt)."""
         prompt = self.prompts.get(pid) or PromptRow(prompt_id=pid, messages_json=ALONE)
         item = next_item(prompt, self.run.shard, self.generation, state)
         if parent is not None:
@@ -293,8 +270,8 @@ class ContinuationPlan:
         return item
 
     def to_send(self) -> Iterator[TurnItem]:
-        """The cut turns to continue (each with the answers before it: the history of the turns after it), then the
-        first turn after a continued one of the conversations a killed run left there."""
+        """The cut turns to continue (with the answers before them), then the next turn of the conversations a
+        killed run left after a continued one."""
         wanted = {pid for pid, _ in self.to_continue}
         before: dict[str, dict[int, str]] = {}
         columns = ["prompt_id", "turn", "content"]
@@ -320,8 +297,7 @@ def _exact(plan: list[Parent], todo: set[Key]) -> list[Parent]:
 
 
 def _preflight(plan: ContinuationPlan, exact: list[Parent], budget: Budget) -> set[Key]:
-    """The rows the new config's requests could not hold, as rejects (the same rule as a fresh run at the new cap:
-    a copied row must fit it too, or the new config would hold a row its own requests could not have produced)."""
+    """The rows the new config's requests could not hold, as rejects: a copied row too, as in a fresh run."""
     generation, run = plan.generation, plan.run
     planned = [plan.planned(p) for p in exact]
     parent_of = {id(item): p.row for item, p in zip(planned, exact)}
@@ -334,9 +310,8 @@ def _preflight(plan: ContinuationPlan, exact: list[Parent], budget: Budget) -> s
 
 
 def _choose(plan: ContinuationPlan, parents: list[Parent], budget: Budget, refused: set[Key]) -> None:
-    """What becomes of each parent row not yet done: rejected in preflight, copied (stopped, or cut where its request
-    would not grow: the window policy's cap reached already) or continued; and the conversations that go on after a
-    continued turn, in order, on a history that holds the continued answer (after a kill, from its last turn)."""
+    """What becomes of each parent row not yet done: rejected in preflight, copied (stopped, or its request would
+    not grow) or continued; and the conversations that go on after a continued turn (after a kill, from its last)."""
     generation, run = plan.generation, plan.run
     done = committed_keys(plan.store, run.config_hash)
     run.already_done = len(done)
@@ -519,11 +494,8 @@ async def continue_shard(
     log: Callable[[str], None] = print,
     runaway: RunawaySettings | None = None,
 ) -> ContinuationResult:
-    """Continue the truncated rows of `parent_config_hash` in `shard` to the cap `to`; copy its stopped rows.
-
-    `to` a ToWindow: the parent is a window-policy config; continue it to this larger trainer window instead (each
-    row to its own request cap there). With `dispatch.stream`, every request is streamed and watched (stalls, and
-    loops by the `runaway` rules)."""
+    """Continue the truncated rows of `parent_config_hash` in `shard` to the cap `to` (or a ToWindow); copy its
+    stopped rows. With `dispatch.stream`, requests are watched for stalls and, by `runaway`, loops."""
     storage, started = open_storage(data_dir), time.monotonic()
     store = completion_store(storage, shard)
     if not prompt_store(storage, shard).parts():
@@ -567,8 +539,7 @@ def _drift_note(drift: list[int]) -> list[str]:
 
 
 def _account(run: ContinuationResult, data_dir: Storage, generation: GenerationSettings, output: ShardOutput) -> None:
-    """The new config's figures from what is committed, each conversation in the first class that applies (a
-    generation run's rows and rejects of the new config count too: the accounting is the config's, not this run's);
+    """The new config's figures from what is committed (the config's, a generation run's rows too, not this run's);
     a failure counts only where its conversation is still open."""
     h, shard = run.config_hash, run.shard
     states = account(run, data_dir, output, generation, numbered=False)

@@ -1,20 +1,6 @@
-"""Read a prompt source (JSONL or Parquet) one shard at a time, validating every line.
-
-A shard is a fixed range of source lines/rows: shard k holds lines [k*size, (k+1)*size). Each line
-becomes either a `Prompt` or a `SourceReject` with a reason, so counts always add up:
-lines in the shard = prompts + rejects. Nothing loads the whole source into memory.
-
-Formats, recognised per record by its keys (the counts per format are the shard's metadata):
-    messages        {"id"?, "messages": [{"role", "content"}, ...]}            (OpenAI roles)
-    conversations   {"id"?, "conversations": [{"role", "content"}, ...]}       (SpecForge; our own export)
-    sharegpt        {"id"?, "conversations": [{"from", "value"}, ...]}         (speakers mapped by SPEAKERS)
-    prompt          {"id"?, "prompt": "..."}
-    openai_batch    {"custom_id", "body": {"messages": [...]}}                 (the OpenAI batch input file)
-    mapped          any other columns, named by a FieldMapping (id_field, messages_field)
-A Parquet file (a Hugging Face datasets export: list<struct> columns) reads the same way. A conversation is
-optional system turns, then user and assistant alternating from the user; it may end with either (a final
-assistant turn is the one regenerated). An agentic line adds `tools` and tool turns (generation/tools.py): an
-assistant turn of tool calls is answered by one tool result per call, then the assistant goes on.
+"""Read a prompt source (JSONL or Parquet, in any of FORMATS: docs/prompts.md) one shard at a time, validating every
+line. Shard k holds source lines [k*size, (k+1)*size); each line becomes a `Prompt` or a `SourceReject` with a
+reason, so lines in the shard = prompts + rejects. Nothing loads the whole source into memory.
 """
 
 from __future__ import annotations
@@ -62,9 +48,8 @@ class SourceError(Exception):
 
 @dataclass(frozen=True)
 class FieldMapping:
-    """Column names for a source that fits none of the known formats (config: `id_field`, `messages_field`).
-
-    The messages field holds a list of {role, content} or ShareGPT {from, value} turns."""
+    """Column names for a source that fits none of the known formats: its messages field holds a list of
+    {role, content} or ShareGPT {from, value} turns."""
 
     id_field: str | None = None
     messages_field: str | None = None
@@ -150,8 +135,7 @@ def _source_turns(path: str, size: int, mtime_ns: int, mapping: FieldMapping | N
 
 def source_turns(path: str | Path, mapping: FieldMapping | None = None, first_only: bool = False) -> SourceTurns:
     """Scan the whole source (cached per file size and mtime): its valid prompts and those carrying history.
-    `first_only` stops at the first one that does (enough to resolve `auto`). That scan comes first either way: when
-    it finds none it has read the whole source, and is the whole answer (a source is not read twice for it)."""
+    `first_only` stops at the first one that does (enough to resolve `auto`)."""
     path = Path(path)
     _check_file(path)
     stat = path.stat()
@@ -222,10 +206,7 @@ def shard_keys(path: Path, shard_size: int) -> list[str]:
 
 
 def unwritable(text: str) -> str | None:
-    """Why a decoded string cannot be written back as UTF-8 (Parquet, JSON lines), or None.
-
-    JSON may escape a lone UTF-16 surrogate (`"\\ud800"`, a broken emoji in a scraped dump): it decodes to a
-    Python str that no UTF-8 encoder accepts."""
+    """Why a decoded string cannot be written back as UTF-8, or None: JSON may escape a lone UTF-16 surrogate."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

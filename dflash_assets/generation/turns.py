@@ -1,30 +1,16 @@
 """A conversation is the unit of generation: the turns a config generates of it, and where it stands.
 
 `regenerate` chooses which turns of a source conversation are generated (`turns_of`, the one place that reads it):
-- last_turn: one turn, its final assistant turn, requested with everything before it (the source's own earlier
-  answers included); its rows record no turn number (the rows of the pipeline before all_turns existed).
-- all_turns: every assistant turn, in order. The source's assistant turns are dropped: turn k (1-based) is requested
-  with the system turns, the user turns 1..k and the regenerated answers of turns 1..k-1, each answer as its
-  `content` only, without its reasoning: what Qwen3's chat template itself keeps of earlier assistant turns (it
-  strips their thinking), so the request is what the model would see in a real dialogue.
-An agentic conversation's turns are its assistant turns, tool calls included (generation/tools.py): turn k is
-requested after the messages the source has before its k-th assistant turn, a user turn or the tool results that
-answer turn k-1's calls, spliced after the target's own calls in order (the source's results: tools are never
-executed). Where the target's turn makes as many calls as the source's turn had results the conversation goes on;
-otherwise (no call where the source called, or calls the source has no results for) it ends there, `diverged`:
-its turns so far are the target's, and no result can be spliced honestly.
-Everything after that choice (plan, send, commit, accounting) takes conversations and turns: turns of one
-conversation are sequential (turn k+1 is a follow-up the dispatcher sends as soon as turn k's answer is back);
-conversations run in parallel.
+last_turn, its final assistant turn with everything before it (its rows record no turn number); all_turns, every
+assistant turn in order, turn k requested with the system turns, the user turns 1..k and the regenerated answers of
+turns 1..k-1 as their `content` only (what Qwen3's chat template keeps of earlier assistant turns). An agentic
+conversation splices the source's tool results after the target's own calls (tools are never executed); where the
+target's calls do not match the source's results it ends there, `diverged`.
 
-Exactly once per turn, with the same ledger as everything else: a turn is done iff its row (prompt_id, turn,
-config_hash) is in a committed part. On every start the state of each conversation is recomputed from those
-rows and the server's refusals: the turns committed so far (1..k, contiguous), whether it is over (every turn
-done, a turn cut short, a turn refused), else the next turn, whose history is rebuilt from the committed answers:
-the same history an uninterrupted run would have sent. A truncated or refused turn ends its conversation (a later
-turn would condition on a cut answer); a turn whose retries ran out is retried by the next run. Under the window
-policy a conversation also ends once a turn's prompt plus answer fills the trainer's window: the trainer cuts
-every later turn.
+A turn is done iff its row (prompt_id, turn, config_hash) is in a committed part: on every start each conversation's
+state is recomputed from those rows and the refusals, its next turn's history rebuilt from the committed answers. A
+truncated or refused turn ends its conversation (a later turn would condition on a cut answer), as does, under the
+window policy, a turn whose prompt plus answer fills the trainer's window.
 """
 
 from __future__ import annotations
@@ -188,10 +174,8 @@ def next_item(prompt: PromptRow, shard: str, generation: GenerationSettings, sta
 
 
 def fills_before(turn: int, prompt_tokens: int, generation: GenerationSettings) -> bool:
-    """A later turn whose history already fills the trainer's window, or leaves it room for fewer than
-    min_loss_tokens supervised tokens: the trainer keeps none of its answer nor of the turns after it, so its
-    conversation ends there, with no request for any of them (rules.leaves_loss_room, the rule preflight and the
-    export share). A first turn is preflight's: the window policy rejects it, a fixed cap sends it and counts it."""
+    """A later turn whose history leaves the trainer's window no room for min_loss_tokens (rules.leaves_loss_room):
+    its conversation ends there, unsent. A first turn is preflight's."""
     return turn > 1 and not leaves_loss_room(prompt_tokens, generation.trainer_max_length, generation.min_loss_tokens)
 
 
@@ -234,8 +218,7 @@ def _committed_turns(
     store: PartStore, config_hash: str
 ) -> dict[str, dict[int, tuple[str, Answer, int | None, int | None]]]:
     """prompt_id -> {turn: (finish_reason, answer, prompt_tokens, completion_tokens)} of this config, the answer its
-    content, or its message where it made tool calls; a row that records no turn number is its conversation's one
-    generated turn, turn 1."""
+    content, or its message where it made tool calls; a row with no turn number is turn 1."""
     parts = store.parts()
     found: dict[str, dict[int, tuple[str, Answer, int | None, int | None]]] = {}
     if not parts:
@@ -243,7 +226,6 @@ def _committed_turns(
     dataset = store.storage.dataset(parts, schema=COMPLETION_SCHEMA)  # parts from before `turn` read it as null
     columns = ["prompt_id", "turn", "finish_reason", "content", "prompt_tokens", "completion_tokens", "tool_calls_json"]
     for batch in dataset.to_batches(columns=columns, filter=pc.field("config_hash") == config_hash):
-        # a column at a time (every committed row of the shard is read here, at every plan and every account)
         for pid, turn, finish, content, prompt, completion, calls in zip(*batch.to_pydict().values(), strict=True):
             answer = answer_message(content or "", calls) if calls else content or ""
             found.setdefault(pid, {})[turn or 1] = (finish, answer, prompt, completion)
@@ -278,8 +260,7 @@ def conversations(
     replanned: bool = True,
 ) -> dict[str, Conversation]:
     """The state of every conversation of the shard under this config, from the committed parts and the rejects
-    (`replanned=False`: without the plan's preflight rejects, which a plan recomputes). Under the window policy a
-    conversation ends once a turn fills the trainer's window."""
+    (`replanned=False`: without the plan's preflight rejects, which a plan recomputes)."""
     committed = _committed_turns(completion_store(data_dir, shard), config_hash)
     stores = [reject_store(data_dir, shard, s) for s in ("preflight", "server")]
     rejected = rejected_turns(stores, config_hash, replanned)

@@ -1,34 +1,12 @@
-"""The data dir as a few small temp tables in one in-memory DuckDB: what every check and report reads.
+"""The data dir as a few small temp tables in one in-memory DuckDB (`open_quality_db`): what every check and report
+reads. The committed Parquet parts are scanned once and only read (a check never holds a lock the writer needs);
+`completions` keeps the key and token columns and flags computed from the text (COMPLETION_COLUMNS,
+COMPLETION_FLAGS, window_flags_sql), so no check re-reads the text. Every table exists, empty when its directory has
+no files yet.
 
-The Parquet files (committed parts only, see parquet_files) are scanned once. `completions` keeps the key
-and token columns plus three row flags computed from the text (empty content, think markers, empty
-reasoning), so a dozen checks run over a compact in-memory table instead of re-reading megabytes of
-completion text each. The Parquet files are only read: DuckDB is single-writer, and a check must never hold
-a lock the writer needs.
-
-Tables (every one exists, empty when its directory has no files yet):
-    completions  prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens,
-                 max_output_tokens, server_context_length, enable_thinking, tool_calls_json (agentic rows), plus the
-                 flags content_empty,
-                 think_marker (content or reasoning, any case: trainer_format.py), reasoning_empty and runaway (a
-                 cut row whose output ends in a loop, generation/runaway.py); judged against the trainer's window
-                 max_length (rules.py), each row by its own (judged_window: the window a cap_policy window row
-                 recorded, else the trainer's window in force): cut_inside_window, window_complete (cut at or past
-                 it, not a runaway), trained_tokens; and config_cap, the config's cap (policy_cap under the window
-                 policy, whose rows each record their own max_output_tokens) and window_sized (rules.WINDOW_SIZED_SQL)
-    rejects      REJECT_SCHEMA minus created_at
-    failures     FAILURE_SCHEMA minus created_at
-    prompts      prompt_id, shard, tools_json of PROMPT_SCHEMA (what accounting and the tool_calls check join on)
-    outcomes     one row per (shard, config_hash, prompt_id) with any row in completions, preflight/server
-                 rejects or failures: `outcome` 1 completed, 2 rejected, 3 failed (the first that applies)
-    other_outcomes  the same for every config but the scope's (empty without a config scope): what accounting
-                 reports as superseded
-    config_writes   config_hash, first_written, last_written of every config in the shard scope (whatever the
-                 config scope): its completion, preflight/server reject and failure rows' created_at
-
-Scope: `shard` reads only `<table>/shard=<key>/`; `config_hash` keeps that config's rows (and every
-source-stage reject, which comes before any config): the config being judged, the run's own. The other configs
-of the shards are only counted (other_outcomes, config_writes), never pooled into a figure.
+Scope: `shard` reads only `<table>/shard=<key>/`; `config_hash` keeps that config's rows (and every source-stage
+reject, which comes before any config). The other configs of the shards are only counted (other_outcomes,
+config_writes), never pooled into a figure.
 """
 
 from pathlib import Path
@@ -127,26 +105,19 @@ def runaway_sql(runaway: RunawaySettings) -> str:
     )
 
 
-# Built once because accounting and context_overflow both need "what happened to each prompt under each config".
+# What happened to each prompt under each config (accounting, context_overflow): `outcome` 1 completed, 2 rejected,
+# 3 failed, the first that applies. `outcomes` of the scope's tables; `other_outcomes` of every config but the scope's
 OUTCOMES = """
-CREATE TEMP TABLE outcomes AS
-SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
-    SELECT shard, config_hash, prompt_id, 1 AS outcome FROM completions
-    UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM rejects WHERE stage <> 'source'
-    UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM failures
-) GROUP BY ALL
-"""
-
-OTHER_OUTCOMES = """
-CREATE TEMP TABLE other_outcomes AS
+CREATE TEMP TABLE {table} AS
 SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
     SELECT shard, config_hash, prompt_id, 1 AS outcome FROM {completions}
     UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM {rejects} WHERE stage <> 'source'
     UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM {failures}
-) WHERE getvariable('scope_config') IS NOT NULL AND config_hash IS DISTINCT FROM getvariable('scope_config')
-    AND ($shard IS NULL OR shard = $shard)
+) WHERE {where}
 GROUP BY ALL
 """
+OTHER_CONFIGS = """getvariable('scope_config') IS NOT NULL AND config_hash IS DISTINCT FROM getvariable('scope_config')
+    AND ($shard IS NULL OR shard = $shard)"""
 
 CONFIG_WRITES = """
 CREATE TEMP TABLE config_writes AS
@@ -160,12 +131,8 @@ GROUP BY ALL
 
 
 def parquet_files(data_dir: str | Path | Storage, table: str, shard: str | None = None) -> list[str]:
-    """The committed Parquet parts of one table (or one shard of it), in a stable order, as DuckDB names them.
-
-    "Committed" is the generation store's own rule (PartStore.parts), folder by folder: no temp files, and
-    no part a compacted file already holds, so a crash between a compaction's rename and its deletes is
-    never read as duplicated rows. On an object store the names are `s3://` URIs (see `parquet_source`).
-    """
+    """The committed Parquet parts (PartStore.parts) of one table (or one shard of it), sorted, as DuckDB names them
+    (`s3://` URIs on an object store)."""
     storage = open_storage(data_dir)
     return sorted(storage.duckdb_path(p) for p in committed_parts(storage, table, shard))
 
@@ -179,10 +146,7 @@ def parquet_source(
     row_position: bool = False,
 ) -> str:
     """A FROM clause over the table's files, or over an empty table of its schema when there are none yet.
-
-    `row_position` adds `filename` and `file_row_number`: a row's stable identity across queries. On an object
-    store the files are read by `read_parquet` too: the data dir's own filesystem is registered with `con`.
-    """
+    `row_position` adds `filename` and `file_row_number`: a row's stable identity across queries."""
     storage = open_storage(data_dir)
     files = parquet_files(storage, table, shard)
     if row_position:
@@ -210,7 +174,7 @@ def open_quality_db(
     runaway: RunawaySettings = RunawaySettings(),
     max_length: int = TrainerSettings().max_length,
 ) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB holding the scoped temp tables above; close it (or use it as a context manager).
+    """An in-memory DuckDB holding the scoped temp tables (module doc); close it (or use it as a context manager).
     `max_length` is the trainer's window the rows are judged against."""
     con = connect_duckdb()
     register_runaway(con, runaway)
@@ -255,15 +219,15 @@ def open_quality_db(
         f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard, tools_json FROM {src} WHERE {shard_ok}",
         {"shard": shard},
     )
-    con.execute(OUTCOMES)
-    con.execute(OTHER_OUTCOMES.format(**sources), {"shard": shard})
+    scoped = {table: table for table in sources}
+    con.execute(OUTCOMES.format(table="outcomes", where="true", **scoped))
+    con.execute(OUTCOMES.format(table="other_outcomes", where=OTHER_CONFIGS, **sources), {"shard": shard})
     con.execute(CONFIG_WRITES.format(**sources), {"shard": shard})
     return con
 
 
 def register_runaway(con: duckdb.DuckDBPyConnection, runaway: RunawaySettings = RunawaySettings()) -> None:
-    """`is_runaway(tail VARCHAR) -> BOOLEAN` on `con`, judged by `runaway`. Vectorised (a batch of rows per call
-    through Arrow): a call per row would cost more than the test itself."""
+    """`is_runaway(tail VARCHAR) -> BOOLEAN` on `con`, judged by `runaway`, a batch of rows per call (Arrow)."""
 
     def batch(tails: pa.Array) -> pa.Array:
         return pa.array([is_runaway(t, runaway) for t in tails.to_pylist()], pa.bool_())

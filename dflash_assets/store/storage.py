@@ -1,41 +1,15 @@
-"""Where the tables live: a local directory or an S3-compatible object-store prefix, behind one small interface.
+"""Where the tables live: a local directory or an S3-compatible prefix (`open_storage`), behind one small interface:
+a `pyarrow.fs.FileSystem` and the root in it. Reads go through `storage.fs` on both (DuckDB after `attach`); commits,
+deletes and the writer lock differ (deploy/README.md: the data dir on S3).
 
-`open_storage(data_dir)` takes the data-dir string (`DFLASH_DATA_DIR`) and returns a Storage: a
-`pyarrow.fs.FileSystem` plus the root path in it, with the few operations the Parquet tables need. Reads go
-through `storage.fs` on both (pyarrow reads, and DuckDB through `storage.attach(con)` + `storage.duckdb_path`);
-only commits, deletes and the writer lock differ:
+Commit on S3: there is no rename, but an object becomes visible only whole, when its upload completes; and a pyarrow
+output stream that is closed (by `with`, or the garbage collector) completes the upload with what was written so far.
+So a part is serialised to memory and written in ONE write; a compacted file is streamed to a temporary name
+(`.<name>.<rand>.tmp`, never read) and copied server-side to its final name (CopyObject: atomic, at most 5 GB).
 
-local path (`data`, `/srv/data`)         pyarrow LocalFileSystem; a file is committed as it always was: written
-                                         to a temporary name, fsynced, renamed into place, directory fsynced.
-                                         The per-shard writer lock is an flock on `<shard dir>/.lock`.
-`s3://bucket/prefix`                     pyarrow S3FileSystem (endpoint from DFLASH_S3_ENDPOINT, else
-                                         AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL; region and credentials from the
-                                         standard AWS environment / config chain, read by the AWS SDK itself: they
-                                         never pass through this code, are never logged and never stored).
-
-Commit on S3. There is no rename, but an object only becomes visible when its upload completes, whole: a single
-PUT (a part below the multipart threshold is one PutObject: `allow_delayed_open`), or a multipart upload's
-CompleteMultipartUpload (larger files). A process killed mid-upload leaves at most an incomplete
-multipart upload, which no listing or read ever shows (an S3 lifecycle rule `AbortIncompleteMultipartUpload`
-reclaims its storage; pyarrow has no call to list or abort them). One trap: a pyarrow output stream that is
-*closed* (explicitly, by `with`, or by the garbage collector) completes the upload with whatever was written
-so far, so a Python exception in the middle of a streamed write would publish a torn object. Hence:
-- a part (and a whole-file table: prompts, rejects, failures) is serialised to memory first, then written under
-  its final name with ONE write and a close: the stream only ever holds a complete Parquet file;
-- a compacted file is streamed (memory stays at one part) to a temporary name (`.<name>.<rand>.tmp`, never read:
-  readers skip names starting with "."), and only after that upload completed is it copied server-side to its
-  final name (CopyObject is atomic; at most 5 GB, so compaction is skipped above COPY_LIMIT), then the temporary
-  object is deleted. A crash leaves a temporary object, which `PartStore.recover` deletes.
-
-Lock on S3. flock cannot reach an object store, and pyarrow cannot send conditional writes (If-None-Match), so
-the writer lock of a shard on S3 is an flock on a LOCAL file (under `$DAGSTER_HOME/locks`, else the temp dir)
-keyed by the shard's URI. It stops two processes on one host (kill -9 still frees it); it does NOT stop two
-hosts. S3 mode therefore ASSUMES ONE WRITER HOST PER SHARD at a time. It holds when generation runs on one host
-(the default run launcher and multiprocess executor: every step of every run shares the lock directory); with
-runs spread over hosts (k8s / celery launchers) the deployment must not start two runs of the same shard at
-once, e.g. the `sglang_fleet` pool at limit 1 (the instance enforces pools across hosts), or backfills over
-disjoint shard ranges. Two writers of one shard would not corrupt a file (every object is whole), but could
-both generate the same prompts: duplicate rows, which the `duplicates` check reports. Readers never lock.
+Lock on S3: an flock on a LOCAL file keyed by the shard's URI (pyarrow sends no conditional writes). It stops two
+processes on one host, not two hosts: S3 mode assumes one writer host per shard at a time (the instance's per-shard
+pool). Two writers would not corrupt a file, but could duplicate rows, which the `duplicates` check reports.
 """
 
 from __future__ import annotations
@@ -112,9 +86,7 @@ def write_atomic(table: pa.Table, path: Path) -> Path:
 
 def write_local(path: Path, schema: pa.Schema, tables: Iterable[pa.Table]) -> Path:
     """Commit one local Parquet file made of `tables`, one at a time in memory: written to a temporary name, fsynced,
-    renamed into place, its directory fsynced. A temporary file that could not be written whole (a full disk, a
-    quota) is removed at once, never renamed: the space it took is given back, and nothing half-written is left for
-    `recover` to find."""
+    renamed into place, its directory fsynced. A temporary file that could not be written whole is removed at once."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
@@ -303,9 +275,7 @@ class S3Storage(Storage):
         return f"s3://{path}"
 
     def attach(self, con) -> None:
-        """DuckDB reads s3:// through this storage's own pyarrow S3FileSystem, wrapped as an fsspec filesystem.
-
-        (DuckDB's httpfs extension is not needed, nor a second copy of the endpoint and credentials.)"""
+        """DuckDB reads s3:// through this storage's own pyarrow S3FileSystem (no httpfs, no second credentials)."""
         fs = duckdb_filesystem(self.fs)
         if fs.protocol not in con.list_filesystems():
             con.register_filesystem(fs)
@@ -344,15 +314,12 @@ class S3Storage(Storage):
 
 
 def duckdb_filesystem(fs: pafs.FileSystem):
-    """`fs` as the fsspec filesystem `duckdb.register_filesystem` takes, claiming s3:// (fsspec is what DuckDB's
-    Python package itself uses for registered filesystems; it is imported only here, on the S3 path)."""
+    """`fs` as the fsspec filesystem `duckdb.register_filesystem` takes, claiming s3://."""
     from fsspec.implementations.arrow import ArrowFSWrapper
 
     class DuckDBFileSystem(ArrowFSWrapper):
-        """s3://bucket/key -> bucket/key on a pyarrow S3FileSystem.
-
-        DuckDB asks for a file's size and kind several times per file, each answer a HEAD request: they are
-        kept for the life of the connection (a committed part never changes under its name)."""
+        """s3://bucket/key -> bucket/key on a pyarrow S3FileSystem. A file's info (a HEAD request, asked several
+        times per file) is kept for the connection's life: a committed part never changes under its name."""
 
         protocol = "s3"
         cachable = False  # fsspec's instance cache could otherwise hand back one made for another endpoint

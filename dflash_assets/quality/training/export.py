@@ -1,33 +1,12 @@
-"""The drafter training set: only rows that pass the row-level gates, in the form the trainer reads.
+"""The drafter training set: the rows that pass every row-level gate (EXCLUSION_REASONS), in the form the trainer
+reads (writers.py), as training_set.jsonl and .parquet, the trainer's settings beside them (trainer_settings.py) and
+manifest.json last: each written to a temp name, fsynced, renamed, so a manifest means a complete export. Rows come
+in (shard, prompt_id, config_hash) order and nothing time-dependent is written: the same inputs give byte-identical
+files. `id` is "<prompt_id>@<config_hash>" (a pre-tokenized all_turns sample: "...#<turn>").
 
-Output in `out_dir` (each file written to a temp name, fsynced, then renamed; the manifest last, so a
-manifest means a complete export):
-    training_set.jsonl     {"id", "status": "success", "conversations": [prompt messages..., {"role": "assistant",
-                           "content", "reasoning_content"?}]}, one line per row: the form SpecForge's
-                           validate_regenerated_data.py accepts (quality/training/trainer_format.py has its rules); with
-                           form="messages", {"id", "messages": [...]}: the OpenAI messages form; with
-                           form="pretokenized", {"id", "input_ids", "loss_mask"} from the stored token ids
-    training_set.parquet   the same rows with provenance columns, the conversation as list<struct>
-    manifest.json          row counts by config and source, excluded counts by reason, config hashes, sha256s
-    specforge_data.yaml    what the trainer must set to read the file as it was meant (trainer_settings.py):
-    speculators_flags.txt  SpecForge's `data:` block, speculators' flags (--seq-length)
-Rows come in (shard, prompt_id, config_hash) order and nothing time-dependent is written, so the same inputs
-give byte-identical files. `id` is "<prompt_id>@<config_hash>": unique even when several configs are exported
-(pre-tokenized all_turns rows, one sample per turn: "<prompt_id>@<config_hash>#<turn>").
-
-The trainer's window decides what a cut row is (rules.py): the window a cap_policy window config's rows recorded,
-else TrainerSettings.max_length (a fixed cap records none); the manifest says which, and a window-policy config is
-never exported at another window than its own. A row whose prompt fills its window has no trainable token: it is
-excluded ("no_trainable_tokens"). Cut inside the window a row is excluded ("truncated"); cut at or past it, it is
-window-complete and exported, because the trainer reads it exactly as it reads the complete answer; a runaway stays
-out ("runaway") even past the window, since its loop can start inside it. Two forms of a window-complete row:
-- pretokenized: prompt ids then output ids, loss 0 on the prompt and 1 on generated tokens, cut at the window:
-  exactly the server's own tokens, nothing re-tokenized.
-- conversations / messages: a row cut inside its thinking has an empty content, which SpecForge's validator
-  refuses (conversation_validation.py: every content non-empty), and its first bad row aborts the whole file. Such
-  a row is written with content WINDOW_CUT_CONTENT, a placeholder that lies past the window (prompt + reasoning
-  already fill it, by the overshoot), so the trainer never reads it, while the validator accepts the file. The
-  manifest counts them (`window_cut_in_thinking`).
+The window that judges a cut row is the one a cap_policy window config recorded, else TrainerSettings.max_length;
+the manifest says which. Cut at or past it a row is window-complete and exported (the trainer reads it as it reads
+the complete answer), but a runaway stays out: its loop can start inside the window.
 """
 
 import contextlib
@@ -85,26 +64,19 @@ from dflash_assets.store.storage import connect_duckdb, is_uri, open_storage
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
-    "no_trainable_tokens",  # the prompt fills the window (rules.fills_window): the trainer would read no answer
-    #                         (an all-zero loss mask); a later turn's ends its conversation before it (selection.py)
-    "too_few_loss_tokens",  # fewer than min_loss_tokens supervised tokens inside the window (rules.trainable_sql): the
-    #                         trainer drops the sample (SpecForge: has_consecutive_supervised_tokens)
+    "no_trainable_tokens",  # the prompt fills the window (rules.fills_window_sql): an all-zero loss mask
+    "too_few_loss_tokens",  # rules.trainable_sql: the trainer drops the sample (has_consecutive_supervised_tokens)
     "truncated",  # finish_reason 'length' inside the trainer's window (rules.cut_inside_window_sql)
-    "runaway",  # a loop: stopped while streaming (finish_reason 'runaway'), or cut past the window while looping
-    #             (generation/runaway.py): the loop may start inside the window
+    "runaway",  # stopped while streaming, or cut past the window while looping (generation/runaway.py)
     "not_stop",  # any other finish_reason than 'stop' or 'length' (abort, null)
     "empty_content",  # a stopped row, or a cut one without reasoning either
-    "think_marker",  # <think> or </think>, any case, in an assistant message's content or reasoning_content
-    # (trainer_format.py): the answer, or under last_turn an earlier answer the source's history carries
+    "think_marker",  # in an answer, or under last_turn in an earlier answer of the history (trainer_format.py)
     "context_overflow",  # rules.OVERFLOW_SQL: generated under a clamp
     "over_max_length",  # prompt_tokens + completion_tokens > max_length, only with drop_over_max_length
     "no_prompt",  # no prompt_shards row to take the messages from
     "no_token_ids",  # pretokenized form only: the row was generated without store_token_ids
-    "recipe_validation",  # conversations / messages forms: SpecForge's validator with its recipe's flags would stop
-    #                       at the row (trainer_format.row_problem): e.g. under last_turn with thinking, the source's
-    #                       earlier answers, which have no reasoning_content
-    NOT_WHOLE,  # a turn that passed, of a conversation a later turn keeps out (cut inside the window, refused,
-    #             failed, ...: the manifest's conversations.left_out says which turn and why)
+    "recipe_validation",  # text forms: SpecForge's validator with its recipe's flags would stop at the row
+    NOT_WHOLE,  # a turn that passed, of a conversation a later turn keeps out (selection.py)
     AFTER_END,  # a turn that passed, after its conversation ended for the trainer (selection.py)
     "duplicate",  # a later copy (created_at, then file order) of a (prompt_id, config_hash) already kept
 )
@@ -114,13 +86,10 @@ REASON_NOTES = {
     "its answer was decoded for nothing; --cap-policy window rejects such prompts before any request)",
 }
 ROW_GROUP = 8192
-# a row group's records go to Arrow this many at a time (a divisor of ROW_GROUP), so that they are not held as Python
-# dicts too; the chunks are made one table before writing: the file's bytes are those of one table per row group
+# records go to Arrow CHUNK at a time (a divisor of ROW_GROUP); a row group is written as one table, for stable bytes
 CHUNK = 1024
 NO_LIMIT = 2**31 - 1  # max_length None: no window, every cut row is cut inside it
-# past DuckDB's memory limit (store/storage.py connect_duckdb) the graded rows spill to SPILL_DIR in the output
-# directory (removed after), so the peak does not grow with the rows (benchmarks/bench_export.py)
-SPILL_DIR = ".export_spill"
+SPILL_DIR = ".export_spill"  # DuckDB spills past its memory limit here, in out_dir (removed after)
 
 
 MODE_NAMES = {True: "thinking", False: "no_thinking"}  # a row's enable_thinking, as the manifest names it
@@ -189,8 +158,7 @@ JOIN (SELECT shard, prompt_id, arg_min(messages_json, line) AS messages_json, ar
     ON p.shard = g.shard AND p.prompt_id = g.prompt_id
 ORDER BY b.ord
 """
-# a batch's tokens (prompt + completion): what a batch of text holds at once, in DuckDB and in Python, is about
-# bounded by it (a few bytes a token), whatever a shard's or the data set's size
+# the tokens (prompt + completion) of a batch of text: what the export holds at once is about bounded by it
 BATCH_TOKENS = 2_000_000
 
 
@@ -227,8 +195,7 @@ def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
 
 
 def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> Iterator[Conversation]:
-    """The kept rows a conversation at a time: one row (last_turn), or the turns of one (prompt, config); a shard at a
-    time, its keys sorted, then its text fetched a batch of BATCH_TOKENS at a time in that order."""
+    """The kept rows a conversation at a time, a shard at a time: its keys sorted, its text fetched by BATCH_TOKENS."""
     key = lambda r: (r.prompt_id, r.config_hash, r.turn is None)  # noqa: E731
     for shard in _shards(con, "graded"):
         query = KEPT.format(
@@ -265,9 +232,8 @@ def _write(
     held: Callable[[str], bool],
     tools: bool = False,
 ) -> tuple[Written, dict[str, tuple[int, int]]]:
-    """Stream the kept conversations through the form's writer into each side's two files (split.py: `outputs` by
-    side, the held-out side absent when nothing is held out; `held` decides by prompt id); Parquet row groups are
-    always ROW_GROUP rows, for stable bytes. Returns what was written and each side's (lines, conversations)."""
+    """Stream the kept conversations through the form's writer into each side's two files (`outputs` by side of
+    split.py; `held` decides by prompt id). Returns what was written and each side's (lines, conversations)."""
     done = Written()
     with contextlib.ExitStack() as stack:
         sides = {
@@ -327,8 +293,7 @@ class _Side:
 
 
 def _reassign(con: duckdb.DuckDBPyConnection, rows: list[tuple[int, int, str]]) -> None:
-    """Rows left out after grading (the validator would stop at them; their conversation is left out or ended
-    before them) take their reason in `graded`, so every count of the manifest has them."""
+    """Rows left out after grading take their reason in `graded`, so every count of the manifest has them."""
     if rows:
         con.execute(
             "CREATE OR REPLACE TEMP TABLE reassigned (file_index INTEGER, file_row_number BIGINT, reason VARCHAR)"
@@ -381,8 +346,8 @@ def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) 
 
 def _recipe(done: Written, writer: Writer, trainer: str) -> dict[str, Any]:
     """The validation run of the trainer's own code: SpecForge's validator on its text forms, with the strongest flags
-    that pass on every line written (Written.validated; its recipe's where they do), and what it refused. An agentic
-    file is judged by its own checks: the validator refuses the tool turns SpecForge's trainer reads."""
+    that pass on every line written (Written.validated), and what it refused. An agentic file is judged by its own
+    checks: the validator refuses the tool turns SpecForge's trainer reads."""
     judged = {
         "left_out": dict(sorted(done.refused.items())),
         "recipe_flags": sorted({flags_text(t) for t in done.thinking}),
@@ -494,22 +459,13 @@ class Chosen:
 
 
 def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: Any) -> TrainingExport:
-    """Write the rows that pass every row-level gate (EXCLUSION_REASONS) of one config (`config_hash`; None: all
-    configs), as ExportRequest(data_dir, out_dir, **options) asks.
+    """Write the rows of one config (`config_hash`; None: all configs) that pass every row-level gate, as
+    ExportRequest(data_dir, out_dir, **options) asks.
 
-    `chosen_by` says in the manifest how the config was chosen: "run" (the config the run generated), "latest" (the
-    most recently written, rules.latest_first) or "explicit" (named).
-
-    `form` is "conversations" (SpecForge's {id, status, conversations}), "per_turn" (a row per assistant turn),
-    "messages" (OpenAI's {id, messages}), "pretokenized" ({id, input_ids, loss_mask} from the stored token ids, cut at
-    max_length) or "auto" (chosen for `trainer` and the rows: trainer_format.chosen_form).
-
-    `max_length` is the trainer's window in force (None: no limit): fixed-cap rows are judged by it, a window-policy
-    config's by the window it recorded (module doc); rows that stopped past it are kept (the longest answers, which
-    trainers cut) unless `drop_over_max_length`. The manifest's `exclusions` gives every reason with its shares and
-    sources. `held_out_share` of the prompts (split.py) go whole to the held-out file beside the train file (0, here
-    by default, writes none; the pipeline passes TrainerSettings.held_out_share).
-    `data_dir` may be an object-store URI (s3://bucket/prefix); `out_dir` is always a local directory.
+    `chosen_by` says in the manifest how the config was chosen: "run", "latest" (rules.latest_first) or "explicit".
+    `form` is one of trainer_format.FORM or "auto" (trainer_format.chosen_form). `max_length` is the trainer's window
+    in force (None: no limit); rows that stopped past it are kept unless `drop_over_max_length`. `held_out_share` of
+    the prompts go whole to the held-out file (split.py). `data_dir` may be an object-store URI; `out_dir` is local.
     """
     request = ExportRequest(data_dir, out_dir, **options)  # graded, selected and written, then the trainer's file
     paths, tmps = _outputs(request)
@@ -550,9 +506,8 @@ def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: An
 
 
 def _outputs(request: ExportRequest) -> tuple[dict[str, Path], dict[str, Path]]:
-    """The export's files and their temporary names, once the request is known to be writable: a local out_dir, a
-    known form; the trainer files and held-out files of an earlier export there are removed (another form or window
-    must not leave stale ones)."""
+    """The export's files and their temporary names, once out_dir is known local and the form known; an earlier
+    export's trainer and held-out files there are removed (another form or window must not leave stale ones)."""
     if is_uri(os.fspath(request.out_dir)):
         raise ValueError(
             f"out_dir {request.out_dir!s} must be a local directory (the training set is written, fsynced and "
@@ -576,8 +531,7 @@ def _grade(con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest)
     con.execute("CREATE TEMP TABLE history_markers (shard VARCHAR, prompt_id VARCHAR)")
     for shard in _shards(con, "prompts"):  # a shard's messages at a time
         con.execute(HISTORY_MARKERS.format(prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard)))
-    # a row's file and position identify it between grading and writing, and order duplicates: the file by its index
-    # in `files` (sorted, so in file name order), not its name, which `graded` would hold per row
+    # (file_index, file_row_number) identify a row from grading to writing and order duplicates
     completions = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, row_position=True)
     con.execute("CREATE TEMP TABLE files (file_index INTEGER, filename VARCHAR)")
     if files := list(enumerate(parquet_files(storage, "completions"))):
@@ -615,8 +569,8 @@ def _grade(con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest)
 def _write_and_count(
     con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest, chosen: Chosen, tmps: dict[str, Path]
 ) -> tuple[Written, dict[str, tuple[int, int]], dict[str, Any]]:
-    """Where each conversation ends, the kept conversations written through the form's writer to both sides of the
-    split, and the manifest's counts of what was written and left out (its files, trainer and trained come after)."""
+    """Where each conversation ends, the kept conversations written to both sides of the split, and the manifest's
+    counts of what was written and left out (its files, trainer and trained come after)."""
     selection = _select(con, storage, request.min_loss_tokens)
     _reassign(con, selection.reassigned)
     rendered = FORM[chosen.form].rendered
@@ -650,8 +604,7 @@ def _write_and_count(
 
 
 def _kept_counts(con: duckdb.DuckDBPyConnection, request: ExportRequest, max_length: int | None, form: str) -> dict:
-    """The manifest's figures of the rows kept and left out: long rows kept, exclusions, rejects, window-complete
-    rows, and the trainer's window and form as exported."""
+    """The manifest's figures of the rows kept and left out, and the trainer's window and form as exported."""
     rejects = read_rejects(request.data_dir, config_hash=request.config_hash)  # the prompts that never became rows
     window_complete, cut_in_thinking = one(
         con,
@@ -683,8 +636,7 @@ def _kept_counts(con: duckdb.DuckDBPyConnection, request: ExportRequest, max_len
 
 def _window(con: duckdb.DuckDBPyConnection, max_length: int | None) -> dict[str, Any]:
     """The window the export judged and cut by, and why: the trainer's in force (`max_length`) for fixed-cap
-    configs, the recorded one for a window-policy config (said, when it is not the setting's: never mixed
-    silently). Several configs of several windows (config_hash 'all'): each by its own, listed by config."""
+    configs, the recorded one for a window-policy config (said when it is not the setting's); each config's own."""
     by_config = {
         h: (None if w >= NO_LIMIT else int(w))
         for h, w in con.execute("SELECT DISTINCT config_hash, judged_window FROM graded ORDER BY ALL").fetchall()
@@ -706,8 +658,8 @@ def _window(con: duckdb.DuckDBPyConnection, max_length: int | None) -> dict[str,
 
 
 def _exclusions(con: duckdb.DuckDBPyConnection, top: int = 3) -> list[dict[str, Any]]:
-    """Each reason that removed rows: rows and completion tokens removed (and their shares of all graded rows),
-    and the sources it removed the most rows from, with the share of that source's rows it took."""
+    """Each reason that removed rows: rows and completion tokens (and their shares of all graded rows), and the
+    `top` sources it removed most rows from, with the share of each source's rows it took."""
     total_rows, total_tokens = one(con, "SELECT count(*), coalesce(sum(completion_tokens), 0) FROM graded")
     out = []
     for reason, rows, tokens in con.execute(
@@ -769,8 +721,7 @@ def left_out_lines(manifest: dict[str, Any]) -> list[str]:
 
 
 def trained_words(manifest: dict[str, Any], short: bool = False) -> str:
-    """What the trainer will train, in a line (the manifest's `trained`): turns supervised of the train file's
-    turns, those not trained and why, the held-out rows and their route; `short`: the counts alone."""
+    """The manifest's `trained` in a line; `short`: the counts alone."""
     from dflash_assets.quality.outcome import num
 
     t = manifest.get("trained")
