@@ -1,22 +1,71 @@
-"""A run's config and what the fleet says it serves: the provenance enters the config hash, and is recorded per config.
+"""What the fleet says it serves enters a config's hash, and is recorded per config in the data dir.
 
 A fleet that renders another chat template, or runs another SGLang version, model revision or weight version behind
-the same model name, makes a config of its own: its rows never join those of another fleet. A config written before
-provenance was recorded (its rows in the data dir under the hash without it) keeps its hash, so an old data dir
-resumes where it stopped: its first run since records the fleet's provenance, and a later run on a fleet that says
-something else is refused before anything is sent.
+the same model name, makes a config of its own. A config written before provenance was recorded keeps its hash
+(`in_hash` false): its first run since records the fleet's provenance, and a later run on a fleet that says
+something else is refused before anything is sent. One small Parquet file per config, `provenance/<hash>.parquet`.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from datetime import UTC, datetime
+from pathlib import Path, PurePath
+
+import pyarrow as pa
 
 from dflash_assets.fleet.fleet import Fleet
 from dflash_assets.fleet.provenance import Provenance
 from dflash_assets.settings import GenerationSettings, SettingsError
-from dflash_assets.store import provenance as records
-from dflash_assets.store.storage import Storage
+from dflash_assets.store.storage import Storage, open_storage
 from dflash_assets.store.stores import committed_rows
+
+FOLDER = "provenance"
+PROVENANCE_SCHEMA = pa.schema(
+    [
+        ("config_hash", pa.string()),
+        ("in_hash", pa.bool_()),
+        ("sglang_version", pa.string()),
+        ("model_path", pa.string()),
+        ("revision", pa.string()),
+        ("weight_version", pa.string()),
+        ("chat_template", pa.string()),
+        ("template_fingerprint", pa.string()),
+        ("recorded_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+FIELDS = [f.name for f in PROVENANCE_SCHEMA if f.name not in ("config_hash", "in_hash", "recorded_at")]
+
+
+def _path(storage: Storage, config_hash: str) -> PurePath:
+    return storage.root / FOLDER / f"{config_hash}.parquet"
+
+
+def recorded(data_dir: str | Path | Storage, config_hash: str) -> dict | None:
+    """The config's recorded provenance (its FIELDS and `in_hash`), or None when none was recorded."""
+    storage = open_storage(data_dir)
+    path = _path(storage, config_hash)
+    if not storage.exists(path):
+        return None
+    row = storage.read_table(path).to_pylist()[0]
+    return {k: row[k] for k in (*FIELDS, "in_hash")}
+
+
+def hashed(data_dir: str | Path | Storage, config_hash: str) -> dict | None:
+    """The provenance the config's hash covers (None: none, a config written before provenance was recorded)."""
+    was = recorded(data_dir, config_hash)
+    return {k: was[k] for k in FIELDS} if was is not None and was["in_hash"] else None
+
+
+def record(data_dir: str | Path | Storage, config_hash: str, provenance: dict, in_hash: bool) -> None:
+    """Record what the fleet said for a config (the same content whoever writes it: writers may race)."""
+    storage = open_storage(data_dir)
+    row = {
+        "config_hash": config_hash,
+        "in_hash": in_hash,
+        **{k: provenance.get(k) for k in FIELDS},
+        "recorded_at": datetime.now(UTC),
+    }
+    storage.write_table(pa.Table.from_pylist([row], schema=PROVENANCE_SCHEMA), _path(storage, config_hash))
 
 
 class ProvenanceMismatch(SettingsError):
@@ -39,9 +88,9 @@ def run_settings(data_dir: str | Path | Storage, generation: GenerationSettings,
         return generation
     before = generation.config_hash(fleet.model)
     if sum(committed_rows(data_dir, None, before).values()):  # rows of a config written before provenance
-        was = records.recorded(data_dir, before)
+        was = recorded(data_dir, before)
         if was is None:
-            records.record(data_dir, before, said.as_dict(), in_hash=False)
+            record(data_dir, before, said.as_dict(), in_hash=False)
         elif Provenance.of(was) != said:
             raise _mismatch(
                 before,
@@ -53,15 +102,15 @@ def run_settings(data_dir: str | Path | Storage, generation: GenerationSettings,
         return generation
     run = generation.with_provenance(said.as_dict())
     config_hash = run.config_hash(fleet.model)
-    if records.recorded(data_dir, config_hash) is None:
-        records.record(data_dir, config_hash, said.as_dict(), in_hash=True)
+    if recorded(data_dir, config_hash) is None:
+        record(data_dir, config_hash, said.as_dict(), in_hash=True)
     return run
 
 
 def parent_settings(data_dir: str | Path | Storage, parent_hash: str, fleet: Fleet) -> dict | None:
     """What a continued config's parent hashed as its provenance (None: nothing, a config written before it), after
     checking the fleet says what the parent's fleet said: a continuation comes from the same servers' kind."""
-    was = records.recorded(data_dir, parent_hash)
+    was = recorded(data_dir, parent_hash)
     if was is None:
         return None
     if fleet.provenance is not None and Provenance.of(was) != fleet.provenance:
@@ -78,5 +127,5 @@ def record_continued(
     data_dir: str | Path | Storage, config_hash: str, generation: GenerationSettings, fleet: Fleet
 ) -> None:
     """Record the provenance of a continued config (its hash covers its parent's, when the parent's did)."""
-    if fleet.provenance is not None and records.recorded(data_dir, config_hash) is None:
-        records.record(data_dir, config_hash, fleet.provenance.as_dict(), in_hash=generation.provenance is not None)
+    if fleet.provenance is not None and recorded(data_dir, config_hash) is None:
+        record(data_dir, config_hash, fleet.provenance.as_dict(), in_hash=generation.provenance is not None)

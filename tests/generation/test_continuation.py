@@ -13,9 +13,9 @@ from dflash_assets.defs.metadata import ContinuationKeys, keys
 from dflash_assets.defs.partitions import shard_partitions
 from dflash_assets.defs.resources import DataDirResource, FleetResource, QualityResource
 from dflash_assets.generation.preflight import PreflightError
+from dflash_assets.generation.provenance import hashed
 from dflash_assets.generation.reasoning import Reasoning
 from dflash_assets.settings import DispatchSettings, GenerationSettings
-from dflash_assets.store.provenance import hashed
 from tests.support import dagster_run
 from tests.support.shards import FAST, N, cont, generate, kill_mid_continuation, make_shard, rows
 

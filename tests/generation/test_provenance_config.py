@@ -12,12 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_assets.fleet.fleet import on_fleet
+from dflash_assets.generation import provenance as records
 from dflash_assets.generation.engine import generate_shards
 from dflash_assets.generation.provenance import ProvenanceMismatch
 from dflash_assets.generation.request import GenerationRun
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.settings import GenerationSettings
-from dflash_assets.store import provenance as records
 from dflash_assets.store.configs import list_configs
 from tests.support.shards import FAST, SETTINGS, cont, questions, quiet, write_prompts
 
