@@ -1,11 +1,5 @@
-"""Generate the completions of shards: plan (resume + preflight), dispatch with retries, commit.
-
-    plan.py     what is left of each shard (from the committed parts: the one ledger) and whether it fits
-    send.py     the dispatch loop: every item to a server (slots.py picks which), retries, refusals
-    commit.py   each shard's results committed as Parquet parts; failures, compaction, the shard's figures
-
-This module puts the three together for fresh generation (`generate_shards`); continuation.py puts the same
-three together for continuing truncated rows by token ids.
+"""Generate the completions of shards (`generate_shards`): plan.py (what is left, preflight), send.py (dispatch with
+retries), commit.py (parts, failures, the shard's figures); continuation.py runs the same three for its own plan.
 """
 
 from __future__ import annotations

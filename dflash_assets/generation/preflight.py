@@ -1,10 +1,8 @@
 """Before the first request: does every prompt plus the cap fit what the servers will really grant?
 
-SGLang 0.5.23 answers a request whose prompt + max_new_tokens exceeds the context with a 400. Below that,
-its scheduler lowers max_new_tokens to max_req_len - prompt - 1 without a word, where max_req_len =
-min(context - 1, KV pool - 1) (/server_info `max_req_input_len` + 5): within two tokens of the context (the
-rule and its margin: dflash_assets/rules.py), and far below it when the KV pool is smaller than the context. It
-also refuses prompts of max_req_input_len tokens or more. Offenders are found here, with the numbers, instead.
+SGLang 0.5.23 answers 400 above the context, clamps max_new_tokens silently within two tokens of it (rules.py), and
+far below it when the KV pool is smaller than the context (max_req_len from /server_info `max_req_input_len`); it
+refuses prompts of max_req_input_len tokens or more. Offenders are found here, with the numbers, instead.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Quotas by source: so many prompts of each `source` of the prompt source, drawn seeded, decided in prompt_shards.
 
-A quota is a count (a whole number: that many prompts of the source) or a share (a number between 0 and 1: that
-share of them, rounded); a source without a quota is taken whole. The draw is over the whole source, not a shard: of a source's
-prompts (repeats left out: generation/dedupe.py), the `count` whose seeded hash of their prompt id is the smallest
-are taken, so the same prompts are drawn whichever shard is built first, after a kill, and on another machine. A
-prompt not drawn is a reject of stage `source` saying so; every later step sees the same prompts.
+The draw is over the whole source, not a shard: of a source's prompts (repeats left out), those whose seeded hash of
+their prompt id is smallest are taken, so the same prompts are drawn whichever shard is built first, after a kill
+and on another machine. A prompt not drawn is a reject of stage `source` saying so.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The reasoning split of SGLang 0.5.23's Qwen3 parser, and its inverse, for text the pipeline joins itself.
 
-/generate never separates reasoning, so a continued row is split here, the way the chat route splits a
-fresh completion (parser/reasoning_parser.py, BaseReasoningFormatDetector.detect_and_parse): leading
-`<think>`s dropped, text before the first `</think>` is reasoning, the rest content; cut off before
-`</think>` everything is reasoning (up to a `<tool_call>`, which Qwen3.5 may open without closing the
-thought). The parser strips no whitespace, so the split loses only the `</think>` itself: whether the output
-held one is read from the token ids, which makes the parent's raw text exactly recoverable.
+/generate never separates reasoning, so a continued row is split here as the chat route splits a fresh completion
+(parser/reasoning_parser.py, BaseReasoningFormatDetector.detect_and_parse). The parser strips no whitespace, so the
+split loses only the `</think>` itself: whether the output held one is read from the token ids, which makes the
+parent's raw text exactly recoverable.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Runaway generations: a row cut at its cap while repeating itself is not a long answer, it is a loop.
-
-A thinking model that loops repeats a line (or a phrase) until the cap stops it; raising the cap buys nothing
-for such a row, it only makes it longer. It is told apart from an honest long answer by the end of its output:
-either most of the tail's word n-grams repeat an earlier one, or one line makes up most of the tail's lines.
-`is_runaway` is a pure function on the text: generation stops a stream that loops by it (send.watch_of), and
-quality counts the cut rows that loop by it (quality/tables.py registers it in DuckDB).
+"""Runaway generations: a row cut at its cap while repeating itself is not a long answer, it is a loop, and a larger
+cap only makes it longer. `is_runaway` tells it from an honest long answer by the end of its output (repeated word
+n-grams, or one line making up most of the lines): generation stops a stream by it (send.watch_of), quality counts
+the cut rows by it (quality/tables.py).
 """
 
 from collections import Counter

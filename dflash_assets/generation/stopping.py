@@ -1,15 +1,11 @@
-"""A polite stop: SIGINT (Ctrl-C, and the UI's Terminate, which Dagster sends into the run worker as SIGINT) and
-SIGTERM (systemd, Kubernetes, Slurm) stop generating within seconds, keeping what was answered.
+"""A polite stop: SIGINT (Ctrl-C, and the UI's Terminate, which Dagster sends as SIGINT) and SIGTERM stop generating
+within seconds, keeping what was answered.
 
-While `stopping()` is entered (in the main thread: Python runs signal handlers there), the first SIGINT or SIGTERM
-sets the process's stop: the dispatcher sends no new request, closes the streams in flight (SGLang aborts a closed
-stream: the response's background task, `tokenizer_manager.create_abort_task`, so no GPU keeps decoding for a client
-that is gone), commits the answers it holds, closes the shards' parts and raises `Stopped`. A second signal within
-AGAIN_S is the same press (`uv run` forwards the terminal's SIGINT to its child, which has it already); a second press
-exits at once (`os._exit`, as a kill -9: the next run resumes exactly from the committed parts).
-
-Dagster runs a step with its own SIGINT handler (`capture_interrupts`), which only notes the signal for the next
-step boundary, so a long step never hears it: hence a handler of our own around the generating body.
+While `stopping()` is entered (in the main thread), the first signal sets the process's stop: the dispatcher sends
+nothing new, closes the streams in flight (SGLang aborts a closed stream: `tokenizer_manager.create_abort_task`),
+commits what it holds and raises `Stopped`. A second signal within AGAIN_S is the same press (`uv run` forwards it);
+a later one exits at once (`os._exit`, as a kill -9). Dagster's own SIGINT handler (`capture_interrupts`) only notes
+the signal for the next step boundary: hence a handler of our own around the generating body.
 """
 
 from __future__ import annotations

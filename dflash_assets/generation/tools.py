@@ -1,17 +1,10 @@
 """Agentic conversations: tool schemas, assistant tool calls and tool results, read, checked and spliced.
 
-The shapes read (OpenAI's, which SpecForge's and SGLang's chat routes take, and ShareGPT's tool speakers):
-    tools           [{"type": "function", "function": {"name", "description"?, "parameters"?}}] on the line (or
-                    a JSON string of it; a bare {"name", ...} entry is wrapped)
-    assistant       {"role": "assistant", "content": str | null, "tool_calls": [{"id"?, "type"?, "function":
-                    {"name", "arguments": JSON object or its text}}]}
-    tool            {"role": "tool", "content": str, "tool_call_id"?}  (answers the calls before it, in order)
-    ShareGPT        {"from": "function_call", "value": JSON of {"name", "arguments"} or a list of them} is an
-                    assistant turn of calls; {"from": "observation" | "tool" | "function", "value"} a tool result
-A call is kept as SGLang's parser returns one (serving_chat.py, function_call/base_format_detector.py): its
-arguments the JSON text `json.dumps(arguments, ensure_ascii=False)`, so the source's calls and the target's compare.
-Tools are never executed: after a regenerated call the source's own result is spliced, positionally (the i-th result
-after the target's i-th call, its tool_call_id the target's), as speculators' regeneration does.
+The shapes read are OpenAI's (`tools`, an assistant's `tool_calls`, `tool` messages) and ShareGPT's tool speakers
+(CALL_SPEAKERS, RESULT_SPEAKERS); docs/prompts.md. A call is kept as SGLang's parser returns one (serving_chat.py,
+function_call/base_format_detector.py): its arguments the text `json.dumps(arguments, ensure_ascii=False)`, so the
+source's calls and the target's compare. Tools are never executed: after a regenerated call the source's own result
+is spliced, positionally (its tool_call_id the target's), as speculators' regeneration does.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The configs of a data dir, side by side: each one's settings, shards, counts and when it was written.
-
-A data dir holds several generation configs of one prompt source (a cap bump, a relaunch, the window policy): that
-is normal. Every row records the config that made it (COMPLETION_SCHEMA's provenance columns), so a config is read
-off its rows, never off a second ledger. Only small columns are read (no text, no token ids): listing the configs
-of a data dir of a million rows reads a few megabytes.
-
-`latest` is the config most recently written (rules.latest_first): the one the export, the continuation's parent,
-the cap plan and the probe take when none is named.
+"""The configs of a data dir, side by side: each one's settings, shards, counts and when it was written. A config
+is read off its rows (every row records the config that made it), never off a second ledger, and only their small
+columns are read (no text, no token ids).
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A resource of the data dir's machine ran out: the errnos no retry cures, found under whatever wraps them.
-
-A full disk (ENOSPC), a quota (EDQUOT), a read-only filesystem (EROFS) or the open-files limits (EMFILE for the
-process, ENFILE for the system) fail every attempt the same way until someone acts, so they stop a run at once and
-say what ran out, where, and what is left. pyarrow raises OSError with the errno set; the OSError may sit under
-other exceptions (a retry wrapper, a second error while cleaning up), so the chain is walked by __cause__ and
-__context__. What is committed stays committed (parts.py): a part that could not be written whole is removed.
+"""A resource of the data dir's machine ran out: the errnos no retry cures (ENOSPC, EDQUOT, EROFS, EMFILE, ENFILE),
+found under whatever wraps them (the chain is walked by __cause__ and __context__). They stop a run at once and say
+what ran out, where, and what is left.
 """
 
 from __future__ import annotations

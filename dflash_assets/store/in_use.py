@@ -1,10 +1,9 @@
 """Which data a Dagster instance works on, resolved in one place for the commands and the definitions.
 
-A data dir comes from `DFLASH_DATA_DIR` (a command's `--data-dir` sets it), else from the instance: a demo or backfill
-records, in `$DAGSTER_HOME/dflash-data.json`, the data dir it generates into (once its source is not refused there). Its prompt source comes from
-`DFLASH_PROMPTS` (`--prompts`), else from the data dir itself (each prompt shard records its source and shard size,
-store/source.py). So `DAGSTER_HOME=H dg dev` opens the data the commands ran on H, with its own prompts, and never
-the defaults' (which would add the bundled demo's partitions to H and report the demo's rows there).
+A data dir comes from `DFLASH_DATA_DIR` (`--data-dir`), else from `$DAGSTER_HOME/dflash-data.json`, where a demo or
+backfill records the data dir it generates into; its prompt source from `DFLASH_PROMPTS` (`--prompts`), else from the
+data dir's shards (store/source.py). So `DAGSTER_HOME=H dg dev` opens the data the commands ran on H, never the
+defaults'.
 """
 
 from __future__ import annotations

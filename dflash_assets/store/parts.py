@@ -1,11 +1,8 @@
 """Parquet tables under the data dir, written so that a crash at any moment leaves them consistent.
 
-The one ledger of "done": a completion exists iff its row is in a committed Parquet part. Locally a part is
-written to a temporary name, fsynced, renamed into place and the directory fsynced; on an object store
-(`s3://bucket/prefix`) it is uploaded whole under its final name, which only becomes visible when complete
-(see storage.py). A torn temporary file from a crash is ignored and removed. Compaction writes one file that
-names, in its Parquet metadata, the parts it replaces; those parts are deleted after it is committed, and on
-the next start any part a compacted file covers is deleted (the crash window between the two steps).
+The one ledger of "done": a completion exists iff its row is in a committed Parquet part (committed as storage.py
+says). A torn temporary file from a crash is ignored and removed. A compacted file names, in its Parquet metadata,
+the parts it replaces; they are deleted after it is committed, or on the next start if a crash came between.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """The typed rows of every table the pipeline writes and their Arrow schemas, derived from them (schema_of): a column
-is declared once. One name per concept, the same in code, columns and docs.
-
-Layout under the data dir (`DFLASH_DATA_DIR`, default `data/`), hive-style so DuckDB's
-`read_parquet('<dir>/completions/**/*.parquet', hive_partitioning = false)` reads every completion:
-
-    prompt_shards/shard=<key>/prompts.parquet          PROMPT_SCHEMA, one file per shard
-    rejects/shard=<key>/stage=<stage>/<part>.parquet   REJECT_SCHEMA (source, preflight, server)
-    completions/shard=<key>/<part>.parquet             COMPLETION_SCHEMA, committed parts (the only "done" ledger)
-    failures/shard=<key>/<part>.parquet                FAILURE_SCHEMA (retries exhausted; retried next run)
-    suspects/shard=<key>/<config>.parquet              FAILURE_SCHEMA (in flight at a server's death; `attempts`
-                                                       the deaths, `error` their servers: generation/quarantine.py)
+is declared once. Under the data dir, hive-style: prompt_shards/shard=<key>/prompts.parquet, and
+rejects/shard=<key>/stage=<stage>/, completions/, failures/ and suspects/ (shard=<key>/<part>.parquet).
 """
 
 from __future__ import annotations

@@ -58,24 +58,11 @@ FIGURES = ("prompts", "completed", "rejected", "failed", "missing", "orphan_comp
 def accounting(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """prompts = completed + rejected + failed + missing, per (shard, config); fails on missing or orphans.
 
-    - prompts of a shard: its rows in prompt_shards plus its source-stage rejects (lines that never became a
-      prompt). The same count is used for every config of the shard.
-    - configs of a shard: the scope's `config_hash` (open_quality_db), else every config_hash with a completion, a
-      preflight/server reject or a failure row in that shard. A shard with none of those is accounted once
-      with config "(none)": all its prompts are missing.
-    - each prompt counts once per config, in the first class that applies: completed (a completion row
-      for the (shard, prompt_id, config_hash), duplicates counted once), rejected (a preflight or server
-      reject row), failed (a failure row), else missing. Source-stage rejects count as rejected.
-      missing = prompt rows - completed - rejected - failed: prompt_id is unique within a shard (the
-      prompt_shards invariant), and a repeated prompt row would show up here as missing.
-    - orphan completions: distinct (shard, prompt_id, config_hash) completion keys with no prompt row in
-      that shard; they cannot be traced to a prompt (nor exported), so they fail the check too.
-    The check fails when any pair's missing share exceeds accounting_rate_max (default 0: any missing fails).
-
-    Superseded: with a config scope (the config being judged, the run's own), every other config of the scope's
-    shards that does not add up is `superseded`: reported with its counts and the config that followed it (the
-    next one first written after it, if any), and it never fails the check. It only ever fails its
-    own judgement, when it is the config judged (its own export).
+    A shard's prompts are its prompt rows plus its source-stage rejects (counted as rejected), the same for every
+    config of the shard (the scope's, else every config with a row there; none: config "(none)", all missing). Each
+    prompt counts once per config, in the first class that applies (tables.OUTCOMES). Orphan completions (keys with
+    no prompt row in the shard) fail the check too. With a config scope, another config of its shards that does not
+    add up is `superseded` (docs/quality-gate.md): reported, never failing the check.
     """
     everything = con.execute(PER_PAIR).fetchall()
     result = [row[1:] for row in everything if row[0]]

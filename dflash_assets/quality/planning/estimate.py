@@ -1,12 +1,8 @@
 """The cap plan from one config's lengths: truncation, output tokens, time and context length for candidate caps.
 
-Where each figure comes from is part of it (`CapEstimate.basis`): at or below the current cap it is read from
-the rows ("rows"); between the current cap and a length probe's cap it is measured by the probe ("probe",
-probe_estimates.py); beyond both it comes from a model ("model"), described next, and says so, with the range
-the rows alone support (`bounds`: no fewer than the runaways, no more than what the current cap cut).
-
-Runaway rows (cut while looping, generation/runaway.py) are kept out of the tail: they would loop to any cap, so they are
-counted as cut at every cap and cost the whole cap in tokens, apart from the honest tail below.
+Each figure says where it comes from (`CapEstimate.basis`): the rows at or below the current cap, a length probe up
+to its cap (probe_estimates.py), else the tail model, with the range the rows alone support (`bounds`). Runaway rows
+are kept out of the tail: they count as cut at every cap and cost the whole cap.
 """
 
 from __future__ import annotations

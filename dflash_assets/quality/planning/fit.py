@@ -1,17 +1,11 @@
-"""The lognormal tail of a config's lengths beyond its cap.
+"""The lognormal tail of a config's lengths beyond its cap (docs/cap-planning.md).
 
-The rows of one config are lengths right-censored at its cap: a `finish_reason = 'length'` row says only
-that the true length is above the cap. Below the cap the answer is the empirical distribution itself (no
-model). Above it, the share of rows cut at the cap (empirical) is spread over larger caps by a lognormal
-tail fitted by censored maximum likelihood: uncensored lengths contribute the log-density, cut ones the
-log-survival at the cap (optionally only rows above a quantile `fit_from`, a left-truncated fit, for when
-the body of the distribution is not lognormal). So for a cap c above the current cap c0:
+Lengths are right-censored at the cap (a 'length' row says only that the true length is above it). Below the cap
+the answer is the empirical distribution; above it the share cut at the cap c0 is spread by a lognormal tail fitted
+by censored maximum likelihood (optionally left-truncated at the quantile `fit_from`):
 
     P(L > c)        = share cut at c0 * S(c) / S(c0)
     E[min(L, c)]    = uncut rows as they are, cut rows at E[min(L, c) | L > c0] under the fit
-
-95% intervals come from a bootstrap over rows (a multinomial resample of the distinct lengths, so its cost
-does not grow with the row count), refitting the tail each time.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """The cap plan in trained tokens: what each candidate cap, and the window policy, decode and what the trainer reads.
 
-"Trained" is what the export gives a trainer with window L: Σ min(completion_tokens, L - prompt_tokens) over the
-rows the export writes (rules.trained_tokens). A row that stops is written at any cap; a row cut at or past the
-window is window-complete and written; a row cut inside the window is left out, and so is a runaway. So per cap c:
-
-    decoded(c) = Σ min(length, c)            trained(c) = Σ over written rows of min(length, L - prompt)
-
-Every figure a row settles is read from it: a row that stopped, a row cut at or past the window (its first L
-tokens are known), every figure at or below the current cap. Only the rows cut inside the window at the current
-cap have unknown lengths above it; their share comes from the cap plan's lognormal tail (planner.py), conditioned
-on each row's own length, and the figure says "model". The window policy asks min(cap, L - prompt + overshoot)
-per request and rejects the prompts that fill the window, so its trained tokens are the floor: every prompt's
-first L tokens.
+Per cap c, with the trainer's window L: decoded(c) = Σ min(length, c), trained(c) = Σ over the rows the export
+writes of min(length, L - prompt) (rules.trained_tokens). Every figure a row settles is read from it; only the rows
+cut inside the window at the current cap have unknown lengths above it, taken from the cap plan's lognormal tail
+(planner.py) conditioned on each row's own length, and the figure says "model". The window policy's trained tokens
+are the floor: every prompt's first L tokens.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""A run's question answered for people, once per config: what was cut (each figure by its rules.FIGURES
-definition, with its unit), the length percentiles, what the export holds (its manifest), the tokens decoded and
-trained, the recommendation and the next command.
-
-Computed here only (cap_answers) and rendered by every view: `dflash report`'s head, the closing lines of `dflash
-demo` / `dflash backfill` (CapAnswer.lines), `dflash configs`, the UI's metadata (markdown) and the pictures'
-Description. The terminal layout is in console.py.
+"""A run's question answered for people, once per config (`cap_answers`): what was cut (by rules.FIGURES), the
+length percentiles, what the export holds (its manifest), the tokens decoded and trained, the recommendation and the
+next command; rendered by every view.
 """
 
 from __future__ import annotations

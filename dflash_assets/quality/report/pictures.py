@@ -1,11 +1,7 @@
 """What the two pictures (histogram.py, planner_plot.py) share: an Agg figure with fixed margins and PNG bytes that
-depend only on what is drawn.
-
-matplotlib's object API on the Agg canvas, not pyplot: no global backend switch, no figure registry, safe inside a
-long-running Dagster process. The margins are fixed, not `tight_layout`: that lays out every text of the picture
-once more before the real drawing, a third of a picture's CPU (0.12 of 0.35 s for a shard's histogram). They leave
-room for the pictures' own labels and for y tick labels of up to six digits, the widest matplotlib writes before it
-switches to a 1e6 offset (tests/quality/report/test_report.py).
+depend only on what is drawn. matplotlib's object API, not pyplot (no global backend, no figure registry, safe in a
+long-running Dagster process); fixed margins, not `tight_layout`, which lays out every text once more (a third of
+the CPU), wide enough for y tick labels of up to six digits.
 """
 
 import io

@@ -1,17 +1,9 @@
 """Where each exported conversation ends: the turns of it the trainer reads, in every form.
 
-A conversation of several generated turns (regenerate all_turns) is exported up to the turn where it ends for the
-trainer, each turn judged by its own row (export.py's reasons):
-- every turn passed: whole;
-- turn k was cut at or past the window: window-complete, ended at turn k (the trainer reads it as complete, and
-  no later turn was generated);
-- turn k+1's history leaves the window no room for min_loss_tokens supervised tokens (rules.leaves_loss_room),
-  whether it was sent (its row has no trainable token), refused with that prompt, or not sent at all because turn
-  k's prompt and answer fill the window (the window policy ends a conversation there): ended at turn k;
-- an agentic turn k whose calls the source has no results for (generation/turns.py `diverged`): ended at turn k.
-Any other turn that did not pass keeps its conversation out, said with the turn and why: a row left out for a reason
-of its own (truncated: cut inside the window; runaway; ...), a turn refused (preflight, server) or failed, a turn
-not generated. A turn-1 row's own reason is its row's exclusion; such a conversation has nothing to export.
+An all_turns conversation is exported up to the turn where it ends for the trainer: whole when every turn passed;
+ended at turn k when turn k was cut at or past the window, when turn k+1's history leaves the window no room for
+min_loss_tokens (rules.leaves_loss_room; sent, refused or never sent), or when turn k's calls have no source results
+(generation/turns.py `diverged`). Any other turn that did not pass keeps its conversation out, with the turn and why.
 A last_turn conversation is its one row, judged by its own reason alone.
 """
 

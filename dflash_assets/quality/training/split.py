@@ -1,12 +1,8 @@
 """The held-out split: the exported conversations a drafter is measured on rather than trained on.
 
-A prompt is held out when a seeded hash of its prompt id falls below the share (TrainerSettings.held_out_share and
-held_out_seed): nothing else decides it, so every row of a prompt (each turn, each config, each form's samples) lands
-on one side, no prompt id is on both, and a re-export, another form or another machine draws the same split.
-
-The train file keeps the export's name (training_set.jsonl, .parquet); the held-out file sits beside it
-(HELD_OUT_JSONL, HELD_OUT_PARQUET), in the same form. Neither trainer reads a held-out file of this kind as is
-(trainer_settings.py says each one's route to it).
+A prompt is held out when a seeded hash of its prompt id falls below the share (rules.drawn): nothing else decides
+it, so every row of a prompt lands on one side, and a re-export, another form or another machine draws the same
+split. The held-out file sits beside the train file (HELD_OUT_JSONL, HELD_OUT_PARQUET), in the same form.
 """
 
 from __future__ import annotations

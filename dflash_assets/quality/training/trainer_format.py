@@ -1,20 +1,9 @@
 """The drafter trainers' data format, as facts in our own code: what a training row must look like.
 
-SpecForge's `scripts/validate_regenerated_data.py` (`validate_row`, with `validate_conversation` and
-`has_think_marker` of `scripts/conversation_validation.py`; read at sgl-project/SpecForge
-a6b6b0230009d15ec2a97a57384e6f53f0f96946, 8 August 2026), rule for rule and in its order, with its own words. Its
-recipe (`examples/data_regeneration/run_qwen_sharegpt_regeneration.sh`) runs it with `--expect-reasoning
---strict-think-markers` for a thinking model (qwen3.6-27b) and `--expect-non-reasoning --strict-think-markers`
-without thinking (qwen3-8b): `recipe_flags`. A JSONL line is accepted when:
-- it is a JSON object; `id` is a non-empty string and `status` is "success";
-- `conversations` is a non-empty list of objects, each with a non-empty string `content`; system turns may come
-  before the first user turn; then user and assistant alternate from the user (any other role is refused);
-- every assistant turn's `reasoning_content` is a string or null; with --expect-non-reasoning an empty one, with
-  --expect-reasoning a non-empty one;
-- with --strict-think-markers no assistant `content` nor `reasoning_content` holds `<think>` or `</think>`
-  (case-insensitive);
-- there is an assistant turn, and the last message is the assistant's.
-The first line that fails aborts the whole file, so the export leaves such a row out and names why (export.py).
+`row_problem` is SpecForge's `scripts/validate_regenerated_data.py` (`validate_row`, with `validate_conversation`
+and `has_think_marker` of `scripts/conversation_validation.py`, at a6b6b02) rule for rule, in its order and its own
+words; `recipe_flags` its recipe's flags (`examples/data_regeneration/run_qwen_sharegpt_regeneration.sh`). The
+first line that fails aborts the whole file, so the export leaves such a row out and names why.
 """
 
 from __future__ import annotations
@@ -40,11 +29,8 @@ TOOL_VALIDATION = (
 # {id, input_ids, loss_mask}; "auto" picks per_turn or conversations (chosen_form)
 AUTO = "auto"
 FORMS = tuple(f for f in TRAINER_FORMATS if f != AUTO)
-# SpecForge's chat templates (a6b6b02 specforge/data/template.py) with parser_type "thinking" render a conversation
-# with the model's own template: Qwen3's keeps reasoning only after the last user turn, and SpecForge puts loss on
-# each assistant span, so a whole conversation trains its earlier answers without their reasoning (qwen3-thinking)
-# or, under qwen3.5 (whose assistant header ends "<think>\n"), its last turn only
-# (test_expanded_event_qwen35_masks_only_current_generation).
+# SpecForge's chat templates (specforge/data/template.py) that render earlier assistant turns without their
+# reasoning: a whole conversation trains its earlier answers bare, or (qwen3.5) its last turn only.
 DROPS_EARLIER_REASONING = frozenset(
     {"qwen3.5", "qwen3-thinking", "qwen3-next-thinking", "kimi-k2-thinking", "kimi-k3-thinking", "deepseek-v32"}
 )
@@ -52,11 +38,8 @@ DROPS_EARLIER_REASONING = frozenset(
 # SpecForge's templates whose assistant header ends in an open think block (a6b6b02 specforge/data/template.py):
 # rendered, a turn without reasoning becomes "<think>\n\n</think>\n\n" + content, all of it under loss.
 OPENS_THINK_BLOCK = frozenset({"qwen3.5", "qwen3-next-thinking", "glm-5.2"})
-# A config of thinking-off rows only is rendered with its family's instruct template instead: header
-# "<|im_start|>assistant\n" and ignore_token ["<think>\n\n</think>\n\n"], which zeroes the empty think block the
-# server put in the prompt (a6b6b02 specforge/data/template.py, parse.py GeneralParser: tests/support/
-# specforge_preprocessing.py runs it on exports). A thinking-on row keeps the thinking template: under the instruct
-# header the `<think>\n` the generation prompt pre-opens would be trained.
+# A config of thinking-off rows only is rendered with its family's instruct template, whose ignore_token zeroes the
+# empty think block the server put in the prompt (specforge/data/template.py, parse.py GeneralParser).
 THINKING_OFF_TEMPLATE = {t: "qwen3-instruct" for t in ("qwen3.5", "qwen3-thinking", "qwen3-next-thinking")}
 # the templates under which a thinking-off row's empty think block, prompt tokens in the server's ids, is trained
 TRAINS_EMPTY_THINK = OPENS_THINK_BLOCK | THINKING_OFF_TEMPLATE.keys()
@@ -147,12 +130,9 @@ def has_think_marker(text: str) -> bool:
 
 
 def think_marker_sql(*columns: str) -> str:
-    """has_think_marker over text columns as one DuckDB boolean (a null column holds no marker): the flag the
-    think_marker check and the export's exclusion read, so they refuse exactly what --strict-think-markers does.
-    A case-insensitive RE2 search, not lower() + contains(): 7x faster on long reasoning, and DuckDB's lower()
-    maps U+0130 to "i" where Python's gives "i" + a combining dot (tests/quality/training/test_trainer_format.py compares them).
-    Only the letters are case-insensitive, so each marker starts with a literal "<" that RE2 can skip to: twice
-    as fast as a pattern that is case-insensitive throughout."""
+    """has_think_marker over text columns as one DuckDB boolean (a null column holds no marker). An RE2 search with
+    only the letters case-insensitive, not lower() + contains(): faster on long reasoning, and DuckDB's lower() maps
+    U+0130 unlike Python's."""
     pattern = "|".join(re.sub("[A-Za-z]+", lambda w: f"(?i:{w[0]})", re.escape(m)) for m in THINK_MARKERS)
     return " OR ".join(f"coalesce(regexp_matches({c}, '{pattern}'), false)" for c in columns)
 
@@ -251,10 +231,9 @@ def tool_row_problem(
     expect_non_reasoning: bool = False,
     strict_think_markers: bool = True,
 ) -> str | None:
-    """row_problem for an agentic row. SpecForge's validator (a6b6b02) refuses a `tool` message and an assistant turn
-    whose content is empty (tests/support/specforge.py), though its trainer reads both (build_eagle3_dataset's
-    `tools`, parse.py's tool_calls and tool_call_id): every assistant turn is judged by the validator's own checks,
-    in the order SpecForge's parser keeps (a tool result after the assistant's calls, then the assistant)."""
+    """row_problem for an agentic row: SpecForge's validator refuses the tool turns its trainer reads (parse.py's
+    tool_calls and tool_call_id), so each assistant turn is judged by the validator's own checks, in the order
+    SpecForge's parser keeps (a tool result after the assistant's calls, then the assistant)."""
     messages = row.get("conversations") if isinstance(row, dict) else None
     if not isinstance(messages, list) or not messages:
         return "conversations must be a non-empty list"

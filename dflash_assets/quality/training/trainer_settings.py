@@ -2,23 +2,13 @@
 trainer on it, the validation run and the held-out route, each as that trainer's own code reads it (pinned in
 tests/support, run on real exports by tests/quality/training/test_trainer_routes.py).
 
-- SpecForge (sgl-project/SpecForge a6b6b02): specforge_data.yaml, its `data:` block (specforge/config/schema.py
-  DataConfig, a StrictConfigModel: only its own keys): the file (`prompts_path` for the pre-tokenized form, which
-  `prompt_builder.prepare_prompt_tasks` reads as is; `train_data_path` for the text forms, rendered with
-  `chat_template`), `max_length` (the export's window: a larger one would read past what was generated for it) and
-  `train_only_last_turn: true` where a row's last assistant turn is its sample. The command passes the same keys as
-  `specforge train`'s dotted overrides. Its validator (scripts/validate_regenerated_data.py) runs on the text forms
-  with the flags that pass on every line written (Written.validator_flags).
-- speculators (vllm-project/speculators c05b95b): speculators_flags.txt, scripts/prepare_data.py's flags (`--data`,
-  `--seq-length`) and scripts/train.py's `--total-seq-len`, for the pre-tokenized form, which prepare_data passes
-  through (`_passthrough_pretokenized`: input_ids and loss_mask of one length, cut at --seq-length).
-- `messages` is no trainer's form: no trainer file is written for it, and the manifest says so.
-Neither trainer evaluates on a held-out file of ours (split.py writes one): SpecForge refuses `data.eval_data_path`
-("online evaluation is not supported") and takes `data.eval_hidden_states_path` only beside offline training data;
-speculators takes no validation file (train.py's DataArgs: one --data-path; `--train-data-ratio`, in (0, 1), splits
-that one dataset after prepare_data's seeded shuffle). So the train file goes
-to the trainer alone, and the held-out route is the one that works: acceptance of the trained drafter measured on the
-held-out prompts (and, for SpecForge's offline training, their captured hidden states as eval_hidden_states_path).
+- SpecForge (a6b6b02): specforge_data.yaml, its `data:` block (specforge/config/schema.py DataConfig, a
+  StrictConfigModel: only its own keys), passed to `specforge train` as dotted overrides too. `max_length` is the
+  export's window: a larger one would read past what was generated for it.
+- speculators (c05b95b): speculators_flags.txt, scripts/prepare_data.py's flags and scripts/train.py's
+  `--total-seq-len`, for the pre-tokenized form (prepare_data's `_passthrough_pretokenized`).
+- `messages` is no trainer's form: no trainer file is written for it.
+Neither trainer evaluates on a held-out file of ours: `held_out_route` says where it goes instead.
 """
 
 from __future__ import annotations
@@ -117,7 +107,7 @@ def held_out_route(e: Exported, split: dict[str, Any] | None) -> str | None:
 
 def write_trainer_settings(out: Path, e: Exported, split: dict[str, Any] | None) -> dict[str, Any]:
     """Write the named trainer's file into `out` (none for the messages form); returns what the manifest says of the
-    trainer: its file, keys, command and held-out route. The same inputs give the same bytes wherever written."""
+    trainer: its file, keys, command and held-out route."""
     route, line = held_out_route(e, split), command(e, str(e.jsonl.resolve()))
     said: dict[str, Any] = {
         "name": e.reader,
