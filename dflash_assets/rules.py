@@ -1,8 +1,5 @@
-"""The domain's rules, each written once: the SQL fragment DuckDB uses beside the Python predicate.
-
-Preflight, the checks, the reports, the cap planner, the export and continuation all judge by these, so a row
-the check flags is exactly a row preflight would have refused. No imports from the rest of the project: any
-layer may use this module.
+"""The domain's rules, each written once: the SQL fragment DuckDB uses beside the Python predicate, so a row a check
+flags is exactly a row preflight would have refused. No imports from the rest of the project.
 """
 
 from __future__ import annotations

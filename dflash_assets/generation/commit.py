@@ -1,8 +1,5 @@
-"""Step 3 of generating a shard: commit what came back, and close the shard.
-
-A shard's results are held here until committed: completion rows, the server's refusals (a 400, never resent
-at the same budget) and the prompts whose retries ran out. Rows and refusals are committed as Parquet parts
-(the one ledger of "done"); failures are a whole file per config, rewritten when the shard closes.
+"""Step 3 of generating a shard: commit what came back (completion rows and the server's refusals as Parquet parts;
+the failures a whole file per config, rewritten when the shard closes), and close the shard.
 """
 
 from __future__ import annotations
@@ -122,12 +119,9 @@ class ShardOutput:
 def account(
     run: ShardResult, data_dir: Storage, output: ShardOutput, generation: GenerationSettings, numbered: bool
 ) -> dict[str, Conversation]:
-    """The shard's figures from what is committed, and where each conversation stands: each in one class.
-
-    completed: over with every turn it will have committed (a truncated conversation is reported by its turn, one
-    that ends at a turn whose history fills the window by that turn);
-    rejected: a turn refused (preflight or server); failed: a turn whose retries ran out in this run. `numbered`:
-    the rows record turn numbers, and the figures by turn are kept."""
+    """The shard's figures from what is committed, and where each conversation stands, each in one class:
+    completed (over, every turn it will have committed), rejected (a turn refused) or failed (a turn whose retries ran
+    out in this run). `numbered`: the rows record turn numbers, and the figures by turn are kept."""
     states = {
         pid: replace(c, over="window") if pid in run.ended_at_window else c
         for pid, c in conversations(data_dir, run.shard, run.config_hash, generation).items()

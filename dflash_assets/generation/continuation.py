@@ -139,8 +139,7 @@ def parent_rows(store: PartStore, config_hash: str) -> list[Parent]:
 
 
 def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_window: int | None = None) -> str | None:
-    """The most recently written config with rows in the shard capped below `new_cap` (so a continuation is never
-    its own parent); with `to_window`, among the window-policy configs of a smaller window."""
+    """The latest config of the shard capped below `new_cap` (with `to_window`: of a smaller window)."""
     order = latest_order(data_dir, shard)
     if to_window is None:
         return next((h for h, cap in order if cap < new_cap), None)
@@ -150,8 +149,7 @@ def latest_parent(data_dir: str | Path | Storage, shard: str, new_cap: int, to_w
 
 
 def _window_settings(plan: list[Parent]) -> dict:
-    """A parent's cap policy, cap, window and overshoot, read off its rows (the overshoot from a row whose request
-    the window sized; none: the default)."""
+    """A parent's cap policy, cap, window and overshoot (from a row the window sized; none: the default)."""
     first = plan[0].row
     if first.policy_cap is None or first.trainer_max_length is None:
         return {"cap_policy": "fixed"}
@@ -162,8 +160,7 @@ def _window_settings(plan: list[Parent]) -> dict:
 
 
 def _parent_config(plan: list[Parent], parent: str, provenance: dict | None = None) -> GenerationSettings:
-    """The parent's GenerationSettings, rebuilt from what its rows record (and the `provenance` its hash covers)
-    and checked against its hash."""
+    """The parent's GenerationSettings, rebuilt from its rows (and `provenance`) and checked against its hash."""
     first = plan[0].row
     recorded = {k: getattr(first, k) for k in SAMPLING_PARAMS if getattr(first, k) is not None}
     generation = GenerationSettings(
@@ -216,8 +213,7 @@ def _check_fleet(fleet: Fleet, model: str | None, parent_hash: str) -> None:
 
 
 def _copied(row: CompletionRow, config_hash: str, generation: GenerationSettings) -> CompletionRow:
-    """A stopped row under the new config, with the cap its request would have had there; the rest of its
-    provenance is the parent's: it is the same generation."""
+    """A stopped row under the new config, with the cap its request would have had there: the same generation."""
     return replace(
         row,
         config_hash=config_hash,
@@ -289,8 +285,7 @@ class ContinuationPlan:
 
 
 def _exact(plan: list[Parent], todo: set[Key]) -> list[Parent]:
-    """The parent rows not yet done that the new config takes: the stopped ones (copied), the cut ones with token ids
-    (continued by them), then the cut ones without (continued by their text)."""
+    """The parent rows in `todo`: the stopped ones and the cut ones with token ids, then the cut ones without."""
     rows = [p for p in plan if p.key in todo]
     by_ids = [p for p in rows if p.row.finish_reason == "stop" or (p.cut and None not in (p.prompt_ids, p.output_ids))]
     return by_ids + [p for p in rows if p.cut and p.output_ids is None]
@@ -337,8 +332,8 @@ def _choose(plan: ContinuationPlan, parents: list[Parent], budget: Budget, refus
 def plan_continuation(
     storage: Storage, shard: str, fleet: Fleet, parent_hash: str, to: int | ToWindow, log: Callable[[str], None]
 ) -> ContinuationPlan:
-    """Plan one shard's continuation under its lock: the new config rebuilt from the parent's rows, checked against
-    the fleet, recorded, then what becomes of each parent row; the preflight rejects are written."""
+    """Plan one shard's continuation under its lock: the new config, checked against the fleet and recorded, and
+    what becomes of each parent row; the preflight rejects are written."""
     store = completion_store(storage, shard)
     parents = parent_rows(store, parent_hash)
     if not parents:
@@ -417,8 +412,7 @@ class Continuer:
         )
 
     async def _by_ids(self, row: CompletionRow, slot: Slot, attempt: int, reasoning: Reasoning) -> CompletionRow:
-        """The rest of the new cap by token ids: new_cap - old_cap for a row cut at its cap, and a row the server
-        clamped short of its cap still ends where a fresh run at the new cap would."""
+        """The rest of the new cap by token ids (a row clamped short of its cap ends where a fresh run would)."""
         generation, old = self.plan.generation, row.output_ids or []
         sampling = {"max_new_tokens": request_cap(generation, row.prompt_tokens or 0) - len(old)}
         t0 = time.monotonic()
@@ -446,8 +440,7 @@ class Continuer:
 
     async def _by_text(self, row: CompletionRow, slot: Slot, attempt: int, reasoning: Reasoning) -> CompletionRow:
         """SGLang's chat route with the raw output as the final, unfinished assistant message
-        (`continue_final_message`); the raw continuation comes back unsplit. Without ids, the thought closed when
-        content followed it (Qwen3 writes "\n\n" after </think>, so a closed thought leaves content)."""
+        (`continue_final_message`). Without ids, the thought closed when content followed it."""
         generation, done = self.plan.generation, row.completion_tokens or 0
         closed = list(reasoning.end_ids) if row.content else []
         raw = reasoning.raw_text(row.reasoning_content, row.content or "", closed)

@@ -86,9 +86,8 @@ def turn_row(
 
 
 def resolve_regenerate(data_dir: Storage, generation: GenerationSettings) -> GenerationSettings:
-    """`regenerate: auto` for a caller that names no prompt source (`dflash generate`, a script): resolved over every
-    prompt shard built in the data dir. The `completions` asset resolves it over the whole source instead
-    (prompts.source_turns), before any shard of a backfill is built; both agree once every shard is."""
+    """`regenerate: auto` for a caller that names no prompt source, resolved over every prompt shard built in the
+    data dir (the `completions` asset resolves it over the whole source: prompts.source_turns)."""
     if generation.regenerate != "auto":
         return generation
     root = data_dir.root / "prompt_shards"
@@ -107,12 +106,8 @@ async def generate_shards(
     log: Callable[[str], None] = print,
     on_answer: Callable[[int, int], None] | None = None,
 ) -> list[ShardResult]:
-    """Generate several shards (a backfill's range) through ONE dispatcher, in order.
-
-    The prompts of the next shard start as soon as the last ones of the previous shard are sent, so the
-    servers' slots do not drain at shard boundaries; each shard still has its own lock, parts, rejects,
-    failures, compaction and figures. `data_dir` is a local path or an `s3://bucket/prefix` URI. With
-    `dispatch.stream`, every request is streamed and watched (stalls, and loops by the `runaway` rules).
+    """Generate several shards (a backfill's range) through ONE dispatcher, in order, so the servers' slots do not
+    drain at shard boundaries; each shard still has its own lock, parts, rejects, failures and figures.
     """
     storage = open_storage(data_dir)
     generation = run_settings(storage, resolve_regenerate(storage, run.generation), fleet)  # provenance in its hash

@@ -1,8 +1,5 @@
-"""Step 1 of generating a shard: what is left to do, and does it fit (preflight).
-
-Restart-safe by construction: the remaining work is recomputed from the committed Parquet parts on every
-start (prompts of the shard minus rows of this config minus rejects of this config), so a `kill -9` loses at
-most the requests in flight and the rows not yet committed, and never duplicates.
+"""Step 1 of generating a shard: what is left to do (recomputed from the committed parts on every start, so a kill
+never duplicates a row), and does it fit (preflight).
 """
 
 from __future__ import annotations
@@ -41,10 +38,8 @@ PLAN_COLUMNS = ["prompt_id", "line", "prompt_tokens", "template_kwargs_json"]
 
 @dataclass
 class ShardResult:
-    """What a run of one shard did; `prompts == completed + rejected + failed` once it has finished.
-
-    Every figure is this shard's own: its notes, its servers' share of its rows, its time from its first
-    request to its last answer (a backfill run streams several shards through one dispatcher)."""
+    """What a run of one shard did, every figure this shard's own; `prompts == completed + rejected + failed` once
+    it has finished."""
 
     shard: str
     config_hash: str
@@ -156,9 +151,8 @@ def preflight(
     """(turn, why) for every turn whose prompt_tokens + request cap the fleet cannot honour: each turn's request cap
     is request_cap's (its own under the window policy), and the window refuses a prompt that fills it.
 
-    Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow:
-    then the config is wrong (`--context-length 8192` with a cap of 8192), not the prompts. A prompt that fills
-    the window is the prompt's fault, not the fleet's: it never counts towards that share."""
+    Raises PreflightError (nothing sent) under policy "fail", or when OVERFLOW_FAIL_SHARE of the rows overflow: then
+    the config is wrong, not the prompts (a prompt that fills the window never counts towards that share)."""
     counted = [(r, r.prompt_tokens or 0) for r in rows]
     full = [(r, problem) for r, tokens in counted if (problem := window_problem(generation, tokens))]
     refused = {id(r) for r, _ in full}
@@ -245,10 +239,8 @@ async def plan_shard(
     config_hash: str,
     log: Callable[[str], None],
 ) -> ShardPlan:
-    """Resume and preflight one shard (its lock is held) for a config (its hash on this fleet): each conversation goes
-    on from its last committed turn. Its next turn is preflighted now (its history is known); a later one when it is
-    sent. Preflight rejects are recomputed by every run (the fleet may have changed): the config's preflight file
-    holds this run's."""
+    """Resume and preflight one shard (its lock is held) for a config: each conversation goes on from its last
+    committed turn, preflighted now (a later turn when it is sent). Every run recomputes the preflight rejects."""
     run = ShardResult(shard, config_hash, fleet.model, infos=list(fleet.infos), window=generation.window)
     preflight_rejects = reject_store(data_dir, shard, "preflight")
     for store in (completion_store(data_dir, shard), reject_store(data_dir, shard, "server"), preflight_rejects):

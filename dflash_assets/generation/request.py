@@ -1,8 +1,6 @@
 """What a generation run asks: its typed config (GenerationRun), the per-request decisions over its settings (a
 request's cap, whether the window refuses it, the prompt's mode), what every row records of them, and the chat body
-SGLang's route takes.
-
-The settings are data (settings.py); what a request of them asks is decided here, once, by the domain's rules."""
+SGLang's route takes."""
 
 from __future__ import annotations
 
@@ -16,9 +14,8 @@ from dflash_assets.settings import DispatchSettings, GenerationSettings, Quality
 @dataclass(frozen=True)
 class GenerationRun:
     """A generation run's config, typed, as the `completions` asset, `dflash generate` and a script hand it to the
-    engine: what a completion is, how hard to drive the fleet, what preflight does with a misfit ('reject': to the
-    rejects table; 'fail': the run fails before any request) and the loop rules a streamed request is watched by
-    (the checks' own; None: the defaults)."""
+    engine: what a completion is, how hard to drive the fleet, what preflight does with a misfit ('reject' or
+    'fail') and the loop rules a streamed request is watched by (None: the defaults)."""
 
     generation: GenerationSettings
     dispatch: DispatchSettings = DispatchSettings()

@@ -33,11 +33,8 @@ from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject
 
 
 def source_refusal(source: Path, shard_size: int, data_dir: str | Path, shards: list[str] | None = None) -> str | None:
-    """Why `source` cut at `shard_size` may not write into `data_dir` (one line, with the fix), or None.
-
-    A data dir belongs to the prompt source its shards record (store/source.py): another path is refused outright;
-    the same path is refused where a shard that has completions would change under them (other lines, another
-    shard size). A source that grew (more lines, the same first ones) only adds shards. `shards`: only these.
+    """Why `source` cut at `shard_size` may not write into `data_dir` (one line, with the fix), or None: another
+    source than its shards record, or a shard with completions that would change under them. `shards`: only these.
     """
     source, where = Path(source).resolve(), open_storage(data_dir)
     recorded = recorded_sources(where)

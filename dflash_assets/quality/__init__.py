@@ -1,8 +1,5 @@
-"""The quality gate: DuckDB checks, length reports and the training export over the data dir's Parquet tables.
-
-A plain library (no Dagster import): the Dagster layer turns CHECKS into asset checks and shows the reports
-as metadata; `dflash report` prints them (cli/console.py).
-"""
+"""The quality gate: DuckDB checks, length reports and the training export over the data dir's Parquet tables (no
+Dagster import)."""
 
 from dflash_assets.quality.checks.registry import (
     CHECKS,

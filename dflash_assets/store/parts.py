@@ -38,9 +38,7 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
 
 
 class PartStore:
-    """Committed parts of one table for one shard: `<root>/<table>/shard=<key>/*.parquet`.
-
-    `data_dir` is a local path or an `s3://bucket/prefix` URI (or an open Storage)."""
+    """Committed parts of one table for one shard: `<root>/<table>/shard=<key>/*.parquet`."""
 
     def __init__(self, data_dir: str | Path | Storage, table: str, shard: str, schema: pa.Schema):
         self.storage = open_storage(data_dir)
@@ -113,11 +111,8 @@ class PartStore:
             self.storage.sync(self.dir)
 
     def lock(self):
-        """One writer per shard: a second run of the same shard fails fast instead of duplicating rows.
-
-        Locally an flock the kernel releases when the process dies, so kill -9 never leaves a stale lock; on an
-        object store a local flock keyed by the shard's URI (one writer host per shard, see storage.py).
-        """
+        """One writer per shard: a second run of the same shard fails fast instead of duplicating rows (storage.py:
+        an flock the kernel releases when the process dies)."""
         if isinstance(self.dir, Path):
             self.dir.mkdir(parents=True, exist_ok=True)
         return self.storage.lock(self.dir)

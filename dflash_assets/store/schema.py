@@ -25,12 +25,10 @@ class PromptRow:
     line: int | None = None  # 1-based line (JSONL) or row (Parquet) number in the source
     source: str | None = None  # dataset name: the source's `source` field, else the file stem
     messages_json: str | None = None  # canonical JSON of the whole conversation [{"role", "content"}, ...]
-    # exact chat-template token count (the fleet's /v1/tokenize) of the last-turn request: the conversation up to its
-    # last user turn
+    # exact chat-template token count (the fleet's /v1/tokenize) of the last-turn request
     prompt_tokens: int | None = None
     template_kwargs_json: str | None = None  # chat_template_kwargs prompt_tokens was counted with
-    # canonical JSON of the line's tool schemas, sent with every request of it and counted in prompt_tokens (null for
-    # a tool-free line; shards written before it read it as null)
+    # canonical JSON of the line's tool schemas, sent with every request of it (null for a tool-free line)
     tools_json: str | None = None
 
 
@@ -82,13 +80,11 @@ class CompletionRow:
     # own mode is enable_thinking
     thinking_share: float | None = None
     mode_seed: int | None = None
-    # an agentic conversation's turn: the tool calls the target made (JSON of SGLang's message.tool_calls; null when
-    # it made none), and whether they differ from the source turn's calls (name and arguments, in order): then the
-    # tool results spliced after them are the source's, answering other calls (null: neither called)
+    # an agentic turn: the tool calls the target made (JSON of SGLang's message.tool_calls), and whether they differ
+    # from the source turn's (name and arguments, in order: the results spliced after them answer other calls)
     tool_calls_json: str | None = None
     calls_differ: bool | None = None
-    # an agentic turn after which the source holds no results for its calls (or results for calls it did not make):
-    # its conversation ends here, complete up to it (generation/turns.py `diverged`; null: tool-free)
+    # an agentic turn whose calls the source has no results for: its conversation ends here (turns.py `diverged`)
     diverged: bool | None = None
 
     @classmethod
@@ -157,9 +153,8 @@ def as_dicts(rows: Iterable[Row]) -> list[dict]:
 
 
 def rows_as(row_type: type[R], batch: Any) -> list[R]:
-    """A batch (an Arrow record batch or table) read back as the rows it was written as: as_dicts' inverse, filled a
-    column at a time through the fields' slots (no dict, no keyword call a row: as fast as Arrow's to_pylist); a
-    column the batch does not hold (not read, or written before it existed) reads as null."""
+    """A batch (an Arrow record batch or table) read back as the rows it was written as (as_dicts' inverse), a column
+    at a time; a column the batch does not hold reads as null."""
     names, rows = batch.schema.names, [object.__new__(row_type) for _ in range(batch.num_rows)]
     for name in _names(row_type):
         values = batch.column(names.index(name)).to_pylist() if name in names else repeat(None)

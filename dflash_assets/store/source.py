@@ -1,9 +1,6 @@
-"""Which prompt source a data dir belongs to: each prompt shard's file records the source it was cut from.
-
-The record sits in the Parquet metadata of `prompt_shards/shard=<key>/prompts.parquet`, written in the same atomic
-commit as the shard's prompts (so a shard and its record never disagree, on a local disk or an object store): the
-source's path, the shard size it was cut at, its line count and a fingerprint of those lines
-(generation/prompts.py shard_fingerprint). generation/shards.py source_refusal compares a source with it.
+"""Which prompt source a data dir belongs to: each prompt shard's file records, in its Parquet metadata (committed with
+its prompts), the source's path, the shard size, its line count and a fingerprint of those lines
+(generation/prompts.py shard_fingerprint); generation/shards.py source_refusal compares a source with it.
 """
 
 from __future__ import annotations

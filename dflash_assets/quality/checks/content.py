@@ -1,9 +1,6 @@
-"""Checks on the text: empty answers, leaked think markers, and how the reasoning parser split truncated rows.
-
-"Empty" means null or only ASCII whitespace (space, tab, CR, LF); the flags are computed once in tables.py
-and the row predicates (empty_content, misrouted, ...) are defined in rates.ROW_PREDICATES.
-With a reasoning parser, SGLang puts everything before `</think>` in reasoning_content and the rest in content;
-when the cap cuts the thinking, everything lands in reasoning_content and content is "" (truncated thinking).
+"""Checks on the text: empty answers, leaked think markers, and how the reasoning parser split truncated rows (the
+flags are computed once in tables.py, the row predicates defined in rates.ROW_PREDICATES). When the cap cuts the
+thinking, everything lands in reasoning_content and content is "" (truncated thinking).
 """
 
 import duckdb

@@ -1,9 +1,5 @@
-"""Context overflow (rules.OVERFLOW_SQL: prompt + cap over the context minus SGLang's clamp margin), in
-completions and in rejects.
-
-SGLang answers such a request with a 400 (or, with --allow-auto-truncate, clamps it silently). So a completion
-row that overflows was generated under a budget it did not get, and a config whose prompts are mostly
-rejected before sending (context 8192 with max_output_tokens 8192: every prompt) leaves a hole in the data.
+"""Context overflow (rules.OVERFLOW_SQL), in completions and in rejects: a completion row that overflows was generated
+under a budget it did not get, and a config whose prompts are mostly rejected leaves a hole in the data.
 """
 
 import duckdb
@@ -41,8 +37,7 @@ def context_overflow(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -
     """Fails when any config has completion rows over the context (share > context_overflow_rate_max) or
     rejects more of its attempted prompts for overflow than context_overflow_reject_rate_max.
 
-    Attempted prompts of a config: distinct (shard, prompt_id) with a completion, a preflight/server reject or
-    a failure under it. A reject counts as an overflow by its recorded numbers, whatever its reason text says.
+    A config's attempted prompts are its outcomes (tables.OUTCOMES); a reject overflows by its recorded numbers.
     """
     result = con.execute(PER_CONFIG).fetchall()
     lines: list[str] = []

@@ -117,9 +117,8 @@ def decoded_past_window(con: duckdb.DuckDBPyConnection, quality: QualitySettings
 def cap_saturation(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """A high percentile of completion_tokens equal to the cap is the tell-tale of a cap too low for the prompts.
 
-    Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION), always an observed value, so when more than 10%
-    of rows stop at the cap, P90 = P99 = the cap exactly, as in a run cut at 4096. Pq reaching the cap means more than
-    (1 - q) of rows did.
+    Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION): Pq reaching the cap means more than (1 - q) of rows
+    did.
     """
     q = quality.cap_saturation_percentile
     result = con.execute(
@@ -178,8 +177,7 @@ def cap_hit_agreement(con: duckdb.DuckDBPyConnection, quality: QualitySettings) 
 def silent_clamp(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Finding:
     """Rows that finished 'length' below their own max_output_tokens: a cap nobody asked for.
 
-    SGLang 0.5.23's scheduler lowers max_new_tokens to max_req_len - prompt - 1 without an error
-    (max_req_len = min(context, KV pool) - 1), so such a row was cut by the server, not by the cap it records.
+    SGLang 0.5.23's scheduler lowers max_new_tokens to max_req_len - prompt - 1 without an error (preflight.py).
     """
     return rate_finding(
         "clamped",

@@ -1,8 +1,6 @@
-"""The common shape of most checks: count the rows that match a defect, per config or per shard, judge the share.
-
-Every per-row predicate a rate check counts is defined once, in ROW_PREDICATES. The first count builds a
-`facts` temp table holding each predicate's count per (shard, config_hash, config_cap) in one pass
-over `completions`; every later count is a roll-up of that small table instead of another full scan.
+"""The common shape of most checks: count the rows that match a defect (ROW_PREDICATES), per config or per shard, and
+judge the share. The first count builds a `facts` temp table of each predicate's count per (shard, config_hash,
+config_cap) in one scan; every later count is a roll-up of it.
 """
 
 from dataclasses import dataclass
@@ -97,8 +95,8 @@ def rate_finding(
 ) -> Finding:
     """Judge the overall share of `groups` (per config) against `limit`; list every config with a hit.
 
-    `metric` names the metadata keys (`<metric>_rows`, `<metric>_rate`), `what` completes the sentence
-    "N of M rows (x%) ...", `why` is appended when the check fails to say what it means and what to change.
+    `metric` names the metadata keys (`<metric>_rows`, `<metric>_rate`), `what` completes "N of M rows (x%) ...",
+    `why` says, when it fails, what it means and what to change.
     """
     rows, hits = totals(groups)
     rate = share(hits, rows)

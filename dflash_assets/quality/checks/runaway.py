@@ -11,8 +11,7 @@ def runaway_rate(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Fi
     """Share of rows cut while looping (the tail repeats itself), per config and per shard: at the cap, or stopped
     early while streaming (finish_reason 'runaway', short of the cap).
 
-    A runaway is not a long answer: a larger cap only makes it longer. They are counted apart from honest
-    truncation, and the cap planner leaves them out of the tail it extrapolates.
+    A larger cap only makes a runaway longer (generation/runaway.py): the cap planner leaves them out of its tail.
     """
     configs = group_counts(con, "runaway", by="config")
     shards = group_counts(con, "runaway", by="shard")

@@ -207,9 +207,8 @@ def interval(point: float, samples: np.ndarray, scale: float = 1.0) -> Estimate:
 
 @dataclass(frozen=True)
 class Lengths:
-    """One config's rows as the plan reads them: each row's completion_tokens, whether the cap cut it (finish_reason
-    'length'), the cap they were made with, their prompt_tokens (for the context columns) and which cut rows loop
-    (generation/runaway.py: kept out of the tail)."""
+    """One config's rows as the plan reads them, a column a field, at the cap they were made with; `runaway`: which
+    cut rows loop (kept out of the tail)."""
 
     completion_tokens: Any
     truncated: Any
@@ -223,10 +222,8 @@ class Lengths:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """How to plan: the candidate caps, the fleet's tok/s (for hours), the servers' context length (for the context
-    columns), the prompt count the totals are scaled to (default: the rows), the quantile of the observed lengths the
-    tail is fitted from (0: all rows), the bootstrap's replicates and seed (for the intervals), and the servers (for
-    GPU-hours)."""
+    """How to plan: the candidate caps, the fleet's tok/s and servers (hours), the servers' context length, the prompt
+    count the totals are scaled to (default: the rows), the tail's `fit_from` quantile and the bootstrap."""
 
     candidates: Iterable[int] = DEFAULT_CANDIDATES
     tokens_per_s: float | None = None

@@ -47,10 +47,8 @@ def read_probe(
     notes: list[str] | None = None,
     parent: str | None = None,
 ) -> ProbeSample | None:
-    """The length probe's rows (generation/probe.py) of the config with the largest cap whose sampling matches
-    `like` (SAMPLING: the model, every sampling parameter, thinking), only for prompts in the probe's current sample.
-    A continuation probe of `parent`'s cut rows (the planned config's) comes first: it measures the tail of
-    that run only, and more precisely. None when there is no probe (or none that matches)."""
+    """The length probe's rows of the config with the largest cap whose SAMPLING matches `like`, for the prompts of
+    the probe's current sample; a continuation probe of `parent`'s cut rows first. None when none matches."""
     from dflash_assets.generation.probe import CUT_ROWS_SHARD, PROBE_SHARD, probe_root
     from dflash_assets.store.schema import PROMPT_SCHEMA
 
@@ -114,9 +112,8 @@ def _probe_rows(
 def honest_cut_rows(
     data_dir: str | Path, config_hash: str | None = None, runaway: RunawaySettings = RunawaySettings()
 ) -> tuple[str, int, list[tuple[str, str]]]:
-    """What a continuation probe samples: the config (by default the latest, the most recently written, as
-    plan_caps chooses), its cap and its honest cut rows ((shard, prompt_id): finish_reason 'length', runaways left out,
-    as the plan leaves them out of the tail)."""
+    """What a continuation probe samples: the config (default: the latest), its cap and the (shard, prompt_id) of its
+    honest cut rows (runaways left out, as the plan leaves them out of the tail)."""
     with connect_duckdb() as con:
         register_runaway(con, runaway)
         src = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA)
@@ -143,9 +140,8 @@ def honest_cut_rows(
 def cut_rows_for_probe(
     data_dir: str | Path, runaway: RunawaySettings = RunawaySettings()
 ) -> tuple[str, int, list[tuple[str, str]]]:
-    """The run's honest cut rows (the config the plan is for: the latest, the most recently written), runaways left
-    out: which rows the continuation probe measures is the quality layer's call (generation/probe.py
-    run_length_probe continues them)."""
+    """The honest cut rows of the config the plan is for: which rows the continuation probe measures is the quality
+    layer's call (generation/probe.py run_length_probe continues them)."""
     try:
         return honest_cut_rows(data_dir, runaway=runaway)
     except PlanError as e:
@@ -208,9 +204,8 @@ def plan_caps(
     """The cap plan of one config's committed completion rows (all shards, or one), with the length probe's
     rows when there is a probe of the same model and sampling (`use_probe=False` plans without it).
 
-    `config_hash=None` plans the latest config (the most recently written) and says so in the notes. Without any completion
-    rows the probe's own rows are planned. `context_length=None` uses the smallest server context length the
-    rows were made on. Other keyword arguments are PlanOptions' (prompts, fit_from, bootstrap, seed).
+    `config_hash=None` plans the latest config and says so; without completion rows the probe's own are planned.
+    `context_length=None`: the smallest server context length of the rows. Other keywords are PlanOptions'.
     """
     notes: list[str] = []
     with connect_duckdb() as con:

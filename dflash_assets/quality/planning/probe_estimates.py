@@ -1,20 +1,13 @@
 """The cap plan from a length probe: measured, not modelled.
 
-A probe is a random sample of the prompts generated at a high cap P. For a candidate cap c between the current
-cap c0 and P nothing needs a model: of the rows the current run cut at c0 (a share p0, known from all its rows),
-the probe says which share q(c) still runs past c, and how many more tokens they take up to c:
+A probe is a random sample of the prompts generated at a high cap P. For a cap c between the current cap c0 and P,
+of the rows the run cut at c0 (a share p0, known from all its rows) the probe says which share q(c) still runs past c:
 
     P(L > c)         = p0 * q(c)                          q(c) = share of the probe's rows above c0 that pass c
     E[min(L, c)]     = E[min(L, c0)] + p0 * E[min(L, c) - c0 | L > c0]
 
-Both factors are measured: p0 and E[min(L, c0)] on every row of the run, the conditionals on the probe. That
-uses the run's many rows for the part they know and the probe only for what they cannot say, which is
-tighter than reading P(L > c) off the probe alone. The 95% intervals come from a bootstrap of both samples
-(rows of the run, rows of the probe), which assumes nothing about the shape of the lengths.
-
-A continuation probe (generation/probe.py, mode "cut_rows") is a random sample of the run's honest cut rows
-continued to P: the same estimator with every probe row "above c0", so q(c) rests on all of its rows instead of
-the ~20% of a random probe's that pass c0.
+The run's many rows give what they know and the probe only the conditionals; the 95% intervals come from a bootstrap
+of both samples. A continuation probe (mode "cut_rows") has every row above c0, so q(c) rests on all of them.
 """
 
 from __future__ import annotations
@@ -172,10 +165,8 @@ def measure_with_probe(
     """Estimates at `caps` (all in (rows.cap, probe.cap]) from the run's rows (distinct, cut at rows.cap) and the
     probe. None when the probe has too few rows above `cap` to say anything.
 
-    Runaways the run detected (a share R) run past every cap: they are counted as such, and the probe's own
-    runaways are taken out of its conditionals, so that only the honest tail rests on the probe. (That assumes
-    a loop has begun by the current cap, where the run's check sees it; the planner notes when the probe sees
-    clearly more runaways than the run, i.e. loops that start later.)
+    The run's runaways run past every cap; the probe's own are taken out of its conditionals, so that only the
+    honest tail rests on the probe (assuming a loop has begun by the current cap, where the run's check sees it).
     """
     values, counts, cap = rows.values, rows.counts, rows.cap
     lengths, pcut, ploop = probe.completion_tokens, probe.truncated, probe.runaway

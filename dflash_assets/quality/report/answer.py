@@ -108,8 +108,7 @@ class CapAnswer:
     @property
     def next_cap(self) -> int | None:
         """The cap to continue the cut rows to: the recommended one, else, when the cuts inside the window block and
-        the plan offers no cap (too few uncut rows to fit its tail, or no candidate gets there), the trainer's
-        window, at which no row can be cut inside it; None when nothing is to do."""
+        the plan offers none, the trainer's window; None when nothing is to do."""
         if self.recommended is not None:
             return self.recommended.cap
         return self.max_length if self.blocked and self.cap < self.max_length else None
@@ -237,9 +236,8 @@ def recommended_cap(
 ) -> CapEstimate | None:
     """The smallest candidate cap at or above the current one whose predicted share cut is within `limit`.
 
-    None when no row was cut (the cap is fine), when no row was cut inside the trainer's window (a larger cap
-    buys no trained token), or no candidate gets there (the largest is the best on offer). `ceiling`: the cap that
-    lets every prompt reach the trainer's window; a larger one only buys tokens past it, so none is recommended.
+    None when no row was cut inside the trainer's window (a larger cap buys no trained token) or no candidate gets
+    there. `ceiling`: the cap that lets every prompt reach the window; none larger is recommended.
     """
     cut = plan.truncated if cut_inside_window is None else cut_inside_window
     if not cut or cut / plan.rows <= limit:

@@ -20,9 +20,7 @@ Series = list[tuple[str, int | None, int, np.ndarray]]  # (config_hash, the conf
 
 
 def series(data_dir: str | Path, shard: str | None = None) -> Series:
-    """A series per config. Under the window policy
-    each row asks its own max_output_tokens (the window's rest after its prompt): the config's cap is config_cap
-    (tables.py), as the report groups them; a series per row cap would draw a line per prompt length."""
+    """A series per config, at its config_cap (tables.py): under the window policy each row asks its own cap."""
     with open_quality_db(data_dir, shard) as con:
         return series_of(con)
 

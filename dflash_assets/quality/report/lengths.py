@@ -1,8 +1,5 @@
-"""The length-quality report: how long completions are, how many the cap cut, broken down every useful way.
-
-Percentiles are nearest-rank (rules.PERCENTILE_DEFINITION): always an observed token count, never an
-interpolation, so when more than 10% of rows stop at a 4096 cap the report says P90 = P99 = 4096, which is
-exactly the signal to act on.
+"""The length-quality report: how long completions are, how many the cap cut, broken down every useful way
+(percentiles nearest-rank: rules.PERCENTILE_DEFINITION).
 """
 
 from collections.abc import Mapping
@@ -141,11 +138,8 @@ def length_quality(
     config_hash: str | None = None,
 ) -> dict[str, Any]:
     """Rows, truncation rate and completion-token P50/P90/P95/P99/max of one config (`config_hash`; None: all
-    configs pooled, labelled so), overall and by shard, prompt length bucket (server-counted prompt_tokens), source
-    dataset and turn (all_turns), plus overflow counts; `by_config` lists every config side by side.
-
-    With `shard=None` it is the summary over all shards (`by_shard` lists each one). `runaway` says what counts
-    as a runaway row (the thresholds' rules).
+    configs pooled, labelled so), overall and by shard, prompt length bucket, source and turn, plus overflow counts;
+    `by_config` lists every config side by side. `shard=None`: the summary over all shards.
     """
     with open_quality_db(data_dir, shard, runaway=runaway, max_length=max_length) as con:
         return length_quality_of(con, shard, max_length, prompt_buckets, config_hash)

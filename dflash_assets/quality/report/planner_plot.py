@@ -1,9 +1,5 @@
-"""The cap plan as a picture: P(length > x) on log axes: observed below the cap, the probe's, the fitted tail.
-
-A reader should see at a glance where the data stop (the current cap), what the length probe measured beyond
-it, how the fitted tail carries on with its 95% band (and whether it agrees with the probe: a bad fit shows as
-two curves apart), the floor the runaways put under every cap, and what each candidate cap would still cut
-and the context length it needs. (The figure and its PNG: pictures.py.)
+"""The cap plan as a picture: P(length > x) on log axes: observed below the cap, the probe's, the fitted tail with its
+95% band, the runaways' floor, and what each candidate cap would still cut (the figure and its PNG: pictures.py).
 """
 
 import numpy as np

@@ -1,8 +1,4 @@
-"""The rejects of a data dir, for people: how many by stage and reason, and the first few with their line numbers.
-
-The terminal (`dflash demo` / `backfill`, `dflash report`), the training set's manifest and each shard's
-`length_quality_report` read them from here; the full list is the rejects table itself (`rejects/`).
-"""
+"""The rejects of a data dir, for people: how many by stage and reason, and the first few with their line numbers."""
 
 from __future__ import annotations
 

@@ -315,8 +315,8 @@ ORDER BY shard, prompt_id, config_hash, turn, reason IS NOT NULL, created_at, fi
 
 
 def _select(con: duckdb.DuckDBPyConnection, storage: Any, min_loss_tokens: int) -> Selection:
-    """Where each all_turns conversation ends for the trainer (selection.py), from its graded rows, the rejects and
-    the failures of its turns; a conversation at a time."""
+    """Where each all_turns conversation ends for the trainer (selection.py), from its graded, rejected and failed
+    turns."""
     refused: dict[tuple[str, str, str], dict[int, tuple[str, int | None]]] = {}
     rejects = parquet_source(con, storage, "rejects", REJECT_SCHEMA)
     for shard, pid, h, turn, reason, prompt_tokens in con.execute(
@@ -365,8 +365,8 @@ def _recipe(done: Written, writer: Writer, trainer: str) -> dict[str, Any]:
 
 
 def _trained(done: Written, e: Exported, train_lines: int, said: dict[str, Any]) -> dict[str, Any]:
-    """What the trainer will train of the train file (the manifest's and the terminal's word): the turns it
-    supervises, the turns exported but not trained and why, the held-out rows and their route."""
+    """What the trainer will train of the train file: the turns it supervises, those not trained and why, the
+    held-out rows and their route."""
     turns = done.train_turns
     one_per_line = e.form == "conversations" and e.last_turn_only  # SpecForge's train_only_last_turn
     supervised = 0 if e.reader is None else train_lines if one_per_line else turns
@@ -523,8 +523,8 @@ def _outputs(request: ExportRequest) -> tuple[dict[str, Path], dict[str, Path]]:
 
 
 def _grade(con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest) -> Chosen:
-    """The temp tables every later step reads (prompts, history_markers, files, graded: each completion row with its
-    exclusion reason), and the form and template the config's rows decide."""
+    """The temp tables every later step reads (`graded`: each completion row with its exclusion reason), and the
+    form and template the config's rows decide."""
     prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
     con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
     con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")

@@ -89,14 +89,11 @@ assert tuple(FORM) == FORMS, "every trainer format has its form"
 def chosen_form(
     form: str, all_turns: bool, chat_template: str, trainer: str = "specforge", modes: frozenset[bool] = frozenset()
 ) -> tuple[str, str]:
-    """(the form exported, why) for `trainer` (TrainerSettings.name), the rows' `modes` (their enable_thinking) and
-    the template the trainer renders them with (trained_template). `auto`: speculators' is pretokenized (the one
-    form its prepare_data reads as is, settings.TRAINER_READS); SpecForge's is pretokenized where thinking-off rows
-    meet a template that trains their empty think block (a mix of modes: one template renders the whole file, and a thinking-off
-    row's `</think>` and blank line, prompt tokens in the server's ids, would be trained), per_turn for regenerated
-    multi-turn conversations (all_turns) under a template that drops earlier reasoning, so that every decoded turn is
-    trained, else conversations. A text form set explicitly where the template would train forced tokens is refused
-    (ValueError), never written."""
+    """(the form exported, why) for `trainer`, the rows' `modes` (their enable_thinking) and the template the trainer
+    renders them with. `auto`: speculators' is pretokenized; SpecForge's is pretokenized where thinking-off rows meet a
+    template that trains their empty think block (TRAINS_EMPTY_THINK), per_turn for all_turns conversations under a
+    template that drops earlier reasoning, else conversations. A text form set explicitly where the template would
+    train forced tokens is refused (ValueError)."""
     forced = False in modes and chat_template in TRAINS_EMPTY_THINK and trainer == "specforge"
     if form != AUTO:
         if forced and FORM[form].rendered and form != "messages":

@@ -1,8 +1,5 @@
-"""Each export form is one writer: what one exported conversation becomes in the JSONL file and the Parquet copy.
-
-A conversation is the unit: the kept rows of one (prompt, config), one row under regenerate last_turn, its turns in
-order under all_turns. `writer_for` is the one place that picks a writer by its form's name; everything else reads
-the writer's facts (trainer_format.Form) and calls its `samples`.
+"""Each export form is one writer: what one exported conversation (the kept rows of one (prompt, config)) becomes in
+the JSONL file and the Parquet copy. `writer_for` is the one place that picks a writer by its form's name.
 """
 
 from __future__ import annotations
@@ -262,11 +259,8 @@ class MessagesWriter(TextWriter):
 
 class PerTurnWriter(TextWriter):
     """One generation-event row per regenerated assistant turn, line for line what SpecForge's
-    scripts/expand_reasoning_conversations.py (a6b6b02, expand_row) makes of the conversations form's file: id
-    "<source id>#turn<i>" (i: the assistant turn's 0-based index), source_id, source_row_index (the conversation's
-    line in that file), assistant_turn_index, and the history before the turn with earlier answers' reasoning
-    dropped (what the target saw when it generated the turn), then the turn itself. Trained with
-    train_only_last_turn: true, every exported turn is in the loss (trainer_settings.py writes it)."""
+    scripts/expand_reasoning_conversations.py (expand_row) makes of the conversations form's file: the history before
+    the turn with earlier answers' reasoning dropped, then the turn. Trained with train_only_last_turn: true."""
 
     form = FORM["per_turn"]
     schema = pa.schema(
