@@ -72,6 +72,17 @@ def stopped_early(finish_reason: str | None) -> bool:
     return finish_reason == RUNAWAY_FINISH
 
 
+# ---- accounting ------------------------------------------------------------------------------------------------
+def outcomes_sql(where: str = "true", completions="completions", rejects="rejects", failures="failures") -> str:
+    """What happened to each prompt under each config, the first class that applies: `outcome` 1 completed, 2
+    rejected, 3 failed (prompts = completed + rejected + failed + missing), over the tables named."""
+    return f"""SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
+    SELECT shard, config_hash, prompt_id, 1 AS outcome FROM {completions}
+    UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM {rejects} WHERE stage <> 'source'
+    UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM {failures}
+) WHERE {where} GROUP BY ALL"""
+
+
 # ---- blank text ------------------------------------------------------------------------------------------------
 # "Blank" means null or only ASCII whitespace (in SQL a regex search, which stops at once where trim() copies)
 BLANK_CHARS = " \t\r\n"

@@ -22,6 +22,7 @@ from dflash_assets.rules import (
     WINDOW_SIZED_SQL,
     blank_sql,
     cut_inside_window_sql,
+    outcomes_sql,
     row_window_sql,
     trained_tokens_sql,
     window_complete_sql,
@@ -53,7 +54,7 @@ def one(con: duckdb.DuckDBPyConnection, sql: str, params: object = None) -> tupl
 
 def window_flags_sql(max_length: int) -> str:
     """The window's flags of a completion row (over a select that has `runaway` and `trainer_max_length`), judged
-    by the row's own window: the one a window-policy config recorded, else `max_length`, the trainer's in force."""
+    by the row's own window (rules.row_window_sql)."""
     window = row_window_sql(max_length)
     return (
         f"{window} AS judged_window, "
@@ -64,8 +65,7 @@ def window_flags_sql(max_length: int) -> str:
 
 
 def recorded_windows(con: duckdb.DuckDBPyConnection, max_length: int) -> dict[int, int]:
-    """The windows the rows in scope are judged by, other than `max_length` (the trainer's in force), with their
-    rows: window-policy configs sized to another window, judged by theirs (never silently at the setting's)."""
+    """The windows the rows in scope are judged by other than `max_length` (the trainer's in force), with their rows."""
     return dict(
         con.execute(
             "SELECT judged_window, count(*) FROM completions WHERE judged_window <> $m GROUP BY ALL ORDER BY ALL",
@@ -75,8 +75,8 @@ def recorded_windows(con: duckdb.DuckDBPyConnection, max_length: int) -> dict[in
 
 
 def judged_window(con: duckdb.DuckDBPyConnection, max_length: int) -> tuple[int, str]:
-    """(the window the rows in scope are judged by, a sentence saying so when it is not the trainer's setting).
-    One recorded window for every row: that one; a mix: the setting's, and the sentence names the others."""
+    """(the window the rows in scope are judged by: one recorded window for every row, else the setting's; a sentence
+    naming the recorded ones, when there are)."""
     other = recorded_windows(con, max_length)
     if not other:
         return max_length, ""
@@ -92,9 +92,8 @@ def judged_window(con: duckdb.DuckDBPyConnection, max_length: int) -> tuple[int,
 
 
 def runaway_sql(runaway: RunawaySettings) -> str:
-    """The `runaway` flag of a completion row (needs `register_runaway` on the connection). Only cut rows are
-    judged, on the end of what was generated last: the answer, or the reasoning when the cap cut the thinking.
-    A row stopped while streaming was judged by the same rules then (rules.RUNAWAY_FINISH): it is one."""
+    """The `runaway` flag of a completion row (needs `register_runaway`): a row stopped while streaming, or a cut
+    row whose last generated text (the answer, else the reasoning) loops."""
     tail = (
         f"CASE WHEN {blank_sql('content')} "
         f"THEN right(reasoning_content, {runaway.tail_chars}) ELSE right(content, {runaway.tail_chars}) END"
@@ -105,17 +104,7 @@ def runaway_sql(runaway: RunawaySettings) -> str:
     )
 
 
-# What happened to each prompt under each config (accounting, context_overflow): `outcome` 1 completed, 2 rejected,
-# 3 failed, the first that applies. `outcomes` of the scope's tables; `other_outcomes` of every config but the scope's
-OUTCOMES = """
-CREATE TEMP TABLE {table} AS
-SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
-    SELECT shard, config_hash, prompt_id, 1 AS outcome FROM {completions}
-    UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM {rejects} WHERE stage <> 'source'
-    UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM {failures}
-) WHERE {where}
-GROUP BY ALL
-"""
+# `other_outcomes` (rules.outcomes_sql) are those of every config but the scope's
 OTHER_CONFIGS = """getvariable('scope_config') IS NOT NULL AND config_hash IS DISTINCT FROM getvariable('scope_config')
     AND ($shard IS NULL OR shard = $shard)"""
 
@@ -219,9 +208,8 @@ def open_quality_db(
         f"CREATE TEMP TABLE prompts AS SELECT prompt_id, shard, tools_json FROM {src} WHERE {shard_ok}",
         {"shard": shard},
     )
-    scoped = {table: table for table in sources}
-    con.execute(OUTCOMES.format(table="outcomes", where="true", **scoped))
-    con.execute(OUTCOMES.format(table="other_outcomes", where=OTHER_CONFIGS, **sources), {"shard": shard})
+    con.execute(f"CREATE TEMP TABLE outcomes AS {outcomes_sql()}")
+    con.execute(f"CREATE TEMP TABLE other_outcomes AS {outcomes_sql(OTHER_CONFIGS, **sources)}", {"shard": shard})
     con.execute(CONFIG_WRITES.format(**sources), {"shard": shard})
     return con
 

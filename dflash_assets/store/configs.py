@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from dflash_assets.rules import CUT_AT_CAP_SQL, cut_inside_window_sql, latest_first, row_window_sql
+from dflash_assets.rules import CUT_AT_CAP_SQL, cut_inside_window_sql, latest_first, outcomes_sql, row_window_sql
 from dflash_assets.settings import SAMPLING_PARAMS, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
@@ -191,12 +191,7 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
         ).fetchall()
         names = [d[0] for d in con.description]
         shards = con.execute(
-            """WITH outcomes AS (
-                SELECT shard, config_hash, prompt_id, min(outcome) AS outcome FROM (
-                    SELECT shard, config_hash, prompt_id, 1 AS outcome FROM completions
-                    UNION ALL SELECT shard, config_hash, prompt_id, 2 FROM rejects WHERE stage <> 'source'
-                    UNION ALL SELECT shard, config_hash, prompt_id, 3 FROM failures
-                ) GROUP BY ALL),
+            f"""WITH outcomes AS ({outcomes_sql()}),
             counts AS (
                 SELECT config_hash, shard, count(*) FILTER (WHERE outcome = 1) AS completed,
                     count(*) FILTER (WHERE outcome = 2) AS rejected, count(*) FILTER (WHERE outcome = 3) AS failed

@@ -60,7 +60,7 @@ def accounting(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -> Find
 
     A shard's prompts are its prompt rows plus its source-stage rejects (counted as rejected), the same for every
     config of the shard (the scope's, else every config with a row there; none: config "(none)", all missing). Each
-    prompt counts once per config, in the first class that applies (tables.OUTCOMES). Orphan completions (keys with
+    prompt counts once per config, in the first class that applies (rules.outcomes_sql). Orphan completions (keys with
     no prompt row in the shard) fail the check too. With a config scope, another config of its shards that does not
     add up is `superseded` (docs/quality-gate.md): reported, never failing the check.
     """

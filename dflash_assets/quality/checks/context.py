@@ -37,7 +37,7 @@ def context_overflow(con: duckdb.DuckDBPyConnection, quality: QualitySettings) -
     """Fails when any config has completion rows over the context (share > context_overflow_rate_max) or
     rejects more of its attempted prompts for overflow than context_overflow_reject_rate_max.
 
-    A config's attempted prompts are its outcomes (tables.OUTCOMES); a reject overflows by its recorded numbers.
+    A config's attempted prompts are its outcomes (rules.outcomes_sql); a reject overflows by its recorded numbers.
     """
     result = con.execute(PER_CONFIG).fetchall()
     lines: list[str] = []
