@@ -142,8 +142,7 @@ TRAINER_FLAGS = "trainer_"  # TrainerSettings' flags: --trainer-max-length, --tr
 
 
 class TrainerSettings(Settings):
-    """The drafter trainer that reads the export: how much of each sample it reads (docs/trainer-window.md), and in
-    which form."""
+    """The drafter trainer that reads the export: its window (docs/trainer-window.md) and the form it reads."""
 
     subject: ClassVar[str] = "trainer "
 
@@ -321,15 +320,13 @@ class GenerationSettings(RequestSettings):
         return self._min_loss_tokens
 
     def resolved(self, carries_history: bool) -> GenerationSettings:
-        """regenerate 'auto' made what it does for a source (`carries_history`: some prompt of it holds an assistant
-        turn before its last user turn): all_turns there, last_turn else. Other modes are kept as they are."""
+        """regenerate 'auto' resolved for a source: all_turns where it `carries_history`, else last_turn."""
         if self.regenerate != "auto":
             return self
         return self.model_copy(update={"regenerate": "all_turns" if carries_history else "last_turn"})
 
     def with_provenance(self, provenance: dict | None) -> GenerationSettings:
-        """These settings with what the fleet says it serves in their config hash; None: without it, as a config
-        written before provenance was recorded keeps its hash (generation/provenance.py)."""
+        """These settings with what the fleet says it serves in their config hash (None: without it)."""
         copy = self.model_copy()
         copy._provenance = provenance
         return copy
@@ -444,8 +441,7 @@ class DispatchSettings(Settings):
 
 
 class RepeatSettings(Settings):
-    """Repeats in the prompt source, exact or near (generation/dedupe.py): the first occurrence in source order is
-    kept, the repeats are rejected unless kept."""
+    """Repeats in the prompt source, exact or near (generation/dedupe.py): rejected unless kept."""
 
     subject: ClassVar[str] = "repeats "
     heading: ClassVar[str] = "invalid repeat settings: "

@@ -48,8 +48,7 @@ class SourceError(Exception):
 
 @dataclass(frozen=True)
 class FieldMapping:
-    """Column names for a source that fits none of the known formats: its messages field holds a list of
-    {role, content} or ShareGPT {from, value} turns."""
+    """Column names for a source that fits none of the known formats (its messages: {role, content} or {from, value})."""
 
     id_field: str | None = None
     messages_field: str | None = None
@@ -97,8 +96,7 @@ def content_id(messages: list[dict]) -> str:
 
 
 def last_turn_request(messages: list[dict]) -> list[dict]:
-    """What `regenerate: last_turn` sends: the conversation up to its last user turn (a final assistant turn is
-    the one regenerated, conditioned on everything before it)."""
+    """What `regenerate: last_turn` sends: the conversation up to its last user turn."""
     end = len(messages)
     while end and messages[end - 1]["role"] == "assistant":
         end -= 1
@@ -106,8 +104,7 @@ def last_turn_request(messages: list[dict]) -> list[dict]:
 
 
 def carries_history(messages: list[dict]) -> bool:
-    """Whether a conversation holds an assistant turn before its last user turn: an answer of the source's own that
-    `regenerate: last_turn` keeps in the history, and that a trainer with loss on every turn learns from."""
+    """Whether a conversation holds an assistant turn before its last user turn (kept by `regenerate: last_turn`)."""
     return any(m["role"] == "assistant" for m in last_turn_request(messages))
 
 
@@ -145,8 +142,7 @@ def source_turns(path: str | Path, mapping: FieldMapping | None = None, first_on
 
 
 def no_prompt(path: str | Path, mapping: FieldMapping | None = None) -> str | None:
-    """Why a source holds no prompt at all (blank lines, binary, no field of a known format), with its first reject, in
-    one line; None as soon as one line is a prompt."""
+    """Why a source holds no prompt at all, with its first reject, in one line; None as soon as one line is one."""
     lines, first = 0, None
     for item in read_shard(Path(path), 0, 2**62, mapping):
         if isinstance(item, Prompt):
@@ -241,8 +237,7 @@ def _record_format(record: dict, mapping: FieldMapping | None) -> tuple[str | No
 
 
 def _turns(raw, field_name: str, tools: list[dict] | None = None) -> tuple[list[dict], str | None, str | None]:
-    """(messages as {role, content} (and tool_calls, tool_call_id), "role" or "from" keys, None) or ([], _, the
-    reason)."""
+    """(messages as {role, content} (and tool_calls, tool_call_id), "role" or "from" keys, None) or ([], _, why)."""
     if not isinstance(raw, list):
         return [], "", f"{field_name!r} must be a list, got {type(raw).__name__}"
     if not raw:
@@ -312,8 +307,8 @@ def _style(keys: str) -> str:
 
 
 def _shape_problem(messages: list[dict]) -> str | None:
-    """Optional system turns, then user and assistant alternating from the user (the trainers' rule); an assistant
-    turn of tool calls is followed by one tool result per call, then the assistant again."""
+    """Optional system turns, then user and assistant alternating from the user (the trainers' rule), tool results
+    after an assistant turn of calls."""
     first = next((i for i, m in enumerate(messages) if m["role"] != "system"), None)
     if first is None:
         return "the conversation has only system messages, no user turn"
@@ -495,8 +490,8 @@ def read_shard(
 
 
 def shard_fingerprint(path: Path, index: int, shard_size: int, lines: int | None = None) -> tuple[int, str]:
-    """(lines, fingerprint) of shard `index`: a hash of its raw lines (JSONL bytes, or Parquet rows as canonical
-    JSON), or of only its first `lines` of them: what a prompt shard records of its source (store/source.py)."""
+    """(lines, fingerprint) of shard `index`: a hash of its raw lines (or of its first `lines`), what a prompt shard
+    records of its source (store/source.py)."""
     path = Path(path)
     _check_file(path)
     start = index * shard_size

@@ -30,10 +30,9 @@ class GenerationRun:
     def of(
         cls, config: object, quality: QualitySettings, preflight_policy: str = "reject", history: bool | None = None
     ) -> GenerationRun:
-        """A completions config's request and dispatch settings, sized to the quality settings' trainer window and
-        watched by their runaway rules; token ids stored whenever the window policy or the pre-tokenized export is
-        built from them. `history`: whether the prompt source carries earlier assistant turns, what regenerate auto
-        resolves by (GenerationSettings.resolved; None: left to the engine, over the data dir's shards)."""
+        """A completions config's run, sized to the quality settings' trainer window, watched by their runaway rules,
+        its token ids stored as rules.stores_token_ids says. `history`: whether the source carries earlier assistant
+        turns, what regenerate auto resolves by (None: left to the engine)."""
         generation = GenerationSettings.of(config, quality.trainer)
         generation = generation if history is None else generation.resolved(history)
         dispatch = DispatchSettings.taken_from(config)

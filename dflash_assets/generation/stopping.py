@@ -86,9 +86,8 @@ def stopping() -> Iterator[Stop]:
 
 
 def stop_line(stopped: Stopped, name: str, resume: str, data_dir: str | None) -> str:
-    """What the terminal says of a polite stop of `dflash <name>`, in one line: what stopped, what was kept, and
-    `resume`, the command that resumes it. `data_dir`: where the command's completion rows are committed (None: a
-    command that generates nothing)."""
+    """What the terminal says of a polite stop of `dflash <name>`, in one line, with `resume`, the command that
+    resumes it. `data_dir`: where its rows are committed (None: a command that generates nothing)."""
     from dflash_assets.store.stores import committed_rows
 
     if data_dir is None:

@@ -169,8 +169,8 @@ class Replicates:
 def bootstrap_replicates(
     rows: Distinct, caps: np.ndarray, fit: TailFit | None, grid: np.ndarray, replicates: int, seed: int
 ) -> Replicates:
-    """Resampling rows is a multinomial draw over the distinct (length, cut) pairs: the same as drawing n rows
-    with replacement, at a cost set by the number of distinct lengths, not of rows; the tail is refitted each time."""
+    """Rows resampled as a multinomial draw over the distinct pairs (drawing n rows with replacement, at a cost set by
+    the distinct lengths), the tail refitted each time."""
     rng = np.random.default_rng(seed)
     n = rows.rows
     honest_cut = rows.honest  # at the rows' cap (a runaway stopped early is below it)
@@ -430,9 +430,8 @@ def plan_from_lengths(
     probe: ProbeSample | None = None,
     notes: list[str] | None = None,
 ) -> CapPlan:
-    """The plan from one config's rows: the tail beyond the cap fitted, each candidate cap's figures estimated
-    (measured where the rows or `probe`, rows at a larger cap, reach), with bootstrap intervals. `notes` are said
-    before the plan's own."""
+    """The plan from one config's rows: each candidate cap's figures, measured where the rows or the `probe` reach,
+    else from the fitted tail, with bootstrap intervals. `notes` are said before the plan's own."""
     notes = list(notes or [])
     distinct = _distinct(rows)
     caps = np.array(sorted({int(c) for c in options.candidates} | {int(rows.cap)}), dtype=np.int64)

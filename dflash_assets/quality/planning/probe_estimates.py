@@ -134,10 +134,6 @@ class ProbePrecision:
         return self.half_width <= self.target
 
 
-def _pp(share: float) -> str:
-    return f"±{share * 100:.2f} pp"
-
-
 def precision_text(precisions: list[ProbePrecision], cap: int) -> str:
     """'probe of 500 rows (83 above the cap 4,096): ±1.23 pp at 8,192, ±0.52 pp at 16,384; 760 rows would give
     ±1 pp at every cap' (or 'within ±1 pp at every cap')."""
@@ -149,7 +145,7 @@ def precision_text(precisions: list[ProbePrecision], cap: int) -> str:
         if first.continued
         else f"probe of {first.rows:,} rows ({first.rows_above:,} honest rows above the cap {cap:,})"
     )
-    text = kind + ": " + ", ".join(f"{_pp(p.half_width)} at {p.cap:,}" for p in precisions)
+    text = kind + ": " + ", ".join(f"±{p.half_width * 100:.2f} pp at {p.cap:,}" for p in precisions)
     need = max(precisions, key=lambda p: p.rows_for_target)
     if all(p.enough for p in precisions):
         return text + f" (95%, binomial): within ±{first.target * 100:g} pp at every cap"

@@ -88,10 +88,8 @@ FROM r
 
 
 def turns_cost(con: duckdb.DuckDBPyConnection, options: PlanOptions) -> TurnsCost | None:
-    """The cost from a config's rows (`completions`) and the user turns of its prompts that have more than one
-    (`multi_turn`); None when no prompt has more than one (nothing to compare). all_turns rows carry their turn:
-    last_turn would decode each conversation's final answer (the mean answer where it is missing); last_turn rows
-    do not: all_turns would also decode the earlier answers, at the mean length."""
+    """The cost from a config's rows (`completions`) and its multi-turn prompts (`multi_turn`; None without any): the
+    mode not run is estimated at the mean answer length."""
     rows, decoded, ids, numbered, lasts, last, earlier = one(con, TURNS_COST)
     if not rows or not one(con, "SELECT count(*) FROM multi_turn")[0]:
         return None
@@ -192,9 +190,7 @@ def plan_window(
     fit: TailFit | None = None,
     overshoot: int = GenerationSettings().overshoot,
 ) -> WindowPlan:
-    """The plan from one config's rows (prompt_tokens, completion_tokens, whether each was cut and is a runaway, at
-    the cap they were made with); `fit` is the cap plan's tail (None: no honest cut row). The options' candidates,
-    tok/s and servers (hours) and prompts (the count the totals are scaled to) apply."""
+    """The plan from one config's rows (Lengths); `fit` is the cap plan's tail (None: no honest cut row)."""
     p, length = np.asarray(rows.prompt_tokens, dtype=np.int64), np.asarray(rows.completion_tokens, dtype=np.int64)
     cut = np.asarray(rows.truncated, dtype=bool)
     loop = (np.zeros(len(cut), bool) if rows.runaway is None else np.asarray(rows.runaway, dtype=bool)) & cut
@@ -273,8 +269,7 @@ def window_plan(
     runaway: RunawaySettings = RunawaySettings(),
     **kwargs,
 ) -> WindowPlan:
-    """plan_window over one config's committed rows (stopped or cut) of a data dir, with what all_turns costs against
-    last_turn when its prompts are multi-turn."""
+    """plan_window over one config's committed rows, with what all_turns costs against last_turn."""
     with open_quality_db(data_dir, config_hash=config_hash, runaway=runaway, max_length=trainer.max_length) as con:
         rows = con.execute(  # a cut the window policy sized is final: at any cap, what a row that stopped there is
             "SELECT prompt_tokens, completion_tokens, finish_reason = 'length' AND NOT window_sized AS cut, runaway "
@@ -289,8 +284,7 @@ def window_plan(
 
 
 def _multi_turn(data_dir: str | Path, shards: list[str]) -> pa.Table:
-    """(prompt_id, user_turns) of the prompts with more than one user turn, from the prompt shards' messages: read a
-    batch at a time, and only those kept (a single-turn source of a million prompts holds nothing)."""
+    """(prompt_id, user_turns) of the prompts with more than one user turn, from the prompt shards' messages."""
     ids, turns = [], []
     for shard in shards:
         for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):

@@ -256,9 +256,8 @@ def answer_of(
     wp: WindowPlan | None = None,
     scope: str = "",
 ) -> CapAnswer:
-    """The answer of one config from its stats (length_quality's `by_config`: its figures, by rules.FIGURES), its
-    export's manifest under `exports`, and its cap plan when there is one. `scope`: "" for every shard, else the
-    shard(s) the stats count."""
+    """The answer of one config from its stats (length_quality's `by_config`), its export's manifest under `exports`
+    and its cap plan; `scope`: "" for every shard, else the shard(s) the stats count."""
     ceiling = wp.recommended.cap if wp is not None and wp.cut_inside_window else None
     limit = quality.truncation_rate_max
     return CapAnswer(
@@ -286,9 +285,8 @@ def cap_answers(
     config_hash: str | None = None,
     exports: Path | None = None,
 ) -> list[CapAnswer]:
-    """One answer per config of the data dir (or the one asked for), each of its own rows, the latest (the most
-    recently written: rules.latest_first) first. What it says of an export is read from the manifest under
-    `exports` (default: training_dir) / <config> / manifest.json."""
+    """One answer per config of the data dir (or the one asked for), the latest first; what it says of an export is
+    read from `exports` (default: training_dir) / <config> / manifest.json."""
     exports = training_dir(data_dir) if exports is None else exports
     report = length_quality(data_dir, max_length=quality.trainer.max_length, runaway=quality.runaway)
     by_hash = {s.config_hash: s for s in map(ConfigStats.of, report["by_config"])}

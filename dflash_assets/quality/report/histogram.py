@@ -84,9 +84,8 @@ COMPACT_W, COMPACT_H = 240, 90  # the compact picture's size in pixels (an SVG: 
 
 
 def compact_markdown(configs: Series, window_reach: int | None) -> str:
-    """A small SVG of the length survival (the share of rows longer than each length, per config, the first solid),
-    the caps dashed and the window's reach dotted, as a URL-encoded data URI in Markdown that stays under the UI's
-    inline limit. Fewer points a curve until it fits (the full picture is the histogram beside it)."""
+    """A small SVG of the length survival per config, the caps dashed and the window's reach dotted, as a data URI
+    in Markdown under the UI's inline limit (fewer points a curve until it fits)."""
     caps = sorted({cap for _, cap, _, _ in configs if cap is not None})
     top = max([*caps, *(int(v.max()) for *_, v in configs if len(v)), window_reach or 0, 1])
     x = lambda v: round(v / top * (COMPACT_W - 4)) + 2  # noqa: E731

@@ -10,9 +10,8 @@ from dflash_assets.quality.report.pictures import new_figure, png
 
 
 def cap_plan_png(plan: CapPlan, window: tuple[int, int] | None = None, description: str = "") -> bytes:
-    """`window`: (max_length, where it ends in completion tokens for the median prompt): marked on the picture,
-    since a cap past it buys only tokens no training step reads. `description`: the config's answer
-    (CapAnswer.description), the PNG's Description."""
+    """`window`: (max_length, where it ends in completion tokens for the median prompt), marked on the picture;
+    `description`: the PNG's Description (CapAnswer.description)."""
     fig = new_figure(8, 6.2)
     fig.subplots_adjust(bottom=0.34)  # the legend goes below the axes, clear of the caps' labels
     ax = fig.add_subplot()

@@ -185,11 +185,6 @@ def _commit(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _shards(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
     return [s for (s,) in con.execute(f"SELECT DISTINCT shard FROM {table} ORDER BY shard").fetchall()]
 
@@ -476,7 +471,8 @@ def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: An
             done, sides, manifest = _write_and_count(con, storage, request, chosen, tmps)
         for name in request.names:
             _commit(tmps[name], paths[name])
-            manifest["files"][name] = {"sha256": _sha256(paths[name])}
+            with open(paths[name], "rb") as f:
+                manifest["files"][name] = {"sha256": hashlib.file_digest(f, "sha256").hexdigest()}
         exported = Exported(
             paths["training_set.jsonl"],
             chosen.form,
