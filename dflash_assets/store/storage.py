@@ -379,3 +379,9 @@ def connect_duckdb(spill_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
     spill = spill_dir or Path(tempfile.gettempdir()) / f"dflash-duckdb-{uuid.uuid4().hex[:12]}"
     con.execute("SET temp_directory = $dir", {"dir": str(spill)})
     return con
+
+
+def release_arrow_memory() -> None:
+    """Give back to the OS the pages Arrow's pool (mimalloc) keeps of buffers freed since: it keeps them for reuse,
+    and a backfill's reads and writes of Parquet, shard after shard, would otherwise grow its resident memory."""
+    pa.default_memory_pool().release_unused()
