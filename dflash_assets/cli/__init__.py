@@ -1,9 +1,6 @@
 """`dflash`: the demo, the emulator, the quality report, the configs and their export, the length probe and the
-fleet, from a terminal.
-
-A module per command group; runner.py is the one place that executes Dagster jobs in this process, render.py the one
-renderer of a shard command's ending, errors.py the one place an error becomes a line and an exit status. A command's
-module is imported when that command runs: only the commands that run Dagster load it.
+fleet, from a terminal. A module per command group, imported when its command runs (only those running Dagster
+load it).
 """
 
 from __future__ import annotations

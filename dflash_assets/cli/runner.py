@@ -1,10 +1,8 @@
 """The one place that executes Dagster jobs in this process, and reads their results as data.
 
-A command runs a range of shards the way a backfill launched from the UI does: runs of up to DFLASH_SHARDS_PER_RUN
-shards (`BackfillPolicy.multi_run`), each run streaming its shards' prompts through one dispatcher, here executed in
-this process one run after the other (no daemon needed). Dagster's event stream (and every stack trace) goes to the
-run's event log in DAGSTER_HOME, which the UI shows; `--verbose` prints it here as well. The exit status says which:
-0 done, 1 failed, 2 bad input or config (the preflight refused the run), 3 stopped by a blocking check.
+A range of shards runs as a UI backfill does (`BackfillPolicy.multi_run`, DFLASH_SHARDS_PER_RUN shards a run), the
+runs one after the other in this process. Events go to the run's event log (`--verbose` prints them). Exit status:
+0 done, 1 failed, 2 bad input or config, 3 stopped by a blocking check.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """How a step stops on a fault: named in one line, and retried only where a retry can cure it.
 
-Dagster's RetryPolicy retries every exception alike and, when its retries run out, says only "Exceeded max_retries
-of N" (the step error is `RetryRequestedFromPolicy`, the last attempt's exception its cause). So a step that writes
-the data dir runs inside `named_stops`:
-- a resource ran out (a full disk, a quota, a read-only filesystem, open files: store/exhaustion.py) stops at once,
-  `Failure(allow_retries=False)`: every attempt would fail alike. Its line names the path, what ran out, what is left
-  and the next command, with the committed rows it keeps;
-- on the final attempt of a retried step, the attempt's own exception (its type, message and first cause) is
-  raised as the Failure, "after N attempts", so the UI's text and the terminal's are the cause, never the wrapper.
-Either way the failure's metadata holds the recount of the step's committed rows: a failed step records no
-materialisation, and the demo's table reads them from there (defs/metadata.py StepStopKeys).
+Dagster's RetryPolicy retries every exception alike and ends with "Exceeded max_retries of N". So a step that
+writes the data dir runs inside `named_stops`: a resource that ran out (store/exhaustion.py) stops at once
+(`Failure(allow_retries=False)`), and a retried step's final attempt raises its own exception as the Failure.
+Either way the failure's metadata holds the recount of the committed rows (defs/metadata.py StepStopKeys): a failed
+step records no materialisation.
 """
 
 from __future__ import annotations

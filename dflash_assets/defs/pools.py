@@ -1,24 +1,17 @@
 """The pools a generating step holds, and the runs that died holding them.
 
-Two kinds of pool, both kept in the instance's own concurrency tables (the UI's Concurrency page shows them, and on
-Postgres every host shares them):
-- `sglang_fleet`: the GPU fleet, at most `concurrency.pools.default_limit` generating steps at once
-  (dagster_home/dagster.yaml, or `dagster instance concurrency set sglang_fleet N`);
-- `shard:<key>`, limit 1: one run per shard at a time. A backfill run carries only the ends of its range as tags,
-  so run-queue tag limits cannot say which shards it writes.
+Both kinds live in the instance's concurrency tables (the UI's Concurrency page; shared by every host on Postgres):
+- `sglang_fleet`: at most `concurrency.pools.default_limit` generating steps at once (dagster_home/dagster.yaml);
+- `shard:<key>`, limit 1: one run per shard (a backfill run's tags name only the ends of its range, so run-queue
+  tag limits cannot).
 
-The step claims them itself, in one global order (shards sorted, then the fleet: no two runs each hold what the
-other waits for, and a run waiting for a shard holds no GPU slot), rather than through `@asset(pool=...)`, for two
-reasons found by killing runs:
-- Dagster 1.13's step executor does not sleep while a step waits for a pool: `InstanceConcurrencyContext.
-  interval_to_next_pending_claim_check` returns `min(0, ...)`, never a positive wait, so the run polls the database
-  at 100% CPU. This loop sleeps `POLL_S` between claims.
-- A run whose worker was SIGKILLed never ends in the instance's eyes (an in-process run has nobody to report it),
-  and its slots stay claimed forever: the next run waited for ever. While this loop waits, it looks at every run
-  that holds or queues for the pool: a run that has ended gets its slots freed; a run whose worker process is gone
-  (pid and start time recorded in the run's tags, compared as fleet/processes.py does, so pid reuse cannot fool
-  it) is failed through the instance, with the reason, and its slots freed. A run on another host is not judged
-  by pid: Dagster's run monitoring fails it there (the Celery launcher's health check), and then it has ended.
+The step claims them itself, in one global order (shards sorted, then the fleet: no deadlock, and a run waiting for
+a shard holds no GPU slot), not through `@asset(pool=...)`, because:
+- Dagster 1.13's `InstanceConcurrencyContext.interval_to_next_pending_claim_check` returns `min(0, ...)`: a waiting
+  step polls at 100% CPU. This loop sleeps `POLL_S` between claims.
+- A SIGKILLed in-process run never ends in the instance, and its slots stay claimed. While waiting, this loop frees
+  the slots of ended runs and fails, through the instance, a run whose worker is gone (pid and start time in its
+  tags, as fleet/processes.py compares them). A run on another host is left to Dagster's run monitoring.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""An emulator of an SGLang 0.5.23 server for machines without a GPU.
+"""An emulator of an SGLang 0.5.23 server for machines without a GPU: the subset of SGLang the pipeline uses, over a
+deterministic stand-in model (model.py).
 
-Same launch flags, routes, JSON shapes, status codes, error bodies, context-length
-rules, reasoning split and overload behaviour as the subset of SGLang the
-pipeline uses, over a deterministic stand-in model (see model.py). Start it with
-`python -m dflash_assets.emulator --model-path emulated/qwen3-27b [flags]`,
-`main(argv)`, or `process.start_emulator(...)` from Python.
+`python -m dflash_assets.emulator --model-path emulated/qwen3-27b [flags]`, `main(argv)` or
+`process.start_emulator(...)`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Command line and resolved configuration of the emulated server.
 
-The parser is `sglang serve`'s: all 0.5.23 flags are registered (sglang_flags.json),
-so a launcher's command line parses, abbreviates and fails (exit 2) as it would
-against the real server. The handful that shape behaviour are typed here; the
-rest are accepted and reported in /server_info. The emulator's own knobs (the
-stand-in model, its speed, faults) are added beside them.
-
-Capacity is resolved with 0.5.23's rules (configs/model_config.py,
-kv_cache_configurator.py, tp_worker.py): effective context length, KV pool,
-max_running_requests (capped by the hybrid model's mamba state slots),
-max_req_len = min(context_len - 1, kv_pool - 1) and max_req_input_len = max_req_len - 5.
+The parser is `sglang serve`'s (all 0.5.23 flags, from sglang_flags.json), so a launcher's command line parses and
+fails as it would against the real server; the flags that shape behaviour are typed here, the rest reported in
+/server_info, with the emulator's own knobs beside them. Capacity follows 0.5.23 (model_config.py,
+kv_cache_configurator.py, tp_worker.py): max_req_len = min(context_len - 1, kv_pool - 1), max_req_input_len =
+max_req_len - 5, max_running_requests capped by the mamba state slots.
 """
 
 from __future__ import annotations

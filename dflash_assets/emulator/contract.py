@@ -1,12 +1,8 @@
 """The `/generate` JSON contract gate of SGLang 0.5.23, re-implemented.
 
-0.5.23 checks every `/generate` body with the generated decoder
-`GenerateRequest.from_json_value` (sglang/api/v1/api_types.py, called from
-srt/entrypoints/api_contract.py) and answers a violation with HTTP 400
-`{"error": "<the decoder's text>"}`. The wheel is not a runtime dependency, so
-this is a port of that decoder: same accepted shapes, same serde-style messages
-("unknown field `max_tokens`, expected one of ...", "invalid type: string \"8\",
-expected i64"). tests/emulator/test_sglang_contract.py runs a corpus through both.
+0.5.23 decodes every `/generate` body with `GenerateRequest.from_json_value` (sglang/api/v1/api_types.py, via
+srt/entrypoints/api_contract.py) and answers a violation with 400 `{"error": "<the decoder's text>"}`. This ports
+that decoder: same shapes, same serde-style messages (tests/emulator/test_sglang_contract.py runs both).
 """
 
 from __future__ import annotations

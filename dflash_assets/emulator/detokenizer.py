@@ -1,25 +1,19 @@
 """The text SGLang 0.5.23 sends for a request's output ids: its incremental detokenizer, step by step.
 
-Only the non-ASCII mode needs it (an all-ASCII output decodes the same in any pieces, and the fast path slices
-precomputed text). Where it matters is a multi-byte character cut at a step or at the start of the output:
+Only the non-ASCII mode needs it (ASCII decodes the same in any pieces): a multi-byte character cut at a step or at
+the start of the output.
 
-- `schedule_batch.Req.init_incremental_detokenize` (~1788-1806): the first step decodes the output together
-  with the last INIT_INCREMENTAL_DETOKENIZATION_OFFSET (5) prompt ids, the "surrounding" ids, and keeps only
-  what their text does not already cover: `text = decode(surr + out)[len(decode(surr)):]`, a CHARACTER offset.
-  A continuation whose prompt ends inside a character (the parent was cut there) has surr text ending in
-  U+FFFD; the completed character takes that same one place in the longer text, so it is cut off: the new
-  text starts after it. Neither side of the joint holds the character.
-- `detokenizer_manager._decode_batch_token_id_output` (~392-425): an unfinished step whose new text ends in
-  U+FFFD is not committed; it sends only `find_printable_text` of it (up to the last space) and retries with
-  more ids. A finished step sends everything left, so a cut at the cap ends in U+FFFD.
-- The decode itself: Qwen's tokenizer is byte-level BPE, whose decoder turns the bytes into text with Rust's
-  `String::from_utf8_lossy` (tokenizers, pre_tokenizers/byte_level.rs): one U+FFFD per maximal invalid
-  subsequence, as Python's `errors="replace"` (what `tokenizer.decode` here falls back to): an incomplete
-  lead of 1 to 3 bytes is one U+FFFD, each stray continuation byte one more.
+- `schedule_batch.Req.init_incremental_detokenize`: the first step decodes the output with the last
+  INIT_INCREMENTAL_DETOKENIZATION_OFFSET (5) prompt ids and keeps `decode(surr + out)[len(decode(surr)):]`, a
+  CHARACTER offset: a continuation whose prompt ends inside a character loses that character on both sides.
+- `detokenizer_manager._decode_batch_token_id_output`: an unfinished step whose text ends in U+FFFD sends only
+  `find_printable_text` of it and waits for more ids; a finished step sends everything (a cut at the cap ends
+  in U+FFFD).
+- Byte-level BPE decodes with `String::from_utf8_lossy` (tokenizers, byte_level.rs), as Python's
+  `errors="replace"`: one U+FFFD per maximal invalid subsequence.
 
-Steps: a non-streamed request is still sent to the detokenizer every SGLANG_FORCE_STREAM_INTERVAL (50) output
-tokens (`output_streamer.py` ~475), a streamed one at the emulator's chunk boundaries (SGLang's are every
-`stream_interval` tokens): either way the finished text is the same, the pieces of a stream differ.
+Steps: every SGLANG_FORCE_STREAM_INTERVAL (50) tokens when not streamed (`output_streamer.py`), at the emulator's
+chunk boundaries when streamed; the finished text is the same either way.
 """
 
 from __future__ import annotations

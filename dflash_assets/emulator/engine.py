@@ -1,17 +1,10 @@
-"""The request path below the HTTP routes: SGLang's tokenizer manager checks,
-the scheduler's clamp and admission, and the timed stream of outputs.
+"""The request path below the HTTP routes, in 0.5.23's order:
 
-Order, as in 0.5.23:
-1. tokenizer side (`_validate_one_request`): prompt >= context_len -> 400 "The
-   input (N tokens) is longer than the model's context length (C tokens).";
-   prompt + max_new_tokens > context_len -> 400 "Requested token count exceeds
-   ..."; with --allow-auto-truncate the prompt keeps its head and max_new_tokens
-   is cut instead. Then the sampling-parameter checks (`SamplingParams.verify`).
-2. scheduler side: max_new_tokens is SILENTLY clamped to max_req_len - input - 1
-   (max_req_len = min(context_len - 1, kv_pool - 1)); a prompt of at least
-   max_req_input_len = max_req_len - 5 tokens is aborted with status 400 "Input
-   length ... exceeds the maximum allowed length"; a full waiting queue aborts
-   with 503. These come back as finish_reason {"type": "abort", ...} outputs.
+1. tokenizer manager (`_validate_one_request`): prompt >= context_len or prompt + max_new_tokens > context_len
+   -> 400 (with --allow-auto-truncate, max_new_tokens is cut instead); then `SamplingParams.verify`.
+2. scheduler: max_new_tokens SILENTLY clamped to max_req_len - input - 1; a prompt of at least max_req_input_len
+   aborted with 400; a full waiting queue aborted with 503: finish_reason {"type": "abort", ...} outputs.
+Then the timed stream of outputs.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Fault injection: what a flaky GPU server does to a client.
 
-Set at start-up with --fault-* flags, and at run time through the emulator-only
-route (not part of SGLang; authenticated like every non-health route):
-
-    GET    /_emulator/faults          current settings and counters
-    POST   /_emulator/faults  {json}  merge settings; a null value clears one
-    DELETE /_emulator/faults          clear all
-
-The settings (all optional) are FaultSettings' fields, each described there.
-"Generation requests" are POST /generate and /v1/chat/completions.
+Set by --fault-* flags at start, and at run time through an emulator-only route (authenticated):
+GET /_emulator/faults (settings, counters), POST (merge; null clears one), DELETE (clear all). The settings are
+FaultSettings' fields; "generation requests" are POST /generate and /v1/chat/completions.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Read-only routes: health and readiness, model and server info, /v1/models,
-/v1/loads (entrypoints/v1_loads.py, managers/load_snapshot.py) and /metrics
-(observability/metrics_collector.py), with 0.5.23's keys and names.
-
-Figures about the GPU (weights GB, graph memory) are plausible constants for a
-27B model on an H100: nothing reads them but humans.
+"""Read-only routes: health, model and server info, /v1/models, /v1/loads (v1_loads.py, load_snapshot.py) and
+/metrics (metrics_collector.py), with 0.5.23's keys. GPU figures are plausible constants, read only by humans.
 """
 
 from __future__ import annotations

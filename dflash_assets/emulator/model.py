@@ -1,26 +1,15 @@
 """The stand-in model: a deterministic, autoregressive-consistent completion.
 
-The whole (uncapped) completion of a prompt is a pure function of the prompt
-tokens up to and including the LAST generation prompt (`<|im_start|>assistant\\n`
-plus the think opener that follows it) and of `sampling_seed`. Tokens after that
-marker are taken as output already generated, so a continuation request
-(prompt + first k output ids, cap m) returns exactly tokens k..k+m of the
-uncapped completion: continuing a truncated row equals a from-scratch
-generation at the larger cap, which is what the resume feature relies on.
+The uncapped completion is a pure function of the prompt tokens up to the LAST generation prompt
+(`<|im_start|>assistant\\n` and its think opener) and of `sampling_seed`; tokens after it are output already
+generated. So a continuation (prompt + first k output ids, cap m) returns tokens k..k+m of the uncapped completion:
+continuing a truncated row equals generating from scratch at the larger cap.
 
-Its shape, for a thinking prompt: `reasoning </think> \\n\\n answer <|im_end|>`;
-without thinking: `answer <|im_end|>`. The length is lognormal (heavy tail),
-seeded by the prompt. Like a server, a request with temperature > 0 and no seed
-draws anew (`draw`): the log-length is a per-prompt part (from the prompt hash)
-plus per-sample noise, so lengths still correlate with the prompt; a continuation
-(the prompt carries k output tokens) draws from the lengths above k, which is
-what a model conditioned on k tokens of an unfinished answer does. Temperature 0
-or a seed stays a pure function of the prompt. Text comes from one precomputed token stream, sliced at
-word starts, so a 16 KB reply costs two slices, not a loop per token, and every
-output re-tokenises to the same ids (no two whitespace tokens ever touch).
-
-That stream is ASCII. With `non_ascii` (the emulator's --non-ascii) the text comes from a variant of it where
-some commas are em dashes, emitted as byte tokens, so a cap can cut a character in two (`_non_ascii_stream`).
+Shape: `reasoning </think> \\n\\n answer <|im_end|>` (thinking) or `answer <|im_end|>`; the length is lognormal,
+seeded by the prompt. Temperature > 0 without a seed draws anew (`draw`): a per-prompt part plus per-sample noise,
+a continuation drawing from the lengths above k. Text is sliced at word starts from one precomputed ASCII token
+stream, so every output re-tokenises to the same ids; `non_ascii` uses a variant with em dashes as byte tokens
+(`_non_ascii_stream`), so a cap can cut a character in two.
 """
 
 from __future__ import annotations

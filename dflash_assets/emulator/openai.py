@@ -1,12 +1,9 @@
-"""OpenAI-compatible routes: `/v1/chat/completions` (serving_chat.py) and
-`/v1/tokenize`, `/v1/detokenize` (serving_tokenize.py), with 0.5.23's order of
-checks, reasoning split and error types.
+"""OpenAI-compatible routes: `/v1/chat/completions` (serving_chat.py), `/v1/tokenize` and `/v1/detokenize`
+(serving_tokenize.py), with 0.5.23's order of checks, reasoning split and error types.
 
-Reasoning (Qwen3.5 template, which pre-opens `<think>\\n` unless
-chat_template_kwargs.enable_thinking is false): with --reasoning-parser qwen3 and
-separate_reasoning (default true), text before `</think>` is reasoning_content
-and the rest content; cut off before `</think>`, everything is reasoning and
-content is "". Without a parser the raw `...</think>` stays in content.
+Reasoning (the template pre-opens `<think>\\n` unless enable_thinking is false): with --reasoning-parser qwen3 and
+separate_reasoning, text before `</think>` is reasoning_content (all of it when cut before `</think>`, content "");
+without a parser the raw `...</think>` stays in content.
 """
 
 from __future__ import annotations

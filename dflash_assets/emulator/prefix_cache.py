@@ -1,14 +1,9 @@
 """SGLang's radix (prefix) cache, as far as what it saves: the prompt tokens a request finds already cached.
 
-A finished request leaves its prompt and output in the cache (SGLang's `cache_finished_req`); a new request's
-longest cached prefix is not prefilled again and is reported as `cached_tokens` (meta_info, and the OpenAI
-usage's `prompt_tokens_details` with --enable-cache-report). Off with --disable-radix-cache.
-
-Matched in blocks of BLOCK tokens (SGLang's default page size is 1 token): per-token keys cost the emulator
-~1 ms per 2,700-token request, blocks of 16 ~0.16 ms. So `cached_tokens` here is the true cached prefix rounded
-down to a multiple of BLOCK. A prefix is a chain of
-per-block keys; the oldest are evicted first when the cache holds more than `capacity` tokens (SGLang evicts LRU
-leaves; the difference only matters under memory pressure).
+A finished request leaves prompt and output cached (`cache_finished_req`); a new request's longest cached prefix is
+reported as `cached_tokens` (meta_info; usage's `prompt_tokens_details` with --enable-cache-report). Off with
+--disable-radix-cache. Matched in blocks of BLOCK tokens (SGLang: pages of 1), so it is rounded down to a multiple
+of BLOCK; the oldest blocks are evicted past `capacity` tokens (SGLang: LRU leaves).
 """
 
 from __future__ import annotations

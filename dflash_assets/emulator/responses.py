@@ -1,11 +1,9 @@
-"""Response bodies as 0.5.23 shapes them; the shape depends on the route and on
-where the error was raised, which is exactly what clients trip over:
+"""Response bodies as 0.5.23 shapes them, by route and by where the error was raised:
 
 - `/generate` contract gate:         400 {"error": "<serde text>"}
 - `/generate` ValueError:            400 {"error": {"message": ...}}
-- OpenAI routes (serving_base):      {"object": "error", "message", "type", "param": null, "code"}
-  type "BadRequestError" (generate-time ValueError), "BadRequest" (conversion
-  ValueError), "503" (HTTPException, e.g. a full queue, on every route)
+- OpenAI routes (serving_base):      {"object": "error", "message", "type", "param": null, "code"}, type
+  "BadRequestError" (generate-time), "BadRequest" (conversion), "503" (HTTPException, e.g. a full queue)
 - FastAPI request validation:        400 {"object": "error", ..., "type": "Bad Request"}
 - inside a stream:                   data: {"error": {...}} then data: [DONE]
 """

@@ -1,15 +1,9 @@
 """One DP rank's scheduler: running slots, a KV budget, a FCFS waiting queue.
 
-A request is admitted when a running slot is free AND its tokens (prompt +
-the output it will generate) fit the KV pool beside the running ones; longer
-outputs therefore mean fewer requests in flight, as on a GPU. Admission is
-first-come-first-served with head-of-line blocking, like SGLang's fcfs policy.
-The waiting queue is unbounded unless --max-queued-requests is set, then an
-arrival finding `len(waiting) + 1 > max_queued` is refused (SGLang's
-_abort_on_queued_limit: 503 "The request queue is full.").
-
-Time is real: a request's prefill and decode take `tokens / rate` seconds,
-computed once from its length (no per-token loop); a rate of 0 is instant.
+A request is admitted when a slot is free AND its prompt + output fit the KV pool beside the running ones (longer
+outputs, fewer in flight), first-come-first-served with head-of-line blocking (SGLang's fcfs). With
+--max-queued-requests a full queue refuses an arrival (`_abort_on_queued_limit`: 503 "The request queue is full.").
+Prefill and decode take real `tokens / rate` seconds, computed once; a rate of 0 is instant.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """The stand-in model's tokenizer and Qwen3.5-style chat template.
 
-A word-level vocabulary (common English words plus a few thousand syllable
-words, each with and without a leading space and capitalised) with byte
-fallback, so `decode(encode(s)) == s` for every string. Special tokens are split
-out before pre-tokenisation, as Hugging Face tokenizers do with added tokens.
-Everything is built deterministically in code: nothing is downloaded.
+A word-level vocabulary with byte fallback, so `decode(encode(s)) == s`; special tokens split out before
+pre-tokenisation, as Hugging Face does with added tokens. Built in code: nothing is downloaded.
 """
 
 from __future__ import annotations

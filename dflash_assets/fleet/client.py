@@ -1,18 +1,13 @@
 """HTTP client for one SGLang 0.5.23 server: what the pipeline reads from it and sends to it.
 
-Errors are classified once, here, so every caller's retry loop does the right thing:
-- 400/413/422: the prompt's fault (ServerError of kind "prompt": never resent at the same budget);
-- 401/403/404: the API key or the URL is wrong, not the prompt (ServerAccessError: not a ServerError, so no
-  retry loop swallows it and the run stops, saying so);
-- anything else, a timeout, a dropped connection, or an HTTP 200 whose finish_reason is "abort" (0.5.23 sends
-  status-less aborts, e.g. /abort_request, as a normal answer): the server's (ServerError of kind "server");
-- a streamed request that went silent (fleet/stream.py Watch): the server's too, of kind "stalled", after a
-  `POST /abort_request` with its rid;
-- a gateway's 503 `no_available_workers` (NO_WORKER): nobody behind the URL can take any request just now, marked
-  kind "no_worker": the fleet is down for the moment, not the request (generation/send.py spends no attempt on it);
-  its lost connection to a worker (UPSTREAM_LOST), kind "upstream_lost";
-- a refused connection (nothing listens at the URL yet), kind "refused"; servers that never became healthy,
-  kind "unhealthy" (not retried).
+Errors are classified once, here (`ServerError.kind`), so every caller's retry loop does the right thing:
+- 400/413/422: "prompt", never resent at the same budget;
+- 401/403/404: the key or the URL is wrong: ServerAccessError, not a ServerError, so the run stops;
+- anything else, a timeout, a dropped connection, a 200 whose finish_reason is "abort": "server";
+- a silent stream (fleet/stream.py Watch): "stalled", after `POST /abort_request`;
+- a gateway's 503 `no_available_workers`: "no_worker" (generation/send.py spends no attempt on it); its lost
+  worker connection: "upstream_lost";
+- nothing listening: "refused"; never healthy: "unhealthy" (not retried).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """An SGLang model gateway (`smg`) in front of many servers: attached by its one URL, sized by its workers.
 
-The gateway answers the generation routes for the whole fleet, but the facts preflight and the dispatcher
-need belong to each server behind it, and only the servers have them exactly: the context length and input
-limit (`/v1/models` max_model_len, `/server_info` max_req_input_len), the effective max_running_requests
-(what the scheduler really runs, after the KV and mamba caps), and the chat template that counts a prompt's
-tokens. The gateway's own `/v1/tokenize` renders with a tokenizer of its own (when it loaded one), its
-`/v1/models` has no max_model_len, and its worker labels carry the `--max-running-requests` flag, not the
-effective figure.
+The facts preflight and the dispatcher need (context length and input limit, effective max_running_requests, the
+chat template that counts a prompt) belong to each server behind the gateway: its own `/v1/tokenize` uses its own
+tokenizer, its `/v1/models` has no max_model_len, and its worker labels carry the flag, not the effective figure.
 
-So a gateway URL is recognised by smg's worker list (`GET /workers`), every healthy worker on it is probed
-directly with the same `ServerClient.info()` as an attached server, prompts are counted on the workers, and
-generation requests go to the gateway with as many in flight as its workers run together (plus the waiting
-margin for each). The workers must therefore be reachable from the orchestrator at the URLs the gateway
-lists (read-only GETs and `/v1/tokenize`); generation itself only ever goes through the gateway.
+So a gateway is recognised by `GET /workers`, each healthy worker is probed with `ServerClient.info()` as an
+attached server and counts the prompts, and generation goes through the gateway with as many in flight as its
+workers run together. The workers must be reachable from the orchestrator at the URLs the gateway lists.
 
-Retries are ours, not the gateway's (`deploy/sglang-router.sh` starts it with `--disable-retries`): the
-dispatcher already retries a failed request with backoff, records the attempt on the row, counts failures
-and stops when the fleet is down; a second layer inside the gateway would multiply the attempts unseen.
+Retries are ours (`deploy/sglang-router.sh` passes `--disable-retries`): a second layer would multiply attempts
+unseen.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """`launch` mode: one `sglang serve` per GPU, detached, recorded in the registry, reused while healthy.
 
-The servers outlive runs and clients: loading a 27B model takes minutes, so `up` never restarts a server
-that is ours, alive and launched with the same args; it relaunches a dead one; it replaces one whose args
-differ only when asked (`replace=True`), and otherwise says what differs and how to replace it.
+`up` never restarts a server that is ours, alive and launched with the same args (loading takes minutes); it
+relaunches a dead one, and replaces one with other args only when asked (`replace=True`).
 
-The API key trade-off: SGLang 0.5.23 takes its key only as `--api-key`, so the key read from
-`$<api_key_env>` at launch ends up on the child's command line, visible in /proc/<pid>/cmdline to users
-of the host, exactly as with `sglang serve --api-key` typed by hand. It is never written to the registry,
-never hashed, never returned in status and masked in log tails; the child's environment does not carry it.
-SGLang itself prints its resolved args (key included) at startup, so logs are created 0600 in a 0700 dir.
+SGLang 0.5.23 takes its key only as `--api-key`, so it is on the child's command line (/proc/<pid>/cmdline), as
+when typed by hand; never in the registry, a hash, status or a log tail, nor the child's environment. SGLang prints
+its args at startup, so logs are created 0600 in a 0700 dir.
 """
 
 from __future__ import annotations

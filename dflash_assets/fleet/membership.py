@@ -1,12 +1,9 @@
 """A fleet behind a gateway follows its membership during a run.
 
-smg's workers change while a 30-hour run goes on: a node is added (`POST /workers`), one is removed (`DELETE
-/workers/{id}`: smg drains it, its requests finish there) or goes down. The gateway's worker list is read again
-every probe interval: a worker that joins is probed like any other (GET /health from this host, then its
-`info()`: context length, effective max_running_requests) and its slots are added; one that leaves, or is no longer
-healthy, has its slots removed. The caller (the dispatcher) resizes the gateway's slots from the new combined
-`ServerInfo` and says so. A worker that does not answer this host, or serves another model, is left out and tried
-again at the next interval.
+smg's workers are added (`POST /workers`), removed (`DELETE /workers/{id}`: drained) or go down during a run. The
+worker list is read every probe interval: a worker that joins is probed as any other and its slots added; one that
+leaves or is unhealthy has them removed, and the dispatcher resizes from the new combined `ServerInfo`. A worker
+that does not answer this host, or serves another model, is tried again at the next interval.
 """
 
 from __future__ import annotations

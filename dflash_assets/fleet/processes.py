@@ -1,13 +1,8 @@
 """Detached server processes: start one in its own session, tell whether a pid is still it, stop its group.
 
-A pid alone proves nothing after a reboot or a long run: the kernel reuses pids. A process is "ours" only
-if its start time is the one recorded at launch. A zombie counts as dead.
-
-The start time is the kernel's, in seconds since boot: the identity psutil itself gives a process on Linux and macOS
-(`Process._ident`). psutil's `create_time()` adds the boot time, which the kernel derives from the wall clock: a clock
-step (NTP, a VM resumed or restored) moves every process's create_time at once, and every live server and run
-worker would have looked dead: a warm server relaunched onto its own port, a live run failed and its shard's pool
-freed under it.
+Pids are reused, so a process is "ours" only if its start time is the one recorded at launch (a zombie is dead).
+The start time is the kernel's, in seconds since boot, as psutil's `Process._ident`: `create_time()` adds a boot
+time derived from the wall clock, which a clock step moves for every process at once.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""What made a completion, as the servers say it at connect: SGLang's version, the model path and the revision it was
-launched with, the weight version, and a fingerprint of the chat template as the server applies it.
+"""What made a completion, as the servers say it at connect: SGLang's version, the model path and launch revision,
+the weight version, and a fingerprint of the chat template as the server applies it.
 
-SGLang 0.5.23 (entrypoints/http_server.py) reports in `/server_info` its `version` and the launch arguments
-(`server_args.resolved_dict()`): `model_path`, `tokenizer_path`, `revision` and `chat_template`, each null unless
-given: no resolved commit and no template text. `/model_info` adds `weight_version` ("default" unless set). So the
-revision is the one asked for at launch (null: the repo's default branch), and the template is known only by what it
-renders: the token ids of a fixed probe conversation through `/v1/tokenize`, hashed. A template changed in the model
-repo behind the same model name and flags changes those ids, and so the fingerprint.
-
-Every server of a fleet must say the same: one that differs is refused at connect, before any request is sent,
-naming it and what it says beside what the first server says.
+SGLang 0.5.23's `/server_info` (http_server.py) gives `version` and `server_args.resolved_dict()` (model_path,
+tokenizer_path, revision, chat_template: null unless given), `/model_info` the `weight_version`. No template text
+is served, so the template is known by what it renders: the ids of a fixed probe conversation via `/v1/tokenize`,
+hashed. Every server of a fleet must say the same; one that differs is refused at connect, naming the difference.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The launched fleet on disk: `<dagster_home>/fleet/registry.json`, one record per server.
 
-It is the only memory of which processes are ours, so it is written atomically (temp file, fsync, rename):
-a `kill -9` mid-write leaves the old registry or the new one, never half of one. Writers hold an exclusive
-lock on `registry.lock`, so two runs starting at once do not both launch a server on the same GPU.
-It never holds the API key: only the name of the environment variable it is read from.
+The only memory of which processes are ours: written atomically (temp file, fsync, rename) under an exclusive lock
+on `registry.lock`. It holds the API key's variable name, never the key.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The command line of one `sglang serve` (0.5.23): ServerCommand, built from settings.ServerSettings (the typed
-flags) and a port, GPUs and extra args; its argv and its hash. (Not SGLang's own ServerArgs, which parses it.)
+"""The command line of one `sglang serve` (0.5.23): ServerCommand, from settings.ServerSettings, a port, GPUs and
+extra args; its argv and its hash.
 
-Only flags that exist in 0.5.23 are emitted (tests/fleet/test_server_args.py checks every one against the
-wheel's own field definitions). `--cuda-graph-max-bs` and `--mamba-scheduler-strategy`, which older guides
-use, are gone: the first is even an *ambiguous prefix* in 0.5.23 (exit 2), so they are refused in
-`extra_args` too, with the replacement named.
-
-The API key is deliberately not a field: it is neither hashed nor recorded. The launcher reads it from an
-environment variable at launch time and appends `--api-key` to the child's command line (see launcher.py).
+Only flags that exist in 0.5.23 are emitted (tests/fleet/test_server_args.py checks them against the wheel); the
+gone `--cuda-graph-max-bs` (an ambiguous prefix in 0.5.23: exit 2) and `--mamba-scheduler-strategy` are refused in
+`extra_args` too. The API key is not a field, so never hashed nor recorded (launcher.py appends it).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """What each server says now: health, effective context length and capacity, load; pid/GPU/uptime if ours.
 
-The figures come from the servers, never from the args they were launched with: SGLang resolves
-`None` to values of its own (context length from config.json, max running requests capped by KV memory
-and mamba slots). The API key is used to ask and never appears in what is returned or rendered.
-
-An attached URL that is an SGLang model gateway (smg: it answers `GET /workers`, gateway.py) has none of
-these figures itself, so it gets a row of its own (its health, its workers' count, the capacity the pipeline
-would size by: the smallest context, the summed max running requests) followed by one row per worker it
-lists, each probed directly like an attached server: the same reads the pipeline makes behind a gateway.
+The figures come from the servers, never from their launch args (SGLang resolves `None` to its own values); the
+API key is never in what is returned. A gateway (gateway.py) gets a row of its own (health, workers, the capacity
+the pipeline sizes by) and then one row per worker, probed as an attached server.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """Streamed generation (SSE, `stream: true`): the answer assembled from its events, and the request watched live.
 
-SGLang 0.5.23's streams, as the wheel writes them:
-- /v1/chat/completions (serving_chat._generate_chat_stream): `data: {chat.completion.chunk}` events. The first
-  has delta.role; then reasoning in delta.reasoning_content and the answer in delta.content (the reasoning parser
-  splits the deltas); a chunk with the finish_reason and matched_stop; a chunk with `sglext` (input_ids,
-  output_ids) when return_{input,output}_ids_in_sglext ask for it (return_token_ids is refused with stream);
-  the usage chunk (choices []) only with stream_options.include_usage (utils.should_include_usage); `data: [DONE]`.
-  continuous_usage_stats adds usage (completion_tokens so far) to every content chunk. An abort with a status
-  is an error event `data: {"error": {...}}` after the 200.
-- /generate (http_server.serve_generate_request): `data: {text, output_ids, meta_info}` per event, cumulative
-  (text and ids so far) unless the server runs --incremental-streaming-output (deltas); meta_info.finish_reason
-  is null until the last one; errors are `data: {"error": {...}}`; `data: [DONE]`.
-Assembled, both give the non-streamed answer's shape, so a row built from either is the same row.
+SGLang 0.5.23's streams:
+- /v1/chat/completions (serving_chat._generate_chat_stream): chunks with delta.role, then
+  delta.reasoning_content / delta.content, a chunk with finish_reason and matched_stop, a `sglext` chunk (input_ids,
+  output_ids) when return_{input,output}_ids_in_sglext ask, the usage chunk (choices []) only with
+  stream_options.include_usage (per chunk with continuous_usage_stats), `data: [DONE]`. An abort after the 200 is
+  `data: {"error": {...}}`.
+- /generate (http_server.serve_generate_request): `data: {text, output_ids, meta_info}`, cumulative unless
+  --incremental-streaming-output; meta_info.finish_reason null until the last; errors as above; `data: [DONE]`.
+Assembled, both give the non-streamed answer's shape, so the row is the same.
 
-Watched (`Watch`, `Silence`): a stream that sends nothing for `stall_timeout_s` once it has started (or before
-its first event for `first_token_timeout_s`) is closed; SGLang aborts a request whose client disconnects
-(tokenizer_manager._stream_one_response polls request.is_disconnected, the streaming response's abort task), so
-the slot is freed there too. Every `check_every_tokens` tokens the runaway rule looks at the text so far; a loop
-closes the stream and the answer comes back with finish_reason RUNAWAY and where the loop began.
+Watched (`Watch`, `Silence`): a stream silent for `stall_timeout_s` (`first_token_timeout_s` before its first event)
+is closed, and SGLang aborts a disconnected request (tokenizer_manager._stream_one_response), freeing its slot.
+Every `check_every_tokens` tokens the runaway rule reads the text; a loop ends the answer with finish_reason RUNAWAY.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Is each server sized right? `/v1/loads` sampled during a run, turned into figures and advice with evidence.
 
-In a 913,786-prompt run, `--max-running-requests 16` and `--max-mamba-cache-size 80` held seven GPUs at a fraction of
-their KV memory until someone raised them to 40 and 200. The signals were in `/v1/loads` all along:
-running requests pinned at max_running_requests with a queue behind them and the KV pool nearly empty.
-This module reads those signals: `LoadSampler` polls every server (bounded memory), `summarize` turns the
-samples into per-server figures, `advise` into rules a person can act on, each with the numbers behind it.
+Running requests pinned at max_running_requests, a queue behind them and the KV pool nearly empty: `LoadSampler`
+polls every server (bounded memory), `summarize` makes per-server figures, `advise` rules with their numbers.
 """
 
 from __future__ import annotations

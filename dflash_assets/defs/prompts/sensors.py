@@ -1,9 +1,7 @@
 """shard_partitions_sensor: keep the shard partitions in step with the prompt source.
 
-The partitions follow the source: a key for every `shard_size` lines of it, and none past its end unless the data
-dir has completions there (a data dir belongs to one source, generation/shards.py source_refusal: such a shard is
-refused before it is rebuilt). So a new DFLASH_DATA_DIR with another source on the same DAGSTER_HOME finds the
-partitions of its own source, never one "past the end" of it.
+A key for every `shard_size` lines of the source, none past its end unless the data dir has completions there
+(generation/shards.py source_refusal), so another source on the same DAGSTER_HOME finds its own partitions.
 """
 
 import dagster as dg

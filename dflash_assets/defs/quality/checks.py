@@ -1,14 +1,8 @@
 """The quality gate, as asset checks on length_quality_report: every check of `quality.CHECKS` from one DuckDB pass.
 
-A shard's run judges the config that run wrote (read from the same run's `completions` materialisations); a
-checks-only run (the sensor, the schedule) judges every config on its own and reports each one apart. Either way
-a config's failure is its own: an incomplete config that is not the one judged is `superseded` (accounting says
-so, with its counts) and never fails another's result.
-They sit on length_quality_report, the shard's measured figures they judge, not on completions: a blocking
-check stops only the assets downstream of the asset it checks (Dagster wires the failed check step in front
-of them), so on completions it stopped the report itself, on exactly the shards whose figures a person needs.
-Placed here the report always materialises, the check fails beside it, and the ones marked blocking stop
-the training set, which is downstream of the report.
+A shard's run judges the config it wrote; a checks-only run (sensor, schedule) judges each config apart. A config's
+failure is its own (`superseded` ones never fail another's). They sit on the report, not on completions: a blocking
+check stops only what is downstream of its asset, so the report always materialises and the training set stops.
 """
 
 import dagster as dg
