@@ -16,10 +16,8 @@ PROJECT_DAGSTER_YAML = Path(__file__).resolve().parents[2] / "dagster_home" / "d
 
 def instance_environment(args: argparse.Namespace) -> None:
     """The instance, the data dir and its prompt source, set in the environment before Dagster is imported (the
-    definitions read them at load, store/in_use.py). A flag wins over its environment variable; then the instance
-    knows the data dir its last run generated into, and the data dir the source its shards record (the path and the
-    shard size it was cut at). A run that wrote there makes it the instance's (runner.py execute); a data dir that cannot
-    be written, and a fleet that cannot work (fleet_refusal), are refused here, before Dagster is imported (exit 2)."""
+    definitions read them at load, store/in_use.py): a flag, else its variable, else what the instance and the data
+    dir remember. A data dir that cannot be written and a fleet that cannot work are refused here (exit 2)."""
     home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path("dagster_home").resolve())))
     home.mkdir(parents=True, exist_ok=True)
     _set_up_instance(home)
@@ -47,9 +45,8 @@ FLEET_CHECK_S = 1.5  # how long an attached server has to answer the check (a sl
 
 
 def fleet_refusal() -> str | None:
-    """Why the attached fleet cannot work, in one sentence with the fix, or None: a URL where nothing listens, or a
-    server that answers GET /health as no SGLang server or gateway does (401/403: the API key; 404: not SGLang). A
-    server that is slow or still loading is not refused: the run waits for it (FleetSettings.health_timeout_s)."""
+    """Why the attached fleet cannot work, in one sentence with the fix, or None: nothing listens, or GET /health
+    answers as no SGLang server does (401/403, 404). A slow or loading server is not refused: the run waits."""
     if Deployment.FLEET_MODE.value() != "attach":
         return None
     import asyncio
@@ -83,8 +80,7 @@ def fleet_refusal() -> str | None:
 
 def data_dir_of(args: argparse.Namespace) -> str:
     """The data dir a command that only reads one works on (report, configs), found as the others find theirs
-    (store/in_use.py): --data-dir, DFLASH_DATA_DIR, the one the instance's last run generated into (DAGSTER_HOME,
-    default ./dagster_home), else the default. Set in the environment, so the commands it prints carry it."""
+    (store/in_use.py), and set in the environment so the commands it prints carry it."""
     from dflash_assets.store.in_use import data_in_use
 
     if getattr(args, "data_dir", None):
@@ -116,8 +112,8 @@ def _readable_source(path: Path, given_by: str) -> None:
 
 
 def _differing(settings: list[EnvSetting]) -> list[tuple[str, str]]:
-    """The deployment settings of this command that differ from their defaults, as (variable, value); a local data
-    dir or source as an absolute path (the printed command may run from elsewhere); the API key never."""
+    """The deployment settings that differ from their defaults, as (variable, value): local paths absolute, the API
+    key never."""
     from dflash_assets.store.storage import is_uri
 
     found = []
@@ -138,17 +134,14 @@ SETTING_FLAGS = {"--servers": Deployment.NUM_SERVERS, "--shard-size": Deployment
 
 
 def launcher() -> str:
-    """How the user started this command, as the commands it prints start: `uv run ` when `uv run` started it (uv
-    sets UV_RUN_RECURSION_DEPTH in its child's environment, its guard against running itself again), else "" (a
-    `dflash` on PATH)."""
+    """How the user started this command: `uv run ` when uv did (it sets UV_RUN_RECURSION_DEPTH), else ""."""
     return "uv run " if os.environ.get("UV_RUN_RECURSION_DEPTH") else ""
 
 
 def as_printed(command: str, prompts: bool = True) -> str:
-    """`command` (`dflash <cmd> [flags]`) as it runs again as printed, in the shell the user typed the first one in,
-    on this command's data: its launcher (`uv run` when started so), then its --data-dir and --prompts (`prompts`:
-    the command takes one; report and configs read the data dir only) in place of any it carried, and before it
-    every other deployment setting (and DAGSTER_HOME) that differs from its default."""
+    """`command` (`dflash <cmd> [flags]`) as it runs again as printed on this command's data: its launcher, its
+    --data-dir and (`prompts`) --prompts in place of any it carried, and before it every deployment setting (and
+    DAGSTER_HOME) that differs from its default."""
     import shlex
 
     data = dict(_differing(list(DATA)))
@@ -184,8 +177,7 @@ def _without(words: list[str], flags: list[str]) -> list[str]:
 
 
 def ui_command() -> str:
-    """The UI's command on this command's instance and data dir (the data dir knows its source and shard size,
-    store/in_use.py), with the other settings that differ from their defaults, started as this command was."""
+    """The UI's command on this command's instance and data dir, with the settings that differ from their defaults."""
     import shutil
 
     known = (Deployment.PROMPTS, Deployment.SHARD_SIZE)

@@ -59,9 +59,8 @@ class Failure:
 
 @dataclass(frozen=True)
 class Window:
-    """demo/backfill's --cap-policy and --overshoot (how requests are sized) and the trainer's settings
-    (--trainer-max-length, --trainer-format, ...): the one window the requests are sized to and the checks, the
-    answer and the export judge by, set in the quality resource alone. Defaults: the settings'."""
+    """demo/backfill's --cap-policy, --overshoot and the trainer's settings: the one window the requests are sized
+    to and everything after judges by, set in the quality resource alone."""
 
     cap_policy: str = GenerationSettings().cap_policy
     overshoot: int = GenerationSettings().overshoot
@@ -113,10 +112,9 @@ def execute(
     shards: list[str] | None = None,
     watch: Callable[[], None] | None = None,
 ) -> dg.ExecuteInProcessResult:
-    """One run of `job` in this process, which is its worker: first the runs that died are failed and their pool
-    slots freed (defs/pools.py), then this process is recorded in the run's tags (so a kill -9 of it is seen by the
-    next run), and what a step waiting for a pool says is printed here (who holds it, alive or not, what frees it).
-    `watch()` is called every moment while it runs (a progress line)."""
+    """One run of `job` in this process, its worker: dead runs are failed and their pool slots freed first
+    (defs/pools.py), this process is recorded in the run's tags (a kill -9 is seen by the next run), and a step
+    waiting for a pool is said here. `watch()` is called while it runs (a progress line)."""
     from dflash_assets.definitions import defs  # loaded here: it reads the environment the command has set
 
     handler = RichHandler(console=console, show_time=False, show_level=False, show_path=False, markup=False)
@@ -145,11 +143,9 @@ def execute(
 
 
 def beside_the_signals(run: Callable[[], T], watch: Callable[[], None] | None = None) -> T:
-    """`run()` in a thread of its own while the main thread waits, hearing SIGINT and SIGTERM (generation/stopping.py,
-    entered by the command): Dagster replaces the main thread's SIGINT handler around and between its steps
-    (capture_interrupts, raise_execution_interrupts: an interrupt there fails the step, which its retry policy runs
-    again) and leaves another thread's alone, so a signal at any moment of the run is the one polite stop: the
-    dispatcher and each step see STOP and the run ends CANCELED. `watch()`: called between waits."""
+    """`run()` in a thread of its own while the main thread hears SIGINT and SIGTERM (generation/stopping.py):
+    Dagster swaps the main thread's SIGINT handler around its steps (capture_interrupts: an interrupt fails the step,
+    which is retried), so here a signal at any moment is the one polite stop. `watch()`: called between waits."""
     import threading
 
     done: dict[str, Any] = {}
@@ -172,9 +168,8 @@ def beside_the_signals(run: Callable[[], T], watch: Callable[[], None] | None = 
 
 
 def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops) -> None:
-    """Sort a run's failures by what they record (defs/metadata.py StepStopKeys): a blocking check, a refusal (the
-    preflight's or a setting's), or an error (its cause's first line, no stack trace). A run that failed before any
-    step (the fleet resource did not start) is an error of the run itself."""
+    """Sort a run's failures by what they record (defs/metadata.py StepStopKeys): a blocking check, a refusal or an
+    error (its cause's first line); a run that failed before any step is an error of the run."""
     failed_steps = False
     checks_failed = any(
         not e.passed and e.blocking and e.severity == dg.AssetCheckSeverity.ERROR
@@ -223,17 +218,15 @@ def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops)
             )
 
 
-# Dagster's wrappers around user code's own error. A run's events carry errors serialized (SerializableErrorInfo: the
-# class's name, no live exception to test with isinstance), so the names are read off the classes themselves: a class
-# Dagster renames or moves fails here at import, never silently at a run's end
+# Dagster's wrappers around user code's own error, by name (a run's events carry errors serialized), read off the
+# classes so a class Dagster renames fails here at import
 WRAPPERS = tuple(
     c.__name__ for c in (DagsterExecutionStepExecutionError, DagsterResourceFunctionError, RetryRequestedFromPolicy)
 )
 
 
 def _own_error(error, attempts: int = 1):
-    """Dagster's wrappers (step execution, resource init, retries run out) off: the user code's own error says what
-    went wrong; a step that was retried, the last attempt's, "after N attempts"."""
+    """The user code's own error under Dagster's wrappers (a retried step's last, "after N attempts")."""
     while error.cause and error.cls_name in WRAPPERS:
         error = error.cause
     if attempts > 1:
@@ -304,8 +297,7 @@ def source_refused(command: str, console: Console) -> bool:
 
 
 def shard_range(command: str, shards: list[str], first: str | None, last: str | None, console: Console) -> list | None:
-    """The shards from `first` to `last` (default: the first and the last), or None when one is not a shard (said
-    in one line: the caller exits 2)."""
+    """The shards from `first` to `last` (default: all), or None when one is not a shard (said in one line)."""
     first, last = first or shards[0], last or shards[-1]
     if unknown := [k for k in (first, last) if k not in shards]:
         console.print(

@@ -34,9 +34,8 @@ from dflash_assets.store.in_use import data_in_use
 
 T = TypeVar("T")
 
-# A failed step (servers gone past no_server_timeout_s, a crash) is retried: the ledger makes a retry free, it
-# only sends what is not committed. Bad config, preflight refusals and a full disk raise Failure(allow_retries=False)
-# (defs/faults.py). The delay (DFLASH_RETRY_DELAY_S, then doubled) is read when the code location loads.
+# A failed step is retried (the ledger sends only what is not committed); what a retry cannot cure raises
+# Failure(allow_retries=False) (defs/faults.py). The delay is read when the code location loads.
 FLEET_RETRY = dg.RetryPolicy(
     max_retries=2,
     delay=float(Deployment.RETRY_DELAY_S.value()),
@@ -46,8 +45,8 @@ FLEET_RETRY = dg.RetryPolicy(
 
 
 class Refused:
-    """Put first in a run config class made of settings models: Dagster builds the config when the step starts, the
-    settings check it then (settings.py), and a bad value fails the step with the settings' one line, not retried."""
+    """Put first in a run config class made of settings models: a bad value fails the step when Dagster builds the
+    config, with the settings' one line, not retried."""
 
     def __init__(self, **data):
         try:
@@ -66,19 +65,13 @@ def _as_given(name: str):
 
 
 class FleetResource(dg.ConfigurableResource, FleetSettings):
-    """The SGLang servers completions are generated on (settings.FleetSettings).
-
-    `emulated` starts `num_servers` local SGLang emulators for the run and stops them after it;
-    `attach` uses servers someone else runs (or an SGLang router / gateway URL in front of many);
-    `launch` starts one `sglang serve` per GPU, detached so it outlives the run, recorded in
-    `$DAGSTER_HOME/fleet/registry.json`, and reuses it in later runs while it is healthy and launched
-    with the same args (`dflash fleet down` stops them).
-    `api_key` is a Dagster EnvVar (DFLASH_API_KEY), resolved at run launch and masked in the UI; it is never
-    run config, a log line or metadata.
+    """The SGLang servers completions are generated on (settings.FleetSettings): `emulated` local emulators for
+    the run, `attach` servers someone else runs (or a gateway), `launch` one detached `sglang serve` per GPU,
+    reused while healthy and alike (`dflash fleet down` stops them). `api_key` is an EnvVar (DFLASH_API_KEY),
+    never run config, a log line or metadata.
     """
 
-    # set from the environment, and an EnvVar is a placeholder str or int until run launch: FleetSettings checks
-    # the values the run resolves when the resource starts (validate_settings)
+    # an EnvVar is a placeholder until run launch: FleetSettings checks the resolved values at start
     mode: str = _as_given("mode")  # type: ignore[assignment]  # the FleetMode the start checks
     num_servers: int = _as_given("num_servers")
     api_key: str | None = Field(None, description="Set from the DFLASH_API_KEY environment variable only.")
@@ -159,11 +152,8 @@ class PromptSourceResource(dg.ConfigurableResource):
 
 class DataDirResource(dg.ConfigurableResource):
     """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`): a local path or `s3://bucket/prefix`.
-
-    On an object store the tables (prompt shards, completions, rejects, failures) live there; the files made
-    for people and trainers (report pictures, the exported training set) are written to `local_path`
-    (`DFLASH_LOCAL_DIR`, default `data/`), a local directory. S3 endpoint and credentials come from the
-    environment (DFLASH_S3_ENDPOINT or AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), never from config.
+    Files for people and trainers go to `local_path` (`DFLASH_LOCAL_DIR`); S3 credentials come from the
+    environment, never from config.
     """
 
     path: str = Deployment.DATA_DIR.default
@@ -183,10 +173,8 @@ class DataDirResource(dg.ConfigurableResource):
 
 
 def refusal(prompt_source: PromptSourceResource, data_dir: DataDirResource) -> str | None:
-    """Why the definitions' prompt source and data dir may not be worked on together, in one line, or None: the data
-    dir belongs to another source, or its lines changed under its completions (generation/shards.py
-    source_refusal), or the source cannot be read or cut, or holds no prompt at all. What a sensor or schedule skips with, so an instance never gains
-    another source's partitions nor a report of another source's data."""
+    """Why the definitions' prompt source and data dir may not be worked on together, in one line, or None
+    (generation/shards.py source_refusal, an unreadable or empty source): what a sensor or schedule skips with."""
     from dflash_assets.generation.prompts import SourceError, no_prompt
     from dflash_assets.generation.shards import source_refusal
 
@@ -200,9 +188,8 @@ def refusal(prompt_source: PromptSourceResource, data_dir: DataDirResource) -> s
 
 
 def from_env() -> dict:
-    """The resource map. A deployment setting set in the environment becomes a Dagster EnvVar (resolved at run
-    launch, masked in the UI); an unset data dir, source or shard size is the instance's and its data dir's
-    (store/in_use.py, as for the commands); any other unset one keeps the settings' default (an EnvVar must be set)."""
+    """The resource map: a deployment setting set in the environment becomes an EnvVar; an unset data dir, source
+    or shard size is the instance's (store/in_use.py); any other unset one keeps the settings' default."""
 
     def env(setting: EnvSetting, convert=str):
         if setting.name not in os.environ:
@@ -259,8 +246,7 @@ def _nested(name: str, config: type[dg.Config]):
 
 
 class QualityResource(dg.ConfigurableResource, QualitySettings):
-    """The limits the quality checks judge by (settings.QualitySettings: every field, its default and its
-    description), editable in the launchpad; the checks read `QualitySettings.taken_from(quality)`."""
+    """The limits the quality checks judge by (settings.QualitySettings), editable in the launchpad."""
 
     trainer: TrainerConfig = _nested("trainer", TrainerConfig)
     runaway: RunawayConfig = _nested("runaway", RunawayConfig)

@@ -36,11 +36,8 @@ _WORDS = ["report", "main", "data", "test"]  # the values of a stand-in tool cal
 
 @dataclass(frozen=True)
 class LengthModel:
-    """Output lengths in tokens (including the final `<|im_end|>`).
-
-    Defaults: median 1640, sigma 1.0 puts P(L > 4096) at 1 - Phi(0.915) = 18%,
-    the truncation share of a 913,786-prompt run at a 4096 cap (5.4% at 8192).
-    """
+    """Output lengths in tokens (the final `<|im_end|>` included). The defaults cut 18% at a 4096 cap, as the
+    913,786-prompt run did."""
 
     median: float = 1640.0
     sigma: float = 1.0
@@ -59,9 +56,8 @@ class LengthModel:
         return max(self.minimum, min(self.maximum, round(self.median * math.exp(self.sigma * z))))
 
     def sample_drawn(self, u1: float, u2: float, draw: float, above: int = 0) -> int:
-        """A new draw for a request: z = a * z_prompt + b * z_sample (a^2 + b^2 = 1, so the marginal is the
-        same lognormal); with `above` > 0 the sample is drawn from the lengths above it (inverse CDF of the
-        normal cut below), as a model continuing an answer already `above` tokens long would."""
+        """A request's draw: z = a * z_prompt + b * z_sample (a^2 + b^2 = 1: the same lognormal); with `above` > 0
+        drawn from the lengths above it, as when continuing an answer `above` tokens long."""
         z_prompt = math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
         a = math.sqrt(self.prompt_share)
         b = math.sqrt(1.0 - self.prompt_share)
@@ -80,14 +76,10 @@ _STREAM_LEN = 1 << 16
 
 @functools.cache
 def _stream() -> tuple[list[int], str, array, array]:
-    """(ids, text, char offset of each id, positions that start with a word).
+    """(ids, text, char offset of each id, positions that start with a word) of prose, stored twice over so any
+    slice shorter than the stream needs no wrap."""
 
-    Prose-like: sentences of 6-18 words, commas, paragraphs of 3-6 sentences.
-    Stored twice over so any slice shorter than the stream needs no wrap logic.
-    """
-
-    # every server process builds this at its start: each word's two tokens (inside a sentence, and capitalised
-    # to start one) are looked up once, not per word of the stream
+    # each word's two tokens (inside a sentence, capitalised) looked up once, not per word of the stream
     def tokens(words: Sequence[str]) -> tuple[list[int], list[int]]:
         return [tok.VOCAB[" " + w] for w in words], [tok.VOCAB[" " + w[:1].upper() + w[1:]] for w in words]
 
@@ -142,13 +134,9 @@ _EM_DASH_IDS = tuple(tok.encode(EM_DASH))
 def _non_ascii_stream() -> tuple[list[int], array, bytearray]:
     """(ids stored twice, where each position of `_stream()` lands in them, steps forward out of a dash).
 
-    `_stream()` with every other comma between two words written " —" instead ("word, next" -> "word — next"):
-    the same words, and a character of 3 UTF-8 bytes the vocabulary has no token for, so it comes as byte
-    tokens and a cap can fall inside it. Derived from `_stream()`, whose ids and RNG stay as they are: with
-    --non-ascii off every output is byte-for-byte what it was. It re-tokenises to its own ids: " —" is one
-    pre-token (punctuation with its space) that falls back to its bytes. A completion must not END inside a dash
-    (a segment followed by `</think>` or `<|im_end|>` would then decode to U+FFFD and re-tokenise to other ids),
-    so `inside[p]` says how many tokens a boundary at position p moves forward to clear the dash it is in.
+    `_stream()` with every other comma written " —", a character with no token: byte tokens a cap can cut. Derived
+    from `_stream()` without touching its ids or RNG. A completion must not END inside a dash (it would re-tokenise
+    to other ids), so `inside[p]` is how many tokens a boundary at p moves forward to clear it.
     """
     ids, _, _, _ = _stream()
     comma = tok.VOCAB[","]
@@ -171,8 +159,7 @@ def _non_ascii_stream() -> tuple[list[int], array, bytearray]:
 
 
 def build_streams(non_ascii: bool) -> None:
-    """Build the token streams the completions are cut from (0.13 s of CPU; the non-ASCII one, 0.02 s more, for a
-    --non-ascii server) now, not inside the first request."""
+    """Build the token streams the completions are cut from now, not inside the first request."""
     _stream()
     _loop_line()
     if non_ascii:
@@ -255,10 +242,8 @@ def plan_completion(
     non_ascii: bool = False,
     tools: list[dict] | None = None,
 ) -> Plan:
-    """The completion of `prompt_ids`; `sample` > 0 draws the n-th parallel sample (n > 1); `draw` in (0, 1) is
-    a request's own randomness (temperature > 0 without a seed), None for the prompt's fixed completion;
-    `non_ascii`: text with em dashes (byte tokens), see `_non_ascii_stream`; `tools`: the request's tool schemas,
-    which the answer may call (tool_calls.model_calls, drawn from the prompt's hash)."""
+    """The completion of `prompt_ids`; `sample` > 0 is the n-th parallel sample; `draw` in (0, 1) a request's own
+    randomness (None: the prompt's fixed completion); `tools` the schemas the answer may call."""
     marker_end = _find_last(prompt_ids, tok.GENERATION_PROMPT_IDS)
     thinking = False
     if marker_end < 0:
@@ -327,8 +312,7 @@ def plan_completion(
 
 
 def _calls(digest, tools: list[dict]) -> tuple[int, ...]:
-    """The ids of the tool calls the answer makes (tool_calls.model_calls), drawn from the prompt's hash apart from
-    its length draws; () when it answers in text."""
+    """The ids of the answer's tool calls, drawn from the prompt's hash apart from its length draws; () for text."""
     digest.update(b"tools")
     h = digest.digest()
     draws = [(int.from_bytes(h[i : i + 8], "little") + 0.5) / 2.0**64 for i in (0, 8, 16, 24)]
@@ -338,8 +322,7 @@ def _calls(digest, tools: list[dict]) -> tuple[int, ...]:
 
 @functools.cache
 def _loop_line() -> tuple[list[int], list[str]]:
-    """The line a looping generation repeats: the stream's first whole sentence, then a blank line (as a
-    paragraph ends in the stream, so the repeats re-tokenise to the same ids)."""
+    """The line a looping generation repeats: the stream's first sentence and a blank line (re-tokenises alike)."""
     ids, _, _, _ = _stream()
     start = ids.index(tok.VOCAB["."]) + 1
     end = ids.index(tok.VOCAB["."], start) + 1
@@ -380,10 +363,8 @@ def _segments(plan: Plan) -> list[tuple[int, int, int | tuple]]:
 
 
 def completion_tokens(plan: Plan, start: int, stop: int) -> tuple[list[int], str]:
-    """Tokens [start, stop) of the completion and their text (`<|im_end|>` decodes
-    to "" as with skip_special_tokens). Positions past the end (ignore_eos) keep
-    drawing from the answer stream. In the non-ASCII mode the text is the ids decoded alone, a character cut
-    at either end decoding to U+FFFD."""
+    """Tokens [start, stop) of the completion and their text (`<|im_end|>` decodes to "", past the end the answer
+    stream goes on; non-ASCII: the ids decoded alone, a cut character as U+FFFD)."""
     ids: list[int] = []
     text: list[str] = []
     segments = _segments(plan)
@@ -433,8 +414,7 @@ class Generation:
 
     @functools.cached_property
     def reasoning_tokens(self) -> int:
-        """count_reasoning_tokens of the whole output, counted once: a stream asks at every event (the first k
-        outputs hold min(k, this))."""
+        """count_reasoning_tokens of the whole output, counted once (a stream asks at every event)."""
         return count_reasoning_tokens(self.output_ids)
 
 
@@ -475,8 +455,7 @@ def generate(
 
 
 def count_reasoning_tokens(output_ids: list[int]) -> int:
-    """As SGLang's scheduler counts them for a request that requires reasoning:
-    generated tokens up to and including the first `</think>`, else all of them."""
+    """As SGLang's scheduler counts them: tokens up to and including the first `</think>`, else all of them."""
     try:
         return output_ids.index(tok.THINK_END_ID) + 1
     except ValueError:
@@ -484,8 +463,7 @@ def count_reasoning_tokens(output_ids: list[int]) -> int:
 
 
 def _apply_stop_strings(ids, text, finish, stops, no_stop_trim):
-    """Cut at the earliest stop string, as the detokenizer does: the output ids
-    end with the token completing the match, the text before the match."""
+    """Cut at the earliest stop string, as the detokenizer does: ids to the match's last token, text before it."""
     hits = [(text.find(s), s) for s in stops if s and s in text]
     if not hits:
         return ids, text, finish

@@ -22,8 +22,7 @@ IM_START, IM_END, THINK, THINK_END, ENDOFTEXT = (
     "<|endoftext|>",
 )
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, THINK, THINK_END)
-# Qwen marks these special (dropped by skip_special_tokens); <think> and </think>
-# are plain added tokens there, so they stay in decoded text, as in SGLang output.
+# dropped by skip_special_tokens; <think> and </think> are plain added tokens in Qwen, kept in decoded text
 _SKIPPED_SPECIALS = (ENDOFTEXT, IM_START, IM_END)
 
 # the common English words of the vocabulary, in their order (a data file beside this module)
@@ -72,8 +71,7 @@ def _regular_tokens() -> list[str]:
     return list(dict.fromkeys(toks))
 
 
-# Ids: 0..255 are the byte tokens, then the regular vocabulary, then specials
-# (as in Qwen, where the specials sit at the top of the id space).
+# ids: 0..255 the byte tokens, then the regular vocabulary, then specials (at the top, as in Qwen)
 _REGULAR = _regular_tokens()
 VOCAB: dict[str, int] = {t: 256 + i for i, t in enumerate(_REGULAR)}
 SPECIAL_IDS: dict[str, int] = {t: 256 + len(_REGULAR) + i for i, t in enumerate(SPECIAL_TOKENS)}
@@ -90,8 +88,7 @@ TOKEN_BYTES: list[bytes] = (
 TOKEN_STR: list[str] = [b.decode("latin-1") if i < 256 else b.decode() for i, b in enumerate(TOKEN_BYTES)]
 
 _SPECIAL_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS) + ")")
-# GPT-2-like pre-tokeniser: words with an optional leading space, single digits,
-# runs of punctuation, and whitespace that leaves one space for the next word.
+# GPT-2-like pre-tokeniser: words with a leading space, digits, punctuation runs, whitespace
 _PRETOKEN = re.compile(r" ?[A-Za-z]+| ?[0-9]| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+")
 _vocab_get = VOCAB.get
 
@@ -129,8 +126,7 @@ _ID_STR = [str(i) for i in range(VOCAB_SIZE)]
 
 
 def ids_csv(ids: list[int]) -> str:
-    """Comma-joined ids for hand-written JSON. Only for ids this model generated
-    (in-vocabulary, non-negative), which join from cached strings."""
+    """Comma-joined ids for hand-written JSON, of ids this model generated (joined from cached strings)."""
     return ",".join(map(_ID_STR.__getitem__, ids))
 
 
@@ -166,8 +162,8 @@ def message_text(content) -> str:
 
 
 def _split_reasoning(message: dict) -> tuple[str, str]:
-    """(reasoning, content) of an assistant message as Qwen3's template reads it: `reasoning_content` when it is a
-    string, else the part of the content before `</think>` (the content then keeps what follows it)."""
+    """(reasoning, content) of an assistant message as Qwen3's template reads it: `reasoning_content`, else the
+    content split at `</think>`."""
     content = message_text(message.get("content"))
     reasoning = message.get("reasoning_content")
     if isinstance(reasoning, str):
@@ -201,18 +197,11 @@ def apply_chat_template(
     variant: str = "qwen3.5",
     tools: Sequence[dict] | None = None,
 ) -> str:
-    """Render messages as Qwen3's chat template does (the assistant branch of Qwen3's `tokenizer_config.json`),
-    with Qwen3.5's generation prompt:
-    - a system or user turn: `<|im_start|>{role}\\n{content}<|im_end|>\\n`;
-    - an assistant turn after the last user turn, when it is the last message or has reasoning:
-      `<|im_start|>assistant\\n<think>\\n` + reasoning.strip('\\n') + `\\n</think>\\n\\n` + content.lstrip('\\n')
-      + `<|im_end|>\\n` (reasoning: `reasoning_content`, or what the content holds before `</think>`);
-    - an earlier assistant turn (before the last user turn): its content only, its reasoning dropped: what Qwen3
-      keeps of a dialogue's earlier answers;
-    - then the assistant header, pre-opening `<think>\\n` when thinking or an empty think block when not.
-    The `qwen3.5-default-system` variant puts DEFAULT_SYSTEM first when the conversation has no system turn.
-    With `tools`, the system turn holds them (tool_calls.tools_block), an assistant turn's tool_calls follow its
-    content, and tool results are a user turn of `<tool_response>` blocks, as Qwen3's template renders them."""
+    """Render messages as Qwen3's chat template does (`tokenizer_config.json`), with Qwen3.5's generation prompt:
+    an assistant turn after the last user turn keeps its reasoning in a think block, an earlier one its content
+    only; the header pre-opens `<think>\\n` when thinking, an empty think block when not. The
+    `qwen3.5-default-system` variant puts DEFAULT_SYSTEM first when there is no system turn. With `tools`, the
+    system turn holds them, tool_calls follow an assistant's content, and tool results are `<tool_response>` blocks."""
     if variant == "qwen3.5-default-system" and (not messages or messages[0].get("role") != "system"):
         messages = [{"role": "system", "content": DEFAULT_SYSTEM}, *messages]
     last_query = _last_query(messages)

@@ -42,14 +42,11 @@ HEALTH_PROBE_TIMEOUT_S = 25.0
 ABORT_TIMEOUT_S = 5.0  # a stalled request's /abort_request: best effort, the retry waits for it no longer
 DRAIN_S = 1.0  # how long the end of a streamed body may take after its `data: [DONE]`
 TOKENIZE_ATTEMPTS = 4  # a transient error while counting a prompt's tokens is retried, never made a reject
-# smg 1.13's answer when it has no worker to route to (every one unhealthy, or its circuit breaker open, as for a
-# worker killed with requests in flight): HTTP 503, Retry-After: 1, {"error": {"code": "no_available_workers",
-# "message": "All workers are unavailable (circuit breaker open or unhealthy)"}} (tests/engines/test_gateway.py)
+# smg 1.13's answer when no worker can take a request (all unhealthy or circuit breakers open): HTTP 503 with
+# {"error": {"code": "no_available_workers", ...}} (tests/engines/test_gateway.py)
 NO_WORKER = (503, "no_available_workers")
-# smg 1.13's HTTP 500 when the connection to a worker dropped under the request or could not be made (reqwest's
-# is_request / is_body / is_connect errors: routers/http/router.rs convert_reqwest_error): a worker whose process
-# died under it, or one already down; the two are told apart by probing the worker (generation/quarantine.py). When
-# a worker dies, smg answers the requests it had in flight with either code (tests/engines/test_gateway_quarantine.py).
+# smg 1.13's HTTP 500 when the connection to a worker dropped or could not be made (routers/http/router.rs
+# convert_reqwest_error); generation/quarantine.py probes the worker to tell a dead one from a down one
 UPSTREAM_LOST = ("call_upstream_request_error", "call_upstream_body_error", "call_upstream_connection_failed")
 
 
@@ -58,8 +55,7 @@ _encode, _decode = msgspec.json.encode, msgspec.json.decode
 
 
 async def _body(resp: aiohttp.ClientResponse) -> Any:
-    """An answer's body: application/json as aiohttp's resp.json() reads it (None when empty), decoded from its
-    bytes; any other, its text."""
+    """An answer's body: JSON decoded (None when empty), any other content type its text."""
     if resp.content_type != "application/json":
         return await resp.text()
     raw = await resp.read()
@@ -70,9 +66,8 @@ ErrorKind = Literal["server", "prompt", "unhealthy", "refused", "stalled", "no_w
 
 
 class ServerError(Exception):
-    """A request the server did not complete; `kind` is what failed (the module's list), so the dispatcher knows
-    whether to resend it. `down` is set later, by the quarantine, when the request's server was down before it was
-    sent."""
+    """A request the server did not complete; `kind` is what failed (the module's list). `down` is set by the
+    quarantine when the server was down before the request was sent."""
 
     def __init__(self, url: str, message: str, *, status: int | None = None, kind: ErrorKind = "server"):
         super().__init__(f"{url}: {message}")
@@ -109,9 +104,8 @@ class ServerAccessError(RuntimeError):
 
 
 class ChatResult(NamedTuple):
-    """A chat completion as the pipeline reads it: its one choice and its usage (SGLang 0.5.23's protocol.py
-    ChatCompletionResponse; tests/fleet/test_client_contract.py holds its fields against the wheel's). A tuple: one
-    is made for every answer, at a tenth of a frozen dataclass's cost."""
+    """A chat completion as the pipeline reads it: its one choice and its usage (0.5.23's protocol.py
+    ChatCompletionResponse). A tuple: one per answer, cheaper than a frozen dataclass."""
 
     finish_reason: str
     content: str | None
@@ -168,9 +162,8 @@ class ServerInfo:
     def max_req_len(self) -> int:
         """What one request (prompt + output) may hold before the scheduler cuts its output silently.
 
-        0.5.23 (managers/tp_worker.py get_worker_info): max_req_len = min(context_len - 1, KV pool - 1) and
-        max_req_input_len = max_req_len - 5; the scheduler (init_req_max_new_tokens) lowers max_new_tokens to
-        max_req_len - prompt - 1 without an error, so a KV pool smaller than the context is a cap of its own.
+        0.5.23 tp_worker.get_worker_info: min(context_len - 1, KV pool - 1); the scheduler (init_req_max_new_tokens)
+        lowers max_new_tokens to max_req_len - prompt - 1 without an error.
         """
         if self.max_req_input_len is not None:
             return self.max_req_input_len + INPUT_LEN_RESERVE
@@ -179,18 +172,15 @@ class ServerInfo:
         return self.context_length - 1
 
 
-# Mamba state slots a hybrid model holds per running request with the radix cache on, at least (SGLang 0.5.23
-# MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO); the tuning advice uses it for a server whose /server_info was not read
+# at least, per running request with the radix cache (0.5.23 MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO)
 MAMBA_SLOTS_PER_REQUEST = 3
 
 
 def mamba_slots_per_request(server: dict) -> int | None:
     """Mamba state slots one running request holds, as the server resolved them; None for a dense model.
 
-    0.5.23 kv_cache_configurator._calculate_mamba_ratio: 1 without the radix cache, else
-    MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO = 3, plus the tracking slots of an extra-buffer strategy
-    (allocation_sizing.get_mamba_tracking_slots: 1 lazy or without overlap scheduling, else 2). /server_info
-    reports the resolved fields; `max_mamba_cache_size` is set only for a hybrid model.
+    0.5.23 kv_cache_configurator._calculate_mamba_ratio: 1 without the radix cache, else 3, plus the extra-buffer
+    strategy's tracking slots (allocation_sizing.get_mamba_tracking_slots: 1 lazy or without overlap, else 2).
     """
     if server.get("max_mamba_cache_size") is None:
         return None
@@ -225,9 +215,8 @@ def error_message(body: Any) -> str:
 
 
 async def _drained(resp: aiohttp.ClientResponse) -> bool:
-    """Read what follows `data: [DONE]` (the chunked body's last chunk, which may come in a read of its own), so
-    the connection goes back to the pool: released before its end, aiohttp closes it, and the next request pays a
-    new connection. False (the connection is then closed) when the server keeps the body open past DRAIN_S."""
+    """Read what follows `data: [DONE]` so the connection goes back to the pool (aiohttp closes one released before
+    its end). False (then closed) when the server keeps the body open past DRAIN_S."""
     if resp.content.at_eof():
         return True
     try:
@@ -282,9 +271,8 @@ class ServerClient:
         raise ServerError(self.url, error_message(body), status=status, kind=_kind_of(status, error_code(body)))
 
     async def _stream(self, path: str, body: dict, answer: ChatAnswer | GenerateAnswer, watch: Watch) -> dict:
-        """POST a streamed request and assemble its answer; closes the stream early on a stall or a loop (the
-        connection is dropped, which makes SGLang abort the request). A stall is aborted by its `rid` too (a fresh
-        one per attempt): a half-open connection hides the close from the server, which would decode on for nobody."""
+        """POST a streamed request and assemble its answer; a stall or a loop closes the stream (SGLang aborts the
+        request), and a stall is aborted by its `rid` too (a half-open connection hides the close)."""
         silence = Silence(watch, self._watchdog)
         rid = os.urandom(16).hex()  # what uuid4().hex holds, without building a UUID per request
         body = {**body, "rid": rid}
@@ -323,8 +311,8 @@ class ServerClient:
             raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}") from None
 
     async def abort(self, rid: str) -> bool:
-        """POST /abort_request for one request: best effort, so False when it did not get through (0.5.23 refuses
-        the normal API key there once --admin-api-key is set: http_server.abort_request is ADMIN_OPTIONAL)."""
+        """POST /abort_request for one request: best effort, False when it did not get through (with
+        --admin-api-key, 0.5.23's http_server.abort_request refuses the normal key)."""
         try:
             await self._request("POST", "/abort_request", json={"rid": rid}, timeout=ABORT_TIMEOUT_S)
         except (ServerError, ServerAccessError):
@@ -355,8 +343,7 @@ class ServerClient:
         models = await self._request("GET", "/v1/models", timeout=30)
         server = await self._optional("/server_info") or {}
         card = models["data"][0]
-        # one entry per DP rank (http_server.server_info: "Returns internal states per DP"): a --dp-size 4
-        # server runs four schedulers, each with its own slots
+        # one entry per DP rank (http_server.server_info), each scheduler with its own slots
         per_rank = [s.get("effective_max_running_requests_per_dp") for s in server.get("internal_states") or []]
         max_running = (sum(per_rank) if per_rank and all(per_rank) else None) or server.get("max_running_requests")
         parser = server.get("reasoning_parser")
@@ -378,12 +365,9 @@ class ServerClient:
         )
 
     async def _always_thinks(self) -> bool:
-        """Whether the chat template opens `<think>` with enable_thinking false: read from what the server renders.
-
-        0.5.23 (parser/template_detection.py force_reasoning_pattern) then forces reasoning for every request,
-        so the output is reasoning until `</think>` whatever the request asked. A server without /v1/tokenize
-        (a gateway) is taken not to.
-        """
+        """Whether the chat template opens `<think>` with enable_thinking false, read from what the server renders:
+        0.5.23 then forces reasoning for every request (template_detection.py force_reasoning_pattern). A server
+        without /v1/tokenize (a gateway) is taken not to."""
         probe = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}}
         try:
             rendered = (await self._request("POST", "/v1/tokenize", json=probe, timeout=30))["tokens"]
@@ -402,8 +386,7 @@ class ServerClient:
     async def count_prompt_tokens(
         self, messages: list[dict], chat_template_kwargs: dict, tools: list[dict] | None = None
     ) -> int:
-        """Exact chat-template token count, rendered by the server the way a chat completion is: with `tools`, their
-        schemas as the template renders them (0.5.23's TokenizeRequest takes `tools`)."""
+        """Exact chat-template token count, rendered by the server as a chat completion is, `tools` included."""
         body = {
             "messages": messages,
             "chat_template_kwargs": chat_template_kwargs,
@@ -429,8 +412,8 @@ class ServerClient:
         return list((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["tokens"])
 
     async def detokenize(self, ids: list[int]) -> str:
-        """The text of token ids decoded in one piece, as the server's detokenizer decodes an output (special
-        tokens skipped): joining two decoded halves instead can split a multi-byte character at the cut."""
+        """The text of token ids decoded in one piece (special tokens skipped): two decoded halves joined can split
+        a multi-byte character."""
         body = {"tokens": list(ids), "skip_special_tokens": True}
         return (await self._request("POST", "/v1/detokenize", json=body, timeout=60))["text"]
 

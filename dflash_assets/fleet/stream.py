@@ -38,8 +38,7 @@ DONE_EVENT = DATA + DONE + b"\n\n"
 FOLD_BYTES = 1 << 16  # a stream not watched for runaways is still decoded every this many bytes, to bound memory
 # the watchdog ticks every quarter of the stall timeout: a stall is noticed after 1 to 1.25 times it
 TICK_SHARE = 0.25
-# an open event stream's socket is read once per this many seconds at most (Gather): at --stream-interval 1 and
-# 40 tokens/s a request, 129-133 reads a request instead of 258 and a quarter less client CPU (docs/streaming.md)
+# an open event stream's socket is read once per this many seconds at most (Gather; docs/streaming.md)
 GATHER_S = 0.05
 
 
@@ -82,8 +81,7 @@ class Tokens:
 
 class Runaway:
     """The runaway rule applied every `check_every_tokens` tokens of a stream. It holds nothing of the answer it
-    watches (no callback back to it): an answer and its watch would be a reference cycle, which only the garbage
-    collector frees, with the answer's token ids in it, for every streamed request."""
+    watches: the two would be a reference cycle, left to the garbage collector."""
 
     __slots__ = ("loop_start_tokens", "next_check", "positions", "watch")
 
@@ -110,10 +108,8 @@ class Runaway:
 
 
 class Watchdog:
-    """One timer for every watched stream of a client, not one per request moved at its events: each tick (a quarter
-    of the shortest stall timeout among them) it cancels the task of every stream past its deadline, which then reads
-    as a TimeoutError (Silence.__aexit__), and a stall is noticed after 1 to 1.25 times the timeout. It ticks only
-    while streams are in flight."""
+    """One timer for every watched stream of a client: each tick (a quarter of the shortest stall timeout) cancels
+    every stream past its deadline (a TimeoutError in Silence.__aexit__). It ticks only while streams are in flight."""
 
     def __init__(self) -> None:
         self.streams: set[Silence] = set()
@@ -144,11 +140,9 @@ class Watchdog:
 
 
 class Gather:
-    """The reads of a session's event streams gathered. SGLang writes every event on its own, and each read of a
-    socket costs an event-loop wake-up, a recv and a parse: at --stream-interval 1, one per token. After a read that
-    leaves an event stream open, its socket is not read again until the next tick (`every_s`, one timer for all of
-    them); what the server writes meanwhile waits in the kernel's buffer and comes in one read. A stream's events
-    reach the client up to `every_s` later, far from any deadline (stall_timeout_s, DRAIN_S)."""
+    """The reads of a session's event streams gathered: after a read that leaves an event stream open, its socket
+    is not read again until the next tick (`every_s`), so the events SGLang writes one by one come in one read.
+    Events arrive up to `every_s` later, far from any deadline."""
 
     __slots__ = ("_handle", "every_s", "paused")
 
@@ -175,10 +169,8 @@ class Gather:
 
 
 class EventStreamReader(StreamReader):
-    """aiohttp's body reader for an event stream, read whole (Silence.read takes what a read brought at once, never
-    an HTTP chunk at a time). aiohttp's own books every chunk (an SGLang event is a chunk of its own): where it
-    ends, then per chunk handed out a pop, a split check and a resume, ~8 calls an event. An aiohttp StreamReader
-    becomes one of these once its response says `text/event-stream` (same slots: only the methods differ)."""
+    """aiohttp's body reader for an event stream, read whole, without aiohttp's per-chunk bookkeeping (an SGLang
+    event is a chunk of its own). A StreamReader becomes one once its response says `text/event-stream`."""
 
     __slots__ = ()
 
@@ -222,9 +214,8 @@ class GatheredHandler(ResponseHandler):
         super().feed_data(data, *size)
 
     def resume_reading(self, resume_parser: bool = True) -> None:
-        """Only when paused. aiohttp's StreamReader calls it after every HTTP chunk it hands out, paused or not, and
-        each call parses an empty read (`data_received(b"")`) and resumes the transport: an event stream's events
-        are a chunk each, so a read of ten events made ten such calls, and undid the Gather's hold."""
+        """Only when paused: aiohttp's StreamReader calls it after every HTTP chunk, which would parse an empty
+        read and undo the Gather's hold."""
         if self._reading_paused:
             super().resume_reading(resume_parser)
 
@@ -244,8 +235,7 @@ class GatheredHandler(ResponseHandler):
 
 
 class GatheredConnector(aiohttp.TCPConnector):
-    """A TCPConnector whose connections are GatheredHandlers (aiohttp builds each connection's protocol with its
-    connector's `_factory`; tests/fleet/test_gather.py checks that it still does)."""
+    """A TCPConnector whose connections are GatheredHandlers (through aiohttp's `_factory`)."""
 
     def __init__(self, *, gather_s: float = GATHER_S, **kwargs: Any):
         super().__init__(**kwargs)
@@ -254,10 +244,9 @@ class GatheredConnector(aiohttp.TCPConnector):
 
 
 class Silence:
-    """The deadline of one watched request: `first_token_timeout_s` from its start (the POST, its headers and its
-    first event), then `stall_timeout_s` after every read. Used as `async with silence:` around the request; a
-    request past its deadline is cancelled by the client's Watchdog and ends in TimeoutError, as under
-    asyncio.timeout (whose timer per request, moved as events came, cost more than the rest of the watch)."""
+    """The deadline of one watched request: `first_token_timeout_s` from its start, then `stall_timeout_s` after
+    every read. `async with silence:` around the request; past its deadline the Watchdog cancels it and it ends in
+    TimeoutError, as under asyncio.timeout (without a timer per request)."""
 
     __slots__ = ("_cancelling", "_expired", "_task", "deadline", "started", "watch", "watchdog")
 
@@ -305,9 +294,8 @@ class Silence:
 
     async def read(self, resp: aiohttp.ClientResponse, answer: ChatAnswer | GenerateAnswer) -> bool:
         """Read an SSE response into `answer` until its `data: [DONE]`; True when the answer stopped it (a loop).
-        Each read moves the deadline. Reads are taken whole (one await for what the socket holds, not two per
-        event as line by line) and their events decoded in batches (Frames): per read while the runaway rule
-        watches, else at the stream's end or every FOLD_BYTES."""
+        Each read moves the deadline; events are decoded in batches (Frames): per read while the runaway rule
+        watches, else at the end or every FOLD_BYTES."""
         if self._task is None:
             raise RuntimeError("Silence.read reads inside `async with silence:` only")
         clock, stall = asyncio.get_running_loop().time, self.watch.stall_timeout_s
@@ -325,9 +313,8 @@ class Silence:
 
 
 class Frames:
-    """The `data:` payloads of an SSE body, as its reads bring them: kept as bytes and taken in batches, so a
-    stream's events cost one decode per batch, not a Python object per line. `event: <name>` lines (sglext_ids
-    framing) and the blank lines between events carry no data."""
+    """The `data:` payloads of an SSE body, kept as bytes and taken in batches (one decode per batch).
+    `event: <name>` lines and blank lines carry no data."""
 
     __slots__ = ("done", "reads", "rest", "size")
 
@@ -357,8 +344,7 @@ class Frames:
 
 
 def _decoded(decoder: msgspec.json.Decoder, payloads: list[bytes]) -> list:
-    """The events of a batch of payloads, decoded as one JSON array (a single call for them all); an error
-    event among them raises StreamError."""
+    """The events of a batch of payloads, decoded as one JSON array; an error event raises StreamError."""
     events = decoder.decode(b"[" + b",".join(payloads) + b"]") if payloads else []
     for event in events:
         if event.error is not None:
@@ -390,8 +376,7 @@ class Usage(msgspec.Struct, gc=False):
 
 
 class ChatChunk(msgspec.Struct, gc=False):
-    """What the pipeline reads of a `chat.completion.chunk` (the rest of each event is skipped, not decoded).
-    Structs without gc tracking: a stream's events add nothing for the collector to walk."""
+    """What the pipeline reads of a `chat.completion.chunk` (the rest is skipped); untracked by the gc."""
 
     choices: list[Choice] | None = None
     usage: Usage | None = None
@@ -413,8 +398,7 @@ _generate_chunks = msgspec.json.Decoder(list[GenerateChunk])
 
 
 class ChatAnswer:
-    """A streamed chat completion, assembled into the non-streamed ChatCompletionResponse shape. Slotted, as
-    every per-request object of a stream: an instance dict is one more tracked object per request."""
+    """A streamed chat completion, assembled into the non-streamed ChatCompletionResponse shape."""
 
     __slots__ = (
         "chars",
