@@ -44,15 +44,13 @@ RUN_DROP_FIRST = ("P50", "new", "checks", "P90")  # a run's per-shard table (cli
 
 
 def console_for_output() -> Console:
-    """A `dflash` command's console: the terminal's width, or REPORT_WIDTH columns when piped; what it prints fits
-    it (fit, _wrapped), but for a command or a path printed whole (verbatim)."""
+    """A `dflash` command's console: the terminal's width, or REPORT_WIDTH columns when piped."""
     return Console(width=None if sys.stdout.isatty() else REPORT_WIDTH)
 
 
 def fit(table: Table, width: int, drop: tuple[str, ...] = DROP_FIRST) -> Table:
-    """`table` made to fit `width` columns: a column that does not wrap (a figure, a name) as wide as its widest
-    cell, its header wrapped at words; free text (a column that wraps) takes what is left. While that is still too
-    wide, the columns named in `drop` go, in that order. Nothing is cut with "…"."""
+    """`table` made to fit `width` columns: figures as wide as their widest cell, free text takes the rest; while
+    still too wide, the columns named in `drop` go, in order. Nothing is cut with "…"."""
 
     def least(column) -> int:
         words = [str(column.header)] + [str(c) for c in column._cells]
@@ -90,8 +88,7 @@ COMMAND_START = re.compile(r"(?:[A-Z][A-Z0-9_]*=(?:'[^']*'|\S)+ )*(?:uv run |dfl
 
 
 def say_with_command(console: Console, line: str) -> None:
-    """A line of prose wrapped at the console's width, and the command it ends with (if any) on a line of its own,
-    whole (verbatim), so it runs as printed when copied."""
+    """A line of prose wrapped at the console's width, and the command it ends with on a line of its own, whole."""
     at = COMMAND_START.search(line)
     if at is None or at.start() == 0:
         (verbatim if at is not None else _wrapped)(console, line)
@@ -200,8 +197,7 @@ def plan_table(answer: CapAnswer) -> Table:
 def print_answer(
     answer: CapAnswer, console: Console, command: str = "dflash demo", export_command: str | None = None
 ) -> None:
-    """One config's answer (CapAnswer.lines: the figures with their units, the export, the next command), then its
-    cap plan: the table and the window policy's tokens."""
+    """One config's answer (CapAnswer.lines), then its cap plan."""
     for line in answer.lines(command, export_command):
         say_with_command(console, line)
     print_plan(answer, console)
@@ -235,9 +231,7 @@ def print_answers(
     export: str = "dflash export --config HASH",
 ) -> list[CapAnswer]:
     """`dflash report`'s head: the latest config's answer, every other config in a line (at most HEAD_OTHERS); with
-    `full`, every config's answer and cap plan. `command`, `configs`, `export`: the next run's, the configs' and a
-    config's export (HASH) commands as the terminal prints them (with the data they are of), the next run's settings
-    appended."""
+    `full`, every config's answer and cap plan. `command`, `configs`, `export`: the commands as printed."""
     console = console or Console()
     answers = cap_answers(data_dir, quality)
     console.print(
@@ -279,8 +273,7 @@ def print_report(
     quality: QualitySettings = QualitySettings(),
     checks: bool = True,
 ) -> dict[str, Any]:
-    """Print the length-quality summary, its breakdowns and overflows (and the check results) as rich tables; return
-    the report dict."""
+    """Print the length-quality summary, breakdowns, overflows and checks as tables; return the report dict."""
     console = console or Console()
     report = length_quality(data_dir, shard, max_length=quality.trainer.max_length, runaway=quality.runaway)
     scope = f"shard {shard}" if shard else "all shards"

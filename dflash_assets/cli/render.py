@@ -21,8 +21,7 @@ def policy_text(window: Window) -> str:
 
 
 def regenerate_text(regenerate: str) -> str | None:
-    """What `regenerate` does to the source's multi-turn prompts, said before anything runs; None for a source without
-    any (auto is last_turn there: the same config as ever) and for all_turns."""
+    """What `regenerate` does to the source's multi-turn prompts; None without any, and for all_turns."""
     from dflash_assets.generation.prompts import SourceError, source_turns
 
     try:
@@ -57,9 +56,8 @@ def print_other_configs(run_config: str | None, window: Window, console: Console
 
 
 def print_old_default(window: Window, console: Console, continue_old: Callable[[int], str]) -> None:
-    """One line before a window-policy run on a data dir whose configs all decode a fixed cap (the default before the
-    window policy was): the run starts a new config beside them, which stay as they are (their configs and hashes),
-    and the command that continues the latest of them instead (`continue_old(cap)`)."""
+    """One line before a window-policy run on a data dir whose configs all decode a fixed cap: the run starts a new
+    config beside them, and `continue_old(cap)` continues the latest instead."""
     from dflash_assets.store.configs import list_configs
 
     if window.cap_policy != "window":
@@ -78,8 +76,7 @@ def print_old_default(window: Window, console: Console, continue_old: Callable[[
 
 
 def print_cap_past_window(window: Window, cap: int, console: Console) -> None:
-    """One line when the window policy's cap lies past the window (and its overshoot): every request asks the window's
-    rest, so the larger cap buys no trained token; growing the window does (`dflash continue --to-window`)."""
+    """One line when the window policy's cap lies past the window: a larger cap buys no trained token."""
     if window.cap_policy == "window" and cap > window.trainer_max_length + window.overshoot:
         verbatim(
             console,
@@ -90,8 +87,7 @@ def print_cap_past_window(window: Window, cap: int, console: Console) -> None:
 
 
 def print_superseded(stops: Stops, console: Console, window: Window) -> None:
-    """One line per other config left incomplete beside the run's own: superseded, with its counts, blocking nothing
-    (accounting's judgement of the run's config over every shard, quality/checks/accounting.py)."""
+    """One line per other config left incomplete beside the run's own: superseded, with its counts."""
     from dflash_assets.quality import run_checks
     from dflash_assets.quality.checks.accounting import SUPERSEDED_COUNTS, Superseded
 
@@ -104,8 +100,7 @@ def print_superseded(stops: Stops, console: Console, window: Window) -> None:
 
 
 def print_window_answer(stops: Stops, console: Console, window: Window, rerun: str) -> None:
-    """When no check stopped the run: whether the cut rows matter to this trainer, and what decoding past the
-    window cost (the window policy's command when it cost anything)."""
+    """When no check stopped the run: whether the cut rows matter to this trainer, and what decoding past it cost."""
     from dflash_assets.quality import run_checks
     from dflash_assets.quality.outcome import num, pct
 
@@ -129,8 +124,7 @@ def print_window_answer(stops: Stops, console: Console, window: Window, rerun: s
 
 
 def print_short_answer(answer: CapAnswer, console: Console, command: str, next_line: bool) -> None:
-    """A run's answer in a few lines (CapAnswer.headline, the recommendation) and, when the run was not stopped
-    (`next_line`), what it exported and the next command: `command` with the answer's settings, if any."""
+    """A run's answer in a few lines and, with `next_line`, what it exported and the next command."""
     for line in answer.headline() if next_line else answer.headline()[:-1]:  # stopped: no export, said above
         say_with_command(console, line)
     if not next_line:
@@ -143,8 +137,7 @@ def print_short_answer(answer: CapAnswer, console: Console, command: str, next_l
 
 @dataclass(frozen=True)
 class Ending:
-    """How a run's ending is said: on which console, the run's own command, the command that generates every prompt
-    again at a cap (`rerun(cap)`), and `short` (a run's closing lines) or in full."""
+    """How a run's ending is said: the console, the run's command, `rerun(cap)`, and `short` or in full."""
 
     console: Console
     rerun: Callable[[int], str]
@@ -164,10 +157,8 @@ def print_stop(
     command: str = "dflash backfill",
     short: bool = False,
 ) -> int:
-    """One short block: what stopped the run, the cap plan, and the exact next command (`command`, the run's own, with
-    the answer's settings). `short` (a run's closing lines, `dflash demo` / `backfill` without --verbose): the
-    answer of the run's config even when nothing stopped it, one line per blocking check, and the cap plan left to
-    `dflash report --full`. Returns the exit status."""
+    """What stopped the run, the cap plan and the exact next command; `short` (a run's closing lines): the answer
+    even when nothing stopped it, and the cap plan left to `dflash report --full`. Returns the exit status."""
     ending = Ending(console, rerun, command, short)
     say_errors(stops, ending.say)
     if stops.preflight:

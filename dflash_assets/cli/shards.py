@@ -84,8 +84,7 @@ PROGRESS_EVERY_S = 5.0  # a progress line this often when the output is not a te
 
 
 def progress_text() -> str | None:
-    """The generation running in this process, as a person watches it: rows answered of those to do, tokens per
-    second, rows cut at the cap so far and the time left at this pace; None when none runs."""
+    """The generation running in this process as a progress line (rows, tokens/s, cut, time left); None if none."""
     from dflash_assets.generation.send import RUNNING
 
     if not RUNNING:
@@ -98,8 +97,7 @@ def progress_text() -> str | None:
 
 
 def watcher(show: Callable[[str], None], terminal: bool) -> Callable[[], None]:
-    """A run's progress: on a terminal `show` (the bar's text) at every moment, elsewhere a line on stderr every
-    PROGRESS_EVERY_S (a log, a CI job: stdout keeps the run's result)."""
+    """A run's progress: on a terminal `show` at every moment, elsewhere a line on stderr every PROGRESS_EVERY_S."""
     import sys
     import time
 
@@ -120,8 +118,7 @@ def watcher(show: Callable[[str], None], terminal: bool) -> Callable[[], None]:
 
 @dataclass
 class _Tally:
-    """What run_shards learns from its runs besides the table's rows: what stopped them, the checks that did not pass
-    (name (severity) -> shards), whether any check ran, and the shards shown without figures or with a recount."""
+    """What run_shards learns from its runs besides the table's rows."""
 
     stops: Stops = field(default_factory=Stops)
     failed_checks: dict[str, list[str]] = field(default_factory=dict)
@@ -139,9 +136,8 @@ def run_shards(
     window: Window = Window(),
     full: bool = False,
 ) -> Stops:
-    """Materialise `shards` in runs of SHARDS_PER_RUN with `completions` as that asset's run config (the CLI's
-    flags) and `window`'s trainer as the quality resource's (the checks' window, and the requests'); print a table;
-    return what stopped runs."""
+    """Materialise `shards` with `completions` as that asset's run config and `window` as the quality resource's;
+    print a table; return what stopped runs."""
     typed = {"completions": CompletionsConfig(**completions)}  # refused here, as the asset would, if a flag is wrong
     run_config = dg.RunConfig(ops=typed, resources=window.resources(), **quiet(verbose))
     tally = _Tally()
@@ -185,8 +181,7 @@ def _shard_table(window: Window) -> Table:
 
 
 def _add_rows(table: Table, chunk: list[str], result: dg.ExecuteInProcessResult, tally: _Tally) -> None:
-    """One row a shard of a run's `chunk`, from its steps' metadata (or, where its completions step stopped, the
-    recount its failure recorded); the run's checks and stops go to `tally`."""
+    """One row a shard of a run's `chunk`, from its steps' metadata (or its failure's recount); the rest to `tally`."""
     source, comp = _meta(result, "prompt_shards"), _meta(result, "completions")
     report, checks = _meta(result, "length_quality_report"), result.get_asset_check_evaluations()
     tally.judged = tally.judged or bool(checks)
@@ -228,8 +223,7 @@ def _add_rows(table: Table, chunk: list[str], result: dg.ExecuteInProcessResult,
 
 
 def _say_below_the_table(console: Console, shards: list[str], tally: _Tally, window: Window, full: bool) -> None:
-    """The rejects (the first with their lines, and the command that lists them all), the shards without figures or
-    recounted, and the checks that did not pass (each with --full, else a count and the command that shows them)."""
+    """The rejects, the shards without figures or recounted, and the checks that did not pass (each with --full)."""
     rejects = read_rejects(data_dir().resolved(), shards, first=None if full else FIRST_REJECTS)
     for line in rejects.lines(as_printed("dflash rejects", prompts=False)):
         say_with_command(console, f"  {line}")
@@ -281,8 +275,7 @@ def print_quarantined(shards: list[str], stops: Stops, console: Console, retry: 
 
 @dataclass(frozen=True)
 class Launch:
-    """How a shard run was started, as its closing lines repeat it: the command as typed (`dflash demo`), its flags
-    with overrides (`again`), and whether its ending names the UI's command (the demo's)."""
+    """How a shard run was started, as its closing lines repeat it."""
 
     command: str
     again: Callable[[dict], str] = lambda overrides: ""
@@ -303,9 +296,8 @@ def run_and_answer(
     launch: Launch,
     full: bool = False,
 ) -> int:
-    """`dflash demo` and `dflash backfill` after their first line: the shards through Dagster, the configs the run
-    superseded and the export of its config, the UI's command, and the closing lines: the answer of the run's config and the next
-    command (the launch's, with the answer's settings); with `full`, everything said at length."""
+    """`dflash demo` and `dflash backfill` after their first line: the shards through Dagster, then the closing
+    lines (the run's answer and the next command); with `full`, everything at length."""
     print_old_default(
         window, console, lambda cap: launch.printed({"cap_policy": "fixed"}, f" --max-output-tokens {cap}")
     )
@@ -329,8 +321,7 @@ def run_and_answer(
 
 
 def run_shards_command(command: str, args: argparse.Namespace) -> int:
-    """`dflash demo` (every shard, the UI's command at its end) and `dflash backfill` (--from..--to): the run's
-    first line, then run_and_answer; the next command repeats the flags given, with the answer's overrides."""
+    """`dflash demo` (every shard) and `dflash backfill` (--from..--to): the run's first line, then run_and_answer."""
     config, trainer = _completions_config(command, args)
     refuse_cap_beyond_context(command, request_cap(config, trainer))
     flags = {**config, **trainer_flags(trainer)}
@@ -397,8 +388,7 @@ def run_continue(
 
 @dataclass
 class Continued:
-    """What `dflash continue` continued, shard by shard: its table, the tokens reused of the new config's, and the
-    run's stops."""
+    """What `dflash continue` continued: its table, the tokens reused of the new config's, the run's stops."""
 
     stops: Stops = field(default_factory=Stops)
     table: Table = field(

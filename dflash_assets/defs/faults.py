@@ -60,11 +60,8 @@ def named_stops(
     committed: Callable[[], dict[str, int]] | None = None,
     retry: dg.RetryPolicy | None = None,
 ) -> Iterator[None]:
-    """Run the step's body; turn an exhaustion, and the last attempt's failure under `retry`, into a named Failure.
-
-    `committed()`: the step's committed rows per shard, recounted from the data dir when it stops.
-
-    SIGINT and SIGTERM (the UI's Terminate too) stop it politely (generation/stopping.py): the run ends CANCELED."""
+    """Run the step's body; turn an exhaustion, and the last attempt's failure under `retry`, into a named Failure
+    with `committed()` (rows per shard) recounted. SIGINT and SIGTERM end the run CANCELED."""
     try:
         with stopping():
             STOP.check()  # a signal before the step (its resources' start, the step before): it does not run
@@ -99,10 +96,8 @@ def named_stops(
 
 
 def cancel(context: dg.AssetExecutionContext, stopped: Stopped) -> NoReturn:
-    """End the run CANCELED: Dagster 1.13 records a run whose steps failed as canceled when it is CANCELING already
-    (execution/api.py), as the UI's Terminate leaves it; the step's pool slots are freed on the way out. The step
-    fails with a Failure that is not retried: an interrupt raised from a step with a RetryPolicy is turned into a retry
-    request (execution/plan/utils.py), so the run would wait out the policy's delays before it ended."""
+    """End the run CANCELED (Dagster 1.13's execution/api.py records a CANCELING run's failure so), freeing the
+    step's pool slots, with a Failure not retried (execution/plan/utils.py turns an interrupt into a retry)."""
     run = context.instance.get_run_by_id(context.run.run_id) or context.run
     if run.status != dg.DagsterRunStatus.CANCELING:
         context.instance.report_run_canceling(run, message=f"{stopped}: the answers received were committed")
@@ -114,10 +109,8 @@ NO_COMPUTE_LOGS = {"module": "dagster._core.storage.noop_compute_log_manager", "
 
 @cache
 def in_process_instance(home: str) -> dg.DagsterInstance:
-    """The instance a command runs its jobs in, in its own process: DAGSTER_HOME's, without compute log capture.
-    That capture mirrors stdout and stderr through helper processes (`tail` and Dagster's watch_orphans.py) in the
-    terminal's process group, so a Ctrl-C printed their KeyboardInterrupt tracebacks; the run's log is its event
-    log, and the terminal shows what the command prints."""
+    """The instance a command runs its jobs in: DAGSTER_HOME's, without compute log capture (its helper processes
+    in the terminal's process group print tracebacks at a Ctrl-C)."""
     ref = InstanceRef.from_dir(home, overrides={"compute_logs": NO_COMPUTE_LOGS})
     return dg.DagsterInstance.from_ref(ref)
 

@@ -17,8 +17,7 @@ from rich.table import Table
 
 from dflash_assets.fleet.client import MAMBA_SLOTS_PER_REQUEST, ServerAccessError, ServerClient, ServerError, ServerInfo
 
-# /v1/loads has no mamba figure in 0.5.23 (load_snapshot.py; pool_stats_observer.py leaves the mamba pool out):
-# it is only this Prometheus gauge, on servers started with --enable-metrics
+# mamba usage is not in 0.5.23's /v1/loads (load_snapshot.py), only in this gauge with --enable-metrics
 MAMBA_USAGE_METRIC = "sglang:mamba_usage"
 
 
@@ -72,11 +71,8 @@ def parse_mamba_usage(text: str) -> float | None:
 
 
 class LoadSampler:
-    """Polls `/v1/loads` of every client each `interval_s`, keeping the last `max_samples` per server.
-
-    `await start()`, then `await stop()` returns the samples. A failed poll is kept as a sample with `error`, so a
-    server that stops answering shows up in the advice instead of vanishing from it.
-    """
+    """Polls `/v1/loads` of every client each `interval_s`, keeping the last `max_samples` per server; `await stop()`
+    returns them. A failed poll is a sample with `error`, so a silent server shows in the advice."""
 
     def __init__(self, clients: Sequence[ServerClient], interval_s: float = 1.0, max_samples: int = 3600):
         self.clients = list(clients)
@@ -229,11 +225,8 @@ def summarize(
 
 @dataclass(frozen=True)
 class TuningThresholds:
-    """When a rule fires. Shares are of a server's answered samples; usages are P95 over the samples.
-
-    Internal constants of the advice, not settings: no run config, resource or flag sets them (the advice only
-    words what the samples show), so they are not in settings.py. Make them a `TuningSettings` there the day a
-    user needs to tune them."""
+    """When a rule fires: shares of a server's answered samples, usages P95 over them. Constants of the advice, not
+    settings (nothing sets them)."""
 
     min_samples: int = 3
     unreachable_share: float = 0.5  # polls without an answer
@@ -285,8 +278,7 @@ def _evidence(load: ServerLoad, **extra) -> dict[str, int | float | str]:
 
 @dataclass(frozen=True)
 class _Judged:
-    """One server's load as the rules read it: the thresholds, what the client sends it, its model's mamba slots
-    per request (None: not a hybrid model), and the figures every rule names."""
+    """One server's load as the rules read it (mamba slots per request None: not a hybrid model)."""
 
     load: ServerLoad
     th: TuningThresholds
