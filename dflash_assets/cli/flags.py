@@ -10,15 +10,14 @@ from dflash_assets.settings import TRAINER_FLAGS, DispatchSettings, GenerationSe
 
 
 def _completions_config(command: str, args: argparse.Namespace) -> tuple[dict, TrainerSettings]:
-    """The `completions` run config of the flags (every request and dispatch setting) and the trainer's settings
-    (its window, which the window policy sizes requests to, and its form); a bad one raises SettingsError."""
+    """The `completions` run config of the flags and the trainer's settings; a bad one raises SettingsError."""
     trainer, generation, dispatch = run_settings(args)
     return {**RequestSettings.taken_from(generation).model_dump(), **dispatch.model_dump()}, trainer
 
 
 def run_settings(args: argparse.Namespace) -> tuple[TrainerSettings, GenerationSettings, DispatchSettings]:
-    """The trainer's settings of the --trainer-* flags, the generation settings sized to its window and the dispatch
-    settings, each checked as it is built (a bad one raises SettingsError: errors.py says it, exit 2)."""
+    """The trainer's, generation (sized to its window) and dispatch settings of the flags; a bad one raises
+    SettingsError."""
     trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
     return trainer, GenerationSettings.of(args, trainer), DispatchSettings.taken_from(args)
 
@@ -29,10 +28,8 @@ def trainer_flags(trainer: TrainerSettings) -> dict:
 
 
 def repeated_flags(command: str, config: dict, required: tuple[str, ...] = ()) -> str:
-    """The flags that give `config` again (trainer_flags among them), leaving out the cap and what the command's
-    defaults already give: the next command a run suggests (another cap) must generate with the same settings, or
-    it makes another config, and be judged and exported for the same trainer. `required`: the command's required
-    flags with any value, for its defaults (given in the printed command apart)."""
+    """The flags that give `config` again, the cap and the command's defaults left out, so a suggested next command
+    makes the same config for the same trainer. `required`: the command's required flags, for its defaults."""
     import json
     import shlex
 
@@ -48,15 +45,13 @@ def repeated_flags(command: str, config: dict, required: tuple[str, ...] = ()) -
 
 
 def request_cap(config: dict, trainer: TrainerSettings) -> int:
-    """The largest request cap of a `completions` config: its cap, or under the window policy the window's rest for
-    the shortest prompt (generation/request.py request_cap)."""
+    """The largest request cap of a `completions` config (generation/request.py request_cap)."""
     return cap_of(GenerationSettings.of(argparse.Namespace(**config), trainer), 1)
 
 
 def refuse_cap_beyond_context(command: str, request_cap: int) -> None:
-    """A request cap that leaves no prompt room in the servers' context, when that context is known before the run
-    (the emulated servers' flags; attached or launched servers that answer now), is refused in one line (BadInput,
-    exit 2) before any run starts; an unknown context is the run's preflight's to judge."""
+    """A request cap that leaves no prompt room in the servers' context, when known before the run, is refused in
+    one line (BadInput); an unknown context is the preflight's to judge."""
     from dflash_assets.cli.errors import BadInput
     from dflash_assets.generation.preflight import cap_refusal
     from dflash_assets.settings import Deployment

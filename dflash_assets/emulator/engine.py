@@ -29,12 +29,9 @@ from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
 from .prefix_cache import PrefixCache
 from .scheduler import QueueFull, Scheduler
 
-# Streaming granularity (scheduler_components/output_streamer.py accept): the first token on its own, then an
-# event whenever `stream_interval` tokens are unsent. A --stream-interval given (or a request's
-# sampling_params.stream_interval) is honoured exactly, 1 included: one event per token. Not given, SGLang's 1
-# is coalesced to chunks of this many tokens, as the tokenizer manager coalesces the outputs queued behind a
-# busy writer (_stream_one_response keeps out_list[-1]), so a long reply is ~100 SSE events, not thousands;
-# with instant decode, where timing says nothing, bigger chunks keep the CPU cost low.
+# Streaming (output_streamer.py accept): the first token alone, then an event per `stream_interval` unsent tokens,
+# honoured exactly when given. Not given, SGLang's 1 is coalesced to chunks of this many, as the tokenizer manager
+# coalesces outputs queued behind a busy writer (_stream_one_response keeps out_list[-1]).
 STREAM_CHUNK_TOKENS = 32
 INSTANT_STREAM_CHUNK_TOKENS = 256
 T = TypeVar("T")
@@ -54,8 +51,7 @@ class Request:
     require_reasoning: bool = False
     tools: list[dict] | None = None  # the request's tool schemas: its answer may call them (model.plan_completion)
     sample_index: int = 0  # n > 1: the i-th sample of one prompt
-    # SamplingParams' default when the key is absent: 128 on /generate; chat passes
-    # None explicitly (no max_tokens = run to the end of the context).
+    # SamplingParams' default when absent: 128 on /generate, None on chat (to the end of the context)
     default_max_new_tokens: int | None = None
     arrival: float = field(default_factory=time.perf_counter)
 
@@ -145,9 +141,7 @@ class Engine:
         self.cfg = cfg
         self.faults = faults
         self._random = random.Random()  # seeded by the OS: every server, every request draws its own
-        # with --random-seed, the n-th request of the same input ids draws the same on every run, whatever order
-        # concurrent requests arrive in (tests that compare distributions then pass or fail by their seed, not
-        # by chance); each request of the same prompt still draws anew
+        # with --random-seed, the n-th request of the same input ids draws the same on every run, in any order
         self._seeded_draws: dict[bytes, int] | None = {} if cfg.args.random_seed is not None else None
         a = cfg.args
         self.schedulers = [
@@ -178,16 +172,15 @@ class Engine:
     # ---- 1. tokenizer manager ----
 
     def abort_request(self, rid: str, abort_all: bool = False) -> None:
-        """tokenizer_manager.abort_request (POST /abort_request): the request with this rid, or all, ends with a
-        status-less abort (FINISH_ABORT()); an empty rid without abort_all is ignored, as 0.5.23 ignores it."""
+        """tokenizer_manager.abort_request: the request with this rid, or all, ends with a status-less abort; an
+        empty rid without abort_all is ignored."""
         targets = list(self.abort_events) if abort_all else [rid] if rid and rid in self.abort_events else []
         self.abort_requests.append({"rid": rid, "abort_all": abort_all, "running": bool(targets)})
         for target in targets:
             self.abort_events[target].set()
 
     def record_sampling(self, req: Request) -> None:
-        """What a request is sampled with once both routes have filled in their defaults (SamplingParams'
-        own for what is still unset), kept for the emulator-only /_emulator/stats."""
+        """What a request is sampled with, defaults filled in, kept for /_emulator/stats."""
         sp = req.sampling
         self.sampled.append(
             {
@@ -233,8 +226,7 @@ class Engine:
         return out
 
     async def run(self, req: Request, verdict: Verdict = NO_FAULT) -> AsyncGenerator[Output, None]:
-        """Outputs of one validated request: progress chunks when streaming, then
-        the final one (finished, or an abort: /abort_request naming its rid ends it so)."""
+        """Outputs of one validated request: progress chunks when streaming, then the final one (or an abort)."""
         if len(req.input_ids) >= self.cfg.max_req_input_len:
             if not self.cfg.args.allow_auto_truncate:
                 yield self._abort(
@@ -330,8 +322,7 @@ class Engine:
             sched.release(ticket)
 
     def stream_step(self, req: Request, timed: bool) -> int:
-        """Tokens per streamed event after the first: the request's stream_interval, else the server's, else
-        (neither given) SGLang's 1 coalesced to a chunk (see STREAM_CHUNK_TOKENS)."""
+        """Tokens per streamed event after the first: the request's stream_interval, the server's, or a chunk."""
         interval = req.sampling.get("stream_interval") or self.stream_interval
         if interval:
             return max(1, interval)
@@ -346,8 +337,7 @@ class Engine:
 
     def _generate(self, req: Request, max_new: int) -> model.Generation:
         sp = req.sampling
-        # like a server: temperature > 0 without a seed is a new draw per request (SGLang's default temperature
-        # is 1.0); temperature 0 or a seed gives the prompt's one completion
+        # temperature > 0 (SGLang's default 1.0) without a seed draws anew; 0 or a seed: the prompt's completion
         temperature = 1.0 if sp.get("temperature") is None else sp["temperature"]
         seed = sp.get("sampling_seed")
         draw = (
@@ -375,8 +365,7 @@ class Engine:
         )
 
     def _sent_texts(self, req: Request, gen: model.Generation, steps: list[int]) -> list[str]:
-        """--non-ascii: what SGLang's detokenizer sends at each streamed step, then at the finished one (a reply
-        not streamed still passes it every 50 tokens); the model's own text is its ids decoded alone."""
+        """--non-ascii: what SGLang's detokenizer sends at each step (detokenizer.py), then at the finished one."""
         sp, n = req.sampling, len(gen.output_ids)
         steps = [*steps, n] if steps else detokenizer.non_streamed_steps(n)
         return detokenizer.output_strs(
@@ -442,9 +431,8 @@ async def _stall(ticket, seconds: float, aborted: asyncio.Event) -> bool:
 
 
 async def unseen_disconnect(engine: Engine, serving: Awaitable[T]) -> T:
-    """The half-open fault: `serving` (a stream's handler) goes on when its client goes, as behind a connection
-    whose close never reaches the server; the request holds its slot until it ends (its stall's end, or
-    /abort_request), and its next write fails then."""
+    """The half-open fault: `serving` (a stream's handler) goes on when its client goes, holding its slot until it
+    ends (its stall's end, or /abort_request)."""
     task = asyncio.ensure_future(serving)
     engine.detached.add(task)
     task.add_done_callback(_forget(engine.detached))

@@ -26,8 +26,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _healthy(url: str, timeout: float = 10.0) -> bool:
-    # /health answers after its one-token health generation, at least 1 s later (SGLang's asyncio.sleep(1),
-    # see emulator/info.py): a 1 s timeout failed every probe of a busy machine
+    # /health answers at least 1 s later (SGLang's asyncio.sleep(1), emulator/info.py)
     try:
         with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
             return r.status == 200
@@ -36,8 +35,7 @@ def _healthy(url: str, timeout: float = 10.0) -> bool:
 
 
 class EmulatorProcess:
-    """A running emulator subprocess (own session, so it survives its parent's
-    signals as a fleet server would). Stop it with .stop() or a `with` block."""
+    """A running emulator subprocess in its own session. Stop it with .stop() or a `with` block."""
 
     def __init__(self, popen: subprocess.Popen, host: str, port: int, log_path: Path, own_log: bool = False):
         self.popen = popen
@@ -69,8 +67,7 @@ class EmulatorProcess:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def forget_log_path(self) -> None:
-        """A temp log of ours: keep it open and remove its name, so that nothing is left in the temp dir when this
-        process is killed (the server, told to exit with it, closes its end)."""
+        """A temp log of ours: keep it open and remove its name, so nothing is left if this process is killed."""
         if self._own_log and self._log_file is None:
             self._log_file = open(self.log_path, "rb")
             self.log_path.unlink(missing_ok=True)
@@ -116,13 +113,9 @@ def start_emulator(
     log_path: str | os.PathLike | None = None,
     spawn: Spawn | None = None,
 ) -> EmulatorProcess:
-    """Start `python -m dflash_assets.emulator` and wait for /health 200.
-    `args` are server flags; --model-path defaults to emulated/qwen3-27b. Without
-    `port`, a free loopback port is picked (and picked again if someone else
-    takes it before the server binds). Without `log_path`, output goes to a temp
-    file that .stop() reads into .log() and removes. `spawn` starts the process
-    (`popen` by default); the tests fork theirs from a process that has imported
-    the emulator already (tests/support/forks.py)."""
+    """Start `python -m dflash_assets.emulator` with server flags `args` and wait for /health 200. Without `port`,
+    a free loopback port (picked again if taken before the bind); without `log_path`, a temp file that .stop()
+    reads into .log(). `spawn` starts the process (`popen`; tests/support/forks.py forks)."""
     args = server_argv(args)
     for attempt in range(3 if port is None else 1):
         proc = _spawn(args, host, port or free_port(host), env, log_path, spawn or popen)
@@ -145,9 +138,7 @@ def start_emulator(
     raise RuntimeError("emulator: no free port after 3 attempts")
 
 
-# starts `python -m dflash_assets.emulator` with these arguments and environment, its stdout and stderr appended to the
-# log file, in a session of its own; returns a subprocess.Popen or an object with the same calls (pid, poll, wait,
-# send_signal, kill, returncode)
+# starts the emulator with (argv, environment, log file) in a session of its own; a Popen or alike
 Spawn = Callable[[list[str], dict, Path], subprocess.Popen]
 
 

@@ -61,8 +61,7 @@ ROUTES = web.AppKey("emulator_routes", Counter[str])
 
 @web.middleware
 async def route_log(request: web.Request, handler):
-    """Counts every request as "METHOD /path STATUS" (unknown routes too): what a client, say a gateway
-    registering this server, really called. Read with GET /_emulator/routes (emulator-only)."""
+    """Counts every request as "METHOD /path STATUS" (unknown routes too), for GET /_emulator/routes."""
     status = 500
     try:
         response = await handler(request)
@@ -124,8 +123,7 @@ def create_app(cfg: EmulatorSetup, *, faults: Faults | None = None, on_crash=cra
 
 
 async def abort_request(request: web.Request) -> web.Response:
-    """http_server.abort_request: the body is an AbortReq (`rid`, `abort_all`); 200 with an empty body, whether or
-    not a request had that rid (tokenizer_manager.abort_request ignores an unknown or empty one)."""
+    """http_server.abort_request: an AbortReq (`rid`, `abort_all`); 200 with an empty body, known rid or not."""
     body = await read_json(request, require_json_content_type=False)
     if isinstance(body, web.Response):
         return body
@@ -143,10 +141,8 @@ async def routes_route(request: web.Request) -> web.Response:
 
 
 async def stats_route(request: web.Request) -> web.Response:
-    """Emulator-only: each DP rank's running-request count at every change, as (monotonic seconds, running)
-    pairs, and max_running_requests — the exact slot occupancy benchmarks integrate (not an SGLang route);
-    and the sampling parameters the last requests were resolved to, on either route; the rids the stall fault
-    held, every /abort_request (its rid, and whether a running request had it) and the aborts counted."""
+    """Emulator-only: each DP rank's running count at every change as (monotonic s, running) and
+    max_running_requests; the last requests' sampling parameters; the stalled rids, the aborts asked and counted."""
     engine = request.app[STATE].engine
     return web.json_response(
         {
@@ -228,9 +224,8 @@ async def serve(
 
 
 async def _stop_when_orphaned(stop: asyncio.Event, parent: int, every_s: float = 1.0) -> None:
-    """Set `stop` once the process `parent` is gone. Linux tells through a pidfd, whether or not `parent` is this
-    process's own parent (the tests' servers are forked by a fork server for the test process); elsewhere this polls
-    for `parent` as its own parent (a dead parent's children are handed to init or a subreaper)."""
+    """Set `stop` once the process `parent` is gone: through a pidfd on Linux (`parent` need not be this process's
+    parent), elsewhere by polling its own parent pid."""
     try:
         pidfd = os.pidfd_open(parent)
     except ProcessLookupError:

@@ -32,23 +32,17 @@ except ImportError:  # Windows: asyncio's loop
     new_event_loop = asyncio.new_event_loop
 
 
-# The collector's first threshold while a run talks to its fleet: a collection every this many new container objects
-# (Python's default is 700). A run allocates and frees a few dozen containers per request (dicts, lists, futures)
-# without cycles, and at 700 those came in every few requests: each young collection promoted the run's live
-# objects (100,000 planned prompts) on, until full collections walked them all. A 100,000-prompt `dflash backfill
-# --no-stream` here made 13,069 young, 1,183 middle and 96 full collections, about 4-8 CPU-s of them inside its
-# fleet run; at 10,000 the whole process makes 2,708, 242 and 11, and the fleet run's cost 0.5 CPU-s
-# (docs/streaming.md). What waits for the collector (cycles only: none in the request path) is this many objects.
+# The collector's first threshold while a run talks to its fleet (Python's: 700): the request path makes no cycles,
+# and at 700 young collections promoted the run's live objects until full collections walked them all
+# (docs/streaming.md).
 YOUNG_COLLECTION_EVERY = 10_000
 
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """The heap that is there before a run talks to its fleet (Dagster, its definitions, the run's context: about a
-    million objects) frozen while it does (gc.freeze), so a full collection walks what the requests allocated only
-    (a 20,000-prompt backfill's full collections took 4.6-5.9 CPU-s, 1.1-1.7 s frozen), and young collections every
-    YOUNG_COLLECTION_EVERY objects, not 700. The threshold is put back after, and the heap unfrozen unless it was
-    frozen already (a forked process that shares its parent's pages keeps it frozen)."""
+    """The heap that is there before a run talks to its fleet (about a million objects) frozen while it does
+    (gc.freeze), so a full collection walks only what the requests allocated, and young collections every
+    YOUNG_COLLECTION_EVERY objects. Both put back after (a heap frozen already stays so)."""
     ours = gc.get_freeze_count() == 0
     thresholds = gc.get_threshold()
     gc.freeze()
@@ -62,8 +56,7 @@ def frozen_heap() -> Iterator[None]:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run(main)` on uvloop, the heap before it frozen: how every run talks to its fleet outside an event
-    loop."""
+    """`asyncio.run(main)` on uvloop, the heap before it frozen."""
     with frozen_heap(), asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(main)
 
@@ -81,8 +74,7 @@ class Fleet:
 
 
 def open_session(total_connections: int = 0) -> aiohttp.ClientSession:
-    # limit=0 would mean unlimited; the dispatcher bounds requests, so size the pool to match it
-    # event streams read a tick at a time (fleet/stream.Gather)
+    # the dispatcher bounds requests, so the pool matches it (limit=0 would mean unlimited)
     connector = GatheredConnector(limit=total_connections or 1024, limit_per_host=0, ttl_dns_cache=300)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
 
@@ -96,9 +88,8 @@ async def wait_healthy(
     refused_s: float = FleetSettings().connect_refused_s,
     say: Callable[[str], None] | None = None,
 ) -> int:
-    """Poll every server's /health until each answers; the number of polling rounds. Said at once and every few
-    seconds (which URLs, for how long, the limit). Stops after `timeout_s`, or sooner when every server still
-    waited for has refused the connection for `refused_s` (0: never sooner): nothing listens there."""
+    """Poll every server's /health until each answers (said every few seconds); the number of rounds. Stops after
+    `timeout_s`, or once every server waited for has refused connections for `refused_s` (0: never)."""
     start = time.monotonic()
     pending, said, rounds = list(clients), None, 0
     refused_since: dict[str, float] = {}  # URL -> when it first refused the connection (this streak)
@@ -146,8 +137,8 @@ async def connected(
     connect_refused_s: float = FleetSettings().connect_refused_s,
     say: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Fleet]:
-    """Connect to every server, wait until each is healthy (`say` hears the wait) and read what it says about
-    itself (its facts and its provenance, the same for all); the fleet, its session closed when the block ends, however it ends."""
+    """Connect to every server, wait until each is healthy and read its facts and provenance (the same for all);
+    the fleet, its session closed when the block ends."""
     if not urls:
         raise ValueError("the fleet has no servers")
     async with open_session() as session:

@@ -17,17 +17,14 @@ from pathlib import Path
 
 import psutil
 
-# Handles of the servers this process started, kept so a server that dies is reaped (not left a zombie
-# that looks alive) and so Popen does not warn about a child still running when it is collected.
+# Handles of the servers this process started, so a dead one is reaped (not a zombie that looks alive)
 _children: dict[int, subprocess.Popen] = {}
 _GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 
 
-# a start time is a whole number of clock ticks: two within half a tick are the same one (a value converted from an
-# older record can differ from psutil's in the last bits of the float)
+# a start time is a whole number of clock ticks: two within half a tick are the same
 _SAME_S = 0.5 / os.sysconf("SC_CLK_TCK")
-# a start time recorded as seconds since the epoch (registry version 2, run tags of earlier versions): 31 years of
-# uptime otherwise
+# a start time recorded as seconds since the epoch (registry version 2): 31 years of uptime otherwise
 _EPOCH_S = 1e9
 
 
@@ -67,8 +64,7 @@ def group_alive(pgid: int) -> bool:
 
 
 def spawn(argv: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
-    """Start `argv` detached: own session (survives the run, the client and a terminal hangup), no stdin,
-    stdout and stderr appended to the log."""
+    """Start `argv` detached (own session), no stdin, stdout and stderr appended to the log."""
     log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as out:
@@ -91,11 +87,8 @@ def exit_code(pid: int) -> int | None:
 
 
 def stop_group(pid: int, proc_start: float | None, timeout_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, wait for it to go, SIGKILL what is left after `timeout_s`.
-
-    If a *different* process now holds the pid, our group is gone: a pid is not reused while a group of
-    that id still has members, so there is nothing of ours to signal.
-    """
+    """SIGTERM the server's process group, wait for it to go, SIGKILL what is left after `timeout_s`. A pid held by
+    another process means our group is gone (a pid is not reused while its group has members)."""
     if start_time(pid) is not None and not is_ours(pid, proc_start):
         return
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
