@@ -31,9 +31,8 @@ def export(
     verbose: bool = False,
     short: bool = False,
 ) -> bool:
-    """The gated export of one config (the drafter_training_set asset and its checks, with the summary of the same
-    config, as the UI runs them): the files' place on success, else what stopped it, in `stops`. `short`: nothing is
-    printed but a failure's cause (a run's closing answer says what the export holds and where)."""
+    """The gated export of one config, as the UI runs it: the files' place on success, else what stopped it, in
+    `stops`. `short`: nothing is printed but a failure's cause."""
     choice = {"config": {"config_hash": config_hash, "chosen_by": chosen_by}}
     result = execute(
         training_job.name,
@@ -111,8 +110,7 @@ def export_run_config(
 
 
 def run_export(config: str, console: Console | None = None, verbose: bool = False, window: Window = Window()) -> int:
-    """`dflash export`: the gated export of one config (a hash, `latest` or `all`) through the same asset and
-    checks as the UI; where the files are, or what stopped it (exit 3 for a blocking check)."""
+    """`dflash export`: the gated export of one config (a hash, `latest` or `all`); exit 3 for a blocking check."""
     from dflash_assets.store.configs import list_configs
 
     console = console or console_for_output()

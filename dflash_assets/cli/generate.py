@@ -93,9 +93,8 @@ def probe(args: argparse.Namespace) -> int:
 
 
 class ProbeNext:
-    """The commands the probe's summary names next (cli/probe_summary.py NextCommands), each on the probe's data
-    dir and servers, so it runs as printed: `generate` with the probe's request and dispatch flags that differ
-    from their defaults, `continue` (a Dagster run) attached to --urls on the instance in DAGSTER_HOME."""
+    """The commands the probe's summary names next (probe_summary.py NextCommands), on the probe's data dir and
+    servers, with the probe's flags that differ from their defaults."""
 
     GENERATE_REQUIRED = ("--shard", "00000", "--urls", "http://127.0.0.1:1")  # for generate's defaults only
 
@@ -130,8 +129,7 @@ class ProbeNext:
 
 
 def prompt_shards_of(data_dir: str, asked: list[str]) -> list[str]:
-    """The prompt shards of a data dir, or `asked` when each is one of them; else BadInput naming the first that is
-    not and the ones there are (before any server is waited for)."""
+    """The prompt shards of a data dir, or `asked` when each is one of them; else BadInput naming them."""
     from dflash_assets.generation.probe import prompt_shard_keys
 
     there = prompt_shard_keys(data_dir)

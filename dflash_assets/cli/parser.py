@@ -76,8 +76,7 @@ def usage_problem(message: str) -> str:
     return message.removeprefix("argument ")
 
 
-# `dflash demo` and `dflash backfill` store token ids (`dflash continue` takes cut rows on by them) and share every
-# other default, settings.py's (the cap, the window policy).
+# `dflash demo` and `dflash backfill` store token ids (`dflash continue` needs them); the rest is settings.py's
 SHARD_RUN_DEFAULTS = {"store_token_ids": True}
 
 
@@ -123,10 +122,9 @@ def settings_flags(
     defaults: dict | None = None,
     prefix: str = "",
 ) -> None:
-    """One flag per field of a settings model (`max_output_tokens` -> `--max-output-tokens`), with the model's
-    default and description: the defaults are settings.py's, never written here, except a command's own
-    `defaults` (the demo's cap). `skip`: fields another model already gave a flag. `prefix`: the group's flags
-    name it (TrainerSettings: `--trainer-max-length`); `Settings.taken_from(args, prefix)` reads them back."""
+    """One flag per field of a settings model, with its default and description (a command's own `defaults`
+    aside). `skip`: fields another model gave a flag. `prefix`: the group's flags name it (`--trainer-max-length`),
+    read back by `Settings.taken_from(args, prefix)`."""
     for name, field in model.model_fields.items():
         if name in skip:
             continue
@@ -152,8 +150,7 @@ SERVERS_HELP = f"emulated servers (default {Deployment.NUM_SERVERS.name}, else {
 
 
 def data_flags(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
-    """--data-dir and --prompts, each over its environment variable: a data dir given alone brings the source its
-    shards record (cli/environment.py)."""
+    """--data-dir and --prompts, each over its environment variable (cli/environment.py)."""
     d = Deployment
     parser.add_argument(
         "--data-dir", help=f"where the data lives (default: {d.DATA_DIR.name}, else {d.DATA_DIR.default}/)"

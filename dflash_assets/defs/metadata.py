@@ -12,8 +12,7 @@ def keys(group: type) -> set[str]:
 
 
 class ShardRunKeys:
-    """What `completions` records per shard (defs/completions/assets.py shard_metadata), read back by the demo's
-    table (cli/shards.py) and the cap plan's throughput (defs/quality/assets.py fleet_throughput)."""
+    """What `completions` records per shard, read back by the demo's table and the cap plan's throughput."""
 
     ROW_COUNT = "dagster/row_count"  # all_turns: a row per turn; COMPLETED counts conversations
     CONFIG_HASH = "config_hash"
@@ -58,8 +57,7 @@ class PromptShardKeys:
 
 
 class ReportKeys:
-    """What `length_quality_report` records per shard (defs/quality/assets.py report_metadata), read back by the
-    demo's table."""
+    """What `length_quality_report` records per shard, read back by the demo's table."""
 
     CONFIG_HASH = "config_hash"  # whose figures the headline is: the run's config, else the shard's latest
     CHOSEN_BY = "config_chosen_by"  # run | latest | explicit
@@ -70,8 +68,7 @@ class ReportKeys:
 
 
 class ContinuationKeys:
-    """What `continued_completions` records per shard (defs/continuation/assets.py), read back by `dflash
-    continue`'s table (cli/shards.py)."""
+    """What `continued_completions` records per shard, read back by `dflash continue`'s table."""
 
     CONFIG_HASH = "config_hash"
     ROWS_CONTINUED = "rows_continued"
@@ -96,8 +93,8 @@ class TrainingSetKeys:
 
 
 class StepStopKeys:
-    """What a step that stopped on a fault records in its failure (defs/faults.py, and the config refusals), read back
-    by the terminal (cli/): a failed step records no materialisation, so its table takes the recount from here."""
+    """What a step that stopped on a fault records in its failure (a failed step records no materialisation), read
+    back by the terminal."""
 
     CAUSE = "cause"  # "config": a setting to fix; "preflight": the preflight refused the run (nothing was sent);
     # "exhausted": the disk (or open files) ran out; "retried"; "check": a blocking check stopped the export (exit 3)

@@ -31,9 +31,7 @@ from dflash_assets.generation.stopping import STOP
 
 FLEET_POOL = "sglang_fleet"
 SHARD_POOL_PREFIX = "shard:"
-# A waiting step claims again this often, and looks at who holds the pool (alive? ended?) this often: a claim costs
-# ~13 ms of CPU on SQLite, a look at the holders ~20 ms more, so waiting takes under 1% of a core. A generating step
-# lasts minutes; a dead holder is seen within JUDGE_S.
+# A waiting step claims again, and judges the pool's holders, this often: waiting takes under 1% of a core
 POLL_S, JUDGE_S = 2.0, 10.0
 # the run's worker: recorded in its tags when it launches (the CLI) or first claims a pool (any launcher)
 PID_TAG, START_TAG, HOST_TAG = "dflash/worker_pid", "dflash/worker_started", "dflash/worker_host"
@@ -121,11 +119,8 @@ def say(context: dg.AssetExecutionContext | None, message: str) -> None:
 
 
 def reap_dead_runs(instance: dg.DagsterInstance) -> list[Holder]:
-    """Fail the runs of this host whose worker is gone, and free every slot an ended run still holds.
-
-    The CLI calls it before it runs anything and `dead_runs_sensor` on every tick, so the UI shows such a run
-    failed "because its process died" even when no other run waits for what it held.
-    """
+    """Fail the runs of this host whose worker is gone, and free every slot an ended run still holds (the CLI before
+    it runs anything, `dead_runs_sensor` on every tick)."""
     storage = instance.event_log_storage
     # one batched read for every pool: a large prompt set has a shard pool per shard
     infos = storage.get_concurrency_infos(sorted(storage.get_concurrency_keys())).values()
@@ -143,8 +138,7 @@ def reap_dead_runs(instance: dg.DagsterInstance) -> list[Holder]:
 
 
 def _limit(instance: dg.DagsterInstance, pool: str) -> int | None:
-    """A shard's pool holds one run; the fleet's takes the instance's default limit unless someone set its own
-    (`dagster instance concurrency set`). None: no limit at all (no slots and no default), as Dagster treats it."""
+    """A shard's pool holds one run; the fleet's its own limit, else the instance's default; None: no limit."""
     storage = instance.event_log_storage
     info = storage.get_concurrency_info(pool)
     if pool.startswith(SHARD_POOL_PREFIX):

@@ -20,27 +20,20 @@ from typing import Any
 
 from .model import LengthModel
 
-# Every `sglang serve` flag of 0.5.23 as [names, nargs, dest], extracted from the wheel (srt/arg_groups/fields/*.py
-# and ServerArgs.add_cli_args) by tests/emulator/test_sglang_contract.py::extract_sglang_flags, which checks the file
-# still matches. nargs: 0 = a switch (store_true; BooleanOptionalAction adds `--no-x`), null = one value, or
-# argparse's "?", "*", "+". All are registered so a launcher's command line parses as it would for `sglang serve`,
-# argparse prefix matching included (`--tp` works, `--cuda-graph-max-bs` is ambiguous).
+# Every `sglang serve` flag of 0.5.23 as [names, nargs, dest], from the wheel (test_sglang_contract.py
+# extract_sglang_flags). nargs: 0 = a switch (BooleanOptionalAction adds `--no-x`), null = one value, or "?", "*", "+".
 FLAGS: tuple[tuple[tuple[str, ...], int | str | None, str], ...] = tuple(
     (tuple(names), nargs, dest)
     for names, nargs, dest in json.loads((Path(__file__).parent / "sglang_flags.json").read_text())
 )
 
 # Set to its own pid by whoever starts an emulator for its own use (start_emulator): the emulator stops when that
-# process is gone (even when it was gone before the server listened, and when it is not the server's own parent, as
-# for the tests' servers forked by a fork server), so a SIGKILLed run or test leaves no server behind (it runs in a
-# session of its own, away from the starter's signals). A standalone `dflash emulator` does not set it and outlives
-# its shell, as `sglang serve` does.
+# process is gone, so a SIGKILLed run or test leaves no server behind. A standalone `dflash emulator` outlives it.
 EXIT_WITH_PARENT = "DFLASH_EMULATOR_EXIT_WITH_PARENT"
 
 VERSION = "0.5.23"
 REASONING_PARSERS = ["qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3", "glm45", "kimi", "gpt-oss"]
-# A hybrid (Gated-DeltaNet) model holds 3 mamba state slots per running request
-# with the radix cache on (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO), 1 without.
+# mamba state slots per running request with the radix cache on (MAMBA_CACHE_SIZE_MAX_RUNNING_REQUESTS_RATIO)
 MAMBA_SLOTS_PER_REQUEST = 3
 # the chat templates the stand-in model can be served with (tokenizer.apply_chat_template), the default first
 TEMPLATE_VARIANTS = ("qwen3.5", "qwen3.5-default-system")
@@ -239,8 +232,7 @@ class EmulatorSetup:
 
     @property
     def model_sampling_defaults(self) -> dict:
-        """ModelConfig.get_default_sampling_params: five keys of generation_config.json, with sampling_defaults
-        'model' (the default); {} with 'openai'."""
+        """ModelConfig.get_default_sampling_params: generation_config.json's with 'model', {} with 'openai'."""
         if (self.args.sampling_defaults or "model") != "model":
             return {}
         keys = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -312,8 +304,7 @@ def resolve(argv: list[str]) -> EmulatorSetup:
 
 
 def _max_running_requests(args: argparse.Namespace, kv: int, context_len: int) -> tuple[int, int | None]:
-    """kv_cache_configurator.resolve_max_num_reqs, per DP rank (plain --dp-size
-    replicas each get the full value)."""
+    """kv_cache_configurator.resolve_max_num_reqs, per DP rank."""
     estimated = max(min(int(kv / context_len * 512), 4096), 2048)
     if args.max_running_requests is not None:
         running = min(max(1, args.max_running_requests), kv // 2)
@@ -345,10 +336,8 @@ def mamba_ratio(args: argparse.Namespace) -> int:
 
 
 def server_args_dict(cfg: EmulatorSetup) -> dict:
-    """`server_args.resolved_dict()` as /server_info reports it: the configured
-    values (context_length / max_running_requests stay null unless passed), the
-    auto-resolved ones, and every flag given on the command line. As in 0.5.23
-    this includes `api_key` and `launch_command` verbatim; clients must redact."""
+    """`server_args.resolved_dict()` as /server_info reports it (context_length / max_running_requests null unless
+    passed); as in 0.5.23 with `api_key` and `launch_command` verbatim: clients must redact."""
     a = cfg.args
     given = {k: v for k, v in vars(a).items() if v is not None and k in _FLAG_DESTS}
     resolved = {

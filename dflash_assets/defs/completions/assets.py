@@ -29,9 +29,8 @@ from dflash_assets.store.stores import committed_rows
 
 
 class CompletionsConfig(Refused, dg.Config, RequestSettings, DispatchSettings):
-    """completions' run config: the generation settings (every row records them; a change is a new config), how
-    hard to drive the fleet, and what preflight does with a misfit. The window the window policy sizes requests to
-    is the quality resource's trainer.max_length: the one window, which the checks and the export judge by too."""
+    """completions' run config: the generation settings (a change is a new config), how hard to drive the fleet,
+    and what preflight does with a misfit. The window is the quality resource's trainer.max_length."""
 
     preflight_policy: str = Field(
         "reject",
@@ -99,8 +98,8 @@ def completions(
 def _carries_history(
     context: dg.AssetExecutionContext, config: CompletionsConfig, prompt_source: PromptSourceResource
 ) -> bool | None:
-    """regenerate auto is resolved over the whole source, so every shard of a backfill is the same config: whether a
-    prompt of it carries an earlier assistant turn (None: another mode, nothing to resolve)."""
+    """Whether a prompt of the whole source carries an earlier assistant turn (regenerate auto, resolved once so a
+    backfill is one config); None in another mode."""
     if config.regenerate != "auto":
         return None
     try:
@@ -164,8 +163,7 @@ def shard_metadata(run, config_cap: int) -> dict:
 
 
 def configs_written_by_run(context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext) -> dict[str, str]:
-    """shard -> the config_hash this run's `completions` wrote there (its materialisations' metadata); empty when
-    the run materialised no completions (an asset or a check launched alone)."""
+    """shard -> the config_hash this run's `completions` wrote there; empty when it materialised none."""
     written = {}
     for entry in context.instance.all_logs(context.run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION):
         m = entry.asset_materialization
