@@ -285,7 +285,8 @@ def print_report(
         highlight=False,
     )
     for title, key, named_by in BREAKDOWNS:  # the configs side by side, then the pooled breakdowns
-        cells = [[_cell(row[c]) for _, c in named_by] + _length_cells(LengthStats.of(row)) for row in report[key]]
+        named = [[_n(row[c]) if isinstance(row[c], int) else str(row[c]) for _, c in named_by] for row in report[key]]
+        cells = [n + _length_cells(LengthStats.of(row)) for n, row in zip(named, report[key], strict=True)]
         show(console, _table(title, (*(h for h, _ in named_by), *LENGTH_COLUMNS), cells))
     o = report["overflow"]
     headers = (
@@ -297,11 +298,6 @@ def print_report(
     if checks:
         console.print(checks_table(run_checks(data_dir, shard, quality=quality)))
     return report
-
-
-def _cell(value: Any) -> str:
-    """A column that names a row of a breakdown: a count with its thousands, else the name as it is."""
-    return _n(value) if isinstance(value, int) else str(value)
 
 
 def checks_table(outcomes: list) -> Table:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from dflash_assets.generation.probe import ProbeResult, probe_root
 from dflash_assets.quality.outcome import num, pct
-from dflash_assets.quality.planning.estimate import DEFAULT_CANDIDATES, CapEstimate, CapPlan
+from dflash_assets.quality.planning.estimate import DEFAULT_CANDIDATES, CapPlan
 from dflash_assets.quality.planning.fit import PlanError
 from dflash_assets.quality.planning.planner import plan_caps
 from dflash_assets.quality.planning.probe_estimates import precision_text, probe_label
@@ -25,12 +25,6 @@ class NextCommands(Protocol):
     def continue_to(self, cap: int) -> str: ...
 
     def generate(self, shard: str, cap: int) -> str: ...
-
-
-def first_cap_within(plan: CapPlan, limit: float) -> CapEstimate | None:
-    """A plan from the probe's rows alone (no run yet): the smallest measured cap at which no more than `limit`
-    is cut, the cap to generate the run at (answer.recommended_cap's rule, over the caps the probe measured)."""
-    return next((e for e in plan.estimates if e.basis != "model" and e.truncation_rate.value <= limit), None)
 
 
 def probe_summary(
@@ -84,8 +78,9 @@ def probe_summary(
 
 
 def _next(plan: CapPlan, limit: float, commands: NextCommands, shards, label: dict) -> str:
-    """A probe alone: the run to generate at the smallest measured cap within `limit`."""
-    first = first_cap_within(plan, limit)
+    """A probe alone: the run to generate at the smallest measured cap within `limit` (answer.recommended_cap's
+    rule over the measured caps)."""
+    first = next((e for e in plan.estimates if e.basis != "model" and e.truncation_rate.value <= limit), None)
     if first is None:
         return _no_cap(plan, limit, commands)
     generate = " ; ".join(commands.generate(s, first.cap) for s in shards)

@@ -84,10 +84,6 @@ class Output:
         return bool(self.finish and self.finish.get("type") == "abort")
 
 
-def abort_finish(message: str, status_code: int | None) -> dict:
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": None}
-
-
 # sampling/sampling_params.py SamplingParams.__init__ defaults: what /generate samples with when nothing is sent
 SAMPLING_PARAM_DEFAULTS = {
     "temperature": 1.0,
@@ -400,9 +396,8 @@ class Engine:
 
     def _abort(self, req: Request, message: str, status: int | None) -> Output:
         self.num_aborted += 1
-        return Output(
-            [], "", abort_finish(message, status), len(req.input_ids), e2e_latency=time.perf_counter() - req.arrival
-        )
+        finish = {"type": "abort", "message": message, "status_code": status, "err_type": None}
+        return Output([], "", finish, len(req.input_ids), e2e_latency=time.perf_counter() - req.arrival)
 
     def loads(self) -> list[dict]:
         return [s.load() for s in self.schedulers]

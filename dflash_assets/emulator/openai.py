@@ -299,11 +299,6 @@ def sglext_ids(headers, cfg, body: dict, reqs: list[Request], outs: list[Output]
     return ext
 
 
-def _abort_response(out: Output) -> web.Response:
-    status, message = out.done["status_code"], out.done["message"]
-    return openai_error(message) if status == 400 else http_exception(message, status)
-
-
 _STREAM_REFUSALS = {
     flag: f"{flag} is not supported with streaming{where}. Please set stream=false when using {flag}=true."
     for flag, where in (
@@ -362,8 +357,9 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         return await (unseen_disconnect(engine, serving) if verdict.half_open else serving)
     outs = await asyncio.gather(*(engine.final(r, verdict) for r in reqs))
     for out in outs:
-        if out.aborted and out.done["status_code"] is not None:  # a status-less abort is an HTTP 200
-            return _abort_response(out)
+        if out.aborted and (status := out.done["status_code"]) is not None:  # a status-less abort is an HTTP 200
+            message = out.done["message"]
+            return openai_error(message) if status == 400 else http_exception(message, status)
     reply = _response(cfg, chat, reqs, outs)
     ext = sglext_ids(request.headers, cfg, body, reqs, outs)
     if ext:

@@ -72,11 +72,6 @@ def default_fleet_dir(dagster_home: str | Path | None = None) -> Path:
     return Path(home).resolve() / "fleet"
 
 
-def parse_command(command: str) -> tuple[str, ...]:
-    """'sglang' | 'launch_server' | 'emulator', or a full command line such as '/opt/sgl/bin/sglang serve'."""
-    return COMMANDS.get(command) or tuple(shlex.split(command))
-
-
 def parse_gpus(gpus: str) -> tuple[int, ...]:
     try:
         return tuple(int(g) for g in gpus.split(",") if g.strip())
@@ -95,7 +90,7 @@ def build_spec(settings: LaunchSettings, api_key_env: str = Deployment.API_KEY.n
         server=server,
         gpus=parse_gpus(settings.gpus),
         base_port=settings.base_port,
-        command=parse_command(settings.command),
+        command=COMMANDS.get(settings.command) or tuple(shlex.split(settings.command)),  # a name, or a command line
         api_key_env=api_key_env,
         health_timeout_s=settings.health_timeout_s,
     )

@@ -172,10 +172,6 @@ def _p95(values: list[float]) -> float | None:
     return sorted(values)[max(0, math.ceil(0.95 * len(values)) - 1)] if values else None
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
 def summarize(
     samples: Iterable[LoadSample], infos: Sequence[ServerInfo] | Mapping[str, ServerInfo] = ()
 ) -> list[ServerLoad]:
@@ -212,7 +208,7 @@ def summarize(
                 token_usage_p95=_p95(usage),
                 mamba_usage_p95=_p95(mamba),
                 metrics_off=bool(ok) and all(s.metrics is False for s in ok),
-                throughput_mean=_mean(rate),
+                throughput_mean=sum(rate) / len(rate) if rate else None,
                 occupancy_line=sparkline(running, limit or max(running, default=1)),
                 waiting_line=sparkline(waiting, max(max(waiting, default=0), 1)),
             )
