@@ -79,8 +79,7 @@ def fleet_refusal() -> str | None:
 
 
 def data_dir_of(args: argparse.Namespace) -> str:
-    """The data dir a command that only reads one works on (report, configs), found as the others find theirs
-    (store/in_use.py), and set in the environment so the commands it prints carry it."""
+    """The data dir of a command that only reads one (store/in_use.py), set in the environment."""
     from dflash_assets.store.in_use import data_in_use
 
     if getattr(args, "data_dir", None):
@@ -112,8 +111,7 @@ def _readable_source(path: Path, given_by: str) -> None:
 
 
 def _differing(settings: list[EnvSetting]) -> list[tuple[str, str]]:
-    """The deployment settings that differ from their defaults, as (variable, value): local paths absolute, the API
-    key never."""
+    """The deployment settings that differ from their defaults, as (variable, value); never the API key."""
     from dflash_assets.store.storage import is_uri
 
     found = []

@@ -16,8 +16,7 @@ def _completions_config(command: str, args: argparse.Namespace) -> tuple[dict, T
 
 
 def run_settings(args: argparse.Namespace) -> tuple[TrainerSettings, GenerationSettings, DispatchSettings]:
-    """The trainer's, generation (sized to its window) and dispatch settings of the flags; a bad one raises
-    SettingsError."""
+    """The trainer's, generation (sized to its window) and dispatch settings of the flags, each checked."""
     trainer = TrainerSettings.taken_from(args, prefix=TRAINER_FLAGS)
     return trainer, GenerationSettings.of(args, trainer), DispatchSettings.taken_from(args)
 
@@ -50,8 +49,7 @@ def request_cap(config: dict, trainer: TrainerSettings) -> int:
 
 
 def refuse_cap_beyond_context(command: str, request_cap: int) -> None:
-    """A request cap that leaves no prompt room in the servers' context, when known before the run, is refused in
-    one line (BadInput); an unknown context is the preflight's to judge."""
+    """A request cap that leaves no prompt room in a context known before the run: BadInput."""
     from dflash_assets.cli.errors import BadInput
     from dflash_assets.generation.preflight import cap_refusal
     from dflash_assets.settings import Deployment

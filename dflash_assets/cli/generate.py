@@ -93,8 +93,7 @@ def probe(args: argparse.Namespace) -> int:
 
 
 class ProbeNext:
-    """The commands the probe's summary names next (probe_summary.py NextCommands), on the probe's data dir and
-    servers, with the probe's flags that differ from their defaults."""
+    """The commands the probe's summary names next, on the probe's data dir, servers and flags."""
 
     GENERATE_REQUIRED = ("--shard", "00000", "--urls", "http://127.0.0.1:1")  # for generate's defaults only
 

@@ -17,8 +17,7 @@ from dflash_assets.settings import QualitySettings
 
 
 class NextCommands(Protocol):
-    """The commands the summary names next, as the terminal prints them (cli/generate.py: with the probe's data
-    dir, servers and settings, so each runs as printed)."""
+    """The commands the summary names next, as the terminal prints them (cli/generate.py)."""
 
     def report(self) -> str: ...
 
@@ -78,8 +77,7 @@ def probe_summary(
 
 
 def _next(plan: CapPlan, limit: float, commands: NextCommands, shards, label: dict) -> str:
-    """A probe alone: the run to generate at the smallest measured cap within `limit` (answer.recommended_cap's
-    rule over the measured caps)."""
+    """A probe alone: the run to generate at the smallest measured cap that cuts no more than `limit`."""
     first = next((e for e in plan.estimates if e.basis != "model" and e.truncation_rate.value <= limit), None)
     if first is None:
         return _no_cap(plan, limit, commands)

@@ -46,8 +46,7 @@ def quiet(verbose: bool) -> dict:
 
 @dataclass(frozen=True)
 class Failure:
-    """A failed run or step, said in a line or two: where, the first line of its cause, and the server's own words
-    when a fleet did not start."""
+    """A failed run or step in a line or two: where, its cause's first line, a fleet's own words."""
 
     where: str
     message: str

@@ -136,8 +136,7 @@ def run_shards(
     window: Window = Window(),
     full: bool = False,
 ) -> Stops:
-    """Materialise `shards` with `completions` as that asset's run config and `window` as the quality resource's;
-    print a table; return what stopped runs."""
+    """Materialise `shards` with `completions` (its run config) and `window`; print a table; the stops."""
     typed = {"completions": CompletionsConfig(**completions)}  # refused here, as the asset would, if a flag is wrong
     run_config = dg.RunConfig(ops=typed, resources=window.resources(), **quiet(verbose))
     tally = _Tally()

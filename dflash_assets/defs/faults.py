@@ -109,8 +109,7 @@ NO_COMPUTE_LOGS = {"module": "dagster._core.storage.noop_compute_log_manager", "
 
 @cache
 def in_process_instance(home: str) -> dg.DagsterInstance:
-    """The instance a command runs its jobs in: DAGSTER_HOME's, without compute log capture (its helper processes
-    in the terminal's process group print tracebacks at a Ctrl-C)."""
+    """DAGSTER_HOME's instance without compute log capture (its helpers print tracebacks at a Ctrl-C)."""
     ref = InstanceRef.from_dir(home, overrides={"compute_logs": NO_COMPUTE_LOGS})
     return dg.DagsterInstance.from_ref(ref)
 

@@ -93,8 +93,7 @@ class TrainingSetKeys:
 
 
 class StepStopKeys:
-    """What a step that stopped on a fault records in its failure (a failed step records no materialisation), read
-    back by the terminal."""
+    """What a step that stopped on a fault records in its failure, read back by the terminal."""
 
     CAUSE = "cause"  # "config": a setting to fix; "preflight": the preflight refused the run (nothing was sent);
     # "exhausted": the disk (or open files) ran out; "retried"; "check": a blocking check stopped the export (exit 3)

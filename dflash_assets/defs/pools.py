@@ -119,8 +119,7 @@ def say(context: dg.AssetExecutionContext | None, message: str) -> None:
 
 
 def reap_dead_runs(instance: dg.DagsterInstance) -> list[Holder]:
-    """Fail the runs of this host whose worker is gone, and free every slot an ended run still holds (the CLI before
-    it runs anything, `dead_runs_sensor` on every tick)."""
+    """Fail this host's runs whose worker is gone, and free the slots that ended runs hold."""
     storage = instance.event_log_storage
     # one batched read for every pool: a large prompt set has a shard pool per shard
     infos = storage.get_concurrency_infos(sorted(storage.get_concurrency_keys())).values()

@@ -45,8 +45,7 @@ FLEET_RETRY = dg.RetryPolicy(
 
 
 class Refused:
-    """Put first in a run config class made of settings models: a bad value fails the step when Dagster builds the
-    config, with the settings' one line, not retried."""
+    """Put first in a settings-made run config: a bad value fails the step in one line, not retried."""
 
     def __init__(self, **data):
         try:

@@ -16,8 +16,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the emulator in the foreground until SIGTERM/SIGINT; returns the exit code
-    (2 for a bad command line, as argparse gives `sglang serve`)."""
+    """Run the emulator until SIGTERM/SIGINT; the exit code (2 for a bad command line, as `sglang serve`)."""
     from .config import resolve
     from .server import serve
 

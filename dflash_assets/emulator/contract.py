@@ -285,8 +285,8 @@ _KV_HINTS = struct(
 )
 
 
-# Unknown top-level keys are ignored (the schema says so); only known ones are typed.
-# `return_prompt_token_ids` and `routed_experts_start_len` are not nullable there.
+# unknown top-level keys are ignored, as the schema says; `return_prompt_token_ids` and `routed_experts_start_len`
+# are not nullable
 GENERATE_REQUEST = struct(
     "GenerateRequest",
     {

@@ -63,8 +63,7 @@ def output_strs(
     skip_special_tokens: bool = True,
     no_stop_trim: bool = False,
 ) -> list[str]:
-    """The text the detokenizer sends at each step (the number of output ids known then; the last step is the
-    finished one, with `finish` as SGLang's finish_reason JSON). The reply's text is the concatenation."""
+    """The text the detokenizer sends at each step (output ids known then; the last, finished with `finish`)."""
     surr_start = max(len(input_ids) - SURROUNDING_IDS, 0)
     prefix = list(input_ids[surr_start:])
     surr_offset, read_offset = 0, len(prefix)
@@ -99,8 +98,7 @@ def output_strs(
 
 
 def _trim_stop(output, finish: dict | None, no_stop_trim: bool):
-    """DetokenizerManager.trim_matched_stop: a matched stop string is cut from the text, a stop token from the
-    ids (unless no_stop_trim)."""
+    """DetokenizerManager.trim_matched_stop: a matched stop string cut from the text, a stop token from the ids."""
     matched = (finish or {}).get("matched")
     if matched is None:
         return output

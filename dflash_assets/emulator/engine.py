@@ -168,8 +168,7 @@ class Engine:
     # ---- 1. tokenizer manager ----
 
     def abort_request(self, rid: str, abort_all: bool = False) -> None:
-        """tokenizer_manager.abort_request: the request with this rid, or all, ends with a status-less abort; an
-        empty rid without abort_all is ignored."""
+        """tokenizer_manager.abort_request: this rid, or all, end in a status-less abort (empty rid: ignored)."""
         targets = list(self.abort_events) if abort_all else [rid] if rid and rid in self.abort_events else []
         self.abort_requests.append({"rid": rid, "abort_all": abort_all, "running": bool(targets)})
         for target in targets:
@@ -426,8 +425,7 @@ async def _stall(ticket, seconds: float, aborted: asyncio.Event) -> bool:
 
 
 async def unseen_disconnect(engine: Engine, serving: Awaitable[T]) -> T:
-    """The half-open fault: `serving` (a stream's handler) goes on when its client goes, holding its slot until it
-    ends (its stall's end, or /abort_request)."""
+    """The half-open fault: `serving` goes on when its client goes, holding its slot until it ends."""
     task = asyncio.ensure_future(serving)
     engine.detached.add(task)
     task.add_done_callback(_forget(engine.detached))

@@ -15,11 +15,9 @@ QUEUE_FULL = "The request queue is full."
 
 @dataclass
 class FaultSettings:
-    # the process exits hard (os._exit) when generation request N+1 arrives, dropping every connection in flight (as
-    # a CUDA fault or the watchdog would); counts from when set
+    # the process exits hard (os._exit) when generation request N+1 arrives (as a CUDA fault would); counts from set
     crash_after: int | None = None
-    # the same exit when a generation request's prompt (its messages' text, or /generate's text) contains this: an
-    # input that kills its server
+    # the same exit when a generation request's prompt contains this: an input that kills its server
     crash_on: str | None = None
     fail_next: int | None = None  # the next N generation requests get 503 "The request queue is full."
     fail_rate: float | None = None  # each generation request gets that 503 with this probability
@@ -27,21 +25,18 @@ class FaultSettings:
     # a generation request is accepted, then held this many seconds before it is served (a hung scheduler)
     stall_seconds: float | None = None
     stall_next: int | None = None  # stall only the next N requests (default: every request)
-    # the stall comes mid-stream, once K output tokens are out (a stream that started, then went silent), not before
-    # serving; a client that closes the stream meanwhile aborts the request
+    # the stall comes mid-stream, once K output tokens are out; a client that closes the stream aborts the request
     stall_after_tokens: int | None = None
-    # a stalled request does not see its client go (a half-open connection), so it holds its slot until the stall
-    # ends or POST /abort_request names its rid
+    # a stalled request does not see its client go (half-open): it holds its slot until the stall ends or is aborted
     half_open: bool | None = None
     slow_factor: float | None = None  # decode takes F times longer (a throttled or noisy GPU)
     unhealthy: bool | None = None  # /health and /health_generate answer 503 (a stuck detokenizer)
     # a generation request is accepted, then held until hold is cleared (a test that needs work certainly in flight)
     hold: bool | None = None
-    # the same hold for every generation request after the first N (counted from when set), until cleared: some
-    # answers certainly served, the rest certainly in flight; a held request whose client goes is aborted
+    # the same hold for every generation request after the first N (from when set), until cleared; a held request
+    # whose client goes is aborted
     hold_after: int | None = None
-    # the next N generation requests end in a status-less abort: HTTP 200 with finish_reason "abort" (as
-    # /abort_request does in 0.5.23: tokenizer_manager._handle_abort_finish_reason lets it through without a status)
+    # the next N generation requests end in a status-less abort, HTTP 200 (as /abort_request's in 0.5.23)
     abort_next: int | None = None
     tokenize_fail_next: int | None = None  # the next N /v1/tokenize requests get 503 (a server warming up)
 

@@ -20,8 +20,7 @@ async def health(request: web.Request) -> web.Response:
     st = request.app[STATE]
     if not st.ready or st.faults.unhealthy:
         return web.Response(status=503)  # ServerStatus.Starting answers at once
-    # a healthy answer waits for the one-token health generation: at least the first asyncio.sleep(1)
-    # (/health_generate runs it whatever SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION says)
+    # a healthy answer waits for the one-token health generation: at least its first asyncio.sleep(1)
     delay = st.cfg.health_delay if request.path == "/health" else max(1.0, st.cfg.health_delay)
     if delay:
         await asyncio.sleep(delay)

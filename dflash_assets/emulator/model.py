@@ -36,8 +36,7 @@ _WORDS = ["report", "main", "data", "test"]  # the values of a stand-in tool cal
 
 @dataclass(frozen=True)
 class LengthModel:
-    """Output lengths in tokens (the final `<|im_end|>` included). The defaults cut 18% at a 4096 cap, as the
-    913,786-prompt run did."""
+    """Output lengths in tokens, `<|im_end|>` included; the defaults cut 18% at a 4096 cap, as the story's run."""
 
     median: float = 1640.0
     sigma: float = 1.0
@@ -76,8 +75,7 @@ _STREAM_LEN = 1 << 16
 
 @functools.cache
 def _stream() -> tuple[list[int], str, array, array]:
-    """(ids, text, char offset of each id, positions that start with a word) of prose, stored twice over so any
-    slice shorter than the stream needs no wrap."""
+    """(ids, text, char offset of each id, word starts) of prose, stored twice over so no slice wraps."""
 
     # each word's two tokens (inside a sentence, capitalised) looked up once, not per word of the stream
     def tokens(words: Sequence[str]) -> tuple[list[int], list[int]]:

@@ -58,8 +58,7 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# The pydantic checks on ChatCompletionRequest that matter here (strict-ish), in the order they are reported:
-# (error type, message, check, fields)
+# ChatCompletionRequest's pydantic checks that matter here, in report order: (error type, message, check, fields)
 _FIELD_CHECKS = (
     ("int_type", "Input should be a valid integer", _is_int, _INT),
     ("float_type", "Input should be a valid number", lambda v: _is_int(v) or isinstance(v, float), _FLOAT),
@@ -105,8 +104,8 @@ def _tools_errors(body: dict) -> list[dict]:
 
 
 class CallStream:
-    """The streamed side of the tool-call parser: content before the first call goes on as it comes, the calls are
-    held and sent once whole, each as a delta with its id and name, then one with its arguments (SGLang's order)."""
+    """The streamed side of the tool-call parser: content before the first call goes on, the calls are held and
+    sent whole, a delta with id and name, then one with the arguments (SGLang's order)."""
 
     def __init__(self, chat: ChatContext):
         self.tools, self.active, self.held, self.calls = chat.tools or [], chat.parses_calls, "", 0
@@ -146,8 +145,7 @@ class CallStream:
         return "", out
 
 
-# ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS: what the chat route uses when neither the request nor the
-# model's generation_config.json says
+# ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS: when neither the request nor generation_config.json says
 OPENAI_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
@@ -168,13 +166,11 @@ class ChatContext:
         # the template's default is on; an always-think template has no toggle and opens <think> regardless
         self.enable_thinking = cfg.args.always_think or ctk.get("enable_thinking", True) is not False
         parser = cfg.reasoning_parser
-        # _get_reasoning_from_request: qwen3 follows the template's enable_thinking
-        # toggle (default true); qwen3-thinking always reasons; template_manager.force_reasoning (the template
-        # always opens <think>) forces it for any parser.
+        # _get_reasoning_from_request: qwen3 follows enable_thinking, qwen3-thinking always reasons, and a template
+        # that always opens <think> forces it for any parser (template_manager.force_reasoning)
         self.reasoning = parser == "qwen3-thinking" or (parser is not None and self.enable_thinking)
         self.separate = parser is not None and body.get("separate_reasoning", True) is not False
-        # tools reach the template unless tool_choice is "none"; the output is parsed for calls with a parser of
-        # Qwen's format (serving_chat._tool_call_parsing_active)
+        # tools reach the template unless tool_choice is "none" (serving_chat._tool_call_parsing_active)
         offered = body.get("tools") if body.get("tool_choice") != "none" else None
         self.tools = [tool_calls.tool_dump(t) for t in offered] if offered else None
         self.parses_calls = bool(self.tools) and cfg.args.tool_call_parser in tool_calls.PARSERS
@@ -189,8 +185,7 @@ class ChatContext:
             and last.get("role") == "assistant"
             and isinstance(last.get("content"), str)
         ):
-            # serving_chat._handle_last_assistant_message: the final assistant message is taken out, the rest
-            # rendered with the generation prompt, and its text appended as token ids (re-tokenised)
+            # serving_chat._handle_last_assistant_message: the rest rendered, the last assistant's text appended
             messages, prefix = messages[:-1], last["content"]
         text = tok.apply_chat_template(
             messages,
@@ -289,8 +284,7 @@ def usage(outs: list[Output], cache_report: bool) -> dict:
 
 
 def sglext_ids(headers, cfg, body: dict, reqs: list[Request], outs: list[Output]) -> dict:
-    """`sglext.input_ids` / `sglext.output_ids` (response level), asked for by the
-    request, the x-sglext-return-*-ids headers or --return-input-ids/--return-output-ids."""
+    """`sglext.input_ids` / `sglext.output_ids`, asked for by the request, its headers or the server's flags."""
     ext: dict[str, list] = {}
     for side, ids in (("input", reqs[0].input_ids), ("output", [o.output_ids for o in outs])):
         asked = body.get(f"return_{side}_ids_in_sglext") or headers.get(f"x-sglext-return-{side}-ids") == "1"
@@ -415,8 +409,7 @@ def _chunk(req: Request, model: str, created: int, delta: dict, finish=None, mat
 
 
 async def _stream(request: web.Request, chat: ChatContext, req: Request, verdict) -> web.StreamResponse:
-    """SSE chunks as _generate_chat_stream builds them. The first output is awaited
-    before the 200 goes out (the kick-start), so the status reflects the first token."""
+    """SSE chunks as _generate_chat_stream builds them; the first output is awaited before the 200 goes out."""
     outputs = request.app[STATE].engine.run(req, verdict)
     try:
         return await _write_stream(request, chat, req, outputs)
@@ -493,8 +486,7 @@ async def handle_tokenize(request: web.Request) -> web.Response:
         return validation_error([field_error("value_error", ("body",), exactly_one, body)])
     if request.app[STATE].faults.tokenize_fails():
         return http_exception(QUEUE_FULL, 503)
-    # The tokenizer's model_max_length (tokenizer_config.json), NOT the served
-    # context length: read that from /v1/models.
+    # the tokenizer's model_max_length, NOT the served context length (that is /v1/models')
     max_model_len = cfg.args.native_context_length
     prompt = body.get("prompt")
     if body.get("messages") is not None:

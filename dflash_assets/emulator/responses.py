@@ -51,8 +51,7 @@ def http_exception(message: str, status: int) -> web.Response:
 
 
 def validation_error(errors: list[dict]) -> web.Response:
-    """RequestValidationError, turned into a 400 by SGLang's handler. The message is
-    pydantic's error list (its exact wording is approximated here)."""
+    """RequestValidationError, a 400 by SGLang's handler, with pydantic's error list (its wording approximated)."""
     return openai_error(str(errors), "Bad Request", 400)
 
 

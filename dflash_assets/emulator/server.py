@@ -224,8 +224,7 @@ async def serve(
 
 
 async def _stop_when_orphaned(stop: asyncio.Event, parent: int, every_s: float = 1.0) -> None:
-    """Set `stop` once the process `parent` is gone: through a pidfd on Linux (`parent` need not be this process's
-    parent), elsewhere by polling its own parent pid."""
+    """Set `stop` once process `parent` is gone (a pidfd on Linux, else polling the parent pid)."""
     try:
         pidfd = os.pidfd_open(parent)
     except ProcessLookupError:

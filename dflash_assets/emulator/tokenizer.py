@@ -162,8 +162,7 @@ def message_text(content) -> str:
 
 
 def _split_reasoning(message: dict) -> tuple[str, str]:
-    """(reasoning, content) of an assistant message as Qwen3's template reads it: `reasoning_content`, else the
-    content split at `</think>`."""
+    """(reasoning, content) of an assistant message: `reasoning_content`, else split at `</think>` (Qwen3)."""
     content = message_text(message.get("content"))
     reasoning = message.get("reasoning_content")
     if isinstance(reasoning, str):

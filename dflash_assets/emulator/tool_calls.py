@@ -25,8 +25,7 @@ TOOLS_FOOTER = (
     '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
     "</tool_call>"
 )
-# the stand-in model: the share of requests with tools whose answer calls them, and of those the share that makes
-# two calls at once (parallel calls)
+# the share of answers with tools that call them, and of those the share with two calls at once
 CALL_SHARE, PARALLEL_SHARE = 0.5, 0.25
 
 
@@ -84,8 +83,7 @@ def _value(schema: Any, word: str, n: int) -> Any:
 
 
 def model_calls(tools: list[dict], draws: list[float], words: list[str]) -> str | None:
-    """The calls the stand-in model answers with, drawn from its prompt's hash (`draws` in [0, 1)), or None when it
-    answers in text: one call, or two at once, to tools of the schema, each argument of its parameters a value."""
+    """The calls the stand-in model answers with (one, or two at once), drawn by `draws` in [0, 1); None for text."""
     if not tools or draws[0] >= CALL_SHARE:
         return None
     count = 2 if draws[1] < PARALLEL_SHARE else 1
@@ -101,9 +99,8 @@ def model_calls(tools: list[dict], draws: list[float], words: list[str]) -> str 
 
 
 def tool_dump(tool: dict) -> dict:
-    """A request's tool as serving_chat hands it to the template (protocol.Tool.model_dump()): the function's keys in
-    the order sent, then those it left out as null (`strict`, `defer_loading` dropped), and the Tool's own
-    `defer_loading`."""
+    """A request's tool as serving_chat hands it to the template (protocol.Tool.model_dump()): the keys sent, in
+    order, then the rest as null (`strict`, `defer_loading` dropped), and the Tool's own `defer_loading`."""
     function = dict(tool.get("function") or {})
     for key in ("description", "name", "parameters"):
         function.setdefault(key, None)

@@ -66,8 +66,7 @@ ErrorKind = Literal["server", "prompt", "unhealthy", "refused", "stalled", "no_w
 
 
 class ServerError(Exception):
-    """A request the server did not complete; `kind` is what failed (the module's list). `down` is set by the
-    quarantine when the server was down before the request was sent."""
+    """A request the server did not complete: `kind` what failed; `down` set by the quarantine."""
 
     def __init__(self, url: str, message: str, *, status: int | None = None, kind: ErrorKind = "server"):
         super().__init__(f"{url}: {message}")
@@ -104,8 +103,7 @@ class ServerAccessError(RuntimeError):
 
 
 class ChatResult(NamedTuple):
-    """A chat completion as the pipeline reads it: its one choice and its usage (0.5.23's protocol.py
-    ChatCompletionResponse). A tuple: one per answer, cheaper than a frozen dataclass."""
+    """A chat completion as the pipeline reads it (0.5.23 ChatCompletionResponse); a tuple, cheap per answer."""
 
     finish_reason: str
     content: str | None
@@ -311,8 +309,7 @@ class ServerClient:
             raise ServerError(self.url, f"POST {path} failed: {type(e).__name__}: {e}") from None
 
     async def abort(self, rid: str) -> bool:
-        """POST /abort_request for one request: best effort, False when it did not get through (with
-        --admin-api-key, 0.5.23's http_server.abort_request refuses the normal key)."""
+        """POST /abort_request for one request, best effort: False when refused (0.5.23 with --admin-api-key)."""
         try:
             await self._request("POST", "/abort_request", json={"rid": rid}, timeout=ABORT_TIMEOUT_S)
         except (ServerError, ServerAccessError):
@@ -412,8 +409,7 @@ class ServerClient:
         return list((await self._request("POST", "/v1/tokenize", json=body, timeout=60))["tokens"])
 
     async def detokenize(self, ids: list[int]) -> str:
-        """The text of token ids decoded in one piece (special tokens skipped): two decoded halves joined can split
-        a multi-byte character."""
+        """Token ids decoded in one piece (special tokens skipped): halves joined can split a character."""
         body = {"tokens": list(ids), "skip_special_tokens": True}
         return (await self._request("POST", "/v1/detokenize", json=body, timeout=60))["text"]
 

@@ -137,8 +137,7 @@ async def connected(
     connect_refused_s: float = FleetSettings().connect_refused_s,
     say: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Fleet]:
-    """Connect to every server, wait until each is healthy and read its facts and provenance (the same for all);
-    the fleet, its session closed when the block ends."""
+    """Connect, wait until every server is healthy, read facts and provenance; the fleet, closed after."""
     if not urls:
         raise ValueError("the fleet has no servers")
     async with open_session() as session:

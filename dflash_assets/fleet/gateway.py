@@ -124,8 +124,7 @@ def combine(url: str, infos: list[ServerInfo]) -> ServerInfo:
 
 
 async def gateway_workers(client: ServerClient) -> list[GatewayWorker] | None:
-    """The workers an smg gateway at `client.url` routes to, or None when the URL is not a gateway (an SGLang
-    server has no `/workers` route: 404)."""
+    """The workers an smg gateway at `client.url` routes to; None for an SGLang server (no `/workers`)."""
     try:
         body = await client._optional(WORKERS_ROUTE)  # None on a 404
     except ServerError as e:

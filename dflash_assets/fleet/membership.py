@@ -51,8 +51,7 @@ async def follow(
     changed: Callable[[int, Change], None],
     log: Callable[[str], None],
 ) -> None:
-    """Every `every_s`, each gateway of `clients` read again; `changed(its index, the change)` on a change. Runs until
-    cancelled; a gateway that does not answer is read again at the next interval."""
+    """Every `every_s`, re-read each gateway of `clients`; `changed(index, change)` on a change, till cancelled."""
     gateways = [(i, c) for i, c in enumerate(clients) if isinstance(c, GatewayClient)]
     while gateways:
         await asyncio.sleep(every_s)

@@ -29,8 +29,7 @@ _EPOCH_S = 1e9
 
 
 def start_time(pid: int) -> float | None:
-    """When a live process started, in seconds since boot (unmoved by clock steps); None if it is gone, a zombie, or
-    not ours to read."""
+    """When a live process started, in seconds since boot; None if gone, a zombie, or not ours to read."""
     if pid in _children:
         _children[pid].poll()  # reaps it if it has exited
     try:

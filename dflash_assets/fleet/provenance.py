@@ -85,8 +85,7 @@ async def read_server(client: ServerClient) -> Provenance:
 
 
 async def read_provenance(clients: list[ServerClient]) -> Provenance:
-    """The fleet's provenance, read from every server (a gateway's: from each of its workers) at once; a server
-    that differs from the first is refused, before any request is sent."""
+    """The fleet's provenance, read from every server (or gateway worker); one that differs is refused."""
     servers: list[ServerClient] = []
     for client in clients:
         servers.extend(client.workers if isinstance(client, GatewayClient) else [client])

@@ -42,8 +42,7 @@ _FLAGS = ServerSettings()
 
 @dataclass(frozen=True)
 class ServerCommand:
-    """One server's command line, as data. `None` means "SGLang decides" (auto-sizing from the GPU and the model)
-    and emits no flag."""
+    """One server's command line as data; `None` (SGLang decides) emits no flag."""
 
     model_path: str
     served_model_name: str | None = _FLAGS.served_model_name

@@ -80,8 +80,7 @@ class Tokens:
 
 
 class Runaway:
-    """The runaway rule applied every `check_every_tokens` tokens of a stream. It holds nothing of the answer it
-    watches: the two would be a reference cycle, left to the garbage collector."""
+    """The runaway rule, every `check_every_tokens` tokens; it holds nothing of its answer (no cycle)."""
 
     __slots__ = ("loop_start_tokens", "next_check", "positions", "watch")
 
@@ -214,8 +213,7 @@ class GatheredHandler(ResponseHandler):
         super().feed_data(data, *size)
 
     def resume_reading(self, resume_parser: bool = True) -> None:
-        """Only when paused: aiohttp's StreamReader calls it after every HTTP chunk, which would parse an empty
-        read and undo the Gather's hold."""
+        """Only when paused: aiohttp calls it after every HTTP chunk, undoing the Gather's hold."""
         if self._reading_paused:
             super().resume_reading(resume_parser)
 
@@ -313,8 +311,7 @@ class Silence:
 
 
 class Frames:
-    """The `data:` payloads of an SSE body, kept as bytes and taken in batches (one decode per batch).
-    `event: <name>` lines and blank lines carry no data."""
+    """The `data:` payloads of an SSE body, kept as bytes and decoded in batches."""
 
     __slots__ = ("done", "reads", "rest", "size")
 

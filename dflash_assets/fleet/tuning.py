@@ -221,8 +221,7 @@ def summarize(
 
 @dataclass(frozen=True)
 class TuningThresholds:
-    """When a rule fires: shares of a server's answered samples, usages P95 over them. Constants of the advice, not
-    settings (nothing sets them)."""
+    """When a rule fires: shares of a server's answered samples, usages P95 (constants, not settings)."""
 
     min_samples: int = 3
     unreachable_share: float = 0.5  # polls without an answer

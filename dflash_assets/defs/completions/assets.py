@@ -98,8 +98,7 @@ def completions(
 def _carries_history(
     context: dg.AssetExecutionContext, config: CompletionsConfig, prompt_source: PromptSourceResource
 ) -> bool | None:
-    """Whether a prompt of the whole source carries an earlier assistant turn (regenerate auto, resolved once so a
-    backfill is one config); None in another mode."""
+    """Whether a prompt of the source carries an earlier assistant turn (regenerate auto); None otherwise."""
     if config.regenerate != "auto":
         return None
     try:
