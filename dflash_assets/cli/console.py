@@ -1,7 +1,5 @@
-"""The length-quality report and the checks as rich tables in a terminal (`dflash report`).
-
-No line of the report is wider than its console (the terminal's width; REPORT_WIDTH when piped): a table that does not
-fit drops its least needed columns (fit), a figure is never cut with an ellipsis.
+"""The length-quality report and the checks as rich tables in a terminal (`dflash report`), never wider than the
+console: a table drops its least needed columns (fit), a figure is never cut with an ellipsis.
 """
 
 import re

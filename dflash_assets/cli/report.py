@@ -55,9 +55,8 @@ def report(args: argparse.Namespace) -> int:
 
 
 def report_pictures(data_dir: str, answers) -> list[Path]:
-    """Each config's histogram of completion lengths and cap plan (survival curve), in the answers' order (the
-    latest config first), after one histogram of every config side by side when there are several; written beside
-    the report, under the data dir's reports/ (DFLASH_LOCAL_DIR when the data dir is an object store)."""
+    """Each config's length histogram and cap plan, in the answers' order, after one of every config side by side
+    when there are several; under the data dir's reports/ (DFLASH_LOCAL_DIR for an object store)."""
     from dflash_assets.quality.report.histogram import series, write_histogram
     from dflash_assets.quality.report.planner_plot import cap_plan_png
     from dflash_assets.store.storage import is_uri

@@ -1,8 +1,5 @@
-"""Metadata keys that one part of the Dagster layer writes and another reads back: each spelled once, here.
-
-A reader that spells a key itself breaks silently when the writer renames it (it reads None, or "-" in the demo's
-table). Plain `str` constants, not an Enum: Dagster's serdes refuses Enum metadata labels ("Can only serialize
-whitelisted Enums"), and a constant is what the UI shows.
+"""Metadata keys that one part of the Dagster layer writes and another reads back, each spelled once, here. Plain
+`str` constants, not an Enum: Dagster's serdes refuses Enum metadata labels.
 """
 
 

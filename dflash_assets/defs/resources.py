@@ -1,6 +1,6 @@
-"""Resources: the SGLang fleet, the prompt source, the data dir and the quality limits. Their settings, defaults
-and environment variables are dflash_assets/settings.py. The resource keys (fleet, prompt_source, data_dir,
-quality) are what users' run config names: they stay whatever the classes are called."""
+"""Resources: the SGLang fleet, the prompt source, the data dir and the quality limits (settings in settings.py). The
+resource keys are what users' run config names: they stay whatever the classes are called.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""dead_runs_sensor: fail the runs whose process died and free the pool slots they hold (cross-cutting: every run).
-
-The domains' own sensors are in their folders (prompts/sensors.py, quality/sensors.py).
-"""
+"""dead_runs_sensor: fail the runs whose process died and free the pool slots they hold (every run's concern)."""
 
 import dagster as dg
 

@@ -1,8 +1,6 @@
-"""`POST|PUT /generate`, SGLang's native API (http_server.generate_request and
-tokenizer_manager): contract gate, then the request, then `{text, output_ids,
-meta_info}` (a list for a batch or n > 1). Streaming sends cumulative text and
-ids per chunk and has no kick-start: even a context-length error arrives as
-HTTP 200 with an SSE error chunk.
+"""`POST|PUT /generate`, SGLang's native API (http_server.generate_request): contract gate, then the request, then
+`{text, output_ids, meta_info}` (a list for a batch or n > 1). A stream sends cumulative text and ids and has no
+kick-start: even a context-length error is HTTP 200 with an SSE error chunk.
 """
 
 from __future__ import annotations

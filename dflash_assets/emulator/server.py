@@ -1,8 +1,7 @@
 """The HTTP server: the route table, auth, fault route, and serving.
 
-Auth is 0.5.23's (srt/utils/auth.py): with --api-key every route needs
-`Authorization: Bearer <key>` except paths starting with /health, /ready or
-/metrics; otherwise 401 {"error": "Unauthorized"}. The key is never logged.
+Auth is 0.5.23's (srt/utils/auth.py): with --api-key every route but /health*, /ready* and /metrics* needs
+`Authorization: Bearer <key>`, else 401 {"error": "Unauthorized"}. The key is never logged.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""`attach` mode: servers someone else runs (or one SGLang router / gateway URL in front of many).
-
-Nothing is started or stopped here; the URLs are checked for shape (fleet.connected() then probes them).
-"""
+"""`attach` mode: servers someone else runs (or a gateway in front of many); their URLs checked for shape only."""
 
 from __future__ import annotations
 

@@ -22,13 +22,11 @@ from dflash_assets.settings import (
 
 
 class LengthProbeConfig(Refused, dg.Config, ProbeSettings, RequestSettings, DispatchSettings):
-    """The sample and its cap (settings.ProbeSettings; its max_output_tokens, 0 = the largest the context allows,
-    takes the place of the run's cap: ProbeSettings comes first), the run's sampling, which must match the run the
-    plan is for (same defaults), and how hard to drive the fleet."""
+    """The sample and its cap (ProbeSettings first: its max_output_tokens takes the run's place), the sampling of
+    the run the plan is for, and how hard to drive the fleet."""
 
 
-# Its own group, as its own folder: it is materialised on its own (its own run config, fleet hold and `dflash probe`),
-# never in the shard pipeline, and its rows are never training data; the cap plan in quality only reads them.
+# its own group: materialised alone (`dflash probe`), never training data; the cap plan only reads it
 @dg.asset(
     deps=[prompt_shards],
     group_name="probe",

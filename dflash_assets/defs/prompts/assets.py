@@ -39,8 +39,7 @@ def prompt_shards(
         raise dg.Failure(refusal, allow_retries=False, metadata={"cause": "config"})
 
     async def build_range(connected):
-        # one connection for the whole range: connecting waits for every server's /health (>= 1 s on 0.5.23),
-        # which per shard cost a 50-shard backfill run 50 s
+        # one connection for the whole range: connecting waits for every server's /health (>= 1 s on 0.5.23)
         builds = []
         for shard in context.partition_keys:  # one shard, or a backfill's range of them in one run
             builds.append(

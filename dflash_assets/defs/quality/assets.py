@@ -76,9 +76,8 @@ PICTURES = (
 
 
 def answer_metadata(report: dict, quality: QualitySettings, exports: Path, glance: str, **plan) -> tuple[dict, Any]:
-    """The first rows a person reads: the answer of the config the figures are of (quality/report/answer.py: the figures
-    with their units, the export's manifest, the next command) and the cap plan at a glance. `plan`: answer_of's
-    plan, plan_error and wp, when the caller planned. Also the answer (a CapAnswer), or None without one."""
+    """The first rows a person reads (quality/report/answer.py) and the cap plan at a glance; and the CapAnswer, or
+    None. `plan`: answer_of's plan, plan_error and wp, when the caller planned."""
     from dflash_assets.quality.report.answer import answer_of
 
     stats = next((s for s in map(ConfigStats.of, report["by_config"]) if s.config_hash == report["config_hash"]), None)
@@ -112,8 +111,7 @@ def report_metadata(report: dict, png: bytes, chosen_by: str) -> dict:
         "figures_of": f"{report['config_label']} ({chosen_by}); every config beside it: by_config",
         "dagster/row_count": report["rows"],
         "rows": report["rows"],
-        # Dagster 1.13 has no image metadata and shows Markdown inline only under 1,000 characters: a compact SVG
-        # shows at a glance, the full histogram opens with one click ([Show Markdown])
+        # Dagster 1.13 shows Markdown inline only under 1,000 characters: the full histogram is one click away
         "pictures": PICTURES,
         "length_survival": dg.MetadataValue.md(report["compact_histogram"]),
         "truncated_rows": report["truncated_rows"],
@@ -260,8 +258,7 @@ def plan_metadata(
     quality_settings: QualitySettings,
     stops: Callable[[], AbstractContextManager],
 ) -> tuple[dict, dict]:
-    """The summary's answer and glance (answer_metadata), and the cap plan of the config the figures are of: its
-    table, its trained tokens, its picture and how to measure it (a probe), or why there is none."""
+    """The summary's answer and glance (answer_metadata), and the cap plan of the config the figures are of."""
     from dflash_assets.quality.planning.fit import PlanError
     from dflash_assets.quality.planning.planner import plan_caps
     from dflash_assets.quality.planning.window_plan import window_plan, window_plan_lines

@@ -1,8 +1,4 @@
-"""quality_checks_schedule: the quality checks on a clock, over every materialised shard.
-
-A schedule's cron is part of its definition, which Dagster fixes when the code location loads (it takes no
-EnvVar): settings.Deployment reads DFLASH_CHECKS_CRON then.
-"""
+"""quality_checks_schedule: the quality checks on a clock, over every materialised shard (its cron read at load)."""
 
 import dagster as dg
 

@@ -37,8 +37,7 @@ class TrainingSetConfig(ConfigChoice):
 
 
 @dg.asset(
-    # downstream of the report, whose blocking checks are the gate: in a run that holds both, a failing one
-    # stops this asset (and only this one); across runs the asset runs the same checks over all shards itself
+    # downstream of the report, whose blocking checks gate it in a run; across runs it runs the checks itself
     deps=[completions, length_quality_report],
     group_name="training",
     kinds={"duckdb", "parquet"},
@@ -62,8 +61,7 @@ def drafter_training_set(
     present = [h for h, _ in latest_order(root)]
     if chosen is not None and chosen not in present:
         raise dg.Failure(f"no rows of config {chosen} to export; the configs here: {', '.join(present) or 'none'}")
-    # the config exported is the config judged, as in a shard run: another incomplete one is superseded, never
-    # blocking it; 'all' judges every config (an incomplete one blocks it: its rows would be exported too)
+    # the config exported is the config judged; 'all' judges every config (an incomplete one blocks it)
     outcomes = run_checks(root, config_hash=chosen, quality=quality_settings)
     if not gate_passed(outcomes):
         failing = [o for o in outcomes if o.blocking and not o.passed]
