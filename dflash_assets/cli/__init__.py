@@ -41,8 +41,7 @@ COMMANDS = {
 
 
 LONG_COMMANDS = ("demo", "backfill", "continue", "generate", "probe", "fleet")
-# the commands that run Dagster on the instance and data dir they set up first (cli/environment.py): a data dir or
-# source that cannot work is said before Dagster is even imported
+# the commands that run Dagster on the instance and data dir they set up first, before it is imported
 ON_AN_INSTANCE = ("demo", "backfill", "continue", "export")
 
 

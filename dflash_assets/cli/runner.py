@@ -265,13 +265,12 @@ def _committed_when_stopped(result: dg.ExecuteInProcessResult) -> dict[str, int]
     return counts
 
 
+# the resources hold EnvVar placeholders until a run resolves them: these two read the same settings
 def prompt_source() -> PromptSourceResource:
-    # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
     return PromptSourceResource(path=Deployment.PROMPTS.value(), shard_size=int(Deployment.SHARD_SIZE.value()))
 
 
 def data_dir() -> DataDirResource:
-    # the resources hold EnvVar placeholders until a run resolves them; read the same settings here
     return DataDirResource(path=Deployment.DATA_DIR.value(), local_path=Deployment.LOCAL_DIR.value())
 
 

@@ -285,8 +285,7 @@ _KV_HINTS = struct(
 )
 
 
-# unknown top-level keys are ignored, as the schema says; `return_prompt_token_ids` and `routed_experts_start_len`
-# are not nullable
+# unknown top-level keys ignored (the schema's rule); `return_prompt_token_ids`, `routed_experts_start_len` not nullable
 GENERATE_REQUEST = struct(
     "GenerateRequest",
     {

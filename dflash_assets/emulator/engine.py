@@ -29,9 +29,8 @@ from .faults import NO_FAULT, QUEUE_FULL, Faults, Verdict
 from .prefix_cache import PrefixCache
 from .scheduler import QueueFull, Scheduler
 
-# Streaming (output_streamer.py accept): the first token alone, then an event per `stream_interval` unsent tokens,
-# honoured exactly when given. Not given, SGLang's 1 is coalesced to chunks of this many, as the tokenizer manager
-# coalesces outputs queued behind a busy writer (_stream_one_response keeps out_list[-1]).
+# Streaming (output_streamer.py accept): the first token alone, then an event per `stream_interval` tokens; not given,
+# chunks of this many, as the tokenizer manager coalesces outputs behind a busy writer (_stream_one_response).
 STREAM_CHUNK_TOKENS = 32
 INSTANT_STREAM_CHUNK_TOKENS = 256
 T = TypeVar("T")

@@ -35,9 +35,8 @@ UNKNOWN_MAX_RUNNING = 64  # in flight per URL when it does not say (a router): t
 PROMPT_FAULT = (400, 413, 422)  # the request itself is wrong: a reject, never a retry
 ACCESS_FAULT = (401, 403, 404)  # the key or the URL is wrong: no prompt will ever get through
 INPUT_LEN_RESERVE = 5  # tp_worker.py: max_req_input_len = max_req_len - 5
-# /health is a one-token generation in 0.5.23 (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION, on by default): it polls
-# after asyncio.sleep(1), answers 200 once the scheduler answers, and 503 itself after SGLANG_HEALTH_CHECK_TIMEOUT
-# (20 s). A probe must outwait that, or a busy healthy server looks dead.
+# /health is a one-token generation in 0.5.23: 200 once the scheduler answers, 503 after SGLANG_HEALTH_CHECK_TIMEOUT
+# (20 s); a probe outwaits that, or a busy healthy server looks dead
 HEALTH_PROBE_TIMEOUT_S = 25.0
 ABORT_TIMEOUT_S = 5.0  # a stalled request's /abort_request: best effort, the retry waits for it no longer
 DRAIN_S = 1.0  # how long the end of a streamed body may take after its `data: [DONE]`
@@ -345,8 +344,7 @@ class ServerClient:
         max_running = (sum(per_rank) if per_rank and all(per_rank) else None) or server.get("max_running_requests")
         parser = server.get("reasoning_parser")
         if parser == "auto" or "reasoning_parser" not in server:
-            # `--reasoning-parser auto` stays "auto" in /server_info; the parser the chat template was matched
-            # to (or None: none detected, reasoning off) is only in /model_info (entrypoints/engine.py)
+            # `--reasoning-parser auto` stays "auto" in /server_info; the one matched is in /model_info (engine.py)
             parser = (await self._optional("/model_info") or {}).get("reasoning_parser", parser)
         return ServerInfo(
             url=self.url,

@@ -32,9 +32,8 @@ except ImportError:  # Windows: asyncio's loop
     new_event_loop = asyncio.new_event_loop
 
 
-# The collector's first threshold while a run talks to its fleet (Python's: 700): the request path makes no cycles,
-# and at 700 young collections promoted the run's live objects until full collections walked them all
-# (docs/streaming.md).
+# The collector's first threshold while a run talks to its fleet (Python's: 700, at which young collections promoted
+# the run's live objects until full collections walked them all; docs/streaming.md)
 YOUNG_COLLECTION_EVERY = 10_000
 
 

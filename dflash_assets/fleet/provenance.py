@@ -18,9 +18,8 @@ from dflash_assets.fleet.client import ServerClient, ServerError
 from dflash_assets.fleet.gateway import GatewayClient
 from dflash_assets.settings import SettingsError
 
-# The conversation whose rendering fingerprints the chat template: no system turn (a template may add a default one),
-# an earlier answer (a template may drop or keep its reasoning), rendered as a chat completion's prompt is (with the
-# generation prompt and the server's default chat_template_kwargs).
+# The conversation whose rendering fingerprints the chat template: no system turn (a template may add one) and an
+# earlier answer (a template may drop its reasoning), rendered as a chat completion's prompt is.
 PROBE_CONVERSATION = (
     {"role": "user", "content": "What is 17 times 23?"},
     {"role": "assistant", "content": "17 times 23 is 391."},
@@ -66,8 +65,7 @@ async def read_server(client: ServerClient) -> Provenance:
     """What one SGLang server says of itself (a route it does not have leaves its fields null)."""
     server = await client._optional("/server_info") or {}
     model = await client._optional("/model_info") or {}
-    # rendered as for a chat completion: 0.5.23's serving_tokenize refuses `add_generation_prompt` unless the
-    # template is Jinja (a --chat-template builtin name is not)
+    # 0.5.23's serving_tokenize refuses `add_generation_prompt` unless the template is Jinja (not a builtin name)
     try:
         ids = list((await client.tokenize_chat({"messages": list(PROBE_CONVERSATION)}))["tokens"])
     except ServerError as e:

@@ -14,8 +14,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-# 1 recorded proc_start as clock ticks since boot (read from /proc), 2 as psutil's create_time (since the epoch:
-# moved by a clock step); processes.is_ours reads 2's as it reads 3's
+# 2 recorded proc_start since the epoch, 3 since boot; processes.is_ours reads both
 REGISTRY_VERSION = 3
 
 
