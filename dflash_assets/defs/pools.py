@@ -1,17 +1,14 @@
 """The pools a generating step holds, and the runs that died holding them.
 
-Both kinds live in the instance's concurrency tables (the UI's Concurrency page; shared by every host on Postgres):
-- `sglang_fleet`: at most `concurrency.pools.default_limit` generating steps at once (dagster_home/dagster.yaml);
-- `shard:<key>`, limit 1: one run per shard (a backfill run's tags name only the ends of its range, so run-queue
-  tag limits cannot).
-
-The step claims them itself, in one global order (shards sorted, then the fleet: no deadlock, and a run waiting for
-a shard holds no GPU slot), not through `@asset(pool=...)`, because:
+Both live in the instance's concurrency tables (the UI's Concurrency page): `sglang_fleet`, at most
+`concurrency.pools.default_limit` generating steps (dagster_home/dagster.yaml), and `shard:<key>`, one run per shard
+(run-queue tag limits cannot: a backfill run's tags name only its range's ends). The step claims them itself, in one
+global order (shards sorted, then the fleet: no deadlock), not through `@asset(pool=...)`, because:
 - Dagster 1.13's `InstanceConcurrencyContext.interval_to_next_pending_claim_check` returns `min(0, ...)`: a waiting
   step polls at 100% CPU. This loop sleeps `POLL_S` between claims.
-- A SIGKILLed in-process run never ends in the instance, and its slots stay claimed. While waiting, this loop frees
-  the slots of ended runs and fails, through the instance, a run whose worker is gone (pid and start time in its
-  tags, as fleet/processes.py compares them). A run on another host is left to Dagster's run monitoring.
+- A SIGKILLed in-process run never ends in the instance. While waiting, this loop frees the slots of ended runs and
+  fails a run whose worker is gone (pid and start time in its tags, as fleet/processes.py compares them); a run on
+  another host is left to Dagster's run monitoring.
 """
 
 from __future__ import annotations

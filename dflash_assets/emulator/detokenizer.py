@@ -1,19 +1,13 @@
-"""The text SGLang 0.5.23 sends for a request's output ids: its incremental detokenizer, step by step.
+"""The text SGLang 0.5.23 sends for a request's output ids: its incremental detokenizer, step by step. Only the
+non-ASCII mode needs it: a multi-byte character cut at a step or at the start of the output.
 
-Only the non-ASCII mode needs it (ASCII decodes the same in any pieces): a multi-byte character cut at a step or at
-the start of the output.
-
-- `schedule_batch.Req.init_incremental_detokenize`: the first step decodes the output with the last
-  INIT_INCREMENTAL_DETOKENIZATION_OFFSET (5) prompt ids and keeps `decode(surr + out)[len(decode(surr)):]`, a
-  CHARACTER offset: a continuation whose prompt ends inside a character loses that character on both sides.
+- `schedule_batch.Req.init_incremental_detokenize`: the first step decodes the output with the last 5 prompt ids
+  and keeps `decode(surr + out)[len(decode(surr)):]`, a CHARACTER offset: a continuation whose prompt ends inside
+  a character loses that character on both sides.
 - `detokenizer_manager._decode_batch_token_id_output`: an unfinished step whose text ends in U+FFFD sends only
-  `find_printable_text` of it and waits for more ids; a finished step sends everything (a cut at the cap ends
-  in U+FFFD).
-- Byte-level BPE decodes with `String::from_utf8_lossy` (tokenizers, byte_level.rs), as Python's
-  `errors="replace"`: one U+FFFD per maximal invalid subsequence.
-
-Steps: every SGLANG_FORCE_STREAM_INTERVAL (50) tokens when not streamed (`output_streamer.py`), at the emulator's
-chunk boundaries when streamed; the finished text is the same either way.
+  `find_printable_text` of it; a finished step sends everything (a cut at the cap ends in U+FFFD).
+- Byte-level BPE decodes as `String::from_utf8_lossy` (byte_level.rs), Python's `errors="replace"`.
+Steps: every SGLANG_FORCE_STREAM_INTERVAL (50) tokens when not streamed, at the emulator's chunks when streamed.
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 
 The uncapped completion is a pure function of the prompt tokens up to the LAST generation prompt
 (`<|im_start|>assistant\\n` and its think opener) and of `sampling_seed`; tokens after it are output already
-generated. So a continuation (prompt + first k output ids, cap m) returns tokens k..k+m of the uncapped completion:
-continuing a truncated row equals generating from scratch at the larger cap.
-
-Shape: `reasoning </think> \\n\\n answer <|im_end|>` (thinking) or `answer <|im_end|>`; the length is lognormal,
-seeded by the prompt. Temperature > 0 without a seed draws anew (`draw`): a per-prompt part plus per-sample noise,
-a continuation drawing from the lengths above k. Text is sliced at word starts from one precomputed ASCII token
-stream, so every output re-tokenises to the same ids; `non_ascii` uses a variant with em dashes as byte tokens
-(`_non_ascii_stream`), so a cap can cut a character in two.
+generated, so a continuation returns the next tokens of the same completion: continuing a truncated row equals
+generating from scratch at the larger cap. Shape: `reasoning </think> \\n\\n answer <|im_end|>` (thinking) or
+`answer <|im_end|>`; lognormal length, seeded by the prompt (`draw`: a request's own, temperature > 0 without a
+seed). Text is sliced at word starts from one precomputed ASCII token stream, so every output re-tokenises to the
+same ids; `non_ascii` uses a variant with byte-token em dashes (`_non_ascii_stream`).
 """
 
 from __future__ import annotations
@@ -134,8 +131,7 @@ def _non_ascii_stream() -> tuple[list[int], array, bytearray]:
 
     `_stream()` with every other comma written " —", a character with no token: byte tokens a cap can cut. Derived
     from `_stream()` without touching its ids or RNG. A completion must not END inside a dash (it would re-tokenise
-    to other ids), so `inside[p]` is how many tokens a boundary at p moves forward to clear it.
-    """
+    to other ids), so `inside[p]` is how many tokens a boundary at p moves forward to clear it."""
     ids, _, _, _ = _stream()
     comma = tok.VOCAB[","]
     out: list[int] = []

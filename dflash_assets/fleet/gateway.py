@@ -1,15 +1,11 @@
 """An SGLang model gateway (`smg`) in front of many servers: attached by its one URL, sized by its workers.
 
-The facts preflight and the dispatcher need (context length and input limit, effective max_running_requests, the
-chat template that counts a prompt) belong to each server behind the gateway: its own `/v1/tokenize` uses its own
-tokenizer, its `/v1/models` has no max_model_len, and its worker labels carry the flag, not the effective figure.
-
-So a gateway is recognised by `GET /workers`, each healthy worker is probed with `ServerClient.info()` as an
-attached server and counts the prompts, and generation goes through the gateway with as many in flight as its
-workers run together. The workers must be reachable from the orchestrator at the URLs the gateway lists.
-
-Retries are ours (`deploy/sglang-router.sh` passes `--disable-retries`): a second layer would multiply attempts
-unseen.
+What preflight and the dispatcher need (context length, input limit, effective max_running_requests, the chat
+template) is each worker's: the gateway's `/v1/tokenize` uses its own tokenizer, its `/v1/models` has no
+max_model_len, its worker labels carry flags. So a gateway (`GET /workers`) has each healthy worker probed with
+`ServerClient.info()` and counting prompts, and generation goes through the gateway with as many in flight as its
+workers run. The workers must be reachable at the URLs the gateway lists. Retries are ours
+(`deploy/sglang-router.sh` passes `--disable-retries`): two layers would multiply attempts unseen.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""`launch` mode: one `sglang serve` per GPU, detached, recorded in the registry, reused while healthy.
+"""`launch` mode: one `sglang serve` per GPU, detached, recorded in the registry, reused while healthy and launched
+with the same args (loading takes minutes); a dead one relaunched, one with other args replaced only when asked.
 
-`up` never restarts a server that is ours, alive and launched with the same args (loading takes minutes); it
-relaunches a dead one, and replaces one with other args only when asked (`replace=True`).
-
-SGLang 0.5.23 takes its key only as `--api-key`, so it is on the child's command line (/proc/<pid>/cmdline), as
-when typed by hand; never in the registry, a hash, status or a log tail, nor the child's environment. SGLang prints
-its args at startup, so logs are created 0600 in a 0700 dir.
+SGLang 0.5.23 takes its key only as `--api-key`: on the child's command line, as when typed by hand; never in the
+registry, a hash, status, a log tail or the child's environment. SGLang prints its args, so logs are 0600 in 0700.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Streamed generation (SSE, `stream: true`): the answer assembled from its events, and the request watched live.
 
-SGLang 0.5.23's streams:
-- /v1/chat/completions (serving_chat._generate_chat_stream): chunks with delta.role, then
-  delta.reasoning_content / delta.content, a chunk with finish_reason and matched_stop, a `sglext` chunk (input_ids,
-  output_ids) when return_{input,output}_ids_in_sglext ask, the usage chunk (choices []) only with
-  stream_options.include_usage (per chunk with continuous_usage_stats), `data: [DONE]`. An abort after the 200 is
-  `data: {"error": {...}}`.
+SGLang 0.5.23's streams, assembled here into the non-streamed answer's shape:
+- /v1/chat/completions (serving_chat._generate_chat_stream): delta.role, then delta.reasoning_content /
+  delta.content, finish_reason and matched_stop, a `sglext` chunk (input_ids, output_ids) when asked, the usage chunk
+  (choices []) only with stream_options.include_usage, `data: [DONE]`; an abort after the 200 is an error event.
 - /generate (http_server.serve_generate_request): `data: {text, output_ids, meta_info}`, cumulative unless
-  --incremental-streaming-output; meta_info.finish_reason null until the last; errors as above; `data: [DONE]`.
-Assembled, both give the non-streamed answer's shape, so the row is the same.
-
+  --incremental-streaming-output; meta_info.finish_reason null until the last.
 Watched (`Watch`, `Silence`): a stream silent for `stall_timeout_s` (`first_token_timeout_s` before its first event)
-is closed, and SGLang aborts a disconnected request (tokenizer_manager._stream_one_response), freeing its slot.
-Every `check_every_tokens` tokens the runaway rule reads the text; a loop ends the answer with finish_reason RUNAWAY.
+is closed (SGLang aborts a disconnected request: tokenizer_manager._stream_one_response); every `check_every_tokens`
+tokens the runaway rule reads the text, and a loop ends the answer with finish_reason RUNAWAY.
 """
 
 from __future__ import annotations
