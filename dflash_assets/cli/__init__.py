@@ -58,8 +58,7 @@ def rows_under(args) -> str | None:
 
 
 def resume_command(args, argv: list[str]) -> str:
-    """The command that resumes a stopped one, as printed: the same words, started as this one was, and a shard
-    command on its data (as_printed: the data dir and source in place of the ones given, absolute)."""
+    """The command that resumes a stopped one, as printed (a shard command on its data: as_printed)."""
     import shlex
 
     from dflash_assets.cli.environment import as_printed, launcher

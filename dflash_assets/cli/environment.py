@@ -45,8 +45,7 @@ FLEET_CHECK_S = 1.5  # how long an attached server has to answer the check (a sl
 
 
 def fleet_refusal() -> str | None:
-    """Why the attached fleet cannot work, in one sentence with the fix, or None: nothing listens, or GET /health
-    answers as no SGLang server does (401/403, 404). A slow or loading server is not refused: the run waits."""
+    """Why the attached fleet cannot work (nothing listens, 401/403/404), with the fix, or None; slow is waited for."""
     if Deployment.FLEET_MODE.value() != "attach":
         return None
     import asyncio

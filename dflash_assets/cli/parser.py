@@ -21,8 +21,7 @@ from dflash_assets.settings import (
 
 
 class Parser(argparse.ArgumentParser):
-    """A usage error is one line: the wrong flag, what it takes, and `--help` for more; never the whole usage. A flag
-    is never abbreviated (a truncated one is an unknown flag, not another setting's)."""
+    """A usage error in one line (the flag, what it takes, `--help`); a flag is never abbreviated."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})

@@ -167,8 +167,7 @@ def beside_the_signals(run: Callable[[], T], watch: Callable[[], None] | None = 
 
 
 def record_failures(result: dg.ExecuteInProcessResult, where: str, stops: Stops) -> None:
-    """Sort a run's failures by what they record (defs/metadata.py StepStopKeys): a blocking check, a refusal or an
-    error (its cause's first line); a run that failed before any step is an error of the run."""
+    """Sort a run's failures by their StepStopKeys: a blocking check, a refusal or an error (its cause's first line)."""
     failed_steps = False
     checks_failed = any(
         not e.passed and e.blocking and e.severity == dg.AssetCheckSeverity.ERROR

@@ -67,7 +67,8 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
     """The SGLang servers completions are generated on (settings.FleetSettings): `emulated` local emulators for
     the run, `attach` servers someone else runs (or a gateway), `launch` one detached `sglang serve` per GPU,
     reused while healthy and alike (`dflash fleet down` stops them). `api_key` is an EnvVar (DFLASH_API_KEY),
-    never run config, a log line or metadata."""
+    never run config, a log line or metadata.
+    """
 
     # an EnvVar is a placeholder until run launch: FleetSettings checks the resolved values at start
     mode: str = _as_given("mode")  # type: ignore[assignment]  # the FleetMode the start checks
@@ -151,7 +152,8 @@ class PromptSourceResource(dg.ConfigurableResource):
 class DataDirResource(dg.ConfigurableResource):
     """Where the Parquet tables live (`DFLASH_DATA_DIR`, default `data/`): a local path or `s3://bucket/prefix`.
     Files for people and trainers go to `local_path` (`DFLASH_LOCAL_DIR`); S3 credentials come from the
-    environment, never from config."""
+    environment, never from config.
+    """
 
     path: str = Deployment.DATA_DIR.default
     local_path: str = Deployment.LOCAL_DIR.default

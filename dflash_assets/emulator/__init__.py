@@ -1,8 +1,5 @@
-"""An emulator of an SGLang 0.5.23 server for machines without a GPU: the subset of SGLang the pipeline uses, over a
-deterministic stand-in model (model.py).
-
-`python -m dflash_assets.emulator --model-path emulated/qwen3-27b [flags]`, `main(argv)` or
-`process.start_emulator(...)`.
+"""An emulator of an SGLang 0.5.23 server for machines without a GPU, over a deterministic stand-in model (model.py):
+`python -m dflash_assets.emulator --model-path emulated/qwen3-27b [flags]`, `main(argv)` or `process.start_emulator`.
 """
 
 from __future__ import annotations

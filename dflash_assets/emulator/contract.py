@@ -1,8 +1,6 @@
-"""The `/generate` JSON contract gate of SGLang 0.5.23, re-implemented.
-
-0.5.23 decodes every `/generate` body with `GenerateRequest.from_json_value` (sglang/api/v1/api_types.py, via
-srt/entrypoints/api_contract.py) and answers a violation with 400 `{"error": "<the decoder's text>"}`. This ports
-that decoder: same shapes, same serde-style messages (tests/emulator/test_sglang_contract.py runs both).
+"""The `/generate` JSON contract gate of SGLang 0.5.23, re-implemented: 0.5.23 decodes every body with
+`GenerateRequest.from_json_value` (sglang/api/v1/api_types.py) and answers a violation with 400 `{"error": "<the
+decoder's text>"}`. Same shapes, same serde-style messages (tests/emulator/test_sglang_contract.py runs both).
 """
 
 from __future__ import annotations

@@ -131,7 +131,8 @@ def _non_ascii_stream() -> tuple[list[int], array, bytearray]:
 
     `_stream()` with every other comma written " —", a character with no token: byte tokens a cap can cut. Derived
     from `_stream()` without touching its ids or RNG. A completion must not END inside a dash (it would re-tokenise
-    to other ids), so `inside[p]` is how many tokens a boundary at p moves forward to clear it."""
+    to other ids), so `inside[p]` is how many tokens a boundary at p moves forward to clear it.
+    """
     ids, _, _, _ = _stream()
     comma = tok.VOCAB[","]
     out: list[int] = []

@@ -1,9 +1,8 @@
 """SGLang's radix (prefix) cache, as far as what it saves: the prompt tokens a request finds already cached.
 
 A finished request leaves prompt and output cached (`cache_finished_req`); a new request's longest cached prefix is
-reported as `cached_tokens` (meta_info; usage's `prompt_tokens_details` with --enable-cache-report). Off with
---disable-radix-cache. Matched in blocks of BLOCK tokens (SGLang: pages of 1), so it is rounded down to a multiple
-of BLOCK; the oldest blocks are evicted past `capacity` tokens (SGLang: LRU leaves).
+its `cached_tokens` (off with --disable-radix-cache), matched in blocks of BLOCK tokens (SGLang: pages of 1), the
+oldest evicted past `capacity` tokens (SGLang: LRU leaves).
 """
 
 from __future__ import annotations

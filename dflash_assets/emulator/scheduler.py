@@ -1,8 +1,7 @@
 """One DP rank's scheduler: running slots, a KV budget, a FCFS waiting queue.
 
-A request is admitted when a slot is free AND its prompt + output fit the KV pool beside the running ones (longer
-outputs, fewer in flight), first-come-first-served with head-of-line blocking (SGLang's fcfs). With
---max-queued-requests a full queue refuses an arrival (`_abort_on_queued_limit`: 503 "The request queue is full.").
+A request is admitted when a slot is free AND its prompt + output fit the KV pool beside the running ones, in
+arrival order with head-of-line blocking (SGLang's fcfs); with --max-queued-requests a full queue refuses it (503).
 Prefill and decode take real `tokens / rate` seconds, computed once; a rate of 0 is instant.
 """
 

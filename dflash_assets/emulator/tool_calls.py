@@ -1,9 +1,9 @@
 """Tool calls as SGLang 0.5.23 serves them for a Qwen model: the template's tools block and call format, the `qwen25`
 parser (function_call/qwen25_detector.py), and the calls the stand-in model makes.
 
-With `--tool-call-parser` and `tools`, serving_chat._process_tool_calls gives `message.tool_calls` (`call_<24 hex>`,
-arguments `json.dumps(..., ensure_ascii=False)`), the text before the first call as content, and `stop` becomes
-`tool_calls`. A call to a function not in `tools` is dropped (base_format_detector.parse_base_json).
+serving_chat._process_tool_calls gives `message.tool_calls` (`call_<24 hex>`, arguments `json.dumps(...,
+ensure_ascii=False)`), the text before the first call as content, and `tool_calls` for `stop`; a call to a function
+not in `tools` is dropped (base_format_detector.parse_base_json).
 """
 
 from __future__ import annotations

@@ -160,7 +160,8 @@ class ServerInfo:
         """What one request (prompt + output) may hold before the scheduler cuts its output silently.
 
         0.5.23 tp_worker.get_worker_info: min(context_len - 1, KV pool - 1); the scheduler (init_req_max_new_tokens)
-        lowers max_new_tokens to max_req_len - prompt - 1 without an error."""
+        lowers max_new_tokens to max_req_len - prompt - 1 without an error.
+        """
         if self.max_req_input_len is not None:
             return self.max_req_input_len + INPUT_LEN_RESERVE
         if self.max_total_num_tokens is not None:
@@ -176,7 +177,8 @@ def mamba_slots_per_request(server: dict) -> int | None:
     """Mamba state slots one running request holds, as the server resolved them; None for a dense model.
 
     0.5.23 kv_cache_configurator._calculate_mamba_ratio: 1 without the radix cache, else 3, plus the extra-buffer
-    strategy's tracking slots (allocation_sizing.get_mamba_tracking_slots: 1 lazy or without overlap, else 2)."""
+    strategy's tracking slots (allocation_sizing.get_mamba_tracking_slots: 1 lazy or without overlap, else 2).
+    """
     if server.get("max_mamba_cache_size") is None:
         return None
     if server.get("disable_radix_cache"):

@@ -1,7 +1,6 @@
-"""A connected fleet: one aiohttp session, a client and the probed facts for every server.
-
-`connected()` is the one way to talk to the fleet: connect, run, close (`on_fleet` is its face outside an event
-loop, for scripts and tests)."""
+"""A connected fleet: one aiohttp session, a client and the probed facts for every server. `connected()` is the one
+way to talk to it (`on_fleet` outside an event loop).
+"""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ async def wait_healthy(
     refused_s: float = FleetSettings().connect_refused_s,
     say: Callable[[str], None] | None = None,
 ) -> int:
-    """Poll every server's /health until each answers (said every few seconds); the number of rounds. Stops after
-    `timeout_s`, or once every server waited for has refused connections for `refused_s` (0: never)."""
+    """Poll /health until every server answers; the rounds. Ends at `timeout_s`, or after `refused_s` of refusals."""
     start = time.monotonic()
     pending, said, rounds = list(clients), None, 0
     refused_since: dict[str, float] = {}  # URL -> when it first refused the connection (this streak)

@@ -1,9 +1,8 @@
 """A fleet behind a gateway follows its membership during a run.
 
-smg's workers are added (`POST /workers`), removed (`DELETE /workers/{id}`: drained) or go down during a run. The
-worker list is read every probe interval: a worker that joins is probed as any other and its slots added; one that
-leaves or is unhealthy has them removed, and the dispatcher resizes from the new combined `ServerInfo`. A worker
-that does not answer this host, or serves another model, is tried again at the next interval.
+smg's workers are added (`POST /workers`), removed (`DELETE /workers/{id}`) or go down. The worker list is read
+every probe interval: a worker that joins is probed as any other and its slots added, one that leaves or is
+unhealthy has them removed; one that does not answer this host, or serves another model, is tried again later.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Detached server processes: start one in its own session, tell whether a pid is still it, stop its group.
 
-Pids are reused, so a process is "ours" only if its start time is the one recorded at launch (a zombie is dead).
-The start time is the kernel's, in seconds since boot, as psutil's `Process._ident`: `create_time()` adds a boot
-time derived from the wall clock, which a clock step moves for every process at once.
+Pids are reused, so a process is "ours" only if its start time is the one recorded at launch (a zombie is dead):
+the kernel's, in seconds since boot (psutil's `Process._ident`), which a wall-clock step does not move.
 """
 
 from __future__ import annotations
@@ -86,8 +85,7 @@ def exit_code(pid: int) -> int | None:
 
 
 def stop_group(pid: int, proc_start: float | None, timeout_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, wait for it to go, SIGKILL what is left after `timeout_s`. A pid held by
-    another process means our group is gone (a pid is not reused while its group has members)."""
+    """SIGTERM the server's process group, SIGKILL what is left after `timeout_s`; a reused pid means it is gone."""
     if start_time(pid) is not None and not is_ours(pid, proc_start):
         return
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):

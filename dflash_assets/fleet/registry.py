@@ -1,7 +1,5 @@
-"""The launched fleet on disk: `<dagster_home>/fleet/registry.json`, one record per server.
-
-The only memory of which processes are ours: written atomically (temp file, fsync, rename) under an exclusive lock
-on `registry.lock`. It holds the API key's variable name, never the key.
+"""The launched fleet on disk, `<dagster_home>/fleet/registry.json`: the only memory of which processes are ours,
+written atomically under an exclusive lock on `registry.lock`. It names the API key's variable, never the key.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The command line of one `sglang serve` (0.5.23): ServerCommand, from settings.ServerSettings, a port, GPUs and
-extra args; its argv and its hash.
-
-Only flags that exist in 0.5.23 are emitted (tests/fleet/test_server_args.py checks them against the wheel); the
-gone `--cuda-graph-max-bs` (an ambiguous prefix in 0.5.23: exit 2) and `--mamba-scheduler-strategy` are refused in
-`extra_args` too. The API key is not a field, so never hashed nor recorded (launcher.py appends it).
+extra args; its argv and its hash. Only flags that exist in 0.5.23 are emitted (tests/fleet/test_server_args.py);
+gone ones are refused in `extra_args` too, named with their replacement. The API key is not a field (launcher.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What each server says now: health, effective context length and capacity, load; pid/GPU/uptime if ours.
 
-The figures come from the servers, never from their launch args (SGLang resolves `None` to its own values); the
-API key is never in what is returned. A gateway (gateway.py) gets a row of its own (health, workers, the capacity
-the pipeline sizes by) and then one row per worker, probed as an attached server.
+The figures are the servers' own, never their launch args; the API key is never in what is returned. A gateway
+gets a row of its own (the capacity the pipeline sizes by), then one row per worker, probed as an attached server.
 """
 
 from __future__ import annotations

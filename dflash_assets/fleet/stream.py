@@ -103,8 +103,7 @@ class Runaway:
 
 
 class Watchdog:
-    """One timer for every watched stream of a client: each tick (a quarter of the shortest stall timeout) cancels
-    every stream past its deadline (a TimeoutError in Silence.__aexit__). It ticks only while streams are in flight."""
+    """One timer for every watched stream of a client: each tick cancels the streams past their deadline."""
 
     def __init__(self) -> None:
         self.streams: set[Silence] = set()
@@ -164,8 +163,7 @@ class Gather:
 
 
 class EventStreamReader(StreamReader):
-    """aiohttp's body reader for an event stream, read whole, without aiohttp's per-chunk bookkeeping (an SGLang
-    event is a chunk of its own). A StreamReader becomes one once its response says `text/event-stream`."""
+    """aiohttp's body reader for an event stream: read whole, without aiohttp's per-chunk bookkeeping."""
 
     __slots__ = ()
 
@@ -191,8 +189,7 @@ class EventStreamReader(StreamReader):
 
 
 class GatheredHandler(ResponseHandler):
-    """aiohttp's connection protocol, its event-stream responses read through a Gather: once a response's headers
-    say `text/event-stream`, every read that leaves its body open waits for the Gather's next tick."""
+    """aiohttp's connection protocol; an event stream's read that leaves its body open waits for the Gather's tick."""
 
     __slots__ = ("_gather", "_streamed")
 
@@ -538,8 +535,7 @@ class StreamError(Exception):
 
 
 def chat_stream_body(body: dict, watch: Watch) -> dict:
-    """The chat body, streamed: the usage chunk asked for, token ids through sglext (return_token_ids is refused
-    with stream), usage on every chunk when the runaway rule needs the token count."""
+    """The chat body, streamed: the usage chunk, ids through sglext, usage per chunk when the runaway rule counts."""
     body = dict(body)
     ids = body.pop("return_token_ids", False)
     if ids:

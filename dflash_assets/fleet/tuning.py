@@ -1,7 +1,5 @@
-"""Is each server sized right? `/v1/loads` sampled during a run, turned into figures and advice with evidence.
-
-Running requests pinned at max_running_requests, a queue behind them and the KV pool nearly empty: `LoadSampler`
-polls every server (bounded memory), `summarize` makes per-server figures, `advise` rules with their numbers.
+"""Is each server sized right? `/v1/loads` sampled during a run (`LoadSampler`), turned into per-server figures
+(`summarize`) and advice with the numbers behind it (`advise`): slots pinned, a queue, KV pool nearly empty.
 """
 
 from __future__ import annotations
@@ -71,8 +69,7 @@ def parse_mamba_usage(text: str) -> float | None:
 
 
 class LoadSampler:
-    """Polls `/v1/loads` of every client each `interval_s`, keeping the last `max_samples` per server; `await stop()`
-    returns them. A failed poll is a sample with `error`, so a silent server shows in the advice."""
+    """Polls `/v1/loads` of every client each `interval_s` (the last `max_samples` kept); a failed poll is a sample."""
 
     def __init__(self, clients: Sequence[ServerClient], interval_s: float = 1.0, max_samples: int = 3600):
         self.clients = list(clients)

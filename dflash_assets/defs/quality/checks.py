@@ -1,8 +1,7 @@
 """The quality gate, as asset checks on length_quality_report: every check of `quality.CHECKS` from one DuckDB pass.
 
-A shard's run judges the config it wrote; a checks-only run (sensor, schedule) judges each config apart. A config's
-failure is its own (`superseded` ones never fail another's). They sit on the report, not on completions: a blocking
-check stops only what is downstream of its asset, so the report always materialises and the training set stops.
+A shard's run judges the config it wrote, a checks-only run each config apart; a config's failure is its own. On
+the report, not on completions: a blocking check stops only what is downstream, so the report always materialises.
 """
 
 import dagster as dg
