@@ -31,8 +31,7 @@ def export(
     verbose: bool = False,
     short: bool = False,
 ) -> bool:
-    """The gated export of one config, as the UI runs it: the files' place on success, else what stopped it, in
-    `stops`. `short`: nothing is printed but a failure's cause."""
+    """The gated export of one config, as the UI runs it: its files, or what stopped it in `stops` (`short`: only that)."""
     choice = {"config": {"config_hash": config_hash, "chosen_by": chosen_by}}
     result = execute(
         training_job.name,

@@ -56,8 +56,7 @@ def print_other_configs(run_config: str | None, window: Window, console: Console
 
 
 def print_old_default(window: Window, console: Console, continue_old: Callable[[int], str]) -> None:
-    """One line before a window-policy run on a data dir whose configs all decode a fixed cap: the run starts a new
-    config beside them, and `continue_old(cap)` continues the latest instead."""
+    """One line before a window-policy run beside fixed-cap configs only; `continue_old(cap)` continues the latest."""
     from dflash_assets.store.configs import list_configs
 
     if window.cap_policy != "window":
