@@ -8,6 +8,7 @@ Prefill and decode take real `tokens / rate` seconds, computed once; a rate of 0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -104,10 +105,8 @@ class Scheduler:
             self._kv_reserved -= t.kv_tokens
             self._mark()
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(t)
-            except ValueError:
-                pass
         self._pump()
 
     def _pump(self) -> None:

@@ -6,6 +6,7 @@ the kernel's, in seconds since boot (psutil's `Process._ident`), which a wall-cl
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -97,10 +98,8 @@ def stop_group(pid: int, proc_start: float | None, timeout_s: float = 30.0) -> N
             break
     proc = _children.pop(pid, None)
     if proc:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
