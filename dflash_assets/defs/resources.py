@@ -16,7 +16,7 @@ from pydantic import Field, PrivateAttr
 from dflash_assets.defs.metadata import StepStopKeys
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, on_fleet
-from dflash_assets.fleet.supervise import Supervisor
+from dflash_assets.fleet.supervise import supervised
 from dflash_assets.generation.prompts import FieldMapping
 from dflash_assets.settings import (
     Deployment,
@@ -113,7 +113,7 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                     servers[url] = start_emulator(args, port=servers[url].port)
 
                 dead = lambda: [url for url, s in servers.items() if not s.alive()]  # noqa: E731
-                stack.enter_context(Supervisor(dead, relaunch, info))
+                stack.enter_context(supervised(dead, relaunch, info))
             elif self.mode == "launch":
                 from dflash_assets.fleet.launcher import build_spec, default_fleet_dir, up
 

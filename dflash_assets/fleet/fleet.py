@@ -162,12 +162,3 @@ def on_fleet(urls: list[str], work: Callable[[Fleet], Awaitable[T]], api_key: st
             return await work(fleet)
 
     return run(go())
-
-
-def read_info(url: str, api_key: str | None = None) -> ServerInfo:
-    """What the fleet reads of one server (context length, slots, limits, parser), outside any event loop."""
-
-    async def first(fleet: Fleet) -> ServerInfo:
-        return fleet.infos[0]
-
-    return on_fleet([url], first, api_key)

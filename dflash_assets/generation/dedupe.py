@@ -1,19 +1,12 @@
-"""Repeats in a prompt source, found before anything is generated.
+"""Repeats in a prompt source, found once before anything is generated, each against every earlier line of the
+whole source (the first occurrence is kept): **exact**, the same canonical messages whatever the id; **near**, at
+least `near_threshold` of its word shingles shared with an earlier prompt's, by MinHash (112 permutations, LSH in 14
+bands of 8 rows: datatrove's default), each candidate confirmed by the two signatures and by the word counts (a set
+of shingles forgets how often each occurs).
 
-Two kinds, each against every earlier line of the whole source (shards are partitions of one file, built apart, so a
-repeat is decided by one rule over global line order: the first occurrence is kept, every later one is a repeat):
-- **exact**: the same conversation, its canonical messages (`prompts.canonical_json`) equal, whatever its id;
-- **near**: a prompt whose text (the request's messages, lower-cased words) shares at least `near_threshold` of its
-  word shingles with an earlier prompt's, by MinHash: 112 permutations, banded for LSH in 14 bands of 8 rows
-  (datatrove's default), each candidate pair confirmed by the estimated Jaccard similarity of the two signatures
-  and by their word counts (the shorter at least `near_threshold` of the longer: a set of shingles forgets how often
-  each occurs). A line is compared with the first earlier line of each band it falls in.
-
-The repeats of a source are found once, in one pass over it, and kept in the data dir (`repeats/<key>.parquet`, the
-key a hash of the source's path, size and modification time and of the settings): every shard's build reads the
-lines of its own range there. The signatures (uint32, 448 bytes a prompt) are signed a batch of prompts at a time and
-go to a temporary directory with their band keys as they are made: what the pass holds in memory is 40 bytes a
-prompt, so it stays small at millions of prompts.
+Kept in the data dir (`repeats/<key>.parquet`, keyed by the source's path, size, mtime and the settings); each shard's
+build reads its own lines there. The signatures go to a temporary directory as they are made: the pass holds 40 bytes
+a prompt in memory.
 """
 
 from __future__ import annotations

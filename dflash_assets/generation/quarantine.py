@@ -1,31 +1,19 @@
-"""A prompt that kills its server: quarantined after two server deaths, so it does not take the fleet down in turn.
+"""A prompt that kills its server (a CUDA error on one shape, a tokenizer fault) is quarantined after two server
+deaths, instead of being retried onto one server after another (docs/guarantees.md says it for users).
 
-Some inputs crash an SGLang server (a CUDA error on one shape, a tokenizer or grammar fault). Retried like any
-dropped request, such a prompt would kill one server after another, up to `max_attempts` of them. So:
-
-- a server *died* under a request when the request's connection dropped (no status, no stall) and the server
-  then fails its /health probe; one probe per death, shared by every request that was in flight there;
-- every request in flight at a death is a *suspect*; a suspect waits until nothing but suspects is left to send,
-  then suspects go one at a time, alone on the fleet: a server that dies under one died of it (an innocent
-  suspect is never in flight beside the prompt that kills its server, so it never reaches a second death);
-- a prompt in flight at `QUARANTINE_AFTER_DEATHS` deaths is quarantined: never sent again by this run, and a
-  row of the failures table whose error starts with `QUARANTINED`, written the moment it is decided (the run may
-  then stop for lack of servers); a later run carries that row over and does not send the prompt unless asked
-  (`DispatchSettings.retry_quarantined`);
-- the suspects and their deaths are written too (the data dir's `suspects` table), so deaths add up across runs: on
-  a fleet of one or two, the second death comes only once a server is back: in the run when something relaunches
-  it (the slot picker waits for it, generation/slots.py), else in the next run.
-
-A server that was already down when a request was sent (a refused connection, a dead server not yet ejected) is
-no new death, and no fault of the request's: it is marked `down`, and the dispatcher retries it without spending an
-attempt. A dead server is down until it answers /health again (asked every BACK_PROBE_S, or seen by the slot picker,
-which re-admits it): one relaunched at its port at once (a supervisor) and killed again has died again. Behind a gateway the gateway stays healthy when a worker
-dies: it answers a request whose worker dropped or refused the connection with a 500 (fleet/client.py
-UPSTREAM_LOST), or ends a stream already relayed. So there the probe asks each worker behind the gateway directly
-(fleet/gateway.py: the orchestrator reaches them for their facts already), those the run knows and those the gateway
-lists at the probe (a worker the gateway dropped from its list after its health checks failed is still a death; one
-it took back after a death, not yet seen by the run, is too), and a worker that now fails /health, and was not
-already down, is the death.
+- A server *died* under a request when the request's connection dropped and the server then fails /health (one
+  probe per death, shared by the requests in flight there). Every request in flight at a death is a *suspect*;
+  suspects wait until nothing else is left to send, then go one at a time, alone on the fleet, so an innocent one is
+  never beside the killer at its second death.
+- At `QUARANTINE_AFTER_DEATHS` deaths a prompt is quarantined: a failures row starting with `QUARANTINED`, written
+  the moment it is decided, carried over by later runs (`DispatchSettings.retry_quarantined` sends it again). The
+  suspects and their deaths are written too (the `suspects` table), so deaths add up across runs.
+- A server already down when a request was sent (a refused connection) is no death and costs no attempt. A dead
+  server is down until it answers /health again (every BACK_PROBE_S, or seen by the slot picker); its next drop is a
+  new death.
+- Behind a gateway, which stays healthy when a worker dies (a 500, fleet/client.py UPSTREAM_LOST, or a cut stream),
+  the probe asks each worker directly (fleet/gateway.py), those the run knows and those the gateway lists now; the
+  one that now fails /health, and was not already down, is the death.
 """
 
 from __future__ import annotations

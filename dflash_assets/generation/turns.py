@@ -1,16 +1,12 @@
 """A conversation is the unit of generation: the turns a config generates of it, and where it stands.
 
-`regenerate` chooses which turns of a source conversation are generated (`turns_of`, the one place that reads it):
-last_turn, its final assistant turn with everything before it (its rows record no turn number); all_turns, every
-assistant turn in order, turn k requested with the system turns, the user turns 1..k and the regenerated answers of
-turns 1..k-1 as their `content` only (what Qwen3's chat template keeps of earlier assistant turns). An agentic
-conversation splices the source's tool results after the target's own calls (tools are never executed); where the
-target's calls do not match the source's results it ends there, `diverged`.
+`regenerate` (read only by `turns_of`): last_turn, the final assistant turn (rows without a turn number); all_turns,
+turn k requested with the user turns 1..k and the regenerated answers of turns 1..k-1 as `content` only (what Qwen3's
+template keeps). An agentic conversation splices the source's tool results after the target's own calls, and ends,
+`diverged`, where they do not match.
 
-A turn is done iff its row (prompt_id, turn, config_hash) is in a committed part: on every start each conversation's
-state is recomputed from those rows and the refusals, its next turn's history rebuilt from the committed answers. A
-truncated or refused turn ends its conversation (a later turn would condition on a cut answer), as does, under the
-window policy, a turn whose prompt plus answer fills the trainer's window.
+A turn is done iff its row (prompt_id, turn, config_hash) is committed: each start rebuilds every conversation from
+those rows. A cut or refused turn ends its conversation, as does, under the window policy, one that fills the window.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 import re
 
-from dflash_assets.fleet.fleet import read_info
 from dflash_assets.fleet.tuning import MAMBA_SLOTS_PER_REQUEST, MAMBA_USAGE_METRIC, advise
 from tests.support.fleet_load import SLOW, load_server
+from tests.support.http import read_info
 from tests.support.sglang_wheel import sglang_srt
 
 SGLANG = sglang_srt()

@@ -3,11 +3,12 @@
 import threading
 import time
 
-from dflash_assets.fleet.fleet import on_fleet, read_info
+from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.fleet.status import fleet_status
 from dflash_assets.generation.engine import generate_shard
 from dflash_assets.generation.preflight import check_fleet
 from dflash_assets.settings import DispatchSettings, GenerationSettings
+from tests.support.http import read_info
 from tests.support.shards import FAST, cont, generate, make_shard, rows
 
 

@@ -2,8 +2,8 @@
 
 import duckdb
 
-from dflash_assets.fleet.fleet import read_info
 from dflash_assets.settings import GenerationSettings
+from tests.support.http import read_info
 from tests.support.sglang_wheel import sglang_srt
 from tests.support.shards import cont, generate, make_shard
 

@@ -87,3 +87,13 @@ def aborted(server) -> float:
         for line in text.splitlines()
         if line.startswith("sglang:num_aborted_requests_total")
     )
+
+
+def read_info(url: str, api_key: str | None = None):
+    """What the fleet reads of one server (context length, slots, limits, parser), outside any event loop."""
+    from dflash_assets.fleet.fleet import Fleet, on_fleet
+
+    async def first(fleet: Fleet):
+        return fleet.infos[0]
+
+    return on_fleet([url], first, api_key)

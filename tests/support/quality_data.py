@@ -219,3 +219,20 @@ def check(data_dir, name, **kwargs):
     """The outcome of the one check `name` on `data_dir`."""
     (outcome,) = run_checks(data_dir, names=[name], **kwargs)
     return outcome
+
+
+def completion_histogram_png(data_dir, path, shard: str | None = None, bins: int = 64) -> Path:
+    """The lengths histogram of the data dir's rows written to `path` (the report assets draw theirs from one read)."""
+    from dflash_assets.quality.report.histogram import series, write_histogram
+
+    return write_histogram(series(data_dir, shard), path, shard, bins)
+
+
+def completion_histogram_markdown(data_dir, shard: str | None = None, bins: int = 64) -> str:
+    """The histogram as a Markdown image with a base64 data URI, as Dagster Markdown metadata shows it."""
+    import base64
+
+    from dflash_assets.quality.report.histogram import histogram_png, series
+
+    data = base64.b64encode(histogram_png(series(data_dir, shard), shard, bins)).decode("ascii")
+    return f"![completion lengths](data:image/png;base64,{data})"

@@ -2,7 +2,6 @@
 (The figure and its PNG: pictures.py.)
 """
 
-import base64
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -118,11 +117,6 @@ def histogram_png(configs: Series, shard: str | None, bins: int = 64, answer: st
     return png(draw(configs, shard, bins), description="; ".join(labels(configs)) + (f". {answer}" if answer else ""))
 
 
-def completion_histogram_png(data_dir: str | Path, path: str | Path, shard: str | None = None, bins: int = 64) -> Path:
-    """Write the histogram PNG to `path` and return the path."""
-    return write_histogram(series(data_dir, shard), path, shard, bins)
-
-
 def write_histogram(
     configs: Series,
     path: str | Path,
@@ -158,9 +152,3 @@ def report_and_histogram(
     # the window's reach on the completion axis, for the median prompt: a completion past it is never trained on
     report["compact_histogram"] = compact_markdown(configs, max_length - prompt if prompt is not None else None)
     return report, write_histogram(configs, path, shard)
-
-
-def completion_histogram_markdown(data_dir: str | Path, shard: str | None = None, bins: int = 64) -> str:
-    """The histogram as a Markdown image with a base64 data URI, for Dagster Markdown metadata."""
-    data = base64.b64encode(histogram_png(series(data_dir, shard), shard, bins)).decode("ascii")
-    return f"![completion lengths](data:image/png;base64,{data})"

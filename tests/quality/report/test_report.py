@@ -10,8 +10,18 @@ from rich.console import Console
 
 from dflash_assets.cli.console import print_report
 from dflash_assets.quality import length_quality
-from dflash_assets.quality.report.histogram import completion_histogram_markdown, completion_histogram_png, series
-from tests.support.quality_data import CONFIG_A, completion, config_of, load, nearest_rank, prompt, write
+from dflash_assets.quality.report.histogram import series
+from tests.support.quality_data import (
+    CONFIG_A,
+    completion,
+    completion_histogram_markdown,
+    completion_histogram_png,
+    config_of,
+    load,
+    nearest_rank,
+    prompt,
+    write,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
