@@ -6,15 +6,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-POLL_S = 1.0
-
 
 @contextmanager
 def supervised(
     dead: Callable[[], list[str]],
     relaunch: Callable[[str], None],
     say: Callable[[str], None],
-    interval_s: float = POLL_S,
+    interval_s: float = 1.0,
 ) -> Iterator[None]:
     """While inside, every `interval_s`, `relaunch(name)` each server `dead()` names, in a thread of its own (a
     relaunch waits for /health); what it does is said with `say`."""

@@ -16,7 +16,7 @@ from pathlib import Path, PurePath
 
 import pyarrow as pa
 
-from dflash_assets.store.storage import Storage, open_storage, release_arrow_memory
+from dflash_assets.store.storage import Storage, open_storage, release_memory
 
 COVERS_KEY = b"dflash.covers"
 
@@ -96,7 +96,7 @@ class PartStore:
         for p in parts:
             self.storage.delete(p)
         self.storage.sync(self.dir)
-        release_arrow_memory()  # a shard's parts were read and written: what Arrow's pool freed goes back
+        release_memory()  # a shard's parts were read and written: what Arrow's pool freed goes back
         return out
 
     def replace(self, rows: list[dict], name: str, metadata: dict[bytes, bytes] | None = None) -> None:
@@ -107,7 +107,7 @@ class PartStore:
         if rows or metadata:
             schema = self.schema.with_metadata(metadata) if metadata else self.schema
             self.storage.write_table(pa.Table.from_pylist(rows, schema=schema), path)
-            release_arrow_memory()
+            release_memory()
         elif self.storage.exists(path):
             self.storage.delete(path)
             self.storage.sync(self.dir)

@@ -14,6 +14,7 @@ pool). Two writers would not corrupt a file, but could duplicate rows, which the
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -371,9 +372,8 @@ def open_storage(data_dir: str | os.PathLike | Storage) -> Storage:
 
 
 def connect_duckdb(spill_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB held to DFLASH_DUCKDB_MEMORY_LIMIT: past it, its tables spill to `spill_dir` (by default a
-    folder of its own in the system's temp dir), which DuckDB makes when it first spills and removes when the
-    connection closes. A reader of every row (a check, a report, the export) so stays flat at millions of rows."""
+    """An in-memory DuckDB held to DFLASH_DUCKDB_MEMORY_LIMIT, spilling past it to `spill_dir` (by default its own
+    folder in the temp dir, removed at close): a reader of every row stays flat at millions of rows."""
     con = duckdb.connect(":memory:")
     con.execute("SET memory_limit = $limit", {"limit": Deployment.DUCKDB_MEMORY_LIMIT.value()})
     spill = spill_dir or Path(tempfile.gettempdir()) / f"dflash-duckdb-{uuid.uuid4().hex[:12]}"
@@ -381,7 +381,9 @@ def connect_duckdb(spill_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def release_arrow_memory() -> None:
-    """Give back to the OS the pages Arrow's pool (mimalloc) keeps of buffers freed since: it keeps them for reuse,
-    and a backfill's reads and writes of Parquet, shard after shard, would otherwise grow its resident memory."""
+def release_memory() -> None:
+    """Give back to the OS the pages Arrow's pool (mimalloc) and the C heap keep of what was freed since: they keep
+    them for reuse, and a backfill's Parquet and text, shard after shard, would otherwise grow its resident memory."""
     pa.default_memory_pool().release_unused()
+    with suppress(OSError, AttributeError):  # glibc's; other C libraries give back on their own
+        ctypes.CDLL(None).malloc_trim(0)

@@ -60,7 +60,7 @@ from dflash_assets.quality.training.writers import (
 from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sql, trainable_sql
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.store.storage import connect_duckdb, is_uri, open_storage
+from dflash_assets.store.storage import connect_duckdb, is_uri, open_storage, release_memory
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
@@ -492,6 +492,7 @@ def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: An
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
         shutil.rmtree(request.out / SPILL_DIR, ignore_errors=True)
+        release_memory()  # every kept row's text went through
     return TrainingExport(
         paths["training_set.jsonl"],
         paths["training_set.parquet"],
