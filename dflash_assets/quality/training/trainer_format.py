@@ -8,6 +8,7 @@ first line that fails aborts the whole file, so the export leaves such a row out
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, cast
@@ -121,6 +122,7 @@ def chosen_form(
     )
 
 
+@functools.lru_cache(maxsize=64)  # the validator's flag sets read the same messages: lowered once
 def has_think_marker(text: str) -> bool:
     lowered = text.lower()
     return any(marker in lowered for marker in THINK_MARKERS)
