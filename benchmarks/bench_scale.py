@@ -206,7 +206,6 @@ def probe(stages: Stages) -> None:
         window(stages, owner, name, stage)
     window(stages, cli_shards, "run_shards", "other")  # the terminal's table stays `other`
     threaded(stages, parts.PartStore, "commit", "commit", "send")
-    threaded(stages, commit, "as_dicts", "commit", "send")
 
 
 def child(out: Path, profile: str | None, argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from dflash_assets.generation.turns import FINISHED, Conversation, conversations
 from dflash_assets.rules import stopped_early
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.store.parts import PartStore
-from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow, as_dicts
+from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow
 from dflash_assets.store.storage import Storage
 from dflash_assets.store.stores import completion_store, failure_store, reject_store, suspect_store
 
@@ -90,10 +90,10 @@ class ShardOutput:
         before_sending = [r for r in rej if r.stage != "server"]
         # rejects first: a crash between the two resends a completed prompt's reject-free row next time,
         # never a rejected prompt twice
-        await asyncio.to_thread(self.server_rejects.commit, as_dicts(server))
+        await asyncio.to_thread(self.server_rejects.commit, server)
         if before_sending and self.turn_rejects is not None:
-            await asyncio.to_thread(self.turn_rejects.commit, as_dicts(before_sending))
-        await asyncio.to_thread(self.store.commit, as_dicts(batch))
+            await asyncio.to_thread(self.turn_rejects.commit, before_sending)
+        await asyncio.to_thread(self.store.commit, batch)
         self.run.length += sum(r.finish_reason == "length" for r in batch)
         self.run.runaways_stopped += sum(stopped_early(r.finish_reason) for r in batch)
         self.run.output_tokens += sum(generated_tokens(r) for r in batch)
@@ -104,7 +104,7 @@ class ShardOutput:
         """The shard's failures replace its run's failure file (at its end, and at once when a prompt is
         quarantined: a run that then fails for lack of servers keeps the quarantine)."""
         if self.failures is not None:
-            self.failures.replace(as_dicts(self.failed), self.failure_file)
+            self.failures.replace(self.failed, self.failure_file)
 
     def close(self) -> None:
         """The shard's run is over: its failures replace the config's failure file, its parts are compacted."""

@@ -52,7 +52,6 @@ from dflash_assets.store.schema import (
     CompletionRow,
     PromptRow,
     RejectRow,
-    as_dicts,
     rows_as,
 )
 from dflash_assets.store.storage import Storage, open_storage
@@ -357,7 +356,7 @@ def plan_continuation(
     run.prompts = len(prompts)
     plan = ContinuationPlan(run, generation, store, prompts)
     _choose(plan, parents, Budget.of(fleet.infos), committed_keys(reject_store(storage, shard, "server"), config_hash))
-    reject_store(storage, shard, "preflight").replace(as_dicts(plan.rejects), plan.own_file)
+    reject_store(storage, shard, "preflight").replace(plan.rejects, plan.own_file)
     log(
         f"shard {shard}: continuing config {parent_hash} (cap {parent.max_output_tokens}) as {config_hash} "
         f"(cap {run.new_cap}): {len(parents)} parent rows, {run.already_done} already done, {len(plan.copies)} stopped "
@@ -501,7 +500,7 @@ async def continue_shard(
         wanted = {pid for pid, _ in plan.copies}
         for batch in completion_batches(store, parent_config_hash, wanted=wanted, size=dispatch.commit_rows):
             mine = [_copied(r, run.config_hash, plan.generation) for r in batch if key(r) in plan.copies]
-            store.commit(as_dicts(mine))
+            store.commit(mine)
             run.copied += len(mine)
         end_ids = await fleet.clients[0].tokenize(THINK_END) if plan.to_continue else []
         continuer = Continuer(fleet, plan, watch_of(dispatch, runaway), end_ids)

@@ -28,7 +28,7 @@ from dflash_assets.generation.turns import (
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import GenerationSettings
 from dflash_assets.store.parts import PartStore
-from dflash_assets.store.schema import PromptRow, RejectRow, as_dicts
+from dflash_assets.store.schema import PromptRow, RejectRow
 from dflash_assets.store.storage import Storage
 from dflash_assets.store.stores import completion_store, prompt_batches, prompt_store, reject_store
 
@@ -261,7 +261,7 @@ async def plan_shard(
         reject_row(r, "preflight", turn_label(r.turn, r.turns) + problem, generation, config_hash, context, r.turn)
         for r, problem in over
     ]
-    preflight_rejects.replace(as_dicts(rejects), plan_file(config_hash))
+    preflight_rejects.replace(rejects, plan_file(config_hash))
     run.rejected_preflight = len(over)
     for r, _ in over:
         del todo[r.prompt_id]

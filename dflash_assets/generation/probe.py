@@ -21,7 +21,7 @@ from dflash_assets.generation.continuation import continue_shard
 from dflash_assets.generation.engine import ShardResult, generate_shard, resolve_regenerate
 from dflash_assets.generation.preflight import Budget
 from dflash_assets.settings import DispatchSettings, GenerationSettings, ProbeSettings, SettingsError
-from dflash_assets.store.schema import PromptRow, as_dicts
+from dflash_assets.store.schema import PromptRow
 from dflash_assets.store.storage import is_uri, open_storage
 from dflash_assets.store.stores import committed_ids, completion_batches, completion_store, prompt_batches, prompt_store
 
@@ -115,7 +115,7 @@ def write_probe_shard(data_dir: str | Path, sample: list[PromptRow], shard: str 
     order = {(r.shard, r.prompt_id): i for i, r in enumerate(sample)}
     rows.sort(key=lambda r: order[(r.shard, r.prompt_id)])
     # the probe's shard key replaces the prompt's own; the prompt_id stays, so a row is traced back to its prompt
-    probe = as_dicts(replace(r, shard=shard) for r in rows)
+    probe = [replace(r, shard=shard) for r in rows]
     prompt_store(probe_root(data_dir), shard).replace(probe, "prompts.parquet")
 
 
@@ -140,7 +140,7 @@ def _copy_parent_rows(data_dir: str | Path, parent: str, sample: list[PromptRow]
         have = committed_ids(store, parent)
         for shard, ids in sorted(ids_by_shard(sample).items()):
             for batch in completion_batches(completion_store(data_dir, shard), parent, wanted=ids - have):
-                store.commit(as_dicts(replace(r, shard=CUT_ROWS_SHARD) for r in batch))
+                store.commit([replace(r, shard=CUT_ROWS_SHARD) for r in batch])
 
 
 async def run_length_probe(

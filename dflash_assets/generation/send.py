@@ -37,7 +37,7 @@ from dflash_assets.generation.tools import answer_message
 from dflash_assets.generation.turns import TurnItem, fills_before
 from dflash_assets.rules import fills_window
 from dflash_assets.settings import DispatchSettings, GenerationSettings, RunawaySettings
-from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow, as_dicts
+from dflash_assets.store.schema import CompletionRow, FailureRow, RejectRow
 
 
 class Figures(NamedTuple):
@@ -385,7 +385,7 @@ class Dispatch:
         if output.suspects is None:
             return
         async with self._recording:  # one write at a time, each of the suspects as they are when it begins
-            await asyncio.to_thread(output.suspects.replace, as_dicts(self._suspect_rows(shard)), output.failure_file)
+            await asyncio.to_thread(output.suspects.replace, self._suspect_rows(shard), output.failure_file)
 
     def _suspect_rows(self, shard: str) -> list[FailureRow]:
         output = self.outputs[shard]

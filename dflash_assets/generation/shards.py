@@ -26,7 +26,7 @@ from dflash_assets.generation.prompts import (
 from dflash_assets.generation.quotas import source_draws
 from dflash_assets.rules import prompt_over_context
 from dflash_assets.settings import Deployment, QuotaSettings, RepeatSettings
-from dflash_assets.store.schema import PromptRow, RejectRow, as_dicts
+from dflash_assets.store.schema import PromptRow, RejectRow
 from dflash_assets.store.source import ShardSource, has_completions, recorded_sources
 from dflash_assets.store.storage import open_storage
 from dflash_assets.store.stores import ids_in_other_shards, prompt_store, reject_store
@@ -203,8 +203,8 @@ async def build_prompt_shard(
     ]
     lines, fingerprint = shard_fingerprint(source, index, shard_size)
     record = ShardSource(str(Path(source).resolve()), shard_size, lines, fingerprint)
-    prompt_store(data_dir, shard).replace(as_dicts(prompts), "prompts.parquet", record.metadata())
-    reject_store(data_dir, shard, "source").replace(as_dicts(rejects), "rejects.parquet")
+    prompt_store(data_dir, shard).replace(prompts, "prompts.parquet", record.metadata())
+    reject_store(data_dir, shard, "source").replace(rejects, "rejects.parquet")
     return ShardBuild(
         shard,
         len(items),

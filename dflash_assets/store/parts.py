@@ -11,11 +11,12 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePath
 
 import pyarrow as pa
 
+from dflash_assets.store.schema import Row, table_of
 from dflash_assets.store.storage import Storage, open_storage, release_memory
 
 COVERS_KEY = b"dflash.covers"
@@ -72,10 +73,10 @@ class PartStore:
     def read(self, columns: list[str] | None = None) -> pa.Table:
         return read_table(self.parts(), columns, self.schema, self.storage)
 
-    def commit(self, rows: list[dict]) -> PurePath | None:
+    def commit(self, rows: Sequence[Row] | Sequence[dict]) -> PurePath | None:
         if not rows:
             return None
-        table = pa.Table.from_pylist(rows, schema=self.schema)
+        table = table_of(rows, self.schema)
         name = f"part-{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:6]}.parquet"
         return self.storage.write_table(table, self.dir / name)
 
@@ -99,14 +100,16 @@ class PartStore:
         release_memory()  # a shard's parts were read and written: what Arrow's pool freed goes back
         return out
 
-    def replace(self, rows: list[dict], name: str, metadata: dict[bytes, bytes] | None = None) -> None:
+    def replace(
+        self, rows: Sequence[Row] | Sequence[dict], name: str, metadata: dict[bytes, bytes] | None = None
+    ) -> None:
         """A whole-file table (rejects, failures): replace `name` atomically, or remove it when empty. `metadata`
         goes into the file's Parquet schema, committed with its rows (store/source.py); a file with metadata is
         written even without rows (a prompt shard whose every line was rejected: built, zero prompts)."""
         path = self.dir / name
         if rows or metadata:
             schema = self.schema.with_metadata(metadata) if metadata else self.schema
-            self.storage.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+            self.storage.write_table(table_of(rows, schema), path)
             release_memory()
         elif self.storage.exists(path):
             self.storage.delete(path)

@@ -6,7 +6,7 @@ rejects/shard=<key>/stage=<stage>/, completions/, failures/ and suspects/ (shard
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from itertools import repeat
@@ -146,14 +146,17 @@ Row = CompletionRow | RejectRow | FailureRow | PromptRow
 R = TypeVar("R", CompletionRow, RejectRow, FailureRow, PromptRow)
 
 
-def as_dicts(rows: Iterable[Row]) -> list[dict]:
-    """Typed rows as PartStore writes them (no copy of their lists, unlike dataclasses.asdict); a type's field names
-    are read once, not once a row."""
-    return [dict(zip(_names(r), attrgetter(*_names(r))(r), strict=True)) for r in rows]
+def table_of(rows: Sequence[Row] | Sequence[dict], schema: pa.Schema) -> pa.Table:
+    """Rows as PartStore writes them: typed rows a column at a time (half the cost of a dict a row), mappings (a
+    caller's own, columns left out read as null) a row at a time."""
+    if not rows or isinstance(rows[0], dict):
+        return pa.Table.from_pylist(list(rows), schema=schema)
+    columns = zip(*map(attrgetter(*schema.names), rows), strict=True)
+    return pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(columns, schema, strict=True)], schema=schema)
 
 
 def rows_as(row_type: type[R], batch: Any) -> list[R]:
-    """A batch (an Arrow record batch or table) read back as the rows it was written as (as_dicts' inverse), a column
+    """A batch (an Arrow record batch or table) read back as the rows it was written as (table_of's inverse), a column
     at a time; a column the batch does not hold reads as null."""
     names, rows = batch.schema.names, [object.__new__(row_type) for _ in range(batch.num_rows)]
     for name in _names(row_type):

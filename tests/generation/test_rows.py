@@ -21,7 +21,6 @@ from dflash_assets.store.schema import (
     FailureRow,
     PromptRow,
     RejectRow,
-    as_dicts,
     rows_as,
 )
 from dflash_assets.store.stores import (
@@ -79,8 +78,8 @@ def test_typed_rows_are_written_by_the_part_stores_as_their_schema_reads_them(tm
         (failure_store(tmp_path, "00000"), failure),
         (prompt_store(tmp_path, "00000"), prompt),
     ]:
-        store.commit(as_dicts([row]))
-        assert store.read().to_pylist() == as_dicts([row])
+        store.commit([row])
+        assert store.read().to_pylist() == [{name: getattr(row, name) for name in store.schema.names}]
         assert rows_as(type(row), store.read()) == [row]  # read back as the row it was written as
 
 
@@ -101,7 +100,7 @@ def test_the_stores_read_rows_back_typed_and_a_column_not_read_or_not_yet_writte
     rows = [
         CompletionRow.of(base | {"prompt_id": p, "config_hash": c}) for p, c in [("a", "x"), ("b", "x"), ("b", "y")]
     ]
-    completions.commit(as_dicts(rows))
+    completions.commit(rows)
     assert [r for b in completion_batches(completions, "x", wanted={"b"}) for r in b] == [rows[1]]
     [[only]] = completion_batches(completions, "y", ["prompt_id", "finish_reason"])
     assert (only.prompt_id, only.finish_reason, only.max_output_tokens) == ("b", "stop", None)
