@@ -704,5 +704,6 @@ class Deployment:
     GPUS = EnvSetting("DFLASH_GPUS", LaunchSettings().gpus)
     BASE_PORT = EnvSetting("DFLASH_BASE_PORT", str(LaunchSettings().base_port))
     SGLANG_COMMAND = EnvSetting("DFLASH_SGLANG_COMMAND", LaunchSettings().command)
+    SGLANG_ARGS = EnvSetting("DFLASH_SGLANG_ARGS", LaunchSettings().extra_args)
     API_KEY = EnvSetting("DFLASH_API_KEY", "")
     S3_ENDPOINT = EnvSetting("DFLASH_S3_ENDPOINT", "")  # s3:// data dirs (store/storage.py), before AWS_ENDPOINT_URL

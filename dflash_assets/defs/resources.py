@@ -16,7 +16,7 @@ from pydantic import Field, PrivateAttr
 from dflash_assets.defs.metadata import StepStopKeys
 from dflash_assets.fleet.attach import parse_urls
 from dflash_assets.fleet.fleet import Fleet, on_fleet
-from dflash_assets.fleet.supervise import supervised
+from dflash_assets.fleet.supervise import launched, supervised
 from dflash_assets.generation.prompts import FieldMapping
 from dflash_assets.settings import (
     Deployment,
@@ -108,17 +108,17 @@ class FleetResource(dg.ConfigurableResource, FleetSettings):
                 self._urls = list(servers)
                 info(f"started {len(servers)} emulated SGLang servers: {', '.join(self._urls)}")
 
-                def relaunch(url: str) -> None:
+                def relaunch(url: str, _stop: object) -> None:
                     servers[url].stop()
                     servers[url] = start_emulator(args, port=servers[url].port)
 
                 dead = lambda: [url for url, s in servers.items() if not s.alive()]  # noqa: E731
                 stack.enter_context(supervised(dead, relaunch, info))
             elif self.mode == "launch":
-                from dflash_assets.fleet.launcher import build_spec, default_fleet_dir, up
+                from dflash_assets.fleet.launcher import build_spec, default_fleet_dir
 
                 spec = build_spec(LaunchSettings.taken_from(self.launch))
-                self._urls = [r.url for r in up(spec, default_fleet_dir(), on_event=info)]
+                self._urls = [r.url for r in stack.enter_context(launched(spec, default_fleet_dir(), info))]
             else:
                 self._urls = self.url_list()
             yield self
@@ -210,6 +210,7 @@ def from_env() -> dict:
                 gpus=env(d.GPUS),
                 base_port=env(d.BASE_PORT, int),
                 command=env(d.SGLANG_COMMAND),
+                extra_args=env(d.SGLANG_ARGS),
             ),
         ),
         "prompt_source": PromptSourceResource(path=env(d.PROMPTS), shard_size=env(d.SHARD_SIZE, int)),

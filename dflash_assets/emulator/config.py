@@ -18,6 +18,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+from .faults import FAULT_FLAGS
 from .model import LengthModel
 
 # Every `sglang serve` flag of 0.5.23 as [names, nargs, dest], from the wheel (test_sglang_contract.py
@@ -175,34 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=VERSION,
         help="The SGLang version /server_info and /v1/loads report (another release behind the same routes).",
     )
-    emu.add_argument("--fault-crash-after", type=int, help="Exit hard when generation request N+1 arrives.")
-    emu.add_argument("--fault-crash-on", help="Exit hard when a generation request's prompt contains this text.")
-    emu.add_argument("--fault-503-next", type=int, help="Answer the next N generation requests with 503.")
-    emu.add_argument("--fault-503-rate", type=float, help="Answer this share of generation requests with 503.")
-    emu.add_argument("--fault-stall-seconds", type=float, help="Hold generation requests this long before serving.")
-    emu.add_argument("--fault-stall-next", type=int, help="Stall only the next N requests (default: all).")
-    emu.add_argument(
-        "--fault-stall-after-tokens",
-        type=int,
-        help="The stall comes after this many output tokens are out (mid-stream), not before serving.",
-    )
-    emu.add_argument(
-        "--fault-half-open",
-        action="store_true",
-        help="A stalled request does not see its client go (a half-open connection): it holds its slot until the "
-        "stall ends or POST /abort_request names its rid.",
-    )
-    emu.add_argument(
-        "--fault-hold",
-        action="store_true",
-        help="Hold generation requests until the hold is cleared (POST /_emulator/faults {\"hold\": null}).",
-    )
-    emu.add_argument(
-        "--fault-hold-after",
-        type=int,
-        help="Serve the first N generation requests, then hold every later one until hold_after is cleared.",
-    )
-    emu.add_argument("--fault-slow-factor", type=float, help="Multiply decode time by this factor.")
+    for flag, (name, kind, said) in FAULT_FLAGS.items():
+        emu.add_argument(flag, dest=f"fault_{name}", help=said, **kind)
     return parser
 
 

@@ -56,6 +56,22 @@ class Verdict:
 
 NO_FAULT = Verdict()
 
+SWITCH = {"action": "store_true", "default": None}  # None unless given, as FaultSettings' unset fields
+# The command line's --fault-* flags (config.py): flag -> (FaultSettings field, argparse kwargs, help).
+FAULT_FLAGS: dict[str, tuple[str, dict, str]] = {
+    "--fault-crash-after": ("crash_after", {"type": int}, "Exit hard when generation request N+1 arrives."),
+    "--fault-crash-on": ("crash_on", {}, "Exit hard when a generation request's prompt contains this text."),
+    "--fault-503-next": ("fail_next", {"type": int}, "Answer the next N generation requests with 503."),
+    "--fault-503-rate": ("fail_rate", {"type": float}, "Answer this share of generation requests with 503."),
+    "--fault-stall-seconds": ("stall_seconds", {"type": float}, "Hold generation requests this long before serving."),
+    "--fault-stall-next": ("stall_next", {"type": int}, "Stall only the next N requests (default: all)."),
+    "--fault-stall-after-tokens": ("stall_after_tokens", {"type": int}, "Stall once this many output tokens are out."),
+    "--fault-half-open": ("half_open", SWITCH, "A stalled request keeps its slot when its client goes (half-open)."),
+    "--fault-hold": ("hold", SWITCH, "Hold generation requests until POST /_emulator/faults clears hold."),
+    "--fault-hold-after": ("hold_after", {"type": int}, "Serve N generation requests, then hold every later one."),
+    "--fault-slow-factor": ("slow_factor", {"type": float}, "Multiply decode time by this factor."),
+}
+
 
 class Faults:
     def __init__(self, settings: FaultSettings | None = None, seed: int = 0):
@@ -151,18 +167,4 @@ def prompt_text(body: dict) -> str:
 
 
 def from_args(args) -> Faults:
-    return Faults(
-        FaultSettings(
-            crash_after=args.fault_crash_after,
-            crash_on=args.fault_crash_on,
-            fail_next=args.fault_503_next,
-            fail_rate=args.fault_503_rate,
-            stall_seconds=args.fault_stall_seconds,
-            stall_next=args.fault_stall_next,
-            stall_after_tokens=args.fault_stall_after_tokens,
-            half_open=args.fault_half_open or None,
-            slow_factor=args.fault_slow_factor,
-            hold=args.fault_hold or None,
-            hold_after=args.fault_hold_after,
-        )
-    )
+    return Faults(FaultSettings(**{name: getattr(args, f"fault_{name}") for name, _, _ in FAULT_FLAGS.values()}))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from dataclasses import replace as with_fields
 from datetime import UTC, datetime
 from pathlib import Path
+from threading import Event
 
 from dflash_assets.fleet import processes, registry
 from dflash_assets.fleet.client import ServerAccessError, ServerClient, ServerError
@@ -93,8 +94,10 @@ def build_spec(settings: LaunchSettings, api_key_env: str = Deployment.API_KEY.n
     )
 
 
-def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events = None) -> list[ServerRecord]:
-    """Bring the fleet to `spec` and return its servers once every one answers GET /health with 200."""
+def up(
+    spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events = None, stop: Event | None = None
+) -> list[ServerRecord]:
+    """Bring the fleet to `spec`; its servers once each answers GET /health 200 (FleetError if `stop` is set first)."""
     say = on_event or (lambda _msg: None)
     key = os.environ.get(spec.api_key_env) or None
     wanted = spec.servers()
@@ -124,8 +127,14 @@ def up(spec: FleetSpec, fleet_dir: Path, replace: bool = False, on_event: Events
             say(f"{name}: {DONE[action]}: pid {rec.pid}, {rec.url}, GPU {','.join(map(str, rec.gpus)) or '-'}")
     # Waited for outside the lock, so `down` can still stop a server that never gets healthy.
     ours = [records[n] for n in wanted]
-    asyncio.run(_wait_healthy(ours, key, spec.health_timeout_s, say))
+    asyncio.run(_wait_healthy(ours, key, spec.health_timeout_s, say, stop or Event()))
     return ours
+
+
+def ended(spec: FleetSpec, fleet_dir: Path) -> list[str]:
+    """The servers of `spec` in the registry whose process ended: those `up` relaunches."""
+    records = registry.load(fleet_dir)
+    return [n for n in spec.servers() if n in records and not processes.is_ours(records[n].pid, records[n].proc_start)]
 
 
 def _decide(
@@ -217,10 +226,12 @@ async def _rejects_key(url: str, key: str) -> bool:
     return False
 
 
-async def _wait_healthy(records: list[ServerRecord], key: str | None, timeout_s: float, say: Callable) -> None:
+async def _wait_healthy(
+    records: list[ServerRecord], key: str | None, timeout_s: float, say: Callable, stop: Event
+) -> None:
     async with open_session() as session:
         results = await asyncio.gather(
-            *(_wait_one(ServerClient(session, r.url, key), r, key, timeout_s, say) for r in records),
+            *(_wait_one(ServerClient(session, r.url, key), r, key, timeout_s, say, stop) for r in records),
             return_exceptions=True,
         )
     errors = [str(e) for e in results if isinstance(e, BaseException)]
@@ -228,9 +239,11 @@ async def _wait_healthy(records: list[ServerRecord], key: str | None, timeout_s:
         raise FleetError("\n\n".join(errors))
 
 
-async def _wait_one(client: ServerClient, rec: ServerRecord, key: str | None, timeout_s: float, say: Callable) -> None:
-    """Until the server answers /health, said at once and every WAIT_SAY_EVERY_S; a launched server that is still
-    loading its model refuses connections (SGLang binds its port after), so only its exit or the timeout end this."""
+async def _wait_one(
+    client: ServerClient, rec: ServerRecord, key: str | None, timeout_s: float, say: Callable, stop: Event
+) -> None:
+    """Until the server answers /health, said at once and every WAIT_SAY_EVERY_S; one loading its model refuses
+    connections (SGLang binds its port after): only its exit, the timeout or `stop` end this."""
     start = time.monotonic()
     deadline, said = start + timeout_s, None
     while not await client.healthy(timeout=30):
@@ -250,6 +263,8 @@ async def _wait_one(client: ServerClient, rec: ServerRecord, key: str | None, ti
                 f"(GET /health); it is left running (`dflash fleet down` stops it). Last lines of "
                 f"{rec.log}:\n{processes.tail(Path(rec.log), secrets=(key,) if key else ())}"
             )
+        if stop.is_set():
+            raise FleetError(f"stopped waiting for {rec.url}/health; server {rec.name} is left running")
         await asyncio.sleep(0.5)
 
 

@@ -152,25 +152,11 @@ def _uptime(seconds: float | None) -> str:
 
 def status_table(statuses: list[ServerStatus]) -> Table:
     table = Table(title="SGLang fleet")
-    for col in (
-        "server",
-        "url",
-        "health",
-        "context length",
-        "max running",
-        "running",
-        "waiting",
-        "KV usage",
-        "pid",
-        "GPU",
-        "uptime",
-        "note",
-    ):
+    numbers = ("context length", "max running", "running", "waiting", "KV usage", "pid")  # aligned right
+    for col in ("server", "url", "health", *numbers, "GPU", "uptime", "note"):
         table.add_column(
             col,
-            justify="right"
-            if col in ("context length", "max running", "running", "waiting", "KV usage", "pid")
-            else "left",
+            justify="right" if col in numbers else "left",
             # a URL is what a person copies: never cut it
             min_width=max((len(s.url) for s in statuses), default=0) if col == "url" else None,
         )

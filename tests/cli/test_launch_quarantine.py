@@ -1,7 +1,7 @@
-"""Launch mode meets a prompt that kills its server: `dflash fleet up` starts three servers (the emulator as the
-`sglang serve` command), each told at run time to exit hard on a marker (the crash_on fault, as a CUDA fault on
-one input). A backfill quarantines the prompt after two servers died under it and commits every other; the next
-`fleet up` relaunches the two dead servers, and the next backfill does not send the prompt again: all three stay up.
+"""Launch and emulated mode meet a prompt that kills its server (the emulator's crash_on fault, given as a server
+flag, as a CUDA fault on one input): the run keeps its fleet up, relaunching a dead server at its port with the same
+flags, so on one, two or three servers it quarantines the prompt after two deaths and commits every other, in one
+run; the next run does not send the prompt again.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import urllib.request
 import duckdb
 import pytest
 
+from dflash_assets.fleet import registry
+from dflash_assets.fleet.launcher import default_fleet_dir
 from dflash_assets.generation.quarantine import QUARANTINED
 from tests.support.cli import dflash, free_base_port
 from tests.support.dagster_procs import PROJECT_DAGSTER_YAML
-from tests.support.http import set_faults
+from tests.support.http import Http, requests_served
 
 pytestmark = pytest.mark.long
 
@@ -31,71 +33,90 @@ def healthy(url: str) -> bool:
         return False
 
 
-def test_in_launch_mode_a_poisoned_prompt_costs_two_servers_and_the_relaunched_fleet_is_spared(tmp_path):
+def run_messages(home) -> list[list[str]]:
+    """The messages of each generating run's event log in the instance at `home`, oldest run first."""
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        runs = [r for r in instance.get_runs() if r.job_name == "shard_pipeline"]
+        runs.sort(key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp)
+        return [[e.user_message for e in instance.all_logs(r.run_id)] for r in runs]
+
+
+def deaths(messages: list[str]) -> int:
+    """Server deaths the run's quarantine saw (generation/quarantine.py says each once)."""
+    return sum("died with requests in flight" in m for m in messages)
+
+
+def prompts(path, prefix: str) -> None:
+    """N prompts, the sixth poisoned."""
+    lines = (
+        {"id": f"{prefix}{i:02d}", "prompt": f"{prefix} question {i}" + (f" {MARKER}" if i == 5 else "")}
+        for i in range(N)
+    )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def completed_once(data) -> list[str]:
+    rows = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
+    return sorted(r[0] for r in rows)
+
+
+def quarantined(data) -> list[str]:
+    found = duckdb.sql(f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')").fetchall()
+    return [prompt_id for prompt_id, error in found if error.startswith(QUARANTINED)] + [
+        f"{prompt_id}: {error}" for prompt_id, error in found if not error.startswith(QUARANTINED)
+    ]
+
+
+BACKFILL = ["backfill", "--max-output-tokens", "256", "--max-attempts", "8", "--backoff-base-s", "0.05"]
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3])
+def test_a_launched_fleet_relaunches_the_server_a_prompt_killed_and_finishes_in_one_run(tmp_path, servers):
+    """Launch mode (the emulator as `sglang serve`, the crash flag in DFLASH_SGLANG_ARGS so a relaunched server has
+    it too): the run relaunches a dead server through the launcher (fleet/supervise.py), so the prompt's second
+    death comes in the same run: exactly two deaths, the prompt quarantined and named on the terminal with
+    `--retry-quarantined`, every other prompt committed once, in one run with no step retried. A second run, on the
+    fleet `fleet up` brings back whole, sends nothing to any server and kills none."""
     home, data, src = tmp_path / "home", tmp_path / "data", tmp_path / "prompts.jsonl"
     home.mkdir()
     (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
-    src.write_text(
-        "".join(
-            json.dumps({"id": f"l{i:02d}", "prompt": f"launch question {i}" + (f" {MARKER}" if i == 5 else "")}) + "\n"
-            for i in range(N)
-        )
-    )
-    base = free_base_port(3)
-    launch = {
-        "DFLASH_FLEET_MODE": "launch",
-        "DFLASH_MODEL_PATH": "emulated/qwen3-27b",
-        "DFLASH_GPUS": "0,1,2",
-        "DFLASH_BASE_PORT": str(base),
-        "DFLASH_SGLANG_COMMAND": "emulator",
-    }
+    prompts(src, "l")
+    base, gpus = free_base_port(servers), ",".join(map(str, range(servers)))
+    flags = f"--fault-crash-on {MARKER}"
     env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_PROMPTS": str(src)}
-    env |= {"DFLASH_SHARD_SIZE": str(N), "DFLASH_RETRY_DELAY_S": "1"} | launch
-    up = ["fleet", "up", "--model-path", "emulated/qwen3-27b", "--gpus", "0,1,2", "--command", "emulator"]
-    up += ["--base-port", str(base), "--health-timeout-s", "60"]
-    urls = [f"http://127.0.0.1:{base + i}" for i in range(3)]
-    backfill = ["backfill", "--max-output-tokens", "256", "--max-attempts", "8", "--backoff-base-s", "0.05"]
+    env |= {"DFLASH_SHARD_SIZE": str(N), "DFLASH_RETRY_DELAY_S": "1", "DFLASH_FLEET_MODE": "launch"}
+    env |= {"DFLASH_MODEL_PATH": "emulated/qwen3-27b", "DFLASH_GPUS": gpus, "DFLASH_BASE_PORT": str(base)}
+    env |= {"DFLASH_SGLANG_COMMAND": "emulator", "DFLASH_SGLANG_ARGS": flags}
+    up = ["fleet", "up", "--model-path", "emulated/qwen3-27b", "--gpus", gpus, "--command", "emulator"]
+    up += ["--base-port", str(base), "--extra-args", flags]
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(servers)]
     try:
-        first_up = dflash(*up, env=env)
-        assert first_up.returncode == 0, first_up.stdout + first_up.stderr
-        for url in urls:
-            set_faults(url, {"crash_on": MARKER})
-        first = dflash(*backfill, env=env, timeout=600)
+        first = dflash(*BACKFILL, env=env, timeout=600)  # the run launches the fleet itself
         said = first.stdout + first.stderr
-        assert sum(not healthy(u) for u in urls) == 2, said
-        rows = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
-        assert sorted(r[0] for r in rows) == [f"l{i:02d}" for i in range(N) if i != 5], said
-        [(prompt_id, error)] = duckdb.sql(
-            f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
-        ).fetchall()
-        assert prompt_id == "l05" and error.startswith(QUARANTINED), said
+        assert completed_once(data) == [f"l{i:02d}" for i in range(N) if i != 5], said
+        assert quarantined(data) == ["l05"], said
+        [messages] = run_messages(home)  # one run, and no step of it retried
+        assert deaths(messages) == 2, messages
+        assert not any("retry" in m.lower() for m in messages if m.startswith("Execution of step")), messages
         named = [line for line in first.stdout.splitlines() if line.startswith("Quarantined")]
         assert len(named) == 1 and "l05 (shard 00000)" in named[0], first.stdout
         retry = named[0].split("to send it again: ", 1)[1]
         assert " dflash backfill " in retry and " --retry-quarantined" in retry, named[0]
 
-        again_up = dflash(*up, env=env)  # the dead ones relaunched, the live one reused
-        said = again_up.stdout
-        assert (said.count(": relaunched"), said.count(": reused")) == (2, 1), said
-        assert all(healthy(u) for u in urls), again_up.stdout
-        for url in urls:
-            set_faults(url, {"crash_on": MARKER})  # the marker would kill any of them again
-        second = dflash(*backfill, env=env, timeout=600)
-        assert all(healthy(u) for u in urls), "the next run did not send the quarantined prompt\n" + second.stdout
-        again = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
-        assert sorted(again) == sorted(rows), "nothing generated twice, nothing lost"
+        assert dflash(*up, env=env).returncode == 0  # a server the last death left down is relaunched
+        records = registry.load(default_fleet_dir(home))
+        before = {url: requests_served(Http(url)) for url in urls}
+        second = dflash(*BACKFILL, env=env, timeout=600)
+        assert second.returncode == first.returncode, second.stdout + second.stderr  # 3: cut at the cap of 256
+        assert all(healthy(u) for u in urls) and registry.load(default_fleet_dir(home)) == records, "none died"
+        assert {url: requests_served(Http(url)) for url in urls} == before, "the second run sent nothing"
+        assert deaths(run_messages(home)[1]) == 0
+        assert completed_once(data) == [f"l{i:02d}" for i in range(N) if i != 5], "nothing generated twice"
     finally:
         down = dflash("fleet", "down", env=env)
         assert down.returncode == 0, down.stdout + down.stderr
-
-
-def run_messages(home) -> list[str]:
-    """Every message of every run's event log in the instance at `home`, oldest run first."""
-    import dagster as dg
-
-    with dg.DagsterInstance.from_config(str(home)) as instance:
-        runs = sorted(instance.get_runs(), key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp)
-        return [e.user_message for r in runs for e in instance.all_logs(r.run_id)]
 
 
 @pytest.mark.parametrize("servers", [1, 2])
@@ -108,34 +129,24 @@ def test_an_emulated_fleet_of_one_or_two_relaunches_the_server_a_prompt_killed_a
     home, data, src = tmp_path / "home", tmp_path / "data", tmp_path / "prompts.jsonl"
     home.mkdir()
     (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
-    src.write_text(
-        "".join(
-            json.dumps({"id": f"e{i:02d}", "prompt": f"emulated question {i}" + (f" {MARKER}" if i == 5 else "")})
-            + "\n"
-            for i in range(N)
-        )
-    )
+    prompts(src, "e")
     env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_PROMPTS": str(src)}
     env |= {"DFLASH_SHARD_SIZE": str(N), "DFLASH_RETRY_DELAY_S": "1", "DFLASH_FLEET_MODE": "emulated"}
     env |= {"DFLASH_NUM_SERVERS": str(servers), "DFLASH_EMULATOR_ARGS": f"--fault-crash-on {MARKER}"}
-    backfill = ["backfill", "--max-output-tokens", "256", "--max-attempts", "8", "--backoff-base-s", "0.05"]
 
-    first = dflash(*backfill, env=env, timeout=600)
+    first = dflash(*BACKFILL, env=env, timeout=600)
     said = first.stdout + first.stderr
-    rows = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
-    assert sorted(r[0] for r in rows) == [f"e{i:02d}" for i in range(N) if i != 5], said
-    [(prompt_id, error)] = duckdb.sql(
-        f"select prompt_id, error from read_parquet('{data}/failures/**/*.parquet')"
-    ).fetchall()
-    assert prompt_id == "e05" and error.startswith(QUARANTINED), said
+    assert completed_once(data) == [f"e{i:02d}" for i in range(N) if i != 5], said
+    assert quarantined(data) == ["e05"], said
     assert any(line.startswith("Quarantined") and "e05" in line for line in first.stdout.splitlines()), said
-    relaunched = [m for m in run_messages(home) if m.endswith("its process ended; relaunched at its port")]
+    [messages] = run_messages(home)
+    assert deaths(messages) == 2, messages
+    relaunched = [m for m in messages if m.endswith("its process ended; relaunched at its port")]
     # a fleet of one finished, so its server came back; the second death's relaunch may come after the last request
     assert servers > 1 or len(relaunched) >= 1, relaunched
     assert len(relaunched) <= 2, relaunched
 
-    second = dflash(*backfill, env=env, timeout=600)
+    second = dflash(*BACKFILL, env=env, timeout=600)
     assert second.returncode == first.returncode, second.stdout + second.stderr
-    again = duckdb.sql(f"select prompt_id from read_parquet('{data}/completions/**/*.parquet')").fetchall()
-    assert sorted(again) == sorted(rows), "nothing generated twice, nothing lost"
-    assert len([m for m in run_messages(home) if "relaunched at its port" in m]) == len(relaunched), "none died"
+    assert completed_once(data) == [f"e{i:02d}" for i in range(N) if i != 5], "nothing generated twice, nothing lost"
+    assert deaths(run_messages(home)[1]) == 0, "none died"
