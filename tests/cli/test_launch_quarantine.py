@@ -1,12 +1,15 @@
 """Launch and emulated mode meet a prompt that kills its server (the emulator's crash_on fault, given as a server
 flag, as a CUDA fault on one input): the run keeps its fleet up, relaunching a dead server at its port with the same
 flags, so on one, two or three servers it quarantines the prompt after two deaths and commits every other, in one
-run; the next run does not send the prompt again.
+run; the next run does not send the prompt again. Ctrl-C while the run relaunches a launched server ends the run.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
 import urllib.request
 
 import duckdb
@@ -150,3 +153,41 @@ def test_an_emulated_fleet_of_one_or_two_relaunches_the_server_a_prompt_killed_a
     assert second.returncode == first.returncode, second.stdout + second.stderr
     assert completed_once(data) == [f"e{i:02d}" for i in range(N) if i != 5], "nothing generated twice, nothing lost"
     assert deaths(run_messages(home)[1]) == 0, "none died"
+
+
+def test_ctrl_c_while_the_run_relaunches_a_launched_server_ends_the_run_and_fleet_down_leaves_nothing(tmp_path):
+    """A backfill whose only server died under the poisoned prompt, the run relaunching it, the relaunched server still
+    loading (it never answers /health; the launch waits up to its health timeout, 1200 s, and the run up to
+    --no-server-timeout-s, 3600 s): Ctrl-C ends the run with 130 in one last line, no traceback, within the bound.
+    The loading server is the registry's, left running as launched servers are; `fleet down` stops it and nothing of
+    the fleet is left."""
+    from dflash_assets.fleet import processes
+    from tests.cli.test_kill_resume import BOUND_S, wait_until
+    from tests.support.cli import loading_after, start
+
+    home, data, src = tmp_path / "home", tmp_path / "data", tmp_path / "prompts.jsonl"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    prompts(src, "c")
+    command = shlex.join(loading_after(1, tmp_path / "starts"))  # the first start serves, the relaunch loads for good
+    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_PROMPTS": str(src)}
+    env |= {"DFLASH_SHARD_SIZE": str(N), "DFLASH_RETRY_DELAY_S": "1", "DFLASH_FLEET_MODE": "launch"}
+    env |= {"DFLASH_MODEL_PATH": "emulated/qwen3-27b", "DFLASH_GPUS": "0", "DFLASH_BASE_PORT": str(free_base_port(1))}
+    env |= {"DFLASH_SGLANG_COMMAND": command, "DFLASH_SGLANG_ARGS": f"--fault-crash-on {MARKER}"}
+    fleet_dir, out = default_fleet_dir(home), tmp_path / "backfill.txt"
+    proc = start(*BACKFILL, "--no-server-timeout-s", "3600", out=out, env=env)
+    try:
+        relaunched = lambda: (fleet_dir / "logs" / "gpu0.log.1").exists()  # noqa: E731  # a relaunch keeps the old log
+        wait_until(lambda: relaunched() and "gpu0" in registry.load(fleet_dir), "the relaunch", proc, out)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        assert proc.wait(timeout=BOUND_S) == 130, out.read_text()
+        text = out.read_text()
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert "Traceback" not in text and "dflash backfill stopped by SIGINT" in lines[-1], text
+        [loading] = registry.load(fleet_dir).values()
+        assert processes.is_ours(loading.pid, loading.proc_start), "a launched server outlives the run"
+        assert (tmp_path / "starts").read_text().count("start") == 2, "launched, relaunched once, and no more"
+    finally:
+        down = dflash("fleet", "down", env=env)
+        assert down.returncode == 0, down.stdout + down.stderr
+    assert registry.load(fleet_dir) == {} and not processes.group_alive(loading.pid), "nothing of the fleet is left"

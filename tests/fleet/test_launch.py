@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from dflash_assets.fleet.launcher import FleetError, FleetSpec, down, up
 from dflash_assets.fleet.server_args import EMULATOR, ServerCommand
 from dflash_assets.fleet.status import fleet_status, status_table
 from dflash_assets.fleet.supervise import launched
-from tests.support.cli import free_base_port
+from tests.support.cli import free_base_port, loading_after
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -98,23 +97,13 @@ def test_a_killed_server_is_relaunched_and_the_other_reused(fleet_dir):
     assert environ_of(second[0].pid)["CUDA_VISIBLE_DEVICES"] == "0"
 
 
-# `sglang serve` that, once `slow` exists beside the fleet dir, never answers /health (a model loading for minutes)
-LOADING = "import os, sys, time; os.path.exists(sys.argv.pop(1)) and time.sleep(600); " + (
-    "os.execv(sys.executable, [sys.executable, '-m', 'dflash_assets.emulator', *sys.argv[1:]])"
-)
-
-
 def test_a_run_keeps_its_launched_fleet_up_and_a_stop_during_a_relaunch_ends_at_once(fleet_dir):
     """While a run lasts (`launched`), a server whose process ended is relaunched through `up` at its port. The run
     ending while a relaunched server still loads (its health timeout 600 s, past this module's 90 s bound) ends the
     wait at once: the block returns, the supervisor with it, and the loading server is left in the registry, where
     `fleet down` stops it."""
-    slow = fleet_dir.parent / "slow"
-    spec = dataclasses.replace(
-        make_spec(free_base_port(1), gpus=(0,)),
-        command=(sys.executable, "-c", LOADING, str(slow)),
-        health_timeout_s=600,
-    )
+    loading = loading_after(2, fleet_dir.parent / "starts")  # the second relaunch never answers /health
+    spec = dataclasses.replace(make_spec(free_base_port(1), gpus=(0,)), command=loading, health_timeout_s=600)
     heard: list[str] = []
     relaunched = lambda: sum(m.startswith("gpu0: relaunched (it was not running)") for m in heard)  # noqa: E731
     with launched(spec, fleet_dir, heard.append) as [first]:
@@ -122,12 +111,11 @@ def test_a_run_keeps_its_launched_fleet_up_and_a_stop_during_a_relaunch_ends_at_
         wait_for("the relaunch", lambda: "gpu0: its process ended; relaunched at its port" in heard, 30)
         second = registry.load(fleet_dir)["gpu0"]
         assert second.pid != first.pid and fleet_status(fleet_dir)[0].healthy
-        slow.touch()
         os.kill(second.pid, signal.SIGKILL)
         wait_for("the relaunch to wait for /health", lambda: relaunched() == 2 and heard[-1].startswith("waiting"), 30)
     assert not any(t.name == "fleet-supervisor" for t in threading.enumerate()), "nothing relaunches after the run"
-    loading = registry.load(fleet_dir)["gpu0"]
-    assert loading.pid not in (first.pid, second.pid) and processes.is_ours(loading.pid, loading.proc_start)
+    third = registry.load(fleet_dir)["gpu0"]
+    assert third.pid not in (first.pid, second.pid) and processes.is_ours(third.pid, third.proc_start)
     assert relaunched() == 2 and heard[-1].startswith("waiting"), "nothing said once the run ended"
 
 

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -87,6 +88,17 @@ def free_base_port(n: int = 2) -> int:
         if base + n < 65536 and not any(processes.port_in_use("127.0.0.1", base + i) for i in range(n)):
             return base
     raise RuntimeError("no free ports")
+
+
+def loading_after(starts: int, marker: Path) -> tuple[str, ...]:
+    """A `sglang serve` command (the emulator) whose starts after the first `starts` never answer /health: a real
+    SGLang loading its model for longer than any test waits. Each start is a line of `marker`."""
+    code = (
+        "import os, sys, time; m = sys.argv.pop(1); n = len(open(m).readlines()) if os.path.exists(m) else 0; "
+        f"open(m, 'a').write('start\\n'); n >= {starts} and time.sleep(3600); "
+        "os.execv(sys.executable, [sys.executable, '-m', 'dflash_assets.emulator', *sys.argv[1:]])"
+    )
+    return (sys.executable, "-c", code, str(marker))
 
 
 def cli_commands(parser=None, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
