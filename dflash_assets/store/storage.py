@@ -382,8 +382,9 @@ def connect_duckdb(spill_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
 
 
 def release_memory() -> None:
-    """Give back to the OS the pages Arrow's pool (mimalloc) and the C heap keep of what was freed since: they keep
-    them for reuse, and a backfill's Parquet and text, shard after shard, would otherwise grow its resident memory."""
+    """Give back to the OS the pages Arrow's pool (jemalloc: dflash_assets/__init__.py) and the C heap keep of what was
+    freed since: they keep them for reuse, and a backfill's Parquet and text, shard after shard, would otherwise grow
+    its resident memory."""
     pa.default_memory_pool().release_unused()
     with suppress(OSError, AttributeError):  # glibc's; other C libraries give back on their own
         ctypes.CDLL(None).malloc_trim(0)
