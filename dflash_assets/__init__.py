@@ -1,6 +1,5 @@
-"""Arrow's buffers come from jemalloc unless ARROW_DEFAULT_MEMORY_POOL names another pool (read once, before Arrow's
-first allocation): its default, mimalloc, keeps the pages each thread freed, and a backfill's resident memory grew
-with its rows (benchmarks/RESULTS.md, "The orchestrator's memory")."""
+"""Arrow allocates from jemalloc unless ARROW_DEFAULT_MEMORY_POOL names a pool: mimalloc, its default, kept the pages
+each thread freed, and a backfill's memory grew with its rows (benchmarks/RESULTS.md)."""
 
 import os
 import sys

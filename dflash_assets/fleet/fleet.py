@@ -32,7 +32,7 @@ except ImportError:  # Windows: asyncio's loop
 
 
 # The collector's first threshold while a run talks to its fleet: above the young objects of the requests in flight
-# (tens of thousands), or every young collection walks them all (Python's 700, and 10,000, cost 6% of a backfill's CPU)
+# (tens of thousands), or each young collection walks them all (at 700 or 10,000: 6% of a backfill's CPU)
 YOUNG_COLLECTION_EVERY = 100_000
 
 

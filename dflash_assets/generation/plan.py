@@ -59,7 +59,6 @@ class ShardResult:
     servers: dict[str, dict] = field(default_factory=dict)  # url -> this shard's completed, output_tokens; limit
     first_sent_at: float | None = None  # monotonic time the first prompt was handed to the dispatcher
     last_sent_at: float | None = None  # monotonic time the last prompt was handed to the dispatcher
-    follow_up_sent_at: float | None = None  # all_turns: monotonic time the last follow-up turn was sent
     answered_at: float | None = None  # monotonic time the last answer of this shard arrived
     finished_at: float | None = None  # monotonic time the shard had nothing left in flight or to send
     by_turn: dict[int, dict] = field(default_factory=dict)  # all_turns: turn -> rows, truncated, rejected

@@ -210,7 +210,6 @@ class Dispatch:
                     now = time.monotonic()
                     if self.ready:  # a follow-up: its shard counted it in flight when it was queued
                         item = self.ready.popleft()
-                        self.outputs[item.shard].run.follow_up_sent_at = now
                     elif (queued := next(items, None)) is None:
                         self._exhausted = True
                         for output in self.outputs.values():

@@ -147,8 +147,8 @@ R = TypeVar("R", CompletionRow, RejectRow, FailureRow, PromptRow)
 
 
 def table_of(rows: Sequence[Row] | Sequence[dict], schema: pa.Schema) -> pa.Table:
-    """Rows as PartStore writes them: typed rows a column at a time (half the cost of a dict a row), mappings (a
-    caller's own, columns left out read as null) a row at a time."""
+    """Rows as PartStore writes them: typed rows a column at a time (half the cost of a dict a row), mappings (columns
+    left out are null) a row at a time."""
     if not rows or isinstance(rows[0], dict):
         return pa.Table.from_pylist(list(rows), schema=schema)
     columns = zip(*map(attrgetter(*schema.names), rows), strict=True)
