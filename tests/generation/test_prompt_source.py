@@ -6,7 +6,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_assets.generation.prompts import Prompt, SourceError, SourceReject, count_rows, read_shard, shard_keys
+from dflash_assets.generation.prompts import (
+    LINE_STEP,
+    Prompt,
+    SourceError,
+    SourceReject,
+    _line_index,
+    count_rows,
+    read_shard,
+    shard_fingerprint,
+    shard_keys,
+)
 from dflash_assets.settings import GenerationSettings, SettingsError
 
 GOOD = {"messages": [{"role": "user", "content": "hello"}]}
@@ -77,6 +87,26 @@ def test_shards_are_fixed_line_ranges_and_lines_add_up(tmp_path):
     assert [len(s) for s in shards] == [10, 10, 4]
     assert [p.prompt_id for p in shards[1]] == [str(i) for i in range(10, 20)]
     assert isinstance(shards[2][-1], SourceReject) and shards[2][-1].line == 24
+
+
+def test_a_shard_is_read_from_the_source_line_index_which_is_read_once_and_again_when_the_file_changes(tmp_path):
+    """Every shard starts near its own lines (the index of every LINE_STEP-th line), not by reading all lines
+    before it; shards straddling the index's steps hold exactly their lines, and a rewritten source is indexed anew."""
+    src = tmp_path / "p.jsonl"
+    n, size = 3 * LINE_STEP + 5, 700  # shards of 700 lines cross the index's steps at different lines
+    write_jsonl(src, [json.dumps({"id": f"l{i}", "prompt": f"p{i}"}) for i in range(n)])
+    _line_index.cache_clear()
+    shards = [list(read_shard(src, i, size)) for i in range(len(shard_keys(src, size)))]
+    assert [p.prompt_id for s in shards for p in s] == [f"l{i}" for i in range(n)]
+    assert [p.line for p in shards[3]] == list(range(2101, 2801))
+    assert list(read_shard(src, 99, size)) == []  # past the end: no line
+    assert _line_index.cache_info().misses == 1, "the source was indexed once for every shard"
+    lines, _ = shard_fingerprint(src, 2, size)
+    assert lines == size and _line_index.cache_info().misses == 1
+
+    write_jsonl(src, [json.dumps({"id": f"m{i}", "prompt": f"q{i}"}) for i in range(n + 1)])
+    assert [p.prompt_id for p in read_shard(src, 4, size)] == [f"m{i}" for i in range(2800, n + 1)]
+    assert _line_index.cache_info().misses == 2
 
 
 def test_parquet_source_with_messages_and_prompt_columns(tmp_path):
