@@ -229,6 +229,7 @@ def run_on_fleet(fleet: FleetResource, work: Callable[[Fleet], Awaitable[T]]) ->
         request_timeout_s=fleet.request_timeout_s,
         connect_refused_s=fleet.connect_refused_s,
         say=dg.get_dagster_logger().info,  # the run's event log hears the wait for /health
+        relaunch_s=fleet.launch.health_timeout_s if fleet.mode == "launch" else 0.0,
     )
 
 

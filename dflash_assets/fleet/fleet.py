@@ -65,6 +65,7 @@ class Fleet:
     infos: list[ServerInfo]
     session: aiohttp.ClientSession
     provenance: Provenance | None = None  # what every server says it serves (fleet/provenance.py)
+    relaunch_s: float = 0.0  # the longest a server the run relaunches takes to come back (launch mode's health wait)
 
     @property
     def model(self) -> str:
@@ -133,6 +134,7 @@ async def connected(
     request_timeout_s: float = FleetSettings().request_timeout_s,
     connect_refused_s: float = FleetSettings().connect_refused_s,
     say: Callable[[str], None] | None = None,
+    relaunch_s: float = 0.0,
 ) -> AsyncIterator[Fleet]:
     """Connect, wait until every server is healthy, read facts and provenance; the fleet, closed after."""
     if not urls:
@@ -143,7 +145,7 @@ async def connected(
         clients = list(await asyncio.gather(*(_behind_gateway(c, api_key, request_timeout_s) for c in clients)))
         infos = list(await asyncio.gather(*(c.info() for c in clients)))
         provenance = await read_provenance(clients)  # a server that differs is refused here, before any request
-        yield Fleet(clients, infos, session, provenance)
+        yield Fleet(clients, infos, session, provenance, relaunch_s)
 
 
 async def _behind_gateway(client: ServerClient, api_key: str | None, request_timeout_s: float) -> ServerClient:

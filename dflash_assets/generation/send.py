@@ -168,6 +168,8 @@ class Dispatch:
         follow_up: FollowUp | None = None,
         on_answer: Callable[[int, int], None] | None = None,
     ):
+        wait = max(dispatch.no_server_timeout_s, fleet.relaunch_s)  # a server the run relaunches: as long as it takes
+        dispatch = dispatch.model_copy(update={"no_server_timeout_s": wait})
         self.fleet, self.dispatch, self.outputs = fleet, dispatch, outputs
         self.refuse, self.follow_up, self.log, self.on_answer = refuse, follow_up, log, on_answer
         self.quarantine = Quarantine(log, self._record_suspects)  # a prompt that kills its servers is not sent round

@@ -122,6 +122,36 @@ def test_a_launched_fleet_relaunches_the_server_a_prompt_killed_and_finishes_in_
         assert down.returncode == 0, down.stdout + down.stderr
 
 
+def test_a_launched_server_that_loads_longer_than_the_no_server_timeout_is_waited_for_and_the_run_finishes(tmp_path):
+    """A fleet of one, launched, whose relaunches load for 5 s (a real SGLang loads for minutes), against a
+    --no-server-timeout-s of 1: the run waits for the server it relaunches as long as the launch waits for its
+    /health, so the prompt's two deaths and every other prompt still come in one run, with no step retried (Dagster's
+    retries, seconds apart, would not outlast a real load)."""
+    from tests.support.cli import loading_after
+
+    home, data, src = tmp_path / "home", tmp_path / "data", tmp_path / "prompts.jsonl"
+    home.mkdir()
+    (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
+    prompts(src, "s")
+    command = shlex.join(loading_after(1, tmp_path / "starts", for_s=5))
+    env = {"DAGSTER_HOME": str(home), "DFLASH_DATA_DIR": str(data), "DFLASH_PROMPTS": str(src)}
+    env |= {"DFLASH_SHARD_SIZE": str(N), "DFLASH_RETRY_DELAY_S": "1", "DFLASH_FLEET_MODE": "launch"}
+    env |= {"DFLASH_MODEL_PATH": "emulated/qwen3-27b", "DFLASH_GPUS": "0", "DFLASH_BASE_PORT": str(free_base_port(1))}
+    env |= {"DFLASH_SGLANG_COMMAND": command, "DFLASH_SGLANG_ARGS": f"--fault-crash-on {MARKER}"}
+    try:
+        first = dflash(*BACKFILL, "--no-server-timeout-s", "1", env=env, timeout=600)
+        said = first.stdout + first.stderr
+        assert completed_once(data) == [f"s{i:02d}" for i in range(N) if i != 5], said
+        assert quarantined(data) == ["s05"], said
+        [messages] = run_messages(home)
+        assert deaths(messages) == 2 and any("waits up to 1200s" in m for m in messages), messages
+        assert not any("retry" in m.lower() for m in messages if m.startswith("Execution of step")), messages
+        assert (tmp_path / "starts").read_text().count("start") == 3, "launched, then relaunched after each death"
+    finally:
+        down = dflash("fleet", "down", env=env)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
 @pytest.mark.parametrize("servers", [1, 2])
 def test_an_emulated_fleet_of_one_or_two_relaunches_the_server_a_prompt_killed_and_finishes_in_one_run(
     tmp_path, servers

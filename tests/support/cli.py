@@ -90,12 +90,13 @@ def free_base_port(n: int = 2) -> int:
     raise RuntimeError("no free ports")
 
 
-def loading_after(starts: int, marker: Path) -> tuple[str, ...]:
-    """A `sglang serve` command (the emulator) whose starts after the first `starts` never answer /health: a real
-    SGLang loading its model for longer than any test waits. Each start is a line of `marker`."""
+def loading_after(starts: int, marker: Path, for_s: float = 3600) -> tuple[str, ...]:
+    """A `sglang serve` command (the emulator) whose starts after the first `starts` load for `for_s` seconds before
+    they bind their port (a real SGLang loading its model; by default longer than any test waits). Each start is a
+    line of `marker`."""
     code = (
         "import os, sys, time; m = sys.argv.pop(1); n = len(open(m).readlines()) if os.path.exists(m) else 0; "
-        f"open(m, 'a').write('start\\n'); n >= {starts} and time.sleep(3600); "
+        f"open(m, 'a').write('start\\n'); n >= {starts} and time.sleep({for_s}); "
         "os.execv(sys.executable, [sys.executable, '-m', 'dflash_assets.emulator', *sys.argv[1:]])"
     )
     return (sys.executable, "-c", code, str(marker))
