@@ -117,12 +117,14 @@ def _band_keys(sigs: np.ndarray) -> np.ndarray:
 
 def find_repeats(prompts: Iterable[Prompt], settings: RepeatSettings) -> list[Repeat]:
     """Every repeat among `prompts` (in source order): exact ones, and near ones among the rest. What stays in memory
-    is 40 bytes a prompt (its line, its words, a hash of its conversation); the signatures and their band keys go to
-    a temporary directory as they are made (Signed), so a source of millions of prompts does not hold them."""
-    keys, every_line, pending, waiting = bytearray(), array("q"), list[np.ndarray](), 0
+    is 56 bytes a prompt (its line, its words, hashes of its conversation and its id); the signatures and their band
+    keys go to a temporary directory as they are made (Signed), so a source of millions of prompts does not hold them.
+    A line whose id an earlier line has is no prompt (read_shard rejects it) and left out, found by the hashes."""
+    keys, ids, every_line, pending, waiting = bytearray(), bytearray(), array("q"), list[np.ndarray](), 0
     with tempfile.TemporaryDirectory(prefix="dflash-repeats-") as folder, Signed(Path(folder)) as signed:
         for p in prompts:
             keys += hashlib.sha256(canonical_json(p.messages).encode()).digest()[:16]
+            ids += hashlib.sha256(p.prompt_id.encode()).digest()[:16]
             every_line.append(p.line)
             words = words_of(prompt_text(p))
             shingled = shingles(words, settings.shingle_words)
@@ -136,18 +138,36 @@ def find_repeats(prompts: Iterable[Prompt], settings: RepeatSettings) -> list[Re
                 pending, waiting = [], 0
         if pending:
             signed.add(signatures(pending))
-        exact = _exact(np.frombuffer(every_line, dtype=np.int64), np.frombuffer(bytes(keys), dtype=np.uint64))
-        repeated = {r.line for r in exact}  # an exact repeat is that and nothing else
-        near = [r for r in signed.near(settings.near_threshold) if r.line not in repeated]
+        lines = np.frombuffer(every_line, dtype=np.int64)
+        again = _firsts(np.frombuffer(ids, dtype=np.uint64)) < np.arange(len(lines))  # an id seen before
+        exact = _exact(lines[~again], np.frombuffer(keys, dtype=np.uint64).reshape(-1, 2)[~again])
+        # an exact repeat is that and nothing else, and its first line, earlier, stands for it in every band
+        skip = np.concatenate([lines[again], np.array([r.line for r in exact], dtype=np.int64)])
+        near = list(signed.near(settings.near_threshold, skip))
     return sorted(exact + near, key=lambda r: r.line)
+
+
+def _firsts(keys: np.ndarray) -> np.ndarray:
+    """For each 128-bit key (two uint64 a key), the index of the first equal one: one stable sort, no copy of the
+    keys per comparison (np.unique by rows held several times them)."""
+    keys = keys.reshape(-1, 2)
+    order = np.lexsort((keys[:, 1], keys[:, 0]))  # stable: equal keys keep their order, the first first
+    new = _starts(keys[order])
+    firsts = np.empty(len(order), dtype=np.int64)
+    firsts[order] = order[new][np.cumsum(new) - 1]
+    return firsts
+
+
+def _starts(rows: np.ndarray) -> np.ndarray:
+    """Of sorted rows, those that differ from the row before (the first of each run of equal ones)."""
+    new = np.ones(len(rows), dtype=bool)
+    new[1:] = (rows[1:] != rows[:-1]).any(axis=1)
+    return new
 
 
 def _exact(lines: np.ndarray, keys: np.ndarray) -> list[Repeat]:
     """Each line whose conversation's hash (`keys`: two uint64 a line) an earlier line has: a repeat of the first."""
-    if not len(lines):
-        return []
-    _, first, inverse = np.unique(keys.reshape(len(lines), 2), axis=0, return_index=True, return_inverse=True)
-    firsts = first[inverse.reshape(-1)]
+    firsts = _firsts(keys)
     return [
         Repeat(int(lines[i]), int(lines[firsts[i]]), "exact", 1.0)
         for i in np.flatnonzero(firsts < np.arange(len(lines)))
@@ -178,19 +198,23 @@ class Signed:
         for band, f in enumerate(self.bands):
             f.write(keys[:, band].tobytes())
 
-    def near(self, threshold: float) -> Iterator[Repeat]:
-        index, pairs = np.arange(len(self.lines)), [np.empty((0, 2), dtype=np.int64)]
+    def near(self, threshold: float, skip: np.ndarray) -> Iterator[Repeat]:
+        """The near repeats among the lines, those in `skip` left out (neither a repeat nor repeated)."""
+        kept = ~np.isin(np.frombuffer(self.lines, dtype=np.int64), skip)
+        index, pairs = np.flatnonzero(kept), [np.empty((0, 2), dtype=np.int64)]
         for f in self.bands:
             f.flush()
             f.seek(0)
-            _, first, inverse = np.unique(np.fromfile(f, dtype=np.uint64), return_index=True, return_inverse=True)
+            _, first, inverse = np.unique(np.fromfile(f, dtype=np.uint64)[kept], return_index=True, return_inverse=True)
             earlier = first[inverse]
-            later = np.flatnonzero(earlier < index)
-            pairs.append(np.stack([later, earlier[later]], axis=1))
+            later = np.flatnonzero(earlier < np.arange(len(index)))
+            pairs.append(np.stack([index[later], index[earlier[later]]], axis=1))
         self.signatures.flush()
         fd, width = self.signatures.fileno(), NUM_PERM * 4
         row = lambda i: np.frombuffer(os.pread(fd, width, int(i) * width), dtype=np.uint32)  # noqa: E731
-        candidates = np.unique(np.concatenate(pairs), axis=0)  # by line, then by the earlier line
+        candidates = np.concatenate(pairs)
+        candidates = candidates[np.lexsort((candidates[:, 1], candidates[:, 0]))]  # by line, then by the earlier line
+        candidates = candidates[_starts(candidates)]
         for i, group in itertools.groupby(candidates.tolist(), key=lambda pair: pair[0]):
             for _, j in group:
                 if min(self.sizes[i], self.sizes[j]) < threshold * max(self.sizes[i], self.sizes[j]):
@@ -225,7 +249,8 @@ def source_repeats(
         / f"{source_key(source, mapping, settings.near_threshold, settings.shingle_words, NUM_PERM, BANDS)}.parquet"
     )
     if not storage.exists(path):  # two builds at once find the same, and the write is atomic
-        found = find_repeats((p for p in read_shard(source, 0, 1 << 62, mapping) if isinstance(p, Prompt)), settings)
+        every = read_shard(source, 0, 1 << 62, mapping, unique_ids=False)  # ids told apart by find_repeats
+        found = find_repeats((p for p in every if isinstance(p, Prompt)), settings)
         rows = [{"line": r.line, "first_line": r.first_line, "kind": r.kind, "similarity": r.similarity} for r in found]
         storage.write_table(pa.Table.from_pylist(rows, schema=REPEAT_SCHEMA), path)
     table = storage.read_table(path)

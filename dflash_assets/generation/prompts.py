@@ -492,9 +492,10 @@ def _parquet_rows(
 
 
 def read_shard(
-    path: Path, index: int, shard_size: int, mapping: FieldMapping | None = None
+    path: Path, index: int, shard_size: int, mapping: FieldMapping | None = None, unique_ids: bool = True
 ) -> Iterator[Prompt | SourceReject]:
-    """Prompts and rejects of shard `index`, in source order. Duplicate ids within the shard are rejected."""
+    """Prompts and rejects of shard `index`, in source order. Duplicate ids within the shard are rejected (not with
+    `unique_ids` False: a pass over a whole source would hold every id)."""
     path = Path(path)
     _check_file(path)
     start, stop = index * shard_size, (index + 1) * shard_size
@@ -504,7 +505,7 @@ def read_shard(
     seen: dict[str, int] = {}
     for line, record in records:
         item = record if isinstance(record, SourceReject) else parse_record(record, line, path.stem, mapping)
-        if isinstance(item, Prompt):
+        if isinstance(item, Prompt) and unique_ids:
             if item.prompt_id in seen:
                 item = SourceReject(
                     line,

@@ -98,3 +98,20 @@ def test_kept_repeats_are_sent_and_counted(tmp_path, emulator):
     assert counts == {
         f"{i:05d}": sum(1 for line in planted if i * SHARD_SIZE < line <= (i + 1) * SHARD_SIZE) for i in range(SHARDS)
     }
+
+
+@pytest.mark.parametrize("second_id", ["p1", "p2"], ids=["the id of line 1 again", "an id of its own"])
+def test_a_line_whose_id_an_earlier_line_has_is_left_out_of_the_repeats(second_id):
+    """A line with an earlier line's id is no prompt (its shard rejects it), so the repeats pass leaves it out
+    (found by a hash of the ids, not a dict of every id of the source): the next line with its text is the first of
+    that text, and a near copy repeats that one."""
+    from dflash_assets.generation.dedupe import find_repeats
+    from dflash_assets.generation.prompts import Prompt
+
+    rng = random.Random(7)
+    one, two = (" ".join(rng.choice(WORDS) for _ in range(80)) for _ in range(2))
+    texts = [("p1", one), (second_id, two), ("p3", two), ("p4", two + " thanks")]
+    prompts = [Prompt(i, pid, "s", [{"role": "user", "content": t}]) for i, (pid, t) in enumerate(texts, 1)]
+    found = [(r.line, r.first_line, r.kind) for r in find_repeats(prompts, RepeatSettings())]
+    first = 3 if second_id == "p1" else 2
+    assert found == ([] if first == 3 else [(3, 2, "exact")]) + [(4, first, "near")]
