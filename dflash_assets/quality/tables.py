@@ -29,7 +29,7 @@ from dflash_assets.rules import (
 )
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
+from dflash_assets.store.storage import Storage, connect_duckdb, open_storage, release_memory
 from dflash_assets.store.stores import committed_parts
 
 COMPLETION_COLUMNS = f"""
@@ -164,7 +164,9 @@ def open_quality_db(
     max_length: int = TrainerSettings().max_length,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB holding the scoped temp tables (module doc); close it (or use it as a context manager).
-    `max_length` is the trainer's window the rows are judged against."""
+    `max_length` is the trainer's window the rows are judged against. What the stages before it freed, and the
+    scan's own buffers after it, go back to the OS: every row's text goes through the scan (release_memory)."""
+    release_memory()
     con = connect_duckdb()
     register_runaway(con, runaway)
     storage = open_storage(data_dir)  # one filesystem for the four tables
@@ -211,6 +213,7 @@ def open_quality_db(
     con.execute(f"CREATE TEMP TABLE outcomes AS {outcomes_sql()}")
     con.execute(f"CREATE TEMP TABLE other_outcomes AS {outcomes_sql(OTHER_CONFIGS, **sources)}", {"shard": shard})
     con.execute(CONFIG_WRITES.format(**sources), {"shard": shard})
+    release_memory()
     return con
 
 

@@ -193,6 +193,7 @@ def _conversations(con: duckdb.DuckDBPyConnection, storage: Any, ids: str) -> It
     """The kept rows a conversation at a time, a shard at a time: its keys sorted, its text fetched by BATCH_TOKENS."""
     key = lambda r: (r.prompt_id, r.config_hash, r.turn is None)  # noqa: E731
     for shard in _shards(con, "graded"):
+        release_memory()  # the texts of the shard before went through
         query = KEPT.format(
             completions=parquet_source(con, storage, "completions", COMPLETION_SCHEMA, shard, row_position=True),
             prompts=parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA, shard),
