@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_assets.store.parts import read_table
+from dflash_assets.quality.tables import parquet_source
 from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
-from dflash_assets.store.stores import committed_parts
 
 
 @dataclass(frozen=True)
@@ -23,16 +22,15 @@ class SourceCount:
 
 
 def by_source(data_dir: str | Path | Storage, config_hash: str) -> list[SourceCount]:
-    """Planned and generated prompts of each source, for one config; the sources in name order."""
+    """Planned and generated prompts of each source, for one config; the sources in name order. DuckDB reads the
+    files (not an Arrow table of every prompt id first: 170 MB at a million rows)."""
     storage = open_storage(data_dir)
-    prompts = read_table(committed_parts(storage, "prompt_shards"), ["prompt_id", "source"], PROMPT_SCHEMA, storage)
-    rows = read_table(committed_parts(storage, "completions"), ["prompt_id", "config_hash"], COMPLETION_SCHEMA, storage)
     with connect_duckdb() as con:
-        con.register("prompts", prompts)
-        con.register("rows", rows)
+        prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
+        rows = parquet_source(con, storage, "completions", COMPLETION_SCHEMA)
         found = con.execute(
-            "SELECT p.source, count(*), count(r.prompt_id) FROM prompts p LEFT JOIN "
-            "(SELECT DISTINCT prompt_id FROM rows WHERE config_hash = ?) r USING (prompt_id) GROUP BY 1 ORDER BY 1",
+            f"SELECT p.source, count(*), count(r.prompt_id) FROM (SELECT prompt_id, source FROM {prompts}) p LEFT JOIN "
+            f"(SELECT DISTINCT prompt_id FROM {rows} WHERE config_hash = ?) r USING (prompt_id) GROUP BY 1 ORDER BY 1",
             [config_hash],
         ).fetchall()
     return [SourceCount(str(s), int(planned), int(generated)) for s, planned, generated in found]
