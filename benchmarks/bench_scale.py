@@ -315,7 +315,9 @@ def main() -> None:
         help="each emulator's flags (instant decode is its default); the default: answers of median 200 tokens",
     )
     parser.add_argument("--profile", help="cProfile the (first) backfill into this file and print its top functions")
-    parser.add_argument("--keep", action="store_true", help="keep each run's instance and data dir")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep each run's instance, data dir and source in a folder it prints"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -325,7 +327,12 @@ def main() -> None:
 
     from dflash_assets.emulator.process import start_emulator
 
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp, ExitStack() as emulators:
+    with ExitStack() as emulators:
+        if a.keep:  # the runs outlive the benchmark: their folder is printed
+            tmp = tempfile.mkdtemp(prefix="bench-scale-", dir=os.environ.get("TMPDIR"))
+            print(f"runs kept in {tmp}", flush=True)
+        else:
+            tmp = emulators.enter_context(tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")))
         flags = a.emulator_args.split()
         servers = [emulators.enter_context(start_emulator(flags)) for _ in range(a.servers)]
         print(
