@@ -16,8 +16,8 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from dflash_assets.generation.plan import prompt_batches
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planning.estimate import Lengths, PlanOptions
@@ -287,11 +287,17 @@ def _multi_turn(data_dir: str | Path, shards: list[str]) -> pa.Table:
     """(prompt_id, user_turns) of the prompts with more than one user turn, from the prompt shards' messages."""
     ids, turns = [], []
     for shard in shards:
-        for batch in prompt_batches(prompt_store(data_dir, shard), ["prompt_id", "messages_json"]):
-            for r in batch:
-                if (n := len(split_turns(json.loads(r.messages_json or "[]"))[1])) > 1:
-                    ids.append(r.prompt_id)
-                    turns.append(n)
+        store = prompt_store(data_dir, shard)
+        for part in store.parts():
+            for batch in store.storage.parquet_file(part).iter_batches(columns=["prompt_id", "messages_json"]):
+                # two turns need two messages of role user or tool: only the conversations that may have them are parsed
+                messages = batch.column("messages_json")
+                roles = pc.add(pc.count_substring(messages, '"user"'), pc.count_substring(messages, '"tool"'))
+                maybe = batch.filter(pc.fill_null(pc.greater(roles, 1), False))
+                for prompt_id, conversation in zip(*maybe.to_pydict().values(), strict=True):
+                    if (n := len(split_turns(json.loads(conversation))[1])) > 1:
+                        ids.append(prompt_id)
+                        turns.append(n)
     return pa.table({"prompt_id": pa.array(ids, pa.string()), "user_turns": pa.array(turns, pa.int64())})
 
 
