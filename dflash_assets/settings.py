@@ -694,6 +694,8 @@ class Deployment:
     SHARDS_PER_RUN = EnvSetting("DFLASH_SHARDS_PER_RUN", "8")
     # DuckDB's memory in a reader of every row (checks, reports, export): past it, its tables spill to disk
     DUCKDB_MEMORY_LIMIT = EnvSetting("DFLASH_DUCKDB_MEMORY_LIMIT", "128MB")
+    # its threads there: each holds its own buffers of the text it reads, and the fleet, not DuckDB, sets the pace
+    DUCKDB_THREADS = EnvSetting("DFLASH_DUCKDB_THREADS", "1")
     RETRY_DELAY_S = EnvSetting("DFLASH_RETRY_DELAY_S", "10")  # a failed generating step's first retry waits this
     CHECKS_CRON = EnvSetting("DFLASH_CHECKS_CRON", "0 * * * *")
     FLEET_MODE = EnvSetting("DFLASH_FLEET_MODE", FleetSettings().mode)

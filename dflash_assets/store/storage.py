@@ -376,6 +376,7 @@ def connect_duckdb(spill_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
     folder in the temp dir, removed at close): a reader of every row stays flat at millions of rows."""
     con = duckdb.connect(":memory:")
     con.execute("SET memory_limit = $limit", {"limit": Deployment.DUCKDB_MEMORY_LIMIT.value()})
+    con.execute("SET threads = $n", {"n": Deployment.DUCKDB_THREADS.value()})
     spill = spill_dir or Path(tempfile.gettempdir()) / f"dflash-duckdb-{uuid.uuid4().hex[:12]}"
     con.execute("SET temp_directory = $dir", {"dir": str(spill)})
     return con

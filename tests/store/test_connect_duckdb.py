@@ -1,5 +1,6 @@
 """The readers of every row (checks, reports, export) hold DuckDB to DFLASH_DUCKDB_MEMORY_LIMIT: past it, a table
-spills to a folder of its own, removed when the connection closes, and the answers are the same."""
+spills to a folder of its own, removed when the connection closes, and the answers are the same. They read with
+DFLASH_DUCKDB_THREADS threads (one unless set)."""
 
 from dflash_assets.store.storage import connect_duckdb
 
@@ -30,3 +31,12 @@ def test_by_default_each_connection_spills_to_a_folder_of_its_own_in_the_temp_di
         dirs = {c.execute("SELECT current_setting('temp_directory')").fetchone()[0] for c in (a, b)}
     assert len(dirs) == 2 and all(d.startswith(str(tmp_path / "dflash-duckdb-")) for d in dirs), dirs
     assert list(tmp_path.iterdir()) == [], "nothing is left behind"
+
+
+def test_a_reader_uses_one_thread_unless_the_deployment_says_more(monkeypatch):
+    monkeypatch.delenv("DFLASH_DUCKDB_THREADS", raising=False)
+    with connect_duckdb() as con:
+        assert con.execute("SELECT current_setting('threads')").fetchone() == (1,)
+    monkeypatch.setenv("DFLASH_DUCKDB_THREADS", "2")
+    with connect_duckdb() as con:
+        assert con.execute("SELECT current_setting('threads')").fetchone() == (2,)

@@ -16,16 +16,15 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planning.estimate import Lengths, PlanOptions
 from dflash_assets.quality.planning.fit import TailFit
-from dflash_assets.quality.tables import one, open_quality_db
+from dflash_assets.quality.tables import one, open_quality_db, parquet_source
 from dflash_assets.rules import percentile
 from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
-from dflash_assets.store.stores import prompt_store
+from dflash_assets.store.schema import PROMPT_SCHEMA
 
 GRID = 256  # points of the numerical integral of the tail, per row
 
@@ -276,28 +275,29 @@ def window_plan(
             "FROM completions WHERE finish_reason IN ('stop', 'length') AND completion_tokens IS NOT "
             "NULL AND prompt_tokens IS NOT NULL"
         ).fetchnumpy()
-        shards = [s for (s,) in con.execute("SELECT DISTINCT shard FROM completions ORDER BY 1").fetchall()]
-        con.register("multi_turn", _multi_turn(data_dir, shards))
+        con.register("multi_turn", _multi_turn(con, data_dir))
         cost = turns_cost(con, options := PlanOptions(**kwargs))
     lengths = Lengths(rows["completion_tokens"], rows["cut"], cap, rows["prompt_tokens"], rows["runaway"])
     return replace(plan_window(lengths, trainer.max_length, options, fit), turns=cost)
 
 
-def _multi_turn(data_dir: str | Path, shards: list[str]) -> pa.Table:
-    """(prompt_id, user_turns) of the prompts with more than one user turn, from the prompt shards' messages."""
+# two turns need two messages of role user or tool: only the conversations that may have them are parsed
+MAYBE_TURNS = """
+SELECT prompt_id, messages_json FROM {prompts}
+WHERE shard IN (SELECT shard FROM completions) AND regexp_matches(messages_json, '(?s)"(?:user|tool)".*"(?:user|tool)"')
+"""
+
+
+def _multi_turn(con: duckdb.DuckDBPyConnection, data_dir: str | Path) -> pa.Table:
+    """(prompt_id, user_turns) of the prompts of the shards in scope with more than one user turn, from the prompt
+    shards' messages."""
     ids, turns = [], []
-    for shard in shards:
-        store = prompt_store(data_dir, shard)
-        for part in store.parts():
-            for batch in store.storage.parquet_file(part).iter_batches(columns=["prompt_id", "messages_json"]):
-                # two turns need two messages of role user or tool: only the conversations that may have them are parsed
-                messages = batch.column("messages_json")
-                roles = pc.add(pc.count_substring(messages, '"user"'), pc.count_substring(messages, '"tool"'))
-                maybe = batch.filter(pc.fill_null(pc.greater(roles, 1), False))
-                for prompt_id, conversation in zip(*maybe.to_pydict().values(), strict=True):
-                    if (n := len(split_turns(json.loads(conversation))[1])) > 1:
-                        ids.append(prompt_id)
-                        turns.append(n)
+    maybe = con.execute(MAYBE_TURNS.format(prompts=parquet_source(con, data_dir, "prompt_shards", PROMPT_SCHEMA)))
+    while batch := maybe.fetchmany(4096):
+        for prompt_id, conversation in batch:
+            if (n := len(split_turns(json.loads(conversation))[1])) > 1:
+                ids.append(prompt_id)
+                turns.append(n)
     return pa.table({"prompt_id": pa.array(ids, pa.string()), "user_turns": pa.array(turns, pa.int64())})
 
 
