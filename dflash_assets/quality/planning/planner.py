@@ -20,24 +20,26 @@ from dflash_assets.quality.planning.estimate import (
 )
 from dflash_assets.quality.planning.fit import PlanError
 from dflash_assets.quality.planning.probe_estimates import ProbeSample
-from dflash_assets.quality.tables import one, parquet_source, register_runaway, runaway_sql
+from dflash_assets.quality.tables import one, register_runaway, runaway_sql
 from dflash_assets.rules import CONFIG_CAP_SQL, CUT_SQL, LATEST_ORDER_SQL, WINDOW_SIZED_SQL
 from dflash_assets.settings import SAMPLING_PARAMS, RunawaySettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.store.storage import connect_duckdb
+from dflash_assets.store.stores import parquet_source
 
 __all__ = ["DEFAULT_CANDIDATES", "CapPlan", "PlanError", "cut_rows_for_probe", "honest_cut_rows", "plan_caps"]
 
 
 SAMPLING = ("model", *SAMPLING_PARAMS, "enable_thinking")  # what must match for a probe to apply
 # a runaway stopped while streaming is a cut row that loops, at the length it really cost (rules.RUNAWAY_FINISH)
+PLANNED = f"(finish_reason = 'stop' OR {CUT_SQL}) AND completion_tokens IS NOT NULL"
 ROW_QUERY = (
     f"SELECT completion_tokens, {CUT_SQL} AS truncated, {{runaway}} AS runaway, prompt_tokens, "
-    f"max_output_tokens, {CONFIG_CAP_SQL} AS config_cap, {WINDOW_SIZED_SQL} AS held, server_context_length, "
-    f"{', '.join(SAMPLING)}, turn "
-    f"FROM {{src}} WHERE {{where}} AND (finish_reason = 'stop' OR {CUT_SQL}) "
-    "AND completion_tokens IS NOT NULL"
+    f"max_output_tokens, {CONFIG_CAP_SQL} AS config_cap, {WINDOW_SIZED_SQL} AS held, server_context_length, turn "
+    f"FROM {{src}} WHERE {{where}} AND {PLANNED}"
 )
+# the sampling of the config's first planned row: what a probe must match (one row, not a string per row)
+SAMPLING_QUERY = f"SELECT {', '.join(SAMPLING)} FROM {{src}} WHERE {{where}} AND {PLANNED} LIMIT 1"
 
 
 def read_probe(
@@ -223,10 +225,9 @@ def plan_caps(
                 raise PlanError(f"no completion rows under {data_dir} for {where}: generate a sample first")
             return _probe_plan(probe, PlanOptions(candidates, tokens_per_s, context_length, **kwargs))
         config_hash = _chosen(configs, config_hash, notes)
-        rows = con.execute(
-            ROW_QUERY.format(runaway=runaway_sql(runaway), src=src, where=f"{scope} AND config_hash = $config"),
-            {"shard": shard, "config": config_hash},
-        ).fetchnumpy()
+        where, params = f"{scope} AND config_hash = $config", {"shard": shard, "config": config_hash}
+        rows = con.execute(ROW_QUERY.format(runaway=runaway_sql(runaway), src=src, where=where), params).fetchnumpy()
+        first = con.execute(SAMPLING_QUERY.format(src=src, where=where), params).fetchone()
         skipped = dict(configs)[config_hash] - len(rows["completion_tokens"])
     if skipped:
         notes.append(f"{num(skipped)} rows without a 'stop' or 'length' finish left out")
@@ -239,7 +240,7 @@ def plan_caps(
         notes.append(f"context length {num(context_length)}: the smallest the rows' servers had")
     probe = None
     if use_probe and len(rows["completion_tokens"]):
-        like = {k: rows[k][:1].tolist()[0] for k in SAMPLING}  # None where unrecorded, as any_value gives it
+        like = dict(zip(SAMPLING, first or (None,) * len(SAMPLING)))  # None where unrecorded, as any_value gives it
         probe = read_probe(data_dir, like, runaway, notes, parent=config_hash)
     lengths = Lengths(
         rows["completion_tokens"],
