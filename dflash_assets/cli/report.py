@@ -12,7 +12,7 @@ from dflash_assets.settings import TRAINER_FLAGS, Deployment, QualitySettings, T
 def report(args: argparse.Namespace) -> int:
     from dflash_assets.cli.console import print_report
     from dflash_assets.cli.environment import as_printed, data_dir_of
-    from dflash_assets.quality.tables import parquet_files
+    from dflash_assets.store.stores import parquet_files
 
     data_dir = data_dir_of(args)  # a path or an s3:// URI
     if not parquet_files(data_dir, "completions"):

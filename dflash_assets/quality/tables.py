@@ -29,8 +29,8 @@ from dflash_assets.rules import (
 )
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
-from dflash_assets.store.storage import Storage, connect_duckdb, open_storage, release_memory
-from dflash_assets.store.stores import committed_parts
+from dflash_assets.store.storage import connect_duckdb, open_storage, release_memory
+from dflash_assets.store.stores import parquet_source
 
 COMPLETION_COLUMNS = f"""
     prompt_id, shard, source, config_hash, finish_reason, prompt_tokens, completion_tokens, max_output_tokens,
@@ -117,43 +117,6 @@ SELECT config_hash, min(created_at) AS first_written, max(created_at) AS last_wr
 ) WHERE $shard IS NULL OR shard = $shard
 GROUP BY ALL
 """
-
-
-def parquet_files(data_dir: str | Path | Storage, table: str, shard: str | None = None) -> list[str]:
-    """The committed Parquet parts (PartStore.parts) of one table (or one shard of it), sorted, as DuckDB names them
-    (`s3://` URIs on an object store)."""
-    storage = open_storage(data_dir)
-    return sorted(storage.duckdb_path(p) for p in committed_parts(storage, table, shard))
-
-
-def parquet_source(
-    con: duckdb.DuckDBPyConnection,
-    data_dir: str | Path | Storage,
-    table: str,
-    schema: pa.Schema,
-    shard: str | None = None,
-    row_position: bool = False,
-) -> str:
-    """A FROM clause over the table's files, or over an empty table of its schema when there are none yet.
-    `row_position` adds `filename` and `file_row_number`: a row's stable identity across queries."""
-    storage = open_storage(data_dir)
-    files = parquet_files(storage, table, shard)
-    if row_position:
-        schema = schema.append(pa.field("filename", pa.string())).append(pa.field("file_row_number", pa.int64()))
-    empty = f"_empty_{table}"
-    con.register(empty, schema.empty_table())
-    if not files:
-        return empty
-    storage.attach(con)
-    name = f"_files_{table}"
-    con.execute(f"SET VARIABLE {name} = $files", {"files": files})
-    position = ", filename = true, file_row_number = true" if row_position else ""
-    # parts written before a column existed (turn, policy_cap, ...) read it as null: union_by_name when some part
-    # has it, the schema's empty table (BY NAME) when none does, as in a data dir older than the column
-    return (
-        f"(SELECT * FROM read_parquet(getvariable('{name}'), hive_partitioning = false, union_by_name = true"
-        f"{position}) UNION ALL BY NAME SELECT * FROM {empty})"
-    )
 
 
 def open_quality_db(

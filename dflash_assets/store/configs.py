@@ -9,13 +9,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import pyarrow as pa
-
 from dflash_assets.rules import CUT_AT_CAP_SQL, cut_inside_window_sql, latest_first, outcomes_sql, row_window_sql
 from dflash_assets.settings import SAMPLING_PARAMS, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
-from dflash_assets.store.stores import committed_parts
+from dflash_assets.store.stores import parquet_files, parquet_source
 
 # what a config is: the settings its rows record (the same for every row of one config_hash)
 SETTINGS = ("model", *SAMPLING_PARAMS, "parent_config_hash", "thinking_share", "mode_seed")
@@ -158,25 +156,19 @@ def _when(t: datetime | None) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%S") if t else "-"  # UTC, as created_at
 
 
-def _read(storage: Storage, table: str, schema: pa.Schema, columns: list[str]) -> pa.Table:
-    """Every committed part of a table, only `columns` (parts older than a column read it as null)."""
-    parts = committed_parts(storage, table)
-    if not parts:
-        return pa.schema([schema.field(c) for c in columns]).empty_table()
-    return storage.dataset(parts, schema=schema).to_table(columns=columns)
-
-
 def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettings().max_length) -> list[Config]:
     """Every config with committed rows, the latest (most recently written) first; `max_length` is the trainer's
     window the cut rows are judged against."""
     storage = open_storage(data_dir)
-    with connect_duckdb() as con:
-        con.register("completions", _read(storage, "completions", COMPLETION_SCHEMA, ROW_COLUMNS))
-        con.register(
-            "rejects", _read(storage, "rejects", REJECT_SCHEMA, ["shard", "stage", "prompt_id", "config_hash"])
-        )
-        con.register("failures", _read(storage, "failures", FAILURE_SCHEMA, ["shard", "prompt_id", "config_hash"]))
-        con.register("prompts", _read(storage, "prompt_shards", PROMPT_SCHEMA, ["shard", "prompt_id"]))
+    with connect_duckdb() as con:  # DuckDB reads the columns it needs from the files (not an Arrow table of them)
+        for view, table, schema, columns in (
+            ("completions", "completions", COMPLETION_SCHEMA, ROW_COLUMNS),
+            ("rejects", "rejects", REJECT_SCHEMA, ["shard", "stage", "prompt_id", "config_hash"]),
+            ("failures", "failures", FAILURE_SCHEMA, ["shard", "prompt_id", "config_hash"]),
+            ("prompts", "prompt_shards", PROMPT_SCHEMA, ["shard", "prompt_id"]),
+        ):
+            src = parquet_source(con, storage, table, schema)
+            con.execute(f"CREATE TEMP VIEW {view} AS SELECT {', '.join(columns)} FROM {src}")
         configs = con.execute(
             f"""SELECT config_hash, max(coalesce(policy_cap, max_output_tokens)) AS cap,
                 CASE WHEN bool_or(policy_cap IS NOT NULL) THEN 'window' ELSE 'fixed' END AS cap_policy,
@@ -222,17 +214,13 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
 def latest_order(data_dir: str | Path | Storage, shard: str | None = None) -> list[tuple[str, int]]:
     """(config_hash, cap) of every config with rows (in `shard`, or anywhere), the latest first: what `latest`
     picks from. Reads three small columns."""
-    storage = open_storage(data_dir)
-    parts = committed_parts(storage, "completions", shard)
-    if not parts:
+    if not parquet_files(data_dir, "completions", shard):
         return []
-    written = storage.dataset(parts, schema=COMPLETION_SCHEMA).to_table(
-        columns=["config_hash", "created_at", "max_output_tokens", "policy_cap"]
-    )
     with connect_duckdb() as con:
-        con.register("written", written)
+        written = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
         rows = con.execute(
-            "SELECT config_hash, max(created_at), max(coalesce(policy_cap, max_output_tokens)) FROM written GROUP BY 1"
+            f"SELECT config_hash, max(created_at), max(coalesce(policy_cap, max_output_tokens)) FROM {written} "
+            "GROUP BY 1"
         ).fetchall()
     return [(h, cap) for h, _, cap in latest_first(rows)]
 

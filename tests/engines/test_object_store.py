@@ -23,11 +23,10 @@ from dflash_assets.fleet.fleet import on_fleet
 from dflash_assets.generation.shards import build_prompt_shard
 from dflash_assets.quality import export_training_set, length_quality, run_checks
 from dflash_assets.quality.planning.planner import plan_caps
-from dflash_assets.quality.tables import parquet_files, parquet_source
 from dflash_assets.store.parts import COVERS_KEY
 from dflash_assets.store.schema import COMPLETION_SCHEMA
 from dflash_assets.store.storage import S3Storage, lock_dir, open_storage
-from dflash_assets.store.stores import completion_store
+from dflash_assets.store.stores import completion_store, parquet_files, parquet_source
 from tests.support.shards import SETTINGS, generate, write_prompts
 from tests.support.shards import cont as continued
 

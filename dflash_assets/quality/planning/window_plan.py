@@ -21,10 +21,11 @@ from dflash_assets.generation.turns import split_turns
 from dflash_assets.quality.outcome import num, pct
 from dflash_assets.quality.planning.estimate import Lengths, PlanOptions
 from dflash_assets.quality.planning.fit import TailFit
-from dflash_assets.quality.tables import one, open_quality_db, parquet_source
+from dflash_assets.quality.tables import one, open_quality_db
 from dflash_assets.rules import percentile
 from dflash_assets.settings import GenerationSettings, RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import PROMPT_SCHEMA
+from dflash_assets.store.stores import parquet_source
 
 GRID = 256  # points of the numerical integral of the tail, per row
 

@@ -12,10 +12,11 @@ from dflash_assets.quality.planning.estimate import CapPlan, predict
 from dflash_assets.quality.planning.fit import Distinct
 from dflash_assets.quality.planning.probe_estimates import ProbePrecision
 from dflash_assets.quality.report.cap_plan import hours_text, tokens_text
-from dflash_assets.quality.tables import one, parquet_source
+from dflash_assets.quality.tables import one
 from dflash_assets.rules import CONTEXT_MARGIN
 from dflash_assets.store.schema import PROMPT_SCHEMA
 from dflash_assets.store.storage import connect_duckdb
+from dflash_assets.store.stores import parquet_source
 
 
 def prompt_count(data_dir: str | Path) -> int:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_assets.generation.shards import reason_kind
-from dflash_assets.quality.tables import parquet_source
 from dflash_assets.store.schema import REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, connect_duckdb
+from dflash_assets.store.stores import parquet_source
 
 FIRST = 5  # the rejects shown one by one
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_assets.quality.tables import parquet_source
 from dflash_assets.store.schema import COMPLETION_SCHEMA, PROMPT_SCHEMA
 from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
+from dflash_assets.store.stores import parquet_source
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,6 @@ from dflash_assets.quality.report.rejects import read_rejects
 from dflash_assets.quality.tables import (
     COMPLETION_FLAGS,
     one,
-    parquet_files,
-    parquet_source,
     register_runaway,
     runaway_sql,
     window_flags_sql,
@@ -61,6 +59,7 @@ from dflash_assets.rules import OVERFLOW_SQL, STOPPED_EARLY_SQL, fills_window_sq
 from dflash_assets.settings import RunawaySettings, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import connect_duckdb, is_uri, open_storage, release_memory
+from dflash_assets.store.stores import parquet_files, parquet_source
 
 # A row is excluded for the first reason that applies, in this order.
 EXCLUSION_REASONS = (
