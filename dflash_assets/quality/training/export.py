@@ -94,7 +94,7 @@ SPILL_DIR = ".export_spill"  # DuckDB spills past its memory limit here, in out_
 MODE_NAMES = {True: "thinking", False: "no_thinking"}  # a row's enable_thinking, as the manifest names it
 
 GRADE = """
-CREATE TEMP TABLE graded AS
+CREATE TABLE graded AS
 WITH c AS (
     SELECT file_index, file_row_number, shard, prompt_id, config_hash, turn, turns, source, max_output_tokens, config_cap,
         prompt_tokens, completion_tokens, created_at, window_complete, judged_window, enable_thinking, diverged,
@@ -466,6 +466,8 @@ def export_training_set(data_dir: str | Path, out_dir: str | Path, **options: An
     paths, tmps = _outputs(request)
     try:
         with connect_duckdb(request.out / SPILL_DIR) as con:
+            con.execute(f"ATTACH ':memory:' AS {GRADED_DB} (COMPRESS)")
+            con.execute(f"USE {GRADED_DB}")
             storage = open_storage(request.data_dir)  # one filesystem for both tables
             chosen = _grade(con, storage, request)
             done, sides, manifest = _write_and_count(con, storage, request, chosen, tmps)
@@ -519,11 +521,16 @@ def _outputs(request: ExportRequest) -> tuple[dict[str, Path], dict[str, Path]]:
     return paths, {name: out / f".{name}.tmp" for name in paths}
 
 
+# graded and the prompts live in a compressed database of their own, compressed at its CHECKPOINT after grading:
+# every later query reads them there (a million graded rows held DuckDB at its memory limit as temp tables)
+GRADED_DB = "graded_rows"
+
+
 def _grade(con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest) -> Chosen:
-    """The temp tables every later step reads (`graded`: each completion row with its exclusion reason), and the
+    """The tables every later step reads (`graded`: each completion row with its exclusion reason), and the
     form and template the config's rows decide."""
     prompts = parquet_source(con, storage, "prompt_shards", PROMPT_SCHEMA)
-    con.execute(f"CREATE TEMP TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
+    con.execute(f"CREATE TABLE prompts AS SELECT DISTINCT shard, prompt_id FROM {prompts}")
     con.create_function("history_think_marker", _history_think_marker, ["VARCHAR"], "BOOLEAN")
     con.execute("CREATE TEMP TABLE history_markers (shard VARCHAR, prompt_id VARCHAR)")
     for shard in _shards(con, "prompts"):  # a shard's messages at a time
@@ -560,6 +567,7 @@ def _grade(con: duckdb.DuckDBPyConnection, storage: Any, request: ExportRequest)
             "token_ids": not FORM[form].rendered,
         },
     )
+    con.execute(f"CHECKPOINT {GRADED_DB}")
     return Chosen(form, form_chosen, template, template_chosen, all_turns, model)
 
 
