@@ -1,4 +1,5 @@
-"""Each shard's stores in the data dir: prompts, completions, rejects (by stage) and failures, each a PartStore."""
+"""Each shard's stores in the data dir: prompts, completions, rejects (by stage) and failures, each a PartStore; and
+the committed parts of a table as DuckDB reads them (parquet_files, parquet_source)."""
 
 from collections.abc import Iterator
 from pathlib import Path, PurePath, PurePosixPath
