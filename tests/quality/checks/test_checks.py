@@ -2,6 +2,8 @@
 
 from collections import Counter, defaultdict
 
+import pytest
+
 from dflash_assets.rules import cut_inside_window, overflows
 from dflash_assets.settings import QualitySettings, TrainerSettings
 from tests.support.quality_data import blank, check, config_of, load, nearest_rank, pct
@@ -218,3 +220,16 @@ def test_max_length_overflow_share_follows_the_trainer_max_length(defects_dir):
         assert outcome.metadata["over_max_length_rate"] == len(over) / len(rows)
         assert outcome.passed == (len(over) / len(rows) <= 0.05)
         assert f"exceed the trainer's window max_length {max_length:,}" in outcome.summary_md
+
+
+def test_no_check_asked_for_gives_no_outcome_and_reads_nothing(defects_dir, tmp_path):
+    from dflash_assets.quality import run_checks
+
+    unreadable = tmp_path / "data" / "completions" / "shard=00000"
+    unreadable.mkdir(parents=True)
+    (unreadable / "part-00000000000000000001-1-aaaaaa.parquet").write_bytes(b"not parquet")
+    with pytest.raises(ValueError, match="is not a readable Parquet file"):  # a check reads the part
+        run_checks(tmp_path / "data", names=["duplicates"])
+    assert run_checks(tmp_path / "data", names=[]) == []  # none asked for: nothing is read
+    assert run_checks(defects_dir, names=[]) == []
+    assert [o.name for o in run_checks(defects_dir, names=["duplicates"])] == ["duplicates"]
