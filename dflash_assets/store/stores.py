@@ -158,7 +158,10 @@ def _columns(storage: Storage, part: PurePath) -> tuple[str, ...]:
     if (columns := _COLUMNS.get(name)) is None:
         if len(_COLUMNS) >= COLUMNS_KEPT:
             _COLUMNS.clear()
-        columns = _COLUMNS[name] = tuple(storage.parquet_file(part).schema_arrow.names)
+        try:
+            columns = _COLUMNS[name] = tuple(storage.parquet_file(part).schema_arrow.names)
+        except (pa.ArrowException, OSError) as e:  # a part written by hand, or cut short outside our writers
+            raise ValueError(f"{name} is not a readable Parquet file: {e}") from e
     return columns
 
 
