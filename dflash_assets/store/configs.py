@@ -13,7 +13,7 @@ from dflash_assets.rules import CUT_AT_CAP_SQL, cut_inside_window_sql, latest_fi
 from dflash_assets.settings import SAMPLING_PARAMS, TrainerSettings
 from dflash_assets.store.schema import COMPLETION_SCHEMA, FAILURE_SCHEMA, PROMPT_SCHEMA, REJECT_SCHEMA
 from dflash_assets.store.storage import Storage, connect_duckdb, open_storage
-from dflash_assets.store.stores import parquet_files, parquet_source
+from dflash_assets.store.stores import committed_parts, parquet_source
 
 # what a config is: the settings its rows record (the same for every row of one config_hash)
 SETTINGS = ("model", *SAMPLING_PARAMS, "parent_config_hash", "thinking_share", "mode_seed")
@@ -214,10 +214,11 @@ def list_configs(data_dir: str | Path | Storage, max_length: int = TrainerSettin
 def latest_order(data_dir: str | Path | Storage, shard: str | None = None) -> list[tuple[str, int]]:
     """(config_hash, cap) of every config with rows (in `shard`, or anywhere), the latest first: what `latest`
     picks from. Reads three small columns."""
-    if not parquet_files(data_dir, "completions", shard):
-        return []
+    storage = open_storage(data_dir)
+    if not (parts := committed_parts(storage, "completions", shard)):
+        return []  # listed once: no DuckDB for a data dir without rows
     with connect_duckdb() as con:
-        written = parquet_source(con, data_dir, "completions", COMPLETION_SCHEMA, shard)
+        written = parquet_source(con, storage, "completions", COMPLETION_SCHEMA, parts=parts)
         rows = con.execute(
             f"SELECT config_hash, max(created_at), max(coalesce(policy_cap, max_output_tokens)) FROM {written} "
             "GROUP BY 1"
