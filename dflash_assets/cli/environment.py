@@ -93,10 +93,8 @@ def _set_up_instance(home: Path) -> None:
     if not PROJECT_DAGSTER_YAML.is_file() or any(home.iterdir()):
         return  # an instance already there keeps its own settings; an installed wheel has no project file
     (home / "dagster.yaml").write_text(PROJECT_DAGSTER_YAML.read_text())
-    print(
-        f"DAGSTER_HOME={home} was empty: wrote the project's dagster.yaml there (telemetry off, the run queue, "
-        f"the fleet's concurrency pool)"
-    )
+    print(f"DAGSTER_HOME={home} was empty: wrote the project's dagster.yaml there")
+    print("    (telemetry off, the run queue, the fleet's concurrency pool)")
 
 
 def _readable_source(path: Path, given_by: str) -> None:
