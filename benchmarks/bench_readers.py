@@ -7,8 +7,8 @@ its rise over the reader's start and CPU seconds, in one fresh process, one read
 
 The readers are those of the run's end: the checks, the report and its histogram, the configs' table, the prompts
 by source, the cap plan, the window plan, length quality, the answer (cap_answers), the latest order and the export
-(of the latest config, to a temporary folder). RSS is sampled every 5 ms; before each reader the freed memory goes
-back to the OS (release_memory), so each starts from the same floor.
+(of the latest config, to a temporary folder). The peak is the kernel's (highwater.py); before each reader the freed
+memory goes back to the OS (release_memory), so each starts from the same floor.
 """
 
 from __future__ import annotations
@@ -17,32 +17,20 @@ import argparse
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import highwater
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 T = TypeVar("T")
 
 
-class Peak:
-    """The process's RSS, and the largest sampled since the last reset."""
-
-    def __init__(self) -> None:
-        self.statm = open("/proc/self/statm", "rb")  # noqa: SIM115 - read for the life of the process
-        self.peak = 0
-        threading.Thread(target=self._sample, daemon=True).start()
-
-    def rss(self) -> int:
-        self.statm.seek(0)
-        return int(self.statm.read().split()[1]) * PAGE
-
-    def _sample(self) -> None:
-        while True:
-            self.peak = max(self.peak, self.rss())
-            time.sleep(0.005)
+def rss() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * PAGE
 
 
 def main() -> None:
@@ -63,7 +51,7 @@ def main() -> None:
     from dflash_assets.store.configs import latest_order, list_configs
     from dflash_assets.store.storage import release_memory
 
-    q, rss = QualitySettings(), Peak()
+    q = QualitySettings()
     config = latest_order(data)[0][0]
     out = Path(tempfile.mkdtemp(prefix="bench-readers-"))
     trainer = q.trainer
@@ -71,11 +59,10 @@ def main() -> None:
     def run(name: str, reader: Callable[[], T]) -> T:
         release_memory()
         time.sleep(0.05)
-        start, cpu = rss.rss(), time.process_time()
-        rss.peak = 0
+        start, cpu = rss(), time.process_time()
+        highwater.reset()
         result = reader()
-        time.sleep(0.05)
-        peak = max(rss.peak, rss.rss())
+        peak = highwater.peak()  # the kernel's: a sampling thread misses a peak inside a call that holds the GIL
         print(
             f"  {name:<26}{peak / 2**20:>6.0f} MB (+{(peak - start) / 2**20:.0f}){time.process_time() - cpu:>8.1f} CPU-s",
             flush=True,

@@ -44,13 +44,15 @@ from collections import defaultdict
 from contextlib import ExitStack
 from pathlib import Path
 
+import highwater
+
 STAGES = ("prompt shards", "plan", "send", "commit", "checks", "report", "export", "other")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class Stages:
     """Process CPU charged to the stage on top of a stack (windows exclusive of one another), and the largest RSS
-    sampled while each stage was on top."""
+    while each stage was on top: the kernel's peak since the last switch (highwater.py), and what a thread samples."""
 
     def __init__(self) -> None:
         self.cpu: dict[str, float] = defaultdict(float)
@@ -66,7 +68,8 @@ class Stages:
         now, top = time.process_time(), self.stack[-1]
         self.cpu[top] += now - self.mark
         self.mark = now
-        self.peak[top] = max(self.peak[top], self.rss())
+        self.peak[top] = max(self.peak[top], self.rss(), highwater.peak())  # the kernel's: even under the GIL
+        highwater.reset()
 
     def enter(self, stage: str) -> None:
         with self.lock:
