@@ -211,7 +211,9 @@ class Figure:
     name: str
     unit: str  # "turn rows" or "conversations"
     definition: str
-    sql: str  # a boolean over a row of the quality tables' `completions` (turn rows), or the count (conversations)
+    # a boolean over a row of the quality tables' `completions` (turn rows), or over a conversation's rows, grouped by
+    # (shard, prompt_id) (conversations)
+    sql: str
 
 
 FIGURES = (
@@ -255,8 +257,7 @@ FIGURES = (
         "a conversation (regenerate all_turns) with no row of its last assistant turn: a turn cut at or past the "
         "window or a history that fills it ends it for the trainer (kept up to that turn), and calls without source "
         "results, a turn refused or failed end it too (left out: not whole)",
-        "count(DISTINCT (shard, prompt_id)) FILTER (WHERE turns IS NOT NULL) "
-        "- count(DISTINCT (shard, prompt_id)) FILTER (WHERE turn >= turns)",
+        "bool_or(turns IS NOT NULL) AND NOT coalesce(bool_or(turn >= turns), false)",
     ),
 )
 FIGURE = {f.name: f for f in FIGURES}

@@ -75,15 +75,21 @@ class TurnsCost:
         )
 
 
+# by prompt first, then summed: DuckDB spills a grouped aggregate past its memory limit, but holds a DISTINCT over
+# every row whole
 TURNS_COST = """
 WITH r AS (
     SELECT c.prompt_id, c.turn, c.completion_tokens, coalesce(m.user_turns, 1) AS user_turns
     FROM completions c LEFT JOIN multi_turn m USING (prompt_id) WHERE c.completion_tokens IS NOT NULL
+), p AS (
+    SELECT count(*) AS rows, sum(completion_tokens) AS decoded, bool_or(turn IS NOT NULL) AS numbered,
+        bool_or(turn = user_turns) AS has_last, sum(completion_tokens) FILTER (WHERE turn = user_turns) AS last,
+        sum(greatest(user_turns - 1, 0)) AS earlier
+    FROM r GROUP BY prompt_id
 )
-SELECT count(*), sum(completion_tokens), count(DISTINCT prompt_id), bool_or(turn IS NOT NULL),
-    count(DISTINCT prompt_id) FILTER (WHERE turn = user_turns), sum(completion_tokens) FILTER (WHERE turn = user_turns),
-    sum(greatest(user_turns - 1, 0))
-FROM r
+SELECT coalesce(sum(rows), 0), sum(decoded), count(*), bool_or(numbered), count(*) FILTER (WHERE has_last), sum(last),
+    sum(earlier)
+FROM p
 """
 
 

@@ -109,6 +109,26 @@ def test_length_quality_of_an_empty_data_dir(tmp_path):
     assert report["by_config"] == []
 
 
+def test_the_report_of_a_hundred_thousand_rows_fits_duckdb_held_to_16_mb(tmp_path, monkeypatch):
+    """Conversations are counted per conversation first, not by DISTINCT over every row, which DuckDB holds whole: the
+    report's three of them ran out of 16 MB at 100,000 rows."""
+    rows = []
+    for s in range(4):
+        ps = [prompt(f"s{s}", i, 100, "code") for i in range(25_000)]
+        write(tmp_path, "prompt_shards", f"s{s}", ps)
+        shard = [completion(p, CONFIG_A, 50 + i % 3000, turn=1 + i % 2, turns=2) for i, p in enumerate(ps)]
+        write(tmp_path, "completions", f"s{s}", shard)
+        rows += shard
+    monkeypatch.setenv("DFLASH_DUCKDB_MEMORY_LIMIT", "16MB")
+    report = length_quality(tmp_path)
+    # every prompt is a conversation of two turns; those whose row is turn 1 have no row of their last turn
+    assert (report["conversations"], report["shortened_conversations"]) == (100_000, 50_000)
+    assert stats_of(report) == expected_stats(rows)
+    assert [(s["shard"], s["conversations"], s["shortened_conversations"]) for s in report["by_shard"]] == [
+        (f"s{s}", 25_000, 12_500) for s in range(4)
+    ]
+
+
 def test_histogram_png_is_written_and_embedded_as_markdown(defects_dir, tmp_path):
     path = completion_histogram_png(defects_dir, tmp_path / "plots" / "lengths.png")
     assert path == tmp_path / "plots" / "lengths.png"
