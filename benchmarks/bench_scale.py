@@ -9,10 +9,11 @@
 The source is bench_repeats.py's (prompts of 10-400 words, 5% exact and 5% near repeats of earlier lines), the
 servers `--servers` emulators in attach mode (SGLang 0.5.23's emulator, instant decode, answers of median 200 tokens
 unless `--emulator-args` says otherwise), shards of `--shard-size`, cap `--max-output-tokens`. Each run is a fresh `dflash backfill` process (a
-fresh instance and data dir) whose CPU and peak RSS are its own and its children's (os.wait4), the emulators apart.
-Inside it, the stages are timed where the code enters them (process CPU, the windows exclusive of one another;
-commits made in a worker thread while requests are in flight are moved from send to commit by their thread's CPU)
-and a thread samples the RSS every 20 ms for the stage running then:
+fresh instance and data dir) whose CPU is its own and its children's (os.wait4), the emulators apart, and whose peak
+RSS is its own. Inside it, the stages are timed where the code enters them (process CPU, the windows exclusive of one
+another; commits made in a worker thread while requests are in flight are moved from send to commit by their thread's
+CPU), and each stage's peak RSS is the kernel's high-water mark, read and reset when another stage starts
+(highwater.py):
 
   prompt shards   the source read, its repeats found, prompts validated and counted by /v1/tokenize, shards written
   plan            what is left of each shard and the preflight
@@ -277,7 +278,9 @@ def backfill(tmp: Path, src: Path, n: int, urls: list[str], a: argparse.Namespac
     stages = json.loads((run / "stages.json").read_text())
     cpu = usage.ru_utime + usage.ru_stime
     stages["cpu"]["other"] = cpu - sum(v for k, v in stages["cpu"].items() if k != "other")  # the rest of the tree
-    figures = {"n": n, "cpu": cpu, "wall": wall, "rss_mb": usage.ru_maxrss / 1024, **verified(run, n)}
+    # the process's own peak: the largest of its stages' (its ru_maxrss is that of the last stage only, highwater.py)
+    peak = max(stages["peak"].values()) / 2**20
+    figures = {"n": n, "cpu": cpu, "wall": wall, "rss_mb": peak, **verified(run, n)}
     figures |= {"stage_cpu": stages["cpu"], "stage_peak": stages["peak"], "failed_with": failed}
     print(f"  {json.dumps(figures)}", flush=True)  # every figure of the run, as measured
     if not a.keep:

@@ -13,5 +13,6 @@ def peak() -> int:
 
 
 def reset() -> None:
-    """From now on `peak` is the largest resident set from here on."""
+    """From now on `peak` is the largest resident set from here on (and so is the process's ru_maxrss, which the
+    kernel takes from the same mark)."""
     Path("/proc/self/clear_refs").write_text("5")
