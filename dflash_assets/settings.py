@@ -692,8 +692,9 @@ class Deployment:
     PROMPTS = EnvSetting("DFLASH_PROMPTS", str(DEMO_PROMPTS))
     SHARD_SIZE = EnvSetting("DFLASH_SHARD_SIZE", "100")
     SHARDS_PER_RUN = EnvSetting("DFLASH_SHARDS_PER_RUN", "8")
-    # DuckDB's memory in a reader of every row (checks, reports, export): past it, its tables spill to disk
-    DUCKDB_MEMORY_LIMIT = EnvSetting("DFLASH_DUCKDB_MEMORY_LIMIT", "128MB")
+    # DuckDB's memory in a reader of every row (checks, reports, export): past it, its tables spill to disk (a
+    # million rows fill 128 MB; each reader then grows by what it is given)
+    DUCKDB_MEMORY_LIMIT = EnvSetting("DFLASH_DUCKDB_MEMORY_LIMIT", "64MB")
     # its threads there: each holds its own buffers of the text it reads, and the fleet, not DuckDB, sets the pace
     DUCKDB_THREADS = EnvSetting("DFLASH_DUCKDB_THREADS", "1")
     RETRY_DELAY_S = EnvSetting("DFLASH_RETRY_DELAY_S", "10")  # a failed generating step's first retry waits this
