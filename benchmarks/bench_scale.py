@@ -35,6 +35,7 @@ import inspect
 import json
 import os
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -105,7 +106,9 @@ class Stages:
     def figures(self) -> dict:
         with self.lock:
             self._switch()
-        return {"cpu": dict(self.cpu), "peak": dict(self.peak)}
+        # the processes it started and waited for: a child's peak counts the memory it shared with this one
+        children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        return {"cpu": dict(self.cpu), "peak": dict(self.peak), "children_peak": children}
 
 
 def heap() -> str:
@@ -282,6 +285,7 @@ def backfill(tmp: Path, src: Path, n: int, urls: list[str], a: argparse.Namespac
     peak = max(stages["peak"].values()) / 2**20
     figures = {"n": n, "cpu": cpu, "wall": wall, "rss_mb": peak, **verified(run, n)}
     figures |= {"stage_cpu": stages["cpu"], "stage_peak": stages["peak"], "failed_with": failed}
+    figures["children_rss_mb"] = stages["children_peak"] / 2**20
     print(f"  {json.dumps(figures)}", flush=True)  # every figure of the run, as measured
     if not a.keep:
         subprocess.run(["rm", "-rf", str(run)], check=True)
@@ -303,7 +307,7 @@ def table(n: int, runs: list[dict]) -> None:
     for r in runs:
         print(
             f"  run: {r['cpu']:.1f} CPU-s, {r['cpu'] / r['rows'] * 1e3:.3f} ms a completion, {r['wall']:.0f} s wall, "
-            f"peak RSS {r['rss_mb']:.0f} MB; rows {r['rows']:,} once, rejected {r['rejected']:,}, "
+            f"peak RSS {r['rss_mb']:.0f} MB (of its children {r['children_rss_mb']:.0f}); rows {r['rows']:,} once, rejected {r['rejected']:,}, "
             f"failed {r['failed']:,}" + (f"; THE BACKFILL FAILED: {r['failed_with']}" if r["failed_with"] else "")
         )
 
